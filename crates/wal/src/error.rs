@@ -1,0 +1,94 @@
+//! The log's errors. Each variant is one thing a caller can act on differently.
+
+use std::io;
+use std::path::PathBuf;
+
+use crate::format::{FrameProblem, HeaderProblem};
+
+/// Where in the log a problem is: a file and a byte position in it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Location {
+    pub file: PathBuf,
+    pub position: u64,
+}
+
+impl std::fmt::Display for Location {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} at byte {}", self.file.display(), self.position)
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum WalError {
+    /// The append would take the log past its `max_bytes`. Nothing was written and
+    /// nothing was evicted; retry after the owner released space.
+    #[error("log is full: {used_bytes} of {max_bytes} bytes used, the append needs {needed_bytes}")]
+    Full { used_bytes: u64, max_bytes: u64, needed_bytes: u64 },
+
+    #[error("record of {len} bytes exceeds the limit of {max} bytes")]
+    RecordTooLarge { len: usize, max: u32 },
+
+    #[error("an append needs at least one record")]
+    EmptyBatch,
+
+    #[error("offsets exhausted: the log cannot assign {needed} more offsets after {next}")]
+    OffsetsExhausted { next: u64, needed: u64 },
+
+    /// The offset was released and its segment may be gone.
+    #[error("offset {offset} was released; the log starts at {start}")]
+    Released { offset: u64, start: u64 },
+
+    #[error("offset {offset} is beyond the end of the log ({end})")]
+    BeyondEnd { offset: u64, end: u64 },
+
+    #[error("log directory {0} is locked by another writer")]
+    Locked(PathBuf),
+
+    #[error("{0} holds no log (no segment files)")]
+    NotALog(PathBuf),
+
+    #[error("log is open read-only")]
+    ReadOnly,
+
+    #[error("log is closed")]
+    Closed,
+
+    /// A write or sync failed and the log could not return to a state it can vouch for.
+    /// Nothing more will be appended through this handle; reopen the log.
+    #[error("log stopped accepting appends after a storage failure it could not undo: {0}")]
+    Poisoned(String),
+
+    #[error("{location}: bad segment header: {problem}")]
+    BadSegmentHeader { location: Location, problem: HeaderProblem },
+
+    /// Damage to bytes that were durable: never repaired silently.
+    #[error("{location}: corrupt record: {problem}")]
+    Corrupt { location: Location, problem: FrameProblem },
+
+    /// A segment is missing or does not continue its predecessor.
+    #[error("{location}: offsets do not continue: expected {expected}, found {found}")]
+    Gap { location: Location, expected: u64, found: u64 },
+
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+
+    #[error("invalid options: {0}")]
+    InvalidOptions(String),
+}
+
+impl WalError {
+    pub(crate) fn io(path: impl Into<PathBuf>, source: io::Error) -> WalError {
+        WalError::Io { path: path.into(), source }
+    }
+
+    /// True for damage that only an operator can deal with (salvage, restore).
+    pub fn is_corruption(&self) -> bool {
+        matches!(self, WalError::BadSegmentHeader { .. } | WalError::Corrupt { .. } | WalError::Gap { .. })
+    }
+}
+
+pub type Result<T, E = WalError> = std::result::Result<T, E>;

@@ -1,0 +1,266 @@
+//! A write-ahead log of opaque records: checksummed, group-committed, crash-proven.
+//!
+//! The log stores byte strings ("records") under dense `u64` offsets in a directory of
+//! segment files, and proves what it stored. It knows nothing of HTTP or Iggy.
+//!
+//! ```text
+//!  append(batch) ──▶ queue ──▶ writer thread: one write + one fdatasync per group ──▶ segments
+//!                                   │ publishes durable watermark
+//!  Reader::read ◀── durable bytes only ◀───────────────────────────────────────────┘
+//!  release_below(offset) ──▶ writer thread deletes whole segments below it
+//! ```
+//!
+//! # Invariants (each tested in `tests/`, named after the theme it proves)
+//!
+//! 1. **Resolved means durable.** Under [`SyncPolicy::Always`] an append's future resolves
+//!    `Ok` only after the bytes holding every record of the batch were written and
+//!    `fdatasync`ed (and, for a new segment, the segment and its directory entry too).
+//! 2. **Batches are atomic.** After any crash, either every record of an appended batch
+//!    is in the log or none is.
+//! 3. **Offsets are dense and never reused.** Offsets increase by one per record, across
+//!    segments, restarts and releases; an offset a reader ever saw, or an append ever
+//!    reported durable, never names another record.
+//! 4. **Readers see only synced bytes**, in offset order, each checksum checked.
+//! 5. **Nothing is evicted.** A full log fails appends with [`WalError::Full`]; only
+//!    [`Wal::release_below`] frees space, and only below the offset its owner names.
+//! 6. **Recovery is exact.** A torn tail is cut away and reported; damage to bytes that
+//!    were durable is an error naming file and byte position, never silently repaired.
+//! 7. **A storage error leaves the log consistent.** A failed write or sync fails the
+//!    appends it carried and cuts the segment back to its durable length; a failed sync is
+//!    never treated as covered by a later one. The log reopens with everything that was
+//!    acknowledged before the fault.
+//!
+//! All I/O goes through [`storage::Storage`], so the simulated disk in
+//! [`storage::SimStorage`] (feature `sim`) can crash it at any operation.
+
+pub mod error;
+pub mod format;
+pub mod inspect;
+pub mod options;
+mod reader;
+mod recovery;
+mod scan;
+mod shared;
+pub mod storage;
+mod writer;
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+
+use bytes::Bytes;
+use tokio::sync::{Semaphore, oneshot};
+
+pub use error::{Location, Result, WalError};
+pub use options::{RecoveryMode, SyncPolicy, WalOptions};
+pub use reader::{Reader, Record};
+pub use recovery::{OpenReport, SalvageReport};
+use shared::Shared;
+use storage::{FsStorage, Storage};
+use writer::Command;
+
+/// The writer's lock file inside a log directory.
+pub const LOCK_FILE: &str = "wal.lock";
+/// Present only after a clean close, until the next writable open.
+pub const CLEAN_MARKER_FILE: &str = "clean-shutdown";
+/// Where a salvage moves damaged segment files.
+pub const DAMAGED_DIR: &str = "damaged";
+
+/// Where an appended batch landed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Appended {
+    pub first_offset: u64,
+    pub last_offset: u64,
+}
+
+/// What a release did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Released {
+    /// The log's start offset after the release.
+    pub start: u64,
+    pub segments_deleted: usize,
+    pub bytes_freed: u64,
+}
+
+/// A point-in-time view of the log's size and positions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WalStats {
+    pub start_offset: u64,
+    /// The offset after the last durable record.
+    pub next_offset: u64,
+    pub segments: usize,
+    pub used_bytes: u64,
+    pub max_bytes: u64,
+}
+
+struct WriterHandle {
+    tx: Mutex<Option<mpsc::Sender<Command>>>,
+    slots: Arc<Semaphore>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+/// An open log. Share it behind an `Arc`; every method takes `&self`.
+pub struct Wal {
+    shared: Arc<Shared>,
+    writer: Option<WriterHandle>,
+    report: OpenReport,
+}
+
+impl std::fmt::Debug for Wal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Wal").field("dir", &self.shared.dir).field("read_only", &self.writer.is_none()).finish()
+    }
+}
+
+impl Wal {
+    /// Opens (creating if needed) the log in `dir` on the real file system for writing.
+    pub fn open(dir: impl AsRef<Path>, options: WalOptions) -> Result<Wal> {
+        Wal::open_with(Arc::new(FsStorage), dir.as_ref(), options)
+    }
+
+    /// Opens the log for writing on any storage.
+    pub fn open_with(storage: Arc<dyn Storage>, dir: &Path, options: WalOptions) -> Result<Wal> {
+        let opened = recovery::open(storage, dir, &options, false)?;
+        let writer = opened.writer.ok_or(WalError::ReadOnly)?;
+        let (tx, rx) = mpsc::channel();
+        let thread = std::thread::Builder::new()
+            .name("wal-writer".into())
+            .spawn(move || writer.run(rx))
+            .map_err(|e| WalError::io(dir, e))?;
+        Ok(Wal {
+            shared: opened.shared,
+            writer: Some(WriterHandle {
+                tx: Mutex::new(Some(tx)),
+                slots: Arc::new(Semaphore::new(options.queue_max_appends)),
+                thread: Mutex::new(Some(thread)),
+            }),
+            report: opened.report,
+        })
+    }
+
+    /// Opens an existing log read-only: no lock, no recovery writes. A torn tail is
+    /// hidden, not cut. Works beside a running writer (it sees the log as of opening).
+    pub fn open_read_only(dir: impl AsRef<Path>) -> Result<Wal> {
+        Wal::open_read_only_with(Arc::new(FsStorage), dir.as_ref())
+    }
+
+    pub fn open_read_only_with(storage: Arc<dyn Storage>, dir: &Path) -> Result<Wal> {
+        let options = WalOptions { max_bytes: u64::MAX, ..WalOptions::default() };
+        let opened = recovery::open(storage, dir, &options, true)?;
+        Ok(Wal { shared: opened.shared, writer: None, report: opened.report })
+    }
+
+    /// What opening found and did.
+    pub fn open_report(&self) -> &OpenReport {
+        &self.report
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.shared.dir
+    }
+
+    /// Appends `records` as one atomic batch. Resolves with the batch's offsets once it
+    /// is durable (see [`SyncPolicy`]). Fails fast with [`WalError::Full`] when the log
+    /// lacks room, with nothing written.
+    pub async fn append(&self, records: Vec<Bytes>) -> Result<Appended> {
+        let writer = self.writer.as_ref().ok_or(WalError::ReadOnly)?;
+        if records.is_empty() {
+            return Err(WalError::EmptyBatch);
+        }
+        let max = self.shared.record_max_bytes;
+        if let Some(r) = records.iter().find(|r| r.len() > max as usize) {
+            return Err(WalError::RecordTooLarge { len: r.len(), max });
+        }
+        let frame_bytes = writer::frame_bytes(&records);
+        if frame_bytes > self.shared.max_bytes {
+            let used = self.shared.used_bytes.load(Ordering::Acquire);
+            return Err(WalError::Full { used_bytes: used, max_bytes: self.shared.max_bytes, needed_bytes: frame_bytes });
+        }
+        // Checksums are computed here, on the appending task, not on the writer thread.
+        let crcs = records.iter().map(|r| crc32fast::hash(r)).collect();
+        let permit = writer.slots.clone().acquire_owned().await.map_err(|_| WalError::Closed)?;
+        let (reply, rx) = oneshot::channel();
+        let cmd = Command::Append { records, crcs, frame_bytes, reply, _permit: permit };
+        writer.send(cmd)?;
+        rx.await.map_err(|_| WalError::Closed)?
+    }
+
+    /// Declares every record below `offset` delivered. Whole segments below it are
+    /// deleted; readers of offsets below the new start get [`WalError::Released`]. The
+    /// start is not persisted: after a reopen the log starts at its first retained
+    /// segment, and the owner releases again from its own durable cursors.
+    pub async fn release_below(&self, offset: u64) -> Result<Released> {
+        let writer = self.writer.as_ref().ok_or(WalError::ReadOnly)?;
+        let (reply, rx) = oneshot::channel();
+        writer.send(Command::Release { below: offset, reply })?;
+        rx.await.map_err(|_| WalError::Closed)?
+    }
+
+    /// Makes everything durable, writes the clean-shutdown marker and stops the writer.
+    /// Appends after this fail with [`WalError::Closed`].
+    pub async fn close(&self) -> Result<()> {
+        let writer = self.writer.as_ref().ok_or(WalError::ReadOnly)?;
+        let (reply, rx) = oneshot::channel();
+        writer.send(Command::Close { reply })?;
+        let result = rx.await.map_err(|_| WalError::Closed)?;
+        writer.shutdown();
+        result
+    }
+
+    /// A reader positioned at `from`.
+    pub fn reader(&self, from: u64) -> Result<Reader> {
+        Reader::new(self.shared.clone(), from)
+    }
+
+    pub fn stats(&self) -> WalStats {
+        WalStats {
+            start_offset: self.shared.start(),
+            next_offset: self.shared.durable_next(),
+            segments: self.shared.segments().len(),
+            used_bytes: self.shared.used_bytes.load(Ordering::Acquire),
+            max_bytes: self.shared.max_bytes,
+        }
+    }
+
+    /// The first offset readers may ask for.
+    pub fn start_offset(&self) -> u64 {
+        self.shared.start()
+    }
+
+    /// The offset after the last durable record.
+    pub fn next_offset(&self) -> u64 {
+        self.shared.durable_next()
+    }
+
+    /// Paths of the segment files, oldest first.
+    pub fn segment_paths(&self) -> Vec<PathBuf> {
+        self.shared.segments().iter().map(|s| s.path.clone()).collect()
+    }
+}
+
+impl WriterHandle {
+    fn send(&self, cmd: Command) -> Result<()> {
+        let tx = self.tx.lock().unwrap_or_else(|p| p.into_inner());
+        tx.as_ref().ok_or(WalError::Closed)?.send(cmd).map_err(|_| WalError::Closed)
+    }
+
+    /// Disconnects the queue and waits for the writer thread to finish what it holds.
+    fn shutdown(&self) {
+        self.tx.lock().unwrap_or_else(|p| p.into_inner()).take();
+        self.slots.close();
+        let thread = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(t) = thread {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for Wal {
+    fn drop(&mut self) {
+        if let Some(w) = &self.writer {
+            w.shutdown();
+        }
+    }
+}

@@ -1,0 +1,103 @@
+//! How a log is opened: sizes, limits, sync policy, recovery mode.
+
+use std::time::Duration;
+
+use crate::error::{Result, WalError};
+use crate::format::{FRAME_HEADER_LEN, OFFSET_MAX, RECORD_MAX_BYTES, SEGMENT_HEADER_LEN};
+
+/// When an append's bytes are made durable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SyncPolicy {
+    /// Every append resolves only after the bytes holding it were written and
+    /// `fdatasync`ed. Concurrent appends share one write and one sync. The only policy
+    /// under which a resolved append survives a power loss.
+    Always,
+    /// Appends resolve once written to the operating system; the log syncs at most this
+    /// long after the first unsynced write. A process crash loses nothing (the kernel
+    /// holds the bytes); a power loss or kernel crash loses up to this window of resolved
+    /// appends. Readers still see only synced records.
+    Interval(Duration),
+}
+
+/// What opening does about damage to durable bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RecoveryMode {
+    /// Damage anywhere but a torn tail is an error naming the file and byte position.
+    Strict,
+    /// Keep the valid prefix of the log up to the first damage, move every later segment
+    /// file into `damaged/` (kept for the operator, never deleted), and continue with
+    /// offsets past any the damaged part could have held, so no offset is ever reused.
+    Salvage,
+}
+
+#[derive(Debug, Clone)]
+pub struct WalOptions {
+    /// A segment is sealed and a new one started once the next write would take it past
+    /// this size. A single batch larger than this gets a segment of its own.
+    pub segment_max_bytes: u64,
+    /// The total size of all segment files the log may hold. An append that would pass
+    /// it fails with [`WalError::Full`]; nothing is ever evicted to make room.
+    pub max_bytes: u64,
+    /// The largest record accepted, at most [`RECORD_MAX_BYTES`].
+    pub record_max_bytes: u32,
+    pub sync: SyncPolicy,
+    pub recovery: RecoveryMode,
+    /// The offset of the first record of a brand-new log directory. Ignored when the
+    /// directory already holds a log.
+    pub initial_offset: u64,
+    /// How many appends may wait for the writer at once; more wait for a slot. Bounds
+    /// the memory held by queued appends.
+    pub queue_max_appends: usize,
+    /// The writer writes at most this many bytes of queued appends per write and sync
+    /// (a single larger batch is written alone). Bounds the write buffer.
+    pub group_max_bytes: usize,
+}
+
+impl Default for WalOptions {
+    fn default() -> Self {
+        WalOptions {
+            segment_max_bytes: 64 * 1024 * 1024,
+            max_bytes: 8 * 1024 * 1024 * 1024,
+            record_max_bytes: RECORD_MAX_BYTES,
+            sync: SyncPolicy::Always,
+            recovery: RecoveryMode::Strict,
+            initial_offset: 0,
+            queue_max_appends: 16 * 1024,
+            group_max_bytes: 16 * 1024 * 1024,
+        }
+    }
+}
+
+impl WalOptions {
+    pub(crate) fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(WalError::InvalidOptions(m));
+        let min_segment = SEGMENT_HEADER_LEN + 2 * FRAME_HEADER_LEN;
+        if self.segment_max_bytes < min_segment {
+            return bad(format!("segment_max_bytes must be at least {min_segment}"));
+        }
+        if self.max_bytes < 2 * self.segment_max_bytes {
+            return bad(format!(
+                "max_bytes ({}) must be at least twice segment_max_bytes ({}): space is freed a whole segment at a time",
+                self.max_bytes, self.segment_max_bytes
+            ));
+        }
+        if self.record_max_bytes == 0 || self.record_max_bytes > RECORD_MAX_BYTES {
+            return bad(format!("record_max_bytes must be between 1 and {RECORD_MAX_BYTES}"));
+        }
+        if self.initial_offset > OFFSET_MAX {
+            return bad(format!("initial_offset must be at most {OFFSET_MAX}"));
+        }
+        if self.queue_max_appends == 0 {
+            return bad("queue_max_appends must be at least 1".into());
+        }
+        if self.group_max_bytes == 0 {
+            return bad("group_max_bytes must be at least 1".into());
+        }
+        if let SyncPolicy::Interval(d) = self.sync
+            && (d.is_zero() || d > Duration::from_secs(60))
+        {
+            return bad("sync interval must be between 1 ms and 60 s".into());
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,220 @@
+//! Readers: sequential, batched reads from any retained offset, and tailing.
+//!
+//! Invariants:
+//! - A reader returns only records below the log's durable watermark, read only from
+//!   bytes below their segment's durable length: nothing unsynced is ever returned.
+//! - Records come back in offset order with no gaps; every header and payload checksum
+//!   is checked on the way (damage is an error naming file and byte position).
+//! - A batch holds at most `max_records` records and, unless its first record alone is
+//!   larger, at most `max_bytes` payload bytes.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use bytes::Bytes;
+use tokio::sync::watch;
+
+use crate::error::{Location, Result, WalError};
+use crate::format::{FRAME_HEADER_LEN, FrameHeader, FrameProblem, SEGMENT_HEADER_LEN};
+use crate::shared::{SegmentRef, Shared};
+use crate::storage::read_up_to_at;
+
+const READ_CHUNK_BYTES: usize = 256 * 1024;
+
+/// One record and its offset.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Record {
+    pub offset: u64,
+    pub payload: Bytes,
+}
+
+struct Cursor {
+    seg: Arc<SegmentRef>,
+    /// Byte position of the frame holding `Reader::next`.
+    pos: u64,
+    buf: Vec<u8>,
+    buf_pos: u64,
+}
+
+/// Reads the log from an offset onwards.
+pub struct Reader {
+    shared: Arc<Shared>,
+    next: u64,
+    cursor: Option<Cursor>,
+    durable: watch::Receiver<u64>,
+}
+
+impl std::fmt::Debug for Reader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Reader").field("next", &self.next).finish()
+    }
+}
+
+impl Reader {
+    pub(crate) fn new(shared: Arc<Shared>, from: u64) -> Result<Reader> {
+        let durable = shared.durable_next.subscribe();
+        let end = *durable.borrow();
+        if from > end {
+            return Err(WalError::BeyondEnd { offset: from, end });
+        }
+        let r = Reader { shared, next: from, cursor: None, durable };
+        r.check_retained()?;
+        Ok(r)
+    }
+
+    /// The offset of the next record this reader returns.
+    pub fn position(&self) -> u64 {
+        self.next
+    }
+
+    fn check_retained(&self) -> Result<()> {
+        let start = self.shared.start();
+        if self.next < start {
+            return Err(WalError::Released { offset: self.next, start });
+        }
+        Ok(())
+    }
+
+    /// Returns the durable records available now from the reader's position (possibly
+    /// none), and moves past them.
+    pub fn try_read(&mut self, max_records: usize, max_bytes: usize) -> Result<Vec<Record>> {
+        self.check_retained()?;
+        let end = *self.durable.borrow_and_update();
+        let mut out = Vec::new();
+        let mut bytes = 0usize;
+        while self.next < end && out.len() < max_records {
+            let record = self.read_one()?;
+            bytes += record.payload.len();
+            out.push(record);
+            if bytes >= max_bytes {
+                break;
+            }
+            if let Some(r) = self.peek_len()?
+                && bytes + r > max_bytes
+            {
+                break;
+            }
+        }
+        Ok(out)
+    }
+
+    /// Like [`Reader::try_read`], but waits for at least one record. Fails with
+    /// [`WalError::Closed`] once the log is closed and everything durable was read.
+    pub async fn read(&mut self, max_records: usize, max_bytes: usize) -> Result<Vec<Record>> {
+        loop {
+            let batch = self.try_read(max_records, max_bytes)?;
+            if !batch.is_empty() {
+                return Ok(batch);
+            }
+            if self.durable.changed().await.is_err() {
+                let last = self.try_read(max_records, max_bytes)?;
+                if last.is_empty() {
+                    return Err(WalError::Closed);
+                }
+                return Ok(last);
+            }
+        }
+    }
+
+    /// Positions the cursor on the frame holding `self.next`, crossing seals (and, after
+    /// a salvage, the offset gap a seal may be followed by).
+    fn position_cursor(&mut self) -> Result<&mut Cursor> {
+        if self.cursor.is_none() {
+            let seg = self.shared.segment_for(self.next).ok_or(WalError::Released {
+                offset: self.next,
+                start: self.shared.start(),
+            })?;
+            let mut c = Cursor { seg, pos: SEGMENT_HEADER_LEN, buf: Vec::new(), buf_pos: 0 };
+            let mut offset = c.seg.base;
+            while offset < self.next {
+                let h = frame_header(&mut c)?;
+                if h.is_seal() {
+                    return Err(corrupt(&c, FrameProblem::UnexpectedOffset { expected: self.next, found: h.offset }));
+                }
+                if h.offset != offset {
+                    return Err(corrupt(&c, FrameProblem::UnexpectedOffset { expected: offset, found: h.offset }));
+                }
+                c.pos += h.frame_len();
+                offset += 1;
+            }
+            self.cursor = Some(c);
+        }
+        loop {
+            let c = self.cursor.as_mut().ok_or(WalError::Closed)?;
+            let h = frame_header(c)?;
+            if !h.is_seal() {
+                break;
+            }
+            let next = self.shared.segment_after(c.seg.base).ok_or_else(|| WalError::Gap {
+                location: Location { file: c.seg.path.clone(), position: c.pos },
+                expected: h.offset,
+                found: h.offset,
+            })?;
+            if h.offset != self.next {
+                return Err(corrupt(c, FrameProblem::UnexpectedOffset { expected: self.next, found: h.offset }));
+            }
+            self.next = next.base;
+            *c = Cursor { seg: next, pos: SEGMENT_HEADER_LEN, buf: Vec::new(), buf_pos: 0 };
+        }
+        self.cursor.as_mut().ok_or(WalError::Closed)
+    }
+
+    fn read_one(&mut self) -> Result<Record> {
+        self.position_cursor()?;
+        let expected = self.next;
+        let c = self.cursor.as_mut().ok_or(WalError::Closed)?;
+        let h = frame_header(c)?;
+        if h.offset != expected {
+            let problem = FrameProblem::UnexpectedOffset { expected, found: h.offset };
+            return Err(corrupt(c, problem));
+        }
+        let payload_pos = c.pos + FRAME_HEADER_LEN;
+        let payload = Bytes::copy_from_slice(bytes_at(c, payload_pos, h.payload_len as usize)?);
+        h.check_payload(&payload).map_err(|p| corrupt(c, p))?;
+        c.pos += h.frame_len();
+        self.next += 1;
+        Ok(Record { offset: expected, payload })
+    }
+
+    /// The payload length of the next record, if it is durable already.
+    fn peek_len(&mut self) -> Result<Option<usize>> {
+        if self.next >= *self.durable.borrow() {
+            return Ok(None);
+        }
+        let c = self.position_cursor()?;
+        Ok(Some(frame_header(c)?.payload_len as usize))
+    }
+}
+
+fn corrupt(c: &Cursor, problem: FrameProblem) -> WalError {
+    WalError::Corrupt { location: Location { file: c.seg.path.clone(), position: c.pos }, problem }
+}
+
+fn frame_header(c: &mut Cursor) -> Result<FrameHeader> {
+    let pos = c.pos;
+    let b = bytes_at(c, pos, FRAME_HEADER_LEN as usize)?;
+    FrameHeader::decode(b).map_err(|p| corrupt(c, p))
+}
+
+/// `n` durable bytes at `pos` of the cursor's segment, through its read buffer.
+fn bytes_at(c: &mut Cursor, pos: u64, n: usize) -> Result<&[u8]> {
+    let cached = pos >= c.buf_pos && pos + n as u64 <= c.buf_pos + c.buf.len() as u64;
+    if !cached {
+        // Load the durable length first: the bytes below it were synced before it was
+        // published, so everything read up to it is final.
+        let durable = c.seg.durable_len.load(Ordering::Acquire);
+        if pos + n as u64 > durable {
+            return Err(corrupt(c, FrameProblem::Truncated));
+        }
+        let want = n.max(READ_CHUNK_BYTES).min((durable - pos) as usize);
+        c.buf.resize(want, 0);
+        let got = read_up_to_at(&*c.seg.file, &mut c.buf, pos).map_err(|e| WalError::io(&c.seg.path, e))?;
+        c.buf.truncate(got);
+        c.buf_pos = pos;
+        if got < n {
+            return Err(corrupt(c, FrameProblem::Truncated));
+        }
+    }
+    let at = (pos - c.buf_pos) as usize;
+    Ok(&c.buf[at..at + n])
+}

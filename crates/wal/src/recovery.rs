@@ -1,0 +1,400 @@
+//! Opening a log directory: lock, validate, recover the tail, salvage on request.
+//!
+//! Invariants:
+//! - Every segment header is checked; every segment with a successor must end in a seal
+//!   whose offset is its successor's base (or, after a salvage, at most that base).
+//! - The tail segment is scanned unless a checked clean-shutdown marker vouches for its
+//!   exact length. A damaged frame in the tail is a torn write (cut away, reported) only
+//!   if no later frame proves the damaged bytes were already durable; otherwise it is
+//!   damage to acknowledged data and an error naming file and byte position.
+//! - A writable open removes the clean-shutdown marker, durably, before any append.
+//! - A read-only open takes no lock and changes nothing.
+//! - Salvage never deletes: damaged files are moved to `damaged/`, and the log resumes
+//!   past every offset the damaged bytes could have held.
+
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use crate::error::{Location, Result, WalError};
+use crate::format::{
+    CleanMarker, FRAME_HEADER_LEN, FrameHeader, HeaderProblem, SEGMENT_FLAG_GAP_BEFORE, SEGMENT_HEADER_LEN,
+    SegmentHeader, parse_segment_file_name,
+};
+use crate::options::{RecoveryMode, WalOptions};
+use crate::scan::{find_proof_of_durable_damage, read_seal, scan_segment};
+use crate::shared::{SegmentRef, Shared};
+use crate::storage::{OpenMode, Storage, StorageFile, read_exact_at};
+use crate::writer::{Writer, create_segment, create_segment_with};
+use crate::{CLEAN_MARKER_FILE, DAMAGED_DIR, LOCK_FILE};
+
+/// What opening found and did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct OpenReport {
+    /// The last writer closed the log cleanly and the tail scan was skipped.
+    pub clean_shutdown: bool,
+    pub segments: usize,
+    pub start_offset: u64,
+    pub next_offset: u64,
+    /// Bytes of torn tail cut away (a write that never completed its sync).
+    pub truncated_bytes: u64,
+    /// Where the torn tail began.
+    pub torn_at: Option<Location>,
+    /// Whole records of a batch whose closing record was lost, cut with the torn tail.
+    pub dropped_partial_batch_records: u64,
+    /// Leftover temporary files of an interrupted segment creation, removed.
+    pub removed_temp_files: Vec<String>,
+    pub salvage: Option<SalvageReport>,
+}
+
+/// What a salvage kept, moved and skipped.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SalvageReport {
+    /// The damage that made the salvage necessary.
+    pub damage: String,
+    /// The offset after the last record kept in place.
+    pub kept_until_offset: u64,
+    /// Files moved into `damaged/`.
+    pub moved_files: Vec<PathBuf>,
+    /// The offset the log resumes at; offsets in between are never used.
+    pub resumed_at_offset: u64,
+}
+
+pub(crate) struct Opened {
+    pub shared: Arc<Shared>,
+    pub writer: Option<Writer>,
+    pub report: OpenReport,
+}
+
+struct Loaded {
+    base: u64,
+    path: PathBuf,
+    file: Arc<dyn StorageFile>,
+    len: u64,
+    header: SegmentHeader,
+}
+
+fn io_err(path: &Path) -> impl Fn(io::Error) -> WalError + '_ {
+    move |e| WalError::io(path, e)
+}
+
+pub(crate) fn open(storage: Arc<dyn Storage>, dir: &Path, opts: &WalOptions, read_only: bool) -> Result<Opened> {
+    opts.validate()?;
+    let dir = dir.to_path_buf();
+    let lock = if read_only {
+        None
+    } else {
+        storage.create_dir_all(&dir).map_err(io_err(&dir))?;
+        match storage.try_lock(&dir.join(LOCK_FILE)) {
+            Ok(g) => Some(g),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Err(WalError::Locked(dir)),
+            Err(e) => return Err(WalError::io(dir.join(LOCK_FILE), e)),
+        }
+    };
+    let mut report = OpenReport::default();
+    let names = match storage.list_dir(&dir) {
+        Err(e) if read_only && e.kind() == io::ErrorKind::NotFound => return Err(WalError::NotALog(dir)),
+        r => r.map_err(io_err(&dir))?,
+    };
+    if !read_only {
+        for n in names.iter().filter(|n| n.ends_with(".tmp")) {
+            storage.remove_file(&dir.join(n)).map_err(io_err(&dir.join(n)))?;
+            report.removed_temp_files.push(n.clone());
+        }
+        if !report.removed_temp_files.is_empty() {
+            storage.sync_dir(&dir).map_err(io_err(&dir))?;
+        }
+    }
+    let mut bases: Vec<u64> = names.iter().filter_map(|n| parse_segment_file_name(n)).collect();
+    bases.sort_unstable();
+    let has_marker = names.iter().any(|n| n == CLEAN_MARKER_FILE);
+    let marker = if has_marker { read_marker(&*storage, &dir.join(CLEAN_MARKER_FILE))? } else { None };
+
+    if bases.is_empty() {
+        if read_only {
+            return Err(WalError::NotALog(dir));
+        }
+        if has_marker {
+            remove_durably(&*storage, &dir, CLEAN_MARKER_FILE)?;
+        }
+        let seg = create_segment(&*storage, &dir, opts.initial_offset, 0)?;
+        return Ok(finish(storage, dir, opts, vec![seg], opts.initial_offset, lock, report));
+    }
+
+    let mut loaded = Vec::with_capacity(bases.len());
+    let mut damage: Option<(usize, WalError)> = None;
+    for (i, &base) in bases.iter().enumerate() {
+        let path = dir.join(crate::format::segment_file_name(base));
+        let writable = !read_only && i == bases.len() - 1;
+        let mode = if writable { OpenMode::ReadWrite } else { OpenMode::Read };
+        let file = storage.open(&path, mode).map_err(io_err(&path))?;
+        let len = file.len().map_err(io_err(&path))?;
+        match read_header(&*file, &path, base, len) {
+            Ok(header) => loaded.push(Loaded { base, path, file, len, header }),
+            Err(e) => {
+                damage = Some((i, e));
+                // Keep the file so a salvage can move it; its header is not trusted.
+                loaded.push(Loaded { base, path, file, len, header: SegmentHeader { base_offset: base, flags: 0 } });
+                for &b in &bases[i + 1..] {
+                    let path = dir.join(crate::format::segment_file_name(b));
+                    let file = storage.open(&path, OpenMode::Read).map_err(io_err(&path))?;
+                    let len = file.len().map_err(io_err(&path))?;
+                    loaded.push(Loaded { base: b, path, file, len, header: SegmentHeader { base_offset: b, flags: 0 } });
+                }
+                break;
+            }
+        }
+    }
+    // Every segment with a successor must be sealed at the successor's base.
+    if damage.is_none() {
+        for i in 0..loaded.len() - 1 {
+            let (seg, next) = (&loaded[i], &loaded[i + 1]);
+            let checked = read_seal(&*seg.file, &seg.path, seg.len).and_then(|seal| {
+                let gap_allowed = next.header.flags & SEGMENT_FLAG_GAP_BEFORE != 0;
+                if seal == next.base || (gap_allowed && seal < next.base) {
+                    Ok(())
+                } else {
+                    Err(WalError::Gap {
+                        location: Location { file: next.path.clone(), position: 0 },
+                        expected: seal,
+                        found: next.base,
+                    })
+                }
+            });
+            if let Err(e) = checked {
+                damage = Some((i, e));
+                break;
+            }
+        }
+    }
+
+    // The tail: trust a matching clean marker, otherwise scan.
+    let mut next_offset = 0;
+    let mut tail_sealed = false;
+    if damage.is_none() {
+        let tail_index = loaded.len() - 1;
+        let tail = loaded.last_mut().ok_or_else(|| WalError::NotALog(dir.clone()))?;
+        match marker {
+            Some(m) if m.tail_base == tail.base && m.tail_len == tail.len => {
+                report.clean_shutdown = true;
+                next_offset = m.next_offset;
+                tail_sealed = m.tail_sealed;
+            }
+            _ => {
+                let out = scan_segment(&*tail.file, &tail.path, tail.base, tail.len, &mut |_| {})?;
+                if let Some((pos, problem)) = out.stop {
+                    match find_proof_of_durable_damage(&*tail.file, &tail.path, tail.len, pos)? {
+                        Some(_) => {
+                            let location = Location { file: tail.path.clone(), position: pos };
+                            damage = Some((tail_index, WalError::Corrupt { location, problem }));
+                        }
+                        None => {
+                            report.torn_at = Some(Location { file: tail.path.clone(), position: pos });
+                        }
+                    }
+                }
+                if damage.is_none() {
+                    next_offset = out.sealed.unwrap_or(out.next_offset);
+                    tail_sealed = out.sealed.is_some();
+                    if tail.len > out.valid_end {
+                        report.truncated_bytes = tail.len - out.valid_end;
+                        report.dropped_partial_batch_records = out.partial_batch_records;
+                        if report.torn_at.is_none() {
+                            report.torn_at = Some(Location { file: tail.path.clone(), position: out.valid_end });
+                        }
+                        if !read_only {
+                            tail.file.set_len(out.valid_end).map_err(io_err(&tail.path))?;
+                            tail.file.sync_data().map_err(io_err(&tail.path))?;
+                        }
+                        tail.len = out.valid_end;
+                        tracing::warn!(
+                            segment = %tail.path.display(),
+                            bytes = report.truncated_bytes,
+                            records = report.dropped_partial_batch_records,
+                            "cut a torn tail left by an interrupted write"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    if let Some((i, e)) = damage {
+        if read_only || opts.recovery == RecoveryMode::Strict {
+            return Err(e);
+        }
+        let (kept, resume, salvage) = salvage(&*storage, &dir, loaded, i, &e)?;
+        tracing::error!(damage = %e, resumed_at = resume, "salvaged a damaged log");
+        loaded = kept;
+        next_offset = resume;
+        tail_sealed = true;
+        report.salvage = Some(salvage);
+    }
+
+    if has_marker && !read_only {
+        remove_durably(&*storage, &dir, CLEAN_MARKER_FILE)?;
+    }
+
+    let count = loaded.len();
+    let mut segs: Vec<Arc<SegmentRef>> = loaded
+        .into_iter()
+        .enumerate()
+        .map(|(i, l)| {
+            let sealed = i + 1 < count || tail_sealed;
+            Arc::new(SegmentRef { base: l.base, path: l.path, file: l.file, durable_len: l.len.into(), sealed: sealed.into() })
+        })
+        .collect();
+    if tail_sealed && !read_only {
+        let flags = if report.salvage.is_some() { SEGMENT_FLAG_GAP_BEFORE } else { 0 };
+        segs.push(create_segment(&*storage, &dir, next_offset, flags)?);
+    }
+    Ok(finish(storage, dir, opts, segs, next_offset, lock, report))
+}
+
+fn finish(
+    storage: Arc<dyn Storage>,
+    dir: PathBuf,
+    opts: &WalOptions,
+    segs: Vec<Arc<SegmentRef>>,
+    next_offset: u64,
+    lock: Option<Box<dyn Send + Sync>>,
+    mut report: OpenReport,
+) -> Opened {
+    let used: u64 = segs.iter().map(|s| s.durable_len.load(std::sync::atomic::Ordering::Relaxed)).sum();
+    let active = segs.last().cloned();
+    let shared = Arc::new(Shared::new(dir, storage, segs, next_offset, used, opts.max_bytes, opts.record_max_bytes));
+    report.segments = shared.segments().len();
+    report.start_offset = shared.start();
+    report.next_offset = next_offset;
+    metrics::gauge!("iggy_ingest_wal_segments").set(report.segments as f64);
+    metrics::gauge!("iggy_ingest_wal_used_bytes").set(used as f64);
+    metrics::gauge!("iggy_ingest_wal_capacity_bytes").set(opts.max_bytes as f64);
+    let writer = match (lock, active) {
+        (Some(lock), Some(active)) => {
+            let len = active.durable_len.load(std::sync::atomic::Ordering::Relaxed);
+            Some(Writer {
+                shared: shared.clone(),
+                active,
+                written_len: len,
+                durable_len: len,
+                next_offset,
+                segment_max_bytes: opts.segment_max_bytes,
+                group_max_bytes: opts.group_max_bytes,
+                sync: opts.sync,
+                poisoned: None,
+                unsynced_since: None,
+                buf: Vec::new(),
+                _lock: lock,
+            })
+        }
+        _ => None,
+    };
+    Opened { shared, writer, report }
+}
+
+fn read_header(file: &dyn StorageFile, path: &Path, base: u64, len: u64) -> Result<SegmentHeader> {
+    let location = Location { file: path.to_path_buf(), position: 0 };
+    if len < SEGMENT_HEADER_LEN {
+        return Err(WalError::BadSegmentHeader { location, problem: HeaderProblem::TooShort });
+    }
+    let mut b = [0u8; SEGMENT_HEADER_LEN as usize];
+    read_exact_at(file, &mut b, 0).map_err(io_err(path))?;
+    let h = SegmentHeader::decode(&b).map_err(|problem| WalError::BadSegmentHeader { location: location.clone(), problem })?;
+    if h.base_offset != base {
+        let problem = HeaderProblem::BaseMismatch { name: base, header: h.base_offset };
+        return Err(WalError::BadSegmentHeader { location, problem });
+    }
+    Ok(h)
+}
+
+fn read_marker(storage: &dyn Storage, path: &Path) -> Result<Option<CleanMarker>> {
+    let f = storage.open(path, OpenMode::Read).map_err(io_err(path))?;
+    let len = f.len().map_err(io_err(path))?;
+    if len != crate::format::CLEAN_MARKER_LEN as u64 {
+        return Ok(None);
+    }
+    let mut b = [0u8; crate::format::CLEAN_MARKER_LEN];
+    read_exact_at(&*f, &mut b, 0).map_err(io_err(path))?;
+    Ok(CleanMarker::decode(&b))
+}
+
+fn remove_durably(storage: &dyn Storage, dir: &Path, name: &str) -> Result<()> {
+    let path = dir.join(name);
+    storage.remove_file(&path).map_err(io_err(&path))?;
+    storage.sync_dir(dir).map_err(io_err(dir))
+}
+
+/// Keeps segments before `first_bad` and the valid prefix of `first_bad`, moves it and
+/// every later segment into `damaged/`, and returns the kept segments, the offset to
+/// resume at and the report.
+fn salvage(
+    storage: &dyn Storage,
+    dir: &Path,
+    mut loaded: Vec<Loaded>,
+    first_bad: usize,
+    damage: &WalError,
+) -> Result<(Vec<Loaded>, u64, SalvageReport)> {
+    let damaged: Vec<Loaded> = loaded.split_off(first_bad);
+    let bad = &damaged[0];
+    // The valid prefix of the first damaged segment (whole batches before the damage).
+    let header_ok = !matches!(damage, WalError::BadSegmentHeader { .. });
+    let prefix = if header_ok {
+        let out = scan_segment(&*bad.file, &bad.path, bad.base, bad.len, &mut |_| {})?;
+        Some(out)
+    } else {
+        None
+    };
+    let kept_until = match &prefix {
+        Some(out) => out.next_offset,
+        None => bad.base,
+    };
+    // No offset any damaged byte could hold is ever used again: every record takes at
+    // least one frame header, so a file of `len` bytes holds fewer than
+    // `(len - header) / FRAME_HEADER_LEN + 1` offsets past its base.
+    let mut resume = kept_until;
+    for d in &damaged {
+        let room = d.len.saturating_sub(SEGMENT_HEADER_LEN) / FRAME_HEADER_LEN + 1;
+        resume = resume.max(d.base.saturating_add(room));
+    }
+    let damaged_dir = dir.join(DAMAGED_DIR);
+    storage.create_dir_all(&damaged_dir).map_err(io_err(&damaged_dir))?;
+    let existing = storage.list_dir(&damaged_dir).map_err(io_err(&damaged_dir))?;
+    let mut moved = Vec::new();
+    for d in &damaged {
+        let name = d.path.file_name().and_then(|n| n.to_str()).unwrap_or("segment");
+        let mut target = name.to_string();
+        let mut k = 1;
+        while existing.contains(&target) {
+            target = format!("{name}.{k}");
+            k += 1;
+        }
+        let to = damaged_dir.join(&target);
+        storage.rename(&d.path, &to).map_err(io_err(&d.path))?;
+        moved.push(to);
+    }
+    storage.sync_dir(&damaged_dir).map_err(io_err(&damaged_dir))?;
+    storage.sync_dir(dir).map_err(io_err(dir))?;
+    // Put the valid prefix back as a sealed segment of its own.
+    if let Some(out) = prefix
+        && out.next_offset > bad.base
+    {
+        let mut bytes = vec![0u8; out.valid_end as usize];
+        read_exact_at(&*bad.file, &mut bytes, 0).map_err(io_err(&bad.path))?;
+        bytes.extend_from_slice(&FrameHeader::seal(out.next_offset, out.valid_end).encode());
+        let seg = create_segment_with(storage, dir, bad.base, &bytes)?;
+        loaded.push(Loaded {
+            base: bad.base,
+            path: seg.path.clone(),
+            file: seg.file.clone(),
+            len: bytes.len() as u64,
+            header: bad.header,
+        });
+    }
+    let report = SalvageReport {
+        damage: damage.to_string(),
+        kept_until_offset: kept_until,
+        moved_files: moved,
+        resumed_at_offset: resume,
+    };
+    Ok((loaded, resume, report))
+}

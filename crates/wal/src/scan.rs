@@ -1,0 +1,201 @@
+//! Sequential scanning of one segment file: the single place that walks frames on disk.
+//! Recovery, read-only opening, verification and salvage are all built on it.
+//!
+//! Invariants:
+//! - A frame is counted only if its header and payload checksums hold and its offset is
+//!   the next in sequence.
+//! - A batch counts only once its closing frame (`END_OF_BATCH`) checked: `valid_end` and
+//!   `next_offset` always describe whole batches.
+//! - A scan reads each byte at most once and holds at most one chunk (or one record, if
+//!   larger) in memory.
+
+use std::path::Path;
+
+use crate::error::{Location, Result, WalError};
+use crate::format::{FRAME_HEADER_LEN, FrameHeader, FrameProblem, SEGMENT_HEADER_LEN};
+use crate::storage::{StorageFile, read_up_to_at};
+
+const CHUNK_BYTES: usize = 1024 * 1024;
+
+/// A buffered sequential reader over a file of known length.
+pub(crate) struct ChunkReader<'a> {
+    file: &'a dyn StorageFile,
+    len: u64,
+    buf: Vec<u8>,
+    buf_pos: u64,
+}
+
+impl<'a> ChunkReader<'a> {
+    pub(crate) fn new(file: &'a dyn StorageFile, len: u64) -> ChunkReader<'a> {
+        ChunkReader { file, len, buf: Vec::new(), buf_pos: 0 }
+    }
+
+    /// The `n` bytes at `pos`, or `None` if the file ends first.
+    pub(crate) fn get(&mut self, pos: u64, n: usize) -> std::io::Result<Option<&[u8]>> {
+        if pos.checked_add(n as u64).is_none_or(|end| end > self.len) {
+            return Ok(None);
+        }
+        let have = pos >= self.buf_pos && pos + n as u64 <= self.buf_pos + self.buf.len() as u64;
+        if !have {
+            let want = n.max(CHUNK_BYTES).min((self.len - pos) as usize);
+            self.buf.resize(want, 0);
+            let got = read_up_to_at(self.file, &mut self.buf, pos)?;
+            self.buf.truncate(got);
+            self.buf_pos = pos;
+            if got < n {
+                return Ok(None);
+            }
+        }
+        let at = (pos - self.buf_pos) as usize;
+        Ok(Some(&self.buf[at..at + n]))
+    }
+}
+
+/// What a scan of one segment found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct ScanOutcome {
+    /// Records in whole batches.
+    pub records: u64,
+    /// Byte position just past the last whole batch (or the seal).
+    pub valid_end: u64,
+    /// The offset after the last record of the last whole batch.
+    pub next_offset: u64,
+    /// The seal's offset, if the segment ends in a valid seal.
+    pub sealed: Option<u64>,
+    /// The first frame that did not check, and why; `None` if the scan reached the end
+    /// of the file on a frame boundary.
+    pub stop: Option<(u64, FrameProblem)>,
+    /// Checked records after `valid_end` whose batch never closed.
+    pub partial_batch_records: u64,
+}
+
+/// Scans the segment whose first record is `base`, from its header to `len`, checking
+/// every frame. `on_progress` gets the byte position reached after each chunk's worth of
+/// frames.
+pub(crate) fn scan_segment(
+    file: &dyn StorageFile,
+    path: &Path,
+    base: u64,
+    len: u64,
+    on_progress: &mut dyn FnMut(u64),
+) -> Result<ScanOutcome> {
+    let io = |e| WalError::io(path, e);
+    let mut r = ChunkReader::new(file, len);
+    let mut pos = SEGMENT_HEADER_LEN;
+    let mut expected = base;
+    let mut out = ScanOutcome {
+        records: 0,
+        valid_end: SEGMENT_HEADER_LEN,
+        next_offset: base,
+        sealed: None,
+        stop: None,
+        partial_batch_records: 0,
+    };
+    // Records of the batch being read, counted once its closing frame checks.
+    let mut batch_records = 0u64;
+    let mut last_progress = pos;
+    while pos < len {
+        if out.sealed.is_some() {
+            out.stop = Some((pos, FrameProblem::DataAfterSeal));
+            break;
+        }
+        let header = match r.get(pos, FRAME_HEADER_LEN as usize).map_err(io)? {
+            None => {
+                out.stop = Some((pos, FrameProblem::Truncated));
+                break;
+            }
+            Some(b) => match FrameHeader::decode(b) {
+                Ok(h) => h,
+                Err(p) => {
+                    out.stop = Some((pos, p));
+                    break;
+                }
+            },
+        };
+        if header.offset != expected {
+            out.stop = Some((pos, FrameProblem::UnexpectedOffset { expected, found: header.offset }));
+            break;
+        }
+        if header.is_seal() {
+            if batch_records > 0 {
+                out.stop = Some((pos, FrameProblem::UnexpectedOffset { expected, found: header.offset }));
+                break;
+            }
+            pos += FRAME_HEADER_LEN;
+            out.sealed = Some(header.offset);
+            out.valid_end = pos;
+            continue;
+        }
+        let payload = match r.get(pos + FRAME_HEADER_LEN, header.payload_len as usize).map_err(io)? {
+            None => {
+                out.stop = Some((pos, FrameProblem::PayloadTruncated));
+                break;
+            }
+            Some(p) => p,
+        };
+        if let Err(p) = header.check_payload(payload) {
+            out.stop = Some((pos, p));
+            break;
+        }
+        batch_records += 1;
+        pos += header.frame_len();
+        expected += 1;
+        if header.ends_batch() {
+            batch_records = 0;
+            out.records += expected - out.next_offset;
+            out.next_offset = expected;
+            out.valid_end = pos;
+        }
+        if pos - last_progress >= CHUNK_BYTES as u64 {
+            on_progress(pos);
+            last_progress = pos;
+        }
+    }
+    out.partial_batch_records = batch_records;
+    on_progress(pos.min(len));
+    Ok(out)
+}
+
+/// Looks past a damaged spot at `damage_pos` for a frame that proves the damage hit bytes
+/// that were already durable: a checked frame whose `synced_len` lies beyond the damage
+/// (it was written when the segment was known durable past that point). Returns its
+/// position. Finding none means the damage is a torn write of the unsynced tail.
+pub(crate) fn find_proof_of_durable_damage(
+    file: &dyn StorageFile,
+    path: &Path,
+    len: u64,
+    damage_pos: u64,
+) -> Result<Option<u64>> {
+    let mut r = ChunkReader::new(file, len);
+    let mut p = damage_pos + 1;
+    while p + FRAME_HEADER_LEN <= len {
+        let b = r.get(p, FRAME_HEADER_LEN as usize).map_err(|e| WalError::io(path, e))?;
+        if let Some(b) = b
+            && let Ok(h) = FrameHeader::decode(b)
+            && h.synced_len > damage_pos
+            && h.synced_len <= p
+        {
+            return Ok(Some(p));
+        }
+        p += 1;
+    }
+    Ok(None)
+}
+
+/// Reads and checks the seal at the end of a sealed segment, returning its offset.
+pub(crate) fn read_seal(file: &dyn StorageFile, path: &Path, len: u64) -> Result<u64> {
+    let at = len.saturating_sub(FRAME_HEADER_LEN);
+    let location = Location { file: path.to_path_buf(), position: at };
+    if len < SEGMENT_HEADER_LEN + FRAME_HEADER_LEN {
+        return Err(WalError::Corrupt { location, problem: FrameProblem::Truncated });
+    }
+    let mut b = [0u8; FRAME_HEADER_LEN as usize];
+    crate::storage::read_exact_at(file, &mut b, at).map_err(|e| WalError::io(path, e))?;
+    match FrameHeader::decode(&b) {
+        Ok(h) if h.is_seal() => Ok(h.offset),
+        Ok(_) | Err(FrameProblem::BadHeaderChecksum) => {
+            Err(WalError::Corrupt { location, problem: FrameProblem::MissingSeal })
+        }
+        Err(problem) => Err(WalError::Corrupt { location, problem }),
+    }
+}

@@ -1,0 +1,97 @@
+//! State shared by the writer thread, readers and the handle: the segment table and the
+//! durable watermarks.
+//!
+//! Invariants:
+//! - Only the writer thread adds or removes segments and moves watermarks.
+//! - A segment's `durable_len` and the log's `durable_next` only grow, and are published
+//!   (Release) only after the sync that made those bytes durable succeeded; readers load
+//!   them (Acquire) before reading, so a reader never sees a byte that was not synced.
+//! - The table is ordered by base offset; bases strictly increase.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
+
+use tokio::sync::watch;
+
+use crate::storage::{Storage, StorageFile};
+
+#[derive(Debug)]
+pub(crate) struct SegmentRef {
+    pub base: u64,
+    pub path: PathBuf,
+    pub file: Arc<dyn StorageFile>,
+    /// Bytes of this file a reader may read.
+    pub durable_len: AtomicU64,
+    /// Set once the seal frame is durable.
+    pub sealed: AtomicBool,
+}
+
+#[derive(Debug)]
+pub(crate) struct Shared {
+    pub dir: PathBuf,
+    pub storage: Arc<dyn Storage>,
+    segments: RwLock<Vec<Arc<SegmentRef>>>,
+    /// The offset after the last durable record.
+    pub durable_next: watch::Sender<u64>,
+    /// Readers of offsets below this get `Released`.
+    pub start: AtomicU64,
+    /// Bytes held by all segment files.
+    pub used_bytes: AtomicU64,
+    pub max_bytes: u64,
+    pub record_max_bytes: u32,
+}
+
+impl Shared {
+    pub(crate) fn new(
+        dir: PathBuf,
+        storage: Arc<dyn Storage>,
+        segments: Vec<Arc<SegmentRef>>,
+        durable_next: u64,
+        used_bytes: u64,
+        max_bytes: u64,
+        record_max_bytes: u32,
+    ) -> Shared {
+        let start = segments.first().map_or(durable_next, |s| s.base);
+        Shared {
+            dir,
+            storage,
+            segments: RwLock::new(segments),
+            durable_next: watch::Sender::new(durable_next),
+            start: AtomicU64::new(start),
+            used_bytes: AtomicU64::new(used_bytes),
+            max_bytes,
+            record_max_bytes,
+        }
+    }
+
+    pub(crate) fn segments(&self) -> RwLockReadGuard<'_, Vec<Arc<SegmentRef>>> {
+        self.segments.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub(crate) fn segments_mut(&self) -> RwLockWriteGuard<'_, Vec<Arc<SegmentRef>>> {
+        self.segments.write().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The segment holding `offset` (the last whose base is at or below it).
+    pub(crate) fn segment_for(&self, offset: u64) -> Option<Arc<SegmentRef>> {
+        let segs = self.segments();
+        let i = segs.partition_point(|s| s.base <= offset);
+        if i == 0 { None } else { Some(segs[i - 1].clone()) }
+    }
+
+    /// The segment that follows the one starting at `base`.
+    pub(crate) fn segment_after(&self, base: u64) -> Option<Arc<SegmentRef>> {
+        let segs = self.segments();
+        let i = segs.partition_point(|s| s.base <= base);
+        segs.get(i).cloned()
+    }
+
+    pub(crate) fn durable_next(&self) -> u64 {
+        *self.durable_next.borrow()
+    }
+
+    pub(crate) fn start(&self) -> u64 {
+        self.start.load(Ordering::Acquire)
+    }
+}

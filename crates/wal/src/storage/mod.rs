@@ -1,0 +1,91 @@
+//! The storage layer: every byte the log reads or writes goes through [`Storage`].
+//!
+//! Two implementations: [`FsStorage`], the real file system, and (with the `sim` feature
+//! or in this crate's tests) [`SimStorage`], a simulated disk that keeps, per file, what
+//! was written and what was made durable, and can lose power, tear unsynced writes and
+//! fail any chosen operation. The log is written against the trait only, so every crash
+//! and fault the simulation can produce is one the log has been tested against.
+//!
+//! The contract the log relies on (and that the simulation enforces, see `sim.rs`):
+//! - `StorageFile::sync_data` makes the file's written bytes and length durable. Until
+//!   then a power loss may keep, drop, zero or garble any unsynced sector.
+//! - A directory entry (create, rename, remove) is durable only after `sync_dir` on its
+//!   directory; until then a power loss may undo it.
+//! - A failed `sync_data` says nothing about what is durable: the caller must not treat a
+//!   later successful sync as covering the earlier writes.
+
+mod fs;
+#[cfg(any(test, feature = "sim"))]
+pub mod sim;
+
+use std::fmt::Debug;
+use std::io;
+use std::path::Path;
+use std::sync::Arc;
+
+pub use fs::FsStorage;
+#[cfg(any(test, feature = "sim"))]
+pub use sim::{CrashMode, FaultOp, SimStorage};
+
+/// How a file is opened.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OpenMode {
+    /// Existing file, reads only.
+    Read,
+    /// Existing file, reads and writes.
+    ReadWrite,
+    /// A new file for reads and writes; fails if the name exists.
+    CreateNew,
+}
+
+/// A directory of files, as the log needs it.
+pub trait Storage: Send + Sync + Debug {
+    fn create_dir_all(&self, dir: &Path) -> io::Result<()>;
+    /// Names (not paths) of the plain files in `dir`, in no particular order.
+    fn list_dir(&self, dir: &Path) -> io::Result<Vec<String>>;
+    fn open(&self, path: &Path, mode: OpenMode) -> io::Result<Arc<dyn StorageFile>>;
+    fn rename(&self, from: &Path, to: &Path) -> io::Result<()>;
+    fn remove_file(&self, path: &Path) -> io::Result<()>;
+    /// Makes the creations, renames and removals of entries in `dir` durable.
+    fn sync_dir(&self, dir: &Path) -> io::Result<()>;
+    /// Takes an exclusive, advisory lock named by `path` without waiting; fails with
+    /// `ErrorKind::WouldBlock` while another holder has it. Dropping the guard releases it.
+    fn try_lock(&self, path: &Path) -> io::Result<Box<dyn Send + Sync>>;
+}
+
+/// One open file.
+pub trait StorageFile: Send + Sync + Debug {
+    /// Reads up to `buf.len()` bytes at `pos`; fewer only at the end of the file.
+    fn read_at(&self, buf: &mut [u8], pos: u64) -> io::Result<usize>;
+    fn write_all_at(&self, buf: &[u8], pos: u64) -> io::Result<()>;
+    /// `fdatasync`: the written bytes and the length become durable.
+    fn sync_data(&self) -> io::Result<()>;
+    fn len(&self) -> io::Result<u64>;
+    fn set_len(&self, len: u64) -> io::Result<()>;
+}
+
+/// Reads exactly `buf.len()` bytes at `pos`, or fails with `UnexpectedEof`.
+pub fn read_exact_at(file: &dyn StorageFile, mut buf: &mut [u8], mut pos: u64) -> io::Result<()> {
+    while !buf.is_empty() {
+        let n = file.read_at(buf, pos)?;
+        if n == 0 {
+            return Err(io::Error::from(io::ErrorKind::UnexpectedEof));
+        }
+        buf = &mut buf[n..];
+        pos += n as u64;
+    }
+    Ok(())
+}
+
+/// Reads as many bytes as exist at `pos`, up to `buf.len()`; returns how many.
+pub fn read_up_to_at(file: &dyn StorageFile, buf: &mut [u8], pos: u64) -> io::Result<usize> {
+    let mut done = 0;
+    while done < buf.len() {
+        let n = file.read_at(&mut buf[done..], pos + done as u64)?;
+        if n == 0 {
+            break;
+        }
+        done += n;
+    }
+    Ok(done)
+}

@@ -1,0 +1,658 @@
+//! A simulated disk for crash and fault testing.
+//!
+//! Per file it keeps two images: the bytes a reader sees now (`data`) and the bytes known
+//! durable (`durable`), which only `sync_data` updates. Per directory it keeps the
+//! entries visible now and the entries known durable, which only `sync_dir` updates.
+//! [`SimStorage::crash`] is a power loss: every open handle dies (its operations fail with
+//! `EIO` from then on), locks vanish, and each file and directory falls back to its
+//! durable image plus, in [`CrashMode::Adversarial`], any mix of what was pending:
+//! - each directory entry changed since the last `sync_dir` independently keeps its old
+//!   or its new state (a create may vanish, a remove or rename may be undone);
+//! - a file's length lands anywhere between its durable and its current length (in whole
+//!   512-byte sectors), and each unsynced sector independently holds the new bytes, the
+//!   old durable bytes, zeros or garbage: out of order, as a real disk's write-back is.
+//!
+//! Assumptions the simulation makes (and that `FORMAT.md` states for real disks): a
+//! successful `sync_data` makes everything written before it durable; directories made by
+//! `create_dir_all` are durable at once.
+//!
+//! A failed `sync_data` behaves like Linux after an `EIO` writeback error: the dirty
+//! pages are marked clean without reaching the disk, so a later successful sync does not
+//! cover them (the bytes in the lost range read back as zeros after a crash).
+//!
+//! Faults are injected by operation count ([`SimStorage::fail_nth`],
+//! [`SimStorage::crash_at_nth`]) or by a space limit ([`SimStorage::set_space_limit`]),
+//! so a test can reproduce any fault exactly.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use super::{OpenMode, Storage, StorageFile};
+
+/// Sector size used when tearing unsynced writes.
+pub const SECTOR_BYTES: usize = 512;
+
+/// Which operations a fault counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FaultOp {
+    Write,
+    Sync,
+    SyncDir,
+    /// Creating a file, renaming, removing, truncating: namespace and length changes.
+    Metadata,
+    /// Every mutating operation above.
+    AnyMutation,
+}
+
+/// What a power loss keeps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CrashMode {
+    /// Exactly the durable images.
+    LoseUnsynced,
+    /// The durable images plus an arbitrary, seeded mix of the pending changes.
+    Adversarial { seed: u64 },
+}
+
+#[derive(Debug)]
+enum Armed {
+    Fail { op: FaultOp, remaining: u64, kind: io::ErrorKind },
+    Crash { op: FaultOp, remaining: u64, mode: CrashMode },
+}
+
+#[derive(Debug, Default)]
+struct Inode {
+    data: Vec<u8>,
+    durable: Vec<u8>,
+    /// Lowest position changed since the last successful sync (`usize::MAX`: none).
+    dirty_from: usize,
+}
+
+#[derive(Debug, Default)]
+struct Dir {
+    names: BTreeMap<String, u64>,
+    durable: BTreeMap<String, u64>,
+}
+
+#[derive(Debug)]
+struct State {
+    epoch: u64,
+    inodes: HashMap<u64, Inode>,
+    dirs: HashMap<PathBuf, Dir>,
+    next_ino: u64,
+    locks: HashSet<PathBuf>,
+    armed: Vec<Armed>,
+    space_limit_bytes: Option<u64>,
+    crashes: u64,
+    ops: u64,
+}
+
+/// A simulated disk; clones share it.
+#[derive(Debug, Clone)]
+pub struct SimStorage {
+    state: Arc<Mutex<State>>,
+}
+
+impl Default for SimStorage {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+#[derive(Debug)]
+struct SimFile {
+    state: Arc<Mutex<State>>,
+    ino: u64,
+    epoch: u64,
+    writable: bool,
+}
+
+#[derive(Debug)]
+struct SimLock {
+    state: Arc<Mutex<State>>,
+    path: PathBuf,
+    epoch: u64,
+}
+
+impl Drop for SimLock {
+    fn drop(&mut self) {
+        let mut st = lock(&self.state);
+        if st.epoch == self.epoch {
+            st.locks.remove(&self.path);
+        }
+    }
+}
+
+fn lock(state: &Mutex<State>) -> MutexGuard<'_, State> {
+    // A panic in a test thread must not hide the simulated disk from the others.
+    state.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn eio(what: &str) -> io::Error {
+    io::Error::other(format!("simulated I/O error: {what}"))
+}
+
+fn split(path: &Path) -> io::Result<(PathBuf, String)> {
+    let parent = path.parent().map(Path::to_path_buf).unwrap_or_default();
+    let name = path
+        .file_name()
+        .and_then(|n| n.to_str())
+        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "no file name"))?;
+    Ok((parent, name.to_string()))
+}
+
+/// xorshift64*: deterministic garbage and choices from a seed.
+struct Rng(u64);
+
+impl Rng {
+    fn new(seed: u64) -> Rng {
+        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    }
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        if n == 0 { 0 } else { self.next() % n }
+    }
+}
+
+impl State {
+    /// Counts one operation of kind `op` against the armed faults. `Err` means it fails
+    /// (and, for a crash, that the power was lost just before it).
+    fn check(&mut self, op: FaultOp) -> io::Result<()> {
+        self.ops += 1;
+        let mut fire = None;
+        for (i, a) in self.armed.iter_mut().enumerate() {
+            let (aop, remaining) = match a {
+                Armed::Fail { op, remaining, .. } | Armed::Crash { op, remaining, .. } => (*op, remaining),
+            };
+            let counts = aop == op || aop == FaultOp::AnyMutation;
+            if counts {
+                *remaining -= 1;
+                if *remaining == 0 && fire.is_none() {
+                    fire = Some(i);
+                }
+            }
+        }
+        if let Some(i) = fire {
+            match self.armed.remove(i) {
+                Armed::Fail { kind, .. } => return Err(io::Error::new(kind, "simulated fault")),
+                Armed::Crash { mode, .. } => {
+                    self.crash(mode);
+                    return Err(eio("power lost"));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn used_bytes(&self) -> u64 {
+        self.inodes.values().map(|i| i.data.len() as u64).sum()
+    }
+
+    fn crash(&mut self, mode: CrashMode) {
+        self.epoch += 1;
+        self.crashes += 1;
+        self.locks.clear();
+        self.armed.clear();
+        let mut rng = match mode {
+            CrashMode::LoseUnsynced => None,
+            CrashMode::Adversarial { seed } => Some(Rng::new(seed ^ self.crashes)),
+        };
+        for dir in self.dirs.values_mut() {
+            let mut keys: Vec<String> = dir.names.keys().chain(dir.durable.keys()).cloned().collect();
+            keys.sort();
+            keys.dedup();
+            let mut after = BTreeMap::new();
+            for k in keys {
+                let now = dir.names.get(&k).copied();
+                let old = dir.durable.get(&k).copied();
+                let take_new = now != old && rng.as_mut().is_some_and(|r| r.below(2) == 0);
+                let pick = if take_new { now } else { old };
+                if let Some(ino) = pick {
+                    after.insert(k, ino);
+                }
+            }
+            dir.names = after.clone();
+            dir.durable = after;
+        }
+        let live: HashSet<u64> = self.dirs.values().flat_map(|d| d.names.values().copied()).collect();
+        self.inodes.retain(|ino, _| live.contains(ino));
+        for inode in self.inodes.values_mut() {
+            let mut image = inode.durable.clone();
+            if let Some(r) = &mut rng {
+                tear(&mut image, inode, r);
+            }
+            inode.data = image.clone();
+            inode.durable = image;
+            inode.dirty_from = usize::MAX;
+        }
+    }
+}
+
+/// Applies an arbitrary part of `inode`'s pending changes to `image` (its durable bytes).
+fn tear(image: &mut Vec<u8>, inode: &Inode, r: &mut Rng) {
+    let pending_from = inode.dirty_from.min(inode.durable.len()).min(inode.data.len());
+    if inode.dirty_from == usize::MAX && inode.data.len() == inode.durable.len() {
+        return;
+    }
+    let lo = inode.durable.len().min(inode.data.len());
+    let hi = inode.durable.len().max(inode.data.len());
+    // The new length: anywhere from the shorter to the longer image, in whole sectors.
+    let choices = (hi - lo).div_ceil(SECTOR_BYTES) as u64 + 1;
+    let len = (lo + r.below(choices) as usize * SECTOR_BYTES).min(hi);
+    image.resize(len, 0);
+    let first_sector = pending_from / SECTOR_BYTES;
+    let mut s = first_sector;
+    while s * SECTOR_BYTES < len {
+        let a = (s * SECTOR_BYTES).max(pending_from);
+        let b = ((s + 1) * SECTOR_BYTES).min(len);
+        match r.below(4) {
+            0 => {
+                for (i, byte) in image[a..b].iter_mut().enumerate() {
+                    *byte = inode.data.get(a + i).copied().unwrap_or(0);
+                }
+            }
+            1 => {
+                for (i, byte) in image[a..b].iter_mut().enumerate() {
+                    *byte = inode.durable.get(a + i).copied().unwrap_or(0);
+                }
+            }
+            2 => image[a..b].fill(0),
+            _ => {
+                for byte in &mut image[a..b] {
+                    *byte = r.next() as u8;
+                }
+            }
+        }
+        s += 1;
+    }
+}
+
+impl SimStorage {
+    pub fn new() -> SimStorage {
+        SimStorage {
+            state: Arc::new(Mutex::new(State {
+                epoch: 0,
+                inodes: HashMap::new(),
+                dirs: HashMap::new(),
+                next_ino: 1,
+                locks: HashSet::new(),
+                armed: Vec::new(),
+                space_limit_bytes: None,
+                crashes: 0,
+                ops: 0,
+            })),
+        }
+    }
+
+    /// Loses power now.
+    pub fn crash(&self, mode: CrashMode) {
+        lock(&self.state).crash(mode);
+    }
+
+    /// Makes the `n`th (1 = next) operation of kind `op` fail with `kind`. A failed write
+    /// leaves its first half written (a short write, as a real disk error can).
+    pub fn fail_nth(&self, op: FaultOp, n: u64, kind: io::ErrorKind) {
+        assert!(n >= 1, "n counts from 1");
+        lock(&self.state).armed.push(Armed::Fail { op, remaining: n, kind });
+    }
+
+    /// Loses power just before the `n`th (1 = next) operation of kind `op`.
+    pub fn crash_at_nth(&self, op: FaultOp, n: u64, mode: CrashMode) {
+        assert!(n >= 1, "n counts from 1");
+        lock(&self.state).armed.push(Armed::Crash { op, remaining: n, mode });
+    }
+
+    /// Disarms every pending fault.
+    pub fn disarm(&self) {
+        lock(&self.state).armed.clear();
+    }
+
+    /// Writes that would grow the disk's total past `limit` fail with `StorageFull`.
+    pub fn set_space_limit(&self, limit_bytes: Option<u64>) {
+        lock(&self.state).space_limit_bytes = limit_bytes;
+    }
+
+    /// Bytes held by all files.
+    pub fn used_bytes(&self) -> u64 {
+        lock(&self.state).used_bytes()
+    }
+
+    /// Power losses so far (including those armed faults caused).
+    pub fn crashes(&self) -> u64 {
+        lock(&self.state).crashes
+    }
+
+    /// Mutating operations so far.
+    pub fn ops(&self) -> u64 {
+        lock(&self.state).ops
+    }
+
+    /// The current content of a file, for tests that damage or inspect bytes directly.
+    pub fn read_file(&self, path: &Path) -> io::Result<Vec<u8>> {
+        let st = lock(&self.state);
+        let (dir, name) = split(path)?;
+        let ino = st
+            .dirs
+            .get(&dir)
+            .and_then(|d| d.names.get(&name))
+            .ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))?;
+        Ok(st.inodes[ino].data.clone())
+    }
+
+    /// Replaces a file's content, durably (a test's way to build or damage a disk image).
+    pub fn write_file_durably(&self, path: &Path, bytes: &[u8]) -> io::Result<()> {
+        let mut st = lock(&self.state);
+        let (dir, name) = split(path)?;
+        let existing = st.dirs.get(&dir).and_then(|d| d.names.get(&name)).copied();
+        let ino = match existing {
+            Some(ino) => ino,
+            None => {
+                let ino = st.next_ino;
+                st.next_ino += 1;
+                st.inodes.insert(ino, Inode { dirty_from: usize::MAX, ..Inode::default() });
+                let d = st.dirs.entry(dir).or_default();
+                d.names.insert(name.clone(), ino);
+                d.durable.insert(name, ino);
+                ino
+            }
+        };
+        let inode = st.inodes.get_mut(&ino).ok_or_else(|| eio("inode"))?;
+        inode.data = bytes.to_vec();
+        inode.durable = bytes.to_vec();
+        inode.dirty_from = usize::MAX;
+        Ok(())
+    }
+}
+
+impl Storage for SimStorage {
+    fn create_dir_all(&self, dir: &Path) -> io::Result<()> {
+        let mut st = lock(&self.state);
+        let mut p = Some(dir);
+        while let Some(d) = p {
+            st.dirs.entry(d.to_path_buf()).or_default();
+            p = d.parent();
+        }
+        Ok(())
+    }
+
+    fn list_dir(&self, dir: &Path) -> io::Result<Vec<String>> {
+        let st = lock(&self.state);
+        let d = st.dirs.get(dir).ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))?;
+        Ok(d.names.keys().cloned().collect())
+    }
+
+    fn open(&self, path: &Path, mode: OpenMode) -> io::Result<Arc<dyn StorageFile>> {
+        let mut st = lock(&self.state);
+        let (dir, name) = split(path)?;
+        if !st.dirs.contains_key(&dir) {
+            return Err(io::Error::from(io::ErrorKind::NotFound));
+        }
+        let existing = st.dirs[&dir].names.get(&name).copied();
+        let ino = match (mode, existing) {
+            (OpenMode::CreateNew, Some(_)) => return Err(io::Error::from(io::ErrorKind::AlreadyExists)),
+            (OpenMode::CreateNew, None) => {
+                st.check(FaultOp::Metadata)?;
+                let ino = st.next_ino;
+                st.next_ino += 1;
+                st.inodes.insert(ino, Inode { dirty_from: usize::MAX, ..Inode::default() });
+                if let Some(d) = st.dirs.get_mut(&dir) {
+                    d.names.insert(name, ino);
+                }
+                ino
+            }
+            (_, Some(ino)) => ino,
+            (_, None) => return Err(io::Error::from(io::ErrorKind::NotFound)),
+        };
+        Ok(Arc::new(SimFile {
+            state: self.state.clone(),
+            ino,
+            epoch: st.epoch,
+            writable: mode != OpenMode::Read,
+        }))
+    }
+
+    fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
+        let mut st = lock(&self.state);
+        st.check(FaultOp::Metadata)?;
+        let (fd, fname) = split(from)?;
+        let (td, tname) = split(to)?;
+        if !st.dirs.contains_key(&td) {
+            return Err(io::Error::from(io::ErrorKind::NotFound));
+        }
+        let ino = st
+            .dirs
+            .get_mut(&fd)
+            .and_then(|d| d.names.remove(&fname))
+            .ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))?;
+        if let Some(d) = st.dirs.get_mut(&td) {
+            d.names.insert(tname, ino);
+        }
+        Ok(())
+    }
+
+    fn remove_file(&self, path: &Path) -> io::Result<()> {
+        let mut st = lock(&self.state);
+        st.check(FaultOp::Metadata)?;
+        let (dir, name) = split(path)?;
+        st.dirs
+            .get_mut(&dir)
+            .and_then(|d| d.names.remove(&name))
+            .map(|_| ())
+            .ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))
+    }
+
+    fn sync_dir(&self, dir: &Path) -> io::Result<()> {
+        let mut st = lock(&self.state);
+        st.check(FaultOp::SyncDir)?;
+        let d = st.dirs.get_mut(dir).ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))?;
+        d.durable = d.names.clone();
+        Ok(())
+    }
+
+    fn try_lock(&self, path: &Path) -> io::Result<Box<dyn Send + Sync>> {
+        let mut st = lock(&self.state);
+        if !st.locks.insert(path.to_path_buf()) {
+            return Err(io::Error::from(io::ErrorKind::WouldBlock));
+        }
+        Ok(Box::new(SimLock { state: self.state.clone(), path: path.to_path_buf(), epoch: st.epoch }))
+    }
+}
+
+impl SimFile {
+    fn live<'a>(&self, st: &'a mut State) -> io::Result<&'a mut Inode> {
+        if st.epoch != self.epoch {
+            return Err(eio("handle from before a power loss"));
+        }
+        st.inodes.get_mut(&self.ino).ok_or_else(|| eio("inode gone"))
+    }
+}
+
+impl StorageFile for SimFile {
+    fn read_at(&self, buf: &mut [u8], pos: u64) -> io::Result<usize> {
+        let mut st = lock(&self.state);
+        let inode = self.live(&mut st)?;
+        let pos = usize::try_from(pos).map_err(|_| eio("position"))?;
+        if pos >= inode.data.len() {
+            return Ok(0);
+        }
+        let n = buf.len().min(inode.data.len() - pos);
+        buf[..n].copy_from_slice(&inode.data[pos..pos + n]);
+        Ok(n)
+    }
+
+    fn write_all_at(&self, buf: &[u8], pos: u64) -> io::Result<()> {
+        let mut st = lock(&self.state);
+        self.live(&mut st)?;
+        if !self.writable {
+            return Err(io::Error::from(io::ErrorKind::PermissionDenied));
+        }
+        let pos = usize::try_from(pos).map_err(|_| eio("position"))?;
+        let end = pos + buf.len();
+        let used = st.used_bytes();
+        let grows_by = end.saturating_sub(self.live(&mut st)?.data.len()) as u64;
+        if let Some(limit) = st.space_limit_bytes
+            && used + grows_by > limit
+        {
+            return Err(io::Error::new(io::ErrorKind::StorageFull, "simulated disk full"));
+        }
+        let (n, result) = match st.check(FaultOp::Write) {
+            Ok(()) => (buf.len(), Ok(())),
+            Err(e) if e.kind() == io::ErrorKind::Other && st.epoch != self.epoch => return Err(e),
+            Err(e) => (buf.len() / 2, Err(e)),
+        };
+        let inode = st.inodes.get_mut(&self.ino).ok_or_else(|| eio("inode gone"))?;
+        if inode.data.len() < pos + n {
+            inode.data.resize(pos + n, 0);
+        }
+        inode.data[pos..pos + n].copy_from_slice(&buf[..n]);
+        inode.dirty_from = inode.dirty_from.min(pos);
+        result
+    }
+
+    fn sync_data(&self) -> io::Result<()> {
+        let mut st = lock(&self.state);
+        self.live(&mut st)?;
+        if let Err(e) = st.check(FaultOp::Sync) {
+            if st.epoch == self.epoch {
+                // Linux after a writeback error: the pages are clean, the bytes are not
+                // on disk, and nothing will write them again.
+                let inode = st.inodes.get_mut(&self.ino).ok_or_else(|| eio("inode gone"))?;
+                let from = inode.dirty_from.min(inode.data.len());
+                let keep = from.min(inode.durable.len());
+                inode.durable.truncate(keep);
+                inode.durable.resize(inode.data.len(), 0);
+                inode.dirty_from = usize::MAX;
+            }
+            return Err(e);
+        }
+        let inode = self.live(&mut st)?;
+        if inode.dirty_from != usize::MAX || inode.durable.len() != inode.data.len() {
+            let from = inode.dirty_from.min(inode.data.len());
+            inode.durable.truncate(from.min(inode.durable.len()));
+            inode.durable.resize(from, 0);
+            inode.durable.extend_from_slice(&inode.data[from..]);
+            inode.dirty_from = usize::MAX;
+        }
+        Ok(())
+    }
+
+    fn len(&self) -> io::Result<u64> {
+        let mut st = lock(&self.state);
+        Ok(self.live(&mut st)?.data.len() as u64)
+    }
+
+    fn set_len(&self, len: u64) -> io::Result<()> {
+        let mut st = lock(&self.state);
+        self.live(&mut st)?;
+        if !self.writable {
+            return Err(io::Error::from(io::ErrorKind::PermissionDenied));
+        }
+        st.check(FaultOp::Metadata)?;
+        let len = usize::try_from(len).map_err(|_| eio("length"))?;
+        let inode = self.live(&mut st)?;
+        let old = inode.data.len();
+        inode.data.resize(len, 0);
+        inode.dirty_from = inode.dirty_from.min(len.min(old));
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn file(s: &SimStorage, p: &str) -> Arc<dyn StorageFile> {
+        s.create_dir_all(Path::new("/d")).unwrap();
+        s.open(Path::new(p), OpenMode::CreateNew).unwrap()
+    }
+
+    #[test]
+    fn only_synced_bytes_and_synced_names_survive_a_clean_power_loss() {
+        let s = SimStorage::new();
+        let f = file(&s, "/d/a");
+        f.write_all_at(b"durable", 0).unwrap();
+        f.sync_data().unwrap();
+        s.sync_dir(Path::new("/d")).unwrap();
+        f.write_all_at(b"-lost", 7).unwrap();
+        let g = s.open(Path::new("/d/b"), OpenMode::CreateNew).unwrap();
+        g.write_all_at(b"x", 0).unwrap();
+        g.sync_data().unwrap();
+        s.crash(CrashMode::LoseUnsynced);
+        assert!(f.read_at(&mut [0u8; 4], 0).is_err(), "old handles die with the power");
+        assert_eq!(s.read_file(Path::new("/d/a")).unwrap(), b"durable");
+        assert!(s.read_file(Path::new("/d/b")).is_err(), "an unsynced directory entry survived");
+    }
+
+    #[test]
+    fn adversarial_crashes_never_touch_durable_bytes() {
+        for seed in 0..200 {
+            let s = SimStorage::new();
+            let f = file(&s, "/d/a");
+            s.sync_dir(Path::new("/d")).unwrap();
+            let durable: Vec<u8> = (0..1500u32).map(|i| i as u8).collect();
+            f.write_all_at(&durable, 0).unwrap();
+            f.sync_data().unwrap();
+            f.write_all_at(&[0xEE; 3000], 1500).unwrap();
+            s.crash(CrashMode::Adversarial { seed });
+            let after = s.read_file(Path::new("/d/a")).unwrap();
+            assert!(after.len() >= 1500 && after.len() <= 4500, "seed {seed}: len {}", after.len());
+            assert_eq!(&after[..1500], &durable[..], "seed {seed}");
+        }
+    }
+
+    #[test]
+    fn a_failed_sync_is_not_covered_by_a_later_successful_one() {
+        let s = SimStorage::new();
+        let f = file(&s, "/d/a");
+        s.sync_dir(Path::new("/d")).unwrap();
+        f.write_all_at(b"aaaa", 0).unwrap();
+        s.fail_nth(FaultOp::Sync, 1, io::ErrorKind::Other);
+        assert!(f.sync_data().is_err());
+        f.write_all_at(b"bbbb", 4).unwrap();
+        f.sync_data().unwrap();
+        assert_eq!(f.len().unwrap(), 8);
+        s.crash(CrashMode::LoseUnsynced);
+        assert_eq!(s.read_file(Path::new("/d/a")).unwrap(), b"\0\0\0\0bbbb");
+    }
+
+    #[test]
+    fn space_limit_refuses_growth_but_not_overwrites() {
+        let s = SimStorage::new();
+        let f = file(&s, "/d/a");
+        s.set_space_limit(Some(10));
+        f.write_all_at(&[1; 10], 0).unwrap();
+        let e = f.write_all_at(&[1; 1], 10).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::StorageFull);
+        f.write_all_at(&[2; 5], 0).unwrap();
+        f.set_len(4).unwrap();
+        f.write_all_at(&[3; 6], 4).unwrap();
+    }
+
+    #[test]
+    fn crash_at_nth_loses_power_before_that_operation() {
+        let s = SimStorage::new();
+        let f = file(&s, "/d/a");
+        s.sync_dir(Path::new("/d")).unwrap();
+        f.write_all_at(b"one", 0).unwrap();
+        s.crash_at_nth(FaultOp::Sync, 1, CrashMode::LoseUnsynced);
+        assert!(f.sync_data().is_err());
+        assert_eq!(s.crashes(), 1);
+        assert_eq!(s.read_file(Path::new("/d/a")).unwrap(), b"");
+    }
+
+    #[test]
+    fn locks_are_exclusive_and_released_on_drop() {
+        let s = SimStorage::new();
+        let g = s.try_lock(Path::new("/d/LOCK")).unwrap();
+        let again = s.try_lock(Path::new("/d/LOCK")).err().map(|e| e.kind());
+        assert_eq!(again, Some(io::ErrorKind::WouldBlock));
+        drop(g);
+        assert!(s.try_lock(Path::new("/d/LOCK")).is_ok());
+    }
+}

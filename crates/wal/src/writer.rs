@@ -1,0 +1,426 @@
+//! The writer thread: group commit, rotation, release, capacity, clean shutdown.
+//!
+//! One thread owns every write to the log. It blocks until at least one command is
+//! queued, then takes everything queued (up to `group_max_bytes`), writes all the appends
+//! with one `write` and makes them durable with one `fdatasync`, then resolves every
+//! append that sync covered. It never waits on purpose to grow a group: the group is
+//! whatever arrived while the previous sync ran.
+//!
+//! Invariants:
+//! - An append resolves `Ok` only after the sync covering its bytes succeeded (under
+//!   `SyncPolicy::Always`), and every record of a batch is in one write to one segment.
+//! - A segment is sealed (seal frame written and synced) before its successor exists; a
+//!   successor is created as a temporary file, synced, renamed and the directory synced,
+//!   so a segment name on disk always carries a whole, durable header.
+//! - After a failed write or sync the writer cuts the segment back to its last durable
+//!   length and syncs that; a later sync is never taken to cover the failed one. If the
+//!   cut fails too, the log is poisoned: no further append is accepted.
+//! - Capacity is checked before a byte is written; nothing is ever evicted.
+//! - Segments are deleted oldest first, one directory sync each, so a crash during a
+//!   release leaves a contiguous run of segments.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::time::Instant;
+
+use bytes::Bytes;
+use tokio::sync::{OwnedSemaphorePermit, oneshot};
+
+use crate::error::{Result, WalError};
+use crate::format::{
+    CleanMarker, FLAG_END_OF_BATCH, FRAME_HEADER_LEN, FrameHeader, OFFSET_MAX, SEAL_LEN, SEGMENT_HEADER_LEN,
+    SegmentHeader, segment_file_name,
+};
+use crate::options::SyncPolicy;
+use crate::shared::{SegmentRef, Shared};
+use crate::storage::{OpenMode, Storage};
+use crate::{Appended, CLEAN_MARKER_FILE, Released};
+
+pub(crate) enum Command {
+    Append {
+        records: Vec<Bytes>,
+        crcs: Vec<u32>,
+        frame_bytes: u64,
+        reply: oneshot::Sender<Result<Appended>>,
+        _permit: OwnedSemaphorePermit,
+    },
+    Release {
+        below: u64,
+        reply: oneshot::Sender<Result<Released>>,
+    },
+    Close {
+        reply: oneshot::Sender<Result<()>>,
+    },
+}
+
+struct Pending {
+    reply: oneshot::Sender<Result<Appended>>,
+    appended: Appended,
+}
+
+pub(crate) struct Writer {
+    pub shared: Arc<Shared>,
+    pub active: Arc<SegmentRef>,
+    /// Bytes written to the active segment (durable or not).
+    pub written_len: u64,
+    /// Bytes of the active segment known durable.
+    pub durable_len: u64,
+    /// The offset the next appended record gets.
+    pub next_offset: u64,
+    pub segment_max_bytes: u64,
+    pub group_max_bytes: usize,
+    pub sync: SyncPolicy,
+    /// Set when a failure could not be undone.
+    pub poisoned: Option<String>,
+    /// Under `SyncPolicy::Interval`: when the oldest unsynced write happened.
+    pub unsynced_since: Option<Instant>,
+    pub buf: Vec<u8>,
+    /// Held for as long as the writer lives: releases the directory on exit.
+    pub _lock: Box<dyn Send + Sync>,
+}
+
+impl Writer {
+    pub(crate) fn run(mut self, rx: Receiver<Command>) {
+        loop {
+            let first = match self.sync_deadline() {
+                None => match rx.recv() {
+                    Ok(c) => c,
+                    Err(_) => break,
+                },
+                Some(deadline) => match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+                    Ok(c) => c,
+                    Err(RecvTimeoutError::Timeout) => {
+                        self.sync_interval_writes();
+                        continue;
+                    }
+                    Err(RecvTimeoutError::Disconnected) => break,
+                },
+            };
+            let mut group = vec![first];
+            let mut group_bytes = command_bytes(&group[0]);
+            while group_bytes < self.group_max_bytes as u64 {
+                match rx.try_recv() {
+                    Ok(c) => {
+                        group_bytes += command_bytes(&c);
+                        group.push(c);
+                    }
+                    Err(_) => break,
+                }
+            }
+            if self.handle(group) {
+                return;
+            }
+        }
+        // Every handle is gone: make what was written durable, without a clean marker.
+        self.sync_interval_writes();
+    }
+
+    fn sync_deadline(&self) -> Option<Instant> {
+        match (self.sync, self.unsynced_since) {
+            (SyncPolicy::Interval(d), Some(t)) => Some(t + d),
+            _ => None,
+        }
+    }
+
+    /// Handles one group. Returns true when the log was closed.
+    fn handle(&mut self, group: Vec<Command>) -> bool {
+        let mut pending: Vec<Pending> = Vec::new();
+        for cmd in group {
+            match cmd {
+                Command::Append { records, crcs, frame_bytes, reply, _permit } => {
+                    self.stage(records, crcs, frame_bytes, reply, &mut pending);
+                }
+                Command::Release { below, reply } => {
+                    self.flush(&mut pending);
+                    let _ = reply.send(self.release(below));
+                }
+                Command::Close { reply } => {
+                    self.flush(&mut pending);
+                    let _ = reply.send(self.close());
+                    return true;
+                }
+            }
+        }
+        self.flush(&mut pending);
+        false
+    }
+
+    fn stage(
+        &mut self,
+        records: Vec<Bytes>,
+        crcs: Vec<u32>,
+        frame_bytes: u64,
+        reply: oneshot::Sender<Result<Appended>>,
+        pending: &mut Vec<Pending>,
+    ) {
+        if let Some(why) = &self.poisoned {
+            let _ = reply.send(Err(WalError::Poisoned(why.clone())));
+            return;
+        }
+        let count = records.len() as u64;
+        let last = self.next_offset.checked_add(count - 1).filter(|&l| l <= OFFSET_MAX);
+        let Some(last) = last else {
+            let _ = reply.send(Err(WalError::OffsetsExhausted { next: self.next_offset, needed: count }));
+            return;
+        };
+        // Start a new segment first if this batch would not fit beside what the active
+        // one holds (a batch larger than a whole segment gets a segment of its own).
+        let staged = self.written_len + self.buf.len() as u64;
+        let sealed = self.active.sealed.load(Ordering::Acquire);
+        if sealed || (staged > SEGMENT_HEADER_LEN && staged + frame_bytes + SEAL_LEN > self.segment_max_bytes) {
+            self.flush(pending);
+            if let Some(why) = &self.poisoned {
+                let _ = reply.send(Err(WalError::Poisoned(why.clone())));
+                return;
+            }
+            if let Err(e) = self.rotate() {
+                let _ = reply.send(Err(e));
+                return;
+            }
+        }
+        // Capacity, with room kept for the seal and the next segment's header so that a
+        // rotation can never be the write that fails for space.
+        let used = self.shared.used_bytes.load(Ordering::Acquire) + self.buf.len() as u64;
+        let needed = frame_bytes + SEAL_LEN + SEGMENT_HEADER_LEN;
+        if used + needed > self.shared.max_bytes {
+            metrics::counter!("iggy_ingest_wal_full_rejections_total").increment(1);
+            let _ = reply.send(Err(WalError::Full { used_bytes: used, max_bytes: self.shared.max_bytes, needed_bytes: needed }));
+            return;
+        }
+        let synced_len = self.durable_len;
+        for (i, (payload, crc)) in records.iter().zip(crcs).enumerate() {
+            let h = FrameHeader {
+                payload_len: payload.len() as u32,
+                offset: self.next_offset + i as u64,
+                synced_len,
+                flags: if i as u64 == count - 1 { FLAG_END_OF_BATCH } else { 0 },
+                payload_crc: crc,
+            };
+            self.buf.extend_from_slice(&h.encode());
+            self.buf.extend_from_slice(payload);
+        }
+        pending.push(Pending { reply, appended: Appended { first_offset: self.next_offset, last_offset: last } });
+        self.next_offset = last + 1;
+    }
+
+    /// Writes the staged bytes and, under `Always`, syncs them; resolves `pending`.
+    fn flush(&mut self, pending: &mut Vec<Pending>) {
+        if self.buf.is_empty() {
+            debug_assert!(pending.is_empty());
+            return;
+        }
+        let n = self.buf.len() as u64;
+        let records: u64 = pending.iter().map(|p| p.appended.last_offset - p.appended.first_offset + 1).sum();
+        let result = self.active.file.write_all_at(&self.buf, self.written_len);
+        self.buf.clear();
+        if let Err(e) = result {
+            self.fail(pending, e, "write");
+            return;
+        }
+        self.written_len += n;
+        self.shared.used_bytes.fetch_add(n, Ordering::AcqRel);
+        match self.sync {
+            SyncPolicy::Always => {
+                if let Err(e) = self.sync_active() {
+                    self.fail(pending, e, "sync");
+                    return;
+                }
+            }
+            SyncPolicy::Interval(_) => {
+                self.unsynced_since.get_or_insert_with(Instant::now);
+            }
+        }
+        metrics::counter!("iggy_ingest_wal_appends_total").increment(pending.len() as u64);
+        metrics::counter!("iggy_ingest_wal_records_total").increment(records);
+        metrics::counter!("iggy_ingest_wal_bytes_written_total").increment(n);
+        metrics::histogram!("iggy_ingest_wal_group_commit_appends").record(pending.len() as f64);
+        metrics::gauge!("iggy_ingest_wal_used_bytes").set(self.shared.used_bytes.load(Ordering::Relaxed) as f64);
+        for p in pending.drain(..) {
+            let _ = p.reply.send(Ok(p.appended));
+        }
+    }
+
+    /// Syncs the active segment and publishes everything written as durable.
+    fn sync_active(&mut self) -> std::io::Result<()> {
+        let t = Instant::now();
+        self.active.file.sync_data()?;
+        metrics::histogram!("iggy_ingest_wal_fsync_seconds").record(t.elapsed().as_secs_f64());
+        self.durable_len = self.written_len;
+        self.unsynced_since = None;
+        self.active.durable_len.store(self.durable_len, Ordering::Release);
+        self.shared.durable_next.send_replace(self.next_offset);
+        Ok(())
+    }
+
+    fn sync_interval_writes(&mut self) {
+        if self.written_len == self.durable_len || self.poisoned.is_some() {
+            self.unsynced_since = None;
+            return;
+        }
+        if let Err(e) = self.sync_active() {
+            tracing::error!(error = %e, "log sync failed; records written since the last sync are dropped");
+            self.fail(&mut Vec::new(), e, "sync");
+        }
+    }
+
+    /// A write or sync failed: fail the appends it carried, then cut the segment back to
+    /// its last durable length so the log is again exactly what it vouched for.
+    fn fail(&mut self, pending: &mut Vec<Pending>, e: std::io::Error, what: &str) {
+        metrics::counter!("iggy_ingest_wal_storage_errors_total").increment(1);
+        tracing::error!(error = %e, segment = %self.active.path.display(), "log {what} failed");
+        for p in pending.drain(..) {
+            let err = std::io::Error::new(e.kind(), format!("log {what} failed: {e}"));
+            let _ = p.reply.send(Err(WalError::io(&self.active.path, err)));
+        }
+        let lost = self.written_len - self.durable_len;
+        let undo = self.active.file.set_len(self.durable_len).and_then(|()| self.active.file.sync_data());
+        match undo {
+            Ok(()) => {
+                self.shared.used_bytes.fetch_sub(lost, Ordering::AcqRel);
+                self.written_len = self.durable_len;
+                self.next_offset = self.shared.durable_next();
+                self.unsynced_since = None;
+            }
+            Err(undo_err) => {
+                let why = format!("{what} failed ({e}), and cutting the segment back failed ({undo_err})");
+                tracing::error!("{why}; the log accepts no more appends until reopened");
+                self.poisoned = Some(why);
+            }
+        }
+    }
+
+    /// Seals the active segment (if not sealed yet) and starts its successor.
+    fn rotate(&mut self) -> Result<()> {
+        if !self.active.sealed.load(Ordering::Acquire) {
+            if self.written_len != self.durable_len {
+                self.sync_active().map_err(|e| self.fail_rotation(e))?;
+            }
+            let seal = FrameHeader::seal(self.next_offset, self.durable_len).encode();
+            self.active.file.write_all_at(&seal, self.written_len).map_err(|e| self.fail_rotation(e))?;
+            self.written_len += SEAL_LEN;
+            self.shared.used_bytes.fetch_add(SEAL_LEN, Ordering::AcqRel);
+            self.sync_active().map_err(|e| self.fail_rotation(e))?;
+            self.active.sealed.store(true, Ordering::Release);
+        }
+        let seg = create_segment(&*self.shared.storage, &self.shared.dir, self.next_offset, 0)?;
+        self.shared.used_bytes.fetch_add(SEGMENT_HEADER_LEN, Ordering::AcqRel);
+        self.shared.segments_mut().push(seg.clone());
+        metrics::gauge!("iggy_ingest_wal_segments").set(self.shared.segments().len() as f64);
+        self.active = seg;
+        self.written_len = SEGMENT_HEADER_LEN;
+        self.durable_len = SEGMENT_HEADER_LEN;
+        Ok(())
+    }
+
+    fn fail_rotation(&mut self, e: std::io::Error) -> WalError {
+        let err = WalError::io(&self.active.path, std::io::Error::new(e.kind(), e.to_string()));
+        self.fail(&mut Vec::new(), e, "seal");
+        err
+    }
+
+    fn release(&mut self, below: u64) -> Result<Released> {
+        let below = below.min(self.shared.durable_next());
+        let start = self.shared.start.fetch_max(below, Ordering::AcqRel).max(below);
+        let mut out = Released { start, segments_deleted: 0, bytes_freed: 0 };
+        loop {
+            let victim = {
+                let segs = self.shared.segments();
+                match (segs.first(), segs.get(1)) {
+                    (Some(first), Some(second)) if second.base <= start && !Arc::ptr_eq(first, &self.active) => {
+                        first.clone()
+                    }
+                    _ => break,
+                }
+            };
+            let size = victim.file.len().map_err(|e| WalError::io(&victim.path, e))?;
+            self.shared.storage.remove_file(&victim.path).map_err(|e| WalError::io(&victim.path, e))?;
+            self.shared.segments_mut().remove(0);
+            self.shared.used_bytes.fetch_sub(size, Ordering::AcqRel);
+            self.shared.storage.sync_dir(&self.shared.dir).map_err(|e| WalError::io(&self.shared.dir, e))?;
+            out.segments_deleted += 1;
+            out.bytes_freed += size;
+        }
+        metrics::gauge!("iggy_ingest_wal_segments").set(self.shared.segments().len() as f64);
+        metrics::gauge!("iggy_ingest_wal_used_bytes").set(self.shared.used_bytes.load(Ordering::Relaxed) as f64);
+        Ok(out)
+    }
+
+    /// Makes everything durable and writes the clean-shutdown marker.
+    fn close(&mut self) -> Result<()> {
+        if let Some(why) = &self.poisoned {
+            return Err(WalError::Poisoned(why.clone()));
+        }
+        if self.written_len != self.durable_len {
+            self.sync_active().map_err(|e| WalError::io(&self.active.path, e))?;
+        }
+        let marker = CleanMarker {
+            tail_base: self.active.base,
+            tail_len: self.durable_len,
+            next_offset: self.next_offset,
+            tail_sealed: self.active.sealed.load(Ordering::Acquire),
+        };
+        write_file_atomically(&*self.shared.storage, &self.shared.dir, CLEAN_MARKER_FILE, &marker.encode())
+    }
+}
+
+fn command_bytes(c: &Command) -> u64 {
+    match c {
+        Command::Append { frame_bytes, .. } => *frame_bytes,
+        _ => 0,
+    }
+}
+
+/// Bytes a batch occupies on disk.
+pub(crate) fn frame_bytes(records: &[Bytes]) -> u64 {
+    records.iter().map(|r| FRAME_HEADER_LEN + r.len() as u64).sum()
+}
+
+/// Creates a durable, empty segment: header into a temporary file, sync, rename, sync
+/// the directory.
+pub(crate) fn create_segment(storage: &dyn Storage, dir: &Path, base: u64, flags: u32) -> Result<Arc<SegmentRef>> {
+    let header = SegmentHeader { base_offset: base, flags }.encode();
+    create_segment_with(storage, dir, base, &header)
+}
+
+/// Creates a durable segment file holding exactly `bytes` (a header and whole frames).
+pub(crate) fn create_segment_with(storage: &dyn Storage, dir: &Path, base: u64, bytes: &[u8]) -> Result<Arc<SegmentRef>> {
+    let name = segment_file_name(base);
+    let path = dir.join(&name);
+    write_file_atomically(storage, dir, &name, bytes)?;
+    let file = storage.open(&path, OpenMode::ReadWrite).map_err(|e| WalError::io(&path, e))?;
+    Ok(Arc::new(SegmentRef {
+        base,
+        path,
+        file,
+        durable_len: (bytes.len() as u64).into(),
+        sealed: false.into(),
+    }))
+}
+
+/// Writes `bytes` as the file `name` in `dir` so that after a crash the name either does
+/// not exist or holds exactly `bytes`.
+pub(crate) fn write_file_atomically(storage: &dyn Storage, dir: &Path, name: &str, bytes: &[u8]) -> Result<()> {
+    let tmp: PathBuf = dir.join(format!("{name}.tmp"));
+    let path = dir.join(name);
+    let s = storage;
+    let io = |p: &PathBuf| {
+        let p = p.clone();
+        move |e| WalError::io(p, e)
+    };
+    // A leftover from an earlier failed attempt is garbage by construction.
+    let _ = s.remove_file(&tmp);
+    let result = (|| {
+        let f = s.open(&tmp, OpenMode::CreateNew).map_err(io(&tmp))?;
+        f.write_all_at(bytes, 0).map_err(io(&tmp))?;
+        f.sync_data().map_err(io(&tmp))?;
+        s.rename(&tmp, &path).map_err(io(&path))?;
+        let d = dir.to_path_buf();
+        s.sync_dir(dir).map_err(io(&d))
+    })();
+    if result.is_err() {
+        let _ = s.remove_file(&tmp);
+    }
+    result
+}
