@@ -61,7 +61,10 @@ pub enum HeaderProblem {
     UnsupportedVersion(u32),
     UnknownFlags(u32),
     /// The header's base offset is not the one the file name says.
-    BaseMismatch { name: u64, header: u64 },
+    BaseMismatch {
+        name: u64,
+        header: u64,
+    },
 }
 
 impl std::fmt::Display for HeaderProblem {
@@ -357,10 +360,7 @@ mod tests {
         let mut h = FrameHeader::seal(1, 32);
         h.flags = 0;
         h.payload_len = RECORD_MAX_BYTES + 1;
-        assert_eq!(
-            FrameHeader::decode(&h.encode()),
-            Err(FrameProblem::BadLength(RECORD_MAX_BYTES + 1))
-        );
+        assert_eq!(FrameHeader::decode(&h.encode()), Err(FrameProblem::BadLength(RECORD_MAX_BYTES + 1)));
         h.payload_len = RECORD_MAX_BYTES;
         assert!(FrameHeader::decode(&h.encode()).is_ok());
     }

@@ -14,7 +14,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use crate::error::{Location, Result, WalError};
-use crate::format::{SEGMENT_FLAG_GAP_BEFORE, SEGMENT_HEADER_LEN, SegmentHeader, parse_segment_file_name, segment_file_name};
+use crate::format::{
+    SEGMENT_FLAG_GAP_BEFORE, SEGMENT_HEADER_LEN, SegmentHeader, parse_segment_file_name, segment_file_name,
+};
 use crate::reader::Record;
 use crate::scan::{find_proof_of_durable_damage, scan_segment};
 use crate::storage::{OpenMode, Storage, read_up_to_at};
@@ -155,7 +157,8 @@ pub fn verify(storage: &dyn Storage, dir: &Path, progress: &mut dyn FnMut(Verify
     let mut expected_base: Option<u64> = None;
     let last = files.len() - 1;
     for (i, (base, path, file, len)) in files.iter().enumerate() {
-        let problem = |position: u64, what: String| Problem { location: Location { file: path.clone(), position }, what };
+        let problem =
+            |position: u64, what: String| Problem { location: Location { file: path.clone(), position }, what };
         let mut header = [0u8; SEGMENT_HEADER_LEN as usize];
         let got = read_up_to_at(&**file, &mut header, 0).map_err(|e| WalError::io(path, e))?;
         let h = match SegmentHeader::decode(&header[..got]) {
@@ -176,19 +179,17 @@ pub fn verify(storage: &dyn Storage, dir: &Path, progress: &mut dyn FnMut(Verify
         if let Some(exp) = expected_base {
             let gap_ok = h.flags & SEGMENT_FLAG_GAP_BEFORE != 0 && exp < *base;
             if exp != *base && !gap_ok {
-                report.problems.push(problem(0, format!("offsets do not continue: expected {exp}, segment starts at {base}")));
+                report
+                    .problems
+                    .push(problem(0, format!("offsets do not continue: expected {exp}, segment starts at {base}")));
             }
         } else if i > 0 && report.problems.is_empty() {
             report.problems.push(problem(0, "previous segment has no seal".into()));
         }
         let start_done = done;
-        let out = scan_segment(
-            &**file,
-            path,
-            *base,
-            *len,
-            &mut |pos| progress(VerifyProgress { bytes_done: start_done + pos, bytes_total: total }),
-        )?;
+        let out = scan_segment(&**file, path, *base, *len, &mut |pos| {
+            progress(VerifyProgress { bytes_done: start_done + pos, bytes_total: total })
+        })?;
         report.records += out.records;
         report.bytes += len;
         done += len;

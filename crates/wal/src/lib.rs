@@ -176,7 +176,11 @@ impl Wal {
         let frame_bytes = writer::frame_bytes(&records);
         if frame_bytes > self.shared.max_bytes {
             let used = self.shared.used_bytes.load(Ordering::Acquire);
-            return Err(WalError::Full { used_bytes: used, max_bytes: self.shared.max_bytes, needed_bytes: frame_bytes });
+            return Err(WalError::Full {
+                used_bytes: used,
+                max_bytes: self.shared.max_bytes,
+                needed_bytes: frame_bytes,
+            });
         }
         // Checksums are computed here, on the appending task, not on the writer thread.
         let crcs = records.iter().map(|r| crc32fast::hash(r)).collect();

@@ -83,7 +83,7 @@ impl Reader {
         let mut out = Vec::new();
         let mut bytes = 0usize;
         while self.next < end && out.len() < max_records {
-            let record = self.read_one()?;
+            let Some(record) = self.read_one(end)? else { break };
             bytes += record.payload.len();
             out.push(record);
             if bytes >= max_bytes {
@@ -120,10 +120,10 @@ impl Reader {
     /// a salvage, the offset gap a seal may be followed by).
     fn position_cursor(&mut self) -> Result<&mut Cursor> {
         if self.cursor.is_none() {
-            let seg = self.shared.segment_for(self.next).ok_or(WalError::Released {
-                offset: self.next,
-                start: self.shared.start(),
-            })?;
+            let seg = self
+                .shared
+                .segment_for(self.next)
+                .ok_or(WalError::Released { offset: self.next, start: self.shared.start() })?;
             let mut c = Cursor { seg, pos: SEGMENT_HEADER_LEN, buf: Vec::new(), buf_pos: 0 };
             let mut offset = c.seg.base;
             while offset < self.next {
@@ -141,6 +141,10 @@ impl Reader {
         }
         loop {
             let c = self.cursor.as_mut().ok_or(WalError::Closed)?;
+            if c.pos + FRAME_HEADER_LEN > c.seg.durable_len.load(Ordering::Acquire) {
+                // Nothing durable here yet (a fresh segment after a gap).
+                break;
+            }
             let h = frame_header(c)?;
             if !h.is_seal() {
                 break;
@@ -159,9 +163,13 @@ impl Reader {
         self.cursor.as_mut().ok_or(WalError::Closed)
     }
 
-    fn read_one(&mut self) -> Result<Record> {
+    /// The record at `self.next`, or `None` if crossing a salvage gap led to `end`.
+    fn read_one(&mut self, end: u64) -> Result<Option<Record>> {
         self.position_cursor()?;
         let expected = self.next;
+        if expected >= end {
+            return Ok(None);
+        }
         let c = self.cursor.as_mut().ok_or(WalError::Closed)?;
         let h = frame_header(c)?;
         if h.offset != expected {
@@ -173,7 +181,7 @@ impl Reader {
         h.check_payload(&payload).map_err(|p| corrupt(c, p))?;
         c.pos += h.frame_len();
         self.next += 1;
-        Ok(Record { offset: expected, payload })
+        Ok(Some(Record { offset: expected, payload }))
     }
 
     /// The payload length of the next record, if it is durable already.
@@ -181,7 +189,11 @@ impl Reader {
         if self.next >= *self.durable.borrow() {
             return Ok(None);
         }
-        let c = self.position_cursor()?;
+        self.position_cursor()?;
+        if self.next >= *self.durable.borrow() {
+            return Ok(None);
+        }
+        let c = self.cursor.as_mut().ok_or(WalError::Closed)?;
         Ok(Some(frame_header(c)?.payload_len as usize))
     }
 }

@@ -93,7 +93,9 @@ pub(crate) fn open(storage: Arc<dyn Storage>, dir: &Path, opts: &WalOptions, rea
     };
     let mut report = OpenReport::default();
     let names = match storage.list_dir(&dir) {
-        Err(e) if read_only && e.kind() == io::ErrorKind::NotFound => return Err(WalError::NotALog(dir)),
+        Err(e) if read_only && e.kind() == io::ErrorKind::NotFound => {
+            return Err(WalError::NotALog(dir));
+        }
         r => r.map_err(io_err(&dir))?,
     };
     if !read_only {
@@ -139,7 +141,13 @@ pub(crate) fn open(storage: Arc<dyn Storage>, dir: &Path, opts: &WalOptions, rea
                     let path = dir.join(crate::format::segment_file_name(b));
                     let file = storage.open(&path, OpenMode::Read).map_err(io_err(&path))?;
                     let len = file.len().map_err(io_err(&path))?;
-                    loaded.push(Loaded { base: b, path, file, len, header: SegmentHeader { base_offset: b, flags: 0 } });
+                    loaded.push(Loaded {
+                        base: b,
+                        path,
+                        file,
+                        len,
+                        header: SegmentHeader { base_offset: b, flags: 0 },
+                    });
                 }
                 break;
             }
@@ -149,18 +157,23 @@ pub(crate) fn open(storage: Arc<dyn Storage>, dir: &Path, opts: &WalOptions, rea
     if damage.is_none() {
         for i in 0..loaded.len() - 1 {
             let (seg, next) = (&loaded[i], &loaded[i + 1]);
-            let checked = read_seal(&*seg.file, &seg.path, seg.len).and_then(|seal| {
-                let gap_allowed = next.header.flags & SEGMENT_FLAG_GAP_BEFORE != 0;
-                if seal == next.base || (gap_allowed && seal < next.base) {
-                    Ok(())
-                } else {
-                    Err(WalError::Gap {
-                        location: Location { file: next.path.clone(), position: 0 },
-                        expected: seal,
-                        found: next.base,
-                    })
-                }
-            });
+            // A salvage is asked for because something is wrong: then every byte of
+            // every sealed segment is checked, not only its seal.
+            let full_check = opts.recovery == RecoveryMode::Salvage && !read_only;
+            let checked = full_scan_ok(&*seg.file, &seg.path, seg.base, seg.len, full_check)
+                .and_then(|()| read_seal(&*seg.file, &seg.path, seg.len))
+                .and_then(|seal| {
+                    let gap_allowed = next.header.flags & SEGMENT_FLAG_GAP_BEFORE != 0;
+                    if seal == next.base || (gap_allowed && seal < next.base) {
+                        Ok(())
+                    } else {
+                        Err(WalError::Gap {
+                            location: Location { file: next.path.clone(), position: 0 },
+                            expected: seal,
+                            found: next.base,
+                        })
+                    }
+                });
             if let Err(e) = checked {
                 damage = Some((i, e));
                 break;
@@ -241,7 +254,13 @@ pub(crate) fn open(storage: Arc<dyn Storage>, dir: &Path, opts: &WalOptions, rea
         .enumerate()
         .map(|(i, l)| {
             let sealed = i + 1 < count || tail_sealed;
-            Arc::new(SegmentRef { base: l.base, path: l.path, file: l.file, durable_len: l.len.into(), sealed: sealed.into() })
+            Arc::new(SegmentRef {
+                base: l.base,
+                path: l.path,
+                file: l.file,
+                durable_len: l.len.into(),
+                sealed: sealed.into(),
+            })
         })
         .collect();
     if tail_sealed && !read_only {
@@ -292,6 +311,20 @@ fn finish(
     Opened { shared, writer, report }
 }
 
+/// With `full`, checks every frame of a sealed segment; otherwise does nothing.
+fn full_scan_ok(file: &dyn StorageFile, path: &Path, base: u64, len: u64, full: bool) -> Result<()> {
+    if !full {
+        return Ok(());
+    }
+    let out = scan_segment(file, path, base, len, &mut |_| {})?;
+    match out.stop {
+        Some((position, problem)) => {
+            Err(WalError::Corrupt { location: Location { file: path.to_path_buf(), position }, problem })
+        }
+        None => Ok(()),
+    }
+}
+
 fn read_header(file: &dyn StorageFile, path: &Path, base: u64, len: u64) -> Result<SegmentHeader> {
     let location = Location { file: path.to_path_buf(), position: 0 };
     if len < SEGMENT_HEADER_LEN {
@@ -299,7 +332,8 @@ fn read_header(file: &dyn StorageFile, path: &Path, base: u64, len: u64) -> Resu
     }
     let mut b = [0u8; SEGMENT_HEADER_LEN as usize];
     read_exact_at(file, &mut b, 0).map_err(io_err(path))?;
-    let h = SegmentHeader::decode(&b).map_err(|problem| WalError::BadSegmentHeader { location: location.clone(), problem })?;
+    let h = SegmentHeader::decode(&b)
+        .map_err(|problem| WalError::BadSegmentHeader { location: location.clone(), problem })?;
     if h.base_offset != base {
         let problem = HeaderProblem::BaseMismatch { name: base, header: h.base_offset };
         return Err(WalError::BadSegmentHeader { location, problem });

@@ -186,7 +186,11 @@ impl Writer {
         let needed = frame_bytes + SEAL_LEN + SEGMENT_HEADER_LEN;
         if used + needed > self.shared.max_bytes {
             metrics::counter!("iggy_ingest_wal_full_rejections_total").increment(1);
-            let _ = reply.send(Err(WalError::Full { used_bytes: used, max_bytes: self.shared.max_bytes, needed_bytes: needed }));
+            let _ = reply.send(Err(WalError::Full {
+                used_bytes: used,
+                max_bytes: self.shared.max_bytes,
+                needed_bytes: needed,
+            }));
             return;
         }
         let synced_len = self.durable_len;
@@ -385,18 +389,17 @@ pub(crate) fn create_segment(storage: &dyn Storage, dir: &Path, base: u64, flags
 }
 
 /// Creates a durable segment file holding exactly `bytes` (a header and whole frames).
-pub(crate) fn create_segment_with(storage: &dyn Storage, dir: &Path, base: u64, bytes: &[u8]) -> Result<Arc<SegmentRef>> {
+pub(crate) fn create_segment_with(
+    storage: &dyn Storage,
+    dir: &Path,
+    base: u64,
+    bytes: &[u8],
+) -> Result<Arc<SegmentRef>> {
     let name = segment_file_name(base);
     let path = dir.join(&name);
     write_file_atomically(storage, dir, &name, bytes)?;
     let file = storage.open(&path, OpenMode::ReadWrite).map_err(|e| WalError::io(&path, e))?;
-    Ok(Arc::new(SegmentRef {
-        base,
-        path,
-        file,
-        durable_len: (bytes.len() as u64).into(),
-        sealed: false.into(),
-    }))
+    Ok(Arc::new(SegmentRef { base, path, file, durable_len: (bytes.len() as u64).into(), sealed: false.into() }))
 }
 
 /// Writes `bytes` as the file `name` in `dir` so that after a crash the name either does

@@ -50,7 +50,8 @@ fn a_resolved_append_survives_power_loss_immediately_after() {
 #[test]
 fn concurrent_appenders_share_syncs() {
     let sim = SimStorage::new();
-    let wal = Arc::new(open(&sim, WalOptions { segment_max_bytes: 1 << 20, max_bytes: 1 << 26, ..WalOptions::default() }));
+    let wal =
+        Arc::new(open(&sim, WalOptions { segment_max_bytes: 1 << 20, max_bytes: 1 << 26, ..WalOptions::default() }));
     let ops_before = sim.ops();
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
     let appends = 2000u64;

@@ -54,6 +54,7 @@ pub trait Storage: Send + Sync + Debug {
 }
 
 /// One open file.
+#[allow(clippy::len_without_is_empty)] // a file's length is a size, not a collection's
 pub trait StorageFile: Send + Sync + Debug {
     /// Reads up to `buf.len()` bytes at `pos`; fewer only at the end of the file.
     fn read_at(&self, buf: &mut [u8], pos: u64) -> io::Result<usize>;

@@ -395,7 +395,9 @@ impl Storage for SimStorage {
         }
         let existing = st.dirs[&dir].names.get(&name).copied();
         let ino = match (mode, existing) {
-            (OpenMode::CreateNew, Some(_)) => return Err(io::Error::from(io::ErrorKind::AlreadyExists)),
+            (OpenMode::CreateNew, Some(_)) => {
+                return Err(io::Error::from(io::ErrorKind::AlreadyExists));
+            }
             (OpenMode::CreateNew, None) => {
                 st.check(FaultOp::Metadata)?;
                 let ino = st.next_ino;
@@ -409,12 +411,7 @@ impl Storage for SimStorage {
             (_, Some(ino)) => ino,
             (_, None) => return Err(io::Error::from(io::ErrorKind::NotFound)),
         };
-        Ok(Arc::new(SimFile {
-            state: self.state.clone(),
-            ino,
-            epoch: st.epoch,
-            writable: mode != OpenMode::Read,
-        }))
+        Ok(Arc::new(SimFile { state: self.state.clone(), ino, epoch: st.epoch, writable: mode != OpenMode::Read }))
     }
 
     fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {

@@ -1,0 +1,290 @@
+//! Opening a log: torn tails, damage to durable bytes, salvage, locks, markers.
+
+mod common;
+
+use std::path::Path;
+use std::sync::Arc;
+
+use common::*;
+use wal::format::{FRAME_HEADER_LEN, SEGMENT_HEADER_LEN, segment_file_name};
+use wal::storage::{CrashMode, FaultOp, SimStorage, Storage};
+use wal::{RecoveryMode, Wal, WalError, WalOptions};
+
+fn seg_path(base: u64) -> std::path::PathBuf {
+    dir().join(segment_file_name(base))
+}
+
+fn flip(sim: &SimStorage, path: &Path, at: usize) {
+    let mut b = sim.read_file(path).unwrap();
+    b[at] ^= 0x40;
+    sim.write_file_durably(path, &b).unwrap();
+}
+
+/// Appends `n` single-record batches of `len` bytes, tags 0..n.
+fn fill(sim: &SimStorage, opts: &WalOptions, n: u64, len: usize) {
+    let wal = open(sim, opts.clone());
+    rt().block_on(async {
+        for i in 0..n {
+            wal.append(vec![payload(i, len)]).await.unwrap();
+        }
+    });
+}
+
+#[test]
+fn a_torn_tail_is_cut_and_reported_and_acknowledged_records_stay() {
+    let sim = SimStorage::new();
+    fill(&sim, &small_options(), 3, 100);
+    // Append half a frame by hand, as a crash in the middle of a write leaves it.
+    let path = seg_path(0);
+    let mut b = sim.read_file(&path).unwrap();
+    let len_before = b.len();
+    b.extend_from_slice(&[0xAB; 50]);
+    sim.write_file_durably(&path, &b).unwrap();
+    let wal = open(&sim, small_options());
+    let r = wal.open_report();
+    assert_eq!(r.truncated_bytes, 50);
+    assert_eq!(r.torn_at.as_ref().map(|l| l.position), Some(len_before as u64));
+    assert_eq!(read_all(&wal, 0).len(), 3);
+    assert_eq!(sim.read_file(&path).unwrap().len(), len_before);
+}
+
+#[test]
+fn a_batch_missing_its_closing_record_is_dropped_whole() {
+    let sim = SimStorage::new();
+    let wal = open(&sim, small_options());
+    rt().block_on(async {
+        wal.append(vec![payload(0, 50)]).await.unwrap();
+        wal.append(vec![payload(1, 50), payload(2, 50), payload(3, 50)]).await.unwrap();
+    });
+    drop(wal);
+    // Cut the file inside the last record of the second batch.
+    let path = seg_path(0);
+    let b = sim.read_file(&path).unwrap();
+    sim.write_file_durably(&path, &b[..b.len() - 10]).unwrap();
+    let wal = open(&sim, small_options());
+    assert_eq!(wal.open_report().dropped_partial_batch_records, 2);
+    let tags: Vec<u64> = read_all(&wal, 0).iter().map(|r| tag_of(&r.payload)).collect();
+    assert_eq!(tags, vec![0], "a partial batch survived");
+}
+
+#[test]
+fn damage_in_the_middle_of_the_tail_is_an_error_naming_file_and_position() {
+    let sim = SimStorage::new();
+    fill(&sim, &small_options(), 5, 100);
+    let path = seg_path(0);
+    // Flip a payload byte of the second record: later records prove it was durable.
+    let second = SEGMENT_HEADER_LEN + (FRAME_HEADER_LEN + 100);
+    flip(&sim, &path, (second + FRAME_HEADER_LEN + 10) as usize);
+    let e = try_open(&sim, small_options()).unwrap_err();
+    match &e {
+        WalError::Corrupt { location, .. } => {
+            assert_eq!(location.file, path);
+            assert_eq!(location.position, second);
+        }
+        other => panic!("expected Corrupt, got {other}"),
+    }
+    assert!(e.to_string().contains("00000000000000000000.seg at byte 164"), "{e}");
+    // Nothing was changed by the refused open.
+    assert_eq!(sim.read_file(&path).unwrap().len() as u64, SEGMENT_HEADER_LEN + 5 * (FRAME_HEADER_LEN + 100));
+}
+
+#[test]
+fn damage_in_a_sealed_segment_is_found_by_readers_and_verify() {
+    let sim = SimStorage::new();
+    fill(&sim, &small_options(), 100, 100);
+    flip(&sim, &seg_path(0), 500);
+    // Opening checks headers and seals, not every byte of sealed segments.
+    let wal = open(&sim, small_options());
+    let mut r = wal.reader(0).unwrap();
+    let e = loop {
+        match r.try_read(1000, 1 << 20) {
+            Ok(b) if b.is_empty() => panic!("damage not seen"),
+            Ok(_) => continue,
+            Err(e) => break e,
+        }
+    };
+    assert!(e.is_corruption(), "{e}");
+    drop(wal);
+    let report = wal::inspect::verify(&sim, &dir(), &mut |_| {}).unwrap();
+    assert_eq!(report.problems.len(), 1, "{:?}", report.problems);
+    assert_eq!(report.problems[0].location.file, seg_path(0));
+}
+
+#[test]
+fn a_missing_segment_is_a_gap_error() {
+    let sim = SimStorage::new();
+    fill(&sim, &small_options(), 200, 100);
+    let names = segment_files(&sim, &dir());
+    assert!(names.len() >= 4);
+    sim.remove_file(&dir().join(&names[1])).unwrap();
+    let e = try_open(&sim, small_options()).unwrap_err();
+    assert!(matches!(e, WalError::Gap { .. }), "{e}");
+}
+
+#[test]
+fn a_bad_segment_header_is_refused() {
+    let sim = SimStorage::new();
+    fill(&sim, &small_options(), 10, 100);
+    flip(&sim, &seg_path(0), 3);
+    let e = try_open(&sim, small_options()).unwrap_err();
+    assert!(matches!(e, WalError::BadSegmentHeader { .. }), "{e}");
+}
+
+#[test]
+fn a_future_format_version_is_refused_by_name() {
+    let sim = SimStorage::new();
+    fill(&sim, &small_options(), 1, 10);
+    let path = seg_path(0);
+    let mut b = sim.read_file(&path).unwrap();
+    b[8..12].copy_from_slice(&2u32.to_le_bytes());
+    let crc = crc32(&b[0..28]);
+    b[28..32].copy_from_slice(&crc.to_le_bytes());
+    sim.write_file_durably(&path, &b).unwrap();
+    let e = try_open(&sim, small_options()).unwrap_err();
+    assert!(e.to_string().contains("format version 2"), "{e}");
+}
+
+fn crc32(b: &[u8]) -> u32 {
+    let mut h = crc32fast::Hasher::new();
+    h.update(b);
+    h.finalize()
+}
+
+#[test]
+fn salvage_keeps_the_valid_prefix_moves_the_rest_and_never_reuses_an_offset() {
+    let sim = SimStorage::new();
+    fill(&sim, &small_options(), 200, 100);
+    let names = segment_files(&sim, &dir());
+    let total_before: u64 = 200;
+    // Damage the second segment's third record.
+    let second = &names[1];
+    let second_base: u64 = second.trim_end_matches(".seg").parse().unwrap();
+    let pos = SEGMENT_HEADER_LEN + 2 * (FRAME_HEADER_LEN + 100) + FRAME_HEADER_LEN + 5;
+    flip(&sim, &dir().join(second), pos as usize);
+    // A strict open checks seals, not every byte of sealed segments; readers find it.
+    let wal = open(&sim, small_options());
+    let mut r = wal.reader(second_base).unwrap();
+    assert!(r.try_read(10, 1 << 20).unwrap_err().is_corruption());
+    drop(wal);
+
+    let opts = WalOptions { recovery: RecoveryMode::Salvage, ..small_options() };
+    let wal = open(&sim, opts);
+    let s = wal.open_report().salvage.clone().expect("salvage report");
+    assert_eq!(s.kept_until_offset, second_base + 2);
+    assert!(s.resumed_at_offset >= total_before, "resumed at {} below the old end", s.resumed_at_offset);
+    assert_eq!(s.moved_files.len(), names.len() - 1);
+    let kept: Vec<u64> = read_all(&wal, 0).iter().map(|r| r.offset).collect();
+    assert_eq!(kept, (0..second_base + 2).collect::<Vec<_>>());
+    let a = rt().block_on(wal.append(vec![payload(7777, 10)])).unwrap();
+    assert_eq!(a.first_offset, s.resumed_at_offset);
+    // The damaged files are kept for the operator.
+    let damaged = sim.list_dir(&dir().join(wal::DAMAGED_DIR)).unwrap();
+    assert_eq!(damaged.len(), names.len() - 1);
+    drop(wal);
+    // The salvaged log reopens strictly, gap and all, and reads across the gap.
+    let wal = open(&sim, small_options());
+    let all = read_all(&wal, 0);
+    assert_eq!(all.last().map(|r| r.offset), Some(s.resumed_at_offset));
+    assert_eq!(all.len() as u64, second_base + 3);
+    assert!(wal::inspect::verify(&sim, &dir(), &mut |_| {}).unwrap().is_clean());
+}
+
+#[test]
+fn only_one_writer_at_a_time_but_any_number_of_readers() {
+    let sim = SimStorage::new();
+    let wal = open(&sim, small_options());
+    rt().block_on(wal.append(vec![payload(1, 10)])).unwrap();
+    let e = try_open(&sim, small_options()).unwrap_err();
+    assert!(matches!(e, WalError::Locked(_)), "{e}");
+    let storage: Arc<dyn Storage> = Arc::new(sim.clone());
+    let r1 = Wal::open_read_only_with(storage.clone(), &dir()).unwrap();
+    let r2 = Wal::open_read_only_with(storage, &dir()).unwrap();
+    assert_eq!(read_all(&r1, 0).len(), 1);
+    assert_eq!(read_all(&r2, 0).len(), 1);
+    assert!(matches!(rt().block_on(r1.append(vec![payload(2, 1)])), Err(WalError::ReadOnly)));
+    drop(wal);
+    assert!(try_open(&sim, small_options()).is_ok());
+}
+
+#[test]
+fn the_real_file_system_lock_refuses_a_second_writer() {
+    let tmp = tempfile::tempdir().unwrap();
+    let first = Wal::open(tmp.path(), small_options()).unwrap();
+    let e = Wal::open(tmp.path(), small_options()).unwrap_err();
+    assert!(e.to_string().contains("locked by another writer"), "{e}");
+    drop(first);
+    Wal::open(tmp.path(), small_options()).unwrap();
+}
+
+#[test]
+fn read_only_open_of_something_that_is_not_a_log_says_so() {
+    let sim = SimStorage::new();
+    let storage: Arc<dyn Storage> = Arc::new(sim.clone());
+    let e = Wal::open_read_only_with(storage.clone(), Path::new("/nowhere")).unwrap_err();
+    assert!(matches!(e, WalError::NotALog(_)), "{e}");
+    sim.create_dir_all(Path::new("/empty")).unwrap();
+    let e = Wal::open_read_only_with(storage, Path::new("/empty")).unwrap_err();
+    assert!(matches!(e, WalError::NotALog(_)), "{e}");
+}
+
+#[test]
+fn read_only_open_hides_a_torn_tail_without_cutting_it() {
+    let sim = SimStorage::new();
+    fill(&sim, &small_options(), 2, 100);
+    let path = seg_path(0);
+    let mut b = sim.read_file(&path).unwrap();
+    b.extend_from_slice(&[7; 40]);
+    sim.write_file_durably(&path, &b).unwrap();
+    let storage: Arc<dyn Storage> = Arc::new(sim.clone());
+    let ro = Wal::open_read_only_with(storage, &dir()).unwrap();
+    assert_eq!(read_all(&ro, 0).len(), 2);
+    assert_eq!(ro.open_report().truncated_bytes, 40);
+    assert_eq!(sim.read_file(&path).unwrap().len(), b.len(), "a read-only open changed the file");
+}
+
+#[test]
+fn an_interrupted_segment_creation_leaves_nothing_behind() {
+    let sim = SimStorage::new();
+    let opts = small_options();
+    let wal = open(&sim, opts.clone());
+    // Lose power at the rename that would publish the next segment.
+    rt().block_on(async {
+        let mut i = 0;
+        loop {
+            if segment_files(&sim, &dir()).len() == 1 && wal.stats().used_bytes > 3500 {
+                sim.crash_at_nth(FaultOp::Metadata, 2, CrashMode::Adversarial { seed: 3 });
+            }
+            if wal.append(vec![payload(i, 200)]).await.is_err() {
+                break;
+            }
+            i += 1;
+        }
+    });
+    drop(wal);
+    let wal = open(&sim, opts);
+    let names = sim.list_dir(&dir()).unwrap();
+    assert!(names.iter().all(|n| !n.ends_with(".tmp")), "{names:?}");
+    let n = read_all(&wal, 0).len() as u64;
+    assert_eq!(wal.next_offset(), n);
+    rt().block_on(wal.append(vec![payload(9999, 200)])).unwrap();
+}
+
+#[test]
+fn a_clean_marker_that_does_not_match_the_tail_is_ignored() {
+    let sim = SimStorage::new();
+    let wal = open(&sim, small_options());
+    rt().block_on(async {
+        wal.append(vec![payload(1, 10)]).await.unwrap();
+        wal.close().await.unwrap();
+    });
+    drop(wal);
+    // The tail grew after the marker was written (a marker never removed): scan wins.
+    let path = seg_path(0);
+    let mut b = sim.read_file(&path).unwrap();
+    b.extend_from_slice(&[0; 32]);
+    sim.write_file_durably(&path, &b).unwrap();
+    let wal = open(&sim, small_options());
+    assert!(!wal.open_report().clean_shutdown);
+    assert_eq!(wal.open_report().truncated_bytes, 32);
+    assert_eq!(wal.next_offset(), 1);
+}
