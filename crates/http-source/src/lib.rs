@@ -1,0 +1,1 @@
+//! The webhook source: HTTP listener, auth schemes, body decoding and endpoints.

@@ -1,0 +1,111 @@
+//! Persistence of dynamic secret-path endpoints in the state database.
+//!
+//! Invariants:
+//! - Every change is committed with `Durability::Immediate` before the call returns, so
+//!   a caller that answers 2xx afterwards answers for something durable.
+//! - Revocation is a tombstone (the record stays, with `revoked_at_unix_ms`), so a
+//!   revoked id can never come back, not even by re-registration with the same id.
+//! - The auth fields are stored as configured (scheme name and parameters); the HTTP
+//!   source validates them the same way as static endpoints when it loads them.
+
+use redb::{Durability, ReadableDatabase, ReadableTable};
+use serde::{Deserialize, Serialize};
+
+use crate::state::{ENDPOINTS, StateDb, StateError, storage_err};
+
+/// An endpoint's auth, as configured.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StoredAuth {
+    /// `none`, `bearer`, `hmac-sha256`, `hmac-sha1`, `standard-webhooks`, `stripe`.
+    pub scheme: String,
+    pub secret: Option<String>,
+    pub header: Option<String>,
+    pub prefix: Option<String>,
+    pub tolerance_secs: Option<u64>,
+}
+
+/// A dynamic endpoint, live or revoked.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EndpointRecord {
+    pub id: u128,
+    pub source_key: String,
+    pub auth: StoredAuth,
+    /// Query parameter echoed back on `GET` (a provider's verification handshake).
+    pub handshake_param: Option<String>,
+    pub created_at_unix_ms: u64,
+    pub expires_at_unix_ms: Option<u64>,
+    pub revoked_at_unix_ms: Option<u64>,
+    pub rotated_at_unix_ms: Option<u64>,
+}
+
+impl StateDb {
+    /// Writes (inserts or replaces) an endpoint record durably.
+    pub fn put_endpoint(&self, record: &EndpointRecord) -> Result<(), StateError> {
+        let bytes = postcard::to_stdvec(record).map_err(|e| StateError::Malformed(e.to_string()))?;
+        let mut txn = self.db.begin_write().map_err(storage_err)?;
+        txn.set_durability(Durability::Immediate).map_err(|e| StateError::Storage(e.to_string()))?;
+        {
+            let mut table = txn.open_table(ENDPOINTS).map_err(storage_err)?;
+            table.insert(record.id, bytes.as_slice()).map_err(storage_err)?;
+        }
+        txn.commit().map_err(storage_err)
+    }
+
+    pub fn get_endpoint(&self, id: u128) -> Result<Option<EndpointRecord>, StateError> {
+        let txn = self.db.begin_read().map_err(storage_err)?;
+        let table = txn.open_table(ENDPOINTS).map_err(storage_err)?;
+        match table.get(id).map_err(storage_err)? {
+            Some(v) => postcard::from_bytes(v.value()).map(Some).map_err(|e| StateError::Malformed(e.to_string())),
+            None => Ok(None),
+        }
+    }
+
+    /// Every stored endpoint, tombstones included, in id order.
+    pub fn load_endpoints(&self) -> Result<Vec<EndpointRecord>, StateError> {
+        let txn = self.db.begin_read().map_err(storage_err)?;
+        let table = txn.open_table(ENDPOINTS).map_err(storage_err)?;
+        let mut out = Vec::new();
+        for entry in table.iter().map_err(storage_err)? {
+            let (_, v) = entry.map_err(storage_err)?;
+            out.push(postcard::from_bytes(v.value()).map_err(|e| StateError::Malformed(e.to_string()))?);
+        }
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn endpoints_survive_reopen_with_their_tombstones() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("s.redb");
+        let mut rec = EndpointRecord {
+            id: 42,
+            source_key: "default".into(),
+            auth: StoredAuth {
+                scheme: "bearer".into(),
+                secret: Some("t".into()),
+                header: None,
+                prefix: None,
+                tolerance_secs: None,
+            },
+            handshake_param: None,
+            created_at_unix_ms: 1,
+            expires_at_unix_ms: None,
+            revoked_at_unix_ms: None,
+            rotated_at_unix_ms: None,
+        };
+        {
+            let db = StateDb::open(&p).unwrap();
+            db.put_endpoint(&rec).unwrap();
+            rec.revoked_at_unix_ms = Some(2);
+            db.put_endpoint(&rec).unwrap();
+        }
+        let db = StateDb::open(&p).unwrap();
+        assert_eq!(db.load_endpoints().unwrap(), vec![rec.clone()]);
+        assert_eq!(db.get_endpoint(42).unwrap(), Some(rec));
+        assert_eq!(db.get_endpoint(43).unwrap(), None);
+    }
+}

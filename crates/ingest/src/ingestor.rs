@@ -1,0 +1,255 @@
+//! Accepting a submission: idempotency check, envelopes, one atomic append.
+//!
+//! Invariants:
+//! - `Ok` means the submission's events are durable in the log as one atomic batch
+//!   (or, for a replayed delivery, were so earlier at the offsets returned).
+//! - `Err` means nothing of this submission was appended.
+//! - Once the append resolved `Ok` the answer is `Ok`, whatever happens afterwards:
+//!   a failure to record the idempotency key is logged and counted, never reported as
+//!   an error (an error would invite a retry, i.e. a duplicate, for a durable event).
+//! - The work runs in its own task, so a client that disconnects mid-request cannot
+//!   interrupt it between the append and the key record.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use bytes::Bytes;
+use wal::{Wal, WalError};
+
+use crate::envelope::{Destination, Envelope, EnvelopeHeader, message_id_for_delivery, random_message_id};
+use crate::idempotency::{IdempotencyIndex, IdempotencyKey, PriorAcceptance};
+
+/// One request's worth of events, decoded and authenticated.
+#[derive(Debug, Clone)]
+pub struct Submission {
+    pub source_key: String,
+    pub endpoint_id: Option<u128>,
+    pub content_type: Option<String>,
+    pub metadata: Vec<(String, String)>,
+    pub headers: Vec<(String, Vec<u8>)>,
+    /// The sender's delivery id, if the request carried one.
+    pub delivery_key: Option<String>,
+    pub destination: Destination,
+    pub events: Vec<Bytes>,
+    pub received_at_unix_ms: u64,
+}
+
+/// Where a submission's events are.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Accepted {
+    pub events: u64,
+    pub first_offset: u64,
+    pub last_offset: u64,
+    /// True when this was a retry of a delivery accepted earlier: nothing was appended.
+    pub replayed: bool,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum IngestError {
+    #[error("log is full: {used_bytes} of {max_bytes} bytes used")]
+    Full { used_bytes: u64, max_bytes: u64 },
+    #[error("a request with the same delivery id is in progress")]
+    InFlight,
+    #[error("event of {len} bytes exceeds the record limit of {max} bytes")]
+    TooLarge { len: usize, max: u32 },
+    #[error("no events in the request")]
+    Empty,
+    /// The log cannot take appends now (storage failure, closed, poisoned).
+    #[error("log unavailable: {0}")]
+    Unavailable(String),
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+impl IngestError {
+    /// A short, fixed name for metrics labels and logs.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            IngestError::Full { .. } => "log_full",
+            IngestError::InFlight => "delivery_in_progress",
+            IngestError::TooLarge { .. } => "record_too_large",
+            IngestError::Empty => "empty",
+            IngestError::Unavailable(_) => "log_unavailable",
+            IngestError::Internal(_) => "internal",
+        }
+    }
+}
+
+/// Turns submissions into log records. Cheap to clone.
+#[derive(Clone)]
+pub struct Ingestor {
+    wal: Arc<Wal>,
+    idempotency: Arc<IdempotencyIndex>,
+}
+
+impl Ingestor {
+    pub fn new(wal: Arc<Wal>, idempotency: Arc<IdempotencyIndex>) -> Ingestor {
+        Ingestor { wal, idempotency }
+    }
+
+    pub fn wal(&self) -> &Arc<Wal> {
+        &self.wal
+    }
+
+    pub fn idempotency(&self) -> &Arc<IdempotencyIndex> {
+        &self.idempotency
+    }
+
+    /// Accepts a submission; see the module invariants.
+    pub async fn accept(&self, submission: Submission) -> Result<Accepted, IngestError> {
+        let this = self.clone();
+        tokio::spawn(async move { this.accept_inner(submission).await })
+            .await
+            .map_err(|e| IngestError::Internal(format!("accept task failed: {e}")))?
+    }
+
+    async fn accept_inner(&self, s: Submission) -> Result<Accepted, IngestError> {
+        if s.events.is_empty() {
+            return Err(IngestError::Empty);
+        }
+        let Some(delivery_key) = s.delivery_key.clone() else {
+            return self.append(&s).await;
+        };
+        let key = IdempotencyKey { source_key: s.source_key.clone(), delivery_key };
+        let claim = self.idempotency.claim(&key).await.ok_or(IngestError::InFlight)?;
+        match self.idempotency.lookup(&key, s.received_at_unix_ms) {
+            Ok(Some(prior)) => {
+                metrics::counter!("iggy_ingest_idempotent_replays_total", "source" => s.source_key.clone())
+                    .increment(1);
+                return Ok(Accepted {
+                    events: prior.last_offset - prior.first_offset + 1,
+                    first_offset: prior.first_offset,
+                    last_offset: prior.last_offset,
+                    replayed: true,
+                });
+            }
+            Ok(None) => {}
+            Err(e) => return Err(IngestError::Internal(e.to_string())),
+        }
+        let accepted = self.append(&s).await?;
+        let prior = PriorAcceptance {
+            first_offset: accepted.first_offset,
+            last_offset: accepted.last_offset,
+            accepted_at_unix_ms: s.received_at_unix_ms,
+        };
+        if let Err(e) = self.idempotency.record(&claim, prior) {
+            // The events are durable; the key will be restored from the log on restart.
+            metrics::counter!("iggy_ingest_idempotency_record_failures_total").increment(1);
+            tracing::error!(source = %s.source_key, error = %e, "recording a delivery id failed; a retry may duplicate until restart");
+        }
+        drop(claim);
+        Ok(accepted)
+    }
+
+    async fn append(&self, s: &Submission) -> Result<Accepted, IngestError> {
+        let batch_len =
+            u32::try_from(s.events.len()).map_err(|_| IngestError::TooLarge { len: s.events.len(), max: u32::MAX })?;
+        let mut records = Vec::with_capacity(s.events.len());
+        for (i, payload) in s.events.iter().enumerate() {
+            let batch_index = i as u32;
+            let message_id = match &s.delivery_key {
+                Some(k) => message_id_for_delivery(&s.source_key, k, batch_index),
+                None => random_message_id(),
+            };
+            let header = EnvelopeHeader {
+                message_id,
+                received_at_unix_ms: s.received_at_unix_ms,
+                source_key: s.source_key.clone(),
+                endpoint_id: s.endpoint_id,
+                content_type: s.content_type.clone(),
+                metadata: s.metadata.clone(),
+                headers: s.headers.clone(),
+                idempotency_key: s.delivery_key.clone(),
+                batch_index,
+                batch_len,
+                destination: s.destination.clone(),
+            };
+            records.push(Envelope::encode(&header, payload));
+        }
+        let started = Instant::now();
+        let result = self.wal.append(records).await;
+        metrics::histogram!("iggy_ingest_append_latency_seconds").record(started.elapsed().as_secs_f64());
+        match result {
+            Ok(a) => {
+                metrics::counter!("iggy_ingest_events_accepted_total", "source" => s.source_key.clone())
+                    .increment(u64::from(batch_len));
+                Ok(Accepted {
+                    events: u64::from(batch_len),
+                    first_offset: a.first_offset,
+                    last_offset: a.last_offset,
+                    replayed: false,
+                })
+            }
+            Err(WalError::Full { used_bytes, max_bytes, .. }) => Err(IngestError::Full { used_bytes, max_bytes }),
+            Err(WalError::RecordTooLarge { len, max }) => Err(IngestError::TooLarge { len, max }),
+            Err(WalError::EmptyBatch) => Err(IngestError::Empty),
+            Err(e) => Err(IngestError::Unavailable(e.to_string())),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::envelope::Partitioning;
+    use crate::state::StateDb;
+
+    fn submission(key: Option<&str>, events: &[&str]) -> Submission {
+        Submission {
+            source_key: "default".into(),
+            endpoint_id: None,
+            content_type: Some("application/json".into()),
+            metadata: vec![],
+            headers: vec![],
+            delivery_key: key.map(str::to_string),
+            destination: Destination {
+                stream: "ingest".into(),
+                topic: "events".into(),
+                partitioning: Partitioning::Balanced,
+            },
+            events: events.iter().map(|e| Bytes::copy_from_slice(e.as_bytes())).collect(),
+            received_at_unix_ms: crate::time::now_unix_ms(),
+        }
+    }
+
+    fn open(dir: &std::path::Path) -> (Arc<Wal>, Ingestor) {
+        let wal = Arc::new(Wal::open(dir.join("wal"), wal::WalOptions::default()).unwrap());
+        let state = Arc::new(StateDb::open(dir.join("state.redb")).unwrap());
+        let idem = Arc::new(IdempotencyIndex::new(state, 3_600_000));
+        idem.rebuild(&wal, crate::time::now_unix_ms()).unwrap();
+        (wal.clone(), Ingestor::new(wal, idem))
+    }
+
+    #[tokio::test]
+    async fn a_batch_is_one_append_with_envelopes_in_order() {
+        let dir = tempfile::tempdir().unwrap();
+        let (wal, ing) = open(dir.path());
+        let a = ing.accept(submission(None, &["{\"n\":1}", "{\"n\":2}"])).await.unwrap();
+        assert_eq!((a.events, a.first_offset, a.last_offset, a.replayed), (2, 0, 1, false));
+        let records: Vec<_> = wal::inspect::Records::new(&wal, 0).unwrap().map(|r| r.unwrap()).collect();
+        let e1 = Envelope::decode(&records[1].payload).unwrap();
+        assert_eq!(&e1.payload[..], b"{\"n\":2}");
+        assert_eq!((e1.header.batch_index, e1.header.batch_len), (1, 2));
+    }
+
+    #[tokio::test]
+    async fn a_retried_delivery_replays_offsets_and_appends_nothing_even_after_a_crash_before_checkpoint() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let (wal, ing) = open(dir.path());
+            let a = ing.accept(submission(Some("d1"), &["a", "b"])).await.unwrap();
+            let again = ing.accept(submission(Some("d1"), &["a", "b"])).await.unwrap();
+            assert!(again.replayed);
+            assert_eq!((again.first_offset, again.last_offset), (a.first_offset, a.last_offset));
+            assert_eq!(wal.next_offset(), 2);
+            // No checkpoint and no clean close: the non-durable key record may be lost.
+        }
+        let (wal, ing) = open(dir.path());
+        let again = ing.accept(submission(Some("d1"), &["a", "b"])).await.unwrap();
+        assert!(again.replayed, "the key must be rebuilt from the log");
+        assert_eq!((again.first_offset, again.last_offset), (0, 1));
+        assert_eq!(wal.next_offset(), 2);
+        let fresh = ing.accept(submission(Some("d2"), &["c"])).await.unwrap();
+        assert_eq!((fresh.first_offset, fresh.replayed), (2, false));
+    }
+}

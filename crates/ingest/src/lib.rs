@@ -1,0 +1,29 @@
+//! The ingest core: turns an accepted request into log records, and keeps the daemon's
+//! state beside the log.
+//!
+//! ```text
+//!  Submission ──▶ Ingestor::accept ──▶ idempotency lookup ──▶ envelope per event ──▶ wal.append (one batch)
+//!                                                                                   │ resolved = durable
+//!                                       idempotency record (redb) ◀────────────────┘
+//! ```
+//!
+//! Invariants:
+//! - An `Ok` from [`Ingestor::accept`] means every event of the submission is durable in
+//!   the log as one atomic batch; an `Err` means nothing of it was appended.
+//! - Every record is an [`Envelope`] carrying its resolved destination, so re-reading the
+//!   log routes each record as it was accepted.
+//! - All daemon state lives in one redb database ([`StateDb`]) with a schema version; a
+//!   different version refuses to open.
+
+pub mod endpoints;
+pub mod envelope;
+pub mod idempotency;
+pub mod ingestor;
+pub mod state;
+pub mod time;
+
+pub use endpoints::{EndpointRecord, StoredAuth};
+pub use envelope::{Destination, Envelope, EnvelopeError, EnvelopeHeader, Partitioning};
+pub use idempotency::{IdempotencyIndex, IdempotencyKey};
+pub use ingestor::{Accepted, IngestError, Ingestor, Submission};
+pub use state::{SCHEMA_VERSION, StateDb, StateError};

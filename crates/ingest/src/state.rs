@@ -1,0 +1,153 @@
+//! The daemon's state database: one redb file beside the log, for idempotency keys,
+//! dynamic endpoints and (later) the router's cursors.
+//!
+//! Invariants:
+//! - The database carries a schema version in its `meta` table. Opening a database whose
+//!   version differs from [`SCHEMA_VERSION`] fails with [`StateError::SchemaMismatch`]
+//!   naming both versions; it is never reset or migrated silently.
+//! - A database with tables but no version is treated as version 0, i.e. a mismatch.
+//! - Every table this crate uses is defined here, in one place.
+
+use std::path::{Path, PathBuf};
+
+use redb::{Database, ReadableDatabase, TableDefinition};
+
+/// The schema this build reads and writes. Bump it with every incompatible change to a
+/// table's key or value layout.
+pub const SCHEMA_VERSION: u64 = 1;
+
+/// `name → u64`: `schema_version`, `idempotency_indexed_through`.
+pub(crate) const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
+/// `source key ␀ delivery key → (first offset, last offset, accepted at unix ms)`.
+pub(crate) const IDEMPOTENCY: TableDefinition<&[u8], (u64, u64, u64)> = TableDefinition::new("idempotency");
+/// `(accepted at unix ms, idempotency table key) → ()`: the expiry order.
+pub(crate) const IDEMPOTENCY_BY_TIME: TableDefinition<(u64, &[u8]), ()> = TableDefinition::new("idempotency_by_time");
+/// `endpoint id → postcard(EndpointRecord)`: dynamic secret-path endpoints, tombstones included.
+pub(crate) const ENDPOINTS: TableDefinition<u128, &[u8]> = TableDefinition::new("endpoints");
+
+pub(crate) const META_SCHEMA_VERSION: &str = "schema_version";
+
+#[derive(Debug, thiserror::Error)]
+pub enum StateError {
+    #[error(
+        "state database {path} has schema version {found}, this build expects {expected}; refusing to start (nothing was changed)"
+    )]
+    SchemaMismatch { path: PathBuf, found: u64, expected: u64 },
+    #[error("cannot open state database {path}: {detail}")]
+    Open { path: PathBuf, detail: String },
+    #[error("state database: {0}")]
+    Storage(String),
+    #[error("state database record is malformed: {0}")]
+    Malformed(String),
+}
+
+pub(crate) fn storage_err<E: Into<redb::Error>>(e: E) -> StateError {
+    StateError::Storage(e.into().to_string())
+}
+
+/// The open state database.
+pub struct StateDb {
+    pub(crate) db: Database,
+    path: PathBuf,
+}
+
+impl std::fmt::Debug for StateDb {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StateDb").field("path", &self.path).finish()
+    }
+}
+
+impl StateDb {
+    /// Opens (creating if needed) the database at `path` and checks its schema version.
+    pub fn open(path: impl AsRef<Path>) -> Result<StateDb, StateError> {
+        let path = path.as_ref().to_path_buf();
+        let db = Database::create(&path).map_err(|e| StateError::Open { path: path.clone(), detail: e.to_string() })?;
+        let state = StateDb { db, path };
+        state.check_or_init_schema()?;
+        Ok(state)
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The schema version stored in the database at `path`, without changing anything.
+    pub fn stored_schema_version(&self) -> Result<Option<u64>, StateError> {
+        let txn = self.db.begin_read().map_err(storage_err)?;
+        let table = match txn.open_table(META) {
+            Ok(t) => t,
+            Err(redb::TableError::TableDoesNotExist(_)) => return Ok(None),
+            Err(e) => return Err(storage_err(e)),
+        };
+        Ok(table.get(META_SCHEMA_VERSION).map_err(storage_err)?.map(|v| v.value()))
+    }
+
+    fn check_or_init_schema(&self) -> Result<(), StateError> {
+        let found = self.stored_schema_version()?;
+        match found {
+            Some(v) if v == SCHEMA_VERSION => Ok(()),
+            Some(v) => Err(StateError::SchemaMismatch { path: self.path.clone(), found: v, expected: SCHEMA_VERSION }),
+            None => {
+                let txn = self.db.begin_write().map_err(storage_err)?;
+                let has_tables = txn.list_tables().map_err(storage_err)?.next().is_some();
+                if has_tables {
+                    drop(txn);
+                    return Err(StateError::SchemaMismatch {
+                        path: self.path.clone(),
+                        found: 0,
+                        expected: SCHEMA_VERSION,
+                    });
+                }
+                {
+                    let mut meta = txn.open_table(META).map_err(storage_err)?;
+                    meta.insert(META_SCHEMA_VERSION, SCHEMA_VERSION).map_err(storage_err)?;
+                    txn.open_table(IDEMPOTENCY).map_err(storage_err)?;
+                    txn.open_table(IDEMPOTENCY_BY_TIME).map_err(storage_err)?;
+                    txn.open_table(ENDPOINTS).map_err(storage_err)?;
+                }
+                txn.commit().map_err(storage_err)?;
+                Ok(())
+            }
+        }
+    }
+
+    /// Overwrites the stored schema version. For tests of the mismatch path and for an
+    /// explicit migration tool; the daemon never calls it.
+    pub fn force_schema_version(&self, version: u64) -> Result<(), StateError> {
+        let txn = self.db.begin_write().map_err(storage_err)?;
+        {
+            let mut meta = txn.open_table(META).map_err(storage_err)?;
+            meta.insert(META_SCHEMA_VERSION, version).map_err(storage_err)?;
+        }
+        txn.commit().map_err(storage_err)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn new_database_gets_the_current_version_and_reopens() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("state.redb");
+        let db = StateDb::open(&p).unwrap();
+        assert_eq!(db.stored_schema_version().unwrap(), Some(SCHEMA_VERSION));
+        drop(db);
+        StateDb::open(&p).unwrap();
+    }
+
+    #[test]
+    fn a_different_version_refuses_to_open_naming_both() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("state.redb");
+        StateDb::open(&p).unwrap().force_schema_version(SCHEMA_VERSION + 1).unwrap();
+        match StateDb::open(&p) {
+            Err(StateError::SchemaMismatch { found, expected, .. }) => {
+                assert_eq!(found, SCHEMA_VERSION + 1);
+                assert_eq!(expected, SCHEMA_VERSION);
+            }
+            other => panic!("expected a schema mismatch, got {other:?}"),
+        }
+    }
+}

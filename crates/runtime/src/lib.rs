@@ -1,0 +1,1 @@
+//! The `iggy-ingest` daemon: configuration, listeners, admin API, metrics and signals.

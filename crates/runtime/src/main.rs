@@ -1,0 +1,3 @@
+//! The `iggy-ingest` command line.
+
+fn main() {}
