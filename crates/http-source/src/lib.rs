@@ -1,1 +1,24 @@
 //! The webhook source: HTTP listener, auth schemes, body decoding and endpoints.
+//!
+//! ```text
+//!  TCP ─▶ server (connection cap, header/idle timeout, graceful drain)
+//!        ─▶ door (route ─▶ size/timeout ─▶ auth ─▶ decode ─▶ delivery id) ─▶ ingest::Ingestor
+//! ```
+//!
+//! Invariant of the whole crate: a request is answered 200 only after the ingest core
+//! reported its events durable; every other answer appends nothing.
+
+pub mod auth;
+pub mod body;
+pub mod door;
+pub mod endpoints;
+pub mod error;
+pub mod server;
+pub mod source;
+pub mod status;
+
+pub use auth::AuthScheme;
+pub use body::Accept;
+pub use door::{Door, DoorLimits, router};
+pub use endpoints::{Endpoint, EndpointRegistry};
+pub use source::{MetadataFields, SourceSpec};

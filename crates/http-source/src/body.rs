@@ -1,0 +1,151 @@
+//! Request bodies to events: one event per request, or NDJSON batches.
+//!
+//! Invariants:
+//! - Decoding is all-or-nothing: one malformed NDJSON line rejects the whole request,
+//!   naming the line (1-based), so nothing of it is appended.
+//! - Event bytes are kept exactly as received (for NDJSON: each line without its line
+//!   terminator); nothing is re-serialized.
+//! - A source that accepts only JSON gets 415 for any other media type and 400 for
+//!   bytes that are not JSON.
+
+use bytes::Bytes;
+use serde::de::IgnoredAny;
+
+/// What a source accepts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Accept {
+    /// Any content type; single events are stored as raw bytes.
+    Any,
+    /// `application/json`, `application/*+json` or NDJSON only, validated.
+    Json,
+}
+
+/// A decoded body.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Decoded {
+    pub events: Vec<Bytes>,
+    /// The content type stored with each event.
+    pub content_type: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum BodyError {
+    #[error("content type {0:?} is not accepted by this source (it accepts JSON or NDJSON)")]
+    UnsupportedMediaType(String),
+    #[error("body is not valid JSON: {0}")]
+    InvalidJson(String),
+    #[error("line {line}: not valid JSON: {detail}")]
+    MalformedLine { line: usize, detail: String },
+    #[error("body holds no events")]
+    NoEvents,
+}
+
+impl BodyError {
+    pub fn reason(&self) -> &'static str {
+        match self {
+            BodyError::UnsupportedMediaType(_) => "unsupported_media_type",
+            BodyError::InvalidJson(_) => "invalid_json",
+            BodyError::MalformedLine { .. } => "malformed_ndjson_line",
+            BodyError::NoEvents => "no_events",
+        }
+    }
+}
+
+/// The media type without parameters, lower-cased.
+fn essence(content_type: &str) -> String {
+    content_type.split(';').next().unwrap_or("").trim().to_ascii_lowercase()
+}
+
+fn is_ndjson(essence: &str) -> bool {
+    matches!(essence, "application/x-ndjson" | "application/ndjson" | "application/jsonl" | "application/x-jsonlines")
+}
+
+fn is_json(essence: &str) -> bool {
+    essence == "application/json" || (essence.starts_with("application/") && essence.ends_with("+json"))
+}
+
+/// Splits and checks a body. `content_type` is the request's `Content-Type`, if any.
+pub fn decode(content_type: Option<&str>, body: Bytes, accept: Accept) -> Result<Decoded, BodyError> {
+    let ess = content_type.map(essence);
+    match ess.as_deref() {
+        Some(e) if is_ndjson(e) => decode_ndjson(body),
+        Some(e) if is_json(e) => {
+            serde_json::from_slice::<IgnoredAny>(&body).map_err(|err| BodyError::InvalidJson(err.to_string()))?;
+            Ok(Decoded { events: vec![body], content_type: content_type.map(str::to_string) })
+        }
+        other => match accept {
+            Accept::Json => Err(BodyError::UnsupportedMediaType(other.unwrap_or("").to_string())),
+            Accept::Any => Ok(Decoded { events: vec![body], content_type: content_type.map(str::to_string) }),
+        },
+    }
+}
+
+fn decode_ndjson(body: Bytes) -> Result<Decoded, BodyError> {
+    let mut events = Vec::new();
+    let mut start = 0usize;
+    let mut line_no = 0usize;
+    while start < body.len() {
+        line_no += 1;
+        let end = body[start..].iter().position(|&b| b == b'\n').map_or(body.len(), |p| start + p);
+        let mut line_end = end;
+        if line_end > start && body[line_end - 1] == b'\r' {
+            line_end -= 1;
+        }
+        let line = body.slice(start..line_end);
+        start = end + 1;
+        if line.iter().all(|b| b.is_ascii_whitespace()) {
+            continue;
+        }
+        serde_json::from_slice::<IgnoredAny>(&line)
+            .map_err(|err| BodyError::MalformedLine { line: line_no, detail: err.to_string() })?;
+        events.push(line);
+    }
+    if events.is_empty() {
+        return Err(BodyError::NoEvents);
+    }
+    Ok(Decoded { events, content_type: Some("application/json".to_string()) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ndjson_splits_lines_skips_blank_ones_and_names_the_bad_line() {
+        let d =
+            decode(Some("application/x-ndjson"), Bytes::from_static(b"{\"a\":1}\r\n\n[2]\n"), Accept::Json).unwrap();
+        assert_eq!(d.events, vec![Bytes::from_static(b"{\"a\":1}"), Bytes::from_static(b"[2]")]);
+        let e =
+            decode(Some("application/x-ndjson; charset=utf-8"), Bytes::from_static(b"{}\n\n{oops\n{}"), Accept::Any);
+        assert!(matches!(e, Err(BodyError::MalformedLine { line: 3, .. })), "{e:?}");
+        assert_eq!(
+            decode(Some("application/x-ndjson"), Bytes::from_static(b"\n \n"), Accept::Any),
+            Err(BodyError::NoEvents)
+        );
+    }
+
+    #[test]
+    fn json_only_sources_refuse_other_media_types_and_bad_json() {
+        assert!(matches!(
+            decode(Some("text/plain"), Bytes::from_static(b"{}"), Accept::Json),
+            Err(BodyError::UnsupportedMediaType(t)) if t == "text/plain"
+        ));
+        assert!(matches!(
+            decode(None, Bytes::from_static(b"{}"), Accept::Json),
+            Err(BodyError::UnsupportedMediaType(_))
+        ));
+        assert!(matches!(
+            decode(Some("application/json"), Bytes::from_static(b"{\"a\":"), Accept::Any),
+            Err(BodyError::InvalidJson(_))
+        ));
+        let ok = decode(Some("application/vnd.api+json"), Bytes::from_static(b"{\"a\":1}"), Accept::Json).unwrap();
+        assert_eq!(ok.events.len(), 1);
+    }
+
+    #[test]
+    fn any_sources_keep_raw_bytes_and_content_type() {
+        let d = decode(Some("text/plain"), Bytes::from_static(b"hello"), Accept::Any).unwrap();
+        assert_eq!(d.events, vec![Bytes::from_static(b"hello")]);
+        assert_eq!(d.content_type.as_deref(), Some("text/plain"));
+    }
+}

@@ -1,0 +1,380 @@
+//! The webhook listener's routes: named source paths, secret-path endpoints, the GET
+//! handshake and `/health`.
+//!
+//! Invariants:
+//! - 200 is answered only after the ingest core's append resolved; the body is
+//!   `{"accepted": n, "offsets": [first, last]}`.
+//! - Every other answer is an [`ApiError`] with a JSON body, and nothing is appended:
+//!   all checks (draining, size, timeouts, auth, decoding, delivery id) run before the
+//!   append, and once the append resolved `Ok` the answer is 200.
+//! - Metrics labels are the source key (from configuration, never from the request),
+//!   status class and fixed reasons: never paths, ids or peer addresses.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::{Path, Query, Request, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use bytes::Bytes;
+use http_body_util::{BodyExt, Limited};
+use ingest::{IngestError, Ingestor, Submission};
+use serde_json::json;
+
+use crate::auth::AuthScheme;
+use crate::body::{self, BodyError};
+use crate::endpoints::{EndpointRegistry, Lookup, parse_id};
+use crate::error::ApiError;
+use crate::source::{DELIVERY_ID_HEADERS, DELIVERY_KEY_MAX_BYTES, HEADER_VALUE_MAX_BYTES, SourceSpec};
+use crate::status::StatusBoard;
+
+/// The peer address of a connection, put into each request's extensions by the server.
+#[derive(Debug, Clone, Copy)]
+pub struct PeerAddr(pub SocketAddr);
+
+/// Request limits of the webhook listener.
+#[derive(Debug, Clone)]
+pub struct DoorLimits {
+    pub max_body_bytes: usize,
+    pub body_read_timeout: Duration,
+    /// `Retry-After` sent with 503 answers.
+    pub retry_after_secs: u64,
+}
+
+/// Everything the routes share.
+pub struct Door {
+    pub sources: HashMap<String, Arc<SourceSpec>>,
+    pub endpoints: Arc<EndpointRegistry>,
+    pub ingestor: Ingestor,
+    pub limits: DoorLimits,
+    pub draining: Arc<AtomicBool>,
+    pub status: Arc<StatusBoard>,
+}
+
+/// The webhook listener's router.
+pub fn router(door: Arc<Door>) -> Router {
+    Router::new()
+        .route("/v1/sources/{key}", post(post_source))
+        .route("/v1/e/{endpoint_id}", post(post_endpoint).get(get_handshake))
+        .route("/health", get(health))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .with_state(door)
+}
+
+async fn not_found() -> Response {
+    count("-", "4xx", "not_found");
+    ApiError::not_found("no such path").into_response()
+}
+
+async fn method_not_allowed() -> Response {
+    count("-", "4xx", "method_not_allowed");
+    ApiError::new(StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed", "method not allowed on this path")
+        .into_response()
+}
+
+async fn health(State(door): State<Arc<Door>>) -> Response {
+    if door.draining.load(Ordering::Acquire) {
+        (StatusCode::SERVICE_UNAVAILABLE, axum::Json(json!({"status": "draining"}))).into_response()
+    } else {
+        (StatusCode::OK, axum::Json(json!({"status": "accepting"}))).into_response()
+    }
+}
+
+fn count(source: &str, class: &'static str, reason: &'static str) {
+    metrics::counter!("iggy_ingest_http_requests_total", "source" => source.to_string(), "status_class" => class)
+        .increment(1);
+    if class != "2xx" {
+        metrics::counter!("iggy_ingest_http_rejected_total", "source" => source.to_string(), "reason" => reason)
+            .increment(1);
+    }
+}
+
+async fn post_source(State(door): State<Arc<Door>>, Path(key): Path<String>, req: Request) -> Response {
+    let Some(source) = door.sources.get(&key).filter(|s| s.named_path).cloned() else {
+        count("-", "4xx", "unknown_source");
+        return ApiError::not_found("no such source").into_response();
+    };
+    let auth = source.auth.clone();
+    receive(&door, source, None, &auth, req).await
+}
+
+async fn post_endpoint(State(door): State<Arc<Door>>, Path(id): Path<String>, req: Request) -> Response {
+    let endpoint = match resolve_endpoint(&door, &id) {
+        Ok(e) => e,
+        Err(e) => return e.into_response(),
+    };
+    let Some(source) = door.sources.get(&endpoint.source_key).cloned() else {
+        count("-", "4xx", "unknown_source");
+        return ApiError::not_found("no such endpoint").into_response();
+    };
+    receive(&door, source, Some(endpoint.id), &endpoint.auth, req).await
+}
+
+fn resolve_endpoint(door: &Door, id: &str) -> Result<Arc<crate::endpoints::Endpoint>, ApiError> {
+    let now = ingest::time::now_unix_ms();
+    let Some(id) = parse_id(id) else {
+        count("-", "4xx", "unknown_endpoint");
+        return Err(ApiError::not_found("no such endpoint"));
+    };
+    match door.endpoints.lookup(id, now) {
+        Lookup::Active(e) => Ok(e),
+        Lookup::Unknown | Lookup::Revoked => {
+            count("-", "4xx", "unknown_endpoint");
+            Err(ApiError::not_found("no such endpoint"))
+        }
+        Lookup::Expired => {
+            count("-", "4xx", "endpoint_expired");
+            Err(ApiError::new(StatusCode::GONE, "endpoint_expired", "this endpoint has expired"))
+        }
+    }
+}
+
+async fn get_handshake(
+    State(door): State<Arc<Door>>,
+    Path(id): Path<String>,
+    Query(query): Query<HashMap<String, String>>,
+) -> Response {
+    let endpoint = match resolve_endpoint(&door, &id) {
+        Ok(e) => e,
+        Err(e) => return e.into_response(),
+    };
+    let Some(param) = endpoint.handshake_param.as_deref() else {
+        count(&endpoint.source_key, "4xx", "method_not_allowed");
+        return ApiError::new(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "method_not_allowed",
+            "this endpoint has no GET handshake",
+        )
+        .into_response();
+    };
+    match query.get(param) {
+        Some(challenge) => {
+            count(&endpoint.source_key, "2xx", "handshake");
+            ([(header::CONTENT_TYPE, "text/plain; charset=utf-8")], challenge.clone()).into_response()
+        }
+        None => {
+            count(&endpoint.source_key, "4xx", "handshake_missing_param");
+            ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "missing_challenge",
+                format!("query parameter {param:?} is required"),
+            )
+            .into_response()
+        }
+    }
+}
+
+/// The common path of every event-carrying request.
+async fn receive(
+    door: &Door,
+    source: Arc<SourceSpec>,
+    endpoint_id: Option<u128>,
+    auth: &AuthScheme,
+    req: Request,
+) -> Response {
+    let started = Instant::now();
+    let result = receive_inner(door, &source, endpoint_id, auth, req).await;
+    metrics::histogram!("iggy_ingest_http_request_duration_seconds", "source" => source.key.clone())
+        .record(started.elapsed().as_secs_f64());
+    let status = door.status.get(&source.key);
+    match result {
+        Ok(resp) => resp,
+        Err(e) => {
+            let class = if e.status.is_server_error() { "5xx" } else { "4xx" };
+            count(&source.key, class, e.code);
+            if let Some(s) = status {
+                s.rejected(e.code, &e.message, ingest::time::now_unix_ms());
+            }
+            e.into_response()
+        }
+    }
+}
+
+async fn receive_inner(
+    door: &Door,
+    source: &SourceSpec,
+    endpoint_id: Option<u128>,
+    auth: &AuthScheme,
+    req: Request,
+) -> Result<Response, ApiError> {
+    let received_at_unix_ms = ingest::time::now_unix_ms();
+    if door.draining.load(Ordering::Acquire) {
+        return Err(ApiError::unavailable(
+            "shutting_down",
+            "the daemon is shutting down",
+            door.limits.retry_after_secs,
+        ));
+    }
+    let (parts, body) = req.into_parts();
+    let peer = parts.extensions.get::<PeerAddr>().map(|p| p.0);
+    let max = door.limits.max_body_bytes;
+    if let Some(len) = content_length(&parts.headers)
+        && len > max as u64
+    {
+        return Err(too_large(max));
+    }
+    let body = read_body(body, max, door.limits.body_read_timeout).await?;
+
+    if let Err(failure) = auth.verify(&parts.headers, &body, received_at_unix_ms / 1000) {
+        tracing::warn!(source = %source.key, reason = failure.reason(), peer = ?peer, "request failed authentication");
+        metrics::counter!("iggy_ingest_auth_failures_total", "source" => source.key.clone(), "reason" => failure.reason())
+            .increment(1);
+        return Err(ApiError::unauthorized());
+    }
+
+    let content_type = match parts.headers.get(header::CONTENT_TYPE) {
+        None => None,
+        Some(v) => Some(v.to_str().map_err(|_| {
+            ApiError::new(StatusCode::BAD_REQUEST, "invalid_content_type", "Content-Type is not valid ASCII")
+        })?),
+    };
+    let decoded = body::decode(content_type, body, source.accept).map_err(|e| {
+        let status = match e {
+            BodyError::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            _ => StatusCode::BAD_REQUEST,
+        };
+        ApiError::new(status, e.reason(), e.to_string())
+    })?;
+
+    let delivery_key = if source.idempotency { delivery_key(source, &parts.headers)? } else { None };
+    let headers = forward_headers(source, &parts.headers);
+    let mut metadata = Vec::new();
+    if source.metadata.peer_addr
+        && let Some(p) = peer
+    {
+        metadata.push(("peer_addr".to_string(), p.to_string()));
+    }
+    if source.metadata.received_at {
+        metadata.push(("received_at_unix_ms".to_string(), received_at_unix_ms.to_string()));
+    }
+    let submission = Submission {
+        source_key: source.key.clone(),
+        endpoint_id,
+        content_type: decoded.content_type,
+        metadata,
+        headers,
+        delivery_key,
+        destination: source.destination.clone(),
+        events: decoded.events,
+        received_at_unix_ms,
+    };
+    let accepted = door.ingestor.accept(submission).await.map_err(|e| ingest_error(e, door.limits.retry_after_secs))?;
+    if let Some(s) = door.status.get(&source.key) {
+        s.accepted(accepted.events, accepted.replayed);
+    }
+    count(&source.key, "2xx", "accepted");
+    let mut resp = (
+        StatusCode::OK,
+        axum::Json(json!({"accepted": accepted.events, "offsets": [accepted.first_offset, accepted.last_offset]})),
+    )
+        .into_response();
+    if accepted.replayed {
+        resp.headers_mut().insert("idempotent-replayed", HeaderValue::from_static("true"));
+    }
+    Ok(resp)
+}
+
+fn too_large(max: usize) -> ApiError {
+    ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, "body_too_large", format!("body exceeds max_body_bytes ({max})"))
+}
+
+fn content_length(headers: &HeaderMap) -> Option<u64> {
+    headers.get(header::CONTENT_LENGTH)?.to_str().ok()?.trim().parse().ok()
+}
+
+async fn read_body(body: Body, max: usize, timeout: Duration) -> Result<Bytes, ApiError> {
+    let limited = Limited::new(body, max);
+    match tokio::time::timeout(timeout, limited.collect()).await {
+        Err(_) => {
+            Err(ApiError::new(StatusCode::REQUEST_TIMEOUT, "body_read_timeout", "the body was not received in time"))
+        }
+        Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => Err(too_large(max)),
+        Ok(Err(e)) => {
+            Err(ApiError::new(StatusCode::BAD_REQUEST, "body_read_failed", format!("reading the body failed: {e}")))
+        }
+        Ok(Ok(collected)) => Ok(collected.to_bytes()),
+    }
+}
+
+fn delivery_key(source: &SourceSpec, headers: &HeaderMap) -> Result<Option<String>, ApiError> {
+    let names = source.idempotency_header.iter().map(String::as_str).chain(DELIVERY_ID_HEADERS);
+    for name in names {
+        let Some(v) = headers.get(name) else { continue };
+        let v = v.to_str().map_err(|_| {
+            ApiError::new(StatusCode::BAD_REQUEST, "invalid_delivery_id", format!("header {name} is not valid ASCII"))
+        })?;
+        let v = v.trim();
+        if v.is_empty() {
+            return Err(ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "invalid_delivery_id",
+                format!("header {name} is empty"),
+            ));
+        }
+        if v.len() > DELIVERY_KEY_MAX_BYTES {
+            return Err(ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "invalid_delivery_id",
+                format!("header {name} is longer than {DELIVERY_KEY_MAX_BYTES} bytes"),
+            ));
+        }
+        return Ok(Some(v.to_string()));
+    }
+    Ok(None)
+}
+
+fn forward_headers(source: &SourceSpec, headers: &HeaderMap) -> Vec<(String, Vec<u8>)> {
+    let mut out = Vec::new();
+    for name in &source.forward_headers {
+        for v in headers.get_all(name.as_str()) {
+            let bytes = v.as_bytes();
+            let value = if bytes.len() > HEADER_VALUE_MAX_BYTES {
+                metrics::counter!("iggy_ingest_header_values_clamped_total", "source" => source.key.clone())
+                    .increment(1);
+                bytes[..HEADER_VALUE_MAX_BYTES].to_vec()
+            } else {
+                bytes.to_vec()
+            };
+            out.push((name.clone(), value));
+        }
+    }
+    out
+}
+
+fn ingest_error(e: IngestError, retry_after_secs: u64) -> ApiError {
+    match e {
+        IngestError::Full { .. } => {
+            tracing::warn!(error = %e, "log full: answering 503");
+            ApiError::unavailable("log_full", "the log is full; retry later", retry_after_secs)
+        }
+        IngestError::InFlight => ApiError {
+            retry_after_secs: Some(1),
+            ..ApiError::new(
+                StatusCode::CONFLICT,
+                "delivery_in_progress",
+                "a request with the same delivery id is in progress",
+            )
+        },
+        IngestError::TooLarge { len, max } => ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "record_too_large",
+            format!("an event of {len} bytes exceeds the record limit of {max} bytes"),
+        ),
+        IngestError::Empty => ApiError::new(StatusCode::BAD_REQUEST, "no_events", "body holds no events"),
+        IngestError::Unavailable(ref m) => {
+            tracing::error!(error = %m, "log append failed");
+            ApiError::unavailable("log_unavailable", "the log cannot take events now", retry_after_secs)
+        }
+        IngestError::Internal(ref m) => {
+            tracing::error!(error = %m, "internal error while accepting");
+            ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", "internal error")
+        }
+    }
+}

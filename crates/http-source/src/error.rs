@@ -1,0 +1,51 @@
+//! Error answers: a status, a fixed machine-readable code and a human message, as JSON.
+//!
+//! Invariants:
+//! - Every non-2xx answer of the webhook listener has a JSON body `{"error", "message"}`.
+//! - 401 answers carry no detail: the reason is logged and counted, not sent.
+//! - 503 answers carry `Retry-After`.
+
+use axum::Json;
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use serde_json::json;
+
+#[derive(Debug, Clone)]
+pub struct ApiError {
+    pub status: StatusCode,
+    /// Fixed code, also the metrics reason.
+    pub code: &'static str,
+    pub message: String,
+    pub retry_after_secs: Option<u64>,
+}
+
+impl ApiError {
+    pub fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> ApiError {
+        ApiError { status, code, message: message.into(), retry_after_secs: None }
+    }
+
+    pub fn unauthorized() -> ApiError {
+        ApiError::new(StatusCode::UNAUTHORIZED, "unauthorized", "authentication failed")
+    }
+
+    pub fn not_found(message: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::NOT_FOUND, "not_found", message)
+    }
+
+    pub fn unavailable(code: &'static str, message: impl Into<String>, retry_after_secs: u64) -> ApiError {
+        ApiError {
+            retry_after_secs: Some(retry_after_secs),
+            ..ApiError::new(StatusCode::SERVICE_UNAVAILABLE, code, message)
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut resp = (self.status, Json(json!({ "error": self.code, "message": self.message }))).into_response();
+        if let Some(secs) = self.retry_after_secs {
+            resp.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(secs));
+        }
+        resp
+    }
+}

@@ -1,0 +1,105 @@
+//! Serving a router on a TCP listener with the daemon's connection rules.
+//!
+//! Invariants:
+//! - At most `max_connections` connections are served at once; further clients wait in
+//!   the kernel's accept backlog (they are not accepted and dropped).
+//! - `header_read_timeout` bounds both the time to receive a request head and the time
+//!   a keep-alive connection may sit idle between requests (hyper starts the same timer
+//!   when it starts waiting for the next head), so slow or idle clients cannot hold
+//!   connection slots.
+//! - On shutdown the listener stops accepting at once, in-flight requests are finished,
+//!   idle keep-alive connections are closed, and the whole drain is bounded by `grace`.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::server::graceful::GracefulShutdown;
+use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
+use tower::ServiceExt;
+
+use crate::door::PeerAddr;
+
+#[derive(Debug, Clone)]
+pub struct ConnectionLimits {
+    pub max_connections: usize,
+    pub header_read_timeout: Duration,
+}
+
+/// How a serve loop ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Drained {
+    /// True when every connection finished within the grace period.
+    pub complete: bool,
+}
+
+/// Serves `router` on `listener` until `shutdown` resolves, then drains within `grace`.
+pub async fn serve(
+    listener: TcpListener,
+    router: Router,
+    limits: ConnectionLimits,
+    shutdown: impl Future<Output = ()>,
+    grace: Duration,
+    listener_name: &'static str,
+) -> Drained {
+    let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
+    let graceful = GracefulShutdown::new();
+    let mut builder = hyper::server::conn::http1::Builder::new();
+    builder.timer(TokioTimer::new()).header_read_timeout(limits.header_read_timeout).keep_alive(true);
+    tokio::pin!(shutdown);
+    loop {
+        let permit = tokio::select! {
+            _ = &mut shutdown => break,
+            p = slots.clone().acquire_owned() => match p {
+                Ok(p) => p,
+                Err(_) => break,
+            },
+        };
+        let (stream, peer) = tokio::select! {
+            _ = &mut shutdown => break,
+            accepted = listener.accept() => match accepted {
+                Ok(a) => a,
+                Err(e) => {
+                    // Typically EMFILE/ENFILE: back off instead of spinning.
+                    tracing::warn!(listener = listener_name, error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+        };
+        let _ = stream.set_nodelay(true);
+        let router = router.clone();
+        let service = hyper::service::service_fn(move |mut req: hyper::Request<Incoming>| {
+            req.extensions_mut().insert(PeerAddr(peer));
+            router.clone().oneshot(req.map(axum::body::Body::new))
+        });
+        let conn = builder.serve_connection(TokioIo::new(stream), service);
+        let watched = graceful.watch(conn);
+        tokio::spawn(async move {
+            if let Err(e) = watched.await {
+                tracing::debug!(error = %e, peer = %peer, "connection ended with an error");
+            }
+            drop(permit);
+        });
+    }
+    drop(listener);
+    let complete = tokio::time::timeout(grace, graceful.shutdown()).await.is_ok();
+    if !complete {
+        tracing::warn!(
+            listener = listener_name,
+            grace_ms = grace.as_millis() as u64,
+            "connections still open after the grace period"
+        );
+    }
+    Drained { complete }
+}
+
+/// Binds a listener, with the address in the error.
+pub async fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    TcpListener::bind(addr).await.map_err(|e| std::io::Error::new(e.kind(), format!("binding {addr}: {e}")))
+}

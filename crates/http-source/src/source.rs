@@ -1,0 +1,77 @@
+//! What a source is: its key, destination, accepted bodies, auth for its named path,
+//! and which request details go into each record.
+//!
+//! Invariants:
+//! - Specs are validated when built from configuration; at request time nothing here
+//!   can fail.
+//! - `forward_headers` never names a credential header (refused at config load by
+//!   [`is_credential_header`]).
+
+use ingest::Destination;
+
+use crate::auth::AuthScheme;
+use crate::body::Accept;
+
+/// The largest header value Iggy accepts; longer forwarded values are cut to this and
+/// the cut is counted.
+pub const HEADER_VALUE_MAX_BYTES: usize = 255;
+
+/// The longest delivery id accepted for idempotency; a longer one is a 400.
+pub const DELIVERY_KEY_MAX_BYTES: usize = 255;
+
+/// The request headers that carry a sender's delivery id, in the order they are tried
+/// (after a source's own configured header).
+pub const DELIVERY_ID_HEADERS: [&str; 4] = ["idempotency-key", "webhook-id", "svix-id", "x-github-delivery"];
+
+/// Which receive details are stored as metadata with each event.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct MetadataFields {
+    pub peer_addr: bool,
+    pub received_at: bool,
+}
+
+#[derive(Debug, Clone)]
+pub struct SourceSpec {
+    pub key: String,
+    pub destination: Destination,
+    pub accept: Accept,
+    /// Whether `POST /v1/sources/{key}` is served (secret-path endpoints work either way).
+    pub named_path: bool,
+    /// Auth of the named path.
+    pub auth: AuthScheme,
+    /// Lower-case header names copied into each record.
+    pub forward_headers: Vec<String>,
+    pub metadata: MetadataFields,
+    /// A header, besides [`DELIVERY_ID_HEADERS`], that carries the delivery id (lower-case).
+    pub idempotency_header: Option<String>,
+    /// Whether delivery ids are honoured at all for this source.
+    pub idempotency: bool,
+}
+
+/// Headers that carry credentials; forwarding them into the log would copy secrets
+/// into every downstream consumer.
+pub fn is_credential_header(name: &str) -> bool {
+    let n = name.to_ascii_lowercase();
+    matches!(
+        n.as_str(),
+        "authorization" | "proxy-authorization" | "cookie" | "set-cookie" | "x-api-key" | "api-key" | "x-auth-token"
+    ) || n.contains("signature")
+        || n.contains("secret")
+        || n.contains("token")
+        || n.contains("password")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn credential_headers_are_recognised_case_insensitively() {
+        for h in ["Authorization", "cookie", "X-Hub-Signature-256", "Stripe-Signature", "X-Gitlab-Token", "x-api-key"] {
+            assert!(is_credential_header(h), "{h}");
+        }
+        for h in ["x-github-event", "content-type", "user-agent", "x-request-id"] {
+            assert!(!is_credential_header(h), "{h}");
+        }
+    }
+}
