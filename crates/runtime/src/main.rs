@@ -1,3 +1,158 @@
-//! The `iggy-ingest` command line.
+//! The `iggy-ingest` command line: `run`, `config check`, `config default`.
+//!
+//! Exit codes: 0 after a clean run or a valid config; 1 for a failed start or an
+//! unclean shutdown; 2 for an invalid configuration or command line (clap's own).
 
-fn main() {}
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use iggy_ingest::config::{self, Config, Settings};
+use iggy_ingest::{daemon, logging};
+
+#[derive(Debug, Parser)]
+#[command(name = "iggy-ingest", version, about = "Lossless webhook ingestion into Apache Iggy")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run the daemon (on the built-in default configuration without --config).
+    Run {
+        /// A TOML configuration file (see config/example.toml).
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// Once both listeners are bound, write their addresses here as JSON
+        /// (`{"http": "...", "admin": "...", "pid": N}`), atomically.
+        #[arg(long)]
+        ready_file: Option<PathBuf>,
+    },
+    /// Configuration tools.
+    Config {
+        #[command(subcommand)]
+        command: ConfigCommand,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum ConfigCommand {
+    /// Validate a configuration file without starting; errors name key path and line.
+    Check { file: PathBuf },
+    /// Print the built-in default configuration.
+    Default,
+}
+
+const DEFAULT_TOML: &str = include_str!("../../../config/default.toml");
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Config { command: ConfigCommand::Check { file } } => match config::load(&file) {
+            Ok(s) => {
+                println!(
+                    "{}: ok ({} source(s), {} static endpoint(s))",
+                    file.display(),
+                    s.sources.len(),
+                    s.endpoints.len()
+                );
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("{e}");
+                ExitCode::from(2)
+            }
+        },
+        Command::Config { command: ConfigCommand::Default } => {
+            print!("{DEFAULT_TOML}");
+            ExitCode::SUCCESS
+        }
+        Command::Run { config, ready_file } => {
+            let settings = match &config {
+                Some(path) => config::load(path),
+                None => config::validate(&Config::builtin(), None, None),
+            };
+            let settings = match settings {
+                Ok(s) => s,
+                Err(e) => {
+                    eprintln!("{e}");
+                    return ExitCode::from(2);
+                }
+            };
+            run(settings, ready_file)
+        }
+    }
+}
+
+fn run(settings: Settings, ready_file: Option<PathBuf>) -> ExitCode {
+    logging::init(&settings.log_level, settings.log_json);
+    let metrics = match metrics_exporter_prometheus::PrometheusBuilder::new().install_recorder() {
+        Ok(h) => Some(h),
+        Err(e) => {
+            tracing::warn!(error = %e, "metrics recorder not installed; /metrics answers 404");
+            None
+        }
+    };
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    runtime.block_on(async move {
+        let running = match daemon::start(settings, metrics).await {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::error!(error = %e, "start failed");
+                eprintln!("iggy-ingest: {e}");
+                return ExitCode::FAILURE;
+            }
+        };
+        if let Some(path) = ready_file
+            && let Err(e) = write_ready_file(&path, &running)
+        {
+            tracing::error!(error = %e, path = %path.display(), "cannot write the ready file");
+            running.shutdown();
+            running.wait().await;
+            return ExitCode::FAILURE;
+        }
+        wait_for_signal().await;
+        running.shutdown();
+        let report = running.wait().await;
+        if report.is_clean() {
+            ExitCode::SUCCESS
+        } else {
+            eprintln!("iggy-ingest: unclean shutdown: {report:?}");
+            ExitCode::FAILURE
+        }
+    })
+}
+
+fn write_ready_file(path: &std::path::Path, running: &daemon::RunningDaemon) -> std::io::Result<()> {
+    let body = serde_json::json!({
+        "http": running.http_addr.to_string(),
+        "admin": running.admin_addr.to_string(),
+        "pid": std::process::id(),
+    });
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, body.to_string())?;
+    std::fs::rename(&tmp, path)
+}
+
+async fn wait_for_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (mut term, mut int) = match (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) {
+        (Ok(t), Ok(i)) => (t, i),
+        _ => {
+            tracing::error!("cannot install signal handlers; waiting for Ctrl-C only");
+            let _ = tokio::signal::ctrl_c().await;
+            return;
+        }
+    };
+    tokio::select! {
+        _ = term.recv() => tracing::info!("SIGTERM received"),
+        _ = int.recv() => tracing::info!("SIGINT received"),
+    }
+}

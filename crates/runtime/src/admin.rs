@@ -1,0 +1,236 @@
+//! The admin listener: `/health`, `/status`, `/metrics`, and the endpoint management
+//! API behind the management token.
+//!
+//! Invariants:
+//! - Management calls need `Authorization: Bearer <management_token>` (compared in
+//!   constant time); without a configured token they answer 404.
+//! - A 2xx from a management call means the change is committed to redb.
+//! - Secrets appear only in the answers of register and rotate, never in listings.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use axum::Json;
+use axum::Router;
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use http_source::endpoints::{EndpointError, format_id, parse_id};
+use http_source::error::ApiError;
+use ingest::{EndpointRecord, StoredAuth};
+use serde::Deserialize;
+use serde_json::json;
+use sha2::{Digest, Sha256};
+use subtle::ConstantTimeEq;
+
+use crate::daemon::Shared;
+
+pub fn router(shared: Arc<Shared>) -> Router {
+    Router::new()
+        .route("/health", get(health))
+        .route("/status", get(status))
+        .route("/metrics", get(metrics))
+        .route("/v1/endpoints", get(list).post(register))
+        .route("/v1/endpoints/{id}", axum::routing::delete(revoke))
+        .route("/v1/endpoints/{id}/rotate", post(rotate))
+        .fallback(|| async { ApiError::not_found("no such path") })
+        .with_state(shared)
+}
+
+async fn health(State(s): State<Arc<Shared>>) -> Response {
+    if s.draining.load(Ordering::Acquire) {
+        (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"status": "draining"}))).into_response()
+    } else {
+        (StatusCode::OK, Json(json!({"status": "accepting"}))).into_response()
+    }
+}
+
+async fn status(State(s): State<Arc<Shared>>) -> Response {
+    let draining = s.draining.load(Ordering::Acquire);
+    let stats = s.wal.stats();
+    let sources: serde_json::Map<String, serde_json::Value> = s
+        .status
+        .sources
+        .iter()
+        .map(|(k, v)| {
+            let mut view = serde_json::to_value(v.view()).unwrap_or_default();
+            if let Some(obj) = view.as_object_mut() {
+                obj.insert("state".into(), json!(if draining { "draining" } else { "accepting" }));
+            }
+            (k.clone(), view)
+        })
+        .collect();
+    Json(json!({
+        "state": if draining { "draining" } else { "accepting" },
+        "log": {
+            "start_offset": stats.start_offset,
+            "next_offset": stats.next_offset,
+            "segments": stats.segments,
+            "used_bytes": stats.used_bytes,
+            "max_bytes": stats.max_bytes,
+        },
+        "sources": sources,
+    }))
+    .into_response()
+}
+
+async fn metrics(State(s): State<Arc<Shared>>) -> Response {
+    match &s.metrics {
+        Some(handle) => {
+            ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], handle.render()).into_response()
+        }
+        None => ApiError::not_found("metrics are not installed in this process").into_response(),
+    }
+}
+
+fn authorize(s: &Shared, headers: &HeaderMap) -> Result<(), ApiError> {
+    let Some(token) = &s.management_token else {
+        return Err(ApiError::not_found("endpoint management is disabled (no admin.management_token)"));
+    };
+    let presented = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or("");
+    // Hashing both sides first removes the length signal from the comparison.
+    let (a, b) = (Sha256::digest(presented.as_bytes()), Sha256::digest(token.as_bytes()));
+    if bool::from(a.ct_eq(&b)) {
+        Ok(())
+    } else {
+        metrics::counter!("iggy_ingest_admin_auth_failures_total").increment(1);
+        tracing::warn!("management call with a wrong or missing token");
+        Err(ApiError::unauthorized())
+    }
+}
+
+fn endpoint_error(e: EndpointError) -> ApiError {
+    match e {
+        EndpointError::Unknown(_) | EndpointError::Revoked(_) => ApiError::not_found(e.to_string()),
+        EndpointError::Static(_) => ApiError::new(StatusCode::CONFLICT, "static_endpoint", e.to_string()),
+        EndpointError::UnknownSource(_) | EndpointError::InvalidAuth(_) => {
+            ApiError::new(StatusCode::BAD_REQUEST, "invalid_request", e.to_string())
+        }
+        EndpointError::State(_) => {
+            tracing::error!(error = %e, "endpoint change failed");
+            ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "state_error", "the change could not be committed")
+        }
+    }
+}
+
+fn record_json(r: &EndpointRecord, with_secret: bool) -> serde_json::Value {
+    let mut v = json!({
+        "id": format_id(r.id),
+        "path": format!("/v1/e/{}", format_id(r.id)),
+        "source": r.source_key,
+        "auth_type": r.auth.scheme,
+        "handshake_param": r.handshake_param,
+        "expires_at_unix_ms": r.expires_at_unix_ms,
+        "revoked_at_unix_ms": r.revoked_at_unix_ms,
+    });
+    if with_secret && let Some(obj) = v.as_object_mut() {
+        obj.insert("secret".into(), json!(r.auth.secret));
+    }
+    v
+}
+
+async fn list(State(s): State<Arc<Shared>>, headers: HeaderMap) -> Response {
+    if let Err(e) = authorize(&s, &headers) {
+        return e.into_response();
+    }
+    Json(json!({"endpoints": s.endpoints.list(ingest::time::now_unix_ms())})).into_response()
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RegisterRequest {
+    source: String,
+    #[serde(default = "none_type")]
+    auth_type: String,
+    auth_secret: Option<String>,
+    auth_header: Option<String>,
+    auth_prefix: Option<String>,
+    auth_tolerance_secs: Option<u64>,
+    handshake_param: Option<String>,
+    expires_at_unix_ms: Option<u64>,
+}
+
+fn none_type() -> String {
+    "none".into()
+}
+
+fn parse_json<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    serde_json::from_slice(body).map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, "invalid_json", e.to_string()))
+}
+
+async fn register(State(s): State<Arc<Shared>>, headers: HeaderMap, body: axum::body::Bytes) -> Response {
+    if let Err(e) = authorize(&s, &headers) {
+        return e.into_response();
+    }
+    let req: RegisterRequest = match parse_json(&body) {
+        Ok(r) => r,
+        Err(e) => return e.into_response(),
+    };
+    let auth = StoredAuth {
+        scheme: req.auth_type,
+        secret: req.auth_secret,
+        header: req.auth_header,
+        prefix: req.auth_prefix,
+        tolerance_secs: req.auth_tolerance_secs,
+    };
+    let now = ingest::time::now_unix_ms();
+    match s.endpoints.register(req.source, auth, req.handshake_param, req.expires_at_unix_ms, now).await {
+        Ok(r) => {
+            tracing::info!(endpoint = %format_id(r.id), source = %r.source_key, "endpoint registered");
+            (StatusCode::CREATED, Json(record_json(&r, true))).into_response()
+        }
+        Err(e) => endpoint_error(e).into_response(),
+    }
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RotateRequest {
+    auth_secret: Option<String>,
+}
+
+async fn rotate(
+    State(s): State<Arc<Shared>>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+    body: axum::body::Bytes,
+) -> Response {
+    if let Err(e) = authorize(&s, &headers) {
+        return e.into_response();
+    }
+    let Some(id) = parse_id(&id) else { return ApiError::not_found("no such endpoint").into_response() };
+    let req: RotateRequest = if body.is_empty() {
+        RotateRequest::default()
+    } else {
+        match parse_json(&body) {
+            Ok(r) => r,
+            Err(e) => return e.into_response(),
+        }
+    };
+    match s.endpoints.rotate(id, req.auth_secret, ingest::time::now_unix_ms()).await {
+        Ok(r) => {
+            tracing::info!(endpoint = %format_id(r.id), "endpoint secret rotated");
+            Json(record_json(&r, true)).into_response()
+        }
+        Err(e) => endpoint_error(e).into_response(),
+    }
+}
+
+async fn revoke(State(s): State<Arc<Shared>>, Path(id): Path<String>, headers: HeaderMap) -> Response {
+    if let Err(e) = authorize(&s, &headers) {
+        return e.into_response();
+    }
+    let Some(id) = parse_id(&id) else { return ApiError::not_found("no such endpoint").into_response() };
+    match s.endpoints.revoke(id, ingest::time::now_unix_ms()).await {
+        Ok(r) => {
+            tracing::info!(endpoint = %format_id(r.id), "endpoint revoked");
+            Json(record_json(&r, false)).into_response()
+        }
+        Err(e) => endpoint_error(e).into_response(),
+    }
+}

@@ -1,0 +1,894 @@
+//! The TOML configuration: its schema, the built-in default, and validation into the
+//! settings the daemon runs on.
+//!
+//! Invariants:
+//! - Every error names the key path (`sources.github.endpoints[1].auth_secret`) and,
+//!   when the value or its table is in the file, the line.
+//! - Unknown keys are errors (a typo must not silently fall back to a default).
+//! - [`Config::builtin`] is the configuration `iggy-ingest run` uses without `--config`;
+//!   `config/default.toml` spells out exactly the same (a test holds them together).
+//! - Credential headers can never be forwarded into the log; secrets never appear in
+//!   error messages.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use http_source::auth::AuthScheme;
+use http_source::endpoints::{Endpoint, parse_id};
+use http_source::source::is_credential_header;
+use http_source::{Accept, MetadataFields, SourceSpec};
+use ingest::{Destination, Partitioning};
+use serde::Deserialize;
+use wal::{SyncPolicy, WalOptions};
+
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    pub http: HttpConfig,
+    pub admin: AdminConfig,
+    pub shutdown: ShutdownConfig,
+    pub logging: LoggingConfig,
+    pub storage: StorageConfig,
+    pub wal: WalConfig,
+    pub idempotency: IdempotencyConfig,
+    pub iggy: IggyConfig,
+    pub sources: BTreeMap<String, SourceConfig>,
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct HttpConfig {
+    pub listen: String,
+    pub max_body_bytes: u64,
+    pub header_read_timeout_ms: u64,
+    pub body_read_timeout_ms: u64,
+    pub max_connections: u64,
+    pub retry_after_secs: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AdminConfig {
+    pub listen: String,
+    pub management_token: Option<String>,
+    pub management_token_env: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ShutdownConfig {
+    pub grace_period_ms: u64,
+    pub drain_delay_ms: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LoggingConfig {
+    pub level: String,
+    pub format: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct StorageConfig {
+    pub data_dir: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct WalConfig {
+    pub segment_max_bytes: u64,
+    pub max_bytes: u64,
+    pub record_max_bytes: u64,
+    pub sync: String,
+    pub sync_interval_ms: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct IdempotencyConfig {
+    pub retention_secs: u64,
+    pub checkpoint_interval_ms: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct IggyConfig {
+    pub address: String,
+    pub username: String,
+    pub password: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DestinationConfig {
+    pub stream: String,
+    pub topic: String,
+    #[serde(default)]
+    pub partition_id: Option<u32>,
+    #[serde(default)]
+    pub partition_key: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SourceConfig {
+    pub destination: DestinationConfig,
+    #[serde(default = "default_accept")]
+    pub accept: String,
+    #[serde(default = "default_true")]
+    pub named_path: bool,
+    #[serde(default = "default_auth_type")]
+    pub auth_type: String,
+    #[serde(default)]
+    pub auth_secret: Option<String>,
+    #[serde(default)]
+    pub auth_header: Option<String>,
+    #[serde(default)]
+    pub auth_prefix: Option<String>,
+    #[serde(default)]
+    pub auth_tolerance_secs: Option<u64>,
+    #[serde(default)]
+    pub forward_headers: Vec<String>,
+    #[serde(default = "default_metadata")]
+    pub metadata: Vec<String>,
+    #[serde(default = "default_true")]
+    pub idempotency: bool,
+    #[serde(default)]
+    pub idempotency_header: Option<String>,
+    #[serde(default)]
+    pub endpoints: Vec<EndpointConfig>,
+}
+
+/// The auth keys shared by sources and endpoints.
+#[derive(Debug, Clone, Copy)]
+struct AuthConfig<'a> {
+    auth_type: &'a str,
+    auth_secret: Option<&'a str>,
+    auth_header: Option<&'a str>,
+    auth_prefix: Option<&'a str>,
+    auth_tolerance_secs: Option<u64>,
+}
+
+impl SourceConfig {
+    fn auth(&self) -> AuthConfig<'_> {
+        AuthConfig {
+            auth_type: &self.auth_type,
+            auth_secret: self.auth_secret.as_deref(),
+            auth_header: self.auth_header.as_deref(),
+            auth_prefix: self.auth_prefix.as_deref(),
+            auth_tolerance_secs: self.auth_tolerance_secs,
+        }
+    }
+}
+
+impl EndpointConfig {
+    fn auth(&self) -> AuthConfig<'_> {
+        AuthConfig {
+            auth_type: &self.auth_type,
+            auth_secret: self.auth_secret.as_deref(),
+            auth_header: self.auth_header.as_deref(),
+            auth_prefix: self.auth_prefix.as_deref(),
+            auth_tolerance_secs: self.auth_tolerance_secs,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EndpointConfig {
+    pub id: String,
+    #[serde(default = "default_auth_type")]
+    pub auth_type: String,
+    #[serde(default)]
+    pub auth_secret: Option<String>,
+    #[serde(default)]
+    pub auth_header: Option<String>,
+    #[serde(default)]
+    pub auth_prefix: Option<String>,
+    #[serde(default)]
+    pub auth_tolerance_secs: Option<u64>,
+    #[serde(default)]
+    pub expires_at: Option<String>,
+    #[serde(default)]
+    pub handshake_param: Option<String>,
+}
+
+fn default_accept() -> String {
+    "any".into()
+}
+fn default_true() -> bool {
+    true
+}
+fn default_metadata() -> Vec<String> {
+    vec!["peer_addr".into(), "received_at".into()]
+}
+fn default_auth_type() -> String {
+    "none".into()
+}
+
+impl Default for HttpConfig {
+    fn default() -> Self {
+        HttpConfig {
+            listen: "127.0.0.1:8080".into(),
+            max_body_bytes: 1024 * 1024,
+            header_read_timeout_ms: 10_000,
+            body_read_timeout_ms: 30_000,
+            max_connections: 1024,
+            retry_after_secs: 5,
+        }
+    }
+}
+
+impl Default for AdminConfig {
+    fn default() -> Self {
+        AdminConfig { listen: "127.0.0.1:9180".into(), management_token: None, management_token_env: None }
+    }
+}
+
+impl Default for ShutdownConfig {
+    fn default() -> Self {
+        ShutdownConfig { grace_period_ms: 30_000, drain_delay_ms: 0 }
+    }
+}
+
+impl Default for LoggingConfig {
+    fn default() -> Self {
+        LoggingConfig { level: "info".into(), format: "text".into() }
+    }
+}
+
+impl Default for StorageConfig {
+    fn default() -> Self {
+        StorageConfig { data_dir: "./data".into() }
+    }
+}
+
+impl Default for WalConfig {
+    fn default() -> Self {
+        let d = WalOptions::default();
+        WalConfig {
+            segment_max_bytes: d.segment_max_bytes,
+            max_bytes: d.max_bytes,
+            record_max_bytes: 4 * 1024 * 1024,
+            sync: "always".into(),
+            sync_interval_ms: 10,
+        }
+    }
+}
+
+impl Default for IdempotencyConfig {
+    fn default() -> Self {
+        IdempotencyConfig { retention_secs: 86_400, checkpoint_interval_ms: 1_000 }
+    }
+}
+
+impl Default for IggyConfig {
+    fn default() -> Self {
+        IggyConfig { address: "127.0.0.1:8090".into(), username: "iggy".into(), password: "iggy".into() }
+    }
+}
+
+impl Default for Config {
+    /// The defaults of every section, and no sources.
+    fn default() -> Self {
+        Config {
+            http: HttpConfig::default(),
+            admin: AdminConfig::default(),
+            shutdown: ShutdownConfig::default(),
+            logging: LoggingConfig::default(),
+            storage: StorageConfig::default(),
+            wal: WalConfig::default(),
+            idempotency: IdempotencyConfig::default(),
+            iggy: IggyConfig::default(),
+            sources: BTreeMap::new(),
+        }
+    }
+}
+
+impl Config {
+    /// What `iggy-ingest run` runs on without `--config`: the section defaults plus one
+    /// source `default` (no auth, any content type) into stream `ingest`, topic `events`.
+    pub fn builtin() -> Config {
+        let mut c = Config::default();
+        c.sources.insert(
+            "default".into(),
+            SourceConfig {
+                destination: DestinationConfig {
+                    stream: "ingest".into(),
+                    topic: "events".into(),
+                    partition_id: None,
+                    partition_key: None,
+                },
+                accept: default_accept(),
+                named_path: true,
+                auth_type: default_auth_type(),
+                auth_secret: None,
+                auth_header: None,
+                auth_prefix: None,
+                auth_tolerance_secs: None,
+                forward_headers: Vec::new(),
+                metadata: default_metadata(),
+                idempotency: true,
+                idempotency_header: None,
+                endpoints: Vec::new(),
+            },
+        );
+        c
+    }
+}
+
+/// One configuration problem.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigError {
+    /// `sources.github.endpoints[1].auth_secret`; empty for the document itself.
+    pub path: String,
+    pub line: Option<usize>,
+    pub message: String,
+}
+
+impl std::fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let path = if self.path.is_empty() { "(document)" } else { self.path.as_str() };
+        match self.line {
+            Some(l) => write!(f, "line {l}: {path}: {}", self.message),
+            None => write!(f, "{path}: {}", self.message),
+        }
+    }
+}
+
+/// All problems found in one file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigErrors {
+    pub file: Option<PathBuf>,
+    pub errors: Vec<ConfigError>,
+}
+
+impl std::fmt::Display for ConfigErrors {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for (i, e) in self.errors.iter().enumerate() {
+            if i > 0 {
+                writeln!(f)?;
+            }
+            match &self.file {
+                Some(p) => write!(f, "{}: {e}", p.display())?,
+                None => write!(f, "{e}")?,
+            }
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for ConfigErrors {}
+
+/// A path into the document, built while validating.
+#[derive(Debug, Clone, Default)]
+struct KeyPath(Vec<Seg>);
+
+#[derive(Debug, Clone)]
+enum Seg {
+    Key(String),
+    Index(usize),
+}
+
+impl KeyPath {
+    fn key(&self, k: &str) -> KeyPath {
+        let mut p = self.clone();
+        p.0.push(Seg::Key(k.to_string()));
+        p
+    }
+    fn index(&self, i: usize) -> KeyPath {
+        let mut p = self.clone();
+        p.0.push(Seg::Index(i));
+        p
+    }
+}
+
+impl std::fmt::Display for KeyPath {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for (i, s) in self.0.iter().enumerate() {
+            match s {
+                Seg::Key(k) if i == 0 => write!(f, "{k}")?,
+                Seg::Key(k) => write!(f, ".{k}")?,
+                Seg::Index(n) => write!(f, "[{n}]")?,
+            }
+        }
+        Ok(())
+    }
+}
+
+fn line_of(text: &str, byte: usize) -> usize {
+    text.as_bytes()[..byte.min(text.len())].iter().filter(|&&b| b == b'\n').count() + 1
+}
+
+/// Finds the line of the deepest part of `path` present in the document.
+fn locate(text: Option<&str>, path: &KeyPath) -> Option<usize> {
+    let text = text?;
+    let root = toml::de::DeTable::parse(text).ok()?;
+    let mut span = None;
+    let mut current = toml::de::DeValue::Table(root.into_inner());
+    for seg in &path.0 {
+        let next = match seg {
+            Seg::Key(k) => current.get(k.as_str()),
+            Seg::Index(i) => current.get(*i),
+        };
+        match next {
+            Some(v) => {
+                span = Some(v.span());
+                let inner = v.get_ref().clone();
+                current = inner;
+            }
+            None => break,
+        }
+    }
+    span.map(|s| line_of(text, s.start))
+}
+
+/// Parses a file's text. `file` is only used in messages.
+pub fn parse(text: &str, file: Option<PathBuf>) -> Result<Config, ConfigErrors> {
+    let de = match toml::de::Deserializer::parse(text) {
+        Ok(d) => d,
+        Err(e) => {
+            let line = e.span().map(|s| line_of(text, s.start));
+            return Err(ConfigErrors {
+                file,
+                errors: vec![ConfigError { path: String::new(), line, message: e.message().to_string() }],
+            });
+        }
+    };
+    serde_path_to_error::deserialize::<_, Config>(de).map_err(|e| {
+        let path = e.path().to_string();
+        let path = if path == "." { String::new() } else { path };
+        let inner = e.into_inner();
+        let line = inner.span().map(|s| line_of(text, s.start));
+        ConfigErrors { file, errors: vec![ConfigError { path, line, message: inner.message().to_string() }] }
+    })
+}
+
+/// Everything the daemon runs on, validated.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    pub http_listen: SocketAddr,
+    pub admin_listen: SocketAddr,
+    pub max_body_bytes: usize,
+    pub header_read_timeout: Duration,
+    pub body_read_timeout: Duration,
+    pub max_connections: usize,
+    pub retry_after_secs: u64,
+    pub management_token: Option<String>,
+    pub grace_period: Duration,
+    pub drain_delay: Duration,
+    pub log_level: String,
+    pub log_json: bool,
+    pub data_dir: PathBuf,
+    pub wal: WalOptions,
+    pub idempotency_retention: Duration,
+    pub checkpoint_interval: Duration,
+    pub sources: Vec<SourceSpec>,
+    pub endpoints: Vec<Endpoint>,
+}
+
+impl Settings {
+    pub fn wal_dir(&self) -> PathBuf {
+        self.data_dir.join("wal")
+    }
+    pub fn state_path(&self) -> PathBuf {
+        self.data_dir.join("state.redb")
+    }
+}
+
+struct Checker<'a> {
+    text: Option<&'a str>,
+    errors: Vec<ConfigError>,
+}
+
+impl Checker<'_> {
+    fn err(&mut self, path: &KeyPath, message: impl Into<String>) {
+        let line = locate(self.text, path);
+        self.errors.push(ConfigError { path: path.to_string(), line, message: message.into() });
+    }
+
+    fn addr(&mut self, path: &KeyPath, s: &str) -> SocketAddr {
+        match s.parse() {
+            Ok(a) => a,
+            Err(_) => {
+                self.err(path, format!("{s:?} is not an address of the form IP:PORT (port 0 picks a free one)"));
+                SocketAddr::from(([127, 0, 0, 1], 0))
+            }
+        }
+    }
+
+    fn positive(&mut self, path: &KeyPath, v: u64) -> u64 {
+        if v == 0 {
+            self.err(path, "must be greater than 0");
+        }
+        v
+    }
+}
+
+/// Validates a parsed configuration. `text` is the file's text, for line numbers.
+pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> Result<Settings, ConfigErrors> {
+    let mut c = Checker { text, errors: Vec::new() };
+    let root = KeyPath::default();
+
+    let http = root.key("http");
+    let http_listen = c.addr(&http.key("listen"), &config.http.listen);
+    let max_body_bytes = c.positive(&http.key("max_body_bytes"), config.http.max_body_bytes);
+    let header_read_timeout_ms = c.positive(&http.key("header_read_timeout_ms"), config.http.header_read_timeout_ms);
+    let body_read_timeout_ms = c.positive(&http.key("body_read_timeout_ms"), config.http.body_read_timeout_ms);
+    let max_connections = c.positive(&http.key("max_connections"), config.http.max_connections);
+    let retry_after_secs = c.positive(&http.key("retry_after_secs"), config.http.retry_after_secs);
+
+    let admin = root.key("admin");
+    let admin_listen = c.addr(&admin.key("listen"), &config.admin.listen);
+    let management_token = match (&config.admin.management_token, &config.admin.management_token_env) {
+        (Some(_), Some(_)) => {
+            c.err(&admin.key("management_token_env"), "set either management_token or management_token_env, not both");
+            None
+        }
+        (Some(t), None) if t.len() < 16 => {
+            c.err(&admin.key("management_token"), "must be at least 16 characters");
+            None
+        }
+        (Some(t), None) => Some(t.clone()),
+        (None, Some(var)) => match std::env::var(var) {
+            Ok(t) if t.len() >= 16 => Some(t),
+            Ok(_) => {
+                c.err(
+                    &admin.key("management_token_env"),
+                    format!("environment variable {var} must hold at least 16 characters"),
+                );
+                None
+            }
+            Err(_) => {
+                c.err(
+                    &admin.key("management_token_env"),
+                    format!("environment variable {var} is not set (or not UTF-8)"),
+                );
+                None
+            }
+        },
+        (None, None) => None,
+    };
+
+    let logging = root.key("logging");
+    let log_level = config.logging.level.clone();
+    if tracing_subscriber::EnvFilter::try_new(&log_level).is_err() {
+        c.err(
+            &logging.key("level"),
+            format!("{log_level:?} is not a level or filter (e.g. \"info\", \"iggy_ingest=debug\")"),
+        );
+    }
+    let log_json = match config.logging.format.as_str() {
+        "text" => false,
+        "json" => true,
+        other => {
+            c.err(&logging.key("format"), format!("{other:?}: expected \"text\" or \"json\""));
+            false
+        }
+    };
+
+    let storage = root.key("storage");
+    if config.storage.data_dir.is_empty() {
+        c.err(&storage.key("data_dir"), "must not be empty");
+    }
+
+    let w = root.key("wal");
+    let sync = match config.wal.sync.as_str() {
+        "always" => SyncPolicy::Always,
+        "interval" => {
+            let ms = config.wal.sync_interval_ms;
+            if ms == 0 || ms > 60_000 {
+                c.err(&w.key("sync_interval_ms"), "must be between 1 and 60000");
+            }
+            SyncPolicy::Interval(Duration::from_millis(ms.clamp(1, 60_000)))
+        }
+        other => {
+            c.err(&w.key("sync"), format!("{other:?}: expected \"always\" or \"interval\""));
+            SyncPolicy::Always
+        }
+    };
+    let record_max_bytes = u32::try_from(config.wal.record_max_bytes).unwrap_or(u32::MAX);
+    if record_max_bytes == 0 || record_max_bytes > wal::format::RECORD_MAX_BYTES {
+        c.err(&w.key("record_max_bytes"), format!("must be between 1 and {}", wal::format::RECORD_MAX_BYTES));
+    }
+    if config.wal.max_bytes < 2 * config.wal.segment_max_bytes {
+        c.err(&w.key("max_bytes"), "must be at least twice wal.segment_max_bytes (space is freed a segment at a time)");
+    }
+    if config.wal.segment_max_bytes < 4096 {
+        c.err(&w.key("segment_max_bytes"), "must be at least 4096");
+    }
+    if (max_body_bytes as u128) + 4096 > u128::from(record_max_bytes) {
+        c.err(
+            &http.key("max_body_bytes"),
+            format!("must leave 4096 bytes of envelope room under wal.record_max_bytes ({record_max_bytes})"),
+        );
+    }
+    let wal_options = WalOptions {
+        segment_max_bytes: config.wal.segment_max_bytes,
+        max_bytes: config.wal.max_bytes,
+        record_max_bytes: record_max_bytes.clamp(1, wal::format::RECORD_MAX_BYTES),
+        sync,
+        ..WalOptions::default()
+    };
+
+    let idem = root.key("idempotency");
+    let retention_secs = c.positive(&idem.key("retention_secs"), config.idempotency.retention_secs);
+    let checkpoint_ms = c.positive(&idem.key("checkpoint_interval_ms"), config.idempotency.checkpoint_interval_ms);
+
+    let iggy = root.key("iggy");
+    if config.iggy.address.is_empty() {
+        c.err(&iggy.key("address"), "must not be empty");
+    }
+
+    let sources_path = root.key("sources");
+    if config.sources.is_empty() {
+        c.err(&sources_path, "at least one source is required");
+    }
+    let mut sources = Vec::new();
+    let mut endpoints: Vec<Endpoint> = Vec::new();
+    for (key, s) in &config.sources {
+        let sp = sources_path.key(key);
+        if key.is_empty() || !key.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.')) {
+            c.err(&sp, "a source key may only hold letters, digits, '-', '_' and '.'");
+        }
+        let dp = sp.key("destination");
+        for (name, v) in [("stream", &s.destination.stream), ("topic", &s.destination.topic)] {
+            if v.is_empty() || v.len() > 255 {
+                c.err(&dp.key(name), "must be 1 to 255 characters");
+            }
+        }
+        let partitioning = match (s.destination.partition_id, &s.destination.partition_key) {
+            (Some(_), Some(_)) => {
+                c.err(&dp.key("partition_key"), "set either partition_id or partition_key, not both");
+                Partitioning::Balanced
+            }
+            (Some(id), None) => Partitioning::PartitionId(id),
+            (None, Some(k)) if k.is_empty() || k.len() > 255 => {
+                c.err(&dp.key("partition_key"), "must be 1 to 255 bytes");
+                Partitioning::Balanced
+            }
+            (None, Some(k)) => Partitioning::Key(k.as_bytes().to_vec()),
+            (None, None) => Partitioning::Balanced,
+        };
+        let accept = match s.accept.as_str() {
+            "any" => Accept::Any,
+            "json" => Accept::Json,
+            other => {
+                c.err(&sp.key("accept"), format!("{other:?}: expected \"any\" or \"json\""));
+                Accept::Any
+            }
+        };
+        let auth = auth_scheme(&mut c, &sp, s.auth());
+        let mut forward_headers = Vec::new();
+        for (i, h) in s.forward_headers.iter().enumerate() {
+            let hp = sp.key("forward_headers").index(i);
+            if axum::http::HeaderName::from_bytes(h.as_bytes()).is_err() {
+                c.err(&hp, format!("{h:?} is not a valid header name"));
+            } else if is_credential_header(h) {
+                c.err(&hp, format!("{h:?} carries credentials and may not be forwarded into the log"));
+            } else {
+                forward_headers.push(h.to_ascii_lowercase());
+            }
+        }
+        let mut metadata = MetadataFields::default();
+        for (i, m) in s.metadata.iter().enumerate() {
+            match m.as_str() {
+                "peer_addr" => metadata.peer_addr = true,
+                "received_at" => metadata.received_at = true,
+                other => {
+                    c.err(&sp.key("metadata").index(i), format!("{other:?}: expected \"peer_addr\" or \"received_at\""))
+                }
+            }
+        }
+        let idempotency_header = s.idempotency_header.as_ref().map(|h| h.to_ascii_lowercase());
+        if let Some(h) = &idempotency_header
+            && axum::http::HeaderName::from_bytes(h.as_bytes()).is_err()
+        {
+            c.err(&sp.key("idempotency_header"), format!("{h:?} is not a valid header name"));
+        }
+        for (i, e) in s.endpoints.iter().enumerate() {
+            let ep = sp.key("endpoints").index(i);
+            let Some(id) = parse_id(&e.id) else {
+                c.err(&ep.key("id"), "must be 32 hex digits (a 128-bit id; e.g. `openssl rand -hex 16`)");
+                continue;
+            };
+            if endpoints.iter().any(|x| x.id == id) {
+                c.err(&ep.key("id"), "is used by another endpoint");
+            }
+            let auth = auth_scheme(&mut c, &ep, e.auth());
+            let expires_at_unix_ms = match &e.expires_at {
+                None => None,
+                Some(t) => match humantime::parse_rfc3339_weak(t) {
+                    Ok(st) => Some(st.duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)),
+                    Err(_) => {
+                        c.err(
+                            &ep.key("expires_at"),
+                            format!("{t:?} is not an RFC 3339 time (e.g. \"2027-01-31T00:00:00Z\")"),
+                        );
+                        None
+                    }
+                },
+            };
+            endpoints.push(Endpoint {
+                id,
+                source_key: key.clone(),
+                auth,
+                handshake_param: e.handshake_param.clone(),
+                expires_at_unix_ms,
+                revoked_at_unix_ms: None,
+                dynamic: false,
+                record: None,
+            });
+        }
+        sources.push(SourceSpec {
+            key: key.clone(),
+            destination: Destination {
+                stream: s.destination.stream.clone(),
+                topic: s.destination.topic.clone(),
+                partitioning,
+            },
+            accept,
+            named_path: s.named_path,
+            auth,
+            forward_headers,
+            metadata,
+            idempotency_header,
+            idempotency: s.idempotency,
+        });
+    }
+
+    if !c.errors.is_empty() {
+        return Err(ConfigErrors { file, errors: c.errors });
+    }
+    Ok(Settings {
+        http_listen,
+        admin_listen,
+        max_body_bytes: max_body_bytes as usize,
+        header_read_timeout: Duration::from_millis(header_read_timeout_ms),
+        body_read_timeout: Duration::from_millis(body_read_timeout_ms),
+        max_connections: max_connections as usize,
+        retry_after_secs,
+        management_token,
+        grace_period: Duration::from_millis(config.shutdown.grace_period_ms),
+        drain_delay: Duration::from_millis(config.shutdown.drain_delay_ms),
+        log_level,
+        log_json,
+        data_dir: PathBuf::from(&config.storage.data_dir),
+        wal: wal_options,
+        idempotency_retention: Duration::from_secs(retention_secs),
+        checkpoint_interval: Duration::from_millis(checkpoint_ms),
+        sources,
+        endpoints,
+    })
+}
+
+fn auth_scheme(c: &mut Checker<'_>, path: &KeyPath, a: AuthConfig<'_>) -> AuthScheme {
+    match AuthScheme::from_parts(a.auth_type, a.auth_secret, a.auth_header, a.auth_prefix, a.auth_tolerance_secs) {
+        Ok(s) => s,
+        Err((field, message)) => {
+            c.err(&path.key(&format!("auth_{field}")), message);
+            AuthScheme::None
+        }
+    }
+}
+
+/// Reads, parses and validates a configuration file.
+pub fn load(path: &std::path::Path) -> Result<Settings, ConfigErrors> {
+    let text = std::fs::read_to_string(path).map_err(|e| ConfigErrors {
+        file: Some(path.to_path_buf()),
+        errors: vec![ConfigError { path: String::new(), line: None, message: format!("cannot read: {e}") }],
+    })?;
+    let config = parse(&text, Some(path.to_path_buf()))?;
+    validate(&config, Some(&text), Some(path.to_path_buf()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const DEFAULT_TOML: &str = include_str!("../../../config/default.toml");
+    const EXAMPLE_TOML: &str = include_str!("../../../config/example.toml");
+
+    #[test]
+    fn config_default_toml_is_exactly_the_builtin_default() {
+        let parsed = parse(DEFAULT_TOML, None).unwrap();
+        assert_eq!(parsed, Config::builtin());
+    }
+
+    #[test]
+    fn the_example_validates() {
+        let config = parse(EXAMPLE_TOML, None).unwrap();
+        let settings = validate(&config, Some(EXAMPLE_TOML), None).unwrap_or_else(|e| panic!("{e}"));
+        assert!(settings.sources.len() >= 2);
+        assert!(!settings.endpoints.is_empty());
+    }
+
+    #[test]
+    fn the_builtin_default_validates_to_the_documented_addresses() {
+        let s = validate(&Config::builtin(), None, None).unwrap();
+        assert_eq!(s.http_listen.to_string(), "127.0.0.1:8080");
+        assert_eq!(s.admin_listen.to_string(), "127.0.0.1:9180");
+        assert_eq!(s.data_dir, PathBuf::from("./data"));
+        assert_eq!(s.sources[0].key, "default");
+        assert_eq!(s.sources[0].destination.stream, "ingest");
+        assert_eq!(s.sources[0].destination.topic, "events");
+        assert_eq!(s.wal.sync, SyncPolicy::Always);
+    }
+
+    fn errors(text: &str) -> Vec<ConfigError> {
+        match parse(text, None).and_then(|c| validate(&c, Some(text), None)) {
+            Ok(_) => panic!("expected errors"),
+            Err(e) => e.errors,
+        }
+    }
+
+    #[test]
+    fn a_missing_secret_names_the_endpoint_key_path_and_line() {
+        let text = r#"
+[sources.github]
+destination = { stream = "s", topic = "t" }
+
+[[sources.github.endpoints]]
+id = "000102030405060708090a0b0c0d0e0f"
+
+[[sources.github.endpoints]]
+id = "100102030405060708090a0b0c0d0e0f"
+auth_type = "hmac-sha256"
+"#;
+        let e = errors(text);
+        assert_eq!(e.len(), 1, "{e:?}");
+        assert_eq!(e[0].path, "sources.github.endpoints[1].auth_secret");
+        assert_eq!(e[0].message, "required when auth_type = \"hmac-sha256\"");
+        assert_eq!(e[0].line, Some(8), "the line of the endpoint's table");
+    }
+
+    #[test]
+    fn type_errors_and_unknown_keys_name_the_path_and_line() {
+        let e = errors("[http]\nmax_body_bytes = \"big\"\n");
+        assert_eq!(e[0].path, "http.max_body_bytes");
+        assert_eq!(e[0].line, Some(2));
+        let e = errors("[http]\nlisten = \"127.0.0.1:1\"\nmax_body_byte = 3\n");
+        assert_eq!(e[0].path, "http.max_body_byte");
+        assert!(e[0].message.contains("max_body_byte"), "{e:?}");
+        assert_eq!(e[0].line, Some(3));
+        let e = errors("[http\n");
+        assert_eq!(e[0].line, Some(1));
+    }
+
+    #[test]
+    fn credential_headers_cannot_be_forwarded() {
+        let text = "[sources.a]\ndestination = { stream = \"s\", topic = \"t\" }\nforward_headers = [\"x-github-event\", \"Authorization\"]\n";
+        let e = errors(text);
+        assert_eq!(e[0].path, "sources.a.forward_headers[1]");
+        assert_eq!(e[0].line, Some(3));
+    }
+
+    #[test]
+    fn semantic_checks_name_their_keys() {
+        let text = r#"
+[http]
+listen = "nowhere"
+[wal]
+segment_max_bytes = 1048576
+max_bytes = 1048576
+sync = "sometimes"
+[sources.a]
+destination = { stream = "", topic = "t", partition_id = 1, partition_key = "k" }
+metadata = ["peer_addr", "geo"]
+"#;
+        let paths: Vec<String> = errors(text).into_iter().map(|e| e.path).collect();
+        for p in [
+            "http.listen",
+            "wal.max_bytes",
+            "wal.sync",
+            "sources.a.destination.stream",
+            "sources.a.destination.partition_key",
+            "sources.a.metadata[1]",
+        ] {
+            assert!(paths.contains(&p.to_string()), "{p} missing from {paths:?}");
+        }
+    }
+}

@@ -1,0 +1,233 @@
+//! Starting, running and stopping the daemon.
+//!
+//! Start order: open the log (taking its lock), open the state database (checking its
+//! schema version), rebuild the idempotency keys the last checkpoint missed, load the
+//! endpoints, bind both listeners; only then serve.
+//!
+//! Shutdown order (SIGTERM/SIGINT or [`RunningDaemon::shutdown`]):
+//! 1. `draining` is set: both `/health` answer 503 and new event requests get 503;
+//! 2. after `drain_delay` the webhook listener closes; in-flight requests finish,
+//!    bounded by `grace_period`;
+//! 3. the log is closed (synced, clean-shutdown marker written);
+//! 4. a final idempotency checkpoint makes every key durable;
+//! 5. the admin listener closes.
+//!
+//! Invariants:
+//! - The log is closed only after the webhook listener drained, so no request that was
+//!   answered 200 can be behind the close.
+//! - Startup failures are typed ([`StartError`]) and name what failed.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use http_source::door::{Door, DoorLimits};
+use http_source::endpoints::EndpointRegistry;
+use http_source::server::{self, ConnectionLimits};
+use http_source::status::StatusBoard;
+use ingest::{IdempotencyIndex, Ingestor, StateDb, StateError};
+use metrics_exporter_prometheus::PrometheusHandle;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use wal::{Wal, WalError};
+
+use crate::config::Settings;
+
+/// What the routes of both listeners share.
+pub struct Shared {
+    pub wal: Arc<Wal>,
+    pub state: Arc<StateDb>,
+    pub endpoints: Arc<EndpointRegistry>,
+    pub idempotency: Arc<IdempotencyIndex>,
+    pub status: Arc<StatusBoard>,
+    pub draining: Arc<AtomicBool>,
+    pub management_token: Option<String>,
+    pub metrics: Option<PrometheusHandle>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("cannot create data directory {path}: {source}")]
+    DataDir { path: PathBuf, source: std::io::Error },
+    #[error("cannot open the log in {path}: {source}")]
+    Wal { path: PathBuf, source: WalError },
+    #[error(transparent)]
+    State(#[from] StateError),
+    #[error("cannot bind the {listener} listener: {source}")]
+    Bind { listener: &'static str, source: std::io::Error },
+}
+
+/// A started daemon.
+pub struct RunningDaemon {
+    pub http_addr: SocketAddr,
+    pub admin_addr: SocketAddr,
+    pub shared: Arc<Shared>,
+    shutdown_tx: watch::Sender<bool>,
+    task: JoinHandle<ShutdownReport>,
+}
+
+/// How a shutdown went.
+#[derive(Debug, Clone)]
+pub struct ShutdownReport {
+    /// Every webhook connection finished within the grace period.
+    pub drained: bool,
+    /// The log was closed cleanly (marker written).
+    pub wal_closed: Result<(), String>,
+    pub checkpoint: Result<u64, String>,
+}
+
+impl ShutdownReport {
+    pub fn is_clean(&self) -> bool {
+        self.drained && self.wal_closed.is_ok() && self.checkpoint.is_ok()
+    }
+}
+
+impl RunningDaemon {
+    /// Starts the shutdown sequence (idempotent).
+    pub fn shutdown(&self) {
+        let _ = self.shutdown_tx.send(true);
+    }
+
+    /// Waits for the shutdown sequence to finish.
+    pub async fn wait(self) -> ShutdownReport {
+        match self.task.await {
+            Ok(r) => r,
+            Err(e) => ShutdownReport {
+                drained: false,
+                wal_closed: Err(format!("daemon task failed: {e}")),
+                checkpoint: Err("not run".into()),
+            },
+        }
+    }
+}
+
+/// Starts the daemon on `settings`. `metrics` renders `/metrics` (the process-wide
+/// recorder, installed by the binary).
+pub async fn start(settings: Settings, metrics: Option<PrometheusHandle>) -> Result<RunningDaemon, StartError> {
+    std::fs::create_dir_all(&settings.data_dir)
+        .map_err(|source| StartError::DataDir { path: settings.data_dir.clone(), source })?;
+    let wal_dir = settings.wal_dir();
+    let wal = Wal::open(&wal_dir, settings.wal.clone())
+        .map_err(|source| StartError::Wal { path: wal_dir.clone(), source })?;
+    let report = wal.open_report();
+    tracing::info!(dir = %wal_dir.display(), report = ?report, "log opened");
+    let wal = Arc::new(wal);
+
+    let state_path = settings.state_path();
+    let state = {
+        let p = state_path.clone();
+        tokio::task::spawn_blocking(move || StateDb::open(p))
+            .await
+            .map_err(|e| StateError::Storage(format!("open task failed: {e}")))??
+    };
+    let state = Arc::new(state);
+    let idempotency = Arc::new(IdempotencyIndex::new(state.clone(), settings.idempotency_retention.as_millis() as u64));
+    let rebuilt = {
+        let (idem, wal) = (idempotency.clone(), wal.clone());
+        tokio::task::spawn_blocking(move || idem.rebuild(&wal, ingest::time::now_unix_ms()))
+            .await
+            .map_err(|e| StateError::Storage(format!("rebuild task failed: {e}")))??
+    };
+    tracing::info!(?rebuilt, "idempotency keys rebuilt from the log");
+
+    let source_keys: Vec<String> = settings.sources.iter().map(|s| s.key.clone()).collect();
+    let endpoints = Arc::new(EndpointRegistry::load(state.clone(), source_keys.clone(), settings.endpoints.clone())?);
+    let status = Arc::new(StatusBoard::new(source_keys));
+    let draining = Arc::new(AtomicBool::new(false));
+
+    let shared = Arc::new(Shared {
+        wal: wal.clone(),
+        state: state.clone(),
+        endpoints: endpoints.clone(),
+        idempotency: idempotency.clone(),
+        status: status.clone(),
+        draining: draining.clone(),
+        management_token: settings.management_token.clone(),
+        metrics,
+    });
+    let door = Arc::new(Door {
+        sources: settings.sources.iter().map(|s| (s.key.clone(), Arc::new(s.clone()))).collect::<HashMap<_, _>>(),
+        endpoints,
+        ingestor: Ingestor::new(wal.clone(), idempotency.clone()),
+        limits: DoorLimits {
+            max_body_bytes: settings.max_body_bytes,
+            body_read_timeout: settings.body_read_timeout,
+            retry_after_secs: settings.retry_after_secs,
+        },
+        draining: draining.clone(),
+        status,
+    });
+
+    let http_listener =
+        server::bind(settings.http_listen).await.map_err(|source| StartError::Bind { listener: "webhook", source })?;
+    let admin_listener =
+        server::bind(settings.admin_listen).await.map_err(|source| StartError::Bind { listener: "admin", source })?;
+    let http_addr = http_listener.local_addr().map_err(|source| StartError::Bind { listener: "webhook", source })?;
+    let admin_addr = admin_listener.local_addr().map_err(|source| StartError::Bind { listener: "admin", source })?;
+
+    let (shutdown_tx, shutdown_rx) = watch::channel(false);
+    let (http_stop_tx, http_stop_rx) = watch::channel(false);
+    let (admin_stop_tx, admin_stop_rx) = watch::channel(false);
+    let limits = ConnectionLimits {
+        max_connections: settings.max_connections,
+        header_read_timeout: settings.header_read_timeout,
+    };
+    let grace = settings.grace_period;
+    let http_task = tokio::spawn(server::serve(
+        http_listener,
+        http_source::router(door),
+        limits.clone(),
+        stopped(http_stop_rx),
+        grace,
+        "webhook",
+    ));
+    let admin_task = tokio::spawn(server::serve(
+        admin_listener,
+        crate::admin::router(shared.clone()),
+        ConnectionLimits { max_connections: 64, header_read_timeout: settings.header_read_timeout },
+        stopped(admin_stop_rx),
+        Duration::from_secs(5),
+        "admin",
+    ));
+    let checkpoint_task = tokio::spawn(checkpoint_loop(idempotency.clone(), wal.clone(), settings.checkpoint_interval));
+    tracing::info!(webhook = %http_addr, admin = %admin_addr, "listening");
+
+    let drain_delay = settings.drain_delay;
+    let task = tokio::spawn(async move {
+        stopped(shutdown_rx).await;
+        tracing::info!("shutting down: draining");
+        draining.store(true, Ordering::Release);
+        tokio::time::sleep(drain_delay).await;
+        let _ = http_stop_tx.send(true);
+        let drained = http_task.await.map(|d| d.complete).unwrap_or(false);
+        checkpoint_task.abort();
+        let wal_closed = wal.close().await.map_err(|e| e.to_string());
+        let checkpoint = idempotency.checkpoint(&wal, ingest::time::now_unix_ms()).await.map_err(|e| e.to_string());
+        let _ = admin_stop_tx.send(true);
+        let _ = admin_task.await;
+        let report = ShutdownReport { drained, wal_closed, checkpoint };
+        tracing::info!(?report, "shutdown complete");
+        report
+    });
+    Ok(RunningDaemon { http_addr, admin_addr, shared, shutdown_tx, task })
+}
+
+async fn stopped(mut rx: watch::Receiver<bool>) {
+    // A dropped sender also means stop.
+    let _ = rx.wait_for(|stop| *stop).await;
+}
+
+async fn checkpoint_loop(idempotency: Arc<IdempotencyIndex>, wal: Arc<Wal>, every: Duration) {
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        if let Err(e) = idempotency.checkpoint(&wal, ingest::time::now_unix_ms()).await {
+            metrics::counter!("iggy_ingest_idempotency_checkpoint_failures_total").increment(1);
+            tracing::error!(error = %e, "idempotency checkpoint failed (keys since the last one are rebuilt from the log on start)");
+        }
+    }
+}
