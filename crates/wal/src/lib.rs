@@ -149,6 +149,8 @@ impl Wal {
     pub fn open_read_only_with(storage: Arc<dyn Storage>, dir: &Path) -> Result<Wal> {
         let options = WalOptions { max_bytes: u64::MAX, ..WalOptions::default() };
         let opened = recovery::open(storage, dir, &options, true)?;
+        // Nothing will become durable through this handle: waiting readers end.
+        opened.shared.mark_closed();
         Ok(Wal { shared: opened.shared, writer: None, report: opened.report })
     }
 

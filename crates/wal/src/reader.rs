@@ -106,7 +106,7 @@ impl Reader {
             if !batch.is_empty() {
                 return Ok(batch);
             }
-            if self.durable.changed().await.is_err() {
+            if self.shared.is_closed() || self.durable.changed().await.is_err() {
                 let last = self.try_read(max_records, max_bytes)?;
                 if last.is_empty() {
                     return Err(WalError::Closed);

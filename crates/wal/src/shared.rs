@@ -40,6 +40,8 @@ pub(crate) struct Shared {
     pub used_bytes: AtomicU64,
     pub max_bytes: u64,
     pub record_max_bytes: u32,
+    /// Set when the writer has stopped: nothing more will become durable.
+    pub closed: AtomicBool,
 }
 
 impl Shared {
@@ -62,6 +64,7 @@ impl Shared {
             used_bytes: AtomicU64::new(used_bytes),
             max_bytes,
             record_max_bytes,
+            closed: AtomicBool::new(false),
         }
     }
 
@@ -89,6 +92,16 @@ impl Shared {
 
     pub(crate) fn durable_next(&self) -> u64 {
         *self.durable_next.borrow()
+    }
+
+    /// Marks the log closed and wakes every waiting reader.
+    pub(crate) fn mark_closed(&self) {
+        self.closed.store(true, Ordering::Release);
+        self.durable_next.send_modify(|_| {});
+    }
+
+    pub(crate) fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
     }
 
     pub(crate) fn start(&self) -> u64 {

@@ -110,11 +110,13 @@ impl Writer {
                 }
             }
             if self.handle(group) {
+                self.shared.mark_closed();
                 return;
             }
         }
         // Every handle is gone: make what was written durable, without a clean marker.
         self.sync_interval_writes();
+        self.shared.mark_closed();
     }
 
     fn sync_deadline(&self) -> Option<Instant> {

@@ -1,0 +1,141 @@
+//! Reading: seeking, bounded batches, tailing, release.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use wal::storage::SimStorage;
+use wal::{WalError, WalOptions};
+
+#[test]
+fn a_reader_starts_at_any_retained_offset_and_crosses_segments() {
+    let sim = SimStorage::new();
+    let wal = open(&sim, small_options());
+    rt().block_on(async {
+        for i in 0..300 {
+            wal.append(vec![payload(i, 90)]).await.unwrap();
+        }
+    });
+    assert!(wal.segment_paths().len() > 5);
+    for from in [0u64, 1, 37, 38, 39, 150, 298, 299, 300] {
+        let got = read_all(&wal, from);
+        assert_eq!(got.len() as u64, 300 - from, "from {from}");
+        for (k, r) in got.iter().enumerate() {
+            assert_eq!(r.offset, from + k as u64);
+            assert_eq!(tag_of(&r.payload), from + k as u64);
+        }
+    }
+    assert!(matches!(wal.reader(301), Err(WalError::BeyondEnd { offset: 301, end: 300 })));
+}
+
+#[test]
+fn batches_are_bounded_by_count_and_bytes_but_never_empty_for_a_large_record() {
+    let sim = SimStorage::new();
+    let wal = open(&sim, WalOptions { segment_max_bytes: 1 << 20, max_bytes: 1 << 24, ..WalOptions::default() });
+    rt().block_on(async {
+        for i in 0..10 {
+            wal.append(vec![payload(i, 1000)]).await.unwrap();
+        }
+        wal.append(vec![payload(10, 50_000)]).await.unwrap();
+    });
+    let mut r = wal.reader(0).unwrap();
+    assert_eq!(r.try_read(3, 1 << 20).unwrap().len(), 3);
+    // 2500 bytes: two 1000-byte records fit, the third would pass the bound.
+    assert_eq!(r.try_read(100, 2500).unwrap().len(), 2);
+    assert_eq!(r.try_read(100, 5000).unwrap().len(), 5);
+    // The large record comes alone even though it exceeds the byte bound.
+    let big = r.try_read(100, 10).unwrap();
+    assert_eq!(big.len(), 1);
+    assert_eq!(big[0].payload.len(), 50_000);
+    assert!(r.try_read(100, 10).unwrap().is_empty());
+}
+
+#[test]
+fn a_tailing_reader_wakes_on_each_append_without_polling() {
+    let sim = SimStorage::new();
+    let wal = Arc::new(open(&sim, small_options()));
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    runtime.block_on(async {
+        let mut reader = wal.reader(0).unwrap();
+        let tail = tokio::spawn(async move {
+            let mut seen = Vec::new();
+            while seen.len() < 100 {
+                for r in reader.read(7, 1 << 20).await.unwrap() {
+                    seen.push(r.offset);
+                }
+            }
+            seen
+        });
+        for i in 0..100 {
+            wal.append(vec![payload(i, 30)]).await.unwrap();
+            if i % 10 == 0 {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        }
+        let seen = tokio::time::timeout(Duration::from_secs(10), tail).await.unwrap().unwrap();
+        assert_eq!(seen, (0..100).collect::<Vec<_>>());
+    });
+}
+
+#[test]
+fn a_tailing_reader_ends_with_closed_after_the_log_closes() {
+    let sim = SimStorage::new();
+    let wal = open(&sim, small_options());
+    rt().block_on(async {
+        wal.append(vec![payload(1, 10)]).await.unwrap();
+        let mut r = wal.reader(0).unwrap();
+        wal.close().await.unwrap();
+        assert_eq!(r.read(10, 1 << 20).await.unwrap().len(), 1);
+        assert!(matches!(r.read(10, 1 << 20).await, Err(WalError::Closed)));
+    });
+}
+
+#[test]
+fn release_deletes_whole_segments_below_and_readers_get_a_clear_error() {
+    let sim = SimStorage::new();
+    let wal = open(&sim, small_options());
+    rt().block_on(async {
+        for i in 0..300 {
+            wal.append(vec![payload(i, 90)]).await.unwrap();
+        }
+        let mut lagging = wal.reader(0).unwrap();
+        let segs_before = wal.segment_paths().len();
+        let used_before = wal.stats().used_bytes;
+        let r = wal.release_below(150).await.unwrap();
+        assert_eq!(r.start, 150);
+        assert!(r.segments_deleted >= 2);
+        assert_eq!(wal.segment_paths().len(), segs_before - r.segments_deleted);
+        assert_eq!(wal.stats().used_bytes, used_before - r.bytes_freed);
+        assert_eq!(wal.start_offset(), 150);
+        assert!(matches!(wal.reader(149), Err(WalError::Released { offset: 149, start: 150 })));
+        assert!(matches!(lagging.try_read(1, 100), Err(WalError::Released { offset: 0, start: 150 })));
+        assert_eq!(read_all(&wal, 150).len(), 150);
+        // Releasing past the end releases only what exists, and never the active segment.
+        let r = wal.release_below(u64::MAX).await.unwrap();
+        assert_eq!(r.start, 300);
+        assert_eq!(wal.segment_paths().len(), 1);
+        let a = wal.append(vec![payload(300, 10)]).await.unwrap();
+        assert_eq!(a.first_offset, 300, "offsets restarted after a full release");
+    });
+    drop(wal);
+    // After a reopen the log starts at its first retained segment and keeps counting.
+    let wal = open(&sim, small_options());
+    assert!(wal.start_offset() <= 300);
+    assert_eq!(wal.next_offset(), 301);
+}
+
+#[test]
+fn release_never_moves_backwards() {
+    let sim = SimStorage::new();
+    let wal = open(&sim, small_options());
+    rt().block_on(async {
+        for i in 0..100 {
+            wal.append(vec![payload(i, 90)]).await.unwrap();
+        }
+        wal.release_below(80).await.unwrap();
+        let r = wal.release_below(10).await.unwrap();
+        assert_eq!(r.start, 80);
+    });
+}
