@@ -162,11 +162,6 @@ impl Writer {
             return;
         }
         let count = records.len() as u64;
-        let last = self.next_offset.checked_add(count - 1).filter(|&l| l <= OFFSET_MAX);
-        let Some(last) = last else {
-            let _ = reply.send(Err(WalError::OffsetsExhausted { next: self.next_offset, needed: count }));
-            return;
-        };
         // Start a new segment first if this batch would not fit beside what the active
         // one holds (a batch larger than a whole segment gets a segment of its own).
         let staged = self.written_len + self.buf.len() as u64;
@@ -177,11 +172,22 @@ impl Writer {
                 let _ = reply.send(Err(WalError::Poisoned(why.clone())));
                 return;
             }
-            if let Err(e) = self.rotate() {
+            // A failed flush may have emptied the active segment again: an empty
+            // segment is never sealed (its successor would take its name).
+            let holds_records = self.written_len > SEGMENT_HEADER_LEN;
+            if (holds_records || self.active.sealed.load(Ordering::Acquire))
+                && let Err(e) = self.rotate()
+            {
                 let _ = reply.send(Err(e));
                 return;
             }
         }
+        // Offsets are taken only now: a failed flush above gives back the offsets it held.
+        let last = self.next_offset.checked_add(count - 1).filter(|&l| l <= OFFSET_MAX);
+        let Some(last) = last else {
+            let _ = reply.send(Err(WalError::OffsetsExhausted { next: self.next_offset, needed: count }));
+            return;
+        };
         // Capacity, with room kept for the seal and the next segment's header so that a
         // rotation can never be the write that fails for space.
         let used = self.shared.used_bytes.load(Ordering::Acquire) + self.buf.len() as u64;
@@ -299,6 +305,10 @@ impl Writer {
 
     /// Seals the active segment (if not sealed yet) and starts its successor.
     fn rotate(&mut self) -> Result<()> {
+        assert!(
+            self.next_offset > self.active.base,
+            "rotating an empty segment would give its successor the same name"
+        );
         if !self.active.sealed.load(Ordering::Acquire) {
             if self.written_len != self.durable_len {
                 self.sync_active().map_err(|e| self.fail_rotation(e))?;
