@@ -1,0 +1,234 @@
+//! Test support: start the built `iggy-ingest` binary on ephemeral ports in a temp
+//! directory, talk HTTP/1.1 to it, and read its log back through the wal crate.
+#![allow(dead_code)]
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::client::conn::http1::SendRequest;
+use hyper_util::rt::TokioIo;
+use ingest::Envelope;
+
+pub const MANAGEMENT_TOKEN: &str = "test-management-token-0123";
+
+/// Generous: the machine running the tests may be busy compiling.
+pub const STARTUP_TIMEOUT: Duration = Duration::from_secs(60);
+
+pub struct Daemon {
+    pub child: Child,
+    pub http: SocketAddr,
+    pub admin: SocketAddr,
+    pub root: PathBuf,
+}
+
+/// The configuration the tests run on: ephemeral ports, data under `root/data`, plus
+/// `http_extra` lines in `[http]` and `rest` (sources, `[wal]`, ...).
+pub fn config_text(root: &Path, http_extra: &str, rest: &str) -> String {
+    format!(
+        r#"
+[http]
+listen = "127.0.0.1:0"
+{http_extra}
+
+[admin]
+listen = "127.0.0.1:0"
+management_token = "{MANAGEMENT_TOKEN}"
+
+[shutdown]
+grace_period_ms = 20000
+
+[logging]
+level = "error"
+
+[storage]
+data_dir = "{data}"
+
+[idempotency]
+checkpoint_interval_ms = 200
+
+{rest}
+"#,
+        data = root.join("data").display()
+    )
+}
+
+impl Daemon {
+    /// Writes the config and starts the daemon; waits for its ready file.
+    pub fn start(root: &Path, http_extra: &str, rest: &str) -> Daemon {
+        let cfg = root.join("config.toml");
+        std::fs::write(&cfg, config_text(root, http_extra, rest)).unwrap();
+        Daemon::start_with(root, &cfg)
+    }
+
+    /// Starts again on the config written before.
+    pub fn restart(root: &Path) -> Daemon {
+        Daemon::start_with(root, &root.join("config.toml"))
+    }
+
+    fn start_with(root: &Path, cfg: &Path) -> Daemon {
+        let ready = root.join("ready.json");
+        let _ = std::fs::remove_file(&ready);
+        let child = Command::new(env!("CARGO_BIN_EXE_iggy-ingest"))
+            .arg("run")
+            .arg("--config")
+            .arg(cfg)
+            .arg("--ready-file")
+            .arg(&ready)
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap();
+        let mut d = Daemon {
+            child,
+            http: "127.0.0.1:1".parse().unwrap(),
+            admin: "127.0.0.1:1".parse().unwrap(),
+            root: root.into(),
+        };
+        let deadline = Instant::now() + STARTUP_TIMEOUT;
+        loop {
+            if let Ok(text) = std::fs::read_to_string(&ready) {
+                let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+                d.http = v["http"].as_str().unwrap().parse().unwrap();
+                d.admin = v["admin"].as_str().unwrap().parse().unwrap();
+                return d;
+            }
+            if let Some(status) = d.child.try_wait().unwrap() {
+                panic!("daemon exited before it was ready: {status}");
+            }
+            assert!(Instant::now() < deadline, "daemon not ready within {STARTUP_TIMEOUT:?}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    pub fn signal(&self, sig: i32) {
+        // SAFETY: kill(2) with the pid of our own child process.
+        let rc = unsafe { libc::kill(self.child.id() as i32, sig) };
+        assert_eq!(rc, 0, "kill({sig}) failed");
+    }
+
+    pub fn kill9(&mut self) {
+        self.signal(libc::SIGKILL);
+        self.child.wait().unwrap();
+    }
+
+    /// Sends SIGTERM and waits for the exit.
+    pub fn stop(mut self) -> ExitStatus {
+        self.signal(libc::SIGTERM);
+        self.wait_exit(Duration::from_secs(60))
+    }
+
+    pub fn wait_exit(&mut self, timeout: Duration) -> ExitStatus {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                return s;
+            }
+            assert!(Instant::now() < deadline, "daemon did not exit within {timeout:?}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    pub fn wal_dir(&self) -> PathBuf {
+        self.root.join("data").join("wal")
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// One answer.
+#[derive(Debug)]
+pub struct Answer {
+    pub status: u16,
+    pub headers: hyper::HeaderMap,
+    pub body: Bytes,
+}
+
+impl Answer {
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {:?}", String::from_utf8_lossy(&self.body)))
+    }
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(|v| v.to_str().ok())
+    }
+}
+
+/// A keep-alive HTTP/1.1 connection.
+pub struct Conn {
+    sender: SendRequest<Full<Bytes>>,
+}
+
+impl Conn {
+    pub async fn open(addr: SocketAddr) -> std::io::Result<Conn> {
+        let stream = tokio::net::TcpStream::connect(addr).await?;
+        let (sender, conn) =
+            hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.map_err(std::io::Error::other)?;
+        tokio::spawn(async move {
+            let _ = conn.await;
+        });
+        Ok(Conn { sender })
+    }
+
+    pub async fn send(
+        &mut self,
+        method: &str,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: impl Into<Bytes>,
+    ) -> Result<Answer, hyper::Error> {
+        let mut req = hyper::Request::builder().method(method).uri(path).header("host", "localhost");
+        for (k, v) in headers {
+            req = req.header(*k, *v);
+        }
+        let req = req.body(Full::new(body.into())).unwrap();
+        self.sender.ready().await?;
+        let resp = self.sender.send_request(req).await?;
+        let status = resp.status().as_u16();
+        let headers = resp.headers().clone();
+        let body = resp.into_body().collect().await?.to_bytes();
+        Ok(Answer { status, headers, body })
+    }
+}
+
+/// One request on a fresh connection.
+pub async fn request(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: impl Into<Bytes>,
+) -> Answer {
+    let mut c = Conn::open(addr).await.unwrap();
+    c.send(method, path, headers, body).await.unwrap()
+}
+
+pub async fn post_json(addr: SocketAddr, path: &str, body: &str) -> Answer {
+    request(addr, "POST", path, &[("content-type", "application/json")], body.to_string()).await
+}
+
+/// Every record of the log in `wal_dir`, decoded.
+pub fn read_log(wal_dir: &Path) -> Vec<(u64, Envelope)> {
+    let wal = wal::Wal::open_read_only(wal_dir).unwrap();
+    wal::inspect::Records::new(&wal, wal.start_offset())
+        .unwrap()
+        .map(|r| {
+            let r = r.unwrap();
+            (r.offset, Envelope::decode(&r.payload).unwrap())
+        })
+        .collect()
+}
+
+pub fn log_len(wal_dir: &Path) -> usize {
+    read_log(wal_dir).len()
+}

@@ -1,0 +1,304 @@
+//! The HTTP contract against the real binary: status codes, JSON error bodies, NDJSON
+//! atomicity, every auth scheme, idempotent retries, the handshake, and that no
+//! rejected request appends anything.
+
+mod common;
+
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use base64::Engine;
+use base64::engine::general_purpose::STANDARD as B64;
+use common::*;
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
+
+const SOURCES: &str = r#"
+[sources.default]
+destination = { stream = "ingest", topic = "events" }
+forward_headers = ["x-event-kind"]
+
+[sources.jsononly]
+destination = { stream = "s", topic = "json", partition_id = 2 }
+accept = "json"
+
+[sources.github]
+destination = { stream = "gh", topic = "events" }
+auth_type = "hmac-sha256"
+auth_secret = "It's a Secret to Everybody"
+
+[sources.legacy]
+destination = { stream = "gh", topic = "legacy" }
+auth_type = "hmac-sha1"
+auth_secret = "It's a Secret to Everybody"
+
+[sources.internal]
+destination = { stream = "i", topic = "t" }
+auth_type = "bearer"
+auth_secret = "internal-token"
+
+[sources.svix]
+destination = { stream = "s", topic = "svix" }
+auth_type = "standard-webhooks"
+auth_secret = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
+
+[sources.stripe]
+destination = { stream = "s", topic = "stripe" }
+auth_type = "stripe"
+auth_secret = "whsec_test_secret"
+
+[sources.hidden]
+destination = { stream = "s", topic = "hidden" }
+named_path = false
+
+[[sources.hidden.endpoints]]
+id = "0123456789abcdef0123456789abcdef"
+handshake_param = "challenge"
+
+[[sources.hidden.endpoints]]
+id = "fedcba9876543210fedcba9876543210"
+expires_at = "2001-01-01T00:00:00Z"
+"#;
+
+fn now_secs() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_secs()
+}
+
+fn hmac_b64(key: &[u8], msg: &[u8]) -> String {
+    let mut m = Hmac::<Sha256>::new_from_slice(key).unwrap();
+    m.update(msg);
+    B64.encode(m.finalize().into_bytes())
+}
+
+fn hmac_hex(key: &[u8], msg: &[u8]) -> String {
+    let mut m = Hmac::<Sha256>::new_from_slice(key).unwrap();
+    m.update(msg);
+    hex::encode(m.finalize().into_bytes())
+}
+
+fn assert_error(a: &Answer, status: u16, code: &str) {
+    assert_eq!(a.status, status, "{:?}", String::from_utf8_lossy(&a.body));
+    let j = a.json();
+    assert_eq!(j["error"], code, "{j}");
+    assert!(j["message"].is_string(), "{j}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_codes_bodies_and_records() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = Daemon::start(dir.path(), "max_body_bytes = 4096\nbody_read_timeout_ms = 1000", SOURCES);
+    let h = d.http;
+
+    // 200 with offsets; the record carries the resolved destination and details.
+    let a = request(
+        h,
+        "POST",
+        "/v1/sources/default",
+        &[("content-type", "text/plain"), ("x-event-kind", &"k".repeat(300))],
+        "hello",
+    )
+    .await;
+    assert_eq!(a.status, 200);
+    assert_eq!(a.json(), serde_json::json!({"accepted": 1, "offsets": [0, 0]}));
+    let a = post_json(h, "/v1/sources/jsononly", r#"{"a":1}"#).await;
+    assert_eq!(a.json(), serde_json::json!({"accepted": 1, "offsets": [1, 1]}));
+    let mut appended = 2;
+
+    // Every rejection: a JSON body naming the problem.
+    assert_error(&post_json(h, "/v1/sources/nope", "{}").await, 404, "not_found");
+    assert_error(&post_json(h, "/elsewhere", "{}").await, 404, "not_found");
+    assert_error(&post_json(h, "/v1/sources/hidden", "{}").await, 404, "not_found");
+    assert_error(&request(h, "GET", "/v1/sources/default", &[], "").await, 405, "method_not_allowed");
+    assert_error(&request(h, "POST", "/v1/sources/default", &[], vec![b'x'; 5000]).await, 413, "body_too_large");
+    assert_error(
+        &request(h, "POST", "/v1/sources/jsononly", &[("content-type", "text/plain")], "{}").await,
+        415,
+        "unsupported_media_type",
+    );
+    assert_error(&post_json(h, "/v1/sources/jsononly", r#"{"a":"#).await, 400, "invalid_json");
+    assert_error(&request(h, "POST", "/v1/sources/github", &[], "Hello, World!").await, 401, "unauthorized");
+    assert_error(&post_json(h, "/v1/e/00000000000000000000000000000000", "{}").await, 404, "not_found");
+    assert_error(&post_json(h, "/v1/e/not-an-id", "{}").await, 404, "not_found");
+    assert_error(&post_json(h, "/v1/e/fedcba9876543210fedcba9876543210", "{}").await, 410, "endpoint_expired");
+    let too_long_key = "k".repeat(300);
+    assert_error(
+        &request(h, "POST", "/v1/sources/default", &[("idempotency-key", &too_long_key)], "x").await,
+        400,
+        "invalid_delivery_id",
+    );
+
+    // 408: a body that never completes.
+    {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut s = tokio::net::TcpStream::connect(h).await.unwrap();
+        s.write_all(b"POST /v1/sources/default HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\npartial")
+            .await
+            .unwrap();
+        let mut buf = Vec::new();
+        let _ = tokio::time::timeout(std::time::Duration::from_secs(30), s.read_to_end(&mut buf)).await;
+        let text = String::from_utf8_lossy(&buf);
+        assert!(text.starts_with("HTTP/1.1 408"), "{text}");
+        assert!(text.contains("body_read_timeout"), "{text}");
+    }
+
+    // NDJSON: one atomic batch, or nothing with the line named.
+    let a = request(
+        h,
+        "POST",
+        "/v1/sources/default",
+        &[("content-type", "application/x-ndjson")],
+        "{\"n\":1}\n{\"n\":2}\n{\"n\":3}\n",
+    )
+    .await;
+    assert_eq!(a.json(), serde_json::json!({"accepted": 3, "offsets": [2, 4]}));
+    appended += 3;
+    let a = request(
+        h,
+        "POST",
+        "/v1/sources/default",
+        &[("content-type", "application/x-ndjson")],
+        "{\"n\":1}\n{\"n\":\n{\"n\":3}\n",
+    )
+    .await;
+    assert_error(&a, 400, "malformed_ndjson_line");
+    assert!(a.json()["message"].as_str().unwrap().contains("line 2"), "{}", a.json());
+
+    // GET handshake echo on a secret-path endpoint, then an event through it.
+    let a = request(h, "GET", "/v1/e/0123456789abcdef0123456789abcdef?challenge=abc123", &[], "").await;
+    assert_eq!((a.status, &a.body[..]), (200, &b"abc123"[..]));
+    assert_error(&request(h, "GET", "/v1/e/0123456789abcdef0123456789abcdef", &[], "").await, 400, "missing_challenge");
+    let a = post_json(h, "/v1/e/0123456789abcdef0123456789abcdef", r#"{"via":"endpoint"}"#).await;
+    assert_eq!(a.status, 200);
+    appended += 1;
+
+    // Health on the webhook listener.
+    let a = request(h, "GET", "/health", &[], "").await;
+    assert_eq!((a.status, a.json()["status"].as_str()), (200, Some("accepting")));
+
+    // Metrics: rejections counted by reason; no paths or ids in labels.
+    let m = request(d.admin, "GET", "/metrics", &[], "").await;
+    let text = String::from_utf8_lossy(&m.body).to_string();
+    assert!(
+        text.contains(r#"iggy_ingest_http_rejected_total{source="jsononly",reason="unsupported_media_type"} 1"#),
+        "{text}"
+    );
+    assert!(text.contains(r#"iggy_ingest_auth_failures_total{source="github",reason="auth_missing"} 1"#), "{text}");
+    assert!(text.contains(r#"iggy_ingest_header_values_clamped_total{source="default"} 1"#), "{text}");
+    assert!(!text.contains("fedcba98") && !text.contains("/v1/") && !text.contains("127.0.0.1"), "{text}");
+    let st = request(d.admin, "GET", "/status", &[], "").await.json();
+    assert_eq!(st["sources"]["jsononly"]["last_error"]["code"], "invalid_json", "{st}");
+    assert_eq!(st["log"]["next_offset"], appended);
+
+    assert!(d.stop().success());
+    let log = read_log(&dir.path().join("data/wal"));
+    assert_eq!(log.len() as u64, appended, "only the 200s are in the log");
+    let (_, first) = &log[0];
+    assert_eq!(&first.payload[..], b"hello");
+    assert_eq!(first.header.content_type.as_deref(), Some("text/plain"));
+    assert_eq!(first.header.destination.stream, "ingest");
+    assert_eq!(first.header.destination.topic, "events");
+    assert_eq!(first.header.headers, vec![("x-event-kind".to_string(), vec![b'k'; 255])], "clamped to 255 bytes");
+    assert!(first.header.metadata.iter().any(|(k, v)| k == "peer_addr" && v.starts_with("127.0.0.1:")));
+    let (_, second) = &log[1];
+    assert_eq!(second.header.destination.partitioning, ingest::Partitioning::PartitionId(2));
+    let batch: Vec<_> = log[2..5].iter().map(|(_, e)| (e.header.batch_index, e.header.batch_len)).collect();
+    assert_eq!(batch, vec![(0, 3), (1, 3), (2, 3)]);
+    assert_eq!(log[5].1.header.endpoint_id, Some(0x0123456789abcdef0123456789abcdef));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_auth_scheme_accepts_good_and_refuses_bad_signatures() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = Daemon::start(dir.path(), "", SOURCES);
+    let h = d.http;
+    let unauthorized = serde_json::json!({"error": "unauthorized", "message": "authentication failed"});
+
+    // GitHub's documented example vector.
+    let gh = "sha256=757107ea0eb2509fc211221cce984b8a37570b6d7586c22c46f4379c8b043e17";
+    assert_eq!(
+        request(h, "POST", "/v1/sources/github", &[("x-hub-signature-256", gh)], "Hello, World!").await.status,
+        200
+    );
+    let bad = request(h, "POST", "/v1/sources/github", &[("x-hub-signature-256", gh)], "Hello, World?").await;
+    assert_eq!((bad.status, bad.json()), (401, unauthorized.clone()));
+
+    // HMAC-SHA1 (vector computed with Python's hmac module).
+    let sha1 = "sha1=01dc10d0c83e72ed246219cdd91669667fe2ca59";
+    assert_eq!(
+        request(h, "POST", "/v1/sources/legacy", &[("x-hub-signature", sha1)], "Hello, World!").await.status,
+        200
+    );
+    assert_eq!(
+        request(h, "POST", "/v1/sources/legacy", &[("x-hub-signature", "sha1=00")], "Hello, World!").await.status,
+        401
+    );
+
+    // Bearer.
+    assert_eq!(
+        request(h, "POST", "/v1/sources/internal", &[("authorization", "Bearer internal-token")], "x").await.status,
+        200
+    );
+    let bad = request(h, "POST", "/v1/sources/internal", &[("authorization", "Bearer internal-tokem")], "x").await;
+    assert_eq!((bad.status, bad.json()), (401, unauthorized.clone()));
+
+    // Standard Webhooks, and the same under Svix's header names: signed now with the
+    // spec example's key.
+    let key = B64.decode("MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw").unwrap();
+    let ts = now_secs().to_string();
+    let body = r#"{"test": 2432232314}"#;
+    let sig = format!("v1,{}", hmac_b64(&key, format!("msg_1.{ts}.{body}").as_bytes()));
+    let sw = [("webhook-id", "msg_1"), ("webhook-timestamp", ts.as_str()), ("webhook-signature", sig.as_str())];
+    assert_eq!(request(h, "POST", "/v1/sources/svix", &sw, body).await.status, 200);
+    let sig2 = format!("v1,{}", hmac_b64(&key, format!("msg_2.{ts}.{body}").as_bytes()));
+    let svix = [("svix-id", "msg_2"), ("svix-timestamp", ts.as_str()), ("svix-signature", sig2.as_str())];
+    assert_eq!(request(h, "POST", "/v1/sources/svix", &svix, body).await.status, 200);
+    let old_ts = (now_secs() - 600).to_string();
+    let stale_sig = format!("v1,{}", hmac_b64(&key, format!("msg_3.{old_ts}.{body}").as_bytes()));
+    let stale =
+        [("webhook-id", "msg_3"), ("webhook-timestamp", old_ts.as_str()), ("webhook-signature", stale_sig.as_str())];
+    assert_eq!(request(h, "POST", "/v1/sources/svix", &stale, body).await.json(), unauthorized);
+
+    // Stripe.
+    let body = r#"{"id":"evt_1"}"#;
+    let st = format!("t={ts},v1={}", hmac_hex(b"whsec_test_secret", format!("{ts}.{body}").as_bytes()));
+    assert_eq!(request(h, "POST", "/v1/sources/stripe", &[("stripe-signature", &st)], body).await.status, 200);
+    let forged = format!("t={ts},v1={}", hmac_hex(b"whsec_other", format!("{ts}.{body}").as_bytes()));
+    assert_eq!(request(h, "POST", "/v1/sources/stripe", &[("stripe-signature", &forged)], body).await.status, 401);
+
+    let m = String::from_utf8_lossy(&request(d.admin, "GET", "/metrics", &[], "").await.body).to_string();
+    for line in [
+        r#"iggy_ingest_auth_failures_total{source="github",reason="auth_bad_signature"} 1"#,
+        r#"iggy_ingest_auth_failures_total{source="svix",reason="auth_stale_timestamp"} 1"#,
+        r#"iggy_ingest_auth_failures_total{source="stripe",reason="auth_bad_signature"} 1"#,
+    ] {
+        assert!(m.contains(line), "{line} missing in\n{m}");
+    }
+    assert!(d.stop().success());
+    assert_eq!(log_len(&dir.path().join("data/wal")), 6, "only the accepted requests were appended");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retried_delivery_gets_its_original_offsets_even_after_kill_9() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut d = Daemon::start(dir.path(), "", SOURCES);
+    let key = [("content-type", "application/x-ndjson"), ("idempotency-key", "delivery-1")];
+    let first = request(d.http, "POST", "/v1/sources/default", &key, "{\"a\":1}\n{\"a\":2}\n").await;
+    assert_eq!(first.json(), serde_json::json!({"accepted": 2, "offsets": [0, 1]}));
+    assert_eq!(first.header("idempotent-replayed"), None);
+    let again = request(d.http, "POST", "/v1/sources/default", &key, "{\"a\":1}\n{\"a\":2}\n").await;
+    assert_eq!(again.json(), first.json());
+    assert_eq!(again.header("idempotent-replayed"), Some("true"));
+    // GitHub's delivery header counts as a delivery id too, scoped per source.
+    let gh = [("x-github-delivery", "delivery-1"), ("content-type", "application/json")];
+    let other = request(d.http, "POST", "/v1/sources/jsononly", &gh, "{}").await;
+    assert_eq!(other.json()["offsets"], serde_json::json!([2, 2]));
+
+    d.kill9();
+    let d = Daemon::restart(dir.path());
+    let after = request(d.http, "POST", "/v1/sources/default", &key, "{\"a\":1}\n{\"a\":2}\n").await;
+    assert_eq!(after.json(), first.json(), "the key survives a crash (rebuilt from the log)");
+    assert!(d.stop().success());
+    let log = read_log(&dir.path().join("data/wal"));
+    assert_eq!(log.len(), 3);
+    let ids: Vec<u128> = log.iter().map(|(_, e)| e.header.message_id).collect();
+    assert_eq!(ids[0], ingest::envelope::message_id_for_delivery("default", "delivery-1", 0));
+}
