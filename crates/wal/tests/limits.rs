@@ -1,0 +1,99 @@
+//! Limits at their real values: offsets and segment names near the top of the range,
+//! records at the maximum size, rotation at the default segment size.
+
+mod common;
+
+use bytes::Bytes;
+use common::*;
+use wal::format::{OFFSET_MAX, RECORD_MAX_BYTES, segment_file_name};
+use wal::storage::{CrashMode, SimStorage};
+use wal::{WalError, WalOptions};
+
+#[test]
+fn offsets_run_to_the_last_representable_one_and_then_refuse() {
+    let sim = SimStorage::new();
+    let opts = WalOptions { initial_offset: OFFSET_MAX - 9, ..small_options() };
+    let wal = open(&sim, opts.clone());
+    rt().block_on(async {
+        // Rotate a few times on the way, so segment names near the top are used.
+        for i in 0..9 {
+            let a = wal.append(vec![payload(i, 1500)]).await.unwrap();
+            assert_eq!(a.first_offset, OFFSET_MAX - 9 + i);
+        }
+        let a = wal.append(vec![payload(9, 10)]).await.unwrap();
+        assert_eq!(a.last_offset, OFFSET_MAX);
+        let e = wal.append(vec![payload(10, 10)]).await.unwrap_err();
+        assert!(matches!(e, WalError::OffsetsExhausted { next, needed: 1 } if next == OFFSET_MAX + 1), "{e}");
+    });
+    let names = segment_files(&sim, &dir());
+    assert!(names.len() >= 3, "{names:?}");
+    assert!(names.contains(&segment_file_name(OFFSET_MAX - 9)));
+    sim.crash(CrashMode::LoseUnsynced);
+    drop(wal);
+    let wal = open(&sim, opts);
+    assert_eq!(wal.next_offset(), u64::MAX);
+    let all = read_all(&wal, OFFSET_MAX - 9);
+    assert_eq!(all.len(), 10);
+    assert_eq!(all.last().map(|r| r.offset), Some(OFFSET_MAX));
+}
+
+#[test]
+fn a_batch_that_would_pass_the_last_offset_is_refused_whole() {
+    let sim = SimStorage::new();
+    let wal = open(&sim, WalOptions { initial_offset: OFFSET_MAX - 1, ..small_options() });
+    rt().block_on(async {
+        let e = wal.append(vec![payload(0, 8), payload(1, 8), payload(2, 8)]).await.unwrap_err();
+        assert!(matches!(e, WalError::OffsetsExhausted { needed: 3, .. }), "{e}");
+        assert_eq!(wal.append(vec![payload(0, 8), payload(1, 8)]).await.unwrap().last_offset, OFFSET_MAX);
+    });
+}
+
+#[test]
+fn a_record_of_the_maximum_size_round_trips_and_one_byte_more_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let wal = wal::Wal::open(tmp.path(), WalOptions::default()).unwrap();
+    let max = RECORD_MAX_BYTES as usize;
+    let mut big = vec![0u8; max];
+    for (i, b) in big.iter_mut().enumerate().step_by(4096) {
+        *b = (i / 4096) as u8;
+    }
+    let big = Bytes::from(big);
+    rt().block_on(async {
+        let e = wal.append(vec![Bytes::from(vec![0u8; max + 1])]).await.unwrap_err();
+        assert!(matches!(e, WalError::RecordTooLarge { .. }), "{e}");
+        wal.append(vec![payload(1, 10)]).await.unwrap();
+        wal.append(vec![big.clone()]).await.unwrap();
+        wal.append(vec![payload(2, 10)]).await.unwrap();
+    });
+    drop(wal);
+    let wal = wal::Wal::open(tmp.path(), WalOptions::default()).unwrap();
+    let mut r = wal.reader(1).unwrap();
+    let got = r.try_read(10, 1).unwrap();
+    assert_eq!(got.len(), 1);
+    assert_eq!(got[0].payload, big);
+    assert_eq!(read_all(&wal, 0).len(), 3);
+}
+
+#[test]
+fn rotation_and_recovery_at_the_default_segment_size() {
+    let sim = SimStorage::new();
+    let opts = WalOptions::default();
+    let wal = open(&sim, opts.clone());
+    let record = 1024 * 1024 - 32;
+    rt().block_on(async {
+        // 64 one-MiB frames fill a 64 MiB segment exactly; go past it.
+        for i in 0..70 {
+            wal.append(vec![payload(i, record)]).await.unwrap();
+        }
+    });
+    let names = segment_files(&sim, &dir());
+    assert_eq!(names.len(), 2, "{names:?}");
+    let first = sim.read_file(&dir().join(&names[0])).unwrap();
+    assert!(first.len() as u64 <= opts.segment_max_bytes);
+    sim.crash(CrashMode::Adversarial { seed: 1 });
+    drop(wal);
+    let wal = open(&sim, opts);
+    let all = read_all(&wal, 0);
+    assert_eq!(all.len(), 70);
+    assert!(all.iter().enumerate().all(|(i, r)| tag_of(&r.payload) == i as u64));
+}
