@@ -28,6 +28,11 @@ pub struct Daemon {
 /// The configuration the tests run on: ephemeral ports, data under `root/data`, plus
 /// `http_extra` lines in `[http]` and `rest` (sources, `[wal]`, ...).
 pub fn config_text(root: &Path, http_extra: &str, rest: &str) -> String {
+    config_text_with_shutdown(root, http_extra, "", rest)
+}
+
+/// [`config_text`] with extra lines in `[shutdown]`.
+pub fn config_text_with_shutdown(root: &Path, http_extra: &str, shutdown_extra: &str, rest: &str) -> String {
     format!(
         r#"
 [http]
@@ -40,6 +45,7 @@ management_token = "{MANAGEMENT_TOKEN}"
 
 [shutdown]
 grace_period_ms = 20000
+{shutdown_extra}
 
 [logging]
 level = "error"
@@ -59,8 +65,12 @@ checkpoint_interval_ms = 200
 impl Daemon {
     /// Writes the config and starts the daemon; waits for its ready file.
     pub fn start(root: &Path, http_extra: &str, rest: &str) -> Daemon {
+        Daemon::start_text(root, &config_text(root, http_extra, rest))
+    }
+
+    pub fn start_text(root: &Path, text: &str) -> Daemon {
         let cfg = root.join("config.toml");
-        std::fs::write(&cfg, config_text(root, http_extra, rest)).unwrap();
+        std::fs::write(&cfg, text).unwrap();
         Daemon::start_with(root, &cfg)
     }
 

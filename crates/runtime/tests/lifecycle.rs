@@ -1,0 +1,215 @@
+//! The daemon's life: dynamic endpoints across restarts, graceful shutdown, a full log
+//! answering 503 and recovering, and a state database of another schema version.
+
+mod common;
+
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+use iggy_ingest::{config, daemon};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+const SOURCES: &str = r#"
+[sources.default]
+destination = { stream = "ingest", topic = "events" }
+
+[[sources.default.endpoints]]
+id = "0123456789abcdef0123456789abcdef"
+"#;
+
+fn bearer(token: &str) -> String {
+    format!("Bearer {token}")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dynamic_endpoints_register_rotate_revoke_and_survive_restarts() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut d = Daemon::start(dir.path(), "", SOURCES);
+    let mgmt = bearer(MANAGEMENT_TOKEN);
+    let auth = [("authorization", mgmt.as_str()), ("content-type", "application/json")];
+
+    // The management token is required.
+    let a = request(d.admin, "POST", "/v1/endpoints", &[], r#"{"source":"default"}"#).await;
+    assert_eq!(a.status, 401);
+    let a =
+        request(d.admin, "POST", "/v1/endpoints", &[("authorization", "Bearer wrong-token-wrong-token")], "{}").await;
+    assert_eq!(a.status, 401);
+    let a = request(d.admin, "POST", "/v1/endpoints", &auth, r#"{"source":"nope","auth_type":"bearer"}"#).await;
+    assert_eq!(a.status, 400);
+
+    let reg = request(d.admin, "POST", "/v1/endpoints", &auth, r#"{"source":"default","auth_type":"bearer"}"#).await;
+    assert_eq!(reg.status, 201, "{:?}", reg.body);
+    let reg = reg.json();
+    let id = reg["id"].as_str().unwrap().to_string();
+    let path = format!("/v1/e/{id}");
+    assert_eq!(reg["path"], path);
+    let secret1 = reg["secret"].as_str().unwrap().to_string();
+    let s1 = bearer(&secret1);
+    assert_eq!(request(d.http, "POST", &path, &[("authorization", &s1)], "e1").await.status, 200);
+    assert_eq!(request(d.http, "POST", &path, &[("authorization", "Bearer nope")], "e1").await.status, 401);
+
+    // Rotate: the old secret stops working at once.
+    let rot = request(d.admin, "POST", &format!("/v1/endpoints/{id}/rotate"), &auth, "").await;
+    assert_eq!(rot.status, 200);
+    let secret2 = rot.json()["secret"].as_str().unwrap().to_string();
+    assert_ne!(secret1, secret2);
+    let s2 = bearer(&secret2);
+    assert_eq!(request(d.http, "POST", &path, &[("authorization", &s1)], "e2").await.status, 401);
+    assert_eq!(request(d.http, "POST", &path, &[("authorization", &s2)], "e2").await.status, 200);
+    // Static endpoints are changed in the file, not here.
+    let a = request(d.admin, "POST", "/v1/endpoints/0123456789abcdef0123456789abcdef/rotate", &auth, "").await;
+    assert_eq!(a.status, 409);
+
+    // Rotation survives a crash: it was committed before the answer.
+    d.kill9();
+    let d = Daemon::restart(dir.path());
+    assert_eq!(request(d.http, "POST", &path, &[("authorization", &s1)], "e3").await.status, 401);
+    assert_eq!(request(d.http, "POST", &path, &[("authorization", &s2)], "e3").await.status, 200);
+    let list = request(d.admin, "GET", "/v1/endpoints", &auth, "").await;
+    let text = String::from_utf8_lossy(&list.body).to_string();
+    assert!(text.contains(&id) && !text.contains(&secret2) && !text.contains("secret"), "{text}");
+
+    // Revoke: 404 from then on, also after a crash.
+    assert_eq!(request(d.admin, "DELETE", &format!("/v1/endpoints/{id}"), &auth, "").await.status, 200);
+    assert_eq!(request(d.http, "POST", &path, &[("authorization", &s2)], "e4").await.status, 404);
+    assert_eq!(request(d.admin, "POST", &format!("/v1/endpoints/{id}/rotate"), &auth, "").await.status, 404);
+    let mut d = d;
+    d.kill9();
+    let d = Daemon::restart(dir.path());
+    assert_eq!(request(d.http, "POST", &path, &[("authorization", &s2)], "e5").await.status, 404);
+    let list = request(d.admin, "GET", "/v1/endpoints", &auth, "").await.json();
+    let listed = list["endpoints"].as_array().unwrap().iter().find(|e| e["id"] == id.as_str()).unwrap().clone();
+    assert_eq!(listed["state"], "revoked");
+    assert!(d.stop().success());
+    assert_eq!(log_len(&dir.path().join("data/wal")), 3);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_drains_health_first_finishes_in_flight_and_closes_the_log() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = config_text_with_shutdown(dir.path(), "", "drain_delay_ms = 1500", SOURCES);
+    let mut d = Daemon::start_text(dir.path(), &text);
+
+    // A request in flight: head sent, half the body.
+    let mut inflight = tokio::net::TcpStream::connect(d.http).await.unwrap();
+    inflight
+        .write_all(b"POST /v1/sources/default HTTP/1.1\r\nhost: x\r\ncontent-length: 10\r\n\r\n01234")
+        .await
+        .unwrap();
+    let mut keepalive = Conn::open(d.http).await.unwrap();
+    assert_eq!(keepalive.send("GET", "/health", &[], "").await.unwrap().status, 200);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    d.signal(libc::SIGTERM);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let h = keepalive.send("GET", "/health", &[], "").await.unwrap();
+        if h.status == 503 {
+            assert_eq!(h.json()["status"], "draining");
+            break;
+        }
+        assert!(Instant::now() < deadline, "health never went 503");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let refused = keepalive.send("POST", "/v1/sources/default", &[], "late").await.unwrap();
+    assert_eq!(refused.status, 503);
+    assert_eq!(refused.json()["error"], "shutting_down");
+    assert!(refused.header("retry-after").is_some());
+
+    // The in-flight request completes with a 200.
+    inflight.write_all(b"56789").await.unwrap();
+    let mut buf = Vec::new();
+    tokio::time::timeout(Duration::from_secs(30), inflight.read_to_end(&mut buf)).await.unwrap().unwrap();
+    let answer = String::from_utf8_lossy(&buf).to_string();
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert!(answer.contains(r#"{"accepted":1,"offsets":[0,0]}"#), "{answer}");
+
+    let status = d.wait_exit(Duration::from_secs(60));
+    assert!(status.success(), "{status}");
+    assert!(dir.path().join("data/wal").join(wal::CLEAN_MARKER_FILE).exists(), "clean-shutdown marker");
+    let log = read_log(&dir.path().join("data/wal"));
+    assert_eq!(log.len(), 1);
+    assert_eq!(&log[0].1.payload[..], b"0123456789");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_log_answers_503_appends_nothing_and_recovers_after_release() {
+    let dir = tempfile::tempdir().unwrap();
+    let rest = format!("[wal]\nsegment_max_bytes = 65536\nmax_bytes = 131072\nrecord_max_bytes = 16384\n{SOURCES}");
+    let text = config_text(dir.path(), "max_body_bytes = 8192", &rest);
+    let cfg = config::parse(&text, None).unwrap();
+    let settings = config::validate(&cfg, Some(&text), None).unwrap();
+    let running = daemon::start(settings, None).await.unwrap();
+    let h = running.http_addr;
+    let event = format!("{{\"pad\":\"{}\"}}", "x".repeat(4000));
+
+    let mut accepted = 0u64;
+    let full = loop {
+        let a = post_json(h, "/v1/sources/default", &event).await;
+        if a.status != 200 {
+            break a;
+        }
+        accepted += 1;
+        assert!(accepted < 1000, "the log never filled");
+    };
+    assert_eq!(full.status, 503);
+    assert_eq!(full.json()["error"], "log_full");
+    assert_eq!(full.header("retry-after"), Some("5"));
+    let wal = running.shared.wal.clone();
+    assert_eq!(wal.next_offset(), accepted, "a 503 appended nothing");
+    assert_eq!(post_json(h, "/v1/sources/default", &event).await.status, 503, "still full");
+    assert_eq!(request(h, "GET", "/health", &[], "").await.status, 200, "full is not unhealthy");
+
+    // What the router does once every destination acknowledged: release.
+    let released = wal.release_below(wal.next_offset()).await.unwrap();
+    assert!(released.segments_deleted >= 1, "{released:?}");
+    let a = post_json(h, "/v1/sources/default", &event).await;
+    assert_eq!(a.status, 200, "{:?}", a.body);
+    assert_eq!(a.json()["offsets"], serde_json::json!([accepted, accepted]));
+
+    running.shutdown();
+    assert!(running.wait().await.is_clean());
+}
+
+#[test]
+fn a_state_database_of_another_schema_version_refuses_to_start() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(dir.path().join("data")).unwrap();
+    ingest::StateDb::open(dir.path().join("data/state.redb")).unwrap().force_schema_version(7).unwrap();
+    let cfg = dir.path().join("config.toml");
+    std::fs::write(&cfg, config_text(dir.path(), "", SOURCES)).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_iggy-ingest"))
+        .args(["run", "--config"])
+        .arg(&cfg)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("schema version 7") && err.contains("expects 1"), "{err}");
+}
+
+#[test]
+fn config_check_names_the_key_path_and_line_and_exits_non_zero() {
+    let dir = tempfile::tempdir().unwrap();
+    let bad = dir.path().join("bad.toml");
+    std::fs::write(
+        &bad,
+        "[sources.github]\ndestination = { stream = \"s\", topic = \"t\" }\n\n[[sources.github.endpoints]]\nid = \"000102030405060708090a0b0c0d0e0f\"\nauth_type = \"hmac-sha256\"\n",
+    )
+    .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_iggy-ingest")).args(["config", "check"]).arg(&bad).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("line 4: sources.github.endpoints[0].auth_secret: required when auth_type = \"hmac-sha256\""),
+        "{err}"
+    );
+    let ok = Command::new(env!("CARGO_BIN_EXE_iggy-ingest"))
+        .args(["config", "check", concat!(env!("CARGO_MANIFEST_DIR"), "/../../config/example.toml")])
+        .output()
+        .unwrap();
+    assert!(ok.status.success(), "{}", String::from_utf8_lossy(&ok.stderr));
+}
