@@ -231,7 +231,12 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 384, max_shrink_iters: 4096, ..ProptestConfig::default() })]
+    // 384 cases by default; `PROPTEST_CASES=N` runs a deeper search.
+    #![proptest_config(ProptestConfig {
+        cases: std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(384),
+        max_shrink_iters: 4096,
+        ..ProptestConfig::default()
+    })]
 
     #[test]
     fn the_log_matches_the_model_through_crashes_and_faults(ops in prop::collection::vec(op(), 1..48)) {
