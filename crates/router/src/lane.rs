@@ -1,0 +1,686 @@
+//! A lane: the delivery task of one destination.
+//!
+//! The dispatcher hands a lane its records through the lane's gate (a bounded queue).
+//! When the queue is full the lane *overflows*: the dispatcher stops queueing (it only
+//! notes the offsets it skipped) and the lane re-reads its records from the log itself,
+//! from where the overflow began, until it has caught up; then queueing resumes. So a
+//! destination that is down for hours holds its records in the log, never in memory.
+//!
+//! Invariants:
+//! - Records of a destination are sent in log order; a batch is retried until it is
+//!   acknowledged (or disposed of by an explicit admission policy), never skipped.
+//! - The lane's cursor (`delivered_below`) is stored durably before the records it covers
+//!   stop pinning the log (`low_water` moves only after the store).
+//! - Handoff from re-reading back to queueing happens under the gate lock and only when
+//!   every record the dispatcher skipped lies below the lane's read position, so no
+//!   record is lost or sent twice by the handoff.
+//! - Client-wide failures (disconnected, unavailable) never count against the breaker.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use bytes::Bytes;
+use ingest::envelope::{Envelope, Partitioning};
+use tokio::sync::{Notify, Semaphore, watch};
+use tokio::time::{Duration, Instant};
+use wal::{Record, Wal};
+
+use crate::breaker::{Breaker, BreakerState};
+use crate::cursors::CursorStore;
+use crate::policy::{OnAdmissionFailure, RouterPolicy};
+use crate::sink::{DestinationKey, OutMessage, SendError, SendErrorKind, Sink, TopicInfo};
+use crate::status::{Status, StatusCell};
+
+/// A record with its decoded envelope.
+#[derive(Debug, Clone)]
+pub(crate) struct Routed {
+    pub offset: u64,
+    pub envelope: Envelope,
+    /// Why this record is on the dead-letter lane, if it is.
+    pub dead_letter_reason: Option<&'static str>,
+}
+
+/// What the dispatcher and the lane share, under one lock.
+#[derive(Debug, Default)]
+pub(crate) struct Gate {
+    queue: VecDeque<Routed>,
+    /// Set while the lane re-reads from the log: the next offset it has not read.
+    overflow_from: Option<u64>,
+    /// The last offset the dispatcher skipped for this lane while it overflowed.
+    last_skipped: Option<u64>,
+    /// First offset of the batch being delivered.
+    in_flight_first: Option<u64>,
+    /// Records and payload bytes routed here and not yet delivered (queued, in flight,
+    /// or waiting in the log).
+    held_records: u64,
+    held_bytes: u64,
+    /// Receive time of the oldest held record, when known.
+    oldest_held_ms: Option<u64>,
+}
+
+impl Gate {
+    /// The lowest offset of a record this lane has not delivered, if it holds any.
+    pub(crate) fn low_water(&self) -> Option<u64> {
+        [self.in_flight_first, self.queue.front().map(|r| r.offset), self.overflow_from].into_iter().flatten().min()
+    }
+}
+
+/// What the admin API shows of a lane.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LaneSnapshot {
+    pub destination: DestinationKey,
+    pub status: Status,
+    pub breaker: &'static str,
+    pub delivered_below: u64,
+    pub held_records: u64,
+    pub held_bytes: u64,
+    pub oldest_held_age_ms: Option<u64>,
+    pub sent_records: u64,
+    pub rejected_records: u64,
+    pub consecutive_failures: u32,
+    pub last_error: Option<String>,
+    pub partitions_count: Option<u32>,
+    /// Set when the topic acknowledges without syncing: its acks may not survive a crash
+    /// of the server.
+    pub not_durable_warning: bool,
+    pub overflowed: bool,
+}
+
+#[derive(Debug, Default)]
+struct Info {
+    breaker: Option<BreakerState>,
+    topic: Option<TopicInfo>,
+    sent_records: u64,
+    rejected_records: u64,
+    consecutive_failures: u32,
+    last_error: Option<String>,
+    /// First offset of the out-of-range run already counted as rejected.
+    out_of_range_counted: Option<u64>,
+}
+
+#[derive(Debug)]
+pub(crate) struct Lane {
+    pub key: DestinationKey,
+    pub is_dead_letter: bool,
+    gate: Mutex<Gate>,
+    wake: Notify,
+    pub delivered_below: AtomicU64,
+    pub status: StatusCell,
+    info: Mutex<Info>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Lane {
+    pub(crate) fn new(key: DestinationKey, delivered_below: u64, is_dead_letter: bool) -> Lane {
+        let status = StatusCell::new("destinations", key.to_string());
+        Lane {
+            key,
+            is_dead_letter,
+            gate: Mutex::new(Gate::default()),
+            wake: Notify::new(),
+            delivered_below: AtomicU64::new(delivered_below),
+            status,
+            info: Mutex::new(Info::default()),
+        }
+    }
+
+    pub(crate) fn gate(&self) -> MutexGuard<'_, Gate> {
+        lock(&self.gate)
+    }
+
+    /// Called by the dispatcher for each record bound here, in log order.
+    pub(crate) fn offer(&self, r: Routed, queue_max: usize) {
+        if r.offset < self.delivered_below.load(Ordering::Acquire) {
+            return; // delivered before a restart
+        }
+        let mut g = self.gate();
+        g.held_records += 1;
+        g.held_bytes += r.envelope.payload.len() as u64;
+        if g.oldest_held_ms.is_none() {
+            g.oldest_held_ms = Some(r.envelope.header.received_at_unix_ms);
+        }
+        if g.overflow_from.is_some() {
+            g.last_skipped = Some(r.offset);
+        } else if g.queue.len() >= queue_max {
+            g.overflow_from = Some(r.offset);
+            g.last_skipped = Some(r.offset);
+        } else {
+            g.queue.push_back(r);
+        }
+        drop(g);
+        self.wake.notify_one();
+    }
+
+    pub(crate) fn snapshot(&self) -> LaneSnapshot {
+        let g = self.gate();
+        let i = lock(&self.info);
+        let now_ms = ingest_time_ms();
+        LaneSnapshot {
+            destination: self.key.clone(),
+            status: self.status.get(),
+            breaker: i.breaker.map_or("closed", |b| b.as_str()),
+            delivered_below: self.delivered_below.load(Ordering::Acquire),
+            held_records: g.held_records,
+            held_bytes: g.held_bytes,
+            oldest_held_age_ms: g.oldest_held_ms.map(|t| now_ms.saturating_sub(t)),
+            sent_records: i.sent_records,
+            rejected_records: i.rejected_records,
+            consecutive_failures: i.consecutive_failures,
+            last_error: i.last_error.clone(),
+            partitions_count: i.topic.map(|t| t.partitions_count),
+            not_durable_warning: i.topic.is_some_and(|t| !t.durable),
+            overflowed: g.overflow_from.is_some(),
+        }
+    }
+}
+
+fn ingest_time_ms() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+}
+
+/// Everything a lane task needs besides its lane.
+pub(crate) struct LaneContext<S, C> {
+    pub wal: Arc<Wal>,
+    pub sink: Arc<S>,
+    pub cursors: Arc<C>,
+    pub policy: Arc<RouterPolicy>,
+    pub send_slots: Arc<Semaphore>,
+    /// The dispatcher has routed every record below this offset.
+    pub processed_below: Arc<AtomicU64>,
+    /// Decides whether a record read back from the log belongs to a lane.
+    pub belongs: Arc<dyn Fn(&DestinationKey, &Envelope) -> Option<Option<&'static str>> + Send + Sync>,
+    /// Woken after every delivery, so the log can be released.
+    pub delivered: Arc<Notify>,
+    pub shutdown: watch::Receiver<bool>,
+    /// Degraded/Running of the router as a whole follows its lanes.
+    pub router_status: Arc<crate::RouterHealth>,
+}
+
+impl<S, C> Clone for LaneContext<S, C> {
+    fn clone(&self) -> Self {
+        LaneContext {
+            wal: self.wal.clone(),
+            sink: self.sink.clone(),
+            cursors: self.cursors.clone(),
+            policy: self.policy.clone(),
+            send_slots: self.send_slots.clone(),
+            processed_below: self.processed_below.clone(),
+            belongs: self.belongs.clone(),
+            delivered: self.delivered.clone(),
+            shutdown: self.shutdown.clone(),
+            router_status: self.router_status.clone(),
+        }
+    }
+}
+
+/// Outcome of delivering a batch, or a range of it.
+enum Delivery {
+    Done,
+    /// Try the same range again (the destination is re-ensured first).
+    Retry,
+    ShuttingDown,
+}
+
+pub(crate) async fn run<S: Sink, C: CursorStore>(lane: Arc<Lane>, mut ctx: LaneContext<S, C>) {
+    lane.status.set(Status::Running, "lane started");
+    let mut breaker = Breaker::new(ctx.policy.breaker.clone());
+    let mut catchup: Option<wal::Reader> = None;
+    loop {
+        if *ctx.shutdown.borrow() {
+            break;
+        }
+        let batch = match next_batch(&lane, &mut ctx, &mut catchup).await {
+            Ok(Some(b)) => b,
+            Ok(None) => continue,
+            Err(e) => {
+                // The log could not be read (damage): say so and keep trying, slowly.
+                lane.status.set(Status::Error, "cannot read the log");
+                lane.status.record_error(&e.to_string());
+                tracing::error!(destination = %lane.key, error = %e, "lane cannot read the log");
+                if sleep_or_shutdown(&mut ctx.shutdown, ctx.policy.batch.backoff_max).await {
+                    break;
+                }
+                continue;
+            }
+        };
+        if batch.is_empty() {
+            continue;
+        }
+        match deliver(&lane, &ctx, &mut breaker, &batch).await {
+            Delivery::Done | Delivery::Retry => {}
+            Delivery::ShuttingDown => break,
+        }
+        let Some(last) = batch.last().map(|r| r.offset) else { continue };
+        // The cursor is durable before the records stop pinning the log.
+        let mut failures = 0;
+        loop {
+            match ctx.cursors.store(&lane.key, last + 1).await {
+                Ok(()) => break,
+                Err(e) => {
+                    failures += 1;
+                    tracing::error!(destination = %lane.key, error = %e, "storing the cursor failed; retrying");
+                    if sleep_or_shutdown(&mut ctx.shutdown, ctx.policy.backoff(failures)).await {
+                        lane.status.set(Status::Stopped, "shutdown");
+                        return;
+                    }
+                }
+            }
+        }
+        lane.delivered_below.fetch_max(last + 1, Ordering::AcqRel);
+        {
+            let mut g = lane.gate();
+            g.in_flight_first = None;
+            g.held_records = g.held_records.saturating_sub(batch.len() as u64);
+            let bytes: u64 = batch.iter().map(|r| r.envelope.payload.len() as u64).sum();
+            g.held_bytes = g.held_bytes.saturating_sub(bytes);
+            g.oldest_held_ms = if g.held_records == 0 {
+                None
+            } else {
+                g.queue.front().map(|r| r.envelope.header.received_at_unix_ms).or(g.oldest_held_ms)
+            };
+        }
+        ctx.delivered.notify_one();
+    }
+    lane.status.set(Status::Stopped, "shutdown");
+}
+
+async fn sleep_or_shutdown(shutdown: &mut watch::Receiver<bool>, d: Duration) -> bool {
+    if *shutdown.borrow() {
+        return true;
+    }
+    tokio::select! {
+        _ = tokio::time::sleep(d) => false,
+        _ = shutdown.changed() => true,
+    }
+}
+
+/// The next batch: from the queue, or re-read from the log while overflowed. `None`
+/// when there was nothing yet (after waiting for a wake-up).
+async fn next_batch<S, C>(
+    lane: &Arc<Lane>,
+    ctx: &mut LaneContext<S, C>,
+    catchup: &mut Option<wal::Reader>,
+) -> wal::Result<Option<Vec<Routed>>> {
+    let max_records = ctx.policy.batch.batch_max_records;
+    let max_bytes = ctx.policy.batch.batch_max_bytes;
+    let queued = {
+        let mut g = lane.gate();
+        if g.queue.is_empty() { Err(g.overflow_from) } else { Ok(take_from_queue(&mut g, max_records, max_bytes)) }
+    };
+    let overflow_from = match queued {
+        Ok(batch) => return Ok(Some(linger(lane, ctx, batch).await)),
+        Err(overflow_from) => overflow_from,
+    };
+    let Some(from) = overflow_from else {
+        tokio::select! {
+            _ = lane.wake.notified() => {}
+            _ = ctx.shutdown.changed() => {}
+        }
+        return Ok(None);
+    };
+    // Re-read this lane's records from the log, up to what the dispatcher has routed.
+    let limit = ctx.processed_below.load(Ordering::Acquire);
+    let reader = match catchup {
+        Some(r) if r.position() == from => r,
+        _ => catchup.insert(ctx.wal.reader(from)?),
+    };
+    let mut batch = Vec::new();
+    let mut bytes = 0usize;
+    while reader.position() < limit && batch.len() < max_records && bytes < max_bytes {
+        let want = ((limit - reader.position()) as usize).min(max_records);
+        let records = reader.try_read(want, max_bytes)?;
+        if records.is_empty() {
+            break;
+        }
+        for rec in records {
+            if let Some(routed) = own_record(lane, ctx, rec) {
+                bytes += routed.envelope.payload.len();
+                batch.push(routed);
+            }
+        }
+    }
+    let pos = reader.position();
+    let handed_back = {
+        let mut g = lane.gate();
+        if batch.is_empty() && pos >= limit {
+            // Caught up with the dispatcher: hand back to queueing if nothing it skipped
+            // lies at or beyond our read position.
+            if g.last_skipped.is_none_or(|s| s < pos) {
+                g.overflow_from = None;
+                g.last_skipped = None;
+                Some(true)
+            } else {
+                Some(false)
+            }
+        } else {
+            g.overflow_from = Some(pos);
+            g.in_flight_first = batch.first().map(|r| r.offset);
+            None
+        }
+    };
+    match handed_back {
+        Some(true) => {
+            *catchup = None;
+            Ok(None)
+        }
+        Some(false) => {
+            // The dispatcher is ahead of `limit` by now; read on.
+            tokio::task::yield_now().await;
+            Ok(None)
+        }
+        None => Ok(Some(batch)),
+    }
+}
+
+fn own_record<S, C>(lane: &Lane, ctx: &LaneContext<S, C>, rec: Record) -> Option<Routed> {
+    if rec.offset < lane.delivered_below.load(Ordering::Acquire) {
+        return None;
+    }
+    let envelope = Envelope::decode(&rec.payload).ok()?;
+    let reason = (ctx.belongs)(&lane.key, &envelope)?;
+    Some(Routed { offset: rec.offset, envelope, dead_letter_reason: reason })
+}
+
+fn take_from_queue(g: &mut Gate, max_records: usize, max_bytes: usize) -> Vec<Routed> {
+    let mut batch = Vec::new();
+    let mut bytes = 0usize;
+    while let Some(front) = g.queue.front() {
+        let len = front.envelope.payload.len();
+        if !batch.is_empty() && (batch.len() >= max_records || bytes + len > max_bytes) {
+            break;
+        }
+        bytes += len;
+        if let Some(r) = g.queue.pop_front() {
+            batch.push(r);
+        }
+    }
+    if let Some(first) = batch.first() {
+        g.in_flight_first = Some(g.in_flight_first.map_or(first.offset, |f| f.min(first.offset)));
+    }
+    batch
+}
+
+/// Waits up to `linger` for a short batch to fill, once.
+async fn linger<S, C>(lane: &Lane, ctx: &LaneContext<S, C>, mut batch: Vec<Routed>) -> Vec<Routed> {
+    let max = ctx.policy.batch.batch_max_records;
+    if batch.len() >= max || ctx.policy.batch.linger.is_zero() {
+        return batch;
+    }
+    tokio::time::sleep(ctx.policy.batch.linger).await;
+    let mut g = lane.gate();
+    let bytes: usize = batch.iter().map(|r| r.envelope.payload.len()).sum();
+    let more = take_from_queue(&mut g, max - batch.len(), ctx.policy.batch.batch_max_bytes.saturating_sub(bytes).max(1));
+    batch.extend(more);
+    batch
+}
+
+fn out_message(r: &Routed) -> OutMessage {
+    let h = &r.envelope.header;
+    let mut headers: Vec<(String, Bytes)> = Vec::with_capacity(h.metadata.len() + h.headers.len() + 3);
+    headers.push(("iggy-ingest-source".into(), Bytes::copy_from_slice(h.source_key.as_bytes())));
+    if let Some(ct) = &h.content_type {
+        headers.push(("content-type".into(), Bytes::copy_from_slice(ct.as_bytes())));
+    }
+    for (k, v) in &h.metadata {
+        headers.push((k.clone(), Bytes::copy_from_slice(v.as_bytes())));
+    }
+    for (k, v) in &h.headers {
+        headers.push((k.clone(), Bytes::copy_from_slice(v)));
+    }
+    if let Some(reason) = r.dead_letter_reason {
+        headers.push(("iggy-ingest-rejected-reason".into(), Bytes::from_static(reason.as_bytes())));
+        let d = &h.destination;
+        headers.push(("iggy-ingest-destination".into(), Bytes::from(format!("{}/{}", d.stream, d.topic))));
+    }
+    OutMessage { id: h.message_id, payload: r.envelope.payload.clone(), headers }
+}
+
+/// Delivers one batch: ensures the destination, applies the partition check, and sends
+/// each run of equal partitioning, retrying until acknowledged.
+async fn deliver<S: Sink, C>(
+    lane: &Lane,
+    ctx: &LaneContext<S, C>,
+    breaker: &mut Breaker,
+    batch: &[Routed],
+) -> Delivery {
+    let mut shutdown = ctx.shutdown.clone();
+    let mut failures: u32 = 0;
+    let mut i = 0;
+    while i < batch.len() {
+        // Make sure the destination exists and its partitions are known.
+        let cached = lock(&lane.info).topic;
+        let topic = match cached {
+            Some(t) => t,
+            None => match attempt(lane, ctx, breaker, &mut failures, None, &mut shutdown).await {
+                Attempt::Ensured(t) => t,
+                Attempt::Retry => continue,
+                Attempt::Sent | Attempt::ShuttingDown => return Delivery::ShuttingDown,
+            },
+        };
+        let partitioning = batch[i].envelope.header.destination.partitioning.clone();
+        let mut end = i + 1;
+        while end < batch.len() && batch[end].envelope.header.destination.partitioning == partitioning {
+            end += 1;
+        }
+        if let Partitioning::PartitionId(p) = partitioning
+            && p >= topic.partitions_count
+            && !lane.is_dead_letter
+        {
+            match out_of_range(lane, ctx, &batch[i..end], p, topic, &mut shutdown).await {
+                Delivery::Done => {
+                    i = end;
+                    continue;
+                }
+                Delivery::Retry => continue,
+                Delivery::ShuttingDown => return Delivery::ShuttingDown,
+            }
+        }
+        let messages: Vec<OutMessage> = batch[i..end].iter().map(out_message).collect();
+        match attempt(lane, ctx, breaker, &mut failures, Some((&partitioning, messages)), &mut shutdown).await {
+            Attempt::Sent => {
+                for r in &batch[i..end] {
+                    metrics::counter!("iggy_connector_messages_routed_total", "connector_key" => r.envelope.header.source_key.clone())
+                        .increment(1);
+                }
+                lock(&lane.info).sent_records += (end - i) as u64;
+                i = end;
+            }
+            Attempt::Retry => {}
+            Attempt::Ensured(_) => {}
+            Attempt::ShuttingDown => return Delivery::ShuttingDown,
+        }
+    }
+    Delivery::Done
+}
+
+enum Attempt {
+    Sent,
+    Ensured(TopicInfo),
+    Retry,
+    ShuttingDown,
+}
+
+/// One try of an ensure (`send` = None) or a send, with breaker, backoff and status.
+async fn attempt<S: Sink, C>(
+    lane: &Lane,
+    ctx: &LaneContext<S, C>,
+    breaker: &mut Breaker,
+    failures: &mut u32,
+    send: Option<(&Partitioning, Vec<OutMessage>)>,
+    shutdown: &mut watch::Receiver<bool>,
+) -> Attempt {
+    let wait = breaker.wait(Instant::now());
+    lock(&lane.info).breaker = Some(breaker.state());
+    if !wait.is_zero() && sleep_or_shutdown(shutdown, wait).await {
+        return Attempt::ShuttingDown;
+    }
+    let wait = breaker.wait(Instant::now());
+    lock(&lane.info).breaker = Some(breaker.state());
+    if !wait.is_zero() {
+        return Attempt::Retry;
+    }
+    let Ok(_slot) = ctx.send_slots.acquire().await else { return Attempt::ShuttingDown };
+    let timeout = ctx.policy.batch.result_timeout;
+    let result: Result<Option<TopicInfo>, SendError> = match send {
+        None => {
+            let started = std::time::Instant::now();
+            let r = tokio::time::timeout(timeout, ctx.sink.ensure(&lane.key)).await;
+            metrics::histogram!("iggy_connector_destination_create_latency_seconds")
+                .record(started.elapsed().as_secs_f64());
+            match r {
+                Ok(r) => r.map(Some),
+                Err(_) => Err(SendError::new(SendErrorKind::Timeout, "no answer within the result timeout")),
+            }
+        }
+        Some((partitioning, messages)) => {
+            let started = std::time::Instant::now();
+            let r = tokio::time::timeout(timeout, ctx.sink.send(&lane.key, partitioning, messages)).await;
+            metrics::histogram!("iggy_connector_send_latency_seconds").record(started.elapsed().as_secs_f64());
+            match r {
+                Ok(r) => r.map(|()| None),
+                Err(_) => Err(SendError::new(SendErrorKind::Timeout, "no answer within the result timeout")),
+            }
+        }
+    };
+    drop(_slot);
+    match result {
+        Ok(info) => {
+            let was_open = breaker.state() != BreakerState::Closed;
+            breaker.on_success();
+            *failures = 0;
+            {
+                let mut i = lock(&lane.info);
+                i.breaker = Some(breaker.state());
+                i.consecutive_failures = 0;
+                if let Some(t) = info {
+                    if !t.durable && i.topic.is_none() {
+                        tracing::warn!(destination = %lane.key, "topic acknowledges without fsync: its acks may not survive a crash of the server");
+                    }
+                    i.topic = Some(t);
+                }
+            }
+            if was_open {
+                metrics::gauge!("iggy_connector_destination_circuit_open").decrement(1.0);
+            }
+            lane.status.set(Status::Running, "send succeeded");
+            ctx.router_status.lane_recovered(&lane.key);
+            match info {
+                Some(t) => Attempt::Ensured(t),
+                None => Attempt::Sent,
+            }
+        }
+        Err(e) => {
+            *failures = failures.saturating_add(1);
+            let was_open = breaker.state() != BreakerState::Closed;
+            if e.kind.counts_against_destination() {
+                breaker.on_failure(Instant::now());
+            }
+            let is_open = breaker.state() != BreakerState::Closed;
+            if is_open && !was_open {
+                metrics::gauge!("iggy_connector_destination_circuit_open").increment(1.0);
+                tracing::warn!(destination = %lane.key, "circuit breaker opened");
+            }
+            if e.kind == SendErrorKind::Destination {
+                // The topic may be gone: ensure it again before the next send.
+                lock(&lane.info).topic = None;
+            }
+            {
+                let mut i = lock(&lane.info);
+                i.breaker = Some(breaker.state());
+                i.consecutive_failures = *failures;
+                i.last_error = Some(e.to_string());
+            }
+            lane.status.record_error(&e.to_string());
+            metrics::counter!("iggy_connector_send_failures_total", "reason" => e.kind.as_str()).increment(1);
+            if *failures >= ctx.policy.batch.degraded_after_failures {
+                lane.status.set(Status::Degraded, &format!("{failures} consecutive failures, last: {e}"));
+                ctx.router_status.lane_degraded(&lane.key);
+            }
+            tracing::debug!(destination = %lane.key, error = %e, failures = *failures, "send failed; holding and retrying");
+            if sleep_or_shutdown(shutdown, ctx.policy.backoff(*failures)).await {
+                return Attempt::ShuttingDown;
+            }
+            Attempt::Retry
+        }
+    }
+}
+
+/// Records whose partition id is beyond the topic's partitions: never a breaker failure.
+async fn out_of_range<S: Sink, C>(
+    lane: &Lane,
+    ctx: &LaneContext<S, C>,
+    records: &[Routed],
+    partition: u32,
+    topic: TopicInfo,
+    shutdown: &mut watch::Receiver<bool>,
+) -> Delivery {
+    let n = records.len() as u64;
+    let first = records.first().map(|r| r.offset);
+    let counted_before = std::mem::replace(&mut lock(&lane.info).out_of_range_counted, first) == first;
+    if counted_before && ctx.policy.on_admission_failure == OnAdmissionFailure::Error {
+        // Still held: asked again after a cool-down, counted once.
+        lock(&lane.info).topic = None;
+        return if sleep_or_shutdown(shutdown, ctx.policy.breaker.cool_down).await {
+            Delivery::ShuttingDown
+        } else {
+            Delivery::Retry
+        };
+    }
+    metrics::counter!("iggy_connector_destinations_rejected_total", "reason" => "partition_id_out_of_range")
+        .increment(n);
+    lock(&lane.info).rejected_records += n;
+    let why = format!("partition id {partition} is beyond the topic's {} partitions", topic.partitions_count);
+    lane.status.record_error(&why);
+    match ctx.policy.on_admission_failure {
+        OnAdmissionFailure::Drop => {
+            tracing::warn!(destination = %lane.key, records = n, "{why}: dropped, as configured");
+            metrics::counter!("iggy_connector_messages_dropped_total", "reason" => "partition_id_out_of_range")
+                .increment(n);
+            Delivery::Done
+        }
+        OnAdmissionFailure::DeadLetter => {
+            let Some(dlq) = ctx.policy.dead_letter.clone() else { return Delivery::Done };
+            let messages: Vec<OutMessage> = records
+                .iter()
+                .map(|r| {
+                    let mut m = out_message(r);
+                    m.headers.push(("iggy-ingest-rejected-reason".into(), Bytes::from_static(b"partition_id_out_of_range")));
+                    let d = &r.envelope.header.destination;
+                    m.headers.push(("iggy-ingest-destination".into(), Bytes::from(format!("{}/{}", d.stream, d.topic))));
+                    m
+                })
+                .collect();
+            let mut failures = 0u32;
+            loop {
+                let ensured = ctx.sink.ensure(&dlq).await;
+                let sent = match ensured {
+                    Ok(_) => ctx.sink.send(&dlq, &Partitioning::Balanced, messages.clone()).await,
+                    Err(e) => Err(e),
+                };
+                match sent {
+                    Ok(()) => return Delivery::Done,
+                    Err(e) => {
+                        failures = failures.saturating_add(1);
+                        lane.status.record_error(&format!("dead-letter send failed: {e}"));
+                        if sleep_or_shutdown(shutdown, ctx.policy.backoff(failures)).await {
+                            return Delivery::ShuttingDown;
+                        }
+                    }
+                }
+            }
+        }
+        OnAdmissionFailure::Error => {
+            // Held: the topic may gain partitions. Ask again after a cool-down.
+            lane.status.set(Status::Degraded, &why);
+            lock(&lane.info).topic = None;
+            if sleep_or_shutdown(shutdown, ctx.policy.breaker.cool_down).await {
+                return Delivery::ShuttingDown;
+            }
+            Delivery::Retry
+        }
+    }
+}

@@ -1,0 +1,264 @@
+//! The router: drains the log into its destinations, one lane per destination, and
+//! releases log space only below what every destination has acknowledged.
+//!
+//! ```text
+//!  wal ──reader──▶ dispatcher ──offer──▶ lane (queue | re-read from the log) ──send──▶ Sink (Iggy)
+//!                      │ processed_below          │ ack ─▶ cursor stored ─▶ low_water moves
+//!                      └──────────────▶ releaser: release_below(min(processed, lanes' low water, held))
+//! ```
+//!
+//! Invariants (each tested in `tests/`):
+//! 1. **NACKs hold.** A failed send is retried with capped exponential backoff, forever;
+//!    no number of failures stops a lane or drops a record. Only an operator's
+//!    `on_admission_failure = drop | dead_letter` disposes of a record, counted.
+//! 2. **A failing destination stalls nothing else.** Lanes are independent tasks; the
+//!    dispatcher never waits for one; a stuck lane pins log space, not memory.
+//! 3. **Release follows acknowledgement.** The log is released below the lowest offset
+//!    any lane still owes, only after that lane's cursor is durable.
+//! 4. **Order.** Within a destination, records are sent in log order.
+//! 5. **Status tells the truth.** Statuses and their gauges move together
+//!    ([`status::StatusCell::set`]); Degraded after `degraded_after_failures`, Running
+//!    again on the first success.
+
+pub mod breaker;
+pub mod cursors;
+mod dispatcher;
+mod lane;
+pub mod policy;
+pub mod sink;
+pub mod status;
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+
+use tokio::sync::{Notify, Semaphore, watch};
+use tokio::task::JoinHandle;
+use wal::Wal;
+
+pub use cursors::{CursorStore, MemoryCursorStore};
+use dispatcher::{Admitted, Dispatcher};
+pub use lane::LaneSnapshot;
+use lane::{Lane, LaneContext};
+pub use policy::{BatchPolicy, BreakerPolicy, OnAdmissionFailure, RouterPolicy};
+pub use sink::{DestinationKey, OutMessage, SendError, SendErrorKind, Sink, TopicInfo};
+use status::{Status, StatusCell, StatusSnapshot};
+
+/// The router's own status: Degraded while any destination is, Running otherwise.
+#[derive(Debug)]
+pub struct RouterHealth {
+    cell: StatusCell,
+    degraded: Mutex<HashSet<DestinationKey>>,
+}
+
+impl RouterHealth {
+    fn new() -> RouterHealth {
+        RouterHealth { cell: StatusCell::new("router", "router"), degraded: Mutex::new(HashSet::new()) }
+    }
+
+    pub(crate) fn lane_degraded(&self, key: &DestinationKey) {
+        let mut d = self.degraded.lock().unwrap_or_else(|p| p.into_inner());
+        d.insert(key.clone());
+        self.cell.set(Status::Degraded, &format!("destination {key} is degraded"));
+    }
+
+    pub(crate) fn lane_recovered(&self, key: &DestinationKey) {
+        let mut d = self.degraded.lock().unwrap_or_else(|p| p.into_inner());
+        if d.remove(key) && d.is_empty() {
+            self.cell.set(Status::Running, "every destination is delivering");
+        }
+    }
+
+    pub(crate) fn set_error(&self, e: &str) {
+        self.cell.record_error(e);
+    }
+
+    pub fn snapshot(&self) -> StatusSnapshot {
+        self.cell.snapshot()
+    }
+}
+
+/// A running router.
+pub struct Router {
+    lanes: Arc<RwLock<HashMap<DestinationKey, Arc<Lane>>>>,
+    dead_letter_lane: Option<Arc<Lane>>,
+    health: Arc<RouterHealth>,
+    released_below: Arc<AtomicU64>,
+    held_from: Arc<AtomicU64>,
+    shutdown: watch::Sender<bool>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for Router {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Router").field("released_below", &self.released_below()).finish()
+    }
+}
+
+impl Router {
+    /// Starts draining `wal` into `sink`. Must be called inside a tokio runtime.
+    pub fn start<S: Sink, C: CursorStore>(
+        wal: Arc<Wal>,
+        sink: Arc<S>,
+        cursors: Arc<C>,
+        policy: RouterPolicy,
+    ) -> Result<Router, String> {
+        policy.validate()?;
+        let cursors_at_start = cursors.load()?;
+        let policy = Arc::new(policy);
+        let health = Arc::new(RouterHealth::new());
+        let (shutdown, shutdown_rx) = watch::channel(false);
+        let lanes: Arc<RwLock<HashMap<DestinationKey, Arc<Lane>>>> = Arc::default();
+        let admitted = Arc::new(Admitted { keys: RwLock::default(), max: policy.max_destinations });
+        let dead_letter = policy.dead_letter.clone();
+        let belongs = {
+            let admitted = admitted.clone();
+            let dead_letter = dead_letter.clone();
+            let dl_on_reject = policy.on_admission_failure == OnAdmissionFailure::DeadLetter;
+            Arc::new(move |lane: &DestinationKey, e: &ingest::envelope::Envelope| {
+                let d = &e.header.destination;
+                let own = lane.stream == d.stream && lane.topic == d.topic;
+                if Some(lane) == dead_letter.as_ref() && !own {
+                    let key = DestinationKey::new(d.stream.clone(), d.topic.clone());
+                    return (dl_on_reject && admitted.is_rejected_for_cap(&key)).then_some(Some("cap"));
+                }
+                own.then_some(None)
+            })
+        };
+        let processed_below = Arc::new(AtomicU64::new(wal.start_offset()));
+        let delivered = Arc::new(Notify::new());
+        let ctx = LaneContext {
+            wal: wal.clone(),
+            sink,
+            cursors,
+            policy: policy.clone(),
+            send_slots: Arc::new(Semaphore::new(policy.max_concurrent_destinations)),
+            processed_below: processed_below.clone(),
+            belongs,
+            delivered: delivered.clone(),
+            shutdown: shutdown_rx.clone(),
+            router_status: health.clone(),
+        };
+        let mut tasks = Vec::new();
+        let dead_letter_lane = dead_letter.map(|key| {
+            let below = cursors_at_start.get(&key).copied().unwrap_or(0);
+            let lane = Arc::new(Lane::new(key, below, true));
+            tasks.push(tokio::spawn(lane::run(lane.clone(), ctx.clone())));
+            lane
+        });
+        let held_from = Arc::new(AtomicU64::new(u64::MAX));
+        let dispatcher = Dispatcher {
+            wal: wal.clone(),
+            policy: policy.clone(),
+            lanes: lanes.clone(),
+            admitted,
+            cursors_at_start,
+            ctx,
+            held_from: held_from.clone(),
+            dead_letter_lane: dead_letter_lane.clone(),
+        };
+        let start = wal.start_offset();
+        tasks.push(tokio::spawn(dispatcher.run(start, shutdown_rx.clone())));
+        let released_below = Arc::new(AtomicU64::new(start));
+        tasks.push(tokio::spawn(release_loop(
+            wal,
+            lanes.clone(),
+            dead_letter_lane.clone(),
+            processed_below,
+            held_from.clone(),
+            released_below.clone(),
+            delivered,
+            shutdown_rx,
+        )));
+        health.cell.set(Status::Running, "started");
+        Ok(Router { lanes, dead_letter_lane, health, released_below, held_from, shutdown, tasks })
+    }
+
+    /// Every destination the router delivers to, with its live state.
+    pub fn destinations(&self) -> Vec<LaneSnapshot> {
+        let lanes = self.lanes.read().unwrap_or_else(|p| p.into_inner());
+        let mut v: Vec<LaneSnapshot> =
+            lanes.values().chain(self.dead_letter_lane.iter()).map(|l| l.snapshot()).collect();
+        v.sort_by(|a, b| a.destination.cmp(&b.destination));
+        v
+    }
+
+    pub fn status(&self) -> StatusSnapshot {
+        self.health.snapshot()
+    }
+
+    /// The log has been released below this offset.
+    pub fn released_below(&self) -> u64 {
+        self.released_below.load(Ordering::Acquire)
+    }
+
+    /// The lowest offset held because it could not be admitted, if any.
+    pub fn held_from(&self) -> Option<u64> {
+        Some(self.held_from.load(Ordering::Acquire)).filter(|&o| o != u64::MAX)
+    }
+
+    /// Stops every task; batches in flight stay in the log and are sent again next time.
+    pub async fn shutdown(self) {
+        self.health.cell.set(Status::Stopping, "shutdown requested");
+        let _ = self.shutdown.send(true);
+        for t in self.tasks {
+            let _ = t.await;
+        }
+        let lanes: Vec<Arc<Lane>> = self.lanes.read().unwrap_or_else(|p| p.into_inner()).values().cloned().collect();
+        for lane in lanes {
+            lane.status.set(Status::Stopped, "router stopped");
+        }
+        self.health.cell.set(Status::Stopped, "shutdown complete");
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn release_loop(
+    wal: Arc<Wal>,
+    lanes: Arc<RwLock<HashMap<DestinationKey, Arc<Lane>>>>,
+    dead_letter_lane: Option<Arc<Lane>>,
+    processed_below: Arc<AtomicU64>,
+    held_from: Arc<AtomicU64>,
+    released_below: Arc<AtomicU64>,
+    delivered: Arc<Notify>,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    loop {
+        tokio::select! {
+            _ = delivered.notified() => {}
+            _ = tokio::time::sleep(std::time::Duration::from_secs(1)) => {}
+            _ = shutdown.changed() => return,
+        }
+        // `processed_below` first: every record below it is in a lane by now.
+        let mut low = processed_below.load(Ordering::Acquire).min(held_from.load(Ordering::Acquire));
+        let snapshot: Vec<Arc<Lane>> = {
+            let l = lanes.read().unwrap_or_else(|p| p.into_inner());
+            l.values().cloned().chain(dead_letter_lane.iter().cloned()).collect()
+        };
+        let mut held_bytes = 0u64;
+        let mut oldest_ms: Option<u64> = None;
+        for lane in &snapshot {
+            let g = lane.gate();
+            if let Some(lw) = g.low_water() {
+                low = low.min(lw);
+            }
+            drop(g);
+            let s = lane.snapshot();
+            held_bytes += s.held_bytes;
+            oldest_ms = oldest_ms.max(s.oldest_held_age_ms);
+        }
+        metrics::gauge!("iggy_connector_held_bytes").set(held_bytes as f64);
+        metrics::gauge!("iggy_connector_oldest_held_age_seconds").set(oldest_ms.unwrap_or(0) as f64 / 1000.0);
+        if low > released_below.load(Ordering::Acquire) {
+            match wal.release_below(low).await {
+                Ok(r) => {
+                    released_below.store(low, Ordering::Release);
+                    if r.segments_deleted > 0 {
+                        tracing::debug!(below = low, segments = r.segments_deleted, bytes = r.bytes_freed, "log released");
+                    }
+                }
+                Err(e) => tracing::error!(error = %e, "releasing log space failed; will retry"),
+            }
+        }
+    }
+}

@@ -1,0 +1,115 @@
+//! The destination side of the router, as a trait: where records go and how a failure
+//! is classified. `iggy_sink.rs` implements it with the `iggy` crate; tests implement it
+//! with a fault-injecting double.
+//!
+//! Invariants:
+//! - `send` returns `Ok` only once the destination acknowledged every message of the
+//!   call; anything else is a failure and the whole call is retried (message ids make a
+//!   resend identifiable).
+//! - The classification decides who pays for a failure: `Disconnected` and
+//!   `Unavailable` are the client's (no destination's breaker counts them);
+//!   `Destination` failures count against that destination's breaker only.
+
+use std::fmt;
+use std::future::Future;
+
+use bytes::Bytes;
+pub use ingest::envelope::Partitioning;
+
+/// A (stream, topic) pair. Never used as a metric label.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct DestinationKey {
+    pub stream: String,
+    pub topic: String,
+}
+
+impl DestinationKey {
+    pub fn new(stream: impl Into<String>, topic: impl Into<String>) -> DestinationKey {
+        DestinationKey { stream: stream.into(), topic: topic.into() }
+    }
+}
+
+impl fmt::Display for DestinationKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.stream, self.topic)
+    }
+}
+
+/// One message to send.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OutMessage {
+    /// The stable id stored in the log record.
+    pub id: u128,
+    pub payload: Bytes,
+    /// User headers: name and value.
+    pub headers: Vec<(String, Bytes)>,
+}
+
+/// What the router knows about a destination once it exists.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TopicInfo {
+    pub partitions_count: u32,
+    /// The topic syncs every message before acknowledging it. An ack from a topic that
+    /// does not may not survive a crash of the server.
+    pub durable: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SendErrorKind {
+    /// The connection dropped after the request was written: the outcome is unknown.
+    Disconnected,
+    /// The server could not be reached at all.
+    Unavailable,
+    /// This destination failed (missing and not creatable, rejected, server error).
+    Destination,
+    /// Credentials or permissions: every destination would fail the same way.
+    Unauthorized,
+    /// No answer within the result timeout.
+    Timeout,
+}
+
+impl SendErrorKind {
+    /// True if the failure belongs to one destination (and so counts against its breaker).
+    pub fn counts_against_destination(self) -> bool {
+        matches!(self, SendErrorKind::Destination | SendErrorKind::Timeout)
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SendErrorKind::Disconnected => "disconnected",
+            SendErrorKind::Unavailable => "unavailable",
+            SendErrorKind::Destination => "destination",
+            SendErrorKind::Unauthorized => "unauthorized",
+            SendErrorKind::Timeout => "timeout",
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{}: {detail}", kind.as_str())]
+pub struct SendError {
+    pub kind: SendErrorKind,
+    pub detail: String,
+}
+
+impl SendError {
+    pub fn new(kind: SendErrorKind, detail: impl Into<String>) -> SendError {
+        SendError { kind, detail: detail.into() }
+    }
+}
+
+/// Where the router delivers.
+pub trait Sink: Send + Sync + 'static {
+    /// Makes sure the destination exists (creating it if needed; "already exists" is
+    /// success) and reports its partitions and durability.
+    fn ensure(&self, dest: &DestinationKey) -> impl Future<Output = Result<TopicInfo, SendError>> + Send;
+
+    /// Sends `messages` to `dest` in order, all with the same partitioning, and returns
+    /// once they were acknowledged.
+    fn send(
+        &self,
+        dest: &DestinationKey,
+        partitioning: &Partitioning,
+        messages: Vec<OutMessage>,
+    ) -> impl Future<Output = Result<(), SendError>> + Send;
+}
