@@ -1,0 +1,125 @@
+//! Delivery through the router with a fault-injecting destination double: routing by
+//! destination, NACKs held through outages, breakers, overflow to the log, restarts.
+
+mod support;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use router::status::Status;
+use router::{MemoryCursorStore, Router, SendErrorKind};
+use support::*;
+use wal::storage::SimStorage;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_destinations_each_get_their_records_in_log_order() {
+    let sim = SimStorage::new();
+    let wal = open_wal(&sim);
+    let sink = FaultySink::new();
+    let dests = [key("app", "orders"), key("app", "users"), key("audit", "events")];
+    let want = fill(&wal, &dests, 0, 300).await;
+    let router = Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), fast_policy()).unwrap();
+    eventually(Duration::from_secs(20), "all delivered", || dests.iter().all(|d| sink.ids(d).len() == 100)).await;
+    for d in &dests {
+        assert_eq!(sink.ids(d), want[d], "{d}");
+    }
+    eventually(Duration::from_secs(20), "log released", || router.released_below() == 300).await;
+    // Headers carry the envelope's details.
+    let first = &sink.delivered(&dests[0])[0];
+    assert!(first.headers.iter().any(|(k, v)| k == "iggy-ingest-source" && &v[..] == b"test"));
+    assert!(first.headers.iter().any(|(k, v)| k == "x-n" && &v[..] == b"0"));
+    router.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_black_holed_destination_opens_its_breaker_and_stalls_no_one_else() {
+    let sim = SimStorage::new();
+    let wal = open_wal(&sim);
+    let sink = FaultySink::new();
+    let (good, bad) = (key("s", "good"), key("s", "bad"));
+    let mut policy = fast_policy();
+    policy.batch.result_timeout = Duration::from_millis(100);
+    policy.lane_queue_max_records = 16; // the stuck lane overflows to the log quickly
+    let router = Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), policy).unwrap();
+    // Both destinations exist first, then the bad one goes dark.
+    let mut want = fill(&wal, &[good.clone(), bad.clone()], 0, 2).await;
+    eventually(Duration::from_secs(10), "warm", || sink.ids(&bad).len() == 1).await;
+    sink.fault(&bad, Some(Fault::BlackHole));
+    let more = fill(&wal, &[good.clone(), bad.clone()], 2, 2000).await;
+    for (k, v) in more {
+        want.get_mut(&k).unwrap().extend(v);
+    }
+    eventually(Duration::from_secs(30), "good destination fully delivered", || sink.ids(&good).len() == 1001).await;
+    eventually(Duration::from_secs(30), "breaker open", || {
+        router.destinations().iter().any(|d| d.destination == bad && d.breaker == "open")
+    })
+    .await;
+    let snap = router.destinations().into_iter().find(|d| d.destination == bad).unwrap();
+    assert_eq!(snap.held_records, 1000, "{snap:?}");
+    assert!(snap.overflowed, "the stuck lane kept its records in memory");
+    assert_eq!(snap.status, Status::Degraded);
+    assert_eq!(router.status().status, Status::Degraded);
+    // The log stays pinned at the bad destination's oldest record.
+    assert!(router.released_below() <= 3);
+    // It comes back: the probe after the cool-down succeeds and everything arrives in order.
+    sink.fault(&bad, None);
+    eventually(Duration::from_secs(60), "bad destination recovered", || sink.ids(&bad).len() >= 1001).await;
+    assert_eq!(sink.ids(&bad), want[&bad], "lost, reordered or duplicated records");
+    assert_eq!(sink.ids(&good), want[&good]);
+    eventually(Duration::from_secs(10), "released", || router.released_below() == 2002).await;
+    eventually(Duration::from_secs(10), "running", || router.status().status == Status::Running).await;
+    let snap = router.destinations().into_iter().find(|d| d.destination == bad).unwrap();
+    assert_eq!((snap.breaker, snap.status, snap.held_records), ("closed", Status::Running, 0));
+    router.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_wide_outage_holds_everything_and_opens_no_breaker() {
+    let sim = SimStorage::new();
+    let wal = open_wal(&sim);
+    let sink = FaultySink::new();
+    let dests = [key("a", "1"), key("a", "2"), key("b", "1")];
+    let mut policy = fast_policy();
+    policy.lane_queue_max_records = 32;
+    let router = Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), policy).unwrap();
+    sink.client_fault(Some(SendErrorKind::Unavailable));
+    let want = fill(&wal, &dests, 0, 600).await;
+    eventually(Duration::from_secs(30), "degraded", || router.status().status == Status::Degraded).await;
+    // Hold for a while: retries continue, nothing is dropped, no breaker opens.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    for d in router.destinations() {
+        assert_eq!(d.breaker, "closed", "{}", d.destination);
+        assert_eq!(d.held_records, 200);
+    }
+    assert_eq!(router.released_below(), 0);
+    sink.client_fault(None);
+    eventually(Duration::from_secs(30), "all delivered", || dests.iter().all(|d| sink.ids(d).len() == 200)).await;
+    for d in &dests {
+        assert_eq!(sink.ids(d), want[d]);
+    }
+    eventually(Duration::from_secs(10), "running", || router.status().status == Status::Running).await;
+    router.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_resumes_from_the_cursors_without_loss_and_with_the_same_ids() {
+    let sim = SimStorage::new();
+    let wal = open_wal(&sim);
+    let sink = FaultySink::new();
+    let cursors = Arc::new(MemoryCursorStore::new());
+    let dests = [key("r", "x"), key("r", "y")];
+    let want = fill(&wal, &dests, 0, 400).await;
+    // y is down during the first run; x delivers.
+    sink.fault(&dests[1], Some(Fault::Fail(SendErrorKind::Destination)));
+    let router = Router::start(wal.clone(), sink.clone(), cursors.clone(), fast_policy()).unwrap();
+    eventually(Duration::from_secs(20), "x delivered", || sink.ids(&dests[0]).len() == 200).await;
+    router.shutdown().await;
+    sink.fault(&dests[1], None);
+    let router = Router::start(wal.clone(), sink.clone(), cursors.clone(), fast_policy()).unwrap();
+    eventually(Duration::from_secs(20), "y delivered", || sink.ids(&dests[1]).len() >= 200).await;
+    assert_eq!(sink.ids(&dests[1]), want[&dests[1]]);
+    // x was not sent again: its cursor was stored.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(sink.ids(&dests[0]), want[&dests[0]]);
+    router.shutdown().await;
+}

@@ -1,0 +1,179 @@
+//! Test doubles and helpers for the router's tests.
+//!
+//! `FaultySink` is a test double of the router's destination trait: an in-memory
+//! destination that records what it acknowledged and fails on command, per destination
+//! or for the whole "client".
+#![allow(dead_code)]
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use ingest::envelope::{Destination, Envelope, EnvelopeHeader, Partitioning};
+use router::{DestinationKey, OutMessage, SendError, SendErrorKind, Sink, TopicInfo};
+use wal::storage::{SimStorage, Storage};
+use wal::{Wal, WalOptions};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// Fails every call with this kind.
+    Fail(SendErrorKind),
+    /// Never answers (the router's result timeout decides).
+    BlackHole,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Delivered {
+    pub id: u128,
+    pub payload: Bytes,
+    pub partitioning: Partitioning,
+    pub headers: Vec<(String, Bytes)>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    delivered: BTreeMap<DestinationKey, Vec<Delivered>>,
+    faults: HashMap<DestinationKey, Fault>,
+    client_fault: Option<SendErrorKind>,
+    partitions: HashMap<DestinationKey, u32>,
+    calls: HashMap<DestinationKey, u64>,
+    ensured: HashMap<DestinationKey, u64>,
+}
+
+#[derive(Debug, Default)]
+pub struct FaultySink {
+    state: Mutex<State>,
+}
+
+impl FaultySink {
+    pub fn new() -> Arc<FaultySink> {
+        Arc::new(FaultySink::default())
+    }
+    fn st(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap()
+    }
+    pub fn fault(&self, dest: &DestinationKey, f: Option<Fault>) {
+        match f {
+            Some(f) => self.st().faults.insert(dest.clone(), f),
+            None => self.st().faults.remove(dest),
+        };
+    }
+    pub fn client_fault(&self, f: Option<SendErrorKind>) {
+        self.st().client_fault = f;
+    }
+    pub fn set_partitions(&self, dest: &DestinationKey, n: u32) {
+        self.st().partitions.insert(dest.clone(), n);
+    }
+    pub fn delivered(&self, dest: &DestinationKey) -> Vec<Delivered> {
+        self.st().delivered.get(dest).cloned().unwrap_or_default()
+    }
+    pub fn ids(&self, dest: &DestinationKey) -> Vec<u128> {
+        self.delivered(dest).iter().map(|d| d.id).collect()
+    }
+    pub fn calls(&self, dest: &DestinationKey) -> u64 {
+        self.st().calls.get(dest).copied().unwrap_or(0)
+    }
+    fn check(&self, dest: &DestinationKey) -> Result<(), Option<SendError>> {
+        let st = self.st();
+        if let Some(k) = st.client_fault {
+            return Err(Some(SendError::new(k, "injected client fault")));
+        }
+        match st.faults.get(dest) {
+            Some(Fault::Fail(k)) => Err(Some(SendError::new(*k, "injected destination fault"))),
+            Some(Fault::BlackHole) => Err(None),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Sink for FaultySink {
+    async fn ensure(&self, dest: &DestinationKey) -> Result<TopicInfo, SendError> {
+        *self.st().ensured.entry(dest.clone()).or_default() += 1;
+        match self.check(dest) {
+            Ok(()) => {}
+            Err(Some(e)) => return Err(e),
+            Err(None) => std::future::pending::<()>().await,
+        }
+        let partitions_count = self.st().partitions.get(dest).copied().unwrap_or(3);
+        Ok(TopicInfo { partitions_count, durable: true })
+    }
+
+    async fn send(&self, dest: &DestinationKey, p: &Partitioning, messages: Vec<OutMessage>) -> Result<(), SendError> {
+        *self.st().calls.entry(dest.clone()).or_default() += 1;
+        match self.check(dest) {
+            Ok(()) => {}
+            Err(Some(e)) => return Err(e),
+            Err(None) => std::future::pending::<()>().await,
+        }
+        let mut st = self.st();
+        let v = st.delivered.entry(dest.clone()).or_default();
+        for m in messages {
+            v.push(Delivered { id: m.id, payload: m.payload, partitioning: p.clone(), headers: m.headers });
+        }
+        Ok(())
+    }
+}
+
+pub fn key(s: &str, t: &str) -> DestinationKey {
+    DestinationKey::new(s, t)
+}
+
+/// An envelope for `dest` whose id and payload carry `n`.
+pub fn record(dest: &DestinationKey, n: u64, partitioning: Partitioning) -> Bytes {
+    let header = EnvelopeHeader {
+        message_id: u128::from(n) + 1,
+        received_at_unix_ms: 1_700_000_000_000 + n,
+        source_key: "test".into(),
+        endpoint_id: None,
+        content_type: Some("application/json".into()),
+        metadata: vec![],
+        headers: vec![("x-n".into(), n.to_string().into_bytes())],
+        idempotency_key: None,
+        batch_index: 0,
+        batch_len: 1,
+        destination: Destination { stream: dest.stream.clone(), topic: dest.topic.clone(), partitioning },
+    };
+    Envelope::encode(&header, format!("{{\"n\":{n}}}").as_bytes())
+}
+
+pub fn open_wal(sim: &SimStorage) -> Arc<Wal> {
+    let opts = WalOptions { segment_max_bytes: 16 * 1024, max_bytes: 64 << 20, ..WalOptions::default() };
+    Arc::new(Wal::open_with(Arc::new(sim.clone()) as Arc<dyn Storage>, &PathBuf::from("/sim/log"), opts).unwrap())
+}
+
+/// Appends `n` records round-robin over `dests`, one record per append; returns the
+/// ids per destination in log order.
+pub async fn fill(wal: &Wal, dests: &[DestinationKey], from: u64, n: u64) -> BTreeMap<DestinationKey, Vec<u128>> {
+    let mut want: BTreeMap<DestinationKey, Vec<u128>> = BTreeMap::new();
+    for i in from..from + n {
+        let d = &dests[(i as usize) % dests.len()];
+        wal.append(vec![record(d, i, Partitioning::Balanced)]).await.unwrap();
+        want.entry(d.clone()).or_default().push(u128::from(i) + 1);
+    }
+    want
+}
+
+/// Waits (in the test's time) until `cond` holds, panicking after `limit`.
+pub async fn eventually(limit: Duration, what: &str, mut cond: impl FnMut() -> bool) {
+    let start = tokio::time::Instant::now();
+    while !cond() {
+        if start.elapsed() > limit {
+            panic!("timed out waiting for: {what}");
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+pub fn fast_policy() -> router::RouterPolicy {
+    let mut p = router::RouterPolicy::default();
+    p.batch.linger = Duration::from_millis(1);
+    p.batch.result_timeout = Duration::from_secs(2);
+    p.batch.backoff_base = Duration::from_millis(50);
+    p.batch.backoff_max = Duration::from_secs(2);
+    p.batch.degraded_after_failures = 3;
+    p.breaker.failure_threshold = 3;
+    p.breaker.cool_down = Duration::from_secs(5);
+    p
+}
