@@ -112,7 +112,10 @@ impl<S: Sink, C: CursorStore> Dispatcher<S, C> {
                 return;
             }
         };
-        lane.offer(Routed { offset: rec.offset, envelope, dead_letter_reason: None }, self.policy.lane_queue_max_records);
+        lane.offer(
+            Routed { offset: rec.offset, envelope, dead_letter_reason: None },
+            self.policy.lane_queue_max_records,
+        );
     }
 
     fn lane_for(&mut self, key: &DestinationKey) -> Option<Arc<Lane>> {
@@ -146,7 +149,11 @@ impl<S: Sink, C: CursorStore> Dispatcher<S, C> {
             OnAdmissionFailure::Error => {
                 let before = self.held_from.fetch_min(offset, Ordering::AcqRel);
                 if before == u64::MAX {
-                    tracing::error!(offset, max_destinations = self.admitted.max, "destination cap reached: records held in the log");
+                    tracing::error!(
+                        offset,
+                        max_destinations = self.admitted.max,
+                        "destination cap reached: records held in the log"
+                    );
                 }
             }
             OnAdmissionFailure::Drop => {

@@ -182,6 +182,10 @@ fn ingest_time_ms() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
 }
 
+/// Decides whether a record read back from the log belongs to a lane: `None` if not,
+/// `Some(reason)` if it does (with the dead-letter reason when it is there by rejection).
+pub(crate) type BelongsFn = dyn Fn(&DestinationKey, &Envelope) -> Option<Option<&'static str>> + Send + Sync;
+
 /// Everything a lane task needs besides its lane.
 pub(crate) struct LaneContext<S, C> {
     pub wal: Arc<Wal>,
@@ -192,7 +196,7 @@ pub(crate) struct LaneContext<S, C> {
     /// The dispatcher has routed every record below this offset.
     pub processed_below: Arc<AtomicU64>,
     /// Decides whether a record read back from the log belongs to a lane.
-    pub belongs: Arc<dyn Fn(&DestinationKey, &Envelope) -> Option<Option<&'static str>> + Send + Sync>,
+    pub belongs: Arc<BelongsFn>,
     /// Woken after every delivery, so the log can be released.
     pub delivered: Arc<Notify>,
     pub shutdown: watch::Receiver<bool>,
@@ -413,7 +417,8 @@ async fn linger<S, C>(lane: &Lane, ctx: &LaneContext<S, C>, mut batch: Vec<Route
     tokio::time::sleep(ctx.policy.batch.linger).await;
     let mut g = lane.gate();
     let bytes: usize = batch.iter().map(|r| r.envelope.payload.len()).sum();
-    let more = take_from_queue(&mut g, max - batch.len(), ctx.policy.batch.batch_max_bytes.saturating_sub(bytes).max(1));
+    let more =
+        take_from_queue(&mut g, max - batch.len(), ctx.policy.batch.batch_max_bytes.saturating_sub(bytes).max(1));
     batch.extend(more);
     batch
 }
@@ -648,9 +653,11 @@ async fn out_of_range<S: Sink, C>(
                 .iter()
                 .map(|r| {
                     let mut m = out_message(r);
-                    m.headers.push(("iggy-ingest-rejected-reason".into(), Bytes::from_static(b"partition_id_out_of_range")));
+                    m.headers
+                        .push(("iggy-ingest-rejected-reason".into(), Bytes::from_static(b"partition_id_out_of_range")));
                     let d = &r.envelope.header.destination;
-                    m.headers.push(("iggy-ingest-destination".into(), Bytes::from(format!("{}/{}", d.stream, d.topic))));
+                    m.headers
+                        .push(("iggy-ingest-destination".into(), Bytes::from(format!("{}/{}", d.stream, d.topic))));
                     m
                 })
                 .collect();

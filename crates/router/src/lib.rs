@@ -254,7 +254,12 @@ async fn release_loop(
                 Ok(r) => {
                     released_below.store(low, Ordering::Release);
                     if r.segments_deleted > 0 {
-                        tracing::debug!(below = low, segments = r.segments_deleted, bytes = r.bytes_freed, "log released");
+                        tracing::debug!(
+                            below = low,
+                            segments = r.segments_deleted,
+                            bytes = r.bytes_freed,
+                            "log released"
+                        );
                     }
                 }
                 Err(e) => tracing::error!(error = %e, "releasing log space failed; will retry"),

@@ -1,0 +1,134 @@
+//! Admission at run time: the destination cap and partition ids out of range, each
+//! under `error` (hold), `drop` and `dead_letter`.
+
+mod support;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use ingest::envelope::Partitioning;
+use router::{MemoryCursorStore, OnAdmissionFailure, Router, RouterPolicy};
+use support::*;
+use wal::storage::SimStorage;
+
+fn policy(on: OnAdmissionFailure) -> RouterPolicy {
+    let mut p = fast_policy();
+    p.max_destinations = 2;
+    p.on_admission_failure = on;
+    p.dead_letter = Some(key("dlq", "rejected"));
+    p
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn over_the_cap_with_error_the_records_are_held_and_the_log_pinned() {
+    let sim = SimStorage::new();
+    let wal = open_wal(&sim);
+    let sink = FaultySink::new();
+    let dests = [key("s", "a"), key("s", "b"), key("s", "c")];
+    fill(&wal, &dests, 0, 30).await;
+    let router =
+        Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), policy(OnAdmissionFailure::Error))
+            .unwrap();
+    eventually(Duration::from_secs(10), "admitted delivered", || {
+        sink.ids(&dests[0]).len() == 10 && sink.ids(&dests[1]).len() == 10
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(sink.ids(&dests[2]).is_empty());
+    assert_eq!(router.held_from(), Some(2), "the first record of the third destination holds the log");
+    assert_eq!(router.released_below(), 2);
+    router.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn over_the_cap_with_drop_the_records_are_dropped_and_the_log_released() {
+    let sim = SimStorage::new();
+    let wal = open_wal(&sim);
+    let sink = FaultySink::new();
+    let dests = [key("s", "a"), key("s", "b"), key("s", "c")];
+    fill(&wal, &dests, 0, 30).await;
+    let router =
+        Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), policy(OnAdmissionFailure::Drop))
+            .unwrap();
+    eventually(Duration::from_secs(10), "released", || router.released_below() == 30).await;
+    assert!(sink.ids(&dests[2]).is_empty());
+    assert_eq!(router.held_from(), None);
+    router.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn over_the_cap_with_dead_letter_the_records_go_there_with_the_reason() {
+    let sim = SimStorage::new();
+    let wal = open_wal(&sim);
+    let sink = FaultySink::new();
+    let dests = [key("s", "a"), key("s", "b"), key("s", "c")];
+    let want = fill(&wal, &dests, 0, 30).await;
+    let mut p = policy(OnAdmissionFailure::DeadLetter);
+    p.lane_queue_max_records = 2; // the dead-letter lane overflows and re-reads the log
+    let router = Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), p).unwrap();
+    let dlq = key("dlq", "rejected");
+    eventually(Duration::from_secs(10), "dead-lettered", || sink.ids(&dlq).len() == 10).await;
+    assert_eq!(sink.ids(&dlq), want[&dests[2]]);
+    let m = &sink.delivered(&dlq)[0];
+    assert!(m.headers.iter().any(|(k, v)| k == "iggy-ingest-rejected-reason" && &v[..] == b"cap"));
+    assert!(m.headers.iter().any(|(k, v)| k == "iggy-ingest-destination" && &v[..] == b"s/c"));
+    eventually(Duration::from_secs(10), "released", || router.released_below() == 30).await;
+    router.shutdown().await;
+}
+
+async fn out_of_range(on: OnAdmissionFailure) -> (Arc<FaultySink>, Router) {
+    let sim = SimStorage::new();
+    let wal = open_wal(&sim);
+    let sink = FaultySink::new();
+    let d = key("p", "t");
+    sink.set_partitions(&d, 3);
+    for (i, p) in [0u32, 1, 7, 2].into_iter().enumerate() {
+        wal.append(vec![record(&d, i as u64, Partitioning::PartitionId(p))]).await.unwrap();
+    }
+    let router = Router::start(wal, sink.clone(), Arc::new(MemoryCursorStore::new()), policy(on)).unwrap();
+    (sink, router)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partition_id_out_of_range_with_drop_is_dropped_and_feeds_no_breaker() {
+    let (sink, router) = out_of_range(OnAdmissionFailure::Drop).await;
+    let d = key("p", "t");
+    eventually(Duration::from_secs(10), "delivered", || sink.ids(&d).len() == 3).await;
+    assert_eq!(sink.ids(&d), vec![1, 2, 4]);
+    let snap = router.destinations().into_iter().find(|s| s.destination == d).unwrap();
+    assert_eq!((snap.breaker, snap.rejected_records), ("closed", 1));
+    router.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partition_id_out_of_range_with_dead_letter_goes_there() {
+    let (sink, router) = out_of_range(OnAdmissionFailure::DeadLetter).await;
+    let d = key("p", "t");
+    eventually(Duration::from_secs(10), "delivered", || sink.ids(&d).len() == 3).await;
+    let dlq = sink.delivered(&key("dlq", "rejected"));
+    assert_eq!(dlq.len(), 1);
+    assert_eq!(dlq[0].id, 3);
+    assert!(
+        dlq[0]
+            .headers
+            .iter()
+            .any(|(k, v)| k == "iggy-ingest-rejected-reason" && &v[..] == b"partition_id_out_of_range")
+    );
+    router.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partition_id_out_of_range_with_error_is_held_until_the_topic_grows() {
+    let (sink, router) = out_of_range(OnAdmissionFailure::Error).await;
+    let d = key("p", "t");
+    eventually(Duration::from_secs(10), "the records before it", || sink.ids(&d).len() == 2).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(sink.ids(&d), vec![1, 2], "a held record was skipped");
+    let snap = router.destinations().into_iter().find(|s| s.destination == d).unwrap();
+    assert_eq!((snap.breaker, snap.rejected_records), ("closed", 1));
+    // The operator adds partitions: after the next cool-down the record goes out.
+    sink.set_partitions(&d, 8);
+    eventually(Duration::from_secs(20), "delivered after growth", || sink.ids(&d).len() == 4).await;
+    assert_eq!(sink.ids(&d), vec![1, 2, 3, 4]);
+    router.shutdown().await;
+}

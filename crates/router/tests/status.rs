@@ -1,0 +1,90 @@
+//! Status and its gauges: Degraded entered and left, the gauges agreeing with the
+//! statuses at every step, through a ten-minute outage on a simulated clock.
+
+mod support;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use router::status::Status;
+use router::{MemoryCursorStore, Router, SendErrorKind};
+use support::*;
+use wal::storage::SimStorage;
+
+/// A gauge's value in the exporter's rendering (the daemon's own exporter).
+fn gauge(handle: &PrometheusHandle, name: &str) -> f64 {
+    handle
+        .render()
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| l.split_once(' '))
+        .filter(|(k, _)| *k == name || k.starts_with(&format!("{name}{{")))
+        .filter_map(|(_, v)| v.trim().parse::<f64>().ok())
+        .sum()
+}
+
+/// Every destination's status is counted in exactly its own gauge.
+fn assert_gauges_agree(snap: &PrometheusHandle, router: &Router) {
+    let lanes = router.destinations();
+    for s in Status::ALL {
+        let want = lanes.iter().filter(|l| l.status == s).count() as f64;
+        let got = gauge(snap, &format!("iggy_connector_destinations_{}", s.as_str()));
+        assert_eq!(got, want, "gauge for {} says {got}, statuses say {want}", s.as_str());
+        let router_want = if router.status().status == s { 1.0 } else { 0.0 };
+        assert_eq!(gauge(snap, &format!("iggy_connector_router_{}", s.as_str())), router_want, "router {}", s.as_str());
+    }
+}
+
+#[test]
+fn a_ten_minute_outage_is_held_and_then_delivered_in_order_with_truthful_status() {
+    let recorder = PrometheusBuilder::new().build_recorder();
+    let snap = recorder.handle();
+    metrics::with_local_recorder(&recorder, || {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().start_paused(true).build().unwrap();
+        rt.block_on(async {
+            let sim = SimStorage::new();
+            let wal = open_wal(&sim);
+            let sink = FaultySink::new();
+            let dests = [key("o", "1"), key("o", "2")];
+            let mut want = fill(&wal, &dests, 0, 10).await;
+            let router =
+                Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), fast_policy()).unwrap();
+            eventually(Duration::from_secs(5), "warm", || dests.iter().all(|d| sink.ids(d).len() == 5)).await;
+            assert_eq!(router.status().status, Status::Running);
+            assert_gauges_agree(&snap, &router);
+
+            sink.client_fault(Some(SendErrorKind::Disconnected));
+            let more = fill(&wal, &dests, 10, 1000).await;
+            for (k, v) in more {
+                want.get_mut(&k).unwrap().extend(v);
+            }
+            eventually(Duration::from_secs(60), "degraded", || router.status().status == Status::Degraded).await;
+            assert_gauges_agree(&snap, &router);
+            // Ten minutes of simulated time, checking the status every few seconds.
+            for _ in 0..120 {
+                tokio::time::sleep(Duration::from_secs(5)).await;
+                assert_eq!(router.status().status, Status::Degraded);
+                assert_gauges_agree(&snap, &router);
+            }
+            for d in router.destinations() {
+                assert_eq!(d.breaker, "closed", "a client-wide outage opened a breaker");
+                assert_eq!(d.held_records, 500);
+            }
+            assert_eq!(router.released_below(), 10);
+
+            sink.client_fault(None);
+            eventually(Duration::from_secs(120), "drained", || dests.iter().all(|d| sink.ids(d).len() == 505)).await;
+            for d in &dests {
+                assert_eq!(sink.ids(d), want[d], "{d}: lost, reordered or duplicated");
+            }
+            eventually(Duration::from_secs(10), "running", || router.status().status == Status::Running).await;
+            assert_gauges_agree(&snap, &router);
+            eventually(Duration::from_secs(10), "released", || router.released_below() == 1010).await;
+            router.shutdown().await;
+            // A stopped router counts as running nowhere (and, once gone, as nothing).
+            assert_eq!(gauge(&snap, "iggy_connector_router_running"), 0.0);
+            assert_eq!(gauge(&snap, "iggy_connector_destinations_running"), 0.0);
+        });
+    });
+}
