@@ -1,0 +1,212 @@
+//! Load benchmark of the webhook door, beside its baseline, in one invocation.
+//!
+//! `load.sh` beside this file installs `wrk` (Debian) if missing and runs this target.
+//! It runs `wrk` (64 keep-alive connections, 1 KiB JSON events) against:
+//!
+//! - **bare**: a minimal axum server started here that answers 200 without doing
+//!   anything (the ceiling of HTTP handling on this machine);
+//! - **daemon**: the release `iggy-ingest` binary with `wal.sync = "always"`, i.e. every
+//!   200 waited for `fdatasync`;
+//!
+//! and prints events/s, p50/p99 latency, non-2xx answers and the ratio to the baseline
+//! as a Markdown table. Afterwards it checks that the daemon's log holds at least as
+//! many records as wrk counted 2xx answers.
+//!
+//! Environment: `LOAD_SECS` (default 10), `LOAD_CONNECTIONS` (64), `LOAD_THREADS` (2),
+//! `LOAD_BENCH_DIR` (default: Cargo's target tmp dir; put it on the disk you care about:
+//! on tmpfs `fdatasync` is free and the figures mean nothing).
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn env_or(name: &str, default: u64) -> u64 {
+    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+}
+
+#[derive(Debug, Default)]
+struct WrkResult {
+    requests: u64,
+    requests_per_sec: f64,
+    p50_ms: f64,
+    p99_ms: f64,
+    non_2xx: u64,
+    socket_errors: String,
+}
+
+fn to_ms(s: &str) -> f64 {
+    let s = s.trim();
+    let (num, unit) = s.split_at(s.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(s.len()));
+    let v: f64 = num.parse().unwrap_or(f64::NAN);
+    match unit {
+        "us" => v / 1000.0,
+        "ms" => v,
+        "s" => v * 1000.0,
+        "m" => v * 60_000.0,
+        _ => f64::NAN,
+    }
+}
+
+fn parse_wrk(out: &str) -> WrkResult {
+    let mut r = WrkResult::default();
+    for line in out.lines() {
+        let t = line.trim();
+        if let Some(v) = t.strip_prefix("Requests/sec:") {
+            r.requests_per_sec = v.trim().parse().unwrap_or(f64::NAN);
+        } else if let Some(v) = t.strip_prefix("50%") {
+            r.p50_ms = to_ms(v);
+        } else if let Some(v) = t.strip_prefix("99%") {
+            r.p99_ms = to_ms(v);
+        } else if let Some(v) = t.strip_prefix("Non-2xx or 3xx responses:") {
+            r.non_2xx = v.trim().parse().unwrap_or(u64::MAX);
+        } else if t.starts_with("Socket errors:") {
+            r.socket_errors = t.to_string();
+        } else if t.contains(" requests in ") {
+            r.requests = t.split_whitespace().next().and_then(|n| n.parse().ok()).unwrap_or(0);
+        }
+    }
+    r
+}
+
+fn run_wrk(url: &str, script: &Path, secs: u64, connections: u64, threads: u64) -> (WrkResult, String) {
+    let out = Command::new("wrk")
+        .args([
+            "-t",
+            &threads.to_string(),
+            "-c",
+            &connections.to_string(),
+            "-d",
+            &format!("{secs}s"),
+            "--latency",
+            "-s",
+        ])
+        .arg(script)
+        .arg(url)
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run wrk ({e}); run crates/runtime/benches/load.sh, which installs it"));
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(out.status.success(), "wrk failed: {}\n{text}", String::from_utf8_lossy(&out.stderr));
+    (parse_wrk(&text), text)
+}
+
+fn start_bare_server() -> SocketAddr {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap();
+        rt.block_on(async move {
+            let app = axum::Router::new()
+                .route("/v1/sources/default", axum::routing::post(|| async { axum::http::StatusCode::OK }));
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            tx.send(listener.local_addr().unwrap()).unwrap();
+            axum::serve(listener, app).await.unwrap();
+        });
+    });
+    rx.recv().unwrap()
+}
+
+struct DaemonProcess(Child);
+
+impl Drop for DaemonProcess {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn start_daemon(dir: &Path) -> (DaemonProcess, SocketAddr, SocketAddr) {
+    let cfg = dir.join("config.toml");
+    let ready = dir.join("ready.json");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[http]\nlisten = \"127.0.0.1:0\"\n[admin]\nlisten = \"127.0.0.1:0\"\n[logging]\nlevel = \"warn\"\n[storage]\ndata_dir = \"{}\"\n[wal]\nsync = \"always\"\n[sources.default]\ndestination = {{ stream = \"ingest\", topic = \"events\" }}\n",
+            dir.join("data").display()
+        ),
+    )
+    .unwrap();
+    let child = Command::new(env!("CARGO_BIN_EXE_iggy-ingest"))
+        .args(["run", "--config"])
+        .arg(&cfg)
+        .arg("--ready-file")
+        .arg(&ready)
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let child = DaemonProcess(child);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        if let Ok(t) = std::fs::read_to_string(&ready) {
+            let v: serde_json::Value = serde_json::from_str(&t).unwrap();
+            return (
+                child,
+                v["http"].as_str().unwrap().parse().unwrap(),
+                v["admin"].as_str().unwrap().parse().unwrap(),
+            );
+        }
+        assert!(Instant::now() < deadline, "daemon not ready");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn main() {
+    // `cargo bench` passes `--bench`; a plain `cargo test --benches` passes nothing and
+    // should not run a minute-long load test.
+    if !std::env::args().any(|a| a == "--bench") {
+        return;
+    }
+    let secs = env_or("LOAD_SECS", 10);
+    let connections = env_or("LOAD_CONNECTIONS", 64);
+    let threads = env_or("LOAD_THREADS", 2);
+    let base: PathBuf = std::env::var_os("LOAD_BENCH_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_TARGET_TMPDIR")));
+    std::fs::create_dir_all(&base).unwrap();
+    let dir = tempfile::tempdir_in(&base).unwrap();
+
+    // A 1 KiB JSON event.
+    let pad = 1024 - r#"{"type":"bench","pad":""}"#.len();
+    let event = format!(r#"{{"type":"bench","pad":"{}"}}"#, "x".repeat(pad));
+    assert_eq!(event.len(), 1024);
+    let script = dir.path().join("post.lua");
+    std::fs::write(
+        &script,
+        format!("wrk.method = \"POST\"\nwrk.headers[\"Content-Type\"] = \"application/json\"\nwrk.body = '{event}'\n"),
+    )
+    .unwrap();
+
+    let bare_addr = start_bare_server();
+    let (bare, bare_raw) =
+        run_wrk(&format!("http://{bare_addr}/v1/sources/default"), &script, secs, connections, threads);
+
+    let (daemon, http, _admin) = start_daemon(dir.path());
+    let (durable, durable_raw) =
+        run_wrk(&format!("http://{http}/v1/sources/default"), &script, secs, connections, threads);
+    // Stop the daemon cleanly, then count what its log holds.
+    // SAFETY: kill(2) on our own child.
+    unsafe { libc::kill(daemon.0.id() as i32, libc::SIGTERM) };
+    let mut daemon = daemon;
+    let _ = daemon.0.wait();
+    let wal = wal::Wal::open_read_only(dir.path().join("data/wal")).unwrap();
+    let records = wal.next_offset() - wal.start_offset();
+
+    eprintln!("--- wrk, bare server ---\n{bare_raw}\n--- wrk, daemon ---\n{durable_raw}");
+    let ratio = durable.requests_per_sec / bare.requests_per_sec;
+    println!("\n| server | events/s | p50 | p99 | non-2xx | vs bare |");
+    println!("| --- | ---: | ---: | ---: | ---: | ---: |");
+    println!(
+        "| bare axum (200, nothing done) | {:.0} | {:.2} ms | {:.2} ms | {} | 1.00 |",
+        bare.requests_per_sec, bare.p50_ms, bare.p99_ms, bare.non_2xx
+    );
+    println!(
+        "| iggy-ingest, sync = always | {:.0} | {:.2} ms | {:.2} ms | {} | {ratio:.2} |",
+        durable.requests_per_sec, durable.p50_ms, durable.p99_ms, durable.non_2xx
+    );
+    println!(
+        "\n{secs} s per run, {connections} keep-alive connections, {threads} wrk threads, 1 KiB JSON events; \
+         the daemon's log holds {records} records for {} requests wrk completed{}",
+        durable.requests,
+        if durable.socket_errors.is_empty() { String::new() } else { format!(" ({})", durable.socket_errors) }
+    );
+    assert!(records >= durable.requests - durable.non_2xx, "fewer records in the log than 2xx answers");
+}
