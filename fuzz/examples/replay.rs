@@ -1,0 +1,25 @@
+//! Runs saved inputs through a target's code outside libFuzzer, for debugging a finding
+//! with an ordinary debugger or `RUST_BACKTRACE=1`:
+//! `cargo +nightly run --example replay -- <target> <input-file>...`
+
+fn main() {
+    let mut args = std::env::args().skip(1);
+    let target = args.next().unwrap_or_default();
+    let run: fn(&[u8]) = match target.as_str() {
+        "open_arbitrary_dir" => iggy_ingest_fuzz::open_dir::run,
+        "ops_vs_model" => iggy_ingest_fuzz::ops::run,
+        _ => {
+            eprintln!("usage: replay open_arbitrary_dir|ops_vs_model <input-file>...");
+            std::process::exit(2);
+        }
+    };
+    for path in args {
+        let data = std::fs::read(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
+        if std::env::var_os("REPLAY_DECODE").is_some() && target == "open_arbitrary_dir" {
+            eprintln!("{:#?}", iggy_ingest_fuzz::open_dir::decode(&data));
+        }
+        eprintln!("{path}: running");
+        run(&data);
+        eprintln!("{path}: ok");
+    }
+}
