@@ -31,6 +31,7 @@ use crate::auth::AuthScheme;
 use crate::body::{self, BodyError};
 use crate::endpoints::{EndpointRegistry, Lookup, parse_id};
 use crate::error::ApiError;
+use crate::metrics::DoorMetrics;
 use crate::source::{DELIVERY_ID_HEADERS, DELIVERY_KEY_MAX_BYTES, HEADER_VALUE_MAX_BYTES, SourceSpec};
 use crate::status::StatusBoard;
 
@@ -55,6 +56,7 @@ pub struct Door {
     pub limits: DoorLimits,
     pub draining: Arc<AtomicBool>,
     pub status: Arc<StatusBoard>,
+    pub metrics: DoorMetrics,
 }
 
 /// The webhook listener's router.
@@ -87,14 +89,7 @@ async fn health(State(door): State<Arc<Door>>) -> Response {
     }
 }
 
-fn count(source: &str, class: &'static str, reason: &'static str) {
-    metrics::counter!("iggy_ingest_http_requests_total", "source" => source.to_string(), "status_class" => class)
-        .increment(1);
-    if class != "2xx" {
-        metrics::counter!("iggy_ingest_http_rejected_total", "source" => source.to_string(), "reason" => reason)
-            .increment(1);
-    }
-}
+use crate::metrics::count_answer as count;
 
 async fn post_source(State(door): State<Arc<Door>>, Path(key): Path<String>, req: Request) -> Response {
     let Some(source) = door.sources.get(&key).filter(|s| s.named_path).cloned() else {
@@ -181,8 +176,9 @@ async fn receive(
 ) -> Response {
     let started = Instant::now();
     let result = receive_inner(door, &source, endpoint_id, auth, req).await;
-    metrics::histogram!("iggy_ingest_http_request_duration_seconds", "source" => source.key.clone())
-        .record(started.elapsed().as_secs_f64());
+    if let Some(m) = door.metrics.source(&source.key) {
+        m.request_duration.record(started.elapsed().as_secs_f64());
+    }
     let status = door.status.get(&source.key);
     match result {
         Ok(resp) => resp,
@@ -269,7 +265,12 @@ async fn receive_inner(
     if let Some(s) = door.status.get(&source.key) {
         s.accepted(accepted.events, accepted.replayed);
     }
-    count(&source.key, "2xx", "accepted");
+    if let Some(m) = door.metrics.source(&source.key) {
+        m.requests_2xx.increment(1);
+        if !accepted.replayed {
+            m.events_accepted.increment(accepted.events);
+        }
+    }
     let mut resp = (
         StatusCode::OK,
         axum::Json(json!({"accepted": accepted.events, "offsets": [accepted.first_offset, accepted.last_offset]})),

@@ -13,6 +13,7 @@ pub mod body;
 pub mod door;
 pub mod endpoints;
 pub mod error;
+pub mod metrics;
 pub mod server;
 pub mod source;
 pub mod status;

@@ -80,11 +80,13 @@ impl IngestError {
 pub struct Ingestor {
     wal: Arc<Wal>,
     idempotency: Arc<IdempotencyIndex>,
+    append_latency: metrics::Histogram,
 }
 
 impl Ingestor {
     pub fn new(wal: Arc<Wal>, idempotency: Arc<IdempotencyIndex>) -> Ingestor {
-        Ingestor { wal, idempotency }
+        let append_latency = metrics::histogram!("iggy_ingest_append_latency_seconds");
+        Ingestor { wal, idempotency, append_latency }
     }
 
     pub fn wal(&self) -> &Arc<Wal> {
@@ -168,18 +170,14 @@ impl Ingestor {
         }
         let started = Instant::now();
         let result = self.wal.append(records).await;
-        metrics::histogram!("iggy_ingest_append_latency_seconds").record(started.elapsed().as_secs_f64());
+        self.append_latency.record(started.elapsed().as_secs_f64());
         match result {
-            Ok(a) => {
-                metrics::counter!("iggy_ingest_events_accepted_total", "source" => s.source_key.clone())
-                    .increment(u64::from(batch_len));
-                Ok(Accepted {
-                    events: u64::from(batch_len),
-                    first_offset: a.first_offset,
-                    last_offset: a.last_offset,
-                    replayed: false,
-                })
-            }
+            Ok(a) => Ok(Accepted {
+                events: u64::from(batch_len),
+                first_offset: a.first_offset,
+                last_offset: a.last_offset,
+                replayed: false,
+            }),
             Err(WalError::Full { used_bytes, max_bytes, .. }) => Err(IngestError::Full { used_bytes, max_bytes }),
             Err(WalError::RecordTooLarge { len, max }) => Err(IngestError::TooLarge { len, max }),
             Err(WalError::EmptyBatch) => Err(IngestError::Empty),

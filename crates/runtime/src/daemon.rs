@@ -159,6 +159,7 @@ pub async fn start(settings: Settings, metrics: Option<PrometheusHandle>) -> Res
         },
         draining: draining.clone(),
         status,
+        metrics: http_source::metrics::DoorMetrics::new(settings.sources.iter().map(|s| s.key.as_str())),
     });
 
     let http_listener =
