@@ -34,7 +34,11 @@ fn client_without_reconnection(broker: &TestBroker) -> IggyClient {
     let config = TcpClientConfig {
         server_address: broker.addr().to_string(),
         auto_login: credentials(),
-        reconnection: TcpClientReconnectionConfig { enabled: false, ..TcpClientReconnectionConfig::default() },
+        reconnection: TcpClientReconnectionConfig {
+            enabled: false,
+            reestablish_after: IggyDuration::from(Duration::ZERO),
+            ..TcpClientReconnectionConfig::default()
+        },
         ..TcpClientConfig::default()
     };
     let tcp = TcpClient::create(Arc::new(config)).expect("tcp client");
@@ -348,4 +352,53 @@ async fn black_holed_topic_times_out_in_the_client() {
     eprintln!("black hole: {error:?} after {elapsed:?}");
     assert_eq!(error, IggyError::Disconnected);
     assert_eq!(broker.request_count(RequestKind::SendMessages), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connection_level_error_codes_make_the_client_reconnect_and_resend_once() {
+    let broker = start().await;
+    let client = client(&broker);
+    client.connect().await.expect("connect");
+    ensure_destination(&client, 1).await;
+
+    broker.fail_topic(STREAM, TOPIC, Some(IggyError::Unauthenticated));
+    let error = send(&client, &Partitioning::partition_id(0), &[1]).await.expect_err("fails");
+    assert_eq!(error, IggyError::Unauthenticated);
+    assert_eq!(broker.request_count(RequestKind::SendMessages), 2);
+    assert_eq!(broker.request_count(RequestKind::Login), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn heartbeat_reconnects_after_an_outage() {
+    let broker = start().await;
+    let config = TcpClientConfig {
+        server_address: broker.addr().to_string(),
+        auto_login: credentials(),
+        heartbeat_interval: IggyDuration::from(Duration::from_millis(200)),
+        reconnection: TcpClientReconnectionConfig {
+            max_retries: Some(1),
+            interval: IggyDuration::from(Duration::from_millis(50)),
+            reestablish_after: IggyDuration::from(Duration::ZERO),
+            ..TcpClientReconnectionConfig::default()
+        },
+        ..TcpClientConfig::default()
+    };
+    let tcp = TcpClient::create(Arc::new(config)).expect("tcp client");
+    let client = IggyClient::builder().with_client(ClientWrapper::Tcp(tcp)).build().expect("client builds");
+    client.connect().await.expect("connect");
+    ensure_destination(&client, 1).await;
+
+    broker.stop().await;
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    broker.restart().await.expect("restart");
+    let logins = broker.request_count(RequestKind::Login);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        if send(&client, &Partitioning::partition_id(0), &[1]).await.is_ok() {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the heartbeat never reconnected");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(broker.request_count(RequestKind::Login) > logins);
 }
