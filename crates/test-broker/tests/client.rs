@@ -402,3 +402,17 @@ async fn heartbeat_reconnects_after_an_outage() {
     }
     assert!(broker.request_count(RequestKind::Login) > logins);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_connections_closed_by_the_broker_are_reopened_transparently() {
+    let broker = start().await;
+    let client = client(&broker);
+    client.connect().await.expect("connect");
+    ensure_destination(&client, 1).await;
+
+    broker.disconnect_all().await;
+    assert_eq!(broker.open_connections(), 0);
+    send(&client, &Partitioning::partition_id(0), &[1]).await.expect("reconnected");
+    assert_eq!(broker.accepted_connections(), 2);
+    assert_eq!(broker.messages(STREAM, TOPIC).iter().map(|m| m.id).collect::<Vec<_>>(), vec![1]);
+}
