@@ -23,6 +23,7 @@
 pub mod breaker;
 pub mod cursors;
 mod dispatcher;
+pub mod iggy_sink;
 mod lane;
 pub mod policy;
 pub mod sink;

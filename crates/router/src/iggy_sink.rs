@@ -1,0 +1,290 @@
+//! The destination the daemon really delivers to: an Iggy server, through the `iggy`
+//! crate over TCP. Every use of that crate is in this module, so moving to a newer
+//! server is one change.
+//!
+//! Invariants:
+//! - One client per daemon. The daemon starts and holds while the server is
+//!   unreachable: connecting is retried before each attempt, never required at start.
+//! - After a failed connection or a dropped one, the next attempt reconnects explicitly
+//!   first (the client otherwise stays disconnected and fails at once).
+//! - Destinations are created on first use with the topic defaults; "already exists" is
+//!   success. Topics the daemon creates are durable by default (`enforce_fsync`, one
+//!   message per save), because an ack from a topic without fsync does not survive a
+//!   crash of the server; an existing topic that is not durable is reported, not changed.
+//! - Messages carry the stable id from the log; a resend after an unknown outcome sends
+//!   the same id.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use iggy::prelude::{
+    AutoLogin, Client, Credentials, HeaderKey, HeaderKind, HeaderValue, Identifier, IggyByteSize, IggyClient,
+    IggyDuration, IggyError, IggyExpiry, IggyMessage, MaxTopicSize, MessageClient, Partitioning as IggyPartitioning,
+    StreamClient, TopicClient, TopicCreateOptions,
+};
+use ingest::envelope::Partitioning;
+
+use crate::sink::{DestinationKey, OutMessage, SendError, SendErrorKind, Sink, TopicInfo};
+
+/// Settings of topics the daemon creates.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TopicDefaults {
+    pub partitions_count: u32,
+    /// Message expiry; `None` keeps messages until the topic's size limit.
+    pub message_expiry: Option<Duration>,
+    pub max_topic_size_bytes: Option<u64>,
+    pub segment_size_bytes: Option<u64>,
+    /// Sync every save to disk before acknowledging. Default true.
+    pub enforce_fsync: bool,
+    /// Messages per save. Default 1: every message is saved (and synced) before its ack.
+    pub messages_required_to_save: u32,
+}
+
+impl Default for TopicDefaults {
+    fn default() -> Self {
+        TopicDefaults {
+            partitions_count: 1,
+            message_expiry: None,
+            max_topic_size_bytes: None,
+            segment_size_bytes: None,
+            enforce_fsync: true,
+            messages_required_to_save: 1,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IggySinkConfig {
+    /// `host:port` of the server's TCP listener.
+    pub address: String,
+    pub username: String,
+    pub password: String,
+    pub tls: bool,
+    pub tls_domain: Option<String>,
+    pub tls_ca_file: Option<String>,
+    /// The client's own reconnection attempts per failure (the router retries forever
+    /// on top of them).
+    pub reconnection_max_retries: u32,
+    pub reconnection_interval: Duration,
+    pub topic_defaults: TopicDefaults,
+}
+
+impl Default for IggySinkConfig {
+    fn default() -> Self {
+        IggySinkConfig {
+            address: "127.0.0.1:8090".into(),
+            username: "iggy".into(),
+            password: "iggy".into(),
+            tls: false,
+            tls_domain: None,
+            tls_ca_file: None,
+            reconnection_max_retries: 1,
+            reconnection_interval: Duration::from_millis(500),
+            topic_defaults: TopicDefaults::default(),
+        }
+    }
+}
+
+/// Delivers to an Iggy server.
+pub struct IggySink {
+    client: IggyClient,
+    defaults: TopicDefaults,
+    /// Set after a failure that leaves the client disconnected.
+    needs_connect: AtomicBool,
+    connect_lock: tokio::sync::Mutex<()>,
+    topics: Mutex<HashMap<DestinationKey, TopicInfo>>,
+}
+
+impl std::fmt::Debug for IggySink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IggySink").finish_non_exhaustive()
+    }
+}
+
+impl IggySink {
+    /// Builds the client. Does not connect: the first attempt does, and a server that
+    /// is down only delays delivery.
+    pub fn new(config: &IggySinkConfig) -> Result<IggySink, String> {
+        let mut b = IggyClient::builder()
+            .with_tcp()
+            .with_server_address(config.address.clone())
+            .with_auto_sign_in(AutoLogin::Enabled(Credentials::UsernamePassword(
+                config.username.clone(),
+                config.password.clone().into(),
+            )))
+            .with_reconnection_max_retries(Some(config.reconnection_max_retries))
+            .with_reconnection_interval(IggyDuration::from(config.reconnection_interval))
+            .with_tls_enabled(config.tls);
+        if let Some(d) = &config.tls_domain {
+            b = b.with_tls_domain(d.clone());
+        }
+        if let Some(ca) = &config.tls_ca_file {
+            b = b.with_tls_ca_file(ca.clone());
+        }
+        let client = b.build().map_err(|e| format!("iggy client: {e}"))?;
+        Ok(IggySink {
+            client,
+            defaults: config.topic_defaults.clone(),
+            needs_connect: AtomicBool::new(true),
+            connect_lock: tokio::sync::Mutex::new(()),
+            topics: Mutex::new(HashMap::new()),
+        })
+    }
+
+    async fn connected(&self) -> Result<(), SendError> {
+        if !self.needs_connect.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let _g = self.connect_lock.lock().await;
+        if !self.needs_connect.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        match self.client.connect().await {
+            Ok(()) => {
+                self.needs_connect.store(false, Ordering::Release);
+                tracing::info!("connected to iggy");
+                Ok(())
+            }
+            Err(e) => Err(self.classify(e)),
+        }
+    }
+
+    fn classify(&self, e: IggyError) -> SendError {
+        let kind = classify(&e);
+        if matches!(kind, SendErrorKind::Disconnected | SendErrorKind::Unavailable | SendErrorKind::Unauthorized) {
+            self.needs_connect.store(true, Ordering::Release);
+        }
+        SendError::new(kind, e.to_string())
+    }
+
+    fn create_options(&self) -> TopicCreateOptions {
+        let d = &self.defaults;
+        TopicCreateOptions {
+            partitions_count: Some(d.partitions_count),
+            message_expiry: d.message_expiry.map(|e| IggyExpiry::ExpireDuration(IggyDuration::from(e))),
+            max_topic_size: d.max_topic_size_bytes.map(|b| MaxTopicSize::Custom(IggyByteSize::from(b))),
+            segment_size: d.segment_size_bytes.map(IggyByteSize::from),
+            enforce_fsync: Some(d.enforce_fsync),
+            messages_required_to_save: Some(d.messages_required_to_save),
+            ..TopicCreateOptions::default()
+        }
+    }
+}
+
+/// Which failures are whose. Server errors arrive as codes, so this matches variants.
+pub fn classify(e: &IggyError) -> SendErrorKind {
+    match e {
+        IggyError::Disconnected => SendErrorKind::Disconnected,
+        IggyError::CannotEstablishConnection
+        | IggyError::NotConnected
+        | IggyError::ConnectionClosed
+        | IggyError::StaleClient
+        | IggyError::TcpError
+        | IggyError::EmptyResponse
+        | IggyError::IoError(_) => SendErrorKind::Unavailable,
+        IggyError::InvalidCredentials | IggyError::Unauthenticated => SendErrorKind::Unauthorized,
+        _ => SendErrorKind::Destination,
+    }
+}
+
+fn topic_info(details_partitions: u32, options: &iggy::prelude::ResourceOptions) -> TopicInfo {
+    let parsed = TopicCreateOptions::from_resource_options(options);
+    let durable = parsed.enforce_fsync == Some(true) && parsed.messages_required_to_save == Some(1);
+    TopicInfo { partitions_count: details_partitions, durable }
+}
+
+fn header_pair(k: &str, v: &Bytes) -> Option<(HeaderKey, HeaderValue)> {
+    let key = HeaderKey::try_from(k).ok()?;
+    let value = HeaderValue::from_raw(HeaderKind::Raw, v).ok()?;
+    Some((key, value))
+}
+
+/// Builds the wire message. Headers the server could not take (empty, longer than
+/// 255 bytes) are left out and counted; the door clamps what it forwards, so this is a
+/// last guard, not the rule.
+fn to_iggy(m: OutMessage) -> Result<IggyMessage, SendError> {
+    let mut headers = BTreeMap::new();
+    for (k, v) in &m.headers {
+        match header_pair(k, v) {
+            Some((k, v)) => {
+                headers.insert(k, v);
+            }
+            None => metrics::counter!("iggy_connector_headers_dropped_total").increment(1),
+        }
+    }
+    let b = IggyMessage::builder().id(m.id).payload(m.payload);
+    let built = if headers.is_empty() { b.build() } else { b.user_headers(headers).build() };
+    built.map_err(|e| SendError::new(SendErrorKind::Destination, format!("message {} cannot be sent: {e}", m.id)))
+}
+
+fn partitioning(p: &Partitioning) -> IggyPartitioning {
+    match p {
+        Partitioning::Balanced => IggyPartitioning::balanced(),
+        Partitioning::PartitionId(id) => IggyPartitioning::partition_id(*id),
+        Partitioning::Key(k) => IggyPartitioning::messages_key(k).unwrap_or_else(|_| {
+            metrics::counter!("iggy_connector_partition_key_invalid_total").increment(1);
+            IggyPartitioning::balanced()
+        }),
+    }
+}
+
+impl Sink for IggySink {
+    async fn ensure(&self, dest: &DestinationKey) -> Result<TopicInfo, SendError> {
+        if let Some(t) = self.topics.lock().unwrap_or_else(|p| p.into_inner()).get(dest) {
+            return Ok(*t);
+        }
+        self.connected().await?;
+        let stream =
+            Identifier::named(&dest.stream).map_err(|e| SendError::new(SendErrorKind::Destination, e.to_string()))?;
+        let topic =
+            Identifier::named(&dest.topic).map_err(|e| SendError::new(SendErrorKind::Destination, e.to_string()))?;
+        let existing = self.client.get_stream(&stream).await.map_err(|e| self.classify(e))?;
+        if existing.is_none() {
+            match self.client.create_stream(&dest.stream).await {
+                Ok(_) | Err(IggyError::StreamNameAlreadyExists(_)) => {}
+                Err(e) => return Err(self.classify(e)),
+            }
+        }
+        let details = match self.client.get_topic(&stream, &topic).await.map_err(|e| self.classify(e))? {
+            Some(d) => d,
+            None => match self.client.create_topic(&stream, &dest.topic, &self.create_options()).await {
+                Ok(d) => d,
+                Err(IggyError::TopicNameAlreadyExists(..)) => self
+                    .client
+                    .get_topic(&stream, &topic)
+                    .await
+                    .map_err(|e| self.classify(e))?
+                    .ok_or_else(|| SendError::new(SendErrorKind::Destination, "topic vanished after creation"))?,
+                Err(e) => return Err(self.classify(e)),
+            },
+        };
+        let info = topic_info(details.partitions_count, &details.options);
+        if !info.durable {
+            tracing::warn!(destination = %dest, "topic does not sync every message: its acks may not survive a crash of the server");
+        }
+        self.topics.lock().unwrap_or_else(|p| p.into_inner()).insert(dest.clone(), info);
+        Ok(info)
+    }
+
+    async fn send(&self, dest: &DestinationKey, p: &Partitioning, messages: Vec<OutMessage>) -> Result<(), SendError> {
+        self.connected().await?;
+        let stream =
+            Identifier::named(&dest.stream).map_err(|e| SendError::new(SendErrorKind::Destination, e.to_string()))?;
+        let topic =
+            Identifier::named(&dest.topic).map_err(|e| SendError::new(SendErrorKind::Destination, e.to_string()))?;
+        let mut wire = messages.into_iter().map(to_iggy).collect::<Result<Vec<_>, _>>()?;
+        match self.client.send_messages(&stream, &topic, &partitioning(p), &mut wire).await {
+            Ok(_) => Ok(()),
+            Err(e) => {
+                let err = self.classify(e);
+                if err.kind == SendErrorKind::Destination {
+                    self.topics.lock().unwrap_or_else(|p| p.into_inner()).remove(dest);
+                }
+                Err(err)
+            }
+        }
+    }
+}
