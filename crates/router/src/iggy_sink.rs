@@ -117,6 +117,7 @@ impl IggySink {
             )))
             .with_reconnection_max_retries(Some(config.reconnection_max_retries))
             .with_reconnection_interval(IggyDuration::from(config.reconnection_interval))
+            .with_reestablish_after(IggyDuration::from(config.reconnection_interval))
             .with_tls_enabled(config.tls);
         if let Some(d) = &config.tls_domain {
             b = b.with_tls_domain(d.clone());
