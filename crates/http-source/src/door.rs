@@ -13,7 +13,6 @@
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use axum::Router;
@@ -31,6 +30,7 @@ use crate::auth::AuthScheme;
 use crate::body::{self, BodyError};
 use crate::endpoints::{EndpointRegistry, Lookup, parse_id};
 use crate::error::ApiError;
+use crate::health::Health;
 use crate::metrics::DoorMetrics;
 use crate::source::{DELIVERY_ID_HEADERS, DELIVERY_KEY_MAX_BYTES, HEADER_VALUE_MAX_BYTES, SourceSpec};
 use crate::status::StatusBoard;
@@ -54,7 +54,7 @@ pub struct Door {
     pub endpoints: Arc<EndpointRegistry>,
     pub ingestor: Ingestor,
     pub limits: DoorLimits,
-    pub draining: Arc<AtomicBool>,
+    pub health: Arc<Health>,
     pub status: Arc<StatusBoard>,
     pub metrics: DoorMetrics,
 }
@@ -82,11 +82,14 @@ async fn method_not_allowed() -> Response {
 }
 
 async fn health(State(door): State<Arc<Door>>) -> Response {
-    if door.draining.load(Ordering::Acquire) {
-        (StatusCode::SERVICE_UNAVAILABLE, axum::Json(json!({"status": "draining"}))).into_response()
-    } else {
-        (StatusCode::OK, axum::Json(json!({"status": "accepting"}))).into_response()
-    }
+    health_answer(&door.health)
+}
+
+/// The `/health` answer of both listeners: 200 while accepting, 503 otherwise.
+pub fn health_answer(health: &Health) -> Response {
+    let state = health.state();
+    let status = if state.is_accepting() { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    (status, axum::Json(json!({"status": state.as_str()}))).into_response()
 }
 
 use crate::metrics::count_answer as count;
@@ -201,7 +204,7 @@ async fn receive_inner(
     req: Request,
 ) -> Result<Response, ApiError> {
     let received_at_unix_ms = ingest::time::now_unix_ms();
-    if door.draining.load(Ordering::Acquire) {
+    if door.health.is_draining() {
         return Err(ApiError::unavailable(
             "shutting_down",
             "the daemon is shutting down",
@@ -261,7 +264,12 @@ async fn receive_inner(
         events: decoded.events,
         received_at_unix_ms,
     };
-    let accepted = door.ingestor.accept(submission).await.map_err(|e| ingest_error(e, door.limits.retry_after_secs))?;
+    let accepted = door.ingestor.accept(submission).await.map_err(|e| {
+        if matches!(e, IngestError::Stopped(_)) {
+            door.health.log_stopped();
+        }
+        ingest_error(e, door.limits.retry_after_secs)
+    })?;
     if let Some(s) = door.status.get(&source.key) {
         s.accepted(accepted.events, accepted.replayed);
     }
@@ -371,6 +379,10 @@ fn ingest_error(e: IngestError, retry_after_secs: u64) -> ApiError {
         IngestError::Empty => ApiError::new(StatusCode::BAD_REQUEST, "no_events", "body holds no events"),
         IngestError::Unavailable(ref m) => {
             tracing::error!(error = %m, "log append failed");
+            ApiError::unavailable("log_unavailable", "the log cannot take events now", retry_after_secs)
+        }
+        IngestError::Stopped(ref m) => {
+            tracing::error!(error = %m, "the log stopped taking appends; /health now answers 503");
             ApiError::unavailable("log_unavailable", "the log cannot take events now", retry_after_secs)
         }
         IngestError::Internal(ref m) => {

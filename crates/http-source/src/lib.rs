@@ -13,6 +13,7 @@ pub mod body;
 pub mod door;
 pub mod endpoints;
 pub mod error;
+pub mod health;
 pub mod metrics;
 pub mod server;
 pub mod source;

@@ -54,9 +54,13 @@ pub enum IngestError {
     TooLarge { len: usize, max: u32 },
     #[error("no events in the request")]
     Empty,
-    /// The log cannot take appends now (storage failure, closed, poisoned).
+    /// The log failed this append (a storage error it recovered from); a retry may work.
     #[error("log unavailable: {0}")]
     Unavailable(String),
+    /// The log takes no more appends through this handle (closed, or poisoned by a
+    /// storage failure it could not undo); only a restart recovers.
+    #[error("log stopped: {0}")]
+    Stopped(String),
     #[error("internal error: {0}")]
     Internal(String),
 }
@@ -70,6 +74,7 @@ impl IngestError {
             IngestError::TooLarge { .. } => "record_too_large",
             IngestError::Empty => "empty",
             IngestError::Unavailable(_) => "log_unavailable",
+            IngestError::Stopped(_) => "log_stopped",
             IngestError::Internal(_) => "internal",
         }
     }
@@ -181,6 +186,9 @@ impl Ingestor {
             Err(WalError::Full { used_bytes, max_bytes, .. }) => Err(IngestError::Full { used_bytes, max_bytes }),
             Err(WalError::RecordTooLarge { len, max }) => Err(IngestError::TooLarge { len, max }),
             Err(WalError::EmptyBatch) => Err(IngestError::Empty),
+            Err(e @ (WalError::Poisoned(_) | WalError::Closed | WalError::ReadOnly)) => {
+                Err(IngestError::Stopped(e.to_string()))
+            }
             Err(e) => Err(IngestError::Unavailable(e.to_string())),
         }
     }
@@ -249,5 +257,42 @@ mod tests {
         assert_eq!(wal.next_offset(), 2);
         let fresh = ing.accept(submission(Some("d2"), &["c"])).await.unwrap();
         assert_eq!((fresh.first_offset, fresh.replayed), (2, false));
+    }
+
+    #[tokio::test]
+    async fn a_delivery_in_progress_refuses_a_concurrent_twin_and_appends_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let (wal, ing) = open(dir.path());
+        let key = IdempotencyKey { source_key: "default".into(), delivery_key: "d1".into() };
+        let claim = ing.idempotency().claim(&key).await.unwrap();
+        assert!(matches!(ing.accept(submission(Some("d1"), &["a"])).await, Err(IngestError::InFlight)));
+        assert_eq!(wal.next_offset(), 0);
+        drop(claim);
+        assert!(!ing.accept(submission(Some("d1"), &["a"])).await.unwrap().replayed);
+        assert_eq!(wal.next_offset(), 1);
+    }
+
+    #[tokio::test]
+    async fn a_full_log_is_a_typed_error_with_nothing_appended() {
+        let dir = tempfile::tempdir().unwrap();
+        let options = wal::WalOptions { segment_max_bytes: 4096, max_bytes: 8192, ..wal::WalOptions::default() };
+        let wal = Arc::new(Wal::open(dir.path().join("wal"), options).unwrap());
+        let state = Arc::new(StateDb::open(dir.path().join("state.redb")).unwrap());
+        let ing = Ingestor::new(wal.clone(), Arc::new(IdempotencyIndex::new(state, 60_000)));
+        let big = "x".repeat(1000);
+        let mut last = Ok(());
+        for _ in 0..100 {
+            match ing.accept(submission(Some(&format!("k{}", wal.next_offset())), &[big.as_str()])).await {
+                Ok(_) => {}
+                Err(e) => {
+                    last = Err(e);
+                    break;
+                }
+            }
+        }
+        let before = wal.next_offset();
+        assert!(matches!(last, Err(IngestError::Full { .. })), "{last:?}");
+        assert!(matches!(ing.accept(submission(None, &[big.as_str()])).await, Err(IngestError::Full { .. })));
+        assert_eq!(wal.next_offset(), before);
     }
 }

@@ -8,7 +8,6 @@
 //! - Secrets appear only in the answers of register and rotate, never in listings.
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 
 use axum::Json;
 use axum::Router;
@@ -39,15 +38,11 @@ pub fn router(shared: Arc<Shared>) -> Router {
 }
 
 async fn health(State(s): State<Arc<Shared>>) -> Response {
-    if s.draining.load(Ordering::Acquire) {
-        (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"status": "draining"}))).into_response()
-    } else {
-        (StatusCode::OK, Json(json!({"status": "accepting"}))).into_response()
-    }
+    http_source::door::health_answer(&s.health)
 }
 
 async fn status(State(s): State<Arc<Shared>>) -> Response {
-    let draining = s.draining.load(Ordering::Acquire);
+    let state = s.health.state().as_str();
     let stats = s.wal.stats();
     let sources: serde_json::Map<String, serde_json::Value> = s
         .status
@@ -56,13 +51,13 @@ async fn status(State(s): State<Arc<Shared>>) -> Response {
         .map(|(k, v)| {
             let mut view = serde_json::to_value(v.view()).unwrap_or_default();
             if let Some(obj) = view.as_object_mut() {
-                obj.insert("state".into(), json!(if draining { "draining" } else { "accepting" }));
+                obj.insert("state".into(), json!(state));
             }
             (k.clone(), view)
         })
         .collect();
     Json(json!({
-        "state": if draining { "draining" } else { "accepting" },
+        "state": state,
         "log": {
             "start_offset": stats.start_offset,
             "next_offset": stats.next_offset,

@@ -21,11 +21,11 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use http_source::door::{Door, DoorLimits};
 use http_source::endpoints::EndpointRegistry;
+use http_source::health::Health;
 use http_source::server::{self, ConnectionLimits};
 use http_source::status::StatusBoard;
 use ingest::{IdempotencyIndex, Ingestor, StateDb, StateError};
@@ -43,7 +43,7 @@ pub struct Shared {
     pub endpoints: Arc<EndpointRegistry>,
     pub idempotency: Arc<IdempotencyIndex>,
     pub status: Arc<StatusBoard>,
-    pub draining: Arc<AtomicBool>,
+    pub health: Arc<Health>,
     pub management_token: Option<String>,
     pub metrics: Option<PrometheusHandle>,
 }
@@ -136,7 +136,7 @@ pub async fn start(settings: Settings, metrics: Option<PrometheusHandle>) -> Res
     let source_keys: Vec<String> = settings.sources.iter().map(|s| s.key.clone()).collect();
     let endpoints = Arc::new(EndpointRegistry::load(state.clone(), source_keys.clone(), settings.endpoints.clone())?);
     let status = Arc::new(StatusBoard::new(source_keys));
-    let draining = Arc::new(AtomicBool::new(false));
+    let health = Arc::new(Health::default());
 
     let shared = Arc::new(Shared {
         wal: wal.clone(),
@@ -144,7 +144,7 @@ pub async fn start(settings: Settings, metrics: Option<PrometheusHandle>) -> Res
         endpoints: endpoints.clone(),
         idempotency: idempotency.clone(),
         status: status.clone(),
-        draining: draining.clone(),
+        health: health.clone(),
         management_token: settings.management_token.clone(),
         metrics,
     });
@@ -157,7 +157,7 @@ pub async fn start(settings: Settings, metrics: Option<PrometheusHandle>) -> Res
             body_read_timeout: settings.body_read_timeout,
             retry_after_secs: settings.retry_after_secs,
         },
-        draining: draining.clone(),
+        health: health.clone(),
         status,
         metrics: http_source::metrics::DoorMetrics::new(settings.sources.iter().map(|s| s.key.as_str())),
     });
@@ -200,7 +200,7 @@ pub async fn start(settings: Settings, metrics: Option<PrometheusHandle>) -> Res
     let task = tokio::spawn(async move {
         stopped(shutdown_rx).await;
         tracing::info!("shutting down: draining");
-        draining.store(true, Ordering::Release);
+        health.start_draining();
         tokio::time::sleep(drain_delay).await;
         let _ = http_stop_tx.send(true);
         let drained = http_task.await.map(|d| d.complete).unwrap_or(false);

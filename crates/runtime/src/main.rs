@@ -121,7 +121,12 @@ fn run(settings: Settings, ready_file: Option<PathBuf>) -> ExitCode {
         wait_for_signal().await;
         running.shutdown();
         let report = running.wait().await;
-        if report.is_clean() {
+        // Connections still open after the grace period were cut without a 200, so
+        // nothing they carried was acknowledged: that alone is not a failure.
+        if !report.drained {
+            tracing::warn!("some connections were still open after the grace period and were closed");
+        }
+        if report.wal_closed.is_ok() && report.checkpoint.is_ok() {
             ExitCode::SUCCESS
         } else {
             eprintln!("iggy-ingest: unclean shutdown: {report:?}");

@@ -172,6 +172,53 @@ async fn a_full_log_answers_503_appends_nothing_and_recovers_after_release() {
     assert!(running.wait().await.is_clean());
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_log_that_stopped_taking_appends_turns_health_503() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = config_text(dir.path(), "", SOURCES);
+    let settings = config::validate(&config::parse(&text, None).unwrap(), Some(&text), None).unwrap();
+    let running = daemon::start(settings, None).await.unwrap();
+    assert_eq!(post_json(running.http_addr, "/v1/sources/default", "{}").await.status, 200);
+    assert_eq!(request(running.admin_addr, "GET", "/health", &[], "").await.status, 200);
+    // What a storage failure the log cannot undo looks like from outside: no appends.
+    running.shared.wal.close().await.unwrap();
+    let a = post_json(running.http_addr, "/v1/sources/default", "{}").await;
+    assert_eq!(a.status, 503);
+    assert_eq!(a.json()["error"], "log_unavailable");
+    for addr in [running.http_addr, running.admin_addr] {
+        let h = request(addr, "GET", "/health", &[], "").await;
+        assert_eq!((h.status, h.json()["status"].as_str()), (503, Some("log_stopped")));
+    }
+    running.shutdown();
+    running.wait().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_are_capped_and_idle_ones_are_closed() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = Daemon::start(dir.path(), "max_connections = 2\nheader_read_timeout_ms = 1500", SOURCES);
+    let mut c1 = Conn::open(d.http).await.unwrap();
+    let mut c2 = Conn::open(d.http).await.unwrap();
+    assert_eq!(c1.send("GET", "/health", &[], "").await.unwrap().status, 200);
+    assert_eq!(c2.send("GET", "/health", &[], "").await.unwrap().status, 200);
+    // A third connection waits: both slots are held by idle keep-alive connections...
+    let started = Instant::now();
+    let mut c3 = Conn::open(d.http).await.unwrap();
+    let third = tokio::time::timeout(Duration::from_secs(30), c3.send("GET", "/health", &[], "")).await;
+    // ...until the idle timeout closes them and frees a slot.
+    assert_eq!(third.expect("the third connection was never served").unwrap().status, 200);
+    assert!(
+        started.elapsed() >= Duration::from_millis(1000),
+        "served before a slot was freed: {:?}",
+        started.elapsed()
+    );
+    // Both idle connections time out at about the same moment; give the later one time.
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    assert!(c1.send("GET", "/health", &[], "").await.is_err(), "idle connection 1 was closed");
+    assert!(c2.send("GET", "/health", &[], "").await.is_err(), "idle connection 2 was closed");
+    assert!(d.stop().success());
+}
+
 #[test]
 fn a_state_database_of_another_schema_version_refuses_to_start() {
     let dir = tempfile::tempdir().unwrap();

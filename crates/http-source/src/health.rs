@@ -1,0 +1,61 @@
+//! The daemon's accepting state, shared by both listeners' `/health` and the door.
+//!
+//! Invariants:
+//! - Once draining, always draining (until the process exits).
+//! - Once the log stopped taking appends (closed or poisoned after a storage failure it
+//!   could not undo), health stays 503: only a restart (which recovers the log) clears
+//!   it, so a load balancer sends traffic elsewhere instead of into 503s.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+
+#[derive(Debug, Default)]
+pub struct Health {
+    draining: AtomicBool,
+    log_stopped: AtomicBool,
+}
+
+/// What `/health` reports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HealthState {
+    Accepting,
+    Draining,
+    LogStopped,
+}
+
+impl HealthState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            HealthState::Accepting => "accepting",
+            HealthState::Draining => "draining",
+            HealthState::LogStopped => "log_stopped",
+        }
+    }
+
+    pub fn is_accepting(self) -> bool {
+        self == HealthState::Accepting
+    }
+}
+
+impl Health {
+    pub fn start_draining(&self) {
+        self.draining.store(true, Ordering::Release);
+    }
+
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::Acquire)
+    }
+
+    pub fn log_stopped(&self) {
+        self.log_stopped.store(true, Ordering::Release);
+    }
+
+    pub fn state(&self) -> HealthState {
+        if self.is_draining() {
+            HealthState::Draining
+        } else if self.log_stopped.load(Ordering::Acquire) {
+            HealthState::LogStopped
+        } else {
+            HealthState::Accepting
+        }
+    }
+}
