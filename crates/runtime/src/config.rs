@@ -124,6 +124,9 @@ pub struct SourceConfig {
     pub auth_type: String,
     #[serde(default)]
     pub auth_secret: Option<String>,
+    /// The name of an environment variable holding the secret (instead of `auth_secret`).
+    #[serde(default)]
+    pub auth_secret_env: Option<String>,
     #[serde(default)]
     pub auth_header: Option<String>,
     #[serde(default)]
@@ -147,6 +150,7 @@ pub struct SourceConfig {
 struct AuthConfig<'a> {
     auth_type: &'a str,
     auth_secret: Option<&'a str>,
+    auth_secret_env: Option<&'a str>,
     auth_header: Option<&'a str>,
     auth_prefix: Option<&'a str>,
     auth_tolerance_secs: Option<u64>,
@@ -157,6 +161,7 @@ impl SourceConfig {
         AuthConfig {
             auth_type: &self.auth_type,
             auth_secret: self.auth_secret.as_deref(),
+            auth_secret_env: self.auth_secret_env.as_deref(),
             auth_header: self.auth_header.as_deref(),
             auth_prefix: self.auth_prefix.as_deref(),
             auth_tolerance_secs: self.auth_tolerance_secs,
@@ -169,6 +174,7 @@ impl EndpointConfig {
         AuthConfig {
             auth_type: &self.auth_type,
             auth_secret: self.auth_secret.as_deref(),
+            auth_secret_env: self.auth_secret_env.as_deref(),
             auth_header: self.auth_header.as_deref(),
             auth_prefix: self.auth_prefix.as_deref(),
             auth_tolerance_secs: self.auth_tolerance_secs,
@@ -184,6 +190,9 @@ pub struct EndpointConfig {
     pub auth_type: String,
     #[serde(default)]
     pub auth_secret: Option<String>,
+    /// The name of an environment variable holding the secret (instead of `auth_secret`).
+    #[serde(default)]
+    pub auth_secret_env: Option<String>,
     #[serde(default)]
     pub auth_header: Option<String>,
     #[serde(default)]
@@ -306,6 +315,7 @@ impl Config {
                 named_path: true,
                 auth_type: default_auth_type(),
                 auth_secret: None,
+                auth_secret_env: None,
                 auth_header: None,
                 auth_prefix: None,
                 auth_tolerance_secs: None,
@@ -766,7 +776,28 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
 }
 
 fn auth_scheme(c: &mut Checker<'_>, path: &KeyPath, a: AuthConfig<'_>) -> AuthScheme {
-    match AuthScheme::from_parts(a.auth_type, a.auth_secret, a.auth_header, a.auth_prefix, a.auth_tolerance_secs) {
+    let from_env;
+    let secret = match (a.auth_secret, a.auth_secret_env) {
+        (Some(_), Some(_)) => {
+            c.err(&path.key("auth_secret_env"), "set either auth_secret or auth_secret_env, not both");
+            return AuthScheme::None;
+        }
+        (None, Some(var)) => match std::env::var(var) {
+            Ok(v) if !v.is_empty() => {
+                from_env = v;
+                Some(from_env.as_str())
+            }
+            _ => {
+                c.err(
+                    &path.key("auth_secret_env"),
+                    format!("environment variable {var} is not set (or empty, or not UTF-8)"),
+                );
+                return AuthScheme::None;
+            }
+        },
+        (secret, None) => secret,
+    };
+    match AuthScheme::from_parts(a.auth_type, secret, a.auth_header, a.auth_prefix, a.auth_tolerance_secs) {
         Ok(s) => s,
         Err((field, message)) => {
             c.err(&path.key(&format!("auth_{field}")), message);
@@ -856,6 +887,21 @@ auth_type = "hmac-sha256"
         assert_eq!(e[0].line, Some(3));
         let e = errors("[http\n");
         assert_eq!(e[0].line, Some(1));
+    }
+
+    #[test]
+    fn secrets_can_come_from_the_environment_and_a_missing_variable_is_named() {
+        let text = "[sources.a]\ndestination = { stream = \"s\", topic = \"t\" }\nauth_type = \"bearer\"\nauth_secret_env = \"IGGY_INGEST_TEST_UNSET_VARIABLE\"\n";
+        let e = errors(text);
+        assert_eq!(e[0].path, "sources.a.auth_secret_env");
+        assert!(e[0].message.contains("IGGY_INGEST_TEST_UNSET_VARIABLE"), "{e:?}");
+        assert_eq!(e[0].line, Some(4));
+        // PATH is set in every test environment.
+        let text = text.replace("IGGY_INGEST_TEST_UNSET_VARIABLE", "PATH");
+        let c = parse(&text, None).unwrap();
+        assert!(validate(&c, Some(&text), None).is_ok());
+        let both = format!("{text}auth_secret = \"x\"\n");
+        assert_eq!(errors(&both)[0].path, "sources.a.auth_secret_env");
     }
 
     #[test]
