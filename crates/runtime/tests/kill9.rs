@@ -58,7 +58,14 @@ async fn every_acknowledged_event_survives_kill_9_in_per_connection_order() {
         let mut d = Daemon::start(dir.path(), "", SOURCES);
         let acked: Acked = Arc::default();
         let clients: Vec<_> = (0..CONNECTIONS).map(|c| tokio::spawn(client(d.http, c, acked.clone()))).collect();
-        let kill_after = Duration::from_millis(rng.gen_range(300..1500));
+        // Wait until traffic flows (a loaded machine may be slow to start), then kill at
+        // a random moment.
+        let flowing = std::time::Instant::now();
+        while acked.lock().unwrap().len() < 20 {
+            assert!(flowing.elapsed() < Duration::from_secs(60), "round {round}: no traffic acknowledged");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let kill_after = Duration::from_millis(rng.gen_range(0..1200));
         tokio::time::sleep(kill_after).await;
         d.kill9();
         for c in clients {
@@ -100,7 +107,7 @@ async fn every_acknowledged_event_survives_kill_9_in_per_connection_order() {
             assert!(seqs.windows(2).all(|w| w[0].1 < w[1].1), "round {round}: connection {c} out of order: {seqs:?}");
         }
         eprintln!(
-            "kill -9 round {round}: killed after {kill_after:?}, {} requests acknowledged, {} records in the log, all present",
+            "kill -9 round {round}: killed {kill_after:?} after traffic started, {} requests acknowledged, {} records in the log, all present",
             acked.len(),
             log.len()
         );
