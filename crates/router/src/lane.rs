@@ -553,6 +553,12 @@ async fn attempt<S: Sink, C>(
     };
     drop(_slot);
     match result {
+        Ok(Some(t)) if *failures > 0 => {
+            // The destination exists, but only a send proves it accepts: the breaker,
+            // the failure count and the status wait for one.
+            lock(&lane.info).topic = Some(t);
+            Attempt::Ensured(t)
+        }
         Ok(info) => {
             let was_open = breaker.state() != BreakerState::Closed;
             breaker.on_success();

@@ -1,0 +1,172 @@
+//! The router and its Iggy sink over Iggy's wire protocol, against the test broker:
+//! the daemon's real `iggy` client, its reconnection and its error mapping, with faults
+//! injected on command.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use e2e::{eventually, record, sim_wal};
+use ingest::envelope::Partitioning;
+use router::iggy_sink::{IggySink, IggySinkConfig, TopicDefaults};
+use router::status::Status;
+use router::{MemoryCursorStore, Router, RouterPolicy};
+use test_broker::{TestBroker, TestBrokerConfig};
+
+fn sink(addr: std::net::SocketAddr, partitions: u32) -> Arc<IggySink> {
+    let config = IggySinkConfig {
+        address: addr.to_string(),
+        reconnection_interval: Duration::from_millis(100),
+        topic_defaults: TopicDefaults { partitions_count: partitions, ..TopicDefaults::default() },
+        ..IggySinkConfig::default()
+    };
+    Arc::new(IggySink::new(&config).expect("sink"))
+}
+
+fn policy() -> RouterPolicy {
+    let mut p = RouterPolicy::default();
+    p.batch.linger = Duration::from_millis(2);
+    p.batch.result_timeout = Duration::from_secs(3);
+    p.batch.backoff_base = Duration::from_millis(50);
+    p.batch.backoff_max = Duration::from_millis(500);
+    p.batch.degraded_after_failures = 3;
+    p.breaker.failure_threshold = 3;
+    p.breaker.cool_down = Duration::from_secs(1);
+    p
+}
+
+fn ids(broker: &TestBroker, s: &str, t: &str) -> Vec<u128> {
+    broker.messages(s, t).iter().map(|m| m.id).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn records_reach_their_topics_with_ids_headers_and_order_and_topics_are_durable() {
+    let broker = TestBroker::start(TestBrokerConfig::default()).await.unwrap();
+    let wal = sim_wal();
+    let topics = ["orders", "users", "audit"];
+    for n in 0..300u64 {
+        wal.append(vec![record("events", topics[(n % 3) as usize], n, Partitioning::Balanced)]).await.unwrap();
+    }
+    let router = Router::start(wal, sink(broker.addr(), 1), Arc::new(MemoryCursorStore::new()), policy()).unwrap();
+    eventually(Duration::from_secs(30), "delivered", || async {
+        topics.iter().all(|t| ids(&broker, "events", t).len() == 100)
+    })
+    .await;
+    for (k, t) in topics.iter().enumerate() {
+        let want: Vec<u128> = (0..100u64).map(|i| u128::from(i * 3 + k as u64) + 1).collect();
+        assert_eq!(ids(&broker, "events", t), want, "{t}");
+        let opts = broker.topic_options("events", t).expect("options");
+        assert_eq!(opts.enforce_fsync, Some(true));
+        assert_eq!(opts.messages_required_to_save, Some(1));
+    }
+    let m = &broker.messages("events", "users")[0];
+    let header = |name: &str| {
+        m.headers.iter().find(|(k, _)| k.as_bytes() == name.as_bytes()).map(|(_, v)| v.as_bytes().to_vec())
+    };
+    assert_eq!(header("x-n"), Some(b"1".to_vec()));
+    assert_eq!(header("iggy-ingest-source"), Some(b"e2e".to_vec()));
+    assert_eq!(header("content-type"), Some(b"application/json".to_vec()));
+    router.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partition_id_lands_in_that_partition() {
+    let broker = TestBroker::start(TestBrokerConfig::default()).await.unwrap();
+    let wal = sim_wal();
+    for n in 0..30u64 {
+        wal.append(vec![record("p", "t", n, Partitioning::PartitionId((n % 3) as u32))]).await.unwrap();
+    }
+    let router = Router::start(wal, sink(broker.addr(), 3), Arc::new(MemoryCursorStore::new()), policy()).unwrap();
+    eventually(Duration::from_secs(30), "delivered", || async { ids(&broker, "p", "t").len() == 30 }).await;
+    for m in broker.messages("p", "t") {
+        assert_eq!(u128::from(m.partition_id), (m.id - 1) % 3, "message {} in the wrong partition", m.id);
+    }
+    router.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_outage_is_held_and_everything_arrives_after_it() {
+    let broker = TestBroker::start(TestBrokerConfig::default()).await.unwrap();
+    let wal = sim_wal();
+    let router =
+        Router::start(wal.clone(), sink(broker.addr(), 1), Arc::new(MemoryCursorStore::new()), policy()).unwrap();
+    wal.append(vec![record("o", "a", 0, Partitioning::Balanced)]).await.unwrap();
+    eventually(Duration::from_secs(20), "warm", || async { ids(&broker, "o", "a").len() == 1 }).await;
+    broker.stop().await;
+    for n in 1..500u64 {
+        wal.append(vec![record("o", if n % 2 == 0 { "a" } else { "b" }, n, Partitioning::Balanced)]).await.unwrap();
+    }
+    eventually(Duration::from_secs(30), "degraded", || async { router.status().status == Status::Degraded }).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(router.released_below(), 1, "log released during the outage");
+    broker.restart().await.unwrap();
+    eventually(Duration::from_secs(60), "drained", || async {
+        ids(&broker, "o", "a").iter().collect::<BTreeSet<_>>().len() == 250
+            && ids(&broker, "o", "b").iter().collect::<BTreeSet<_>>().len() == 250
+    })
+    .await;
+    // At least once: duplicates may only repeat an id already sent, never reorder.
+    for (t, parity) in [("a", 0u64), ("b", 1)] {
+        let got = ids(&broker, "o", t);
+        let mut dedup: Vec<u128> = Vec::new();
+        for id in got {
+            if !dedup.contains(&id) {
+                dedup.push(id);
+            }
+        }
+        let want: Vec<u128> = (0..500u64).filter(|n| n % 2 == parity).map(|n| u128::from(n) + 1).collect();
+        assert_eq!(dedup, want, "topic {t}");
+    }
+    eventually(Duration::from_secs(20), "running", || async { router.status().status == Status::Running }).await;
+    eventually(Duration::from_secs(20), "released", || async { router.released_below() == 500 }).await;
+    router.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_topic_opens_its_breaker_while_the_others_flow() {
+    let broker = TestBroker::start(TestBrokerConfig::default()).await.unwrap();
+    let wal = sim_wal();
+    let router =
+        Router::start(wal.clone(), sink(broker.addr(), 1), Arc::new(MemoryCursorStore::new()), policy()).unwrap();
+    wal.append(vec![record("f", "bad", 0, Partitioning::Balanced)]).await.unwrap();
+    eventually(Duration::from_secs(20), "warm", || async { ids(&broker, "f", "bad").len() == 1 }).await;
+    broker.fail_topic("f", "bad", Some(iggy::prelude::IggyError::Error));
+    for n in 1..401u64 {
+        wal.append(vec![record("f", if n % 2 == 0 { "bad" } else { "good" }, n, Partitioning::Balanced)])
+            .await
+            .unwrap();
+    }
+    eventually(Duration::from_secs(30), "good delivered", || async { ids(&broker, "f", "good").len() == 200 }).await;
+    eventually(Duration::from_secs(30), "breaker open", || async {
+        router.destinations().iter().any(|d| d.destination.topic == "bad" && d.breaker == "open")
+    })
+    .await;
+    assert_eq!(ids(&broker, "f", "bad").len(), 1);
+    broker.fail_topic("f", "bad", None);
+    eventually(Duration::from_secs(30), "bad delivered", || async { ids(&broker, "f", "bad").len() == 201 }).await;
+    let want: Vec<u128> = (0..401u64).filter(|n| n % 2 == 0).map(|n| u128::from(n) + 1).collect();
+    assert_eq!(ids(&broker, "f", "bad"), want);
+    router.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_router_starts_while_the_broker_is_unreachable_and_delivers_once_it_appears() {
+    // Find a free port, then leave it empty.
+    let probe = TestBroker::start(TestBrokerConfig::default()).await.unwrap();
+    let addr = probe.addr();
+    probe.stop().await;
+    drop(probe);
+    let wal = sim_wal();
+    let router = Router::start(wal.clone(), sink(addr, 1), Arc::new(MemoryCursorStore::new()), policy()).unwrap();
+    for n in 0..50u64 {
+        wal.append(vec![record("late", "t", n, Partitioning::Balanced)]).await.unwrap();
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(router.released_below(), 0);
+    let broker = TestBroker::start_at(TestBrokerConfig::default(), addr).await.unwrap();
+    eventually(Duration::from_secs(30), "delivered", || async {
+        ids(&broker, "late", "t").iter().collect::<BTreeSet<_>>().len() == 50
+    })
+    .await;
+    router.shutdown().await;
+}
