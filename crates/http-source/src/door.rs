@@ -155,7 +155,12 @@ async fn get_handshake(
     match query.get(param) {
         Some(challenge) => {
             count(&endpoint.source_key, "2xx", "handshake");
-            ([(header::CONTENT_TYPE, "text/plain; charset=utf-8")], challenge.clone()).into_response()
+            // The echo is attacker-chosen text: never let a browser sniff it into HTML.
+            (
+                [(header::CONTENT_TYPE, "text/plain; charset=utf-8"), (header::X_CONTENT_TYPE_OPTIONS, "nosniff")],
+                challenge.clone(),
+            )
+                .into_response()
         }
         None => {
             count(&endpoint.source_key, "4xx", "handshake_missing_param");

@@ -165,6 +165,7 @@ async fn status_codes_bodies_and_records() {
     // GET handshake echo on a secret-path endpoint, then an event through it.
     let a = request(h, "GET", "/v1/e/0123456789abcdef0123456789abcdef?challenge=abc123", &[], "").await;
     assert_eq!((a.status, &a.body[..]), (200, &b"abc123"[..]));
+    assert_eq!(a.header("x-content-type-options"), Some("nosniff"));
     assert_error(&request(h, "GET", "/v1/e/0123456789abcdef0123456789abcdef", &[], "").await, 400, "missing_challenge");
     let a = post_json(h, "/v1/e/0123456789abcdef0123456789abcdef", r#"{"via":"endpoint"}"#).await;
     assert_eq!(a.status, 200);

@@ -134,6 +134,26 @@ async fn sigterm_drains_health_first_finishes_in_flight_and_closes_the_log() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_signal_cuts_the_drain_short() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = config_text_with_shutdown(dir.path(), "", "drain_delay_ms = 60000", SOURCES);
+    let mut d = Daemon::start_text(dir.path(), &text);
+    assert_eq!(post_json(d.http, "/v1/sources/default", "{}").await.status, 200);
+    d.signal(libc::SIGTERM);
+    // Draining (the drain delay would hold it for a minute)...
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while request(d.http, "GET", "/health", &[], "").await.status != 503 {
+        assert!(Instant::now() < deadline, "health never went 503");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // ...until a second signal.
+    d.signal(libc::SIGINT);
+    let status = d.wait_exit(Duration::from_secs(30));
+    assert_eq!(status.code(), Some(130));
+    assert_eq!(log_len(&dir.path().join("data/wal")), 1, "what was acknowledged is in the log");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_log_answers_503_appends_nothing_and_recovers_after_release() {
     let dir = tempfile::tempdir().unwrap();
     let rest = format!("[wal]\nsegment_max_bytes = 65536\nmax_bytes = 131072\nrecord_max_bytes = 16384\n{SOURCES}");
