@@ -9,7 +9,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use e2e::{client, eventually, read_back, record, sim_wal};
 use ingest::envelope::Partitioning;
 use router::iggy_sink::{IggySink, IggySinkConfig, TopicDefaults};
-use router::{MemoryCursorStore, Router, RouterPolicy};
+use router::{MemoryCursorStore, Policies, Router, RouterPolicy};
 
 fn live_addr(test: &str) -> Option<String> {
     match std::env::var("IGGY_TEST_ADDR") {
@@ -40,7 +40,7 @@ fn router_for(addr: &str, partitions: u32, wal: Arc<wal::Wal>) -> Router {
     let sink = Arc::new(IggySink::new(&config).expect("sink"));
     let mut policy = RouterPolicy::default();
     policy.batch.linger = Duration::from_millis(2);
-    Router::start(wal, sink, Arc::new(MemoryCursorStore::new()), policy).expect("router")
+    Router::start(wal, sink, Arc::new(MemoryCursorStore::new()), Policies::uniform(policy)).expect("router")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

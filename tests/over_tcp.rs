@@ -10,7 +10,7 @@ use e2e::{eventually, record, sim_wal};
 use ingest::envelope::Partitioning;
 use router::iggy_sink::{IggySink, IggySinkConfig, TopicDefaults};
 use router::status::Status;
-use router::{MemoryCursorStore, Router, RouterPolicy};
+use router::{MemoryCursorStore, Policies, Router, RouterPolicy};
 use test_broker::{TestBroker, TestBrokerConfig};
 
 fn sink(addr: std::net::SocketAddr, partitions: u32) -> Arc<IggySink> {
@@ -47,7 +47,9 @@ async fn records_reach_their_topics_with_ids_headers_and_order_and_topics_are_du
     for n in 0..300u64 {
         wal.append(vec![record("events", topics[(n % 3) as usize], n, Partitioning::Balanced)]).await.unwrap();
     }
-    let router = Router::start(wal, sink(broker.addr(), 1), Arc::new(MemoryCursorStore::new()), policy()).unwrap();
+    let router =
+        Router::start(wal, sink(broker.addr(), 1), Arc::new(MemoryCursorStore::new()), Policies::uniform(policy()))
+            .unwrap();
     eventually(Duration::from_secs(30), "delivered", || async {
         topics.iter().all(|t| ids(&broker, "events", t).len() == 100)
     })
@@ -76,7 +78,9 @@ async fn a_partition_id_lands_in_that_partition() {
     for n in 0..30u64 {
         wal.append(vec![record("p", "t", n, Partitioning::PartitionId((n % 3) as u32))]).await.unwrap();
     }
-    let router = Router::start(wal, sink(broker.addr(), 3), Arc::new(MemoryCursorStore::new()), policy()).unwrap();
+    let router =
+        Router::start(wal, sink(broker.addr(), 3), Arc::new(MemoryCursorStore::new()), Policies::uniform(policy()))
+            .unwrap();
     eventually(Duration::from_secs(30), "delivered", || async { ids(&broker, "p", "t").len() == 30 }).await;
     for m in broker.messages("p", "t") {
         assert_eq!(u128::from(m.partition_id), (m.id - 1) % 3, "message {} in the wrong partition", m.id);
@@ -88,8 +92,13 @@ async fn a_partition_id_lands_in_that_partition() {
 async fn a_broker_outage_is_held_and_everything_arrives_after_it() {
     let broker = TestBroker::start(TestBrokerConfig::default()).await.unwrap();
     let wal = sim_wal();
-    let router =
-        Router::start(wal.clone(), sink(broker.addr(), 1), Arc::new(MemoryCursorStore::new()), policy()).unwrap();
+    let router = Router::start(
+        wal.clone(),
+        sink(broker.addr(), 1),
+        Arc::new(MemoryCursorStore::new()),
+        Policies::uniform(policy()),
+    )
+    .unwrap();
     wal.append(vec![record("o", "a", 0, Partitioning::Balanced)]).await.unwrap();
     eventually(Duration::from_secs(20), "warm", || async { ids(&broker, "o", "a").len() == 1 }).await;
     broker.stop().await;
@@ -126,8 +135,13 @@ async fn a_broker_outage_is_held_and_everything_arrives_after_it() {
 async fn a_failing_topic_opens_its_breaker_while_the_others_flow() {
     let broker = TestBroker::start(TestBrokerConfig::default()).await.unwrap();
     let wal = sim_wal();
-    let router =
-        Router::start(wal.clone(), sink(broker.addr(), 1), Arc::new(MemoryCursorStore::new()), policy()).unwrap();
+    let router = Router::start(
+        wal.clone(),
+        sink(broker.addr(), 1),
+        Arc::new(MemoryCursorStore::new()),
+        Policies::uniform(policy()),
+    )
+    .unwrap();
     wal.append(vec![record("f", "bad", 0, Partitioning::Balanced)]).await.unwrap();
     eventually(Duration::from_secs(20), "warm", || async { ids(&broker, "f", "bad").len() == 1 }).await;
     broker.fail_topic("f", "bad", Some(iggy::prelude::IggyError::Error));
@@ -157,7 +171,9 @@ async fn the_router_starts_while_the_broker_is_unreachable_and_delivers_once_it_
     probe.stop().await;
     drop(probe);
     let wal = sim_wal();
-    let router = Router::start(wal.clone(), sink(addr, 1), Arc::new(MemoryCursorStore::new()), policy()).unwrap();
+    let router =
+        Router::start(wal.clone(), sink(addr, 1), Arc::new(MemoryCursorStore::new()), Policies::uniform(policy()))
+            .unwrap();
     for n in 0..50u64 {
         wal.append(vec![record("late", "t", n, Partitioning::Balanced)]).await.unwrap();
     }

@@ -1,5 +1,6 @@
 //! The dispatcher: reads the log once, in order, and hands each record to the lane of
-//! its destination (creating lanes within the cap), applying admission at run time.
+//! its (source, destination), creating lanes within the source's cap and applying
+//! admission at run time.
 //!
 //! Invariants:
 //! - A record is handed to its lane (or disposed of by policy, or held) *before*
@@ -7,8 +8,8 @@
 //!   first and the lanes second, never releases a record that is still owed.
 //! - The dispatcher never waits for a lane: a full lane overflows and re-reads from the
 //!   log, so one stuck destination cannot stall the others.
-//! - Once the number of admitted destinations reaches the cap, the admitted set never
-//!   changes while running, so "rejected for cap" is a stable property of a record (the
+//! - Once a source's admitted destinations reach its cap, its admitted set never changes
+//!   while running, so "rejected for cap" is a stable property of a record (the
 //!   dead-letter lane re-reading the log decides it the same way).
 
 use std::collections::{HashMap, HashSet};
@@ -16,15 +17,15 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 
 use ingest::envelope::Envelope;
-use tokio::sync::watch;
+use tokio::sync::{Semaphore, watch};
 use wal::{Record, Wal};
 
 use crate::cursors::CursorStore;
-use crate::lane::{self, Lane, LaneContext, Routed};
-use crate::policy::{OnAdmissionFailure, RouterPolicy};
-use crate::sink::{DestinationKey, Sink};
+use crate::lane::{self, Lane, LaneContext, Routed, SourceShare};
+use crate::policy::{OnAdmissionFailure, Policies};
+use crate::sink::{DestinationKey, LaneKey, Sink};
 
-/// The set of destinations with a lane, shared with the lanes' re-read filter.
+/// The destinations a source has lanes for, shared with its lanes' re-read filter.
 #[derive(Debug, Default)]
 pub(crate) struct Admitted {
     pub keys: RwLock<HashSet<DestinationKey>>,
@@ -38,17 +39,25 @@ impl Admitted {
     }
 }
 
+/// Everything the dispatcher keeps per source.
+pub(crate) struct SourceRoute {
+    pub share: SourceShare,
+    pub admitted: Arc<Admitted>,
+    pub dead_letter_lane: Option<Arc<Lane>>,
+}
+
+pub(crate) type Lanes = Arc<RwLock<HashMap<LaneKey, Arc<Lane>>>>;
+
 pub(crate) struct Dispatcher<S, C> {
     pub wal: Arc<Wal>,
-    pub policy: Arc<RouterPolicy>,
-    pub lanes: Arc<RwLock<HashMap<DestinationKey, Arc<Lane>>>>,
-    pub admitted: Arc<Admitted>,
-    pub cursors_at_start: HashMap<DestinationKey, u64>,
+    pub policies: Arc<Policies>,
+    pub lanes: Lanes,
+    pub sources: HashMap<String, SourceRoute>,
+    pub cursors_at_start: HashMap<LaneKey, u64>,
     pub ctx: LaneContext<S, C>,
     /// The lowest offset held because it could not be admitted (`on_admission_failure =
-    /// error`), pinning the log below it.
+    /// error`, or a record this build cannot decode), pinning the log below it.
     pub held_from: Arc<AtomicU64>,
-    pub dead_letter_lane: Option<Arc<Lane>>,
 }
 
 impl<S: Sink, C: CursorStore> Dispatcher<S, C> {
@@ -60,7 +69,7 @@ impl<S: Sink, C: CursorStore> Dispatcher<S, C> {
                 return;
             }
         };
-        let (max_records, max_bytes) = (self.policy.read_batch_max_records, self.policy.read_batch_max_bytes);
+        let (max_records, max_bytes) = (self.policies.read_batch_max_records, self.policies.read_batch_max_bytes);
         loop {
             let batch = tokio::select! {
                 r = reader.read(max_records, max_bytes) => r,
@@ -73,7 +82,7 @@ impl<S: Sink, C: CursorStore> Dispatcher<S, C> {
                     tracing::error!(error = %e, "router cannot read the log; retrying");
                     self.ctx.router_status.set_error(&e.to_string());
                     tokio::select! {
-                        _ = tokio::time::sleep(self.policy.batch.backoff_max) => {}
+                        _ = tokio::time::sleep(self.policies.default.batch.backoff_max) => {}
                         _ = shutdown.changed() => return,
                     }
                     match self.wal.reader(reader.position()) {
@@ -98,77 +107,133 @@ impl<S: Sink, C: CursorStore> Dispatcher<S, C> {
             Err(e) => {
                 // Not a record this build can route: hold it (and the log below it) and say so.
                 tracing::error!(offset = rec.offset, error = %e, "undecodable record held in the log");
-                metrics::counter!("iggy_connector_destinations_rejected_total", "reason" => "malformed").increment(1);
+                metrics::counter!("iggy_connector_destinations_rejected_total", "connector_key" => "unknown", "reason" => "malformed")
+                    .increment(1);
                 self.held_from.fetch_min(rec.offset, Ordering::AcqRel);
                 return;
             }
         };
         let d = &envelope.header.destination;
-        let key = DestinationKey::new(d.stream.clone(), d.topic.clone());
-        let lane = match self.lane_for(&key) {
-            Some(l) => l,
-            None => {
-                self.reject_for_cap(rec.offset, envelope);
-                return;
-            }
+        let key = LaneKey {
+            source: envelope.header.source_key.clone(),
+            destination: DestinationKey::new(d.stream.clone(), d.topic.clone()),
         };
-        lane.offer(
-            Routed { offset: rec.offset, envelope, dead_letter_reason: None },
-            self.policy.lane_queue_max_records,
-        );
+        match self.lane_for(&key) {
+            Some((lane, queue_max)) => {
+                lane.offer(Routed { offset: rec.offset, envelope, dead_letter_reason: None }, queue_max)
+            }
+            None => self.reject_for_cap(&key, rec.offset, envelope),
+        }
     }
 
-    fn lane_for(&mut self, key: &DestinationKey) -> Option<Arc<Lane>> {
-        if let Some(l) = self.lanes.read().unwrap_or_else(|p| p.into_inner()).get(key) {
-            return Some(l.clone());
+    fn source(&mut self, source: &str) -> &SourceRoute {
+        if !self.sources.contains_key(source) {
+            let route = new_source_route(source, &self.policies, &self.cursors_at_start, &self.ctx, &self.lanes);
+            self.sources.insert(source.to_string(), route);
         }
-        if let Some(dl) = &self.dead_letter_lane
-            && &dl.key == key
+        &self.sources[source]
+    }
+
+    fn lane_for(&mut self, key: &LaneKey) -> Option<(Arc<Lane>, usize)> {
+        let existing = self.lanes.read().unwrap_or_else(|p| p.into_inner()).get(key).cloned();
+        let route = self.source(&key.source);
+        let queue_max = route.share.policy.lane_queue_max_records;
+        if let Some(l) = existing {
+            return Some((l, queue_max));
+        }
+        if let Some(dl) = &route.dead_letter_lane
+            && dl.key == *key
         {
-            return Some(dl.clone());
+            return Some((dl.clone(), queue_max));
         }
         {
-            let mut admitted = self.admitted.keys.write().unwrap_or_else(|p| p.into_inner());
-            if admitted.len() >= self.admitted.max {
+            let mut admitted = route.admitted.keys.write().unwrap_or_else(|p| p.into_inner());
+            if admitted.len() >= route.admitted.max {
                 return None;
             }
-            admitted.insert(key.clone());
+            admitted.insert(key.destination.clone());
         }
+        let share = route.share.clone();
         let delivered_below = self.cursors_at_start.get(key).copied().unwrap_or(0);
-        let lane = Arc::new(Lane::new(key.clone(), delivered_below, false));
-        self.lanes.write().unwrap_or_else(|p| p.into_inner()).insert(key.clone(), lane.clone());
-        let n = self.lanes.read().unwrap_or_else(|p| p.into_inner()).len();
+        let lane = Arc::new(Lane::new(key.clone(), delivered_below, false, &share));
+        let n = {
+            let mut lanes = self.lanes.write().unwrap_or_else(|p| p.into_inner());
+            lanes.insert(key.clone(), lane.clone());
+            lanes.len()
+        };
         metrics::gauge!("iggy_connector_destinations_active").set(n as f64);
         tokio::spawn(lane::run(lane.clone(), self.ctx.clone()));
-        Some(lane)
+        Some((lane, queue_max))
     }
 
-    fn reject_for_cap(&mut self, offset: u64, envelope: Envelope) {
-        metrics::counter!("iggy_connector_destinations_rejected_total", "reason" => "cap").increment(1);
-        match self.policy.on_admission_failure {
+    fn reject_for_cap(&mut self, key: &LaneKey, offset: u64, envelope: Envelope) {
+        let route = self.source(&key.source);
+        let policy = route.share.policy.clone();
+        let dead_letter_lane = route.dead_letter_lane.clone();
+        let max = route.admitted.max;
+        let connector = key.source.clone();
+        metrics::counter!("iggy_connector_destinations_rejected_total", "connector_key" => connector.clone(), "reason" => "cap")
+            .increment(1);
+        match policy.on_admission_failure {
             OnAdmissionFailure::Error => {
                 let before = self.held_from.fetch_min(offset, Ordering::AcqRel);
                 if before == u64::MAX {
-                    tracing::error!(
-                        offset,
-                        max_destinations = self.admitted.max,
-                        "destination cap reached: records held in the log"
-                    );
+                    tracing::error!(offset, source = %key.source, max_destinations = max, "destination cap reached: records held in the log");
                 }
             }
             OnAdmissionFailure::Drop => {
-                metrics::counter!("iggy_connector_messages_dropped_total", "reason" => "cap").increment(1);
-                tracing::warn!(offset, "destination cap reached: record dropped, as configured");
+                metrics::counter!("iggy_connector_messages_dropped_total", "connector_key" => connector, "reason" => "cap")
+                    .increment(1);
+                tracing::warn!(offset, source = %key.source, "destination cap reached: record dropped, as configured");
             }
-            OnAdmissionFailure::DeadLetter => match &self.dead_letter_lane {
-                Some(dl) => dl.offer(
-                    Routed { offset, envelope, dead_letter_reason: Some("cap") },
-                    self.policy.lane_queue_max_records,
-                ),
+            OnAdmissionFailure::DeadLetter => match dead_letter_lane {
+                Some(dl) => dl
+                    .offer(Routed { offset, envelope, dead_letter_reason: Some("cap") }, policy.lane_queue_max_records),
                 None => {
                     self.held_from.fetch_min(offset, Ordering::AcqRel);
                 }
             },
         }
     }
+}
+
+/// A source's policy, admitted set, send slots, re-read filter and dead-letter lane.
+pub(crate) fn new_source_route<S: Sink, C: CursorStore>(
+    source: &str,
+    policies: &Policies,
+    cursors_at_start: &HashMap<LaneKey, u64>,
+    ctx: &LaneContext<S, C>,
+    lanes: &Lanes,
+) -> SourceRoute {
+    let policy = policies.for_source(source);
+    let admitted = Arc::new(Admitted { keys: RwLock::default(), max: policy.max_destinations });
+    let dead_letter = policy.dead_letter.clone();
+    let dl_on_reject = policy.on_admission_failure == OnAdmissionFailure::DeadLetter;
+    let belongs = {
+        let admitted = admitted.clone();
+        let dead_letter = dead_letter.clone();
+        Arc::new(move |lane: &LaneKey, e: &Envelope| {
+            if lane.source != e.header.source_key {
+                return None;
+            }
+            let d = &e.header.destination;
+            let own = lane.destination.stream == d.stream && lane.destination.topic == d.topic;
+            if Some(&lane.destination) == dead_letter.as_ref() && !own {
+                let key = DestinationKey::new(d.stream.clone(), d.topic.clone());
+                return (dl_on_reject && admitted.is_rejected_for_cap(&key)).then_some(Some("cap"));
+            }
+            own.then_some(None)
+        })
+    };
+    let share =
+        SourceShare { send_slots: Arc::new(Semaphore::new(policy.max_concurrent_destinations)), policy, belongs };
+    let dead_letter_lane = dead_letter.map(|destination| {
+        let key = LaneKey { source: source.to_string(), destination };
+        let below = cursors_at_start.get(&key).copied().unwrap_or(0);
+        let lane = Arc::new(Lane::new(key.clone(), below, true, &share));
+        lanes.write().unwrap_or_else(|p| p.into_inner()).insert(key, lane.clone());
+        tokio::spawn(lane::run(lane.clone(), ctx.clone()));
+        lane
+    });
+    SourceRoute { share, admitted, dead_letter_lane }
 }

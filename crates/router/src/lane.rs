@@ -29,7 +29,7 @@ use wal::{Record, Wal};
 use crate::breaker::{Breaker, BreakerState};
 use crate::cursors::CursorStore;
 use crate::policy::{OnAdmissionFailure, RouterPolicy};
-use crate::sink::{DestinationKey, OutMessage, SendError, SendErrorKind, Sink, TopicInfo};
+use crate::sink::{DestinationKey, LaneKey, OutMessage, SendError, SendErrorKind, Sink, TopicInfo};
 use crate::status::{Status, StatusCell};
 
 /// A record with its decoded envelope.
@@ -69,6 +69,8 @@ impl Gate {
 /// What the admin API shows of a lane.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LaneSnapshot {
+    /// The source (connector) whose records this lane delivers.
+    pub source: String,
     pub destination: DestinationKey,
     pub status: Status,
     pub breaker: &'static str,
@@ -99,10 +101,15 @@ struct Info {
     out_of_range_counted: Option<u64>,
 }
 
-#[derive(Debug)]
 pub(crate) struct Lane {
-    pub key: DestinationKey,
+    pub key: LaneKey,
     pub is_dead_letter: bool,
+    /// The policy of the lane's source.
+    pub policy: Arc<RouterPolicy>,
+    /// The source's limit on sends in flight.
+    pub send_slots: Arc<Semaphore>,
+    /// Which records read back from the log are this lane's.
+    pub belongs: Arc<BelongsFn>,
     gate: Mutex<Gate>,
     wake: Notify,
     pub delivered_below: AtomicU64,
@@ -114,18 +121,39 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+impl std::fmt::Debug for Lane {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Lane").field("key", &self.key).finish_non_exhaustive()
+    }
+}
+
+/// What a source's lanes share.
+#[derive(Clone)]
+pub(crate) struct SourceShare {
+    pub policy: Arc<RouterPolicy>,
+    pub send_slots: Arc<Semaphore>,
+    pub belongs: Arc<BelongsFn>,
+}
+
 impl Lane {
-    pub(crate) fn new(key: DestinationKey, delivered_below: u64, is_dead_letter: bool) -> Lane {
+    pub(crate) fn new(key: LaneKey, delivered_below: u64, is_dead_letter: bool, share: &SourceShare) -> Lane {
         let status = StatusCell::new("destinations", key.to_string());
         Lane {
             key,
             is_dead_letter,
+            policy: share.policy.clone(),
+            send_slots: share.send_slots.clone(),
+            belongs: share.belongs.clone(),
             gate: Mutex::new(Gate::default()),
             wake: Notify::new(),
             delivered_below: AtomicU64::new(delivered_below),
             status,
             info: Mutex::new(Info::default()),
         }
+    }
+
+    pub(crate) fn dest(&self) -> &DestinationKey {
+        &self.key.destination
     }
 
     pub(crate) fn gate(&self) -> MutexGuard<'_, Gate> {
@@ -160,7 +188,8 @@ impl Lane {
         let i = lock(&self.info);
         let now_ms = ingest_time_ms();
         LaneSnapshot {
-            destination: self.key.clone(),
+            source: self.key.source.clone(),
+            destination: self.key.destination.clone(),
             status: self.status.get(),
             breaker: i.breaker.map_or("closed", |b| b.as_str()),
             delivered_below: self.delivered_below.load(Ordering::Acquire),
@@ -184,19 +213,15 @@ fn ingest_time_ms() -> u64 {
 
 /// Decides whether a record read back from the log belongs to a lane: `None` if not,
 /// `Some(reason)` if it does (with the dead-letter reason when it is there by rejection).
-pub(crate) type BelongsFn = dyn Fn(&DestinationKey, &Envelope) -> Option<Option<&'static str>> + Send + Sync;
+pub(crate) type BelongsFn = dyn Fn(&LaneKey, &Envelope) -> Option<Option<&'static str>> + Send + Sync;
 
 /// Everything a lane task needs besides its lane.
 pub(crate) struct LaneContext<S, C> {
     pub wal: Arc<Wal>,
     pub sink: Arc<S>,
     pub cursors: Arc<C>,
-    pub policy: Arc<RouterPolicy>,
-    pub send_slots: Arc<Semaphore>,
     /// The dispatcher has routed every record below this offset.
     pub processed_below: Arc<AtomicU64>,
-    /// Decides whether a record read back from the log belongs to a lane.
-    pub belongs: Arc<BelongsFn>,
     /// Woken after every delivery, so the log can be released.
     pub delivered: Arc<Notify>,
     pub shutdown: watch::Receiver<bool>,
@@ -210,10 +235,7 @@ impl<S, C> Clone for LaneContext<S, C> {
             wal: self.wal.clone(),
             sink: self.sink.clone(),
             cursors: self.cursors.clone(),
-            policy: self.policy.clone(),
-            send_slots: self.send_slots.clone(),
             processed_below: self.processed_below.clone(),
-            belongs: self.belongs.clone(),
             delivered: self.delivered.clone(),
             shutdown: self.shutdown.clone(),
             router_status: self.router_status.clone(),
@@ -231,7 +253,7 @@ enum Delivery {
 
 pub(crate) async fn run<S: Sink, C: CursorStore>(lane: Arc<Lane>, mut ctx: LaneContext<S, C>) {
     lane.status.set(Status::Running, "lane started");
-    let mut breaker = Breaker::new(ctx.policy.breaker.clone());
+    let mut breaker = Breaker::new(lane.policy.breaker.clone());
     let mut catchup: Option<wal::Reader> = None;
     loop {
         if *ctx.shutdown.borrow() {
@@ -245,7 +267,7 @@ pub(crate) async fn run<S: Sink, C: CursorStore>(lane: Arc<Lane>, mut ctx: LaneC
                 lane.status.set(Status::Error, "cannot read the log");
                 lane.status.record_error(&e.to_string());
                 tracing::error!(destination = %lane.key, error = %e, "lane cannot read the log");
-                if sleep_or_shutdown(&mut ctx.shutdown, ctx.policy.batch.backoff_max).await {
+                if sleep_or_shutdown(&mut ctx.shutdown, lane.policy.batch.backoff_max).await {
                     break;
                 }
                 continue;
@@ -267,7 +289,7 @@ pub(crate) async fn run<S: Sink, C: CursorStore>(lane: Arc<Lane>, mut ctx: LaneC
                 Err(e) => {
                     failures += 1;
                     tracing::error!(destination = %lane.key, error = %e, "storing the cursor failed; retrying");
-                    if sleep_or_shutdown(&mut ctx.shutdown, ctx.policy.backoff(failures)).await {
+                    if sleep_or_shutdown(&mut ctx.shutdown, lane.policy.backoff(failures)).await {
                         lane.status.set(Status::Stopped, "shutdown");
                         return;
                     }
@@ -309,14 +331,14 @@ async fn next_batch<S, C>(
     ctx: &mut LaneContext<S, C>,
     catchup: &mut Option<wal::Reader>,
 ) -> wal::Result<Option<Vec<Routed>>> {
-    let max_records = ctx.policy.batch.batch_max_records;
-    let max_bytes = ctx.policy.batch.batch_max_bytes;
+    let max_records = lane.policy.batch.batch_max_records;
+    let max_bytes = lane.policy.batch.batch_max_bytes;
     let queued = {
         let mut g = lane.gate();
         if g.queue.is_empty() { Err(g.overflow_from) } else { Ok(take_from_queue(&mut g, max_records, max_bytes)) }
     };
     let overflow_from = match queued {
-        Ok(batch) => return Ok(Some(linger(lane, ctx, batch).await)),
+        Ok(batch) => return Ok(Some(linger(lane, batch).await)),
         Err(overflow_from) => overflow_from,
     };
     let Some(from) = overflow_from else {
@@ -341,7 +363,7 @@ async fn next_batch<S, C>(
             break;
         }
         for rec in records {
-            if let Some(routed) = own_record(lane, ctx, rec) {
+            if let Some(routed) = own_record(lane, rec) {
                 bytes += routed.envelope.payload.len();
                 batch.push(routed);
             }
@@ -380,12 +402,12 @@ async fn next_batch<S, C>(
     }
 }
 
-fn own_record<S, C>(lane: &Lane, ctx: &LaneContext<S, C>, rec: Record) -> Option<Routed> {
+fn own_record(lane: &Lane, rec: Record) -> Option<Routed> {
     if rec.offset < lane.delivered_below.load(Ordering::Acquire) {
         return None;
     }
     let envelope = Envelope::decode(&rec.payload).ok()?;
-    let reason = (ctx.belongs)(&lane.key, &envelope)?;
+    let reason = (lane.belongs)(&lane.key, &envelope)?;
     Some(Routed { offset: rec.offset, envelope, dead_letter_reason: reason })
 }
 
@@ -409,16 +431,16 @@ fn take_from_queue(g: &mut Gate, max_records: usize, max_bytes: usize) -> Vec<Ro
 }
 
 /// Waits up to `linger` for a short batch to fill, once.
-async fn linger<S, C>(lane: &Lane, ctx: &LaneContext<S, C>, mut batch: Vec<Routed>) -> Vec<Routed> {
-    let max = ctx.policy.batch.batch_max_records;
-    if batch.len() >= max || ctx.policy.batch.linger.is_zero() {
+async fn linger(lane: &Lane, mut batch: Vec<Routed>) -> Vec<Routed> {
+    let max = lane.policy.batch.batch_max_records;
+    if batch.len() >= max || lane.policy.batch.linger.is_zero() {
         return batch;
     }
-    tokio::time::sleep(ctx.policy.batch.linger).await;
+    tokio::time::sleep(lane.policy.batch.linger).await;
     let mut g = lane.gate();
     let bytes: usize = batch.iter().map(|r| r.envelope.payload.len()).sum();
     let more =
-        take_from_queue(&mut g, max - batch.len(), ctx.policy.batch.batch_max_bytes.saturating_sub(bytes).max(1));
+        take_from_queue(&mut g, max - batch.len(), lane.policy.batch.batch_max_bytes.saturating_sub(bytes).max(1));
     batch.extend(more);
     batch
 }
@@ -487,10 +509,8 @@ async fn deliver<S: Sink, C>(
         let messages: Vec<OutMessage> = batch[i..end].iter().map(out_message).collect();
         match attempt(lane, ctx, breaker, &mut failures, Some((&partitioning, messages)), &mut shutdown).await {
             Attempt::Sent => {
-                for r in &batch[i..end] {
-                    metrics::counter!("iggy_connector_messages_routed_total", "connector_key" => r.envelope.header.source_key.clone())
-                        .increment(1);
-                }
+                metrics::counter!("iggy_connector_messages_routed_total", "connector_key" => lane.key.source.clone())
+                    .increment((end - i) as u64);
                 lock(&lane.info).sent_records += (end - i) as u64;
                 i = end;
             }
@@ -528,12 +548,12 @@ async fn attempt<S: Sink, C>(
     if !wait.is_zero() {
         return Attempt::Retry;
     }
-    let Ok(_slot) = ctx.send_slots.acquire().await else { return Attempt::ShuttingDown };
-    let timeout = ctx.policy.batch.result_timeout;
+    let Ok(_slot) = lane.send_slots.acquire().await else { return Attempt::ShuttingDown };
+    let timeout = lane.policy.batch.result_timeout;
     let result: Result<Option<TopicInfo>, SendError> = match send {
         None => {
             let started = std::time::Instant::now();
-            let r = tokio::time::timeout(timeout, ctx.sink.ensure(&lane.key)).await;
+            let r = tokio::time::timeout(timeout, ctx.sink.ensure(lane.dest())).await;
             metrics::histogram!("iggy_connector_destination_create_latency_seconds")
                 .record(started.elapsed().as_secs_f64());
             match r {
@@ -543,7 +563,7 @@ async fn attempt<S: Sink, C>(
         }
         Some((partitioning, messages)) => {
             let started = std::time::Instant::now();
-            let r = tokio::time::timeout(timeout, ctx.sink.send(&lane.key, partitioning, messages)).await;
+            let r = tokio::time::timeout(timeout, ctx.sink.send(lane.dest(), partitioning, messages)).await;
             metrics::histogram!("iggy_connector_send_latency_seconds").record(started.elapsed().as_secs_f64());
             match r {
                 Ok(r) => r.map(|()| None),
@@ -607,12 +627,12 @@ async fn attempt<S: Sink, C>(
             }
             lane.status.record_error(&e.to_string());
             metrics::counter!("iggy_connector_send_failures_total", "reason" => e.kind.as_str()).increment(1);
-            if *failures >= ctx.policy.batch.degraded_after_failures {
+            if *failures >= lane.policy.batch.degraded_after_failures {
                 lane.status.set(Status::Degraded, &format!("{failures} consecutive failures, last: {e}"));
                 ctx.router_status.lane_degraded(&lane.key);
             }
             tracing::debug!(destination = %lane.key, error = %e, failures = *failures, "send failed; holding and retrying");
-            if sleep_or_shutdown(shutdown, ctx.policy.backoff(*failures)).await {
+            if sleep_or_shutdown(shutdown, lane.policy.backoff(*failures)).await {
                 return Attempt::ShuttingDown;
             }
             Attempt::Retry
@@ -632,10 +652,10 @@ async fn out_of_range<S: Sink, C>(
     let n = records.len() as u64;
     let first = records.first().map(|r| r.offset);
     let counted_before = std::mem::replace(&mut lock(&lane.info).out_of_range_counted, first) == first;
-    if counted_before && ctx.policy.on_admission_failure == OnAdmissionFailure::Error {
+    if counted_before && lane.policy.on_admission_failure == OnAdmissionFailure::Error {
         // Still held: asked again after a cool-down, counted once.
         lock(&lane.info).topic = None;
-        return if sleep_or_shutdown(shutdown, ctx.policy.breaker.cool_down).await {
+        return if sleep_or_shutdown(shutdown, lane.policy.breaker.cool_down).await {
             Delivery::ShuttingDown
         } else {
             Delivery::Retry
@@ -646,7 +666,7 @@ async fn out_of_range<S: Sink, C>(
     lock(&lane.info).rejected_records += n;
     let why = format!("partition id {partition} is beyond the topic's {} partitions", topic.partitions_count);
     lane.status.record_error(&why);
-    match ctx.policy.on_admission_failure {
+    match lane.policy.on_admission_failure {
         OnAdmissionFailure::Drop => {
             tracing::warn!(destination = %lane.key, records = n, "{why}: dropped, as configured");
             metrics::counter!("iggy_connector_messages_dropped_total", "reason" => "partition_id_out_of_range")
@@ -654,7 +674,7 @@ async fn out_of_range<S: Sink, C>(
             Delivery::Done
         }
         OnAdmissionFailure::DeadLetter => {
-            let Some(dlq) = ctx.policy.dead_letter.clone() else { return Delivery::Done };
+            let Some(dlq) = lane.policy.dead_letter.clone() else { return Delivery::Done };
             let messages: Vec<OutMessage> = records
                 .iter()
                 .map(|r| {
@@ -679,7 +699,7 @@ async fn out_of_range<S: Sink, C>(
                     Err(e) => {
                         failures = failures.saturating_add(1);
                         lane.status.record_error(&format!("dead-letter send failed: {e}"));
-                        if sleep_or_shutdown(shutdown, ctx.policy.backoff(failures)).await {
+                        if sleep_or_shutdown(shutdown, lane.policy.backoff(failures)).await {
                             return Delivery::ShuttingDown;
                         }
                     }
@@ -690,7 +710,7 @@ async fn out_of_range<S: Sink, C>(
             // Held: the topic may gain partitions. Ask again after a cool-down.
             lane.status.set(Status::Degraded, &why);
             lock(&lane.info).topic = None;
-            if sleep_or_shutdown(shutdown, ctx.policy.breaker.cool_down).await {
+            if sleep_or_shutdown(shutdown, lane.policy.breaker.cool_down).await {
                 return Delivery::ShuttingDown;
             }
             Delivery::Retry

@@ -31,25 +31,25 @@ pub mod status;
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Mutex};
 
-use tokio::sync::{Notify, Semaphore, watch};
+use tokio::sync::{Notify, watch};
 use tokio::task::JoinHandle;
 use wal::Wal;
 
 pub use cursors::{CursorStore, MemoryCursorStore};
-use dispatcher::{Admitted, Dispatcher};
+use dispatcher::{Dispatcher, Lanes};
 pub use lane::LaneSnapshot;
 use lane::{Lane, LaneContext};
-pub use policy::{BatchPolicy, BreakerPolicy, OnAdmissionFailure, RouterPolicy};
-pub use sink::{DestinationKey, OutMessage, SendError, SendErrorKind, Sink, TopicInfo};
+pub use policy::{BatchPolicy, BreakerPolicy, OnAdmissionFailure, Policies, RouterPolicy};
+pub use sink::{DestinationKey, LaneKey, OutMessage, SendError, SendErrorKind, Sink, TopicInfo};
 use status::{Status, StatusCell, StatusSnapshot};
 
 /// The router's own status: Degraded while any destination is, Running otherwise.
 #[derive(Debug)]
 pub struct RouterHealth {
     cell: StatusCell,
-    degraded: Mutex<HashSet<DestinationKey>>,
+    degraded: Mutex<HashSet<LaneKey>>,
 }
 
 impl RouterHealth {
@@ -57,13 +57,13 @@ impl RouterHealth {
         RouterHealth { cell: StatusCell::new("router", "router"), degraded: Mutex::new(HashSet::new()) }
     }
 
-    pub(crate) fn lane_degraded(&self, key: &DestinationKey) {
+    pub(crate) fn lane_degraded(&self, key: &LaneKey) {
         let mut d = self.degraded.lock().unwrap_or_else(|p| p.into_inner());
         d.insert(key.clone());
         self.cell.set(Status::Degraded, &format!("destination {key} is degraded"));
     }
 
-    pub(crate) fn lane_recovered(&self, key: &DestinationKey) {
+    pub(crate) fn lane_recovered(&self, key: &LaneKey) {
         let mut d = self.degraded.lock().unwrap_or_else(|p| p.into_inner());
         if d.remove(key) && d.is_empty() {
             self.cell.set(Status::Running, "every destination is delivering");
@@ -81,8 +81,7 @@ impl RouterHealth {
 
 /// A running router.
 pub struct Router {
-    lanes: Arc<RwLock<HashMap<DestinationKey, Arc<Lane>>>>,
-    dead_letter_lane: Option<Arc<Lane>>,
+    lanes: Lanes,
     health: Arc<RouterHealth>,
     released_below: Arc<AtomicU64>,
     held_from: Arc<AtomicU64>,
@@ -102,69 +101,41 @@ impl Router {
         wal: Arc<Wal>,
         sink: Arc<S>,
         cursors: Arc<C>,
-        policy: RouterPolicy,
+        policies: Policies,
     ) -> Result<Router, String> {
-        policy.validate()?;
+        policies.validate()?;
         let cursors_at_start = cursors.load()?;
-        let policy = Arc::new(policy);
+        let policies = Arc::new(policies);
         let health = Arc::new(RouterHealth::new());
         let (shutdown, shutdown_rx) = watch::channel(false);
-        let lanes: Arc<RwLock<HashMap<DestinationKey, Arc<Lane>>>> = Arc::default();
-        let admitted = Arc::new(Admitted { keys: RwLock::default(), max: policy.max_destinations });
-        let dead_letter = policy.dead_letter.clone();
-        let belongs = {
-            let admitted = admitted.clone();
-            let dead_letter = dead_letter.clone();
-            let dl_on_reject = policy.on_admission_failure == OnAdmissionFailure::DeadLetter;
-            Arc::new(move |lane: &DestinationKey, e: &ingest::envelope::Envelope| {
-                let d = &e.header.destination;
-                let own = lane.stream == d.stream && lane.topic == d.topic;
-                if Some(lane) == dead_letter.as_ref() && !own {
-                    let key = DestinationKey::new(d.stream.clone(), d.topic.clone());
-                    return (dl_on_reject && admitted.is_rejected_for_cap(&key)).then_some(Some("cap"));
-                }
-                own.then_some(None)
-            })
-        };
+        let lanes: Lanes = Arc::default();
         let processed_below = Arc::new(AtomicU64::new(wal.start_offset()));
         let delivered = Arc::new(Notify::new());
         let ctx = LaneContext {
             wal: wal.clone(),
             sink,
             cursors,
-            policy: policy.clone(),
-            send_slots: Arc::new(Semaphore::new(policy.max_concurrent_destinations)),
             processed_below: processed_below.clone(),
-            belongs,
             delivered: delivered.clone(),
             shutdown: shutdown_rx.clone(),
             router_status: health.clone(),
         };
-        let mut tasks = Vec::new();
-        let dead_letter_lane = dead_letter.map(|key| {
-            let below = cursors_at_start.get(&key).copied().unwrap_or(0);
-            let lane = Arc::new(Lane::new(key, below, true));
-            tasks.push(tokio::spawn(lane::run(lane.clone(), ctx.clone())));
-            lane
-        });
         let held_from = Arc::new(AtomicU64::new(u64::MAX));
         let dispatcher = Dispatcher {
             wal: wal.clone(),
-            policy: policy.clone(),
+            policies,
             lanes: lanes.clone(),
-            admitted,
+            sources: HashMap::new(),
             cursors_at_start,
             ctx,
             held_from: held_from.clone(),
-            dead_letter_lane: dead_letter_lane.clone(),
         };
         let start = wal.start_offset();
-        tasks.push(tokio::spawn(dispatcher.run(start, shutdown_rx.clone())));
+        let mut tasks = vec![tokio::spawn(dispatcher.run(start, shutdown_rx.clone()))];
         let released_below = Arc::new(AtomicU64::new(start));
         tasks.push(tokio::spawn(release_loop(
             wal,
             lanes.clone(),
-            dead_letter_lane.clone(),
             processed_below,
             held_from.clone(),
             released_below.clone(),
@@ -172,16 +143,21 @@ impl Router {
             shutdown_rx,
         )));
         health.cell.set(Status::Running, "started");
-        Ok(Router { lanes, dead_letter_lane, health, released_below, held_from, shutdown, tasks })
+        Ok(Router { lanes, health, released_below, held_from, shutdown, tasks })
     }
 
-    /// Every destination the router delivers to, with its live state.
+    /// Every lane the router delivers through, with its live state, ordered by source
+    /// and destination.
     pub fn destinations(&self) -> Vec<LaneSnapshot> {
         let lanes = self.lanes.read().unwrap_or_else(|p| p.into_inner());
-        let mut v: Vec<LaneSnapshot> =
-            lanes.values().chain(self.dead_letter_lane.iter()).map(|l| l.snapshot()).collect();
-        v.sort_by(|a, b| a.destination.cmp(&b.destination));
+        let mut v: Vec<LaneSnapshot> = lanes.values().map(|l| l.snapshot()).collect();
+        v.sort_by(|a, b| (&a.source, &a.destination).cmp(&(&b.source, &b.destination)));
         v
+    }
+
+    /// The lanes of one source.
+    pub fn destinations_of(&self, source: &str) -> Vec<LaneSnapshot> {
+        self.destinations().into_iter().filter(|d| d.source == source).collect()
     }
 
     pub fn status(&self) -> StatusSnapshot {
@@ -216,8 +192,7 @@ impl Router {
 #[allow(clippy::too_many_arguments)]
 async fn release_loop(
     wal: Arc<Wal>,
-    lanes: Arc<RwLock<HashMap<DestinationKey, Arc<Lane>>>>,
-    dead_letter_lane: Option<Arc<Lane>>,
+    lanes: Lanes,
     processed_below: Arc<AtomicU64>,
     held_from: Arc<AtomicU64>,
     released_below: Arc<AtomicU64>,
@@ -234,7 +209,7 @@ async fn release_loop(
         let mut low = processed_below.load(Ordering::Acquire).min(held_from.load(Ordering::Acquire));
         let snapshot: Vec<Arc<Lane>> = {
             let l = lanes.read().unwrap_or_else(|p| p.into_inner());
-            l.values().cloned().chain(dead_letter_lane.iter().cloned()).collect()
+            l.values().cloned().collect()
         };
         let mut held_bytes = 0u64;
         let mut oldest_ms: Option<u64> = None;

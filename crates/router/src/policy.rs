@@ -4,6 +4,8 @@
 //! a lane's queue, the number of lanes and the number of sends in flight are all bounded,
 //! so memory is bounded no matter how long a destination stays down.
 
+use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::sink::DestinationKey;
@@ -86,10 +88,47 @@ pub struct RouterPolicy {
     /// Records a destination may hold in memory before it re-reads from the log
     /// instead. 4096.
     pub lane_queue_max_records: usize,
+}
+
+/// The policy of each source, and the dispatcher's own read sizes.
+#[derive(Debug, Clone)]
+pub struct Policies {
+    /// For sources without a policy of their own (including sources no longer
+    /// configured whose records are still in the log).
+    pub default: Arc<RouterPolicy>,
+    pub sources: HashMap<String, Arc<RouterPolicy>>,
     /// Records the dispatcher reads from the log per step. 4096.
     pub read_batch_max_records: usize,
     /// Bytes the dispatcher reads from the log per step. 4 MiB.
     pub read_batch_max_bytes: usize,
+}
+
+impl Policies {
+    /// One policy for every source.
+    pub fn uniform(policy: RouterPolicy) -> Policies {
+        Policies {
+            default: Arc::new(policy),
+            sources: HashMap::new(),
+            read_batch_max_records: 4096,
+            read_batch_max_bytes: 4 * 1024 * 1024,
+        }
+    }
+
+    pub fn for_source(&self, source: &str) -> Arc<RouterPolicy> {
+        self.sources.get(source).unwrap_or(&self.default).clone()
+    }
+
+    /// Checks every policy; the error names the source.
+    pub fn validate(&self) -> Result<(), String> {
+        self.default.validate().map_err(|e| format!("default policy: {e}"))?;
+        for (k, p) in &self.sources {
+            p.validate().map_err(|e| format!("source {k}: {e}"))?;
+        }
+        if self.read_batch_max_records == 0 || self.read_batch_max_bytes == 0 {
+            return Err("read_batch_max_records and read_batch_max_bytes must be at least 1".into());
+        }
+        Ok(())
+    }
 }
 
 impl Default for RouterPolicy {
@@ -102,8 +141,6 @@ impl Default for RouterPolicy {
             on_admission_failure: OnAdmissionFailure::Error,
             dead_letter: None,
             lane_queue_max_records: 4096,
-            read_batch_max_records: 4096,
-            read_batch_max_bytes: 4 * 1024 * 1024,
         }
     }
 }
@@ -117,8 +154,6 @@ impl RouterPolicy {
             ("max_destinations", self.max_destinations),
             ("max_concurrent_destinations", self.max_concurrent_destinations),
             ("lane_queue_max_records", self.lane_queue_max_records),
-            ("read_batch_max_records", self.read_batch_max_records),
-            ("read_batch_max_bytes", self.read_batch_max_bytes),
         ];
         for (name, v) in positive {
             if v == 0 {

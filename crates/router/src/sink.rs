@@ -35,6 +35,20 @@ impl fmt::Display for DestinationKey {
     }
 }
 
+/// A lane's identity: the source a record came in through and its destination.
+/// Records of one source to one destination are delivered in log order.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct LaneKey {
+    pub source: String,
+    pub destination: DestinationKey,
+}
+
+impl fmt::Display for LaneKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} -> {}", self.source, self.destination)
+    }
+}
+
 /// One message to send.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct OutMessage {

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ingest::envelope::Partitioning;
-use router::{MemoryCursorStore, OnAdmissionFailure, Router, RouterPolicy};
+use router::{MemoryCursorStore, OnAdmissionFailure, Policies, Router, RouterPolicy};
 use support::*;
 use wal::storage::SimStorage;
 
@@ -26,9 +26,13 @@ async fn over_the_cap_with_error_the_records_are_held_and_the_log_pinned() {
     let sink = FaultySink::new();
     let dests = [key("s", "a"), key("s", "b"), key("s", "c")];
     fill(&wal, &dests, 0, 30).await;
-    let router =
-        Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), policy(OnAdmissionFailure::Error))
-            .unwrap();
+    let router = Router::start(
+        wal.clone(),
+        sink.clone(),
+        Arc::new(MemoryCursorStore::new()),
+        Policies::uniform(policy(OnAdmissionFailure::Error)),
+    )
+    .unwrap();
     eventually(Duration::from_secs(10), "admitted delivered", || {
         sink.ids(&dests[0]).len() == 10 && sink.ids(&dests[1]).len() == 10
     })
@@ -47,9 +51,13 @@ async fn over_the_cap_with_drop_the_records_are_dropped_and_the_log_released() {
     let sink = FaultySink::new();
     let dests = [key("s", "a"), key("s", "b"), key("s", "c")];
     fill(&wal, &dests, 0, 30).await;
-    let router =
-        Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), policy(OnAdmissionFailure::Drop))
-            .unwrap();
+    let router = Router::start(
+        wal.clone(),
+        sink.clone(),
+        Arc::new(MemoryCursorStore::new()),
+        Policies::uniform(policy(OnAdmissionFailure::Drop)),
+    )
+    .unwrap();
     eventually(Duration::from_secs(10), "released", || router.released_below() == 30).await;
     assert!(sink.ids(&dests[2]).is_empty());
     assert_eq!(router.held_from(), None);
@@ -65,7 +73,8 @@ async fn over_the_cap_with_dead_letter_the_records_go_there_with_the_reason() {
     let want = fill(&wal, &dests, 0, 30).await;
     let mut p = policy(OnAdmissionFailure::DeadLetter);
     p.lane_queue_max_records = 2; // the dead-letter lane overflows and re-reads the log
-    let router = Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), p).unwrap();
+    let router =
+        Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), Policies::uniform(p)).unwrap();
     let dlq = key("dlq", "rejected");
     eventually(Duration::from_secs(10), "dead-lettered", || sink.ids(&dlq).len() == 10).await;
     assert_eq!(sink.ids(&dlq), want[&dests[2]]);
@@ -85,7 +94,8 @@ async fn out_of_range(on: OnAdmissionFailure) -> (Arc<FaultySink>, Router) {
     for (i, p) in [0u32, 1, 7, 2].into_iter().enumerate() {
         wal.append(vec![record(&d, i as u64, Partitioning::PartitionId(p))]).await.unwrap();
     }
-    let router = Router::start(wal, sink.clone(), Arc::new(MemoryCursorStore::new()), policy(on)).unwrap();
+    let router =
+        Router::start(wal, sink.clone(), Arc::new(MemoryCursorStore::new()), Policies::uniform(policy(on))).unwrap();
     (sink, router)
 }
 

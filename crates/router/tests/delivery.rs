@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use router::status::Status;
-use router::{MemoryCursorStore, Router, SendErrorKind};
+use router::{MemoryCursorStore, Policies, Router, SendErrorKind};
 use support::*;
 use wal::storage::SimStorage;
 
@@ -18,7 +18,9 @@ async fn three_destinations_each_get_their_records_in_log_order() {
     let sink = FaultySink::new();
     let dests = [key("app", "orders"), key("app", "users"), key("audit", "events")];
     let want = fill(&wal, &dests, 0, 300).await;
-    let router = Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), fast_policy()).unwrap();
+    let router =
+        Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), Policies::uniform(fast_policy()))
+            .unwrap();
     eventually(Duration::from_secs(20), "all delivered", || dests.iter().all(|d| sink.ids(d).len() == 100)).await;
     for d in &dests {
         assert_eq!(sink.ids(d), want[d], "{d}");
@@ -40,7 +42,9 @@ async fn a_black_holed_destination_opens_its_breaker_and_stalls_no_one_else() {
     let mut policy = fast_policy();
     policy.batch.result_timeout = Duration::from_millis(100);
     policy.lane_queue_max_records = 16; // the stuck lane overflows to the log quickly
-    let router = Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), policy).unwrap();
+    let router =
+        Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), Policies::uniform(policy))
+            .unwrap();
     // Both destinations exist first, then the bad one goes dark.
     let mut want = fill(&wal, &[good.clone(), bad.clone()], 0, 2).await;
     eventually(Duration::from_secs(10), "warm", || sink.ids(&bad).len() == 1).await;
@@ -81,7 +85,9 @@ async fn a_client_wide_outage_holds_everything_and_opens_no_breaker() {
     let dests = [key("a", "1"), key("a", "2"), key("b", "1")];
     let mut policy = fast_policy();
     policy.lane_queue_max_records = 32;
-    let router = Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), policy).unwrap();
+    let router =
+        Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), Policies::uniform(policy))
+            .unwrap();
     sink.client_fault(Some(SendErrorKind::Unavailable));
     let want = fill(&wal, &dests, 0, 600).await;
     eventually(Duration::from_secs(30), "degraded", || router.status().status == Status::Degraded).await;
@@ -111,15 +117,41 @@ async fn a_restart_resumes_from_the_cursors_without_loss_and_with_the_same_ids()
     let want = fill(&wal, &dests, 0, 400).await;
     // y is down during the first run; x delivers.
     sink.fault(&dests[1], Some(Fault::Fail(SendErrorKind::Destination)));
-    let router = Router::start(wal.clone(), sink.clone(), cursors.clone(), fast_policy()).unwrap();
+    let router = Router::start(wal.clone(), sink.clone(), cursors.clone(), Policies::uniform(fast_policy())).unwrap();
     eventually(Duration::from_secs(20), "x delivered", || sink.ids(&dests[0]).len() == 200).await;
     router.shutdown().await;
     sink.fault(&dests[1], None);
-    let router = Router::start(wal.clone(), sink.clone(), cursors.clone(), fast_policy()).unwrap();
+    let router = Router::start(wal.clone(), sink.clone(), cursors.clone(), Policies::uniform(fast_policy())).unwrap();
     eventually(Duration::from_secs(20), "y delivered", || sink.ids(&dests[1]).len() >= 200).await;
     assert_eq!(sink.ids(&dests[1]), want[&dests[1]]);
     // x was not sent again: its cursor was stored.
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert_eq!(sink.ids(&dests[0]), want[&dests[0]]);
+    router.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_source_has_its_own_lane_to_a_shared_destination_and_keeps_its_order() {
+    let sim = SimStorage::new();
+    let wal = open_wal(&sim);
+    let sink = FaultySink::new();
+    let d = key("shared", "t");
+    for n in 0..200u64 {
+        let source = if n % 2 == 0 { "github" } else { "stripe" };
+        wal.append(vec![record_from(source, &d, n, ingest::envelope::Partitioning::Balanced)]).await.unwrap();
+    }
+    let router =
+        Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), Policies::uniform(fast_policy()))
+            .unwrap();
+    eventually(Duration::from_secs(20), "delivered", || sink.ids(&d).len() == 200).await;
+    let lanes = router.destinations();
+    assert_eq!(lanes.iter().map(|l| l.source.as_str()).collect::<Vec<_>>(), vec!["github", "stripe"]);
+    assert_eq!(router.destinations_of("stripe").len(), 1);
+    let ids = sink.ids(&d);
+    for parity in [0u128, 1] {
+        let per_source: Vec<u128> = ids.iter().copied().filter(|id| (id - 1) % 2 == parity).collect();
+        let want: Vec<u128> = (0..200u128).filter(|n| n % 2 == parity).map(|n| n + 1).collect();
+        assert_eq!(per_source, want, "source order broken");
+    }
     router.shutdown().await;
 }

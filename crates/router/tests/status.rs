@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use router::status::Status;
-use router::{MemoryCursorStore, Router, SendErrorKind};
+use router::{MemoryCursorStore, Policies, Router, SendErrorKind};
 use support::*;
 use wal::storage::SimStorage;
 
@@ -48,8 +48,13 @@ fn a_ten_minute_outage_is_held_and_then_delivered_in_order_with_truthful_status(
             let sink = FaultySink::new();
             let dests = [key("o", "1"), key("o", "2")];
             let mut want = fill(&wal, &dests, 0, 10).await;
-            let router =
-                Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), fast_policy()).unwrap();
+            let router = Router::start(
+                wal.clone(),
+                sink.clone(),
+                Arc::new(MemoryCursorStore::new()),
+                Policies::uniform(fast_policy()),
+            )
+            .unwrap();
             eventually(Duration::from_secs(5), "warm", || dests.iter().all(|d| sink.ids(d).len() == 5)).await;
             assert_eq!(router.status().status, Status::Running);
             assert_gauges_agree(&snap, &router);

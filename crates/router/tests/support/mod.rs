@@ -122,10 +122,15 @@ pub fn key(s: &str, t: &str) -> DestinationKey {
 
 /// An envelope for `dest` whose id and payload carry `n`.
 pub fn record(dest: &DestinationKey, n: u64, partitioning: Partitioning) -> Bytes {
+    record_from("test", dest, n, partitioning)
+}
+
+/// The same, as if it came in through `source`.
+pub fn record_from(source: &str, dest: &DestinationKey, n: u64, partitioning: Partitioning) -> Bytes {
     let header = EnvelopeHeader {
         message_id: u128::from(n) + 1,
         received_at_unix_ms: 1_700_000_000_000 + n,
-        source_key: "test".into(),
+        source_key: source.into(),
         endpoint_id: None,
         content_type: Some("application/json".into()),
         metadata: vec![],
