@@ -15,6 +15,7 @@
 //! - All daemon state lives in one redb database ([`StateDb`]) with a schema version; a
 //!   different version refuses to open.
 
+pub mod cursors;
 pub mod endpoints;
 pub mod envelope;
 pub mod idempotency;
@@ -22,6 +23,7 @@ pub mod ingestor;
 pub mod state;
 pub mod time;
 
+pub use cursors::CursorRow;
 pub use endpoints::{EndpointRecord, StoredAuth};
 pub use envelope::{Destination, Envelope, EnvelopeError, EnvelopeHeader, Partitioning};
 pub use idempotency::{IdempotencyIndex, IdempotencyKey};

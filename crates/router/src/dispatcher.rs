@@ -58,7 +58,11 @@ pub(crate) struct Dispatcher<S, C> {
     /// The lowest offset held because it could not be admitted (`on_admission_failure =
     /// error`, or a record this build cannot decode), pinning the log below it.
     pub held_from: Arc<AtomicU64>,
+    /// Lane tasks, so a shutdown can wait for every one of them.
+    pub lane_tasks: LaneTasks,
 }
+
+pub(crate) type LaneTasks = Arc<std::sync::Mutex<Vec<tokio::task::JoinHandle<()>>>>;
 
 impl<S: Sink, C: CursorStore> Dispatcher<S, C> {
     pub(crate) async fn run(mut self, from: u64, mut shutdown: watch::Receiver<bool>) {
@@ -128,7 +132,14 @@ impl<S: Sink, C: CursorStore> Dispatcher<S, C> {
 
     fn source(&mut self, source: &str) -> &SourceRoute {
         if !self.sources.contains_key(source) {
-            let route = new_source_route(source, &self.policies, &self.cursors_at_start, &self.ctx, &self.lanes);
+            let route = new_source_route(
+                source,
+                &self.policies,
+                &self.cursors_at_start,
+                &self.ctx,
+                &self.lanes,
+                &self.lane_tasks,
+            );
             self.sources.insert(source.to_string(), route);
         }
         &self.sources[source]
@@ -162,7 +173,8 @@ impl<S: Sink, C: CursorStore> Dispatcher<S, C> {
             lanes.len()
         };
         metrics::gauge!("iggy_connector_destinations_active").set(n as f64);
-        tokio::spawn(lane::run(lane.clone(), self.ctx.clone()));
+        let task = tokio::spawn(lane::run(lane.clone(), self.ctx.clone()));
+        self.lane_tasks.lock().unwrap_or_else(|p| p.into_inner()).push(task);
         Some((lane, queue_max))
     }
 
@@ -204,6 +216,7 @@ pub(crate) fn new_source_route<S: Sink, C: CursorStore>(
     cursors_at_start: &HashMap<LaneKey, u64>,
     ctx: &LaneContext<S, C>,
     lanes: &Lanes,
+    lane_tasks: &LaneTasks,
 ) -> SourceRoute {
     let policy = policies.for_source(source);
     let admitted = Arc::new(Admitted { keys: RwLock::default(), max: policy.max_destinations });
@@ -232,7 +245,8 @@ pub(crate) fn new_source_route<S: Sink, C: CursorStore>(
         let below = cursors_at_start.get(&key).copied().unwrap_or(0);
         let lane = Arc::new(Lane::new(key.clone(), below, true, &share));
         lanes.write().unwrap_or_else(|p| p.into_inner()).insert(key, lane.clone());
-        tokio::spawn(lane::run(lane.clone(), ctx.clone()));
+        let task = tokio::spawn(lane::run(lane.clone(), ctx.clone()));
+        lane_tasks.lock().unwrap_or_else(|p| p.into_inner()).push(task);
         lane
     });
     SourceRoute { share, admitted, dead_letter_lane }

@@ -37,8 +37,8 @@ use tokio::sync::{Notify, watch};
 use tokio::task::JoinHandle;
 use wal::Wal;
 
-pub use cursors::{CursorStore, MemoryCursorStore};
-use dispatcher::{Dispatcher, Lanes};
+pub use cursors::{CursorStore, MemoryCursorStore, StateCursorStore};
+use dispatcher::{Dispatcher, LaneTasks, Lanes};
 pub use lane::LaneSnapshot;
 use lane::{Lane, LaneContext};
 pub use policy::{BatchPolicy, BreakerPolicy, OnAdmissionFailure, Policies, RouterPolicy};
@@ -87,6 +87,7 @@ pub struct Router {
     held_from: Arc<AtomicU64>,
     shutdown: watch::Sender<bool>,
     tasks: Vec<JoinHandle<()>>,
+    lane_tasks: LaneTasks,
 }
 
 impl std::fmt::Debug for Router {
@@ -121,7 +122,9 @@ impl Router {
             router_status: health.clone(),
         };
         let held_from = Arc::new(AtomicU64::new(u64::MAX));
+        let lane_tasks = LaneTasks::default();
         let dispatcher = Dispatcher {
+            lane_tasks: lane_tasks.clone(),
             wal: wal.clone(),
             policies,
             lanes: lanes.clone(),
@@ -143,7 +146,7 @@ impl Router {
             shutdown_rx,
         )));
         health.cell.set(Status::Running, "started");
-        Ok(Router { lanes, health, released_below, held_from, shutdown, tasks })
+        Ok(Router { lanes, health, released_below, held_from, shutdown, tasks, lane_tasks })
     }
 
     /// Every lane the router delivers through, with its live state, ordered by source
@@ -179,6 +182,11 @@ impl Router {
         self.health.cell.set(Status::Stopping, "shutdown requested");
         let _ = self.shutdown.send(true);
         for t in self.tasks {
+            let _ = t.await;
+        }
+        // The dispatcher has stopped, so no lane is created after this.
+        let lane_tasks = std::mem::take(&mut *self.lane_tasks.lock().unwrap_or_else(|p| p.into_inner()));
+        for t in lane_tasks {
             let _ = t.await;
         }
         let lanes: Vec<Arc<Lane>> = self.lanes.read().unwrap_or_else(|p| p.into_inner()).values().cloned().collect();

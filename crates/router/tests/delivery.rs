@@ -155,3 +155,41 @@ async fn each_source_has_its_own_lane_to_a_shared_destination_and_keeps_its_orde
     }
     router.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cursors_in_the_state_database_survive_a_reopen() {
+    let sim = SimStorage::new();
+    let wal = open_wal(&sim);
+    let sink = FaultySink::new();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("state.redb");
+    let d = key("c", "t");
+    let want = fill(&wal, std::slice::from_ref(&d), 0, 300).await;
+    {
+        let state = Arc::new(ingest::StateDb::open(&path).unwrap());
+        let cursors = Arc::new(router::StateCursorStore::new(state));
+        let router = Router::start(wal.clone(), sink.clone(), cursors, Policies::uniform(fast_policy())).unwrap();
+        eventually(Duration::from_secs(20), "delivered", || sink.ids(&d).len() == 300).await;
+        eventually(Duration::from_secs(20), "released", || router.released_below() == 300).await;
+        router.shutdown().await;
+    }
+    // A new process: the cursors come back from disk and nothing is sent again. (The
+    // cursor committer lets go of the database once its last lane is gone.)
+    let mut reopened = None;
+    for _ in 0..100 {
+        if let Ok(db) = ingest::StateDb::open(&path) {
+            reopened = Some(db);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let state = Arc::new(reopened.expect("state database still held after shutdown"));
+    let cursors = Arc::new(router::StateCursorStore::new(state));
+    let router = Router::start(wal.clone(), sink.clone(), cursors, Policies::uniform(fast_policy())).unwrap();
+    let more = fill(&wal, std::slice::from_ref(&d), 300, 10).await;
+    eventually(Duration::from_secs(20), "new records delivered", || sink.ids(&d).len() == 310).await;
+    let mut all = want[&d].clone();
+    all.extend(&more[&d]);
+    assert_eq!(sink.ids(&d), all, "records sent again after a restart");
+    router.shutdown().await;
+}
