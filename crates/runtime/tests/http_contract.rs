@@ -130,14 +130,39 @@ async fn status_codes_bodies_and_records() {
     {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let mut s = tokio::net::TcpStream::connect(h).await.unwrap();
-        s.write_all(b"POST /v1/sources/default HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\npartial")
-            .await
-            .unwrap();
+        s.write_all(
+            b"POST /v1/sources/default HTTP/1.1\r\nhost: x\r\nconnection: close\r\ncontent-length: 100\r\n\r\npartial",
+        )
+        .await
+        .unwrap();
         let mut buf = Vec::new();
         let _ = tokio::time::timeout(std::time::Duration::from_secs(30), s.read_to_end(&mut buf)).await;
         let text = String::from_utf8_lossy(&buf);
         assert!(text.starts_with("HTTP/1.1 408"), "{text}");
         assert!(text.contains("body_read_timeout"), "{text}");
+    }
+
+    // 413 also without Content-Length: a chunked body that grows past the limit.
+    {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut s = tokio::net::TcpStream::connect(h).await.unwrap();
+        s.write_all(
+            b"POST /v1/sources/default HTTP/1.1\r\nhost: x\r\nconnection: close\r\ntransfer-encoding: chunked\r\n\r\n",
+        )
+        .await
+        .unwrap();
+        let chunk = format!("{:x}\r\n{}\r\n", 1000, "y".repeat(1000));
+        for _ in 0..5 {
+            if s.write_all(chunk.as_bytes()).await.is_err() {
+                break;
+            }
+        }
+        let _ = s.write_all(b"0\r\n\r\n").await;
+        let mut buf = Vec::new();
+        let _ = tokio::time::timeout(std::time::Duration::from_secs(30), s.read_to_end(&mut buf)).await;
+        let text = String::from_utf8_lossy(&buf);
+        assert!(text.starts_with("HTTP/1.1 413"), "{text}");
+        assert!(text.contains("body_too_large"), "{text}");
     }
 
     // NDJSON: one atomic batch, or nothing with the line named.
