@@ -19,7 +19,12 @@ fn main() {
             eprintln!("{:#?}", iggy_ingest_fuzz::open_dir::decode(&data));
         }
         eprintln!("{path}: running");
-        run(&data);
-        eprintln!("{path}: ok");
+        // REPLAY_REPEAT=n runs each input n times, for profiling.
+        let repeat: u32 = std::env::var("REPLAY_REPEAT").ok().and_then(|v| v.parse().ok()).unwrap_or(1).max(1);
+        let started = std::time::Instant::now();
+        for _ in 0..repeat {
+            run(&data);
+        }
+        eprintln!("{path}: ok in {:?} per run", started.elapsed() / repeat);
     }
 }

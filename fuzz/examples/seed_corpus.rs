@@ -178,6 +178,17 @@ fn ops_vs_model() {
 /// describes each). Each fails only its own check once the others are listed in
 /// `FUZZ_KNOWN_FINDINGS`.
 fn regressions() {
+    // Two faults due on the same write: the simulated disk fires one, and the other's
+    // countdown underflows on the next counted operation (a panic in the disk itself).
+    let plain = Setup { segment: 8, capacity: 0, initial: 0 };
+    let two_faults = [
+        Op::FailNth { op: 0, n: 0, kind: 0 },
+        Op::FailNth { op: 4, n: 0, kind: 0 },
+        Op::Append { sizes: vec![60] },
+        Op::Append { sizes: vec![60] },
+    ];
+    save_in("regressions", "ops_vs_model", "sim-simultaneous-faults", &ops::encode(plain, &two_faults));
+
     let t = "open_arbitrary_dir";
     let save_image = |name: &str, image: Image, mutations: &[Mutation]| {
         save_in("regressions", t, name, &open_dir::encode(&image, mutations))
@@ -195,6 +206,15 @@ fn regressions() {
     save_image("reader-error-consumes-records", rotating(), &[Mutation::FlipBit { file: 1, pos: 100, bit: 3 }]);
     // A header bit flipped in the only record of a cleanly closed log:
     // verify calls it a torn tail and reports the log clean; readers fail on it.
+    // A checked clean-shutdown marker that vouches for a 280-byte tail holding no valid
+    // record (next offset = the tail's base): the open trusts it, the first append needs
+    // a new segment, and the writer thread panics in `rotate` ("rotating an empty
+    // segment") instead of failing the append; every later call gets `Closed`.
+    save_image(
+        "lying-marker-writer-panic",
+        built(20, 0, &[&[216]], Ending::Drop),
+        &[Mutation::FlipBit { file: 0, pos: 40, bit: 0 }, Mutation::Marker { len_delta: 0, next_delta: 0, sealed: 0 }],
+    );
     save_image(
         "verify-calls-damage-in-closed-tail-torn",
         built(100, 0, &[&[10]], Ending::Close),

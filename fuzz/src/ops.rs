@@ -28,7 +28,7 @@ use wal::format::OFFSET_MAX;
 use wal::storage::{CrashMode, FaultOp, SimStorage, Storage};
 use wal::{Wal, WalError, WalOptions};
 
-use crate::{Input, log_dir, payload, read_all, tag_of};
+use crate::{Input, known, log_dir, payload, read_all, tag_of};
 
 /// At most this many operations per input.
 pub const MAX_OPS: usize = 64;
@@ -275,6 +275,15 @@ impl Harness {
         self.check_everything();
     }
 
+    /// With the simulated disk's finding `sim-simultaneous-faults` known (two armed
+    /// faults due on the same operation: one fires, the other's countdown underflows on
+    /// the next operation), arm only one fault at a time.
+    fn one_fault_at_a_time(&self) {
+        if known("sim-simultaneous-faults") {
+            self.sim.disarm();
+        }
+    }
+
     fn lift_faults(&mut self) {
         self.sim.disarm();
         self.sim.set_space_limit(None);
@@ -484,10 +493,12 @@ impl Harness {
             Op::CloseReopen => self.close_and_reopen().await,
             Op::Restart => self.reopen(),
             Op::FailNth { op, n, kind } => {
+                self.one_fault_at_a_time();
                 self.sim.fail_nth(fault_op(op), 1 + u64::from(n % 16), error_kind(kind));
                 self.faults_possible = true;
             }
             Op::CrashAtNth { op, n, seed } => {
+                self.one_fault_at_a_time();
                 let mode = CrashMode::Adversarial { seed: u64::from(seed) };
                 self.sim.crash_at_nth(fault_op(op), 1 + u64::from(n % 16), mode);
                 self.faults_possible = true;
