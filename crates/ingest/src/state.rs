@@ -123,6 +123,72 @@ impl StateDb {
     }
 }
 
+/// What a state database holds, read without checking its schema version.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StateInventory {
+    pub schema_version: Option<u64>,
+    /// Every table and its number of entries, by name.
+    pub tables: Vec<(String, u64)>,
+}
+
+impl StateInventory {
+    /// What losing each table means, for an operator about to reset.
+    pub fn consequences(&self) -> Vec<String> {
+        self.tables
+            .iter()
+            .map(|(name, n)| {
+                let what = match name.as_str() {
+                    "idempotency" | "idempotency_by_time" => {
+                        "delivery ids; rebuilt from the log on the next start (within the retention window)"
+                    }
+                    "endpoints" => "dynamic endpoints, their secrets and revocation tombstones; their URLs answer 404",
+                    "router_cursors" => {
+                        "delivery cursors; records still in the log are delivered again (same message ids)"
+                    }
+                    "meta" => "schema version and checkpoints; written anew",
+                    _ => "unknown to this build",
+                };
+                format!("{name}: {n} entries ({what})")
+            })
+            .collect()
+    }
+}
+
+/// Reads what the database at `path` holds, whatever its schema version. Fails if a
+/// running daemon holds it.
+pub fn inventory(path: &Path) -> Result<StateInventory, StateError> {
+    let db = Database::open(path).map_err(|e| StateError::Open { path: path.to_path_buf(), detail: e.to_string() })?;
+    inventory_of(&db)
+}
+
+fn inventory_of(db: &Database) -> Result<StateInventory, StateError> {
+    use redb::{ReadableTableMetadata, TableHandle};
+    let txn = db.begin_read().map_err(storage_err)?;
+    let schema_version = match txn.open_table(META) {
+        Ok(t) => t.get(META_SCHEMA_VERSION).map_err(storage_err)?.map(|v| v.value()),
+        Err(redb::TableError::TableDoesNotExist(_)) => None,
+        Err(e) => return Err(storage_err(e)),
+    };
+    let mut tables = Vec::new();
+    for handle in txn.list_tables().map_err(storage_err)? {
+        let name = handle.name().to_string();
+        let table = txn.open_untyped_table(handle).map_err(storage_err)?;
+        tables.push((name, table.len().map_err(storage_err)?));
+    }
+    tables.sort();
+    Ok(StateInventory { schema_version, tables })
+}
+
+/// Deletes the database at `path` after reading what it held (returned). The log is
+/// not touched. Fails, changing nothing, if a running daemon holds the database.
+pub fn reset(path: &Path) -> Result<StateInventory, StateError> {
+    let db = Database::open(path).map_err(|e| StateError::Open { path: path.to_path_buf(), detail: e.to_string() })?;
+    let inventory = inventory_of(&db)?;
+    drop(db);
+    std::fs::remove_file(path).map_err(|e| StateError::Open { path: path.to_path_buf(), detail: e.to_string() })?;
+    Ok(inventory)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -134,6 +200,22 @@ mod tests {
         let db = StateDb::open(&p).unwrap();
         assert_eq!(db.stored_schema_version().unwrap(), Some(SCHEMA_VERSION));
         drop(db);
+        StateDb::open(&p).unwrap();
+    }
+
+    #[test]
+    fn reset_reports_what_it_discards_and_refuses_while_the_database_is_open() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("state.redb");
+        let db = StateDb::open(&p).unwrap();
+        db.force_schema_version(9).unwrap();
+        assert!(reset(&p).is_err(), "a database held open must not be reset");
+        drop(db);
+        let inv = inventory(&p).unwrap();
+        assert_eq!(inv.schema_version, Some(9));
+        assert!(inv.tables.iter().any(|(n, c)| n == "meta" && *c == 1), "{inv:?}");
+        assert_eq!(reset(&p).unwrap(), inv);
+        assert!(!p.exists());
         StateDb::open(&p).unwrap();
     }
 

@@ -1,4 +1,5 @@
-//! The `iggy-ingest` command line: `run`, `config check`, `config default`.
+//! The `iggy-ingest` command line: `run`, `config check`, `config default`,
+//! `state show`, `state reset`.
 //!
 //! Exit codes: 0 after a clean run or a valid config; 1 for a failed start or an
 //! unclean shutdown; 2 for an invalid configuration or command line (clap's own);
@@ -35,6 +36,30 @@ enum Command {
         #[command(subcommand)]
         command: ConfigCommand,
     },
+    /// The state database (DATA_DIR/state.redb) of a stopped daemon.
+    State {
+        #[command(subcommand)]
+        command: StateCommand,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum StateCommand {
+    /// Show the schema version and what each table holds (any schema version).
+    Show {
+        /// The daemon's storage.data_dir.
+        #[arg(long)]
+        data_dir: PathBuf,
+    },
+    /// Discard the state database, saying what is lost. The log is not touched.
+    /// Without --yes nothing is changed.
+    Reset {
+        #[arg(long)]
+        data_dir: PathBuf,
+        /// Really delete it.
+        #[arg(long)]
+        yes: bool,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -69,6 +94,7 @@ fn main() -> ExitCode {
             print!("{DEFAULT_TOML}");
             ExitCode::SUCCESS
         }
+        Command::State { command } => state_command(command),
         Command::Run { config, ready_file } => {
             let settings = match &config {
                 Some(path) => config::load(path),
@@ -84,6 +110,33 @@ fn main() -> ExitCode {
             run(settings, ready_file)
         }
     }
+}
+
+fn state_command(command: StateCommand) -> ExitCode {
+    let (data_dir, yes, reset) = match command {
+        StateCommand::Show { data_dir } => (data_dir, false, false),
+        StateCommand::Reset { data_dir, yes } => (data_dir, yes, true),
+    };
+    let path = data_dir.join("state.redb");
+    let result = if reset && yes { ingest::state::reset(&path) } else { ingest::state::inventory(&path) };
+    let inventory = match result {
+        Ok(i) => i,
+        Err(e) => {
+            eprintln!("iggy-ingest: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let version = inventory.schema_version.map_or("none".to_string(), |v| v.to_string());
+    println!("{}: schema version {version} (this build: {})", path.display(), ingest::SCHEMA_VERSION);
+    for line in inventory.consequences() {
+        println!("  {line}");
+    }
+    match (reset, yes) {
+        (true, true) => println!("deleted {}; the next start creates a new one", path.display()),
+        (true, false) => println!("nothing changed: pass --yes to discard the above"),
+        _ => {}
+    }
+    ExitCode::SUCCESS
 }
 
 fn run(settings: Settings, ready_file: Option<PathBuf>) -> ExitCode {
@@ -108,6 +161,12 @@ fn run(settings: Settings, ready_file: Option<PathBuf>) -> ExitCode {
             Err(e) => {
                 tracing::error!(error = %e, "start failed");
                 eprintln!("iggy-ingest: {e}");
+                if let daemon::StartError::State(ingest::StateError::SchemaMismatch { .. }) = e {
+                    eprintln!(
+                        "iggy-ingest: `iggy-ingest state show --data-dir DIR` shows what the database holds; \
+                         `iggy-ingest state reset --data-dir DIR --yes` discards it (the log is kept)"
+                    );
+                }
                 return ExitCode::FAILURE;
             }
         };

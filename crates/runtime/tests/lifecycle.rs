@@ -240,7 +240,7 @@ async fn connections_are_capped_and_idle_ones_are_closed() {
 }
 
 #[test]
-fn a_state_database_of_another_schema_version_refuses_to_start() {
+fn a_state_database_of_another_schema_version_refuses_to_start_until_reset() {
     let dir = tempfile::tempdir().unwrap();
     std::fs::create_dir_all(dir.path().join("data")).unwrap();
     ingest::StateDb::open(dir.path().join("data/state.redb")).unwrap().force_schema_version(7).unwrap();
@@ -256,6 +256,23 @@ fn a_state_database_of_another_schema_version_refuses_to_start() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("schema version 7") && err.contains("expects 1"), "{err}");
+
+    // The explicit way out: show, a dry-run reset that changes nothing, then the reset.
+    let data = dir.path().join("data");
+    let cli = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_iggy-ingest")).args(args).arg("--data-dir").arg(&data).output().unwrap()
+    };
+    let show = cli(&["state", "show"]);
+    assert!(show.status.success());
+    assert!(String::from_utf8_lossy(&show.stdout).contains("schema version 7"));
+    let dry = cli(&["state", "reset"]);
+    assert!(String::from_utf8_lossy(&dry.stdout).contains("nothing changed"));
+    assert!(data.join("state.redb").exists());
+    let reset = cli(&["state", "reset", "--yes"]);
+    assert!(reset.status.success(), "{}", String::from_utf8_lossy(&reset.stderr));
+    assert!(String::from_utf8_lossy(&reset.stdout).contains("endpoints: 0 entries"));
+    let d = Daemon::start(dir.path(), "", SOURCES);
+    assert!(d.stop().success());
 }
 
 #[test]
