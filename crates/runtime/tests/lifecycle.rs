@@ -219,10 +219,12 @@ async fn connections_are_capped_and_idle_ones_are_closed() {
     let d = Daemon::start(dir.path(), "max_connections = 2\nheader_read_timeout_ms = 1500", SOURCES);
     let mut c1 = Conn::open(d.http).await.unwrap();
     let mut c2 = Conn::open(d.http).await.unwrap();
+    // Neither slot can free before 1.5 s after this moment (the idle timeout starts
+    // after each connection's last answer).
+    let started = Instant::now();
     assert_eq!(c1.send("GET", "/health", &[], "").await.unwrap().status, 200);
     assert_eq!(c2.send("GET", "/health", &[], "").await.unwrap().status, 200);
     // A third connection waits: both slots are held by idle keep-alive connections...
-    let started = Instant::now();
     let mut c3 = Conn::open(d.http).await.unwrap();
     let third = tokio::time::timeout(Duration::from_secs(30), c3.send("GET", "/health", &[], "")).await;
     // ...until the idle timeout closes them and frees a slot.
