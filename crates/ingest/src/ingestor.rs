@@ -7,8 +7,8 @@
 //! - Once the append resolved `Ok` the answer is `Ok`, whatever happens afterwards:
 //!   a failure to record the idempotency key is logged and counted, never reported as
 //!   an error (an error would invite a retry, i.e. a duplicate, for a durable event).
-//! - The work runs in its own task, so a client that disconnects mid-request cannot
-//!   interrupt it between the append and the key record.
+//! - A keyed submission runs in its own task, so a client that disconnects mid-request
+//!   cannot interrupt it between the append and the key record.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -104,6 +104,11 @@ impl Ingestor {
 
     /// Accepts a submission; see the module invariants.
     pub async fn accept(&self, submission: Submission) -> Result<Accepted, IngestError> {
+        if submission.delivery_key.is_none() {
+            // Nothing follows the append, so there is no step a dropped future could
+            // skip: run it on the caller's task.
+            return self.accept_inner(submission).await;
+        }
         let this = self.clone();
         tokio::spawn(async move { this.accept_inner(submission).await })
             .await
