@@ -2,16 +2,15 @@
 //! every record of that source bound for that destination was acknowledged.
 //!
 //! Invariants:
-//! - `store` returns only once the cursor is durable; the log is released below a
-//!   destination's records only after that.
-//! - A cursor never moves backwards (the router only stores larger values).
+//! - `store` returns only once the cursors are durable; the log is released below a
+//!   lane's records only after that.
+//! - A cursor never moves backwards (stores only ever raise it).
 
 use std::collections::HashMap;
 use std::future::Future;
 use std::sync::{Arc, Mutex};
 
 use ingest::{CursorRow, StateDb};
-use tokio::sync::{mpsc, oneshot};
 
 use crate::sink::{DestinationKey, LaneKey};
 
@@ -19,15 +18,16 @@ pub trait CursorStore: Send + Sync + 'static {
     /// Every stored cursor.
     fn load(&self) -> Result<HashMap<LaneKey, u64>, String>;
 
-    /// Durably records that every record of lane `dest` below `delivered_below` was acked.
-    fn store(&self, dest: &LaneKey, delivered_below: u64) -> impl Future<Output = Result<(), String>> + Send;
+    /// Durably records, for each lane, that every record of it below the offset was
+    /// acknowledged; all or nothing.
+    fn store(&self, cursors: Vec<(LaneKey, u64)>) -> impl Future<Output = Result<(), String>> + Send;
 }
 
-/// Cursors kept in memory only: a test double, and the store for a daemon that was
-/// told to keep no state. Never durable.
+/// Cursors kept in memory only: a test double, never durable.
 #[derive(Debug, Default)]
 pub struct MemoryCursorStore {
     cursors: Mutex<HashMap<LaneKey, u64>>,
+    commits: Mutex<u64>,
 }
 
 impl MemoryCursorStore {
@@ -35,8 +35,13 @@ impl MemoryCursorStore {
         MemoryCursorStore::default()
     }
 
-    pub fn get(&self, dest: &LaneKey) -> Option<u64> {
-        self.cursors.lock().unwrap_or_else(|p| p.into_inner()).get(dest).copied()
+    pub fn get(&self, lane: &LaneKey) -> Option<u64> {
+        self.cursors.lock().unwrap_or_else(|p| p.into_inner()).get(lane).copied()
+    }
+
+    /// How many times `store` was called.
+    pub fn commits(&self) -> u64 {
+        *self.commits.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
 
@@ -45,21 +50,20 @@ impl CursorStore for MemoryCursorStore {
         Ok(self.cursors.lock().unwrap_or_else(|p| p.into_inner()).clone())
     }
 
-    async fn store(&self, dest: &LaneKey, delivered_below: u64) -> Result<(), String> {
+    async fn store(&self, cursors: Vec<(LaneKey, u64)>) -> Result<(), String> {
+        *self.commits.lock().unwrap_or_else(|p| p.into_inner()) += 1;
         let mut c = self.cursors.lock().unwrap_or_else(|p| p.into_inner());
-        let v = c.entry(dest.clone()).or_insert(0);
-        *v = (*v).max(delivered_below);
+        for (lane, below) in cursors {
+            let v = c.entry(lane).or_insert(0);
+            *v = (*v).max(below);
+        }
         Ok(())
     }
 }
 
-/// Cursors in the daemon's state database, group-committed: every cursor stored while
-/// the previous commit ran goes into the next one, so many lanes share one durable
-/// commit. Each lane has at most one store in flight, so the queue is bounded by the
-/// number of lanes.
+/// Cursors in the daemon's state database: one durable redb transaction per store.
 pub struct StateCursorStore {
     state: Arc<StateDb>,
-    queue: mpsc::UnboundedSender<(CursorRow, oneshot::Sender<Result<(), String>>)>,
 }
 
 impl std::fmt::Debug for StateCursorStore {
@@ -69,30 +73,8 @@ impl std::fmt::Debug for StateCursorStore {
 }
 
 impl StateCursorStore {
-    /// Starts the committer task; call inside a tokio runtime.
     pub fn new(state: Arc<StateDb>) -> StateCursorStore {
-        let (queue, mut rx) = mpsc::unbounded_channel::<(CursorRow, oneshot::Sender<Result<(), String>>)>();
-        let db = state.clone();
-        tokio::spawn(async move {
-            while let Some(first) = rx.recv().await {
-                let mut group = vec![first];
-                while let Ok(more) = rx.try_recv() {
-                    group.push(more);
-                }
-                let rows: Vec<CursorRow> = group.iter().map(|(r, _)| r.clone()).collect();
-                let db = db.clone();
-                let started = std::time::Instant::now();
-                let result = match tokio::task::spawn_blocking(move || db.store_cursors(&rows)).await {
-                    Ok(r) => r.map_err(|e| e.to_string()),
-                    Err(e) => Err(format!("cursor commit task failed: {e}")),
-                };
-                metrics::histogram!("iggy_connector_cursor_commit_seconds").record(started.elapsed().as_secs_f64());
-                for (_, reply) in group {
-                    let _ = reply.send(result.clone());
-                }
-            }
-        });
-        StateCursorStore { state, queue }
+        StateCursorStore { state }
     }
 }
 
@@ -107,15 +89,23 @@ impl CursorStore for StateCursorStore {
             .collect())
     }
 
-    async fn store(&self, dest: &LaneKey, delivered_below: u64) -> Result<(), String> {
-        let row = CursorRow {
-            source: dest.source.clone(),
-            stream: dest.destination.stream.clone(),
-            topic: dest.destination.topic.clone(),
-            delivered_below,
+    async fn store(&self, cursors: Vec<(LaneKey, u64)>) -> Result<(), String> {
+        let rows: Vec<CursorRow> = cursors
+            .into_iter()
+            .map(|(lane, below)| CursorRow {
+                source: lane.source,
+                stream: lane.destination.stream,
+                topic: lane.destination.topic,
+                delivered_below: below,
+            })
+            .collect();
+        let state = self.state.clone();
+        let started = std::time::Instant::now();
+        let result = match tokio::task::spawn_blocking(move || state.store_cursors(&rows)).await {
+            Ok(r) => r.map_err(|e| e.to_string()),
+            Err(e) => Err(format!("cursor commit task failed: {e}")),
         };
-        let (reply, rx) = oneshot::channel();
-        self.queue.send((row, reply)).map_err(|_| "cursor committer stopped".to_string())?;
-        rx.await.map_err(|_| "cursor committer stopped".to_string())?
+        metrics::histogram!("iggy_connector_cursor_commit_seconds").record(started.elapsed().as_secs_f64());
+        result
     }
 }

@@ -98,14 +98,14 @@ impl<S: Sink, C: CursorStore> Dispatcher<S, C> {
             };
             for rec in batch {
                 let offset = rec.offset;
-                self.route(rec);
+                self.route(rec).await;
                 self.ctx.processed_below.store(offset + 1, Ordering::Release);
             }
             self.ctx.delivered.notify_one();
         }
     }
 
-    fn route(&mut self, rec: Record) {
+    async fn route(&mut self, rec: Record) {
         let envelope = match Envelope::decode(&rec.payload) {
             Ok(e) => e,
             Err(e) => {
@@ -122,11 +122,21 @@ impl<S: Sink, C: CursorStore> Dispatcher<S, C> {
             source: envelope.header.source_key.clone(),
             destination: DestinationKey::new(d.stream.clone(), d.topic.clone()),
         };
-        match self.lane_for(&key) {
-            Some((lane, queue_max)) => {
-                lane.offer(Routed { offset: rec.offset, envelope, dead_letter_reason: None }, queue_max)
+        let Some((lane, queue_max, wait)) = self.lane_for(&key) else {
+            self.reject_for_cap(&key, rec.offset, envelope);
+            return;
+        };
+        let routed = Routed { offset: rec.offset, envelope, dead_letter_reason: None };
+        let space = lane.space.notified();
+        tokio::pin!(space);
+        space.as_mut().enable();
+        if let Err(routed) = lane.offer(routed, queue_max, true) {
+            // A healthy lane with a full queue: give it a moment before it overflows.
+            tokio::select! {
+                _ = space => {}
+                _ = tokio::time::sleep(wait) => {}
             }
-            None => self.reject_for_cap(&key, rec.offset, envelope),
+            let _ = lane.offer(routed, queue_max, false);
         }
     }
 
@@ -145,17 +155,18 @@ impl<S: Sink, C: CursorStore> Dispatcher<S, C> {
         &self.sources[source]
     }
 
-    fn lane_for(&mut self, key: &LaneKey) -> Option<(Arc<Lane>, usize)> {
+    fn lane_for(&mut self, key: &LaneKey) -> Option<(Arc<Lane>, usize, std::time::Duration)> {
         let existing = self.lanes.read().unwrap_or_else(|p| p.into_inner()).get(key).cloned();
         let route = self.source(&key.source);
         let queue_max = route.share.policy.lane_queue_max_records;
+        let wait = route.share.policy.overflow_after;
         if let Some(l) = existing {
-            return Some((l, queue_max));
+            return Some((l, queue_max, wait));
         }
         if let Some(dl) = &route.dead_letter_lane
             && dl.key == *key
         {
-            return Some((dl.clone(), queue_max));
+            return Some((dl.clone(), queue_max, wait));
         }
         {
             let mut admitted = route.admitted.keys.write().unwrap_or_else(|p| p.into_inner());
@@ -175,7 +186,7 @@ impl<S: Sink, C: CursorStore> Dispatcher<S, C> {
         metrics::gauge!("iggy_connector_destinations_active").set(n as f64);
         let task = tokio::spawn(lane::run(lane.clone(), self.ctx.clone()));
         self.lane_tasks.lock().unwrap_or_else(|p| p.into_inner()).push(task);
-        Some((lane, queue_max))
+        Some((lane, queue_max, wait))
     }
 
     fn reject_for_cap(&mut self, key: &LaneKey, offset: u64, envelope: Envelope) {
@@ -199,8 +210,10 @@ impl<S: Sink, C: CursorStore> Dispatcher<S, C> {
                 tracing::warn!(offset, source = %key.source, "destination cap reached: record dropped, as configured");
             }
             OnAdmissionFailure::DeadLetter => match dead_letter_lane {
-                Some(dl) => dl
-                    .offer(Routed { offset, envelope, dead_letter_reason: Some("cap") }, policy.lane_queue_max_records),
+                Some(dl) => {
+                    let routed = Routed { offset, envelope, dead_letter_reason: Some("cap") };
+                    let _ = dl.offer(routed, policy.lane_queue_max_records, false);
+                }
                 None => {
                     self.held_from.fetch_min(offset, Ordering::AcqRel);
                 }

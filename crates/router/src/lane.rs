@@ -9,8 +9,8 @@
 //! Invariants:
 //! - Records of a destination are sent in log order; a batch is retried until it is
 //!   acknowledged (or disposed of by an explicit admission policy), never skipped.
-//! - The lane's cursor (`delivered_below`) is stored durably before the records it covers
-//!   stop pinning the log (`low_water` moves only after the store).
+//! - A lane's acknowledged records keep pinning the log (`unstored_from`) until the
+//!   cursor flusher has stored a cursor past them; only then does `low_water` move.
 //! - Handoff from re-reading back to queueing happens under the gate lock and only when
 //!   every record the dispatcher skipped lies below the lane's read position, so no
 //!   record is lost or sent twice by the handoff.
@@ -51,6 +51,9 @@ pub(crate) struct Gate {
     last_skipped: Option<u64>,
     /// First offset of the batch being delivered.
     in_flight_first: Option<u64>,
+    /// At or below the lowest offset of an acknowledged record whose cursor is not yet
+    /// stored (such records still pin the log).
+    pub(crate) unstored_from: Option<u64>,
     /// Records and payload bytes routed here and not yet delivered (queued, in flight,
     /// or waiting in the log).
     held_records: u64,
@@ -62,7 +65,10 @@ pub(crate) struct Gate {
 impl Gate {
     /// The lowest offset of a record this lane has not delivered, if it holds any.
     pub(crate) fn low_water(&self) -> Option<u64> {
-        [self.in_flight_first, self.queue.front().map(|r| r.offset), self.overflow_from].into_iter().flatten().min()
+        [self.unstored_from, self.in_flight_first, self.queue.front().map(|r| r.offset), self.overflow_from]
+            .into_iter()
+            .flatten()
+            .min()
     }
 }
 
@@ -112,7 +118,12 @@ pub(crate) struct Lane {
     pub belongs: Arc<BelongsFn>,
     gate: Mutex<Gate>,
     wake: Notify,
+    /// Woken when the lane takes records from its queue.
+    pub space: Notify,
     pub delivered_below: AtomicU64,
+    /// Every record of this lane below this offset was acknowledged (not yet
+    /// necessarily stored as the cursor).
+    pub acked_below: AtomicU64,
     pub status: StatusCell,
     info: Mutex<Info>,
 }
@@ -146,7 +157,9 @@ impl Lane {
             belongs: share.belongs.clone(),
             gate: Mutex::new(Gate::default()),
             wake: Notify::new(),
+            space: Notify::new(),
             delivered_below: AtomicU64::new(delivered_below),
+            acked_below: AtomicU64::new(delivered_below),
             status,
             info: Mutex::new(Info::default()),
         }
@@ -160,12 +173,19 @@ impl Lane {
         lock(&self.gate)
     }
 
-    /// Called by the dispatcher for each record bound here, in log order.
-    pub(crate) fn offer(&self, r: Routed, queue_max: usize) {
+    /// Called by the dispatcher for each record bound here, in log order. With
+    /// `may_refuse`, a full queue of a healthy lane gives the record back (the dispatcher
+    /// waits briefly for room: a healthy lane that is merely busy should not re-read the
+    /// log); otherwise a full queue overflows.
+    pub(crate) fn offer(&self, r: Routed, queue_max: usize, may_refuse: bool) -> Result<(), Routed> {
         if r.offset < self.delivered_below.load(Ordering::Acquire) {
-            return; // delivered before a restart
+            return Ok(()); // delivered before a restart
         }
         let mut g = self.gate();
+        let full = g.overflow_from.is_none() && g.queue.len() >= queue_max;
+        if full && may_refuse && self.is_healthy() {
+            return Err(r);
+        }
         g.held_records += 1;
         g.held_bytes += r.envelope.payload.len() as u64;
         if g.oldest_held_ms.is_none() {
@@ -173,7 +193,7 @@ impl Lane {
         }
         if g.overflow_from.is_some() {
             g.last_skipped = Some(r.offset);
-        } else if g.queue.len() >= queue_max {
+        } else if full {
             g.overflow_from = Some(r.offset);
             g.last_skipped = Some(r.offset);
         } else {
@@ -181,6 +201,12 @@ impl Lane {
         }
         drop(g);
         self.wake.notify_one();
+        Ok(())
+    }
+
+    /// Sending and not failing: worth waiting for.
+    fn is_healthy(&self) -> bool {
+        self.status.get() == Status::Running && lock(&self.info).consecutive_failures == 0
     }
 
     pub(crate) fn snapshot(&self) -> LaneSnapshot {
@@ -224,6 +250,8 @@ pub(crate) struct LaneContext<S, C> {
     pub processed_below: Arc<AtomicU64>,
     /// Woken after every delivery, so the log can be released.
     pub delivered: Arc<Notify>,
+    /// Woken after every acknowledgement, so the cursors get stored.
+    pub cursor_dirty: Arc<Notify>,
     pub shutdown: watch::Receiver<bool>,
     /// Degraded/Running of the router as a whole follows its lanes.
     pub router_status: Arc<crate::RouterHealth>,
@@ -237,6 +265,7 @@ impl<S, C> Clone for LaneContext<S, C> {
             cursors: self.cursors.clone(),
             processed_below: self.processed_below.clone(),
             delivered: self.delivered.clone(),
+            cursor_dirty: self.cursor_dirty.clone(),
             shutdown: self.shutdown.clone(),
             router_status: self.router_status.clone(),
         }
@@ -273,32 +302,16 @@ pub(crate) async fn run<S: Sink, C: CursorStore>(lane: Arc<Lane>, mut ctx: LaneC
                 continue;
             }
         };
-        if batch.is_empty() {
-            continue;
-        }
+        let Some(last) = batch.last().map(|r| r.offset) else { continue };
         match deliver(&lane, &ctx, &mut breaker, &batch).await {
             Delivery::Done | Delivery::Retry => {}
             Delivery::ShuttingDown => break,
         }
-        let Some(last) = batch.last().map(|r| r.offset) else { continue };
-        // The cursor is durable before the records stop pinning the log.
-        let mut failures = 0;
-        loop {
-            match ctx.cursors.store(&lane.key, last + 1).await {
-                Ok(()) => break,
-                Err(e) => {
-                    failures += 1;
-                    tracing::error!(destination = %lane.key, error = %e, "storing the cursor failed; retrying");
-                    if sleep_or_shutdown(&mut ctx.shutdown, lane.policy.backoff(failures)).await {
-                        lane.status.set(Status::Stopped, "shutdown");
-                        return;
-                    }
-                }
-            }
-        }
-        lane.delivered_below.fetch_max(last + 1, Ordering::AcqRel);
+        // Acknowledged: the cursor flusher stores it; until then the records pin the log.
+        lane.acked_below.fetch_max(last + 1, Ordering::AcqRel);
         {
             let mut g = lane.gate();
+            g.unstored_from = g.unstored_from.or(g.in_flight_first);
             g.in_flight_first = None;
             g.held_records = g.held_records.saturating_sub(batch.len() as u64);
             let bytes: u64 = batch.iter().map(|r| r.envelope.payload.len() as u64).sum();
@@ -309,7 +322,7 @@ pub(crate) async fn run<S: Sink, C: CursorStore>(lane: Arc<Lane>, mut ctx: LaneC
                 g.queue.front().map(|r| r.envelope.header.received_at_unix_ms).or(g.oldest_held_ms)
             };
         }
-        ctx.delivered.notify_one();
+        ctx.cursor_dirty.notify_one();
     }
     lane.status.set(Status::Stopped, "shutdown");
 }
@@ -338,7 +351,10 @@ async fn next_batch<S, C>(
         if g.queue.is_empty() { Err(g.overflow_from) } else { Ok(take_from_queue(&mut g, max_records, max_bytes)) }
     };
     let overflow_from = match queued {
-        Ok(batch) => return Ok(Some(linger(lane, batch).await)),
+        Ok(batch) => {
+            lane.space.notify_waiters();
+            return Ok(Some(linger(lane, batch).await));
+        }
         Err(overflow_from) => overflow_from,
     };
     let Some(from) = overflow_from else {

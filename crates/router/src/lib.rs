@@ -88,6 +88,8 @@ pub struct Router {
     shutdown: watch::Sender<bool>,
     tasks: Vec<JoinHandle<()>>,
     lane_tasks: LaneTasks,
+    stop_flusher: watch::Sender<bool>,
+    flusher: JoinHandle<()>,
 }
 
 impl std::fmt::Debug for Router {
@@ -112,12 +114,22 @@ impl Router {
         let lanes: Lanes = Arc::default();
         let processed_below = Arc::new(AtomicU64::new(wal.start_offset()));
         let delivered = Arc::new(Notify::new());
+        let cursor_dirty = Arc::new(Notify::new());
+        let (stop_flusher, stop_flusher_rx) = watch::channel(false);
+        let flusher = tokio::spawn(cursor_flush_loop(
+            lanes.clone(),
+            cursors.clone(),
+            cursor_dirty.clone(),
+            delivered.clone(),
+            stop_flusher_rx,
+        ));
         let ctx = LaneContext {
             wal: wal.clone(),
             sink,
             cursors,
             processed_below: processed_below.clone(),
             delivered: delivered.clone(),
+            cursor_dirty,
             shutdown: shutdown_rx.clone(),
             router_status: health.clone(),
         };
@@ -146,7 +158,7 @@ impl Router {
             shutdown_rx,
         )));
         health.cell.set(Status::Running, "started");
-        Ok(Router { lanes, health, released_below, held_from, shutdown, tasks, lane_tasks })
+        Ok(Router { lanes, health, released_below, held_from, shutdown, tasks, lane_tasks, stop_flusher, flusher })
     }
 
     /// Every lane the router delivers through, with its live state, ordered by source
@@ -189,6 +201,9 @@ impl Router {
         for t in lane_tasks {
             let _ = t.await;
         }
+        // Every lane has stopped: store what they acknowledged, then stop the flusher.
+        let _ = self.stop_flusher.send(true);
+        let _ = self.flusher.await;
         let lanes: Vec<Arc<Lane>> = self.lanes.read().unwrap_or_else(|p| p.into_inner()).values().cloned().collect();
         for lane in lanes {
             lane.status.set(Status::Stopped, "router stopped");
@@ -248,6 +263,63 @@ async fn release_loop(
                 }
                 Err(e) => tracing::error!(error = %e, "releasing log space failed; will retry"),
             }
+        }
+    }
+}
+
+/// Stores the cursors of every lane that acknowledged records since the last store, in
+/// one durable commit, and wakes the releaser. Acknowledgements that arrive during a
+/// commit go into the next one (group commit across lanes); on a stop signal it stores
+/// once more and ends.
+async fn cursor_flush_loop<C: CursorStore>(
+    lanes: Lanes,
+    cursors: Arc<C>,
+    dirty: Arc<Notify>,
+    delivered: Arc<Notify>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let mut failures = 0u32;
+    loop {
+        let stopping = tokio::select! {
+            _ = dirty.notified() => false,
+            _ = stop.changed() => true,
+        };
+        let snapshot: Vec<(Arc<Lane>, u64)> = {
+            let l = lanes.read().unwrap_or_else(|p| p.into_inner());
+            l.values()
+                .filter_map(|lane| {
+                    let acked = lane.acked_below.load(Ordering::Acquire);
+                    (acked > lane.delivered_below.load(Ordering::Acquire)).then(|| (lane.clone(), acked))
+                })
+                .collect()
+        };
+        if !snapshot.is_empty() {
+            let rows = snapshot.iter().map(|(l, a)| (l.key.clone(), *a)).collect();
+            match cursors.store(rows).await {
+                Ok(()) => {
+                    failures = 0;
+                    for (lane, stored) in &snapshot {
+                        lane.delivered_below.fetch_max(*stored, Ordering::AcqRel);
+                        let mut g = lane.gate();
+                        // Acknowledged since the snapshot: still unstored, from `stored` on.
+                        g.unstored_from = (lane.acked_below.load(Ordering::Acquire) > *stored).then_some(*stored);
+                    }
+                    delivered.notify_one();
+                }
+                Err(e) => {
+                    failures = failures.saturating_add(1);
+                    tracing::error!(error = %e, "storing cursors failed; retrying");
+                    let delay = std::time::Duration::from_millis(100u64.saturating_mul(1 << failures.min(8)));
+                    tokio::time::sleep(delay).await;
+                    dirty.notify_one();
+                    if !stopping {
+                        continue;
+                    }
+                }
+            }
+        }
+        if stopping {
+            return;
         }
     }
 }

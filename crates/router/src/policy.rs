@@ -88,6 +88,11 @@ pub struct RouterPolicy {
     /// Records a destination may hold in memory before it re-reads from the log
     /// instead. 4096.
     pub lane_queue_max_records: usize,
+    /// How long the dispatcher waits for room in the full queue of a healthy
+    /// destination before letting it overflow to the log. 100 ms: a busy destination
+    /// keeps its records in memory, a stuck one (failing, or slower than this for
+    /// good) re-reads them later; a wait never happens for a failing destination.
+    pub overflow_after: Duration,
 }
 
 /// The policy of each source, and the dispatcher's own read sizes.
@@ -141,6 +146,7 @@ impl Default for RouterPolicy {
             on_admission_failure: OnAdmissionFailure::Error,
             dead_letter: None,
             lane_queue_max_records: 4096,
+            overflow_after: Duration::from_millis(100),
         }
     }
 }
