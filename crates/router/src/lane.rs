@@ -177,6 +177,8 @@ impl Lane {
     /// `may_refuse`, a full queue of a healthy lane gives the record back (the dispatcher
     /// waits briefly for room: a healthy lane that is merely busy should not re-read the
     /// log); otherwise a full queue overflows.
+    // The `Err` is the record handed back, not an error: boxing it would allocate per record.
+    #[allow(clippy::result_large_err)]
     pub(crate) fn offer(&self, r: Routed, queue_max: usize, may_refuse: bool) -> Result<(), Routed> {
         if r.offset < self.delivered_below.load(Ordering::Acquire) {
             return Ok(()); // delivered before a restart
