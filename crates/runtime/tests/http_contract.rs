@@ -305,7 +305,10 @@ async fn every_auth_scheme_accepts_good_and_refuses_bad_signatures() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_retried_delivery_gets_its_original_offsets_even_after_kill_9() {
     let dir = tempfile::tempdir().unwrap();
-    let mut d = Daemon::start(dir.path(), "", SOURCES);
+    // No checkpoint before the kill: the key must come back from the log itself.
+    let text = config_text(dir.path(), "", SOURCES)
+        .replace("checkpoint_interval_ms = 200", "checkpoint_interval_ms = 3600000");
+    let mut d = Daemon::start_text(dir.path(), &text);
     let key = [("content-type", "application/x-ndjson"), ("idempotency-key", "delivery-1")];
     let first = request(d.http, "POST", "/v1/sources/default", &key, "{\"a\":1}\n{\"a\":2}\n").await;
     assert_eq!(first.json(), serde_json::json!({"accepted": 2, "offsets": [0, 1]}));
