@@ -151,6 +151,22 @@ pub fn verify(storage: &dyn Storage, dir: &Path, progress: &mut dyn FnMut(Verify
         total += len;
         files.push((b, path, file, len));
     }
+    // After a clean close the whole tail was durable: damage in it is damage, not a tear.
+    let marker = if names.iter().any(|n| n == crate::CLEAN_MARKER_FILE) {
+        let path = dir.join(crate::CLEAN_MARKER_FILE);
+        let mut b = [0u8; crate::format::CLEAN_MARKER_LEN];
+        storage
+            .open(&path, OpenMode::Read)
+            .ok()
+            .and_then(|f| (read_up_to_at(&*f, &mut b, 0).ok() == Some(b.len())).then_some(()))
+            .and_then(|()| crate::format::CleanMarker::decode(&b))
+    } else {
+        None
+    };
+    let tail_closed_cleanly = match (files.last(), marker) {
+        (Some((base, _, _, len)), Some(m)) => m.tail_base == *base && m.tail_len == *len,
+        _ => false,
+    };
     let mut report = VerifyReport { segments: files.len(), ..VerifyReport::default() };
     let mut done = 0u64;
     // The offset the next segment must start at (from the previous seal), if known.
@@ -196,7 +212,9 @@ pub fn verify(storage: &dyn Storage, dir: &Path, progress: &mut dyn FnMut(Verify
         expected_base = out.sealed;
         match out.stop {
             Some((pos, p)) if i == last => {
-                if find_proof_of_durable_damage(&**file, path, *len, pos)?.is_some() {
+                if tail_closed_cleanly {
+                    report.problems.push(problem(pos, format!("{p} (in a tail closed cleanly)")));
+                } else if find_proof_of_durable_damage(&**file, path, *len, pos)?.is_some() {
                     report.problems.push(problem(pos, format!("{p} (bytes that were durable)")));
                 } else {
                     report.torn_tail = Some(Location { file: path.clone(), position: out.valid_end });

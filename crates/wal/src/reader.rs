@@ -83,16 +83,23 @@ impl Reader {
         let mut out = Vec::new();
         let mut bytes = 0usize;
         while self.next < end && out.len() < max_records {
-            let Some(record) = self.read_one(end)? else { break };
+            // An error after some records were read returns those records; the reader
+            // stays at the failing offset and the next call reports the error.
+            let record = match self.read_one(end) {
+                Ok(Some(r)) => r,
+                Ok(None) => break,
+                Err(e) if out.is_empty() => return Err(e),
+                Err(_) => break,
+            };
             bytes += record.payload.len();
             out.push(record);
             if bytes >= max_bytes {
                 break;
             }
-            if let Some(r) = self.peek_len()?
-                && bytes + r > max_bytes
-            {
-                break;
+            match self.peek_len() {
+                Ok(Some(r)) if bytes + r > max_bytes => break,
+                Ok(_) => {}
+                Err(_) => break, // reported by the next call
             }
         }
         Ok(out)

@@ -123,61 +123,52 @@ pub(crate) fn open(storage: Arc<dyn Storage>, dir: &Path, opts: &WalOptions, rea
         return Ok(finish(storage, dir, opts, vec![seg], opts.initial_offset, lock, report));
     }
 
+    // Read every header first; a bad one is remembered, not trusted.
     let mut loaded = Vec::with_capacity(bases.len());
-    let mut damage: Option<(usize, WalError)> = None;
+    let mut bad_headers: Vec<Option<WalError>> = Vec::with_capacity(bases.len());
     for (i, &base) in bases.iter().enumerate() {
         let path = dir.join(crate::format::segment_file_name(base));
         let writable = !read_only && i == bases.len() - 1;
         let mode = if writable { OpenMode::ReadWrite } else { OpenMode::Read };
         let file = storage.open(&path, mode).map_err(io_err(&path))?;
         let len = file.len().map_err(io_err(&path))?;
-        match read_header(&*file, &path, base, len) {
-            Ok(header) => loaded.push(Loaded { base, path, file, len, header }),
-            Err(e) => {
-                damage = Some((i, e));
-                // Keep the file so a salvage can move it; its header is not trusted.
-                loaded.push(Loaded { base, path, file, len, header: SegmentHeader { base_offset: base, flags: 0 } });
-                for &b in &bases[i + 1..] {
-                    let path = dir.join(crate::format::segment_file_name(b));
-                    let file = storage.open(&path, OpenMode::Read).map_err(io_err(&path))?;
-                    let len = file.len().map_err(io_err(&path))?;
-                    loaded.push(Loaded {
-                        base: b,
-                        path,
-                        file,
-                        len,
-                        header: SegmentHeader { base_offset: b, flags: 0 },
-                    });
-                }
-                break;
-            }
-        }
+        let (header, bad) = match read_header(&*file, &path, base, len) {
+            Ok(h) => (h, None),
+            Err(e) => (SegmentHeader { base_offset: base, flags: 0 }, Some(e)),
+        };
+        loaded.push(Loaded { base, path, file, len, header });
+        bad_headers.push(bad);
     }
-    // Every segment with a successor must be sealed at the successor's base.
-    if damage.is_none() {
-        for i in 0..loaded.len() - 1 {
-            let (seg, next) = (&loaded[i], &loaded[i + 1]);
-            // A salvage is asked for because something is wrong: then every byte of
-            // every sealed segment is checked, not only its seal.
-            let full_check = opts.recovery == RecoveryMode::Salvage && !read_only;
-            let checked = full_scan_ok(&*seg.file, &seg.path, seg.base, seg.len, full_check)
-                .and_then(|()| read_seal(&*seg.file, &seg.path, seg.len))
-                .and_then(|seal| {
-                    let gap_allowed = next.header.flags & SEGMENT_FLAG_GAP_BEFORE != 0;
-                    if seal == next.base || (gap_allowed && seal < next.base) {
-                        Ok(())
-                    } else {
-                        Err(WalError::Gap {
-                            location: Location { file: next.path.clone(), position: 0 },
-                            expected: seal,
-                            found: next.base,
-                        })
-                    }
-                });
-            if let Err(e) = checked {
-                damage = Some((i, e));
-                break;
-            }
+    // The first problem in segment order wins: a bad header, or a segment with a
+    // successor that is not sealed at the successor's base.
+    let mut damage: Option<(usize, WalError)> = None;
+    for i in 0..loaded.len() {
+        if let Some(e) = bad_headers[i].take() {
+            damage = Some((i, e));
+            break;
+        }
+        let Some(next) = loaded.get(i + 1) else { break };
+        let seg = &loaded[i];
+        // A salvage is asked for because something is wrong: then every byte of every
+        // sealed segment is checked, not only its seal.
+        let full_check = opts.recovery == RecoveryMode::Salvage && !read_only;
+        let gap_allowed = bad_headers[i + 1].is_none() && next.header.flags & SEGMENT_FLAG_GAP_BEFORE != 0;
+        let checked = full_scan_ok(&*seg.file, &seg.path, seg.base, seg.len, full_check)
+            .and_then(|()| read_seal(&*seg.file, &seg.path, seg.len))
+            .and_then(|seal| {
+                if seal == next.base || (gap_allowed && seal < next.base) {
+                    Ok(())
+                } else {
+                    Err(WalError::Gap {
+                        location: Location { file: next.path.clone(), position: 0 },
+                        expected: seal,
+                        found: next.base,
+                    })
+                }
+            });
+        if let Err(e) = checked {
+            damage = Some((i, e));
+            break;
         }
     }
 
@@ -188,7 +179,7 @@ pub(crate) fn open(storage: Arc<dyn Storage>, dir: &Path, opts: &WalOptions, rea
         let tail_index = loaded.len() - 1;
         let tail = loaded.last_mut().ok_or_else(|| WalError::NotALog(dir.clone()))?;
         match marker {
-            Some(m) if m.tail_base == tail.base && m.tail_len == tail.len => {
+            Some(m) if marker_fits(&m, tail) => {
                 report.clean_shutdown = true;
                 next_offset = m.next_offset;
                 tail_sealed = m.tail_sealed;
@@ -268,6 +259,17 @@ pub(crate) fn open(storage: Arc<dyn Storage>, dir: &Path, opts: &WalOptions, rea
         segs.push(create_segment(&*storage, &dir, next_offset, flags)?);
     }
     Ok(finish(storage, dir, opts, segs, next_offset, lock, report))
+}
+
+/// A clean-shutdown marker is trusted only if it describes this tail and is consistent
+/// with it: the same base and length, records exactly when the file holds more than its
+/// header, and, if it says sealed, a seal at the end naming its next offset.
+fn marker_fits(m: &CleanMarker, tail: &Loaded) -> bool {
+    let same = m.tail_base == tail.base && m.tail_len == tail.len;
+    let has_records = tail.len > SEGMENT_HEADER_LEN;
+    let offsets_fit = if has_records { m.next_offset > tail.base } else { m.next_offset == tail.base };
+    let seal_fits = !m.tail_sealed || read_seal(&*tail.file, &tail.path, tail.len).is_ok_and(|s| s == m.next_offset);
+    same && offsets_fit && (m.tail_sealed || !has_records || m.next_offset > tail.base) && seal_fits
 }
 
 fn finish(
@@ -379,7 +381,7 @@ fn salvage(
         None
     };
     let kept_until = match &prefix {
-        Some(out) => out.next_offset,
+        Some(out) => out.sealed.unwrap_or(out.next_offset),
         None => bad.base,
     };
     // No offset any damaged byte could hold is ever used again: every record takes at
@@ -390,6 +392,9 @@ fn salvage(
         let room = d.len.saturating_sub(SEGMENT_HEADER_LEN) / FRAME_HEADER_LEN + 1;
         resume = resume.max(d.base.saturating_add(room));
     }
+    // A damaged file named near the top of the range can leave no room at all; the log
+    // still opens (and reads), and appends then fail with `OffsetsExhausted`.
+    let resume = resume.min(crate::format::OFFSET_MAX);
     let damaged_dir = dir.join(DAMAGED_DIR);
     storage.create_dir_all(&damaged_dir).map_err(io_err(&damaged_dir))?;
     let existing = storage.list_dir(&damaged_dir).map_err(io_err(&damaged_dir))?;
@@ -414,7 +419,9 @@ fn salvage(
     {
         let mut bytes = vec![0u8; out.valid_end as usize];
         read_exact_at(&*bad.file, &mut bytes, 0).map_err(io_err(&bad.path))?;
-        bytes.extend_from_slice(&FrameHeader::seal(out.next_offset, out.valid_end).encode());
+        if out.sealed.is_none() {
+            bytes.extend_from_slice(&FrameHeader::seal(out.next_offset, out.valid_end).encode());
+        }
         let seg = create_segment_with(storage, dir, bad.base, &bytes)?;
         loaded.push(Loaded {
             base: bad.base,

@@ -305,10 +305,17 @@ impl Writer {
 
     /// Seals the active segment (if not sealed yet) and starts its successor.
     fn rotate(&mut self) -> Result<()> {
-        assert!(
-            self.next_offset > self.active.base,
-            "rotating an empty segment would give its successor the same name"
-        );
+        if self.next_offset <= self.active.base {
+            // Its successor would take its name. The writer never seals an empty
+            // segment, so this is a log whose recovered state is inconsistent.
+            let why = format!(
+                "segment {} holds bytes but no records; refusing to rotate into its own name",
+                self.active.path.display()
+            );
+            tracing::error!("{why}");
+            self.poisoned = Some(why.clone());
+            return Err(WalError::Poisoned(why));
+        }
         if !self.active.sealed.load(Ordering::Acquire) {
             if self.written_len != self.durable_len {
                 self.sync_active().map_err(|e| self.fail_rotation(e))?;

@@ -164,7 +164,12 @@ fn salvage_keeps_the_valid_prefix_moves_the_rest_and_never_reuses_an_offset() {
     // A strict open checks seals, not every byte of sealed segments; readers find it.
     let wal = open(&sim, small_options());
     let mut r = wal.reader(second_base).unwrap();
+    // The records before the damage come back first; the damage is the next answer, and
+    // the reader stays at it.
+    assert_eq!(r.try_read(10, 1 << 20).unwrap().len(), 2);
     assert!(r.try_read(10, 1 << 20).unwrap_err().is_corruption());
+    assert!(r.try_read(10, 1 << 20).unwrap_err().is_corruption());
+    assert_eq!(r.position(), second_base + 2);
     drop(wal);
 
     let opts = WalOptions { recovery: RecoveryMode::Salvage, ..small_options() };

@@ -165,17 +165,20 @@ impl State {
     /// (and, for a crash, that the power was lost just before it).
     fn check(&mut self, op: FaultOp) -> io::Result<()> {
         self.ops += 1;
+        // A fault due now fires; if several are due on the same operation, the first
+        // fires and the others stay due (at 1) for the next operation they count.
         let mut fire = None;
         for (i, a) in self.armed.iter_mut().enumerate() {
             let (aop, remaining) = match a {
                 Armed::Fail { op, remaining, .. } | Armed::Crash { op, remaining, .. } => (*op, remaining),
             };
-            let counts = aop == op || aop == FaultOp::AnyMutation;
-            if counts {
+            if aop != op && aop != FaultOp::AnyMutation {
+                continue;
+            }
+            if *remaining > 1 {
                 *remaining -= 1;
-                if *remaining == 0 && fire.is_none() {
-                    fire = Some(i);
-                }
+            } else if fire.is_none() {
+                fire = Some(i);
             }
         }
         if let Some(i) = fire {
@@ -641,6 +644,17 @@ mod tests {
         assert!(f.sync_data().is_err());
         assert_eq!(s.crashes(), 1);
         assert_eq!(s.read_file(Path::new("/d/a")).unwrap(), b"");
+    }
+
+    #[test]
+    fn two_faults_due_on_the_same_operation_fire_one_after_the_other() {
+        let s = SimStorage::new();
+        let f = file(&s, "/d/a");
+        s.fail_nth(FaultOp::Write, 1, io::ErrorKind::Other);
+        s.fail_nth(FaultOp::AnyMutation, 1, io::ErrorKind::StorageFull);
+        assert_eq!(f.write_all_at(b"x", 0).unwrap_err().kind(), io::ErrorKind::Other);
+        assert_eq!(f.write_all_at(b"x", 0).unwrap_err().kind(), io::ErrorKind::StorageFull);
+        f.write_all_at(b"x", 0).unwrap();
     }
 
     #[test]
