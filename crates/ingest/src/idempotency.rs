@@ -3,7 +3,8 @@
 //!
 //! Ordering, and why a crash cannot turn into a loss: the log is the source of truth.
 //! A request is appended to the log **first**; only after the append resolved is its key
-//! written to redb, in a cheap non-durable commit. Every record carries its delivery key
+//! written to redb, in a cheap non-durable commit shared with the keys of concurrent
+//! requests (a recorder thread group-commits them). Every record carries its delivery key
 //! in its envelope, so the index can always be rebuilt from the log:
 //!
 //! - A periodic checkpoint waits until no keyed request is between "append resolved" and
@@ -29,7 +30,7 @@ use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 
 use redb::{Durability, ReadableDatabase, ReadableTable};
-use tokio::sync::{OwnedRwLockReadGuard, RwLock};
+use tokio::sync::{OwnedRwLockReadGuard, RwLock, oneshot};
 use wal::Wal;
 use wal::inspect::Records;
 
@@ -78,6 +79,40 @@ pub struct IdempotencyIndex {
     retention_ms: u64,
     gate: Arc<RwLock<()>>,
     in_flight: Mutex<HashSet<Vec<u8>>>,
+    recorder: Mutex<Option<std::sync::mpsc::Sender<RecordJob>>>,
+    recorder_thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+/// One key to record, and where to say it was.
+type RecordJob = (Vec<u8>, PriorAcceptance, oneshot::Sender<Result<(), StateError>>);
+
+/// The most keys one recorder transaction carries.
+const RECORD_GROUP_MAX: usize = 4096;
+
+/// The recorder thread: group-commits key records, many requests per redb transaction
+/// (redb serializes write transactions, so one per request would queue them), and
+/// keeps the blocking redb writes off the async runtime's threads.
+fn run_recorder(state: Arc<StateDb>, jobs: std::sync::mpsc::Receiver<RecordJob>) {
+    while let Ok(first) = jobs.recv() {
+        let mut group = vec![first];
+        while group.len() < RECORD_GROUP_MAX {
+            match jobs.try_recv() {
+                Ok(job) => group.push(job),
+                Err(_) => break,
+            }
+        }
+        let result = (|| {
+            let mut txn = state.db.begin_write().map_err(storage_err)?;
+            txn.set_durability(Durability::None).map_err(|e| StateError::Storage(e.to_string()))?;
+            for (key, prior, _) in &group {
+                insert(&txn, key, *prior)?;
+            }
+            txn.commit().map_err(storage_err)
+        })();
+        for (_, _, reply) in group {
+            let _ = reply.send(result.clone());
+        }
+    }
 }
 
 /// Held while a keyed request is in progress; dropping it releases the key.
@@ -85,6 +120,17 @@ pub struct Claim {
     index: Arc<IdempotencyIndex>,
     key: Vec<u8>,
     _gate: OwnedRwLockReadGuard<()>,
+}
+
+impl Drop for IdempotencyIndex {
+    /// Stops the recorder after the records it holds, so the state database is released
+    /// when the index is.
+    fn drop(&mut self) {
+        self.recorder.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(handle) = self.recorder_thread.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            let _ = handle.join();
+        }
+    }
 }
 
 impl Drop for Claim {
@@ -95,7 +141,28 @@ impl Drop for Claim {
 
 impl IdempotencyIndex {
     pub fn new(state: Arc<StateDb>, retention_ms: u64) -> IdempotencyIndex {
-        IdempotencyIndex { state, retention_ms, gate: Arc::new(RwLock::new(())), in_flight: Mutex::new(HashSet::new()) }
+        let (tx, rx) = std::sync::mpsc::channel();
+        let recorder_state = state.clone();
+        let (recorder, recorder_thread) = match std::thread::Builder::new()
+            .name("idempotency-recorder".into())
+            .spawn(move || run_recorder(recorder_state, rx))
+        {
+            Ok(handle) => (Some(tx), Some(handle)),
+            Err(e) => {
+                // Keys are then not recorded at runtime (each failure is counted); they
+                // are still rebuilt from the log on the next start.
+                tracing::error!(error = %e, "cannot start the idempotency recorder thread");
+                (None, None)
+            }
+        };
+        IdempotencyIndex {
+            state,
+            retention_ms,
+            gate: Arc::new(RwLock::new(())),
+            in_flight: Mutex::new(HashSet::new()),
+            recorder: Mutex::new(recorder),
+            recorder_thread: Mutex::new(recorder_thread),
+        }
     }
 
     pub fn retention_ms(&self) -> u64 {
@@ -129,11 +196,17 @@ impl IdempotencyIndex {
     }
 
     /// Records an acceptance (non-durably: see the module doc for why that is safe).
-    pub fn record(&self, claim: &Claim, prior: PriorAcceptance) -> Result<(), StateError> {
-        let mut txn = self.state.db.begin_write().map_err(storage_err)?;
-        txn.set_durability(Durability::None).map_err(|e| StateError::Storage(e.to_string()))?;
-        insert(&txn, &claim.key, prior)?;
-        txn.commit().map_err(storage_err)
+    /// Resolves once the record is committed (non-durably), so the claim may be dropped.
+    pub async fn record(&self, claim: &Claim, prior: PriorAcceptance) -> Result<(), StateError> {
+        let (reply, done) = oneshot::channel();
+        let sent = {
+            let recorder = self.recorder.lock().unwrap_or_else(|p| p.into_inner());
+            recorder.as_ref().is_some_and(|tx| tx.send((claim.key.clone(), prior, reply)).is_ok())
+        };
+        if !sent {
+            return Err(StateError::Storage("the idempotency recorder is not running".into()));
+        }
+        done.await.map_err(|_| StateError::Storage("the idempotency recorder stopped".into()))?
     }
 
     /// Makes every key of records below the log's current end durable, and sweeps keys
@@ -272,7 +345,7 @@ mod tests {
         let index = Arc::new(IdempotencyIndex::new(state, 1_000));
         let c = index.claim(&key("a")).await.unwrap();
         let prior = PriorAcceptance { first_offset: 3, last_offset: 5, accepted_at_unix_ms: 10_000 };
-        index.record(&c, prior).unwrap();
+        index.record(&c, prior).await.unwrap();
         drop(c);
         assert_eq!(index.lookup(&key("a"), 10_500).unwrap(), Some(prior));
         assert_eq!(index.lookup(&key("a"), 11_001).unwrap(), None);

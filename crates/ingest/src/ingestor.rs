@@ -144,7 +144,7 @@ impl Ingestor {
             last_offset: accepted.last_offset,
             accepted_at_unix_ms: s.received_at_unix_ms,
         };
-        if let Err(e) = self.idempotency.record(&claim, prior) {
+        if let Err(e) = self.idempotency.record(&claim, prior).await {
             // The events are durable; the key will be restored from the log on restart.
             metrics::counter!("iggy_ingest_idempotency_record_failures_total").increment(1);
             tracing::error!(source = %s.source_key, error = %e, "recording a delivery id failed; a retry may duplicate until restart");

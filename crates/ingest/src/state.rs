@@ -27,7 +27,7 @@ pub(crate) const ENDPOINTS: TableDefinition<u128, &[u8]> = TableDefinition::new(
 
 pub(crate) const META_SCHEMA_VERSION: &str = "schema_version";
 
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum StateError {
     #[error(
         "state database {path} has schema version {found}, this build expects {expected}; refusing to start (nothing was changed)"
