@@ -36,7 +36,7 @@ pub enum BodyError {
     InvalidJson(String),
     #[error("line {line}: not valid JSON: {detail}")]
     MalformedLine { line: usize, detail: String },
-    #[error("body holds no events")]
+    #[error("body holds no events (an empty body is not an event: Iggy stores no empty message)")]
     NoEvents,
 }
 
@@ -66,6 +66,10 @@ fn is_json(essence: &str) -> bool {
 
 /// Splits and checks a body. `content_type` is the request's `Content-Type`, if any.
 pub fn decode(content_type: Option<&str>, body: Bytes, accept: Accept) -> Result<Decoded, BodyError> {
+    // Iggy stores no empty message: an empty body would be accepted and never delivered.
+    if body.is_empty() {
+        return Err(BodyError::NoEvents);
+    }
     let ess = content_type.map(essence);
     match ess.as_deref() {
         Some(e) if is_ndjson(e) => decode_ndjson(body),
@@ -122,6 +126,13 @@ mod tests {
             decode(Some("application/x-ndjson"), Bytes::from_static(b"\n \n"), Accept::Any),
             Err(BodyError::NoEvents)
         );
+    }
+
+    #[test]
+    fn an_empty_body_is_no_event_whatever_the_source_accepts() {
+        for ct in [None, Some("text/plain"), Some("application/json")] {
+            assert_eq!(decode(ct, Bytes::new(), Accept::Any), Err(BodyError::NoEvents), "{ct:?}");
+        }
     }
 
     #[test]

@@ -30,6 +30,8 @@ pub fn router(shared: Arc<Shared>) -> Router {
         .route("/health", get(health))
         .route("/status", get(status))
         .route("/metrics", get(metrics))
+        .route("/connectors/{key}", get(connector))
+        .route("/connectors/{key}/destinations", get(crate::delivery::destinations))
         .route("/v1/endpoints", get(list).post(register))
         .route("/v1/endpoints/{id}", axum::routing::delete(revoke))
         .route("/v1/endpoints/{id}/rotate", post(rotate))
@@ -52,6 +54,7 @@ async fn status(State(s): State<Arc<Shared>>) -> Response {
             let mut view = serde_json::to_value(v.view()).unwrap_or_default();
             if let Some(obj) = view.as_object_mut() {
                 obj.insert("state".into(), json!(state));
+                obj.insert("delivery".into(), json!(crate::delivery::connector_delivery_status(&s.delivery, k)));
             }
             (k.clone(), view)
         })
@@ -66,6 +69,30 @@ async fn status(State(s): State<Arc<Shared>>) -> Response {
             "max_bytes": stats.max_bytes,
         },
         "sources": sources,
+        "router": s.delivery.status_json(),
+    }))
+    .into_response()
+}
+
+/// `GET /connectors/{key}`: one source's door status and its delivery status.
+async fn connector(State(s): State<Arc<Shared>>, Path(key): Path<String>) -> Response {
+    let Some(door) = s.status.get(&key) else {
+        return ApiError::not_found("no such connector").into_response();
+    };
+    let destinations = s.delivery.destinations_of(&key);
+    let held_records: u64 = destinations.iter().map(|d| d.held_records).sum();
+    let held_bytes: u64 = destinations.iter().map(|d| d.held_bytes).sum();
+    Json(json!({
+        "connector": key,
+        "state": s.health.state().as_str(),
+        "door": serde_json::to_value(door.view()).unwrap_or_default(),
+        "delivery": {
+            "status": crate::delivery::connector_delivery_status(&s.delivery, &key),
+            "destinations": destinations.len(),
+            "held_records": held_records,
+            "held_bytes": held_bytes,
+            "router": s.delivery.status_json(),
+        },
     }))
     .into_response()
 }

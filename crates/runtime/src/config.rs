@@ -34,6 +34,7 @@ pub struct Config {
     pub wal: WalConfig,
     pub idempotency: IdempotencyConfig,
     pub iggy: IggyConfig,
+    pub router: crate::delivery::RouterSection,
     pub sources: BTreeMap<String, SourceConfig>,
 }
 
@@ -99,6 +100,10 @@ pub struct IggyConfig {
     pub address: String,
     pub username: String,
     pub password: String,
+    pub tls: bool,
+    pub tls_domain: Option<String>,
+    pub tls_ca_file: Option<String>,
+    pub reconnection_interval_ms: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -276,7 +281,15 @@ impl Default for IdempotencyConfig {
 
 impl Default for IggyConfig {
     fn default() -> Self {
-        IggyConfig { address: "127.0.0.1:8090".into(), username: "iggy".into(), password: "iggy".into() }
+        IggyConfig {
+            address: "127.0.0.1:8090".into(),
+            username: "iggy".into(),
+            password: "iggy".into(),
+            tls: false,
+            tls_domain: None,
+            tls_ca_file: None,
+            reconnection_interval_ms: 500,
+        }
     }
 }
 
@@ -292,6 +305,7 @@ impl Default for Config {
             wal: WalConfig::default(),
             idempotency: IdempotencyConfig::default(),
             iggy: IggyConfig::default(),
+            router: crate::delivery::RouterSection::default(),
             sources: BTreeMap::new(),
         }
     }
@@ -478,6 +492,7 @@ pub struct Settings {
     pub checkpoint_interval: Duration,
     pub sources: Vec<SourceSpec>,
     pub endpoints: Vec<Endpoint>,
+    pub delivery: crate::delivery::DeliverySettings,
 }
 
 impl Settings {
@@ -633,6 +648,22 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
         c.err(&iggy.key("address"), "must not be empty");
     }
 
+    let connection = crate::delivery::IggyConnection {
+        address: config.iggy.address.clone(),
+        username: config.iggy.username.clone(),
+        password: config.iggy.password.clone(),
+        tls: config.iggy.tls,
+        tls_domain: config.iggy.tls_domain.clone(),
+        tls_ca_file: config.iggy.tls_ca_file.clone(),
+        reconnection_interval_ms: config.iggy.reconnection_interval_ms,
+    };
+    let source_keys: Vec<String> = config.sources.keys().cloned().collect();
+    let (delivery, problems) = crate::delivery::check(&config.router, &connection, &source_keys);
+    for (segments, message) in problems {
+        let path = segments.iter().fold(KeyPath::default(), |p, k| p.key(k));
+        c.err(&path, message);
+    }
+
     let sources_path = root.key("sources");
     if config.sources.is_empty() {
         c.err(&sources_path, "at least one source is required");
@@ -772,6 +803,7 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
         checkpoint_interval: Duration::from_millis(checkpoint_ms),
         sources,
         endpoints,
+        delivery,
     })
 }
 

@@ -46,6 +46,7 @@ pub struct Shared {
     pub health: Arc<Health>,
     pub management_token: Option<String>,
     pub metrics: Option<PrometheusHandle>,
+    pub delivery: Arc<crate::delivery::Delivery>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -56,6 +57,8 @@ pub enum StartError {
     Wal { path: PathBuf, source: WalError },
     #[error(transparent)]
     State(#[from] StateError),
+    #[error("cannot start delivery: {0}")]
+    Delivery(String),
     #[error("cannot bind the {listener} listener: {source}")]
     Bind { listener: &'static str, source: std::io::Error },
 }
@@ -138,6 +141,12 @@ pub async fn start(settings: Settings, metrics: Option<PrometheusHandle>) -> Res
     let status = Arc::new(StatusBoard::new(source_keys));
     let health = Arc::new(Health::default());
 
+    // Delivery never waits for Iggy: the daemon accepts and holds while it is away.
+    let delivery = Arc::new(
+        crate::delivery::Delivery::start(&settings.delivery, wal.clone(), state.clone())
+            .map_err(StartError::Delivery)?,
+    );
+
     let shared = Arc::new(Shared {
         wal: wal.clone(),
         state: state.clone(),
@@ -147,6 +156,7 @@ pub async fn start(settings: Settings, metrics: Option<PrometheusHandle>) -> Res
         health: health.clone(),
         management_token: settings.management_token.clone(),
         metrics,
+        delivery: delivery.clone(),
     });
     let door = Arc::new(Door {
         sources: settings.sources.iter().map(|s| (s.key.clone(), Arc::new(s.clone()))).collect::<HashMap<_, _>>(),
@@ -205,6 +215,8 @@ pub async fn start(settings: Settings, metrics: Option<PrometheusHandle>) -> Res
         let _ = http_stop_tx.send(true);
         let drained = http_task.await.map(|d| d.complete).unwrap_or(false);
         checkpoint_task.abort();
+        // Stop sending and store the last cursors while the log is still open.
+        delivery.shutdown().await;
         let wal_closed = wal.close().await.map_err(|e| e.to_string());
         let checkpoint = idempotency.checkpoint(&wal, ingest::time::now_unix_ms()).await.map_err(|e| e.to_string());
         let _ = admin_stop_tx.send(true);

@@ -6,4 +6,5 @@
 pub mod admin;
 pub mod config;
 pub mod daemon;
+pub mod delivery;
 pub mod logging;

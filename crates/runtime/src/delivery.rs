@@ -1,0 +1,481 @@
+//! Delivery to Iggy inside the daemon: the `[router]` configuration, the router's start
+//! and stop, and the admin routes that show connectors and their destinations.
+//!
+//! Invariants:
+//! - Every `[router]` setting is validated with the key path named in the error, and
+//!   every default is written out in `config/default.toml` with why.
+//! - The router starts after the log and the state database are open and stops after
+//!   the webhook listener drained and before the log closes, so its last cursors are
+//!   stored while the log is still there.
+//! - The daemon starts and accepts while Iggy is unreachable: nothing here waits for it.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::Json;
+use axum::extract::{Path, State};
+use axum::response::{IntoResponse, Response};
+use ingest::StateDb;
+use router::iggy_sink::{IggySink, IggySinkConfig, TopicDefaults};
+use router::status::Status;
+use router::{
+    BatchPolicy, BreakerPolicy, DestinationKey, LaneSnapshot, OnAdmissionFailure, Policies, Router, RouterPolicy,
+    StateCursorStore,
+};
+use serde::Deserialize;
+use serde_json::json;
+use wal::Wal;
+
+/// `[router]`: defaults for every source, `[router.sources.<key>]` overrides per source.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RouterSection {
+    /// `false` keeps every accepted event in the log and sends nothing.
+    pub enabled: bool,
+    pub batch_max_records: u64,
+    pub batch_max_bytes: u64,
+    pub linger_ms: u64,
+    pub result_timeout_ms: u64,
+    pub backoff_base_ms: u64,
+    pub backoff_max_ms: u64,
+    pub degraded_after_failures: u64,
+    pub failure_threshold: u64,
+    pub cool_down_ms: u64,
+    pub max_destinations: u64,
+    pub max_concurrent_destinations: u64,
+    pub on_admission_failure: String,
+    pub dead_letter_stream: Option<String>,
+    pub dead_letter_topic: Option<String>,
+    pub lane_queue_max_records: u64,
+    pub overflow_after_ms: u64,
+    pub topic_defaults: TopicDefaultsSection,
+    pub sources: BTreeMap<String, PolicyOverrides>,
+}
+
+impl Default for RouterSection {
+    fn default() -> Self {
+        let p = PolicySection::default();
+        RouterSection {
+            enabled: true,
+            batch_max_records: p.batch_max_records,
+            batch_max_bytes: p.batch_max_bytes,
+            linger_ms: p.linger_ms,
+            result_timeout_ms: p.result_timeout_ms,
+            backoff_base_ms: p.backoff_base_ms,
+            backoff_max_ms: p.backoff_max_ms,
+            degraded_after_failures: p.degraded_after_failures,
+            failure_threshold: p.failure_threshold,
+            cool_down_ms: p.cool_down_ms,
+            max_destinations: p.max_destinations,
+            max_concurrent_destinations: p.max_concurrent_destinations,
+            on_admission_failure: p.on_admission_failure,
+            dead_letter_stream: p.dead_letter_stream,
+            dead_letter_topic: p.dead_letter_topic,
+            lane_queue_max_records: p.lane_queue_max_records,
+            overflow_after_ms: p.overflow_after_ms,
+            topic_defaults: TopicDefaultsSection::default(),
+            sources: BTreeMap::new(),
+        }
+    }
+}
+
+impl RouterSection {
+    /// The policy keys of this section.
+    pub fn policy(&self) -> PolicySection {
+        PolicySection {
+            batch_max_records: self.batch_max_records,
+            batch_max_bytes: self.batch_max_bytes,
+            linger_ms: self.linger_ms,
+            result_timeout_ms: self.result_timeout_ms,
+            backoff_base_ms: self.backoff_base_ms,
+            backoff_max_ms: self.backoff_max_ms,
+            degraded_after_failures: self.degraded_after_failures,
+            failure_threshold: self.failure_threshold,
+            cool_down_ms: self.cool_down_ms,
+            max_destinations: self.max_destinations,
+            max_concurrent_destinations: self.max_concurrent_destinations,
+            on_admission_failure: self.on_admission_failure.clone(),
+            dead_letter_stream: self.dead_letter_stream.clone(),
+            dead_letter_topic: self.dead_letter_topic.clone(),
+            lane_queue_max_records: self.lane_queue_max_records,
+            overflow_after_ms: self.overflow_after_ms,
+        }
+    }
+}
+
+/// The delivery policy keys (see `router::policy` for what each means and why).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PolicySection {
+    pub batch_max_records: u64,
+    pub batch_max_bytes: u64,
+    pub linger_ms: u64,
+    pub result_timeout_ms: u64,
+    pub backoff_base_ms: u64,
+    pub backoff_max_ms: u64,
+    pub degraded_after_failures: u64,
+    pub failure_threshold: u64,
+    pub cool_down_ms: u64,
+    pub max_destinations: u64,
+    pub max_concurrent_destinations: u64,
+    pub on_admission_failure: String,
+    pub dead_letter_stream: Option<String>,
+    pub dead_letter_topic: Option<String>,
+    pub lane_queue_max_records: u64,
+    pub overflow_after_ms: u64,
+}
+
+impl Default for PolicySection {
+    fn default() -> Self {
+        let p = RouterPolicy::default();
+        PolicySection {
+            batch_max_records: p.batch.batch_max_records as u64,
+            batch_max_bytes: p.batch.batch_max_bytes as u64,
+            linger_ms: p.batch.linger.as_millis() as u64,
+            result_timeout_ms: p.batch.result_timeout.as_millis() as u64,
+            backoff_base_ms: p.batch.backoff_base.as_millis() as u64,
+            backoff_max_ms: p.batch.backoff_max.as_millis() as u64,
+            degraded_after_failures: u64::from(p.batch.degraded_after_failures),
+            failure_threshold: u64::from(p.breaker.failure_threshold),
+            cool_down_ms: p.breaker.cool_down.as_millis() as u64,
+            max_destinations: p.max_destinations as u64,
+            max_concurrent_destinations: p.max_concurrent_destinations as u64,
+            on_admission_failure: "error".into(),
+            dead_letter_stream: None,
+            dead_letter_topic: None,
+            lane_queue_max_records: p.lane_queue_max_records as u64,
+            overflow_after_ms: p.overflow_after.as_millis() as u64,
+        }
+    }
+}
+
+/// Per-source overrides: any key of `[router]`'s policy, absent ones inherited.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PolicyOverrides {
+    pub batch_max_records: Option<u64>,
+    pub batch_max_bytes: Option<u64>,
+    pub linger_ms: Option<u64>,
+    pub result_timeout_ms: Option<u64>,
+    pub backoff_base_ms: Option<u64>,
+    pub backoff_max_ms: Option<u64>,
+    pub degraded_after_failures: Option<u64>,
+    pub failure_threshold: Option<u64>,
+    pub cool_down_ms: Option<u64>,
+    pub max_destinations: Option<u64>,
+    pub max_concurrent_destinations: Option<u64>,
+    pub on_admission_failure: Option<String>,
+    pub dead_letter_stream: Option<String>,
+    pub dead_letter_topic: Option<String>,
+    pub lane_queue_max_records: Option<u64>,
+    pub overflow_after_ms: Option<u64>,
+}
+
+/// `[router.topic_defaults]`: how the daemon creates a stream's topic on first use.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TopicDefaultsSection {
+    pub partitions_count: u64,
+    /// 0: messages never expire.
+    pub message_expiry_secs: u64,
+    /// 0: no limit beyond the server's.
+    pub max_topic_size_bytes: u64,
+    /// 0: the server's segment size.
+    pub segment_size_bytes: u64,
+    pub enforce_fsync: bool,
+    pub messages_required_to_save: u64,
+}
+
+impl Default for TopicDefaultsSection {
+    fn default() -> Self {
+        let d = TopicDefaults::default();
+        TopicDefaultsSection {
+            partitions_count: u64::from(d.partitions_count),
+            message_expiry_secs: 0,
+            max_topic_size_bytes: 0,
+            segment_size_bytes: 0,
+            enforce_fsync: d.enforce_fsync,
+            messages_required_to_save: u64::from(d.messages_required_to_save),
+        }
+    }
+}
+
+/// The validated delivery settings.
+#[derive(Debug, Clone)]
+pub struct DeliverySettings {
+    pub enabled: bool,
+    pub policies: Policies,
+    pub sink: IggySinkConfig,
+}
+
+/// One validation problem: the key path below the document root, and the message.
+pub type Problem = (Vec<String>, String);
+
+fn to_u32(v: u64, path: &[&str], problems: &mut Vec<Problem>) -> u32 {
+    u32::try_from(v).unwrap_or_else(|_| {
+        problems.push((path.iter().map(|s| s.to_string()).collect(), format!("must be at most {}", u32::MAX)));
+        u32::MAX
+    })
+}
+
+fn policy_from(s: &PolicySection, prefix: &[&str], problems: &mut Vec<Problem>) -> RouterPolicy {
+    let at = |k: &str| -> Vec<String> { prefix.iter().map(|s| s.to_string()).chain([k.to_string()]).collect() };
+    let on_admission_failure = match s.on_admission_failure.as_str() {
+        "error" => OnAdmissionFailure::Error,
+        "drop" => OnAdmissionFailure::Drop,
+        "dead_letter" => OnAdmissionFailure::DeadLetter,
+        other => {
+            problems.push((
+                at("on_admission_failure"),
+                format!("{other:?} is not one of \"error\", \"drop\", \"dead_letter\""),
+            ));
+            OnAdmissionFailure::Error
+        }
+    };
+    let dead_letter = match (&s.dead_letter_stream, &s.dead_letter_topic) {
+        (Some(stream), Some(topic)) => Some(DestinationKey::new(stream.clone(), topic.clone())),
+        (None, None) => None,
+        (Some(_), None) => {
+            problems.push((at("dead_letter_topic"), "required when dead_letter_stream is set".into()));
+            None
+        }
+        (None, Some(_)) => {
+            problems.push((at("dead_letter_stream"), "required when dead_letter_topic is set".into()));
+            None
+        }
+    };
+    let mut u32_of = |v: u64, k: &str| {
+        let path = at(k);
+        let refs: Vec<&str> = path.iter().map(String::as_str).collect();
+        to_u32(v, &refs, problems)
+    };
+    let degraded_after_failures = u32_of(s.degraded_after_failures, "degraded_after_failures");
+    let failure_threshold = u32_of(s.failure_threshold, "failure_threshold");
+    let policy = RouterPolicy {
+        batch: BatchPolicy {
+            batch_max_records: s.batch_max_records as usize,
+            batch_max_bytes: s.batch_max_bytes as usize,
+            linger: Duration::from_millis(s.linger_ms),
+            result_timeout: Duration::from_millis(s.result_timeout_ms),
+            backoff_base: Duration::from_millis(s.backoff_base_ms),
+            backoff_max: Duration::from_millis(s.backoff_max_ms),
+            degraded_after_failures,
+        },
+        breaker: BreakerPolicy { failure_threshold, cool_down: Duration::from_millis(s.cool_down_ms) },
+        max_destinations: s.max_destinations as usize,
+        max_concurrent_destinations: s.max_concurrent_destinations as usize,
+        on_admission_failure,
+        dead_letter,
+        lane_queue_max_records: s.lane_queue_max_records as usize,
+        overflow_after: Duration::from_millis(s.overflow_after_ms),
+    };
+    if let Err(e) = policy.validate() {
+        // The router's own message names the field; put it under this section.
+        let field = e.split_whitespace().next().unwrap_or("").trim_matches('"').to_string();
+        let path = if field.chars().all(|c| c.is_ascii_lowercase() || c == '_') && !field.is_empty() {
+            at(&field)
+        } else {
+            prefix.iter().map(|s| s.to_string()).collect()
+        };
+        problems.push((path, e));
+    }
+    policy
+}
+
+fn merged(base: &PolicySection, o: &PolicyOverrides) -> PolicySection {
+    PolicySection {
+        batch_max_records: o.batch_max_records.unwrap_or(base.batch_max_records),
+        batch_max_bytes: o.batch_max_bytes.unwrap_or(base.batch_max_bytes),
+        linger_ms: o.linger_ms.unwrap_or(base.linger_ms),
+        result_timeout_ms: o.result_timeout_ms.unwrap_or(base.result_timeout_ms),
+        backoff_base_ms: o.backoff_base_ms.unwrap_or(base.backoff_base_ms),
+        backoff_max_ms: o.backoff_max_ms.unwrap_or(base.backoff_max_ms),
+        degraded_after_failures: o.degraded_after_failures.unwrap_or(base.degraded_after_failures),
+        failure_threshold: o.failure_threshold.unwrap_or(base.failure_threshold),
+        cool_down_ms: o.cool_down_ms.unwrap_or(base.cool_down_ms),
+        max_destinations: o.max_destinations.unwrap_or(base.max_destinations),
+        max_concurrent_destinations: o.max_concurrent_destinations.unwrap_or(base.max_concurrent_destinations),
+        on_admission_failure: o.on_admission_failure.clone().unwrap_or_else(|| base.on_admission_failure.clone()),
+        dead_letter_stream: o.dead_letter_stream.clone().or_else(|| base.dead_letter_stream.clone()),
+        dead_letter_topic: o.dead_letter_topic.clone().or_else(|| base.dead_letter_topic.clone()),
+        lane_queue_max_records: o.lane_queue_max_records.unwrap_or(base.lane_queue_max_records),
+        overflow_after_ms: o.overflow_after_ms.unwrap_or(base.overflow_after_ms),
+    }
+}
+
+/// Where Iggy is and how to sign in, as the daemon's `[iggy]` section gives them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IggyConnection {
+    pub address: String,
+    pub username: String,
+    pub password: String,
+    pub tls: bool,
+    pub tls_domain: Option<String>,
+    pub tls_ca_file: Option<String>,
+    pub reconnection_interval_ms: u64,
+}
+
+/// Validates `[router]` against the configured sources. Problems name key paths below
+/// the document root.
+pub fn check(section: &RouterSection, iggy: &IggyConnection, sources: &[String]) -> (DeliverySettings, Vec<Problem>) {
+    let mut problems = Vec::new();
+    let base = section.policy();
+    let default = policy_from(&base, &["router"], &mut problems);
+    let mut per_source = HashMap::new();
+    for (key, o) in &section.sources {
+        if !sources.contains(key) {
+            problems
+                .push((vec!["router".into(), "sources".into(), key.clone()], format!("there is no source {key:?}")));
+            continue;
+        }
+        let p = policy_from(&merged(&base, o), &["router", "sources", key], &mut problems);
+        per_source.insert(key.clone(), Arc::new(p));
+    }
+    let t = &section.topic_defaults;
+    let at = |k: &str| vec!["router".to_string(), "topic_defaults".to_string(), k.to_string()];
+    if t.partitions_count == 0 {
+        problems.push((at("partitions_count"), "must be greater than 0".into()));
+    }
+    if t.messages_required_to_save == 0 {
+        problems.push((at("messages_required_to_save"), "must be greater than 0".into()));
+    }
+    let partitions_count = to_u32(t.partitions_count, &["router", "topic_defaults", "partitions_count"], &mut problems);
+    let messages_required_to_save =
+        to_u32(t.messages_required_to_save, &["router", "topic_defaults", "messages_required_to_save"], &mut problems);
+    if iggy.reconnection_interval_ms == 0 {
+        problems.push((vec!["iggy".into(), "reconnection_interval_ms".into()], "must be greater than 0".into()));
+    }
+    let sink = IggySinkConfig {
+        address: iggy.address.clone(),
+        username: iggy.username.clone(),
+        password: iggy.password.clone(),
+        tls: iggy.tls,
+        tls_domain: iggy.tls_domain.clone(),
+        tls_ca_file: iggy.tls_ca_file.clone(),
+        reconnection_max_retries: 1,
+        reconnection_interval: Duration::from_millis(iggy.reconnection_interval_ms.max(1)),
+        topic_defaults: TopicDefaults {
+            partitions_count,
+            message_expiry: (t.message_expiry_secs > 0).then(|| Duration::from_secs(t.message_expiry_secs)),
+            max_topic_size_bytes: (t.max_topic_size_bytes > 0).then_some(t.max_topic_size_bytes),
+            segment_size_bytes: (t.segment_size_bytes > 0).then_some(t.segment_size_bytes),
+            enforce_fsync: t.enforce_fsync,
+            messages_required_to_save,
+        },
+    };
+    let mut policies = Policies::uniform(default);
+    policies.sources = per_source;
+    (DeliverySettings { enabled: section.enabled, policies, sink }, problems)
+}
+
+/// The running router, as the daemon holds it.
+pub struct Delivery {
+    router: Mutex<Option<Router>>,
+    enabled: bool,
+}
+
+impl std::fmt::Debug for Delivery {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Delivery").field("enabled", &self.enabled).finish()
+    }
+}
+
+impl Delivery {
+    /// Starts the router over `wal` (unless disabled). Never waits for Iggy.
+    pub fn start(settings: &DeliverySettings, wal: Arc<Wal>, state: Arc<StateDb>) -> Result<Delivery, String> {
+        if !settings.enabled {
+            tracing::warn!("delivery is disabled ([router] enabled = false): events are kept in the log only");
+            return Ok(Delivery { router: Mutex::new(None), enabled: false });
+        }
+        let sink = Arc::new(IggySink::new(&settings.sink)?);
+        let cursors = Arc::new(StateCursorStore::new(state));
+        let router = Router::start(wal, sink, cursors, settings.policies.clone())?;
+        tracing::info!(iggy = %settings.sink.address, "delivery started");
+        Ok(Delivery { router: Mutex::new(Some(router)), enabled: true })
+    }
+
+    /// Stops sending; what is in flight stays in the log and is sent after a restart.
+    pub async fn shutdown(&self) {
+        let router = self.router.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(r) = router {
+            r.shutdown().await;
+        }
+    }
+
+    fn with<T>(&self, f: impl FnOnce(&Router) -> T) -> Option<T> {
+        self.router.lock().unwrap_or_else(|p| p.into_inner()).as_ref().map(f)
+    }
+
+    /// The router's status, or `None` when delivery is disabled or stopped.
+    pub fn status_json(&self) -> serde_json::Value {
+        match self.with(|r| (r.status(), r.released_below(), r.held_from())) {
+            None if !self.enabled => json!({"status": "disabled"}),
+            None => json!({"status": "stopped"}),
+            Some((s, released, held)) => json!({
+                "status": s.status.as_str(),
+                "since_unix_ms": unix_ms(s.since),
+                "reason": s.reason,
+                "last_error": s.last_error.map(|(e, t)| json!({"message": e, "at_unix_ms": unix_ms(t)})),
+                "log_released_below": released,
+                "held_from_offset": held,
+            }),
+        }
+    }
+
+    pub fn destinations_of(&self, source: &str) -> Vec<LaneSnapshot> {
+        self.with(|r| r.destinations_of(source)).unwrap_or_default()
+    }
+}
+
+fn unix_ms(t: std::time::SystemTime) -> u64 {
+    t.duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+}
+
+pub fn lane_json(d: &LaneSnapshot) -> serde_json::Value {
+    json!({
+        "stream": d.destination.stream,
+        "topic": d.destination.topic,
+        "status": d.status.as_str(),
+        "breaker": d.breaker,
+        "cursor": d.delivered_below,
+        "held_records": d.held_records,
+        "held_bytes": d.held_bytes,
+        "oldest_held_age_ms": d.oldest_held_age_ms,
+        "sent_records": d.sent_records,
+        "rejected_records": d.rejected_records,
+        "consecutive_failures": d.consecutive_failures,
+        "last_error": d.last_error,
+        "partitions_count": d.partitions_count,
+        "warning": d.not_durable_warning.then_some(
+            "the topic acknowledges without fsync: its acks may not survive a crash of the server"
+        ),
+        "reading_from_log": d.overflowed,
+    })
+}
+
+/// A connector's delivery status: Degraded while any of its destinations is, Running
+/// otherwise (or the router's own status when it is not running).
+pub fn connector_delivery_status(delivery: &Delivery, source: &str) -> &'static str {
+    let lanes = delivery.destinations_of(source);
+    if lanes.iter().any(|l| l.status == Status::Degraded) {
+        return Status::Degraded.as_str();
+    }
+    if lanes.iter().any(|l| l.status == Status::Error) {
+        return Status::Error.as_str();
+    }
+    match delivery.with(|r| r.status().status) {
+        Some(Status::Degraded) | Some(Status::Running) => Status::Running.as_str(),
+        Some(s) => s.as_str(),
+        None if !delivery.enabled => "disabled",
+        None => Status::Stopped.as_str(),
+    }
+}
+
+/// `GET /connectors/{key}/destinations`.
+pub async fn destinations(State(s): State<Arc<crate::daemon::Shared>>, Path(key): Path<String>) -> Response {
+    if s.status.get(&key).is_none() {
+        return http_source::error::ApiError::not_found("no such connector").into_response();
+    }
+    let lanes: Vec<serde_json::Value> = s.delivery.destinations_of(&key).iter().map(lane_json).collect();
+    Json(json!({"connector": key, "destinations": lanes})).into_response()
+}

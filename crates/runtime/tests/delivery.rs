@@ -1,0 +1,152 @@
+//! The daemon delivering into Iggy's wire protocol (the test broker): accepted events
+//! arrive with their ids, the admin API shows the destination, and a broker outage with
+//! a kill -9 of the daemon in the middle loses nothing.
+
+mod common;
+
+use std::collections::HashSet;
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use common::*;
+use test_broker::{TestBroker, TestBrokerConfig};
+
+fn rest(broker: SocketAddr) -> String {
+    format!(
+        r#"
+[iggy]
+address = "{broker}"
+reconnection_interval_ms = 100
+
+[router]
+linger_ms = 1
+backoff_base_ms = 50
+backoff_max_ms = 500
+degraded_after_failures = 3
+
+[sources.default]
+destination = {{ stream = "ingest", topic = "events" }}
+"#
+    )
+}
+
+async fn wait_until<F: FnMut() -> bool>(what: &str, limit: Duration, mut cond: F) {
+    let start = Instant::now();
+    while !cond() {
+        assert!(start.elapsed() < limit, "timed out waiting for: {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+async fn admin_json(admin: SocketAddr, path: &str) -> serde_json::Value {
+    request(admin, "GET", path, &[], "").await.json()
+}
+
+/// The `n` of every stored message, in arrival order, first copy of each id only.
+fn delivered_ns(broker: &TestBroker) -> Vec<u64> {
+    let mut seen = HashSet::new();
+    broker
+        .messages("ingest", "events")
+        .into_iter()
+        .filter(|m| seen.insert(m.id))
+        .map(|m| {
+            let v: serde_json::Value = serde_json::from_slice(&m.payload).expect("payload is the posted JSON");
+            v["n"].as_u64().expect("n")
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn accepted_events_reach_iggy_and_the_admin_api_shows_the_destination() {
+    let broker = TestBroker::start(TestBrokerConfig::default()).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let daemon = Daemon::start(dir.path(), "", &rest(broker.addr()));
+    for n in 0..50u64 {
+        let a = post_json(daemon.http, "/v1/sources/default", &format!("{{\"n\":{n}}}")).await;
+        assert_eq!(a.status, 200);
+    }
+    wait_until("delivered", Duration::from_secs(30), || broker.messages("ingest", "events").len() >= 50).await;
+    assert_eq!(delivered_ns(&broker), (0..50).collect::<Vec<_>>());
+    // The ids Iggy stored are the ids in the log.
+    let in_log: HashSet<u128> = read_log(&daemon.wal_dir()).iter().map(|(_, e)| e.header.message_id).collect();
+    assert!(broker.messages("ingest", "events").iter().all(|m| in_log.contains(&m.id)));
+
+    let mut lane = serde_json::Value::Null;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while Instant::now() < deadline {
+        let d = admin_json(daemon.admin, "/connectors/default/destinations").await;
+        lane = d["destinations"][0].clone();
+        if lane["cursor"] == 50 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(lane["stream"], "ingest");
+    assert_eq!(lane["topic"], "events");
+    assert_eq!(lane["cursor"], 50, "{lane}");
+    assert_eq!(lane["held_records"], 0);
+    assert_eq!(lane["breaker"], "closed");
+    assert_eq!(lane["warning"], serde_json::Value::Null, "the daemon's own topic must be durable");
+    let c = admin_json(daemon.admin, "/connectors/default").await;
+    assert_eq!(c["delivery"]["status"], "running", "{c}");
+    assert_eq!(request(daemon.admin, "GET", "/connectors/nope/destinations", &[], "").await.status, 404);
+    let metrics = String::from_utf8(request(daemon.admin, "GET", "/metrics", &[], "").await.body.to_vec()).unwrap();
+    assert!(metrics.contains("iggy_connector_messages_routed_total{connector_key=\"default\"} 50"), "{metrics}");
+    assert!(daemon.stop().success());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_outage_with_a_kill_9_in_the_middle_loses_nothing() {
+    let broker = TestBroker::start(TestBrokerConfig::default()).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let mut daemon = Daemon::start(dir.path(), "", &rest(broker.addr()));
+    let mut n = 0u64;
+    let mut post = |addr: SocketAddr| {
+        let body = format!("{{\"n\":{n}}}");
+        n += 1;
+        async move {
+            let a = post_json(addr, "/v1/sources/default", &body).await;
+            assert_eq!(a.status, 200, "the door stopped accepting during the outage");
+        }
+    };
+    for _ in 0..20 {
+        post(daemon.http).await;
+    }
+    wait_until("first events delivered", Duration::from_secs(30), || broker.messages("ingest", "events").len() >= 20)
+        .await;
+
+    broker.stop().await;
+    for _ in 0..100 {
+        post(daemon.http).await;
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let c = admin_json(daemon.admin, "/connectors/default").await;
+        if c["delivery"]["status"] == "degraded" {
+            assert!(c["delivery"]["held_records"].as_u64().unwrap_or(0) > 0, "{c}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "never degraded: {c}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    // The daemon dies while the broker is still away, and comes back without it.
+    daemon.kill9();
+    let daemon = Daemon::restart(dir.path());
+    for _ in 0..30 {
+        post(daemon.http).await;
+    }
+    broker.restart().await.unwrap();
+    wait_until("everything delivered", Duration::from_secs(60), || delivered_ns(&broker).len() >= 150).await;
+    assert_eq!(delivered_ns(&broker), (0..150).collect::<Vec<_>>(), "lost or reordered events");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let c = admin_json(daemon.admin, "/connectors/default").await;
+        if c["delivery"]["status"] == "running" && c["delivery"]["held_records"] == 0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "never back to running: {c}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(daemon.stop().success());
+}
