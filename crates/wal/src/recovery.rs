@@ -394,7 +394,8 @@ fn salvage(
     }
     // A damaged file named near the top of the range can leave no room at all; the log
     // still opens (and reads), and appends then fail with `OffsetsExhausted`.
-    let resume = resume.min(crate::format::OFFSET_MAX);
+    // Never below what was kept, though: a kept record's offset is never reused.
+    let resume = resume.min(crate::format::OFFSET_MAX).max(kept_until);
     let damaged_dir = dir.join(DAMAGED_DIR);
     storage.create_dir_all(&damaged_dir).map_err(io_err(&damaged_dir))?;
     let existing = storage.list_dir(&damaged_dir).map_err(io_err(&damaged_dir))?;
