@@ -87,16 +87,35 @@ pub fn tag_of(p: &[u8]) -> Option<u64> {
     Some(u64::from_le_bytes(b))
 }
 
+/// Which jumps in offsets a read may show.
+#[derive(Debug, Clone, Copy)]
+pub enum Jumps<'a> {
+    /// Only forward to one of these bases: segments a salvage started past a gap.
+    ToGapBases(&'a [u64]),
+    /// Any jump forward. For logs opened on a clean-shutdown marker that lies about the
+    /// tail, which the log trusts by design; offsets must still only increase.
+    Any,
+}
+
+impl Jumps<'_> {
+    fn allows(&self, from: u64, to: u64) -> bool {
+        match self {
+            Jumps::ToGapBases(bases) => to == from || (to > from && bases.contains(&to)),
+            Jumps::Any => to >= from,
+        }
+    }
+}
+
 /// Reads every durable record from `from` on, in batches bounded by `max_records` and
-/// `max_bytes`, checking each batch's bounds and that offsets are dense, except for a
-/// jump forward to one of `gap_bases` (segments a salvage started past a gap). Returns
-/// what was read and the error that stopped the read, if any.
+/// `max_bytes`, checking each batch's bounds and that offsets are dense (except for the
+/// `jumps` allowed), and that a failed read consumes nothing. Returns what was read and
+/// the error that stopped the read, if any.
 pub fn read_all(
     wal: &Wal,
     from: u64,
     max_records: usize,
     max_bytes: usize,
-    gap_bases: &[u64],
+    jumps: Jumps<'_>,
 ) -> (Vec<Record>, Option<WalError>) {
     let mut out: Vec<Record> = Vec::new();
     let mut reader = match wal.reader(from) {
@@ -116,16 +135,19 @@ pub fn read_all(
                     batch.len()
                 );
                 for r in batch {
-                    let jump = r.offset > expected && gap_bases.contains(&r.offset);
-                    assert!(r.offset == expected || jump, "offsets not dense: {} where {expected} was due", r.offset);
+                    assert!(
+                        jumps.allows(expected, r.offset),
+                        "offsets not dense: {} where {expected} was due",
+                        r.offset
+                    );
                     expected = r.offset + 1;
                     out.push(r);
                 }
-                // Having crossed a seal, the reader may already stand at the base of a
-                // segment a salvage started past a gap.
+                // Having crossed a seal, the reader may already stand at the base of the
+                // next segment.
                 let at = reader.position();
                 assert!(
-                    at == expected || (at > expected && gap_bases.contains(&at)),
+                    jumps.allows(expected, at),
                     "reader position {at} disagrees with what it returned (next due {expected})"
                 );
             }
@@ -135,7 +157,7 @@ pub fn read_all(
                 let at = reader.position();
                 if !known("reader-error-consumes-records") {
                     assert!(
-                        at == expected || (at > expected && gap_bases.contains(&at)),
+                        jumps.allows(expected, at),
                         "a read that failed ({e}) moved the reader to {at}, past records it never returned (from {expected})"
                     );
                 }

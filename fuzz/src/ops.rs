@@ -28,7 +28,7 @@ use wal::format::OFFSET_MAX;
 use wal::storage::{CrashMode, FaultOp, SimStorage, Storage};
 use wal::{Wal, WalError, WalOptions};
 
-use crate::{Input, known, log_dir, payload, read_all, tag_of};
+use crate::{Input, Jumps, known, log_dir, payload, read_all, tag_of};
 
 /// At most this many operations per input.
 pub const MAX_OPS: usize = 64;
@@ -313,7 +313,7 @@ impl Harness {
             "the log ends at {next}, but offset {} was durable",
             self.model.min_next - 1
         );
-        let (records, err) = read_all(wal, start, 1000, 1 << 20, &[]);
+        let (records, err) = read_all(wal, start, 1000, 1 << 20, Jumps::ToGapBases(&[]));
         if let Some(e) = err {
             panic!("reading the whole log from {start} failed after {} records: {e}", records.len());
         }
@@ -426,7 +426,7 @@ impl Harness {
             let first = reader.read(max_records, max_bytes).await.expect("read of durable records");
             assert_eq!(first.first().map(|r| r.offset), Some(from), "read did not start at {from}");
         }
-        let (records, err) = read_all(wal, from, max_records, max_bytes, &[]);
+        let (records, err) = read_all(wal, from, max_records, max_bytes, Jumps::ToGapBases(&[]));
         if let Some(e) = err {
             panic!("reading from {from} failed after {} records: {e}", records.len());
         }
