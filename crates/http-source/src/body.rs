@@ -26,6 +26,9 @@ pub struct Decoded {
     pub events: Vec<Bytes>,
     /// The content type stored with each event.
     pub content_type: Option<String>,
+    /// For NDJSON, the 1-based line of each event (blank lines are skipped, so this is
+    /// not the event's index); `None` for a single-event body.
+    pub lines: Option<Vec<usize>>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -75,17 +78,20 @@ pub fn decode(content_type: Option<&str>, body: Bytes, accept: Accept) -> Result
         Some(e) if is_ndjson(e) => decode_ndjson(body),
         Some(e) if is_json(e) => {
             serde_json::from_slice::<IgnoredAny>(&body).map_err(|err| BodyError::InvalidJson(err.to_string()))?;
-            Ok(Decoded { events: vec![body], content_type: content_type.map(str::to_string) })
+            Ok(Decoded { events: vec![body], content_type: content_type.map(str::to_string), lines: None })
         }
         other => match accept {
             Accept::Json => Err(BodyError::UnsupportedMediaType(other.unwrap_or("").to_string())),
-            Accept::Any => Ok(Decoded { events: vec![body], content_type: content_type.map(str::to_string) }),
+            Accept::Any => {
+                Ok(Decoded { events: vec![body], content_type: content_type.map(str::to_string), lines: None })
+            }
         },
     }
 }
 
 fn decode_ndjson(body: Bytes) -> Result<Decoded, BodyError> {
     let mut events = Vec::new();
+    let mut lines = Vec::new();
     let mut start = 0usize;
     let mut line_no = 0usize;
     while start < body.len() {
@@ -103,11 +109,12 @@ fn decode_ndjson(body: Bytes) -> Result<Decoded, BodyError> {
         serde_json::from_slice::<IgnoredAny>(&line)
             .map_err(|err| BodyError::MalformedLine { line: line_no, detail: err.to_string() })?;
         events.push(line);
+        lines.push(line_no);
     }
     if events.is_empty() {
         return Err(BodyError::NoEvents);
     }
-    Ok(Decoded { events, content_type: Some("application/json".to_string()) })
+    Ok(Decoded { events, content_type: Some("application/json".to_string()), lines: Some(lines) })
 }
 
 #[cfg(test)]
@@ -119,6 +126,7 @@ mod tests {
         let d =
             decode(Some("application/x-ndjson"), Bytes::from_static(b"{\"a\":1}\r\n\n[2]\n"), Accept::Json).unwrap();
         assert_eq!(d.events, vec![Bytes::from_static(b"{\"a\":1}"), Bytes::from_static(b"[2]")]);
+        assert_eq!(d.lines, Some(vec![1, 3]), "blank lines are skipped but still counted");
         let e =
             decode(Some("application/x-ndjson; charset=utf-8"), Bytes::from_static(b"{}\n\n{oops\n{}"), Accept::Any);
         assert!(matches!(e, Err(BodyError::MalformedLine { line: 3, .. })), "{e:?}");

@@ -3,10 +3,14 @@
 //!
 //! Invariants:
 //! - 200 is answered only after the ingest core's append resolved; the body is
-//!   `{"accepted": n, "offsets": [first, last]}`.
+//!   `{"accepted": n, "offsets": [first, last]}`, plus `"dropped": d` when the route
+//!   dropped events. A request whose every event was dropped appends nothing and is
+//!   answered `{"accepted": 0, "dropped": d}`.
 //! - Every other answer is an [`ApiError`] with a JSON body, and nothing is appended:
-//!   all checks (draining, size, timeouts, auth, decoding, delivery id) run before the
-//!   append, and once the append resolved `Ok` the answer is 200.
+//!   all checks (draining, size, timeouts, auth, decoding, delivery id, destinations)
+//!   run before the append, and once the append resolved `Ok` the answer is 200.
+//! - Destinations are resolved here, at the door ([`crate::resolve`]): a refused
+//!   destination is a 422 naming the reason, while the sender still owns the event.
 //! - Metrics labels are the source key (from configuration, never from the request),
 //!   status class and fixed reasons: never paths, ids or peer addresses.
 
@@ -32,6 +36,7 @@ use crate::endpoints::{EndpointRegistry, Lookup, parse_id};
 use crate::error::ApiError;
 use crate::health::Health;
 use crate::metrics::DoorMetrics;
+use crate::resolve::resolve;
 use crate::source::{DELIVERY_ID_HEADERS, DELIVERY_KEY_MAX_BYTES, HEADER_VALUE_MAX_BYTES, SourceSpec};
 use crate::status::StatusBoard;
 
@@ -248,6 +253,25 @@ async fn receive_inner(
     })?;
 
     let delivery_key = if source.idempotency { delivery_key(source, &parts.headers)? } else { None };
+    let routing = door.metrics.source(&source.key).map(|m| &m.routing);
+    let resolution = resolve(source, &parts.headers, decoded.events, decoded.lines.as_deref()).map_err(|r| {
+        if let Some(m) = routing {
+            m.refused(r.kind);
+        }
+        ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, r.kind.code(), r.message)
+    })?;
+    if resolution.events.is_empty() {
+        // Every event was dropped by the route: nothing to append, and the sender is
+        // told how many were dropped.
+        if let Some(m) = door.metrics.source(&source.key) {
+            m.routing.unmatched(resolution.defaulted, resolution.dropped);
+            m.requests_2xx.increment(1);
+        }
+        if let Some(s) = door.status.get(&source.key) {
+            s.accepted(0, false);
+        }
+        return Ok((StatusCode::OK, axum::Json(json!({"accepted": 0, "dropped": resolution.dropped}))).into_response());
+    }
     let headers = forward_headers(source, &parts.headers);
     let mut metadata = Vec::new();
     if source.metadata.peer_addr
@@ -265,8 +289,7 @@ async fn receive_inner(
         metadata,
         headers,
         delivery_key,
-        destination: source.destination.clone(),
-        events: decoded.events,
+        events: resolution.events,
         received_at_unix_ms,
     };
     let accepted = door.ingestor.accept(submission).await.map_err(|e| {
@@ -282,13 +305,15 @@ async fn receive_inner(
         m.requests_2xx.increment(1);
         if !accepted.replayed {
             m.events_accepted.increment(accepted.events);
+            m.routing.unmatched(resolution.defaulted, resolution.dropped);
+            m.routing.key_misses(&resolution.key_misses);
         }
     }
-    let mut resp = (
-        StatusCode::OK,
-        axum::Json(json!({"accepted": accepted.events, "offsets": [accepted.first_offset, accepted.last_offset]})),
-    )
-        .into_response();
+    let mut body = json!({"accepted": accepted.events, "offsets": [accepted.first_offset, accepted.last_offset]});
+    if resolution.dropped > 0 {
+        body["dropped"] = json!(resolution.dropped);
+    }
+    let mut resp = (StatusCode::OK, axum::Json(body)).into_response();
     if accepted.replayed {
         resp.headers_mut().insert("idempotent-replayed", HeaderValue::from_static("true"));
     }

@@ -2,19 +2,25 @@
 //!
 //! ```text
 //!  TCP ─▶ server (connection cap, header/idle timeout, graceful drain)
-//!        ─▶ door (route ─▶ size/timeout ─▶ auth ─▶ decode ─▶ delivery id) ─▶ ingest::Ingestor
+//!        ─▶ door (route ─▶ size/timeout ─▶ auth ─▶ decode ─▶ delivery id ─▶ resolve destinations)
+//!        ─▶ ingest::Ingestor
 //! ```
 //!
 //! Invariant of the whole crate: a request is answered 200 only after the ingest core
 //! reported its events durable; every other answer appends nothing.
 
+pub mod admission;
 pub mod auth;
 pub mod body;
 pub mod door;
 pub mod endpoints;
 pub mod error;
+pub mod field_path;
 pub mod health;
 pub mod metrics;
+pub mod partition;
+pub mod resolve;
+pub mod route;
 pub mod server;
 pub mod source;
 pub mod status;
@@ -23,4 +29,4 @@ pub use auth::AuthScheme;
 pub use body::Accept;
 pub use door::{Door, DoorLimits, router};
 pub use endpoints::{Endpoint, EndpointRegistry};
-pub use source::{MetadataFields, SourceSpec};
+pub use source::{Destinations, MetadataFields, SourceSpec};

@@ -3,7 +3,9 @@
 //!
 //! Invariants:
 //! - Labels are the source key (from configuration), status class and fixed reasons
-//!   only: never paths, ids or peer addresses.
+//!   only: never paths, ids or peer addresses. The `iggy_connector_*` routing series
+//!   use only `connector_key` (the source key), `reason` and `action`, the labels the
+//!   router uses for the same names.
 //! - Handles are created after the process installed its recorder (the daemon builds
 //!   the door after installing it); handles made without a recorder are no-ops.
 
@@ -11,12 +13,80 @@ use std::collections::HashMap;
 
 use metrics::{Counter, Histogram};
 
+use crate::partition::KeyMiss;
+use crate::resolve::RefusalKind;
+use crate::route::OnMissing;
+
 /// The handles of one source.
 #[derive(Clone)]
 pub struct SourceMetrics {
     pub requests_2xx: Counter,
     pub events_accepted: Counter,
     pub request_duration: Histogram,
+    pub routing: RoutingMetrics,
+}
+
+/// What routing at the door decided, per source.
+#[derive(Clone)]
+pub struct RoutingMetrics {
+    unmatched_default: Counter,
+    unmatched_drop: Counter,
+    unmatched_error: Counter,
+    rejected_unknown: Counter,
+    rejected_invalid: Counter,
+    rejected_denylist: Counter,
+    rejected_not_allowlisted: Counter,
+    key_missing: Counter,
+    key_not_u32: Counter,
+}
+
+impl RoutingMetrics {
+    pub fn new(source: &str) -> RoutingMetrics {
+        let unmatched = |action: &'static str| metrics::counter!("iggy_connector_routing_unmatched_total", "connector_key" => source.to_string(), "action" => action);
+        let rejected = |reason: &'static str| metrics::counter!("iggy_connector_destinations_rejected_total", "connector_key" => source.to_string(), "reason" => reason);
+        let key = |reason: &'static str| metrics::counter!("iggy_connector_partition_key_missing_total", "connector_key" => source.to_string(), "reason" => reason);
+        RoutingMetrics {
+            unmatched_default: unmatched(OnMissing::Default.action()),
+            unmatched_drop: unmatched(OnMissing::Drop.action()),
+            unmatched_error: unmatched(OnMissing::Error.action()),
+            rejected_unknown: rejected(RefusalKind::Unknown.reason()),
+            rejected_invalid: rejected(RefusalKind::Invalid.reason()),
+            rejected_denylist: rejected("denylist"),
+            rejected_not_allowlisted: rejected("not_allowlisted"),
+            key_missing: key(KeyMiss::Missing.reason()),
+            key_not_u32: key(KeyMiss::NotU32.reason()),
+        }
+    }
+
+    /// Counts the events of an accepted request that went to the default or were dropped.
+    pub fn unmatched(&self, defaulted: u64, dropped: u64) {
+        self.unmatched_default.increment(defaulted);
+        self.unmatched_drop.increment(dropped);
+    }
+
+    pub fn key_misses(&self, misses: &[KeyMiss]) {
+        for m in misses {
+            match m {
+                KeyMiss::Missing => self.key_missing.increment(1),
+                KeyMiss::NotU32 => self.key_not_u32.increment(1),
+            }
+        }
+    }
+
+    /// Counts a refused request (once, for its first refused event).
+    pub fn refused(&self, kind: RefusalKind) {
+        match kind {
+            RefusalKind::Unknown => {
+                self.unmatched_error.increment(1);
+                self.rejected_unknown.increment(1);
+            }
+            RefusalKind::Invalid => self.rejected_invalid.increment(1),
+            RefusalKind::Admission(crate::admission::Refusal::Denylisted) => self.rejected_denylist.increment(1),
+            RefusalKind::Admission(crate::admission::Refusal::NotAllowlisted) => {
+                self.rejected_not_allowlisted.increment(1)
+            }
+        }
+    }
 }
 
 impl SourceMetrics {
@@ -26,6 +96,7 @@ impl SourceMetrics {
             requests_2xx: metrics::counter!("iggy_ingest_http_requests_total", "source" => key.clone(), "status_class" => "2xx"),
             events_accepted: metrics::counter!("iggy_ingest_events_accepted_total", "source" => key.clone()),
             request_duration: metrics::histogram!("iggy_ingest_http_request_duration_seconds", "source" => key),
+            routing: RoutingMetrics::new(source),
         }
     }
 }

@@ -1,16 +1,20 @@
-//! What a source is: its key, destination, accepted bodies, auth for its named path,
-//! and which request details go into each record.
+//! What a source is: its key, where its events go (a fixed destination or a route, a
+//! partitioning rule, admission), accepted bodies, auth for its named path, and which
+//! request details go into each record.
 //!
 //! Invariants:
 //! - Specs are validated when built from configuration; at request time nothing here
 //!   can fail.
+//! - A routed source's mapping is a table by the time the door serves it (a
+//!   `mapping_url` is fetched at start, before the listener binds).
 //! - `forward_headers` never names a credential header (refused at config load by
 //!   [`is_credential_header`]).
 
-use ingest::Destination;
-
+use crate::admission::Admission;
 use crate::auth::AuthScheme;
 use crate::body::Accept;
+use crate::partition::PartitionRule;
+use crate::route::Route;
 
 /// The largest header value Iggy accepts; longer forwarded values are cut to this and
 /// the cut is counted.
@@ -30,10 +34,37 @@ pub struct MetadataFields {
     pub received_at: bool,
 }
 
+/// Where a source's events go, before partitioning.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Destinations {
+    /// Every event goes to this stream and topic.
+    Fixed { stream: String, topic: String },
+    /// Each event is routed by its payload.
+    Routed(Route),
+}
+
+impl Destinations {
+    pub fn route(&self) -> Option<&Route> {
+        match self {
+            Destinations::Fixed { .. } => None,
+            Destinations::Routed(r) => Some(r),
+        }
+    }
+
+    pub fn route_mut(&mut self) -> Option<&mut Route> {
+        match self {
+            Destinations::Fixed { .. } => None,
+            Destinations::Routed(r) => Some(r),
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct SourceSpec {
     pub key: String,
-    pub destination: Destination,
+    pub destinations: Destinations,
+    pub partitioning: PartitionRule,
+    pub admission: Admission,
     pub accept: Accept,
     /// Whether `POST /v1/sources/{key}` is served (secret-path endpoints work either way).
     pub named_path: bool,

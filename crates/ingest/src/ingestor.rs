@@ -19,7 +19,14 @@ use wal::{Wal, WalError};
 use crate::envelope::{Destination, Envelope, EnvelopeHeader, message_id_for_delivery, random_message_id};
 use crate::idempotency::{IdempotencyIndex, IdempotencyKey, PriorAcceptance};
 
-/// One request's worth of events, decoded and authenticated.
+/// One event of a submission and where it goes (resolved at the door).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Event {
+    pub destination: Destination,
+    pub payload: Bytes,
+}
+
+/// One request's worth of events, decoded, authenticated and routed.
 #[derive(Debug, Clone)]
 pub struct Submission {
     pub source_key: String,
@@ -29,8 +36,9 @@ pub struct Submission {
     pub headers: Vec<(String, Vec<u8>)>,
     /// The sender's delivery id, if the request carried one.
     pub delivery_key: Option<String>,
-    pub destination: Destination,
-    pub events: Vec<Bytes>,
+    /// Each event with its own destination (events of one request may go to different
+    /// topics), in request order.
+    pub events: Vec<Event>,
     pub received_at_unix_ms: u64,
 }
 
@@ -157,7 +165,7 @@ impl Ingestor {
         let batch_len =
             u32::try_from(s.events.len()).map_err(|_| IngestError::TooLarge { len: s.events.len(), max: u32::MAX })?;
         let mut records = Vec::with_capacity(s.events.len());
-        for (i, payload) in s.events.iter().enumerate() {
+        for (i, event) in s.events.iter().enumerate() {
             let batch_index = i as u32;
             let message_id = match &s.delivery_key {
                 Some(k) => message_id_for_delivery(&s.source_key, k, batch_index),
@@ -174,9 +182,9 @@ impl Ingestor {
                 idempotency_key: s.delivery_key.clone(),
                 batch_index,
                 batch_len,
-                destination: s.destination.clone(),
+                destination: event.destination.clone(),
             };
-            records.push(Envelope::encode(&header, payload));
+            records.push(Envelope::encode(&header, &event.payload));
         }
         let started = Instant::now();
         let result = self.wal.append(records).await;
@@ -213,12 +221,18 @@ mod tests {
             metadata: vec![],
             headers: vec![],
             delivery_key: key.map(str::to_string),
-            destination: Destination {
-                stream: "ingest".into(),
-                topic: "events".into(),
-                partitioning: Partitioning::Balanced,
-            },
-            events: events.iter().map(|e| Bytes::copy_from_slice(e.as_bytes())).collect(),
+            events: events
+                .iter()
+                .enumerate()
+                .map(|(i, e)| Event {
+                    destination: Destination {
+                        stream: "ingest".into(),
+                        topic: format!("events-{i}"),
+                        partitioning: Partitioning::Balanced,
+                    },
+                    payload: Bytes::copy_from_slice(e.as_bytes()),
+                })
+                .collect(),
             received_at_unix_ms: crate::time::now_unix_ms(),
         }
     }
@@ -240,6 +254,7 @@ mod tests {
         let records: Vec<_> = wal::inspect::Records::new(&wal, 0).unwrap().map(|r| r.unwrap()).collect();
         let e1 = Envelope::decode(&records[1].payload).unwrap();
         assert_eq!(&e1.payload[..], b"{\"n\":2}");
+        assert_eq!(e1.header.destination.topic, "events-1", "each event keeps its own destination");
         assert_eq!((e1.header.batch_index, e1.header.batch_len), (1, 2));
     }
 

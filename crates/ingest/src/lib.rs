@@ -27,5 +27,5 @@ pub use cursors::CursorRow;
 pub use endpoints::{EndpointRecord, StoredAuth};
 pub use envelope::{Destination, Envelope, EnvelopeError, EnvelopeHeader, Partitioning};
 pub use idempotency::{IdempotencyIndex, IdempotencyKey};
-pub use ingestor::{Accepted, IngestError, Ingestor, Submission};
+pub use ingestor::{Accepted, Event, IngestError, Ingestor, Submission};
 pub use state::{SCHEMA_VERSION, StateDb, StateError};

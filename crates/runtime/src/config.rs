@@ -15,11 +15,15 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use http_source::admission::{Admission, Rule, RuleError, is_name};
 use http_source::auth::AuthScheme;
 use http_source::endpoints::{Endpoint, parse_id};
+use http_source::field_path::FieldPath;
+use http_source::partition::{KeyEncoding, KeySource, PartitionRule};
+use http_source::route::{Mapping, MappingError, MappingSource, OnMissing, Route, Target};
 use http_source::source::is_credential_header;
-use http_source::{Accept, MetadataFields, SourceSpec};
-use ingest::{Destination, Partitioning};
+use http_source::{Accept, Destinations, MetadataFields, SourceSpec};
+use ingest::Partitioning;
 use serde::Deserialize;
 use wal::{SyncPolicy, WalOptions};
 
@@ -117,10 +121,88 @@ pub struct DestinationConfig {
     pub partition_key: Option<String>,
 }
 
+/// `[sources.<key>.route]`: the route transform (see docs/routing.md).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RouteConfig {
+    pub topic_field: String,
+    #[serde(default)]
+    pub stream_field: Option<String>,
+    #[serde(default)]
+    pub default_stream: Option<String>,
+    #[serde(default)]
+    pub default_topic: Option<String>,
+    #[serde(default)]
+    pub mapping: Option<BTreeMap<String, MappingTargetConfig>>,
+    #[serde(default)]
+    pub mapping_url: Option<String>,
+    #[serde(default = "default_on_missing")]
+    pub on_missing_destination: String,
+}
+
+/// A mapping entry: `"topic"` or `{ stream = "...", topic = "..." }`.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(untagged)]
+pub enum MappingTargetConfig {
+    Topic(String),
+    Full(FullTargetConfig),
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FullTargetConfig {
+    #[serde(default)]
+    pub stream: Option<String>,
+    pub topic: String,
+}
+
+/// `[sources.<key>.partitioning]`: exactly one of `key_header`, `key_field`,
+/// `partition_id`.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PartitioningConfig {
+    #[serde(default)]
+    pub key_header: Option<String>,
+    #[serde(default)]
+    pub key_field: Option<String>,
+    #[serde(default)]
+    pub key_encoding: Option<String>,
+    #[serde(default)]
+    pub partition_id: Option<u32>,
+}
+
+/// `[sources.<key>.admission]`.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AdmissionConfig {
+    #[serde(default = "default_mode")]
+    pub mode: String,
+    #[serde(default)]
+    pub allowlist: Vec<RuleConfig>,
+    #[serde(default)]
+    pub denylist: Vec<RuleConfig>,
+}
+
+/// One admission list entry.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RuleConfig {
+    pub stream: String,
+    pub topic: String,
+}
+
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SourceConfig {
-    pub destination: DestinationConfig,
+    /// A fixed destination; with a `route`, the route's default (see docs/routing.md).
+    #[serde(default)]
+    pub destination: Option<DestinationConfig>,
+    #[serde(default)]
+    pub route: Option<RouteConfig>,
+    #[serde(default)]
+    pub partitioning: Option<PartitioningConfig>,
+    #[serde(default)]
+    pub admission: Option<AdmissionConfig>,
     #[serde(default = "default_accept")]
     pub accept: String,
     #[serde(default = "default_true")]
@@ -222,6 +304,12 @@ fn default_metadata() -> Vec<String> {
 fn default_auth_type() -> String {
     "none".into()
 }
+fn default_on_missing() -> String {
+    "default".into()
+}
+fn default_mode() -> String {
+    "open".into()
+}
 
 impl Default for HttpConfig {
     fn default() -> Self {
@@ -319,12 +407,15 @@ impl Config {
         c.sources.insert(
             "default".into(),
             SourceConfig {
-                destination: DestinationConfig {
+                destination: Some(DestinationConfig {
                     stream: "ingest".into(),
                     topic: "events".into(),
                     partition_id: None,
                     partition_key: None,
-                },
+                }),
+                route: None,
+                partitioning: None,
+                admission: None,
                 accept: default_accept(),
                 named_path: true,
                 auth_type: default_auth_type(),
@@ -414,6 +505,8 @@ impl std::fmt::Display for KeyPath {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         for (i, s) in self.0.iter().enumerate() {
             match s {
+                Seg::Key(k) if !is_bare_key(k) && i == 0 => write!(f, "{k:?}")?,
+                Seg::Key(k) if !is_bare_key(k) => write!(f, ".{k:?}")?,
                 Seg::Key(k) if i == 0 => write!(f, "{k}")?,
                 Seg::Key(k) => write!(f, ".{k}")?,
                 Seg::Index(n) => write!(f, "[{n}]")?,
@@ -421,6 +514,11 @@ impl std::fmt::Display for KeyPath {
         }
         Ok(())
     }
+}
+
+/// A key TOML writes without quotes.
+fn is_bare_key(k: &str) -> bool {
+    !k.is_empty() && k.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_'))
 }
 
 fn line_of(text: &str, byte: usize) -> usize {
@@ -675,25 +773,7 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
         if key.is_empty() || !key.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.')) {
             c.err(&sp, "a source key may only hold letters, digits, '-', '_' and '.'");
         }
-        let dp = sp.key("destination");
-        for (name, v) in [("stream", &s.destination.stream), ("topic", &s.destination.topic)] {
-            if v.is_empty() || v.len() > 255 {
-                c.err(&dp.key(name), "must be 1 to 255 characters");
-            }
-        }
-        let partitioning = match (s.destination.partition_id, &s.destination.partition_key) {
-            (Some(_), Some(_)) => {
-                c.err(&dp.key("partition_key"), "set either partition_id or partition_key, not both");
-                Partitioning::Balanced
-            }
-            (Some(id), None) => Partitioning::PartitionId(id),
-            (None, Some(k)) if k.is_empty() || k.len() > 255 => {
-                c.err(&dp.key("partition_key"), "must be 1 to 255 bytes");
-                Partitioning::Balanced
-            }
-            (None, Some(k)) => Partitioning::Key(k.as_bytes().to_vec()),
-            (None, None) => Partitioning::Balanced,
-        };
+        let (destinations, partitioning, admission) = where_events_go(&mut c, &sp, s);
         let accept = match s.accept.as_str() {
             "any" => Accept::Any,
             "json" => Accept::Json,
@@ -766,11 +846,9 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
         }
         sources.push(SourceSpec {
             key: key.clone(),
-            destination: Destination {
-                stream: s.destination.stream.clone(),
-                topic: s.destination.topic.clone(),
-                partitioning,
-            },
+            destinations,
+            partitioning,
+            admission,
             accept,
             named_path: s.named_path,
             auth,
@@ -805,6 +883,249 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
         endpoints,
         delivery,
     })
+}
+
+/// A source's destination, route, partitioning and admission (see docs/routing.md for
+/// which combinations are allowed and why).
+fn where_events_go(c: &mut Checker<'_>, sp: &KeyPath, s: &SourceConfig) -> (Destinations, PartitionRule, Admission) {
+    let dp = sp.key("destination");
+    if let Some(d) = &s.destination {
+        for (name, v) in [("stream", &d.stream), ("topic", &d.topic)] {
+            if v.is_empty() || v.len() > 255 {
+                c.err(&dp.key(name), "must be 1 to 255 characters");
+            }
+        }
+    }
+    let fixed_partitioning = match &s.destination {
+        None => None,
+        Some(d) => match (d.partition_id, &d.partition_key) {
+            (Some(_), Some(_)) => {
+                c.err(&dp.key("partition_key"), "set either partition_id or partition_key, not both");
+                None
+            }
+            (Some(id), None) => Some(Partitioning::PartitionId(id)),
+            (None, Some(k)) if k.is_empty() || k.len() > 255 => {
+                c.err(&dp.key("partition_key"), "must be 1 to 255 bytes");
+                None
+            }
+            (None, Some(k)) => Some(Partitioning::Key(k.as_bytes().to_vec())),
+            (None, None) => None,
+        },
+    };
+
+    let destinations = match (&s.destination, &s.route) {
+        (None, None) => {
+            c.err(&dp, "required: a source needs a fixed destination or a route");
+            Destinations::Fixed { stream: String::new(), topic: String::new() }
+        }
+        (Some(d), None) => Destinations::Fixed { stream: d.stream.clone(), topic: d.topic.clone() },
+        (d, Some(r)) => Destinations::Routed(route(c, &sp.key("route"), r, d.as_ref(), &dp)),
+    };
+
+    let pp = sp.key("partitioning");
+    let partitioning = match (&s.partitioning, fixed_partitioning) {
+        (None, fixed) => PartitionRule::Fixed(fixed.unwrap_or(Partitioning::Balanced)),
+        (Some(_), Some(_)) => {
+            c.err(&pp, "contradicts destination.partition_id/partition_key: set the partitioning in one place");
+            PartitionRule::default()
+        }
+        (Some(p), None) => partition_rule(c, &pp, p),
+    };
+
+    let admission = match &s.admission {
+        None => Admission::Open,
+        Some(a) => admission(c, &sp.key("admission"), a),
+    };
+    (destinations, partitioning, admission)
+}
+
+/// A name of the narrow grammar, or an error at `path`.
+fn check_name(c: &mut Checker<'_>, path: &KeyPath, name: &str) {
+    if !is_name(name) {
+        c.err(path, format!("{name:?} is not a name of the grammar [a-zA-Z0-9._-] (1 to 255 bytes)"));
+    }
+}
+
+fn field_path(c: &mut Checker<'_>, path: &KeyPath, text: &str) -> FieldPath {
+    FieldPath::parse(text).unwrap_or_else(|message| {
+        c.err(path, message);
+        FieldPath::parse("invalid").unwrap_or_else(|_| unreachable!("a one-key path parses"))
+    })
+}
+
+/// The route transform. With a fixed `destination` too, the destination is the
+/// route's default: defaults given in both places must agree.
+fn route(
+    c: &mut Checker<'_>,
+    rp: &KeyPath,
+    r: &RouteConfig,
+    destination: Option<&DestinationConfig>,
+    dp: &KeyPath,
+) -> Route {
+    let topic_field = field_path(c, &rp.key("topic_field"), &r.topic_field);
+    let stream_field = r.stream_field.as_deref().map(|f| field_path(c, &rp.key("stream_field"), f));
+    let mut default = |key: &'static str, own: Option<&String>, fixed: Option<&String>| -> String {
+        match (own, fixed) {
+            (Some(o), Some(f)) if o != f => {
+                c.err(
+                    &rp.key(key),
+                    format!(
+                        "{o:?} contradicts {dp}.{}: {f:?} (with both, the destination is the route's default)",
+                        &key[8..]
+                    ),
+                );
+                o.clone()
+            }
+            (Some(o), _) => {
+                check_name(c, &rp.key(key), o);
+                o.clone()
+            }
+            (None, Some(f)) => {
+                check_name(c, &dp.key(&key[8..]), f);
+                f.clone()
+            }
+            (None, None) => {
+                c.err(
+                    &rp.key(key),
+                    "required: events whose routed field is missing or unmapped need a default (or set a fixed destination)",
+                );
+                String::new()
+            }
+        }
+    };
+    let default_stream = default("default_stream", r.default_stream.as_ref(), destination.map(|d| &d.stream));
+    let default_topic = default("default_topic", r.default_topic.as_ref(), destination.map(|d| &d.topic));
+    let mapping = match (&r.mapping, &r.mapping_url) {
+        (Some(_), Some(_)) => {
+            c.err(&rp.key("mapping_url"), "set either mapping or mapping_url, not both");
+            MappingSource::Identity
+        }
+        (Some(m), None) => {
+            let mp = rp.key("mapping");
+            let mut entries = Vec::with_capacity(m.len());
+            for (value, target) in m {
+                let (stream, topic) = match target {
+                    MappingTargetConfig::Topic(t) => (None, t.clone()),
+                    MappingTargetConfig::Full(f) => (f.stream.clone(), f.topic.clone()),
+                };
+                entries.push((value.clone(), Target { stream, topic }));
+            }
+            match Mapping::new(entries) {
+                Ok(m) => MappingSource::Table(m),
+                Err(MappingError::Entry { value, message }) => {
+                    c.err(&mp.key(&value), message);
+                    MappingSource::Identity
+                }
+                Err(e) => {
+                    c.err(&mp, format!("{e}; to use the field's value as the topic name, leave mapping out"));
+                    MappingSource::Identity
+                }
+            }
+        }
+        (None, Some(url)) => match crate::mapping_fetch::check_url(url) {
+            Ok(()) => MappingSource::Url(url.clone()),
+            Err(message) => {
+                c.err(&rp.key("mapping_url"), message);
+                MappingSource::Identity
+            }
+        },
+        (None, None) => MappingSource::Identity,
+    };
+    let on_missing = match r.on_missing_destination.as_str() {
+        "default" => OnMissing::Default,
+        "drop" => OnMissing::Drop,
+        "error" => OnMissing::Error,
+        other => {
+            c.err(&rp.key("on_missing_destination"), format!("{other:?}: expected \"default\", \"drop\" or \"error\""));
+            OnMissing::Default
+        }
+    };
+    Route { topic_field, stream_field, mapping, default_stream, default_topic, on_missing }
+}
+
+fn partition_rule(c: &mut Checker<'_>, pp: &KeyPath, p: &PartitioningConfig) -> PartitionRule {
+    let encoding = match p.key_encoding.as_deref() {
+        None | Some("bytes") => KeyEncoding::Bytes,
+        Some("key_u32") => KeyEncoding::U32,
+        Some(other) => {
+            c.err(&pp.key("key_encoding"), format!("{other:?}: expected \"bytes\" or \"key_u32\""));
+            KeyEncoding::Bytes
+        }
+    };
+    match (&p.key_header, &p.key_field, p.partition_id) {
+        (Some(h), None, None) => {
+            let h = h.to_ascii_lowercase();
+            if axum::http::HeaderName::from_bytes(h.as_bytes()).is_err() {
+                c.err(&pp.key("key_header"), format!("{h:?} is not a valid header name"));
+            }
+            PartitionRule::Key { source: KeySource::Header(h), encoding }
+        }
+        (None, Some(f), None) => {
+            PartitionRule::Key { source: KeySource::Field(field_path(c, &pp.key("key_field"), f)), encoding }
+        }
+        (None, None, Some(id)) => {
+            if p.key_encoding.is_some() {
+                c.err(&pp.key("key_encoding"), "only applies to key_header or key_field");
+            }
+            PartitionRule::Fixed(Partitioning::PartitionId(id))
+        }
+        (None, None, None) => {
+            c.err(pp, "set one of key_header, key_field or partition_id (leave the table out for balanced)");
+            PartitionRule::default()
+        }
+        _ => {
+            c.err(pp, "set only one of key_header, key_field or partition_id");
+            PartitionRule::default()
+        }
+    }
+}
+
+fn admission(c: &mut Checker<'_>, ap: &KeyPath, a: &AdmissionConfig) -> Admission {
+    let rules = |c: &mut Checker<'_>, list: &'static str, entries: &[RuleConfig]| -> Vec<Rule> {
+        let lp = ap.key(list);
+        let mut out = Vec::new();
+        for (i, e) in entries.iter().enumerate() {
+            let ep = lp.index(i);
+            match Rule::parse(&e.stream, &e.topic) {
+                Ok(r) => out.push(r),
+                Err(RuleError { key: "", message }) => c.err(&ep, message),
+                Err(RuleError { key, message }) => c.err(&ep.key(key), message),
+            }
+        }
+        out
+    };
+    let allowlist = rules(c, "allowlist", &a.allowlist);
+    let denylist = rules(c, "denylist", &a.denylist);
+    let unused = |c: &mut Checker<'_>, list: &'static str, entries: &[RuleConfig], mode: &str| {
+        if !entries.is_empty() {
+            c.err(&ap.key(list), format!("only read when mode = \"{list}\" (mode is \"{mode}\")"));
+        }
+    };
+    match a.mode.as_str() {
+        "open" => {
+            unused(c, "allowlist", &a.allowlist, "open");
+            unused(c, "denylist", &a.denylist, "open");
+            Admission::Open
+        }
+        "allowlist" => {
+            unused(c, "denylist", &a.denylist, "allowlist");
+            if a.allowlist.is_empty() {
+                c.err(&ap.key("allowlist"), "required and non-empty when mode = \"allowlist\"");
+            }
+            Admission::Allowlist(allowlist)
+        }
+        "denylist" => {
+            unused(c, "allowlist", &a.allowlist, "denylist");
+            if a.denylist.is_empty() {
+                c.err(&ap.key("denylist"), "required and non-empty when mode = \"denylist\"");
+            }
+            Admission::Denylist(denylist)
+        }
+        other => {
+            c.err(&ap.key("mode"), format!("{other:?}: expected \"open\", \"allowlist\" or \"denylist\""));
+            Admission::Open
+        }
+    }
 }
 
 fn auth_scheme(c: &mut Checker<'_>, path: &KeyPath, a: AuthConfig<'_>) -> AuthScheme {
@@ -876,8 +1197,9 @@ mod tests {
         assert_eq!(s.admin_listen.to_string(), "127.0.0.1:9180");
         assert_eq!(s.data_dir, PathBuf::from("./data"));
         assert_eq!(s.sources[0].key, "default");
-        assert_eq!(s.sources[0].destination.stream, "ingest");
-        assert_eq!(s.sources[0].destination.topic, "events");
+        assert_eq!(s.sources[0].destinations, Destinations::Fixed { stream: "ingest".into(), topic: "events".into() });
+        assert_eq!(s.sources[0].partitioning, PartitionRule::Fixed(Partitioning::Balanced));
+        assert_eq!(s.sources[0].admission, Admission::Open);
         assert_eq!(s.wal.sync, SyncPolicy::Always);
     }
 
@@ -968,5 +1290,111 @@ metadata = ["peer_addr", "geo"]
         ] {
             assert!(paths.contains(&p.to_string()), "{p} missing from {paths:?}");
         }
+    }
+
+    #[test]
+    fn a_route_needs_its_defaults_and_may_not_contradict_the_destination() {
+        let text = "[sources.a]\nroute = { topic_field = \"event.type\" }\n";
+        let paths: Vec<String> = errors(text).into_iter().map(|e| e.path).collect();
+        assert_eq!(paths, ["sources.a.route.default_stream", "sources.a.route.default_topic"]);
+        let text = "[sources.a]\ndestination = { stream = \"s\", topic = \"t\" }\n\
+                    route = { topic_field = \"type\", default_topic = \"other\" }\n";
+        let e = errors(text);
+        assert_eq!(e.len(), 1, "{e:?}");
+        assert_eq!(e[0].path, "sources.a.route.default_topic");
+        assert!(e[0].message.contains("contradicts"), "{e:?}");
+        assert_eq!(e[0].line, Some(3));
+        // The destination is the route's default when the route names none, or the same.
+        let ok = "[sources.a]\ndestination = { stream = \"s\", topic = \"t\" }\n\
+                  route = { topic_field = \"type\", default_topic = \"t\", mapping = { x = \"tx\" } }\n";
+        let s = validate(&parse(ok, None).unwrap(), Some(ok), None).unwrap();
+        let Destinations::Routed(r) = &s.sources[0].destinations else { panic!("not routed") };
+        assert_eq!((r.default_stream.as_str(), r.default_topic.as_str()), ("s", "t"));
+        let none = "[sources.a]\naccept = \"json\"\n";
+        assert_eq!(errors(none)[0].path, "sources.a.destination");
+    }
+
+    #[test]
+    fn route_keys_are_checked_with_their_paths() {
+        let text = r#"
+[sources.a.route]
+topic_field = "event..type"
+stream_field = "tenant"
+default_stream = "bad stream"
+default_topic = "other"
+on_missing_destination = "ignore"
+mapping = { "order.created" = "orders", refund = { stream = "s", topic = "no/slash" } }
+mapping_url = "https://example.com/m.json"
+"#;
+        let paths: Vec<String> = errors(text).into_iter().map(|e| e.path).collect();
+        for p in [
+            "sources.a.route.topic_field",
+            "sources.a.route.default_stream",
+            "sources.a.route.on_missing_destination",
+            "sources.a.route.mapping_url",
+        ] {
+            assert!(paths.contains(&p.to_string()), "{p} missing from {paths:?}");
+        }
+        let text = "[sources.a.route]\ntopic_field = \"t\"\ndefault_stream = \"s\"\ndefault_topic = \"d\"\n\
+                    mapping = { \"order.created\" = \"orders\", refund = { stream = \"s\", topic = \"no/slash\" } }\n";
+        let e = errors(text);
+        assert_eq!(e[0].path, "sources.a.route.mapping.refund");
+        let empty =
+            "[sources.a.route]\ntopic_field = \"t\"\ndefault_stream = \"s\"\ndefault_topic = \"d\"\nmapping = {}\n";
+        assert_eq!(errors(empty)[0].path, "sources.a.route.mapping");
+        let bad_url = "[sources.a.route]\ntopic_field = \"t\"\ndefault_stream = \"s\"\ndefault_topic = \"d\"\nmapping_url = \"https://x/m\"\n";
+        assert_eq!(errors(bad_url)[0].path, "sources.a.route.mapping_url");
+    }
+
+    #[test]
+    fn admission_lists_follow_the_narrow_grammar_and_their_mode() {
+        let base = "[sources.a]\ndestination = { stream = \"s\", topic = \"t\" }\n";
+        let case = |admission: &str| errors(&format!("{base}admission = {admission}\n"));
+        let e = case(
+            "{ mode = \"allowlist\", allowlist = [{ stream = \"s\", topic = \"t\" }, { stream = \"*\", topic = \"*\" }] }",
+        );
+        assert_eq!(e[0].path, "sources.a.admission.allowlist[1]");
+        assert!(e[0].message.contains("every destination"), "{e:?}");
+        let e = case("{ mode = \"denylist\", denylist = [{ stream = \"*\", topic = \"*\" }] }");
+        assert_eq!(e[0].path, "sources.a.admission.denylist[0]");
+        let e = case("{ mode = \"denylist\", denylist = [{ stream = \"orders-*\", topic = \"t\" }] }");
+        assert_eq!(e[0].path, "sources.a.admission.denylist[0].stream");
+        let e = case("{ mode = \"allowlist\", allowlist = [{ stream = \"s\", topic = \"t\", partition = 1 }] }");
+        assert!(e[0].path.starts_with("sources.a.admission.allowlist"), "{e:?}");
+        let e = case("{ mode = \"allowlist\" }");
+        assert_eq!(e[0].path, "sources.a.admission.allowlist");
+        let e = case("{ mode = \"open\", denylist = [{ stream = \"s\", topic = \"t\" }] }");
+        assert_eq!(e[0].path, "sources.a.admission.denylist");
+        let e = case("{ mode = \"closed\" }");
+        assert_eq!(e[0].path, "sources.a.admission.mode");
+        let ok = format!(
+            "{base}admission = {{ mode = \"denylist\", denylist = [{{ stream = \"*\", topic = \"audit\" }}] }}\n"
+        );
+        let s = validate(&parse(&ok, None).unwrap(), Some(&ok), None).unwrap();
+        assert_eq!(s.sources[0].admission, Admission::Denylist(vec![Rule::parse("*", "audit").unwrap()]));
+    }
+
+    #[test]
+    fn partitioning_is_set_in_one_place_with_one_source_of_keys() {
+        let base = "[sources.a]\ndestination = { stream = \"s\", topic = \"t\" }\n";
+        let ok = format!("{base}partitioning = {{ key_field = \"customer.id\", key_encoding = \"key_u32\" }}\n");
+        let s = validate(&parse(&ok, None).unwrap(), Some(&ok), None).unwrap();
+        assert_eq!(
+            s.sources[0].partitioning,
+            PartitionRule::Key {
+                source: KeySource::Field(FieldPath::parse("customer.id").unwrap()),
+                encoding: KeyEncoding::U32
+            }
+        );
+        let case = |p: &str| errors(&format!("{base}partitioning = {p}\n"));
+        assert_eq!(case("{ key_header = \"x-a\", partition_id = 1 }")[0].path, "sources.a.partitioning");
+        assert_eq!(case("{}")[0].path, "sources.a.partitioning");
+        assert_eq!(case("{ key_header = \"bad header\" }")[0].path, "sources.a.partitioning.key_header");
+        assert_eq!(
+            case("{ key_header = \"x-a\", key_encoding = \"u64\" }")[0].path,
+            "sources.a.partitioning.key_encoding"
+        );
+        let both = "[sources.a]\ndestination = { stream = \"s\", topic = \"t\", partition_id = 1 }\npartitioning = { key_header = \"x-a\" }\n";
+        assert_eq!(errors(both)[0].path, "sources.a.partitioning");
     }
 }

@@ -1,6 +1,7 @@
 //! Starting, running and stopping the daemon.
 //!
-//! Start order: open the log (taking its lock), open the state database (checking its
+//! Start order: fetch the routes' `mapping_url`s (a failure refuses the start before
+//! anything is opened), open the log (taking its lock), open the state database (checking its
 //! schema version), rebuild the idempotency keys the last checkpoint missed, load the
 //! endpoints, bind both listeners; only then serve.
 //!
@@ -57,6 +58,8 @@ pub enum StartError {
     Wal { path: PathBuf, source: WalError },
     #[error(transparent)]
     State(#[from] StateError),
+    #[error("cannot load a route mapping: {0}")]
+    Mapping(String),
     #[error("cannot start delivery: {0}")]
     Delivery(String),
     #[error("cannot bind the {listener} listener: {source}")]
@@ -109,7 +112,8 @@ impl RunningDaemon {
 
 /// Starts the daemon on `settings`. `metrics` renders `/metrics` (the process-wide
 /// recorder, installed by the binary).
-pub async fn start(settings: Settings, metrics: Option<PrometheusHandle>) -> Result<RunningDaemon, StartError> {
+pub async fn start(mut settings: Settings, metrics: Option<PrometheusHandle>) -> Result<RunningDaemon, StartError> {
+    crate::mapping_fetch::resolve_all(&mut settings.sources).await.map_err(StartError::Mapping)?;
     std::fs::create_dir_all(&settings.data_dir)
         .map_err(|source| StartError::DataDir { path: settings.data_dir.clone(), source })?;
     let wal_dir = settings.wal_dir();

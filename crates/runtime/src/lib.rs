@@ -8,3 +8,4 @@ pub mod config;
 pub mod daemon;
 pub mod delivery;
 pub mod logging;
+pub mod mapping_fetch;

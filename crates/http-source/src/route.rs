@@ -1,0 +1,306 @@
+//! The `route` transform: where an event goes, read from its JSON payload and looked up
+//! in a static mapping table.
+//!
+//! Invariants:
+//! - Every name a mapping yields, and both defaults, follow the narrow grammar
+//!   ([`crate::admission::is_name`]): checked when the mapping is built, whether it came
+//!   from the configuration file or from `mapping_url`.
+//! - A mapping is never empty: an empty table is refused when it is built, so a failed
+//!   or empty fetch can never turn into "everything goes to the default".
+//! - Resolving is pure: the same payload and mapping give the same answer, so whether
+//!   an event is matched never depends on timing.
+//! - Names read straight from a payload (`stream_field`, or `topic_field` without a
+//!   mapping) are not checked here: the door checks them and answers 422
+//!   `invalid_destination`.
+
+use std::collections::HashMap;
+
+use serde_json::Value;
+
+use crate::admission::is_name;
+use crate::field_path::FieldPath;
+
+/// What a mapping entry names: a topic (in the default stream, or the stream read from
+/// `stream_field`), or both.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Target {
+    pub stream: Option<String>,
+    pub topic: String,
+}
+
+/// Field value to target.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Mapping {
+    entries: HashMap<String, Target>,
+}
+
+impl Mapping {
+    /// Builds a mapping; the error names the offending entry (for the config message).
+    pub fn new(entries: impl IntoIterator<Item = (String, Target)>) -> Result<Mapping, MappingError> {
+        let mut map = HashMap::new();
+        for (value, target) in entries {
+            if !is_name(&target.topic) {
+                return Err(MappingError::Entry { value, message: name_message("topic", &target.topic) });
+            }
+            if let Some(s) = &target.stream
+                && !is_name(s)
+            {
+                return Err(MappingError::Entry { value, message: name_message("stream", s) });
+            }
+            map.insert(value, target);
+        }
+        if map.is_empty() {
+            return Err(MappingError::Empty);
+        }
+        Ok(Mapping { entries: map })
+    }
+
+    /// Parses a fetched mapping: a JSON object of value to `"topic"` or
+    /// `{"stream": "...", "topic": "..."}` (no other keys).
+    pub fn from_json(bytes: &[u8]) -> Result<Mapping, MappingError> {
+        let value: Value = serde_json::from_slice(bytes).map_err(|e| MappingError::Malformed(e.to_string()))?;
+        let Value::Object(object) = value else {
+            return Err(MappingError::Malformed("not a JSON object".into()));
+        };
+        let mut entries = Vec::with_capacity(object.len());
+        for (value, target) in object {
+            let target = match target {
+                Value::String(topic) => Target { stream: None, topic },
+                Value::Object(o) => {
+                    let mut stream = None;
+                    let mut topic = None;
+                    for (k, v) in o {
+                        match (k.as_str(), v) {
+                            ("stream", Value::String(s)) => stream = Some(s),
+                            ("topic", Value::String(t)) => topic = Some(t),
+                            (other, _) => {
+                                return Err(MappingError::Entry {
+                                    value,
+                                    message: format!(
+                                        "unexpected key {other:?} or non-string value (expected \"stream\" and \"topic\" strings)"
+                                    ),
+                                });
+                            }
+                        }
+                    }
+                    let Some(topic) = topic else {
+                        return Err(MappingError::Entry { value, message: "has no \"topic\"".into() });
+                    };
+                    Target { stream, topic }
+                }
+                _ => {
+                    return Err(MappingError::Entry {
+                        value,
+                        message: "expected a topic name or {\"stream\", \"topic\"}".into(),
+                    });
+                }
+            };
+            entries.push((value, target));
+        }
+        Mapping::new(entries)
+    }
+
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    pub fn get(&self, value: &str) -> Option<&Target> {
+        self.entries.get(value)
+    }
+}
+
+fn name_message(what: &str, name: &str) -> String {
+    format!("{what} {name:?} is not a name of the grammar [a-zA-Z0-9._-] (1 to 255 bytes)")
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum MappingError {
+    #[error("the mapping is empty (an empty mapping would send every event to the default)")]
+    Empty,
+    #[error("not a mapping: {0}")]
+    Malformed(String),
+    #[error("entry {value:?}: {message}")]
+    Entry { value: String, message: String },
+}
+
+/// Where a route's table comes from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MappingSource {
+    /// No table: the field's value is the topic name itself.
+    Identity,
+    Table(Mapping),
+    /// Fetched once at start; the daemon replaces it with [`MappingSource::Table`]
+    /// before it serves (a route still holding a URL matches nothing).
+    Url(String),
+}
+
+/// What to do with an event whose routed field is missing or not in the mapping.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OnMissing {
+    /// Send it to the default destination (counted).
+    Default,
+    /// Answer 200 without appending it (counted).
+    Drop,
+    /// Refuse the request with 422 `unknown_destination`.
+    Error,
+}
+
+impl OnMissing {
+    /// The metrics `action` label.
+    pub fn action(self) -> &'static str {
+        match self {
+            OnMissing::Default => "default",
+            OnMissing::Drop => "drop",
+            OnMissing::Error => "error",
+        }
+    }
+}
+
+/// A source's route transform.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Route {
+    pub topic_field: FieldPath,
+    pub stream_field: Option<FieldPath>,
+    pub mapping: MappingSource,
+    pub default_stream: String,
+    pub default_topic: String,
+    pub on_missing: OnMissing,
+}
+
+/// The outcome of routing one payload.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Routed {
+    Found {
+        stream: String,
+        topic: String,
+    },
+    /// A routed field is missing, or its value is not in the mapping.
+    Unmatched,
+}
+
+impl Route {
+    /// Routes one payload (`None` when it is not JSON).
+    ///
+    /// The topic is the mapping's entry for the `topic_field` value (or the value
+    /// itself without a mapping). The stream is the entry's stream if it names one,
+    /// else the `stream_field` value if that field is routed, else the default stream.
+    pub fn resolve(&self, payload: Option<&Value>) -> Routed {
+        let Some(payload) = payload else { return Routed::Unmatched };
+        let Some(value) = self.topic_field.lookup(payload) else { return Routed::Unmatched };
+        let (entry_stream, topic) = match &self.mapping {
+            MappingSource::Identity => (None, value),
+            MappingSource::Table(m) => match m.get(&value) {
+                Some(t) => (t.stream.clone(), t.topic.clone()),
+                None => return Routed::Unmatched,
+            },
+            MappingSource::Url(_) => return Routed::Unmatched,
+        };
+        let stream = match (entry_stream, &self.stream_field) {
+            (Some(s), _) => s,
+            (None, Some(field)) => match field.lookup(payload) {
+                Some(s) => s,
+                None => return Routed::Unmatched,
+            },
+            (None, None) => self.default_stream.clone(),
+        };
+        Routed::Found { stream, topic }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn target(stream: Option<&str>, topic: &str) -> Target {
+        Target { stream: stream.map(str::to_string), topic: topic.into() }
+    }
+
+    fn route(mapping: MappingSource, stream_field: Option<&str>) -> Route {
+        Route {
+            topic_field: FieldPath::parse("event.type").unwrap(),
+            stream_field: stream_field.map(|f| FieldPath::parse(f).unwrap()),
+            mapping,
+            default_stream: "shop".into(),
+            default_topic: "other".into(),
+            on_missing: OnMissing::Default,
+        }
+    }
+
+    fn found(stream: &str, topic: &str) -> Routed {
+        Routed::Found { stream: stream.into(), topic: topic.into() }
+    }
+
+    #[test]
+    fn a_mapping_names_the_topic_and_optionally_the_stream() {
+        let m = Mapping::new([
+            ("order.created".to_string(), target(None, "orders")),
+            ("user.signup".to_string(), target(Some("users"), "signups")),
+            ("7".to_string(), target(None, "sevens")),
+        ])
+        .unwrap();
+        let r = route(MappingSource::Table(m), None);
+        let ev = |t: Value| json!({"event": {"type": t}});
+        assert_eq!(r.resolve(Some(&ev(json!("order.created")))), found("shop", "orders"));
+        assert_eq!(r.resolve(Some(&ev(json!("user.signup")))), found("users", "signups"));
+        assert_eq!(r.resolve(Some(&ev(json!(7)))), found("shop", "sevens"));
+        assert_eq!(r.resolve(Some(&ev(json!("refund")))), Routed::Unmatched);
+        assert_eq!(r.resolve(Some(&json!({"event": "order.created"}))), Routed::Unmatched);
+        assert_eq!(r.resolve(None), Routed::Unmatched);
+    }
+
+    #[test]
+    fn a_stream_field_gives_the_stream_unless_the_entry_names_one() {
+        let m = Mapping::new([("a".to_string(), target(None, "ta")), ("b".to_string(), target(Some("fixed"), "tb"))])
+            .unwrap();
+        let r = route(MappingSource::Table(m), Some("tenant"));
+        assert_eq!(r.resolve(Some(&json!({"tenant": "acme", "event": {"type": "a"}}))), found("acme", "ta"));
+        assert_eq!(r.resolve(Some(&json!({"tenant": "acme", "event": {"type": "b"}}))), found("fixed", "tb"));
+        assert_eq!(r.resolve(Some(&json!({"event": {"type": "a"}}))), Routed::Unmatched, "stream field missing");
+    }
+
+    #[test]
+    fn without_a_mapping_the_value_is_the_topic() {
+        let r = route(MappingSource::Identity, None);
+        assert_eq!(r.resolve(Some(&json!({"event": {"type": "pushes"}}))), found("shop", "pushes"));
+        let url = route(MappingSource::Url("http://x/".into()), None);
+        assert_eq!(url.resolve(Some(&json!({"event": {"type": "pushes"}}))), Routed::Unmatched);
+    }
+
+    #[test]
+    fn mappings_are_checked_when_built() {
+        assert_eq!(Mapping::new(Vec::new()), Err(MappingError::Empty));
+        assert!(matches!(
+            Mapping::new([("a".to_string(), target(None, "bad topic"))]),
+            Err(MappingError::Entry { value, .. }) if value == "a"
+        ));
+        assert!(matches!(
+            Mapping::new([("a".to_string(), target(Some("*"), "t"))]),
+            Err(MappingError::Entry { value, .. }) if value == "a"
+        ));
+    }
+
+    #[test]
+    fn fetched_mappings_parse_both_forms_and_refuse_anything_else() {
+        let m =
+            Mapping::from_json(br#"{"a": "ta", "b": {"stream": "s", "topic": "tb"}, "c": {"topic": "tc"}}"#).unwrap();
+        assert_eq!(m.len(), 3);
+        assert_eq!(m.get("b"), Some(&target(Some("s"), "tb")));
+        assert_eq!(m.get("c"), Some(&target(None, "tc")));
+        assert_eq!(Mapping::from_json(b"{}"), Err(MappingError::Empty));
+        for bad in [
+            &b"[]"[..],
+            b"not json",
+            br#"{"a": 1}"#,
+            br#"{"a": {"stream": "s"}}"#,
+            br#"{"a": {"topic": "t", "extra": "x"}}"#,
+            br#"{"a": "no spaces"}"#,
+        ] {
+            assert!(Mapping::from_json(bad).is_err(), "{:?}", String::from_utf8_lossy(bad));
+        }
+    }
+}

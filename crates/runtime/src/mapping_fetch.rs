@@ -1,0 +1,122 @@
+//! Fetching a route's `mapping_url` once at start.
+//!
+//! Invariants:
+//! - A mapping is fetched exactly once, before the daemon opens its log or binds a
+//!   listener; it is never refreshed while running (a change needs a restart, so every
+//!   event of one run is routed by one table).
+//! - Any failure (unreachable, timeout, a status other than 200, a body over
+//!   [`MAPPING_MAX_BYTES`], not a JSON object, an entry outside the grammar, an empty
+//!   object) refuses the start with an error naming the key path: an empty mapping is
+//!   never a fallback.
+//! - Only `http://` URLs: the fetch speaks plain HTTP/1.1 with hyper's client.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Empty, Limited};
+use http_source::route::{Mapping, MappingSource};
+use http_source::source::SourceSpec;
+use hyper::Uri;
+use hyper_util::rt::TokioIo;
+
+/// The largest mapping document accepted.
+pub const MAPPING_MAX_BYTES: usize = 16 * 1024 * 1024;
+
+/// How long one fetch may take, connection included.
+pub const FETCH_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Checks the URL's form at config load (nothing is fetched).
+pub fn check_url(url: &str) -> Result<(), String> {
+    parse(url).map(|_| ())
+}
+
+struct Target {
+    authority: String,
+    uri: Uri,
+}
+
+fn parse(url: &str) -> Result<Target, String> {
+    let uri: Uri = url.parse().map_err(|e| format!("{url:?} is not a URL: {e}"))?;
+    if uri.scheme_str() != Some("http") {
+        return Err(format!("{url:?}: only http:// URLs are supported"));
+    }
+    let Some(authority) = uri.authority() else {
+        return Err(format!("{url:?} has no host"));
+    };
+    let host = authority.host();
+    let port = authority.port_u16().unwrap_or(80);
+    let authority = if host.contains(':') && !host.starts_with('[') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    };
+    Ok(Target { authority, uri })
+}
+
+/// Fetches and parses one mapping.
+pub async fn fetch(url: &str) -> Result<Mapping, String> {
+    match tokio::time::timeout(FETCH_TIMEOUT, fetch_inner(url)).await {
+        Ok(r) => r,
+        Err(_) => Err(format!("fetching {url} took longer than {}s", FETCH_TIMEOUT.as_secs())),
+    }
+}
+
+async fn fetch_inner(url: &str) -> Result<Mapping, String> {
+    let target = parse(url)?;
+    let stream = tokio::net::TcpStream::connect(&target.authority)
+        .await
+        .map_err(|e| format!("cannot connect to {}: {e}", target.authority))?;
+    let (mut sender, conn) = hyper::client::conn::http1::handshake::<_, Empty<Bytes>>(TokioIo::new(stream))
+        .await
+        .map_err(|e| format!("HTTP handshake with {} failed: {e}", target.authority))?;
+    let conn = tokio::spawn(conn);
+    let path = target.uri.path_and_query().map_or("/", |p| p.as_str());
+    let host = target.uri.authority().map_or(target.authority.as_str(), |a| a.as_str());
+    let request = hyper::Request::get(path)
+        .header(hyper::header::HOST, host)
+        .header(hyper::header::ACCEPT, "application/json")
+        .body(Empty::new())
+        .map_err(|e| format!("cannot build the request for {url}: {e}"))?;
+    let response = sender.send_request(request).await.map_err(|e| format!("GET {url} failed: {e}"))?;
+    let status = response.status();
+    if status != hyper::StatusCode::OK {
+        conn.abort();
+        return Err(format!("GET {url} answered {status} (expected 200)"));
+    }
+    let body = Limited::new(response.into_body(), MAPPING_MAX_BYTES)
+        .collect()
+        .await
+        .map_err(|e| format!("reading the answer of {url} failed (over {MAPPING_MAX_BYTES} bytes?): {e}"))?
+        .to_bytes();
+    conn.abort();
+    Mapping::from_json(&body).map_err(|e| format!("the mapping at {url} is refused: {e}"))
+}
+
+/// Replaces every route's `mapping_url` with the fetched table. The error names the
+/// key path (`sources.<key>.route.mapping_url`) and why.
+pub async fn resolve_all(sources: &mut [SourceSpec]) -> Result<(), String> {
+    for source in sources {
+        let Some(route) = source.destinations.route_mut() else { continue };
+        let MappingSource::Url(url) = &route.mapping else { continue };
+        let mapping = fetch(url).await.map_err(|e| format!("sources.{}.route.mapping_url: {e}", source.key))?;
+        tracing::info!(source = %source.key, url = %url, entries = mapping.len(), "route mapping fetched");
+        route.mapping = MappingSource::Table(mapping);
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_plain_http_urls_with_a_host_are_accepted() {
+        assert!(check_url("http://127.0.0.1:8000/mapping.json").is_ok());
+        assert!(check_url("http://mappings.internal/m").is_ok());
+        for bad in ["https://x/m", "ftp://x/m", "/relative", "not a url", ""] {
+            assert!(check_url(bad).is_err(), "{bad:?}");
+        }
+        assert_eq!(parse("http://h/m").unwrap().authority, "h:80");
+        assert_eq!(parse("http://[::1]:81/m").unwrap().authority, "[::1]:81");
+    }
+}
