@@ -1,0 +1,314 @@
+//! Routing at the door against the real binary: events routed by a payload field into
+//! their topics, the default for unknown values, admission refusing with 422 and
+//! appending nothing, drops, NDJSON atomicity, partition keys, config errors, and a
+//! mapping fetched from a URL at start.
+
+mod common;
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+
+use common::*;
+use ingest::{Envelope, Partitioning};
+use serde_json::json;
+
+const SOURCES: &str = r#"
+[router]
+enabled = false
+
+[sources.shop]
+accept = "json"
+
+[sources.shop.route]
+topic_field = "event.type"
+default_stream = "shop"
+default_topic = "other"
+mapping = { "order.created" = "orders", "order.paid" = "payments", "user.signup" = { stream = "users", topic = "signups" } }
+
+[sources.strict]
+route = { topic_field = "type", stream_field = "tenant", default_stream = "strict", default_topic = "unrouted", on_missing_destination = "error" }
+admission = { mode = "allowlist", allowlist = [{ stream = "acme", topic = "*" }, { stream = "strict", topic = "unrouted" }] }
+
+[sources.guarded]
+route = { topic_field = "type", default_stream = "g", default_topic = "misc" }
+admission = { mode = "denylist", denylist = [{ stream = "*", topic = "secrets" }] }
+
+[sources.dropper]
+destination = { stream = "d", topic = "known" }
+route = { topic_field = "type", mapping = { keep = "kept" }, on_missing_destination = "drop" }
+
+[sources.by_header]
+destination = { stream = "k", topic = "header" }
+partitioning = { key_header = "x-tenant" }
+
+[sources.by_path]
+destination = { stream = "k", topic = "path" }
+partitioning = { key_field = "customer.id", key_encoding = "key_u32" }
+"#;
+
+const NDJSON: (&str, &str) = ("content-type", "application/x-ndjson");
+
+fn assert_refused(a: &Answer, code: &str) -> String {
+    assert_eq!(a.status, 422, "{:?}", String::from_utf8_lossy(&a.body));
+    let j = a.json();
+    assert_eq!(j["error"], code, "{j}");
+    j["message"].as_str().unwrap_or_else(|| panic!("no message: {j}")).to_string()
+}
+
+fn destinations(log: &[(u64, Envelope)]) -> Vec<String> {
+    log.iter().map(|(_, e)| format!("{}/{}", e.header.destination.stream, e.header.destination.topic)).collect()
+}
+
+async fn metrics(d: &Daemon) -> String {
+    String::from_utf8_lossy(&request(d.admin, "GET", "/metrics", &[], "").await.body).to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn event_types_land_in_their_topics_and_unknown_ones_in_the_default() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = Daemon::start(dir.path(), "", SOURCES);
+    for t in ["order.created", "order.paid", "user.signup", "refund.issued"] {
+        let a = post_json(d.http, "/v1/sources/shop", &json!({"event": {"type": t}, "id": 1}).to_string()).await;
+        assert_eq!(a.status, 200, "{t}: {:?}", a.body);
+    }
+    // No object on the path, and an array on it: both missing, so the default.
+    assert_eq!(post_json(d.http, "/v1/sources/shop", r#"{"event": "order.created"}"#).await.status, 200);
+    assert_eq!(post_json(d.http, "/v1/sources/shop", r#"{"event": [{"type": "order.paid"}]}"#).await.status, 200);
+    // NDJSON: each line routed on its own.
+    let body = "{\"event\":{\"type\":\"order.paid\"}}\n{\"event\":{\"type\":\"user.signup\"}}\n";
+    let a = request(d.http, "POST", "/v1/sources/shop", &[NDJSON], body).await;
+    assert_eq!(a.json(), json!({"accepted": 2, "offsets": [6, 7]}));
+    let m = metrics(&d).await;
+    assert!(m.contains(r#"iggy_connector_routing_unmatched_total{connector_key="shop",action="default"} 3"#), "{m}");
+
+    assert!(d.stop().success());
+    let log = read_log(&dir.path().join("data/wal"));
+    assert_eq!(
+        destinations(&log),
+        [
+            "shop/orders",
+            "shop/payments",
+            "users/signups",
+            "shop/other",
+            "shop/other",
+            "shop/other",
+            "shop/payments",
+            "users/signups"
+        ]
+    );
+    assert!(log.iter().all(|(_, e)| e.header.destination.partitioning == Partitioning::Balanced));
+    assert_eq!(&log[3].1.payload[..], json!({"event": {"type": "refund.issued"}, "id": 1}).to_string().as_bytes());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_destinations_are_422_with_the_reason_and_append_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = Daemon::start(dir.path(), "", SOURCES);
+    let h = d.http;
+    let ok = post_json(h, "/v1/sources/strict", r#"{"tenant":"acme","type":"orders"}"#).await;
+    assert_eq!(ok.json(), json!({"accepted": 1, "offsets": [0, 0]}));
+    let ok = post_json(h, "/v1/sources/guarded", r#"{"type":"public"}"#).await;
+    assert_eq!(ok.json(), json!({"accepted": 1, "offsets": [1, 1]}));
+
+    let m = assert_refused(
+        &post_json(h, "/v1/sources/strict", r#"{"tenant":"evil","type":"orders"}"#).await,
+        "not_allowlisted",
+    );
+    assert!(m.contains("evil/orders"), "{m}");
+    let m = assert_refused(&post_json(h, "/v1/sources/strict", r#"{"type":"orders"}"#).await, "unknown_destination");
+    assert!(m.contains("type"), "{m}");
+    assert_refused(
+        &post_json(h, "/v1/sources/strict", r#"{"tenant":"acme","type":"no spaces"}"#).await,
+        "invalid_destination",
+    );
+    assert_refused(&post_json(h, "/v1/sources/guarded", r#"{"type":"secrets"}"#).await, "denylisted");
+    // A refused NDJSON line refuses the whole request, naming the line.
+    let body = "{\"type\":\"public\"}\n\n{\"type\":\"secrets\"}\n{\"type\":\"public\"}\n";
+    let m = assert_refused(&request(h, "POST", "/v1/sources/guarded", &[NDJSON], body).await, "denylisted");
+    assert!(m.starts_with("line 3:"), "{m}");
+    let body = "{\"tenant\":\"acme\",\"type\":\"a\"}\n{\"tenant\":\"acme\"}\n";
+    let m = assert_refused(&request(h, "POST", "/v1/sources/strict", &[NDJSON], body).await, "unknown_destination");
+    assert!(m.starts_with("line 2:"), "{m}");
+
+    let m = metrics(&d).await;
+    for series in [
+        r#"iggy_connector_destinations_rejected_total{connector_key="strict",reason="not_allowlisted"} 1"#,
+        r#"iggy_connector_destinations_rejected_total{connector_key="strict",reason="unknown"} 2"#,
+        r#"iggy_connector_destinations_rejected_total{connector_key="strict",reason="invalid"} 1"#,
+        r#"iggy_connector_destinations_rejected_total{connector_key="guarded",reason="denylist"} 2"#,
+        r#"iggy_connector_routing_unmatched_total{connector_key="strict",action="error"} 2"#,
+    ] {
+        assert!(m.contains(series), "{series} missing from {m}");
+    }
+    let st = request(d.admin, "GET", "/status", &[], "").await.json();
+    assert_eq!(st["sources"]["strict"]["last_error"]["code"], "unknown_destination", "{st}");
+
+    assert!(d.stop().success());
+    let log = read_log(&dir.path().join("data/wal"));
+    assert_eq!(destinations(&log), ["acme/orders", "g/public"], "only the 200s are in the log");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropped_events_are_answered_200_counted_and_never_appended() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = Daemon::start(dir.path(), "", SOURCES);
+    let a = post_json(d.http, "/v1/sources/dropper", r#"{"type":"unknown"}"#).await;
+    assert_eq!(a.status, 200);
+    assert_eq!(a.json(), json!({"accepted": 0, "dropped": 1}));
+    let body = "{\"type\":\"keep\",\"n\":1}\n{\"type\":\"other\"}\n{\"type\":\"keep\",\"n\":2}\n";
+    let a = request(d.http, "POST", "/v1/sources/dropper", &[NDJSON, ("idempotency-key", "drop-1")], body).await;
+    assert_eq!(a.json(), json!({"accepted": 2, "dropped": 1, "offsets": [0, 1]}));
+    // A retry of the same delivery is a replay with the same answer, not a second append.
+    let again = request(d.http, "POST", "/v1/sources/dropper", &[NDJSON, ("idempotency-key", "drop-1")], body).await;
+    assert_eq!(again.json(), json!({"accepted": 2, "dropped": 1, "offsets": [0, 1]}));
+    assert_eq!(again.header("idempotent-replayed"), Some("true"));
+    let m = metrics(&d).await;
+    assert!(m.contains(r#"iggy_connector_routing_unmatched_total{connector_key="dropper",action="drop"} 2"#), "{m}");
+
+    assert!(d.stop().success());
+    let log = read_log(&dir.path().join("data/wal"));
+    assert_eq!(destinations(&log), ["d/kept", "d/kept"]);
+    let indexes: Vec<_> = log.iter().map(|(_, e)| (e.header.batch_index, e.header.batch_len)).collect();
+    assert_eq!(indexes, [(0, 2), (1, 2)]);
+    assert_eq!(&log[1].1.payload[..], br#"{"type":"keep","n":2}"#);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn partition_keys_come_from_a_header_or_a_path_and_missing_ones_go_balanced() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = Daemon::start(dir.path(), "", SOURCES);
+    let h = d.http;
+    let json_ct = ("content-type", "application/json");
+    assert_eq!(request(h, "POST", "/v1/sources/by_header", &[json_ct, ("x-tenant", "acme")], "{}").await.status, 200);
+    assert_eq!(request(h, "POST", "/v1/sources/by_header", &[json_ct], "{}").await.status, 200);
+    let long = "t".repeat(300);
+    assert_eq!(request(h, "POST", "/v1/sources/by_header", &[json_ct, ("x-tenant", &long)], "{}").await.status, 200);
+    let body = "{\"customer\":{\"id\":258}}\n{\"customer\":{}}\n{\"customer\":{\"id\":\"x\"}}\n{\"customer\":{\"id\":\"7\"}}\n";
+    assert_eq!(request(h, "POST", "/v1/sources/by_path", &[NDJSON], body).await.status, 200);
+    let m = metrics(&d).await;
+    for series in [
+        r#"iggy_connector_partition_key_missing_total{connector_key="by_header",reason="missing"} 1"#,
+        r#"iggy_connector_partition_key_missing_total{connector_key="by_path",reason="missing"} 1"#,
+        r#"iggy_connector_partition_key_missing_total{connector_key="by_path",reason="not_u32"} 1"#,
+    ] {
+        assert!(m.contains(series), "{series} missing from {m}");
+    }
+
+    assert!(d.stop().success());
+    let log = read_log(&dir.path().join("data/wal"));
+    let parts: Vec<_> = log.iter().map(|(_, e)| e.header.destination.partitioning.clone()).collect();
+    assert_eq!(parts[0], Partitioning::Key(b"acme".to_vec()));
+    assert_eq!(parts[1], Partitioning::Balanced, "a missing header key goes balanced");
+    match &parts[2] {
+        Partitioning::Key(k) => assert_eq!(k.len(), 32, "a key over 255 bytes is its SHA-256"),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(
+        parts[3..],
+        [
+            Partitioning::Key(258u32.to_le_bytes().to_vec()),
+            Partitioning::Balanced,
+            Partitioning::Balanced,
+            Partitioning::Key(7u32.to_le_bytes().to_vec())
+        ]
+    );
+}
+
+fn config_check(dir: &Path, text: &str) -> (bool, Option<i32>, String) {
+    let file = dir.join("check.toml");
+    std::fs::write(&file, text).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_iggy-ingest")).args(["config", "check"]).arg(&file).output().unwrap();
+    (out.status.success(), out.status.code(), String::from_utf8_lossy(&out.stderr).to_string())
+}
+
+#[test]
+fn config_check_names_the_key_path_of_routing_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let cases = [
+        ("[sources.a]\nroute = { topic_field = \"type\", default_stream = \"s\" }\n", "sources.a.route.default_topic"),
+        (
+            "[sources.a]\ndestination = { stream = \"s\", topic = \"t\" }\nroute = { topic_field = \"type\", default_stream = \"other\" }\n",
+            "sources.a.route.default_stream",
+        ),
+        (
+            "[sources.a]\ndestination = { stream = \"s\", topic = \"t\" }\nadmission = { mode = \"allowlist\", allowlist = [{ stream = \"*\", topic = \"*\" }] }\n",
+            "sources.a.admission.allowlist[0]",
+        ),
+        (
+            "[sources.a]\ndestination = { stream = \"s\", topic = \"t\" }\nadmission = { mode = \"denylist\", denylist = [{ stream = \"a*\", topic = \"t\" }] }\n",
+            "sources.a.admission.denylist[0].stream",
+        ),
+        (
+            "[sources.a]\ndestination = { stream = \"s\", topic = \"t\" }\npartitioning = { key_field = \"a..b\" }\n",
+            "sources.a.partitioning.key_field",
+        ),
+    ];
+    for (text, path) in cases {
+        let (ok, code, err) = config_check(dir.path(), text);
+        assert!(!ok, "{text}");
+        assert_eq!(code, Some(2), "{err}");
+        assert!(err.contains(&format!(": {path}: ")), "{path} not named in {err}");
+        assert!(err.contains("line "), "{err}");
+    }
+}
+
+/// Serves `body` with `status` at `/mapping.json`; returns the URL.
+async fn serve_mapping(status: u16, body: &'static str) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let status = axum::http::StatusCode::from_u16(status).unwrap();
+    let app = axum::Router::new().route("/mapping.json", axum::routing::get(move || async move { (status, body) }));
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    format!("http://{addr}/mapping.json")
+}
+
+fn url_source(url: &str) -> String {
+    format!(
+        "[router]\nenabled = false\n\n[sources.web]\nroute = {{ topic_field = \"kind\", default_stream = \"web\", default_topic = \"misc\", mapping_url = \"{url}\" }}\n"
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mapping_fetched_from_a_url_routes_events() {
+    let url = serve_mapping(200, r#"{"click": "clicks", "buy": {"stream": "sales", "topic": "orders"}}"#).await;
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().to_path_buf();
+    let d = tokio::task::spawn_blocking(move || Daemon::start(&root, "", &url_source(&url))).await.unwrap();
+    for kind in ["click", "buy", "scroll"] {
+        assert_eq!(post_json(d.http, "/v1/sources/web", &json!({"kind": kind}).to_string()).await.status, 200);
+    }
+    assert!(d.stop().success());
+    let log = read_log(&dir.path().join("data/wal"));
+    assert_eq!(destinations(&log), ["web/clicks", "sales/orders", "web/misc"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_or_malformed_mapping_fetch_refuses_to_start() {
+    let cases = [
+        (serve_mapping(500, "oops").await, "500"),
+        (serve_mapping(200, r#"["not", "an", "object"]"#).await, "not a JSON object"),
+        (serve_mapping(200, "{}").await, "empty"),
+        (serve_mapping(200, r#"{"a": "no spaces allowed"}"#).await, "entry \"a\""),
+        (serve_mapping(404, "").await, "404"),
+    ];
+    for (url, why) in cases {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = dir.path().join("config.toml");
+        std::fs::write(&cfg, config_text(dir.path(), "", &url_source(&url))).unwrap();
+        let out = tokio::task::spawn_blocking(move || {
+            Command::new(env!("CARGO_BIN_EXE_iggy-ingest"))
+                .args(["run", "--config"])
+                .arg(&cfg)
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped())
+                .output()
+                .unwrap()
+        })
+        .await
+        .unwrap();
+        assert_eq!(out.status.code(), Some(1), "{why}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("sources.web.route.mapping_url") && err.contains(why), "{why}: {err}");
+        assert!(!dir.path().join("data/wal").exists(), "nothing is opened before the mapping is loaded");
+    }
+}
