@@ -431,9 +431,14 @@ pub(crate) fn write_file_atomically(storage: &dyn Storage, dir: &Path, name: &st
         let p = p.clone();
         move |e| WalError::io(p, e)
     };
-    // A leftover from an earlier failed attempt is garbage by construction.
-    let _ = s.remove_file(&tmp);
     let result = (|| {
+        // A leftover from an earlier failed attempt is garbage by construction; any
+        // failure other than its absence (a dead disk, a power loss) stops here.
+        match s.remove_file(&tmp) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(WalError::io(&tmp, e)),
+        }
         let f = s.open(&tmp, OpenMode::CreateNew).map_err(io(&tmp))?;
         f.write_all_at(bytes, 0).map_err(io(&tmp))?;
         f.sync_data().map_err(io(&tmp))?;
