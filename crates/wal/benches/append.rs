@@ -14,7 +14,9 @@
 //! Criterion reports records/s. At the end a summary table gives records/s, MB/s, the
 //! baseline's records/s, the ratio, and what the log's own metrics say about its groups
 //! (fsyncs per second, appends per group, mean fsync latency), so a missed target can be
-//! explained from the same run.
+//! explained from the same run. Last, a paired check alternates baseline and log bursts
+//! (256 appenders) and reports the ratio per round, which drift in the disk's sync
+//! latency (other I/O on the machine) cannot bias.
 //!
 //! The log lives in a temporary directory under `WAL_BENCH_DIR` if set, otherwise under
 //! Cargo's target directory. Point it at the disk you care about: on tmpfs `fdatasync`
@@ -122,13 +124,7 @@ struct Totals {
 impl Totals {
     /// The median iteration's rate: robust against the odd iteration a busy disk slowed.
     fn records_per_sec(&self) -> f64 {
-        let mut r = self.rates.clone();
-        r.sort_by(f64::total_cmp);
-        match r.len() {
-            0 => 0.0,
-            n if n % 2 == 1 => r[n / 2],
-            n => (r[n / 2 - 1] + r[n / 2]) / 2.0,
-        }
+        median(self.rates.clone())
     }
 }
 
@@ -336,6 +332,71 @@ fn size_label(size: usize) -> String {
     if size >= 1024 { format!("{} KiB", size / 1024) } else { format!("{size} B") }
 }
 
+/// Rounds of the paired comparison per record size.
+const PAIRED_ROUNDS: usize = 15;
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
+}
+
+/// The target, measured so that drift in the disk's sync latency cannot bias it:
+/// rounds that alternate one baseline burst and one burst of the log with 256 appenders,
+/// each ratio taken between neighbours.
+fn print_paired(bench: &Bench) {
+    let appenders = 256;
+    let per_appender = records_per_iteration(appenders) / appenders;
+    let records = (per_appender * appenders) as f64;
+    println!();
+    println!("Paired check: {PAIRED_ROUNDS} rounds of (baseline burst of {BASELINE_RECORDS} records, log burst of");
+    println!("{records} records over {appenders} appenders), ratio per round");
+    println!();
+    println!("| record | log records/s (median) | baseline records/s (median) | ratio: median | ratio: min |");
+    println!("|---:|---:|---:|---:|---:|");
+    for &size in &RECORD_SIZES {
+        let dir = bench.root.path().join(format!("paired-{size}"));
+        let options = WalOptions { sync: SyncPolicy::Always, ..WalOptions::default() };
+        let wal = Arc::new(Wal::open(&dir, options).expect("open the log"));
+        let payload = Bytes::from(vec![0xA5u8; size]);
+        let record = vec![0xA5u8; size];
+        let path = bench.root.path().join(format!("paired-{size}.dat"));
+        let (mut log_rates, mut base_rates, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
+        for round in 0..=PAIRED_ROUNDS {
+            let mut file = File::create(&path).expect("create the baseline file");
+            file.sync_all().expect("sync the new file");
+            let base =
+                BASELINE_RECORDS as f64 / write_and_sync_each(&mut file, &record, BASELINE_RECORDS).as_secs_f64();
+            let took = bench.runtime.block_on(append_concurrently(&wal, appenders, per_appender, &payload));
+            let log = records / took.as_secs_f64();
+            let next = wal.next_offset();
+            bench.runtime.block_on(wal.release_below(next)).expect("release");
+            // Round 0 warms up.
+            if round > 0 {
+                log_rates.push(log);
+                base_rates.push(base);
+                ratios.push(log / base);
+            }
+        }
+        bench.runtime.block_on(wal.close()).expect("close the log");
+        drop(wal);
+        let _ = std::fs::remove_dir_all(&dir);
+        let _ = std::fs::remove_file(&path);
+        let min_ratio = ratios.iter().copied().fold(f64::INFINITY, f64::min);
+        println!(
+            "| {} | {:.0} | {:.0} | {:.1}x | {:.1}x |",
+            size_label(size),
+            median(log_rates),
+            median(base_rates),
+            median(ratios),
+            min_ratio
+        );
+    }
+}
+
 fn main() {
     let bench = Bench::new();
     let mut c = Criterion::default().configure_from_args();
@@ -344,4 +405,5 @@ fn main() {
     }
     c.final_summary();
     print_summary(&bench);
+    print_paired(&bench);
 }
