@@ -936,6 +936,23 @@ fn where_events_go(c: &mut Checker<'_>, sp: &KeyPath, s: &SourceConfig) -> (Dest
         None => Admission::Open,
         Some(a) => admission(c, &sp.key("admission"), a),
     };
+    // A destination every event (or every unmatched event) goes to, refused by the
+    // source's own admission, would turn each such request into a 422: refused here.
+    let default = match &destinations {
+        Destinations::Fixed { stream, topic } => Some((stream, topic)),
+        Destinations::Routed(r) if r.on_missing == OnMissing::Default => Some((&r.default_stream, &r.default_topic)),
+        Destinations::Routed(_) => None,
+    };
+    if let Some((stream, topic)) = default
+        && !stream.is_empty()
+        && !topic.is_empty()
+        && admission.check(stream, topic).is_err()
+    {
+        c.err(
+            &sp.key("admission"),
+            format!("refuses the source's own default destination {stream}/{topic}: every event sent there would be answered 422"),
+        );
+    }
     (destinations, partitioning, admission)
 }
 
@@ -964,37 +981,36 @@ fn route(
 ) -> Route {
     let topic_field = field_path(c, &rp.key("topic_field"), &r.topic_field);
     let stream_field = r.stream_field.as_deref().map(|f| field_path(c, &rp.key("stream_field"), f));
-    let mut default = |key: &'static str, own: Option<&String>, fixed: Option<&String>| -> String {
+    // `name` is the destination's key ("stream", "topic"); the route's is `default_<name>`.
+    let mut default = |name: &'static str, own: Option<&String>, fixed: Option<&String>| -> String {
+        let key = format!("default_{name}");
         match (own, fixed) {
             (Some(o), Some(f)) if o != f => {
                 c.err(
-                    &rp.key(key),
-                    format!(
-                        "{o:?} contradicts {dp}.{}: {f:?} (with both, the destination is the route's default)",
-                        &key[8..]
-                    ),
+                    &rp.key(&key),
+                    format!("{o:?} contradicts {dp}.{name}: {f:?} (with both, the destination is the route's default)"),
                 );
                 o.clone()
             }
             (Some(o), _) => {
-                check_name(c, &rp.key(key), o);
+                check_name(c, &rp.key(&key), o);
                 o.clone()
             }
             (None, Some(f)) => {
-                check_name(c, &dp.key(&key[8..]), f);
+                check_name(c, &dp.key(name), f);
                 f.clone()
             }
             (None, None) => {
                 c.err(
-                    &rp.key(key),
+                    &rp.key(&key),
                     "required: events whose routed field is missing or unmapped need a default (or set a fixed destination)",
                 );
                 String::new()
             }
         }
     };
-    let default_stream = default("default_stream", r.default_stream.as_ref(), destination.map(|d| &d.stream));
-    let default_topic = default("default_topic", r.default_topic.as_ref(), destination.map(|d| &d.topic));
+    let default_stream = default("stream", r.default_stream.as_ref(), destination.map(|d| &d.stream));
+    let default_topic = default("topic", r.default_topic.as_ref(), destination.map(|d| &d.topic));
     let mapping = match (&r.mapping, &r.mapping_url) {
         (Some(_), Some(_)) => {
             c.err(&rp.key("mapping_url"), "set either mapping or mapping_url, not both");
@@ -1339,6 +1355,10 @@ mapping_url = "https://example.com/m.json"
                     mapping = { \"order.created\" = \"orders\", refund = { stream = \"s\", topic = \"no/slash\" } }\n";
         let e = errors(text);
         assert_eq!(e[0].path, "sources.a.route.mapping.refund");
+        let dotted = text.replace("refund", "\"refund.issued\"");
+        let e = errors(&dotted);
+        assert_eq!(e[0].path, "sources.a.route.mapping.\"refund.issued\"", "a key with a dot is quoted");
+        assert_eq!(e[0].line, Some(5));
         let empty =
             "[sources.a.route]\ntopic_field = \"t\"\ndefault_stream = \"s\"\ndefault_topic = \"d\"\nmapping = {}\n";
         assert_eq!(errors(empty)[0].path, "sources.a.route.mapping");
@@ -1367,6 +1387,9 @@ mapping_url = "https://example.com/m.json"
         assert_eq!(e[0].path, "sources.a.admission.denylist");
         let e = case("{ mode = \"closed\" }");
         assert_eq!(e[0].path, "sources.a.admission.mode");
+        let e = case("{ mode = \"denylist\", denylist = [{ stream = \"s\", topic = \"*\" }] }");
+        assert_eq!(e[0].path, "sources.a.admission");
+        assert!(e[0].message.contains("s/t"), "{e:?}");
         let ok = format!(
             "{base}admission = {{ mode = \"denylist\", denylist = [{{ stream = \"*\", topic = \"audit\" }}] }}\n"
         );
