@@ -142,7 +142,7 @@ pub struct RouteConfig {
 
 /// A mapping entry: `"topic"` or `{ stream = "...", topic = "..." }`.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
-#[serde(untagged)]
+#[serde(untagged, expecting = "a topic name, or { stream = \"...\", topic = \"...\" } (no other keys)")]
 pub enum MappingTargetConfig {
     Topic(String),
     Full(FullTargetConfig),
@@ -1355,6 +1355,10 @@ mapping_url = "https://example.com/m.json"
                     mapping = { \"order.created\" = \"orders\", refund = { stream = \"s\", topic = \"no/slash\" } }\n";
         let e = errors(text);
         assert_eq!(e[0].path, "sources.a.route.mapping.refund");
+        let shape = text.replace("{ stream = \"s\", topic = \"no/slash\" }", "{ queue = \"q\" }");
+        let e = errors(&shape);
+        assert_eq!(e[0].path, "sources.a.route.mapping.refund");
+        assert!(e[0].message.contains("a topic name, or"), "{e:?}");
         let dotted = text.replace("refund", "\"refund.issued\"");
         let e = errors(&dotted);
         assert_eq!(e[0].path, "sources.a.route.mapping.\"refund.issued\"", "a key with a dot is quoted");
