@@ -644,7 +644,7 @@ async fn attempt<S: Sink, C>(
                 i.last_error = Some(e.to_string());
             }
             lane.status.record_error(&e.to_string());
-            metrics::counter!("iggy_connector_send_failures_total", "reason" => e.kind.as_str()).increment(1);
+            metrics::counter!("iggy_connector_send_failures_total", "connector_key" => lane.key.source.clone(), "reason" => e.kind.as_str()).increment(1);
             if *failures >= lane.policy.batch.degraded_after_failures {
                 lane.status.set(Status::Degraded, &format!("{failures} consecutive failures, last: {e}"));
                 ctx.router_status.lane_degraded(&lane.key);
@@ -679,7 +679,7 @@ async fn out_of_range<S: Sink, C>(
             Delivery::Retry
         };
     }
-    metrics::counter!("iggy_connector_destinations_rejected_total", "reason" => "partition_id_out_of_range")
+    metrics::counter!("iggy_connector_destinations_rejected_total", "connector_key" => lane.key.source.clone(), "reason" => "partition_id_out_of_range")
         .increment(n);
     lock(&lane.info).rejected_records += n;
     let why = format!("partition id {partition} is beyond the topic's {} partitions", topic.partitions_count);
@@ -687,7 +687,7 @@ async fn out_of_range<S: Sink, C>(
     match lane.policy.on_admission_failure {
         OnAdmissionFailure::Drop => {
             tracing::warn!(destination = %lane.key, records = n, "{why}: dropped, as configured");
-            metrics::counter!("iggy_connector_messages_dropped_total", "reason" => "partition_id_out_of_range")
+            metrics::counter!("iggy_connector_messages_dropped_total", "connector_key" => lane.key.source.clone(), "reason" => "partition_id_out_of_range")
                 .increment(n);
             Delivery::Done
         }
