@@ -7,7 +7,9 @@
 //!   exact length. A damaged frame in the tail is a torn write (cut away, reported) only
 //!   if no later frame proves the damaged bytes were already durable; otherwise it is
 //!   damage to acknowledged data and an error naming file and byte position.
-//! - A writable open removes the clean-shutdown marker, durably, before any append.
+//! - A writable open removes the clean-shutdown marker, durably, before any append, and
+//!   syncs every segment file and the directory first: nothing it found is published
+//!   as durable unless it is.
 //! - A read-only open takes no lock and changes nothing.
 //! - Salvage never deletes: damaged files are moved to `damaged/`, and the log resumes
 //!   past every offset the damaged bytes could have held.
@@ -235,8 +237,19 @@ pub(crate) fn open(storage: Arc<dyn Storage>, dir: &Path, opts: &WalOptions, rea
         report.salvage = Some(salvage);
     }
 
-    if has_marker && !read_only {
-        remove_durably(&*storage, &dir, CLEAN_MARKER_FILE)?;
+    if !read_only {
+        // What was found is made durable before anything is published as durable: a
+        // previous process may have died (or failed a sync) after writing bytes or
+        // creating a file without syncing it, and its page cache outlived it. Syncing
+        // clean files is cheap; this happens once per open.
+        for seg in &loaded {
+            seg.file.sync_data().map_err(io_err(&seg.path))?;
+        }
+        if has_marker {
+            remove_durably(&*storage, &dir, CLEAN_MARKER_FILE)?;
+        } else {
+            storage.sync_dir(&dir).map_err(io_err(&dir))?;
+        }
     }
 
     let count = loaded.len();
