@@ -107,6 +107,42 @@ fn an_error_at_every_operation_leaves_a_consistent_reopenable_log() {
 }
 
 #[test]
+fn what_a_restart_appends_after_any_fault_survives_a_power_loss() {
+    // A fault can leave things undurable that a restarted process then builds on (a
+    // segment whose directory sync failed, say): the reopen must make them durable.
+    let total = operations_in_scenario();
+    for n in 1..=total + 1 {
+        let sim = SimStorage::new();
+        let wal = open(&sim, options());
+        sim.fail_nth(FaultOp::AnyMutation, n, ErrorKind::Other);
+        // The process stops at the first failed append, before anything heals the fault.
+        let mut acked = BTreeMap::new();
+        rt().block_on(async {
+            for i in 0..24u64 {
+                match wal.append(vec![payload(i, 150 + (i as usize * 37) % 300)]).await {
+                    Ok(a) => {
+                        acked.insert(a.first_offset, i);
+                    }
+                    Err(_) => break,
+                }
+            }
+        });
+        drop(wal);
+        sim.disarm();
+        let wal = open(&sim, options());
+        rt().block_on(async {
+            for t in 100..104u64 {
+                let a = wal.append(vec![payload(t % 48, 60)]).await.expect("append after the restart");
+                acked.insert(a.first_offset, t % 48);
+            }
+        });
+        drop(wal);
+        sim.crash(CrashMode::LoseUnsynced);
+        check(&sim, &acked, &format!("error at operation {n}, restart, appends, power loss"));
+    }
+}
+
+#[test]
 fn after_a_failed_write_the_log_keeps_accepting() {
     let sim = SimStorage::new();
     let wal = open(&sim, options());
