@@ -271,6 +271,9 @@ impl Harness {
             }
         };
         self.crashes_seen = self.sim.crashes();
+        if trace() {
+            eprintln!("    opened: {:?}", wal.open_report());
+        }
         self.wal = Some(wal);
         self.check_everything();
     }
@@ -361,7 +364,11 @@ impl Harness {
             .collect();
         let n = batch.len() as u64;
         let expected = self.wal().next_offset();
-        match self.wal().append(batch.clone()).await {
+        let result = self.wal().append(batch.clone()).await;
+        if trace() {
+            eprintln!("    append of {lens:?} -> {result:?}");
+        }
+        match result {
             Ok(a) => {
                 assert_eq!(
                     a.first_offset, expected,
@@ -389,6 +396,11 @@ impl Harness {
                 self.reopen();
             }
             Err(WalError::Io { .. }) if self.faults_possible || self.sim.crashes() != self.crashes_seen => {
+                // The writer answers a failed append before it cuts the segment back; a
+                // command queued behind it returns once the cut is done, so the next
+                // operation (a fault armed, a power loss) always lands after it and an
+                // input replays exactly.
+                let _ = self.wal().release_below(0).await;
                 if self.sim.crashes() == self.crashes_seen {
                     // A fault undone: the log is exactly what it was before the append.
                     assert_eq!(self.wal().next_offset(), expected, "a failed append moved the end of the log");
@@ -474,6 +486,10 @@ impl Harness {
     }
 
     async fn run(&mut self, op: Op) {
+        if trace() {
+            let wal = self.wal();
+            eprintln!("[{}..{}) {op:?}", wal.start_offset(), wal.next_offset());
+        }
         match op {
             Op::Append { sizes } => self.append(&sizes).await,
             Op::Read { from, max_records, max_bytes } => self.read(from, max_records, max_bytes).await,
@@ -515,6 +531,12 @@ impl Harness {
         }
         self.reopen_if_crashed();
     }
+}
+
+/// `FUZZ_TRACE=1` prints each operation with the log's range before it (for `replay`).
+fn trace() -> bool {
+    static TRACE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *TRACE.get_or_init(|| std::env::var_os("FUZZ_TRACE").is_some())
 }
 
 /// Decodes and runs one input. Panics on any broken promise.
