@@ -120,8 +120,11 @@ fn start_daemon(dir: &Path) -> (DaemonProcess, SocketAddr, SocketAddr) {
     std::fs::write(
         &cfg,
         format!(
-            "[http]\nlisten = \"127.0.0.1:0\"\n[admin]\nlisten = \"127.0.0.1:0\"\n[logging]\nlevel = \"warn\"\n[storage]\ndata_dir = \"{}\"\n[wal]\nsync = \"always\"\n[sources.default]\ndestination = {{ stream = \"ingest\", topic = \"events\" }}\n",
-            dir.join("data").display()
+            "[http]\nlisten = \"127.0.0.1:0\"\n[admin]\nlisten = \"127.0.0.1:0\"\n[logging]\nlevel = \"warn\"\n[storage]\ndata_dir = \"{}\"\n[wal]\nsync = \"always\"\n[sources.default]\ndestination = {{ stream = \"ingest\", topic = \"events\" }}\n{}",
+            dir.join("data").display(),
+            // LOAD_DAEMON_EXTRA: more TOML, e.g. "[router]\nenabled = false" to measure
+            // the door alone, or an [iggy] address to deliver while accepting.
+            std::env::var("LOAD_DAEMON_EXTRA").unwrap_or_default().replace("\\n", "\n")
         ),
     )
     .unwrap();
