@@ -55,80 +55,9 @@ pub struct RouterSection {
 
 impl Default for RouterSection {
     fn default() -> Self {
-        let p = PolicySection::default();
+        let p = RouterPolicy::default();
         RouterSection {
             enabled: true,
-            batch_max_records: p.batch_max_records,
-            batch_max_bytes: p.batch_max_bytes,
-            linger_ms: p.linger_ms,
-            result_timeout_ms: p.result_timeout_ms,
-            backoff_base_ms: p.backoff_base_ms,
-            backoff_max_ms: p.backoff_max_ms,
-            degraded_after_failures: p.degraded_after_failures,
-            failure_threshold: p.failure_threshold,
-            cool_down_ms: p.cool_down_ms,
-            max_destinations: p.max_destinations,
-            max_concurrent_destinations: p.max_concurrent_destinations,
-            on_admission_failure: p.on_admission_failure,
-            dead_letter_stream: p.dead_letter_stream,
-            dead_letter_topic: p.dead_letter_topic,
-            lane_queue_max_records: p.lane_queue_max_records,
-            overflow_after_ms: p.overflow_after_ms,
-            topic_defaults: TopicDefaultsSection::default(),
-            sources: BTreeMap::new(),
-        }
-    }
-}
-
-impl RouterSection {
-    /// The policy keys of this section.
-    pub fn policy(&self) -> PolicySection {
-        PolicySection {
-            batch_max_records: self.batch_max_records,
-            batch_max_bytes: self.batch_max_bytes,
-            linger_ms: self.linger_ms,
-            result_timeout_ms: self.result_timeout_ms,
-            backoff_base_ms: self.backoff_base_ms,
-            backoff_max_ms: self.backoff_max_ms,
-            degraded_after_failures: self.degraded_after_failures,
-            failure_threshold: self.failure_threshold,
-            cool_down_ms: self.cool_down_ms,
-            max_destinations: self.max_destinations,
-            max_concurrent_destinations: self.max_concurrent_destinations,
-            on_admission_failure: self.on_admission_failure.clone(),
-            dead_letter_stream: self.dead_letter_stream.clone(),
-            dead_letter_topic: self.dead_letter_topic.clone(),
-            lane_queue_max_records: self.lane_queue_max_records,
-            overflow_after_ms: self.overflow_after_ms,
-        }
-    }
-}
-
-/// The delivery policy keys (see `router::policy` for what each means and why).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PolicySection {
-    pub batch_max_records: u64,
-    pub batch_max_bytes: u64,
-    pub linger_ms: u64,
-    pub result_timeout_ms: u64,
-    pub backoff_base_ms: u64,
-    pub backoff_max_ms: u64,
-    pub degraded_after_failures: u64,
-    pub failure_threshold: u64,
-    pub cool_down_ms: u64,
-    pub max_destinations: u64,
-    pub max_concurrent_destinations: u64,
-    pub on_admission_failure: String,
-    pub dead_letter_stream: Option<String>,
-    pub dead_letter_topic: Option<String>,
-    pub lane_queue_max_records: u64,
-    pub overflow_after_ms: u64,
-}
-
-impl Default for PolicySection {
-    fn default() -> Self {
-        let p = RouterPolicy::default();
-        PolicySection {
             batch_max_records: p.batch.batch_max_records as u64,
             batch_max_bytes: p.batch.batch_max_bytes as u64,
             linger_ms: p.batch.linger.as_millis() as u64,
@@ -145,6 +74,8 @@ impl Default for PolicySection {
             dead_letter_topic: None,
             lane_queue_max_records: p.lane_queue_max_records as u64,
             overflow_after_ms: p.overflow_after.as_millis() as u64,
+            topic_defaults: TopicDefaultsSection::default(),
+            sources: BTreeMap::new(),
         }
     }
 }
@@ -218,7 +149,7 @@ fn to_u32(v: u64, path: &[&str], problems: &mut Vec<Problem>) -> u32 {
     })
 }
 
-fn policy_from(s: &PolicySection, prefix: &[&str], problems: &mut Vec<Problem>) -> RouterPolicy {
+fn policy_from(s: &RouterSection, prefix: &[&str], problems: &mut Vec<Problem>) -> RouterPolicy {
     let at = |k: &str| -> Vec<String> { prefix.iter().map(|s| s.to_string()).chain([k.to_string()]).collect() };
     let on_admission_failure = match s.on_admission_failure.as_str() {
         "error" => OnAdmissionFailure::Error,
@@ -271,7 +202,11 @@ fn policy_from(s: &PolicySection, prefix: &[&str], problems: &mut Vec<Problem>) 
     };
     if let Err(e) = policy.validate() {
         // The router's own message names the field; put it under this section.
-        let field = e.split_whitespace().next().unwrap_or("").trim_matches('"').to_string();
+        let field = match e.split_whitespace().next().unwrap_or("").trim_matches('"') {
+            // The router's `dead_letter` is the pair of keys here; name the first.
+            "dead_letter" => "dead_letter_stream".to_string(),
+            other => other.to_string(),
+        };
         let path = if field.chars().all(|c| c.is_ascii_lowercase() || c == '_') && !field.is_empty() {
             at(&field)
         } else {
@@ -282,8 +217,9 @@ fn policy_from(s: &PolicySection, prefix: &[&str], problems: &mut Vec<Problem>) 
     policy
 }
 
-fn merged(base: &PolicySection, o: &PolicyOverrides) -> PolicySection {
-    PolicySection {
+/// `base` with a source's overrides applied (only the policy keys matter here).
+fn merged(base: &RouterSection, o: &PolicyOverrides) -> RouterSection {
+    RouterSection {
         batch_max_records: o.batch_max_records.unwrap_or(base.batch_max_records),
         batch_max_bytes: o.batch_max_bytes.unwrap_or(base.batch_max_bytes),
         linger_ms: o.linger_ms.unwrap_or(base.linger_ms),
@@ -300,6 +236,9 @@ fn merged(base: &PolicySection, o: &PolicyOverrides) -> PolicySection {
         dead_letter_topic: o.dead_letter_topic.clone().or_else(|| base.dead_letter_topic.clone()),
         lane_queue_max_records: o.lane_queue_max_records.unwrap_or(base.lane_queue_max_records),
         overflow_after_ms: o.overflow_after_ms.unwrap_or(base.overflow_after_ms),
+        enabled: base.enabled,
+        topic_defaults: base.topic_defaults.clone(),
+        sources: BTreeMap::new(),
     }
 }
 
@@ -319,8 +258,7 @@ pub struct IggyConnection {
 /// the document root.
 pub fn check(section: &RouterSection, iggy: &IggyConnection, sources: &[String]) -> (DeliverySettings, Vec<Problem>) {
     let mut problems = Vec::new();
-    let base = section.policy();
-    let default = policy_from(&base, &["router"], &mut problems);
+    let default = policy_from(section, &["router"], &mut problems);
     let mut per_source = HashMap::new();
     for (key, o) in &section.sources {
         if !sources.contains(key) {
@@ -328,7 +266,7 @@ pub fn check(section: &RouterSection, iggy: &IggyConnection, sources: &[String])
                 .push((vec!["router".into(), "sources".into(), key.clone()], format!("there is no source {key:?}")));
             continue;
         }
-        let p = policy_from(&merged(&base, o), &["router", "sources", key], &mut problems);
+        let p = policy_from(&merged(section, o), &["router", "sources", key], &mut problems);
         per_source.insert(key.clone(), Arc::new(p));
     }
     let t = &section.topic_defaults;
@@ -478,4 +416,45 @@ pub async fn destinations(State(s): State<Arc<crate::daemon::Shared>>, Path(key)
     }
     let lanes: Vec<serde_json::Value> = s.delivery.destinations_of(&key).iter().map(lane_json).collect();
     Json(json!({"connector": key, "destinations": lanes})).into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn iggy() -> IggyConnection {
+        IggyConnection {
+            address: "127.0.0.1:8090".into(),
+            username: "iggy".into(),
+            password: "iggy".into(),
+            tls: false,
+            tls_domain: None,
+            tls_ca_file: None,
+            reconnection_interval_ms: 500,
+        }
+    }
+
+    #[test]
+    fn a_source_inherits_the_defaults_and_overrides_only_what_it_names() {
+        let mut section = RouterSection { batch_max_records: 500, ..RouterSection::default() };
+        section.sources.insert("github".into(), PolicyOverrides { linger_ms: Some(50), ..PolicyOverrides::default() });
+        let (settings, problems) = check(&section, &iggy(), &["github".into(), "stripe".into()]);
+        assert!(problems.is_empty(), "{problems:?}");
+        let github = settings.policies.for_source("github");
+        assert_eq!((github.batch.batch_max_records, github.batch.linger), (500, Duration::from_millis(50)));
+        let stripe = settings.policies.for_source("stripe");
+        assert_eq!((stripe.batch.batch_max_records, stripe.batch.linger), (500, Duration::from_millis(5)));
+    }
+
+    #[test]
+    fn a_bad_override_is_named_by_its_own_key_path() {
+        let mut section = RouterSection::default();
+        section.sources.insert(
+            "github".into(),
+            PolicyOverrides { on_admission_failure: Some("dead_letter".into()), ..PolicyOverrides::default() },
+        );
+        let (_, problems) = check(&section, &iggy(), &["github".into()]);
+        let paths: Vec<String> = problems.iter().map(|(p, _)| p.join(".")).collect();
+        assert_eq!(paths, vec!["router.sources.github.dead_letter_stream"], "{problems:?}");
+    }
 }
