@@ -126,6 +126,11 @@ pub(crate) fn scan_segment(
             out.valid_end = pos;
             continue;
         }
+        if header.offset > crate::format::OFFSET_MAX {
+            // No record carries u64::MAX (it is kept free for "the offset after the last").
+            out.stop = Some((pos, FrameProblem::UnexpectedOffset { expected, found: header.offset }));
+            break;
+        }
         let payload = match r.get(pos + FRAME_HEADER_LEN, header.payload_len as usize).map_err(io)? {
             None => {
                 out.stop = Some((pos, FrameProblem::PayloadTruncated));
