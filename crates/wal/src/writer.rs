@@ -277,15 +277,23 @@ impl Writer {
         }
     }
 
-    /// A write or sync failed: fail the appends it carried, then cut the segment back to
-    /// its last durable length so the log is again exactly what it vouched for.
+    /// A write or sync failed: cut the segment back to its last durable length so the
+    /// log is again exactly what it vouched for, then fail the appends it carried. The
+    /// cut comes first so that a caller told "failed" (and a sender that retries) finds
+    /// the failed bytes already gone, unless the cut failed too and the log is poisoned.
     fn fail(&mut self, pending: &mut Vec<Pending>, e: std::io::Error, what: &str) {
         metrics::counter!("iggy_ingest_wal_storage_errors_total").increment(1);
         tracing::error!(error = %e, segment = %self.active.path.display(), "log {what} failed");
+        self.undo_unsynced(&e, what);
         for p in pending.drain(..) {
             let err = std::io::Error::new(e.kind(), format!("log {what} failed: {e}"));
             let _ = p.reply.send(Err(WalError::io(&self.active.path, err)));
         }
+    }
+
+    /// Cuts the active segment back to its durable length and syncs that; poisons the log
+    /// if either step fails.
+    fn undo_unsynced(&mut self, e: &std::io::Error, what: &str) {
         let lost = self.written_len - self.durable_len;
         let undo = self.active.file.set_len(self.durable_len).and_then(|()| self.active.file.sync_data());
         match undo {
