@@ -298,6 +298,7 @@ async fn receive_inner(
         }
         ingest_error(e, door.limits.retry_after_secs)
     })?;
+    fail_points::fail_point!("door.append.synced");
     if let Some(s) = door.status.get(&source.key) {
         s.accepted(accepted.events, accepted.replayed);
     }

@@ -581,6 +581,7 @@ async fn attempt<S: Sink, C>(
         }
         Some((partitioning, messages)) => {
             let started = std::time::Instant::now();
+            fail_points::fail_point!("router.send");
             let r = tokio::time::timeout(timeout, ctx.sink.send(lane.dest(), partitioning, messages)).await;
             metrics::histogram!("iggy_connector_send_latency_seconds").record(started.elapsed().as_secs_f64());
             match r {

@@ -294,6 +294,7 @@ async fn cursor_flush_loop<C: CursorStore>(
                 .collect()
         };
         if !snapshot.is_empty() {
+            fail_points::fail_point!("router.acked");
             let rows = snapshot.iter().map(|(l, a)| (l.key.clone(), *a)).collect();
             match cursors.store(rows).await {
                 Ok(()) => {

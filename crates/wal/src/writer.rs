@@ -231,6 +231,7 @@ impl Writer {
             self.fail(pending, e, "write");
             return;
         }
+        fail_points::fail_point!("wal.append.written");
         self.written_len += n;
         self.shared.used_bytes.fetch_add(n, Ordering::AcqRel);
         match self.sync {
@@ -367,6 +368,7 @@ impl Writer {
             };
             let size = victim.file.len().map_err(|e| WalError::io(&victim.path, e))?;
             self.shared.storage.remove_file(&victim.path).map_err(|e| WalError::io(&victim.path, e))?;
+            fail_points::fail_point!("wal.release.removed");
             self.shared.segments_mut().remove(0);
             self.shared.used_bytes.fetch_sub(size, Ordering::AcqRel);
             self.shared.storage.sync_dir(&self.shared.dir).map_err(|e| WalError::io(&self.shared.dir, e))?;

@@ -1,0 +1,110 @@
+//! Fail points: named places in the daemon where a test can make the process die, to
+//! prove what survives a crash exactly there.
+//!
+//! `fail_point!("name")` expands to nothing unless this crate's `enabled` feature is on,
+//! so a build without it (every release build) carries no code and no check. With the
+//! feature, the call compares `name` with the point named by the environment and, on the
+//! chosen hit, kills the process with `SIGKILL`, exactly as `kill -9` would: no
+//! destructor, no flush, no clean-shutdown marker.
+//!
+//! The environment, read once per process:
+//!
+//! | variable | meaning |
+//! |---|---|
+//! | `IGGY_INGEST_FAIL_POINT` | the point to arm (one of [`POINTS`]); unset: nothing is armed |
+//! | `IGGY_INGEST_FAIL_POINT_HIT` | die on this hit of the point (1 = the first, the default) |
+//! | `IGGY_INGEST_FAIL_POINT_DELAY_MS` | die this long *after* the hit, from another thread, while the code goes on (a crash in the middle of what the point starts, such as a send awaiting its answer) |
+//!
+//! Before dying the process writes `fail point NAME: hit N, killing the process` to
+//! stderr, so a test can tell the death it caused from any other.
+
+/// Every fail point, with the moment it stands for.
+pub const POINTS: &[(&str, &str)] = &[
+    ("wal.append.written", "the log wrote a group of appends and has not synced them"),
+    ("door.append.synced", "an append was synced and its 200 not yet answered"),
+    ("router.send", "a batch is handed to the destination's client (with a delay: while the send awaits its answer)"),
+    ("router.acked", "a destination acknowledged records and their cursor is not yet stored"),
+    ("wal.release.removed", "a released segment file was removed and the directory not yet synced"),
+];
+
+/// Dies here when the environment armed this point and this is the chosen hit.
+#[cfg(feature = "enabled")]
+#[macro_export]
+macro_rules! fail_point {
+    ($name:literal) => {
+        $crate::hit($name)
+    };
+}
+
+/// Nothing: the `enabled` feature is off.
+#[cfg(not(feature = "enabled"))]
+#[macro_export]
+macro_rules! fail_point {
+    ($name:literal) => {};
+}
+
+#[cfg(feature = "enabled")]
+mod armed {
+    use std::sync::OnceLock;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::time::Duration;
+
+    struct Armed {
+        name: String,
+        nth: u64,
+        delay: Option<Duration>,
+        hits: AtomicU64,
+    }
+
+    fn armed() -> Option<&'static Armed> {
+        static ARMED: OnceLock<Option<Armed>> = OnceLock::new();
+        ARMED
+            .get_or_init(|| {
+                let name = std::env::var("IGGY_INGEST_FAIL_POINT").ok().filter(|n| !n.is_empty())?;
+                if !super::POINTS.iter().any(|(p, _)| *p == name) {
+                    eprintln!("fail point {name}: no such point; nothing is armed");
+                    return None;
+                }
+                let number = |var: &str| std::env::var(var).ok().and_then(|v| v.parse::<u64>().ok());
+                let nth = number("IGGY_INGEST_FAIL_POINT_HIT").unwrap_or(1).max(1);
+                let delay = number("IGGY_INGEST_FAIL_POINT_DELAY_MS").map(Duration::from_millis);
+                Some(Armed { name, nth, delay, hits: AtomicU64::new(0) })
+            })
+            .as_ref()
+    }
+
+    /// Called by `fail_point!`.
+    pub fn hit(name: &'static str) {
+        let Some(a) = armed() else { return };
+        if a.name != name {
+            return;
+        }
+        let n = a.hits.fetch_add(1, Ordering::AcqRel) + 1;
+        if n != a.nth {
+            return;
+        }
+        eprintln!("fail point {name}: hit {n}, killing the process");
+        match a.delay {
+            None => die(),
+            Some(d) => {
+                std::thread::spawn(move || {
+                    std::thread::sleep(d);
+                    die();
+                });
+            }
+        }
+    }
+
+    fn die() {
+        // SAFETY: kill(2) on this process's own pid; SIGKILL cannot be caught.
+        unsafe {
+            libc::kill(libc::getpid(), libc::SIGKILL);
+        }
+        // SIGKILL is delivered before kill(2) returns to this process; should it not be,
+        // never go on past the point.
+        std::process::abort();
+    }
+}
+
+#[cfg(feature = "enabled")]
+pub use armed::hit;
