@@ -47,6 +47,12 @@ pub enum WalError {
     #[error("{0} holds no log (no segment files)")]
     NotALog(PathBuf),
 
+    /// A read-only open beside a running writer could not read the writer's durable
+    /// watermark consistently (the writer is starting, or kept moving); retrying later
+    /// usually succeeds.
+    #[error("{dir}: a running writer holds this log and its durable state could not be read consistently: {why}")]
+    Unsettled { dir: PathBuf, why: String },
+
     #[error("log is open read-only")]
     ReadOnly,
 

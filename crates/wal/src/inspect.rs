@@ -132,7 +132,29 @@ impl VerifyReport {
 
 /// Checks every segment header, every frame checksum and the offset sequence across
 /// segments. Returns `Err` only when the directory cannot be read at all.
+///
+/// Beside a running writer it checks only what the writer's durable watermark covers
+/// (see `watermark.rs`): bytes written but not yet synced are neither read nor reported.
 pub fn verify(storage: &dyn Storage, dir: &Path, progress: &mut dyn FnMut(VerifyProgress)) -> Result<VerifyReport> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    loop {
+        let attempt =
+            crate::watermark::read_bound(storage, dir).and_then(|b| verify_bounded(storage, dir, b, progress));
+        match attempt {
+            Err(WalError::Unsettled { .. }) if std::time::Instant::now() < deadline => {
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            other => return other,
+        }
+    }
+}
+
+fn verify_bounded(
+    storage: &dyn Storage,
+    dir: &Path,
+    bound: crate::watermark::Bound,
+    progress: &mut dyn FnMut(VerifyProgress),
+) -> Result<VerifyReport> {
     let names = storage.list_dir(dir).map_err(|e| match e.kind() {
         std::io::ErrorKind::NotFound => WalError::NotALog(dir.to_path_buf()),
         _ => WalError::io(dir, e),
@@ -142,17 +164,36 @@ pub fn verify(storage: &dyn Storage, dir: &Path, progress: &mut dyn FnMut(Verify
     if bases.is_empty() {
         return Err(WalError::NotALog(dir.to_path_buf()));
     }
+    let bound = match bound {
+        crate::watermark::Bound::Watermark(w) => Some(w),
+        crate::watermark::Bound::None => None,
+    };
+    if let Some(w) = bound {
+        bases.retain(|&b| b <= w.segment_base);
+        if bases.last() != Some(&w.segment_base) {
+            return Err(crate::watermark::unsettled(dir, "the durable watermark names a segment that is not there"));
+        }
+    }
     let mut files = Vec::with_capacity(bases.len());
     let mut total = 0;
     for &b in &bases {
         let path = dir.join(segment_file_name(b));
         let file = storage.open(&path, OpenMode::Read).map_err(|e| WalError::io(&path, e))?;
-        let len = file.len().map_err(|e| WalError::io(&path, e))?;
+        let mut len = file.len().map_err(|e| WalError::io(&path, e))?;
+        if let Some(w) = bound
+            && w.segment_base == b
+        {
+            if len < w.durable_len {
+                return Err(crate::watermark::unsettled(dir, "the durable watermark is beyond its segment's end"));
+            }
+            len = w.durable_len;
+        }
         total += len;
         files.push((b, path, file, len));
     }
     // After a clean close the whole tail was durable: damage in it is damage, not a tear.
-    let marker = if names.iter().any(|n| n == crate::CLEAN_MARKER_FILE) {
+    // Beside a running writer, the whole bounded tail was durable too.
+    let marker = if bound.is_none() && names.iter().any(|n| n == crate::CLEAN_MARKER_FILE) {
         let path = dir.join(crate::CLEAN_MARKER_FILE);
         let mut b = [0u8; crate::format::CLEAN_MARKER_LEN];
         storage
@@ -165,7 +206,7 @@ pub fn verify(storage: &dyn Storage, dir: &Path, progress: &mut dyn FnMut(Verify
     };
     let tail_closed_cleanly = match (files.last(), marker) {
         (Some((base, _, _, len)), Some(m)) => m.tail_base == *base && m.tail_len == *len,
-        _ => false,
+        _ => bound.is_some(),
     };
     let mut report = VerifyReport { segments: files.len(), ..VerifyReport::default() };
     let mut done = 0u64;
@@ -213,7 +254,9 @@ pub fn verify(storage: &dyn Storage, dir: &Path, progress: &mut dyn FnMut(Verify
         match out.stop {
             Some((pos, p)) if i == last => {
                 if tail_closed_cleanly {
-                    report.problems.push(problem(pos, format!("{p} (in a tail closed cleanly)")));
+                    let why =
+                        if bound.is_some() { "in bytes the running writer synced" } else { "in a tail closed cleanly" };
+                    report.problems.push(problem(pos, format!("{p} ({why})")));
                 } else if find_proof_of_durable_damage(&**file, path, *len, pos)?.is_some() {
                     report.problems.push(problem(pos, format!("{p} (bytes that were durable)")));
                 } else {

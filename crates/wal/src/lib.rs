@@ -42,6 +42,7 @@ mod recovery;
 mod scan;
 mod shared;
 pub mod storage;
+mod watermark;
 mod writer;
 
 use std::path::{Path, PathBuf};
@@ -65,6 +66,9 @@ use writer::Command;
 pub const LOCK_FILE: &str = "wal.lock";
 /// Present only after a clean close, until the next writable open.
 pub const CLEAN_MARKER_FILE: &str = "clean-shutdown";
+/// The advisory durable watermark a live writer publishes after each sync, for
+/// read-only openers beside it (see `FORMAT.md`).
+pub const WATERMARK_FILE: &str = "durable-watermark";
 /// Where a salvage moves damaged segment files.
 pub const DAMAGED_DIR: &str = "damaged";
 

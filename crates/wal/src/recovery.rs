@@ -17,16 +17,18 @@
 use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use crate::error::{Location, Result, WalError};
 use crate::format::{
-    CleanMarker, FRAME_HEADER_LEN, FrameHeader, HeaderProblem, SEGMENT_FLAG_GAP_BEFORE, SEGMENT_HEADER_LEN,
-    SegmentHeader, parse_segment_file_name,
+    CleanMarker, DurableWatermark, FRAME_HEADER_LEN, FrameHeader, HeaderProblem, SEGMENT_FLAG_GAP_BEFORE,
+    SEGMENT_HEADER_LEN, SegmentHeader, parse_segment_file_name,
 };
 use crate::options::{RecoveryMode, WalOptions};
 use crate::scan::{find_proof_of_durable_damage, read_seal, scan_segment};
 use crate::shared::{SegmentRef, Shared};
 use crate::storage::{OpenMode, Storage, StorageFile, read_exact_at};
+use crate::watermark::{self, Bound};
 use crate::writer::{Writer, create_segment, create_segment_with};
 use crate::{CLEAN_MARKER_FILE, DAMAGED_DIR, LOCK_FILE};
 
@@ -80,7 +82,35 @@ fn io_err(path: &Path) -> impl Fn(io::Error) -> WalError + '_ {
     move |e| WalError::io(path, e)
 }
 
+/// How long a read-only open beside a starting or busy writer keeps retrying.
+const UNSETTLED_RETRY_FOR: Duration = Duration::from_secs(5);
+
 pub(crate) fn open(storage: Arc<dyn Storage>, dir: &Path, opts: &WalOptions, read_only: bool) -> Result<Opened> {
+    if !read_only {
+        return open_bounded(storage, dir, opts, false, Bound::None);
+    }
+    // Beside a live writer, bound by its durable watermark; the watermark can be absent
+    // for a moment (the writer is recovering) or name a segment that moved on: retry.
+    let deadline = Instant::now() + UNSETTLED_RETRY_FOR;
+    loop {
+        let attempt = watermark::read_bound(&*storage, dir)
+            .and_then(|bound| open_bounded(storage.clone(), dir, opts, true, bound));
+        match attempt {
+            Err(WalError::Unsettled { .. }) if Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            other => return other,
+        }
+    }
+}
+
+fn open_bounded(
+    storage: Arc<dyn Storage>,
+    dir: &Path,
+    opts: &WalOptions,
+    read_only: bool,
+    bound: Bound,
+) -> Result<Opened> {
     opts.validate()?;
     let dir = dir.to_path_buf();
     let lock = if read_only {
@@ -92,6 +122,15 @@ pub(crate) fn open(storage: Arc<dyn Storage>, dir: &Path, opts: &WalOptions, rea
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Err(WalError::Locked(dir)),
             Err(e) => return Err(WalError::io(dir.join(LOCK_FILE), e)),
         }
+    };
+    if !read_only {
+        // Readers must not bound themselves by a previous process's watermark while
+        // this open recovers; the writer publishes its own once it is done.
+        watermark::invalidate(&*storage, &dir);
+    }
+    let bound = match bound {
+        Bound::Watermark(w) => Some(w),
+        Bound::None => None,
     };
     let mut report = OpenReport::default();
     let names = match storage.list_dir(&dir) {
@@ -111,7 +150,16 @@ pub(crate) fn open(storage: Arc<dyn Storage>, dir: &Path, opts: &WalOptions, rea
     }
     let mut bases: Vec<u64> = names.iter().filter_map(|n| parse_segment_file_name(n)).collect();
     bases.sort_unstable();
-    let has_marker = names.iter().any(|n| n == CLEAN_MARKER_FILE);
+    if let Some(w) = bound {
+        // Segments past the watermark's were created after the sync it describes: they
+        // hold nothing durable yet.
+        bases.retain(|&b| b <= w.segment_base);
+        if bases.last() != Some(&w.segment_base) {
+            return Err(watermark::unsettled(&dir, "the durable watermark names a segment that is not there"));
+        }
+    }
+    // A running writer removed any marker when it opened; one seen now is stale.
+    let has_marker = bound.is_none() && names.iter().any(|n| n == CLEAN_MARKER_FILE);
     let marker = if has_marker { read_marker(&*storage, &dir.join(CLEAN_MARKER_FILE))? } else { None };
 
     if bases.is_empty() {
@@ -133,7 +181,17 @@ pub(crate) fn open(storage: Arc<dyn Storage>, dir: &Path, opts: &WalOptions, rea
         let writable = !read_only && i == bases.len() - 1;
         let mode = if writable { OpenMode::ReadWrite } else { OpenMode::Read };
         let file = storage.open(&path, mode).map_err(io_err(&path))?;
-        let len = file.len().map_err(io_err(&path))?;
+        let mut len = file.len().map_err(io_err(&path))?;
+        if let Some(w) = bound
+            && base == w.segment_base
+        {
+            // Only what the writer's last published sync covered; it never shrinks below
+            // that (a failed sync cuts back to the durable length, not under it).
+            if len < w.durable_len {
+                return Err(watermark::unsettled(&dir, "the durable watermark is beyond its segment's end"));
+            }
+            len = w.durable_len;
+        }
         let (header, bad) = match read_header(&*file, &path, base, len) {
             Ok(h) => (h, None),
             Err(e) => (SegmentHeader { base_offset: base, flags: 0 }, Some(e)),
@@ -187,8 +245,20 @@ pub(crate) fn open(storage: Arc<dyn Storage>, dir: &Path, opts: &WalOptions, rea
         {
             {
                 let out = scan_segment(&*tail.file, &tail.path, tail.base, tail.len, &mut |_| {})?;
+                if let Some(w) = bound
+                    && out.stop.is_none()
+                    && out.sealed.unwrap_or(out.next_offset) != w.next_offset
+                {
+                    return Err(watermark::unsettled(&dir, "the durable watermark and its segment disagree"));
+                }
                 if let Some((pos, problem)) = out.stop {
-                    match find_proof_of_durable_damage(&*tail.file, &tail.path, tail.len, pos)? {
+                    // Within a live writer's watermark every byte was synced: a frame
+                    // that does not check there is damage, not a tear.
+                    let proof = match bound {
+                        Some(_) => Some(pos),
+                        None => find_proof_of_durable_damage(&*tail.file, &tail.path, tail.len, pos)?,
+                    };
+                    match proof {
                         Some(_) => {
                             let location = Location { file: tail.path.clone(), position: pos };
                             damage = Some((tail_index, WalError::Corrupt { location, problem }));
@@ -308,6 +378,7 @@ fn finish(
     let writer = match (lock, active) {
         (Some(lock), Some(active)) => {
             let len = active.durable_len.load(std::sync::atomic::Ordering::Relaxed);
+            let watermark = publish_initial_watermark(&*shared.storage, &shared.dir, &active, next_offset);
             Some(Writer {
                 shared: shared.clone(),
                 active,
@@ -320,12 +391,30 @@ fn finish(
                 poisoned: None,
                 unsynced_since: None,
                 buf: Vec::new(),
+                watermark,
                 _lock: lock,
             })
         }
         _ => None,
     };
     Opened { shared, writer, report }
+}
+
+/// Creates the writer's watermark and publishes what the open found durable (it synced
+/// everything before this).
+fn publish_initial_watermark(
+    storage: &dyn Storage,
+    dir: &Path,
+    active: &SegmentRef,
+    next_offset: u64,
+) -> Option<watermark::Publisher> {
+    let mut p = watermark::Publisher::create(storage, dir)?;
+    p.publish(DurableWatermark {
+        segment_base: active.base,
+        durable_len: active.durable_len.load(std::sync::atomic::Ordering::Relaxed),
+        next_offset,
+    });
+    Some(p)
 }
 
 /// With `full`, checks every frame of a sealed segment; otherwise does nothing.

@@ -77,6 +77,8 @@ pub(crate) struct Writer {
     /// Under `SyncPolicy::Interval`: when the oldest unsynced write happened.
     pub unsynced_since: Option<Instant>,
     pub buf: Vec<u8>,
+    /// Publishes each sync's result for read-only openers (`watermark.rs`).
+    pub watermark: Option<crate::watermark::Publisher>,
     /// Held for as long as the writer lives: releases the directory on exit.
     pub _lock: Box<dyn Send + Sync>,
 }
@@ -264,6 +266,13 @@ impl Writer {
         self.unsynced_since = None;
         self.active.durable_len.store(self.durable_len, Ordering::Release);
         self.shared.durable_next.send_replace(self.next_offset);
+        if let Some(w) = &mut self.watermark {
+            w.publish(crate::format::DurableWatermark {
+                segment_base: self.active.base,
+                durable_len: self.durable_len,
+                next_offset: self.next_offset,
+            });
+        }
         Ok(())
     }
 

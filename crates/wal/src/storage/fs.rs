@@ -59,10 +59,86 @@ impl Storage for FsStorage {
     fn try_lock(&self, path: &Path) -> io::Result<Box<dyn Send + Sync>> {
         let file = OpenOptions::new().read(true).write(true).create(true).truncate(false).open(path)?;
         match file.try_lock() {
-            Ok(()) => Ok(Box::new(file)),
-            Err(std::fs::TryLockError::WouldBlock) => Err(io::Error::from(io::ErrorKind::WouldBlock)),
-            Err(std::fs::TryLockError::Error(e)) => Err(e),
+            Ok(()) => {}
+            Err(std::fs::TryLockError::WouldBlock) => return Err(io::Error::from(io::ErrorKind::WouldBlock)),
+            Err(std::fs::TryLockError::Error(e)) => return Err(e),
         }
+        // The `flock` excludes other writers (as every earlier build did); an
+        // open-file-description lock on the same file beside it is what `is_locked` can
+        // test without taking anything.
+        ofd::set_write_lock(&file)?;
+        Ok(Box::new(file))
+    }
+
+    fn is_locked(&self, path: &Path) -> io::Result<bool> {
+        let file = match File::open(path) {
+            Ok(f) => f,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(false),
+            Err(e) => return Err(e),
+        };
+        ofd::is_write_locked(&file)
+    }
+}
+
+/// Open-file-description locks (`F_OFD_SETLK`, `F_OFD_GETLK`): owned by the open file,
+/// released when it closes, and testable without being taken (`F_OFD_GETLK`).
+#[cfg(target_os = "linux")]
+mod ofd {
+    use std::fs::File;
+    use std::io;
+    use std::os::fd::AsRawFd;
+
+    fn whole_file(kind: libc::c_short) -> libc::flock {
+        // SAFETY: `flock` is a plain C struct; all-zero is a valid value of it.
+        let mut l: libc::flock = unsafe { std::mem::zeroed() };
+        l.l_type = kind;
+        l.l_whence = libc::SEEK_SET as libc::c_short;
+        l.l_start = 0;
+        l.l_len = 0;
+        l.l_pid = 0;
+        l
+    }
+
+    pub(super) fn set_write_lock(file: &File) -> io::Result<()> {
+        let mut l = whole_file(libc::F_WRLCK as libc::c_short);
+        // SAFETY: a valid open descriptor and a pointer to an initialised `flock`.
+        let rc = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_OFD_SETLK, &mut l) };
+        if rc == 0 {
+            return Ok(());
+        }
+        let e = io::Error::last_os_error();
+        match e.raw_os_error() {
+            Some(libc::EAGAIN) | Some(libc::EACCES) => Err(io::Error::from(io::ErrorKind::WouldBlock)),
+            _ => Err(e),
+        }
+    }
+
+    pub(super) fn is_write_locked(file: &File) -> io::Result<bool> {
+        // "Could a read lock be taken?" conflicts exactly with a held write lock, and is
+        // allowed on a descriptor opened read-only.
+        let mut l = whole_file(libc::F_RDLCK as libc::c_short);
+        // SAFETY: as above; F_OFD_GETLK only fills in `l`.
+        let rc = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_OFD_GETLK, &mut l) };
+        if rc != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(l.l_type != libc::F_UNLCK as libc::c_short)
+    }
+}
+
+/// Elsewhere the `flock` alone excludes writers, and no lock can be tested without
+/// taking it: readers cannot tell a live writer and read as after a stop.
+#[cfg(not(target_os = "linux"))]
+mod ofd {
+    use std::fs::File;
+    use std::io;
+
+    pub(super) fn set_write_lock(_: &File) -> io::Result<()> {
+        Ok(())
+    }
+
+    pub(super) fn is_write_locked(_: &File) -> io::Result<bool> {
+        Ok(false)
     }
 }
 

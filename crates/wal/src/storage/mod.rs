@@ -51,6 +51,10 @@ pub trait Storage: Send + Sync + Debug {
     /// Takes an exclusive, advisory lock named by `path` without waiting; fails with
     /// `ErrorKind::WouldBlock` while another holder has it. Dropping the guard releases it.
     fn try_lock(&self, path: &Path) -> io::Result<Box<dyn Send + Sync>>;
+    /// Whether a holder (in any process) has the lock named by `path` now, found out
+    /// without taking it, creating the file or changing anything. `false` when the file
+    /// does not exist.
+    fn is_locked(&self, path: &Path) -> io::Result<bool>;
 }
 
 /// One open file.

@@ -462,6 +462,10 @@ impl Storage for SimStorage {
         }
         Ok(Box::new(SimLock { state: self.state.clone(), path: path.to_path_buf(), epoch: st.epoch }))
     }
+
+    fn is_locked(&self, path: &Path) -> io::Result<bool> {
+        Ok(lock(&self.state).locks.contains(path))
+    }
 }
 
 impl SimFile {

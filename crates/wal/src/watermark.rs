@@ -1,0 +1,112 @@
+//! The durable watermark: how a read-only opener beside a live writer knows which bytes
+//! are synced.
+//!
+//! A read-only opener cannot tell, from the files alone, bytes a live writer has written
+//! but not yet synced from synced ones: both read back the same and both check. So after
+//! every successful sync the writer thread publishes what that sync made durable (the
+//! active segment, its durable length, the next offset) into `durable-watermark`, with one
+//! positioned write of 40 bytes and no sync. A read-only opener that finds the writer's
+//! lock held reads no segment byte past it.
+//!
+//! Invariants:
+//! - The writer publishes a watermark only after the sync it describes succeeded, so a
+//!   watermark never names an unsynced byte; it may lag (a failed publish, a torn read),
+//!   never lead.
+//! - A writable open removes any earlier watermark right after taking the lock, and
+//!   publishes its own only once recovery is done: a reader never bounds itself by a
+//!   previous process's state while a new writer recovers.
+//! - It is advisory. It is never synced and recovery never reads it; a read-only opener
+//!   uses it only while the writer's lock is held (tested without taking it,
+//!   `Storage::is_locked`). A missing, unreadable or torn record with the lock held makes
+//!   the reader wait briefly and then fail, never read unbounded.
+//! - A failed publish never fails an append: the log's durability does not depend on it.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use crate::error::{Result, WalError};
+use crate::format::{DurableWatermark, WATERMARK_LEN};
+use crate::storage::{OpenMode, Storage, StorageFile, read_up_to_at};
+use crate::{LOCK_FILE, WATERMARK_FILE};
+
+/// The writer's side: one open file, rewritten in place after each sync.
+#[derive(Debug)]
+pub(crate) struct Publisher {
+    file: Arc<dyn StorageFile>,
+    warned: bool,
+}
+
+impl Publisher {
+    /// Creates a fresh watermark file (no earlier one may exist: `invalidate` ran at the
+    /// start of the open). `None`, with a warning, if it cannot be created: the log works
+    /// without it, and readers beside this writer then refuse instead of guessing.
+    pub(crate) fn create(storage: &dyn Storage, dir: &Path) -> Option<Publisher> {
+        let path = dir.join(WATERMARK_FILE);
+        invalidate(storage, dir);
+        match storage.open(&path, OpenMode::CreateNew) {
+            Ok(file) => Some(Publisher { file, warned: false }),
+            Err(e) => {
+                tracing::warn!(error = %e, path = %path.display(), "cannot create the durable watermark; read-only tools will refuse this log while it runs");
+                None
+            }
+        }
+    }
+
+    /// Publishes what the last successful sync made durable.
+    pub(crate) fn publish(&mut self, w: DurableWatermark) {
+        if let Err(e) = self.file.write_all_at(&w.encode(), 0)
+            && !self.warned
+        {
+            self.warned = true;
+            tracing::warn!(error = %e, "cannot publish the durable watermark; read-only tools see an older state");
+        }
+    }
+}
+
+/// Removes an earlier process's watermark (best effort: a watermark left behind is only
+/// ever read while a writer holds the lock, and this writer replaces it before it
+/// publishes anything).
+pub(crate) fn invalidate(storage: &dyn Storage, dir: &Path) {
+    match storage.remove_file(&dir.join(WATERMARK_FILE)) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => tracing::warn!(error = %e, "cannot remove an earlier durable watermark"),
+    }
+}
+
+/// What a read-only opener must respect.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Bound {
+    /// No writer holds the log: everything that checks may be read.
+    None,
+    /// A writer holds the log: read nothing past this.
+    Watermark(DurableWatermark),
+}
+
+/// Reads the bound for a read-only open of `dir`. `Err(Unsettled)` when a writer holds
+/// the lock but no whole watermark can be read (the caller retries, then gives up).
+pub(crate) fn read_bound(storage: &dyn Storage, dir: &Path) -> Result<Bound> {
+    let lock = dir.join(LOCK_FILE);
+    let held = storage.is_locked(&lock).map_err(|e| WalError::io(&lock, e))?;
+    if !held {
+        return Ok(Bound::None);
+    }
+    let path = dir.join(WATERMARK_FILE);
+    let file = match storage.open(&path, OpenMode::Read) {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(unsettled(dir, "the running writer has not published a durable watermark yet"));
+        }
+        Err(e) => return Err(WalError::io(&path, e)),
+    };
+    let mut b = [0u8; WATERMARK_LEN];
+    let got = read_up_to_at(&*file, &mut b, 0).map_err(|e| WalError::io(&path, e))?;
+    match DurableWatermark::decode(&b[..got]) {
+        Some(w) => Ok(Bound::Watermark(w)),
+        None => Err(unsettled(dir, "the durable watermark did not check (read during an update)")),
+    }
+}
+
+pub(crate) fn unsettled(dir: &Path, why: &str) -> WalError {
+    WalError::Unsettled { dir: dir.to_path_buf(), why: why.to_string() }
+}

@@ -1,0 +1,112 @@
+//! Read-only opening beside a live writer: the durable watermark keeps written but
+//! unsynced bytes out of every read-only view, and is ignored once the writer is gone.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use wal::storage::{FsStorage, SimStorage, Storage};
+use wal::{SyncPolicy, Wal, WalOptions, inspect};
+
+fn read_only(sim: &SimStorage) -> Wal {
+    Wal::open_read_only_with(Arc::new(sim.clone()) as Arc<dyn Storage>, &dir()).expect("read-only open")
+}
+
+fn tags(wal: &Wal) -> Vec<u64> {
+    read_all(wal, wal.start_offset()).iter().map(|r| tag_of(&r.payload)).collect()
+}
+
+/// Under `Interval`, an append resolves once written; the sync comes much later.
+fn lazy(segment_max_bytes: u64) -> WalOptions {
+    WalOptions { segment_max_bytes, sync: SyncPolicy::Interval(Duration::from_secs(60)), ..small_options() }
+}
+
+#[test]
+fn a_read_only_open_beside_a_live_writer_never_sees_its_unsynced_group() {
+    let sim = SimStorage::new();
+    {
+        let wal = open(&sim, small_options());
+        rt().block_on(wal.append(vec![payload(1, 100), payload(2, 100)])).unwrap();
+    }
+    let wal = open(&sim, lazy(1 << 16));
+    rt().block_on(wal.append(vec![payload(3, 100)])).unwrap();
+    let seg = dir().join(&segment_files(&sim, &dir())[0]);
+    assert!(sim.read_file(&seg).unwrap().len() > 32 + 2 * 132, "the group was written");
+
+    let ro = read_only(&sim);
+    assert_eq!(tags(&ro), vec![1, 2], "a written but unsynced record was visible");
+    assert_eq!(ro.next_offset(), 2);
+    let segs = inspect::list_segments(Arc::new(sim.clone()), &dir()).unwrap();
+    assert_eq!(segs.iter().map(|s| s.records).sum::<u64>(), 2);
+    let report = inspect::verify(&sim, &dir(), &mut |_| {}).unwrap();
+    assert!(report.is_clean() && report.torn_tail.is_none(), "{report:?}");
+    assert_eq!(report.records, 2);
+
+    // A power loss now would lose exactly what the read-only view left out.
+    rt().block_on(wal.close()).unwrap();
+    drop(wal);
+    assert_eq!(tags(&read_only(&sim)), vec![1, 2, 3], "after the sync and close everything is visible");
+}
+
+#[test]
+fn a_segment_created_after_the_last_sync_is_left_out() {
+    let sim = SimStorage::new();
+    let wal = open(&sim, lazy(4096));
+    // Each batch is ~1.2 KiB: the fourth rotates, which syncs and seals the first
+    // segment, then writes itself, unsynced, into the new one.
+    rt().block_on(async {
+        for t in 0..4 {
+            wal.append(vec![payload(t, 1200)]).await.unwrap();
+        }
+    });
+    assert_eq!(segment_files(&sim, &dir()).len(), 2);
+    let ro = read_only(&sim);
+    assert_eq!(tags(&ro), vec![0, 1, 2]);
+    assert_eq!(ro.segment_paths().len(), 1, "the unsynced segment is not part of the view");
+    let report = inspect::verify(&sim, &dir(), &mut |_| {}).unwrap();
+    assert_eq!((report.segments, report.records), (1, 3), "{report:?}");
+    drop(ro);
+    drop(wal);
+}
+
+#[test]
+fn without_a_live_writer_the_watermark_is_ignored() {
+    let sim = SimStorage::new();
+    let wal = open(&sim, small_options());
+    rt().block_on(wal.append(vec![payload(7, 100), payload(8, 100)])).unwrap();
+    drop(wal);
+    // A watermark that lags (a process that died before publishing its last sync):
+    // with no writer holding the lock, nothing bounds the view.
+    let seg = &segment_files(&sim, &dir())[0];
+    let base: u64 = seg.trim_end_matches(".seg").parse().unwrap();
+    let stale = wal::format::DurableWatermark { segment_base: base, durable_len: 32, next_offset: base };
+    sim.write_file_durably(&dir().join(wal::WATERMARK_FILE), &stale.encode()).unwrap();
+    assert_eq!(tags(&read_only(&sim)), vec![7, 8]);
+    let report = inspect::verify(&sim, &dir(), &mut |_| {}).unwrap();
+    assert_eq!(report.records, 2);
+    // And a writer that opens replaces it before anyone could bound by it.
+    let wal = open(&sim, lazy(1 << 16));
+    assert_eq!(tags(&read_only(&sim)), vec![7, 8]);
+    drop(wal);
+}
+
+#[test]
+fn the_real_file_system_reports_a_live_writer_without_taking_its_lock() {
+    let tmp = tempfile::tempdir().unwrap();
+    let lock = tmp.path().join(wal::LOCK_FILE);
+    assert!(!FsStorage.is_locked(&lock).unwrap(), "no file, no lock");
+    let wal = Wal::open(tmp.path(), small_options()).unwrap();
+    assert!(FsStorage.is_locked(&lock).unwrap());
+    assert!(FsStorage.is_locked(&lock).unwrap(), "testing did not take it");
+    rt().block_on(wal.append(vec![payload(1, 10)])).unwrap();
+    let ro = Wal::open_read_only(tmp.path()).unwrap();
+    assert_eq!(tags(&ro), vec![1]);
+    assert!(tmp.path().join(wal::WATERMARK_FILE).exists());
+    rt().block_on(wal.close()).unwrap();
+    drop(wal);
+    assert!(!FsStorage.is_locked(&lock).unwrap(), "released with the writer");
+    // A second writer can still take it: reading never held it.
+    drop(Wal::open(tmp.path(), small_options()).unwrap());
+}
