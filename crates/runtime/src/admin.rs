@@ -1,9 +1,19 @@
 //! The admin listener: `/health`, `/status`, `/metrics`, and the endpoint management
 //! API behind the management token.
 //!
+//! Two tokens, two privileges (docs/operations.md, "Securing the admin API"):
+//! - `admin.token`, when set, is needed for every route but `/health` (a reader:
+//!   status, connectors, metrics). The management token is accepted there too.
+//! - `admin.management_token` is needed for endpoint management (it hands out
+//!   secrets); the admin token alone never manages.
+//!
 //! Invariants:
-//! - Management calls need `Authorization: Bearer <management_token>` (compared in
-//!   constant time); without a configured token they answer 404.
+//! - `/health` never needs a token: load balancers and orchestrators probe it bare.
+//! - Every token comparison is constant-time over SHA-256 digests (no length signal);
+//!   every refusal is a 401 with a JSON body and counts
+//!   `iggy_ingest_admin_auth_failures_total`.
+//! - Management calls need `Authorization: Bearer <management_token>`; without a
+//!   configured token they answer 404.
 //! - A 2xx from a management call means the change is committed to redb.
 //! - Secrets appear only in the answers of register and rotate, never in listings.
 
@@ -11,8 +21,9 @@ use std::sync::Arc;
 
 use axum::Json;
 use axum::Router;
-use axum::extract::{Path, State};
-use axum::http::{HeaderMap, StatusCode, header};
+use axum::extract::{Path, Request, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use http_source::endpoints::{EndpointError, format_id, parse_id};
@@ -36,7 +47,47 @@ pub fn router(shared: Arc<Shared>) -> Router {
         .route("/v1/endpoints/{id}", axum::routing::delete(revoke))
         .route("/v1/endpoints/{id}/rotate", post(rotate))
         .fallback(|| async { ApiError::not_found("no such path") })
+        // On the whole router, fallback included: without the token an unknown path
+        // and a known one look alike.
+        .layer(middleware::from_fn_with_state(shared.clone(), require_admin_token))
         .with_state(shared)
+}
+
+/// The `admin.token` check in front of every route but `/health`.
+async fn require_admin_token(State(s): State<Arc<Shared>>, request: Request, next: Next) -> Response {
+    let Some(token) = &s.admin_token else { return next.run(request).await };
+    if request.uri().path() == "/health" {
+        return next.run(request).await;
+    }
+    let presented = bearer(request.headers());
+    let accepted = presented.is_some_and(|p| {
+        // Both comparisons always run, so the time taken says nothing about which matched.
+        let admin = token_matches(p, token);
+        let management = s.management_token.as_deref().is_some_and(|m| token_matches(p, m));
+        admin | management
+    });
+    if accepted { next.run(request).await } else { refuse(presented.is_some(), "admin call") }
+}
+
+/// The token of an `Authorization: Bearer <token>` header, if there is one.
+fn bearer(headers: &HeaderMap) -> Option<&str> {
+    headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "))
+}
+
+/// Constant-time: hashing both sides first removes the length signal from the comparison.
+fn token_matches(presented: &str, token: &str) -> bool {
+    let (a, b) = (Sha256::digest(presented.as_bytes()), Sha256::digest(token.as_bytes()));
+    bool::from(a.ct_eq(&b))
+}
+
+/// A 401 with a JSON body and a `WWW-Authenticate` challenge; counted and logged.
+fn refuse(presented: bool, what: &str) -> Response {
+    metrics::counter!("iggy_ingest_admin_auth_failures_total").increment(1);
+    let why = if presented { "a wrong token" } else { "no bearer token" };
+    tracing::warn!("{what} with {why}");
+    let mut resp = ApiError::unauthorized().into_response();
+    resp.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer realm=\"iggy-ingest admin\""));
+    resp
 }
 
 async fn health(State(s): State<Arc<Shared>>) -> Response {
@@ -106,23 +157,18 @@ async fn metrics(State(s): State<Arc<Shared>>) -> Response {
     }
 }
 
-fn authorize(s: &Shared, headers: &HeaderMap) -> Result<(), ApiError> {
+/// The management token check: `None` to go on, or the answer refusing the call.
+fn refuse_management(s: &Shared, headers: &HeaderMap) -> Option<Response> {
     let Some(token) = &s.management_token else {
-        return Err(ApiError::not_found("endpoint management is disabled (no admin.management_token)"));
+        return Some(
+            ApiError::not_found("endpoint management is disabled (no admin.management_token)").into_response(),
+        );
     };
-    let presented = headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .unwrap_or("");
-    // Hashing both sides first removes the length signal from the comparison.
-    let (a, b) = (Sha256::digest(presented.as_bytes()), Sha256::digest(token.as_bytes()));
-    if bool::from(a.ct_eq(&b)) {
-        Ok(())
+    let presented = bearer(headers);
+    if presented.is_some_and(|p| token_matches(p, token)) {
+        None
     } else {
-        metrics::counter!("iggy_ingest_admin_auth_failures_total").increment(1);
-        tracing::warn!("management call with a wrong or missing token");
-        Err(ApiError::unauthorized())
+        Some(refuse(presented.is_some(), "management call"))
     }
 }
 
@@ -157,8 +203,8 @@ fn record_json(r: &EndpointRecord, with_secret: bool) -> serde_json::Value {
 }
 
 async fn list(State(s): State<Arc<Shared>>, headers: HeaderMap) -> Response {
-    if let Err(e) = authorize(&s, &headers) {
-        return e.into_response();
+    if let Some(refused) = refuse_management(&s, &headers) {
+        return refused;
     }
     Json(json!({"endpoints": s.endpoints.list(ingest::time::now_unix_ms())})).into_response()
 }
@@ -186,8 +232,8 @@ fn parse_json<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError
 }
 
 async fn register(State(s): State<Arc<Shared>>, headers: HeaderMap, body: axum::body::Bytes) -> Response {
-    if let Err(e) = authorize(&s, &headers) {
-        return e.into_response();
+    if let Some(refused) = refuse_management(&s, &headers) {
+        return refused;
     }
     let req: RegisterRequest = match parse_json(&body) {
         Ok(r) => r,
@@ -222,8 +268,8 @@ async fn rotate(
     headers: HeaderMap,
     body: axum::body::Bytes,
 ) -> Response {
-    if let Err(e) = authorize(&s, &headers) {
-        return e.into_response();
+    if let Some(refused) = refuse_management(&s, &headers) {
+        return refused;
     }
     let Some(id) = parse_id(&id) else { return ApiError::not_found("no such endpoint").into_response() };
     let req: RotateRequest = if body.is_empty() {
@@ -244,8 +290,8 @@ async fn rotate(
 }
 
 async fn revoke(State(s): State<Arc<Shared>>, Path(id): Path<String>, headers: HeaderMap) -> Response {
-    if let Err(e) = authorize(&s, &headers) {
-        return e.into_response();
+    if let Some(refused) = refuse_management(&s, &headers) {
+        return refused;
     }
     let Some(id) = parse_id(&id) else { return ApiError::not_found("no such endpoint").into_response() };
     match s.endpoints.revoke(id, ingest::time::now_unix_ms()).await {

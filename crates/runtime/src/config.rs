@@ -57,6 +57,11 @@ pub struct HttpConfig {
 #[serde(deny_unknown_fields, default)]
 pub struct AdminConfig {
     pub listen: String,
+    /// Bearer token for every admin route but `/health` (see docs/operations.md).
+    pub token: Option<String>,
+    pub token_env: Option<String>,
+    /// Serve the admin routes without a token on an address other than loopback.
+    pub allow_unauthenticated_remote: bool,
     pub management_token: Option<String>,
     pub management_token_env: Option<String>,
 }
@@ -326,7 +331,14 @@ impl Default for HttpConfig {
 
 impl Default for AdminConfig {
     fn default() -> Self {
-        AdminConfig { listen: "127.0.0.1:9180".into(), management_token: None, management_token_env: None }
+        AdminConfig {
+            listen: "127.0.0.1:9180".into(),
+            token: None,
+            token_env: None,
+            allow_unauthenticated_remote: false,
+            management_token: None,
+            management_token_env: None,
+        }
     }
 }
 
@@ -579,6 +591,9 @@ pub struct Settings {
     pub body_read_timeout: Duration,
     pub max_connections: usize,
     pub retry_after_secs: u64,
+    /// Guards every admin route but `/health`; `None` leaves them open (loopback only,
+    /// unless `admin.allow_unauthenticated_remote`).
+    pub admin_token: Option<String>,
     pub management_token: Option<String>,
     pub grace_period: Duration,
     pub drain_delay: Duration,
@@ -675,6 +690,24 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
         },
         (None, None) => None,
     };
+    let admin_token = admin_token(&mut c, &admin, &config.admin, management_token.as_deref());
+    let token_configured = config.admin.token.is_some() || config.admin.token_env.is_some();
+    if token_configured && config.admin.allow_unauthenticated_remote {
+        c.err(
+            &admin.key("allow_unauthenticated_remote"),
+            "has no effect with admin.token set (every admin route but /health needs the token); remove it",
+        );
+    }
+    if !token_configured && !config.admin.allow_unauthenticated_remote && !admin_listen.ip().is_loopback() {
+        c.err(
+            &admin.key("listen"),
+            format!(
+                "{admin_listen} is not a loopback address, and without admin.token (or admin.token_env) anyone who \
+                 can reach it reads /status and /metrics; set a token, or admin.allow_unauthenticated_remote = true \
+                 if the network in front of it is trusted"
+            ),
+        );
+    }
 
     let logging = root.key("logging");
     let log_level = config.logging.level.clone();
@@ -870,6 +903,7 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
         body_read_timeout: Duration::from_millis(body_read_timeout_ms),
         max_connections: max_connections as usize,
         retry_after_secs,
+        admin_token,
         management_token,
         grace_period: Duration::from_millis(config.shutdown.grace_period_ms),
         drain_delay: Duration::from_millis(config.shutdown.drain_delay_ms),
@@ -883,6 +917,45 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
         endpoints,
         delivery,
     })
+}
+
+/// `admin.token` / `admin.token_env`: the bearer token of the admin routes.
+fn admin_token(
+    c: &mut Checker<'_>,
+    admin: &KeyPath,
+    a: &AdminConfig,
+    management_token: Option<&str>,
+) -> Option<String> {
+    let (path, token) = match (&a.token, &a.token_env) {
+        (Some(_), Some(_)) => {
+            c.err(&admin.key("token_env"), "set either token or token_env, not both");
+            return None;
+        }
+        (Some(t), None) => (admin.key("token"), t.clone()),
+        (None, Some(var)) => match std::env::var(var) {
+            Ok(t) => (admin.key("token_env"), t),
+            Err(_) => {
+                c.err(&admin.key("token_env"), format!("environment variable {var} is not set (or not UTF-8)"));
+                return None;
+            }
+        },
+        (None, None) => return None,
+    };
+    let from = if a.token_env.is_some() { "the environment variable's value" } else { "the token" };
+    if token.len() < 16 {
+        c.err(&path, format!("{from} must be at least 16 characters"));
+        return None;
+    }
+    // A client must be able to send it in an Authorization header as it is.
+    if !token.bytes().all(|b| b.is_ascii_graphic()) {
+        c.err(&path, format!("{from} may only hold visible ASCII characters (no spaces)"));
+        return None;
+    }
+    if management_token == Some(token.as_str()) {
+        c.err(&path, "must differ from admin.management_token (a reader could then manage endpoints)");
+        return None;
+    }
+    Some(token)
 }
 
 /// A source's destination, route, partitioning and admission (see docs/routing.md for
@@ -1399,6 +1472,60 @@ mapping_url = "https://example.com/m.json"
         );
         let s = validate(&parse(&ok, None).unwrap(), Some(&ok), None).unwrap();
         assert_eq!(s.sources[0].admission, Admission::Denylist(vec![Rule::parse("*", "audit").unwrap()]));
+    }
+
+    const ONE_SOURCE: &str = "[sources.a]\ndestination = { stream = \"s\", topic = \"t\" }\n";
+
+    fn admin_settings(admin: &str) -> Result<Settings, Vec<ConfigError>> {
+        let text = format!("[admin]\n{admin}\n{ONE_SOURCE}");
+        parse(&text, None).and_then(|c| validate(&c, Some(&text), None)).map_err(|e| e.errors)
+    }
+
+    #[test]
+    fn a_non_loopback_admin_address_needs_a_token_or_an_explicit_opt_out() {
+        let e = admin_settings("listen = \"0.0.0.0:9180\"").unwrap_err();
+        assert_eq!(e.len(), 1, "{e:?}");
+        assert_eq!((e[0].path.as_str(), e[0].line), ("admin.listen", Some(2)));
+        for named in ["admin.token", "admin.allow_unauthenticated_remote"] {
+            assert!(e[0].message.contains(named), "{e:?}");
+        }
+        assert_eq!(admin_settings("listen = \"10.1.2.3:9180\"").unwrap_err()[0].path, "admin.listen");
+        // Loopback, v4 and v6, needs nothing.
+        for lo in ["127.0.0.1:9180", "127.0.0.2:0", "[::1]:9180"] {
+            let s = admin_settings(&format!("listen = \"{lo}\"")).unwrap_or_else(|e| panic!("{lo}: {e:?}"));
+            assert_eq!(s.admin_token, None);
+        }
+        let s = admin_settings("listen = \"0.0.0.0:9180\"\nallow_unauthenticated_remote = true").unwrap();
+        assert_eq!(s.admin_token, None);
+        let s = admin_settings("listen = \"0.0.0.0:9180\"\ntoken = \"reader-token-0123456789\"").unwrap();
+        assert_eq!(s.admin_token.as_deref(), Some("reader-token-0123456789"));
+        // PATH is set in every test environment (and is long enough).
+        let s = admin_settings("listen = \"0.0.0.0:9180\"\ntoken_env = \"PATH\"").unwrap();
+        assert_eq!(s.admin_token, std::env::var("PATH").ok());
+    }
+
+    #[test]
+    fn a_bad_admin_token_is_named_by_its_key() {
+        let case = |admin: &str| {
+            let e = admin_settings(admin).unwrap_err();
+            assert_eq!(e.len(), 1, "{admin}: {e:?}");
+            (e[0].path.clone(), e[0].message.clone())
+        };
+        let (p, m) = case("token = \"short\"");
+        assert_eq!(p, "admin.token");
+        assert!(m.contains("16"), "{m}");
+        assert_eq!(case("token = \"has a space in it, sadly\"").0, "admin.token");
+        assert_eq!(case("token = \"0123456789abcdefX\"\ntoken_env = \"PATH\"").0, "admin.token_env");
+        let (p, m) = case("token_env = \"IGGY_INGEST_TEST_UNSET_VARIABLE\"");
+        assert_eq!(p, "admin.token_env");
+        assert!(m.contains("IGGY_INGEST_TEST_UNSET_VARIABLE"), "{m}");
+        let (p, m) = case("token = \"same-token-0123456789\"\nmanagement_token = \"same-token-0123456789\"");
+        assert_eq!(p, "admin.token");
+        assert!(m.contains("management_token"), "{m}");
+        let (p, _) = case("token = \"reader-token-0123456789\"\nallow_unauthenticated_remote = true");
+        assert_eq!(p, "admin.allow_unauthenticated_remote");
+        // A bad token on a public address is one error, not two.
+        assert_eq!(case("listen = \"0.0.0.0:1\"\ntoken = \"short\"").0, "admin.token");
     }
 
     #[test]

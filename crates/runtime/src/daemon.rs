@@ -45,6 +45,8 @@ pub struct Shared {
     pub idempotency: Arc<IdempotencyIndex>,
     pub status: Arc<StatusBoard>,
     pub health: Arc<Health>,
+    /// Guards every admin route but `/health` (see `admin.rs`).
+    pub admin_token: Option<String>,
     pub management_token: Option<String>,
     pub metrics: Option<PrometheusHandle>,
     pub delivery: Arc<crate::delivery::Delivery>,
@@ -113,6 +115,8 @@ impl RunningDaemon {
 /// Starts the daemon on `settings`. `metrics` renders `/metrics` (the process-wide
 /// recorder, installed by the binary).
 pub async fn start(mut settings: Settings, metrics: Option<PrometheusHandle>) -> Result<RunningDaemon, StartError> {
+    // Every metric at zero from the first scrape on (a no-op without a recorder).
+    crate::telemetry::register_all(settings.sources.iter().map(|s| s.key.as_str()));
     crate::mapping_fetch::resolve_all(&mut settings.sources).await.map_err(StartError::Mapping)?;
     std::fs::create_dir_all(&settings.data_dir)
         .map_err(|source| StartError::DataDir { path: settings.data_dir.clone(), source })?;
@@ -158,6 +162,7 @@ pub async fn start(mut settings: Settings, metrics: Option<PrometheusHandle>) ->
         idempotency: idempotency.clone(),
         status: status.clone(),
         health: health.clone(),
+        admin_token: settings.admin_token.clone(),
         management_token: settings.management_token.clone(),
         metrics,
         delivery: delivery.clone(),

@@ -9,3 +9,4 @@ pub mod daemon;
 pub mod delivery;
 pub mod logging;
 pub mod mapping_fetch;
+pub mod telemetry;

@@ -141,7 +141,7 @@ fn state_command(command: StateCommand) -> ExitCode {
 
 fn run(settings: Settings, ready_file: Option<PathBuf>) -> ExitCode {
     logging::init(&settings.log_level, settings.log_json);
-    let metrics = match metrics_exporter_prometheus::PrometheusBuilder::new().install_recorder() {
+    let metrics = match iggy_ingest::telemetry::install() {
         Ok(h) => Some(h),
         Err(e) => {
             tracing::warn!(error = %e, "metrics recorder not installed; /metrics answers 404");

@@ -1,0 +1,450 @@
+//! Every metric the daemon exports, in one catalog: its name, kind, labels and help
+//! text. At start the daemon describes each one and registers it (at zero, for every
+//! configured source and every fixed label value), so the first scrape of `/metrics`
+//! already shows the whole set: an alert on `rate(...)` sees the first increment, and a
+//! dashboard has no "no data" panels on a quiet daemon.
+//!
+//! Invariants:
+//! - Every name a `counter!`, `gauge!` or `histogram!` in the workspace emits is in
+//!   [`catalog`], with the same kind, and every catalog entry is emitted somewhere (a
+//!   test reads the sources to hold them together).
+//! - Registering only creates series; it never sets a value, so it is safe at any time,
+//!   even after a gauge was moved.
+//! - Histograms are exported as Prometheus histograms (`_bucket`, `_sum`, `_count`)
+//!   with the buckets below, so they aggregate and `histogram_quantile` works.
+//! - Labels stay low-cardinality: source keys from the configuration and fixed reasons.
+
+use metrics_exporter_prometheus::{BuildError, Matcher, PrometheusBuilder, PrometheusHandle};
+use router::sink::SendErrorKind;
+use router::status::Status;
+
+/// What kind of series a metric is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Counter,
+    Gauge,
+    Histogram,
+}
+
+impl Kind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Kind::Counter => "counter",
+            Kind::Gauge => "gauge",
+            Kind::Histogram => "histogram",
+        }
+    }
+}
+
+/// One exported metric.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Metric {
+    pub name: String,
+    pub kind: Kind,
+    /// The label names its series carry (empty: one series).
+    pub labels: &'static [&'static str],
+    pub help: &'static str,
+}
+
+fn m(name: &str, kind: Kind, labels: &'static [&'static str], help: &'static str) -> Metric {
+    Metric { name: name.to_string(), kind, labels, help }
+}
+
+use Kind::{Counter, Gauge, Histogram};
+
+/// Every metric the daemon exports.
+pub fn catalog() -> Vec<Metric> {
+    let mut v = vec![
+        // The log.
+        m("iggy_ingest_wal_appends_total", Counter, &[], "Appends (requests) made durable in the log"),
+        m("iggy_ingest_wal_records_total", Counter, &[], "Records (events) made durable in the log"),
+        m("iggy_ingest_wal_bytes_written_total", Counter, &[], "Bytes written to the log, frames included"),
+        m("iggy_ingest_wal_group_commit_appends", Histogram, &[], "Appends carried by one write and sync"),
+        m("iggy_ingest_wal_fsync_seconds", Histogram, &[], "Time of one fdatasync of the log"),
+        m("iggy_ingest_wal_used_bytes", Gauge, &[], "Bytes the log's segments take on disk"),
+        m("iggy_ingest_wal_capacity_bytes", Gauge, &[], "The log's capacity (wal.max_bytes)"),
+        m("iggy_ingest_wal_segments", Gauge, &[], "Segment files of the log"),
+        m("iggy_ingest_wal_full_rejections_total", Counter, &[], "Appends refused because the log was full (503)"),
+        m(
+            "iggy_ingest_wal_storage_errors_total",
+            Counter,
+            &[],
+            "Failed writes or syncs of the log (the appends they carried failed)",
+        ),
+        // The door.
+        m(
+            "iggy_ingest_http_requests_total",
+            Counter,
+            &["source", "status_class"],
+            "Webhook requests answered, by source and status class",
+        ),
+        m(
+            "iggy_ingest_http_rejected_total",
+            Counter,
+            &["source", "reason"],
+            "Webhook requests answered other than 2xx, by source and error code",
+        ),
+        m(
+            "iggy_ingest_http_request_duration_seconds",
+            Histogram,
+            &["source"],
+            "Time to answer an accepted webhook request, append included",
+        ),
+        m("iggy_ingest_auth_failures_total", Counter, &["source", "reason"], "Webhook requests that failed auth"),
+        m("iggy_ingest_events_accepted_total", Counter, &["source"], "Events answered 200 (durable in the log)"),
+        m(
+            "iggy_ingest_idempotent_replays_total",
+            Counter,
+            &["source"],
+            "Retried deliveries answered from the idempotency index, nothing appended",
+        ),
+        m("iggy_ingest_header_values_clamped_total", Counter, &["source"], "Forwarded header values cut to 255 bytes"),
+        m("iggy_ingest_append_latency_seconds", Histogram, &[], "Time from submitting an append to its durability"),
+        m(
+            "iggy_ingest_idempotency_record_failures_total",
+            Counter,
+            &[],
+            "Delivery ids that could not be recorded after their append (rebuilt from the log on start)",
+        ),
+        m(
+            "iggy_ingest_idempotency_checkpoint_failures_total",
+            Counter,
+            &[],
+            "Failed idempotency checkpoints (keys since the last one are rebuilt from the log on start)",
+        ),
+        m(
+            "iggy_ingest_admin_auth_failures_total",
+            Counter,
+            &[],
+            "Admin API calls refused for a missing or wrong token (401)",
+        ),
+        // Routing at the door and delivery.
+        m(
+            "iggy_connector_routing_unmatched_total",
+            Counter,
+            &["connector_key", "action"],
+            "Events whose routed field was missing or unmapped, by the action taken",
+        ),
+        m(
+            "iggy_connector_destinations_rejected_total",
+            Counter,
+            &["connector_key", "reason"],
+            "Requests refused at the door and records not admitted by the router, by reason",
+        ),
+        m(
+            "iggy_connector_partition_key_missing_total",
+            Counter,
+            &["connector_key", "reason"],
+            "Events sent balanced because their partition key was missing or not a u32",
+        ),
+        m(
+            "iggy_connector_partition_key_invalid_total",
+            Counter,
+            &[],
+            "Records whose stored partition key Iggy cannot take (sent balanced)",
+        ),
+        m(
+            "iggy_connector_messages_routed_total",
+            Counter,
+            &["connector_key"],
+            "Messages acknowledged by Iggy and released by their lane",
+        ),
+        m(
+            "iggy_connector_messages_dropped_total",
+            Counter,
+            &["connector_key", "reason"],
+            "Records dropped by on_admission_failure = \"drop\"",
+        ),
+        m(
+            "iggy_connector_send_failures_total",
+            Counter,
+            &["connector_key", "reason"],
+            "Failed sends to Iggy, by failure class (every one is retried)",
+        ),
+        m("iggy_connector_headers_dropped_total", Counter, &[], "Message headers Iggy cannot take, left out"),
+        m("iggy_connector_destinations_active", Gauge, &[], "Lanes: (source, destination) pairs the router knows"),
+        m("iggy_connector_destination_circuit_open", Gauge, &[], "Destinations whose circuit breaker is open now"),
+        m("iggy_connector_held_bytes", Gauge, &[], "Payload bytes routed and not yet acknowledged by Iggy"),
+        m(
+            "iggy_connector_oldest_held_age_seconds",
+            Gauge,
+            &[],
+            "Age of the oldest record not yet acknowledged by Iggy (0 when none is held)",
+        ),
+        m(
+            "iggy_connector_destination_create_latency_seconds",
+            Histogram,
+            &[],
+            "Time to ensure a destination's stream and topic exist",
+        ),
+        m("iggy_connector_send_latency_seconds", Histogram, &[], "Time of one send, until acknowledged"),
+        m("iggy_connector_cursor_commit_seconds", Histogram, &[], "Time of one durable commit of the cursors"),
+    ];
+    for s in Status::ALL {
+        v.push(Metric {
+            name: format!("iggy_connector_router_{}", s.as_str()),
+            kind: Gauge,
+            labels: &[],
+            help: router_status_help(s),
+        });
+        v.push(Metric {
+            name: format!("iggy_connector_destinations_{}", s.as_str()),
+            kind: Gauge,
+            labels: &[],
+            help: destination_status_help(s),
+        });
+    }
+    v
+}
+
+fn router_status_help(s: Status) -> &'static str {
+    match s {
+        Status::Starting => "1 while the router is starting",
+        Status::Running => "1 while the router delivers normally",
+        Status::Degraded => "1 while any destination is Degraded (retrying, not progressing)",
+        Status::Error => "1 while the router is in Error",
+        Status::Stopping => "1 while the router is stopping",
+        Status::Stopped => "1 once the router stopped",
+    }
+}
+
+fn destination_status_help(s: Status) -> &'static str {
+    match s {
+        Status::Starting => "Destinations not yet sent to",
+        Status::Running => "Destinations delivering normally",
+        Status::Degraded => "Destinations retrying without progress (failures past degraded_after_failures)",
+        Status::Error => "Destinations in Error",
+        Status::Stopping => "Destinations stopping",
+        Status::Stopped => "Destinations stopped",
+    }
+}
+
+/// The error codes the door counts in `iggy_ingest_http_rejected_total` (docs/http.md).
+pub const REJECTION_REASONS: &[&str] = &[
+    "invalid_json",
+    "malformed_ndjson_line",
+    "no_events",
+    "invalid_delivery_id",
+    "missing_challenge",
+    "unauthorized",
+    "not_found",
+    "method_not_allowed",
+    "body_read_timeout",
+    "delivery_in_progress",
+    "endpoint_expired",
+    "body_too_large",
+    "unsupported_media_type",
+    "unknown_destination",
+    "invalid_destination",
+    "denylisted",
+    "not_allowlisted",
+    "internal",
+    "log_full",
+    "shutting_down",
+    "log_unavailable",
+];
+
+const AUTH_REASONS: &[&str] = &["auth_missing", "auth_malformed", "auth_bad_signature", "auth_stale_timestamp"];
+const SEND_FAILURES: [SendErrorKind; 5] = [
+    SendErrorKind::Disconnected,
+    SendErrorKind::Unavailable,
+    SendErrorKind::Destination,
+    SendErrorKind::Unauthorized,
+    SendErrorKind::Timeout,
+];
+/// Router-side reasons of `iggy_connector_destinations_rejected_total` and
+/// `iggy_connector_messages_dropped_total`.
+const ADMISSION_REASONS: &[&str] = &["cap", "partition_id_out_of_range"];
+
+/// Bucket bounds in seconds, from a fast fsync (100 µs) to a send at its timeout.
+const SECONDS_BUCKETS: &[f64] =
+    &[0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0];
+/// Appends per group commit.
+const GROUP_BUCKETS: &[f64] = &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 4096.0];
+
+/// The Prometheus exporter with the catalog's histogram buckets, not yet installed.
+pub fn exporter() -> Result<PrometheusBuilder, BuildError> {
+    let mut b = PrometheusBuilder::new();
+    for metric in catalog().into_iter().filter(|x| x.kind == Histogram) {
+        let buckets =
+            if metric.name == "iggy_ingest_wal_group_commit_appends" { GROUP_BUCKETS } else { SECONDS_BUCKETS };
+        b = b.set_buckets_for_metric(Matcher::Full(metric.name), buckets)?;
+    }
+    Ok(b)
+}
+
+/// Installs the process-wide recorder (the binary's `run` calls this once).
+pub fn install() -> Result<PrometheusHandle, BuildError> {
+    exporter()?.install_recorder()
+}
+
+/// Describes every metric and registers its series at zero: label-less ones once,
+/// labelled ones for every source in `sources` and every fixed label value. A no-op
+/// without an installed recorder.
+pub fn register_all<'a>(sources: impl IntoIterator<Item = &'a str> + Clone) {
+    for metric in catalog() {
+        let (name, help) = (metric.name.clone(), metric.help);
+        match metric.kind {
+            Counter => metrics::describe_counter!(name, help),
+            Gauge => metrics::describe_gauge!(name, help),
+            Histogram => metrics::describe_histogram!(name, help),
+        }
+        if metric.labels.is_empty() {
+            match metric.kind {
+                Counter => drop(metrics::counter!(metric.name)),
+                Gauge => drop(metrics::gauge!(metric.name)),
+                Histogram => drop(metrics::histogram!(metric.name)),
+            }
+        }
+    }
+    let counter = |name: &'static str, labels: [(&'static str, String); 2]| drop(metrics::counter!(name, &labels));
+    for source in sources {
+        let s = || source.to_string();
+        for class in ["2xx", "4xx", "5xx"] {
+            counter("iggy_ingest_http_requests_total", [("source", s()), ("status_class", class.into())]);
+        }
+        for reason in REJECTION_REASONS {
+            counter("iggy_ingest_http_rejected_total", [("source", s()), ("reason", (*reason).into())]);
+        }
+        for reason in AUTH_REASONS {
+            counter("iggy_ingest_auth_failures_total", [("source", s()), ("reason", (*reason).into())]);
+        }
+        drop(metrics::counter!("iggy_ingest_events_accepted_total", "source" => s()));
+        drop(metrics::counter!("iggy_ingest_idempotent_replays_total", "source" => s()));
+        drop(metrics::counter!("iggy_ingest_header_values_clamped_total", "source" => s()));
+        drop(metrics::histogram!("iggy_ingest_http_request_duration_seconds", "source" => s()));
+        // Routing at the door: the door's own handles (unmatched actions, refusals, key misses).
+        drop(http_source::metrics::RoutingMetrics::new(source));
+        drop(metrics::counter!("iggy_connector_messages_routed_total", "connector_key" => s()));
+        for reason in ADMISSION_REASONS {
+            let labels = [("connector_key", s()), ("reason", (*reason).into())];
+            counter("iggy_connector_destinations_rejected_total", labels.clone());
+            counter("iggy_connector_messages_dropped_total", labels);
+        }
+        for kind in SEND_FAILURES {
+            counter("iggy_connector_send_failures_total", [("connector_key", s()), ("reason", kind.as_str().into())]);
+        }
+    }
+    // A record the router cannot decode has no source it can name.
+    counter(
+        "iggy_connector_destinations_rejected_total",
+        [("connector_key", "unknown".into()), ("reason", "malformed".into())],
+    );
+    // Requests to unknown paths or ids count under source "-".
+    counter("iggy_ingest_http_requests_total", [("source", "-".into()), ("status_class", "4xx".into())]);
+    counter("iggy_ingest_http_rejected_total", [("source", "-".into()), ("reason", "not_found".into())]);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeMap;
+    use std::path::{Path, PathBuf};
+
+    /// `(file, name, kind)` of every literal metric name given to a metrics macro in
+    /// `dir`'s Rust files.
+    fn emitted(dir: &Path, out: &mut Vec<(PathBuf, String, Kind)>) {
+        let Ok(entries) = std::fs::read_dir(dir) else { return };
+        for entry in entries.flatten() {
+            let path = entry.path();
+            if path.is_dir() {
+                emitted(&path, out);
+                continue;
+            }
+            if path.extension().is_none_or(|e| e != "rs") {
+                continue;
+            }
+            let text = std::fs::read_to_string(&path).unwrap_or_default();
+            for (kind, mac) in [(Counter, "counter!("), (Gauge, "gauge!("), (Histogram, "histogram!(")] {
+                for (at, _) in text.match_indices(mac) {
+                    let rest = text[at + mac.len()..].trim_start();
+                    if let Some(lit) = rest.strip_prefix('"') {
+                        let name = lit.split('"').next().unwrap_or_default();
+                        out.push((path.clone(), name.to_string(), kind));
+                    }
+                }
+            }
+        }
+    }
+
+    fn workspace_sources() -> Vec<(PathBuf, String, Kind)> {
+        let crates = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let mut out = Vec::new();
+        for c in ["wal", "ingest", "http-source", "router", "runtime"] {
+            emitted(&crates.join(c).join("src"), &mut out);
+        }
+        // This module registers every name itself; what counts is where values move.
+        out.retain(|(p, _, _)| !p.ends_with("telemetry.rs"));
+        out
+    }
+
+    #[test]
+    fn the_catalog_is_exactly_what_the_code_emits() {
+        let known: BTreeMap<String, Kind> = catalog().into_iter().map(|x| (x.name, x.kind)).collect();
+        assert_eq!(known.len(), catalog().len(), "a name is in the catalog twice");
+        let found = workspace_sources();
+        assert!(found.len() > 30, "the source scan found too little: {found:?}");
+        for (file, name, kind) in &found {
+            assert_eq!(
+                known.get(name),
+                Some(kind),
+                "{} emits {name} as a {}: add it to telemetry::catalog with that kind",
+                file.display(),
+                kind.as_str()
+            );
+        }
+        // The status gauges are named by router::status from the kind and the status.
+        for name in known.keys() {
+            let by_status = ["iggy_connector_router_", "iggy_connector_destinations_"]
+                .iter()
+                .any(|p| name.strip_prefix(p).is_some_and(|rest| Status::ALL.iter().any(|s| s.as_str() == rest)));
+            assert!(
+                by_status || found.iter().any(|(_, n, _)| n == name),
+                "{name} is in the catalog but nothing emits it"
+            );
+        }
+    }
+
+    #[test]
+    fn every_metric_is_described_and_present_before_any_event() {
+        let recorder = exporter().unwrap().build_recorder();
+        let handle = recorder.handle();
+        metrics::with_local_recorder(&recorder, || register_all(["github", "shop"]));
+        let text = handle.render();
+        for metric in catalog() {
+            assert!(text.contains(&format!("# HELP {} ", metric.name)), "no help for {}:\n{text}", metric.name);
+            assert!(
+                text.contains(&format!("# TYPE {} {}", metric.name, metric.kind.as_str())),
+                "{} is not a {}:\n{text}",
+                metric.name,
+                metric.kind.as_str()
+            );
+        }
+        // Zero-valued series for every configured source and fixed reason.
+        for line in [
+            r#"iggy_ingest_http_rejected_total{source="shop",reason="log_full"} 0"#,
+            r#"iggy_ingest_auth_failures_total{source="github",reason="auth_bad_signature"} 0"#,
+            r#"iggy_connector_send_failures_total{connector_key="github",reason="destination"} 0"#,
+            r#"iggy_connector_messages_routed_total{connector_key="shop"} 0"#,
+            r#"iggy_ingest_wal_fsync_seconds_bucket{le="0.001"} 0"#,
+            "iggy_ingest_wal_fsync_seconds_count 0",
+            "iggy_connector_router_degraded 0",
+        ] {
+            assert!(text.contains(line), "{line} missing:\n{text}");
+        }
+    }
+
+    #[test]
+    fn registering_again_changes_no_value() {
+        let recorder = exporter().unwrap().build_recorder();
+        let handle = recorder.handle();
+        metrics::with_local_recorder(&recorder, || {
+            metrics::gauge!("iggy_connector_destination_circuit_open").increment(2.0);
+            metrics::counter!("iggy_ingest_events_accepted_total", "source" => "shop").increment(3);
+            register_all(["shop"]);
+        });
+        let text = handle.render();
+        assert!(text.contains("iggy_connector_destination_circuit_open 2"), "{text}");
+        assert!(text.contains(r#"iggy_ingest_events_accepted_total{source="shop"} 3"#), "{text}");
+    }
+}
