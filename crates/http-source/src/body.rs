@@ -7,6 +7,9 @@
 //!   terminator); nothing is re-serialized.
 //! - A source that accepts only JSON gets 415 for any other media type and 400 for
 //!   bytes that are not JSON.
+//! - JSON is UTF-8 (RFC 8259): a JSON body or NDJSON line holding bytes that are not
+//!   UTF-8 is refused, even inside a string, where skipping the value alone would not
+//!   look at them.
 
 use bytes::Bytes;
 use serde::de::IgnoredAny;
@@ -77,7 +80,7 @@ pub fn decode(content_type: Option<&str>, body: Bytes, accept: Accept) -> Result
     match ess.as_deref() {
         Some(e) if is_ndjson(e) => decode_ndjson(body),
         Some(e) if is_json(e) => {
-            serde_json::from_slice::<IgnoredAny>(&body).map_err(|err| BodyError::InvalidJson(err.to_string()))?;
+            check_json(&body).map_err(BodyError::InvalidJson)?;
             Ok(Decoded { events: vec![body], content_type: content_type.map(str::to_string), lines: None })
         }
         other => match accept {
@@ -87,6 +90,14 @@ pub fn decode(content_type: Option<&str>, body: Bytes, accept: Accept) -> Result
             }
         },
     }
+}
+
+/// Checks that `bytes` are one JSON text. serde_json skips an ignored string's bytes
+/// without decoding them, so UTF-8 is checked first.
+fn check_json(bytes: &[u8]) -> Result<(), String> {
+    let text =
+        std::str::from_utf8(bytes).map_err(|e| format!("not UTF-8: invalid byte at offset {}", e.valid_up_to()))?;
+    serde_json::from_str::<IgnoredAny>(text).map(|_| ()).map_err(|e| e.to_string())
 }
 
 fn decode_ndjson(body: Bytes) -> Result<Decoded, BodyError> {
@@ -106,8 +117,7 @@ fn decode_ndjson(body: Bytes) -> Result<Decoded, BodyError> {
         if line.iter().all(|b| b.is_ascii_whitespace()) {
             continue;
         }
-        serde_json::from_slice::<IgnoredAny>(&line)
-            .map_err(|err| BodyError::MalformedLine { line: line_no, detail: err.to_string() })?;
+        check_json(&line).map_err(|detail| BodyError::MalformedLine { line: line_no, detail })?;
         events.push(line);
         lines.push(line_no);
     }
@@ -158,6 +168,16 @@ mod tests {
             Err(BodyError::InvalidJson(_))
         ));
         let ok = decode(Some("application/vnd.api+json"), Bytes::from_static(b"{\"a\":1}"), Accept::Json).unwrap();
+        assert_eq!(ok.events.len(), 1);
+    }
+
+    #[test]
+    fn bytes_that_are_not_utf8_are_not_json_even_inside_a_string() {
+        let e = decode(Some("application/json"), Bytes::from_static(b"{\"a\":\"\xff\"}"), Accept::Json);
+        assert!(matches!(&e, Err(BodyError::InvalidJson(m)) if m.contains("UTF-8")), "{e:?}");
+        let e = decode(Some("application/x-ndjson"), Bytes::from_static(b"{}\n[\"\xc3\"]\n"), Accept::Any);
+        assert!(matches!(e, Err(BodyError::MalformedLine { line: 2, .. })), "{e:?}");
+        let ok = decode(Some("application/json"), Bytes::from("{\"a\":\"é\"}"), Accept::Json).unwrap();
         assert_eq!(ok.events.len(), 1);
     }
 
