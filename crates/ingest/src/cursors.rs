@@ -62,6 +62,63 @@ impl StateDb {
     }
 }
 
+/// What a read-only look at the stored cursors found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CursorsSnapshot {
+    /// The database was free: every stored cursor, and the schema version.
+    Read { schema_version: Option<u64>, cursors: Vec<CursorRow> },
+    /// A running daemon holds the database (redb locks it for as long as it is open).
+    HeldByRunningDaemon,
+    /// No database at that path.
+    Missing,
+}
+
+/// Reads the stored cursors at `path` without writing anything: redb's read-only open,
+/// which takes a shared lock for the moment of the read and fails while a daemon holds
+/// the database. Refuses a schema version other than this build's (the cursor layout
+/// could differ).
+pub fn read_cursors_read_only(path: &std::path::Path) -> Result<CursorsSnapshot, StateError> {
+    use crate::state::{META, META_SCHEMA_VERSION, SCHEMA_VERSION};
+    if !path.exists() {
+        return Ok(CursorsSnapshot::Missing);
+    }
+    let db = match redb::ReadOnlyDatabase::open(path) {
+        Ok(db) => db,
+        Err(redb::DatabaseError::DatabaseAlreadyOpen) => return Ok(CursorsSnapshot::HeldByRunningDaemon),
+        Err(e) => return Err(StateError::Open { path: path.to_path_buf(), detail: e.to_string() }),
+    };
+    let txn = db.begin_read().map_err(storage_err)?;
+    let schema_version = match txn.open_table(META) {
+        Ok(t) => t.get(META_SCHEMA_VERSION).map_err(storage_err)?.map(|v| v.value()),
+        Err(redb::TableError::TableDoesNotExist(_)) => None,
+        Err(e) => return Err(storage_err(e)),
+    };
+    if let Some(v) = schema_version
+        && v != SCHEMA_VERSION
+    {
+        return Err(StateError::SchemaMismatch { path: path.to_path_buf(), found: v, expected: SCHEMA_VERSION });
+    }
+    let table = match txn.open_table(CURSORS) {
+        Ok(t) => t,
+        Err(redb::TableError::TableDoesNotExist(_)) => {
+            return Ok(CursorsSnapshot::Read { schema_version, cursors: Vec::new() });
+        }
+        Err(e) => return Err(storage_err(e)),
+    };
+    let mut cursors = Vec::new();
+    for entry in table.iter().map_err(storage_err)? {
+        let (k, v) = entry.map_err(storage_err)?;
+        let (source, stream, topic) = k.value();
+        cursors.push(CursorRow {
+            source: source.to_string(),
+            stream: stream.to_string(),
+            topic: topic.to_string(),
+            delivered_below: v.value(),
+        });
+    }
+    Ok(CursorsSnapshot::Read { schema_version, cursors })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -83,5 +140,21 @@ mod tests {
         let mut got = db.load_cursors().unwrap();
         got.sort_by(|x, y| x.source.cmp(&y.source));
         assert_eq!(got, vec![row("a", "t", 10), row("b", "t", 5)]);
+    }
+
+    #[test]
+    fn a_read_only_look_says_when_the_daemon_holds_the_database() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("state.redb");
+        assert_eq!(read_cursors_read_only(&p).unwrap(), CursorsSnapshot::Missing);
+        let db = StateDb::open(&p).unwrap();
+        db.store_cursors(&[row("a", "t", 10)]).unwrap();
+        assert_eq!(read_cursors_read_only(&p).unwrap(), CursorsSnapshot::HeldByRunningDaemon);
+        drop(db);
+        match read_cursors_read_only(&p).unwrap() {
+            CursorsSnapshot::Read { cursors, .. } => assert_eq!(cursors, vec![row("a", "t", 10)]),
+            other => panic!("{other:?}"),
+        }
+        StateDb::open(&p).expect("the read-only look left the database free");
     }
 }

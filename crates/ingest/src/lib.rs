@@ -23,7 +23,7 @@ pub mod ingestor;
 pub mod state;
 pub mod time;
 
-pub use cursors::CursorRow;
+pub use cursors::{CursorRow, CursorsSnapshot, read_cursors_read_only};
 pub use endpoints::{EndpointRecord, StoredAuth};
 pub use envelope::{Destination, Envelope, EnvelopeError, EnvelopeHeader, Partitioning};
 pub use idempotency::{IdempotencyIndex, IdempotencyKey};

@@ -10,3 +10,4 @@ pub mod delivery;
 pub mod logging;
 pub mod mapping_fetch;
 pub mod telemetry;
+pub mod wal_cli;

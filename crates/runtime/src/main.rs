@@ -1,5 +1,7 @@
 //! The `iggy-ingest` command line: `run`, `config check`, `config default`,
-//! `state show`, `state reset`.
+//! `state show`, `state reset`, and the read-only log tools `wal inspect|dump|tail|verify|salvage`
+//! (`src/wal_cli/`, whose exit codes are its own: 0 done, 1 damage found, 2 unusable
+//! arguments).
 //!
 //! Exit codes: 0 after a clean run or a valid config; 1 for a failed start or an
 //! unclean shutdown; 2 for an invalid configuration or command line (clap's own);
@@ -35,6 +37,11 @@ enum Command {
     Config {
         #[command(subcommand)]
         command: ConfigCommand,
+    },
+    /// Read-only tools over a log directory (DATA_DIR/wal); safe beside a running daemon.
+    Wal {
+        #[command(subcommand)]
+        command: iggy_ingest::wal_cli::WalCommand,
     },
     /// The state database (DATA_DIR/state.redb) of a stopped daemon.
     State {
@@ -95,6 +102,7 @@ fn main() -> ExitCode {
             ExitCode::SUCCESS
         }
         Command::State { command } => state_command(command),
+        Command::Wal { command } => iggy_ingest::wal_cli::run(command),
         Command::Run { config, ready_file } => {
             let settings = match &config {
                 Some(path) => config::load(path),

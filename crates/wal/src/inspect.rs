@@ -40,6 +40,12 @@ pub struct SegmentInfo {
 /// read each; the tail is scanned.
 pub fn list_segments(storage: Arc<dyn Storage>, dir: &Path) -> Result<Vec<SegmentInfo>> {
     let wal = Wal::open_read_only_with(storage.clone(), dir)?;
+    segments_of(&wal)
+}
+
+/// The segments of an open log as that handle sees them (so a caller that also reads
+/// records through it gets one consistent view), oldest first.
+pub fn segments_of(wal: &Wal) -> Result<Vec<SegmentInfo>> {
     let segs: Vec<_> = wal.shared.segments().iter().cloned().collect();
     let mut out = Vec::with_capacity(segs.len());
     for (i, s) in segs.iter().enumerate() {

@@ -39,6 +39,7 @@ pub mod inspect;
 pub mod options;
 mod reader;
 mod recovery;
+pub mod salvage_copy;
 mod scan;
 mod shared;
 pub mod storage;

@@ -1,0 +1,253 @@
+//! `wal dump`: the decoded envelopes of a log, streamed.
+//!
+//! Invariants:
+//! - Records come out in offset order, one at a time: memory stays bounded by one read
+//!   batch whatever the log's size, and the first lines appear at once.
+//! - `--limit` counts records shown (after the filters), not records read.
+//! - A record that does not decode as an envelope is shown (base64) and never matches a
+//!   `--source` or `--destination` filter.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use bytes::Bytes;
+use clap::Args;
+use ingest::{Envelope, Partitioning};
+use serde_json::json;
+
+use super::{CliError, CliResult, open_log, payload_text, rfc3339_ms, stdout, wal_error, write_json_line};
+
+#[derive(Debug, Args)]
+pub struct DumpArgs {
+    /// The log directory (the daemon's DATA_DIR/wal).
+    pub dir: PathBuf,
+    /// First offset to show (default: the log's first retained offset).
+    #[arg(long, value_name = "N")]
+    pub from: Option<u64>,
+    /// Show at most this many records (after filtering).
+    #[arg(long, value_name = "M")]
+    pub limit: Option<u64>,
+    #[command(flatten)]
+    pub filter: FilterArgs,
+    #[command(flatten)]
+    pub format: FormatArgs,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct FilterArgs {
+    /// Only records accepted by this source (connector key).
+    #[arg(long, value_name = "KEY")]
+    pub source: Option<String>,
+    /// Only records routed to this destination.
+    #[arg(long, value_name = "STREAM/TOPIC")]
+    pub destination: Option<String>,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct FormatArgs {
+    /// One JSON object per record and line (NDJSON), for scripts.
+    #[arg(long, conflicts_with = "payload_only")]
+    pub json: bool,
+    /// Only each payload and a newline: as text when UTF-8, else base64.
+    #[arg(long)]
+    pub payload_only: bool,
+}
+
+/// The parsed filters.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Filter {
+    source: Option<String>,
+    destination: Option<(String, String)>,
+}
+
+impl Filter {
+    pub(crate) fn parse(a: &FilterArgs) -> CliResult<Filter> {
+        let destination = match &a.destination {
+            None => None,
+            Some(d) => match d.split_once('/') {
+                Some((s, t)) if !s.is_empty() && !t.is_empty() && !t.contains('/') => {
+                    Some((s.to_string(), t.to_string()))
+                }
+                _ => return Err(CliError::Usage(format!("--destination {d:?}: expected STREAM/TOPIC"))),
+            },
+        };
+        Ok(Filter { source: a.source.clone(), destination })
+    }
+
+    fn is_empty(&self) -> bool {
+        self.source.is_none() && self.destination.is_none()
+    }
+
+    pub(crate) fn matches(&self, e: Option<&Envelope>) -> bool {
+        if self.is_empty() {
+            return true;
+        }
+        let Some(e) = e else { return false };
+        let h = &e.header;
+        self.source.as_ref().is_none_or(|s| *s == h.source_key)
+            && self.destination.as_ref().is_none_or(|(s, t)| *s == h.destination.stream && *t == h.destination.topic)
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Format {
+    Human,
+    Json,
+    PayloadOnly,
+}
+
+impl Format {
+    pub(crate) fn of(a: &FormatArgs) -> Format {
+        if a.json {
+            Format::Json
+        } else if a.payload_only {
+            Format::PayloadOnly
+        } else {
+            Format::Human
+        }
+    }
+}
+
+fn partitioning_text(p: &Partitioning) -> String {
+    match p {
+        Partitioning::Balanced => "balanced".into(),
+        Partitioning::Key(k) => match std::str::from_utf8(k) {
+            Ok(s) => format!("key:{s}"),
+            Err(_) => format!("key-hex:{}", hex::encode(k)),
+        },
+        Partitioning::PartitionId(id) => format!("partition:{id}"),
+    }
+}
+
+fn partitioning_json(p: &Partitioning) -> serde_json::Value {
+    match p {
+        Partitioning::Balanced => json!({"kind": "balanced"}),
+        Partitioning::Key(k) => {
+            let (v, enc) = payload_text(k);
+            json!({"kind": "key", "key": v, "encoding": enc})
+        }
+        Partitioning::PartitionId(id) => json!({"kind": "partition_id", "partition_id": id}),
+    }
+}
+
+fn header_value(v: &[u8]) -> String {
+    String::from_utf8_lossy(v).into_owned()
+}
+
+/// Writes one record in `format`.
+pub(crate) fn write_record(
+    out: &mut impl Write,
+    format: Format,
+    offset: u64,
+    record: &Bytes,
+    envelope: &Result<Envelope, ingest::EnvelopeError>,
+) -> std::io::Result<()> {
+    match (format, envelope) {
+        (Format::PayloadOnly, Ok(e)) => {
+            let (text, _) = payload_text(&e.payload);
+            out.write_all(text.as_bytes())?;
+            out.write_all(b"\n")
+        }
+        (Format::PayloadOnly, Err(_)) => {
+            let (text, _) = payload_text(record);
+            out.write_all(text.as_bytes())?;
+            out.write_all(b"\n")
+        }
+        (Format::Json, Ok(e)) => {
+            let h = &e.header;
+            let (payload, encoding) = payload_text(&e.payload);
+            let headers: Vec<serde_json::Value> =
+                h.headers.iter().map(|(k, v)| json!({"name": k, "value": header_value(v)})).collect();
+            let v = json!({
+                "offset": offset,
+                "id": format!("{:032x}", h.message_id),
+                "received_at": rfc3339_ms(h.received_at_unix_ms),
+                "received_at_unix_ms": h.received_at_unix_ms,
+                "source": h.source_key,
+                "endpoint": h.endpoint_id.map(|id| format!("{id:032x}")),
+                "destination": {"stream": h.destination.stream, "topic": h.destination.topic},
+                "partitioning": partitioning_json(&h.destination.partitioning),
+                "content_type": h.content_type,
+                "idempotency_key": h.idempotency_key,
+                "batch_index": h.batch_index,
+                "batch_len": h.batch_len,
+                "metadata": h.metadata.iter().map(|(k, v)| json!({"name": k, "value": v})).collect::<Vec<_>>(),
+                "headers": headers,
+                "payload": payload,
+                "payload_encoding": encoding,
+                "payload_bytes": e.payload.len(),
+            });
+            super::write_json_line(out, &v)
+        }
+        (Format::Json, Err(err)) => {
+            let raw = base64::Engine::encode(&base64::engine::general_purpose::STANDARD, record);
+            write_json_line(out, &json!({"offset": offset, "error": err.to_string(), "record_base64": raw}))
+        }
+        (Format::Human, Ok(e)) => {
+            let h = &e.header;
+            write!(
+                out,
+                "#{offset} {} {} -> {}/{} ({}) id={:032x}",
+                rfc3339_ms(h.received_at_unix_ms),
+                h.source_key,
+                h.destination.stream,
+                h.destination.topic,
+                partitioning_text(&h.destination.partitioning),
+                h.message_id,
+            )?;
+            if let Some(ep) = h.endpoint_id {
+                write!(out, " endpoint={ep:032x}")?;
+            }
+            if let Some(k) = &h.idempotency_key {
+                write!(out, " delivery={k}")?;
+            }
+            if h.batch_len > 1 {
+                write!(out, " event={}/{}", h.batch_index + 1, h.batch_len)?;
+            }
+            writeln!(out)?;
+            if let Some(ct) = &h.content_type {
+                writeln!(out, "  content-type: {ct}")?;
+            }
+            for (k, v) in &h.metadata {
+                writeln!(out, "  meta {k}: {v}")?;
+            }
+            for (k, v) in &h.headers {
+                writeln!(out, "  header {k}: {}", header_value(v))?;
+            }
+            let (payload, encoding) = payload_text(&e.payload);
+            writeln!(out, "  payload ({} bytes, {encoding}): {payload}", e.payload.len())
+        }
+        (Format::Human, Err(err)) => {
+            let raw = base64::Engine::encode(&base64::engine::general_purpose::STANDARD, record);
+            writeln!(out, "#{offset} not an envelope ({err}); {} bytes, base64: {raw}", record.len())
+        }
+    }
+}
+
+pub(crate) fn run(a: DumpArgs) -> CliResult {
+    let filter = Filter::parse(&a.filter)?;
+    let format = Format::of(&a.format);
+    let wal = open_log(&a.dir)?;
+    let from = a.from.unwrap_or_else(|| wal.start_offset());
+    let records = wal::inspect::Records::new(&wal, from).map_err(|e| wal_error(&a.dir, e))?;
+    let mut out = stdout();
+    let mut shown = 0u64;
+    if a.limit == Some(0) {
+        return Ok(ExitCode::SUCCESS);
+    }
+    for r in records {
+        let r = r.map_err(|e| wal_error(&a.dir, e))?;
+        let envelope = Envelope::decode(&r.payload);
+        if !filter.matches(envelope.as_ref().ok()) {
+            continue;
+        }
+        write_record(&mut out, format, r.offset, &r.payload, &envelope)?;
+        shown += 1;
+        if a.limit.is_some_and(|l| shown >= l) {
+            break;
+        }
+    }
+    out.flush()?;
+    Ok(ExitCode::SUCCESS)
+}

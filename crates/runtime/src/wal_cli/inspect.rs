@@ -1,0 +1,380 @@
+//! `wal inspect`: what a log holds and for whom.
+//!
+//! Segments and offsets come from the log (read-only). Each destination's cursor comes
+//! from the daemon's state database, `DATA_DIR/state.redb`, which redb locks for as long
+//! as the daemon runs. So:
+//! - daemon stopped: the cursors are read from the database (redb's read-only open, for
+//!   the moment of the read), and held records, bytes and the oldest held age are
+//!   counted from the log: every record of a destination at or above its cursor;
+//! - daemon running: the database cannot be read; the table says so, still lists every
+//!   destination the log holds records for (without cursors), and `--admin URL` reads
+//!   the cursors and held figures from the running daemon's admin API
+//!   (`GET /status`, `GET /connectors/{key}/destinations`) instead.
+//!
+//! Invariants:
+//! - One read-only view of the log serves the whole report (segments and records agree).
+//! - Nothing is written anywhere; the state database is never opened for writing.
+//! - A figure that cannot be known is shown as unknown (`-`, `null`), never guessed.
+
+use std::collections::BTreeMap;
+use std::io::{Read, Write};
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::Args;
+use ingest::{CursorsSnapshot, Envelope};
+use serde_json::{Value, json};
+
+use super::{
+    CliError, CliResult, default_state_path, human_age, human_bytes, open_log, rfc3339_ms, stdout, wal_error,
+    write_json_line, writer_running,
+};
+
+#[derive(Debug, Args)]
+pub struct InspectArgs {
+    /// The log directory (the daemon's DATA_DIR/wal).
+    pub dir: PathBuf,
+    /// A JSON report on standard output, for scripts.
+    #[arg(long)]
+    pub json: bool,
+    /// The state database (default: state.redb beside the log directory).
+    #[arg(long, value_name = "FILE")]
+    pub state: Option<PathBuf>,
+    /// Read cursors and held figures from the running daemon's admin API (http://HOST:PORT).
+    #[arg(long, value_name = "URL")]
+    pub admin: Option<String>,
+    /// Bearer token for the admin API (default: $IGGY_INGEST_ADMIN_TOKEN).
+    #[arg(long, value_name = "TOKEN")]
+    pub admin_token: Option<String>,
+    /// The daemon's configuration, for the log's capacity (wal.max_bytes).
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// Skip reading every record: no record times, no held counts from the log.
+    #[arg(long)]
+    pub quick: bool,
+}
+
+#[derive(Debug, Default, Clone)]
+struct Lane {
+    cursor: Option<u64>,
+    records_in_log: u64,
+    held_records: Option<u64>,
+    held_bytes: Option<u64>,
+    oldest_held_age_ms: Option<u64>,
+    status: Option<String>,
+}
+
+type LaneKey = (String, String, String);
+type AdminLane = (LaneKey, Lane);
+
+pub(crate) fn run(a: InspectArgs) -> CliResult {
+    let wal = open_log(&a.dir)?;
+    let running = writer_running(&a.dir);
+    let segments = wal::inspect::segments_of(&wal).map_err(|e| wal_error(&a.dir, e))?;
+    let stats = wal.stats();
+    let now_ms = ingest::time::now_unix_ms();
+
+    // Cursors: the state database when it is free, else the admin API when given.
+    let mut lanes: BTreeMap<LaneKey, Lane> = BTreeMap::new();
+    let mut max_bytes: Option<u64> = None;
+    let (cursor_source, cursor_note) = if let Some(url) = &a.admin {
+        let token = a.admin_token.clone().or_else(|| std::env::var("IGGY_INGEST_ADMIN_TOKEN").ok());
+        let (rows, log_max) = admin_lanes(url, token.as_deref())?;
+        max_bytes = log_max;
+        for (k, l) in rows {
+            lanes.insert(k, l);
+        }
+        ("admin", format!("cursors and held figures from the running daemon at {url}"))
+    } else {
+        let path = a.state.clone().or_else(|| default_state_path(&a.dir));
+        match path.as_deref().map(ingest::read_cursors_read_only) {
+            None => ("unavailable", "no state database found beside the log; pass --state FILE".to_string()),
+            Some(Ok(CursorsSnapshot::Read { cursors, .. })) => {
+                for c in cursors {
+                    lanes.entry((c.source, c.stream, c.topic)).or_default().cursor = Some(c.delivered_below);
+                }
+                (
+                    "state",
+                    format!("cursors from {}", path.as_deref().map(|p| p.display().to_string()).unwrap_or_default()),
+                )
+            }
+            Some(Ok(CursorsSnapshot::Missing)) => (
+                "unavailable",
+                format!(
+                    "no state database at {} (nothing delivered yet, or pass --state FILE)",
+                    path.as_deref().map(|p| p.display().to_string()).unwrap_or_default()
+                ),
+            ),
+            Some(Ok(CursorsSnapshot::HeldByRunningDaemon)) => (
+                "unavailable",
+                "the running daemon holds the state database; pass --admin http://HOST:PORT to read cursors from it"
+                    .to_string(),
+            ),
+            Some(Err(e)) => ("unavailable", format!("cannot read the state database: {e}")),
+        }
+    };
+    if max_bytes.is_none()
+        && let Some(cfg) = &a.config
+    {
+        let settings = iggy_ingest_config(cfg)?;
+        max_bytes = Some(settings);
+    }
+
+    // One pass over the records: per-segment times, per-destination counts.
+    let mut first_time: BTreeMap<u64, u64> = BTreeMap::new();
+    let mut last_time: BTreeMap<u64, u64> = BTreeMap::new();
+    let mut undecodable = 0u64;
+    if !a.quick {
+        let count_held = cursor_source == "state";
+        let mut seg_iter = segments.iter().peekable();
+        let records = wal::inspect::Records::new(&wal, wal.start_offset()).map_err(|e| wal_error(&a.dir, e))?;
+        for r in records {
+            let r = r.map_err(|e| wal_error(&a.dir, e))?;
+            while seg_iter.peek().is_some_and(|s| r.offset >= s.next_offset) {
+                seg_iter.next();
+            }
+            let Ok(e) = Envelope::decode(&r.payload) else {
+                undecodable += 1;
+                continue;
+            };
+            let t = e.header.received_at_unix_ms;
+            if let Some(s) = seg_iter.peek() {
+                first_time.entry(s.base_offset).or_insert(t);
+                last_time.insert(s.base_offset, t);
+            }
+            let d = &e.header.destination;
+            let key = (e.header.source_key.clone(), d.stream.clone(), d.topic.clone());
+            let lane = lanes.entry(key).or_default();
+            lane.records_in_log += 1;
+            if count_held && lane.cursor.is_none_or(|c| r.offset >= c) {
+                *lane.held_records.get_or_insert(0) += 1;
+                *lane.held_bytes.get_or_insert(0) += r.payload.len() as u64;
+                if lane.oldest_held_age_ms.is_none() {
+                    lane.oldest_held_age_ms = Some(now_ms.saturating_sub(t));
+                }
+            }
+        }
+        if count_held {
+            for l in lanes.values_mut() {
+                l.held_records.get_or_insert(0);
+                l.held_bytes.get_or_insert(0);
+            }
+        }
+    }
+
+    let report = wal.open_report();
+    let shutdown = if running {
+        "running"
+    } else if report.clean_shutdown {
+        "clean"
+    } else {
+        "not clean (recovered on next start)"
+    };
+    let mut out = stdout();
+    if a.json {
+        let segs: Vec<Value> = segments
+            .iter()
+            .map(|s| {
+                json!({
+                    "file": s.path,
+                    "first_offset": s.base_offset,
+                    "last_offset": (s.records > 0).then(|| s.next_offset - 1),
+                    "next_offset": s.next_offset,
+                    "records": s.records,
+                    "bytes": s.bytes,
+                    "sealed": s.sealed,
+                    "gap_before": s.gap_before,
+                    "first_record_at": first_time.get(&s.base_offset).map(|&t| rfc3339_ms(t)),
+                    "last_record_at": last_time.get(&s.base_offset).map(|&t| rfc3339_ms(t)),
+                })
+            })
+            .collect();
+        let lane_json: Vec<Value> = lanes
+            .iter()
+            .map(|((src, stream, topic), l)| {
+                json!({
+                    "source": src, "stream": stream, "topic": topic,
+                    "cursor": l.cursor,
+                    "records_in_log": if a.quick || cursor_source == "admin" { None } else { Some(l.records_in_log) },
+                    "held_records": l.held_records,
+                    "held_bytes": l.held_bytes,
+                    "oldest_held_age_ms": l.oldest_held_age_ms,
+                    "status": l.status,
+                })
+            })
+            .collect();
+        write_json_line(
+            &mut out,
+            &json!({
+                "dir": a.dir,
+                "writer_running": running,
+                "clean_shutdown": if running { None } else { Some(report.clean_shutdown) },
+                "torn_tail": report.torn_at.as_ref().map(|t| json!({"file": t.file, "position": t.position})),
+                "start_offset": stats.start_offset,
+                "next_offset": stats.next_offset,
+                "records": stats.next_offset - stats.start_offset,
+                "used_bytes": stats.used_bytes,
+                "max_bytes": max_bytes,
+                "capacity_used": max_bytes.map(|m| stats.used_bytes as f64 / m.max(1) as f64),
+                "segments": segs,
+                "undecodable_records": if a.quick { None } else { Some(undecodable) },
+                "destinations": {"cursors_from": cursor_source, "note": cursor_note, "lanes": lane_json},
+            }),
+        )?;
+        out.flush()?;
+        return Ok(ExitCode::SUCCESS);
+    }
+
+    writeln!(out, "log       {}", a.dir.display())?;
+    writeln!(out, "writer    {}", if running { "running (read up to its last sync)" } else { "stopped" })?;
+    writeln!(out, "shutdown  {shutdown}")?;
+    if let Some(t) = &report.torn_at {
+        writeln!(out, "torn tail {t} (an interrupted write; cut on the next start)")?;
+    }
+    writeln!(
+        out,
+        "offsets   {}..{} ({} records; head {}, tail {})",
+        stats.start_offset,
+        stats.next_offset,
+        stats.next_offset - stats.start_offset,
+        stats.start_offset,
+        stats.next_offset
+    )?;
+    match max_bytes {
+        Some(m) => writeln!(
+            out,
+            "capacity  {} of {} used ({:.1}%)",
+            human_bytes(stats.used_bytes),
+            human_bytes(m),
+            100.0 * stats.used_bytes as f64 / m.max(1) as f64
+        )?,
+        None => writeln!(
+            out,
+            "capacity  {} used (limit unknown: pass --config FILE or --admin URL)",
+            human_bytes(stats.used_bytes)
+        )?,
+    }
+    if undecodable > 0 {
+        writeln!(out, "warning   {undecodable} record(s) are not envelopes (see `wal dump`)")?;
+    }
+    writeln!(out)?;
+    writeln!(
+        out,
+        "{:<26} {:>12} {:>12} {:>9} {:>10} {:<6} {:<24} {:<24}",
+        "SEGMENT", "FIRST", "LAST", "RECORDS", "BYTES", "SEALED", "FIRST RECORD", "LAST RECORD"
+    )?;
+    for s in &segments {
+        let name = s.path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        let last = if s.records > 0 { (s.next_offset - 1).to_string() } else { "-".into() };
+        let t = |m: &BTreeMap<u64, u64>| m.get(&s.base_offset).map_or("-".to_string(), |&t| rfc3339_ms(t));
+        writeln!(
+            out,
+            "{:<26} {:>12} {:>12} {:>9} {:>10} {:<6} {:<24} {:<24}",
+            name,
+            s.base_offset,
+            last,
+            s.records,
+            human_bytes(s.bytes),
+            if s.sealed { "yes" } else { "no" },
+            t(&first_time),
+            t(&last_time)
+        )?;
+    }
+    writeln!(out)?;
+    writeln!(out, "destinations: {cursor_note}")?;
+    if lanes.is_empty() {
+        writeln!(out, "  (none)")?;
+    } else {
+        writeln!(
+            out,
+            "{:<16} {:<32} {:>12} {:>12} {:>12} {:>12}",
+            "SOURCE", "STREAM/TOPIC", "CURSOR", "HELD", "HELD BYTES", "OLDEST HELD"
+        )?;
+        for ((src, stream, topic), l) in &lanes {
+            let opt = |v: Option<u64>| v.map_or("-".to_string(), |v| v.to_string());
+            writeln!(
+                out,
+                "{:<16} {:<32} {:>12} {:>12} {:>12} {:>12}",
+                src,
+                format!("{stream}/{topic}"),
+                opt(l.cursor),
+                opt(l.held_records),
+                l.held_bytes.map_or("-".to_string(), human_bytes),
+                l.oldest_held_age_ms.map_or("-".to_string(), human_age)
+            )?;
+        }
+    }
+    out.flush()?;
+    Ok(ExitCode::SUCCESS)
+}
+
+fn iggy_ingest_config(path: &std::path::Path) -> CliResult<u64> {
+    crate::config::load(path)
+        .map(|s| s.wal.max_bytes)
+        .map_err(|e| CliError::Usage(format!("--config {}: {e}", path.display())))
+}
+
+/// Cursors and held figures of every connector's destinations, and the log's capacity,
+/// from a running daemon's admin API.
+fn admin_lanes(url: &str, token: Option<&str>) -> CliResult<(Vec<AdminLane>, Option<u64>)> {
+    let status = http_get_json(url, "/status", token)?;
+    let max = status["log"]["max_bytes"].as_u64();
+    let sources: Vec<String> = status["sources"].as_object().map(|o| o.keys().cloned().collect()).unwrap_or_default();
+    let mut out = Vec::new();
+    for src in sources {
+        let v = http_get_json(url, &format!("/connectors/{src}/destinations"), token)?;
+        for d in v["destinations"].as_array().into_iter().flatten() {
+            let key = (
+                src.clone(),
+                d["stream"].as_str().unwrap_or_default().to_string(),
+                d["topic"].as_str().unwrap_or_default().to_string(),
+            );
+            out.push((
+                key,
+                Lane {
+                    cursor: d["cursor"].as_u64(),
+                    records_in_log: 0,
+                    held_records: d["held_records"].as_u64(),
+                    held_bytes: d["held_bytes"].as_u64(),
+                    oldest_held_age_ms: d["oldest_held_age_ms"].as_u64(),
+                    status: d["status"].as_str().map(str::to_string),
+                },
+            ));
+        }
+    }
+    Ok((out, max))
+}
+
+/// A plain HTTP/1.0 GET (the admin listener speaks HTTP/1.1, which answers a 1.0
+/// request without chunking), JSON body expected.
+fn http_get_json(base: &str, path: &str, token: Option<&str>) -> CliResult<Value> {
+    let usage = |m: String| CliError::Usage(format!("--admin {base}: {m}"));
+    let rest = base.strip_prefix("http://").ok_or_else(|| usage("expected http://HOST:PORT".into()))?;
+    let host = rest.trim_end_matches('/');
+    if host.is_empty() || host.contains('/') {
+        return Err(usage("expected http://HOST:PORT".into()));
+    }
+    let addr = std::net::ToSocketAddrs::to_socket_addrs(host)
+        .map_err(|e| usage(e.to_string()))?
+        .next()
+        .ok_or_else(|| usage("no address".into()))?;
+    let failed = |m: String| CliError::Failed(format!("admin API {base}{path}: {m}"));
+    let mut s =
+        std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(5)).map_err(|e| failed(e.to_string()))?;
+    let _ = s.set_read_timeout(Some(Duration::from_secs(10)));
+    let auth = token.map(|t| format!("Authorization: Bearer {t}\r\n")).unwrap_or_default();
+    write!(s, "GET {path} HTTP/1.0\r\nHost: {host}\r\n{auth}Accept: application/json\r\n\r\n")
+        .map_err(|e| failed(e.to_string()))?;
+    let mut buf = Vec::new();
+    s.take(64 * 1024 * 1024).read_to_end(&mut buf).map_err(|e| failed(e.to_string()))?;
+    let split = buf.windows(4).position(|w| w == b"\r\n\r\n").ok_or_else(|| failed("malformed answer".into()))?;
+    let head = String::from_utf8_lossy(&buf[..split]);
+    let code: u16 = head.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    let body = &buf[split + 4..];
+    if code != 200 {
+        let hint = if code == 401 { " (pass --admin-token or set IGGY_INGEST_ADMIN_TOKEN)" } else { "" };
+        return Err(failed(format!("HTTP {code}{hint}: {}", String::from_utf8_lossy(body).trim())));
+    }
+    serde_json::from_slice(body).map_err(|e| failed(format!("not JSON: {e}")))
+}

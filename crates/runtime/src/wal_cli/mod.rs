@@ -1,0 +1,212 @@
+//! `iggy-ingest wal ...`: read-only tools over a log directory, for operators.
+//!
+//! ```text
+//!  inspect  segments, offsets, capacity, each destination's cursor and what it holds
+//!  dump     the decoded envelopes, filtered, as text, NDJSON or bare payloads
+//!  tail     like dump, then follows new records as the daemon syncs them
+//!  verify   every header and checksum and the offset sequence; exit 0 / 1 / 2
+//!  salvage  every record that still checks, copied under its offset into a new log
+//! ```
+//!
+//! Invariants:
+//! - Nothing here writes to the log directory, takes the writer's lock or opens the log
+//!   for writing: every read goes through `Wal::open_read_only` or `wal::inspect`, which
+//!   beside a running daemon read only what its last sync made durable (the log's
+//!   durable watermark). `salvage` writes only into its new `--out` directory.
+//! - The state database is read only with redb's read-only open, for the moment of the
+//!   read; while the daemon holds it, `inspect` says so instead of waiting or guessing.
+//! - Exit codes: 0 done (verify: clean); 1 damage found (verify, salvage) or a failure
+//!   while reading; 2 unusable arguments, including a path that holds no log, which is
+//!   said in one line.
+//! - Output is streamed and a closed pipe (`| head`) ends the command quietly with 0.
+//! - No record's bytes are trusted: a record that is not an envelope is shown as such
+//!   (base64), never a reason to stop.
+
+mod dump;
+mod inspect;
+mod salvage;
+mod tail;
+mod verify;
+
+use std::io::{self, Write};
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use base64::Engine;
+use clap::Subcommand;
+use wal::{Wal, WalError};
+
+pub use dump::DumpArgs;
+pub use inspect::InspectArgs;
+pub use salvage::SalvageArgs;
+pub use tail::TailArgs;
+pub use verify::VerifyArgs;
+
+/// The log tools (read-only; safe beside a running daemon).
+#[derive(Debug, Subcommand)]
+pub enum WalCommand {
+    /// Segments, offsets, capacity, and each destination's cursor and held records.
+    #[command(after_help = "Examples:\n  \
+        iggy-ingest wal inspect /var/lib/iggy-ingest/wal\n  \
+        iggy-ingest wal inspect ./data/wal --json | jq '.destinations.lanes'\n  \
+        iggy-ingest wal inspect ./data/wal --admin http://127.0.0.1:8081 --admin-token \"$TOKEN\"")]
+    Inspect(InspectArgs),
+    /// The decoded records (envelopes), from an offset, filtered by source or destination.
+    #[command(after_help = "Examples:\n  \
+        iggy-ingest wal dump ./data/wal --limit 20\n  \
+        iggy-ingest wal dump ./data/wal --from 1200 --destination events/orders --json | jq .payload\n  \
+        iggy-ingest wal dump ./data/wal --source github --payload-only | head")]
+    Dump(DumpArgs),
+    /// Follows new records as the daemon makes them durable, like `tail -f`.
+    #[command(after_help = "Examples:\n  \
+        iggy-ingest wal tail ./data/wal\n  \
+        iggy-ingest wal tail ./data/wal -n 0 --source stripe --json")]
+    Tail(TailArgs),
+    /// Checks every segment header, record checksum and the offset sequence.
+    #[command(after_help = "Exit status: 0 clean (a torn tail is reported but is not damage), 1 damaged \
+        (each problem named by file and byte), 2 unusable arguments or not a log.\n\nExamples:\n  \
+        iggy-ingest wal verify ./data/wal\n  \
+        iggy-ingest wal verify ./data/wal --json > report.json || echo damaged")]
+    Verify(VerifyArgs),
+    /// Copies every record that still checks into a new log, keeping offsets.
+    #[command(after_help = "The source is only read. Stop the daemon, salvage, check the copy with \
+        `wal verify`, then put the copy in place of the log directory.\n\nExit status: 0 everything \
+        copied, 1 copied with skipped damage (listed), 2 unusable arguments.\n\nExamples:\n  \
+        iggy-ingest wal salvage ./data/wal --out ./data/wal.salvaged")]
+    Salvage(SalvageArgs),
+}
+
+pub fn run(cmd: WalCommand) -> ExitCode {
+    let result = match cmd {
+        WalCommand::Inspect(a) => inspect::run(a),
+        WalCommand::Dump(a) => dump::run(a),
+        WalCommand::Tail(a) => tail::run(a),
+        WalCommand::Verify(a) => verify::run(a),
+        WalCommand::Salvage(a) => salvage::run(a),
+    };
+    match result {
+        Ok(code) => code,
+        Err(CliError::ClosedPipe) => ExitCode::SUCCESS,
+        Err(CliError::Usage(m)) => {
+            eprintln!("iggy-ingest: {m}");
+            ExitCode::from(2)
+        }
+        Err(CliError::Failed(m)) => {
+            eprintln!("iggy-ingest: {m}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+/// Why a subcommand stopped.
+#[derive(Debug)]
+pub(crate) enum CliError {
+    /// The reader of our output went away: not an error.
+    ClosedPipe,
+    /// Unusable arguments (exit 2).
+    Usage(String),
+    /// Something failed while working (exit 1).
+    Failed(String),
+}
+
+impl From<io::Error> for CliError {
+    fn from(e: io::Error) -> CliError {
+        if e.kind() == io::ErrorKind::BrokenPipe { CliError::ClosedPipe } else { CliError::Failed(e.to_string()) }
+    }
+}
+
+pub(crate) type CliResult<T = ExitCode> = Result<T, CliError>;
+
+/// The one line said when `dir` holds no log.
+pub(crate) fn not_a_log(dir: &Path) -> CliError {
+    let what = if !dir.exists() {
+        "does not exist"
+    } else if !dir.is_dir() {
+        "is not a directory, so not a log"
+    } else {
+        "is not a log (no segment files)"
+    };
+    CliError::Usage(format!("{} {what}", dir.display()))
+}
+
+/// Maps a log error to the CLI's exit classes.
+pub(crate) fn wal_error(dir: &Path, e: WalError) -> CliError {
+    match e {
+        WalError::NotALog(_) => not_a_log(dir),
+        WalError::Io { ref source, .. } if source.kind() == io::ErrorKind::NotFound && !dir.exists() => not_a_log(dir),
+        WalError::Released { .. } | WalError::BeyondEnd { .. } => CliError::Usage(e.to_string()),
+        e if e.is_corruption() => CliError::Failed(format!(
+            "{e}\n`iggy-ingest wal verify {}` lists every problem; `wal salvage` copies what still checks",
+            dir.display()
+        )),
+        e => CliError::Failed(e.to_string()),
+    }
+}
+
+/// Opens the log in `dir` read-only, refusing a path that is not a log directory.
+pub(crate) fn open_log(dir: &Path) -> CliResult<Wal> {
+    if !dir.is_dir() {
+        return Err(not_a_log(dir));
+    }
+    Wal::open_read_only(dir).map_err(|e| wal_error(dir, e))
+}
+
+/// Whether a writer (the daemon) holds the log in `dir` now, tested without taking its lock.
+pub(crate) fn writer_running(dir: &Path) -> bool {
+    use wal::storage::{FsStorage, Storage};
+    FsStorage.is_locked(&dir.join(wal::LOCK_FILE)).unwrap_or(false)
+}
+
+/// A payload as text when it is UTF-8, base64 otherwise; the second value names which.
+pub(crate) fn payload_text(p: &[u8]) -> (std::borrow::Cow<'_, str>, &'static str) {
+    match std::str::from_utf8(p) {
+        Ok(s) => (s.into(), "utf-8"),
+        Err(_) => (base64::engine::general_purpose::STANDARD.encode(p).into(), "base64"),
+    }
+}
+
+/// Milliseconds since the epoch as an RFC 3339 UTC time.
+pub(crate) fn rfc3339_ms(ms: u64) -> String {
+    let t = std::time::UNIX_EPOCH + std::time::Duration::from_millis(ms);
+    humantime::format_rfc3339_millis(t).to_string()
+}
+
+/// Bytes as a short human size (binary units).
+pub(crate) fn human_bytes(n: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = n as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < UNITS.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 { format!("{n} B") } else { format!("{v:.1} {}", UNITS[u]) }
+}
+
+/// A duration in milliseconds as a short human age.
+pub(crate) fn human_age(ms: u64) -> String {
+    let s = ms / 1000;
+    match s {
+        0 => format!("{ms}ms"),
+        1..=119 => format!("{s}s"),
+        120..=7199 => format!("{}m{:02}s", s / 60, s % 60),
+        _ => format!("{}h{:02}m", s / 3600, (s % 3600) / 60),
+    }
+}
+
+/// Standard output, buffered; `flush` at the end or at each followed record.
+pub(crate) fn stdout() -> io::BufWriter<io::StdoutLock<'static>> {
+    io::BufWriter::with_capacity(64 * 1024, io::stdout().lock())
+}
+
+pub(crate) fn write_json_line(out: &mut impl Write, v: &serde_json::Value) -> io::Result<()> {
+    serde_json::to_writer(&mut *out, v).map_err(io::Error::from)?;
+    out.write_all(b"\n")
+}
+
+/// The default place of the state database for a log directory: `DATA_DIR/wal` sits
+/// beside `DATA_DIR/state.redb`.
+pub(crate) fn default_state_path(dir: &Path) -> Option<PathBuf> {
+    let parent = dir.canonicalize().ok()?.parent()?.to_path_buf();
+    Some(parent.join("state.redb"))
+}
