@@ -21,6 +21,7 @@ use std::time::{Duration, Instant};
 
 use axum::Router;
 use axum::body::Body;
+use axum::extract::rejection::PathRejection;
 use axum::extract::{Path, Query, Request, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
@@ -99,7 +100,24 @@ pub fn health_answer(health: &Health) -> Response {
 
 use crate::metrics::count_answer as count;
 
-async fn post_source(State(door): State<Arc<Door>>, Path(key): Path<String>, req: Request) -> Response {
+/// A path segment that does not percent-decode to UTF-8 names no source and no endpoint:
+/// 404 like any other unknown name, never axum's plain-text rejection.
+fn path_segment(path: Result<Path<String>, PathRejection>, what: &str) -> Result<String, ApiError> {
+    path.map(|Path(s)| s).map_err(|_| {
+        count("-", "4xx", if what == "source" { "unknown_source" } else { "unknown_endpoint" });
+        ApiError::not_found(format!("no such {what}"))
+    })
+}
+
+async fn post_source(
+    State(door): State<Arc<Door>>,
+    key: Result<Path<String>, PathRejection>,
+    req: Request,
+) -> Response {
+    let key = match path_segment(key, "source") {
+        Ok(k) => k,
+        Err(e) => return e.into_response(),
+    };
     let Some(source) = door.sources.get(&key).filter(|s| s.named_path).cloned() else {
         count("-", "4xx", "unknown_source");
         return ApiError::not_found("no such source").into_response();
@@ -108,7 +126,15 @@ async fn post_source(State(door): State<Arc<Door>>, Path(key): Path<String>, req
     receive(&door, source, None, &auth, req).await
 }
 
-async fn post_endpoint(State(door): State<Arc<Door>>, Path(id): Path<String>, req: Request) -> Response {
+async fn post_endpoint(
+    State(door): State<Arc<Door>>,
+    id: Result<Path<String>, PathRejection>,
+    req: Request,
+) -> Response {
+    let id = match path_segment(id, "endpoint") {
+        Ok(id) => id,
+        Err(e) => return e.into_response(),
+    };
     let endpoint = match resolve_endpoint(&door, &id) {
         Ok(e) => e,
         Err(e) => return e.into_response(),
@@ -141,9 +167,13 @@ fn resolve_endpoint(door: &Door, id: &str) -> Result<Arc<crate::endpoints::Endpo
 
 async fn get_handshake(
     State(door): State<Arc<Door>>,
-    Path(id): Path<String>,
+    id: Result<Path<String>, PathRejection>,
     Query(query): Query<HashMap<String, String>>,
 ) -> Response {
+    let id = match path_segment(id, "endpoint") {
+        Ok(id) => id,
+        Err(e) => return e.into_response(),
+    };
     let endpoint = match resolve_endpoint(&door, &id) {
         Ok(e) => e,
         Err(e) => return e.into_response(),
