@@ -1,0 +1,526 @@
+//! What an operator runs against: the daemon's `/metrics` from its first scrape, the
+//! Grafana dashboard and Prometheus alerts in `config/` checked against a real scrape,
+//! and the admin API's token.
+
+mod common;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use common::*;
+use test_broker::{TestBroker, TestBrokerConfig};
+
+const ADMIN_TOKEN: &str = "test-admin-reader-token-42";
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn sources(broker: SocketAddr) -> String {
+    format!(
+        r#"
+[iggy]
+address = "{broker}"
+reconnection_interval_ms = 100
+
+[router]
+linger_ms = 1
+
+[sources.default]
+destination = {{ stream = "ingest", topic = "events" }}
+
+[sources.shop]
+accept = "json"
+auth_type = "bearer"
+auth_secret = "shop-secret-token"
+destination = {{ stream = "shop", topic = "orders" }}
+"#
+    )
+}
+
+async fn scrape(admin: SocketAddr, headers: &[(&str, &str)]) -> String {
+    let a = request(admin, "GET", "/metrics", headers, "").await;
+    assert_eq!(a.status, 200, "{:?}", String::from_utf8_lossy(&a.body));
+    String::from_utf8(a.body.to_vec()).expect("metrics are UTF-8")
+}
+
+/// One sample of a scrape: its name as written (`_bucket` etc. included) and labels.
+#[derive(Debug)]
+struct Sample {
+    name: String,
+    labels: BTreeMap<String, String>,
+    value: f64,
+}
+
+fn parse_scrape(text: &str) -> Vec<Sample> {
+    let mut out = Vec::new();
+    for line in text.lines().filter(|l| !l.is_empty() && !l.starts_with('#')) {
+        let (series, value) = line.rsplit_once(' ').unwrap_or_else(|| panic!("no value: {line}"));
+        let value: f64 = value.parse().unwrap_or_else(|_| panic!("bad value: {line}"));
+        let (name, labels) = match series.split_once('{') {
+            None => (series.to_string(), BTreeMap::new()),
+            Some((name, rest)) => {
+                let body = rest.strip_suffix('}').unwrap_or_else(|| panic!("unclosed labels: {line}"));
+                let mut labels = BTreeMap::new();
+                // Label values here are source keys and fixed reasons: no commas or quotes.
+                for pair in body.split(',').filter(|p| !p.is_empty()) {
+                    let (k, v) = pair.split_once('=').unwrap_or_else(|| panic!("bad label: {line}"));
+                    labels.insert(k.to_string(), v.trim_matches('"').to_string());
+                }
+                (name.to_string(), labels)
+            }
+        };
+        out.push(Sample { name, labels, value });
+    }
+    out
+}
+
+fn value(samples: &[Sample], name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+    samples
+        .iter()
+        .find(|s| s.name == name && labels.iter().all(|(k, v)| s.labels.get(*k).map(String::as_str) == Some(*v)))
+        .map(|s| s.value)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_first_scrape_describes_every_metric_the_daemon_exports() {
+    let broker = TestBroker::start(TestBrokerConfig::default()).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let d = Daemon::start(dir.path(), "", &sources(broker.addr()));
+    let text = scrape(d.admin, &[]).await;
+    for metric in iggy_ingest::telemetry::catalog() {
+        assert!(text.contains(&format!("# HELP {} ", metric.name)), "no HELP for {}:\n{text}", metric.name);
+        assert!(
+            text.contains(&format!("# TYPE {} {}\n", metric.name, metric.kind.as_str())),
+            "{} is not exported as a {}:\n{text}",
+            metric.name,
+            metric.kind.as_str()
+        );
+    }
+    let samples = parse_scrape(&text);
+    // Zero series for every configured source, before any request.
+    for source in ["default", "shop"] {
+        assert_eq!(value(&samples, "iggy_ingest_events_accepted_total", &[("source", source)]), Some(0.0));
+        assert_eq!(
+            value(&samples, "iggy_ingest_http_rejected_total", &[("source", source), ("reason", "log_full")]),
+            Some(0.0)
+        );
+        assert_eq!(value(&samples, "iggy_connector_messages_routed_total", &[("connector_key", source)]), Some(0.0));
+    }
+    // The log's gauges are set by its opening, not left at the registered zero.
+    assert_eq!(value(&samples, "iggy_ingest_wal_capacity_bytes", &[]), Some(8_589_934_592.0));
+    assert!(d.stop().success());
+}
+
+/// Every expression of the dashboard (panel targets and template queries).
+fn dashboard_exprs(v: &serde_json::Value, out: &mut Vec<String>) {
+    match v {
+        serde_json::Value::Object(o) => {
+            for (k, x) in o {
+                match (k.as_str(), x) {
+                    ("expr" | "definition", serde_json::Value::String(s)) => out.push(s.clone()),
+                    ("query", serde_json::Value::String(s)) if s.contains('(') => out.push(s.clone()),
+                    _ => dashboard_exprs(x, out),
+                }
+            }
+        }
+        serde_json::Value::Array(a) => a.iter().for_each(|x| dashboard_exprs(x, out)),
+        _ => {}
+    }
+}
+
+/// `(alert name, expr)` of every rule in the alert file. The file keeps one shape (a
+/// rule starts with `- alert:`; `expr:` is a one-line value or a `|` block), which this
+/// checks as it reads.
+fn alert_exprs(text: &str) -> Vec<(String, String)> {
+    let lines: Vec<&str> = text.lines().collect();
+    let mut out: Vec<(String, String)> = Vec::new();
+    let mut i = 0;
+    while i < lines.len() {
+        let line = lines[i].trim_start();
+        if let Some(name) = line.strip_prefix("- alert:") {
+            out.push((name.trim().to_string(), String::new()));
+        } else if let Some(rest) = line.strip_prefix("expr:") {
+            let (_, expr) = out.last_mut().unwrap_or_else(|| panic!("line {}: expr before any alert", i + 1));
+            assert!(expr.is_empty(), "line {}: a second expr in one rule", i + 1);
+            let rest = rest.trim();
+            if rest == "|" {
+                let indent = lines[i].len() - line.len();
+                let mut block = Vec::new();
+                while i + 1 < lines.len() {
+                    let next = lines[i + 1];
+                    if !next.trim().is_empty() && next.len() - next.trim_start().len() <= indent {
+                        break;
+                    }
+                    block.push(next.trim());
+                    i += 1;
+                }
+                *expr = block.join("\n").trim().to_string();
+            } else {
+                *expr = rest.to_string();
+            }
+        }
+        i += 1;
+    }
+    for (name, expr) in &out {
+        assert!(!expr.is_empty(), "alert {name} has no expr");
+    }
+    out
+}
+
+/// Names Prometheus writes itself, which the daemon does not export.
+const PROMETHEUS_OWN: &[&str] = &["up"];
+
+/// PromQL words that may precede `(` or stand alone; never metric names.
+fn is_identifier_byte(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || b == b'_' || b == b':'
+}
+
+/// Checks one expression against a scrape; returns the problems found.
+fn check_expr(expr: &str, samples: &[Sample]) -> Vec<String> {
+    let mut problems = Vec::new();
+    let bytes = expr.as_bytes();
+    let mut used_metrics: Vec<String> = Vec::new();
+    let mut i = 0;
+    while i < bytes.len() {
+        // Skip string literals (label values, template text).
+        if bytes[i] == b'"' {
+            i += 1;
+            while i < bytes.len() && bytes[i] != b'"' {
+                i += 1;
+            }
+            i += 1;
+            continue;
+        }
+        if !is_identifier_byte(bytes[i]) || (i > 0 && is_identifier_byte(bytes[i - 1])) {
+            i += 1;
+            continue;
+        }
+        let start = i;
+        while i < bytes.len() && is_identifier_byte(bytes[i]) {
+            i += 1;
+        }
+        let word = &expr[start..i];
+        let after = expr[i..].trim_start();
+        let selector = after.starts_with('{') || after.starts_with('[');
+        let ours = word.starts_with("iggy_");
+        if !ours {
+            if selector && !PROMETHEUS_OWN.contains(&word) && !word.starts_with('$') {
+                problems.push(format!("{word} is not a metric of the daemon"));
+            }
+            continue;
+        }
+        let series: Vec<&Sample> = samples.iter().filter(|s| s.name == word).collect();
+        if series.is_empty() {
+            problems.push(format!("{word} is not in the daemon's /metrics"));
+            continue;
+        }
+        used_metrics.push(word.to_string());
+        let Some(body) = after.strip_prefix('{') else { continue };
+        let Some(end) = body.find('}') else {
+            problems.push(format!("{word}: unclosed selector"));
+            continue;
+        };
+        for matcher in body[..end].split(',').map(str::trim).filter(|m| !m.is_empty()) {
+            let op_at = matcher.find(['=', '!']).unwrap_or(matcher.len());
+            let label = matcher[..op_at].trim();
+            let rest = &matcher[op_at..];
+            let (op, val) = ["=~", "!~", "!=", "="]
+                .iter()
+                .find_map(|op| rest.strip_prefix(op).map(|v| (*op, v.trim().trim_matches('"'))))
+                .unwrap_or(("?", ""));
+            if ["instance", "job"].contains(&label) {
+                continue;
+            }
+            if !series.iter().any(|s| s.labels.contains_key(label)) {
+                problems.push(format!("{word} has no label {label}"));
+                continue;
+            }
+            let wanted: Vec<&str> = match op {
+                "=" => vec![val],
+                "=~" => val.split('|').collect(),
+                _ => Vec::new(),
+            };
+            for w in wanted.into_iter().filter(|w| w.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')) {
+                if !series.iter().any(|s| s.labels.get(label).map(String::as_str) == Some(w)) {
+                    problems.push(format!("{word} has no series with {label}=\"{w}\""));
+                }
+            }
+        }
+    }
+    // Grouping labels must exist on some metric the expression reads.
+    for (at, _) in expr.match_indices("by (").chain(expr.match_indices("on (")) {
+        let list = &expr[at + 4..];
+        let list = &list[..list.find(')').unwrap_or(list.len())];
+        for label in list.split(',').map(str::trim).filter(|l| !l.is_empty()) {
+            if ["instance", "job"].contains(&label) {
+                continue;
+            }
+            let found = samples.iter().any(|s| used_metrics.contains(&s.name) && s.labels.contains_key(label));
+            if !found {
+                problems.push(format!("grouping label {label} is on none of {used_metrics:?}"));
+            }
+        }
+    }
+    if used_metrics.is_empty() && !expr.contains("up{") {
+        problems.push("uses no metric of the daemon".into());
+    }
+    problems
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dashboard_and_the_alerts_use_only_what_the_daemon_exports() {
+    let broker = TestBroker::start(TestBrokerConfig::default()).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let d = Daemon::start(dir.path(), "", &sources(broker.addr()));
+
+    // A little traffic: accepted events, a refused auth, a wrong content type.
+    for n in 0..3 {
+        assert_eq!(post_json(d.http, "/v1/sources/default", &format!("{{\"n\":{n}}}")).await.status, 200);
+    }
+    let auth = [("content-type", "application/json"), ("authorization", "Bearer shop-secret-token")];
+    assert_eq!(request(d.http, "POST", "/v1/sources/shop", &auth, "{\"order\":1}").await.status, 200);
+    assert_eq!(post_json(d.http, "/v1/sources/shop", "{}").await.status, 401);
+    let text_body = [("content-type", "text/plain"), ("authorization", "Bearer shop-secret-token")];
+    assert_eq!(request(d.http, "POST", "/v1/sources/shop", &text_body, "x").await.status, 415);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let samples = loop {
+        let samples = parse_scrape(&scrape(d.admin, &[]).await);
+        let routed = value(&samples, "iggy_connector_messages_routed_total", &[("connector_key", "default")]);
+        if routed == Some(3.0) {
+            break samples;
+        }
+        assert!(Instant::now() < deadline, "the three events were not delivered: {routed:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    // The traffic moved the real counters, not only the registered zeros.
+    assert_eq!(value(&samples, "iggy_ingest_events_accepted_total", &[("source", "default")]), Some(3.0));
+    assert_eq!(
+        value(&samples, "iggy_ingest_auth_failures_total", &[("source", "shop"), ("reason", "auth_missing")]),
+        Some(1.0)
+    );
+    assert_eq!(
+        value(&samples, "iggy_ingest_http_rejected_total", &[("source", "shop"), ("reason", "unsupported_media_type")]),
+        Some(1.0)
+    );
+    assert!(value(&samples, "iggy_ingest_wal_fsync_seconds_count", &[]).is_some_and(|n| n >= 2.0));
+    assert!(value(&samples, "iggy_ingest_wal_fsync_seconds_bucket", &[("le", "+Inf")]).is_some_and(|n| n >= 2.0));
+    assert_eq!(value(&samples, "iggy_connector_router_running", &[]), Some(1.0));
+
+    let dashboard_text = std::fs::read_to_string(repo().join("config/grafana/iggy-ingest.json")).unwrap();
+    let dashboard: serde_json::Value = serde_json::from_str(&dashboard_text).expect("the dashboard is JSON");
+    let mut exprs = Vec::new();
+    dashboard_exprs(&dashboard, &mut exprs);
+    assert!(exprs.len() >= 30, "too few expressions found in the dashboard: {exprs:?}");
+    let alerts_text = std::fs::read_to_string(repo().join("config/prometheus/alerts.yml")).unwrap();
+    let alerts = alert_exprs(&alerts_text);
+    assert!(alerts.len() >= 15, "too few alerts found: {alerts:?}");
+
+    let mut problems = Vec::new();
+    for e in &exprs {
+        problems.extend(check_expr(e, &samples).into_iter().map(|p| format!("dashboard `{e}`: {p}")));
+    }
+    for (name, e) in &alerts {
+        problems.extend(check_expr(e, &samples).into_iter().map(|p| format!("alert {name}: {p}")));
+    }
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+
+    // What the brief asks the alerts to watch, by metric.
+    let all_alert_text: String = alerts.iter().map(|(_, e)| e.as_str()).collect::<Vec<_>>().join("\n");
+    for watched in [
+        "iggy_ingest_wal_used_bytes",
+        "iggy_connector_oldest_held_age_seconds",
+        "iggy_connector_router_degraded",
+        "iggy_connector_destination_circuit_open",
+        "iggy_ingest_wal_fsync_seconds_bucket",
+        "iggy_ingest_http_requests_total",
+        "iggy_ingest_wal_full_rejections_total",
+    ] {
+        assert!(all_alert_text.contains(watched), "no alert watches {watched}");
+    }
+    assert!(d.stop().success());
+}
+
+#[test]
+fn every_alert_names_its_severity_and_a_runbook_section_that_exists() {
+    let text = std::fs::read_to_string(repo().join("config/prometheus/alerts.yml")).unwrap();
+    let ops = std::fs::read_to_string(repo().join("docs/operations.md")).unwrap();
+    // GitHub's anchors: lower-case, spaces to '-', punctuation other than '-' dropped.
+    let anchors: BTreeSet<String> = ops
+        .lines()
+        .filter_map(|l| l.strip_prefix("## ").or_else(|| l.strip_prefix("### ")))
+        .map(|h| {
+            h.to_lowercase()
+                .chars()
+                .filter_map(|c| match c {
+                    ' ' => Some('-'),
+                    c if c.is_alphanumeric() || c == '-' || c == '_' => Some(c),
+                    _ => None,
+                })
+                .collect()
+        })
+        .collect();
+    let rules: Vec<&str> = text.split("- alert:").skip(1).collect();
+    assert!(rules.len() >= 15);
+    for rule in rules {
+        let name = rule.lines().next().unwrap_or_default().trim();
+        let severity = rule.lines().find_map(|l| l.trim().strip_prefix("severity:")).map(str::trim);
+        assert!(matches!(severity, Some("critical" | "warning" | "info")), "{name}: severity {severity:?}");
+        let runbook = rule
+            .lines()
+            .find_map(|l| l.trim().strip_prefix("runbook:"))
+            .unwrap_or_else(|| panic!("{name} has no runbook"))
+            .trim()
+            .trim_matches('"');
+        let anchor = runbook
+            .strip_prefix("docs/operations.md#")
+            .unwrap_or_else(|| panic!("{name}: runbook {runbook} is not a section of docs/operations.md"));
+        assert!(anchors.contains(anchor), "{name}: docs/operations.md has no section #{anchor} ({anchors:?})");
+    }
+}
+
+/// Prometheus's own parser, when the machine has Python's YAML module: the file is YAML
+/// of the rule-file shape, and the line reader above saw every rule.
+#[test]
+fn the_alert_file_is_yaml_of_the_rule_file_shape() {
+    let path = repo().join("config/prometheus/alerts.yml");
+    let script = "import json, sys, yaml; print(json.dumps(yaml.safe_load(open(sys.argv[1]))))";
+    let out = match std::process::Command::new("python3").arg("-c").arg(script).arg(&path).output() {
+        Ok(o) if o.status.success() => o,
+        _ => {
+            eprintln!("skipped: python3 with the yaml module is not available");
+            return;
+        }
+    };
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let groups = doc["groups"].as_array().expect("groups");
+    let mut seen = Vec::new();
+    for g in groups {
+        assert!(g["name"].is_string(), "{g}");
+        for rule in g["rules"].as_array().expect("rules") {
+            let keys: BTreeSet<&str> = rule.as_object().expect("rule").keys().map(String::as_str).collect();
+            let allowed: BTreeSet<&str> = ["alert", "expr", "for", "labels", "annotations"].into();
+            assert!(keys.is_subset(&allowed), "unexpected keys in {rule}");
+            let f = rule["for"].as_str().unwrap_or("0s");
+            assert!(f.ends_with('m') || f.ends_with('s') || f.ends_with('h'), "{rule}");
+            seen.push((
+                rule["alert"].as_str().expect("alert").to_string(),
+                rule["expr"].as_str().expect("expr").trim().to_string(),
+            ));
+        }
+    }
+    let text = std::fs::read_to_string(&path).unwrap();
+    assert_eq!(seen, alert_exprs(&text), "the line reader and the YAML parser disagree");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_admin_token_guards_every_route_but_health() {
+    let dir = tempfile::tempdir().unwrap();
+    let rest = "[sources.default]\ndestination = { stream = \"ingest\", topic = \"events\" }\n\
+                [router]\nenabled = false\n";
+    let text = config_text(dir.path(), "", rest).replace("[admin]\n", &format!("[admin]\ntoken = \"{ADMIN_TOKEN}\"\n"));
+    let d = Daemon::start_text(dir.path(), &text);
+    let reader = format!("Bearer {ADMIN_TOKEN}");
+    let manager = format!("Bearer {MANAGEMENT_TOKEN}");
+    let mut refused = 0;
+
+    let a = request(d.admin, "GET", "/health", &[], "").await;
+    assert_eq!(a.status, 200, "/health needs no token");
+    for path in ["/status", "/metrics", "/connectors/default", "/connectors/default/destinations", "/nowhere"] {
+        for headers in [
+            vec![],
+            vec![("authorization", "Bearer wrong-token-0123456789")],
+            vec![("authorization", ADMIN_TOKEN)], // no scheme
+            vec![("authorization", "Basic dXNlcjpwYXNz")],
+        ] {
+            let a = request(d.admin, "GET", path, &headers, "").await;
+            assert_eq!(a.status, 401, "{path} {headers:?}");
+            assert_eq!(a.json()["error"], "unauthorized", "{path}");
+            assert_eq!(a.header("www-authenticate"), Some("Bearer realm=\"iggy-ingest admin\""));
+            refused += 1;
+        }
+        let expected = if path == "/nowhere" { 404 } else { 200 };
+        for token in [&reader, &manager] {
+            let a = request(d.admin, "GET", path, &[("authorization", token)], "").await;
+            assert_eq!(a.status, expected, "{path} with {token}: {:?}", String::from_utf8_lossy(&a.body));
+        }
+    }
+    // The reader token does not manage endpoints; the management token does.
+    let a = request(d.admin, "GET", "/v1/endpoints", &[("authorization", &reader)], "").await;
+    assert_eq!((a.status, a.json()["error"].as_str()), (401, Some("unauthorized")));
+    refused += 1;
+    let a = request(d.admin, "GET", "/v1/endpoints", &[("authorization", &manager)], "").await;
+    assert_eq!(a.status, 200);
+
+    let samples = parse_scrape(&scrape(d.admin, &[("authorization", &reader)]).await);
+    assert_eq!(value(&samples, "iggy_ingest_admin_auth_failures_total", &[]), Some(f64::from(refused)));
+    // The webhook listener is not behind the admin token.
+    assert_eq!(post_json(d.http, "/v1/sources/default", "{}").await.status, 200);
+    assert!(d.stop().success());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_token_the_admin_routes_stay_open_on_loopback() {
+    let dir = tempfile::tempdir().unwrap();
+    let rest = "[sources.default]\ndestination = { stream = \"ingest\", topic = \"events\" }\n\
+                [router]\nenabled = false\n";
+    let d = Daemon::start(dir.path(), "", rest);
+    for path in ["/health", "/status", "/metrics"] {
+        assert_eq!(request(d.admin, "GET", path, &[], "").await.status, 200, "{path}");
+    }
+    // Endpoint management still needs its own token.
+    assert_eq!(request(d.admin, "GET", "/v1/endpoints", &[], "").await.status, 401);
+    assert!(d.stop().success());
+}
+
+fn config_check(text: &str) -> std::process::Output {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("c.toml");
+    std::fs::write(&path, text).unwrap();
+    std::process::Command::new(env!("CARGO_BIN_EXE_iggy-ingest"))
+        .args(["config", "check"])
+        .arg(&path)
+        .env_remove("IGGY_INGEST_ADMIN_TOKEN")
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn a_public_admin_address_without_a_token_is_refused_naming_the_key() {
+    let source = "[sources.a]\ndestination = { stream = \"s\", topic = \"t\" }\n";
+    let out = config_check(&format!("[admin]\nlisten = \"0.0.0.0:9180\"\n{source}"));
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("line 2: admin.listen:"), "{err}");
+    assert!(err.contains("admin.token") && err.contains("admin.allow_unauthenticated_remote"), "{err}");
+
+    let out =
+        config_check(&format!("[admin]\nlisten = \"0.0.0.0:9180\"\nallow_unauthenticated_remote = true\n{source}"));
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = config_check(&format!("[admin]\nlisten = \"0.0.0.0:9180\"\ntoken = \"{ADMIN_TOKEN}\"\n{source}"));
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let out =
+        config_check(&format!("[admin]\nlisten = \"0.0.0.0:9180\"\ntoken_env = \"IGGY_INGEST_ADMIN_TOKEN\"\n{source}"));
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("admin.token_env"), "the missing variable is named");
+}
+
+#[test]
+fn the_operations_guide_lists_every_metric() {
+    let doc = std::fs::read_to_string(repo().join("docs/operations.md")).unwrap();
+    for metric in iggy_ingest::telemetry::catalog() {
+        // The status gauges are documented as one pattern per family.
+        let documented = ["iggy_connector_router_", "iggy_connector_destinations_"]
+            .iter()
+            .find(|p| {
+                metric
+                    .name
+                    .strip_prefix(**p)
+                    .is_some_and(|s| ["starting", "running", "degraded", "error", "stopping", "stopped"].contains(&s))
+            })
+            .map_or(format!("`{}", metric.name), |p| format!("`{p}{{status}}`"));
+        assert!(doc.contains(&documented), "docs/operations.md does not list {}", metric.name);
+    }
+}
