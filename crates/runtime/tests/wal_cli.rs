@@ -1,0 +1,485 @@
+//! `iggy-ingest wal ...` run as the built binary on logs made by the wal crate (clean,
+//! torn tail, damaged middle, empty, not a log) and on the log of a running daemon
+//! receiving traffic: output and exit codes.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Read};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use base64::Engine;
+use bytes::Bytes;
+use common::*;
+use ingest::{CursorRow, Destination, Envelope, EnvelopeHeader, Partitioning, StateDb};
+use serde_json::Value;
+use wal::{Wal, WalOptions};
+
+fn cli(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_iggy-ingest")).arg("wal").args(args).output().expect("run iggy-ingest")
+}
+
+fn cli_in(args: &[&str], dir: &Path) -> Output {
+    let mut all: Vec<&str> = args.to_vec();
+    let d = dir.to_str().unwrap();
+    all.insert(1, d);
+    cli(&all)
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+fn code(o: &Output) -> i32 {
+    o.status.code().unwrap_or_else(|| panic!("killed by a signal: {o:?}"))
+}
+
+fn json_lines(o: &Output) -> Vec<Value> {
+    stdout(o).lines().map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}"))).collect()
+}
+
+fn json(o: &Output) -> Value {
+    let v = json_lines(o);
+    assert_eq!(v.len(), 1, "{}", stdout(o));
+    v.into_iter().next().unwrap()
+}
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap()
+}
+
+const T0: u64 = 1_760_000_000_000;
+
+/// Record `i`: sources alternate github/stripe, destinations events/push and
+/// events/orders; every fifth payload is binary.
+fn envelope(i: u64) -> Bytes {
+    let (source, topic) = if i.is_multiple_of(2) { ("github", "push") } else { ("stripe", "orders") };
+    let header = EnvelopeHeader {
+        message_id: u128::from(i) << 64 | 0xabc,
+        received_at_unix_ms: T0 + i * 1000,
+        source_key: source.into(),
+        endpoint_id: None,
+        content_type: Some("application/json".into()),
+        metadata: vec![],
+        headers: vec![("x-event".into(), format!("e{i}").into_bytes())],
+        idempotency_key: Some(format!("d-{i}")),
+        batch_index: 0,
+        batch_len: 1,
+        destination: Destination {
+            stream: "events".into(),
+            topic: topic.into(),
+            partitioning: if i.is_multiple_of(3) { Partitioning::Key(b"k".to_vec()) } else { Partitioning::Balanced },
+        },
+    };
+    let payload = if i % 5 == 4 { vec![0xff, 0xfe, i as u8, 0] } else { format!("{{\"n\":{i}}}").into_bytes() };
+    Envelope::encode(&header, &payload)
+}
+
+fn small() -> WalOptions {
+    WalOptions { segment_max_bytes: 4096, max_bytes: 1 << 24, ..WalOptions::default() }
+}
+
+/// A log of `n` records in `root/wal` (one record per append), closed cleanly.
+fn make_log(root: &Path, n: u64, opts: WalOptions) -> PathBuf {
+    let dir = root.join("wal");
+    let wal = Wal::open(&dir, opts).unwrap();
+    rt().block_on(async {
+        for i in 0..n {
+            wal.append(vec![envelope(i)]).await.unwrap();
+        }
+        wal.close().await.unwrap();
+    });
+    dir
+}
+
+fn segments(dir: &Path) -> Vec<PathBuf> {
+    let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "seg"))
+        .collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn a_clean_log_verifies_dumps_inspects_and_salvages_to_the_same_records() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = make_log(root.path(), 40, small());
+    assert!(segments(&dir).len() > 1, "the test wants several segments");
+
+    let o = cli_in(&["verify"], &dir);
+    assert_eq!(code(&o), 0, "{}{}", stdout(&o), stderr(&o));
+    assert!(stdout(&o).contains("40 record(s)") && stdout(&o).ends_with(": clean\n"), "{}", stdout(&o));
+    let v = json(&cli_in(&["verify", "--json"], &dir));
+    assert_eq!((v["clean"].as_bool(), v["records"].as_u64()), (Some(true), Some(40)));
+    assert!(v["problems"].as_array().unwrap().is_empty() && v["torn_tail"].is_null());
+
+    // dump: every record, decoded, in order; binary payloads as base64.
+    let lines = json_lines(&cli_in(&["dump", "--json"], &dir));
+    assert_eq!(lines.len(), 40);
+    for (i, l) in lines.iter().enumerate() {
+        assert_eq!(l["offset"].as_u64(), Some(i as u64));
+        assert_eq!(l["received_at_unix_ms"].as_u64(), Some(T0 + i as u64 * 1000));
+        assert_eq!(l["id"].as_str().unwrap(), format!("{:032x}", (i as u128) << 64 | 0xabc));
+        assert_eq!(l["headers"][0]["value"].as_str(), Some(format!("e{i}").as_str()));
+        if i % 5 == 4 {
+            assert_eq!(l["payload_encoding"], "base64");
+            let raw = base64::engine::general_purpose::STANDARD.decode(l["payload"].as_str().unwrap()).unwrap();
+            assert_eq!(raw, vec![0xff, 0xfe, i as u8, 0]);
+        } else {
+            assert_eq!(l["payload"].as_str().unwrap(), format!("{{\"n\":{i}}}"));
+        }
+    }
+    assert_eq!(lines[3]["partitioning"]["key"], "k");
+    assert_eq!(lines[1]["destination"]["topic"], "orders");
+
+    // Filters, --from and --limit (counting shown records).
+    let o = cli_in(&["dump", "--source", "stripe", "--from", "10", "--limit", "3", "--json"], &dir);
+    let offs: Vec<u64> = json_lines(&o).iter().map(|l| l["offset"].as_u64().unwrap()).collect();
+    assert_eq!(offs, vec![11, 13, 15]);
+    let o = cli_in(&["dump", "--destination", "events/push", "--payload-only", "--limit", "2"], &dir);
+    assert_eq!(stdout(&o), "{\"n\":0}\n{\"n\":2}\n");
+    let o = cli_in(&["dump", "--limit", "1"], &dir);
+    let text = stdout(&o);
+    assert!(text.starts_with("#0 2025-10-09T08:53:20.000Z github -> events/push (key:k) id="), "{text}");
+    assert!(
+        text.contains("  header x-event: e0\n") && text.contains("  payload (7 bytes, utf-8): {\"n\":0}\n"),
+        "{text}"
+    );
+
+    // Bad arguments: exit 2 with one line.
+    for args in [&["dump", "--destination", "nope"][..], &["dump", "--from", "999"][..]] {
+        let o = cli_in(args, &dir);
+        assert_eq!(code(&o), 2, "{args:?}: {}", stderr(&o));
+        assert_eq!(stderr(&o).lines().count(), 1, "{}", stderr(&o));
+    }
+
+    // inspect, with cursors from a stopped daemon's state database.
+    let state = StateDb::open(root.path().join("state.redb")).unwrap();
+    let row = |s: &str, t: &str, at| CursorRow {
+        source: s.into(),
+        stream: "events".into(),
+        topic: t.into(),
+        delivered_below: at,
+    };
+    state.store_cursors(&[row("github", "push", 30), row("stripe", "orders", 0)]).unwrap();
+    drop(state);
+    let v = json(&cli_in(&["inspect", "--json"], &dir));
+    assert_eq!(v["writer_running"], false);
+    assert_eq!(v["clean_shutdown"], true);
+    assert_eq!((v["start_offset"].as_u64(), v["next_offset"].as_u64()), (Some(0), Some(40)));
+    let segs = v["segments"].as_array().unwrap();
+    assert_eq!(segs.iter().map(|s| s["records"].as_u64().unwrap()).sum::<u64>(), 40);
+    assert_eq!(segs[0]["first_record_at"], "2025-10-09T08:53:20.000Z");
+    assert_eq!(v["destinations"]["cursors_from"], "state");
+    let lanes = v["destinations"]["lanes"].as_array().unwrap();
+    let push = lanes.iter().find(|l| l["topic"] == "push").unwrap();
+    // github/push holds offsets 30, 32, ..., 38.
+    assert_eq!((push["cursor"].as_u64(), push["held_records"].as_u64()), (Some(30), Some(5)));
+    let orders = lanes.iter().find(|l| l["topic"] == "orders").unwrap();
+    assert_eq!(orders["held_records"].as_u64(), Some(20));
+    assert!(orders["oldest_held_age_ms"].as_u64().unwrap() > 1000);
+    let o = cli_in(&["inspect"], &dir);
+    assert_eq!(code(&o), 0);
+    assert!(stdout(&o).contains("shutdown  clean") && stdout(&o).contains("events/push"), "{}", stdout(&o));
+
+    // salvage of a clean log copies everything, offsets kept.
+    let copy = root.path().join("copy");
+    let o = cli(&["salvage", dir.to_str().unwrap(), "--out", copy.to_str().unwrap()]);
+    assert_eq!(code(&o), 0, "{}{}", stdout(&o), stderr(&o));
+    assert!(stdout(&o).contains("copied 40 record(s)"), "{}", stdout(&o));
+    assert_eq!(code(&cli_in(&["verify"], &copy)), 0);
+    assert_eq!(json_lines(&cli_in(&["dump", "--json"], &copy)), lines);
+    // Never into a directory that already holds a log.
+    let o = cli(&["salvage", dir.to_str().unwrap(), "--out", copy.to_str().unwrap()]);
+    assert_eq!(code(&o), 2, "{}", stderr(&o));
+    // Nothing was written to the source.
+    let names: Vec<String> =
+        std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    assert!(
+        names
+            .iter()
+            .all(|n| n.ends_with(".seg") || n == "clean-shutdown" || n == "wal.lock" || n == "durable-watermark"),
+        "{names:?}"
+    );
+}
+
+#[test]
+fn a_torn_tail_is_reported_but_is_not_damage() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = make_log(root.path(), 10, small());
+    let _ = std::fs::remove_file(dir.join("clean-shutdown"));
+    let tail = segments(&dir).pop().unwrap();
+    let len = std::fs::metadata(&tail).unwrap().len();
+    // Half a frame header: an append that never finished its write.
+    let mut f = std::fs::OpenOptions::new().append(true).open(&tail).unwrap();
+    std::io::Write::write_all(&mut f, &[0x5a; 17]).unwrap();
+    drop(f);
+
+    let o = cli_in(&["verify"], &dir);
+    assert_eq!(code(&o), 0, "{}", stdout(&o));
+    let expected = format!("torn tail {} at byte {len}", tail.display());
+    assert!(stdout(&o).contains(&expected), "{}", stdout(&o));
+    let v = json(&cli_in(&["verify", "--json"], &dir));
+    assert_eq!(v["torn_tail"]["position"].as_u64(), Some(len));
+    assert_eq!(json_lines(&cli_in(&["dump", "--json"], &dir)).len(), 10);
+    let v = json(&cli_in(&["inspect", "--json", "--quick"], &dir));
+    assert_eq!(v["clean_shutdown"], false);
+    assert_eq!(v["torn_tail"]["position"].as_u64(), Some(len));
+    assert_eq!(std::fs::metadata(&tail).unwrap().len(), len + 17, "read-only tools never cut");
+}
+
+#[test]
+fn damage_in_the_middle_is_named_by_file_and_byte_and_salvage_keeps_what_checks() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = make_log(root.path(), 40, small());
+    let first = segments(&dir)[0].clone();
+    // Flip a byte in the payload of the third record of the first segment.
+    let bytes = std::fs::read(&first).unwrap();
+    let mut pos = 32usize;
+    for _ in 0..2 {
+        let len = u32::from_le_bytes(bytes[pos + 4..pos + 8].try_into().unwrap()) as usize;
+        pos += 32 + len;
+    }
+    let frame = pos;
+    let mut damaged = bytes.clone();
+    damaged[frame + 32 + 5] ^= 0x40;
+    std::fs::write(&first, &damaged).unwrap();
+
+    let o = cli_in(&["verify"], &dir);
+    assert_eq!(code(&o), 1, "{}", stdout(&o));
+    let line = format!("DAMAGED {} at byte {frame}: ", first.display());
+    assert!(stdout(&o).contains(&line), "{}", stdout(&o));
+    assert!(stdout(&o).contains("DAMAGED (1 problem(s))"), "{}", stdout(&o));
+    let v = json(&cli_in(&["verify", "--json"], &dir));
+    assert_eq!(v["clean"], false);
+    assert_eq!(v["problems"][0]["position"].as_u64(), Some(frame as u64));
+
+    // dump shows what precedes the damage, then fails naming it.
+    let o = cli_in(&["dump", "--json"], &dir);
+    assert_eq!(code(&o), 1);
+    assert_eq!(json_lines(&o).len(), 2);
+    assert!(stderr(&o).contains(&format!("at byte {frame}")), "{}", stderr(&o));
+
+    let copy = root.path().join("salvaged");
+    let o = cli(&["salvage", dir.to_str().unwrap(), "--out", copy.to_str().unwrap(), "--json"]);
+    assert_eq!(code(&o), 1, "{}{}", stdout(&o), stderr(&o));
+    let r = json(&o);
+    assert_eq!(r["records"].as_u64(), Some(39));
+    assert_eq!(r["missing_offsets"][0]["first"].as_u64(), Some(2));
+    assert_eq!(r["missing_offsets"][0]["last"].as_u64(), Some(2));
+    assert_eq!(r["skipped"][0]["from"].as_u64(), Some(frame as u64));
+    assert_eq!(code(&cli_in(&["verify"], &copy)), 0);
+    let offs: Vec<u64> =
+        json_lines(&cli_in(&["dump", "--json"], &copy)).iter().map(|l| l["offset"].as_u64().unwrap()).collect();
+    let want: Vec<u64> = (0..40).filter(|&o| o != 2).collect();
+    assert_eq!(offs, want, "offsets are kept across the gap");
+    // The copy is a log the daemon can open and append to.
+    let wal = Wal::open(&copy, small()).unwrap();
+    let a = rt().block_on(wal.append(vec![envelope(99)])).unwrap();
+    assert_eq!(a.first_offset, 40);
+}
+
+#[test]
+fn an_empty_log_is_clean_and_shows_nothing() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = make_log(root.path(), 0, small());
+    let o = cli_in(&["verify"], &dir);
+    assert_eq!(code(&o), 0);
+    assert!(stdout(&o).contains("0 record(s)"), "{}", stdout(&o));
+    let o = cli_in(&["dump"], &dir);
+    assert_eq!((code(&o), stdout(&o).as_str()), (0, ""));
+    let v = json(&cli_in(&["inspect", "--json"], &dir));
+    assert_eq!((v["next_offset"].as_u64(), v["segments"].as_array().unwrap().len()), (Some(0), 1));
+    assert_eq!(v["destinations"]["cursors_from"], "unavailable");
+}
+
+#[test]
+fn something_that_is_not_a_log_is_said_in_one_line_with_exit_2() {
+    let root = tempfile::tempdir().unwrap();
+    let empty = root.path().join("empty");
+    std::fs::create_dir(&empty).unwrap();
+    let file = root.path().join("file");
+    std::fs::write(&file, b"hello").unwrap();
+    let missing = root.path().join("missing");
+    let out = root.path().join("out");
+    for p in [&empty, &file, &missing] {
+        let p = p.to_str().unwrap();
+        for args in [
+            vec!["inspect", p],
+            vec!["dump", p],
+            vec!["tail", p],
+            vec!["verify", p],
+            vec!["salvage", p, "--out", out.to_str().unwrap()],
+        ] {
+            let o = cli(&args);
+            assert_eq!(code(&o), 2, "{args:?}: {}", stderr(&o));
+            let e = stderr(&o);
+            assert_eq!(e.lines().count(), 1, "{args:?}: {e}");
+            assert!(e.contains("not a log") || e.contains("does not exist"), "{args:?}: {e}");
+            assert!(o.stdout.is_empty());
+        }
+    }
+    assert!(!out.join("00000000000000000000.seg").exists());
+}
+
+#[test]
+fn dump_stops_cleanly_when_its_reader_goes_away() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = make_log(root.path(), 3000, WalOptions { segment_max_bytes: 1 << 20, ..small() });
+    let mut child = Command::new(env!("CARGO_BIN_EXE_iggy-ingest"))
+        .args(["wal", "dump", dir.to_str().unwrap()])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut first = String::new();
+    let mut stdout = BufReader::new(child.stdout.take().unwrap());
+    stdout.read_line(&mut first).unwrap();
+    assert!(first.starts_with("#0 "), "{first}");
+    drop(stdout); // like `| head -1`
+    let status = child.wait().unwrap();
+    let mut err = String::new();
+    child.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+    assert_eq!(status.code(), Some(0), "{status:?} {err}");
+    assert!(err.is_empty(), "{err}");
+}
+
+const SOURCES: &str = r#"
+[sources.default]
+destination = { stream = "ingest", topic = "events" }
+"#;
+
+/// Reads lines from a child's stdout on a thread, so a test can wait with a deadline.
+fn line_reader(child: &mut std::process::Child) -> std::sync::mpsc::Receiver<String> {
+    let out = child.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(out).lines() {
+            let Ok(line) = line else { return };
+            if tx.send(line).is_err() {
+                return;
+            }
+        }
+    });
+    rx
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_subcommand_works_on_a_running_daemons_log() {
+    let root = tempfile::tempdir().unwrap();
+    let d = Daemon::start(root.path(), "", SOURCES);
+    let dir = d.wal_dir();
+    let mut tail = Command::new(env!("CARGO_BIN_EXE_iggy-ingest"))
+        .args(["wal", "tail", dir.to_str().unwrap(), "-n", "0", "--json", "--interval-ms", "50"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let lines = line_reader(&mut tail);
+
+    // Traffic keeps arriving while the tools run.
+    let http = d.http;
+    let traffic = tokio::spawn(async move {
+        let mut n = 0u64;
+        for i in 0..150 {
+            let a = post_json(http, "/v1/sources/default", &format!("{{\"i\":{i}}}")).await;
+            assert_eq!(a.status, 200);
+            n += 1;
+        }
+        n
+    });
+    let mut counts = Vec::new();
+    while !traffic.is_finished() {
+        let dir = dir.clone();
+        let (v, d_) = tokio::task::spawn_blocking(move || {
+            (cli_in(&["verify", "--json"], &dir), cli_in(&["dump", "--json"], &dir))
+        })
+        .await
+        .unwrap();
+        assert_eq!(code(&v), 0, "{}", stdout(&v));
+        let v = json(&v);
+        assert_eq!(v["clean"], true, "{v}");
+        assert!(v["torn_tail"].is_null(), "a live writer's unsynced bytes were read: {v}");
+        assert_eq!(code(&d_), 0, "{}", stderr(&d_));
+        let dumped = json_lines(&d_);
+        for (k, l) in dumped.iter().enumerate() {
+            assert_eq!(l["offset"].as_u64(), Some(k as u64));
+            assert_eq!(l["source"], "default");
+        }
+        counts.push((v["records"].as_u64().unwrap(), dumped.len() as u64));
+    }
+    let sent = traffic.await.unwrap();
+    assert!(counts.windows(2).all(|w| w[0].0 <= w[1].0), "views went backwards: {counts:?}");
+
+    // Everything answered 200 is visible now, to every tool.
+    let dir2 = dir.clone();
+    let (v, dumped, insp) = tokio::task::spawn_blocking(move || {
+        (
+            cli_in(&["verify", "--json"], &dir2),
+            cli_in(&["dump", "--json"], &dir2),
+            cli_in(&["inspect", "--json"], &dir2),
+        )
+    })
+    .await
+    .unwrap();
+    assert_eq!(json(&v)["records"].as_u64(), Some(sent));
+    assert_eq!(json_lines(&dumped).len() as u64, sent);
+    let i = json(&insp);
+    assert_eq!(i["writer_running"], true);
+    assert!(i["clean_shutdown"].is_null());
+    assert_eq!(i["next_offset"].as_u64(), Some(sent));
+    assert_eq!(i["destinations"]["cursors_from"], "unavailable");
+    assert!(i["destinations"]["note"].as_str().unwrap().contains("--admin"), "{i}");
+    let lane = &i["destinations"]["lanes"][0];
+    assert_eq!((lane["stream"].as_str(), lane["records_in_log"].as_u64()), (Some("ingest"), Some(sent)));
+
+    // With --admin, cursors and held figures come from the daemon itself.
+    let (dir3, admin) = (dir.clone(), format!("http://{}", d.admin));
+    let o =
+        tokio::task::spawn_blocking(move || cli_in(&["inspect", "--json", "--admin", &admin], &dir3)).await.unwrap();
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    let i = json(&o);
+    assert_eq!(i["destinations"]["cursors_from"], "admin");
+    let lane = &i["destinations"]["lanes"][0];
+    assert_eq!((lane["source"].as_str(), lane["topic"].as_str()), (Some("default"), Some("events")));
+    assert!(lane["held_records"].as_u64().is_some(), "{i}");
+    assert!(i["max_bytes"].as_u64().is_some());
+
+    // tail saw every record once, in order, as the daemon synced them.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut seen = Vec::new();
+    while (seen.len() as u64) < sent {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let line = lines.recv_timeout(left).unwrap_or_else(|_| panic!("tail showed {} of {sent}", seen.len()));
+        let v: Value = serde_json::from_str(&line).unwrap();
+        seen.push(v["offset"].as_u64().unwrap());
+    }
+    assert_eq!(seen, (0..sent).collect::<Vec<_>>());
+    let _ = tail.kill();
+    let _ = tail.wait();
+
+    // salvage beside the running daemon copies exactly what is durable.
+    let (dir4, out) = (dir.clone(), root.path().join("copy"));
+    let o =
+        tokio::task::spawn_blocking(move || cli(&["salvage", dir4.to_str().unwrap(), "--out", out.to_str().unwrap()]))
+            .await
+            .unwrap();
+    assert_eq!(code(&o), 0, "{}{}", stdout(&o), stderr(&o));
+    assert!(stdout(&o).contains(&format!("copied {sent} record(s)")), "{}", stdout(&o));
+
+    // No tool took the writer's lock or changed anything: the daemon goes on and stops cleanly.
+    assert_eq!(post_json(d.http, "/v1/sources/default", "{\"after\":true}").await.status, 200);
+    let status = d.stop();
+    assert!(status.success(), "{status:?}");
+    let o = cli_in(&["inspect", "--json", "--quick"], &dir);
+    let i = json(&o);
+    assert_eq!((i["writer_running"].as_bool(), i["clean_shutdown"].as_bool()), (Some(false), Some(true)));
+    assert_eq!(i["next_offset"].as_u64(), Some(sent + 1));
+}
