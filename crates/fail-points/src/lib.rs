@@ -13,7 +13,6 @@
 //! |---|---|
 //! | `IGGY_INGEST_FAIL_POINT` | the point to arm (one of [`POINTS`]); unset: nothing is armed |
 //! | `IGGY_INGEST_FAIL_POINT_HIT` | die on this hit of the point (1 = the first, the default) |
-//! | `IGGY_INGEST_FAIL_POINT_DELAY_MS` | die this long *after* the hit, from another thread, while the code goes on (a crash in the middle of what the point starts, such as a send awaiting its answer) |
 //!
 //! Before dying the process writes `fail point NAME: hit N, killing the process` to
 //! stderr, so a test can tell the death it caused from any other.
@@ -22,7 +21,7 @@
 pub const POINTS: &[(&str, &str)] = &[
     ("wal.append.written", "the log wrote a group of appends and has not synced them"),
     ("door.append.synced", "an append was synced and its 200 not yet answered"),
-    ("router.send", "a batch is handed to the destination's client (with a delay: while the send awaits its answer)"),
+    ("router.send", "a batch is about to be handed to the destination's client"),
     ("router.acked", "a destination acknowledged records and their cursor is not yet stored"),
     ("wal.release.removed", "a released segment file was removed and the directory not yet synced"),
 ];
@@ -47,12 +46,10 @@ macro_rules! fail_point {
 mod armed {
     use std::sync::OnceLock;
     use std::sync::atomic::{AtomicU64, Ordering};
-    use std::time::Duration;
 
     struct Armed {
         name: String,
         nth: u64,
-        delay: Option<Duration>,
         hits: AtomicU64,
     }
 
@@ -65,10 +62,8 @@ mod armed {
                     eprintln!("fail point {name}: no such point; nothing is armed");
                     return None;
                 }
-                let number = |var: &str| std::env::var(var).ok().and_then(|v| v.parse::<u64>().ok());
-                let nth = number("IGGY_INGEST_FAIL_POINT_HIT").unwrap_or(1).max(1);
-                let delay = number("IGGY_INGEST_FAIL_POINT_DELAY_MS").map(Duration::from_millis);
-                Some(Armed { name, nth, delay, hits: AtomicU64::new(0) })
+                let nth = std::env::var("IGGY_INGEST_FAIL_POINT_HIT").ok().and_then(|v| v.parse::<u64>().ok());
+                Some(Armed { name, nth: nth.unwrap_or(1).max(1), hits: AtomicU64::new(0) })
             })
             .as_ref()
     }
@@ -84,18 +79,6 @@ mod armed {
             return;
         }
         eprintln!("fail point {name}: hit {n}, killing the process");
-        match a.delay {
-            None => die(),
-            Some(d) => {
-                std::thread::spawn(move || {
-                    std::thread::sleep(d);
-                    die();
-                });
-            }
-        }
-    }
-
-    fn die() {
         // SAFETY: kill(2) on this process's own pid; SIGKILL cannot be caught.
         unsafe {
             libc::kill(libc::getpid(), libc::SIGKILL);
