@@ -1,5 +1,11 @@
 //! Helpers for the end-to-end tests: envelopes to append, a client that reads back what
-//! a server stored, and waiting for a condition.
+//! a server stored, waiting for a condition, and (for the daemon-level tests) the daemon
+//! as a process ([`daemon`]), steady load with its ledger ([`load`]) and the destination
+//! with its outages ([`destination`]).
+
+pub mod daemon;
+pub mod destination;
+pub mod load;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -56,6 +62,18 @@ pub async fn client(addr: &str) -> IggyClient {
         .expect("client");
     c.connect().await.expect("connect");
     c
+}
+
+/// A signed-in client of the server at `addr`, or `None` while it cannot be reached.
+pub async fn try_client(addr: &str) -> Option<IggyClient> {
+    let c = IggyClient::builder()
+        .with_tcp()
+        .with_server_address(addr.to_string())
+        .with_auto_sign_in(AutoLogin::Enabled(Credentials::UsernamePassword("iggy".into(), "iggy".to_string().into())))
+        .build()
+        .ok()?;
+    c.connect().await.ok()?;
+    Some(c)
 }
 
 /// Every message of `stream/topic`, partition by partition, each in offset order.

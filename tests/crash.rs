@@ -1,0 +1,199 @@
+//! Crashes of the daemon under concurrent load while the router delivers to the test
+//! broker: kill -9 at random moments (`CRASH_CYCLES` cycles, default 5; the full run uses
+//! 50), and a crash inside each phase that matters, driven by the fail points of
+//! `crates/fail-points` (armed through the environment of the killed process only) or,
+//! for a send awaiting its answer, by the broker holding the answer while the test kills.
+//!
+//! After each: restart (without the fail point), keep sending, stop the senders, drain,
+//! and check against the senders' ledger that every event answered 200 was delivered,
+//! that nothing was delivered that was never sent, that an event never travels under two
+//! ids, and that each connection's events arrive in order within their topic.
+
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use e2e::daemon::{Daemon, config_text, killed_by_sigkill};
+use e2e::destination::Destination;
+use e2e::load::{Figures, Ledger, Load, Target, sources_config};
+use rand::Rng;
+use test_broker::RequestKind;
+
+const SOURCES: u32 = 2;
+const CONNECTIONS: u32 = 3;
+/// Each connection posts one event every this long (600 events/s in all).
+const PERIOD: Duration = Duration::from_millis(10);
+
+fn unique(prefix: &str) -> String {
+    let t = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_micros());
+    format!("{prefix}-{t}")
+}
+
+/// Small segments, so that segments are sealed, created and released all the time.
+fn rest(stream: &str, segment_max_bytes: u64) -> String {
+    format!(
+        r#"
+[router]
+linger_ms = 2
+backoff_base_ms = 50
+backoff_max_ms = 500
+result_timeout_ms = 20000
+
+[wal]
+segment_max_bytes = {segment_max_bytes}
+max_bytes = 1073741824
+
+{}"#,
+        sources_config(stream, SOURCES as usize)
+    )
+}
+
+async fn wait_for(limit: Duration, what: &str, mut cond: impl AsyncFnMut() -> bool) {
+    let start = Instant::now();
+    while !cond().await {
+        assert!(start.elapsed() < limit, "timed out after {limit:?} waiting for: {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Waits until `n` more events were acknowledged.
+async fn accepting(ledger: &Ledger, n: usize, what: &str) {
+    let from = ledger.acked();
+    wait_for(Duration::from_secs(60), what, async || ledger.acked() >= from + n).await;
+}
+
+/// Stops the senders, waits until every acknowledged event was delivered, checks the
+/// figures, stops the daemon cleanly.
+async fn drain_and_check(label: &str, dest: &Destination, stream: &str, load: Load, daemon: Daemon) -> Figures {
+    let ledger = load.stop().await;
+    assert!(ledger.acked() > 0, "{label}: nothing was acknowledged");
+    wait_for(Duration::from_secs(120), "every acknowledged event delivered", async || {
+        Figures::compute(&ledger, &dest.delivered(stream).await).lost.is_empty()
+    })
+    .await;
+    let figures = Figures::compute(&ledger, &dest.delivered(stream).await);
+    figures.assert_sound(label);
+    assert!(ledger.refused().is_empty(), "{label}: the door refused requests: {:?}", ledger.refused().first());
+    eprintln!("{label}: {}", figures.line());
+    assert!(daemon.stop().await.success(), "{label}: the daemon did not stop cleanly after the drain");
+    figures
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_at_random_moments_under_load_loses_no_acknowledged_event() {
+    let cycles: u32 = std::env::var("CRASH_CYCLES").ok().and_then(|v| v.parse().ok()).unwrap_or(5);
+    let dest = Destination::broker().await;
+    let stream = unique("kill9");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let config = config_text(dir.path(), &dest.daemon_address(), &rest(&stream, 65536));
+    let mut daemon = Daemon::start(dir.path(), &config, &[]).await;
+    let target = Target::new(daemon.http);
+    let load = Load::start(target.clone(), SOURCES, CONNECTIONS, PERIOD);
+    let mut rng = rand::thread_rng();
+    let started = Instant::now();
+    for cycle in 0..cycles {
+        // Traffic flows again after the restart, then the kill lands at a random moment.
+        accepting(&load.ledger, 20, &format!("cycle {cycle}: accepting")).await;
+        tokio::time::sleep(Duration::from_millis(rng.gen_range(0..1000))).await;
+        target.set_down();
+        daemon.kill9();
+        daemon = Daemon::restart(dir.path(), &[]).await;
+        target.set_up(daemon.http);
+    }
+    accepting(&load.ledger, 20, "accepting after the last restart").await;
+    let label = format!("kill -9 loop: {cycles} cycles in {:?}", started.elapsed());
+    let f = drain_and_check(&label, &dest, &stream, load, daemon).await;
+    assert!(f.delivered >= f.acknowledged);
+}
+
+/// Runs load with `point` armed on its `hit`th hit, waits for the daemon to die there,
+/// restarts it unarmed, and checks the drain.
+async fn crash_at(point: &str, hit: u64, segment_max_bytes: u64) -> Figures {
+    let dest = Destination::broker().await;
+    let stream = unique("fail-point");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let config = config_text(dir.path(), &dest.daemon_address(), &rest(&stream, segment_max_bytes));
+    let env = [("IGGY_INGEST_FAIL_POINT", point.to_string()), ("IGGY_INGEST_FAIL_POINT_HIT", hit.to_string())];
+    let mut daemon = Daemon::start(dir.path(), &config, &env).await;
+    let target = Target::new(daemon.http);
+    let load = Load::start(target.clone(), SOURCES, CONNECTIONS, PERIOD);
+    let Some(status) = daemon.wait_exit(Duration::from_secs(120)).await else {
+        panic!(
+            "{point}: the daemon did not die at the fail point within 120 s (built without crates/fail-points' `enabled`?)"
+        );
+    };
+    target.set_down();
+    assert!(killed_by_sigkill(&status), "{point}: the daemon ended otherwise: {status}: {}", daemon.stderr());
+    let said = format!("fail point {point}: hit {hit}, killing the process");
+    assert!(daemon.stderr().contains(&said), "{point}: died, but not at the point: {}", daemon.stderr());
+    let acked_before = load.ledger.acked();
+    daemon = Daemon::restart(dir.path(), &[]).await;
+    target.set_up(daemon.http);
+    accepting(&load.ledger, 50, &format!("{point}: accepting after the restart")).await;
+    let label = format!("crash at {point} (hit {hit}, {acked_before} events acknowledged before it)");
+    drain_and_check(&label, &dest, &stream, load, daemon).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_between_the_write_and_the_sync_loses_nothing_acknowledged() {
+    crash_at("wal.append.written", 50, 65536).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_between_the_sync_and_the_200_keeps_the_unanswered_event() {
+    let f = crash_at("door.append.synced", 50, 65536).await;
+    // The request that died there was synced: it is delivered though it got no 200.
+    assert!(f.delivered_unacknowledged >= 1, "the synced, unanswered event is missing: {}", f.line());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_as_a_batch_is_handed_to_the_client_loses_nothing() {
+    crash_at("router.send", 5, 65536).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_after_the_ack_before_the_cursor_is_stored_resends_under_the_same_ids() {
+    let f = crash_at("router.acked", 5, 65536).await;
+    // What was acknowledged but not recorded is sent again, under the same ids.
+    assert!(f.duplicates >= 1, "no resend after a crash before the cursor was stored: {}", f.line());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_in_the_middle_of_a_segment_deletion_loses_nothing() {
+    // 4 KiB segments: a few events each, so releases start almost at once.
+    crash_at("wal.release.removed", 3, 4096).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_while_a_send_awaits_its_answer_resends_under_the_same_ids() {
+    let dest = Destination::broker().await;
+    let broker = dest.test_broker().expect("test broker");
+    let stream = unique("in-flight");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let config = config_text(dir.path(), &dest.daemon_address(), &rest(&stream, 65536));
+    let mut daemon = Daemon::start(dir.path(), &config, &[]).await;
+    let target = Target::new(daemon.http);
+    let load = Load::start(target.clone(), SOURCES, CONNECTIONS, PERIOD);
+    wait_for(Duration::from_secs(60), "first deliveries", async || dest.delivered(&stream).await.len() >= 100).await;
+
+    // From now on the broker stores each request at once and answers it 10 s later.
+    broker.set_delay(Duration::from_secs(10));
+    // Requests on the daemon's connection are served one after another: once a send
+    // counted after the delay was set has arrived, every earlier one is finished, and
+    // whatever is stored from then on belongs to a send whose answer is held.
+    let counted = broker.request_count(RequestKind::SendMessages);
+    wait_for(Duration::from_secs(30), "a send under the delay", async || {
+        broker.request_count(RequestKind::SendMessages) > counted
+    })
+    .await;
+    let stored = dest.delivered(&stream).await.len();
+    wait_for(Duration::from_secs(30), "the held send stored", async || dest.delivered(&stream).await.len() > stored)
+        .await;
+    target.set_down();
+    daemon.kill9();
+    broker.set_delay(Duration::ZERO);
+
+    daemon = Daemon::restart(dir.path(), &[]).await;
+    target.set_up(daemon.http);
+    accepting(&load.ledger, 50, "accepting after the restart").await;
+    let f = drain_and_check("crash while a send awaits its answer", &dest, &stream, load, daemon).await;
+    assert!(f.duplicates >= 1, "the batch stored while its answer was held was not sent again: {}", f.line());
+}
