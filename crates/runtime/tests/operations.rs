@@ -524,3 +524,45 @@ fn the_operations_guide_lists_every_metric() {
         assert!(doc.contains(&documented), "docs/operations.md does not list {}", metric.name);
     }
 }
+
+/// What Grafana needs to lay the dashboard out and query it: unique panel ids, panels
+/// inside the 24-column grid without overlaps, every query on the dashboard's data
+/// source variable, and unique query ids per panel.
+#[test]
+fn the_dashboard_is_laid_out_and_wired_to_its_data_source() {
+    let text = std::fs::read_to_string(repo().join("config/grafana/iggy-ingest.json")).unwrap();
+    let d: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(d["uid"], "iggy-ingest");
+    let vars: Vec<&str> =
+        d["templating"]["list"].as_array().unwrap().iter().filter_map(|v| v["name"].as_str()).collect();
+    assert_eq!(vars, ["datasource", "instance"]);
+    let panels = d["panels"].as_array().unwrap();
+    let mut ids = BTreeSet::new();
+    let mut cells: BTreeSet<(u64, u64)> = BTreeSet::new();
+    for p in panels {
+        let title = p["title"].as_str().unwrap_or("?");
+        assert!(ids.insert(p["id"].as_u64().expect("panel id")), "duplicate id at {title}");
+        let g = &p["gridPos"];
+        let (x, y, w, h) =
+            (g["x"].as_u64().unwrap(), g["y"].as_u64().unwrap(), g["w"].as_u64().unwrap(), g["h"].as_u64().unwrap());
+        assert!(w > 0 && h > 0 && x + w <= 24, "{title} is outside the grid: {g}");
+        for cx in x..x + w {
+            for cy in y..y + h {
+                assert!(cells.insert((cx, cy)), "{title} overlaps another panel at ({cx}, {cy})");
+            }
+        }
+        if p["type"] == "row" {
+            continue;
+        }
+        assert_eq!(p["datasource"]["uid"], "${datasource}", "{title}");
+        let targets = p["targets"].as_array().unwrap_or_else(|| panic!("{title} has no queries"));
+        assert!(!targets.is_empty(), "{title} has no queries");
+        let mut refs = BTreeSet::new();
+        for t in targets {
+            assert!(refs.insert(t["refId"].as_str().unwrap()), "{title}: duplicate refId");
+            assert_eq!(t["datasource"]["uid"], "${datasource}", "{title}");
+            let expr = t["expr"].as_str().unwrap();
+            assert!(expr.contains("instance=~\"$instance\""), "{title}: `{expr}` ignores the instance selector");
+        }
+    }
+}
