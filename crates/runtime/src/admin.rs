@@ -69,9 +69,12 @@ async fn require_admin_token(State(s): State<Arc<Shared>>, request: Request, nex
     if accepted { next.run(request).await } else { refuse(presented.is_some(), "admin call") }
 }
 
-/// The token of an `Authorization: Bearer <token>` header, if there is one.
+/// The token of an `Authorization: Bearer <token>` header, if there is one (the scheme
+/// is case-insensitive, RFC 9110).
 fn bearer(headers: &HeaderMap) -> Option<&str> {
-    headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "))
+    let value = headers.get(header::AUTHORIZATION)?.to_str().ok()?;
+    let (scheme, token) = value.split_once(' ')?;
+    scheme.eq_ignore_ascii_case("bearer").then_some(token)
 }
 
 /// Constant-time: hashing both sides first removes the length signal from the comparison.

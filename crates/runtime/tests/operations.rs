@@ -442,7 +442,8 @@ async fn the_admin_token_guards_every_route_but_health() {
             refused += 1;
         }
         let expected = if path == "/nowhere" { 404 } else { 200 };
-        for token in [&reader, &manager] {
+        let lower = format!("bearer {ADMIN_TOKEN}");
+        for token in [&reader, &manager, &lower] {
             let a = request(d.admin, "GET", path, &[("authorization", token)], "").await;
             assert_eq!(a.status, expected, "{path} with {token}: {:?}", String::from_utf8_lossy(&a.body));
         }
@@ -565,4 +566,37 @@ fn the_dashboard_is_laid_out_and_wired_to_its_data_source() {
             assert!(expr.contains("instance=~\"$instance\""), "{title}: `{expr}` ignores the instance selector");
         }
     }
+}
+
+/// The sizing formula's per-event overhead (`O` in docs/operations.md) is what the log
+/// really writes around a payload with the default metadata.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sizing_guide_states_the_log_s_real_per_event_overhead() {
+    let doc = std::fs::read_to_string(repo().join("docs/operations.md")).unwrap();
+    let documented: f64 = doc
+        .split("About **")
+        .nth(1)
+        .and_then(|rest| rest.split(" bytes**").next())
+        .and_then(|n| n.parse().ok())
+        .expect("docs/operations.md states the overhead as `About **N bytes**`");
+
+    let dir = tempfile::tempdir().unwrap();
+    let rest = "[sources.default]\ndestination = { stream = \"ingest\", topic = \"events\" }\n\
+                [router]\nenabled = false\n";
+    let d = Daemon::start(dir.path(), "", rest);
+    let payload = format!("{{\"data\":\"{}\"}}", "x".repeat(1024 - 11));
+    assert_eq!(payload.len(), 1024);
+    let events = 50;
+    for _ in 0..events {
+        assert_eq!(post_json(d.http, "/v1/sources/default", &payload).await.status, 200);
+    }
+    let samples = parse_scrape(&scrape(d.admin, &[]).await);
+    let bytes = value(&samples, "iggy_ingest_wal_bytes_written_total", &[]).unwrap();
+    assert_eq!(value(&samples, "iggy_ingest_wal_records_total", &[]), Some(f64::from(events)));
+    let overhead = bytes / f64::from(events) - 1024.0;
+    assert!(
+        (overhead - documented).abs() <= 25.0,
+        "the log writes {overhead} bytes around each event, the guide says {documented}"
+    );
+    assert!(d.stop().success());
 }
