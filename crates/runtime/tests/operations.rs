@@ -178,9 +178,41 @@ fn is_identifier_byte(b: u8) -> bool {
     b.is_ascii_alphanumeric() || b == b'_' || b == b':'
 }
 
+/// Brackets and quotes outside string literals pair up.
+fn balanced(expr: &str) -> Result<(), String> {
+    let mut stack = Vec::new();
+    let mut in_string = false;
+    for (i, c) in expr.char_indices() {
+        match c {
+            '"' => in_string = !in_string,
+            _ if in_string => {}
+            '(' | '{' | '[' => stack.push(c),
+            ')' | '}' | ']' => {
+                let open = match c {
+                    ')' => '(',
+                    '}' => '{',
+                    _ => '[',
+                };
+                if stack.pop() != Some(open) {
+                    return Err(format!("unmatched {c:?} at byte {i}"));
+                }
+            }
+            _ => {}
+        }
+    }
+    match (in_string, stack.last()) {
+        (true, _) => Err("unclosed string".into()),
+        (false, Some(c)) => Err(format!("unclosed {c:?}")),
+        (false, None) => Ok(()),
+    }
+}
+
 /// Checks one expression against a scrape; returns the problems found.
 fn check_expr(expr: &str, samples: &[Sample]) -> Vec<String> {
     let mut problems = Vec::new();
+    if let Err(e) = balanced(expr) {
+        problems.push(e);
+    }
     let bytes = expr.as_bytes();
     let mut used_metrics: Vec<String> = Vec::new();
     let mut i = 0;
