@@ -632,3 +632,22 @@ async fn the_sizing_guide_states_the_log_s_real_per_event_overhead() {
     );
     assert!(d.stop().success());
 }
+
+/// `admin.allow_unauthenticated_remote = true`: the operator's explicit word lets the
+/// admin listener bind every address without a token, and it serves as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_explicit_opt_out_binds_every_address_without_a_token() {
+    let dir = tempfile::tempdir().unwrap();
+    let rest = "[sources.default]\ndestination = { stream = \"ingest\", topic = \"events\" }\n\
+                [router]\nenabled = false\n";
+    let text = config_text(dir.path(), "", rest).replace(
+        "[admin]\nlisten = \"127.0.0.1:0\"\n",
+        "[admin]\nlisten = \"0.0.0.0:0\"\nallow_unauthenticated_remote = true\n",
+    );
+    assert!(text.contains("0.0.0.0:0"), "the test's config template changed");
+    let d = Daemon::start_text(dir.path(), &text);
+    assert!(d.admin.ip().is_unspecified(), "bound to {}", d.admin);
+    let local = SocketAddr::from(([127, 0, 0, 1], d.admin.port()));
+    assert_eq!(request(local, "GET", "/status", &[], "").await.status, 200);
+    assert!(d.stop().success());
+}
