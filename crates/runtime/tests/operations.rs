@@ -651,3 +651,47 @@ async fn the_explicit_opt_out_binds_every_address_without_a_token() {
     assert_eq!(request(local, "GET", "/status", &[], "").await.status, 200);
     assert!(d.stop().success());
 }
+
+/// What the held-too-long, Degraded and not-delivering alerts watch moves as they
+/// assume while Iggy is unreachable: records are held and age, the router turns
+/// Degraded, failures are counted as `unavailable`, and no breaker opens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn while_iggy_is_away_the_alerted_metrics_show_it() {
+    // A port nothing listens on: every connection is refused.
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let dir = tempfile::tempdir().unwrap();
+    let rest = format!(
+        "[iggy]\naddress = \"127.0.0.1:{port}\"\nreconnection_interval_ms = 50\n\
+         [router]\nbackoff_base_ms = 20\nbackoff_max_ms = 100\ndegraded_after_failures = 2\n\
+         [sources.default]\ndestination = {{ stream = \"ingest\", topic = \"events\" }}\n"
+    );
+    let d = Daemon::start(dir.path(), "", &rest);
+    for n in 0..5 {
+        assert_eq!(post_json(d.http, "/v1/sources/default", &format!("{{\"n\":{n}}}")).await.status, 200);
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let samples = loop {
+        let samples = parse_scrape(&scrape(d.admin, &[]).await);
+        let degraded = value(&samples, "iggy_connector_router_degraded", &[]) == Some(1.0);
+        let aged = value(&samples, "iggy_connector_oldest_held_age_seconds", &[]).is_some_and(|a| a > 0.0);
+        if degraded && aged {
+            break samples;
+        }
+        assert!(Instant::now() < deadline, "never Degraded with aged records while Iggy is away");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(value(&samples, "iggy_connector_held_bytes", &[]).is_some_and(|b| b > 0.0));
+    assert!(value(&samples, "iggy_connector_destinations_degraded", &[]).is_some_and(|n| n >= 1.0));
+    assert_eq!(value(&samples, "iggy_connector_router_running", &[]), Some(0.0));
+    assert_eq!(value(&samples, "iggy_connector_messages_routed_total", &[("connector_key", "default")]), Some(0.0));
+    let unavailable = [("connector_key", "default"), ("reason", "unavailable")];
+    let disconnected = [("connector_key", "default"), ("reason", "disconnected")];
+    let failures = value(&samples, "iggy_connector_send_failures_total", &unavailable).unwrap_or(0.0)
+        + value(&samples, "iggy_connector_send_failures_total", &disconnected).unwrap_or(0.0);
+    assert!(failures >= 2.0, "broker-wide failures counted: {failures}");
+    assert_eq!(value(&samples, "iggy_connector_destination_circuit_open", &[]), Some(0.0), "no breaker for an outage");
+    let lanes = request(d.admin, "GET", "/connectors/default/destinations", &[], "").await.json();
+    assert_eq!(lanes["destinations"][0]["status"], "degraded", "{lanes}");
+    assert_eq!(lanes["destinations"][0]["held_records"], 5, "{lanes}");
+    assert!(d.stop().success());
+}
