@@ -146,7 +146,9 @@ impl Wal {
     }
 
     /// Opens an existing log read-only: no lock, no recovery writes. A torn tail is
-    /// hidden, not cut. Works beside a running writer (it sees the log as of opening).
+    /// hidden, not cut. Works beside a running writer: it sees the log as of opening,
+    /// and then only what the writer's last sync made durable (its durable watermark,
+    /// see `FORMAT.md`), never bytes written but not yet synced.
     pub fn open_read_only(dir: impl AsRef<Path>) -> Result<Wal> {
         Wal::open_read_only_with(Arc::new(FsStorage), dir.as_ref())
     }
