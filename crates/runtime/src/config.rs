@@ -237,7 +237,9 @@ pub struct SourceConfig {
     pub endpoints: Vec<EndpointConfig>,
 }
 
-/// The auth keys shared by sources and endpoints.
+/// The auth keys shared by sources and endpoints. Both structs spell the keys out
+/// rather than `#[serde(flatten)]` one struct: serde does not support flatten together
+/// with `deny_unknown_fields`, and a misspelt key must stay a config error.
 #[derive(Debug, Clone, Copy)]
 struct AuthConfig<'a> {
     auth_type: &'a str,
@@ -380,15 +382,17 @@ impl Default for IdempotencyConfig {
 }
 
 impl Default for IggyConfig {
+    /// The sink's own defaults, so that the two can never disagree.
     fn default() -> Self {
+        let sink = router::iggy_sink::IggySinkConfig::default();
         IggyConfig {
-            address: "127.0.0.1:8090".into(),
-            username: "iggy".into(),
-            password: "iggy".into(),
-            tls: false,
-            tls_domain: None,
-            tls_ca_file: None,
-            reconnection_interval_ms: 500,
+            address: sink.address,
+            username: sink.username,
+            password: sink.password,
+            tls: sink.tls,
+            tls_domain: sink.tls_domain,
+            tls_ca_file: sink.tls_ca_file,
+            reconnection_interval_ms: sink.reconnection_interval.as_millis() as u64,
         }
     }
 }
@@ -779,17 +783,8 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
         c.err(&iggy.key("address"), "must not be empty");
     }
 
-    let connection = crate::delivery::IggyConnection {
-        address: config.iggy.address.clone(),
-        username: config.iggy.username.clone(),
-        password: config.iggy.password.clone(),
-        tls: config.iggy.tls,
-        tls_domain: config.iggy.tls_domain.clone(),
-        tls_ca_file: config.iggy.tls_ca_file.clone(),
-        reconnection_interval_ms: config.iggy.reconnection_interval_ms,
-    };
     let source_keys: Vec<String> = config.sources.keys().cloned().collect();
-    let (delivery, problems) = crate::delivery::check(&config.router, &connection, &source_keys);
+    let (delivery, problems) = crate::delivery::check(&config.router, &config.iggy, &source_keys);
     for (segments, message) in problems {
         let path = segments.iter().fold(KeyPath::default(), |p, k| p.key(k));
         c.err(&path, message);

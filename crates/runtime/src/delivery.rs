@@ -13,6 +13,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::config::IggyConfig;
 use axum::Json;
 use axum::extract::{Path, State};
 use axum::response::{IntoResponse, Response};
@@ -242,21 +243,9 @@ fn merged(base: &RouterSection, o: &PolicyOverrides) -> RouterSection {
     }
 }
 
-/// Where Iggy is and how to sign in, as the daemon's `[iggy]` section gives them.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct IggyConnection {
-    pub address: String,
-    pub username: String,
-    pub password: String,
-    pub tls: bool,
-    pub tls_domain: Option<String>,
-    pub tls_ca_file: Option<String>,
-    pub reconnection_interval_ms: u64,
-}
-
 /// Validates `[router]` against the configured sources. Problems name key paths below
 /// the document root.
-pub fn check(section: &RouterSection, iggy: &IggyConnection, sources: &[String]) -> (DeliverySettings, Vec<Problem>) {
+pub fn check(section: &RouterSection, iggy: &IggyConfig, sources: &[String]) -> (DeliverySettings, Vec<Problem>) {
     let mut problems = Vec::new();
     let default = policy_from(section, &["router"], &mut problems);
     let mut per_source = HashMap::new();
@@ -422,16 +411,8 @@ pub async fn destinations(State(s): State<Arc<crate::daemon::Shared>>, Path(key)
 mod tests {
     use super::*;
 
-    fn iggy() -> IggyConnection {
-        IggyConnection {
-            address: "127.0.0.1:8090".into(),
-            username: "iggy".into(),
-            password: "iggy".into(),
-            tls: false,
-            tls_domain: None,
-            tls_ca_file: None,
-            reconnection_interval_ms: 500,
-        }
+    fn iggy() -> IggyConfig {
+        IggyConfig::default()
     }
 
     #[test]
