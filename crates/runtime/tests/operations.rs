@@ -695,3 +695,38 @@ async fn while_iggy_is_away_the_alerted_metrics_show_it() {
     assert_eq!(lanes["destinations"][0]["held_records"], 5, "{lanes}");
     assert!(d.stop().success());
 }
+
+/// What the log alerts watch when the log fills: used bytes reach the capacity, and the
+/// refusals are counted as full rejections, as `log_full` and as 5xx answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_log_shows_in_the_metrics_the_log_alerts_watch() {
+    let dir = tempfile::tempdir().unwrap();
+    let rest = "[wal]\nsegment_max_bytes = 65536\nmax_bytes = 131072\nrecord_max_bytes = 16384\n\
+                [router]\nenabled = false\n\
+                [sources.default]\ndestination = { stream = \"ingest\", topic = \"events\" }\n";
+    let d = Daemon::start(dir.path(), "max_body_bytes = 8192", rest);
+    let body = format!("{{\"data\":\"{}\"}}", "x".repeat(8000));
+    let mut refused = 0;
+    for _ in 0..100 {
+        match post_json(d.http, "/v1/sources/default", &body).await.status {
+            200 => {}
+            503 => refused += 1,
+            other => panic!("unexpected {other}"),
+        }
+        if refused == 3 {
+            break;
+        }
+    }
+    assert_eq!(refused, 3, "the log never filled");
+    let samples = parse_scrape(&scrape(d.admin, &[]).await);
+    let used = value(&samples, "iggy_ingest_wal_used_bytes", &[]).unwrap();
+    let capacity = value(&samples, "iggy_ingest_wal_capacity_bytes", &[]).unwrap();
+    assert_eq!(capacity, 131_072.0);
+    assert!(used / capacity > 0.85, "IggyIngestLogAlmostFull would not fire at {used} of {capacity}");
+    assert_eq!(value(&samples, "iggy_ingest_wal_full_rejections_total", &[]), Some(3.0));
+    let full = [("source", "default"), ("reason", "log_full")];
+    assert_eq!(value(&samples, "iggy_ingest_http_rejected_total", &full), Some(3.0));
+    let server_errors = [("source", "default"), ("status_class", "5xx")];
+    assert_eq!(value(&samples, "iggy_ingest_http_requests_total", &server_errors), Some(3.0));
+    assert!(d.stop().success());
+}
