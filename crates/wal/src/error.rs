@@ -75,6 +75,10 @@ pub enum WalError {
     #[error("{location}: offsets do not continue: expected {expected}, found {found}")]
     Gap { location: Location, expected: u64, found: u64 },
 
+    /// A sealed segment names where its successor starts, but no segment follows it.
+    #[error("{location}: the segment is sealed at offset {next_offset}, but no segment follows it")]
+    MissingSuccessor { location: Location, next_offset: u64 },
+
     #[error("{path}: {source}")]
     Io {
         path: PathBuf,
@@ -93,7 +97,13 @@ impl WalError {
 
     /// True for damage that only an operator can deal with (salvage, restore).
     pub fn is_corruption(&self) -> bool {
-        matches!(self, WalError::BadSegmentHeader { .. } | WalError::Corrupt { .. } | WalError::Gap { .. })
+        matches!(
+            self,
+            WalError::BadSegmentHeader { .. }
+                | WalError::Corrupt { .. }
+                | WalError::Gap { .. }
+                | WalError::MissingSuccessor { .. }
+        )
     }
 }
 

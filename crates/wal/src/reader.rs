@@ -156,10 +156,9 @@ impl Reader {
             if !h.is_seal() {
                 break;
             }
-            let next = self.shared.segment_after(c.seg.base).ok_or_else(|| WalError::Gap {
+            let next = self.shared.segment_after(c.seg.base).ok_or_else(|| WalError::MissingSuccessor {
                 location: Location { file: c.seg.path.clone(), position: c.pos },
-                expected: h.offset,
-                found: h.offset,
+                next_offset: h.offset,
             })?;
             if h.offset != self.next {
                 return Err(corrupt(c, FrameProblem::UnexpectedOffset { expected: self.next, found: h.offset }));
