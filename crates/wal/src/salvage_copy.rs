@@ -14,7 +14,8 @@
 //!   true for the copy. Missing offsets start a new segment flagged `GAP_BEFORE`, which
 //!   the log accepts as a salvage gap.
 //! - After damage the walk resynchronises byte by byte on the next frame that checks;
-//!   every skipped byte range is reported with its file and position.
+//!   every skipped byte range (a bad segment header included) is reported with its file
+//!   and position.
 //! - Each new segment is written whole (temporary file, sync, rename, directory sync),
 //!   so an interrupted copy leaves only whole segments and `*.tmp` garbage.
 
@@ -153,6 +154,19 @@ pub fn salvage_copy(storage: &dyn Storage, src: &Path, dst: &Path) -> Result<Cop
         }
         let io = |e| WalError::io(&path, e);
         let mut r = ChunkReader::new(&*file, len);
+        // A bad header is reported; the frames behind it are still checked one by one
+        // (each carries its own offset and checks).
+        let header_problem = match r.get(0, SEGMENT_HEADER_LEN as usize).map_err(io)? {
+            None => Some("segment header cut short".to_string()),
+            Some(b) => match SegmentHeader::decode(b) {
+                Ok(h) if h.base_offset == base => None,
+                Ok(h) => Some(format!("header says base {}, name says {base}", h.base_offset)),
+                Err(p) => Some(format!("bad segment header: {p}")),
+            },
+        };
+        if let Some(why) = header_problem {
+            report.skipped.push(Skipped { file: path.clone(), from: 0, to: SEGMENT_HEADER_LEN.min(len), why });
+        }
         let mut pos = SEGMENT_HEADER_LEN.min(len);
         // Where the current run of bytes that did not check began, and why.
         let mut bad: Option<(u64, String)> = None;
