@@ -438,6 +438,18 @@ fn ingest_error(e: IngestError, retry_after_secs: u64) -> ApiError {
             format!("an event of {len} bytes exceeds the record limit of {max} bytes"),
         ),
         IngestError::Empty => ApiError::new(StatusCode::BAD_REQUEST, "no_events", "body holds no events"),
+        IngestError::DiskFull(ref m) => {
+            tracing::warn!(error = %m, "the disk holding the log is full: answering 503 until space returns");
+            ApiError::unavailable("disk_full", "the disk holding the log is full; retry later", retry_after_secs)
+        }
+        IngestError::StateUnavailable(ref m) => {
+            tracing::error!(error = %m, "the state database cannot be read: answering 503");
+            ApiError::unavailable(
+                "state_unavailable",
+                "the daemon's state cannot be read now; retry later",
+                retry_after_secs,
+            )
+        }
         IngestError::Unavailable(ref m) => {
             tracing::error!(error = %m, "log append failed");
             ApiError::unavailable("log_unavailable", "the log cannot take events now", retry_after_secs)

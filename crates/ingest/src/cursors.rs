@@ -25,7 +25,8 @@ pub struct CursorRow {
 impl StateDb {
     /// Every stored cursor.
     pub fn load_cursors(&self) -> Result<Vec<CursorRow>, StateError> {
-        let txn = self.db.begin_read().map_err(storage_err)?;
+        let db = self.db()?;
+        let txn = db.begin_read().map_err(storage_err)?;
         let table = match txn.open_table(CURSORS) {
             Ok(t) => t,
             Err(redb::TableError::TableDoesNotExist(_)) => return Ok(Vec::new()),
@@ -47,7 +48,8 @@ impl StateDb {
 
     /// Stores several cursors in one durable transaction.
     pub fn store_cursors(&self, rows: &[CursorRow]) -> Result<(), StateError> {
-        let txn = self.db.begin_write().map_err(storage_err)?;
+        let db = self.db()?;
+        let txn = db.begin_write().map_err(storage_err)?;
         {
             let mut table = txn.open_table(CURSORS).map_err(storage_err)?;
             for r in rows {

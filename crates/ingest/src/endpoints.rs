@@ -42,7 +42,8 @@ impl StateDb {
     /// Writes (inserts or replaces) an endpoint record durably.
     pub fn put_endpoint(&self, record: &EndpointRecord) -> Result<(), StateError> {
         let bytes = postcard::to_stdvec(record).map_err(|e| StateError::Malformed(e.to_string()))?;
-        let mut txn = self.db.begin_write().map_err(storage_err)?;
+        let db = self.db()?;
+        let mut txn = db.begin_write().map_err(storage_err)?;
         txn.set_durability(Durability::Immediate).map_err(|e| StateError::Storage(e.to_string()))?;
         {
             let mut table = txn.open_table(ENDPOINTS).map_err(storage_err)?;
@@ -52,7 +53,8 @@ impl StateDb {
     }
 
     pub fn get_endpoint(&self, id: u128) -> Result<Option<EndpointRecord>, StateError> {
-        let txn = self.db.begin_read().map_err(storage_err)?;
+        let db = self.db()?;
+        let txn = db.begin_read().map_err(storage_err)?;
         let table = txn.open_table(ENDPOINTS).map_err(storage_err)?;
         match table.get(id).map_err(storage_err)? {
             Some(v) => postcard::from_bytes(v.value()).map(Some).map_err(|e| StateError::Malformed(e.to_string())),
@@ -62,7 +64,8 @@ impl StateDb {
 
     /// Every stored endpoint, tombstones included, in id order.
     pub fn load_endpoints(&self) -> Result<Vec<EndpointRecord>, StateError> {
-        let txn = self.db.begin_read().map_err(storage_err)?;
+        let db = self.db()?;
+        let txn = db.begin_read().map_err(storage_err)?;
         let table = txn.open_table(ENDPOINTS).map_err(storage_err)?;
         let mut out = Vec::new();
         for entry in table.iter().map_err(storage_err)? {

@@ -102,7 +102,8 @@ fn run_recorder(state: Arc<StateDb>, jobs: std::sync::mpsc::Receiver<RecordJob>)
             }
         }
         let result = (|| {
-            let mut txn = state.db.begin_write().map_err(storage_err)?;
+            let db = state.db()?;
+            let mut txn = db.begin_write().map_err(storage_err)?;
             txn.set_durability(Durability::None).map_err(|e| StateError::Storage(e.to_string()))?;
             for (key, prior, _) in &group {
                 insert(&txn, key, *prior)?;
@@ -183,7 +184,8 @@ impl IdempotencyIndex {
 
     /// The earlier acceptance of `key`, if it is within the retention window at `now`.
     pub fn lookup(&self, key: &IdempotencyKey, now_unix_ms: u64) -> Result<Option<PriorAcceptance>, StateError> {
-        let txn = self.state.db.begin_read().map_err(storage_err)?;
+        let db = self.state.db()?;
+        let txn = db.begin_read().map_err(storage_err)?;
         let table = txn.open_table(IDEMPOTENCY).map_err(storage_err)?;
         let Some(v) = table.get(key.table_key().as_slice()).map_err(storage_err)? else {
             return Ok(None);
@@ -211,9 +213,21 @@ impl IdempotencyIndex {
 
     /// Makes every key of records below the log's current end durable, and sweeps keys
     /// older than the retention window. Returns the offset now covered.
+    ///
+    /// First, if the state database latched an I/O error (a full disk), reopens it and
+    /// restores from the log the keys its repair dropped, with keyed requests held at the
+    /// gate, so the index recovers without a restart once the disk has room again.
     pub async fn checkpoint(&self, wal: &Wal, now_unix_ms: u64) -> Result<u64, StateError> {
         let through = {
             let _exclusive = self.gate.write().await;
+            let state = self.state.clone();
+            let reopened = tokio::task::spawn_blocking(move || state.reopen_if_failed())
+                .await
+                .map_err(|e| StateError::Storage(format!("reopen task failed: {e}")))??;
+            if reopened {
+                let report = self.rebuild(wal, now_unix_ms)?;
+                tracing::warn!(?report, "idempotency keys restored from the log after the state database was reopened");
+            }
             wal.next_offset()
         };
         let state = self.state.clone();
@@ -228,7 +242,8 @@ impl IdempotencyIndex {
     /// opening, before serving.
     pub fn rebuild(&self, wal: &Wal, now_unix_ms: u64) -> Result<RebuildReport, StateError> {
         let indexed_through = {
-            let txn = self.state.db.begin_read().map_err(storage_err)?;
+            let db = self.state.db()?;
+            let txn = db.begin_read().map_err(storage_err)?;
             let meta = txn.open_table(META).map_err(storage_err)?;
             meta.get(META_INDEXED_THROUGH).map_err(storage_err)?.map(|v| v.value()).unwrap_or(0)
         };
@@ -244,7 +259,8 @@ impl IdempotencyIndex {
             indexed_through.max(stats.start_offset)
         };
         let mut report = RebuildReport { from_offset: from, ..RebuildReport::default() };
-        let mut txn = self.state.db.begin_write().map_err(storage_err)?;
+        let db = self.state.db()?;
+        let mut txn = db.begin_write().map_err(storage_err)?;
         txn.set_durability(Durability::Immediate).map_err(|e| StateError::Storage(e.to_string()))?;
         let records = Records::new(wal, from).map_err(|e| StateError::Storage(format!("reading the log: {e}")))?;
         let mut next = from;
@@ -297,7 +313,8 @@ fn insert(txn: &redb::WriteTransaction, key: &[u8], prior: PriorAcceptance) -> R
 }
 
 fn commit_checkpoint(state: &StateDb, through: u64, cutoff_unix_ms: u64) -> Result<(), StateError> {
-    let txn = state.db.begin_write().map_err(storage_err)?;
+    let db = state.db()?;
+    let txn = db.begin_write().map_err(storage_err)?;
     {
         let mut table = txn.open_table(IDEMPOTENCY).map_err(storage_err)?;
         let mut by_time = txn.open_table(IDEMPOTENCY_BY_TIME).map_err(storage_err)?;

@@ -18,6 +18,7 @@ use wal::{Wal, WalError};
 
 use crate::envelope::{Destination, Envelope, EnvelopeHeader, message_id_for_delivery, random_message_id};
 use crate::idempotency::{IdempotencyIndex, IdempotencyKey, PriorAcceptance};
+use crate::state::StateError;
 
 /// One event of a submission and where it goes (resolved at the door).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -62,6 +63,14 @@ pub enum IngestError {
     TooLarge { len: usize, max: u32 },
     #[error("no events in the request")]
     Empty,
+    /// The disk holding the log has no space (ENOSPC, or a quota): the log undid the
+    /// failed write and takes appends again once space returns.
+    #[error("disk full: {0}")]
+    DiskFull(String),
+    /// The state database could not be read before the append (after an I/O error it
+    /// is reopened by the next idempotency checkpoint); nothing was appended.
+    #[error("state database unavailable: {0}")]
+    StateUnavailable(String),
     /// The log failed this append (a storage error it recovered from); a retry may work.
     #[error("log unavailable: {0}")]
     Unavailable(String),
@@ -81,6 +90,8 @@ impl IngestError {
             IngestError::InFlight => "delivery_in_progress",
             IngestError::TooLarge { .. } => "record_too_large",
             IngestError::Empty => "empty",
+            IngestError::DiskFull(_) => "disk_full",
+            IngestError::StateUnavailable(_) => "state_unavailable",
             IngestError::Unavailable(_) => "log_unavailable",
             IngestError::Stopped(_) => "log_stopped",
             IngestError::Internal(_) => "internal",
@@ -144,6 +155,7 @@ impl Ingestor {
                 });
             }
             Ok(None) => {}
+            Err(e @ StateError::Storage(_)) => return Err(IngestError::StateUnavailable(e.to_string())),
             Err(e) => return Err(IngestError::Internal(e.to_string())),
         }
         let accepted = self.append(&s).await?;
@@ -202,9 +214,17 @@ impl Ingestor {
             Err(e @ (WalError::Poisoned(_) | WalError::Closed | WalError::ReadOnly)) => {
                 Err(IngestError::Stopped(e.to_string()))
             }
+            Err(WalError::Io { path, source }) if is_out_of_space(&source) => {
+                Err(IngestError::DiskFull(format!("{}: {source}", path.display())))
+            }
             Err(e) => Err(IngestError::Unavailable(e.to_string())),
         }
     }
+}
+
+/// ENOSPC or EDQUOT: the file system, not the log, is out of room.
+fn is_out_of_space(e: &std::io::Error) -> bool {
+    matches!(e.kind(), std::io::ErrorKind::StorageFull | std::io::ErrorKind::QuotaExceeded)
 }
 
 #[cfg(test)]

@@ -7,8 +7,12 @@
 //!   naming both versions; it is never reset or migrated silently.
 //! - A database with tables but no version is treated as version 0, i.e. a mismatch.
 //! - Every table this crate uses is defined here, in one place.
+//! - After an I/O error (a full disk, say) redb refuses every operation until the
+//!   database is reopened. [`StateDb::reopen_if_failed`] reopens it in place, which
+//!   redb repairs to its last durable commit; every handle keeps working afterwards.
 
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, RwLock};
 
 use redb::{Database, ReadableDatabase, TableDefinition};
 
@@ -47,7 +51,8 @@ pub(crate) fn storage_err<E: Into<redb::Error>>(e: E) -> StateError {
 
 /// The open state database.
 pub struct StateDb {
-    pub(crate) db: Database,
+    /// `None` only while [`StateDb::reopen_if_failed`] replaces a failed database.
+    db: RwLock<Option<Arc<Database>>>,
     path: PathBuf,
 }
 
@@ -62,9 +67,61 @@ impl StateDb {
     pub fn open(path: impl AsRef<Path>) -> Result<StateDb, StateError> {
         let path = path.as_ref().to_path_buf();
         let db = Database::create(&path).map_err(|e| StateError::Open { path: path.clone(), detail: e.to_string() })?;
-        let state = StateDb { db, path };
+        let state = StateDb { db: RwLock::new(Some(Arc::new(db))), path };
         state.check_or_init_schema()?;
         Ok(state)
+    }
+
+    /// The database, for one operation. Keep the handle alive until the operation's
+    /// transaction is done (declare it first), so a reopen waits for the operation.
+    pub(crate) fn db(&self) -> Result<Arc<Database>, StateError> {
+        self.db
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+            .ok_or_else(|| StateError::Storage("the state database is being reopened after an I/O error".to_string()))
+    }
+
+    /// If redb latched an I/O error (every operation then fails with "Previous I/O
+    /// error"), closes the database and opens it again, which repairs it to its last
+    /// durable commit: non-durable commits since then are lost (the idempotency keys
+    /// among them are rebuilt from the log by the caller). Returns whether it reopened.
+    /// Waits (bounded) for operations in progress; if they do not finish, or the reopen
+    /// fails (the disk is still full), the database stays failed and a later call retries.
+    pub fn reopen_if_failed(&self) -> Result<bool, StateError> {
+        let failed = match self.db.read().unwrap_or_else(|p| p.into_inner()).as_ref() {
+            None => true,
+            Some(db) => {
+                matches!(db.try_begin_write(), Err(redb::TransactionError::Storage(redb::StorageError::PreviousIo)))
+            }
+        };
+        if !failed {
+            return Ok(false);
+        }
+        let mut taken = self.db.write().unwrap_or_else(|p| p.into_inner()).take();
+        // Operations in progress hold a clone: wait for them, within reason.
+        for _ in 0..500 {
+            match taken.map(Arc::try_unwrap) {
+                None | Some(Ok(_)) => {
+                    taken = None;
+                    break;
+                }
+                Some(Err(still_shared)) => {
+                    taken = Some(still_shared);
+                    std::thread::sleep(std::time::Duration::from_millis(10));
+                }
+            }
+        }
+        if let Some(still_shared) = taken {
+            *self.db.write().unwrap_or_else(|p| p.into_inner()) = Some(still_shared);
+            return Err(StateError::Storage("the state database is in use; reopening it later".to_string()));
+        }
+        // The failed database is closed (dropped above): open it again, repaired.
+        let db = Database::create(&self.path)
+            .map_err(|e| StateError::Open { path: self.path.clone(), detail: e.to_string() })?;
+        *self.db.write().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(db));
+        tracing::warn!(path = %self.path.display(), "state database reopened after an I/O error");
+        Ok(true)
     }
 
     pub fn path(&self) -> &Path {
@@ -73,7 +130,8 @@ impl StateDb {
 
     /// The schema version stored in the database at `path`, without changing anything.
     pub fn stored_schema_version(&self) -> Result<Option<u64>, StateError> {
-        let txn = self.db.begin_read().map_err(storage_err)?;
+        let db = self.db()?;
+        let txn = db.begin_read().map_err(storage_err)?;
         let table = match txn.open_table(META) {
             Ok(t) => t,
             Err(redb::TableError::TableDoesNotExist(_)) => return Ok(None),
@@ -88,7 +146,8 @@ impl StateDb {
             Some(v) if v == SCHEMA_VERSION => Ok(()),
             Some(v) => Err(StateError::SchemaMismatch { path: self.path.clone(), found: v, expected: SCHEMA_VERSION }),
             None => {
-                let txn = self.db.begin_write().map_err(storage_err)?;
+                let db = self.db()?;
+                let txn = db.begin_write().map_err(storage_err)?;
                 let has_tables = txn.list_tables().map_err(storage_err)?.next().is_some();
                 if has_tables {
                     drop(txn);
@@ -114,7 +173,8 @@ impl StateDb {
     /// Overwrites the stored schema version. For tests of the mismatch path and for an
     /// explicit migration tool; the daemon never calls it.
     pub fn force_schema_version(&self, version: u64) -> Result<(), StateError> {
-        let txn = self.db.begin_write().map_err(storage_err)?;
+        let db = self.db()?;
+        let txn = db.begin_write().map_err(storage_err)?;
         {
             let mut meta = txn.open_table(META).map_err(storage_err)?;
             meta.insert(META_SCHEMA_VERSION, version).map_err(storage_err)?;
