@@ -425,6 +425,12 @@ async fn bad_input_bodies_over_the_limit_get_413_whatever_the_length_headers_say
     assert!(matches!(r.status(), Some(400 | 413)), "{}", r.text());
     f.nothing_appended("Content-Length and chunked").await;
 
+    // A chunk whose size is not hex: the body cannot be read.
+    let mut req = post_head("/v1/sources/open", "content-type: text/plain\r\ntransfer-encoding: chunked\r\n");
+    req.extend_from_slice(b"4\r\nabcd\r\nzz\r\nrest\r\n0\r\n\r\n");
+    raw(h, &req).await.assert_error(400, "body_read_failed", "a malformed chunk");
+    f.nothing_appended("malformed chunk").await;
+
     f.serves("after sizes").await;
     f.stop_and_check_log();
 }
