@@ -351,10 +351,22 @@ fn dump_stops_cleanly_when_its_reader_goes_away() {
     assert!(err.is_empty(), "{err}");
 }
 
+const ADMIN_TOKEN: &str = "admin-reader-token-0123456789";
+
 const SOURCES: &str = r#"
 [sources.default]
 destination = { stream = "ingest", topic = "events" }
 "#;
+
+/// A child process killed when the test ends, passing or not.
+struct KillOnDrop(std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
 
 /// Reads lines from a child's stdout on a thread, so a test can wait with a deadline.
 fn line_reader(child: &mut std::process::Child) -> std::sync::mpsc::Receiver<String> {
@@ -374,15 +386,20 @@ fn line_reader(child: &mut std::process::Child) -> std::sync::mpsc::Receiver<Str
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_subcommand_works_on_a_running_daemons_log() {
     let root = tempfile::tempdir().unwrap();
-    let d = Daemon::start(root.path(), "", SOURCES);
+    // Readers of the admin API need a token here, as an operator would set up.
+    let text =
+        config_text(root.path(), "", SOURCES).replace("[admin]\n", &format!("[admin]\ntoken = \"{ADMIN_TOKEN}\"\n"));
+    let d = Daemon::start_text(root.path(), &text);
     let dir = d.wal_dir();
-    let mut tail = Command::new(env!("CARGO_BIN_EXE_iggy-ingest"))
-        .args(["wal", "tail", dir.to_str().unwrap(), "-n", "0", "--json", "--interval-ms", "50"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap();
-    let lines = line_reader(&mut tail);
+    let mut tail = KillOnDrop(
+        Command::new(env!("CARGO_BIN_EXE_iggy-ingest"))
+            .args(["wal", "tail", dir.to_str().unwrap(), "--from", "0", "--json", "--interval-ms", "50"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap(),
+    );
+    let lines = line_reader(&mut tail.0);
 
     // Traffic keeps arriving while the tools run.
     let http = d.http;
@@ -440,10 +457,27 @@ async fn every_subcommand_works_on_a_running_daemons_log() {
     let lane = &i["destinations"]["lanes"][0];
     assert_eq!((lane["stream"].as_str(), lane["records_in_log"].as_u64()), (Some("ingest"), Some(sent)));
 
-    // With --admin, cursors and held figures come from the daemon itself.
+    // With --admin, cursors and held figures come from the daemon itself; without its
+    // token the answer says what to pass.
     let (dir3, admin) = (dir.clone(), format!("http://{}", d.admin));
-    let o =
-        tokio::task::spawn_blocking(move || cli_in(&["inspect", "--json", "--admin", &admin], &dir3)).await.unwrap();
+    let (no_token, o) = tokio::task::spawn_blocking(move || {
+        let no_token = cli_in(&["inspect", "--json", "--admin", &admin], &dir3);
+        let o = Command::new(env!("CARGO_BIN_EXE_iggy-ingest"))
+            .args(["wal", "inspect", dir3.to_str().unwrap(), "--json", "--admin", &admin])
+            .env("IGGY_INGEST_ADMIN_TOKEN", ADMIN_TOKEN)
+            .output()
+            .unwrap();
+        (no_token, o)
+    })
+    .await
+    .unwrap();
+    assert_eq!(code(&no_token), 1);
+    assert!(
+        stderr(&no_token).contains("HTTP 401") && stderr(&no_token).contains("--admin-token"),
+        "{}",
+        stderr(&no_token)
+    );
+    assert!(no_token.stdout.is_empty());
     assert_eq!(code(&o), 0, "{}", stderr(&o));
     let i = json(&o);
     assert_eq!(i["destinations"]["cursors_from"], "admin");
@@ -462,8 +496,7 @@ async fn every_subcommand_works_on_a_running_daemons_log() {
         seen.push(v["offset"].as_u64().unwrap());
     }
     assert_eq!(seen, (0..sent).collect::<Vec<_>>());
-    let _ = tail.kill();
-    let _ = tail.wait();
+    drop(tail);
 
     // salvage beside the running daemon copies exactly what is durable.
     let (dir4, out) = (dir.clone(), root.path().join("copy"));

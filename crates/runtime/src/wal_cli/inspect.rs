@@ -261,7 +261,7 @@ pub(crate) fn run(a: InspectArgs) -> CliResult {
     writeln!(out)?;
     writeln!(
         out,
-        "{:<26} {:>12} {:>12} {:>9} {:>10} {:<6} {:<24} {:<24}",
+        "{:<26} {:>12} {:>12} {:>9} {:>10} {:<6} {:<24} {:<11}",
         "SEGMENT", "FIRST", "LAST", "RECORDS", "BYTES", "SEALED", "FIRST RECORD", "LAST RECORD"
     )?;
     for s in &segments {
@@ -270,7 +270,7 @@ pub(crate) fn run(a: InspectArgs) -> CliResult {
         let t = |m: &BTreeMap<u64, u64>| m.get(&s.base_offset).map_or("-".to_string(), |&t| rfc3339_ms(t));
         writeln!(
             out,
-            "{:<26} {:>12} {:>12} {:>9} {:>10} {:<6} {:<24} {:<24}",
+            "{:<26} {:>12} {:>12} {:>9} {:>10} {:<6} {:<24} {}",
             name,
             s.base_offset,
             last,

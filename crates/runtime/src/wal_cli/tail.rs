@@ -67,6 +67,9 @@ pub(crate) fn run(a: TailArgs) -> CliResult {
     let filter = Filter::parse(&a.filter)?;
     let format = Format::of(&a.format);
     let interval = Duration::from_millis(a.interval_ms.max(10));
+    // Look first, then open: a sync between the two is then seen as a change and read
+    // by the next reopen, never skipped.
+    let mut last_look = look(&a.dir);
     let wal = open_log(&a.dir)?;
     let mut next = match a.from {
         Some(f) => f,
@@ -74,7 +77,6 @@ pub(crate) fn run(a: TailArgs) -> CliResult {
     };
     let mut out = stdout();
     let mut wal = Some(wal);
-    let mut last_look = look(&a.dir);
     loop {
         if let Some(w) = wal.take() {
             if next < w.start_offset() {
@@ -116,7 +118,8 @@ pub(crate) fn run(a: TailArgs) -> CliResult {
         }
         match wal::Wal::open_read_only(&a.dir) {
             Ok(w) => wal = Some(w),
-            Err(WalError::Unsettled { .. }) => {}
+            // The writer was starting or moving on: look again next time, changed or not.
+            Err(WalError::Unsettled { .. }) => last_look = None,
             Err(e) => return Err(wal_error(&a.dir, e)),
         }
     }
