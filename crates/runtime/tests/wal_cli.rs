@@ -116,6 +116,7 @@ fn a_clean_log_verifies_dumps_inspects_and_salvages_to_the_same_records() {
     let o = cli_in(&["verify"], &dir);
     assert_eq!(code(&o), 0, "{}{}", stdout(&o), stderr(&o));
     assert!(stdout(&o).contains("40 record(s)") && stdout(&o).ends_with(": clean\n"), "{}", stdout(&o));
+    assert!(o.stderr.is_empty(), "no progress bar when stderr is not a terminal: {}", stderr(&o));
     let v = json(&cli_in(&["verify", "--json"], &dir));
     assert_eq!((v["clean"].as_bool(), v["records"].as_u64()), (Some(true), Some(40)));
     assert!(v["problems"].as_array().unwrap().is_empty() && v["torn_tail"].is_null());
@@ -349,6 +350,66 @@ fn dump_stops_cleanly_when_its_reader_goes_away() {
     child.stderr.take().unwrap().read_to_string(&mut err).unwrap();
     assert_eq!(status.code(), Some(0), "{status:?} {err}");
     assert!(err.is_empty(), "{err}");
+}
+
+#[test]
+fn tail_shows_the_last_records_then_follows_and_ends_when_its_reader_goes() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = make_log(root.path(), 10, small());
+    let mut tail = KillOnDrop(
+        Command::new(env!("CARGO_BIN_EXE_iggy-ingest"))
+            .args(["wal", "tail", dir.to_str().unwrap(), "-n", "3", "--payload-only", "--interval-ms", "20"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    // Read on this thread (so dropping the reader closes the pipe); a watchdog kills a
+    // stuck tail, which ends the read with EOF instead of hanging the test.
+    let pid = tail.0.id() as i32;
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let watchdog_done = done.clone();
+    std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_secs(60));
+        if !watchdog_done.load(std::sync::atomic::Ordering::SeqCst) {
+            // SAFETY: kill(2) on our own child's pid.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+    });
+    let mut out = BufReader::new(tail.0.stdout.take().unwrap());
+    let mut next = || {
+        let mut l = String::new();
+        assert!(out.read_line(&mut l).unwrap() > 0, "tail ended early");
+        l.trim_end().to_string()
+    };
+    let first: Vec<String> = (0..3).map(|_| next()).collect();
+    assert_eq!(first, vec!["{\"n\":7}", "{\"n\":8}", "//4JAA=="], "the last 3, the binary one as base64");
+    // A writer appends (the log is free: no daemon), across a segment rotation.
+    let wal = Wal::open(&dir, small()).unwrap();
+    rt().block_on(async {
+        for i in 10..40 {
+            wal.append(vec![envelope(i)]).await.unwrap();
+        }
+    });
+    for i in 10..40u64 {
+        let line = next();
+        if i % 5 != 4 {
+            assert_eq!(line, format!("{{\"n\":{i}}}"));
+        }
+    }
+    // An idle tail whose reader is gone ends by itself, with 0.
+    drop(out);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(s) = tail.0.try_wait().unwrap() {
+            break s;
+        }
+        assert!(Instant::now() < deadline, "tail kept running with nobody reading");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    done.store(true, std::sync::atomic::Ordering::SeqCst);
+    assert_eq!(status.code(), Some(0));
+    drop(wal);
 }
 
 const ADMIN_TOKEN: &str = "admin-reader-token-0123456789";
