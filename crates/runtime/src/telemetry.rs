@@ -219,12 +219,15 @@ fn destination_status_help(s: Status) -> &'static str {
     }
 }
 
-/// The error codes the door counts in `iggy_ingest_http_rejected_total` (docs/http.md).
+/// The error codes the door counts in `iggy_ingest_http_rejected_total`: the table of
+/// docs/http.md, "Answers other than 200" (a test holds them equal).
 pub const REJECTION_REASONS: &[&str] = &[
     "invalid_json",
     "malformed_ndjson_line",
     "no_events",
     "invalid_delivery_id",
+    "invalid_content_type",
+    "body_read_failed",
     "missing_challenge",
     "unauthorized",
     "not_found",
@@ -233,6 +236,7 @@ pub const REJECTION_REASONS: &[&str] = &[
     "delivery_in_progress",
     "endpoint_expired",
     "body_too_large",
+    "record_too_large",
     "unsupported_media_type",
     "unknown_destination",
     "invalid_destination",
@@ -240,6 +244,8 @@ pub const REJECTION_REASONS: &[&str] = &[
     "not_allowlisted",
     "internal",
     "log_full",
+    "disk_full",
+    "state_unavailable",
     "shutting_down",
     "log_unavailable",
 ];
@@ -450,6 +456,23 @@ mod tests {
         ] {
             assert!(text.contains(line), "{line} missing:\n{text}");
         }
+    }
+
+    #[test]
+    fn the_rejection_reasons_are_the_documented_error_codes() {
+        let doc = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/http.md")).unwrap();
+        let table = doc.split("### Answers other than 200").nth(1).expect("the section in docs/http.md");
+        let documented: std::collections::BTreeSet<&str> = table
+            .lines()
+            .skip_while(|l| !l.starts_with('|'))
+            .take_while(|l| l.starts_with('|'))
+            .skip(2) // the header and its rule
+            .filter_map(|row| row.split('|').nth(2))
+            .filter_map(|cell| cell.trim().strip_prefix('`')?.strip_suffix('`'))
+            .collect();
+        assert!(documented.len() > 20, "{documented:?}");
+        let ours: std::collections::BTreeSet<&str> = REJECTION_REASONS.iter().copied().collect();
+        assert_eq!(ours, documented, "REJECTION_REASONS and docs/http.md's table differ");
     }
 
     #[test]
