@@ -184,7 +184,13 @@ fn verify_bounded(
     let mut total = 0;
     for &b in &bases {
         let path = dir.join(segment_file_name(b));
-        let file = storage.open(&path, OpenMode::Read).map_err(|e| WalError::io(&path, e))?;
+        let file = storage.open(&path, OpenMode::Read).map_err(|e| match e.kind() {
+            // Beside a live writer a listed segment can be released before it is opened.
+            std::io::ErrorKind::NotFound if bound.is_some() => {
+                crate::watermark::unsettled(dir, "a segment was released while the log was being read")
+            }
+            _ => WalError::io(&path, e),
+        })?;
         let mut len = file.len().map_err(|e| WalError::io(&path, e))?;
         if let Some(w) = bound
             && w.segment_base == b

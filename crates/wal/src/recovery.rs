@@ -180,7 +180,13 @@ fn open_bounded(
         let path = dir.join(crate::format::segment_file_name(base));
         let writable = !read_only && i == bases.len() - 1;
         let mode = if writable { OpenMode::ReadWrite } else { OpenMode::Read };
-        let file = storage.open(&path, mode).map_err(io_err(&path))?;
+        let file = storage.open(&path, mode).map_err(|e| match e.kind() {
+            // Beside a live writer a listed segment can be released before it is opened.
+            io::ErrorKind::NotFound if bound.is_some() => {
+                watermark::unsettled(&dir, "a segment was released while the log was being opened")
+            }
+            _ => WalError::io(&path, e),
+        })?;
         let mut len = file.len().map_err(io_err(&path))?;
         if let Some(w) = bound
             && base == w.segment_base
