@@ -448,19 +448,57 @@ fn take_from_queue(g: &mut Gate, max_records: usize, max_bytes: usize) -> Vec<Ro
     batch
 }
 
-/// Waits up to `linger` for a short batch to fill, once.
+/// Lets a short batch fill for up to `linger`, topping it up as records are queued and
+/// returning as soon as it is full: a lane draining a backlog never waits, a lane fed
+/// slowly waits at most `linger` per batch.
 async fn linger(lane: &Lane, mut batch: Vec<Routed>) -> Vec<Routed> {
-    let max = lane.policy.batch.batch_max_records;
-    if batch.len() >= max || lane.policy.batch.linger.is_zero() {
+    let max_records = lane.policy.batch.batch_max_records;
+    let max_bytes = lane.policy.batch.batch_max_bytes;
+    if lane.policy.batch.linger.is_zero() {
         return batch;
     }
-    tokio::time::sleep(lane.policy.batch.linger).await;
+    let mut bytes: usize = batch.iter().map(|r| r.envelope.payload.len()).sum();
+    let deadline = Instant::now() + lane.policy.batch.linger;
+    loop {
+        if batch.len() >= max_records || bytes >= max_bytes {
+            return batch;
+        }
+        // Registered before the queue is looked at, so an offer in between still wakes us.
+        let queued = lane.wake.notified();
+        tokio::pin!(queued);
+        queued.as_mut().enable();
+        let more = top_up(lane, &mut batch, &mut bytes, max_records, max_bytes);
+        if more > 0 {
+            lane.space.notify_waiters();
+            continue;
+        }
+        tokio::select! {
+            _ = &mut queued => {}
+            _ = tokio::time::sleep_until(deadline) => {
+                top_up(lane, &mut batch, &mut bytes, max_records, max_bytes);
+                lane.space.notify_waiters();
+                return batch;
+            }
+        }
+    }
+}
+
+/// Moves queued records onto `batch` within the limits; returns how many.
+fn top_up(lane: &Lane, batch: &mut Vec<Routed>, bytes: &mut usize, max_records: usize, max_bytes: usize) -> usize {
     let mut g = lane.gate();
-    let bytes: usize = batch.iter().map(|r| r.envelope.payload.len()).sum();
-    let more =
-        take_from_queue(&mut g, max - batch.len(), lane.policy.batch.batch_max_bytes.saturating_sub(bytes).max(1));
-    batch.extend(more);
-    batch
+    let mut moved = 0;
+    while let Some(front) = g.queue.front() {
+        let len = front.envelope.payload.len();
+        if batch.len() >= max_records || *bytes + len > max_bytes {
+            break;
+        }
+        if let Some(r) = g.queue.pop_front() {
+            *bytes += len;
+            batch.push(r);
+            moved += 1;
+        }
+    }
+    moved
 }
 
 fn out_message(r: &Routed) -> OutMessage {

@@ -17,8 +17,9 @@ pub struct BatchPolicy {
     pub batch_max_records: usize,
     /// Payload bytes per send (a single larger record is sent alone). 1 MiB.
     pub batch_max_bytes: usize,
-    /// How long a lane waits for more records before sending a short batch. 5 ms: far
-    /// below any human-visible delay, long enough to batch a burst.
+    /// How long a lane waits for more records before sending a short batch; a batch that
+    /// fills meanwhile goes at once. 5 ms: far below any human-visible delay, long enough
+    /// to batch a burst.
     pub linger: Duration,
     /// A send not answered within this time counts as a failure (and is retried: the
     /// message ids make a duplicate identifiable). 10 s.

@@ -193,3 +193,26 @@ async fn cursors_in_the_state_database_survive_a_reopen() {
     assert_eq!(sink.ids(&d), all, "records sent again after a restart");
     router.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lingering_batch_goes_out_as_soon_as_it_is_full() {
+    let sim = SimStorage::new();
+    let wal = open_wal(&sim);
+    let sink = FaultySink::new();
+    let d = key("s", "t");
+    let mut policy = fast_policy();
+    policy.batch.linger = Duration::from_secs(60);
+    policy.batch.batch_max_records = 10;
+    let router =
+        Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), Policies::uniform(policy))
+            .unwrap();
+    let mut want = fill(&wal, std::slice::from_ref(&d), 0, 4).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(sink.ids(&d).is_empty(), "a short batch waits for its linger");
+    want.get_mut(&d).unwrap().extend(&fill(&wal, std::slice::from_ref(&d), 4, 6).await[&d]);
+    // Well before the 60 s linger: the batch is full, so it goes.
+    eventually(Duration::from_secs(10), "the full batch sent", || sink.ids(&d).len() == 10).await;
+    assert_eq!(sink.ids(&d), want[&d]);
+    assert_eq!(sink.calls(&d), 1, "one send of the full batch");
+    router.shutdown().await;
+}
