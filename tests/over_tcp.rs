@@ -186,3 +186,47 @@ async fn the_router_starts_while_the_broker_is_unreachable_and_delivers_once_it_
     .await;
     router.shutdown().await;
 }
+
+/// A connection attempt cut short by the router's result timeout (here: the broker holds
+/// every answer, the sign-in's too, longer than the timeout) must not leave the client
+/// believing it is connected or connecting: once the broker answers promptly again,
+/// delivery resumes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_attempt_cut_short_by_the_result_timeout_does_not_wedge_the_client() {
+    let broker = TestBroker::start(TestBrokerConfig::default()).await.unwrap();
+    let wal = sim_wal();
+    let router = Router::start(
+        wal.clone(),
+        sink(broker.addr(), 1),
+        Arc::new(MemoryCursorStore::new()),
+        Policies::uniform(policy()),
+    )
+    .unwrap();
+    wal.append(vec![record("w", "t", 0, Partitioning::Balanced)]).await.unwrap();
+    eventually(Duration::from_secs(20), "warm", || async { ids(&broker, "w", "t").len() == 1 }).await;
+    broker.stop().await;
+    for n in 1..100u64 {
+        wal.append(vec![record("w", "t", n, Partitioning::Balanced)]).await.unwrap();
+    }
+    eventually(Duration::from_secs(30), "degraded", || async { router.status().status == Status::Degraded }).await;
+    // The broker comes back, but answers nothing within the result timeout (3 s): the
+    // reconnection's sign-in is cut short, more than once.
+    let accepted = broker.accepted_connections();
+    broker.set_delay(Duration::from_secs(8));
+    broker.restart().await.unwrap();
+    eventually(Duration::from_secs(60), "attempts cut short by the result timeout", || async {
+        broker.accepted_connections() > accepted
+            && router
+                .destinations()
+                .iter()
+                .any(|d| d.last_error.as_deref().is_some_and(|e| e.contains("result timeout")))
+    })
+    .await;
+    broker.set_delay(Duration::ZERO);
+    eventually(Duration::from_secs(60), "drained after the broker answers again", || async {
+        ids(&broker, "w", "t").iter().collect::<BTreeSet<_>>().len() == 100
+    })
+    .await;
+    eventually(Duration::from_secs(20), "running", || async { router.status().status == Status::Running }).await;
+    router.shutdown().await;
+}

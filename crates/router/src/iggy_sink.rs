@@ -7,6 +7,13 @@
 //!   unreachable: connecting is retried before each attempt, never required at start.
 //! - After a failed connection or a dropped one, the next attempt reconnects explicitly
 //!   first (the client otherwise stays disconnected and fails at once).
+//! - An explicit reconnect starts from a reset client (disconnected, its stream dropped),
+//!   and an operation cut short by the router's result timeout asks for one: a client
+//!   dropped in the middle of connecting otherwise believes it is still connecting,
+//!   answers every later `connect()` with Ok at once and never connects again, and a
+//!   stream with an answer still owed would hand that answer to the next request.
+//! - A failure reported by an operation on an older connection than the current one
+//!   does not ask for a reconnect (it would tear down a connection that works).
 //! - Destinations are created on first use with the topic defaults; "already exists" is
 //!   success. Topics the daemon creates are durable by default (`enforce_fsync`, one
 //!   message per save), because an ack from a topic without fsync does not survive a
@@ -16,7 +23,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -92,8 +99,10 @@ impl Default for IggySinkConfig {
 pub struct IggySink {
     client: IggyClient,
     defaults: TopicDefaults,
-    /// Set after a failure that leaves the client disconnected.
+    /// Set after a failure that leaves the client disconnected, or an operation cut short.
     needs_connect: AtomicBool,
+    /// Counts explicit connects: which connection an operation ran on.
+    generation: AtomicU64,
     connect_lock: tokio::sync::Mutex<()>,
     topics: Mutex<HashMap<DestinationKey, TopicInfo>>,
 }
@@ -130,33 +139,53 @@ impl IggySink {
             client,
             defaults: config.topic_defaults.clone(),
             needs_connect: AtomicBool::new(true),
+            generation: AtomicU64::new(0),
             connect_lock: tokio::sync::Mutex::new(()),
             topics: Mutex::new(HashMap::new()),
         })
     }
 
-    async fn connected(&self) -> Result<(), SendError> {
+    /// Connects if needed; returns the generation of the connection to use.
+    async fn connected(&self) -> Result<u64, SendError> {
         if !self.needs_connect.load(Ordering::Acquire) {
-            return Ok(());
+            return Ok(self.generation.load(Ordering::Acquire));
         }
         let _g = self.connect_lock.lock().await;
         if !self.needs_connect.load(Ordering::Acquire) {
-            return Ok(());
+            return Ok(self.generation.load(Ordering::Acquire));
+        }
+        // From a known state: an earlier attempt may have been dropped half-way.
+        // Disconnecting a disconnected client does nothing.
+        if let Err(e) = self.client.disconnect().await {
+            tracing::debug!(error = %e, "resetting the client before reconnecting");
         }
         match self.client.connect().await {
             Ok(()) => {
+                let generation = self.generation.fetch_add(1, Ordering::AcqRel) + 1;
                 self.needs_connect.store(false, Ordering::Release);
                 tracing::info!("connected to iggy");
-                Ok(())
+                Ok(generation)
             }
-            Err(e) => Err(self.classify(e)),
+            Err(e) => Err(self.classify(e, None)),
         }
     }
 
-    fn classify(&self, e: IggyError) -> SendError {
+    /// The connection of `generation` is not to be trusted any more.
+    fn lost(&self, generation: u64) {
+        if generation == self.generation.load(Ordering::Acquire) {
+            self.needs_connect.store(true, Ordering::Release);
+        }
+    }
+
+    /// Classifies `e`; a client-wide failure on the current connection (or while
+    /// connecting, `generation` None) asks for a reconnect.
+    fn classify(&self, e: IggyError, generation: Option<u64>) -> SendError {
         let kind = classify(&e);
         if matches!(kind, SendErrorKind::Disconnected | SendErrorKind::Unavailable | SendErrorKind::Unauthorized) {
-            self.needs_connect.store(true, Ordering::Release);
+            match generation {
+                Some(g) => self.lost(g),
+                None => self.needs_connect.store(true, Ordering::Release),
+            }
         }
         SendError::new(kind, e.to_string())
     }
@@ -188,6 +217,32 @@ pub fn classify(e: &IggyError) -> SendErrorKind {
         | IggyError::IoError(_) => SendErrorKind::Unavailable,
         IggyError::InvalidCredentials | IggyError::Unauthenticated => SendErrorKind::Unauthorized,
         _ => SendErrorKind::Destination,
+    }
+}
+
+/// An operation on the connection of `generation`: dropped before [`InFlight::finish`]
+/// (the router's result timeout cut it short), it asks for a reset and reconnect.
+struct InFlight<'a> {
+    sink: &'a IggySink,
+    generation: u64,
+    finished: bool,
+}
+
+impl<'a> InFlight<'a> {
+    fn new(sink: &'a IggySink, generation: u64) -> Self {
+        InFlight { sink, generation, finished: false }
+    }
+    fn finish<T>(mut self, r: T) -> T {
+        self.finished = true;
+        r
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        if !self.finished {
+            self.sink.lost(self.generation);
+        }
     }
 }
 
@@ -237,19 +292,33 @@ impl Sink for IggySink {
         if let Some(t) = self.topics.lock().unwrap_or_else(|p| p.into_inner()).get(dest) {
             return Ok(*t);
         }
-        self.connected().await?;
+        let generation = self.connected().await?;
+        let op = InFlight::new(self, generation);
+        op.finish(self.ensure_on(dest, generation).await)
+    }
+
+    async fn send(&self, dest: &DestinationKey, p: &Partitioning, messages: Vec<OutMessage>) -> Result<(), SendError> {
+        let generation = self.connected().await?;
+        let op = InFlight::new(self, generation);
+        op.finish(self.send_on(dest, p, messages, generation).await)
+    }
+}
+
+impl IggySink {
+    async fn ensure_on(&self, dest: &DestinationKey, generation: u64) -> Result<TopicInfo, SendError> {
+        let g = Some(generation);
         let stream =
             Identifier::named(&dest.stream).map_err(|e| SendError::new(SendErrorKind::Destination, e.to_string()))?;
         let topic =
             Identifier::named(&dest.topic).map_err(|e| SendError::new(SendErrorKind::Destination, e.to_string()))?;
-        let existing = self.client.get_stream(&stream).await.map_err(|e| self.classify(e))?;
+        let existing = self.client.get_stream(&stream).await.map_err(|e| self.classify(e, g))?;
         if existing.is_none() {
             match self.client.create_stream(&dest.stream).await {
                 Ok(_) | Err(IggyError::StreamNameAlreadyExists(_)) => {}
-                Err(e) => return Err(self.classify(e)),
+                Err(e) => return Err(self.classify(e, g)),
             }
         }
-        let details = match self.client.get_topic(&stream, &topic).await.map_err(|e| self.classify(e))? {
+        let details = match self.client.get_topic(&stream, &topic).await.map_err(|e| self.classify(e, g))? {
             Some(d) => d,
             None => match self.client.create_topic(&stream, &dest.topic, &self.create_options()).await {
                 Ok(d) => d,
@@ -257,9 +326,9 @@ impl Sink for IggySink {
                     .client
                     .get_topic(&stream, &topic)
                     .await
-                    .map_err(|e| self.classify(e))?
+                    .map_err(|e| self.classify(e, g))?
                     .ok_or_else(|| SendError::new(SendErrorKind::Destination, "topic vanished after creation"))?,
-                Err(e) => return Err(self.classify(e)),
+                Err(e) => return Err(self.classify(e, g)),
             },
         };
         let info = topic_info(details.partitions_count, &details.options);
@@ -270,8 +339,13 @@ impl Sink for IggySink {
         Ok(info)
     }
 
-    async fn send(&self, dest: &DestinationKey, p: &Partitioning, messages: Vec<OutMessage>) -> Result<(), SendError> {
-        self.connected().await?;
+    async fn send_on(
+        &self,
+        dest: &DestinationKey,
+        p: &Partitioning,
+        messages: Vec<OutMessage>,
+        generation: u64,
+    ) -> Result<(), SendError> {
         let stream =
             Identifier::named(&dest.stream).map_err(|e| SendError::new(SendErrorKind::Destination, e.to_string()))?;
         let topic =
@@ -280,7 +354,7 @@ impl Sink for IggySink {
         match self.client.send_messages(&stream, &topic, &partitioning(p), &mut wire).await {
             Ok(_) => Ok(()),
             Err(e) => {
-                let err = self.classify(e);
+                let err = self.classify(e, Some(generation));
                 if err.kind == SendErrorKind::Destination {
                     self.topics.lock().unwrap_or_else(|p| p.into_inner()).remove(dest);
                 }
