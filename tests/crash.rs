@@ -11,7 +11,7 @@
 
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use e2e::daemon::{Daemon, config_text, killed_by_sigkill};
+use e2e::daemon::{Daemon, config_text, killed_by_sigkill, test_dir};
 use e2e::destination::Destination;
 use e2e::load::{Figures, Ledger, Load, Target, sources_config};
 use rand::Rng;
@@ -102,7 +102,7 @@ async fn kill_9_under_the_interval_sync_policy_loses_no_acknowledged_event() {
 async fn kill_loop(cycles: u32, sync: &str) {
     let dest = Destination::broker().await;
     let stream = unique("kill9");
-    let dir = tempfile::tempdir().expect("temp dir");
+    let dir = test_dir(&stream);
     let config = config_text(dir.path(), &dest.daemon_address(), &rest_with(&stream, 65536, sync));
     let mut daemon = Daemon::start(dir.path(), &config, &[]).await;
     let target = Target::new(daemon.http);
@@ -129,7 +129,7 @@ async fn kill_loop(cycles: u32, sync: &str) {
 async fn crash_at(point: &str, hit: u64, segment_max_bytes: u64) -> Figures {
     let dest = Destination::broker().await;
     let stream = unique("fail-point");
-    let dir = tempfile::tempdir().expect("temp dir");
+    let dir = test_dir(&stream);
     let config = config_text(dir.path(), &dest.daemon_address(), &rest(&stream, segment_max_bytes));
     let env = [("IGGY_INGEST_FAIL_POINT", point.to_string()), ("IGGY_INGEST_FAIL_POINT_HIT", hit.to_string())];
     let mut daemon = Daemon::start(dir.path(), &config, &env).await;
@@ -187,7 +187,7 @@ async fn a_crash_while_a_send_awaits_its_answer_resends_under_the_same_ids() {
     let dest = Destination::broker().await;
     let broker = dest.test_broker().expect("test broker");
     let stream = unique("in-flight");
-    let dir = tempfile::tempdir().expect("temp dir");
+    let dir = test_dir(&stream);
     let config = config_text(dir.path(), &dest.daemon_address(), &rest(&stream, 65536));
     let mut daemon = Daemon::start(dir.path(), &config, &[]).await;
     let target = Target::new(daemon.http);

@@ -21,7 +21,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use e2e::daemon::{Daemon, config_text, delivery_status, metric};
+use e2e::daemon::{Daemon, config_text, delivery_status, metric, test_dir};
 use e2e::destination::Destination;
 use e2e::load::{Figures, Load, Target, sources_config};
 
@@ -152,7 +152,7 @@ async fn broker_outage(dest: Destination, outage: Duration, kill_in_outage: bool
     let label =
         format!("{} outage of {outage:?}{}", dest.describe(), if kill_in_outage { ", kill -9 inside" } else { "" });
     let stream = unique("scenario");
-    let dir = tempfile::tempdir().expect("temp dir");
+    let dir = test_dir(&stream);
     let rest = format!("{ROUTER}\n{}", sources_config(&stream, SOURCES as usize));
     let mut daemon = Daemon::start(dir.path(), &config_text(dir.path(), &dest.daemon_address(), &rest), &[]).await;
     let target = Target::new(daemon.http);

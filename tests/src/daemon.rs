@@ -159,6 +159,17 @@ impl Drop for Daemon {
     }
 }
 
+/// A directory for one test's daemon. With `E2E_KEEP_DIRS` set it is kept after the
+/// test (its path printed), with the daemon's stderr of every start and its data.
+pub fn test_dir(what: &str) -> tempfile::TempDir {
+    let mut dir = tempfile::Builder::new().prefix(&format!("e2e-{what}-")).tempdir().expect("temp dir");
+    if std::env::var_os("E2E_KEEP_DIRS").is_some() {
+        dir.disable_cleanup(true);
+        eprintln!("{what}: keeping {}", dir.path().display());
+    }
+    dir
+}
+
 /// Killed by SIGKILL (by a test or by a fail point).
 pub fn killed_by_sigkill(s: &ExitStatus) -> bool {
     s.signal() == Some(libc::SIGKILL)
