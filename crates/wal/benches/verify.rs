@@ -3,7 +3,8 @@
 //! byte (the cost of reading and checksumming, with no parsing at all).
 //!
 //! `cargo bench -p iggy-ingest-wal --bench verify` (env `VERIFY_BENCH_MIB` to change the
-//! size, `VERIFY_BENCH_DIR` for where the log is written). Both sides read from a warm
+//! size, `VERIFY_BENCH_DIR` for where the log is written, `VERIFY_BENCH_CLI` to also time
+//! a built `iggy-ingest wal verify` on the same log). Both sides read from a warm
 //! page cache (the log was just written); rounds alternate so drift hits both alike.
 
 use std::io::Read;
@@ -109,7 +110,10 @@ fn main() {
         size as f64 / (1u64 << 30) as f64,
         t.elapsed().as_secs_f64()
     );
-    let (mut base, mut ver) = (Vec::new(), Vec::new());
+    // With VERIFY_BENCH_CLI naming a built `iggy-ingest`, each round also times the
+    // command an operator runs, end to end (process start, output, exit status).
+    let cli = std::env::var("VERIFY_BENCH_CLI").ok();
+    let (mut base, mut ver, mut cmd) = (Vec::new(), Vec::new(), Vec::new());
     for round in 0..if quick { 1 } else { ROUNDS } {
         let t = Instant::now();
         let read = baseline(&dir);
@@ -124,6 +128,22 @@ fn main() {
         );
         base.push(b);
         ver.push(v);
+        if let Some(bin) = &cli {
+            let t = Instant::now();
+            let status = std::process::Command::new(bin)
+                .args(["wal", "verify"])
+                .arg(&dir)
+                .stdout(std::process::Stdio::null())
+                .status()
+                .expect("run the CLI");
+            let c = gbps(report.bytes, t.elapsed());
+            assert!(status.success(), "`wal verify` failed: {status}");
+            println!("round {round}: `iggy-ingest wal verify` {c:.2} GB/s");
+            cmd.push(c);
+        }
+    }
+    if !cmd.is_empty() {
+        println!("median `iggy-ingest wal verify`: {:.2} GB/s", median(cmd));
     }
     let rounds = ver.len();
     let (b, v) = (median(base), median(ver));
