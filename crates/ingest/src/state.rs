@@ -54,6 +54,8 @@ pub struct StateDb {
     /// `None` only while [`StateDb::reopen_if_failed`] replaces a failed database.
     db: RwLock<Option<Arc<Database>>>,
     path: PathBuf,
+    /// Held in memory (fuzzing, tests): nothing to reopen.
+    in_memory: bool,
 }
 
 impl std::fmt::Debug for StateDb {
@@ -67,7 +69,19 @@ impl StateDb {
     pub fn open(path: impl AsRef<Path>) -> Result<StateDb, StateError> {
         let path = path.as_ref().to_path_buf();
         let db = Database::create(&path).map_err(|e| StateError::Open { path: path.clone(), detail: e.to_string() })?;
-        let state = StateDb { db: RwLock::new(Some(Arc::new(db))), path };
+        let state = StateDb { db: RwLock::new(Some(Arc::new(db))), path, in_memory: false };
+        state.check_or_init_schema()?;
+        Ok(state)
+    }
+
+    /// A fresh database held in memory, for tests and fuzzing: the same tables and
+    /// schema, nothing on disk.
+    pub fn open_in_memory() -> Result<StateDb, StateError> {
+        let path = PathBuf::from("(in memory)");
+        let db = redb::Builder::new()
+            .create_with_backend(redb::backends::InMemoryBackend::new())
+            .map_err(|e| StateError::Open { path: path.clone(), detail: e.to_string() })?;
+        let state = StateDb { db: RwLock::new(Some(Arc::new(db))), path, in_memory: true };
         state.check_or_init_schema()?;
         Ok(state)
     }
@@ -89,6 +103,9 @@ impl StateDb {
     /// Waits (bounded) for operations in progress; if they do not finish, or the reopen
     /// fails (the disk is still full), the database stays failed and a later call retries.
     pub fn reopen_if_failed(&self) -> Result<bool, StateError> {
+        if self.in_memory {
+            return Ok(false);
+        }
         let failed = match self.db.read().unwrap_or_else(|p| p.into_inner()).as_ref() {
             None => true,
             Some(db) => {
