@@ -8,8 +8,9 @@ fn main() {
     let run: fn(&[u8]) = match target.as_str() {
         "open_arbitrary_dir" => iggy_ingest_fuzz::open_dir::run,
         "ops_vs_model" => iggy_ingest_fuzz::ops::run,
+        "http_door" => iggy_ingest_fuzz::door::run,
         _ => {
-            eprintln!("usage: replay open_arbitrary_dir|ops_vs_model <input-file>...");
+            eprintln!("usage: replay open_arbitrary_dir|ops_vs_model|http_door <input-file>...");
             std::process::exit(2);
         }
     };

@@ -1,4 +1,4 @@
-//! Writes the seed corpus of both fuzz targets into `corpus/<target>/`.
+//! Writes the seed corpus of every fuzz target into `corpus/<target>/`.
 //!
 //! Run from `fuzz/`: `cargo +nightly run --example seed_corpus`. The seeds are encoded
 //! with the same code the targets decode with, so they stay meaningful when the input
@@ -9,6 +9,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use bytes::Bytes;
+use iggy_ingest_fuzz::door;
 use iggy_ingest_fuzz::open_dir::{self, Built, Ending, Image, Mutation, RawFile, RawName};
 use iggy_ingest_fuzz::ops::{self, Op, Setup};
 use iggy_ingest_fuzz::{file_names, log_dir, payload};
@@ -222,8 +223,56 @@ fn regressions() {
     );
 }
 
+/// The door: one seed per kind of answer, so fuzzing starts from requests that reach
+/// auth, decoding, routing and the append.
+fn http_door() {
+    use door::{Seed, Setup};
+    use http_source::route::OnMissing;
+    let setup = |max_body_bytes, wal_max_bytes, on_missing, idempotency| Setup {
+        max_body_bytes,
+        wal_max_bytes,
+        on_missing,
+        idempotency,
+    };
+    let open = |content_type, body| Seed { path: 0, source: 0, content_type, body, auth: 0 };
+    let signed = |source, content_type, body, auth| Seed { path: 0, source, content_type, body, auth };
+    let default = setup(4096, 1 << 20, OnMissing::Default, true);
+    let (long_x, long_y) = ("x".repeat(100), "y".repeat(500));
+    let seeds: Vec<(&str, Setup, Vec<Seed<'_>>)> = vec![
+        ("open-json", default, vec![open(1, r#"{"a":1}"#)]),
+        ("open-ndjson", default, vec![open(2, "{\"n\":1}\n{\"n\":2}\r\n\n{\"n\":3}\n")]),
+        ("open-ndjson-bad-line", default, vec![open(2, "{\"n\":1}\n{\"n\":\n")]),
+        ("open-text-then-empty", default, vec![open(3, "hello"), open(0, "")]),
+        ("open-over-limit", setup(64, 1 << 20, OnMissing::Default, true), vec![open(3, &long_x)]),
+        ("log-full", setup(4096, 2048, OnMissing::Default, true), vec![open(3, &long_y); 4]),
+        ("github-signed", default, vec![signed(1, 1, r#"{"zen":"hi"}"#, 1), signed(1, 1, r#"{"zen":"hi"}"#, 4)]),
+        ("github-not-json", default, vec![signed(1, 3, "{}", 1)]),
+        (
+            "svix-routed",
+            setup(4096, 1 << 20, OnMissing::Error, true),
+            vec![signed(2, 1, r#"{"type":"a","id":7}"#, 1), signed(2, 1, r#"{"type":"a","id":7}"#, 1)],
+        ),
+        (
+            "svix-unmatched-dropped",
+            setup(4096, 1 << 20, OnMissing::Drop, true),
+            vec![signed(2, 2, "{\"type\":\"zzz\"}\n{\"type\":\"b\",\"id\":1}\n", 1)],
+        ),
+        ("svix-stale", default, vec![signed(2, 1, r#"{"type":"b"}"#, 3)]),
+        ("stripe-identity-route", default, vec![signed(3, 1, r#"{"kind":"charges","ns":"billing"}"#, 1)]),
+        ("stripe-denylisted", default, vec![signed(3, 1, r#"{"kind":"secret","ns":"billing"}"#, 1)]),
+        ("stripe-garbage-signature", default, vec![signed(3, 1, r#"{"kind":"x"}"#, 5)]),
+        ("endpoint-bearer", default, vec![Seed { path: 3, source: 0, content_type: 1, body: r#"{"e":1}"#, auth: 1 }]),
+        ("endpoint-no-token", default, vec![Seed { path: 3, source: 0, content_type: 1, body: "{}", auth: 0 }]),
+        ("hidden-named-path", default, vec![signed(4, 1, "{}", 0)]),
+    ];
+    for (name, setup, requests) in seeds {
+        save("http_door", name, &door::encode_seed(setup, &requests));
+    }
+}
+
 fn main() {
     open_arbitrary_dir();
     ops_vs_model();
+    http_door();
     regressions();
 }

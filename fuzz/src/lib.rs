@@ -1,4 +1,4 @@
-//! Shared pieces of the log's fuzz targets.
+//! Shared pieces of the fuzz targets.
 //!
 //! The targets themselves (`fuzz_targets/`) are one line each; the work is here so that
 //! the seed generator (`examples/seed_corpus.rs`) encodes inputs with the same code the
@@ -8,11 +8,14 @@
 //!   log written through the API and then damaged, or files given byte for byte), then
 //!   opens it every way there is and checks that the answers are records or clear errors
 //!   and agree with each other.
+//! - [`door`]: drives the webhook door's router with requests built from the input and
+//!   checks every answer against the HTTP contract and the log.
 //! - [`ops`]: runs a sequence of appends, reads, releases, crashes, reopens and injected
 //!   faults against the log and a reference model of what it promised.
 //!
 //! Every assertion here is a property of the log; a panic is a finding.
 
+pub mod door;
 pub mod open_dir;
 pub mod ops;
 
