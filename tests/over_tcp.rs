@@ -230,3 +230,36 @@ async fn a_connection_attempt_cut_short_by_the_result_timeout_does_not_wedge_the
     eventually(Duration::from_secs(20), "running", || async { router.status().status == Status::Running }).await;
     router.shutdown().await;
 }
+
+/// A reconnection slower than the router's result timeout (here: the broker answers every
+/// request 2 s late, so signing in and reading the cluster metadata take longer than the
+/// 3 s timeout, while each send fits within it) must still complete. Connects cut short by
+/// the lanes' timeouts one after another never finished.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reconnection_slower_than_the_result_timeout_still_completes() {
+    let broker = TestBroker::start(TestBrokerConfig::default()).await.unwrap();
+    let wal = sim_wal();
+    let router = Router::start(
+        wal.clone(),
+        sink(broker.addr(), 1),
+        Arc::new(MemoryCursorStore::new()),
+        Policies::uniform(policy()),
+    )
+    .unwrap();
+    wal.append(vec![record("s", "t", 0, Partitioning::Balanced)]).await.unwrap();
+    eventually(Duration::from_secs(20), "warm", || async { ids(&broker, "s", "t").len() == 1 }).await;
+    broker.stop().await;
+    for n in 1..100u64 {
+        wal.append(vec![record("s", "t", n, Partitioning::Balanced)]).await.unwrap();
+    }
+    eventually(Duration::from_secs(30), "degraded", || async { router.status().status == Status::Degraded }).await;
+    broker.set_delay(Duration::from_secs(2));
+    broker.restart().await.unwrap();
+    eventually(Duration::from_secs(90), "drained through the slow broker", || async {
+        ids(&broker, "s", "t").iter().collect::<BTreeSet<_>>().len() == 100
+    })
+    .await;
+    eventually(Duration::from_secs(30), "running", || async { router.status().status == Status::Running }).await;
+    broker.set_delay(Duration::ZERO);
+    router.shutdown().await;
+}

@@ -7,11 +7,13 @@
 //!   unreachable: connecting is retried before each attempt, never required at start.
 //! - After a failed connection or a dropped one, the next attempt reconnects explicitly
 //!   first (the client otherwise stays disconnected and fails at once).
-//! - An explicit reconnect starts from a reset client (disconnected, its stream dropped),
-//!   and an operation cut short by the router's result timeout asks for one: a client
-//!   dropped in the middle of connecting otherwise believes it is still connecting,
-//!   answers every later `connect()` with Ok at once and never connects again, and a
-//!   stream with an answer still owed would hand that answer to the next request.
+//! - A connect runs in a task of its own, from a reset client (disconnected, its stream
+//!   dropped). A lane's result timeout may stop waiting for it, never stop it half-way:
+//!   a client dropped in the middle of connecting believes it is still connecting,
+//!   answers every later `connect()` with Ok at once and never connects again; and
+//!   connects cut short one after another by the lanes' timeouts never finish.
+//! - An operation cut short by the router's result timeout asks for a reconnect: its
+//!   stream may still owe an answer, which the next request would take for its own.
 //! - A failure reported by an operation on an older connection than the current one
 //!   does not ask for a reconnect (it would tear down a connection that works).
 //! - Destinations are created on first use with the topic defaults; "already exists" is
@@ -22,8 +24,8 @@
 //!   the same id.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -33,6 +35,7 @@ use iggy::prelude::{
     StreamClient, TopicClient, TopicCreateOptions,
 };
 use ingest::envelope::Partitioning;
+use tokio::task::JoinHandle;
 
 use crate::sink::{DestinationKey, OutMessage, SendError, SendErrorKind, Sink, TopicInfo};
 
@@ -97,13 +100,14 @@ impl Default for IggySinkConfig {
 
 /// Delivers to an Iggy server.
 pub struct IggySink {
-    client: IggyClient,
+    client: Arc<IggyClient>,
     defaults: TopicDefaults,
     /// Set after a failure that leaves the client disconnected, or an operation cut short.
     needs_connect: AtomicBool,
     /// Counts explicit connects: which connection an operation ran on.
     generation: AtomicU64,
-    connect_lock: tokio::sync::Mutex<()>,
+    /// The connect in progress, if any; its task finishes even when nobody waits for it.
+    connecting: tokio::sync::Mutex<Option<JoinHandle<Result<(), IggyError>>>>,
     topics: Mutex<HashMap<DestinationKey, TopicInfo>>,
 }
 
@@ -136,11 +140,11 @@ impl IggySink {
         }
         let client = b.build().map_err(|e| format!("iggy client: {e}"))?;
         Ok(IggySink {
-            client,
+            client: Arc::new(client),
             defaults: config.topic_defaults.clone(),
             needs_connect: AtomicBool::new(true),
             generation: AtomicU64::new(0),
-            connect_lock: tokio::sync::Mutex::new(()),
+            connecting: tokio::sync::Mutex::new(None),
             topics: Mutex::new(HashMap::new()),
         })
     }
@@ -150,23 +154,33 @@ impl IggySink {
         if !self.needs_connect.load(Ordering::Acquire) {
             return Ok(self.generation.load(Ordering::Acquire));
         }
-        let _g = self.connect_lock.lock().await;
+        let mut connecting = self.connecting.lock().await;
         if !self.needs_connect.load(Ordering::Acquire) {
             return Ok(self.generation.load(Ordering::Acquire));
         }
-        // From a known state: an earlier attempt may have been dropped half-way.
-        // Disconnecting a disconnected client does nothing.
-        if let Err(e) = self.client.disconnect().await {
-            tracing::debug!(error = %e, "resetting the client before reconnecting");
-        }
-        match self.client.connect().await {
-            Ok(()) => {
+        let task = connecting.get_or_insert_with(|| {
+            let client = self.client.clone();
+            tokio::spawn(async move {
+                // From a known state: disconnecting a disconnected client does nothing.
+                if let Err(e) = client.disconnect().await {
+                    tracing::debug!(error = %e, "resetting the client before reconnecting");
+                }
+                client.connect().await
+            })
+        });
+        // Cancel-safe: dropped here, the task runs on and its handle stays for the next
+        // caller.
+        let joined = task.await;
+        *connecting = None;
+        match joined {
+            Err(e) => Err(SendError::new(SendErrorKind::Unavailable, format!("the connect task failed: {e}"))),
+            Ok(Err(e)) => Err(self.classify(e, None)),
+            Ok(Ok(())) => {
                 let generation = self.generation.fetch_add(1, Ordering::AcqRel) + 1;
                 self.needs_connect.store(false, Ordering::Release);
                 tracing::info!("connected to iggy");
                 Ok(generation)
             }
-            Err(e) => Err(self.classify(e, None)),
         }
     }
 
