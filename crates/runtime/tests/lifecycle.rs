@@ -156,7 +156,11 @@ async fn a_second_signal_cuts_the_drain_short() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_log_answers_503_appends_nothing_and_recovers_after_release() {
     let dir = tempfile::tempdir().unwrap();
-    let rest = format!("[wal]\nsegment_max_bytes = 65536\nmax_bytes = 131072\nrecord_max_bytes = 16384\n{SOURCES}");
+    // No router: the test releases by hand, and an Iggy server that happens to listen on
+    // the default address must not drain the log behind its back.
+    let rest = format!(
+        "[wal]\nsegment_max_bytes = 65536\nmax_bytes = 131072\nrecord_max_bytes = 16384\n\n[router]\nenabled = false\n{SOURCES}"
+    );
     let text = config_text(dir.path(), "max_body_bytes = 8192", &rest);
     let cfg = config::parse(&text, None).unwrap();
     let settings = config::validate(&cfg, Some(&text), None).unwrap();
