@@ -220,14 +220,7 @@ impl IdempotencyIndex {
     pub async fn checkpoint(&self, wal: &Wal, now_unix_ms: u64) -> Result<u64, StateError> {
         let through = {
             let _exclusive = self.gate.write().await;
-            let state = self.state.clone();
-            let reopened = tokio::task::spawn_blocking(move || state.reopen_if_failed())
-                .await
-                .map_err(|e| StateError::Storage(format!("reopen task failed: {e}")))??;
-            if reopened {
-                let report = self.rebuild(wal, now_unix_ms)?;
-                tracing::warn!(?report, "idempotency keys restored from the log after the state database was reopened");
-            }
+            self.recover_locked(wal, now_unix_ms).await?;
             wal.next_offset()
         };
         let state = self.state.clone();
@@ -236,6 +229,28 @@ impl IdempotencyIndex {
             .await
             .map_err(|e| StateError::Storage(format!("checkpoint task failed: {e}")))??;
         Ok(through)
+    }
+
+    /// If the state database latched an I/O error, reopens it and restores from the log
+    /// the keys its repair dropped, with keyed requests held at the gate. Returns whether
+    /// it reopened. Called by every checkpoint, and by the ingestor as soon as a lookup
+    /// fails, so a full disk that got space back does not wait for the next checkpoint.
+    pub async fn recover(&self, wal: &Wal, now_unix_ms: u64) -> Result<bool, StateError> {
+        let _exclusive = self.gate.write().await;
+        self.recover_locked(wal, now_unix_ms).await
+    }
+
+    /// [`IdempotencyIndex::recover`] for a caller holding the gate exclusively.
+    async fn recover_locked(&self, wal: &Wal, now_unix_ms: u64) -> Result<bool, StateError> {
+        let state = self.state.clone();
+        let reopened = tokio::task::spawn_blocking(move || state.reopen_if_failed())
+            .await
+            .map_err(|e| StateError::Storage(format!("reopen task failed: {e}")))??;
+        if reopened {
+            let report = self.rebuild(wal, now_unix_ms)?;
+            tracing::warn!(?report, "idempotency keys restored from the log after the state database was reopened");
+        }
+        Ok(reopened)
     }
 
     /// Restores the keys of records the last checkpoint did not cover. Call once after

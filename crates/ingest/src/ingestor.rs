@@ -11,6 +11,7 @@
 //!   cannot interrupt it between the append and the key record.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use bytes::Bytes;
@@ -105,12 +106,14 @@ pub struct Ingestor {
     wal: Arc<Wal>,
     idempotency: Arc<IdempotencyIndex>,
     append_latency: metrics::Histogram,
+    /// Set while a recovery of the state database, started by a failed lookup, runs.
+    recovering: Arc<AtomicBool>,
 }
 
 impl Ingestor {
     pub fn new(wal: Arc<Wal>, idempotency: Arc<IdempotencyIndex>) -> Ingestor {
         let append_latency = metrics::histogram!("iggy_ingest_append_latency_seconds");
-        Ingestor { wal, idempotency, append_latency }
+        Ingestor { wal, idempotency, append_latency, recovering: Arc::new(AtomicBool::new(false)) }
     }
 
     pub fn wal(&self) -> &Arc<Wal> {
@@ -155,7 +158,12 @@ impl Ingestor {
                 });
             }
             Ok(None) => {}
-            Err(e @ StateError::Storage(_)) => return Err(IngestError::StateUnavailable(e.to_string())),
+            Err(e @ StateError::Storage(_)) => {
+                // Reopen it now rather than at the next checkpoint. The task waits at the
+                // gate until this request (which holds it shared) has answered.
+                self.recover_state_soon(s.received_at_unix_ms);
+                return Err(IngestError::StateUnavailable(e.to_string()));
+            }
             Err(e) => return Err(IngestError::Internal(e.to_string())),
         }
         let accepted = self.append(&s).await?;
@@ -171,6 +179,20 @@ impl Ingestor {
         }
         drop(claim);
         Ok(accepted)
+    }
+
+    /// Starts one recovery of the state database in the background (none if one runs).
+    fn recover_state_soon(&self, now_unix_ms: u64) {
+        if self.recovering.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let (index, wal, recovering) = (self.idempotency.clone(), self.wal.clone(), self.recovering.clone());
+        tokio::spawn(async move {
+            if let Err(e) = index.recover(&wal, now_unix_ms).await {
+                tracing::warn!(error = %e, "the state database could not be reopened yet; the next checkpoint retries");
+            }
+            recovering.store(false, Ordering::Release);
+        });
     }
 
     async fn append(&self, s: &Submission) -> Result<Accepted, IngestError> {
