@@ -165,9 +165,9 @@ async fn disk_full_answers_503_loses_nothing_and_resumes_when_space_returns() {
 
     // Space returns. Without a restart, every request without a delivery id is accepted
     // at once. Keyed ones too, unless the state database (on the same disk) latched an
-    // I/O error while it was full: they get 503 state_unavailable until the next
-    // idempotency checkpoint (every 200 ms here) reopens it, then are accepted and their
-    // ids recorded again.
+    // I/O error while it was full: they get 503 state_unavailable until it is reopened
+    // (started by the first refused lookup, and by every idempotency checkpoint), then are
+    // accepted and their ids recorded again.
     let state_failed = metric(d.admin, "iggy_ingest_idempotency_checkpoint_failures_total").await > 0.0
         || metric(d.admin, "iggy_ingest_idempotency_record_failures_total").await > 0.0;
     std::fs::remove_file(&filler).unwrap();
