@@ -60,6 +60,10 @@ pub(crate) struct Gate {
     held_bytes: u64,
     /// Receive time of the oldest held record, when known.
     oldest_held_ms: Option<u64>,
+    /// Queue length at which an offer wakes the lane: 0 or 1 normally (any record), the
+    /// room left in the batch while the lane lingers (so a filling batch costs one
+    /// wake-up, not one per record).
+    wake_at_queued: usize,
 }
 
 impl Gate {
@@ -193,16 +197,21 @@ impl Lane {
         if g.oldest_held_ms.is_none() {
             g.oldest_held_ms = Some(r.envelope.header.received_at_unix_ms);
         }
-        if g.overflow_from.is_some() {
+        let wake = if g.overflow_from.is_some() {
             g.last_skipped = Some(r.offset);
+            true
         } else if full {
             g.overflow_from = Some(r.offset);
             g.last_skipped = Some(r.offset);
+            true
         } else {
             g.queue.push_back(r);
-        }
+            g.queue.len() >= g.wake_at_queued.max(1)
+        };
         drop(g);
-        self.wake.notify_one();
+        if wake {
+            self.wake.notify_one();
+        }
         Ok(())
     }
 
@@ -452,53 +461,71 @@ fn take_from_queue(g: &mut Gate, max_records: usize, max_bytes: usize) -> Vec<Ro
 /// returning as soon as it is full: a lane draining a backlog never waits, a lane fed
 /// slowly waits at most `linger` per batch.
 async fn linger(lane: &Lane, mut batch: Vec<Routed>) -> Vec<Routed> {
-    let max_records = lane.policy.batch.batch_max_records;
-    let max_bytes = lane.policy.batch.batch_max_bytes;
     if lane.policy.batch.linger.is_zero() {
         return batch;
     }
-    let mut bytes: usize = batch.iter().map(|r| r.envelope.payload.len()).sum();
     let deadline = Instant::now() + lane.policy.batch.linger;
     loop {
-        if batch.len() >= max_records || bytes >= max_bytes {
-            return batch;
-        }
         // Registered before the queue is looked at, so an offer in between still wakes us.
         let queued = lane.wake.notified();
         tokio::pin!(queued);
         queued.as_mut().enable();
-        let more = top_up(lane, &mut batch, &mut bytes, max_records, max_bytes);
-        if more > 0 {
-            lane.space.notify_waiters();
-            continue;
+        match top_up(lane, &mut batch, true) {
+            TopUp::Full => break,
+            TopUp::Moved => continue,
+            TopUp::Waiting => {}
         }
         tokio::select! {
             _ = &mut queued => {}
-            _ = tokio::time::sleep_until(deadline) => {
-                top_up(lane, &mut batch, &mut bytes, max_records, max_bytes);
-                lane.space.notify_waiters();
-                return batch;
-            }
+            _ = tokio::time::sleep_until(deadline) => break,
         }
     }
+    // Also puts the lane's wake-up threshold back to "any record".
+    top_up(lane, &mut batch, false);
+    batch
 }
 
-/// Moves queued records onto `batch` within the limits; returns how many.
-fn top_up(lane: &Lane, batch: &mut Vec<Routed>, bytes: &mut usize, max_records: usize, max_bytes: usize) -> usize {
+enum TopUp {
+    /// The batch reached a limit.
+    Full,
+    /// Records were added and there is room for more.
+    Moved,
+    /// Nothing queued; with `lingering`, the lane is woken once the batch could fill.
+    Waiting,
+}
+
+/// Moves queued records onto `batch` within the batch limits. While `lingering`, the lane
+/// asks to be woken only once enough records are queued to fill the batch (one wake-up per
+/// batch, not one per record); otherwise, as normally, by any record.
+fn top_up(lane: &Lane, batch: &mut Vec<Routed>, lingering: bool) -> TopUp {
+    let (max_records, max_bytes) = (lane.policy.batch.batch_max_records, lane.policy.batch.batch_max_bytes);
+    let mut bytes: usize = batch.iter().map(|r| r.envelope.payload.len()).sum();
     let mut g = lane.gate();
-    let mut moved = 0;
-    while let Some(front) = g.queue.front() {
+    let mut moved = false;
+    let mut full = batch.len() >= max_records || bytes >= max_bytes;
+    while !full && let Some(front) = g.queue.front() {
         let len = front.envelope.payload.len();
-        if batch.len() >= max_records || *bytes + len > max_bytes {
+        if bytes + len > max_bytes {
+            full = true;
             break;
         }
         if let Some(r) = g.queue.pop_front() {
-            *bytes += len;
+            bytes += len;
             batch.push(r);
-            moved += 1;
+            moved = true;
         }
+        full = batch.len() >= max_records || bytes >= max_bytes;
     }
-    moved
+    g.wake_at_queued = if lingering && !full { max_records - batch.len() } else { 0 };
+    drop(g);
+    if moved {
+        lane.space.notify_waiters();
+    }
+    match (full, moved) {
+        (true, _) => TopUp::Full,
+        (false, true) => TopUp::Moved,
+        (false, false) => TopUp::Waiting,
+    }
 }
 
 fn out_message(r: &Routed) -> OutMessage {
