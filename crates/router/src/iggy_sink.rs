@@ -7,13 +7,13 @@
 //!   unreachable: connecting is retried before each attempt, never required at start.
 //! - After a failed connection or a dropped one, the next attempt reconnects explicitly
 //!   first (the client otherwise stays disconnected and fails at once).
-//! - A connect runs in a task of its own, from a reset client (disconnected, its stream
-//!   dropped). A lane's result timeout may stop waiting for it, never stop it half-way:
-//!   a client dropped in the middle of connecting believes it is still connecting,
-//!   answers every later `connect()` with Ok at once and never connects again; and
-//!   connects cut short one after another by the lanes' timeouts never finish.
-//! - An operation cut short by the router's result timeout asks for a reconnect: its
-//!   stream may still owe an answer, which the next request would take for its own.
+//! - Every (re)connect builds a new client and connects it in a task of its own; the old
+//!   client is dropped once no operation uses it. A client is never reconnected in place:
+//!   the `iggy` client interrupted in the middle of connecting believes it is still
+//!   connecting and never connects again, and after a long outage its own reconnects
+//!   (from a failed send, from its heartbeat) were seen to hang it for good. A lane's
+//!   result timeout may stop waiting for a connect, never stop it half-way: connects cut
+//!   short one after another by the lanes' timeouts never finish.
 //! - A failure reported by an operation on an older connection than the current one
 //!   does not ask for a reconnect (it would tear down a connection that works).
 //! - Destinations are created on first use with the topic defaults; "already exists" is
@@ -30,9 +30,10 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use iggy::prelude::{
-    AutoLogin, Client, Credentials, HeaderKey, HeaderKind, HeaderValue, Identifier, IggyByteSize, IggyClient,
-    IggyDuration, IggyError, IggyExpiry, IggyMessage, MaxTopicSize, MessageClient, Partitioning as IggyPartitioning,
-    StreamClient, TopicClient, TopicCreateOptions,
+    AutoLogin, Client, ClientWrapper, Credentials, HeaderKey, HeaderKind, HeaderValue, Identifier, IggyByteSize,
+    IggyClient, IggyDuration, IggyError, IggyExpiry, IggyMessage, MaxTopicSize, MessageClient,
+    Partitioning as IggyPartitioning, StreamClient, TcpClient, TcpClientConfig, TcpClientReconnectionConfig,
+    TopicClient, TopicCreateOptions,
 };
 use ingest::envelope::Partitioning;
 use tokio::task::JoinHandle;
@@ -75,8 +76,8 @@ pub struct IggySinkConfig {
     pub tls: bool,
     pub tls_domain: Option<String>,
     pub tls_ca_file: Option<String>,
-    /// The client's own reconnection attempts per failure (the router retries forever
-    /// on top of them).
+    /// Kept in the client's configuration, but the client's own reconnection is off:
+    /// the sink reconnects, one attempt per retry of the router, which retries forever.
     pub reconnection_max_retries: u32,
     pub reconnection_interval: Duration,
     pub topic_defaults: TopicDefaults,
@@ -100,14 +101,16 @@ impl Default for IggySinkConfig {
 
 /// Delivers to an Iggy server.
 pub struct IggySink {
-    client: Arc<IggyClient>,
+    config: IggySinkConfig,
+    /// The current client; replaced (never reconnected in place) by each connect.
+    client: std::sync::RwLock<Arc<IggyClient>>,
     defaults: TopicDefaults,
-    /// Set after a failure that leaves the client disconnected, or an operation cut short.
+    /// Set after a failure that leaves the client disconnected.
     needs_connect: AtomicBool,
     /// Counts explicit connects: which connection an operation ran on.
     generation: AtomicU64,
     /// The connect in progress, if any; its task finishes even when nobody waits for it.
-    connecting: tokio::sync::Mutex<Option<JoinHandle<Result<(), IggyError>>>>,
+    connecting: tokio::sync::Mutex<Option<JoinHandle<Result<IggyClient, IggyError>>>>,
     topics: Mutex<HashMap<DestinationKey, TopicInfo>>,
 }
 
@@ -121,32 +124,20 @@ impl IggySink {
     /// Builds the client. Does not connect: the first attempt does, and a server that
     /// is down only delays delivery.
     pub fn new(config: &IggySinkConfig) -> Result<IggySink, String> {
-        let mut b = IggyClient::builder()
-            .with_tcp()
-            .with_server_address(config.address.clone())
-            .with_auto_sign_in(AutoLogin::Enabled(Credentials::UsernamePassword(
-                config.username.clone(),
-                config.password.clone().into(),
-            )))
-            .with_reconnection_max_retries(Some(config.reconnection_max_retries))
-            .with_reconnection_interval(IggyDuration::from(config.reconnection_interval))
-            .with_reestablish_after(IggyDuration::from(config.reconnection_interval))
-            .with_tls_enabled(config.tls);
-        if let Some(d) = &config.tls_domain {
-            b = b.with_tls_domain(d.clone());
-        }
-        if let Some(ca) = &config.tls_ca_file {
-            b = b.with_tls_ca_file(ca.clone());
-        }
-        let client = b.build().map_err(|e| format!("iggy client: {e}"))?;
+        let client = build_client(config).map_err(|e| format!("iggy client: {e}"))?;
         Ok(IggySink {
-            client: Arc::new(client),
+            config: config.clone(),
+            client: std::sync::RwLock::new(Arc::new(client)),
             defaults: config.topic_defaults.clone(),
             needs_connect: AtomicBool::new(true),
             generation: AtomicU64::new(0),
             connecting: tokio::sync::Mutex::new(None),
             topics: Mutex::new(HashMap::new()),
         })
+    }
+
+    fn client(&self) -> Arc<IggyClient> {
+        self.client.read().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
     /// Connects if needed; returns the generation of the connection to use.
@@ -159,13 +150,11 @@ impl IggySink {
             return Ok(self.generation.load(Ordering::Acquire));
         }
         let task = connecting.get_or_insert_with(|| {
-            let client = self.client.clone();
+            let config = self.config.clone();
             tokio::spawn(async move {
-                // From a known state: disconnecting a disconnected client does nothing.
-                if let Err(e) = client.disconnect().await {
-                    tracing::debug!(error = %e, "resetting the client before reconnecting");
-                }
-                client.connect().await
+                let client = build_client(&config)?;
+                client.connect().await?;
+                Ok(client)
             })
         });
         // Cancel-safe: dropped here, the task runs on and its handle stays for the next
@@ -175,7 +164,8 @@ impl IggySink {
         match joined {
             Err(e) => Err(SendError::new(SendErrorKind::Unavailable, format!("the connect task failed: {e}"))),
             Ok(Err(e)) => Err(self.classify(e, None)),
-            Ok(Ok(())) => {
+            Ok(Ok(client)) => {
+                *self.client.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(client);
                 let generation = self.generation.fetch_add(1, Ordering::AcqRel) + 1;
                 self.needs_connect.store(false, Ordering::Release);
                 tracing::info!("connected to iggy");
@@ -218,6 +208,30 @@ impl IggySink {
     }
 }
 
+/// A client of the server in `config`, not connected. Its own reconnection is off: every
+/// reconnect is the sink's, with a new client.
+fn build_client(config: &IggySinkConfig) -> Result<IggyClient, IggyError> {
+    let tcp = TcpClientConfig {
+        server_address: config.address.clone(),
+        tls_enabled: config.tls,
+        tls_domain: config.tls_domain.clone().unwrap_or_default(),
+        tls_ca_file: config.tls_ca_file.clone(),
+        auto_login: AutoLogin::Enabled(Credentials::UsernamePassword(
+            config.username.clone(),
+            config.password.clone().into(),
+        )),
+        reconnection: TcpClientReconnectionConfig {
+            enabled: false,
+            max_retries: Some(config.reconnection_max_retries),
+            interval: IggyDuration::from(config.reconnection_interval),
+            reestablish_after: IggyDuration::from(config.reconnection_interval),
+        },
+        ..TcpClientConfig::default()
+    };
+    let tcp = TcpClient::create(Arc::new(tcp))?;
+    Ok(IggyClient::create(ClientWrapper::Tcp(tcp), None, None))
+}
+
 /// Which failures are whose. Server errors arrive as codes, so this matches variants.
 pub fn classify(e: &IggyError) -> SendErrorKind {
     match e {
@@ -231,32 +245,6 @@ pub fn classify(e: &IggyError) -> SendErrorKind {
         | IggyError::IoError(_) => SendErrorKind::Unavailable,
         IggyError::InvalidCredentials | IggyError::Unauthenticated => SendErrorKind::Unauthorized,
         _ => SendErrorKind::Destination,
-    }
-}
-
-/// An operation on the connection of `generation`: dropped before [`InFlight::finish`]
-/// (the router's result timeout cut it short), it asks for a reset and reconnect.
-struct InFlight<'a> {
-    sink: &'a IggySink,
-    generation: u64,
-    finished: bool,
-}
-
-impl<'a> InFlight<'a> {
-    fn new(sink: &'a IggySink, generation: u64) -> Self {
-        InFlight { sink, generation, finished: false }
-    }
-    fn finish<T>(mut self, r: T) -> T {
-        self.finished = true;
-        r
-    }
-}
-
-impl Drop for InFlight<'_> {
-    fn drop(&mut self) {
-        if !self.finished {
-            self.sink.lost(self.generation);
-        }
     }
 }
 
@@ -307,37 +295,35 @@ impl Sink for IggySink {
             return Ok(*t);
         }
         let generation = self.connected().await?;
-        let op = InFlight::new(self, generation);
-        op.finish(self.ensure_on(dest, generation).await)
+        self.ensure_on(dest, generation).await
     }
 
     async fn send(&self, dest: &DestinationKey, p: &Partitioning, messages: Vec<OutMessage>) -> Result<(), SendError> {
         let generation = self.connected().await?;
-        let op = InFlight::new(self, generation);
-        op.finish(self.send_on(dest, p, messages, generation).await)
+        self.send_on(dest, p, messages, generation).await
     }
 }
 
 impl IggySink {
     async fn ensure_on(&self, dest: &DestinationKey, generation: u64) -> Result<TopicInfo, SendError> {
         let g = Some(generation);
+        let client = self.client();
         let stream =
             Identifier::named(&dest.stream).map_err(|e| SendError::new(SendErrorKind::Destination, e.to_string()))?;
         let topic =
             Identifier::named(&dest.topic).map_err(|e| SendError::new(SendErrorKind::Destination, e.to_string()))?;
-        let existing = self.client.get_stream(&stream).await.map_err(|e| self.classify(e, g))?;
+        let existing = client.get_stream(&stream).await.map_err(|e| self.classify(e, g))?;
         if existing.is_none() {
-            match self.client.create_stream(&dest.stream).await {
+            match client.create_stream(&dest.stream).await {
                 Ok(_) | Err(IggyError::StreamNameAlreadyExists(_)) => {}
                 Err(e) => return Err(self.classify(e, g)),
             }
         }
-        let details = match self.client.get_topic(&stream, &topic).await.map_err(|e| self.classify(e, g))? {
+        let details = match client.get_topic(&stream, &topic).await.map_err(|e| self.classify(e, g))? {
             Some(d) => d,
-            None => match self.client.create_topic(&stream, &dest.topic, &self.create_options()).await {
+            None => match client.create_topic(&stream, &dest.topic, &self.create_options()).await {
                 Ok(d) => d,
-                Err(IggyError::TopicNameAlreadyExists(..)) => self
-                    .client
+                Err(IggyError::TopicNameAlreadyExists(..)) => client
                     .get_topic(&stream, &topic)
                     .await
                     .map_err(|e| self.classify(e, g))?
@@ -365,7 +351,8 @@ impl IggySink {
         let topic =
             Identifier::named(&dest.topic).map_err(|e| SendError::new(SendErrorKind::Destination, e.to_string()))?;
         let mut wire = messages.into_iter().map(to_iggy).collect::<Result<Vec<_>, _>>()?;
-        match self.client.send_messages(&stream, &topic, &partitioning(p), &mut wire).await {
+        let client = self.client();
+        match client.send_messages(&stream, &topic, &partitioning(p), &mut wire).await {
             Ok(_) => Ok(()),
             Err(e) => {
                 let err = self.classify(e, Some(generation));
