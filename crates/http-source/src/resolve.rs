@@ -190,6 +190,18 @@ mod tests {
         }
     }
 
+    #[test]
+    fn the_destinations_known_at_start_are_the_default_and_literal_allowlist_entries() {
+        let balanced = PartitionRule::Fixed(Partitioning::Balanced);
+        let rules = [("shop", "other"), ("shop", "ta"), ("audit", "*"), ("*", "tb"), ("shop", "ta")];
+        let allow = Admission::Allowlist(rules.iter().map(|(s, t)| Rule::parse(s, t).unwrap()).collect());
+        let known = spec(OnMissing::Default, allow, balanced.clone()).destinations_known_at_start();
+        assert_eq!(known, vec![("shop".to_string(), "other".to_string()), ("shop".to_string(), "ta".to_string())]);
+        // A default the admission refuses is not among them.
+        let deny = Admission::Denylist(vec![Rule::parse("shop", "other").unwrap()]);
+        assert!(spec(OnMissing::Default, deny, balanced).destinations_known_at_start().is_empty());
+    }
+
     fn events(lines: &[&str]) -> Vec<Bytes> {
         lines.iter().map(|l| Bytes::copy_from_slice(l.as_bytes())).collect()
     }

@@ -10,7 +10,7 @@
 //! - `forward_headers` never names a credential header (refused at config load by
 //!   [`is_credential_header`]).
 
-use crate::admission::Admission;
+use crate::admission::{Admission, Pattern};
 use crate::auth::AuthScheme;
 use crate::body::Accept;
 use crate::partition::PartitionRule;
@@ -77,6 +77,30 @@ pub struct SourceSpec {
     pub idempotency_header: Option<String>,
     /// Whether delivery ids are honoured at all for this source.
     pub idempotency: bool,
+}
+
+impl SourceSpec {
+    /// The destinations this source's events can be seen to go to before any arrives,
+    /// in order, without repeats: its fixed destination, or its route's default, and the
+    /// allowlist's literal entries; each only if the source's admission lets it in. What
+    /// the router pre-warms at start.
+    pub fn destinations_known_at_start(&self) -> Vec<(String, String)> {
+        let mut out: Vec<(String, String)> = Vec::new();
+        match &self.destinations {
+            Destinations::Fixed { stream, topic } => out.push((stream.clone(), topic.clone())),
+            Destinations::Routed(r) => out.push((r.default_stream.clone(), r.default_topic.clone())),
+        }
+        if let Admission::Allowlist(rules) = &self.admission {
+            for rule in rules {
+                if let (Pattern::Exact(stream), Pattern::Exact(topic)) = (&rule.stream, &rule.topic) {
+                    out.push((stream.clone(), topic.clone()));
+                }
+            }
+        }
+        let mut seen = std::collections::HashSet::new();
+        out.retain(|(s, t)| self.admission.check(s, t).is_ok() && seen.insert((s.clone(), t.clone())));
+        out
+    }
 }
 
 /// Headers that carry credentials; forwarding them into the log would copy secrets

@@ -26,6 +26,7 @@ mod dispatcher;
 pub mod iggy_sink;
 mod lane;
 pub mod policy;
+pub mod prewarm;
 pub mod sink;
 pub mod status;
 

@@ -150,8 +150,15 @@ pub async fn start(mut settings: Settings, metrics: Option<PrometheusHandle>) ->
     let health = Arc::new(Health::default());
 
     // Delivery never waits for Iggy: the daemon accepts and holds while it is away.
+    let mut known_at_start: Vec<router::DestinationKey> = Vec::new();
+    for (stream, topic) in settings.sources.iter().flat_map(|s| s.destinations_known_at_start()) {
+        let d = router::DestinationKey::new(stream, topic);
+        if !known_at_start.contains(&d) {
+            known_at_start.push(d);
+        }
+    }
     let delivery = Arc::new(
-        crate::delivery::Delivery::start(&settings.delivery, wal.clone(), state.clone())
+        crate::delivery::Delivery::start(&settings.delivery, wal.clone(), state.clone(), known_at_start)
             .map_err(StartError::Delivery)?,
     );
 

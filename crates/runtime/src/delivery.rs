@@ -50,6 +50,9 @@ pub struct RouterSection {
     pub dead_letter_topic: Option<String>,
     pub lane_queue_max_records: u64,
     pub overflow_after_ms: u64,
+    /// How long the destinations known at start may take to be ensured in the
+    /// background (0: not pre-warmed; each is ensured on first use).
+    pub prewarm_timeout_ms: u64,
     pub topic_defaults: TopicDefaultsSection,
     pub sources: BTreeMap<String, PolicyOverrides>,
 }
@@ -75,6 +78,7 @@ impl Default for RouterSection {
             dead_letter_topic: None,
             lane_queue_max_records: p.lane_queue_max_records as u64,
             overflow_after_ms: p.overflow_after.as_millis() as u64,
+            prewarm_timeout_ms: 10_000,
             topic_defaults: TopicDefaultsSection::default(),
             sources: BTreeMap::new(),
         }
@@ -138,6 +142,8 @@ pub struct DeliverySettings {
     pub enabled: bool,
     pub policies: Policies,
     pub sink: IggySinkConfig,
+    /// Zero: no pre-warming.
+    pub prewarm_timeout: Duration,
 }
 
 /// One validation problem: the key path below the document root, and the message.
@@ -238,6 +244,7 @@ fn merged(base: &RouterSection, o: &PolicyOverrides) -> RouterSection {
         lane_queue_max_records: o.lane_queue_max_records.unwrap_or(base.lane_queue_max_records),
         overflow_after_ms: o.overflow_after_ms.unwrap_or(base.overflow_after_ms),
         enabled: base.enabled,
+        prewarm_timeout_ms: base.prewarm_timeout_ms,
         topic_defaults: base.topic_defaults.clone(),
         sources: BTreeMap::new(),
     }
@@ -292,12 +299,14 @@ pub fn check(section: &RouterSection, iggy: &IggyConfig, sources: &[String]) -> 
     };
     let mut policies = Policies::uniform(default);
     policies.sources = per_source;
-    (DeliverySettings { enabled: section.enabled, policies, sink }, problems)
+    let prewarm_timeout = Duration::from_millis(section.prewarm_timeout_ms);
+    (DeliverySettings { enabled: section.enabled, policies, sink, prewarm_timeout }, problems)
 }
 
 /// The running router, as the daemon holds it.
 pub struct Delivery {
     router: Mutex<Option<Router>>,
+    prewarm: Mutex<Option<tokio::task::JoinHandle<router::prewarm::PrewarmReport>>>,
     enabled: bool,
 }
 
@@ -308,21 +317,32 @@ impl std::fmt::Debug for Delivery {
 }
 
 impl Delivery {
-    /// Starts the router over `wal` (unless disabled). Never waits for Iggy.
-    pub fn start(settings: &DeliverySettings, wal: Arc<Wal>, state: Arc<StateDb>) -> Result<Delivery, String> {
+    /// Starts the router over `wal` (unless disabled), and pre-warms `known_at_start` in
+    /// the background. Never waits for Iggy.
+    pub fn start(
+        settings: &DeliverySettings,
+        wal: Arc<Wal>,
+        state: Arc<StateDb>,
+        known_at_start: Vec<DestinationKey>,
+    ) -> Result<Delivery, String> {
         if !settings.enabled {
             tracing::warn!("delivery is disabled ([router] enabled = false): events are kept in the log only");
-            return Ok(Delivery { router: Mutex::new(None), enabled: false });
+            return Ok(Delivery { router: Mutex::new(None), prewarm: Mutex::new(None), enabled: false });
         }
         let sink = Arc::new(IggySink::new(&settings.sink)?);
         let cursors = Arc::new(StateCursorStore::new(state));
-        let router = Router::start(wal, sink, cursors, settings.policies.clone())?;
+        let router = Router::start(wal, sink.clone(), cursors, settings.policies.clone())?;
+        let prewarm = (!settings.prewarm_timeout.is_zero() && !known_at_start.is_empty())
+            .then(|| tokio::spawn(router::prewarm::prewarm(sink, known_at_start, settings.prewarm_timeout)));
         tracing::info!(iggy = %settings.sink.address, "delivery started");
-        Ok(Delivery { router: Mutex::new(Some(router)), enabled: true })
+        Ok(Delivery { router: Mutex::new(Some(router)), prewarm: Mutex::new(prewarm), enabled: true })
     }
 
     /// Stops sending; what is in flight stays in the log and is sent after a restart.
     pub async fn shutdown(&self) {
+        if let Some(p) = self.prewarm.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            p.abort();
+        }
         let router = self.router.lock().unwrap_or_else(|p| p.into_inner()).take();
         if let Some(r) = router {
             r.shutdown().await;

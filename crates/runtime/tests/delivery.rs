@@ -150,3 +150,45 @@ async fn a_broker_outage_with_a_kill_9_in_the_middle_loses_nothing() {
     }
     assert!(daemon.stop().success());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_destinations_known_at_start_are_created_before_any_event() {
+    let broker = TestBroker::start(TestBrokerConfig::default()).await.unwrap();
+    // Iggy is away at first: the daemon starts anyway and pre-warming keeps trying.
+    broker.refuse_connections(true).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let rest = format!(
+        r#"
+[iggy]
+address = "{broker}"
+reconnection_interval_ms = 100
+
+[sources.default]
+destination = {{ stream = "ingest", topic = "events" }}
+
+[sources.shop.route]
+topic_field = "type"
+default_stream = "shop"
+default_topic = "unrouted"
+
+[sources.shop.admission]
+mode = "allowlist"
+allowlist = [{{ stream = "shop", topic = "*" }}, {{ stream = "crm", topic = "customers" }}]
+"#,
+        broker = broker.addr()
+    );
+    let daemon = Daemon::start(dir.path(), "", &rest);
+    assert_eq!(request(daemon.http, "GET", "/health", &[], "").await.status, 200, "started without Iggy");
+    broker.refuse_connections(false).await.unwrap();
+    let known = [("ingest", "events"), ("shop", "unrouted"), ("crm", "customers")];
+    wait_until("every known destination created", Duration::from_secs(30), || {
+        known.iter().all(|(s, t)| broker.topic_options(s, t).is_some())
+    })
+    .await;
+    for (s, t) in known {
+        let o = broker.topic_options(s, t).unwrap();
+        assert_eq!((o.enforce_fsync, o.messages_required_to_save), (Some(true), Some(1)), "{s}/{t} durable");
+        assert!(broker.messages(s, t).is_empty(), "{s}/{t}: created, nothing sent");
+    }
+    assert!(daemon.stop().success());
+}

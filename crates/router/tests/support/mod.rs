@@ -72,6 +72,9 @@ impl FaultySink {
     pub fn ids(&self, dest: &DestinationKey) -> Vec<u128> {
         self.delivered(dest).iter().map(|d| d.id).collect()
     }
+    pub fn ensured(&self, dest: &DestinationKey) -> u64 {
+        self.st().ensured.get(dest).copied().unwrap_or(0)
+    }
     pub fn calls(&self, dest: &DestinationKey) -> u64 {
         self.st().calls.get(dest).copied().unwrap_or(0)
     }

@@ -1,0 +1,82 @@
+//! Pre-warming: the destinations known at start are ensured (stream and topic created
+//! with the topic defaults, partitions and durability cached) before their first record
+//! needs them, within a deadline.
+//!
+//! Invariants:
+//! - Pre-warming never delays the daemon: it runs as its own task, and a destination it
+//!   could not ensure before the deadline is simply ensured on first use, as any other.
+//! - It only creates what a record would create anyway (the same `Sink::ensure`), so it
+//!   changes when a destination is created, never whether.
+//! - Every attempt is bounded: the whole run ends at the deadline, each failure waits a
+//!   capped backoff before the next try.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+
+use crate::sink::{DestinationKey, Sink};
+
+/// What a pre-warm run achieved.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PrewarmReport {
+    pub ready: Vec<DestinationKey>,
+    /// Not ensured before the deadline, with the last error.
+    pub not_ready: Vec<(DestinationKey, String)>,
+}
+
+const BACKOFF_FIRST: Duration = Duration::from_millis(100);
+const BACKOFF_MAX: Duration = Duration::from_secs(2);
+
+/// Ensures every one of `destinations` (each on its own task, retrying failures) until
+/// all are ready or `deadline_after` has passed; logs and returns the outcome. A
+/// destination that never answers holds only itself.
+pub async fn prewarm<S: Sink>(
+    sink: Arc<S>,
+    destinations: Vec<DestinationKey>,
+    deadline_after: Duration,
+) -> PrewarmReport {
+    let deadline = Instant::now() + deadline_after;
+    let mut tasks = JoinSet::new();
+    for dest in destinations {
+        let sink = sink.clone();
+        tasks.spawn(async move {
+            let outcome = ensure_until(&*sink, &dest, deadline).await;
+            (dest, outcome)
+        });
+    }
+    let mut report = PrewarmReport::default();
+    while let Some(joined) = tasks.join_next().await {
+        match joined {
+            Ok((dest, Ok(()))) => report.ready.push(dest),
+            Ok((dest, Err(e))) => report.not_ready.push((dest, e)),
+            Err(e) => tracing::warn!(error = %e, "a pre-warm task failed"),
+        }
+    }
+    report.ready.sort();
+    report.not_ready.sort();
+    if report.not_ready.is_empty() {
+        tracing::info!(destinations = report.ready.len(), "pre-warmed every destination known at start");
+    } else {
+        for (dest, e) in &report.not_ready {
+            tracing::warn!(destination = %dest, error = %e, "not pre-warmed within the deadline; it is ensured on first use");
+        }
+    }
+    report
+}
+
+async fn ensure_until<S: Sink>(sink: &S, dest: &DestinationKey, deadline: Instant) -> Result<(), String> {
+    let mut backoff = BACKOFF_FIRST;
+    let mut last_error = "no answer before the deadline".to_string();
+    while Instant::now() < deadline {
+        match tokio::time::timeout_at(deadline, sink.ensure(dest)).await {
+            Ok(Ok(_)) => return Ok(()),
+            Ok(Err(e)) => last_error = e.to_string(),
+            Err(_) => break,
+        }
+        tokio::time::sleep_until((Instant::now() + backoff).min(deadline)).await;
+        backoff = (backoff * 2).min(BACKOFF_MAX);
+    }
+    Err(last_error)
+}
