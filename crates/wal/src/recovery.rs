@@ -397,6 +397,7 @@ fn finish(
                 poisoned: None,
                 unsynced_since: None,
                 buf: Vec::new(),
+                removal_unsynced: false,
                 watermark,
                 _lock: lock,
             })

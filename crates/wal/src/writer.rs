@@ -16,8 +16,9 @@
 //!   length and syncs that; a later sync is never taken to cover the failed one. If the
 //!   cut fails too, the log is poisoned: no further append is accepted.
 //! - Capacity is checked before a byte is written; nothing is ever evicted.
-//! - Segments are deleted oldest first, one directory sync each, so a crash during a
-//!   release leaves a contiguous run of segments.
+//! - Segments are deleted oldest first, one directory sync each, and never past a
+//!   removal whose directory sync failed until a later one succeeds, so a crash during
+//!   or after a release leaves a contiguous run of segments.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -77,6 +78,10 @@ pub(crate) struct Writer {
     /// Under `SyncPolicy::Interval`: when the oldest unsynced write happened.
     pub unsynced_since: Option<Instant>,
     pub buf: Vec<u8>,
+    /// Set when a segment was removed but the directory sync after it failed: until a
+    /// directory sync succeeds, that removal may be undone by a power loss, so no later
+    /// segment may be removed (a crash would otherwise leave a hole in the middle).
+    pub removal_unsynced: bool,
     /// Publishes each sync's result for read-only openers (`watermark.rs`).
     pub watermark: Option<crate::watermark::Publisher>,
     /// Held for as long as the writer lives: releases the directory on exit.
@@ -365,6 +370,11 @@ impl Writer {
         let below = below.min(self.shared.durable_next());
         let start = self.shared.start.fetch_max(below, Ordering::AcqRel).max(below);
         let mut out = Released { start, segments_deleted: 0, bytes_freed: 0 };
+        if self.removal_unsynced {
+            // An earlier removal is not durable yet: make it so before removing more.
+            self.shared.storage.sync_dir(&self.shared.dir).map_err(|e| WalError::io(&self.shared.dir, e))?;
+            self.removal_unsynced = false;
+        }
         loop {
             let victim = {
                 let segs = self.shared.segments();
@@ -380,7 +390,9 @@ impl Writer {
             fail_points::fail_point!("wal.release.removed");
             self.shared.segments_mut().remove(0);
             self.shared.used_bytes.fetch_sub(size, Ordering::AcqRel);
+            self.removal_unsynced = true;
             self.shared.storage.sync_dir(&self.shared.dir).map_err(|e| WalError::io(&self.shared.dir, e))?;
+            self.removal_unsynced = false;
             out.segments_deleted += 1;
             out.bytes_freed += size;
         }
