@@ -11,13 +11,11 @@
 mod common;
 
 use std::net::SocketAddr;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use base64::Engine;
 use base64::engine::general_purpose::STANDARD as B64;
 use common::*;
-use hmac::{Hmac, Mac};
-use sha2::Sha256;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -206,22 +204,6 @@ async fn raw(addr: SocketAddr, bytes: &[u8]) -> Raw {
 
 /// Request headers as name and value.
 type Headers<'a> = Vec<(&'a str, &'a str)>;
-
-fn now_secs() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_secs()
-}
-
-fn hmac_b64(key: &[u8], msg: &[u8]) -> String {
-    let mut m = Hmac::<Sha256>::new_from_slice(key).unwrap();
-    m.update(msg);
-    B64.encode(m.finalize().into_bytes())
-}
-
-fn hmac_hex(key: &[u8], msg: &[u8]) -> String {
-    let mut m = Hmac::<Sha256>::new_from_slice(key).unwrap();
-    m.update(msg);
-    hex::encode(m.finalize().into_bytes())
-}
 
 async fn metrics_text(admin: SocketAddr) -> String {
     String::from_utf8_lossy(&request(admin, "GET", "/metrics", &[], "").await.body).into_owned()

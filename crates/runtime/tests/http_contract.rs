@@ -4,13 +4,9 @@
 
 mod common;
 
-use std::time::{SystemTime, UNIX_EPOCH};
-
 use base64::Engine;
 use base64::engine::general_purpose::STANDARD as B64;
 use common::*;
-use hmac::{Hmac, Mac};
-use sha2::Sha256;
 
 const SOURCES: &str = r#"
 [sources.default]
@@ -58,22 +54,6 @@ handshake_param = "challenge"
 id = "fedcba9876543210fedcba9876543210"
 expires_at = "2001-01-01T00:00:00Z"
 "#;
-
-fn now_secs() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_secs()
-}
-
-fn hmac_b64(key: &[u8], msg: &[u8]) -> String {
-    let mut m = Hmac::<Sha256>::new_from_slice(key).unwrap();
-    m.update(msg);
-    B64.encode(m.finalize().into_bytes())
-}
-
-fn hmac_hex(key: &[u8], msg: &[u8]) -> String {
-    let mut m = Hmac::<Sha256>::new_from_slice(key).unwrap();
-    m.update(msg);
-    hex::encode(m.finalize().into_bytes())
-}
 
 fn assert_error(a: &Answer, status: u16, code: &str) {
     assert_eq!(a.status, status, "{:?}", String::from_utf8_lossy(&a.body));

@@ -242,3 +242,25 @@ pub fn read_log(wal_dir: &Path) -> Vec<(u64, Envelope)> {
 pub fn log_len(wal_dir: &Path) -> usize {
     read_log(wal_dir).len()
 }
+
+/// Seconds since the epoch, for signed-webhook timestamps.
+pub fn now_secs() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs()
+}
+
+/// HMAC-SHA256 of `msg`, base64 (Standard Webhooks).
+pub fn hmac_b64(key: &[u8], msg: &[u8]) -> String {
+    use base64::Engine;
+    use hmac::Mac;
+    let mut m = hmac::Hmac::<sha2::Sha256>::new_from_slice(key).unwrap();
+    m.update(msg);
+    base64::engine::general_purpose::STANDARD.encode(m.finalize().into_bytes())
+}
+
+/// HMAC-SHA256 of `msg`, lower-case hex (GitHub, Stripe).
+pub fn hmac_hex(key: &[u8], msg: &[u8]) -> String {
+    use hmac::Mac;
+    let mut m = hmac::Hmac::<sha2::Sha256>::new_from_slice(key).unwrap();
+    m.update(msg);
+    hex::encode(m.finalize().into_bytes())
+}
