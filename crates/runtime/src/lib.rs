@@ -9,5 +9,6 @@ pub mod daemon;
 pub mod delivery;
 pub mod logging;
 pub mod mapping_fetch;
+pub mod run;
 pub mod telemetry;
 pub mod wal_cli;

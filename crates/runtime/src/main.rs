@@ -11,8 +11,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use iggy_ingest::config::{self, Config, Settings};
-use iggy_ingest::{daemon, logging};
+use iggy_ingest::config::{self, Config};
 
 #[derive(Debug, Parser)]
 #[command(name = "iggy-ingest", version, about = "Lossless webhook ingestion into Apache Iggy")]
@@ -115,7 +114,7 @@ fn main() -> ExitCode {
                     return ExitCode::from(2);
                 }
             };
-            run(settings, ready_file)
+            iggy_ingest::run::run(settings, ready_file)
         }
     }
 }
@@ -145,94 +144,4 @@ fn state_command(command: StateCommand) -> ExitCode {
         _ => {}
     }
     ExitCode::SUCCESS
-}
-
-fn run(settings: Settings, ready_file: Option<PathBuf>) -> ExitCode {
-    logging::init(&settings.log_level, settings.log_json);
-    let metrics = match iggy_ingest::telemetry::install() {
-        Ok(h) => Some(h),
-        Err(e) => {
-            tracing::warn!(error = %e, "metrics recorder not installed; /metrics answers 404");
-            None
-        }
-    };
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
-        Ok(r) => r,
-        Err(e) => {
-            eprintln!("cannot start the async runtime: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
-    runtime.block_on(async move {
-        let running = match daemon::start(settings, metrics).await {
-            Ok(r) => r,
-            Err(e) => {
-                tracing::error!(error = %e, "start failed");
-                eprintln!("iggy-ingest: {e}");
-                if let daemon::StartError::State(ingest::StateError::SchemaMismatch { .. }) = e {
-                    eprintln!(
-                        "iggy-ingest: `iggy-ingest state show --data-dir DIR` shows what the database holds; \
-                         `iggy-ingest state reset --data-dir DIR --yes` discards it (the log is kept)"
-                    );
-                }
-                return ExitCode::FAILURE;
-            }
-        };
-        if let Some(path) = ready_file
-            && let Err(e) = write_ready_file(&path, &running)
-        {
-            tracing::error!(error = %e, path = %path.display(), "cannot write the ready file");
-            running.shutdown();
-            running.wait().await;
-            return ExitCode::FAILURE;
-        }
-        wait_for_signal().await;
-        running.shutdown();
-        // A second signal stops at once. Safe: every event answered 200 is already
-        // durable in the log; only requests still in flight are cut (without a 200).
-        tokio::spawn(async {
-            wait_for_signal().await;
-            eprintln!("iggy-ingest: second signal, exiting without waiting for the drain");
-            std::process::exit(130);
-        });
-        let report = running.wait().await;
-        // Connections still open after the grace period were cut without a 200, so
-        // nothing they carried was acknowledged: that alone is not a failure.
-        if !report.drained {
-            tracing::warn!("some connections were still open after the grace period and were closed");
-        }
-        if report.wal_closed.is_ok() && report.checkpoint.is_ok() {
-            ExitCode::SUCCESS
-        } else {
-            eprintln!("iggy-ingest: unclean shutdown: {report:?}");
-            ExitCode::FAILURE
-        }
-    })
-}
-
-fn write_ready_file(path: &std::path::Path, running: &daemon::RunningDaemon) -> std::io::Result<()> {
-    let body = serde_json::json!({
-        "http": running.http_addr.to_string(),
-        "admin": running.admin_addr.to_string(),
-        "pid": std::process::id(),
-    });
-    let tmp = path.with_extension("tmp");
-    std::fs::write(&tmp, body.to_string())?;
-    std::fs::rename(&tmp, path)
-}
-
-async fn wait_for_signal() {
-    use tokio::signal::unix::{SignalKind, signal};
-    let (mut term, mut int) = match (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) {
-        (Ok(t), Ok(i)) => (t, i),
-        _ => {
-            tracing::error!("cannot install signal handlers; waiting for Ctrl-C only");
-            let _ = tokio::signal::ctrl_c().await;
-            return;
-        }
-    };
-    tokio::select! {
-        _ = term.recv() => tracing::info!("SIGTERM received"),
-        _ = int.recv() => tracing::info!("SIGINT received"),
-    }
 }

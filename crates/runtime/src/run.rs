@@ -1,0 +1,108 @@
+//! `iggy-ingest run`: the daemon's process life, shared by the `iggy-ingest` binary and
+//! the end-to-end tests' daemon (which is the same code with the fail points compiled in).
+//!
+//! Invariants:
+//! - The ready file is written (atomically: temporary file, rename) only once both
+//!   listeners are bound; a failure to write it stops the daemon.
+//! - A first SIGTERM/SIGINT drains; a second exits with 130 at once, which is safe
+//!   because every event answered 200 is already durable.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use crate::config::Settings;
+use crate::{daemon, logging};
+
+/// Runs the daemon on `settings` until SIGTERM/SIGINT, as `iggy-ingest run` does:
+/// logging, the metrics recorder, `daemon::start`, the ready file, a graceful stop (a
+/// second signal exits at once with 130). Exit: 0 after a clean stop, 1 for a failed
+/// start or an unclean stop.
+pub fn run(settings: Settings, ready_file: Option<PathBuf>) -> ExitCode {
+    logging::init(&settings.log_level, settings.log_json);
+    let metrics = match crate::telemetry::install() {
+        Ok(h) => Some(h),
+        Err(e) => {
+            tracing::warn!(error = %e, "metrics recorder not installed; /metrics answers 404");
+            None
+        }
+    };
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    runtime.block_on(async move {
+        let running = match daemon::start(settings, metrics).await {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::error!(error = %e, "start failed");
+                eprintln!("iggy-ingest: {e}");
+                if let daemon::StartError::State(ingest::StateError::SchemaMismatch { .. }) = e {
+                    eprintln!(
+                        "iggy-ingest: `iggy-ingest state show --data-dir DIR` shows what the database holds; \
+                         `iggy-ingest state reset --data-dir DIR --yes` discards it (the log is kept)"
+                    );
+                }
+                return ExitCode::FAILURE;
+            }
+        };
+        if let Some(path) = ready_file
+            && let Err(e) = write_ready_file(&path, &running)
+        {
+            tracing::error!(error = %e, path = %path.display(), "cannot write the ready file");
+            running.shutdown();
+            running.wait().await;
+            return ExitCode::FAILURE;
+        }
+        wait_for_signal().await;
+        running.shutdown();
+        // A second signal stops at once. Safe: every event answered 200 is already
+        // durable in the log; only requests still in flight are cut (without a 200).
+        tokio::spawn(async {
+            wait_for_signal().await;
+            eprintln!("iggy-ingest: second signal, exiting without waiting for the drain");
+            std::process::exit(130);
+        });
+        let report = running.wait().await;
+        // Connections still open after the grace period were cut without a 200, so
+        // nothing they carried was acknowledged: that alone is not a failure.
+        if !report.drained {
+            tracing::warn!("some connections were still open after the grace period and were closed");
+        }
+        if report.wal_closed.is_ok() && report.checkpoint.is_ok() {
+            ExitCode::SUCCESS
+        } else {
+            eprintln!("iggy-ingest: unclean shutdown: {report:?}");
+            ExitCode::FAILURE
+        }
+    })
+}
+
+fn write_ready_file(path: &std::path::Path, running: &daemon::RunningDaemon) -> std::io::Result<()> {
+    let body = serde_json::json!({
+        "http": running.http_addr.to_string(),
+        "admin": running.admin_addr.to_string(),
+        "pid": std::process::id(),
+    });
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, body.to_string())?;
+    std::fs::rename(&tmp, path)
+}
+
+async fn wait_for_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (mut term, mut int) = match (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) {
+        (Ok(t), Ok(i)) => (t, i),
+        _ => {
+            tracing::error!("cannot install signal handlers; waiting for Ctrl-C only");
+            let _ = tokio::signal::ctrl_c().await;
+            return;
+        }
+    };
+    tokio::select! {
+        _ = term.recv() => tracing::info!("SIGTERM received"),
+        _ = int.recv() => tracing::info!("SIGINT received"),
+    }
+}
