@@ -39,6 +39,22 @@ fn ids(broker: &TestBroker, s: &str, t: &str) -> Vec<u128> {
     broker.messages(s, t).iter().map(|m| m.id).collect()
 }
 
+/// A router over a fresh log delivering to `broker`, once one record of `stream/topic`
+/// was delivered (the destination exists and the client is connected).
+async fn start_warm(broker: &TestBroker, stream: &str, topic: &str) -> (Arc<wal::Wal>, Router) {
+    let wal = sim_wal();
+    let router = Router::start(
+        wal.clone(),
+        sink(broker.addr(), 1),
+        Arc::new(MemoryCursorStore::new()),
+        Policies::uniform(policy()),
+    )
+    .unwrap();
+    wal.append(vec![record(stream, topic, 0, Partitioning::Balanced)]).await.unwrap();
+    eventually(Duration::from_secs(20), "warm", || async { ids(broker, stream, topic).len() == 1 }).await;
+    (wal, router)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn records_reach_their_topics_with_ids_headers_and_order_and_topics_are_durable() {
     let broker = TestBroker::start(TestBrokerConfig::default()).await.unwrap();
@@ -91,16 +107,7 @@ async fn a_partition_id_lands_in_that_partition() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_broker_outage_is_held_and_everything_arrives_after_it() {
     let broker = TestBroker::start(TestBrokerConfig::default()).await.unwrap();
-    let wal = sim_wal();
-    let router = Router::start(
-        wal.clone(),
-        sink(broker.addr(), 1),
-        Arc::new(MemoryCursorStore::new()),
-        Policies::uniform(policy()),
-    )
-    .unwrap();
-    wal.append(vec![record("o", "a", 0, Partitioning::Balanced)]).await.unwrap();
-    eventually(Duration::from_secs(20), "warm", || async { ids(&broker, "o", "a").len() == 1 }).await;
+    let (wal, router) = start_warm(&broker, "o", "a").await;
     broker.stop().await;
     for n in 1..500u64 {
         wal.append(vec![record("o", if n % 2 == 0 { "a" } else { "b" }, n, Partitioning::Balanced)]).await.unwrap();
@@ -134,16 +141,7 @@ async fn a_broker_outage_is_held_and_everything_arrives_after_it() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failing_topic_opens_its_breaker_while_the_others_flow() {
     let broker = TestBroker::start(TestBrokerConfig::default()).await.unwrap();
-    let wal = sim_wal();
-    let router = Router::start(
-        wal.clone(),
-        sink(broker.addr(), 1),
-        Arc::new(MemoryCursorStore::new()),
-        Policies::uniform(policy()),
-    )
-    .unwrap();
-    wal.append(vec![record("f", "bad", 0, Partitioning::Balanced)]).await.unwrap();
-    eventually(Duration::from_secs(20), "warm", || async { ids(&broker, "f", "bad").len() == 1 }).await;
+    let (wal, router) = start_warm(&broker, "f", "bad").await;
     broker.fail_topic("f", "bad", Some(iggy::prelude::IggyError::Error));
     for n in 1..401u64 {
         wal.append(vec![record("f", if n % 2 == 0 { "bad" } else { "good" }, n, Partitioning::Balanced)])
@@ -194,16 +192,7 @@ async fn the_router_starts_while_the_broker_is_unreachable_and_delivers_once_it_
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_connection_attempt_cut_short_by_the_result_timeout_does_not_wedge_the_client() {
     let broker = TestBroker::start(TestBrokerConfig::default()).await.unwrap();
-    let wal = sim_wal();
-    let router = Router::start(
-        wal.clone(),
-        sink(broker.addr(), 1),
-        Arc::new(MemoryCursorStore::new()),
-        Policies::uniform(policy()),
-    )
-    .unwrap();
-    wal.append(vec![record("w", "t", 0, Partitioning::Balanced)]).await.unwrap();
-    eventually(Duration::from_secs(20), "warm", || async { ids(&broker, "w", "t").len() == 1 }).await;
+    let (wal, router) = start_warm(&broker, "w", "t").await;
     broker.stop().await;
     for n in 1..100u64 {
         wal.append(vec![record("w", "t", n, Partitioning::Balanced)]).await.unwrap();
@@ -238,16 +227,7 @@ async fn a_connection_attempt_cut_short_by_the_result_timeout_does_not_wedge_the
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reconnection_slower_than_the_result_timeout_still_completes() {
     let broker = TestBroker::start(TestBrokerConfig::default()).await.unwrap();
-    let wal = sim_wal();
-    let router = Router::start(
-        wal.clone(),
-        sink(broker.addr(), 1),
-        Arc::new(MemoryCursorStore::new()),
-        Policies::uniform(policy()),
-    )
-    .unwrap();
-    wal.append(vec![record("s", "t", 0, Partitioning::Balanced)]).await.unwrap();
-    eventually(Duration::from_secs(20), "warm", || async { ids(&broker, "s", "t").len() == 1 }).await;
+    let (wal, router) = start_warm(&broker, "s", "t").await;
     broker.stop().await;
     for n in 1..100u64 {
         wal.append(vec![record("s", "t", n, Partitioning::Balanced)]).await.unwrap();
