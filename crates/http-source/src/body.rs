@@ -13,6 +13,7 @@
 
 use bytes::Bytes;
 use serde::de::IgnoredAny;
+use serde_json::Value;
 
 /// What a source accepts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -24,7 +25,7 @@ pub enum Accept {
 }
 
 /// A decoded body.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Decoded {
     pub events: Vec<Bytes>,
     /// The content type stored with each event.
@@ -32,6 +33,9 @@ pub struct Decoded {
     /// For NDJSON, the 1-based line of each event (blank lines are skipped, so this is
     /// not the event's index); `None` for a single-event body.
     pub lines: Option<Vec<usize>>,
+    /// With `keep_values` and a JSON or NDJSON body: each event parsed, so that routing
+    /// at the door does not parse it again.
+    pub values: Option<Vec<Value>>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -72,37 +76,61 @@ fn is_json(essence: &str) -> bool {
 
 /// Splits and checks a body. `content_type` is the request's `Content-Type`, if any.
 pub fn decode(content_type: Option<&str>, body: Bytes, accept: Accept) -> Result<Decoded, BodyError> {
+    decode_with(content_type, body, accept, false)
+}
+
+/// [`decode`], also keeping each JSON event's parsed value when `keep_values` (the one
+/// parse both checks the JSON and serves routing).
+pub fn decode_with(
+    content_type: Option<&str>,
+    body: Bytes,
+    accept: Accept,
+    keep_values: bool,
+) -> Result<Decoded, BodyError> {
     // Iggy stores no empty message: an empty body would be accepted and never delivered.
     if body.is_empty() {
         return Err(BodyError::NoEvents);
     }
     let ess = content_type.map(essence);
     match ess.as_deref() {
-        Some(e) if is_ndjson(e) => decode_ndjson(body),
+        Some(e) if is_ndjson(e) => decode_ndjson(body, keep_values),
         Some(e) if is_json(e) => {
-            check_json(&body).map_err(BodyError::InvalidJson)?;
-            Ok(Decoded { events: vec![body], content_type: content_type.map(str::to_string), lines: None })
+            let value = check_json(&body, keep_values).map_err(BodyError::InvalidJson)?;
+            Ok(Decoded {
+                events: vec![body],
+                content_type: content_type.map(str::to_string),
+                lines: None,
+                values: value.map(|v| vec![v]),
+            })
         }
         other => match accept {
             Accept::Json => Err(BodyError::UnsupportedMediaType(other.unwrap_or("").to_string())),
-            Accept::Any => {
-                Ok(Decoded { events: vec![body], content_type: content_type.map(str::to_string), lines: None })
-            }
+            Accept::Any => Ok(Decoded {
+                events: vec![body],
+                content_type: content_type.map(str::to_string),
+                lines: None,
+                values: None,
+            }),
         },
     }
 }
 
-/// Checks that `bytes` are one JSON text. serde_json skips an ignored string's bytes
-/// without decoding them, so UTF-8 is checked first.
-fn check_json(bytes: &[u8]) -> Result<(), String> {
+/// Checks that `bytes` are one JSON text, returning its value with `keep`. serde_json
+/// skips an ignored string's bytes without decoding them, so UTF-8 is checked first.
+fn check_json(bytes: &[u8], keep: bool) -> Result<Option<Value>, String> {
     let text =
         std::str::from_utf8(bytes).map_err(|e| format!("not UTF-8: invalid byte at offset {}", e.valid_up_to()))?;
-    serde_json::from_str::<IgnoredAny>(text).map(|_| ()).map_err(|e| e.to_string())
+    if keep {
+        serde_json::from_str::<Value>(text).map(Some).map_err(|e| e.to_string())
+    } else {
+        serde_json::from_str::<IgnoredAny>(text).map(|_| None).map_err(|e| e.to_string())
+    }
 }
 
-fn decode_ndjson(body: Bytes) -> Result<Decoded, BodyError> {
+fn decode_ndjson(body: Bytes, keep_values: bool) -> Result<Decoded, BodyError> {
     let mut events = Vec::new();
     let mut lines = Vec::new();
+    let mut values = Vec::new();
     let mut start = 0usize;
     let mut line_no = 0usize;
     while start < body.len() {
@@ -117,19 +145,35 @@ fn decode_ndjson(body: Bytes) -> Result<Decoded, BodyError> {
         if line.iter().all(|b| b.is_ascii_whitespace()) {
             continue;
         }
-        check_json(&line).map_err(|detail| BodyError::MalformedLine { line: line_no, detail })?;
+        let value =
+            check_json(&line, keep_values).map_err(|detail| BodyError::MalformedLine { line: line_no, detail })?;
+        values.extend(value);
         events.push(line);
         lines.push(line_no);
     }
     if events.is_empty() {
         return Err(BodyError::NoEvents);
     }
-    Ok(Decoded { events, content_type: Some("application/json".to_string()), lines: Some(lines) })
+    let values = keep_values.then_some(values);
+    Ok(Decoded { events, content_type: Some("application/json".to_string()), lines: Some(lines), values })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn kept_values_are_the_events_parsed_and_only_kept_when_asked() {
+        let body = Bytes::from_static(b"{\"a\":1}\n\n[2,\"x\"]\n");
+        let d = decode_with(Some("application/x-ndjson"), body.clone(), Accept::Json, true).unwrap();
+        assert_eq!(d.values, Some(vec![serde_json::json!({"a": 1}), serde_json::json!([2, "x"])]));
+        assert_eq!(decode(Some("application/x-ndjson"), body, Accept::Json).unwrap().values, None);
+        let one =
+            decode_with(Some("application/json"), Bytes::from_static(b"{\"b\":true}"), Accept::Any, true).unwrap();
+        assert_eq!(one.values, Some(vec![serde_json::json!({"b": true})]));
+        let raw = decode_with(Some("text/plain"), Bytes::from_static(b"{}"), Accept::Any, true).unwrap();
+        assert_eq!(raw.values, None, "a body not declared JSON is not parsed by the decoder");
+    }
 
     #[test]
     fn ndjson_splits_lines_skips_blank_ones_and_names_the_bad_line() {

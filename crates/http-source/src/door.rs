@@ -274,7 +274,8 @@ async fn receive_inner(
             ApiError::new(StatusCode::BAD_REQUEST, "invalid_content_type", "Content-Type is not valid ASCII")
         })?),
     };
-    let decoded = body::decode(content_type, body, source.accept).map_err(|e| {
+    let reads_payload = source.destinations.route().is_some() || source.partitioning.reads_payload();
+    let decoded = body::decode_with(content_type, body, source.accept, reads_payload).map_err(|e| {
         let status = match e {
             BodyError::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             _ => StatusCode::BAD_REQUEST,
@@ -284,12 +285,13 @@ async fn receive_inner(
 
     let delivery_key = if source.idempotency { delivery_key(source, &parts.headers)? } else { None };
     let routing = door.metrics.source(&source.key).map(|m| &m.routing);
-    let resolution = resolve(source, &parts.headers, decoded.events, decoded.lines.as_deref()).map_err(|r| {
-        if let Some(m) = routing {
-            m.refused(r.kind);
-        }
-        ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, r.kind.code(), r.message)
-    })?;
+    let resolution = resolve(source, &parts.headers, decoded.events, decoded.lines.as_deref(), decoded.values)
+        .map_err(|r| {
+            if let Some(m) = routing {
+                m.refused(r.kind);
+            }
+            ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, r.kind.code(), r.message)
+        })?;
     if resolution.events.is_empty() {
         // Every event was dropped by the route: nothing to append, and the sender is
         // told how many were dropped.

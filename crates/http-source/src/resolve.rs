@@ -72,16 +72,19 @@ pub struct Rejection {
     pub message: String,
 }
 
-/// Resolves every event of a request; `lines` are the NDJSON lines of the events.
+/// Resolves every event of a request; `lines` are the NDJSON lines of the events,
+/// `values` their parsed JSON when the body decoder kept it (else parsed here if needed).
 pub fn resolve(
     source: &SourceSpec,
     headers: &HeaderMap,
     events: Vec<Bytes>,
     lines: Option<&[usize]>,
+    values: Option<Vec<Value>>,
 ) -> Result<Resolution, Rejection> {
     let route = source.destinations.route();
     let parse = route.is_some() || source.partitioning.reads_payload();
     let mut out = Resolution { events: Vec::with_capacity(events.len()), ..Resolution::default() };
+    let mut values = values.map(Vec::into_iter);
     for (i, payload) in events.into_iter().enumerate() {
         let line = lines.and_then(|l| l.get(i).copied());
         let reject = |kind: RefusalKind, message: String| {
@@ -91,7 +94,12 @@ pub fn resolve(
             };
             Rejection { kind, line, message }
         };
-        let json: Option<Value> = if parse { serde_json::from_slice(&payload).ok() } else { None };
+        let kept = values.as_mut().and_then(Iterator::next);
+        let json: Option<Value> = match kept {
+            Some(v) => Some(v),
+            None if parse => serde_json::from_slice(&payload).ok(),
+            None => None,
+        };
         let (stream, topic) = match &source.destinations {
             Destinations::Fixed { stream, topic } => (stream.clone(), topic.clone()),
             Destinations::Routed(route) => match route.resolve(json.as_ref()) {
@@ -214,18 +222,30 @@ mod tests {
     fn each_event_is_routed_on_its_own_and_unmatched_ones_follow_the_action() {
         let body = events(&[r#"{"type":"a","tenant":"t1"}"#, r#"{"type":"zzz"}"#, r#"{"type":"b","tenant":"t2"}"#]);
         let fixed = PartitionRule::default();
-        let r =
-            resolve(&spec(OnMissing::Default, Admission::Open, fixed.clone()), &HeaderMap::new(), body.clone(), None)
-                .unwrap();
+        let r = resolve(
+            &spec(OnMissing::Default, Admission::Open, fixed.clone()),
+            &HeaderMap::new(),
+            body.clone(),
+            None,
+            None,
+        )
+        .unwrap();
         assert_eq!(topics(&r), ["t1/ta", "shop/other", "t2/tb"]);
         assert_eq!((r.defaulted, r.dropped), (1, 0));
-        let r = resolve(&spec(OnMissing::Drop, Admission::Open, fixed.clone()), &HeaderMap::new(), body.clone(), None)
-            .unwrap();
+        let r = resolve(
+            &spec(OnMissing::Drop, Admission::Open, fixed.clone()),
+            &HeaderMap::new(),
+            body.clone(),
+            None,
+            None,
+        )
+        .unwrap();
         assert_eq!(topics(&r), ["t1/ta", "t2/tb"]);
         assert_eq!(&r.events[1].payload[..], br#"{"type":"b","tenant":"t2"}"#);
         assert_eq!((r.defaulted, r.dropped), (0, 1));
-        let e = resolve(&spec(OnMissing::Error, Admission::Open, fixed), &HeaderMap::new(), body, Some(&[1, 2, 4]))
-            .unwrap_err();
+        let e =
+            resolve(&spec(OnMissing::Error, Admission::Open, fixed), &HeaderMap::new(), body, Some(&[1, 2, 4]), None)
+                .unwrap_err();
         assert_eq!((e.kind, e.line), (RefusalKind::Unknown, Some(2)));
         assert!(e.message.starts_with("line 2: "), "{}", e.message);
     }
@@ -234,19 +254,30 @@ mod tests {
     fn admission_and_the_grammar_refuse_the_whole_request() {
         let deny = Admission::Denylist(vec![Rule::parse("*", "tb").unwrap()]);
         let body = events(&[r#"{"type":"a","tenant":"t1"}"#, r#"{"type":"b","tenant":"t2"}"#]);
-        let e =
-            resolve(&spec(OnMissing::Default, deny, PartitionRule::default()), &HeaderMap::new(), body.clone(), None)
-                .unwrap_err();
+        let e = resolve(
+            &spec(OnMissing::Default, deny, PartitionRule::default()),
+            &HeaderMap::new(),
+            body.clone(),
+            None,
+            None,
+        )
+        .unwrap_err();
         assert_eq!(e.kind, RefusalKind::Admission(Refusal::Denylisted));
         assert_eq!(e.kind.code(), "denylisted");
         let allow = Admission::Allowlist(vec![Rule::parse("t1", "*").unwrap()]);
-        let e = resolve(&spec(OnMissing::Default, allow, PartitionRule::default()), &HeaderMap::new(), body, None)
-            .unwrap_err();
+        let e =
+            resolve(&spec(OnMissing::Default, allow, PartitionRule::default()), &HeaderMap::new(), body, None, None)
+                .unwrap_err();
         assert_eq!((e.kind.code(), e.kind.reason()), ("not_allowlisted", "not_allowlisted"));
         let bad = events(&[r#"{"type":"a","tenant":"no/slashes"}"#]);
-        let e =
-            resolve(&spec(OnMissing::Default, Admission::Open, PartitionRule::default()), &HeaderMap::new(), bad, None)
-                .unwrap_err();
+        let e = resolve(
+            &spec(OnMissing::Default, Admission::Open, PartitionRule::default()),
+            &HeaderMap::new(),
+            bad,
+            None,
+            None,
+        )
+        .unwrap_err();
         assert_eq!(e.kind.code(), "invalid_destination");
     }
 
@@ -257,7 +288,7 @@ mod tests {
             encoding: KeyEncoding::Bytes,
         };
         let body = events(&[r#"{"type":"a","tenant":"t","customer":"c1"}"#, r#"{"type":"a","tenant":"t"}"#]);
-        let r = resolve(&spec(OnMissing::Default, Admission::Open, rule), &HeaderMap::new(), body, None).unwrap();
+        let r = resolve(&spec(OnMissing::Default, Admission::Open, rule), &HeaderMap::new(), body, None, None).unwrap();
         assert_eq!(r.events[0].destination.partitioning, Partitioning::Key(b"c1".to_vec()));
         assert_eq!(r.events[1].destination.partitioning, Partitioning::Balanced);
         assert_eq!(r.key_misses, [KeyMiss::Missing]);
