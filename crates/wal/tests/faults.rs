@@ -179,11 +179,12 @@ fn when_the_undo_fails_too_the_log_refuses_appends_until_reopened() {
 }
 
 #[test]
-fn an_append_answered_failed_is_gone_before_the_answer() {
-    // The sync fails after the bytes were written. By the time the caller hears
-    // "failed", the segment is already cut back and that cut is synced: a power loss
-    // right after the answer (keeping any unsynced write it likes) cannot bring the
-    // failed record back, so a sender that retries never ends up with two copies.
+fn an_append_answered_failed_does_not_come_back_after_a_power_loss() {
+    // The sync fails after the bytes were written. The writer cuts the segment back and
+    // syncs the cut (before it answers, `Writer::fail`): a power loss right after the
+    // answer, keeping any unsynced write it likes, must not bring the failed record back,
+    // or a sender that retries would end up with two copies. (That the cut comes before
+    // the answer is not observable here: the simulated process outlives its power loss.)
     for seed in 0..64 {
         let sim = SimStorage::new();
         let wal = open(&sim, options());
