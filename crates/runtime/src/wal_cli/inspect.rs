@@ -17,7 +17,7 @@
 //! - A figure that cannot be known is shown as unknown (`-`, `null`), never guessed.
 
 use std::collections::BTreeMap;
-use std::io::{Read, Write};
+use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
@@ -346,35 +346,45 @@ fn admin_lanes(url: &str, token: Option<&str>) -> CliResult<(Vec<AdminLane>, Opt
     Ok((out, max))
 }
 
-/// A plain HTTP/1.0 GET (the admin listener speaks HTTP/1.1, which answers a 1.0
-/// request without chunking), JSON body expected.
+/// `GET base+path` from the admin API with hyper (one connection, on a runtime of its
+/// own: the CLI has none), JSON body expected; 10 s for the whole exchange.
 fn http_get_json(base: &str, path: &str, token: Option<&str>) -> CliResult<Value> {
+    use http_body_util::{BodyExt, Empty};
     let usage = |m: String| CliError::Usage(format!("--admin {base}: {m}"));
     let rest = base.strip_prefix("http://").ok_or_else(|| usage("expected http://HOST:PORT".into()))?;
     let host = rest.trim_end_matches('/');
     if host.is_empty() || host.contains('/') {
         return Err(usage("expected http://HOST:PORT".into()));
     }
-    let addr = std::net::ToSocketAddrs::to_socket_addrs(host)
-        .map_err(|e| usage(e.to_string()))?
-        .next()
-        .ok_or_else(|| usage("no address".into()))?;
     let failed = |m: String| CliError::Failed(format!("admin API {base}{path}: {m}"));
-    let mut s =
-        std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(5)).map_err(|e| failed(e.to_string()))?;
-    let _ = s.set_read_timeout(Some(Duration::from_secs(10)));
-    let auth = token.map(|t| format!("Authorization: Bearer {t}\r\n")).unwrap_or_default();
-    write!(s, "GET {path} HTTP/1.0\r\nHost: {host}\r\n{auth}Accept: application/json\r\n\r\n")
-        .map_err(|e| failed(e.to_string()))?;
-    let mut buf = Vec::new();
-    s.take(64 * 1024 * 1024).read_to_end(&mut buf).map_err(|e| failed(e.to_string()))?;
-    let split = buf.windows(4).position(|w| w == b"\r\n\r\n").ok_or_else(|| failed("malformed answer".into()))?;
-    let head = String::from_utf8_lossy(&buf[..split]);
-    let code: u16 = head.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
-    let body = &buf[split + 4..];
-    if code != 200 {
-        let hint = if code == 401 { " (pass --admin-token or set IGGY_INGEST_ADMIN_TOKEN)" } else { "" };
-        return Err(failed(format!("HTTP {code}{hint}: {}", String::from_utf8_lossy(body).trim())));
+    let mut request = hyper::Request::get(path).header(hyper::header::HOST, host);
+    if let Some(t) = token {
+        request = request.header(hyper::header::AUTHORIZATION, format!("Bearer {t}"));
     }
-    serde_json::from_slice(body).map_err(|e| failed(format!("not JSON: {e}")))
+    let request = request.body(Empty::<bytes::Bytes>::new()).map_err(|e| usage(e.to_string()))?;
+    let runtime =
+        tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| failed(e.to_string()))?;
+    let exchange = async {
+        let stream = tokio::net::TcpStream::connect(host).await.map_err(|e| failed(e.to_string()))?;
+        let (mut sender, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+            .await
+            .map_err(|e| failed(e.to_string()))?;
+        tokio::spawn(conn);
+        let answer = sender.send_request(request).await.map_err(|e| failed(e.to_string()))?;
+        let code = answer.status();
+        let body = answer.into_body().collect().await.map_err(|e| failed(e.to_string()))?.to_bytes();
+        Ok::<_, CliError>((code, body))
+    };
+    let (code, body) = runtime
+        .block_on(async { tokio::time::timeout(Duration::from_secs(10), exchange).await })
+        .map_err(|_| failed("no answer within 10 s".into()))??;
+    if code != hyper::StatusCode::OK {
+        let hint = if code == hyper::StatusCode::UNAUTHORIZED {
+            " (pass --admin-token or set IGGY_INGEST_ADMIN_TOKEN)"
+        } else {
+            ""
+        };
+        return Err(failed(format!("HTTP {}{hint}: {}", code.as_u16(), String::from_utf8_lossy(&body).trim())));
+    }
+    serde_json::from_slice(&body).map_err(|e| failed(format!("not JSON: {e}")))
 }
