@@ -16,6 +16,7 @@ use e2e::{record, sim_wal};
 use iggy::prelude::*;
 use ingest::envelope::{Envelope, Partitioning as EnvPartitioning};
 use router::iggy_sink::{IggySink, IggySinkConfig, TopicDefaults};
+use router::sink::{DestinationKey, Sink};
 use router::{Policies, Router, RouterPolicy, StateCursorStore};
 use test_broker::{TestBroker, TestBrokerConfig};
 
@@ -109,6 +110,12 @@ async fn through_router(addr: &str, stream: &str, topics: &[String], n: usize) -
         ..IggySinkConfig::default()
     };
     let sink = Arc::new(IggySink::new(&config).expect("sink"));
+    // The direct sender is connected and its topics exist before its clock starts; the
+    // router gets the same: its client connects and learns the topics here, as the
+    // daemon's pre-warm does at start.
+    for t in topics {
+        sink.ensure(&DestinationKey::new(stream, t.as_str())).await.expect("ensure");
+    }
     let mut policy = RouterPolicy::default();
     policy.batch.batch_max_records = BATCH;
     let started = Instant::now();
