@@ -60,6 +60,9 @@ pub(crate) struct Dispatcher<S, C> {
     pub held_from: Arc<AtomicU64>,
     /// Lane tasks, so a shutdown can wait for every one of them.
     pub lane_tasks: LaneTasks,
+    /// The lane the previous record went to (lanes are never removed while running),
+    /// with its source's queue limit and overflow wait.
+    pub last_lane: Option<(Arc<Lane>, usize, std::time::Duration)>,
 }
 
 pub(crate) type LaneTasks = Arc<std::sync::Mutex<Vec<tokio::task::JoinHandle<()>>>>;
@@ -118,13 +121,27 @@ impl<S: Sink, C: CursorStore> Dispatcher<S, C> {
             }
         };
         let d = &envelope.header.destination;
-        let key = LaneKey {
-            source: envelope.header.source_key.clone(),
-            destination: DestinationKey::new(d.stream.clone(), d.topic.clone()),
-        };
-        let Some((lane, queue_max, wait)) = self.lane_for(&key) else {
-            self.reject_for_cap(&key, rec.offset, envelope);
-            return;
+        // Records of a source mostly go where the previous one went: reuse its lane
+        // without building (and hashing) a key.
+        let cached = self.last_lane.as_ref().filter(|(l, _, _)| {
+            l.key.source == envelope.header.source_key
+                && l.key.destination.stream == d.stream
+                && l.key.destination.topic == d.topic
+        });
+        let (lane, queue_max, wait) = match cached {
+            Some(found) => found.clone(),
+            None => {
+                let key = LaneKey {
+                    source: envelope.header.source_key.clone(),
+                    destination: DestinationKey::new(d.stream.clone(), d.topic.clone()),
+                };
+                let Some(found) = self.lane_for(&key) else {
+                    self.reject_for_cap(&key, rec.offset, envelope);
+                    return;
+                };
+                self.last_lane = Some(found.clone());
+                found
+            }
         };
         let routed = Routed { offset: rec.offset, envelope, dead_letter_reason: None };
         let space = lane.space.notified();

@@ -23,18 +23,19 @@
 //! - Messages carry the stable id from the log; a resend after an unknown outcome sends
 //!   the same id.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use bytes::Bytes;
+use bytes::BytesMut;
 use iggy::prelude::{
-    AutoLogin, Client, ClientWrapper, Credentials, HeaderKey, HeaderKind, HeaderValue, Identifier, IggyByteSize,
-    IggyClient, IggyDuration, IggyError, IggyExpiry, IggyMessage, MaxTopicSize, MessageClient,
-    Partitioning as IggyPartitioning, StreamClient, TcpClient, TcpClientConfig, TcpClientReconnectionConfig,
-    TopicClient, TopicCreateOptions,
+    AutoLogin, Client, ClientWrapper, Credentials, HeaderKind, Identifier, IggyByteSize, IggyClient, IggyDuration,
+    IggyError, IggyExpiry, IggyMessage, IggyMessageHeader, IggyTimestamp, MAX_PAYLOAD_SIZE, MAX_USER_HEADERS_SIZE,
+    MaxTopicSize, MessageClient, Partitioning as IggyPartitioning, StreamClient, TcpClient, TcpClientConfig,
+    TcpClientReconnectionConfig, TopicClient, TopicCreateOptions,
 };
+use iggy_binary_protocol::encode_user_headers;
 use ingest::envelope::Partitioning;
 use tokio::task::JoinHandle;
 
@@ -254,28 +255,70 @@ fn topic_info(details_partitions: u32, options: &iggy::prelude::ResourceOptions)
     TopicInfo { partitions_count: details_partitions, durable }
 }
 
-fn header_pair(k: &str, v: &Bytes) -> Option<(HeaderKey, HeaderValue)> {
-    let key = HeaderKey::try_from(k).ok()?;
-    let value = HeaderValue::from_raw(HeaderKind::Raw, v).ok()?;
-    Some((key, value))
-}
+/// The largest header name or value the server takes.
+const HEADER_FIELD_MAX_BYTES: usize = 255;
 
-/// Builds the wire message. Headers the server could not take (empty, longer than
-/// 255 bytes) are left out and counted; the door clamps what it forwards, so this is a
-/// last guard, not the rule.
-fn to_iggy(m: OutMessage) -> Result<IggyMessage, SendError> {
-    let mut headers = BTreeMap::new();
-    for (k, v) in &m.headers {
-        match header_pair(k, v) {
-            Some((k, v)) => {
-                headers.insert(k, v);
-            }
-            None => metrics::counter!("iggy_connector_headers_dropped_total").increment(1),
+/// Builds the wire messages of a batch: the same messages `IggyMessage::builder()` builds
+/// (a test compares them byte for byte), without its per-message map and per-header
+/// buffers. The header blocks of the whole batch are encoded, with the protocol crate's
+/// encoder, into one buffer that each message then shares a slice of; headers are sorted
+/// by name, and a repeated name keeps its last value, as the builder's map does.
+/// Headers the server could not take (empty, longer than 255 bytes) are left out and
+/// counted; the door clamps what it forwards, so this is a last guard, not the rule.
+fn to_iggy(messages: &[OutMessage<'_>]) -> Result<Vec<IggyMessage>, SendError> {
+    let (name_kind, value_kind) = (HeaderKind::String.as_code(), HeaderKind::Raw.as_code());
+    let block_max: usize =
+        messages.iter().map(|m| m.headers.iter().map(|(k, v)| 10 + k.len() + v.len()).sum::<usize>()).sum();
+    let mut blocks = BytesMut::with_capacity(block_max);
+    let mut entries: Vec<(u8, &[u8], u8, &[u8])> = Vec::new();
+    let origin_timestamp = IggyTimestamp::now().as_micros();
+    let mut wire = Vec::with_capacity(messages.len());
+    for m in messages {
+        let unsendable =
+            |why: &str| SendError::new(SendErrorKind::Destination, format!("message {} cannot be sent: {why}", m.id));
+        if m.payload.is_empty() || m.payload.len() > MAX_PAYLOAD_SIZE as usize {
+            return Err(unsendable(&format!("payload of {} bytes", m.payload.len())));
         }
+        entries.clear();
+        for (name, value) in &m.headers {
+            let fits = |b: &[u8]| !b.is_empty() && b.len() <= HEADER_FIELD_MAX_BYTES;
+            if fits(name.as_bytes()) && fits(value) {
+                entries.push((name_kind, name.as_bytes(), value_kind, value));
+            } else {
+                metrics::counter!("iggy_connector_headers_dropped_total").increment(1);
+            }
+        }
+        // Stable: among equal names the last stays last, and dedup keeps it.
+        entries.sort_by(|a, b| a.1.cmp(b.1));
+        let mut i = 0;
+        while i + 1 < entries.len() {
+            if entries[i].1 == entries[i + 1].1 {
+                entries.remove(i);
+            } else {
+                i += 1;
+            }
+        }
+        encode_user_headers(&entries, &mut blocks);
+        let headers = blocks.split().freeze();
+        if headers.len() > MAX_USER_HEADERS_SIZE as usize {
+            return Err(unsendable(&format!("{} bytes of headers", headers.len())));
+        }
+        wire.push(IggyMessage {
+            header: IggyMessageHeader {
+                checksum: 0,
+                id: m.id,
+                offset: 0,
+                timestamp: 0,
+                origin_timestamp,
+                user_headers_length: headers.len() as u32,
+                payload_length: m.payload.len() as u32,
+                reserved: 0,
+            },
+            payload: m.payload.clone(),
+            user_headers: (!headers.is_empty()).then_some(headers),
+        });
     }
-    let b = IggyMessage::builder().id(m.id).payload(m.payload);
-    let built = if headers.is_empty() { b.build() } else { b.user_headers(headers).build() };
-    built.map_err(|e| SendError::new(SendErrorKind::Destination, format!("message {} cannot be sent: {e}", m.id)))
+    Ok(wire)
 }
 
 fn partitioning(p: &Partitioning) -> IggyPartitioning {
@@ -290,6 +333,12 @@ fn partitioning(p: &Partitioning) -> IggyPartitioning {
 }
 
 impl Sink for IggySink {
+    type Message = IggyMessage;
+
+    fn prepare(&self, messages: &[OutMessage<'_>]) -> Result<Vec<IggyMessage>, SendError> {
+        to_iggy(messages)
+    }
+
     async fn ensure(&self, dest: &DestinationKey) -> Result<TopicInfo, SendError> {
         if let Some(t) = self.topics.lock().unwrap_or_else(|p| p.into_inner()).get(dest) {
             return Ok(*t);
@@ -298,7 +347,12 @@ impl Sink for IggySink {
         self.ensure_on(dest, generation).await
     }
 
-    async fn send(&self, dest: &DestinationKey, p: &Partitioning, messages: Vec<OutMessage>) -> Result<(), SendError> {
+    async fn send(
+        &self,
+        dest: &DestinationKey,
+        p: &Partitioning,
+        messages: &mut [IggyMessage],
+    ) -> Result<(), SendError> {
         let generation = self.connected().await?;
         self.send_on(dest, p, messages, generation).await
     }
@@ -343,16 +397,15 @@ impl IggySink {
         &self,
         dest: &DestinationKey,
         p: &Partitioning,
-        messages: Vec<OutMessage>,
+        messages: &mut [IggyMessage],
         generation: u64,
     ) -> Result<(), SendError> {
         let stream =
             Identifier::named(&dest.stream).map_err(|e| SendError::new(SendErrorKind::Destination, e.to_string()))?;
         let topic =
             Identifier::named(&dest.topic).map_err(|e| SendError::new(SendErrorKind::Destination, e.to_string()))?;
-        let mut wire = messages.into_iter().map(to_iggy).collect::<Result<Vec<_>, _>>()?;
         let client = self.client();
-        match client.send_messages(&stream, &topic, &partitioning(p), &mut wire).await {
+        match client.send_messages(&stream, &topic, &partitioning(p), messages).await {
             Ok(_) => Ok(()),
             Err(e) => {
                 let err = self.classify(e, Some(generation));
@@ -362,5 +415,85 @@ impl IggySink {
                 Err(err)
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::borrow::Cow;
+    use std::collections::BTreeMap;
+
+    use bytes::Bytes;
+    use iggy::prelude::{HeaderKey, HeaderValue};
+
+    use super::*;
+
+    /// What the crate's own builder makes of `m`, as the reference for `to_iggy`.
+    fn built_by_the_crate(m: &OutMessage<'_>) -> IggyMessage {
+        let mut headers = BTreeMap::new();
+        for (k, v) in &m.headers {
+            if let (Ok(k), Ok(v)) = (HeaderKey::try_from(*k), HeaderValue::from_raw(HeaderKind::Raw, v)) {
+                headers.insert(k, v);
+            }
+        }
+        let b = IggyMessage::builder().id(m.id).payload(m.payload.clone());
+        if headers.is_empty() { b.build() } else { b.user_headers(headers).build() }.expect("the builder takes it")
+    }
+
+    #[test]
+    fn a_batch_is_built_byte_for_byte_as_the_crates_builder_builds_it() {
+        let payloads = [Bytes::from_static(b"{\"a\":1}"), Bytes::from_static(b"x"), Bytes::from(vec![7u8; 3000])];
+        let long = "n".repeat(256);
+        let messages = vec![
+            // Unsorted names, a repeated name (the last value wins), a value and a name
+            // the server cannot take.
+            OutMessage {
+                id: 1,
+                payload: &payloads[0],
+                headers: vec![
+                    ("x-b", Cow::Borrowed(&b"2"[..])),
+                    ("iggy-ingest-source", Cow::Borrowed(&b"github"[..])),
+                    ("x-a", Cow::Borrowed(&b"first"[..])),
+                    ("x-a", Cow::Owned(b"second".to_vec())),
+                    ("x-empty", Cow::Borrowed(&b""[..])),
+                    (long.as_str(), Cow::Borrowed(&b"v"[..])),
+                ],
+            },
+            OutMessage { id: 2, payload: &payloads[1], headers: vec![] },
+            OutMessage {
+                id: u128::MAX,
+                payload: &payloads[2],
+                headers: vec![("content-type", Cow::Owned(vec![b'j'; 255]))],
+            },
+        ];
+        let ours = to_iggy(&messages).expect("prepared");
+        assert_eq!(ours.len(), messages.len());
+        for (m, got) in messages.iter().zip(&ours) {
+            let want = built_by_the_crate(m);
+            assert_eq!(got.user_headers, want.user_headers, "headers of message {}", m.id);
+            assert_eq!(got.payload, want.payload);
+            let (g, w) = (&got.header, &want.header);
+            let fields = |h: &IggyMessageHeader| {
+                (h.checksum, h.id, h.offset, h.timestamp, h.user_headers_length, h.payload_length, h.reserved)
+            };
+            assert_eq!(fields(g), fields(w), "header of message {}", m.id);
+            assert!(g.origin_timestamp > 0);
+            // And the server's reading of it.
+            assert_eq!(got.user_headers_map().expect("parses"), want.user_headers_map().expect("parses"));
+        }
+        let first = ours[0].user_headers_map().expect("parses").expect("has headers");
+        assert_eq!(first.len(), 3, "x-a once, x-b and iggy-ingest-source; the empty value and the long name left out");
+        assert_eq!(
+            first.get(&HeaderKey::try_from("x-a").expect("key")).map(|v| v.as_bytes().to_vec()),
+            Some(b"second".to_vec())
+        );
+    }
+
+    #[test]
+    fn a_message_the_server_cannot_take_is_refused_by_id() {
+        let empty = Bytes::new();
+        let err = to_iggy(&[OutMessage { id: 42, payload: &empty, headers: vec![] }]).expect_err("refused");
+        assert_eq!(err.kind, SendErrorKind::Destination);
+        assert!(err.detail.contains("message 42"), "{err}");
     }
 }

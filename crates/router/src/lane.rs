@@ -16,12 +16,12 @@
 //!   record is lost or sent twice by the handoff.
 //! - Client-wide failures (disconnected, unavailable) never count against the breaker.
 
+use std::borrow::Cow;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use bytes::Bytes;
-use ingest::envelope::{Envelope, Partitioning};
+use ingest::envelope::{Destination, Envelope, Partitioning};
 use tokio::sync::{Notify, Semaphore, watch};
 use tokio::time::{Duration, Instant};
 use wal::{Record, Wal};
@@ -215,9 +215,11 @@ impl Lane {
         Ok(())
     }
 
-    /// Sending and not failing: worth waiting for.
+    /// Sending (or about to: a lane just created has not run yet) and not failing:
+    /// worth waiting for. A lane that overflowed re-reads its records from the log, which
+    /// decodes them a second time; a backlog drained through a new lane must not start so.
     fn is_healthy(&self) -> bool {
-        self.status.get() == Status::Running && lock(&self.info).consecutive_failures == 0
+        matches!(self.status.get(), Status::Starting | Status::Running) && lock(&self.info).consecutive_failures == 0
     }
 
     pub(crate) fn snapshot(&self) -> LaneSnapshot {
@@ -295,47 +297,92 @@ pub(crate) async fn run<S: Sink, C: CursorStore>(lane: Arc<Lane>, mut ctx: LaneC
     lane.status.set(Status::Running, "lane started");
     let mut breaker = Breaker::new(lane.policy.breaker.clone());
     let mut catchup: Option<wal::Reader> = None;
+    // The next batch, taken from the queue and prepared while the previous one was in
+    // flight (only ever a full one: a short batch is better left to fill).
+    let mut ahead: Option<(Vec<Routed>, Prepared<S::Message>)> = None;
+    // The previous batch, freed while the next one is in flight.
+    let mut done: Option<(Vec<Routed>, Prepared<S::Message>)> = None;
     loop {
         if *ctx.shutdown.borrow() {
             break;
         }
-        let batch = match next_batch(&lane, &mut ctx, &mut catchup).await {
-            Ok(Some(b)) => b,
-            Ok(None) => continue,
-            Err(e) => {
-                // The log could not be read (damage): say so and keep trying, slowly.
-                lane.status.set(Status::Error, "cannot read the log");
-                lane.status.record_error(&e.to_string());
-                tracing::error!(destination = %lane.key, error = %e, "lane cannot read the log");
-                if sleep_or_shutdown(&mut ctx.shutdown, lane.policy.batch.backoff_max).await {
-                    break;
+        let (batch, mut prepared) = match ahead.take() {
+            Some(next) => next,
+            None => match next_batch(&lane, &mut ctx, &mut catchup).await {
+                Ok(Some(b)) => {
+                    let prepared = prepare(&*ctx.sink, &b);
+                    (b, prepared)
                 }
-                continue;
-            }
+                Ok(None) => continue,
+                Err(e) => {
+                    // The log could not be read (damage): say so and keep trying, slowly.
+                    lane.status.set(Status::Error, "cannot read the log");
+                    lane.status.record_error(&e.to_string());
+                    tracing::error!(destination = %lane.key, error = %e, "lane cannot read the log");
+                    if sleep_or_shutdown(&mut ctx.shutdown, lane.policy.batch.backoff_max).await {
+                        break;
+                    }
+                    continue;
+                }
+            },
         };
         let Some(last) = batch.last().map(|r| r.offset) else { continue };
-        match deliver(&lane, &ctx, &mut breaker, &batch).await {
-            Delivery::Done | Delivery::Retry => {}
-            Delivery::ShuttingDown => break,
+        // The send is polled first: it writes its request and waits for the answer,
+        // and meanwhile the previous batch is freed and the next full batch (if queued)
+        // is taken and prepared.
+        let (delivery, next) = tokio::join!(deliver(&lane, &ctx, &mut breaker, &batch, &mut prepared), async {
+            drop(done.take());
+            take_full_batch(&lane).map(|b| {
+                let prepared = prepare(&*ctx.sink, &b);
+                (b, prepared)
+            })
+        });
+        ahead = next;
+        if let Delivery::ShuttingDown = delivery {
+            break;
         }
         // Acknowledged: the cursor flusher stores it; until then the records pin the log.
         lane.acked_below.fetch_max(last + 1, Ordering::AcqRel);
         {
             let mut g = lane.gate();
             g.unstored_from = g.unstored_from.or(g.in_flight_first);
-            g.in_flight_first = None;
+            let next_first = ahead.as_ref().and_then(|(b, _)| b.first());
+            g.in_flight_first = next_first.map(|r| r.offset);
             g.held_records = g.held_records.saturating_sub(batch.len() as u64);
             let bytes: u64 = batch.iter().map(|r| r.envelope.payload.len() as u64).sum();
             g.held_bytes = g.held_bytes.saturating_sub(bytes);
             g.oldest_held_ms = if g.held_records == 0 {
                 None
             } else {
-                g.queue.front().map(|r| r.envelope.header.received_at_unix_ms).or(g.oldest_held_ms)
+                next_first.or(g.queue.front()).map(|r| r.envelope.header.received_at_unix_ms).or(g.oldest_held_ms)
             };
         }
         ctx.cursor_dirty.notify_one();
+        done = Some((batch, prepared));
     }
     lane.status.set(Status::Stopped, "shutdown");
+}
+
+/// Takes a full batch from the queue, if one is queued; never waits.
+fn take_full_batch(lane: &Lane) -> Option<Vec<Routed>> {
+    let (max_records, max_bytes) = (lane.policy.batch.batch_max_records, lane.policy.batch.batch_max_bytes);
+    let batch = {
+        let mut g = lane.gate();
+        let full = g.queue.len() >= max_records
+            || g.queue
+                .iter()
+                .scan(0usize, |b, r| {
+                    *b += r.envelope.payload.len();
+                    Some(*b)
+                })
+                .any(|b| b >= max_bytes);
+        if !full {
+            return None;
+        }
+        take_from_queue(&mut g, max_records, max_bytes)
+    };
+    lane.space.notify_waiters();
+    Some(batch)
 }
 
 async fn sleep_or_shutdown(shutdown: &mut watch::Receiver<bool>, d: Duration) -> bool {
@@ -528,25 +575,37 @@ fn top_up(lane: &Lane, batch: &mut Vec<Routed>, lingering: bool) -> TopUp {
     }
 }
 
-fn out_message(r: &Routed) -> OutMessage {
+fn out_message(r: &Routed) -> OutMessage<'_> {
     let h = &r.envelope.header;
-    let mut headers: Vec<(String, Bytes)> = Vec::with_capacity(h.metadata.len() + h.headers.len() + 3);
-    headers.push(("iggy-ingest-source".into(), Bytes::copy_from_slice(h.source_key.as_bytes())));
+    let mut headers: Vec<(&str, Cow<'_, [u8]>)> = Vec::with_capacity(h.metadata.len() + h.headers.len() + 4);
+    headers.push(("iggy-ingest-source", Cow::Borrowed(h.source_key.as_bytes())));
     if let Some(ct) = &h.content_type {
-        headers.push(("content-type".into(), Bytes::copy_from_slice(ct.as_bytes())));
+        headers.push(("content-type", Cow::Borrowed(ct.as_bytes())));
     }
     for (k, v) in &h.metadata {
-        headers.push((k.clone(), Bytes::copy_from_slice(v.as_bytes())));
+        headers.push((k, Cow::Borrowed(v.as_bytes())));
     }
     for (k, v) in &h.headers {
-        headers.push((k.clone(), Bytes::copy_from_slice(v)));
+        headers.push((k, Cow::Borrowed(v)));
     }
     if let Some(reason) = r.dead_letter_reason {
-        headers.push(("iggy-ingest-rejected-reason".into(), Bytes::from_static(reason.as_bytes())));
-        let d = &h.destination;
-        headers.push(("iggy-ingest-destination".into(), Bytes::from(format!("{}/{}", d.stream, d.topic))));
+        rejected_headers(&mut headers, reason, &h.destination);
     }
-    OutMessage { id: h.message_id, payload: r.envelope.payload.clone(), headers }
+    OutMessage { id: h.message_id, payload: &r.envelope.payload, headers }
+}
+
+/// The headers a dead-lettered message carries: why, and where it was bound.
+fn rejected_headers<'a>(headers: &mut Vec<(&'a str, Cow<'a, [u8]>)>, reason: &'static str, d: &Destination) {
+    headers.push(("iggy-ingest-rejected-reason", Cow::Borrowed(reason.as_bytes())));
+    headers.push(("iggy-ingest-destination", Cow::Owned(format!("{}/{}", d.stream, d.topic).into_bytes())));
+}
+
+/// A batch's messages in the sink's form, or why the sink cannot take them.
+type Prepared<M> = Result<Vec<M>, SendError>;
+
+fn prepare<S: Sink>(sink: &S, batch: &[Routed]) -> Prepared<S::Message> {
+    let messages: Vec<OutMessage<'_>> = batch.iter().map(out_message).collect();
+    sink.prepare(&messages)
 }
 
 /// Delivers one batch: ensures the destination, applies the partition check, and sends
@@ -556,6 +615,7 @@ async fn deliver<S: Sink, C>(
     ctx: &LaneContext<S, C>,
     breaker: &mut Breaker,
     batch: &[Routed],
+    prepared: &mut Prepared<S::Message>,
 ) -> Delivery {
     let mut shutdown = ctx.shutdown.clone();
     let mut failures: u32 = 0;
@@ -565,7 +625,7 @@ async fn deliver<S: Sink, C>(
         let cached = lock(&lane.info).topic;
         let topic = match cached {
             Some(t) => t,
-            None => match attempt(lane, ctx, breaker, &mut failures, None, &mut shutdown).await {
+            None => match attempt(lane, ctx, breaker, &mut failures, Op::Ensure, &mut shutdown).await {
                 Attempt::Ensured(t) => t,
                 Attempt::Retry => continue,
                 Attempt::Sent | Attempt::ShuttingDown => return Delivery::ShuttingDown,
@@ -589,8 +649,11 @@ async fn deliver<S: Sink, C>(
                 Delivery::ShuttingDown => return Delivery::ShuttingDown,
             }
         }
-        let messages: Vec<OutMessage> = batch[i..end].iter().map(out_message).collect();
-        match attempt(lane, ctx, breaker, &mut failures, Some((&partitioning, messages)), &mut shutdown).await {
+        let op = match prepared {
+            Ok(messages) => Op::Send(&partitioning, &mut messages[i..end]),
+            Err(e) => Op::Unsendable(e.clone()),
+        };
+        match attempt(lane, ctx, breaker, &mut failures, op, &mut shutdown).await {
             Attempt::Sent => {
                 metrics::counter!("iggy_connector_messages_routed_total", "connector_key" => lane.key.source.clone())
                     .increment((end - i) as u64);
@@ -605,6 +668,16 @@ async fn deliver<S: Sink, C>(
     Delivery::Done
 }
 
+/// What an attempt does.
+enum Op<'a, M> {
+    /// Make sure the destination exists.
+    Ensure,
+    /// Send these messages with this partitioning.
+    Send(&'a Partitioning, &'a mut [M]),
+    /// The sink could not prepare the messages: fail as a send would.
+    Unsendable(SendError),
+}
+
 enum Attempt {
     Sent,
     Ensured(TopicInfo),
@@ -612,13 +685,13 @@ enum Attempt {
     ShuttingDown,
 }
 
-/// One try of an ensure (`send` = None) or a send, with breaker, backoff and status.
+/// One try of an ensure or a send, with breaker, backoff and status.
 async fn attempt<S: Sink, C>(
     lane: &Lane,
     ctx: &LaneContext<S, C>,
     breaker: &mut Breaker,
     failures: &mut u32,
-    send: Option<(&Partitioning, Vec<OutMessage>)>,
+    op: Op<'_, S::Message>,
     shutdown: &mut watch::Receiver<bool>,
 ) -> Attempt {
     let wait = breaker.wait(Instant::now());
@@ -633,8 +706,9 @@ async fn attempt<S: Sink, C>(
     }
     let Ok(_slot) = lane.send_slots.acquire().await else { return Attempt::ShuttingDown };
     let timeout = lane.policy.batch.result_timeout;
-    let result: Result<Option<TopicInfo>, SendError> = match send {
-        None => {
+    let result: Result<Option<TopicInfo>, SendError> = match op {
+        Op::Unsendable(e) => Err(e),
+        Op::Ensure => {
             let started = std::time::Instant::now();
             let r = tokio::time::timeout(timeout, ctx.sink.ensure(lane.dest())).await;
             metrics::histogram!("iggy_connector_destination_create_latency_seconds")
@@ -644,7 +718,7 @@ async fn attempt<S: Sink, C>(
                 Err(_) => Err(SendError::new(SendErrorKind::Timeout, "no answer within the result timeout")),
             }
         }
-        Some((partitioning, messages)) => {
+        Op::Send(partitioning, messages) => {
             let started = std::time::Instant::now();
             fail_points::fail_point!("router.send");
             let r = tokio::time::timeout(timeout, ctx.sink.send(lane.dest(), partitioning, messages)).await;
@@ -759,24 +833,22 @@ async fn out_of_range<S: Sink, C>(
         }
         OnAdmissionFailure::DeadLetter => {
             let Some(dlq) = lane.policy.dead_letter.clone() else { return Delivery::Done };
-            let messages: Vec<OutMessage> = records
+            let messages: Vec<OutMessage<'_>> = records
                 .iter()
                 .map(|r| {
                     let mut m = out_message(r);
-                    m.headers
-                        .push(("iggy-ingest-rejected-reason".into(), Bytes::from_static(b"partition_id_out_of_range")));
-                    let d = &r.envelope.header.destination;
-                    m.headers
-                        .push(("iggy-ingest-destination".into(), Bytes::from(format!("{}/{}", d.stream, d.topic))));
+                    rejected_headers(&mut m.headers, "partition_id_out_of_range", &r.envelope.header.destination);
                     m
                 })
                 .collect();
+            let mut prepared = ctx.sink.prepare(&messages);
             let mut failures = 0u32;
             loop {
                 let ensured = ctx.sink.ensure(&dlq).await;
-                let sent = match ensured {
-                    Ok(_) => ctx.sink.send(&dlq, &Partitioning::Balanced, messages.clone()).await,
-                    Err(e) => Err(e),
+                let sent = match (ensured, &mut prepared) {
+                    (Ok(_), Ok(messages)) => ctx.sink.send(&dlq, &Partitioning::Balanced, messages).await,
+                    (Ok(_), Err(e)) => Err(e.clone()),
+                    (Err(e), _) => Err(e),
                 };
                 match sent {
                     Ok(()) => return Delivery::Done,

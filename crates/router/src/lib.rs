@@ -145,6 +145,7 @@ impl Router {
             cursors_at_start,
             ctx,
             held_from: held_from.clone(),
+            last_lane: None,
         };
         let start = wal.start_offset();
         let mut tasks = vec![tokio::spawn(dispatcher.run(start, shutdown_rx.clone()))];

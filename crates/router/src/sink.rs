@@ -10,6 +10,7 @@
 //!   `Unavailable` are the client's (no destination's breaker counts them);
 //!   `Destination` failures count against that destination's breaker only.
 
+use std::borrow::Cow;
 use std::fmt;
 use std::future::Future;
 
@@ -49,14 +50,15 @@ impl fmt::Display for LaneKey {
     }
 }
 
-/// One message to send.
+/// One message to send, borrowed from its record's envelope (the sink copies what it
+/// keeps while preparing).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct OutMessage {
+pub struct OutMessage<'a> {
     /// The stable id stored in the log record.
     pub id: u128,
-    pub payload: Bytes,
+    pub payload: &'a Bytes,
     /// User headers: name and value.
-    pub headers: Vec<(String, Bytes)>,
+    pub headers: Vec<(&'a str, Cow<'a, [u8]>)>,
 }
 
 /// What the router knows about a destination once it exists.
@@ -114,6 +116,15 @@ impl SendError {
 
 /// Where the router delivers.
 pub trait Sink: Send + Sync + 'static {
+    /// A message in the form `send` takes. A lane prepares the next batch's messages
+    /// while the previous batch is in flight, so the conversion is off the path a
+    /// destination's throughput depends on; a retry sends the prepared messages again.
+    type Message: Send + 'static;
+
+    /// Converts a batch's messages, in order. An error names a message the destination
+    /// could never take; the batch is then held and retried like a failed send.
+    fn prepare(&self, messages: &[OutMessage<'_>]) -> Result<Vec<Self::Message>, SendError>;
+
     /// Makes sure the destination exists (creating it if needed; "already exists" is
     /// success) and reports its partitions and durability.
     fn ensure(&self, dest: &DestinationKey) -> impl Future<Output = Result<TopicInfo, SendError>> + Send;
@@ -124,6 +135,6 @@ pub trait Sink: Send + Sync + 'static {
         &self,
         dest: &DestinationKey,
         partitioning: &Partitioning,
-        messages: Vec<OutMessage>,
+        messages: &mut [Self::Message],
     ) -> impl Future<Output = Result<(), SendError>> + Send;
 }

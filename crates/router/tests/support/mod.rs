@@ -92,6 +92,19 @@ impl FaultySink {
 }
 
 impl Sink for FaultySink {
+    type Message = Prepared;
+
+    fn prepare(&self, messages: &[OutMessage<'_>]) -> Result<Vec<Prepared>, SendError> {
+        Ok(messages
+            .iter()
+            .map(|m| Prepared {
+                id: m.id,
+                payload: m.payload.clone(),
+                headers: m.headers.iter().map(|(k, v)| (k.to_string(), Bytes::copy_from_slice(v))).collect(),
+            })
+            .collect())
+    }
+
     async fn ensure(&self, dest: &DestinationKey) -> Result<TopicInfo, SendError> {
         *self.st().ensured.entry(dest.clone()).or_default() += 1;
         match self.check(dest) {
@@ -103,7 +116,7 @@ impl Sink for FaultySink {
         Ok(TopicInfo { partitions_count, durable: true })
     }
 
-    async fn send(&self, dest: &DestinationKey, p: &Partitioning, messages: Vec<OutMessage>) -> Result<(), SendError> {
+    async fn send(&self, dest: &DestinationKey, p: &Partitioning, messages: &mut [Prepared]) -> Result<(), SendError> {
         *self.st().calls.entry(dest.clone()).or_default() += 1;
         match self.check(dest) {
             Ok(()) => {}
@@ -112,11 +125,24 @@ impl Sink for FaultySink {
         }
         let mut st = self.st();
         let v = st.delivered.entry(dest.clone()).or_default();
-        for m in messages {
-            v.push(Delivered { id: m.id, payload: m.payload, partitioning: p.clone(), headers: m.headers });
+        for m in messages.iter() {
+            v.push(Delivered {
+                id: m.id,
+                payload: m.payload.clone(),
+                partitioning: p.clone(),
+                headers: m.headers.clone(),
+            });
         }
         Ok(())
     }
+}
+
+/// A message as `FaultySink` takes it: an owned copy of what the router handed over.
+#[derive(Debug, Clone)]
+pub struct Prepared {
+    pub id: u128,
+    pub payload: Bytes,
+    pub headers: Vec<(String, Bytes)>,
 }
 
 pub fn key(s: &str, t: &str) -> DestinationKey {
