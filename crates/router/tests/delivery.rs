@@ -216,3 +216,55 @@ async fn a_lingering_batch_goes_out_as_soon_as_it_is_full() {
     assert_eq!(sink.calls(&d), 1, "one send of the full batch");
     router.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backlog_goes_out_in_full_batches_in_order_with_the_next_one_prepared_ahead() {
+    let sim = SimStorage::new();
+    let wal = open_wal(&sim);
+    let sink = FaultySink::new();
+    let d = key("s", "backlog");
+    let mut policy = fast_policy();
+    policy.batch.batch_max_records = 50;
+    // The whole backlog is in the log before the router (and its lane) starts.
+    let want = fill(&wal, std::slice::from_ref(&d), 0, 1000).await;
+    let router =
+        Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), Policies::uniform(policy))
+            .unwrap();
+    eventually(Duration::from_secs(20), "all delivered", || sink.ids(&d).len() == 1000).await;
+    assert_eq!(sink.ids(&d), want[&d], "log order, each once");
+    assert_eq!(sink.calls(&d), 20, "twenty full batches, nothing sent twice");
+    eventually(Duration::from_secs(20), "log released", || router.released_below() == 1000).await;
+    let lane = router.destinations().into_iter().find(|l| l.destination == d).unwrap();
+    assert_eq!((lane.held_records, lane.held_bytes, lane.oldest_held_age_ms), (0, 0, None));
+    router.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failed_sends_with_the_next_batch_prepared_lose_nothing_and_repeat_nothing() {
+    let sim = SimStorage::new();
+    let wal = open_wal(&sim);
+    let sink = FaultySink::new();
+    let d = key("s", "flaky");
+    let mut policy = fast_policy();
+    policy.batch.batch_max_records = 20;
+    let router =
+        Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), Policies::uniform(policy))
+            .unwrap();
+    let mut want = fill(&wal, std::slice::from_ref(&d), 0, 1).await;
+    eventually(Duration::from_secs(10), "warm", || sink.ids(&d).len() == 1).await;
+    // Sends fail while a backlog builds: the first batch is retried while the next ones
+    // are queued (and one is prepared ahead).
+    sink.client_fault(Some(SendErrorKind::Unavailable));
+    want.get_mut(&d).unwrap().extend(&fill(&wal, std::slice::from_ref(&d), 1, 300).await[&d]);
+    eventually(Duration::from_secs(10), "retrying", || sink.calls(&d) >= 4).await;
+    let lane = router.destinations().into_iter().find(|l| l.destination == d).unwrap();
+    assert_eq!(lane.held_records, 300, "every record held while the sends fail");
+    assert!(router.released_below() <= 1);
+    sink.client_fault(None);
+    eventually(Duration::from_secs(20), "all delivered", || sink.ids(&d).len() == 301).await;
+    assert_eq!(sink.ids(&d), want[&d], "log order, each once");
+    eventually(Duration::from_secs(20), "log released", || router.released_below() == 301).await;
+    let lane = router.destinations().into_iter().find(|l| l.destination == d).unwrap();
+    assert_eq!((lane.held_records, lane.held_bytes), (0, 0));
+    router.shutdown().await;
+}
