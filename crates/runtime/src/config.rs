@@ -94,6 +94,7 @@ pub struct WalConfig {
     pub record_max_bytes: u64,
     pub sync: String,
     pub sync_interval_ms: u64,
+    pub preallocate_bytes: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -371,6 +372,7 @@ impl Default for WalConfig {
             record_max_bytes: 4 * 1024 * 1024,
             sync: "always".into(),
             sync_interval_ms: 10,
+            preallocate_bytes: d.preallocate_bytes,
         }
     }
 }
@@ -760,6 +762,7 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
     if config.wal.segment_max_bytes < 4096 {
         c.err(&w.key("segment_max_bytes"), "must be at least 4096");
     }
+
     if (max_body_bytes as u128) + 4096 > u128::from(record_max_bytes) {
         c.err(
             &http.key("max_body_bytes"),
@@ -771,6 +774,7 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
         max_bytes: config.wal.max_bytes,
         record_max_bytes: record_max_bytes.clamp(1, wal::format::RECORD_MAX_BYTES),
         sync,
+        preallocate_bytes: config.wal.preallocate_bytes,
         ..WalOptions::default()
     };
 
@@ -1292,6 +1296,17 @@ mod tests {
             Ok(_) => panic!("expected errors"),
             Err(e) => e.errors,
         }
+    }
+
+    #[test]
+    fn preallocation_reaches_the_log() {
+        let text = "[wal]\npreallocate_bytes = 0\n[sources.a]\ndestination = { stream = \"s\", topic = \"t\" }\n";
+        let s = validate(&parse(text, None).unwrap(), Some(text), None).unwrap();
+        assert_eq!(s.wal.preallocate_bytes, 0);
+        assert_eq!(validate(&Config::builtin(), None, None).unwrap().wal.preallocate_bytes, 1024 * 1024);
+        // Larger than a (small) segment is not an error: the zeros stop at the segment's size.
+        let text = "[wal]\nsegment_max_bytes = 65536\nmax_bytes = 1048576\n[sources.a]\ndestination = { stream = \"s\", topic = \"t\" }\n";
+        assert!(validate(&parse(text, None).unwrap(), Some(text), None).is_ok());
     }
 
     #[test]

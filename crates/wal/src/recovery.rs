@@ -393,6 +393,8 @@ fn finish(
                 next_offset,
                 segment_max_bytes: opts.segment_max_bytes,
                 group_max_bytes: opts.group_max_bytes,
+                preallocate_bytes: opts.preallocate_bytes,
+                allocated_len: len,
                 sync: opts.sync,
                 poisoned: None,
                 unsynced_since: None,

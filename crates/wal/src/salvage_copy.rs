@@ -15,7 +15,8 @@
 //!   the log accepts as a salvage gap.
 //! - After damage the walk resynchronises byte by byte on the next frame that checks;
 //!   every skipped byte range (a bad segment header included) is reported with its file
-//!   and position.
+//!   and position. Zeros from a frame position to the end of a file are the zeros the
+//!   writer writes ahead of its records, not damage: they end the file's walk unreported.
 //! - Each new segment is written whole (temporary file, sync, rename, directory sync),
 //!   so an interrupted copy leaves only whole segments and `*.tmp` garbage.
 
@@ -170,6 +171,9 @@ pub fn salvage_copy(storage: &dyn Storage, src: &Path, dst: &Path) -> Result<Cop
         let mut pos = SEGMENT_HEADER_LEN.min(len);
         // Where the current run of bytes that did not check began, and why.
         let mut bad: Option<(u64, String)> = None;
+        // Zeros to the end of a file are what the writer writes ahead of its records:
+        // nothing was there. Checked once per file, at the first frame that does not check.
+        let mut zeros_checked = false;
         while pos < len {
             let frame = match r.get(pos, FRAME_HEADER_LEN as usize).map_err(io)? {
                 None => Err("truncated frame header".to_string()),
@@ -222,6 +226,12 @@ pub fn salvage_copy(storage: &dyn Storage, src: &Path, dst: &Path) -> Result<Cop
                     pos += h.frame_len();
                 }
                 Err(why) => {
+                    if !zeros_checked && bad.is_none() {
+                        zeros_checked = true;
+                        if r.zeros_to_end(pos).map_err(io)? {
+                            break;
+                        }
+                    }
                     bad.get_or_insert((pos, why));
                     pos += 1;
                 }

@@ -31,6 +31,20 @@ impl<'a> ChunkReader<'a> {
     }
 
     /// The `n` bytes at `pos`, or `None` if the file ends first.
+    /// True if every byte from `pos` to the end is zero: what the writer writes ahead of
+    /// its records (`WalOptions::preallocate_bytes`), not damage.
+    pub(crate) fn zeros_to_end(&mut self, mut pos: u64) -> std::io::Result<bool> {
+        const STEP: u64 = 64 * 1024;
+        while pos < self.len {
+            let n = STEP.min(self.len - pos) as usize;
+            match self.get(pos, n)? {
+                Some(b) if b.iter().all(|&x| x == 0) => pos += n as u64,
+                _ => return Ok(false),
+            }
+        }
+        Ok(true)
+    }
+
     pub(crate) fn get(&mut self, pos: u64, n: usize) -> std::io::Result<Option<&[u8]>> {
         if pos.checked_add(n as u64).is_none_or(|end| end > self.len) {
             return Ok(None);

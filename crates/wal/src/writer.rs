@@ -15,6 +15,10 @@
 //! - After a failed write or sync the writer cuts the segment back to its last durable
 //!   length and syncs that; a later sync is never taken to cover the failed one. If the
 //!   cut fails too, the log is poisoned: no further append is accepted.
+//! - A write that grows the active segment's file also writes zeros after itself
+//!   (`preallocate_bytes`), so the group commits that follow sync no size change. Zeros
+//!   are only ever written past `written_len`; the file is cut back to its frames before
+//!   a seal and before the clean-shutdown marker (FORMAT.md, "Zeros written ahead").
 //! - Capacity is checked before a byte is written; nothing is ever evicted.
 //! - Segments are deleted oldest first, one directory sync each, and never past a
 //!   removal whose directory sync failed until a later one succeeds, so a crash during
@@ -72,6 +76,12 @@ pub(crate) struct Writer {
     pub next_offset: u64,
     pub segment_max_bytes: u64,
     pub group_max_bytes: usize,
+    /// Zeros written ahead of the data when a write grows the file (see
+    /// `WalOptions::preallocate_bytes`).
+    pub preallocate_bytes: u64,
+    /// The active segment file's length as the writer last made it: `written_len` plus
+    /// the zeros written ahead. Always at least `written_len`.
+    pub allocated_len: u64,
     pub sync: SyncPolicy,
     /// Set when a failure could not be undone.
     pub poisoned: Option<String>,
@@ -232,6 +242,15 @@ impl Writer {
         }
         let n = self.buf.len() as u64;
         let records: u64 = pending.iter().map(|p| p.appended.last_offset - p.appended.first_offset + 1).sum();
+        // A write that grows the file also writes zeros after itself, so that the
+        // writes (and syncs) that follow change no file size.
+        let end = self.written_len + n;
+        let zeros_to = if end > self.allocated_len && self.preallocate_bytes > 0 {
+            (end + self.preallocate_bytes).min(self.segment_max_bytes).max(end)
+        } else {
+            end
+        };
+        self.buf.resize((zeros_to - self.written_len) as usize, 0);
         let result = self.active.file.write_all_at(&self.buf, self.written_len);
         self.buf.clear();
         if let Err(e) = result {
@@ -239,6 +258,7 @@ impl Writer {
             return;
         }
         fail_points::fail_point!("wal.append.written");
+        self.allocated_len = self.allocated_len.max(zeros_to);
         self.written_len += n;
         self.shared.used_bytes.fetch_add(n, Ordering::AcqRel);
         match self.sync {
@@ -313,6 +333,7 @@ impl Writer {
         let undo = self.active.file.set_len(self.durable_len).and_then(|()| self.active.file.sync_data());
         match undo {
             Ok(()) => {
+                self.allocated_len = self.durable_len;
                 self.shared.used_bytes.fetch_sub(lost, Ordering::AcqRel);
                 self.written_len = self.durable_len;
                 self.next_offset = self.shared.durable_next();
@@ -343,8 +364,15 @@ impl Writer {
             if self.written_len != self.durable_len {
                 self.sync_active().map_err(|e| self.fail_rotation(e))?;
             }
+            // Zeros written ahead go first: a segment with a successor ends at its seal.
+            // The seal's sync below makes the shorter length durable with the seal.
+            if self.allocated_len > self.written_len {
+                self.active.file.set_len(self.written_len).map_err(|e| self.fail_rotation(e))?;
+                self.allocated_len = self.written_len;
+            }
             let seal = FrameHeader::seal(self.next_offset, self.durable_len).encode();
             self.active.file.write_all_at(&seal, self.written_len).map_err(|e| self.fail_rotation(e))?;
+            self.allocated_len = self.written_len + SEAL_LEN;
             self.written_len += SEAL_LEN;
             self.shared.used_bytes.fetch_add(SEAL_LEN, Ordering::AcqRel);
             self.sync_active().map_err(|e| self.fail_rotation(e))?;
@@ -357,6 +385,7 @@ impl Writer {
         self.active = seg;
         self.written_len = SEGMENT_HEADER_LEN;
         self.durable_len = SEGMENT_HEADER_LEN;
+        self.allocated_len = SEGMENT_HEADER_LEN;
         Ok(())
     }
 
@@ -408,6 +437,12 @@ impl Writer {
         }
         if self.written_len != self.durable_len {
             self.sync_active().map_err(|e| WalError::io(&self.active.path, e))?;
+        }
+        // The marker states the tail's length: the zeros written ahead go first.
+        if self.allocated_len > self.durable_len {
+            let cut = self.active.file.set_len(self.durable_len).and_then(|()| self.active.file.sync_data());
+            cut.map_err(|e| WalError::io(&self.active.path, e))?;
+            self.allocated_len = self.durable_len;
         }
         let marker = CleanMarker {
             tail_base: self.active.base,

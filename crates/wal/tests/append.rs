@@ -176,7 +176,8 @@ fn close_syncs_and_marks_a_clean_shutdown() {
 #[test]
 fn storage_full_fails_the_append_and_the_log_continues_when_space_returns() {
     let sim = SimStorage::new();
-    let wal = open(&sim, small_options());
+    // Without zeros written ahead, so that the second append needs new space.
+    let wal = open(&sim, WalOptions { preallocate_bytes: 0, ..small_options() });
     rt().block_on(async {
         wal.append(vec![payload(1, 100)]).await.unwrap();
         sim.set_space_limit(Some(sim.used_bytes() + 50));
@@ -188,6 +189,32 @@ fn storage_full_fails_the_append_and_the_log_continues_when_space_returns() {
         let tags: Vec<u64> = read_all(&wal, 0).iter().map(|r| tag_of(&r.payload)).collect();
         assert_eq!(tags, vec![1, 3]);
     });
+}
+
+#[test]
+fn appends_into_the_zeros_written_ahead_need_no_new_space() {
+    let sim = SimStorage::new();
+    let opts = WalOptions { preallocate_bytes: 1024, ..small_options() };
+    let wal = open(&sim, opts.clone());
+    let path = wal.segment_paths()[0].clone();
+    rt().block_on(async {
+        wal.append(vec![payload(1, 100)]).await.unwrap();
+        // The write that grew the file wrote 1 KiB of zeros after its record.
+        let frame = 32 + 100;
+        assert_eq!(sim.read_file(&path).unwrap().len(), 32 + frame + 1024);
+        sim.set_space_limit(Some(sim.used_bytes()));
+        wal.append(vec![payload(2, 100)]).await.expect("written over the zeros: no new space");
+        sim.set_space_limit(None);
+    });
+    drop(wal);
+    // A crash leaves the zeros behind the records: the open cuts them as a torn tail and
+    // keeps every record.
+    sim.crash(CrashMode::LoseUnsynced);
+    let wal = open(&sim, opts);
+    assert_eq!(wal.open_report().truncated_bytes, 1024 - (32 + 100));
+    let tags: Vec<u64> = read_all(&wal, 0).iter().map(|r| tag_of(&r.payload)).collect();
+    assert_eq!(tags, vec![1, 2]);
+    assert_eq!(sim.read_file(&path).unwrap().len(), 32 + 2 * (32 + 100));
 }
 
 #[test]
