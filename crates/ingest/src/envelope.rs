@@ -107,6 +107,89 @@ impl Envelope {
     }
 }
 
+/// What a reader needs to pick a record's lane and account for it, read from the record
+/// without copying or allocating anything (the full [`Envelope::decode`] allocates every
+/// string). The router reads every record; most it only routes, or skips for a lane that
+/// re-reads the log itself.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EnvelopeSummary<'a> {
+    pub message_id: u128,
+    pub received_at_unix_ms: u64,
+    pub source_key: &'a str,
+    pub stream: &'a str,
+    pub topic: &'a str,
+    pub payload_len: usize,
+}
+
+/// [`EnvelopeHeader`] as borrowed views of the record's bytes: the same fields in the same
+/// order, so postcard reads the same encoding. The lists are walked, not collected.
+#[derive(Deserialize)]
+struct HeaderView<'a> {
+    message_id: u128,
+    received_at_unix_ms: u64,
+    source_key: &'a str,
+    _endpoint_id: Option<u128>,
+    _content_type: Option<&'a str>,
+    _metadata: Skipped<(&'a str, &'a str)>,
+    _headers: Skipped<(&'a str, &'a [u8])>,
+    _idempotency_key: Option<&'a str>,
+    _batch_index: u32,
+    _batch_len: u32,
+    stream: &'a str,
+    topic: &'a str,
+    _partitioning: PartitioningView<'a>,
+}
+
+/// [`Partitioning`], borrowed. Read only to find where the payload begins.
+#[derive(Deserialize)]
+#[allow(dead_code)]
+enum PartitioningView<'a> {
+    Balanced,
+    Key(&'a [u8]),
+    PartitionId(u32),
+}
+
+/// A sequence read element by element and dropped.
+struct Skipped<T>(std::marker::PhantomData<T>);
+
+impl<'de, T: Deserialize<'de>> Deserialize<'de> for Skipped<T> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Walk<T>(std::marker::PhantomData<T>);
+        impl<'de, T: Deserialize<'de>> serde::de::Visitor<'de> for Walk<T> {
+            type Value = Skipped<T>;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a sequence")
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+                while seq.next_element::<T>()?.is_some() {}
+                Ok(Skipped(std::marker::PhantomData))
+            }
+        }
+        d.deserialize_seq(Walk(std::marker::PhantomData))
+    }
+}
+
+impl Envelope {
+    /// Reads a record's [`EnvelopeSummary`]; accepts exactly what [`Envelope::decode`]
+    /// accepts (a test holds the two together).
+    pub fn summarize(record: &[u8]) -> Result<EnvelopeSummary<'_>, EnvelopeError> {
+        let (&version, rest) = record.split_first().ok_or(EnvelopeError::Empty)?;
+        if version != ENVELOPE_VERSION {
+            return Err(EnvelopeError::UnknownVersion(version));
+        }
+        let (h, tail) =
+            postcard::take_from_bytes::<HeaderView<'_>>(rest).map_err(|e| EnvelopeError::Malformed(e.to_string()))?;
+        Ok(EnvelopeSummary {
+            message_id: h.message_id,
+            received_at_unix_ms: h.received_at_unix_ms,
+            source_key: h.source_key,
+            stream: h.stream,
+            topic: h.topic,
+            payload_len: tail.len(),
+        })
+    }
+}
+
 /// The message id for event `batch_index` of a delivery the sender named `key`: the
 /// first 128 bits of SHA-256 over a domain tag, the source key, the delivery key and
 /// the index. Stable across retries and restarts.
@@ -160,6 +243,42 @@ mod tests {
         let e = Envelope::decode(&bytes).unwrap();
         assert_eq!(e.header, h);
         assert_eq!(&e.payload[..], b"{\"a\":1}");
+    }
+
+    #[test]
+    fn a_summary_reads_what_decode_reads_without_copying() {
+        let mut variants = vec![header()];
+        let mut h = header();
+        h.endpoint_id = None;
+        h.content_type = None;
+        h.metadata = vec![];
+        h.headers = vec![("a".into(), vec![]), ("b".into(), vec![0, 255, 7]), ("c".into(), b"zz".to_vec())];
+        h.idempotency_key = None;
+        h.destination.partitioning = Partitioning::PartitionId(u32::MAX);
+        variants.push(h);
+        let mut h = header();
+        h.destination.partitioning = Partitioning::Balanced;
+        h.metadata = vec![("peer_addr".into(), "[::1]:9".into()), ("received_at_unix_ms".into(), "1".into())];
+        variants.push(h);
+        for (i, h) in variants.iter().enumerate() {
+            for payload in [&b""[..], b"x", &[0u8; 3000][..]] {
+                let bytes = Envelope::encode(h, payload);
+                let s = Envelope::summarize(&bytes).unwrap_or_else(|e| panic!("variant {i}: {e}"));
+                let e = Envelope::decode(&bytes).unwrap();
+                assert_eq!(s.message_id, e.header.message_id);
+                assert_eq!(s.received_at_unix_ms, e.header.received_at_unix_ms);
+                assert_eq!(s.source_key, e.header.source_key);
+                assert_eq!((s.stream, s.topic), (&*e.header.destination.stream, &*e.header.destination.topic));
+                assert_eq!(s.payload_len, e.payload.len(), "variant {i}");
+                // Every cut of the record that decode refuses, summarize refuses too.
+                for cut in 0..bytes.len() - payload.len() {
+                    let short = bytes.slice(..cut);
+                    assert_eq!(Envelope::summarize(&short).is_ok(), Envelope::decode(&short).is_ok(), "cut at {cut}");
+                }
+            }
+        }
+        assert_eq!(Envelope::summarize(&[]), Err(EnvelopeError::Empty));
+        assert_eq!(Envelope::summarize(&[9, 0]), Err(EnvelopeError::UnknownVersion(9)));
     }
 
     #[test]

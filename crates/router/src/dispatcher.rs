@@ -16,7 +16,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 
-use ingest::envelope::Envelope;
+use ingest::envelope::{Envelope, EnvelopeSummary};
 use tokio::sync::{Semaphore, watch};
 use wal::{Record, Wal};
 
@@ -109,39 +109,42 @@ impl<S: Sink, C: CursorStore> Dispatcher<S, C> {
     }
 
     async fn route(&mut self, rec: Record) {
-        let envelope = match Envelope::decode(&rec.payload) {
-            Ok(e) => e,
-            Err(e) => {
-                // Not a record this build can route: hold it (and the log below it) and say so.
-                tracing::error!(offset = rec.offset, error = %e, "undecodable record held in the log");
-                metrics::counter!("iggy_connector_destinations_rejected_total", "connector_key" => "unknown", "reason" => "malformed")
-                    .increment(1);
-                self.held_from.fetch_min(rec.offset, Ordering::AcqRel);
-                return;
-            }
+        let summary = match Envelope::summarize(&rec.payload) {
+            Ok(s) => s,
+            Err(e) => return self.hold_undecodable(rec.offset, &e),
         };
-        let d = &envelope.header.destination;
         // Records of a source mostly go where the previous one went: reuse its lane
         // without building (and hashing) a key.
         let cached = self.last_lane.as_ref().filter(|(l, _, _)| {
-            l.key.source == envelope.header.source_key
-                && l.key.destination.stream == d.stream
-                && l.key.destination.topic == d.topic
+            l.key.source == summary.source_key
+                && l.key.destination.stream == summary.stream
+                && l.key.destination.topic == summary.topic
         });
         let (lane, queue_max, wait) = match cached {
             Some(found) => found.clone(),
             None => {
                 let key = LaneKey {
-                    source: envelope.header.source_key.clone(),
-                    destination: DestinationKey::new(d.stream.clone(), d.topic.clone()),
+                    source: summary.source_key.to_string(),
+                    destination: DestinationKey::new(summary.stream, summary.topic),
                 };
                 let Some(found) = self.lane_for(&key) else {
-                    self.reject_for_cap(&key, rec.offset, envelope);
+                    match Envelope::decode(&rec.payload) {
+                        Ok(envelope) => self.reject_for_cap(&key, rec.offset, envelope),
+                        Err(e) => self.hold_undecodable(rec.offset, &e),
+                    }
                     return;
                 };
                 self.last_lane = Some(found.clone());
                 found
             }
+        };
+        // A lane that re-reads the log itself needs only to know what was skipped.
+        if lane.skip_if_overflowed(rec.offset, summary.payload_len, summary.received_at_unix_ms) {
+            return;
+        }
+        let envelope = match Envelope::decode(&rec.payload) {
+            Ok(e) => e,
+            Err(e) => return self.hold_undecodable(rec.offset, &e),
         };
         let routed = Routed { offset: rec.offset, envelope, dead_letter_reason: None };
         let space = lane.space.notified();
@@ -155,6 +158,14 @@ impl<S: Sink, C: CursorStore> Dispatcher<S, C> {
             }
             let _ = lane.offer(routed, queue_max, false);
         }
+    }
+
+    /// Not a record this build can route: hold it (and the log below it) and say so.
+    fn hold_undecodable(&self, offset: u64, e: &ingest::envelope::EnvelopeError) {
+        tracing::error!(offset, error = %e, "undecodable record held in the log");
+        metrics::counter!("iggy_connector_destinations_rejected_total", "connector_key" => "unknown", "reason" => "malformed")
+            .increment(1);
+        self.held_from.fetch_min(offset, Ordering::AcqRel);
     }
 
     fn source(&mut self, source: &str) -> &SourceRoute {
@@ -255,14 +266,13 @@ pub(crate) fn new_source_route<S: Sink, C: CursorStore>(
     let belongs = {
         let admitted = admitted.clone();
         let dead_letter = dead_letter.clone();
-        Arc::new(move |lane: &LaneKey, e: &Envelope| {
-            if lane.source != e.header.source_key {
+        Arc::new(move |lane: &LaneKey, e: &EnvelopeSummary<'_>| {
+            if lane.source != e.source_key {
                 return None;
             }
-            let d = &e.header.destination;
-            let own = lane.destination.stream == d.stream && lane.destination.topic == d.topic;
+            let own = lane.destination.stream == e.stream && lane.destination.topic == e.topic;
             if Some(&lane.destination) == dead_letter.as_ref() && !own {
-                let key = DestinationKey::new(d.stream.clone(), d.topic.clone());
+                let key = DestinationKey::new(e.stream, e.topic);
                 return (dl_on_reject && admitted.is_rejected_for_cap(&key)).then_some(Some("cap"));
             }
             own.then_some(None)

@@ -21,7 +21,7 @@ use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use ingest::envelope::{Destination, Envelope, Partitioning};
+use ingest::envelope::{Destination, Envelope, EnvelopeSummary, Partitioning};
 use tokio::sync::{Notify, Semaphore, watch};
 use tokio::time::{Duration, Instant};
 use wal::{Record, Wal};
@@ -215,6 +215,27 @@ impl Lane {
         Ok(())
     }
 
+    /// While the lane re-reads the log itself (it overflowed), notes that the dispatcher
+    /// skipped the record at `offset` and returns true; otherwise changes nothing and
+    /// returns false (the record is to be offered). Lets the dispatcher skip a record
+    /// without decoding it in full.
+    pub(crate) fn skip_if_overflowed(&self, offset: u64, payload_len: usize, received_at_unix_ms: u64) -> bool {
+        if offset < self.delivered_below.load(Ordering::Acquire) {
+            return true; // delivered before a restart
+        }
+        let mut g = self.gate();
+        if g.overflow_from.is_none() {
+            return false;
+        }
+        g.held_records += 1;
+        g.held_bytes += payload_len as u64;
+        g.oldest_held_ms.get_or_insert(received_at_unix_ms);
+        g.last_skipped = Some(offset);
+        drop(g);
+        self.wake.notify_one();
+        true
+    }
+
     /// Sending (or about to: a lane just created has not run yet) and not failing:
     /// worth waiting for. A lane that overflowed re-reads its records from the log, which
     /// decodes them a second time; a backlog drained through a new lane must not start so.
@@ -252,7 +273,7 @@ fn ingest_time_ms() -> u64 {
 
 /// Decides whether a record read back from the log belongs to a lane: `None` if not,
 /// `Some(reason)` if it does (with the dead-letter reason when it is there by rejection).
-pub(crate) type BelongsFn = dyn Fn(&LaneKey, &Envelope) -> Option<Option<&'static str>> + Send + Sync;
+pub(crate) type BelongsFn = dyn Fn(&LaneKey, &EnvelopeSummary<'_>) -> Option<Option<&'static str>> + Send + Sync;
 
 /// Everything a lane task needs besides its lane.
 pub(crate) struct LaneContext<S, C> {
@@ -480,8 +501,10 @@ fn own_record(lane: &Lane, rec: Record) -> Option<Routed> {
     if rec.offset < lane.delivered_below.load(Ordering::Acquire) {
         return None;
     }
+    // Other lanes' records are told apart from the summary; only this lane's are decoded.
+    let summary = Envelope::summarize(&rec.payload).ok()?;
+    let reason = (lane.belongs)(&lane.key, &summary)?;
     let envelope = Envelope::decode(&rec.payload).ok()?;
-    let reason = (lane.belongs)(&lane.key, &envelope)?;
     Some(Routed { offset: rec.offset, envelope, dead_letter_reason: reason })
 }
 
