@@ -109,42 +109,38 @@ impl<S: Sink, C: CursorStore> Dispatcher<S, C> {
     }
 
     async fn route(&mut self, rec: Record) {
-        let summary = match Envelope::summarize(&rec.payload) {
-            Ok(s) => s,
-            Err(e) => return self.hold_undecodable(rec.offset, &e),
-        };
-        // Records of a source mostly go where the previous one went: reuse its lane
-        // without building (and hashing) a key.
-        let cached = self.last_lane.as_ref().filter(|(l, _, _)| {
-            l.key.source == summary.source_key
-                && l.key.destination.stream == summary.stream
-                && l.key.destination.topic == summary.topic
-        });
-        let (lane, queue_max, wait) = match cached {
-            Some(found) => found.clone(),
-            None => {
-                let key = LaneKey {
-                    source: summary.source_key.to_string(),
-                    destination: DestinationKey::new(summary.stream, summary.topic),
-                };
-                let Some(found) = self.lane_for(&key) else {
-                    match Envelope::decode(&rec.payload) {
-                        Ok(envelope) => self.reject_for_cap(&key, rec.offset, envelope),
-                        Err(e) => self.hold_undecodable(rec.offset, &e),
-                    }
-                    return;
-                };
-                self.last_lane = Some(found.clone());
-                found
+        // While the lane of the previous record re-reads the log itself (its destination
+        // down, or far behind), most records are only skipped: read just the summary
+        // (no allocation) and decode in full only a record that is to be queued.
+        // Otherwise decode at once; the record is almost certainly queued.
+        let skipping = self.last_lane.as_ref().is_some_and(|(l, _, _)| l.is_overflowed());
+        let envelope = if skipping {
+            let summary = match Envelope::summarize(&rec.payload) {
+                Ok(s) => s,
+                Err(e) => return self.hold_undecodable(rec.offset, &e),
+            };
+            if let Some((lane, _, _)) = self.lane_of(summary.source_key, summary.stream, summary.topic)
+                && lane.skip_if_overflowed(rec.offset, summary.payload_len, summary.received_at_unix_ms)
+            {
+                return;
             }
+            Envelope::decode(&rec.payload)
+        } else {
+            Envelope::decode(&rec.payload)
         };
-        // A lane that re-reads the log itself needs only to know what was skipped.
-        if lane.skip_if_overflowed(rec.offset, summary.payload_len, summary.received_at_unix_ms) {
-            return;
-        }
-        let envelope = match Envelope::decode(&rec.payload) {
+        let envelope = match envelope {
             Ok(e) => e,
             Err(e) => return self.hold_undecodable(rec.offset, &e),
+        };
+        let h = &envelope.header;
+        let Some((lane, queue_max, wait)) = self.lane_of(&h.source_key, &h.destination.stream, &h.destination.topic)
+        else {
+            let key = LaneKey {
+                source: h.source_key.clone(),
+                destination: DestinationKey::new(h.destination.stream.clone(), h.destination.topic.clone()),
+            };
+            self.reject_for_cap(&key, rec.offset, envelope);
+            return;
         };
         let routed = Routed { offset: rec.offset, envelope, dead_letter_reason: None };
         let space = lane.space.notified();
@@ -158,6 +154,21 @@ impl<S: Sink, C: CursorStore> Dispatcher<S, C> {
             }
             let _ = lane.offer(routed, queue_max, false);
         }
+    }
+
+    /// The lane of (source, stream, topic), created within the source's cap; `None` when
+    /// the cap refuses it. Records of a source mostly go where the previous one went: that
+    /// lane is reused without building (and hashing) a key.
+    fn lane_of(&mut self, source: &str, stream: &str, topic: &str) -> Option<(Arc<Lane>, usize, std::time::Duration)> {
+        if let Some(found) = self.last_lane.as_ref().filter(|(l, _, _)| {
+            l.key.source == source && l.key.destination.stream == stream && l.key.destination.topic == topic
+        }) {
+            return Some(found.clone());
+        }
+        let key = LaneKey { source: source.to_string(), destination: DestinationKey::new(stream, topic) };
+        let found = self.lane_for(&key)?;
+        self.last_lane = Some(found.clone());
+        Some(found)
     }
 
     /// Not a record this build can route: hold it (and the log below it) and say so.

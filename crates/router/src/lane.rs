@@ -215,6 +215,12 @@ impl Lane {
         Ok(())
     }
 
+    /// True while the lane re-reads the log itself rather than taking records from its
+    /// queue.
+    pub(crate) fn is_overflowed(&self) -> bool {
+        self.gate().overflow_from.is_some()
+    }
+
     /// While the lane re-reads the log itself (it overflowed), notes that the dispatcher
     /// skipped the record at `offset` and returns true; otherwise changes nothing and
     /// returns false (the record is to be offered). Lets the dispatcher skip a record
