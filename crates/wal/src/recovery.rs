@@ -25,7 +25,7 @@ use crate::format::{
     SEGMENT_HEADER_LEN, SegmentHeader, parse_segment_file_name,
 };
 use crate::options::{RecoveryMode, WalOptions};
-use crate::scan::{find_proof_of_durable_damage, read_seal, scan_segment};
+use crate::scan::{find_proof_of_durable_damage, only_zeros_after, read_seal, scan_segment};
 use crate::shared::{SegmentRef, Shared};
 use crate::storage::{OpenMode, Storage, StorageFile, read_exact_at};
 use crate::watermark::{self, Bound};
@@ -44,6 +44,9 @@ pub struct OpenReport {
     pub truncated_bytes: u64,
     /// Where the torn tail began.
     pub torn_at: Option<Location>,
+    /// The torn tail was only the zeros written ahead of the last write: no write was
+    /// interrupted (the trace of a crash or kill between writes).
+    pub torn_tail_zeros_only: bool,
     /// Whole records of a batch whose closing record was lost, cut with the torn tail.
     pub dropped_partial_batch_records: u64,
     /// Leftover temporary files of an interrupted segment creation, removed.
@@ -282,6 +285,8 @@ fn open_bounded(
                         && marker.is_some_and(|m| m.next_offset == next_offset && m.tail_sealed == tail_sealed);
                     if tail.len > out.valid_end {
                         report.truncated_bytes = tail.len - out.valid_end;
+                        report.torn_tail_zeros_only = out.partial_batch_records == 0
+                            && only_zeros_after(&*tail.file, &tail.path, tail.len, out.valid_end)?;
                         report.dropped_partial_batch_records = out.partial_batch_records;
                         if report.torn_at.is_none() {
                             report.torn_at = Some(Location { file: tail.path.clone(), position: out.valid_end });
@@ -291,12 +296,20 @@ fn open_bounded(
                             tail.file.sync_data().map_err(io_err(&tail.path))?;
                         }
                         tail.len = out.valid_end;
-                        tracing::warn!(
-                            segment = %tail.path.display(),
-                            bytes = report.truncated_bytes,
-                            records = report.dropped_partial_batch_records,
-                            "cut a torn tail left by an interrupted write"
-                        );
+                        if report.torn_tail_zeros_only {
+                            tracing::info!(
+                                segment = %tail.path.display(),
+                                bytes = report.truncated_bytes,
+                                "cut the zeros written ahead of the last write"
+                            );
+                        } else {
+                            tracing::warn!(
+                                segment = %tail.path.display(),
+                                bytes = report.truncated_bytes,
+                                records = report.dropped_partial_batch_records,
+                                "cut a torn tail left by an interrupted write"
+                            );
+                        }
                     }
                 }
             }

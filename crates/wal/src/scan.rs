@@ -201,6 +201,13 @@ pub(crate) fn find_proof_of_durable_damage(
     Ok(None)
 }
 
+/// True if every byte of `file` from `pos` to `len` is zero: what is left of a tail
+/// whose last writes all completed is the zeros written ahead of them
+/// (`WalOptions::preallocate_bytes`), so nothing was interrupted.
+pub(crate) fn only_zeros_after(file: &dyn StorageFile, path: &Path, len: u64, pos: u64) -> Result<bool> {
+    ChunkReader::new(file, len).zeros_to_end(pos).map_err(|e| WalError::io(path, e))
+}
+
 /// Reads and checks the seal at the end of a sealed segment, returning its offset.
 pub(crate) fn read_seal(file: &dyn StorageFile, path: &Path, len: u64) -> Result<u64> {
     let at = len.saturating_sub(FRAME_HEADER_LEN);

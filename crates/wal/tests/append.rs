@@ -210,8 +210,11 @@ fn appends_into_the_zeros_written_ahead_need_no_new_space() {
     // A crash leaves the zeros behind the records: the open cuts them as a torn tail and
     // keeps every record.
     sim.crash(CrashMode::LoseUnsynced);
+    let verified = wal::inspect::verify(&sim, &dir(), &mut |_| {}).unwrap();
+    assert!(verified.is_clean() && verified.torn_tail.is_some() && verified.torn_tail_zeros_only, "{verified:?}");
     let wal = open(&sim, opts);
     assert_eq!(wal.open_report().truncated_bytes, 1024 - (32 + 100));
+    assert!(wal.open_report().torn_tail_zeros_only, "nothing was interrupted");
     let tags: Vec<u64> = read_all(&wal, 0).iter().map(|r| tag_of(&r.payload)).collect();
     assert_eq!(tags, vec![1, 2]);
     assert_eq!(sim.read_file(&path).unwrap().len(), 32 + 2 * (32 + 100));

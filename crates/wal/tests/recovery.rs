@@ -49,6 +49,7 @@ fn a_torn_tail_is_cut_and_reported_and_acknowledged_records_stay() {
     let wal = open(&sim, small_options());
     let r = wal.open_report();
     assert_eq!(r.truncated_bytes, 50);
+    assert!(!r.torn_tail_zeros_only, "a torn write is not zeros written ahead");
     assert_eq!(r.torn_at.as_ref().map(|l| l.position), Some(len_before as u64));
     assert_eq!(read_all(&wal, 0).len(), 3);
     assert_eq!(sim.read_file(&path).unwrap().len(), len_before);

@@ -210,7 +210,7 @@ pub(crate) fn run(a: InspectArgs) -> CliResult {
                 "dir": a.dir,
                 "writer_running": running,
                 "clean_shutdown": if running { None } else { Some(report.clean_shutdown) },
-                "torn_tail": report.torn_at.as_ref().map(|t| json!({"file": t.file, "position": t.position})),
+                "torn_tail": report.torn_at.as_ref().map(|t| json!({"file": t.file, "position": t.position, "zeros_only": report.torn_tail_zeros_only})),
                 "start_offset": stats.start_offset,
                 "next_offset": stats.next_offset,
                 "records": stats.next_offset - stats.start_offset,
@@ -230,7 +230,11 @@ pub(crate) fn run(a: InspectArgs) -> CliResult {
     writeln!(out, "writer    {}", if running { "running (read up to its last sync)" } else { "stopped" })?;
     writeln!(out, "shutdown  {shutdown}")?;
     if let Some(t) = &report.torn_at {
-        writeln!(out, "torn tail {t} (an interrupted write; cut on the next start)")?;
+        if report.torn_tail_zeros_only {
+            writeln!(out, "torn tail {t} (only the zeros written ahead of the last write; cut on the next start)")?;
+        } else {
+            writeln!(out, "torn tail {t} (an interrupted write; cut on the next start)")?;
+        }
     }
     writeln!(
         out,

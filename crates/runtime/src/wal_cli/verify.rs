@@ -68,7 +68,7 @@ pub(crate) fn run(a: VerifyArgs) -> CliResult {
                 "records": report.records,
                 "bytes": report.bytes,
                 "problems": problems,
-                "torn_tail": report.torn_tail.as_ref().map(|t| json!({"file": t.file, "position": t.position})),
+                "torn_tail": report.torn_tail.as_ref().map(|t| json!({"file": t.file, "position": t.position, "zeros_only": report.torn_tail_zeros_only})),
                 "seconds": seconds,
             }),
         )?;
@@ -77,9 +77,14 @@ pub(crate) fn run(a: VerifyArgs) -> CliResult {
             writeln!(out, "DAMAGED {} at byte {}: {}", p.location.file.display(), p.location.position, p.what)?;
         }
         if let Some(t) = &report.torn_tail {
+            let what = if report.torn_tail_zeros_only {
+                "only the zeros written ahead of the last write (no write was interrupted)"
+            } else {
+                "an interrupted write"
+            };
             writeln!(
                 out,
-                "torn tail {} at byte {}: an interrupted write, not damage (the daemon's next start cuts it)",
+                "torn tail {} at byte {}: {what}, not damage (the daemon's next start cuts it)",
                 t.file.display(),
                 t.position
             )?;
