@@ -333,6 +333,20 @@ fn open_bounded(
         // previous process may have died (or failed a sync) after writing bytes or
         // creating a file without syncing it, and its page cache outlived it. Syncing
         // clean files is cheap; this happens once per open.
+        //
+        // A sync alone does not cover bytes whose earlier sync *failed*: the kernel
+        // marked those pages clean, so they read back but are not on the disk (a process
+        // that failed a sync and then failed to cut it back died poisoned). The tail is
+        // the only segment such bytes can be in (a successor is created only after its
+        // predecessor's seal synced), so unless a clean shutdown vouches for it, its
+        // bytes are written again before the sync: what the open keeps, and the seal it
+        // may create a successor behind, is then durable.
+        if !report.clean_shutdown
+            && report.salvage.is_none()
+            && let Some(tail) = loaded.last()
+        {
+            rewrite(&*tail.file, &tail.path, SEGMENT_HEADER_LEN, tail.len)?;
+        }
         for seg in &loaded {
             seg.file.sync_data().map_err(io_err(&seg.path))?;
         }
@@ -363,6 +377,21 @@ fn open_bounded(
         segs.push(create_segment(&*storage, &dir, next_offset, flags)?);
     }
     Ok(finish(storage, dir, opts, segs, next_offset, lock, report))
+}
+
+/// Writes bytes `from..to` of `file` back in place, so that the next sync covers them
+/// even where the page cache holds them clean but not durable.
+fn rewrite(file: &dyn StorageFile, path: &Path, from: u64, to: u64) -> Result<()> {
+    const CHUNK_BYTES: u64 = 1024 * 1024;
+    let mut buf = vec![0u8; CHUNK_BYTES.min(to.saturating_sub(from)) as usize];
+    let mut pos = from;
+    while pos < to {
+        let n = CHUNK_BYTES.min(to - pos) as usize;
+        read_exact_at(file, &mut buf[..n], pos).map_err(io_err(path))?;
+        file.write_all_at(&buf[..n], pos).map_err(io_err(path))?;
+        pos += n as u64;
+    }
+    Ok(())
 }
 
 /// A clean-shutdown marker is trusted only if it describes this tail and is consistent

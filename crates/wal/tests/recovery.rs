@@ -300,3 +300,30 @@ fn a_clean_marker_that_does_not_match_the_tail_is_ignored() {
     assert_eq!(wal.open_report().truncated_bytes, 32);
     assert_eq!(wal.next_offset(), 1);
 }
+
+#[test]
+fn a_seal_whose_sync_failed_is_made_durable_before_the_open_builds_on_it() {
+    let sim = SimStorage::new();
+    let wal = open(&sim, small_options());
+    rt().block_on(async {
+        for t in 0..3 {
+            wal.append(vec![payload(t, 1000)]).await.unwrap();
+        }
+        // The fourth needs a new segment: the seal is written, its sync fails, and
+        // cutting it back fails too, so the writer stops, poisoned, with the seal in the
+        // page cache (clean, as Linux leaves pages after a failed sync) but not on disk.
+        sim.fail_nth(FaultOp::Sync, 1, std::io::ErrorKind::Other);
+        sim.fail_nth(FaultOp::Metadata, 1, std::io::ErrorKind::Other);
+        assert!(wal.append(vec![payload(3, 1000)]).await.is_err());
+    });
+    drop(wal);
+    // The next start reads the seal and starts a successor behind it.
+    let wal = open(&sim, small_options());
+    assert_eq!(wal.next_offset(), 3);
+    drop(wal);
+    // A power loss must not take the seal from under that successor.
+    sim.crash(CrashMode::LoseUnsynced);
+    let wal = try_open(&sim, small_options()).expect("the log opens after the power loss");
+    let tags: Vec<u64> = read_all(&wal, 0).iter().map(|r| tag_of(&r.payload)).collect();
+    assert_eq!(tags, vec![0, 1, 2]);
+}
