@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use crate::error::{Location, Result, WalError};
 use crate::format::{
-    CleanMarker, DurableWatermark, FRAME_HEADER_LEN, FrameHeader, HeaderProblem, SEGMENT_FLAG_GAP_BEFORE,
+    CleanMarker, DurableWatermark, FRAME_HEADER_LEN, FrameHeader, HeaderProblem, SEAL_LEN, SEGMENT_FLAG_GAP_BEFORE,
     SEGMENT_HEADER_LEN, SegmentHeader, parse_segment_file_name,
 };
 use crate::options::{RecoveryMode, WalOptions};
@@ -336,16 +336,19 @@ fn open_bounded(
         //
         // A sync alone does not cover bytes whose earlier sync *failed*: the kernel
         // marked those pages clean, so they read back but are not on the disk (a process
-        // that failed a sync and then failed to cut it back died poisoned). The tail is
-        // the only segment such bytes can be in (a successor is created only after its
-        // predecessor's seal synced), so unless a clean shutdown vouches for it, its
-        // bytes are written again before the sync: what the open keeps, and the seal it
-        // may create a successor behind, is then durable.
-        if !report.clean_shutdown
+        // that failed a seal's sync and then failed to cut it back died poisoned). The
+        // open is about to build a successor on the tail's seal, so unless a clean
+        // shutdown vouches for it, the seal is written again before the sync. Only the
+        // seal: it carries no record, so a power loss that tears the rewrite leaves an
+        // unsealed tail the next open cuts, while rewriting records would put bytes a
+        // sync vouched for at risk (unsynced bytes are arbitrary after a power loss).
+        if tail_sealed
+            && !report.clean_shutdown
             && report.salvage.is_none()
             && let Some(tail) = loaded.last()
+            && tail.len >= SEGMENT_HEADER_LEN + SEAL_LEN
         {
-            rewrite(&*tail.file, &tail.path, SEGMENT_HEADER_LEN, tail.len)?;
+            rewrite(&*tail.file, &tail.path, tail.len - SEAL_LEN, tail.len)?;
         }
         for seg in &loaded {
             seg.file.sync_data().map_err(io_err(&seg.path))?;
