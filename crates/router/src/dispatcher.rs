@@ -114,7 +114,7 @@ impl<S: Sink, C: CursorStore> Dispatcher<S, C> {
         // (no allocation) and decode in full only a record that is to be queued.
         // Otherwise decode at once; the record is almost certainly queued.
         let skipping = self.last_lane.as_ref().is_some_and(|(l, _, _)| l.is_overflowed());
-        let envelope = if skipping {
+        if skipping {
             let summary = match Envelope::summarize(&rec.payload) {
                 Ok(s) => s,
                 Err(e) => return self.hold_undecodable(rec.offset, &e),
@@ -124,11 +124,8 @@ impl<S: Sink, C: CursorStore> Dispatcher<S, C> {
             {
                 return;
             }
-            Envelope::decode(&rec.payload)
-        } else {
-            Envelope::decode(&rec.payload)
-        };
-        let envelope = match envelope {
+        }
+        let envelope = match Envelope::decode(&rec.payload) {
             Ok(e) => e,
             Err(e) => return self.hold_undecodable(rec.offset, &e),
         };

@@ -348,7 +348,7 @@ fn open_bounded(
             && let Some(tail) = loaded.last()
             && tail.len >= SEGMENT_HEADER_LEN + SEAL_LEN
         {
-            rewrite(&*tail.file, &tail.path, tail.len - SEAL_LEN, tail.len)?;
+            rewrite_seal(&*tail.file, &tail.path, tail.len)?;
         }
         for seg in &loaded {
             seg.file.sync_data().map_err(io_err(&seg.path))?;
@@ -382,19 +382,12 @@ fn open_bounded(
     Ok(finish(storage, dir, opts, segs, next_offset, lock, report))
 }
 
-/// Writes bytes `from..to` of `file` back in place, so that the next sync covers them
-/// even where the page cache holds them clean but not durable.
-fn rewrite(file: &dyn StorageFile, path: &Path, from: u64, to: u64) -> Result<()> {
-    const CHUNK_BYTES: u64 = 1024 * 1024;
-    let mut buf = vec![0u8; CHUNK_BYTES.min(to.saturating_sub(from)) as usize];
-    let mut pos = from;
-    while pos < to {
-        let n = CHUNK_BYTES.min(to - pos) as usize;
-        read_exact_at(file, &mut buf[..n], pos).map_err(io_err(path))?;
-        file.write_all_at(&buf[..n], pos).map_err(io_err(path))?;
-        pos += n as u64;
-    }
-    Ok(())
+/// Writes the seal at the end of a tail of `len` bytes back in place, so that the next
+/// sync covers it even where the page cache holds it clean but not durable.
+fn rewrite_seal(file: &dyn StorageFile, path: &Path, len: u64) -> Result<()> {
+    let mut seal = [0u8; SEAL_LEN as usize];
+    read_exact_at(file, &mut seal, len - SEAL_LEN).map_err(io_err(path))?;
+    file.write_all_at(&seal, len - SEAL_LEN).map_err(io_err(path))
 }
 
 /// A clean-shutdown marker is trusted only if it describes this tail and is consistent
