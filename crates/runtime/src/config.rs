@@ -33,6 +33,7 @@ pub struct Config {
     pub http: HttpConfig,
     pub admin: AdminConfig,
     pub shutdown: ShutdownConfig,
+    pub runtime: RuntimeConfig,
     pub logging: LoggingConfig,
     pub storage: StorageConfig,
     pub wal: WalConfig,
@@ -71,6 +72,15 @@ pub struct AdminConfig {
 pub struct ShutdownConfig {
     pub grace_period_ms: u64,
     pub drain_delay_ms: u64,
+}
+
+/// The async runtime that serves both listeners and the router.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RuntimeConfig {
+    /// Worker threads; 0 picks the machine's cores minus one (at least one), leaving a
+    /// core to the log's writer thread and the kernel's network and disk work.
+    pub worker_threads: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -351,6 +361,12 @@ impl Default for ShutdownConfig {
     }
 }
 
+impl Default for RuntimeConfig {
+    fn default() -> Self {
+        RuntimeConfig { worker_threads: 0 }
+    }
+}
+
 impl Default for LoggingConfig {
     fn default() -> Self {
         LoggingConfig { level: "info".into(), format: "text".into() }
@@ -406,6 +422,7 @@ impl Default for Config {
             http: HttpConfig::default(),
             admin: AdminConfig::default(),
             shutdown: ShutdownConfig::default(),
+            runtime: RuntimeConfig::default(),
             logging: LoggingConfig::default(),
             storage: StorageConfig::default(),
             wal: WalConfig::default(),
@@ -603,6 +620,9 @@ pub struct Settings {
     pub management_token: Option<String>,
     pub grace_period: Duration,
     pub drain_delay: Duration,
+    /// `runtime.worker_threads`; 0 = the machine's cores minus one, at least one
+    /// ([`Settings::runtime_worker_threads`]).
+    pub worker_threads: usize,
     pub log_level: String,
     pub log_json: bool,
     pub data_dir: PathBuf,
@@ -621,7 +641,19 @@ impl Settings {
     pub fn state_path(&self) -> PathBuf {
         self.data_dir.join("state.redb")
     }
+
+    /// The async runtime's worker threads on a machine with `cores` cores: as
+    /// configured, or (0) one fewer than the cores, at least one. The log's writer is
+    /// a thread of its own that each group commit wakes; a worker per core beside it
+    /// oversubscribes the cores, and idle workers woken to steal work cost more than
+    /// they take (docs/performance.md, "Worker threads").
+    pub fn runtime_worker_threads(&self, cores: usize) -> usize {
+        if self.worker_threads > 0 { self.worker_threads } else { cores.saturating_sub(1).max(1) }
+    }
 }
+
+/// The most worker threads `runtime.worker_threads` may ask for.
+pub const MAX_WORKER_THREADS: u64 = 1024;
 
 struct Checker<'a> {
     text: Option<&'a str>,
@@ -714,6 +746,17 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
             ),
         );
     }
+
+    // A limit like every other: far above any machine this runs on, low enough that a
+    // typo (an extra digit or three) is refused instead of spawning threads by the thousand.
+    let worker_threads = config.runtime.worker_threads;
+    if worker_threads > MAX_WORKER_THREADS {
+        c.err(
+            &root.key("runtime").key("worker_threads"),
+            format!("{worker_threads} is more than {MAX_WORKER_THREADS}; 0 picks the machine's cores minus one"),
+        );
+    }
+    let worker_threads = worker_threads.min(MAX_WORKER_THREADS) as usize;
 
     let logging = root.key("logging");
     let log_level = config.logging.level.clone();
@@ -906,6 +949,7 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
         management_token,
         grace_period: Duration::from_millis(config.shutdown.grace_period_ms),
         drain_delay: Duration::from_millis(config.shutdown.drain_delay_ms),
+        worker_threads,
         log_level,
         log_json,
         data_dir: PathBuf::from(&config.storage.data_dir),
@@ -1289,6 +1333,29 @@ mod tests {
         assert_eq!(s.sources[0].partitioning, PartitionRule::Fixed(Partitioning::Balanced));
         assert_eq!(s.sources[0].admission, Admission::Open);
         assert_eq!(s.wal.sync, SyncPolicy::Always);
+    }
+
+    #[test]
+    fn worker_threads_leave_a_core_unless_configured() {
+        let auto = validate(&Config::builtin(), None, None).unwrap();
+        assert_eq!(auto.worker_threads, 0);
+        assert_eq!(auto.runtime_worker_threads(1), 1);
+        assert_eq!(auto.runtime_worker_threads(2), 1);
+        assert_eq!(auto.runtime_worker_threads(16), 15);
+        let text = "[runtime]\nworker_threads = 3\n[sources.a]\ndestination = { stream = \"s\", topic = \"t\" }\n";
+        let set = validate(&parse(text, None).unwrap(), Some(text), None).unwrap();
+        assert_eq!(set.runtime_worker_threads(2), 3);
+        assert_eq!(set.runtime_worker_threads(64), 3);
+    }
+
+    #[test]
+    fn too_many_worker_threads_name_the_key_and_line() {
+        let text = "[runtime]\nworker_threads = 20000\n[sources.a]\ndestination = { stream = \"s\", topic = \"t\" }\n";
+        let e = errors(text);
+        assert_eq!(e.len(), 1, "{e:?}");
+        assert_eq!(e[0].path, "runtime.worker_threads");
+        assert_eq!(e[0].line, Some(2));
+        assert!(e[0].message.contains("1024"), "{}", e[0].message);
     }
 
     fn errors(text: &str) -> Vec<ConfigError> {

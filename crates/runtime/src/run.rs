@@ -26,7 +26,11 @@ pub fn run(settings: Settings, ready_file: Option<PathBuf>) -> ExitCode {
             None
         }
     };
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    let worker_threads = settings.runtime_worker_threads(cores);
+    tracing::info!(worker_threads, cores, "starting the async runtime");
+    let runtime = match tokio::runtime::Builder::new_multi_thread().worker_threads(worker_threads).enable_all().build()
+    {
         Ok(r) => r,
         Err(e) => {
             eprintln!("cannot start the async runtime: {e}");
