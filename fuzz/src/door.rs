@@ -543,7 +543,7 @@ async fn check_one(world: &World, req: &Req) {
     // A URI the HTTP layer would refuse never reaches the router.
     let Ok(mut request) = builder.body(Body::from(req.body.clone())) else { return };
     if req.peer {
-        request.extensions_mut().insert(PeerAddr("127.0.0.1:4000".parse().expect("an address")));
+        request.extensions_mut().insert(PeerAddr::new("127.0.0.1:4000".parse().expect("an address")));
     }
     let before = world.wal.next_offset();
     let response = world.router.clone().oneshot(request).await.expect("the router is infallible");

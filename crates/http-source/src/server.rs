@@ -74,8 +74,9 @@ pub async fn serve(
         };
         let _ = stream.set_nodelay(true);
         let router = router.clone();
+        let peer_addr = PeerAddr::new(peer);
         let service = hyper::service::service_fn(move |mut req: hyper::Request<Incoming>| {
-            req.extensions_mut().insert(PeerAddr(peer));
+            req.extensions_mut().insert(peer_addr.clone());
             router.clone().oneshot(req.map(axum::body::Body::new))
         });
         let conn = builder.serve_connection(TokioIo::new(stream), service);

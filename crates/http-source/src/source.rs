@@ -25,7 +25,13 @@ pub const DELIVERY_KEY_MAX_BYTES: usize = 255;
 
 /// The request headers that carry a sender's delivery id, in the order they are tried
 /// (after a source's own configured header).
-pub const DELIVERY_ID_HEADERS: [&str; 4] = ["idempotency-key", "webhook-id", "svix-id", "x-github-delivery"];
+/// Parsed once (a lookup by `&str` parses and classifies the name on every request).
+pub static DELIVERY_ID_HEADERS: [axum::http::HeaderName; 4] = [
+    axum::http::HeaderName::from_static("idempotency-key"),
+    axum::http::HeaderName::from_static("webhook-id"),
+    axum::http::HeaderName::from_static("svix-id"),
+    axum::http::HeaderName::from_static("x-github-delivery"),
+];
 
 /// Which receive details are stored as metadata with each event.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

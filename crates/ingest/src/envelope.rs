@@ -62,6 +62,44 @@ pub struct EnvelopeHeader {
     pub destination: Destination,
 }
 
+/// [`EnvelopeHeader`] with every field borrowed: what the door encodes, so that writing
+/// a record copies no string into a header first. The same fields in the same order
+/// with the same serde shapes, so postcard writes exactly the bytes the owned header
+/// would (a test holds the two together).
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct EnvelopeHeaderRef<'a> {
+    pub message_id: u128,
+    pub received_at_unix_ms: u64,
+    pub source_key: &'a str,
+    pub endpoint_id: Option<u128>,
+    pub content_type: Option<&'a str>,
+    pub metadata: &'a [(String, String)],
+    pub headers: &'a [(String, Vec<u8>)],
+    pub idempotency_key: Option<&'a str>,
+    pub batch_index: u32,
+    pub batch_len: u32,
+    pub destination: &'a Destination,
+}
+
+impl EnvelopeHeader {
+    /// This header, borrowed.
+    pub fn as_ref(&self) -> EnvelopeHeaderRef<'_> {
+        EnvelopeHeaderRef {
+            message_id: self.message_id,
+            received_at_unix_ms: self.received_at_unix_ms,
+            source_key: &self.source_key,
+            endpoint_id: self.endpoint_id,
+            content_type: self.content_type.as_deref(),
+            metadata: &self.metadata,
+            headers: &self.headers,
+            idempotency_key: self.idempotency_key.as_deref(),
+            batch_index: self.batch_index,
+            batch_len: self.batch_len,
+            destination: &self.destination,
+        }
+    }
+}
+
 /// One record: header plus the event's bytes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Envelope {
@@ -82,14 +120,17 @@ pub enum EnvelopeError {
 impl Envelope {
     /// Encodes the record bytes written to the log.
     pub fn encode(header: &EnvelopeHeader, payload: &[u8]) -> Bytes {
+        Envelope::encode_ref(&header.as_ref(), payload)
+    }
+
+    /// [`Envelope::encode`] from borrowed fields.
+    pub fn encode_ref(header: &EnvelopeHeaderRef<'_>, payload: &[u8]) -> Bytes {
         let mut out = Vec::with_capacity(payload.len() + 128);
         out.push(ENVELOPE_VERSION);
         // Serializing plain structs of strings, integers and vectors into a Vec cannot fail.
-        let out = match postcard::to_extend(header, out) {
-            Ok(v) => v,
-            Err(e) => unreachable!("postcard into a Vec failed: {e}"),
-        };
-        let mut out = out;
+        if let Err(e) = postcard::serialize_with_flavor(header, VecFlavor(&mut out)) {
+            unreachable!("postcard into a Vec failed: {e}");
+        }
         out.extend_from_slice(payload);
         Bytes::from(out)
     }
@@ -104,6 +145,28 @@ impl Envelope {
             postcard::take_from_bytes::<EnvelopeHeader>(rest).map_err(|e| EnvelopeError::Malformed(e.to_string()))?;
         let payload_start = record.len() - tail.len();
         Ok(Envelope { header, payload: record.slice(payload_start..) })
+    }
+}
+
+/// postcard's output into an existing `Vec`, a byte with `push` and a slice with
+/// `extend_from_slice` (its own `to_extend` goes through `Extend` one byte at a time).
+struct VecFlavor<'a>(&'a mut Vec<u8>);
+
+impl postcard::ser_flavors::Flavor for VecFlavor<'_> {
+    type Output = ();
+
+    fn try_push(&mut self, data: u8) -> postcard::Result<()> {
+        self.0.push(data);
+        Ok(())
+    }
+
+    fn try_extend(&mut self, data: &[u8]) -> postcard::Result<()> {
+        self.0.extend_from_slice(data);
+        Ok(())
+    }
+
+    fn finalize(self) -> postcard::Result<()> {
+        Ok(())
     }
 }
 
@@ -243,6 +306,27 @@ mod tests {
         let e = Envelope::decode(&bytes).unwrap();
         assert_eq!(e.header, h);
         assert_eq!(&e.payload[..], b"{\"a\":1}");
+    }
+
+    #[test]
+    fn the_borrowed_header_writes_the_owned_headers_bytes() {
+        let mut bare = header();
+        bare.endpoint_id = None;
+        bare.content_type = None;
+        bare.metadata = vec![];
+        bare.headers = vec![("a".into(), vec![]), ("b".into(), vec![0, 255, 7])];
+        bare.idempotency_key = None;
+        bare.destination.partitioning = Partitioning::PartitionId(u32::MAX);
+        let mut two = header();
+        two.metadata = vec![("peer_addr".into(), "[::1]:9".into()), ("received_at_unix_ms".into(), "1".into())];
+        two.destination.partitioning = Partitioning::Balanced;
+        for h in [header(), bare, two] {
+            let owned = postcard::to_allocvec(&h).unwrap();
+            assert_eq!(postcard::to_allocvec(&h.as_ref()).unwrap(), owned, "{h:?}");
+            let record = Envelope::encode_ref(&h.as_ref(), b"p");
+            assert_eq!(&record[1..1 + owned.len()], &owned[..]);
+            assert_eq!(Envelope::decode(&record).unwrap().header, h);
+        }
     }
 
     #[test]

@@ -17,7 +17,7 @@ use std::time::Instant;
 use bytes::Bytes;
 use wal::{Wal, WalError};
 
-use crate::envelope::{Destination, Envelope, EnvelopeHeader, message_id_for_delivery, random_message_id};
+use crate::envelope::{Destination, Envelope, EnvelopeHeaderRef, message_id_for_delivery, random_message_id};
 use crate::idempotency::{IdempotencyIndex, IdempotencyKey, PriorAcceptance};
 use crate::state::StateError;
 
@@ -206,20 +206,20 @@ impl Ingestor {
                 Some(k) => message_id_for_delivery(&s.source_key, k, batch_index),
                 None => random_message_id(),
             };
-            let header = EnvelopeHeader {
+            let header = EnvelopeHeaderRef {
                 message_id,
                 received_at_unix_ms: s.received_at_unix_ms,
-                source_key: s.source_key.clone(),
+                source_key: &s.source_key,
                 endpoint_id: s.endpoint_id,
-                content_type: s.content_type.clone(),
-                metadata: s.metadata.clone(),
-                headers: s.headers.clone(),
-                idempotency_key: s.delivery_key.clone(),
+                content_type: s.content_type.as_deref(),
+                metadata: &s.metadata,
+                headers: &s.headers,
+                idempotency_key: s.delivery_key.as_deref(),
                 batch_index,
                 batch_len,
-                destination: event.destination.clone(),
+                destination: &event.destination,
             };
-            records.push(Envelope::encode(&header, &event.payload));
+            records.push(Envelope::encode_ref(&header, &event.payload));
         }
         let started = Instant::now();
         let result = self.wal.append(records).await;
