@@ -75,7 +75,7 @@ pub struct ShutdownConfig {
 }
 
 /// The async runtime that serves both listeners and the router.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct RuntimeConfig {
     /// Worker threads; 0 picks the machine's cores minus one (at least one), leaving a
@@ -358,12 +358,6 @@ impl Default for AdminConfig {
 impl Default for ShutdownConfig {
     fn default() -> Self {
         ShutdownConfig { grace_period_ms: 30_000, drain_delay_ms: 0 }
-    }
-}
-
-impl Default for RuntimeConfig {
-    fn default() -> Self {
-        RuntimeConfig { worker_threads: 0 }
     }
 }
 
