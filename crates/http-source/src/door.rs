@@ -36,10 +36,10 @@ use crate::body::{self, BodyError};
 use crate::endpoints::{EndpointRegistry, Lookup, parse_id};
 use crate::error::ApiError;
 use crate::health::Health;
-use crate::metrics::DoorMetrics;
+use crate::metrics::{DoorMetrics, SourceMetrics};
 use crate::resolve::resolve;
 use crate::source::{DELIVERY_ID_HEADERS, DELIVERY_KEY_MAX_BYTES, HEADER_VALUE_MAX_BYTES, SourceSpec};
-use crate::status::StatusBoard;
+use crate::status::{SourceStatus, StatusBoard};
 
 /// The peer address of a connection, put into each request's extensions by the server.
 /// Its text (the `peer_addr` metadata value) is formatted once per connection, not once
@@ -229,11 +229,13 @@ async fn receive(
     req: Request,
 ) -> Response {
     let started = Instant::now();
-    let result = receive_inner(door, &source, endpoint_id, auth, req).await;
-    if let Some(m) = door.metrics.source(&source.key) {
+    // Looked up once per request: the per-source handles do not change while it runs.
+    let metrics = door.metrics.source(&source.key);
+    let status = door.status.get(&source.key);
+    let result = receive_inner(door, &source, metrics, status, endpoint_id, auth, req).await;
+    if let Some(m) = metrics {
         m.request_duration.record(started.elapsed().as_secs_f64());
     }
-    let status = door.status.get(&source.key);
     match result {
         Ok(resp) => resp,
         Err(e) => {
@@ -250,6 +252,8 @@ async fn receive(
 async fn receive_inner(
     door: &Door,
     source: &SourceSpec,
+    metrics: Option<&SourceMetrics>,
+    status: Option<&SourceStatus>,
     endpoint_id: Option<u128>,
     auth: &AuthScheme,
     req: Request,
@@ -295,7 +299,7 @@ async fn receive_inner(
     })?;
 
     let delivery_key = if source.idempotency { delivery_key(source, &parts.headers)? } else { None };
-    let routing = door.metrics.source(&source.key).map(|m| &m.routing);
+    let routing = metrics.map(|m| &m.routing);
     let resolution = resolve(source, &parts.headers, decoded.events, decoded.lines.as_deref(), decoded.values)
         .map_err(|r| {
             if let Some(m) = routing {
@@ -306,11 +310,11 @@ async fn receive_inner(
     if resolution.events.is_empty() {
         // Every event was dropped by the route: nothing to append, and the sender is
         // told how many were dropped.
-        if let Some(m) = door.metrics.source(&source.key) {
+        if let Some(m) = metrics {
             m.routing.unmatched(resolution.defaulted, resolution.dropped);
             m.requests_2xx.increment(1);
         }
-        if let Some(s) = door.status.get(&source.key) {
+        if let Some(s) = status {
             s.accepted(0, false);
         }
         return Ok((StatusCode::OK, axum::Json(json!({"accepted": 0, "dropped": resolution.dropped}))).into_response());
@@ -342,10 +346,10 @@ async fn receive_inner(
         ingest_error(e, door.limits.retry_after_secs)
     })?;
     fail_points::fail_point!("door.append.synced");
-    if let Some(s) = door.status.get(&source.key) {
+    if let Some(s) = status {
         s.accepted(accepted.events, accepted.replayed);
     }
-    if let Some(m) = door.metrics.source(&source.key) {
+    if let Some(m) = metrics {
         m.requests_2xx.increment(1);
         if !accepted.replayed {
             m.events_accepted.increment(accepted.events);
@@ -385,16 +389,29 @@ fn content_length(headers: &HeaderMap) -> Option<u64> {
 }
 
 async fn read_body(body: Body, max: usize, timeout: Duration) -> Result<Bytes, ApiError> {
-    let limited = Limited::new(body, max);
-    match tokio::time::timeout(timeout, limited.collect()).await {
-        Err(_) => {
-            Err(ApiError::new(StatusCode::REQUEST_TIMEOUT, "body_read_timeout", "the body was not received in time"))
-        }
-        Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => Err(too_large(max)),
-        Ok(Err(e)) => {
+    let mut collect = std::pin::pin!(Limited::new(body, max).collect());
+    // A body that came in with its headers is complete at the first poll; a timer is
+    // armed only for one that has to be waited for.
+    let first = std::future::poll_fn(|cx| std::task::Poll::Ready(collect.as_mut().poll(cx))).await;
+    let collected = match first {
+        std::task::Poll::Ready(r) => r,
+        std::task::Poll::Pending => match tokio::time::timeout(timeout, collect).await {
+            Ok(r) => r,
+            Err(_) => {
+                return Err(ApiError::new(
+                    StatusCode::REQUEST_TIMEOUT,
+                    "body_read_timeout",
+                    "the body was not received in time",
+                ));
+            }
+        },
+    };
+    match collected {
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(too_large(max)),
+        Err(e) => {
             Err(ApiError::new(StatusCode::BAD_REQUEST, "body_read_failed", format!("reading the body failed: {e}")))
         }
-        Ok(Ok(collected)) => Ok(collected.to_bytes()),
+        Ok(collected) => Ok(collected.to_bytes()),
     }
 }
 
