@@ -220,6 +220,10 @@ pub async fn start(mut settings: Settings, metrics: Option<PrometheusHandle>) ->
         "admin",
     ));
     let checkpoint_task = tokio::spawn(checkpoint_loop(idempotency.clone(), wal.clone(), settings.checkpoint_interval));
+    let upkeep_task = shared
+        .metrics
+        .clone()
+        .map(|h| tokio::spawn(crate::telemetry::upkeep_loop(h, crate::telemetry::UPKEEP_INTERVAL)));
     tracing::info!(webhook = %http_addr, admin = %admin_addr, "listening");
 
     let drain_delay = settings.drain_delay;
@@ -237,6 +241,9 @@ pub async fn start(mut settings: Settings, metrics: Option<PrometheusHandle>) ->
         let checkpoint = idempotency.checkpoint(&wal, ingest::time::now_unix_ms()).await.map_err(|e| e.to_string());
         let _ = admin_stop_tx.send(true);
         let _ = admin_task.await;
+        if let Some(t) = upkeep_task {
+            t.abort();
+        }
         let report = ShutdownReport { drained, wal_closed, checkpoint };
         tracing::info!(?report, "shutdown complete");
         report

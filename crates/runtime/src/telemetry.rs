@@ -284,6 +284,22 @@ pub fn install() -> Result<PrometheusHandle, BuildError> {
     exporter()?.install_recorder()
 }
 
+/// How often [`upkeep_loop`] drains the histograms.
+pub const UPKEEP_INTERVAL: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Drains every histogram's recorded samples into its buckets, every `every`, for as
+/// long as the daemon runs. The exporter keeps each sample of a histogram (two per
+/// request, more per group commit) until a scrape or an upkeep drains them; without
+/// this loop a daemon nobody scrapes grows by about 35 bytes per request, without end.
+pub async fn upkeep_loop(handle: PrometheusHandle, every: std::time::Duration) {
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        handle.run_upkeep();
+    }
+}
+
 /// Describes every metric and registers its series at zero: label-less ones once,
 /// labelled ones for every source in `sources` and every fixed label value. A no-op
 /// without an installed recorder.
