@@ -190,6 +190,18 @@ fn open_bounded(
             }
             _ => WalError::io(&path, e),
         })?;
+        if i == bases.len() - 1 && bound.is_none() && !has_marker {
+            // A writer that failed a sync and then failed to cut back left bytes the
+            // kernel holds clean but never wrote (Linux marks pages clean after a
+            // writeback error): they read back like records. The tail is read from the
+            // disk instead, so the open neither keeps those records nor builds on them
+            // (a power loss would then take them from under later, synced appends). Not
+            // after a clean shutdown, which vouches that every sync succeeded, and never
+            // beside a live writer.
+            if let Err(e) = file.drop_cached() {
+                tracing::warn!(segment = %path.display(), error = %e, "could not drop the tail's cached pages; reading them as cached");
+            }
+        }
         let mut len = file.len().map_err(io_err(&path))?;
         if let Some(w) = bound
             && base == w.segment_base

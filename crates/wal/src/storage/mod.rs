@@ -67,6 +67,12 @@ pub trait StorageFile: Send + Sync + Debug {
     fn sync_data(&self) -> io::Result<()>;
     fn len(&self) -> io::Result<u64>;
     fn set_len(&self, len: u64) -> io::Result<()>;
+    /// Drops what the page cache holds of this file that is clean, so that the next
+    /// reads of it come from the disk. After a failed sync the kernel marks the pages it
+    /// could not write clean: they read back, but the disk never got them. Dirty pages
+    /// (written, not yet synced, never failed) are kept. Advisory: an error changes no
+    /// byte of the file.
+    fn drop_cached(&self) -> io::Result<()>;
 }
 
 /// Reads exactly `buf.len()` bytes at `pos`, or fails with `UnexpectedEof`.

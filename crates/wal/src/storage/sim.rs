@@ -18,7 +18,8 @@
 //!
 //! A failed `sync_data` behaves like Linux after an `EIO` writeback error: the dirty
 //! pages are marked clean without reaching the disk, so a later successful sync does not
-//! cover them (the bytes in the lost range read back as zeros after a crash).
+//! cover them (the bytes in the lost range read back as zeros after a crash, or after
+//! `drop_cached` evicted them).
 //!
 //! Faults are injected by operation count ([`SimStorage::fail_nth`],
 //! [`SimStorage::crash_at_nth`]) or by a space limit ([`SimStorage::set_space_limit`]),
@@ -551,6 +552,17 @@ impl StorageFile for SimFile {
         Ok(self.live(&mut st)?.data.len() as u64)
     }
 
+    /// Clean bytes (below the first position written since the last sync) read back
+    /// from the durable image from now on: where a sync failed, the zeros the disk
+    /// holds instead of what the failed sync carried.
+    fn drop_cached(&self) -> io::Result<()> {
+        let mut st = lock(&self.state);
+        let inode = self.live(&mut st)?;
+        let clean = inode.dirty_from.min(inode.data.len()).min(inode.durable.len());
+        inode.data[..clean].copy_from_slice(&inode.durable[..clean]);
+        Ok(())
+    }
+
     fn set_len(&self, len: u64) -> io::Result<()> {
         let mut st = lock(&self.state);
         self.live(&mut st)?;
@@ -570,6 +582,7 @@ impl StorageFile for SimFile {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::storage::read_exact_at;
 
     fn file(s: &SimStorage, p: &str) -> Arc<dyn StorageFile> {
         s.create_dir_all(Path::new("/d")).unwrap();
@@ -591,6 +604,26 @@ mod tests {
         assert!(f.read_at(&mut [0u8; 4], 0).is_err(), "old handles die with the power");
         assert_eq!(s.read_file(Path::new("/d/a")).unwrap(), b"durable");
         assert!(s.read_file(Path::new("/d/b")).is_err(), "an unsynced directory entry survived");
+    }
+
+    #[test]
+    fn dropping_the_cache_shows_what_a_failed_sync_never_wrote_and_keeps_dirty_bytes() {
+        let s = SimStorage::new();
+        let f = file(&s, "/d/a");
+        f.write_all_at(b"synced", 0).unwrap();
+        f.sync_data().unwrap();
+        f.write_all_at(b"-failed", 6).unwrap();
+        s.fail_nth(FaultOp::Sync, 1, io::ErrorKind::Other);
+        assert!(f.sync_data().is_err());
+        f.write_all_at(b"-dirty", 13).unwrap();
+        let read = |f: &Arc<dyn StorageFile>| {
+            let mut b = vec![0u8; f.len().unwrap() as usize];
+            read_exact_at(&**f, &mut b, 0).unwrap();
+            b
+        };
+        assert_eq!(read(&f), b"synced-failed-dirty", "the page cache holds all of it");
+        f.drop_cached().unwrap();
+        assert_eq!(read(&f), b"synced\0\0\0\0\0\0\0-dirty", "from the disk, but for the dirty bytes");
     }
 
     #[test]
