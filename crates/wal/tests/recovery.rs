@@ -301,22 +301,26 @@ fn a_clean_marker_that_does_not_match_the_tail_is_ignored() {
     assert_eq!(wal.next_offset(), 1);
 }
 
+/// Appends records tagged `0..good`, then one more whose write's sync fails and whose cut
+/// back fails too: the writer stops, poisoned, with that write in the page cache (clean,
+/// as Linux leaves pages after a failed sync) but not on disk.
+fn poison_by_a_failed_sync(sim: &SimStorage, good: u64) {
+    let wal = open(sim, small_options());
+    rt().block_on(async {
+        for t in 0..good {
+            wal.append(vec![payload(t, 1000)]).await.unwrap();
+        }
+        sim.fail_nth(FaultOp::Sync, 1, std::io::ErrorKind::Other);
+        sim.fail_nth(FaultOp::Metadata, 1, std::io::ErrorKind::Other);
+        assert!(wal.append(vec![payload(good, 1000)]).await.is_err());
+    });
+}
+
 #[test]
 fn records_whose_sync_failed_are_not_kept_by_the_next_open() {
     let sim = SimStorage::new();
-    let wal = open(&sim, small_options());
-    rt().block_on(async {
-        for t in 0..2 {
-            wal.append(vec![payload(t, 1000)]).await.unwrap();
-        }
-        // The third record's sync fails and cutting it back fails too: the writer stops,
-        // poisoned, with the record in the page cache (clean, as Linux leaves pages after
-        // a failed sync) but not on disk.
-        sim.fail_nth(FaultOp::Sync, 1, std::io::ErrorKind::Other);
-        sim.fail_nth(FaultOp::Metadata, 1, std::io::ErrorKind::Other);
-        assert!(wal.append(vec![payload(2, 1000)]).await.is_err());
-    });
-    drop(wal);
+    // The third record fits the segment: its frame is what the failed sync lost.
+    poison_by_a_failed_sync(&sim, 2);
     // The next start reads the tail from the disk: the failed record is not there.
     let wal = open(&sim, small_options());
     assert_eq!(wal.next_offset(), 2);
@@ -335,24 +339,13 @@ fn records_whose_sync_failed_are_not_kept_by_the_next_open() {
 #[test]
 fn a_seal_whose_sync_failed_is_made_durable_before_the_open_builds_on_it() {
     let sim = SimStorage::new();
-    let wal = open(&sim, small_options());
-    rt().block_on(async {
-        for t in 0..3 {
-            wal.append(vec![payload(t, 1000)]).await.unwrap();
-        }
-        // The fourth needs a new segment: the seal is written, its sync fails, and
-        // cutting it back fails too, so the writer stops, poisoned, with the seal in the
-        // page cache (clean, as Linux leaves pages after a failed sync) but not on disk.
-        sim.fail_nth(FaultOp::Sync, 1, std::io::ErrorKind::Other);
-        sim.fail_nth(FaultOp::Metadata, 1, std::io::ErrorKind::Other);
-        assert!(wal.append(vec![payload(3, 1000)]).await.is_err());
-    });
-    drop(wal);
-    // The next start reads the seal and starts a successor behind it.
+    // The fourth record needs a new segment: the seal is what the failed sync lost.
+    poison_by_a_failed_sync(&sim, 3);
+    // The next start must not build a successor on a seal that is not on disk.
     let wal = open(&sim, small_options());
     assert_eq!(wal.next_offset(), 3);
     drop(wal);
-    // A power loss must not take the seal from under that successor.
+    // A power loss must not take the seal from under a successor.
     sim.crash(CrashMode::LoseUnsynced);
     let wal = try_open(&sim, small_options()).expect("the log opens after the power loss");
     let tags: Vec<u64> = read_all(&wal, 0).iter().map(|r| tag_of(&r.payload)).collect();
