@@ -447,6 +447,42 @@ fn the_alert_file_is_yaml_of_the_rule_file_shape() {
     assert_eq!(seen, alert_exprs(&text), "the line reader and the YAML parser disagree");
 }
 
+/// Prometheus's own tool: the rules load (`promtool check rules`), and the unit tests in
+/// `config/prometheus/alerts_test.yml` (synthetic series; which alert fires, with which
+/// labels and annotations, at which minute) pass. Skipped, saying so, where promtool is
+/// not installed, unless `IGGY_INGEST_REQUIRE_PROMTOOL` is set (CI installs it and sets it).
+#[test]
+fn the_alert_rules_load_in_prometheus_and_pass_their_unit_tests() {
+    let dir = repo().join("config/prometheus");
+    let run = |args: &[&str]| std::process::Command::new("promtool").args(args).current_dir(&dir).output();
+    let check = match run(&["check", "rules", "alerts.yml"]) {
+        Ok(o) => o,
+        Err(e)
+            if e.kind() == std::io::ErrorKind::NotFound
+                && std::env::var_os("IGGY_INGEST_REQUIRE_PROMTOOL").is_none() =>
+        {
+            eprintln!("skipped: promtool is not installed (Debian: apt-get install prometheus)");
+            return;
+        }
+        Err(e) => panic!("promtool could not be run: {e}"),
+    };
+    let said = |o: &std::process::Output| {
+        format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
+    };
+    assert!(check.status.success(), "promtool check rules:\n{}", said(&check));
+    let test = run(&["test", "rules", "alerts_test.yml"]).expect("promtool ran a moment ago");
+    assert!(test.status.success(), "promtool test rules:\n{}", said(&test));
+    // Every alert of the file is exercised by at least one unit test.
+    let tests = std::fs::read_to_string(dir.join("alerts_test.yml")).unwrap();
+    let rules = std::fs::read_to_string(dir.join("alerts.yml")).unwrap();
+    let untested: Vec<String> = alert_exprs(&rules)
+        .into_iter()
+        .map(|(name, _)| name)
+        .filter(|name| !tests.contains(&format!("alertname: {name}\n")))
+        .collect();
+    assert!(untested.is_empty(), "alerts without a unit test in alerts_test.yml: {untested:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_admin_token_guards_every_route_but_health() {
     let dir = tempfile::tempdir().unwrap();
