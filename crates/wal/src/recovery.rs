@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use crate::error::{Location, Result, WalError};
 use crate::format::{
-    CleanMarker, DurableWatermark, FRAME_HEADER_LEN, FrameHeader, HeaderProblem, SEAL_LEN, SEGMENT_FLAG_GAP_BEFORE,
+    CleanMarker, DurableWatermark, FRAME_HEADER_LEN, FrameHeader, HeaderProblem, SEGMENT_FLAG_GAP_BEFORE,
     SEGMENT_HEADER_LEN, SegmentHeader, parse_segment_file_name,
 };
 use crate::options::{RecoveryMode, WalOptions};
@@ -344,24 +344,8 @@ fn open_bounded(
         // What was found is made durable before anything is published as durable: a
         // previous process may have died (or failed a sync) after writing bytes or
         // creating a file without syncing it, and its page cache outlived it. Syncing
-        // clean files is cheap; this happens once per open.
-        //
-        // A sync alone does not cover bytes whose earlier sync *failed*: the kernel
-        // marked those pages clean, so they read back but are not on the disk (a process
-        // that failed a seal's sync and then failed to cut it back died poisoned). The
-        // open is about to build a successor on the tail's seal, so unless a clean
-        // shutdown vouches for it, the seal is written again before the sync. Only the
-        // seal: it carries no record, so a power loss that tears the rewrite leaves an
-        // unsealed tail the next open cuts, while rewriting records would put bytes a
-        // sync vouched for at risk (unsynced bytes are arbitrary after a power loss).
-        if tail_sealed
-            && !report.clean_shutdown
-            && report.salvage.is_none()
-            && let Some(tail) = loaded.last()
-            && tail.len >= SEGMENT_HEADER_LEN + SEAL_LEN
-        {
-            rewrite_seal(&*tail.file, &tail.path, tail.len)?;
-        }
+        // clean files is cheap; this happens once per open. (Bytes whose sync failed
+        // are not among them: the tail was read past the page cache above.)
         for seg in &loaded {
             seg.file.sync_data().map_err(io_err(&seg.path))?;
         }
@@ -392,14 +376,6 @@ fn open_bounded(
         segs.push(create_segment(&*storage, &dir, next_offset, flags)?);
     }
     Ok(finish(storage, dir, opts, segs, next_offset, lock, report))
-}
-
-/// Writes the seal at the end of a tail of `len` bytes back in place, so that the next
-/// sync covers it even where the page cache holds it clean but not durable.
-fn rewrite_seal(file: &dyn StorageFile, path: &Path, len: u64) -> Result<()> {
-    let mut seal = [0u8; SEAL_LEN as usize];
-    read_exact_at(file, &mut seal, len - SEAL_LEN).map_err(io_err(path))?;
-    file.write_all_at(&seal, len - SEAL_LEN).map_err(io_err(path))
 }
 
 /// A clean-shutdown marker is trusted only if it describes this tail and is consistent

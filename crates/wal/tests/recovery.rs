@@ -337,7 +337,7 @@ fn records_whose_sync_failed_are_not_kept_by_the_next_open() {
 }
 
 #[test]
-fn a_seal_whose_sync_failed_is_made_durable_before_the_open_builds_on_it() {
+fn a_seal_whose_sync_failed_is_not_built_on_by_the_next_open() {
     let sim = SimStorage::new();
     // The fourth record needs a new segment: the seal is what the failed sync lost.
     poison_by_a_failed_sync(&sim, 3);
