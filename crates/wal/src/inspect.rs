@@ -18,7 +18,7 @@ use crate::format::{
     SEGMENT_FLAG_GAP_BEFORE, SEGMENT_HEADER_LEN, SegmentHeader, parse_segment_file_name, segment_file_name,
 };
 use crate::reader::Record;
-use crate::scan::{find_proof_of_durable_damage, only_zeros_after, scan_segment};
+use crate::scan::{find_proof_of_durable_damage, scan_segment};
 use crate::storage::{OpenMode, Storage, read_up_to_at};
 use crate::{Reader, Wal};
 
@@ -276,8 +276,7 @@ fn verify_bounded(
                     report.problems.push(problem(pos, format!("{p} (bytes that were durable)")));
                 } else {
                     report.torn_tail = Some(Location { file: path.clone(), position: out.valid_end });
-                    report.torn_tail_zeros_only =
-                        out.partial_batch_records == 0 && only_zeros_after(&**file, path, *len, out.valid_end)?;
+                    report.torn_tail_zeros_only = out.torn_tail_is_zeros_only(&**file, path, *len)?;
                 }
             }
             Some((pos, p)) => report.problems.push(problem(pos, p.to_string())),
@@ -286,8 +285,7 @@ fn verify_bounded(
             }
             None if i == last && out.valid_end < *len => {
                 report.torn_tail = Some(Location { file: path.clone(), position: out.valid_end });
-                report.torn_tail_zeros_only =
-                    out.partial_batch_records == 0 && only_zeros_after(&**file, path, *len, out.valid_end)?;
+                report.torn_tail_zeros_only = out.torn_tail_is_zeros_only(&**file, path, *len)?;
             }
             None => {}
         }

@@ -25,7 +25,7 @@ use crate::format::{
     SEGMENT_HEADER_LEN, SegmentHeader, parse_segment_file_name,
 };
 use crate::options::{RecoveryMode, WalOptions};
-use crate::scan::{find_proof_of_durable_damage, only_zeros_after, read_seal, scan_segment};
+use crate::scan::{find_proof_of_durable_damage, read_seal, scan_segment};
 use crate::shared::{SegmentRef, Shared};
 use crate::storage::{OpenMode, Storage, StorageFile, read_exact_at};
 use crate::watermark::{self, Bound};
@@ -297,8 +297,7 @@ fn open_bounded(
                         && marker.is_some_and(|m| m.next_offset == next_offset && m.tail_sealed == tail_sealed);
                     if tail.len > out.valid_end {
                         report.truncated_bytes = tail.len - out.valid_end;
-                        report.torn_tail_zeros_only = out.partial_batch_records == 0
-                            && only_zeros_after(&*tail.file, &tail.path, tail.len, out.valid_end)?;
+                        report.torn_tail_zeros_only = out.torn_tail_is_zeros_only(&*tail.file, &tail.path, tail.len)?;
                         report.dropped_partial_batch_records = out.partial_batch_records;
                         if report.torn_at.is_none() {
                             report.torn_at = Some(Location { file: tail.path.clone(), position: out.valid_end });

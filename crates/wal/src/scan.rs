@@ -30,7 +30,6 @@ impl<'a> ChunkReader<'a> {
         ChunkReader { file, len, buf: Vec::new(), buf_pos: 0 }
     }
 
-    /// The `n` bytes at `pos`, or `None` if the file ends first.
     /// True if every byte from `pos` to the end is zero: what the writer writes ahead of
     /// its records (`WalOptions::preallocate_bytes`), not damage.
     pub(crate) fn zeros_to_end(&mut self, mut pos: u64) -> std::io::Result<bool> {
@@ -45,6 +44,7 @@ impl<'a> ChunkReader<'a> {
         Ok(true)
     }
 
+    /// The `n` bytes at `pos`, or `None` if the file ends first.
     pub(crate) fn get(&mut self, pos: u64, n: usize) -> std::io::Result<Option<&[u8]>> {
         if pos.checked_add(n as u64).is_none_or(|end| end > self.len) {
             return Ok(None);
@@ -201,11 +201,16 @@ pub(crate) fn find_proof_of_durable_damage(
     Ok(None)
 }
 
-/// True if every byte of `file` from `pos` to `len` is zero: what is left of a tail
-/// whose last writes all completed is the zeros written ahead of them
-/// (`WalOptions::preallocate_bytes`), so nothing was interrupted.
-pub(crate) fn only_zeros_after(file: &dyn StorageFile, path: &Path, len: u64, pos: u64) -> Result<bool> {
-    ChunkReader::new(file, len).zeros_to_end(pos).map_err(|e| WalError::io(path, e))
+impl ScanOutcome {
+    /// True if what follows the last whole batch of a `len`-byte tail is only the zeros
+    /// written ahead of its writes (`WalOptions::preallocate_bytes`): no record of an
+    /// unfinished batch, and nothing but zeros to the end, so no write was interrupted.
+    pub(crate) fn torn_tail_is_zeros_only(&self, file: &dyn StorageFile, path: &Path, len: u64) -> Result<bool> {
+        if self.partial_batch_records > 0 {
+            return Ok(false);
+        }
+        ChunkReader::new(file, len).zeros_to_end(self.valid_end).map_err(|e| WalError::io(path, e))
+    }
 }
 
 /// Reads and checks the seal at the end of a sealed segment, returning its offset.
