@@ -67,6 +67,13 @@ pub(crate) struct Gate {
 }
 
 impl Gate {
+    /// Counts a record routed here as held (queued, or skipped to be re-read from the log).
+    fn hold(&mut self, payload_len: usize, received_at_unix_ms: u64) {
+        self.held_records += 1;
+        self.held_bytes += payload_len as u64;
+        self.oldest_held_ms.get_or_insert(received_at_unix_ms);
+    }
+
     /// The lowest offset of a record this lane has not delivered, if it holds any.
     pub(crate) fn low_water(&self) -> Option<u64> {
         [self.unstored_from, self.in_flight_first, self.queue.front().map(|r| r.offset), self.overflow_from]
@@ -192,11 +199,7 @@ impl Lane {
         if full && may_refuse && self.is_healthy() {
             return Err(r);
         }
-        g.held_records += 1;
-        g.held_bytes += r.envelope.payload.len() as u64;
-        if g.oldest_held_ms.is_none() {
-            g.oldest_held_ms = Some(r.envelope.header.received_at_unix_ms);
-        }
+        g.hold(r.envelope.payload.len(), r.envelope.header.received_at_unix_ms);
         let wake = if g.overflow_from.is_some() {
             g.last_skipped = Some(r.offset);
             true
@@ -233,9 +236,7 @@ impl Lane {
         if g.overflow_from.is_none() {
             return false;
         }
-        g.held_records += 1;
-        g.held_bytes += payload_len as u64;
-        g.oldest_held_ms.get_or_insert(received_at_unix_ms);
+        g.hold(payload_len, received_at_unix_ms);
         g.last_skipped = Some(offset);
         drop(g);
         self.wake.notify_one();
