@@ -308,19 +308,25 @@ mod tests {
         assert_eq!(&e.payload[..], b"{\"a\":1}");
     }
 
-    #[test]
-    fn the_borrowed_header_writes_the_owned_headers_bytes() {
+    /// `header()`, one with every optional field empty and odd header bytes, and one
+    /// with two metadata entries and balanced partitioning.
+    fn variants() -> Vec<EnvelopeHeader> {
         let mut bare = header();
         bare.endpoint_id = None;
         bare.content_type = None;
         bare.metadata = vec![];
-        bare.headers = vec![("a".into(), vec![]), ("b".into(), vec![0, 255, 7])];
+        bare.headers = vec![("a".into(), vec![]), ("b".into(), vec![0, 255, 7]), ("c".into(), b"zz".to_vec())];
         bare.idempotency_key = None;
         bare.destination.partitioning = Partitioning::PartitionId(u32::MAX);
         let mut two = header();
         two.metadata = vec![("peer_addr".into(), "[::1]:9".into()), ("received_at_unix_ms".into(), "1".into())];
         two.destination.partitioning = Partitioning::Balanced;
-        for h in [header(), bare, two] {
+        vec![header(), bare, two]
+    }
+
+    #[test]
+    fn the_borrowed_header_writes_the_owned_headers_bytes() {
+        for h in variants() {
             let owned = postcard::to_allocvec(&h).unwrap();
             assert_eq!(postcard::to_allocvec(&h.as_ref()).unwrap(), owned, "{h:?}");
             let record = Envelope::encode_ref(&h.as_ref(), b"p");
@@ -331,20 +337,7 @@ mod tests {
 
     #[test]
     fn a_summary_reads_what_decode_reads_without_copying() {
-        let mut variants = vec![header()];
-        let mut h = header();
-        h.endpoint_id = None;
-        h.content_type = None;
-        h.metadata = vec![];
-        h.headers = vec![("a".into(), vec![]), ("b".into(), vec![0, 255, 7]), ("c".into(), b"zz".to_vec())];
-        h.idempotency_key = None;
-        h.destination.partitioning = Partitioning::PartitionId(u32::MAX);
-        variants.push(h);
-        let mut h = header();
-        h.destination.partitioning = Partitioning::Balanced;
-        h.metadata = vec![("peer_addr".into(), "[::1]:9".into()), ("received_at_unix_ms".into(), "1".into())];
-        variants.push(h);
-        for (i, h) in variants.iter().enumerate() {
+        for (i, h) in variants().iter().enumerate() {
             for payload in [&b""[..], b"x", &[0u8; 3000][..]] {
                 let bytes = Envelope::encode(h, payload);
                 let s = Envelope::summarize(&bytes).unwrap_or_else(|e| panic!("variant {i}: {e}"));
