@@ -317,7 +317,8 @@ async fn receive_inner(
         if let Some(s) = status {
             s.accepted(0, false);
         }
-        return Ok((StatusCode::OK, axum::Json(json!({"accepted": 0, "dropped": resolution.dropped}))).into_response());
+        let body = AcceptedBody { accepted: 0, offsets: None, dropped: Some(resolution.dropped) };
+        return Ok((StatusCode::OK, axum::Json(body)).into_response());
     }
     let headers = forward_headers(source, &parts.headers);
     let mut metadata = Vec::new();
@@ -359,7 +360,7 @@ async fn receive_inner(
     }
     let body = AcceptedBody {
         accepted: accepted.events,
-        offsets: [accepted.first_offset, accepted.last_offset],
+        offsets: Some([accepted.first_offset, accepted.last_offset]),
         dropped: (resolution.dropped > 0).then_some(resolution.dropped),
     };
     let mut resp = (StatusCode::OK, axum::Json(body)).into_response();
@@ -369,13 +370,14 @@ async fn receive_inner(
     Ok(resp)
 }
 
-/// The body of a 200 that appended: `{"accepted": n, "offsets": [first, last]}`, and
-/// `"dropped": n` when the route dropped some of the request's events. Serialized
-/// straight from this struct (no map is built per request).
+/// The body of a 200: `{"accepted": n, "offsets": [first, last]}` when something was
+/// appended, and `"dropped": n` when the route dropped some of the request's events.
+/// Serialized straight from this struct (no map is built per request).
 #[derive(serde::Serialize)]
 struct AcceptedBody {
     accepted: u64,
-    offsets: [u64; 2],
+    #[serde(skip_serializing_if = "Option::is_none")]
+    offsets: Option<[u64; 2]>,
     #[serde(skip_serializing_if = "Option::is_none")]
     dropped: Option<u64>,
 }
