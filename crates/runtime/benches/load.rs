@@ -12,8 +12,8 @@
 //! latency, non-2xx answers and each round's ratio to the baseline as a Markdown table,
 //! then the median ratio. A shared virtual machine's speed drifts from minute to minute;
 //! a ratio taken within one round, and the median over rounds, is what holds still.
-//! Afterwards it checks that the daemon's log holds at least as many records as wrk
-//! counted 2xx answers.
+//! Afterwards it checks that the daemon's log took at least as many records (offsets
+//! appended, delivered ones included) as wrk counted 2xx answers.
 //!
 //! Environment: `LOAD_SECS` (default 10), `LOAD_ROUNDS` (3), `LOAD_CONNECTIONS` (64), `LOAD_THREADS` (2),
 //! `LOAD_BENCH_DIR` (default: Cargo's target tmp dir; put it on the disk you care about:

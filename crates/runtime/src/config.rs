@@ -640,7 +640,7 @@ impl Settings {
     /// configured, or (0) one fewer than the cores, at least one. The log's writer is
     /// a thread of its own that each group commit wakes; a worker per core beside it
     /// oversubscribes the cores, and idle workers woken to steal work cost more than
-    /// they take (docs/performance.md, "Worker threads").
+    /// they take (docs/performance.md, "the CPU budget, one worker fewer").
     pub fn runtime_worker_threads(&self, cores: usize) -> usize {
         if self.worker_threads > 0 { self.worker_threads } else { cores.saturating_sub(1).max(1) }
     }
@@ -799,7 +799,6 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
     if config.wal.segment_max_bytes < 4096 {
         c.err(&w.key("segment_max_bytes"), "must be at least 4096");
     }
-
     if (max_body_bytes as u128) + 4096 > u128::from(record_max_bytes) {
         c.err(
             &http.key("max_body_bytes"),
