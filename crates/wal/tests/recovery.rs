@@ -316,6 +316,13 @@ fn poison_by_a_failed_sync(sim: &SimStorage, good: u64) {
     });
 }
 
+/// The tags of every record after a power loss that keeps only synced bytes.
+fn tags_after_a_power_loss(sim: &SimStorage) -> Vec<u64> {
+    sim.crash(CrashMode::LoseUnsynced);
+    let wal = try_open(sim, small_options()).expect("the log opens after the power loss");
+    read_all(&wal, 0).iter().map(|r| tag_of(&r.payload)).collect()
+}
+
 #[test]
 fn records_whose_sync_failed_are_not_kept_by_the_next_open() {
     let sim = SimStorage::new();
@@ -330,10 +337,7 @@ fn records_whose_sync_failed_are_not_kept_by_the_next_open() {
     });
     drop(wal);
     // A power loss keeps every record answered durable.
-    sim.crash(CrashMode::LoseUnsynced);
-    let wal = try_open(&sim, small_options()).expect("the log opens after the power loss");
-    let tags: Vec<u64> = read_all(&wal, 0).iter().map(|r| tag_of(&r.payload)).collect();
-    assert_eq!(tags, vec![0, 1, 3]);
+    assert_eq!(tags_after_a_power_loss(&sim), vec![0, 1, 3]);
 }
 
 #[test]
@@ -346,8 +350,5 @@ fn a_seal_whose_sync_failed_is_not_built_on_by_the_next_open() {
     assert_eq!(wal.next_offset(), 3);
     drop(wal);
     // A power loss must not take the seal from under a successor.
-    sim.crash(CrashMode::LoseUnsynced);
-    let wal = try_open(&sim, small_options()).expect("the log opens after the power loss");
-    let tags: Vec<u64> = read_all(&wal, 0).iter().map(|r| tag_of(&r.payload)).collect();
-    assert_eq!(tags, vec![0, 1, 2]);
+    assert_eq!(tags_after_a_power_loss(&sim), vec![0, 1, 2]);
 }
