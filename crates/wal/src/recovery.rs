@@ -10,7 +10,11 @@
 //! - A writable open removes the clean-shutdown marker, durably, before any append, and
 //!   syncs every segment file and the directory first: nothing it found is published
 //!   as durable unless it is.
-//! - A read-only open takes no lock and changes nothing.
+//! - Unless a clean-shutdown marker vouches that every sync succeeded, and never beside
+//!   a live writer, the tail is read past the page cache (its clean pages are dropped
+//!   first): bytes a failed sync left readable but not on disk are neither kept nor
+//!   built on.
+//! - A read-only open takes no lock and changes nothing on disk.
 //! - Salvage never deletes: damaged files are moved to `damaged/`, and the log resumes
 //!   past every offset the damaged bytes could have held.
 
