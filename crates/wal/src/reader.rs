@@ -32,8 +32,22 @@ struct Cursor {
     seg: Arc<SegmentRef>,
     /// Byte position of the frame holding `Reader::next`.
     pos: u64,
+    /// The read buffer. It only grows (to at most one `READ_CHUNK_BYTES` read or one
+    /// record), so it is zeroed once, not before every read; `buf_len` bytes of it hold
+    /// the segment's bytes from `buf_pos`.
     buf: Vec<u8>,
+    buf_len: usize,
     buf_pos: u64,
+    /// The frame header last decoded, and its position: a record's header is looked at
+    /// by the seal check, the read and the batch's size check, and decoded (its checksum
+    /// computed) once. Bytes below the durable length never change, so it stays valid.
+    header: Option<(u64, FrameHeader)>,
+}
+
+impl Cursor {
+    fn at_start_of(seg: Arc<SegmentRef>) -> Cursor {
+        Cursor { seg, pos: SEGMENT_HEADER_LEN, buf: Vec::new(), buf_len: 0, buf_pos: 0, header: None }
+    }
 }
 
 /// Reads the log from an offset onwards.
@@ -131,7 +145,7 @@ impl Reader {
                 .shared
                 .segment_for(self.next)
                 .ok_or(WalError::Released { offset: self.next, start: self.shared.start() })?;
-            let mut c = Cursor { seg, pos: SEGMENT_HEADER_LEN, buf: Vec::new(), buf_pos: 0 };
+            let mut c = Cursor::at_start_of(seg);
             let mut offset = c.seg.base;
             while offset < self.next {
                 let h = frame_header(&mut c)?;
@@ -164,7 +178,7 @@ impl Reader {
                 return Err(corrupt(c, FrameProblem::UnexpectedOffset { expected: self.next, found: h.offset }));
             }
             self.next = next.base;
-            *c = Cursor { seg: next, pos: SEGMENT_HEADER_LEN, buf: Vec::new(), buf_pos: 0 };
+            *c = Cursor::at_start_of(next);
         }
         self.cursor.as_mut().ok_or(WalError::Closed)
     }
@@ -210,13 +224,20 @@ fn corrupt(c: &Cursor, problem: FrameProblem) -> WalError {
 
 fn frame_header(c: &mut Cursor) -> Result<FrameHeader> {
     let pos = c.pos;
+    if let Some((at, h)) = c.header
+        && at == pos
+    {
+        return Ok(h);
+    }
     let b = bytes_at(c, pos, FRAME_HEADER_LEN as usize)?;
-    FrameHeader::decode(b).map_err(|p| corrupt(c, p))
+    let h = FrameHeader::decode(b).map_err(|p| corrupt(c, p))?;
+    c.header = Some((pos, h));
+    Ok(h)
 }
 
 /// `n` durable bytes at `pos` of the cursor's segment, through its read buffer.
 fn bytes_at(c: &mut Cursor, pos: u64, n: usize) -> Result<&[u8]> {
-    let cached = pos >= c.buf_pos && pos + n as u64 <= c.buf_pos + c.buf.len() as u64;
+    let cached = pos >= c.buf_pos && pos + n as u64 <= c.buf_pos + c.buf_len as u64;
     if !cached {
         // Load the durable length first: the bytes below it were synced before it was
         // published, so everything read up to it is final.
@@ -225,9 +246,12 @@ fn bytes_at(c: &mut Cursor, pos: u64, n: usize) -> Result<&[u8]> {
             return Err(corrupt(c, FrameProblem::Truncated));
         }
         let want = n.max(READ_CHUNK_BYTES).min((durable - pos) as usize);
-        c.buf.resize(want, 0);
-        let got = read_up_to_at(&*c.seg.file, &mut c.buf, pos).map_err(|e| WalError::io(&c.seg.path, e))?;
-        c.buf.truncate(got);
+        if c.buf.len() < want {
+            c.buf.resize(want, 0);
+        }
+        c.buf_len = 0;
+        let got = read_up_to_at(&*c.seg.file, &mut c.buf[..want], pos).map_err(|e| WalError::io(&c.seg.path, e))?;
+        c.buf_len = got;
         c.buf_pos = pos;
         if got < n {
             return Err(corrupt(c, FrameProblem::Truncated));
