@@ -116,10 +116,12 @@ pub fn decode_with(
 }
 
 /// Checks that `bytes` are one JSON text, returning its value with `keep`. serde_json
-/// skips an ignored string's bytes without decoding them, so UTF-8 is checked first.
+/// skips an ignored string's bytes without decoding them, so UTF-8 is checked first,
+/// with SIMD (`simdutf8` accepts exactly what `std::str::from_utf8` accepts, several
+/// times faster on the mostly-ASCII bodies webhooks carry).
 fn check_json(bytes: &[u8], keep: bool) -> Result<Option<Value>, String> {
-    let text =
-        std::str::from_utf8(bytes).map_err(|e| format!("not UTF-8: invalid byte at offset {}", e.valid_up_to()))?;
+    let text = simdutf8::compat::from_utf8(bytes)
+        .map_err(|e| format!("not UTF-8: invalid byte at offset {}", e.valid_up_to()))?;
     if keep {
         serde_json::from_str::<Value>(text).map(Some).map_err(|e| e.to_string())
     } else {
@@ -173,6 +175,55 @@ mod tests {
         assert_eq!(one.values, Some(vec![serde_json::json!({"b": true})]));
         let raw = decode_with(Some("text/plain"), Bytes::from_static(b"{}"), Accept::Any, true).unwrap();
         assert_eq!(raw.values, None, "a body not declared JSON is not parsed by the decoder");
+    }
+
+    /// The SIMD check must accept and reject exactly what the standard library does, and
+    /// name the same offset: bytes around every boundary of the UTF-8 grammar (overlong
+    /// forms, surrogates, past U+10FFFF, truncated sequences), at every alignment of a
+    /// 64-byte SIMD block, inside a JSON string.
+    #[test]
+    fn the_utf8_check_agrees_with_the_standard_library_byte_for_byte() {
+        let pieces: [&[u8]; 16] = [
+            b"a",
+            "\u{e9}".as_bytes(),
+            "\u{20ac}".as_bytes(),
+            "\u{10ffff}".as_bytes(),
+            b"\xc0\x80",
+            b"\xc1\xbf",
+            b"\xe0\x80\x80",
+            b"\xed\xa0\x80",
+            b"\xf4\x90\x80\x80",
+            b"\xf5\x80\x80\x80",
+            b"\xc3",
+            b"\xe2\x82",
+            b"\xf0\x9f\x98",
+            b"\x80",
+            b"\xff",
+            b"\xef\xbb\xbf",
+        ];
+        let mut checked = 0;
+        for pad in 0..70 {
+            for a in pieces {
+                for b in pieces {
+                    let mut body = b"\"".to_vec();
+                    body.extend(std::iter::repeat_n(b'x', pad));
+                    body.extend_from_slice(a);
+                    body.extend_from_slice(b);
+                    body.push(b'"');
+                    let ours = check_json(&body, false);
+                    match std::str::from_utf8(&body) {
+                        Ok(_) => assert_eq!(ours, Ok(None), "{body:?}"),
+                        Err(e) => assert_eq!(
+                            ours,
+                            Err(format!("not UTF-8: invalid byte at offset {}", e.valid_up_to())),
+                            "{body:?}"
+                        ),
+                    }
+                    checked += 1;
+                }
+            }
+        }
+        assert_eq!(checked, 70 * 16 * 16);
     }
 
     #[test]
