@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
-use wal::storage::SimStorage;
+use wal::storage::{FaultOp, SimStorage};
 use wal::{WalError, WalOptions};
 
 #[test]
@@ -28,6 +28,43 @@ fn a_reader_starts_at_any_retained_offset_and_crosses_segments() {
         }
     }
     assert!(matches!(wal.reader(301), Err(WalError::BeyondEnd { offset: 301, end: 300 })));
+}
+
+/// A read the disk fails is an error (or ends a batch early, the error left for the next
+/// call), never records made of what the failed read left in the reader's buffer; the
+/// same reader then carries on and returns every record intact. The simulated disk fills
+/// half the buffer with garbage when it fails a read, as a failed transfer may.
+#[test]
+fn a_failed_read_is_an_error_and_the_same_reader_then_reads_every_record_intact() {
+    let sim = SimStorage::new();
+    let wal = open(&sim, small_options());
+    rt().block_on(async {
+        for i in 0..120 {
+            wal.append(vec![payload(i, 90)]).await.unwrap();
+        }
+    });
+    let want = read_all(&wal, 0);
+    assert_eq!(want.len(), 120);
+    assert!(wal.segment_paths().len() >= 4, "several segments, so several reads");
+    let (mut fired, mut errors) = (0, 0);
+    for n in 1..=12 {
+        sim.fail_nth(FaultOp::Read, n, std::io::ErrorKind::Other);
+        let mut r = wal.reader(0).unwrap();
+        let mut got = Vec::new();
+        loop {
+            match r.try_read(7, 1 << 20) {
+                Ok(b) if b.is_empty() => break,
+                Ok(b) => got.extend(b),
+                Err(WalError::Io { .. }) => errors += 1,
+                Err(e) => panic!("after the read numbered {n} failed: {e}"),
+            }
+        }
+        fired += usize::from(sim.armed_faults() == 0);
+        sim.disarm();
+        assert_eq!(got, want, "the read numbered {n} failed");
+    }
+    assert!(fired >= 4, "the faults reached the reader's reads: {fired} fired");
+    assert!(errors >= 1 && errors <= fired, "{errors} errors for {fired} faults");
 }
 
 #[test]

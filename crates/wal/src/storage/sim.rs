@@ -45,6 +45,9 @@ pub enum FaultOp {
     Metadata,
     /// Every mutating operation above.
     AnyMutation,
+    /// Reading a file's bytes. Not a mutation: `AnyMutation` does not count it, nor does
+    /// [`SimStorage::ops`]. A failed read may leave garbage in the caller's buffer.
+    Read,
 }
 
 /// What a power loss keeps.
@@ -165,7 +168,9 @@ impl State {
     /// Counts one operation of kind `op` against the armed faults. `Err` means it fails
     /// (and, for a crash, that the power was lost just before it).
     fn check(&mut self, op: FaultOp) -> io::Result<()> {
-        self.ops += 1;
+        if op != FaultOp::Read {
+            self.ops += 1;
+        }
         // A fault due now fires; if several are due on the same operation, the first
         // fires and the others stay due (at 1) for the next operation they count.
         let mut fire = None;
@@ -173,7 +178,7 @@ impl State {
             let (aop, remaining) = match a {
                 Armed::Fail { op, remaining, .. } | Armed::Crash { op, remaining, .. } => (*op, remaining),
             };
-            if aop != op && aop != FaultOp::AnyMutation {
+            if aop != op && !(aop == FaultOp::AnyMutation && op != FaultOp::Read) {
                 continue;
             }
             if *remaining > 1 {
@@ -310,6 +315,11 @@ impl SimStorage {
     pub fn crash_at_nth(&self, op: FaultOp, n: u64, mode: CrashMode) {
         assert!(n >= 1, "n counts from 1");
         lock(&self.state).armed.push(Armed::Crash { op, remaining: n, mode });
+    }
+
+    /// Faults armed and not yet fired.
+    pub fn armed_faults(&self) -> usize {
+        lock(&self.state).armed.len()
     }
 
     /// Disarms every pending fault.
@@ -481,6 +491,13 @@ impl SimFile {
 impl StorageFile for SimFile {
     fn read_at(&self, buf: &mut [u8], pos: u64) -> io::Result<usize> {
         let mut st = lock(&self.state);
+        self.live(&mut st)?;
+        if let Err(e) = st.check(FaultOp::Read) {
+            // What a failed transfer may leave behind: bytes that are not the file's.
+            let half = buf.len() / 2;
+            buf[..half].fill(0xA5);
+            return Err(e);
+        }
         let inode = self.live(&mut st)?;
         let pos = usize::try_from(pos).map_err(|_| eio("position"))?;
         if pos >= inode.data.len() {
