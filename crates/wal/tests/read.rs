@@ -13,11 +13,7 @@ use wal::{WalError, WalOptions};
 fn a_reader_starts_at_any_retained_offset_and_crosses_segments() {
     let sim = SimStorage::new();
     let wal = open(&sim, small_options());
-    rt().block_on(async {
-        for i in 0..300 {
-            wal.append(vec![payload(i, 90)]).await.unwrap();
-        }
-    });
+    append_tagged(&wal, 0..300, 90);
     assert!(wal.segment_paths().len() > 5);
     for from in [0u64, 1, 37, 38, 39, 150, 298, 299, 300] {
         let got = read_all(&wal, from);
@@ -38,11 +34,7 @@ fn a_reader_starts_at_any_retained_offset_and_crosses_segments() {
 fn a_failed_read_is_an_error_and_the_same_reader_then_reads_every_record_intact() {
     let sim = SimStorage::new();
     let wal = open(&sim, small_options());
-    rt().block_on(async {
-        for i in 0..120 {
-            wal.append(vec![payload(i, 90)]).await.unwrap();
-        }
-    });
+    append_tagged(&wal, 0..120, 90);
     let want = read_all(&wal, 0);
     assert_eq!(want.len(), 120);
     assert!(wal.segment_paths().len() >= 4, "several segments, so several reads");

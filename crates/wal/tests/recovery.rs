@@ -29,11 +29,7 @@ fn flip(sim: &SimStorage, path: &Path, at: usize) {
 /// Appends `n` single-record batches of `len` bytes, tags 0..n.
 fn fill(sim: &SimStorage, opts: &WalOptions, n: u64, len: usize) {
     let wal = open(sim, opts.clone());
-    rt().block_on(async {
-        for i in 0..n {
-            wal.append(vec![payload(i, len)]).await.unwrap();
-        }
-    });
+    append_tagged(&wal, 0..n, len);
 }
 
 #[test]

@@ -25,11 +25,7 @@ fn copied(sim: &SimStorage) -> Vec<(u64, u64)> {
 fn damage_in_headers_and_payloads_loses_only_the_damaged_records_and_keeps_offsets() {
     let sim = SimStorage::new();
     let wal = open(&sim, small_options());
-    rt().block_on(async {
-        for t in 0..30 {
-            wal.append(vec![payload(t, 500)]).await.unwrap();
-        }
-    });
+    append_tagged(&wal, 0..30, 500);
     drop(wal);
     let segs = segment_files(&sim, &dir());
     assert!(segs.len() >= 3, "{segs:?}");

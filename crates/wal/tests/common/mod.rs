@@ -37,6 +37,16 @@ pub fn tag_of(p: &[u8]) -> u64 {
     u64::from_le_bytes(a)
 }
 
+/// Appends `payload(tag, len)` for each tag in `tags`, one record an append, each
+/// awaited before the next.
+pub fn append_tagged(wal: &Wal, tags: std::ops::Range<u64>, len: usize) {
+    rt().block_on(async {
+        for tag in tags {
+            wal.append(vec![payload(tag, len)]).await.expect("append");
+        }
+    });
+}
+
 /// Every durable record from `from` on.
 pub fn read_all(wal: &Wal, from: u64) -> Vec<Record> {
     let mut r = wal.reader(from).expect("reader");
