@@ -7,6 +7,8 @@
 //!   is checked on the way (damage is an error naming file and byte position).
 //! - A batch holds at most `max_records` records and, unless its first record alone is
 //!   larger, at most `max_bytes` payload bytes.
+//! - A read the storage failed leaves nothing cached: the reader stays where it was and
+//!   the next call reads the same bytes again.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
