@@ -8,9 +8,10 @@ fn main() {
     let run: fn(&[u8]) = match target.as_str() {
         "open_arbitrary_dir" => iggy_ingest_fuzz::open_dir::run,
         "ops_vs_model" => iggy_ingest_fuzz::ops::run,
+        "ops_with_read_faults" => iggy_ingest_fuzz::ops::run_with_read_faults,
         "http_door" => iggy_ingest_fuzz::door::run,
         _ => {
-            eprintln!("usage: replay open_arbitrary_dir|ops_vs_model|http_door <input-file>...");
+            eprintln!("usage: replay open_arbitrary_dir|ops_vs_model|ops_with_read_faults|http_door <input-file>...");
             std::process::exit(2);
         }
     };

@@ -175,6 +175,45 @@ fn ops_vs_model() {
     save(t, "tiny-and-segment-sized-records", &ops::encode(Setup { segment: 1, ..plain }, &tiny));
 }
 
+/// Reads failed by the disk (fault kind 5 in this target): by the reader, during an open,
+/// and a power loss at a read.
+fn ops_with_read_faults() {
+    let t = "ops_with_read_faults";
+    let append = |sizes: &[u8]| Op::Append { sizes: sizes.to_vec() };
+    let plain = Setup { segment: 8, capacity: 0, initial: 0 };
+    let filled = |n: u8| (0..n).map(|i| append(&[100 + i, 60])).collect::<Vec<Op>>();
+
+    let mut reader = filled(12);
+    reader.extend([
+        Op::FailNth { op: 5, n: 0, kind: 0 },
+        Op::Read { from: 0, max_records: 4, max_bytes: 2000 },
+        Op::FailNth { op: 5, n: 1, kind: 0 },
+        Op::Read { from: 40, max_records: 1, max_bytes: 100 },
+        append(&[7]),
+    ]);
+    save(t, "fail-reads-of-the-reader", &ops::encode(plain, &reader));
+
+    let mut open = filled(12);
+    open.extend([
+        Op::FailNth { op: 5, n: 0, kind: 0 },
+        Op::Restart,
+        Op::FailNth { op: 5, n: 3, kind: 0 },
+        Op::CrashLoseUnsynced,
+        append(&[9]),
+    ]);
+    save(t, "fail-reads-during-open", &ops::encode(plain, &open));
+
+    let mut power = filled(8);
+    power.extend([
+        Op::CrashAtNth { op: 5, n: 0, seed: 3 },
+        Op::Read { from: 0, max_records: 8, max_bytes: 4000 },
+        append(&[11]),
+        Op::CrashAtNth { op: 5, n: 2, seed: 4 },
+        Op::CloseReopen,
+    ]);
+    save(t, "power-loss-at-a-read", &ops::encode(plain, &power));
+}
+
 /// Inputs that showed a defect in the log, kept as regression input (`fuzz/README.md`
 /// describes each). Each fails only its own check once the others are listed in
 /// `FUZZ_KNOWN_FINDINGS`.
@@ -273,6 +312,7 @@ fn http_door() {
 fn main() {
     open_arbitrary_dir();
     ops_vs_model();
+    ops_with_read_faults();
     http_door();
     regressions();
 }

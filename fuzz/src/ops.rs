@@ -26,7 +26,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 use wal::format::OFFSET_MAX;
 use wal::storage::{CrashMode, FaultOp, SimStorage, Storage};
-use wal::{Wal, WalError, WalOptions};
+use wal::{Record, Wal, WalError, WalOptions};
 
 use crate::{Input, Jumps, known, log_dir, payload, read_all, tag_of};
 
@@ -146,12 +146,15 @@ pub fn encode(setup: Setup, ops: &[Op]) -> Vec<u8> {
     out
 }
 
-fn fault_op(code: u8) -> FaultOp {
-    match code % 5 {
+/// The kind of operation a fault counts. Reads are a kind only for the target that
+/// injects read faults, so the inputs of the others keep their meaning.
+fn fault_op(code: u8, reads: bool) -> FaultOp {
+    match code % if reads { 6 } else { 5 } {
         0 => FaultOp::Write,
         1 => FaultOp::Sync,
         2 => FaultOp::SyncDir,
         3 => FaultOp::Metadata,
+        5 => FaultOp::Read,
         _ => FaultOp::AnyMutation,
     }
 }
@@ -242,6 +245,8 @@ struct Harness {
     /// may fail for that reason alone.
     faults_possible: bool,
     crashes_seen: u64,
+    /// Faults may fail reads too (`ops_with_read_faults`).
+    read_faults: bool,
 }
 
 impl Harness {
@@ -273,6 +278,9 @@ impl Harness {
                 Ok(w) => break w,
                 Err(e) if self.faults_possible || self.sim.crashes() != self.crashes_seen => {
                     assert!(!e.is_corruption(), "an injected fault during open was reported as damage to the log: {e}");
+                    if trace() {
+                        eprintln!("    open failed ({e}); again without faults");
+                    }
                     self.lift_faults();
                     self.crashes_seen = self.sim.crashes();
                     attempt += 1;
@@ -287,6 +295,10 @@ impl Harness {
         }
         self.wal = Some(wal);
         self.check_everything();
+        if self.power_lost() {
+            // A power loss armed at a read fired while the check read the log back.
+            self.reopen();
+        }
     }
 
     /// With the simulated disk's finding `sim-simultaneous-faults` known (two armed
@@ -327,7 +339,7 @@ impl Harness {
             "the log ends at {next}, but offset {} was durable",
             self.model.min_next - 1
         );
-        let (records, err) = read_all(wal, start, 1000, 1 << 20, Jumps::ToGapBases(&[]));
+        let Some((records, err)) = self.read_all_past_faults(start, 1000, 1 << 20) else { return };
         if let Some(e) = err {
             panic!("reading the whole log from {start} failed after {} records: {e}", records.len());
         }
@@ -446,16 +458,64 @@ impl Harness {
         if from < next {
             // The awaiting read must return at once when records are there.
             let mut reader = wal.reader(from).expect("reader at a retained offset");
-            let first = reader.read(max_records, max_bytes).await.expect("read of durable records");
-            assert_eq!(first.first().map(|r| r.offset), Some(from), "read did not start at {from}");
+            match reader.read(max_records, max_bytes).await {
+                Ok(first) => assert_eq!(first.first().map(|r| r.offset), Some(from), "read did not start at {from}"),
+                Err(e) => {
+                    self.injected_read_failure(&e);
+                    if self.power_lost() {
+                        return;
+                    }
+                }
+            }
         }
-        let (records, err) = read_all(wal, from, max_records, max_bytes, Jumps::ToGapBases(&[]));
+        let Some((records, err)) = self.read_all_past_faults(from, max_records, max_bytes) else { return };
         if let Some(e) = err {
             panic!("reading from {from} failed after {} records: {e}", records.len());
         }
         assert_eq!(records.len() as u64, next - from, "read {} records from {from} to {next}", records.len());
         for r in &records {
             self.model.observe(r.offset, &r.payload);
+        }
+    }
+
+    /// True once an armed power loss fired: the process is gone, whatever it was doing,
+    /// and the operation's outcome is moot (the harness reopens after it).
+    fn power_lost(&self) -> bool {
+        self.sim.crashes() != self.crashes_seen
+    }
+
+    /// A read failed: only an injected fault may do that (a failed read or a power
+    /// loss), and it must say I/O error, never damage. The faults are lifted, so the
+    /// caller's retry reads the disk as it is.
+    fn injected_read_failure(&mut self, e: &WalError) {
+        assert!(
+            self.read_faults && (self.faults_possible || self.power_lost()) && matches!(e, WalError::Io { .. }),
+            "a read failed without an injected read fault, or called it damage: {e}"
+        );
+        if trace() {
+            eprintln!("    read failed ({e}); again without faults");
+        }
+        self.lift_faults();
+    }
+
+    /// [`read_all`] from `from`; a read an injected fault failed is read again once. `None`
+    /// when a power loss ended the process during the read.
+    fn read_all_past_faults(
+        &mut self,
+        from: u64,
+        max_records: usize,
+        max_bytes: usize,
+    ) -> Option<(Vec<Record>, Option<WalError>)> {
+        let (records, err) = read_all(self.wal(), from, max_records, max_bytes, Jumps::ToGapBases(&[]));
+        match err {
+            Some(e) if self.read_faults && (self.faults_possible || self.power_lost()) => {
+                self.injected_read_failure(&e);
+                if self.power_lost() {
+                    return None;
+                }
+                Some(read_all(self.wal(), from, max_records, max_bytes, Jumps::ToGapBases(&[])))
+            }
+            err => Some((records, err)),
         }
     }
 
@@ -521,13 +581,13 @@ impl Harness {
             Op::Restart => self.reopen(),
             Op::FailNth { op, n, kind } => {
                 self.one_fault_at_a_time();
-                self.sim.fail_nth(fault_op(op), 1 + u64::from(n % 16), error_kind(kind));
+                self.sim.fail_nth(fault_op(op, self.read_faults), 1 + u64::from(n % 16), error_kind(kind));
                 self.faults_possible = true;
             }
             Op::CrashAtNth { op, n, seed } => {
                 self.one_fault_at_a_time();
                 let mode = CrashMode::Adversarial { seed: u64::from(seed) };
-                self.sim.crash_at_nth(fault_op(op), 1 + u64::from(n % 16), mode);
+                self.sim.crash_at_nth(fault_op(op, self.read_faults), 1 + u64::from(n % 16), mode);
                 self.faults_possible = true;
             }
             Op::SpaceLimit { extra } => {
@@ -552,6 +612,16 @@ fn trace() -> bool {
 
 /// Decodes and runs one input. Panics on any broken promise.
 pub fn run(data: &[u8]) {
+    run_with(data, false);
+}
+
+/// [`run`], with faults that may also fail reads: a read fault must surface as an I/O
+/// error (never as damage), lose nothing, and leave the log readable once lifted.
+pub fn run_with_read_faults(data: &[u8]) {
+    run_with(data, true);
+}
+
+fn run_with(data: &[u8], read_faults: bool) {
     let mut input = Input::new(data);
     let setup = Setup { segment: input.u8(), capacity: input.u8(), initial: input.u8() };
     let options = setup.options();
@@ -570,6 +640,7 @@ pub fn run(data: &[u8]) {
         bytes: 0,
         faults_possible: false,
         crashes_seen: 0,
+        read_faults,
     };
     h.open();
     runtime.block_on(async {
