@@ -53,7 +53,14 @@ impl<'a> ChunkReader<'a> {
         if !have {
             let want = n.max(CHUNK_BYTES).min((self.len - pos) as usize);
             self.buf.resize(want, 0);
-            let got = read_up_to_at(self.file, &mut self.buf, pos)?;
+            let got = match read_up_to_at(self.file, &mut self.buf, pos) {
+                Ok(got) => got,
+                Err(e) => {
+                    // Nothing of a failed read stays cached (see the reader).
+                    self.buf.clear();
+                    return Err(e);
+                }
+            };
             self.buf.truncate(got);
             self.buf_pos = pos;
             if got < n {
