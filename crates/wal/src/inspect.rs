@@ -209,13 +209,7 @@ fn verify_bounded(
     // After a clean close the whole tail was durable: damage in it is damage, not a tear.
     // Beside a running writer, the whole bounded tail was durable too.
     let marker = if bound.is_none() && names.iter().any(|n| n == crate::CLEAN_MARKER_FILE) {
-        let path = dir.join(crate::CLEAN_MARKER_FILE);
-        let mut b = [0u8; crate::format::CLEAN_MARKER_LEN];
-        storage
-            .open(&path, OpenMode::Read)
-            .ok()
-            .and_then(|f| (read_up_to_at(&*f, &mut b, 0).ok() == Some(b.len())).then_some(()))
-            .and_then(|()| crate::format::CleanMarker::decode(&b))
+        crate::recovery::read_marker(storage, &dir.join(crate::CLEAN_MARKER_FILE))?
     } else {
         None
     };

@@ -485,7 +485,9 @@ fn read_header(file: &dyn StorageFile, path: &Path, base: u64, len: u64) -> Resu
     Ok(h)
 }
 
-fn read_marker(storage: &dyn Storage, path: &Path) -> Result<Option<CleanMarker>> {
+/// The clean-shutdown marker at `path`: `None` if it is not one (wrong length, bad
+/// checksum); an error if it cannot be read, which must not pass for "no marker".
+pub(crate) fn read_marker(storage: &dyn Storage, path: &Path) -> Result<Option<CleanMarker>> {
     let f = storage.open(path, OpenMode::Read).map_err(io_err(path))?;
     let len = f.len().map_err(io_err(path))?;
     if len != crate::format::CLEAN_MARKER_LEN as u64 {

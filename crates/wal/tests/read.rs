@@ -168,3 +168,24 @@ fn release_never_moves_backwards() {
         assert_eq!(r.start, 80);
     });
 }
+
+/// A clean-shutdown marker the disk fails to read is an I/O error for `verify` as for
+/// the open, never "no marker" (which would let `verify` call damage in a cleanly closed
+/// tail a torn write).
+#[test]
+fn a_marker_that_cannot_be_read_is_an_error_not_an_absent_marker() {
+    let sim = SimStorage::new();
+    let wal = open(&sim, small_options());
+    append_tagged(&wal, 0..10, 90);
+    rt().block_on(wal.close()).unwrap();
+    drop(wal);
+    assert!(wal::inspect::verify(&sim, &dir(), &mut |_| {}).unwrap().is_clean());
+    sim.fail_nth(FaultOp::Read, 1, std::io::ErrorKind::Other);
+    let err = wal::inspect::verify(&sim, &dir(), &mut |_| {}).unwrap_err();
+    assert!(matches!(err, WalError::Io { ref path, .. } if path.ends_with(wal::CLEAN_MARKER_FILE)), "{err}");
+    assert_eq!(sim.armed_faults(), 0);
+    sim.fail_nth(FaultOp::Read, 1, std::io::ErrorKind::Other);
+    let err = try_open(&sim, small_options()).unwrap_err();
+    assert!(matches!(err, WalError::Io { ref path, .. } if path.ends_with(wal::CLEAN_MARKER_FILE)), "{err}");
+    assert!(open(&sim, small_options()).open_report().clean_shutdown, "the marker is intact once the disk reads");
+}
