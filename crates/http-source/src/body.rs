@@ -201,7 +201,6 @@ mod tests {
             b"\xff",
             b"\xef\xbb\xbf",
         ];
-        let mut checked = 0;
         for pad in 0..70 {
             for a in pieces {
                 for b in pieces {
@@ -219,11 +218,9 @@ mod tests {
                             "{body:?}"
                         ),
                     }
-                    checked += 1;
                 }
             }
         }
-        assert_eq!(checked, 70 * 16 * 16);
     }
 
     #[test]

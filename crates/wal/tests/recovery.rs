@@ -302,14 +302,10 @@ fn a_clean_marker_that_does_not_match_the_tail_is_ignored() {
 /// as Linux leaves pages after a failed sync) but not on disk.
 fn poison_by_a_failed_sync(sim: &SimStorage, good: u64) {
     let wal = open(sim, small_options());
-    rt().block_on(async {
-        for t in 0..good {
-            wal.append(vec![payload(t, 1000)]).await.unwrap();
-        }
-        sim.fail_nth(FaultOp::Sync, 1, std::io::ErrorKind::Other);
-        sim.fail_nth(FaultOp::Metadata, 1, std::io::ErrorKind::Other);
-        assert!(wal.append(vec![payload(good, 1000)]).await.is_err());
-    });
+    append_tagged(&wal, 0..good, 1000);
+    sim.fail_nth(FaultOp::Sync, 1, std::io::ErrorKind::Other);
+    sim.fail_nth(FaultOp::Metadata, 1, std::io::ErrorKind::Other);
+    assert!(rt().block_on(wal.append(vec![payload(good, 1000)])).is_err());
 }
 
 /// The tags of every record after a power loss that keeps only synced bytes.
