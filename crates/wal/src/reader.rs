@@ -19,7 +19,7 @@ use tokio::sync::watch;
 use crate::error::{Location, Result, WalError};
 use crate::format::{FRAME_HEADER_LEN, FrameHeader, FrameProblem, SEGMENT_HEADER_LEN};
 use crate::shared::{SegmentRef, Shared};
-use crate::storage::read_up_to_at;
+use crate::storage::ReadBuffer;
 
 const READ_CHUNK_BYTES: usize = 256 * 1024;
 
@@ -34,12 +34,8 @@ struct Cursor {
     seg: Arc<SegmentRef>,
     /// Byte position of the frame holding `Reader::next`.
     pos: u64,
-    /// The read buffer. It only grows (to at most one `READ_CHUNK_BYTES` read or one
-    /// record), so it is zeroed once, not before every read; `buf_len` bytes of it hold
-    /// the segment's bytes from `buf_pos`.
-    buf: Vec<u8>,
-    buf_len: usize,
-    buf_pos: u64,
+    /// Durable bytes of the segment, read a `READ_CHUNK_BYTES` chunk at a time.
+    buf: ReadBuffer,
     /// The frame header last decoded, and its position: a record's header is looked at
     /// by the seal check, the read and the batch's size check, and decoded (its checksum
     /// computed) once. Bytes below the durable length never change, so it stays valid.
@@ -48,7 +44,7 @@ struct Cursor {
 
 impl Cursor {
     fn at_start_of(seg: Arc<SegmentRef>) -> Cursor {
-        Cursor { seg, pos: SEGMENT_HEADER_LEN, buf: Vec::new(), buf_len: 0, buf_pos: 0, header: None }
+        Cursor { seg, pos: SEGMENT_HEADER_LEN, buf: ReadBuffer::new(READ_CHUNK_BYTES), header: None }
     }
 }
 
@@ -239,26 +235,17 @@ fn frame_header(c: &mut Cursor) -> Result<FrameHeader> {
 
 /// `n` durable bytes at `pos` of the cursor's segment, through its read buffer.
 fn bytes_at(c: &mut Cursor, pos: u64, n: usize) -> Result<&[u8]> {
-    let cached = pos >= c.buf_pos && pos + n as u64 <= c.buf_pos + c.buf_len as u64;
-    if !cached {
-        // Load the durable length first: the bytes below it were synced before it was
-        // published, so everything read up to it is final.
-        let durable = c.seg.durable_len.load(Ordering::Acquire);
-        if pos + n as u64 > durable {
-            return Err(corrupt(c, FrameProblem::Truncated));
-        }
-        let want = n.max(READ_CHUNK_BYTES).min((durable - pos) as usize);
-        if c.buf.len() < want {
-            c.buf.resize(want, 0);
-        }
-        c.buf_len = 0;
-        let got = read_up_to_at(&*c.seg.file, &mut c.buf[..want], pos).map_err(|e| WalError::io(&c.seg.path, e))?;
-        c.buf_len = got;
-        c.buf_pos = pos;
-        if got < n {
-            return Err(corrupt(c, FrameProblem::Truncated));
-        }
+    // Load the durable length first: the bytes below it were synced before it was
+    // published, so everything read up to it is final (and a buffer filled below it
+    // stays true).
+    let durable = c.seg.durable_len.load(Ordering::Acquire);
+    let Cursor { seg, pos: at, buf, .. } = c;
+    match buf.get(&*seg.file, pos, n, durable) {
+        Ok(Some(b)) => Ok(b),
+        Ok(None) => Err(WalError::Corrupt {
+            location: Location { file: seg.path.clone(), position: *at },
+            problem: FrameProblem::Truncated,
+        }),
+        Err(e) => Err(WalError::io(&seg.path, e)),
     }
-    let at = (pos - c.buf_pos) as usize;
-    Ok(&c.buf[at..at + n])
 }

@@ -13,7 +13,7 @@ use std::path::Path;
 
 use crate::error::{Location, Result, WalError};
 use crate::format::{FRAME_HEADER_LEN, FrameHeader, FrameProblem, SEGMENT_HEADER_LEN};
-use crate::storage::{StorageFile, read_up_to_at};
+use crate::storage::{ReadBuffer, StorageFile};
 
 const CHUNK_BYTES: usize = 1024 * 1024;
 
@@ -21,13 +21,12 @@ const CHUNK_BYTES: usize = 1024 * 1024;
 pub(crate) struct ChunkReader<'a> {
     file: &'a dyn StorageFile,
     len: u64,
-    buf: Vec<u8>,
-    buf_pos: u64,
+    buf: ReadBuffer,
 }
 
 impl<'a> ChunkReader<'a> {
     pub(crate) fn new(file: &'a dyn StorageFile, len: u64) -> ChunkReader<'a> {
-        ChunkReader { file, len, buf: Vec::new(), buf_pos: 0 }
+        ChunkReader { file, len, buf: ReadBuffer::new(CHUNK_BYTES) }
     }
 
     /// True if every byte from `pos` to the end is zero: what the writer writes ahead of
@@ -46,29 +45,7 @@ impl<'a> ChunkReader<'a> {
 
     /// The `n` bytes at `pos`, or `None` if the file ends first.
     pub(crate) fn get(&mut self, pos: u64, n: usize) -> std::io::Result<Option<&[u8]>> {
-        if pos.checked_add(n as u64).is_none_or(|end| end > self.len) {
-            return Ok(None);
-        }
-        let have = pos >= self.buf_pos && pos + n as u64 <= self.buf_pos + self.buf.len() as u64;
-        if !have {
-            let want = n.max(CHUNK_BYTES).min((self.len - pos) as usize);
-            self.buf.resize(want, 0);
-            let got = match read_up_to_at(self.file, &mut self.buf, pos) {
-                Ok(got) => got,
-                Err(e) => {
-                    // Nothing of a failed read stays cached (see the reader).
-                    self.buf.clear();
-                    return Err(e);
-                }
-            };
-            self.buf.truncate(got);
-            self.buf_pos = pos;
-            if got < n {
-                return Ok(None);
-            }
-        }
-        let at = (pos - self.buf_pos) as usize;
-        Ok(Some(&self.buf[at..at + n]))
+        self.buf.get(self.file, pos, n, self.len)
     }
 }
 

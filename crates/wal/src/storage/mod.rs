@@ -100,3 +100,76 @@ pub fn read_up_to_at(file: &dyn StorageFile, buf: &mut [u8], pos: u64) -> io::Re
     }
     Ok(done)
 }
+
+/// A read buffer over one file: a window of its bytes, loaded a chunk at a time, so that
+/// many small reads (frame headers, payloads) cost one `read_at` per chunk.
+///
+/// Invariants: the window holds exactly the bytes read from the file at its position;
+/// a read that fails leaves the window empty (what a failed transfer wrote into the
+/// buffer is never served); the buffer only grows, so it is zeroed once, not per read.
+#[derive(Debug)]
+pub(crate) struct ReadBuffer {
+    chunk_bytes: usize,
+    buf: Vec<u8>,
+    /// Bytes of `buf` that hold the file's bytes from `pos`.
+    len: usize,
+    pos: u64,
+}
+
+impl ReadBuffer {
+    pub(crate) fn new(chunk_bytes: usize) -> ReadBuffer {
+        ReadBuffer { chunk_bytes, buf: Vec::new(), len: 0, pos: 0 }
+    }
+
+    /// The `n` bytes of `file` at `pos`, reading a chunk (but nothing at or past `end`)
+    /// when the window does not hold them; `None` if they do not all lie before `end`,
+    /// or the file ends first.
+    pub(crate) fn get(&mut self, file: &dyn StorageFile, pos: u64, n: usize, end: u64) -> io::Result<Option<&[u8]>> {
+        let held = pos >= self.pos && pos + n as u64 <= self.pos + self.len as u64;
+        if !held {
+            if pos.checked_add(n as u64).is_none_or(|last| last > end) {
+                return Ok(None);
+            }
+            let want = n.max(self.chunk_bytes).min((end - pos) as usize);
+            if self.buf.len() < want {
+                self.buf.resize(want, 0);
+            }
+            self.len = 0;
+            self.len = read_up_to_at(file, &mut self.buf[..want], pos)?;
+            self.pos = pos;
+            if self.len < n {
+                return Ok(None);
+            }
+        }
+        let at = (pos - self.pos) as usize;
+        Ok(Some(&self.buf[at..at + n]))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::*;
+    use crate::storage::sim::{FaultOp, SimStorage};
+
+    /// After a read that failed (the simulated disk fills half the buffer with garbage),
+    /// the window serves nothing of it: the same bytes are read again, intact.
+    #[test]
+    fn a_failed_read_leaves_nothing_in_the_window() {
+        let s = SimStorage::new();
+        s.create_dir_all(Path::new("/d")).unwrap();
+        let f = s.open(Path::new("/d/f"), OpenMode::CreateNew).unwrap();
+        let bytes: Vec<u8> = (0..200u8).collect();
+        f.write_all_at(&bytes, 0).unwrap();
+        let mut w = ReadBuffer::new(64);
+        assert_eq!(w.get(&*f, 10, 4, 200).unwrap(), Some(&bytes[10..14]));
+        s.fail_nth(FaultOp::Read, 1, io::ErrorKind::Other);
+        assert!(w.get(&*f, 100, 8, 200).is_err());
+        // Bytes the window held before the failed read, now overwritten in its buffer.
+        assert_eq!(w.get(&*f, 20, 4, 200).unwrap(), Some(&bytes[20..24]));
+        assert_eq!(w.get(&*f, 100, 8, 200).unwrap(), Some(&bytes[100..108]));
+        assert_eq!(w.get(&*f, 104, 2, 200).unwrap(), Some(&bytes[104..106]), "served from the window");
+        assert_eq!(w.get(&*f, 196, 8, 200).unwrap(), None, "past the end");
+    }
+}
