@@ -10,10 +10,10 @@
 //! - A writable open removes the clean-shutdown marker, durably, before any append, and
 //!   syncs every segment file and the directory first: nothing it found is published
 //!   as durable unless it is.
-//! - Unless a clean-shutdown marker vouches that every sync succeeded, and never beside
-//!   a live writer, the tail is read past the page cache (its clean pages are dropped
-//!   first): bytes a failed sync left readable but not on disk are neither kept nor
-//!   built on.
+//! - Unless a clean-shutdown marker naming the tail (base and length) vouches that every
+//!   sync succeeded, and never beside a live writer, the tail is read past the page cache
+//!   (its clean pages are dropped first): bytes a failed sync left readable but not on
+//!   disk are neither kept nor built on.
 //! - A read-only open takes no lock and changes nothing on disk.
 //! - Salvage never deletes: damaged files are moved to `damaged/`, and the log resumes
 //!   past every offset the damaged bytes could have held.
@@ -194,19 +194,21 @@ fn open_bounded(
             }
             _ => WalError::io(&path, e),
         })?;
-        if i == bases.len() - 1 && bound.is_none() && !has_marker {
+        let mut len = file.len().map_err(io_err(&path))?;
+        // A clean shutdown vouches that every sync of its tail succeeded, but only a
+        // marker that names this tail, base and length.
+        let vouched = marker.is_some_and(|m| m.tail_base == base && m.tail_len == len);
+        if i == bases.len() - 1 && bound.is_none() && !vouched {
             // A writer that failed a sync and then failed to cut back left bytes the
             // kernel holds clean but never wrote (Linux marks pages clean after a
             // writeback error): they read back like records. The tail is read from the
             // disk instead, so the open neither keeps those records nor builds on them
             // (a power loss would then take them from under later, synced appends). Not
-            // after a clean shutdown, which vouches that every sync succeeded, and never
-            // beside a live writer.
+            // after a clean shutdown of this tail, and never beside a live writer.
             if let Err(e) = file.drop_cached() {
                 tracing::warn!(segment = %path.display(), error = %e, "could not drop the tail's cached pages; reading them as cached");
             }
         }
-        let mut len = file.len().map_err(io_err(&path))?;
         if let Some(w) = bound
             && base == w.segment_base
         {

@@ -344,3 +344,28 @@ fn a_seal_whose_sync_failed_is_not_built_on_by_the_next_open() {
     // A power loss must not take the seal from under a successor.
     assert_eq!(tags_after_a_power_loss(&sim), vec![0, 1, 2]);
 }
+
+#[test]
+fn a_stale_clean_marker_does_not_spare_a_poisoned_tail_from_the_disk_read() {
+    let sim = SimStorage::new();
+    let wal = open(&sim, small_options());
+    append_tagged(&wal, 0..2, 1000);
+    rt().block_on(wal.close()).unwrap();
+    drop(wal);
+    let marker_path = dir().join(wal::CLEAN_MARKER_FILE);
+    let stale = sim.read_file(&marker_path).unwrap();
+    // The next start removes the marker; its writer then fails a sync and the cut back.
+    let wal = open(&sim, small_options());
+    sim.fail_nth(FaultOp::Sync, 1, std::io::ErrorKind::Other);
+    sim.fail_nth(FaultOp::Metadata, 1, std::io::ErrorKind::Other);
+    assert!(rt().block_on(wal.append(vec![payload(2, 1000)])).is_err());
+    drop(wal);
+    // A marker that names an older length of the tail vouches for nothing.
+    sim.write_file_durably(&marker_path, &stale).unwrap();
+    let wal = open(&sim, small_options());
+    assert_eq!(wal.next_offset(), 2, "the record whose sync failed was read back");
+    assert!(!wal.open_report().clean_shutdown);
+    append_tagged(&wal, 3..4, 1000);
+    drop(wal);
+    assert_eq!(tags_after_a_power_loss(&sim), vec![0, 1, 3]);
+}
