@@ -213,7 +213,7 @@ impl<S: Sink, C: CursorStore> Dispatcher<S, C> {
         }
         let share = route.share.clone();
         let delivered_below = self.cursors_at_start.get(key).copied().unwrap_or(0);
-        let lane = Arc::new(Lane::new(key.clone(), delivered_below, false, &share));
+        let lane = Arc::new(Lane::new(key.clone(), delivered_below, &share));
         let n = {
             let mut lanes = self.lanes.write().unwrap_or_else(|p| p.into_inner());
             lanes.insert(key.clone(), lane.clone());
@@ -291,8 +291,14 @@ pub(crate) fn new_source_route<S: Sink, C: CursorStore>(
     let dead_letter_lane = dead_letter.map(|destination| {
         let key = LaneKey { source: source.to_string(), destination };
         let below = cursors_at_start.get(&key).copied().unwrap_or(0);
-        let lane = Arc::new(Lane::new(key.clone(), below, true, &share));
-        lanes.write().unwrap_or_else(|p| p.into_inner()).insert(key, lane.clone());
+        let lane = Arc::new(Lane::new(key.clone(), below, &share));
+        let n = {
+            let mut lanes = lanes.write().unwrap_or_else(|p| p.into_inner());
+            lanes.insert(key, lane.clone());
+            lanes.len()
+        };
+        // A dead-letter lane is a lane like any other: counted from its start.
+        metrics::gauge!("iggy_connector_destinations_active").set(n as f64);
         let task = tokio::spawn(lane::run(lane.clone(), ctx.clone()));
         lane_tasks.lock().unwrap_or_else(|p| p.into_inner()).push(task);
         lane

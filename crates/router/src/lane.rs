@@ -120,7 +120,6 @@ struct Info {
 
 pub(crate) struct Lane {
     pub key: LaneKey,
-    pub is_dead_letter: bool,
     /// The policy of the lane's source.
     pub policy: Arc<RouterPolicy>,
     /// The source's limit on sends in flight.
@@ -158,11 +157,10 @@ pub(crate) struct SourceShare {
 }
 
 impl Lane {
-    pub(crate) fn new(key: LaneKey, delivered_below: u64, is_dead_letter: bool, share: &SourceShare) -> Lane {
+    pub(crate) fn new(key: LaneKey, delivered_below: u64, share: &SourceShare) -> Lane {
         let status = StatusCell::new("destinations", key.to_string());
         Lane {
             key,
-            is_dead_letter,
             policy: share.policy.clone(),
             send_slots: share.send_slots.clone(),
             belongs: share.belongs.clone(),
@@ -661,14 +659,13 @@ async fn deliver<S: Sink, C>(
                 Attempt::Sent | Attempt::ShuttingDown => return Delivery::ShuttingDown,
             },
         };
-        let partitioning = batch[i].envelope.header.destination.partitioning.clone();
+        let partitioning = send_partitioning(&batch[i]);
         let mut end = i + 1;
-        while end < batch.len() && batch[end].envelope.header.destination.partitioning == partitioning {
+        while end < batch.len() && send_partitioning(&batch[end]) == partitioning {
             end += 1;
         }
         if let Partitioning::PartitionId(p) = partitioning
             && p >= topic.partitions_count
-            && !lane.is_dead_letter
         {
             match out_of_range(lane, ctx, &batch[i..end], p, topic, &mut shutdown).await {
                 Delivery::Done => {
@@ -696,6 +693,18 @@ async fn deliver<S: Sink, C>(
         }
     }
     Delivery::Done
+}
+
+/// How a record is sent: as it was accepted, except a dead-lettered record, which is
+/// balanced. Its partition id or key was chosen for the destination it was refused, not
+/// for the dead-letter topic (which may have fewer partitions: an id beyond them would
+/// fail every send of the dead-letter lane for good).
+fn send_partitioning(r: &Routed) -> Partitioning {
+    if r.dead_letter_reason.is_some() {
+        Partitioning::Balanced
+    } else {
+        r.envelope.header.destination.partitioning.clone()
+    }
 }
 
 /// What an attempt does.

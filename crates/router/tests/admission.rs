@@ -85,6 +85,42 @@ async fn over_the_cap_with_dead_letter_the_records_go_there_with_the_reason() {
     router.shutdown().await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_lettered_record_is_balanced_over_the_dead_letter_topic_not_sent_to_its_partition_id() {
+    let sim = SimStorage::new();
+    let wal = open_wal(&sim);
+    let sink = FaultySink::new();
+    let dests = [key("s", "a"), key("s", "b"), key("s", "c")];
+    let dlq = key("dlq", "rejected");
+    // The refused destination has 8 partitions, the dead-letter topic one.
+    sink.set_partitions(&dests[2], 8);
+    sink.set_partitions(&dlq, 1);
+    let mut want = Vec::new();
+    for i in 0..30u64 {
+        let d = &dests[(i as usize) % 3];
+        wal.append(vec![record(d, i, Partitioning::PartitionId(5))]).await.unwrap_or_else(|e| panic!("{e}"));
+        if d == &dests[2] {
+            want.push(u128::from(i) + 1);
+        }
+    }
+    sink.set_partitions(&dests[0], 8);
+    sink.set_partitions(&dests[1], 8);
+    let router = Router::start(
+        wal.clone(),
+        sink.clone(),
+        Arc::new(MemoryCursorStore::new()),
+        Policies::uniform(policy(OnAdmissionFailure::DeadLetter)),
+    )
+    .unwrap();
+    eventually(Duration::from_secs(10), "dead-lettered", || sink.ids(&dlq).len() == 10).await;
+    assert_eq!(sink.ids(&dlq), want);
+    assert!(sink.delivered(&dlq).iter().all(|m| m.partitioning == Partitioning::Balanced));
+    // The admitted destinations keep their partition id.
+    assert!(sink.delivered(&dests[0]).iter().all(|m| m.partitioning == Partitioning::PartitionId(5)));
+    eventually(Duration::from_secs(10), "released", || router.released_below() == 30).await;
+    router.shutdown().await;
+}
+
 async fn out_of_range(on: OnAdmissionFailure) -> (Arc<FaultySink>, Router) {
     let sim = SimStorage::new();
     let wal = open_wal(&sim);

@@ -124,6 +124,13 @@ impl Sink for FaultySink {
             Err(None) => std::future::pending::<()>().await,
         }
         let mut st = self.st();
+        // As Iggy does: a partition id the topic does not have fails the send.
+        let partitions_count = st.partitions.get(dest).copied().unwrap_or(3);
+        if let Partitioning::PartitionId(id) = p
+            && *id >= partitions_count
+        {
+            return Err(SendError::new(SendErrorKind::Destination, format!("partition {id} not found")));
+        }
         let v = st.delivered.entry(dest.clone()).or_default();
         for m in messages.iter() {
             v.push(Delivered {
