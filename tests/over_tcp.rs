@@ -104,6 +104,31 @@ async fn a_partition_id_lands_in_that_partition() {
     router.shutdown().await;
 }
 
+/// A record whose partition id the topic lacks is held (`on_admission_failure = "error"`)
+/// and goes out once an operator adds partitions: the sink asks the server again after
+/// each cool-down instead of answering from what it learnt before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_held_for_a_missing_partition_goes_out_once_the_topic_grows() {
+    let broker = TestBroker::start(TestBrokerConfig::default()).await.unwrap();
+    let wal = sim_wal();
+    wal.append(vec![record("g", "t", 0, Partitioning::PartitionId(0))]).await.unwrap();
+    wal.append(vec![record("g", "t", 1, Partitioning::PartitionId(2))]).await.unwrap();
+    let router =
+        Router::start(wal, sink(broker.addr(), 1), Arc::new(MemoryCursorStore::new()), Policies::uniform(policy()))
+            .unwrap();
+    eventually(Duration::from_secs(30), "the first delivered", || async { ids(&broker, "g", "t") == vec![1] }).await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(ids(&broker, "g", "t"), vec![1], "a record for a partition the topic lacks went out");
+    assert!(broker.grow_partitions("g", "t", 3));
+    eventually(Duration::from_secs(30), "delivered after the topic grew", || async {
+        ids(&broker, "g", "t") == vec![1, 2]
+    })
+    .await;
+    assert_eq!(broker.messages("g", "t")[1].partition_id, 2);
+    eventually(Duration::from_secs(10), "running", || async { router.status().status == Status::Running }).await;
+    router.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_broker_outage_is_held_and_everything_arrives_after_it() {
     let broker = TestBroker::start(TestBrokerConfig::default()).await.unwrap();

@@ -23,9 +23,8 @@
 //! - Messages carry the stable id from the log; a resend after an unknown outcome sends
 //!   the same id.
 
-use std::collections::HashMap;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::BytesMut;
@@ -112,7 +111,6 @@ pub struct IggySink {
     generation: AtomicU64,
     /// The connect in progress, if any; its task finishes even when nobody waits for it.
     connecting: tokio::sync::Mutex<Option<JoinHandle<Result<IggyClient, IggyError>>>>,
-    topics: Mutex<HashMap<DestinationKey, TopicInfo>>,
 }
 
 impl std::fmt::Debug for IggySink {
@@ -133,7 +131,6 @@ impl IggySink {
             needs_connect: AtomicBool::new(true),
             generation: AtomicU64::new(0),
             connecting: tokio::sync::Mutex::new(None),
-            topics: Mutex::new(HashMap::new()),
         })
     }
 
@@ -340,9 +337,6 @@ impl Sink for IggySink {
     }
 
     async fn ensure(&self, dest: &DestinationKey) -> Result<TopicInfo, SendError> {
-        if let Some(t) = self.topics.lock().unwrap_or_else(|p| p.into_inner()).get(dest) {
-            return Ok(*t);
-        }
         let generation = self.connected().await?;
         self.ensure_on(dest, generation).await
     }
@@ -389,7 +383,6 @@ impl IggySink {
         if !info.durable {
             tracing::warn!(destination = %dest, "topic does not sync every message: its acks may not survive a crash of the server");
         }
-        self.topics.lock().unwrap_or_else(|p| p.into_inner()).insert(dest.clone(), info);
         Ok(info)
     }
 
@@ -407,13 +400,7 @@ impl IggySink {
         let client = self.client();
         match client.send_messages(&stream, &topic, &partitioning(p), messages).await {
             Ok(_) => Ok(()),
-            Err(e) => {
-                let err = self.classify(e, Some(generation));
-                if err.kind == SendErrorKind::Destination {
-                    self.topics.lock().unwrap_or_else(|p| p.into_inner()).remove(dest);
-                }
-                Err(err)
-            }
+            Err(e) => Err(self.classify(e, Some(generation))),
         }
     }
 }

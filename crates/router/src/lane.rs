@@ -794,8 +794,7 @@ async fn attempt<S: Sink, C>(
             if was_open {
                 metrics::gauge!("iggy_connector_destination_circuit_open").decrement(1.0);
             }
-            lane.status.set(Status::Running, "send succeeded");
-            ctx.router_status.lane_recovered(&lane.key);
+            progressed(lane, ctx, "send succeeded");
             match info {
                 Some(t) => Attempt::Ensured(t),
                 None => Attempt::Sent,
@@ -825,8 +824,7 @@ async fn attempt<S: Sink, C>(
             lane.status.record_error(&e.to_string());
             metrics::counter!("iggy_connector_send_failures_total", "connector_key" => lane.key.source.clone(), "reason" => e.kind.as_str()).increment(1);
             if *failures >= lane.policy.batch.degraded_after_failures {
-                lane.status.set(Status::Degraded, &format!("{failures} consecutive failures, last: {e}"));
-                ctx.router_status.lane_degraded(&lane.key);
+                degraded(lane, ctx, &format!("{failures} consecutive failures, last: {e}"));
             }
             tracing::debug!(destination = %lane.key, error = %e, failures = *failures, "send failed; holding and retrying");
             if sleep_or_shutdown(shutdown, lane.policy.backoff(*failures)).await {
@@ -838,6 +836,7 @@ async fn attempt<S: Sink, C>(
 }
 
 /// Records whose partition id is beyond the topic's partitions: never a breaker failure.
+/// Counted once however long they are held; then disposed of as the policy says.
 async fn out_of_range<S: Sink, C>(
     lane: &Lane,
     ctx: &LaneContext<S, C>,
@@ -849,66 +848,134 @@ async fn out_of_range<S: Sink, C>(
     let n = records.len() as u64;
     let first = records.first().map(|r| r.offset);
     let counted_before = std::mem::replace(&mut lock(&lane.info).out_of_range_counted, first) == first;
-    if counted_before && lane.policy.on_admission_failure == OnAdmissionFailure::Error {
-        // Still held: asked again after a cool-down, counted once.
-        lock(&lane.info).topic = None;
-        return if sleep_or_shutdown(shutdown, lane.policy.breaker.cool_down).await {
-            Delivery::ShuttingDown
-        } else {
-            Delivery::Retry
-        };
-    }
-    metrics::counter!("iggy_connector_destinations_rejected_total", "connector_key" => lane.key.source.clone(), "reason" => "partition_id_out_of_range")
-        .increment(n);
-    lock(&lane.info).rejected_records += n;
     let why = format!("partition id {partition} is beyond the topic's {} partitions", topic.partitions_count);
-    lane.status.record_error(&why);
+    if !counted_before {
+        metrics::counter!("iggy_connector_destinations_rejected_total", "connector_key" => lane.key.source.clone(), "reason" => "partition_id_out_of_range")
+            .increment(n);
+        lock(&lane.info).rejected_records += n;
+        lane.status.record_error(&why);
+    }
     match lane.policy.on_admission_failure {
         OnAdmissionFailure::Drop => {
             tracing::warn!(destination = %lane.key, records = n, "{why}: dropped, as configured");
             metrics::counter!("iggy_connector_messages_dropped_total", "connector_key" => lane.key.source.clone(), "reason" => "partition_id_out_of_range")
                 .increment(n);
+            progressed(lane, ctx, "records out of the topic's partitions dropped, as configured");
             Delivery::Done
         }
         OnAdmissionFailure::DeadLetter => {
             let Some(dlq) = lane.policy.dead_letter.clone() else { return Delivery::Done };
-            let messages: Vec<OutMessage<'_>> = records
-                .iter()
-                .map(|r| {
-                    let mut m = out_message(r);
-                    rejected_headers(&mut m.headers, "partition_id_out_of_range", &r.envelope.header.destination);
-                    m
-                })
-                .collect();
-            let mut prepared = ctx.sink.prepare(&messages);
-            let mut failures = 0u32;
-            loop {
-                let ensured = ctx.sink.ensure(&dlq).await;
-                let sent = match (ensured, &mut prepared) {
-                    (Ok(_), Ok(messages)) => ctx.sink.send(&dlq, &Partitioning::Balanced, messages).await,
-                    (Ok(_), Err(e)) => Err(e.clone()),
-                    (Err(e), _) => Err(e),
-                };
-                match sent {
-                    Ok(()) => return Delivery::Done,
-                    Err(e) => {
-                        failures = failures.saturating_add(1);
-                        lane.status.record_error(&format!("dead-letter send failed: {e}"));
-                        if sleep_or_shutdown(shutdown, lane.policy.backoff(failures)).await {
-                            return Delivery::ShuttingDown;
+            dead_letter(lane, ctx, &dlq, records, shutdown).await
+        }
+        OnAdmissionFailure::Error => hold_until_partitions_exist(lane, ctx, partition, why, shutdown).await,
+    }
+}
+
+/// Holds records whose partition id the topic lacks: the lane is Degraded (and the
+/// router with it) for as long as it holds them, and asks the destination again after
+/// each cool-down, since the topic may gain partitions. `Retry` once it has them.
+async fn hold_until_partitions_exist<S: Sink, C>(
+    lane: &Lane,
+    ctx: &LaneContext<S, C>,
+    partition: u32,
+    mut why: String,
+    shutdown: &mut watch::Receiver<bool>,
+) -> Delivery {
+    loop {
+        degraded(lane, ctx, &why);
+        if sleep_or_shutdown(shutdown, lane.policy.breaker.cool_down).await {
+            return Delivery::ShuttingDown;
+        }
+        match tokio::time::timeout(lane.policy.batch.result_timeout, ctx.sink.ensure(lane.dest())).await {
+            Ok(Ok(t)) => {
+                lock(&lane.info).topic = Some(t);
+                if partition < t.partitions_count {
+                    return Delivery::Retry;
+                }
+                why = format!("partition id {partition} is beyond the topic's {} partitions", t.partitions_count);
+            }
+            Ok(Err(e)) => lane.status.record_error(&e.to_string()),
+            Err(_) => lane.status.record_error("no answer within the result timeout"),
+        }
+    }
+}
+
+/// Sends refused records to the dead-letter topic, balanced, until it acknowledged them.
+/// Bounded like any send (the result timeout, the source's send slots); the lane is
+/// Degraded (and the router with it) after `degraded_after_failures` failures in a row,
+/// and Running again once the records are delivered there.
+async fn dead_letter<S: Sink, C>(
+    lane: &Lane,
+    ctx: &LaneContext<S, C>,
+    dlq: &DestinationKey,
+    records: &[Routed],
+    shutdown: &mut watch::Receiver<bool>,
+) -> Delivery {
+    let messages: Vec<OutMessage<'_>> = records
+        .iter()
+        .map(|r| {
+            let mut m = out_message(r);
+            rejected_headers(&mut m.headers, "partition_id_out_of_range", &r.envelope.header.destination);
+            m
+        })
+        .collect();
+    let mut prepared = ctx.sink.prepare(&messages);
+    let timeout = lane.policy.batch.result_timeout;
+    let mut failures = 0u32;
+    loop {
+        let sent = {
+            let Ok(_slot) = lane.send_slots.acquire().await else { return Delivery::ShuttingDown };
+            match tokio::time::timeout(timeout, ctx.sink.ensure(dlq)).await {
+                Err(_) => Err(SendError::new(SendErrorKind::Timeout, "no answer within the result timeout")),
+                Ok(Err(e)) => Err(e),
+                Ok(Ok(_)) => match &mut prepared {
+                    Err(e) => Err(e.clone()),
+                    Ok(messages) => {
+                        match tokio::time::timeout(timeout, ctx.sink.send(dlq, &Partitioning::Balanced, messages)).await
+                        {
+                            Ok(r) => r,
+                            Err(_) => {
+                                Err(SendError::new(SendErrorKind::Timeout, "no answer within the result timeout"))
+                            }
                         }
                     }
+                },
+            }
+        };
+        match sent {
+            Ok(()) => {
+                lock(&lane.info).consecutive_failures = 0;
+                progressed(lane, ctx, "records out of the topic's partitions dead-lettered");
+                return Delivery::Done;
+            }
+            Err(e) => {
+                failures = failures.saturating_add(1);
+                let why = format!("dead-letter send failed: {e}");
+                {
+                    let mut i = lock(&lane.info);
+                    i.consecutive_failures = failures;
+                    i.last_error = Some(why.clone());
+                }
+                lane.status.record_error(&why);
+                if failures >= lane.policy.batch.degraded_after_failures {
+                    degraded(lane, ctx, &format!("{failures} consecutive failures, last: {why}"));
+                }
+                if sleep_or_shutdown(shutdown, lane.policy.backoff(failures)).await {
+                    return Delivery::ShuttingDown;
                 }
             }
         }
-        OnAdmissionFailure::Error => {
-            // Held: the topic may gain partitions. Ask again after a cool-down.
-            lane.status.set(Status::Degraded, &why);
-            lock(&lane.info).topic = None;
-            if sleep_or_shutdown(shutdown, lane.policy.breaker.cool_down).await {
-                return Delivery::ShuttingDown;
-            }
-            Delivery::Retry
-        }
     }
+}
+
+/// The lane is retrying without progress: Degraded, and the router told.
+fn degraded<S, C>(lane: &Lane, ctx: &LaneContext<S, C>, why: &str) {
+    lane.status.set(Status::Degraded, why);
+    ctx.router_status.lane_degraded(&lane.key);
+}
+
+/// The lane moved its records on: Running, and the router told.
+fn progressed<S, C>(lane: &Lane, ctx: &LaneContext<S, C>, why: &str) {
+    lane.status.set(Status::Running, why);
+    ctx.router_status.lane_recovered(&lane.key);
 }

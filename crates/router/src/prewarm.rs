@@ -1,6 +1,6 @@
 //! Pre-warming: the destinations known at start are ensured (stream and topic created
-//! with the topic defaults, partitions and durability cached) before their first record
-//! needs them, within a deadline.
+//! with the topic defaults) before their first record needs them, within a deadline;
+//! a lane's own first ensure then only reads what exists.
 //!
 //! Invariants:
 //! - Pre-warming never delays the daemon: it runs as its own task, and a destination it

@@ -126,7 +126,9 @@ pub trait Sink: Send + Sync + 'static {
     fn prepare(&self, messages: &[OutMessage<'_>]) -> Result<Vec<Self::Message>, SendError>;
 
     /// Makes sure the destination exists (creating it if needed; "already exists" is
-    /// success) and reports its partitions and durability.
+    /// success) and reports its partitions and durability. Asks the destination every
+    /// time, so a caller that asks again learns of partitions added since (callers keep
+    /// what it answered).
     fn ensure(&self, dest: &DestinationKey) -> impl Future<Output = Result<TopicInfo, SendError>> + Send;
 
     /// Sends `messages` to `dest` in order, all with the same partitioning, and returns

@@ -7,7 +7,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ingest::envelope::Partitioning;
-use router::{MemoryCursorStore, OnAdmissionFailure, Policies, Router, RouterPolicy};
+use router::status::Status;
+use router::{MemoryCursorStore, OnAdmissionFailure, Policies, Router, RouterPolicy, SendErrorKind};
 use support::*;
 use wal::storage::SimStorage;
 
@@ -130,9 +131,14 @@ async fn out_of_range(on: OnAdmissionFailure) -> (Arc<FaultySink>, Router) {
     for (i, p) in [0u32, 1, 7, 2].into_iter().enumerate() {
         wal.append(vec![record(&d, i as u64, Partitioning::PartitionId(p))]).await.unwrap();
     }
-    let router =
-        Router::start(wal, sink.clone(), Arc::new(MemoryCursorStore::new()), Policies::uniform(policy(on))).unwrap();
+    let mut p = policy(on);
+    p.breaker.cool_down = Duration::from_millis(500);
+    let router = Router::start(wal, sink.clone(), Arc::new(MemoryCursorStore::new()), Policies::uniform(p)).unwrap();
     (sink, router)
+}
+
+fn lane_status(router: &Router, d: &router::DestinationKey) -> Status {
+    router.destinations().into_iter().find(|s| &s.destination == d).map_or(Status::Starting, |s| s.status)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -172,9 +178,87 @@ async fn a_partition_id_out_of_range_with_error_is_held_until_the_topic_grows() 
     assert_eq!(sink.ids(&d), vec![1, 2], "a held record was skipped");
     let snap = router.destinations().into_iter().find(|s| s.destination == d).unwrap();
     assert_eq!((snap.breaker, snap.rejected_records), ("closed", 1));
+    // Held across several cool-downs (each asks the topic again): Degraded throughout,
+    // the router too, and counted once.
+    for _ in 0..4 {
+        assert_eq!(lane_status(&router, &d), Status::Degraded);
+        assert_eq!(router.status().status, Status::Degraded);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    assert!(sink.ensured(&d) >= 3, "the topic was not asked again: {}", sink.ensured(&d));
+    let snap = router.destinations().into_iter().find(|s| s.destination == d).unwrap();
+    assert_eq!(snap.rejected_records, 1);
     // The operator adds partitions: after the next cool-down the record goes out.
     sink.set_partitions(&d, 8);
     eventually(Duration::from_secs(20), "delivered after growth", || sink.ids(&d).len() == 4).await;
     assert_eq!(sink.ids(&d), vec![1, 2, 3, 4]);
+    eventually(Duration::from_secs(5), "running again", || {
+        lane_status(&router, &d) == Status::Running && router.status().status == Status::Running
+    })
+    .await;
+    router.shutdown().await;
+}
+
+/// A lane Degraded by failures whose records then all turn out to be out of range (and
+/// are dropped or dead-lettered, as configured) made progress: it is Running again,
+/// though it never sent to its own topic.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_degraded_lane_whose_records_are_all_disposed_of_is_running_again() {
+    for on in [OnAdmissionFailure::Drop, OnAdmissionFailure::DeadLetter] {
+        let sim = SimStorage::new();
+        let wal = open_wal(&sim);
+        let sink = FaultySink::new();
+        let d = key("p", "t");
+        sink.set_partitions(&d, 3);
+        sink.client_fault(Some(SendErrorKind::Unavailable));
+        for i in 0..4u64 {
+            wal.append(vec![record(&d, i, Partitioning::PartitionId(7))]).await.unwrap_or_else(|e| panic!("{e}"));
+        }
+        let router =
+            Router::start(wal, sink.clone(), Arc::new(MemoryCursorStore::new()), Policies::uniform(policy(on)))
+                .unwrap();
+        eventually(Duration::from_secs(10), "degraded", || lane_status(&router, &d) == Status::Degraded).await;
+        sink.client_fault(None);
+        eventually(Duration::from_secs(10), "released", || router.released_below() == 4).await;
+        eventually(Duration::from_secs(5), "running", || {
+            lane_status(&router, &d) == Status::Running && router.status().status == Status::Running
+        })
+        .await;
+        assert!(sink.ids(&d).is_empty(), "{on:?}: an out-of-range record reached its topic");
+        router.shutdown().await;
+    }
+}
+
+/// A dead-letter topic that fails is a held lane like any other: Degraded after
+/// `degraded_after_failures`, with the result timeout applied, and Running once the
+/// records reach it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_dead_letter_topic_degrades_the_lane_until_it_takes_the_records() {
+    let (sink, router) = {
+        let sim = SimStorage::new();
+        let wal = open_wal(&sim);
+        let sink = FaultySink::new();
+        let d = key("p", "t");
+        sink.set_partitions(&d, 3);
+        sink.fault(&key("dlq", "rejected"), Some(Fault::BlackHole));
+        wal.append(vec![record(&d, 0, Partitioning::PartitionId(7))]).await.unwrap_or_else(|e| panic!("{e}"));
+        let mut p = policy(OnAdmissionFailure::DeadLetter);
+        p.batch.result_timeout = Duration::from_millis(200);
+        let router =
+            Router::start(wal, sink.clone(), Arc::new(MemoryCursorStore::new()), Policies::uniform(p)).unwrap();
+        (sink, router)
+    };
+    let d = key("p", "t");
+    eventually(Duration::from_secs(10), "degraded", || {
+        lane_status(&router, &d) == Status::Degraded && router.status().status == Status::Degraded
+    })
+    .await;
+    let snap = router.destinations().into_iter().find(|s| s.destination == d).unwrap();
+    assert!(snap.last_error.as_deref().is_some_and(|e| e.contains("result timeout")), "{:?}", snap.last_error);
+    assert_eq!(router.released_below(), 0);
+    sink.fault(&key("dlq", "rejected"), None);
+    eventually(Duration::from_secs(10), "dead-lettered", || sink.ids(&key("dlq", "rejected")) == vec![1]).await;
+    eventually(Duration::from_secs(5), "running", || lane_status(&router, &d) == Status::Running).await;
+    eventually(Duration::from_secs(5), "released", || router.released_below() == 1).await;
     router.shutdown().await;
 }

@@ -169,6 +169,12 @@ impl TestBroker {
         }
     }
 
+    /// Grows `stream`/`topic` to `partitions_count` partitions, as an operator adding
+    /// partitions would. `false` when it does not exist or already has that many.
+    pub fn grow_partitions(&self, stream: &str, topic: &str, partitions_count: u32) -> bool {
+        self.shared.store().grow_partitions(stream, topic, partitions_count)
+    }
+
     /// Every message stored in `stream`/`topic`, in arrival order (across
     /// partitions). Empty when the destination does not exist.
     #[must_use]

@@ -169,6 +169,27 @@ impl Store {
             .find(|candidate| candidate.name == topic)
     }
 
+    /// Adds partitions to `stream`/`topic` until it has `partitions_count`, as an
+    /// operator's `create_partitions` would (the new ones empty). `false` when the
+    /// destination does not exist or already has at least that many.
+    pub fn grow_partitions(&mut self, stream: &str, topic: &str, partitions_count: u32) -> bool {
+        let Some(t) = self
+            .streams
+            .iter_mut()
+            .find(|candidate| candidate.name == stream)
+            .and_then(|s| s.topics.iter_mut().find(|candidate| candidate.name == topic))
+        else {
+            return false;
+        };
+        if partitions_count <= t.partitions_count {
+            return false;
+        }
+        t.partitions_count = partitions_count;
+        t.options.partitions_count = Some(partitions_count);
+        t.next_offsets.resize(partitions_count as usize, 0);
+        true
+    }
+
     /// The names a pair of identifiers refers to: the identifiers' own names
     /// when they are named, the stored names when they are numeric.
     pub fn names_of(&self, stream_id: &WireIdentifier, topic_id: &WireIdentifier) -> Option<(String, String)> {
