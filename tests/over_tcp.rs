@@ -245,6 +245,40 @@ async fn a_connection_attempt_cut_short_by_the_result_timeout_does_not_wedge_the
     router.shutdown().await;
 }
 
+/// A server that takes TCP connections but does not answer the sign-in (here: 25 s late)
+/// fails every destination alike: the lanes' result timeouts while connecting open no
+/// breaker, and delivery resumes once it answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn result_timeouts_while_connecting_open_no_breaker() {
+    let broker = TestBroker::start(TestBrokerConfig::default()).await.unwrap();
+    let (wal, router) = start_warm(&broker, "c", "t").await;
+    broker.stop().await;
+    for n in 1..20u64 {
+        wal.append(vec![record("c", "t", n, Partitioning::Balanced)]).await.unwrap();
+    }
+    eventually(Duration::from_secs(30), "degraded", || async { router.status().status == Status::Degraded }).await;
+    broker.set_delay(Duration::from_secs(25));
+    broker.restart().await.unwrap();
+    // Four result timeouts (3 s each) and more: a breaker counting them would open at three.
+    let watched = tokio::time::Instant::now();
+    let mut timeouts_seen = false;
+    while watched.elapsed() < Duration::from_secs(14) {
+        for d in router.destinations() {
+            assert_ne!(d.breaker, "open", "a breaker opened while the client was connecting: {d:?}");
+            timeouts_seen |= d.last_error.as_deref().is_some_and(|e| e.contains("result timeout"));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(timeouts_seen, "no call was cut short by the result timeout");
+    broker.set_delay(Duration::ZERO);
+    eventually(Duration::from_secs(60), "drained once the server answers", || async {
+        ids(&broker, "c", "t").iter().collect::<BTreeSet<_>>().len() == 20
+    })
+    .await;
+    eventually(Duration::from_secs(20), "running", || async { router.status().status == Status::Running }).await;
+    router.shutdown().await;
+}
+
 /// A reconnection slower than the router's result timeout (here: the broker answers every
 /// request 2 s late, so signing in and reading the cluster metadata take longer than the
 /// 3 s timeout, while each send fits within it) must still complete. Connects cut short by

@@ -161,7 +161,14 @@ impl IggySink {
         *connecting = None;
         match joined {
             Err(e) => Err(SendError::new(SendErrorKind::Unavailable, format!("the connect task failed: {e}"))),
-            Ok(Err(e)) => Err(self.classify(e, None)),
+            // A failed connect is the client's, whatever the error: no destination's.
+            Ok(Err(e)) => {
+                let mut failure = self.classify(e, None);
+                if failure.kind == SendErrorKind::Destination {
+                    failure.kind = SendErrorKind::Unavailable;
+                }
+                Err(failure)
+            }
             Ok(Ok(client)) => {
                 *self.client.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(client);
                 let generation = self.generation.fetch_add(1, Ordering::AcqRel) + 1;
@@ -339,6 +346,10 @@ impl Sink for IggySink {
     async fn ensure(&self, dest: &DestinationKey) -> Result<TopicInfo, SendError> {
         let generation = self.connected().await?;
         self.ensure_on(dest, generation).await
+    }
+
+    fn connecting(&self) -> bool {
+        self.needs_connect.load(Ordering::Acquire)
     }
 
     async fn send(

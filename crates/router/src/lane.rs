@@ -707,6 +707,18 @@ fn send_partitioning(r: &Routed) -> Partitioning {
     }
 }
 
+/// The failure of a call cut short by the result timeout. While the sink was still
+/// connecting to the server the time went to the connection, which is every
+/// destination's: `Unavailable`, which no breaker counts. Otherwise the destination did
+/// not answer: `Timeout`, which its breaker counts.
+fn timed_out<S: Sink>(sink: &S) -> SendError {
+    if sink.connecting() {
+        SendError::new(SendErrorKind::Unavailable, "not connected within the result timeout")
+    } else {
+        SendError::new(SendErrorKind::Timeout, "no answer within the result timeout")
+    }
+}
+
 /// What an attempt does.
 enum Op<'a, M> {
     /// Make sure the destination exists.
@@ -754,7 +766,7 @@ async fn attempt<S: Sink, C>(
                 .record(started.elapsed().as_secs_f64());
             match r {
                 Ok(r) => r.map(Some),
-                Err(_) => Err(SendError::new(SendErrorKind::Timeout, "no answer within the result timeout")),
+                Err(_) => Err(timed_out(&*ctx.sink)),
             }
         }
         Op::Send(partitioning, messages) => {
@@ -764,7 +776,7 @@ async fn attempt<S: Sink, C>(
             metrics::histogram!("iggy_connector_send_latency_seconds").record(started.elapsed().as_secs_f64());
             match r {
                 Ok(r) => r.map(|()| None),
-                Err(_) => Err(SendError::new(SendErrorKind::Timeout, "no answer within the result timeout")),
+                Err(_) => Err(timed_out(&*ctx.sink)),
             }
         }
     };
@@ -895,7 +907,7 @@ async fn hold_until_partitions_exist<S: Sink, C>(
                 why = format!("partition id {partition} is beyond the topic's {} partitions", t.partitions_count);
             }
             Ok(Err(e)) => lane.status.record_error(&e.to_string()),
-            Err(_) => lane.status.record_error("no answer within the result timeout"),
+            Err(_) => lane.status.record_error(&timed_out(&*ctx.sink).to_string()),
         }
     }
 }
@@ -926,7 +938,7 @@ async fn dead_letter<S: Sink, C>(
         let sent = {
             let Ok(_slot) = lane.send_slots.acquire().await else { return Delivery::ShuttingDown };
             match tokio::time::timeout(timeout, ctx.sink.ensure(dlq)).await {
-                Err(_) => Err(SendError::new(SendErrorKind::Timeout, "no answer within the result timeout")),
+                Err(_) => Err(timed_out(&*ctx.sink)),
                 Ok(Err(e)) => Err(e),
                 Ok(Ok(_)) => match &mut prepared {
                     Err(e) => Err(e.clone()),
@@ -934,9 +946,7 @@ async fn dead_letter<S: Sink, C>(
                         match tokio::time::timeout(timeout, ctx.sink.send(dlq, &Partitioning::Balanced, messages)).await
                         {
                             Ok(r) => r,
-                            Err(_) => {
-                                Err(SendError::new(SendErrorKind::Timeout, "no answer within the result timeout"))
-                            }
+                            Err(_) => Err(timed_out(&*ctx.sink)),
                         }
                     }
                 },

@@ -131,6 +131,12 @@ pub trait Sink: Send + Sync + 'static {
     /// what it answered).
     fn ensure(&self, dest: &DestinationKey) -> impl Future<Output = Result<TopicInfo, SendError>> + Send;
 
+    /// True while the sink waits for a connection to the server (no call can be answered
+    /// before it is made). A call cut short then failed for every destination alike.
+    fn connecting(&self) -> bool {
+        false
+    }
+
     /// Sends `messages` to `dest` in order, all with the same partitioning, and returns
     /// once they were acknowledged.
     fn send(
