@@ -368,19 +368,30 @@ pub(crate) async fn run<S: Sink, C: CursorStore>(lane: Arc<Lane>, mut ctx: LaneC
             break;
         }
         // Acknowledged: the cursor flusher stores it; until then the records pin the log.
-        lane.acked_below.fetch_max(last + 1, Ordering::AcqRel);
+        // Published under the gate, with `unstored_from`: the flusher, which stores what
+        // it read of `acked_below` and then settles `unstored_from` under the gate, could
+        // otherwise store this ack and clear `unstored_from` before it was set here,
+        // leaving stored records pinning the log until the lane's next ack.
         {
             let mut g = lane.gate();
+            lane.acked_below.fetch_max(last + 1, Ordering::AcqRel);
             g.unstored_from = g.unstored_from.or(g.in_flight_first);
             let next_first = ahead.as_ref().and_then(|(b, _)| b.first());
             g.in_flight_first = next_first.map(|r| r.offset);
             g.held_records = g.held_records.saturating_sub(batch.len() as u64);
             let bytes: u64 = batch.iter().map(|r| r.envelope.payload.len() as u64).sum();
             g.held_bytes = g.held_bytes.saturating_sub(bytes);
+            // The oldest record still held: the next batch's first, else the queue's
+            // front, else (re-reading the log, nothing read yet) one received no earlier
+            // than the last record just delivered.
             g.oldest_held_ms = if g.held_records == 0 {
                 None
             } else {
-                next_first.or(g.queue.front()).map(|r| r.envelope.header.received_at_unix_ms).or(g.oldest_held_ms)
+                next_first
+                    .or(g.queue.front())
+                    .or(batch.last())
+                    .map(|r| r.envelope.header.received_at_unix_ms)
+                    .or(g.oldest_held_ms)
             };
         }
         ctx.cursor_dirty.notify_one();
@@ -485,6 +496,10 @@ async fn next_batch<S, C>(
         } else {
             g.overflow_from = Some(pos);
             g.in_flight_first = batch.first().map(|r| r.offset);
+            // Re-read from the log, this batch's first record is the oldest held.
+            if let Some(first) = batch.first() {
+                g.oldest_held_ms = Some(first.envelope.header.received_at_unix_ms);
+            }
             None
         }
     };

@@ -6,6 +6,7 @@ mod support;
 use std::sync::Arc;
 use std::time::Duration;
 
+use ingest::envelope::Partitioning;
 use router::status::Status;
 use router::{MemoryCursorStore, Policies, Router, SendErrorKind};
 use support::*;
@@ -236,6 +237,53 @@ async fn a_backlog_goes_out_in_full_batches_in_order_with_the_next_one_prepared_
     eventually(Duration::from_secs(20), "log released", || router.released_below() == 1000).await;
     let lane = router.destinations().into_iter().find(|l| l.destination == d).unwrap();
     assert_eq!((lane.held_records, lane.held_bytes, lane.oldest_held_age_ms), (0, 0, None));
+    router.shutdown().await;
+}
+
+/// While a lane works through records it re-reads from the log, the age of its oldest
+/// held record follows the records it reaches; it does not stay at the first record it
+/// held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_oldest_held_age_follows_a_lane_re_reading_the_log() {
+    const HOUR_MS: u64 = 3_600_000;
+    let sim = SimStorage::new();
+    let wal = open_wal(&sim);
+    let sink = FaultySink::new();
+    let d = key("s", "aging");
+    sink.fault(&d, Some(Fault::BlackHole));
+    let now_ms = ingest::time::now_unix_ms();
+    // Records 0..50 received an hour apart, 100 h to 51 h ago; record 50, 50 h ago, names a
+    // partition the topic lacks and is held (`on_admission_failure = "error"`).
+    for n in 0..=50u64 {
+        let partitioning = if n == 50 { Partitioning::PartitionId(7) } else { Partitioning::PartitionId(0) };
+        let received = now_ms - (100 - n) * HOUR_MS;
+        wal.append(vec![record_received_at("test", &d, n, partitioning, received)])
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+    }
+    let mut policy = fast_policy();
+    policy.lane_queue_max_records = 4;
+    policy.batch.batch_max_records = 5;
+    policy.batch.result_timeout = Duration::from_millis(300);
+    let router =
+        Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), Policies::uniform(policy))
+            .unwrap();
+    let lane = |router: &Router| router.destinations().into_iter().find(|l| l.destination == d).unwrap();
+    eventually(Duration::from_secs(10), "overflowed", || {
+        router.destinations().iter().any(|l| l.destination == d && l.overflowed)
+    })
+    .await;
+    let age_h = lane(&router).oldest_held_age_ms.unwrap_or(0) / HOUR_MS;
+    assert!((99..=100).contains(&age_h), "at the start the oldest held is record 0: {age_h} h");
+    sink.fault(&d, None);
+    eventually(Duration::from_secs(20), "up to the held record", || sink.ids(&d).len() == 50).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let snap = lane(&router);
+    // Held: record 50, and 49 until the batch they share is done.
+    assert!((1..=2).contains(&snap.held_records), "{snap:?}");
+    // The held record is in the last batch read (records 49 and 50): at most 52 h old.
+    let age_h = snap.oldest_held_age_ms.unwrap_or(0) / HOUR_MS;
+    assert!((49..=52).contains(&age_h), "the oldest held age stayed behind: {age_h} h");
     router.shutdown().await;
 }
 

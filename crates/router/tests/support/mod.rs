@@ -163,9 +163,20 @@ pub fn record(dest: &DestinationKey, n: u64, partitioning: Partitioning) -> Byte
 
 /// The same, as if it came in through `source`.
 pub fn record_from(source: &str, dest: &DestinationKey, n: u64, partitioning: Partitioning) -> Bytes {
+    record_received_at(source, dest, n, partitioning, 1_700_000_000_000 + n)
+}
+
+/// The same, received at `received_at_unix_ms`.
+pub fn record_received_at(
+    source: &str,
+    dest: &DestinationKey,
+    n: u64,
+    partitioning: Partitioning,
+    received_at_unix_ms: u64,
+) -> Bytes {
     let header = EnvelopeHeader {
         message_id: u128::from(n) + 1,
-        received_at_unix_ms: 1_700_000_000_000 + n,
+        received_at_unix_ms,
         source_key: source.into(),
         endpoint_id: None,
         content_type: Some("application/json".into()),
