@@ -272,6 +272,7 @@ fn http_door() {
         wal_max_bytes,
         on_missing,
         idempotency,
+        max_events_per_request: http_source::body::MAX_EVENTS_PER_REQUEST_DEFAULT,
     };
     let open = |content_type, body| Seed { path: 0, source: 0, content_type, body, auth: 0 };
     let signed = |source, content_type, body, auth| Seed { path: 0, source, content_type, body, auth };
@@ -281,6 +282,11 @@ fn http_door() {
         ("open-json", default, vec![open(1, r#"{"a":1}"#)]),
         ("open-ndjson", default, vec![open(2, "{\"n\":1}\n{\"n\":2}\r\n\n{\"n\":3}\n")]),
         ("open-ndjson-bad-line", default, vec![open(2, "{\"n\":1}\n{\"n\":\n")]),
+        (
+            "open-ndjson-over-the-event-limit",
+            Setup { max_events_per_request: 4, ..default },
+            vec![open(2, "1\n2\n3\n4\n"), open(2, "1\n2\n\n3\n4\n5\n")],
+        ),
         ("open-text-then-empty", default, vec![open(3, "hello"), open(0, "")]),
         ("open-over-limit", setup(64, 1 << 20, OnMissing::Default, true), vec![open(3, &long_x)]),
         ("log-full", setup(4096, 2048, OnMissing::Default, true), vec![open(3, &long_y); 4]),

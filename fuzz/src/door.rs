@@ -69,6 +69,8 @@ pub struct Setup {
     pub wal_max_bytes: u64,
     pub on_missing: OnMissing,
     pub idempotency: bool,
+    /// Small ones make 413 `too_many_events` reachable.
+    pub max_events_per_request: usize,
 }
 
 impl Setup {
@@ -80,6 +82,7 @@ impl Setup {
             on_missing: [OnMissing::Default, OnMissing::Drop, OnMissing::Error, OnMissing::Default]
                 [usize::from((b >> 3) & 3)],
             idempotency: b & 0x20 == 0,
+            max_events_per_request: if b & 0x40 == 0 { http_source::body::MAX_EVENTS_PER_REQUEST_DEFAULT } else { 4 },
         }
     }
 
@@ -96,7 +99,8 @@ impl Setup {
             OnMissing::Drop => 1,
             OnMissing::Error => 2,
         };
-        body | (wal << 2) | (missing << 3) | if self.idempotency { 0 } else { 0x20 }
+        let few_events = if self.max_events_per_request <= 4 { 0x40 } else { 0 };
+        body | (wal << 2) | (missing << 3) | if self.idempotency { 0 } else { 0x20 } | few_events
     }
 }
 
@@ -437,6 +441,7 @@ fn sources(setup: &Setup) -> Vec<SourceSpec> {
 pub struct World {
     pub router: axum::Router,
     pub wal: Arc<Wal>,
+    pub max_events_per_request: usize,
 }
 
 impl World {
@@ -477,6 +482,7 @@ impl World {
             ingestor: Ingestor::new(wal.clone(), idempotency),
             limits: DoorLimits {
                 max_body_bytes: setup.max_body_bytes,
+                max_events_per_request: setup.max_events_per_request,
                 body_read_timeout: std::time::Duration::from_secs(5),
                 retry_after_secs: 5,
             },
@@ -484,7 +490,7 @@ impl World {
             status: Arc::new(StatusBoard::new(keys.clone())),
             metrics: DoorMetrics::new(keys.iter().map(String::as_str)),
         };
-        World { router: http_source::router(Arc::new(door)), wal }
+        World { router: http_source::router(Arc::new(door)), wal, max_events_per_request: setup.max_events_per_request }
     }
 }
 
@@ -506,7 +512,7 @@ fn documented(status: u16, code: &str) -> bool {
         408 => &["body_read_timeout"],
         409 => &["delivery_in_progress"],
         410 => &["endpoint_expired"],
-        413 => &["body_too_large", "record_too_large"],
+        413 => &["body_too_large", "record_too_large", "too_many_events"],
         415 => &["unsupported_media_type"],
         422 => &["unknown_destination", "invalid_destination", "denylisted", "not_allowlisted"],
         503 => &["log_full", "shutting_down", "log_unavailable", "disk_full", "state_unavailable"],
@@ -594,6 +600,12 @@ async fn check_one(world: &World, req: &Req) {
     // A 200 for events.
     assert_eq!(req.method, Method::POST, "200 {json} for {req:?}");
     let accepted = json["accepted"].as_u64().unwrap_or_else(|| panic!("no accepted in {json}"));
+    let dropped = json["dropped"].as_u64().unwrap_or(0);
+    assert!(
+        accepted + dropped <= world.max_events_per_request as u64,
+        "{accepted} events accepted and {dropped} dropped past the limit of {}: {json}",
+        world.max_events_per_request
+    );
     let replayed = headers.get("idempotent-replayed").is_some();
     if accepted == 0 {
         assert!(json["dropped"].as_u64().is_some_and(|d| d > 0), "{json}");

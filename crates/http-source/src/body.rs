@@ -7,6 +7,9 @@
 //!   terminator); nothing is re-serialized.
 //! - A source that accepts only JSON gets 415 for any other media type and 400 for
 //!   bytes that are not JSON.
+//! - A request holds at most `max_events` events: one more is refused before it is
+//!   checked, so a body cannot turn into more records (each with its own envelope) than
+//!   the operator allowed.
 //! - JSON is UTF-8 (RFC 8259): a JSON body or NDJSON line holding bytes that are not
 //!   UTF-8 is refused, even inside a string, where skipping the value alone would not
 //!   look at them.
@@ -48,6 +51,8 @@ pub enum BodyError {
     MalformedLine { line: usize, detail: String },
     #[error("body holds no events (an empty body is not an event: Iggy stores no empty message)")]
     NoEvents,
+    #[error("the batch holds more than {max} events (http.max_events_per_request)")]
+    TooManyEvents { max: usize },
 }
 
 impl BodyError {
@@ -57,6 +62,7 @@ impl BodyError {
             BodyError::InvalidJson(_) => "invalid_json",
             BodyError::MalformedLine { .. } => "malformed_ndjson_line",
             BodyError::NoEvents => "no_events",
+            BodyError::TooManyEvents { .. } => "too_many_events",
         }
     }
 }
@@ -74,18 +80,23 @@ fn is_json(essence: &str) -> bool {
     essence == "application/json" || (essence.starts_with("application/") && essence.ends_with("+json"))
 }
 
-/// Splits and checks a body. `content_type` is the request's `Content-Type`, if any.
+/// The default of `http.max_events_per_request`: a 1 MiB NDJSON body of 100-byte events.
+pub const MAX_EVENTS_PER_REQUEST_DEFAULT: usize = 10_000;
+
+/// Splits and checks a body, with at most [`MAX_EVENTS_PER_REQUEST_DEFAULT`] events.
+/// `content_type` is the request's `Content-Type`, if any.
 pub fn decode(content_type: Option<&str>, body: Bytes, accept: Accept) -> Result<Decoded, BodyError> {
-    decode_with(content_type, body, accept, false)
+    decode_with(content_type, body, accept, false, MAX_EVENTS_PER_REQUEST_DEFAULT)
 }
 
-/// [`decode`], also keeping each JSON event's parsed value when `keep_values` (the one
-/// parse both checks the JSON and serves routing).
+/// [`decode`] with at most `max_events` events, also keeping each JSON event's parsed
+/// value when `keep_values` (the one parse both checks the JSON and serves routing).
 pub fn decode_with(
     content_type: Option<&str>,
     body: Bytes,
     accept: Accept,
     keep_values: bool,
+    max_events: usize,
 ) -> Result<Decoded, BodyError> {
     // Iggy stores no empty message: an empty body would be accepted and never delivered.
     if body.is_empty() {
@@ -93,7 +104,7 @@ pub fn decode_with(
     }
     let ess = content_type.map(essence);
     match ess.as_deref() {
-        Some(e) if is_ndjson(e) => decode_ndjson(body, keep_values),
+        Some(e) if is_ndjson(e) => decode_ndjson(body, keep_values, max_events),
         Some(e) if is_json(e) => {
             let value = check_json(&body, keep_values).map_err(BodyError::InvalidJson)?;
             Ok(Decoded {
@@ -129,7 +140,7 @@ fn check_json(bytes: &[u8], keep: bool) -> Result<Option<Value>, String> {
     }
 }
 
-fn decode_ndjson(body: Bytes, keep_values: bool) -> Result<Decoded, BodyError> {
+fn decode_ndjson(body: Bytes, keep_values: bool, max_events: usize) -> Result<Decoded, BodyError> {
     let mut events = Vec::new();
     let mut lines = Vec::new();
     let mut values = Vec::new();
@@ -146,6 +157,9 @@ fn decode_ndjson(body: Bytes, keep_values: bool) -> Result<Decoded, BodyError> {
         start = end + 1;
         if line.iter().all(|b| b.is_ascii_whitespace()) {
             continue;
+        }
+        if events.len() >= max_events {
+            return Err(BodyError::TooManyEvents { max: max_events });
         }
         let value =
             check_json(&line, keep_values).map_err(|detail| BodyError::MalformedLine { line: line_no, detail })?;
@@ -165,15 +179,48 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_batch_may_hold_max_events_and_not_one_more_and_blank_lines_are_not_events() {
+        let at_max = Bytes::from_static(b"1\n\n2\r\n   \n3\n");
+        let d = decode_with(Some("application/x-ndjson"), at_max.clone(), Accept::Json, false, 3).unwrap();
+        assert_eq!(d.events.len(), 3);
+        assert_eq!(d.lines, Some(vec![1, 3, 5]));
+        assert_eq!(
+            decode_with(Some("application/x-ndjson"), at_max, Accept::Json, false, 2),
+            Err(BodyError::TooManyEvents { max: 2 })
+        );
+        // Refused before the line past the limit is checked: the count, not the JSON.
+        let over = Bytes::from_static(b"1\n2\nnot json\n");
+        let e = decode_with(Some("application/x-ndjson"), over, Accept::Json, false, 2).unwrap_err();
+        assert_eq!((e.reason(), e.to_string().contains("more than 2 events")), ("too_many_events", true));
+        // A single-event body is one event whatever the limit.
+        assert!(decode_with(Some("application/json"), Bytes::from_static(b"[1,2]"), Accept::Json, false, 1).is_ok());
+    }
+
+    #[test]
     fn kept_values_are_the_events_parsed_and_only_kept_when_asked() {
         let body = Bytes::from_static(b"{\"a\":1}\n\n[2,\"x\"]\n");
-        let d = decode_with(Some("application/x-ndjson"), body.clone(), Accept::Json, true).unwrap();
+        let d =
+            decode_with(Some("application/x-ndjson"), body.clone(), Accept::Json, true, MAX_EVENTS_PER_REQUEST_DEFAULT)
+                .unwrap();
         assert_eq!(d.values, Some(vec![serde_json::json!({"a": 1}), serde_json::json!([2, "x"])]));
         assert_eq!(decode(Some("application/x-ndjson"), body, Accept::Json).unwrap().values, None);
-        let one =
-            decode_with(Some("application/json"), Bytes::from_static(b"{\"b\":true}"), Accept::Any, true).unwrap();
+        let one = decode_with(
+            Some("application/json"),
+            Bytes::from_static(b"{\"b\":true}"),
+            Accept::Any,
+            true,
+            MAX_EVENTS_PER_REQUEST_DEFAULT,
+        )
+        .unwrap();
         assert_eq!(one.values, Some(vec![serde_json::json!({"b": true})]));
-        let raw = decode_with(Some("text/plain"), Bytes::from_static(b"{}"), Accept::Any, true).unwrap();
+        let raw = decode_with(
+            Some("text/plain"),
+            Bytes::from_static(b"{}"),
+            Accept::Any,
+            true,
+            MAX_EVENTS_PER_REQUEST_DEFAULT,
+        )
+        .unwrap();
         assert_eq!(raw.values, None, "a body not declared JSON is not parsed by the decoder");
     }
 

@@ -60,6 +60,8 @@ impl PeerAddr {
 #[derive(Debug, Clone)]
 pub struct DoorLimits {
     pub max_body_bytes: usize,
+    /// Most events one request (an NDJSON batch) may hold; more is a 413.
+    pub max_events_per_request: usize,
     pub body_read_timeout: Duration,
     /// `Retry-After` sent with 503 answers.
     pub retry_after_secs: u64,
@@ -290,9 +292,11 @@ async fn receive_inner(
         })?),
     };
     let reads_payload = source.destinations.route().is_some() || source.partitioning.reads_payload();
-    let decoded = body::decode_with(content_type, body, source.accept, reads_payload).map_err(|e| {
+    let max_events = door.limits.max_events_per_request;
+    let decoded = body::decode_with(content_type, body, source.accept, reads_payload, max_events).map_err(|e| {
         let status = match e {
             BodyError::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            BodyError::TooManyEvents { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             _ => StatusCode::BAD_REQUEST,
         };
         ApiError::new(status, e.reason(), e.to_string())
@@ -444,10 +448,14 @@ fn delivery_key(source: &SourceSpec, headers: &HeaderMap) -> Result<Option<Strin
     Ok(None)
 }
 
+/// The configured headers of a request, each once: a header sent several times forwards
+/// its last value, the one Iggy would keep (a message holds one value per header name).
+/// So what a request adds to each of its events' envelopes is bounded by the
+/// configuration (names x 255 bytes), not by how often a client repeats a header.
 fn forward_headers(source: &SourceSpec, headers: &HeaderMap) -> Vec<(String, Vec<u8>)> {
     let mut out = Vec::new();
     for name in &source.forward_headers {
-        for v in headers.get_all(name.as_str()) {
+        if let Some(v) = headers.get_all(name.as_str()).iter().next_back() {
             let bytes = v.as_bytes();
             let value = if bytes.len() > HEADER_VALUE_MAX_BYTES {
                 metrics::counter!("iggy_ingest_header_values_clamped_total", "source" => source.key.clone())

@@ -52,6 +52,7 @@ pub struct HttpConfig {
     pub body_read_timeout_ms: u64,
     pub max_connections: u64,
     pub retry_after_secs: u64,
+    pub max_events_per_request: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -338,6 +339,7 @@ impl Default for HttpConfig {
             body_read_timeout_ms: 30_000,
             max_connections: 1024,
             retry_after_secs: 5,
+            max_events_per_request: http_source::body::MAX_EVENTS_PER_REQUEST_DEFAULT as u64,
         }
     }
 }
@@ -604,6 +606,8 @@ pub struct Settings {
     pub http_listen: SocketAddr,
     pub admin_listen: SocketAddr,
     pub max_body_bytes: usize,
+    /// `http.max_events_per_request`: the most events one request may hold.
+    pub max_events_per_request: usize,
     pub header_read_timeout: Duration,
     pub body_read_timeout: Duration,
     pub max_connections: usize,
@@ -645,6 +649,10 @@ impl Settings {
         if self.worker_threads > 0 { self.worker_threads } else { cores.saturating_sub(1).max(1) }
     }
 }
+
+/// The most `http.max_events_per_request` may allow: every event of a request is encoded
+/// (its envelope included) in memory before the one append that holds them all.
+const MAX_EVENTS_PER_REQUEST_LIMIT: u64 = 1_000_000;
 
 /// The most worker threads `runtime.worker_threads` may ask for.
 pub const MAX_WORKER_THREADS: u64 = 1024;
@@ -690,6 +698,13 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
     let body_read_timeout_ms = c.positive(&http.key("body_read_timeout_ms"), config.http.body_read_timeout_ms);
     let max_connections = c.positive(&http.key("max_connections"), config.http.max_connections);
     let retry_after_secs = c.positive(&http.key("retry_after_secs"), config.http.retry_after_secs);
+    let max_events_per_request = c.positive(&http.key("max_events_per_request"), config.http.max_events_per_request);
+    if max_events_per_request > MAX_EVENTS_PER_REQUEST_LIMIT {
+        c.err(
+            &http.key("max_events_per_request"),
+            format!("{max_events_per_request} is more than {MAX_EVENTS_PER_REQUEST_LIMIT}"),
+        );
+    }
 
     let admin = root.key("admin");
     let admin_listen = c.addr(&admin.key("listen"), &config.admin.listen);
@@ -934,6 +949,7 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
         http_listen,
         admin_listen,
         max_body_bytes: max_body_bytes as usize,
+        max_events_per_request: max_events_per_request.min(MAX_EVENTS_PER_REQUEST_LIMIT) as usize,
         header_read_timeout: Duration::from_millis(header_read_timeout_ms),
         body_read_timeout: Duration::from_millis(body_read_timeout_ms),
         max_connections: max_connections as usize,
@@ -1339,6 +1355,21 @@ mod tests {
         let set = validate(&parse(text, None).unwrap(), Some(text), None).unwrap();
         assert_eq!(set.runtime_worker_threads(2), 3);
         assert_eq!(set.runtime_worker_threads(64), 3);
+    }
+
+    #[test]
+    fn max_events_per_request_is_bounded_both_ways_and_named() {
+        for (value, needle) in [("0", "greater than 0"), ("1000001", "1000000")] {
+            let text = format!(
+                "[http]\nmax_events_per_request = {value}\n[sources.a]\ndestination = {{ stream = \"s\", topic = \"t\" }}\n"
+            );
+            let e = errors(&text);
+            assert_eq!(e.len(), 1, "{e:?}");
+            assert_eq!((e[0].path.as_str(), e[0].line), ("http.max_events_per_request", Some(2)));
+            assert!(e[0].message.contains(needle), "{}", e[0].message);
+        }
+        let text = "[http]\nmax_events_per_request = 5\n[sources.a]\ndestination = { stream = \"s\", topic = \"t\" }\n";
+        assert_eq!(validate(&parse(text, None).unwrap(), Some(text), None).unwrap().max_events_per_request, 5);
     }
 
     #[test]

@@ -180,6 +180,7 @@ pub async fn start(mut settings: Settings, metrics: Option<PrometheusHandle>) ->
         ingestor: Ingestor::new(wal.clone(), idempotency.clone()),
         limits: DoorLimits {
             max_body_bytes: settings.max_body_bytes,
+            max_events_per_request: settings.max_events_per_request,
             body_read_timeout: settings.body_read_timeout,
             retry_after_secs: settings.retry_after_secs,
         },

@@ -20,6 +20,8 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 const MAX_BODY: usize = 4096;
+/// `http.max_events_per_request` here: a body under `MAX_BODY` can hold far more.
+const MAX_EVENTS: usize = 100;
 
 /// `open` takes anything; the others each exercise one check. The secret-path endpoint
 /// has its own bearer token and a GET handshake.
@@ -65,7 +67,9 @@ const ENDPOINT: &str = "/v1/e/0123456789abcdef0123456789abcdef";
 /// The limits every daemon here runs with: small enough that slow clients are cut off
 /// within a second and a body limit a test can cross by one byte.
 fn http_limits() -> String {
-    format!("max_body_bytes = {MAX_BODY}\nheader_read_timeout_ms = 1000\nbody_read_timeout_ms = 1000")
+    format!(
+        "max_body_bytes = {MAX_BODY}\nheader_read_timeout_ms = 1000\nbody_read_timeout_ms = 1000\nmax_events_per_request = {MAX_EVENTS}"
+    )
 }
 
 /// A daemon, the offset its log must be at, and a well-behaved client.
@@ -256,6 +260,24 @@ async fn bad_input_malformed_bodies_and_content_types_get_400_or_415_and_append_
         ),
         ("/v1/sources/open", Some("application/jsonl"), ndjson_bad_at_50, 400, "malformed_ndjson_line", "line 50"),
         ("/v1/sources/open", Some("application/x-ndjson"), b"\n \r\n\n".to_vec(), 400, "no_events", ""),
+        // 2,000 one-byte events in 4,000 bytes: each would be a record with its own
+        // envelope, far more than the body.
+        (
+            "/v1/sources/open",
+            Some("application/x-ndjson"),
+            b"1\n".repeat(2000),
+            413,
+            "too_many_events",
+            "more than 100",
+        ),
+        (
+            "/v1/sources/open",
+            Some("application/x-ndjson"),
+            b"{}\n".repeat(MAX_EVENTS + 1),
+            413,
+            "too_many_events",
+            "http.max_events_per_request",
+        ),
         ("/v1/sources/jsononly", Some("text/plain"), b"{}".to_vec(), 415, "unsupported_media_type", "text/plain"),
         ("/v1/sources/jsononly", None, b"{}".to_vec(), 415, "unsupported_media_type", ""),
         ("/v1/sources/jsononly", Some("application/jsonx"), b"{}".to_vec(), 415, "unsupported_media_type", ""),
@@ -278,6 +300,15 @@ async fn bad_input_malformed_bodies_and_content_types_get_400_or_415_and_append_
         assert!(message.contains(needle), "{what}: the message {message:?} does not name {needle:?}");
         f.nothing_appended(&what).await;
     }
+    // The limit itself is a batch like any other.
+    let at_limit =
+        request(h, "POST", "/v1/sources/open", &[("content-type", "application/x-ndjson")], b"{}\n".repeat(MAX_EVENTS))
+            .await;
+    assert_eq!(at_limit.status, 200, "{:?}", String::from_utf8_lossy(&at_limit.body));
+    for _ in 0..MAX_EVENTS {
+        f.accepted.push(b"{}".to_vec());
+    }
+    f.expected_next += MAX_EVENTS as u64;
     f.serves("malformed bodies").await;
 
     // Header values that are not ASCII: a Content-Type, a delivery id.
