@@ -16,6 +16,9 @@
 //!   configured token they answer 404.
 //! - A 2xx from a management call means the change is committed to redb.
 //! - Secrets appear only in the answers of register and rotate, never in listings.
+//! - A management body is read only after the token was checked, at most 64 KiB and
+//!   within `http.body_read_timeout_ms` (413, 408), so a client without the token
+//!   cannot hold an admin connection by sending a body slowly.
 
 use std::sync::Arc;
 
@@ -234,10 +237,27 @@ fn parse_json<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError
     serde_json::from_slice(body).map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, "invalid_json", e.to_string()))
 }
 
-async fn register(State(s): State<Arc<Shared>>, headers: HeaderMap, body: axum::body::Bytes) -> Response {
+/// The largest management request body (a registration with its secret is a few
+/// hundred bytes).
+const MANAGEMENT_BODY_MAX_BYTES: usize = 64 * 1024;
+
+/// A management request's body, read only once the caller is known to be allowed: at
+/// most [`MANAGEMENT_BODY_MAX_BYTES`], within `http.body_read_timeout_ms`, so no client
+/// can hold an admin connection by sending a body slowly.
+async fn management_body(s: &Shared, body: axum::body::Body) -> Result<axum::body::Bytes, Response> {
+    http_source::door::read_body(body, MANAGEMENT_BODY_MAX_BYTES, s.body_read_timeout)
+        .await
+        .map_err(IntoResponse::into_response)
+}
+
+async fn register(State(s): State<Arc<Shared>>, headers: HeaderMap, body: axum::body::Body) -> Response {
     if let Some(refused) = refuse_management(&s, &headers) {
         return refused;
     }
+    let body = match management_body(&s, body).await {
+        Ok(b) => b,
+        Err(refused) => return refused,
+    };
     let req: RegisterRequest = match parse_json(&body) {
         Ok(r) => r,
         Err(e) => return e.into_response(),
@@ -269,11 +289,15 @@ async fn rotate(
     State(s): State<Arc<Shared>>,
     Path(id): Path<String>,
     headers: HeaderMap,
-    body: axum::body::Bytes,
+    body: axum::body::Body,
 ) -> Response {
     if let Some(refused) = refuse_management(&s, &headers) {
         return refused;
     }
+    let body = match management_body(&s, body).await {
+        Ok(b) => b,
+        Err(refused) => return refused,
+    };
     let Some(id) = parse_id(&id) else { return ApiError::not_found("no such endpoint").into_response() };
     let req: RotateRequest = if body.is_empty() {
         RotateRequest::default()

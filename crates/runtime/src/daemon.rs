@@ -50,6 +50,8 @@ pub struct Shared {
     pub management_token: Option<String>,
     pub metrics: Option<PrometheusHandle>,
     pub delivery: Arc<crate::delivery::Delivery>,
+    /// `http.body_read_timeout_ms`, applied to admin request bodies too.
+    pub body_read_timeout: std::time::Duration,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -173,6 +175,7 @@ pub async fn start(mut settings: Settings, metrics: Option<PrometheusHandle>) ->
         management_token: settings.management_token.clone(),
         metrics,
         delivery: delivery.clone(),
+        body_read_timeout: settings.body_read_timeout,
     });
     let door = Arc::new(Door {
         sources: settings.sources.iter().map(|s| (s.key.clone(), Arc::new(s.clone()))).collect::<HashMap<_, _>>(),

@@ -85,6 +85,55 @@ async fn dynamic_endpoints_register_rotate_revoke_and_survive_restarts() {
     assert_eq!(log_len(&dir.path().join("data/wal")), 3);
 }
 
+/// Reads what the server sends on `s` until it closes or `wait` passes.
+async fn answer_within(s: &mut tokio::net::TcpStream, wait: Duration) -> String {
+    let mut buf = Vec::new();
+    let _ = tokio::time::timeout(wait, s.read_to_end(&mut buf)).await;
+    String::from_utf8_lossy(&buf).into_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_management_body_sent_slowly_is_cut_off_and_one_without_the_token_is_never_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = Daemon::start(dir.path(), "body_read_timeout_ms = 1000", SOURCES);
+    let head = |token: &str| {
+        format!(
+            "POST /v1/endpoints HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {token}\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{{\"source\""
+        )
+    };
+    // With the token: the body stalls after 10 bytes; 408 once the read timeout passed.
+    let mut slow = tokio::net::TcpStream::connect(d.admin).await.unwrap();
+    slow.write_all(head(MANAGEMENT_TOKEN).as_bytes()).await.unwrap();
+    let started = Instant::now();
+    let answer = answer_within(&mut slow, Duration::from_secs(20)).await;
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(answer.contains("body_read_timeout"), "{answer}");
+    assert!(started.elapsed() < Duration::from_secs(10), "cut off after {:?}", started.elapsed());
+    // Without it: refused at once, the body never waited for.
+    let mut refused = tokio::net::TcpStream::connect(d.admin).await.unwrap();
+    refused.write_all(head("not-the-token-not-the-token").as_bytes()).await.unwrap();
+    let started = Instant::now();
+    let mut buf = vec![0u8; 12];
+    tokio::time::timeout(Duration::from_secs(5), refused.read_exact(&mut buf))
+        .await
+        .expect("no answer before the body")
+        .unwrap();
+    assert_eq!(&buf, b"HTTP/1.1 401", "{:?}", String::from_utf8_lossy(&buf));
+    assert!(started.elapsed() < Duration::from_millis(900), "waited {:?}", started.elapsed());
+    // Larger than a management call needs: 413 from Content-Length.
+    let big = "x".repeat(70_000);
+    let a = request(
+        d.admin,
+        "POST",
+        "/v1/endpoints",
+        &[("authorization", &bearer(MANAGEMENT_TOKEN)), ("content-type", "application/json")],
+        big.clone(),
+    )
+    .await;
+    assert_eq!(a.status, 413, "{:?}", String::from_utf8_lossy(&a.body));
+    assert!(d.stop().success());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_drains_health_first_finishes_in_flight_and_closes_the_log() {
     let dir = tempfile::tempdir().unwrap();
