@@ -236,6 +236,7 @@ pub const REJECTION_REASONS: &[&str] = &[
     "delivery_in_progress",
     "endpoint_expired",
     "body_too_large",
+    "too_many_events",
     "record_too_large",
     "unsupported_media_type",
     "unknown_destination",
