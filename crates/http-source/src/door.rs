@@ -117,7 +117,7 @@ use crate::metrics::count_answer as count;
 /// 404 like any other unknown name, never axum's plain-text rejection.
 fn path_segment(path: Result<Path<String>, PathRejection>, what: &str) -> Result<String, ApiError> {
     path.map(|Path(s)| s).map_err(|_| {
-        count("-", "4xx", if what == "source" { "unknown_source" } else { "unknown_endpoint" });
+        count("-", "4xx", "not_found");
         ApiError::not_found(format!("no such {what}"))
     })
 }
@@ -132,7 +132,7 @@ async fn post_source(
         Err(e) => return e.into_response(),
     };
     let Some(source) = door.sources.get(&key).filter(|s| s.named_path).cloned() else {
-        count("-", "4xx", "unknown_source");
+        count("-", "4xx", "not_found");
         return ApiError::not_found("no such source").into_response();
     };
     let auth = source.auth.clone();
@@ -153,7 +153,7 @@ async fn post_endpoint(
         Err(e) => return e.into_response(),
     };
     let Some(source) = door.sources.get(&endpoint.source_key).cloned() else {
-        count("-", "4xx", "unknown_source");
+        count("-", "4xx", "not_found");
         return ApiError::not_found("no such endpoint").into_response();
     };
     receive(&door, source, Some(endpoint.id), &endpoint.auth, req).await
@@ -162,13 +162,13 @@ async fn post_endpoint(
 fn resolve_endpoint(door: &Door, id: &str) -> Result<Arc<crate::endpoints::Endpoint>, ApiError> {
     let now = ingest::time::now_unix_ms();
     let Some(id) = parse_id(id) else {
-        count("-", "4xx", "unknown_endpoint");
+        count("-", "4xx", "not_found");
         return Err(ApiError::not_found("no such endpoint"));
     };
     match door.endpoints.lookup(id, now) {
         Lookup::Active(e) => Ok(e),
         Lookup::Unknown | Lookup::Revoked => {
-            count("-", "4xx", "unknown_endpoint");
+            count("-", "4xx", "not_found");
             Err(ApiError::not_found("no such endpoint"))
         }
         Lookup::Expired => {
@@ -211,7 +211,7 @@ async fn get_handshake(
                 .into_response()
         }
         None => {
-            count(&endpoint.source_key, "4xx", "handshake_missing_param");
+            count(&endpoint.source_key, "4xx", "missing_challenge");
             ApiError::new(
                 StatusCode::BAD_REQUEST,
                 "missing_challenge",

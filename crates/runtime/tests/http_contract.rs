@@ -190,6 +190,18 @@ async fn status_codes_bodies_and_records() {
     assert!(text.contains(r#"iggy_ingest_auth_failures_total{source="github",reason="auth_missing"} 1"#), "{text}");
     assert!(text.contains(r#"iggy_ingest_header_values_clamped_total{source="default"} 1"#), "{text}");
     assert!(!text.contains("fedcba98") && !text.contains("/v1/") && !text.contains("127.0.0.1"), "{text}");
+    // Every refusal is counted under the code its answer carried: the documented codes,
+    // nothing else (the 404s and the handshake without its parameter above included).
+    for line in text.lines().filter(|l| l.starts_with("iggy_ingest_http_rejected_total{")) {
+        let reason = line.split("reason=\"").nth(1).and_then(|r| r.split('"').next()).unwrap_or_default();
+        assert!(
+            iggy_ingest::telemetry::REJECTION_REASONS.contains(&reason),
+            "rejections counted under {reason:?}, not a documented code: {line}"
+        );
+    }
+    assert!(text.contains(r#"iggy_ingest_http_rejected_total{source="-",reason="not_found"} "#), "{text}");
+    assert!(!text.contains(r#"iggy_ingest_http_rejected_total{source="-",reason="not_found"} 0"#), "{text}");
+    assert!(text.contains(r#"reason="missing_challenge"} 1"#), "{text}");
     let st = request(d.admin, "GET", "/status", &[], "").await.json();
     assert_eq!(st["sources"]["jsononly"]["last_error"]["code"], "invalid_json", "{st}");
     assert_eq!(st["log"]["next_offset"], appended);
