@@ -69,27 +69,50 @@ pub(crate) type LaneTasks = Arc<std::sync::Mutex<Vec<tokio::task::JoinHandle<()>
 
 impl<S: Sink, C: CursorStore> Dispatcher<S, C> {
     pub(crate) async fn run(mut self, from: u64, mut shutdown: watch::Receiver<bool>) {
-        let mut reader = match self.wal.reader(from) {
-            Ok(r) => r,
-            Err(e) => {
-                tracing::error!(error = %e, "router cannot read the log");
-                return;
+        let retry_after = self.policies.default.batch.backoff_max;
+        // Set after a failure: the next read does not wait for new records, so that a log
+        // that reads again is known to (and the router's Error left) at once.
+        let mut failing = false;
+        let mut reader = loop {
+            match self.wal.reader(from) {
+                Ok(r) => break r,
+                Err(wal::WalError::Closed) => return,
+                Err(e) => {
+                    tracing::error!(error = %e, "router cannot read the log; retrying");
+                    self.ctx.router_status.dispatcher_failed(&e.to_string());
+                    failing = true;
+                    tokio::select! {
+                        _ = tokio::time::sleep(retry_after) => {}
+                        _ = shutdown.changed() => return,
+                    }
+                }
             }
         };
         let (max_records, max_bytes) = (self.policies.read_batch_max_records, self.policies.read_batch_max_bytes);
         loop {
-            let batch = tokio::select! {
-                r = reader.read(max_records, max_bytes) => r,
-                _ = shutdown.changed() => return,
+            let batch = if failing {
+                reader.try_read(max_records, max_bytes)
+            } else {
+                tokio::select! {
+                    r = reader.read(max_records, max_bytes) => r,
+                    _ = shutdown.changed() => return,
+                }
             };
             let batch = match batch {
-                Ok(b) => b,
+                Ok(b) => {
+                    if failing {
+                        failing = false;
+                        self.ctx.router_status.dispatcher_reading();
+                    }
+                    b
+                }
                 Err(wal::WalError::Closed) => return,
                 Err(e) => {
                     tracing::error!(error = %e, "router cannot read the log; retrying");
-                    self.ctx.router_status.set_error(&e.to_string());
+                    self.ctx.router_status.dispatcher_failed(&e.to_string());
+                    failing = true;
                     tokio::select! {
-                        _ = tokio::time::sleep(self.policies.default.batch.backoff_max) => {}
+                        _ = tokio::time::sleep(retry_after) => {}
                         _ = shutdown.changed() => return,
                     }
                     match self.wal.reader(reader.position()) {

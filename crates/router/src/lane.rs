@@ -336,14 +336,19 @@ pub(crate) async fn run<S: Sink, C: CursorStore>(lane: Arc<Lane>, mut ctx: LaneC
             Some(next) => next,
             None => match next_batch(&lane, &mut ctx, &mut catchup).await {
                 Ok(Some(b)) => {
+                    reads_again(&lane, &ctx);
                     let prepared = prepare(&*ctx.sink, &b);
                     (b, prepared)
                 }
-                Ok(None) => continue,
+                Ok(None) => {
+                    reads_again(&lane, &ctx);
+                    continue;
+                }
                 Err(e) => {
                     // The log could not be read (damage): say so and keep trying, slowly.
                     lane.status.set(Status::Error, "cannot read the log");
                     lane.status.record_error(&e.to_string());
+                    ctx.router_status.lane_failed(&lane.key);
                     tracing::error!(destination = %lane.key, error = %e, "lane cannot read the log");
                     if sleep_or_shutdown(&mut ctx.shutdown, lane.policy.batch.backoff_max).await {
                         break;
@@ -990,6 +995,14 @@ async fn dead_letter<S: Sink, C>(
                 }
             }
         }
+    }
+}
+
+/// A lane in Error because it could not read the log has read it again: Running (a
+/// failing send moves it on from there as usual), and the router told.
+fn reads_again<S, C>(lane: &Lane, ctx: &LaneContext<S, C>) {
+    if lane.status.get() == Status::Error {
+        progressed(lane, ctx, "the log reads again");
     }
 }
 

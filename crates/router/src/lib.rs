@@ -18,7 +18,8 @@
 //! 4. **Order.** Within a destination, records are sent in log order.
 //! 5. **Status tells the truth.** Statuses and their gauges move together
 //!    ([`status::StatusCell::set`]); Degraded after `degraded_after_failures`, Running
-//!    again on the first success.
+//!    again on the first success; Error while the dispatcher or a lane cannot read the
+//!    log, left as soon as it reads again ([`RouterHealth`] settles the router's own).
 
 pub mod breaker;
 pub mod cursors;
@@ -46,33 +47,93 @@ pub use policy::{BatchPolicy, BreakerPolicy, OnAdmissionFailure, Policies, Route
 pub use sink::{DestinationKey, LaneKey, OutMessage, SendError, SendErrorKind, Sink, TopicInfo};
 use status::{Status, StatusCell, StatusSnapshot};
 
-/// The router's own status: Degraded while any destination is, Running otherwise.
+/// The router's own status, settled from what troubles it in one place: Error while the
+/// dispatcher or any lane cannot read the log, else Degraded while any destination is,
+/// else Running. Starting, Stopping and Stopped are the router's own (`start`,
+/// `shutdown`) and no trouble moves them.
 #[derive(Debug)]
 pub struct RouterHealth {
     cell: StatusCell,
-    degraded: Mutex<HashSet<LaneKey>>,
+    troubles: Mutex<Troubles>,
+}
+
+#[derive(Debug, Default)]
+struct Troubles {
+    degraded: HashSet<LaneKey>,
+    /// Lanes that cannot read the log.
+    failed: HashSet<LaneKey>,
+    /// Why the dispatcher cannot read the log, while it cannot.
+    dispatcher: Option<String>,
 }
 
 impl RouterHealth {
     fn new() -> RouterHealth {
-        RouterHealth { cell: StatusCell::new("router", "router"), degraded: Mutex::new(HashSet::new()) }
+        RouterHealth { cell: StatusCell::new("router", "router"), troubles: Mutex::default() }
+    }
+
+    fn troubles(&self) -> std::sync::MutexGuard<'_, Troubles> {
+        self.troubles.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Moves the status to what `t` says, unless the router is starting or stopping.
+    fn settle(&self, t: &Troubles, starting: bool) {
+        let now = self.cell.get();
+        let settles =
+            matches!(now, Status::Running | Status::Degraded | Status::Error) || (starting && now == Status::Starting);
+        if !settles {
+            return;
+        }
+        let (to, why) = if let Some(e) = &t.dispatcher {
+            (Status::Error, format!("the router cannot read the log: {e}"))
+        } else if let Some(k) = t.failed.iter().min() {
+            (Status::Error, format!("destination {k} cannot read the log"))
+        } else if let Some(k) = t.degraded.iter().min() {
+            (Status::Degraded, format!("destination {k} is degraded"))
+        } else {
+            (Status::Running, "every destination is delivering".to_string())
+        };
+        self.cell.set(to, &why);
+    }
+
+    fn started(&self) {
+        let t = self.troubles();
+        self.settle(&t, true);
     }
 
     pub(crate) fn lane_degraded(&self, key: &LaneKey) {
-        let mut d = self.degraded.lock().unwrap_or_else(|p| p.into_inner());
-        d.insert(key.clone());
-        self.cell.set(Status::Degraded, &format!("destination {key} is degraded"));
+        let mut t = self.troubles();
+        t.failed.remove(key);
+        t.degraded.insert(key.clone());
+        self.settle(&t, false);
+    }
+
+    pub(crate) fn lane_failed(&self, key: &LaneKey) {
+        let mut t = self.troubles();
+        t.degraded.remove(key);
+        t.failed.insert(key.clone());
+        self.settle(&t, false);
     }
 
     pub(crate) fn lane_recovered(&self, key: &LaneKey) {
-        let mut d = self.degraded.lock().unwrap_or_else(|p| p.into_inner());
-        if d.remove(key) && d.is_empty() {
-            self.cell.set(Status::Running, "every destination is delivering");
+        let mut t = self.troubles();
+        let was_troubled = t.degraded.remove(key) | t.failed.remove(key);
+        if was_troubled {
+            self.settle(&t, false);
         }
     }
 
-    pub(crate) fn set_error(&self, e: &str) {
+    pub(crate) fn dispatcher_failed(&self, e: &str) {
         self.cell.record_error(e);
+        let mut t = self.troubles();
+        t.dispatcher = Some(e.to_string());
+        self.settle(&t, false);
+    }
+
+    pub(crate) fn dispatcher_reading(&self) {
+        let mut t = self.troubles();
+        if t.dispatcher.take().is_some() {
+            self.settle(&t, false);
+        }
     }
 
     pub fn snapshot(&self) -> StatusSnapshot {
@@ -159,7 +220,7 @@ impl Router {
             delivered,
             shutdown_rx,
         )));
-        health.cell.set(Status::Running, "started");
+        health.started();
         Ok(Router { lanes, health, released_below, held_from, shutdown, tasks, lane_tasks, stop_flusher, flusher })
     }
 

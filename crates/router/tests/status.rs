@@ -10,7 +10,7 @@ use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use router::status::Status;
 use router::{MemoryCursorStore, Policies, Router, SendErrorKind};
 use support::*;
-use wal::storage::SimStorage;
+use wal::storage::{FaultOp, SimStorage};
 
 /// A gauge's value in the exporter's rendering (the daemon's own exporter).
 fn gauge(handle: &PrometheusHandle, name: &str) -> f64 {
@@ -90,6 +90,67 @@ fn a_ten_minute_outage_is_held_and_then_delivered_in_order_with_truthful_status(
             // A stopped router counts as running nowhere (and, once gone, as nothing).
             assert_eq!(gauge(&snap, "iggy_connector_router_running"), 0.0);
             assert_eq!(gauge(&snap, "iggy_connector_destinations_running"), 0.0);
+        });
+    });
+}
+
+/// A log read that fails is an Error, for the lane and for the router, left as soon as the
+/// log reads again: first the dispatcher's read, then an overflowed lane's re-read.
+#[test]
+fn a_failed_log_read_is_an_error_until_the_log_reads_again() {
+    let recorder = PrometheusBuilder::new().build_recorder();
+    let snap = recorder.handle();
+    metrics::with_local_recorder(&recorder, || {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        rt.block_on(async {
+            let sim = SimStorage::new();
+            let wal = open_wal(&sim);
+            let sink = FaultySink::new();
+            let d = key("r", "1");
+            let mut want = fill(&wal, std::slice::from_ref(&d), 0, 4).await;
+            let mut policy = fast_policy();
+            policy.batch.backoff_max = Duration::from_millis(500);
+            policy.lane_queue_max_records = 2;
+            policy.batch.batch_max_records = 2;
+            // The dispatcher's first read fails.
+            sim.fail_nth(FaultOp::Read, 1, std::io::ErrorKind::Other);
+            let router =
+                Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), Policies::uniform(policy))
+                    .unwrap();
+            eventually(Duration::from_secs(5), "router error", || router.status().status == Status::Error).await;
+            assert!(router.status().reason.contains("cannot read the log"), "{:?}", router.status());
+            assert_gauges_agree(&snap, &router);
+            eventually(Duration::from_secs(10), "delivered", || sink.ids(&d).len() == 4).await;
+            eventually(Duration::from_secs(5), "running", || router.status().status == Status::Running).await;
+            assert_gauges_agree(&snap, &router);
+
+            // The lane overflows to the log while its sends fail; then its re-read fails.
+            sink.client_fault(Some(SendErrorKind::Disconnected));
+            for (k, v) in fill(&wal, std::slice::from_ref(&d), 4, 20).await {
+                want.get_mut(&k).unwrap().extend(v);
+            }
+            // Every record routed (the dispatcher waits for more), the lane re-reading.
+            eventually(Duration::from_secs(10), "overflowed", || {
+                let lane = &router.destinations()[0];
+                lane.overflowed && lane.held_records == 20
+            })
+            .await;
+            sim.fail_nth(FaultOp::Read, 1, std::io::ErrorKind::Other);
+            sink.client_fault(None);
+            eventually(Duration::from_secs(10), "lane error", || {
+                router.destinations()[0].status == Status::Error && router.status().status == Status::Error
+            })
+            .await;
+            assert!(router.status().reason.contains("r/1 cannot read the log"), "{:?}", router.status());
+            assert_gauges_agree(&snap, &router);
+            eventually(Duration::from_secs(10), "drained", || sink.ids(&d).len() == 24).await;
+            assert_eq!(sink.ids(&d), want[&d], "lost, reordered or duplicated");
+            eventually(Duration::from_secs(5), "running", || {
+                router.destinations()[0].status == Status::Running && router.status().status == Status::Running
+            })
+            .await;
+            assert_gauges_agree(&snap, &router);
+            router.shutdown().await;
         });
     });
 }
