@@ -11,6 +11,13 @@
 //!   run before the append, and once the append resolved `Ok` the answer is 200.
 //! - Destinations are resolved here, at the door ([`crate::resolve`]): a refused
 //!   destination is a 422 naming the reason, while the sender still owns the event.
+//! - A secret-path endpoint is looked up when the request head arrives (404/410 before
+//!   any body is read) and checked again once the body was read
+//!   ([`EndpointRegistry::recheck`]); the request is authenticated against the version
+//!   current then, and the permit that check returns is held until the append resolved
+//!   (in the append's own task, so a client that disconnects does not release it early).
+//!   So once a rotate or revoke answered, nothing authorised by the old record is
+//!   appended.
 //! - Metrics labels are the source key (from configuration, never from the request),
 //!   status class and fixed reasons: never paths, ids or peer addresses.
 
@@ -33,7 +40,7 @@ use serde_json::json;
 
 use crate::auth::AuthScheme;
 use crate::body::{self, BodyError};
-use crate::endpoints::{EndpointRegistry, Lookup, parse_id};
+use crate::endpoints::{EndpointRegistry, EndpointVersion, Refusal, parse_id};
 use crate::error::ApiError;
 use crate::health::Health;
 use crate::metrics::{DoorMetrics, SourceMetrics};
@@ -135,8 +142,7 @@ async fn post_source(
         count("-", "4xx", "not_found");
         return ApiError::not_found("no such source").into_response();
     };
-    let auth = source.auth.clone();
-    receive(&door, source, None, &auth, req).await
+    receive(&door, source, Entrance::SourcePath, req).await
 }
 
 async fn post_endpoint(
@@ -152,29 +158,37 @@ async fn post_endpoint(
         Ok(e) => e,
         Err(e) => return e.into_response(),
     };
-    let Some(source) = door.sources.get(&endpoint.source_key).cloned() else {
+    let Some(source) = door.sources.get(&endpoint.endpoint.source_key).cloned() else {
         count("-", "4xx", "not_found");
         return ApiError::not_found("no such endpoint").into_response();
     };
-    receive(&door, source, Some(endpoint.id), &endpoint.auth, req).await
+    receive(&door, source, Entrance::Endpoint(endpoint), req).await
 }
 
-fn resolve_endpoint(door: &Door, id: &str) -> Result<Arc<crate::endpoints::Endpoint>, ApiError> {
+fn resolve_endpoint(door: &Door, id: &str) -> Result<Arc<EndpointVersion>, ApiError> {
     let now = ingest::time::now_unix_ms();
     let Some(id) = parse_id(id) else {
         count("-", "4xx", "not_found");
         return Err(ApiError::not_found("no such endpoint"));
     };
-    match door.endpoints.lookup(id, now) {
-        Lookup::Active(e) => Ok(e),
-        Lookup::Unknown | Lookup::Revoked => {
-            count("-", "4xx", "not_found");
-            Err(ApiError::not_found("no such endpoint"))
-        }
-        Lookup::Expired => {
-            count("-", "4xx", "endpoint_expired");
-            Err(ApiError::new(StatusCode::GONE, "endpoint_expired", "this endpoint has expired"))
-        }
+    door.endpoints.lookup(id, now).map_err(|refusal| {
+        count("-", "4xx", refusal_reason(refusal));
+        refusal_error(refusal)
+    })
+}
+
+fn refusal_reason(refusal: Refusal) -> &'static str {
+    match refusal {
+        Refusal::Unknown | Refusal::Revoked => "not_found",
+        Refusal::Expired => "endpoint_expired",
+    }
+}
+
+/// Revoked answers like unknown (404): a leaked URL tells nothing. Expired is 410.
+fn refusal_error(refusal: Refusal) -> ApiError {
+    match refusal {
+        Refusal::Unknown | Refusal::Revoked => ApiError::not_found("no such endpoint"),
+        Refusal::Expired => ApiError::new(StatusCode::GONE, "endpoint_expired", "this endpoint has expired"),
     }
 }
 
@@ -191,6 +205,7 @@ async fn get_handshake(
         Ok(e) => e,
         Err(e) => return e.into_response(),
     };
+    let endpoint = &endpoint.endpoint;
     let Some(param) = endpoint.handshake_param.as_deref() else {
         count(&endpoint.source_key, "4xx", "method_not_allowed");
         return ApiError::new(
@@ -222,19 +237,21 @@ async fn get_handshake(
     }
 }
 
+/// How a request came in, which says what it is authenticated against.
+enum Entrance {
+    /// `POST /v1/sources/{key}`: the source's own auth, fixed by configuration.
+    SourcePath,
+    /// `POST /v1/e/{id}`: the endpoint as its lookup found it when the head arrived.
+    Endpoint(Arc<EndpointVersion>),
+}
+
 /// The common path of every event-carrying request.
-async fn receive(
-    door: &Door,
-    source: Arc<SourceSpec>,
-    endpoint_id: Option<u128>,
-    auth: &AuthScheme,
-    req: Request,
-) -> Response {
+async fn receive(door: &Door, source: Arc<SourceSpec>, entrance: Entrance, req: Request) -> Response {
     let started = Instant::now();
     // Looked up once per request: the per-source handles do not change while it runs.
     let metrics = door.metrics.source(&source.key);
     let status = door.status.get(&source.key);
-    let result = receive_inner(door, &source, metrics, status, endpoint_id, auth, req).await;
+    let result = receive_inner(door, &source, metrics, status, entrance, req).await;
     if let Some(m) = metrics {
         m.request_duration.record(started.elapsed().as_secs_f64());
     }
@@ -256,8 +273,7 @@ async fn receive_inner(
     source: &SourceSpec,
     metrics: Option<&SourceMetrics>,
     status: Option<&SourceStatus>,
-    endpoint_id: Option<u128>,
-    auth: &AuthScheme,
+    entrance: Entrance,
     req: Request,
 ) -> Result<Response, ApiError> {
     let received_at_unix_ms = ingest::time::now_unix_ms();
@@ -278,6 +294,17 @@ async fn receive_inner(
     }
     let body = read_body(body, max, door.limits.body_read_timeout).await?;
 
+    // The endpoint may have been rotated, revoked or expired while the body was read:
+    // decide again, and hold the permit until the append resolved.
+    let (endpoint, permit) = match entrance {
+        Entrance::SourcePath => (None, None),
+        Entrance::Endpoint(seen) => {
+            let (current, permit) =
+                door.endpoints.recheck(&seen, ingest::time::now_unix_ms()).await.map_err(refusal_error)?;
+            (Some(current), Some(permit))
+        }
+    };
+    let auth: &AuthScheme = endpoint.as_ref().map_or(&source.auth, |e| &e.endpoint.auth);
     if let Err(failure) = auth.verify(&parts.headers, &body, received_at_unix_ms / 1000) {
         tracing::warn!(source = %source.key, reason = failure.reason(), peer = ?peer.map(|p| p.addr), "request failed authentication");
         metrics::counter!("iggy_ingest_auth_failures_total", "source" => source.key.clone(), "reason" => failure.reason())
@@ -336,7 +363,7 @@ async fn receive_inner(
     }
     let submission = Submission {
         source_key: source.key.clone(),
-        endpoint_id,
+        endpoint_id: endpoint.as_ref().map(|e| e.endpoint.id),
         content_type: decoded.content_type,
         metadata,
         headers,
@@ -344,7 +371,11 @@ async fn receive_inner(
         events: resolution.events,
         received_at_unix_ms,
     };
-    let accepted = door.ingestor.accept(submission).await.map_err(|e| {
+    let accepted = match permit {
+        None => door.ingestor.accept(submission).await,
+        Some(permit) => door.ingestor.accept_holding(submission, permit).await,
+    };
+    let accepted = accepted.map_err(|e| {
         if matches!(e, IngestError::Stopped(_)) {
             door.health.log_stopped();
         }

@@ -4,16 +4,28 @@
 //! Invariants:
 //! - An endpoint id is 128 bits, written as 32 lower-case hex digits.
 //! - A dynamic change (register, rotate, revoke) is committed durably to redb before the
-//!   in-memory view changes and before the call returns; changes are serialized.
+//!   in-memory view changes and before the call returns; changes are serialized, and each
+//!   runs to its end in its own task, so a caller that stops waiting cannot leave redb
+//!   and memory disagreeing.
+//! - A request is admitted by one [`EndpointVersion`]: the endpoint's record as one change
+//!   left it. [`EndpointRegistry::recheck`] checks, once the request's body was read, that
+//!   this version is still the current one (or checks the current one instead), still
+//!   active and not expired, and hands out an [`EndpointPermit`], a shared hold on the
+//!   endpoint's gate. A rotate or revoke installs its new version under the gate's
+//!   exclusive hold, so it returns only after every request admitted by an older
+//!   version has finished appending: once it returned, no request authorised by the
+//!   old record (the old secret, or a revoked id) can still be appended.
 //! - A revoked endpoint stays revoked: the tombstone is kept, lookups answer `Revoked`.
 //! - Static endpoints cannot be rotated or revoked through the API (`Static`).
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 
 use base64::Engine;
 use ingest::{EndpointRecord, StateDb, StateError, StoredAuth};
 use serde::Serialize;
+use tokio::sync::{OwnedRwLockReadGuard, RwLock as AsyncRwLock};
 
 use crate::auth::AuthScheme;
 
@@ -31,13 +43,34 @@ pub struct Endpoint {
     pub record: Option<EndpointRecord>,
 }
 
-/// What a lookup found.
-#[derive(Debug, Clone)]
-pub enum Lookup {
-    Active(Arc<Endpoint>),
+/// One version of an endpoint: its record as one change (load, register, rotate,
+/// revoke) left it, with the gate every version of the same id shares.
+#[derive(Debug)]
+pub struct EndpointVersion {
+    pub endpoint: Endpoint,
+    /// Unique among the registry's versions; the gate holds the current one's.
+    version: u64,
+    gate: Arc<EndpointGate>,
+}
+
+/// The version number of an endpoint's current record, behind a lock that a request holds
+/// shared from its re-check to the end of its append, and a change takes exclusively to
+/// install a new version.
+type EndpointGate = AsyncRwLock<u64>;
+
+/// A request's shared hold on its endpoint's gate: while it is held, no rotate or revoke
+/// of the endpoint can complete. Keep it until the request's append resolved.
+#[derive(Debug)]
+pub struct EndpointPermit {
+    _shared: OwnedRwLockReadGuard<u64>,
+}
+
+/// Why an endpoint does not take a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    Unknown,
     Revoked,
     Expired,
-    Unknown,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -101,8 +134,9 @@ pub fn generate_secret(scheme: &str) -> String {
 pub struct EndpointRegistry {
     state: Arc<StateDb>,
     sources: Vec<String>,
-    endpoints: RwLock<HashMap<u128, Arc<Endpoint>>>,
+    endpoints: RwLock<HashMap<u128, Arc<EndpointVersion>>>,
     changes: tokio::sync::Mutex<()>,
+    next_version: AtomicU64,
 }
 
 impl EndpointRegistry {
@@ -113,7 +147,12 @@ impl EndpointRegistry {
         sources: Vec<String>,
         statics: Vec<Endpoint>,
     ) -> Result<EndpointRegistry, StateError> {
-        let mut map: HashMap<u128, Arc<Endpoint>> = HashMap::new();
+        let next_version = AtomicU64::new(0);
+        let first_version = |endpoint: Endpoint| {
+            let version = next_version.fetch_add(1, Ordering::Relaxed);
+            Arc::new(EndpointVersion { endpoint, version, gate: Arc::new(AsyncRwLock::new(version)) })
+        };
+        let mut map: HashMap<u128, Arc<EndpointVersion>> = HashMap::new();
         for record in state.load_endpoints()? {
             let auth = match scheme_from_stored(&record.auth) {
                 Ok(a) => a,
@@ -122,30 +161,64 @@ impl EndpointRegistry {
                     continue;
                 }
             };
-            map.insert(record.id, Arc::new(endpoint_from_record(record, auth)));
+            map.insert(record.id, first_version(endpoint_from_record(record, auth)));
         }
         for s in statics {
             if map.contains_key(&s.id) {
                 tracing::warn!(endpoint = %format_id(s.id), "a static endpoint shadows a dynamic one with the same id");
             }
-            map.insert(s.id, Arc::new(s));
+            map.insert(s.id, first_version(s));
         }
-        Ok(EndpointRegistry { state, sources, endpoints: RwLock::new(map), changes: tokio::sync::Mutex::new(()) })
+        Ok(EndpointRegistry {
+            state,
+            sources,
+            endpoints: RwLock::new(map),
+            changes: tokio::sync::Mutex::new(()),
+            next_version,
+        })
     }
 
-    pub fn lookup(&self, id: u128, now_unix_ms: u64) -> Lookup {
-        let map = self.endpoints.read().unwrap_or_else(|p| p.into_inner());
-        match map.get(&id) {
-            None => Lookup::Unknown,
-            Some(e) if e.revoked_at_unix_ms.is_some() => Lookup::Revoked,
-            Some(e) if e.expires_at_unix_ms.is_some_and(|t| t <= now_unix_ms) => Lookup::Expired,
-            Some(e) => Lookup::Active(e.clone()),
-        }
+    /// The endpoint's current version, if it takes requests at `now_unix_ms`. What a
+    /// request's head is checked against; [`EndpointRegistry::recheck`] decides again
+    /// once its body was read.
+    pub fn lookup(&self, id: u128, now_unix_ms: u64) -> Result<Arc<EndpointVersion>, Refusal> {
+        let current = self.current(id).ok_or(Refusal::Unknown)?;
+        check_active(&current.endpoint, now_unix_ms)?;
+        Ok(current)
+    }
+
+    /// Decides again, after a request's body was read, whether the endpoint that admitted
+    /// its head (`seen`) takes it: the version current now (`seen` itself, unless a
+    /// rotate or revoke installed another meanwhile), if it is still active and not
+    /// expired at `now_unix_ms`, with a permit that holds off every further change until
+    /// dropped. Authenticate the request against the version returned, and keep the
+    /// permit until its append resolved. One uncontended lock acquisition when nothing
+    /// changed.
+    pub async fn recheck(
+        &self,
+        seen: &Arc<EndpointVersion>,
+        now_unix_ms: u64,
+    ) -> Result<(Arc<EndpointVersion>, EndpointPermit), Refusal> {
+        let shared = seen.gate.clone().read_owned().await;
+        let current = if *shared == seen.version {
+            seen.clone()
+        } else {
+            // A change installed another version while the body was read. The gate and the
+            // map change together under the gate's exclusive hold, so under the shared hold
+            // the map holds the version the gate names.
+            self.current(seen.endpoint.id).ok_or(Refusal::Unknown)?
+        };
+        check_active(&current.endpoint, now_unix_ms)?;
+        Ok((current, EndpointPermit { _shared: shared }))
+    }
+
+    fn current(&self, id: u128) -> Option<Arc<EndpointVersion>> {
+        self.endpoints.read().unwrap_or_else(|p| p.into_inner()).get(&id).cloned()
     }
 
     pub fn list(&self, now_unix_ms: u64) -> Vec<EndpointView> {
         let map = self.endpoints.read().unwrap_or_else(|p| p.into_inner());
-        let mut out: Vec<_> = map.values().map(|e| view(e, now_unix_ms)).collect();
+        let mut out: Vec<_> = map.values().map(|e| view(&e.endpoint, now_unix_ms)).collect();
         out.sort_by(|a, b| a.id.cmp(&b.id));
         out
     }
@@ -153,6 +226,40 @@ impl EndpointRegistry {
     /// Registers a new dynamic endpoint. A missing secret (for a scheme that needs one)
     /// is generated. Returns the stored record, secret included (shown once).
     pub async fn register(
+        self: &Arc<Self>,
+        source_key: String,
+        auth: StoredAuth,
+        handshake_param: Option<String>,
+        expires_at_unix_ms: Option<u64>,
+        now_unix_ms: u64,
+    ) -> Result<EndpointRecord, EndpointError> {
+        let this = self.clone();
+        run_to_end(async move {
+            this.register_now(source_key, auth, handshake_param, expires_at_unix_ms, now_unix_ms).await
+        })
+        .await
+    }
+
+    /// Replaces a dynamic endpoint's secret (generated when `secret` is `None`). Returns
+    /// once no request checked against the old secret can still be appended.
+    pub async fn rotate(
+        self: &Arc<Self>,
+        id: u128,
+        secret: Option<String>,
+        now_unix_ms: u64,
+    ) -> Result<EndpointRecord, EndpointError> {
+        let this = self.clone();
+        run_to_end(async move { this.rotate_now(id, secret, now_unix_ms).await }).await
+    }
+
+    /// Revokes a dynamic endpoint (a tombstone; the id never works again). Returns once no
+    /// request admitted by the endpoint can still be appended.
+    pub async fn revoke(self: &Arc<Self>, id: u128, now_unix_ms: u64) -> Result<EndpointRecord, EndpointError> {
+        let this = self.clone();
+        run_to_end(async move { this.revoke_now(id, now_unix_ms).await }).await
+    }
+
+    async fn register_now(
         &self,
         source_key: String,
         mut auth: StoredAuth,
@@ -183,12 +290,11 @@ impl EndpointRegistry {
             rotated_at_unix_ms: None,
         };
         self.commit(record.clone()).await?;
-        self.install(endpoint_from_record(record.clone(), scheme));
+        self.install(endpoint_from_record(record.clone(), scheme)).await;
         Ok(record)
     }
 
-    /// Replaces a dynamic endpoint's secret (generated when `secret` is `None`).
-    pub async fn rotate(
+    async fn rotate_now(
         &self,
         id: u128,
         secret: Option<String>,
@@ -200,24 +306,23 @@ impl EndpointRegistry {
         record.rotated_at_unix_ms = Some(now_unix_ms);
         let scheme = scheme_from_stored(&record.auth).map_err(EndpointError::InvalidAuth)?;
         self.commit(record.clone()).await?;
-        self.install(endpoint_from_record(record.clone(), scheme));
+        self.install(endpoint_from_record(record.clone(), scheme)).await;
         Ok(record)
     }
 
-    /// Revokes a dynamic endpoint (a tombstone; the id never works again).
-    pub async fn revoke(&self, id: u128, now_unix_ms: u64) -> Result<EndpointRecord, EndpointError> {
+    async fn revoke_now(&self, id: u128, now_unix_ms: u64) -> Result<EndpointRecord, EndpointError> {
         let _serial = self.changes.lock().await;
         let mut record = self.dynamic_record(id)?;
         record.revoked_at_unix_ms = Some(now_unix_ms);
         let scheme = scheme_from_stored(&record.auth).map_err(EndpointError::InvalidAuth)?;
         self.commit(record.clone()).await?;
-        self.install(endpoint_from_record(record.clone(), scheme));
+        self.install(endpoint_from_record(record.clone(), scheme)).await;
         Ok(record)
     }
 
     fn dynamic_record(&self, id: u128) -> Result<EndpointRecord, EndpointError> {
         let map = self.endpoints.read().unwrap_or_else(|p| p.into_inner());
-        let e = map.get(&id).ok_or_else(|| EndpointError::Unknown(format_id(id)))?;
+        let e = &map.get(&id).ok_or_else(|| EndpointError::Unknown(format_id(id)))?.endpoint;
         if !e.dynamic {
             return Err(EndpointError::Static(format_id(id)));
         }
@@ -235,9 +340,44 @@ impl EndpointRegistry {
         Ok(())
     }
 
-    fn install(&self, endpoint: Endpoint) {
-        let mut map = self.endpoints.write().unwrap_or_else(|p| p.into_inner());
-        map.insert(endpoint.id, Arc::new(endpoint));
+    /// Makes `endpoint` the current version of its id. For an id already known, waits for
+    /// the exclusive hold on its gate first: every request admitted by an older version
+    /// has then finished appending, and every later one re-checks against this version.
+    async fn install(&self, endpoint: Endpoint) {
+        let id = endpoint.id;
+        let version = self.next_version.fetch_add(1, Ordering::Relaxed);
+        let Some(gate) = self.current(id).map(|v| v.gate.clone()) else {
+            let fresh = EndpointVersion { endpoint, version, gate: Arc::new(AsyncRwLock::new(version)) };
+            self.endpoints.write().unwrap_or_else(|p| p.into_inner()).insert(id, Arc::new(fresh));
+            return;
+        };
+        let mut exclusive = gate.write().await;
+        let next = EndpointVersion { endpoint, version, gate: gate.clone() };
+        self.endpoints.write().unwrap_or_else(|p| p.into_inner()).insert(id, Arc::new(next));
+        *exclusive = version;
+    }
+}
+
+/// Runs a change in its own task and waits for it, so that a caller that stops waiting
+/// (an admin client that disconnected) cannot cut it between the durable commit and the
+/// in-memory install.
+async fn run_to_end<F>(change: F) -> Result<EndpointRecord, EndpointError>
+where
+    F: std::future::Future<Output = Result<EndpointRecord, EndpointError>> + Send + 'static,
+{
+    tokio::spawn(change)
+        .await
+        .map_err(|e| EndpointError::State(StateError::Storage(format!("endpoint change task failed: {e}"))))?
+}
+
+/// Whether an endpoint takes requests at `now_unix_ms`.
+fn check_active(e: &Endpoint, now_unix_ms: u64) -> Result<(), Refusal> {
+    if e.revoked_at_unix_ms.is_some() {
+        Err(Refusal::Revoked)
+    } else if e.expires_at_unix_ms.is_some_and(|t| t <= now_unix_ms) {
+        Err(Refusal::Expired)
+    } else {
+        Ok(())
     }
 }
 
@@ -304,7 +444,7 @@ mod tests {
             dynamic: false,
             record: None,
         }];
-        let reg = EndpointRegistry::load(state.clone(), vec!["default".into()], statics.clone()).unwrap();
+        let reg = Arc::new(EndpointRegistry::load(state.clone(), vec!["default".into()], statics.clone()).unwrap());
         let rec = reg.register("default".into(), bearer(), None, None, 10).await.unwrap();
         let first_secret = rec.auth.secret.clone().unwrap();
         assert_eq!(first_secret.len(), 64);
@@ -317,12 +457,48 @@ mod tests {
             Err(EndpointError::UnknownSource(_))
         ));
         reg.revoke(rec.id, 12).await.unwrap();
-        assert!(matches!(reg.lookup(rec.id, 13), Lookup::Revoked));
+        assert_eq!(reg.lookup(rec.id, 13).err(), Some(Refusal::Revoked));
         assert!(matches!(reg.rotate(rec.id, None, 13).await, Err(EndpointError::Revoked(_))));
         drop(reg);
         let again = EndpointRegistry::load(state, vec!["default".into()], statics).unwrap();
-        assert!(matches!(again.lookup(rec.id, 14), Lookup::Revoked));
-        assert!(matches!(again.lookup(1, 14), Lookup::Active(_)));
-        assert!(matches!(again.lookup(2, 14), Lookup::Unknown));
+        assert_eq!(again.lookup(rec.id, 14).err(), Some(Refusal::Revoked));
+        assert!(again.lookup(1, 14).is_ok());
+        assert_eq!(again.lookup(2, 14).err(), Some(Refusal::Unknown));
+    }
+
+    #[tokio::test]
+    async fn a_change_waits_for_every_permit_of_the_old_version_and_a_recheck_sees_the_new_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let state = Arc::new(StateDb::open(dir.path().join("s.redb")).unwrap());
+        let reg = Arc::new(EndpointRegistry::load(state, vec!["default".into()], vec![]).unwrap());
+        let rec = reg.register("default".into(), bearer(), None, Some(1_000), 10).await.unwrap();
+        let seen = reg.lookup(rec.id, 20).unwrap();
+        let (admitted, permit) = reg.recheck(&seen, 20).await.unwrap();
+        assert!(Arc::ptr_eq(&admitted, &seen), "nothing changed: the version seen is the one admitted");
+
+        // A rotate cannot complete while a request admitted by the old version holds its permit.
+        let rotating = tokio::spawn({
+            let reg = reg.clone();
+            async move { reg.rotate(rec.id, Some("new-secret".into()), 30).await }
+        });
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        assert!(!rotating.is_finished(), "the rotate returned while a request of the old version was appending");
+        drop(permit);
+        rotating.await.unwrap().unwrap();
+
+        // A request whose head saw the old version is checked against the new one.
+        let (current, permit) = reg.recheck(&seen, 40).await.unwrap();
+        assert!(!Arc::ptr_eq(&current, &seen));
+        let token = match &current.endpoint.auth {
+            AuthScheme::Bearer { token } => token.clone(),
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(token, b"new-secret");
+        drop(permit);
+
+        // Revoked, and past its expiry: refused however the head saw it.
+        assert_eq!(reg.recheck(&seen, 2_000).await.err(), Some(Refusal::Expired));
+        reg.revoke(rec.id, 50).await.unwrap();
+        assert_eq!(reg.recheck(&seen, 60).await.err(), Some(Refusal::Revoked));
     }
 }

@@ -8,7 +8,9 @@
 //!   a failure to record the idempotency key is logged and counted, never reported as
 //!   an error (an error would invite a retry, i.e. a duplicate, for a durable event).
 //! - A keyed submission runs in its own task, so a client that disconnects mid-request
-//!   cannot interrupt it between the append and the key record.
+//!   cannot interrupt it between the append and the key record; so does one accepted
+//!   with a hold ([`Ingestor::accept_holding`]), which is released only after its append
+//!   resolved.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -131,10 +133,26 @@ impl Ingestor {
             // skip: run it on the caller's task.
             return self.accept_inner(submission).await;
         }
+        self.accept_holding(submission, ()).await
+    }
+
+    /// [`Ingestor::accept`], keeping `hold` until the submission's append resolved (and
+    /// its key was recorded), even if the caller stops waiting: the submission runs in
+    /// its own task, which owns `hold`. For a guard that must outlive every append made
+    /// under it (the door's endpoint permit).
+    pub async fn accept_holding<H: Send + 'static>(
+        &self,
+        submission: Submission,
+        hold: H,
+    ) -> Result<Accepted, IngestError> {
         let this = self.clone();
-        tokio::spawn(async move { this.accept_inner(submission).await })
-            .await
-            .map_err(|e| IngestError::Internal(format!("accept task failed: {e}")))?
+        tokio::spawn(async move {
+            let accepted = this.accept_inner(submission).await;
+            drop(hold);
+            accepted
+        })
+        .await
+        .map_err(|e| IngestError::Internal(format!("accept task failed: {e}")))?
     }
 
     async fn accept_inner(&self, s: Submission) -> Result<Accepted, IngestError> {

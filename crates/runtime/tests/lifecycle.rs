@@ -1,5 +1,6 @@
-//! The daemon's life: dynamic endpoints across restarts, graceful shutdown, a full log
-//! answering 503 and recovering, and a state database of another schema version.
+//! The daemon's life: dynamic endpoints across restarts, requests in flight across a
+//! revoke or rotate, graceful shutdown, a full log answering 503 and recovering, and a
+//! state database of another schema version.
 
 mod common;
 
@@ -132,6 +133,95 @@ async fn a_management_body_sent_slowly_is_cut_off_and_one_without_the_token_is_n
     .await;
     assert_eq!(a.status, 413, "{:?}", String::from_utf8_lossy(&a.body));
     assert!(d.stop().success());
+}
+
+/// Opens a connection and sends a request's head and the first half of its 10-byte body:
+/// a request in flight, its endpoint already looked up, its body not yet read.
+async fn half_sent(addr: std::net::SocketAddr, path: &str, authorization: &str) -> tokio::net::TcpStream {
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let head = format!(
+        "POST {path} HTTP/1.1\r\nhost: x\r\nauthorization: {authorization}\r\nconnection: close\r\ncontent-length: 10\r\n\r\n01234"
+    );
+    s.write_all(head.as_bytes()).await.unwrap();
+    // Let the daemon read the head and start on the body.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    s
+}
+
+/// Sends the rest of a [`half_sent`] request's body and returns the status and JSON body
+/// of the answer.
+async fn finish(mut s: tokio::net::TcpStream) -> (u16, serde_json::Value) {
+    s.write_all(b"56789").await.unwrap();
+    let mut buf = Vec::new();
+    tokio::time::timeout(Duration::from_secs(30), s.read_to_end(&mut buf)).await.unwrap().unwrap();
+    let text = String::from_utf8_lossy(&buf).to_string();
+    let status = text.get(9..12).and_then(|c| c.parse().ok()).unwrap_or_else(|| panic!("no status line: {text}"));
+    let body = text.split_once("\r\n\r\n").map(|(_, b)| b).unwrap_or_default();
+    (status, serde_json::from_str(body).unwrap_or_else(|e| panic!("not JSON ({e}): {text}")))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_in_flight_across_a_revoke_is_refused_404_and_appends_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = Daemon::start(dir.path(), "", SOURCES);
+    let mgmt = bearer(MANAGEMENT_TOKEN);
+    let auth = [("authorization", mgmt.as_str()), ("content-type", "application/json")];
+    let reg = request(d.admin, "POST", "/v1/endpoints", &auth, r#"{"source":"default","auth_type":"bearer"}"#).await;
+    assert_eq!(reg.status, 201, "{:?}", reg.body);
+    let reg = reg.json();
+    let path = reg["path"].as_str().unwrap().to_string();
+    let token = bearer(reg["secret"].as_str().unwrap());
+    let before = log_next_offset(d.admin).await;
+
+    // The head arrives while the endpoint is active; the revoke answers while the body is
+    // half sent (it does not wait for a body still being read).
+    let in_flight = half_sent(d.http, &path, &token).await;
+    let id = reg["id"].as_str().unwrap();
+    let revoked = request(d.admin, "DELETE", &format!("/v1/endpoints/{id}"), &auth, "").await;
+    assert_eq!(revoked.status, 200);
+    let (status, body) = finish(in_flight).await;
+    assert_eq!((status, body["error"].as_str()), (404, Some("not_found")), "{body}");
+    assert_eq!(log_next_offset(d.admin).await, before, "a request of a revoked endpoint was appended");
+    assert!(d.stop().success());
+    assert_eq!(log_len(&dir.path().join("data/wal")), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_in_flight_across_a_rotate_with_the_old_secret_is_refused_401_and_appends_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = Daemon::start(dir.path(), "", SOURCES);
+    let mgmt = bearer(MANAGEMENT_TOKEN);
+    let auth = [("authorization", mgmt.as_str()), ("content-type", "application/json")];
+    let reg = request(d.admin, "POST", "/v1/endpoints", &auth, r#"{"source":"default","auth_type":"bearer"}"#).await;
+    assert_eq!(reg.status, 201, "{:?}", reg.body);
+    let reg = reg.json();
+    let path = reg["path"].as_str().unwrap().to_string();
+    let old = bearer(reg["secret"].as_str().unwrap());
+    let before = log_next_offset(d.admin).await;
+
+    // Two requests whose heads arrive before the rotate: one with the old secret, one
+    // with the secret the rotate is about to set. Each is authenticated against the
+    // record current once its body was read.
+    let new_secret = "the-secret-the-rotate-sets-0123456789";
+    let with_old_secret = half_sent(d.http, &path, &old).await;
+    let with_new_secret = half_sent(d.http, &path, &bearer(new_secret)).await;
+    let id = reg["id"].as_str().unwrap();
+    let rotate_body = format!(r#"{{"auth_secret":"{new_secret}"}}"#);
+    let rotated = request(d.admin, "POST", &format!("/v1/endpoints/{id}/rotate"), &auth, rotate_body).await;
+    assert_eq!(rotated.status, 200, "{:?}", rotated.body);
+    let (status, body) = finish(with_old_secret).await;
+    assert_eq!(
+        (status, body),
+        (401, serde_json::json!({"error": "unauthorized", "message": "authentication failed"})),
+        "the old secret was accepted after the rotate answered"
+    );
+    assert_eq!(log_next_offset(d.admin).await, before, "a request with the old secret was appended");
+    let (status, body) = finish(with_new_secret).await;
+    assert_eq!((status, &body["offsets"]), (200, &serde_json::json!([before, before])), "{body}");
+    assert!(d.stop().success());
+    let log = read_log(&dir.path().join("data/wal"));
+    assert_eq!(log.len(), 1);
+    assert_eq!(&log[0].1.payload[..], b"0123456789");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

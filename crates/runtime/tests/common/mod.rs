@@ -227,6 +227,12 @@ pub async fn post_json(addr: SocketAddr, path: &str, body: &str) -> Answer {
     request(addr, "POST", path, &[("content-type", "application/json")], body.to_string()).await
 }
 
+/// The log's next offset, as the admin API's `/status` reports it.
+pub async fn log_next_offset(admin: SocketAddr) -> u64 {
+    let status = request(admin, "GET", "/status", &[], "").await.json();
+    status["log"]["next_offset"].as_u64().unwrap_or_else(|| panic!("no log.next_offset in {status}"))
+}
+
 /// Every record of the log in `wal_dir`, decoded.
 pub fn read_log(wal_dir: &Path) -> Vec<(u64, Envelope)> {
     let wal = wal::Wal::open_read_only(wal_dir).unwrap();
