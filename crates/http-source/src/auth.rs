@@ -8,6 +8,9 @@
 //! - Timestamped schemes (Standard Webhooks, Stripe) reject signatures outside their
 //!   tolerance in either direction; `now` is a parameter so the checks are testable.
 //! - Several signatures in one header (key rotation) pass if any one matches.
+//! - A scheme whose signature covers a delivery id (Standard Webhooks) names it through
+//!   [`AuthScheme::signed_delivery_id_header`], the same choice `verify` signs over, so
+//!   the door keys idempotency by exactly the id that was authenticated.
 
 use axum::http::HeaderMap;
 use base64::Engine;
@@ -176,6 +179,17 @@ impl AuthScheme {
         })
     }
 
+    /// The header holding the delivery id this scheme's signature covers, if it covers
+    /// one: for Standard Webhooks the message id (`webhook-id`, or `svix-id` when there is
+    /// no usable `webhook-id`), exactly the header [`AuthScheme::verify`] signs over;
+    /// `None` for every other scheme.
+    pub fn signed_delivery_id_header(&self, headers: &HeaderMap) -> Option<&'static str> {
+        match self {
+            AuthScheme::StandardWebhooks { .. } => standard_webhooks_id(headers).ok().map(|(name, _)| name),
+            _ => None,
+        }
+    }
+
     /// Checks a request. `now_unix_secs` is the receive time.
     pub fn verify(&self, headers: &HeaderMap, body: &[u8], now_unix_secs: u64) -> Result<(), AuthFailure> {
         match self {
@@ -209,7 +223,7 @@ impl AuthScheme {
                 if ok { Ok(()) } else { Err(AuthFailure::BadSignature) }
             }
             AuthScheme::StandardWebhooks { keys, tolerance_secs } => {
-                let id = header_str(headers, "webhook-id").or_else(|_| header_str(headers, "svix-id"))?;
+                let (_, id) = standard_webhooks_id(headers)?;
                 let ts = header_str(headers, "webhook-timestamp").or_else(|_| header_str(headers, "svix-timestamp"))?;
                 let sigs =
                     header_str(headers, "webhook-signature").or_else(|_| header_str(headers, "svix-signature"))?;
@@ -272,6 +286,14 @@ fn mac256(key: &[u8], parts: &[&[u8]]) -> HmacSha256 {
         m.update(p);
     }
     m
+}
+
+/// A Standard Webhooks message id and the header it is in: `webhook-id`, or `svix-id`
+/// when `webhook-id` is missing or not text.
+fn standard_webhooks_id(headers: &HeaderMap) -> Result<(&'static str, &str), AuthFailure> {
+    header_str(headers, "webhook-id")
+        .map(|id| ("webhook-id", id))
+        .or_else(|_| header_str(headers, "svix-id").map(|id| ("svix-id", id)))
 }
 
 fn header_str<'a>(headers: &'a HeaderMap, name: &str) -> Result<&'a str, AuthFailure> {
@@ -344,6 +366,27 @@ mod tests {
         let rotated = format!("v1,AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA= {SW_SIG}");
         let h = headers(&[("webhook-id", SW_ID), ("webhook-timestamp", SW_TS), ("webhook-signature", &rotated)]);
         assert_eq!(s.verify(&h, SW_BODY, now), Ok(()));
+    }
+
+    #[test]
+    fn the_signed_delivery_id_is_the_id_standard_webhooks_verify_signs_over_and_none_elsewhere() {
+        let s = AuthScheme::from_parts("standard-webhooks", Some(SW_SECRET), None, None, None).unwrap();
+        let now = 1_614_265_330;
+        let both = headers(&[
+            ("svix-id", "msg_other"),
+            ("webhook-id", SW_ID),
+            ("webhook-timestamp", SW_TS),
+            ("webhook-signature", SW_SIG),
+            ("idempotency-key", "unsigned"),
+        ]);
+        assert_eq!(s.verify(&both, SW_BODY, now), Ok(()));
+        assert_eq!(s.signed_delivery_id_header(&both), Some("webhook-id"));
+        let svix = headers(&[("svix-id", SW_ID), ("svix-timestamp", SW_TS), ("svix-signature", SW_SIG)]);
+        assert_eq!(s.verify(&svix, SW_BODY, now), Ok(()));
+        assert_eq!(s.signed_delivery_id_header(&svix), Some("svix-id"));
+        let hmac = AuthScheme::from_parts("hmac-sha256", Some("secret"), None, None, None).unwrap();
+        assert_eq!(hmac.signed_delivery_id_header(&both), None);
+        assert_eq!(AuthScheme::None.signed_delivery_id_header(&both), None);
     }
 
     #[test]

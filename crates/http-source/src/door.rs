@@ -329,7 +329,7 @@ async fn receive_inner(
         ApiError::new(status, e.reason(), e.to_string())
     })?;
 
-    let delivery_key = if source.idempotency { delivery_key(source, &parts.headers)? } else { None };
+    let delivery_key = if source.idempotency { delivery_key(source, auth, &parts.headers)? } else { None };
     let routing = metrics.map(|m| &m.routing);
     let resolution = resolve(source, &parts.headers, decoded.events, decoded.lines.as_deref(), decoded.values)
         .map_err(|r| {
@@ -454,9 +454,19 @@ pub async fn read_body(body: Body, max: usize, timeout: Duration) -> Result<Byte
     }
 }
 
-fn delivery_key(source: &SourceSpec, headers: &HeaderMap) -> Result<Option<String>, ApiError> {
-    let configured = source.idempotency_header.as_deref().and_then(|name| Some((name, headers.get(name)?)));
-    let found = configured.or_else(|| DELIVERY_ID_HEADERS.iter().find_map(|n| Some((n.as_str(), headers.get(n)?))));
+/// The request's delivery id. For a request whose signature covers an id (Standard
+/// Webhooks), that id and nothing else: an unsigned header (`Idempotency-Key`, the
+/// source's `idempotency_header`) beside it is ignored, so that adding one to a captured
+/// request cannot make it a new delivery (nor make a new delivery a replay of another).
+/// Otherwise the source's `idempotency_header`, then [`DELIVERY_ID_HEADERS`] in order.
+fn delivery_key(source: &SourceSpec, auth: &AuthScheme, headers: &HeaderMap) -> Result<Option<String>, ApiError> {
+    let found = match auth.signed_delivery_id_header(headers) {
+        Some(signed) => headers.get(signed).map(|v| (signed, v)),
+        None => {
+            let configured = source.idempotency_header.as_deref().and_then(|name| Some((name, headers.get(name)?)));
+            configured.or_else(|| DELIVERY_ID_HEADERS.iter().find_map(|n| Some((n.as_str(), headers.get(n)?))))
+        }
+    };
     if let Some((name, v)) = found {
         let v = v.to_str().map_err(|_| {
             ApiError::new(StatusCode::BAD_REQUEST, "invalid_delivery_id", format!("header {name} is not valid ASCII"))

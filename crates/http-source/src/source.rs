@@ -24,7 +24,8 @@ pub const HEADER_VALUE_MAX_BYTES: usize = 255;
 pub const DELIVERY_KEY_MAX_BYTES: usize = 255;
 
 /// The request headers that carry a sender's delivery id, in the order they are tried
-/// (after a source's own configured header).
+/// (after a source's own configured header). Not for a request authenticated by
+/// Standard Webhooks: its delivery id is the id its signature covers, and only that.
 /// Parsed once (a lookup by `&str` parses and classifies the name on every request).
 pub static DELIVERY_ID_HEADERS: [axum::http::HeaderName; 4] = [
     axum::http::HeaderName::from_static("idempotency-key"),

@@ -787,6 +787,64 @@ async fn bad_input_forged_replayed_and_stale_signatures_are_refused_and_append_n
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_a_replayed_standard_webhooks_request_with_an_added_idempotency_key_is_still_a_replay() {
+    let mut f = Fixture::start(&http_limits());
+    let h = f.http();
+    let key = B64.decode("MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw").unwrap();
+    let sign =
+        |id: &str, ts: &str, body: &str| format!("v1,{}", hmac_b64(&key, format!("{id}.{ts}.{body}").as_bytes()));
+    let ts = now_secs().to_string();
+
+    // A captured delivery, resent within the tolerance with an unsigned Idempotency-Key
+    // added: still the signed id's replay, with the original offsets.
+    let body = r#"{"type":"invoice.paid","n":1}"#;
+    let sig = sign("msg_1", &ts, body);
+    let good = [("webhook-id", "msg_1"), ("webhook-timestamp", ts.as_str()), ("webhook-signature", sig.as_str())];
+    let first = request(h, "POST", "/v1/sources/svix", &good, body).await;
+    f.note_accepted(&first, body.as_bytes());
+    for extra in ["anything-new", "msg_2", "   "] {
+        let mut replay = good.to_vec();
+        replay.push(("idempotency-key", extra));
+        let again = request(h, "POST", "/v1/sources/svix", &replay, body).await;
+        assert_eq!((again.status, again.json()), (200, first.json()), "Idempotency-Key {extra:?}");
+        assert_eq!(again.header("idempotent-replayed"), Some("true"), "Idempotency-Key {extra:?}");
+        f.nothing_appended("a replay with an added Idempotency-Key").await;
+    }
+
+    // The same with the svix- header names: the id the signature covers is svix-id.
+    let body = r#"{"type":"invoice.paid","n":2}"#;
+    let sig = sign("msg_svix", &ts, body);
+    let svix = [("svix-id", "msg_svix"), ("svix-timestamp", ts.as_str()), ("svix-signature", sig.as_str())];
+    let first = request(h, "POST", "/v1/sources/svix", &svix, body).await;
+    f.note_accepted(&first, body.as_bytes());
+    let mut replay = svix.to_vec();
+    replay.push(("idempotency-key", "anything-new"));
+    let again = request(h, "POST", "/v1/sources/svix", &replay, body).await;
+    assert_eq!((again.status, again.header("idempotent-replayed")), (200, Some("true")));
+    assert_eq!(again.json(), first.json());
+    f.nothing_appended("a svix- replay with an added Idempotency-Key").await;
+
+    // And the other way: a new signed delivery carrying another delivery's id as its
+    // Idempotency-Key is its own delivery, appended, not answered as the other's replay.
+    let body = r#"{"type":"invoice.paid","n":3}"#;
+    let sig = sign("msg_3", &ts, body);
+    let third = [
+        ("webhook-id", "msg_3"),
+        ("webhook-timestamp", ts.as_str()),
+        ("webhook-signature", sig.as_str()),
+        ("idempotency-key", "msg_1"),
+    ];
+    let a = request(h, "POST", "/v1/sources/svix", &third, body).await;
+    assert_eq!(a.header("idempotent-replayed"), None);
+    f.note_accepted(&a, body.as_bytes());
+
+    f.serves("after replays with added keys").await;
+    let log = f.stop_and_check_log();
+    let ids: Vec<_> = log.iter().filter_map(|(_, e)| e.header.idempotency_key.clone()).collect();
+    assert_eq!(ids, ["msg_1", "msg_svix", "msg_3"], "each record keeps the id its signature covered");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_input_path_traversal_and_encoded_tricks_in_ids_and_keys_find_nothing() {
     let mut f = Fixture::start(&http_limits());
     let h = f.http();
