@@ -9,9 +9,10 @@
 //! - The destination is resolved before the record is written and stored in it; nothing
 //!   downstream re-derives it from configuration.
 //! - The message id is fixed when the record is written: derived from the sender's
-//!   delivery id when there is one (so a duplicate delivery that slips past the
-//!   idempotency window still carries the same id), random otherwise. Replaying the log
-//!   sends the same id again.
+//!   delivery id when there is one, scoped like the idempotency key (source, and the
+//!   endpoint for a request through one), so a duplicate delivery that slips past the
+//!   idempotency window still carries the same id and two endpoints' deliveries never
+//!   share one; random otherwise. Replaying the log sends the same id again.
 //! - Decoding rejects an unknown version instead of guessing.
 
 use bytes::Bytes;
@@ -253,12 +254,20 @@ impl Envelope {
     }
 }
 
-/// The message id for event `batch_index` of a delivery the sender named `key`: the
-/// first 128 bits of SHA-256 over a domain tag, the source key, the delivery key and
-/// the index. Stable across retries and restarts.
-pub fn message_id_for_delivery(source_key: &str, key: &str, batch_index: u32) -> u128 {
+/// The message id for event `batch_index` of a delivery the sender named `key`, through
+/// `endpoint_id` (`None`: the source's named path): the first 128 bits of SHA-256 over a
+/// domain tag, the endpoint id (for an endpoint, under its own tag), the source key, the
+/// delivery key and the index. Stable across retries and restarts; a named-path id is
+/// what it was before ids were scoped by endpoint.
+pub fn message_id_for_delivery(source_key: &str, endpoint_id: Option<u128>, key: &str, batch_index: u32) -> u128 {
     let mut h = Sha256::new();
-    h.update(b"iggy-ingest/message-id/v1\0");
+    match endpoint_id {
+        None => h.update(b"iggy-ingest/message-id/v1\0"),
+        Some(id) => {
+            h.update(b"iggy-ingest/message-id/v1/endpoint\0");
+            h.update(id.to_be_bytes());
+        }
+    }
     h.update(source_key.as_bytes());
     h.update([0]);
     h.update(key.as_bytes());
@@ -369,11 +378,18 @@ mod tests {
 
     #[test]
     fn delivery_ids_are_stable_and_distinct() {
-        let a = message_id_for_delivery("github", "abc", 0);
-        assert_eq!(a, message_id_for_delivery("github", "abc", 0));
-        assert_ne!(a, message_id_for_delivery("github", "abc", 1));
-        assert_ne!(a, message_id_for_delivery("stripe", "abc", 0));
-        assert_ne!(a, message_id_for_delivery("github", "abd", 0));
+        let a = message_id_for_delivery("github", None, "abc", 0);
+        // The named path's ids are what they were before ids were scoped by endpoint
+        // (SHA-256 over the v1 tag, "github", "abc" and index 0, computed independently).
+        assert_eq!(a, 0x67c1f914d3b342c906fe186aaf738de6);
+        assert_eq!(a, message_id_for_delivery("github", None, "abc", 0));
+        assert_ne!(a, message_id_for_delivery("github", None, "abc", 1));
+        assert_ne!(a, message_id_for_delivery("stripe", None, "abc", 0));
+        assert_ne!(a, message_id_for_delivery("github", None, "abd", 0));
+        let e1 = message_id_for_delivery("github", Some(1), "abc", 0);
+        assert_eq!(e1, message_id_for_delivery("github", Some(1), "abc", 0));
+        assert_ne!(e1, a, "an endpoint's delivery is not the named path's");
+        assert_ne!(e1, message_id_for_delivery("github", Some(2), "abc", 0), "nor another endpoint's");
         assert_ne!(random_message_id(), random_message_id());
     }
 }

@@ -20,11 +20,21 @@
 //! from the log before the checkpoint covered them.
 //!
 //! Invariants:
+//! - A delivery id is scoped by the source and by the secret-path endpoint the request
+//!   came through ([`IdempotencyKey`]): two endpoints of one source (two tenants) never
+//!   share a key, nor does an endpoint with the source's named path. The rebuild computes
+//!   the same key from the envelope's source, endpoint id and delivery id.
 //! - A key is recorded only for a request whose append resolved `Ok`.
 //! - Two concurrent requests with the same key never both append: the second finds the
 //!   key claimed and is refused (409) until the first finishes.
 //! - Entries older than the retention window are ignored by lookups and swept by
 //!   checkpoints.
+//! - Keys recorded before keys were scoped by endpoint cannot be told apart: a request
+//!   through an endpoint was recorded in its source's named-path scope. Once per
+//!   database, before the first rebuild that scopes keys, those of sources that have
+//!   endpoints are forgotten ([`IdempotencyIndex::forget_unscoped_keys_once`]), so none
+//!   of them can answer a named-path request with another delivery's offsets; a retry
+//!   of such a delivery is appended again (a duplicate, never a loss).
 
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
@@ -38,20 +48,34 @@ use crate::envelope::Envelope;
 use crate::state::{IDEMPOTENCY, IDEMPOTENCY_BY_TIME, META, StateDb, StateError, storage_err};
 
 const META_INDEXED_THROUGH: &str = "idempotency_indexed_through";
+/// Set once the keys recorded before keys were scoped by endpoint were sorted out
+/// ([`IdempotencyIndex::forget_unscoped_keys_once`]).
+const META_KEYS_SCOPED_BY_ENDPOINT: &str = "idempotency_keys_scoped_by_endpoint";
 
-/// A delivery as the sender named it, scoped by source.
+/// A delivery as the sender named it, scoped by source and by the endpoint it came
+/// through (`None`: the source's named path).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct IdempotencyKey {
     pub source_key: String,
+    pub endpoint_id: Option<u128>,
     pub delivery_key: String,
 }
 
 impl IdempotencyKey {
+    /// `source 0x00 delivery` for the named path (the form every key had before keys were
+    /// scoped by endpoint, so a database's named-path keys keep working), and
+    /// `source 0x00 delivery 0x00 endpoint_id` (16 bytes, big-endian) for an endpoint.
+    /// Neither a source key nor a delivery id holds a 0x00 byte (source keys are
+    /// `[a-zA-Z0-9._-]`, delivery ids visible ASCII), so the two forms never meet.
     fn table_key(&self) -> Vec<u8> {
-        let mut k = Vec::with_capacity(self.source_key.len() + 1 + self.delivery_key.len());
+        let mut k = Vec::with_capacity(self.source_key.len() + self.delivery_key.len() + 18);
         k.extend_from_slice(self.source_key.as_bytes());
         k.push(0);
         k.extend_from_slice(self.delivery_key.as_bytes());
+        if let Some(endpoint_id) = self.endpoint_id {
+            k.push(0);
+            k.extend_from_slice(&endpoint_id.to_be_bytes());
+        }
         k
     }
 }
@@ -253,6 +277,52 @@ impl IdempotencyIndex {
         Ok(reopened)
     }
 
+    /// Once per database (a durable marker says it was done): forgets the keys recorded,
+    /// before keys were scoped by endpoint, for `sources_with_endpoints` (every source
+    /// that has, or had, a secret-path endpoint). Such a key may have been recorded by a
+    /// request through an endpoint, yet it sits in the named path's scope, where it could
+    /// answer a named-path request carrying the same delivery id with another delivery's
+    /// offsets (a 200 for an event never stored); forgetting it can at worst let a retry
+    /// be appended again. Keys of other sources are kept. Call before
+    /// [`IdempotencyIndex::rebuild`], which restores the keys of the records it re-reads
+    /// in their scoped form. Returns how many keys were forgotten.
+    pub fn forget_unscoped_keys_once(&self, sources_with_endpoints: &[String]) -> Result<u64, StateError> {
+        let db = self.state.db()?;
+        let mut txn = db.begin_write().map_err(storage_err)?;
+        txn.set_durability(Durability::Immediate).map_err(|e| StateError::Storage(e.to_string()))?;
+        let mut forgotten = 0u64;
+        {
+            let mut meta = txn.open_table(META).map_err(storage_err)?;
+            if meta.get(META_KEYS_SCOPED_BY_ENDPOINT).map_err(storage_err)?.is_some() {
+                return Ok(0);
+            }
+            let mut table = txn.open_table(IDEMPOTENCY).map_err(storage_err)?;
+            let mut by_time = txn.open_table(IDEMPOTENCY_BY_TIME).map_err(storage_err)?;
+            for source in sources_with_endpoints {
+                // Every key of the source lies in [source 0x00, source 0x01); a named-path
+                // key holds no second 0x00 (see `IdempotencyKey::table_key`).
+                let from = [source.as_bytes(), &[0]].concat();
+                let below = [source.as_bytes(), &[1]].concat();
+                let mut unscoped: Vec<(Vec<u8>, u64)> = Vec::new();
+                for entry in table.range::<&[u8]>(from.as_slice()..below.as_slice()).map_err(storage_err)? {
+                    let (k, v) = entry.map_err(storage_err)?;
+                    let key = k.value();
+                    if !key[from.len()..].contains(&0) {
+                        unscoped.push((key.to_vec(), v.value().2));
+                    }
+                }
+                for (key, accepted_at) in &unscoped {
+                    table.remove(key.as_slice()).map_err(storage_err)?;
+                    by_time.remove((*accepted_at, key.as_slice())).map_err(storage_err)?;
+                }
+                forgotten += unscoped.len() as u64;
+            }
+            meta.insert(META_KEYS_SCOPED_BY_ENDPOINT, 1).map_err(storage_err)?;
+        }
+        txn.commit().map_err(storage_err)?;
+        Ok(forgotten)
+    }
+
     /// Restores the keys of records the last checkpoint did not cover. Call once after
     /// opening, before serving.
     pub fn rebuild(&self, wal: &Wal, now_unix_ms: u64) -> Result<RebuildReport, StateError> {
@@ -295,7 +365,7 @@ impl IdempotencyIndex {
             if h.batch_index != 0 || h.received_at_unix_ms.saturating_add(self.retention_ms) < now_unix_ms {
                 continue;
             }
-            let key = IdempotencyKey { source_key: h.source_key, delivery_key }.table_key();
+            let key = IdempotencyKey { source_key: h.source_key, endpoint_id: h.endpoint_id, delivery_key }.table_key();
             let prior = PriorAcceptance {
                 first_offset: record.offset,
                 last_offset: record.offset + u64::from(h.batch_len.max(1)) - 1,
@@ -355,7 +425,16 @@ mod tests {
     use super::*;
 
     fn key(k: &str) -> IdempotencyKey {
-        IdempotencyKey { source_key: "s".into(), delivery_key: k.into() }
+        IdempotencyKey { source_key: "s".into(), endpoint_id: None, delivery_key: k.into() }
+    }
+
+    #[test]
+    fn named_path_keys_keep_their_form_and_endpoint_keys_are_apart() {
+        assert_eq!(key("d").table_key(), b"s\0d");
+        let endpoint = |id: u128| IdempotencyKey { endpoint_id: Some(id), ..key("d") };
+        assert_ne!(endpoint(1).table_key(), key("d").table_key());
+        assert_ne!(endpoint(1).table_key(), endpoint(2).table_key());
+        assert_eq!(endpoint(1).table_key(), endpoint(1).table_key());
     }
 
     #[tokio::test]
@@ -368,6 +447,42 @@ mod tests {
         assert!(index.claim(&key("b")).await.is_some());
         drop(c);
         assert!(index.claim(&key("a")).await.is_some());
+    }
+
+    #[tokio::test]
+    async fn keys_from_before_endpoint_scoping_are_forgotten_once_for_sources_with_endpoints_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let state = Arc::new(StateDb::open(dir.path().join("s.redb")).unwrap());
+        let index = Arc::new(IdempotencyIndex::new(state, 60_000));
+        let mixed =
+            |endpoint_id, k: &str| IdempotencyKey { source_key: "mixed".into(), endpoint_id, delivery_key: k.into() };
+        let plain = IdempotencyKey { source_key: "plain".into(), endpoint_id: None, delivery_key: "d".into() };
+        // "mixed-more" shares the prefix "mixed" but is another source.
+        let neighbour = IdempotencyKey { source_key: "mixed-more".into(), endpoint_id: None, delivery_key: "d".into() };
+        let prior = PriorAcceptance { first_offset: 1, last_offset: 1, accepted_at_unix_ms: 10_000 };
+        let keys = [mixed(None, "d"), mixed(None, "e"), mixed(Some(7), "d"), plain.clone(), neighbour.clone()];
+        for key in &keys {
+            let c = index.claim(key).await.unwrap();
+            index.record(&c, prior).await.unwrap();
+        }
+        assert_eq!(index.forget_unscoped_keys_once(&["mixed".into()]).unwrap(), 2);
+        assert_eq!(index.lookup(&mixed(None, "d"), 10_500).unwrap(), None);
+        assert_eq!(index.lookup(&mixed(None, "e"), 10_500).unwrap(), None);
+        assert_eq!(index.lookup(&mixed(Some(7), "d"), 10_500).unwrap(), Some(prior), "a scoped key is kept");
+        assert_eq!(index.lookup(&plain, 10_500).unwrap(), Some(prior), "a source without endpoints keeps its keys");
+        assert_eq!(index.lookup(&neighbour, 10_500).unwrap(), Some(prior));
+
+        // Once: keys recorded after the first run are the scoped kind and stay.
+        let c = index.claim(&mixed(None, "f")).await.unwrap();
+        index.record(&c, prior).await.unwrap();
+        drop(c);
+        assert_eq!(index.forget_unscoped_keys_once(&["mixed".into()]).unwrap(), 0);
+        assert_eq!(index.lookup(&mixed(None, "f"), 10_500).unwrap(), Some(prior));
+        // The time index lost the forgotten keys too: a sweep of everything passes.
+        let wal_dir = tempfile::tempdir().unwrap();
+        let wal = Wal::open(wal_dir.path(), wal::WalOptions::default()).unwrap();
+        index.checkpoint(&wal, 100_000).await.unwrap();
+        assert_eq!(index.lookup(&mixed(Some(7), "d"), 10_500).unwrap(), None);
     }
 
     #[tokio::test]

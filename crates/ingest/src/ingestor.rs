@@ -162,7 +162,7 @@ impl Ingestor {
         let Some(delivery_key) = s.delivery_key.clone() else {
             return self.append(&s).await;
         };
-        let key = IdempotencyKey { source_key: s.source_key.clone(), delivery_key };
+        let key = IdempotencyKey { source_key: s.source_key.clone(), endpoint_id: s.endpoint_id, delivery_key };
         let claim = self.idempotency.claim(&key).await.ok_or(IngestError::InFlight)?;
         match self.idempotency.lookup(&key, s.received_at_unix_ms) {
             Ok(Some(prior)) => {
@@ -221,7 +221,7 @@ impl Ingestor {
         for (i, event) in s.events.iter().enumerate() {
             let batch_index = i as u32;
             let message_id = match &s.delivery_key {
-                Some(k) => message_id_for_delivery(&s.source_key, k, batch_index),
+                Some(k) => message_id_for_delivery(&s.source_key, s.endpoint_id, k, batch_index),
                 None => random_message_id(),
             };
             let header = EnvelopeHeaderRef {
@@ -342,10 +342,33 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn the_same_delivery_id_through_two_endpoints_is_two_deliveries_across_a_reopen() {
+        let dir = tempfile::tempdir().unwrap();
+        let through = |endpoint_id, body| Submission { endpoint_id, ..submission(Some("d1"), &[body]) };
+        {
+            let (wal, ing) = open(dir.path());
+            let a = ing.accept(through(Some(1), "a")).await.unwrap();
+            let b = ing.accept(through(Some(2), "b")).await.unwrap();
+            let named = ing.accept(through(None, "n")).await.unwrap();
+            assert_eq!([a, b, named].map(|x| (x.first_offset, x.replayed)), [(0, false), (1, false), (2, false)]);
+            assert_eq!(wal.next_offset(), 3);
+        }
+        // The rebuild from the log computes the same scoped keys.
+        let state_path = dir.path().join("state.redb");
+        std::fs::remove_file(&state_path).unwrap();
+        let (wal, ing) = open(dir.path());
+        for (endpoint_id, offset) in [(Some(1), 0), (Some(2), 1), (None, 2)] {
+            let again = ing.accept(through(endpoint_id, "x")).await.unwrap();
+            assert_eq!((again.first_offset, again.replayed), (offset, true), "{endpoint_id:?}");
+        }
+        assert_eq!(wal.next_offset(), 3);
+    }
+
+    #[tokio::test]
     async fn a_delivery_in_progress_refuses_a_concurrent_twin_and_appends_nothing() {
         let dir = tempfile::tempdir().unwrap();
         let (wal, ing) = open(dir.path());
-        let key = IdempotencyKey { source_key: "default".into(), delivery_key: "d1".into() };
+        let key = IdempotencyKey { source_key: "default".into(), endpoint_id: None, delivery_key: "d1".into() };
         let claim = ing.idempotency().claim(&key).await.unwrap();
         assert!(matches!(ing.accept(submission(Some("d1"), &["a"])).await, Err(IngestError::InFlight)));
         assert_eq!(wal.next_offset(), 0);

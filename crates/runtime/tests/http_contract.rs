@@ -325,5 +325,73 @@ async fn a_retried_delivery_gets_its_original_offsets_even_after_kill_9() {
     let log = read_log(&dir.path().join("data/wal"));
     assert_eq!(log.len(), 3);
     let ids: Vec<u128> = log.iter().map(|(_, e)| e.header.message_id).collect();
-    assert_eq!(ids[0], ingest::envelope::message_id_for_delivery("default", "delivery-1", 0));
+    assert_eq!(ids[0], ingest::envelope::message_id_for_delivery("default", None, "delivery-1", 0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delivery_ids_are_scoped_per_endpoint_so_two_tenants_never_replay_each_other_even_after_kill_9() {
+    let dir = tempfile::tempdir().unwrap();
+    // No checkpoint before the kill: the keys must come back from the log itself.
+    let text = config_text(dir.path(), "", SOURCES)
+        .replace("checkpoint_interval_ms = 200", "checkpoint_interval_ms = 3600000");
+    let mut d = Daemon::start_text(dir.path(), &text);
+    let mgmt = format!("Bearer {MANAGEMENT_TOKEN}");
+    let admin = [("authorization", mgmt.as_str()), ("content-type", "application/json")];
+    let mut tenants = Vec::new();
+    for _ in 0..2 {
+        let reg =
+            request(d.admin, "POST", "/v1/endpoints", &admin, r#"{"source":"default","auth_type":"bearer"}"#).await;
+        assert_eq!(reg.status, 201, "{:?}", reg.body);
+        let reg = reg.json();
+        let path = reg["path"].as_str().unwrap().to_string();
+        let token = format!("Bearer {}", reg["secret"].as_str().unwrap());
+        let id = u128::from_str_radix(reg["id"].as_str().unwrap(), 16).unwrap();
+        tenants.push((path, token, id));
+    }
+    // Two tenants of one source, and the source's named path, each send the same
+    // Idempotency-Key with their own event: three deliveries, three records.
+    let send = |http: std::net::SocketAddr, path: String, token: Option<String>, body: String| async move {
+        let mut headers = vec![("idempotency-key", "order-1")];
+        if let Some(t) = &token {
+            headers.push(("authorization", t.as_str()));
+        }
+        request(http, "POST", &path, &headers, body).await
+    };
+    let events: Vec<(String, Option<String>, String)> = vec![
+        (tenants[0].0.clone(), Some(tenants[0].1.clone()), r#"{"tenant":"a"}"#.into()),
+        (tenants[1].0.clone(), Some(tenants[1].1.clone()), r#"{"tenant":"b"}"#.into()),
+        ("/v1/sources/default".into(), None, r#"{"tenant":"named"}"#.into()),
+    ];
+    for (i, (path, token, body)) in events.iter().enumerate() {
+        let a = send(d.http, path.clone(), token.clone(), body.clone()).await;
+        assert_eq!(a.status, 200, "{:?}", a.body);
+        assert_eq!(a.header("idempotent-replayed"), None, "delivery {i} was taken for another's replay");
+        assert_eq!(a.json()["offsets"], serde_json::json!([i, i]));
+    }
+    // Each retry replays its own delivery's offsets, before and after a kill -9 (the
+    // keys are rebuilt from the log).
+    for round in ["before the kill", "after the kill"] {
+        for (i, (path, token, body)) in events.iter().enumerate() {
+            let again = send(d.http, path.clone(), token.clone(), body.clone()).await;
+            assert_eq!(again.header("idempotent-replayed"), Some("true"), "retry {i} {round}");
+            assert_eq!(again.json()["offsets"], serde_json::json!([i, i]), "retry {i} {round}");
+        }
+        if round == "before the kill" {
+            d.kill9();
+            d = Daemon::restart(dir.path());
+        }
+    }
+    assert!(d.stop().success());
+    let log = read_log(&dir.path().join("data/wal"));
+    let records: Vec<(Option<u128>, &[u8])> = log.iter().map(|(_, e)| (e.header.endpoint_id, &e.payload[..])).collect();
+    assert_eq!(
+        records,
+        [
+            (Some(tenants[0].2), &br#"{"tenant":"a"}"#[..]),
+            (Some(tenants[1].2), &br#"{"tenant":"b"}"#[..]),
+            (None, &br#"{"tenant":"named"}"#[..]),
+        ]
+    );
+    let ids: std::collections::HashSet<u128> = log.iter().map(|(_, e)| e.header.message_id).collect();
+    assert_eq!(ids.len(), 3, "each delivery has its own message id");
 }
