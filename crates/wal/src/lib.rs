@@ -26,8 +26,9 @@
 //! 6. **Recovery is exact.** A torn tail is cut away and reported; damage to bytes that
 //!    were durable is an error naming file and byte position, never silently repaired.
 //! 7. **A storage error leaves the log consistent.** A failed write or sync fails the
-//!    appends it carried and cuts the segment back to its durable length; a failed sync is
-//!    never treated as covered by a later one. The log reopens with everything that was
+//!    appends it carried and cuts their bytes away (a failed sync: back to the durable
+//!    length; a failed write: back to the length before it, so appends answered before it
+//!    under `interval` stay); a failed sync is never treated as covered by a later one. The log reopens with everything that was
 //!    acknowledged before the fault.
 //!
 //! All I/O goes through [`storage::Storage`], so the simulated disk in

@@ -12,9 +12,16 @@
 //! - A segment is sealed (seal frame written and synced) before its successor exists; a
 //!   successor is created as a temporary file, synced, renamed and the directory synced,
 //!   so a segment name on disk always carries a whole, durable header.
-//! - After a failed write or sync the writer cuts the segment back to its last durable
-//!   length and syncs that; a later sync is never taken to cover the failed one. If the
-//!   cut fails too, the log is poisoned: no further append is accepted.
+//! - After a failed sync the writer cuts the segment back to its last durable length and
+//!   syncs that; a later sync is never taken to cover the failed one. After a failed
+//!   write it cuts back only that write (appends answered before it under `Interval`
+//!   stay, their offsets are not handed out again) and syncs that. If the cut fails too,
+//!   the log is poisoned: no further append is accepted.
+//! - The zeros written ahead are an optimisation: a write refused for space (`ENOSPC`,
+//!   `EDQUOT`) is tried again without them.
+//! - A rotation publishes the new segment in the durable watermark at once (it is
+//!   durable when created), so releasing the sealed one never leaves the watermark
+//!   naming a deleted file.
 //! - A write that grows the active segment's file also writes zeros after itself
 //!   (`preallocate_bytes`), so the group commits that follow sync no size change. Zeros
 //!   are only ever written past `written_len`; the file is cut back to its frames before
@@ -251,10 +258,22 @@ impl Writer {
             end
         };
         self.buf.resize((zeros_to - self.written_len) as usize, 0);
-        let result = self.active.file.write_all_at(&self.buf, self.written_len);
+        let mut result = self.active.file.write_all_at(&self.buf, self.written_len);
+        // The zeros are an optimisation: a disk with room for the group but not for
+        // them takes the group alone.
+        if let Err(e) = &result
+            && zeros_to > end
+            && matches!(e.kind(), std::io::ErrorKind::StorageFull | std::io::ErrorKind::QuotaExceeded)
+        {
+            result = self.active.file.write_all_at(&self.buf[..n as usize], self.written_len);
+        }
         self.buf.clear();
         if let Err(e) = result {
-            self.fail(pending, e, "write");
+            // Only this group's write failed: what was written before it stays (under
+            // `Interval` that is appends already answered), the group's offsets are
+            // handed out again.
+            let first = pending.first().map_or(self.next_offset, |p| p.appended.first_offset);
+            self.fail_to(pending, e, "write", self.written_len, first);
             return;
         }
         fail_points::fail_point!("wal.append.written");
@@ -312,39 +331,51 @@ impl Writer {
         }
     }
 
-    /// A write or sync failed: cut the segment back to its last durable length so the
-    /// log is again exactly what it vouched for, then fail the appends it carried. The
-    /// cut comes first so that a caller told "failed" (and a sender that retries) finds
-    /// the failed bytes already gone, unless the cut failed too and the log is poisoned.
+    /// A sync (or a seal) failed: cut the segment back to its last durable length so the
+    /// log is again exactly what it vouched for (no later sync is trusted to cover bytes
+    /// a failed one may have dropped), then fail the appends it carried.
     fn fail(&mut self, pending: &mut Vec<Pending>, e: std::io::Error, what: &str) {
+        let (keep_len, next) = (self.durable_len, self.shared.durable_next());
+        self.fail_to(pending, e, what, keep_len, next);
+    }
+
+    /// Cuts the active segment back to `keep_len` (which `next` follows) and syncs that,
+    /// then fails the appends in `pending`. The cut comes first so that a caller told
+    /// "failed" (and a sender that retries) finds the failed bytes already gone, unless
+    /// the cut failed too and the log is poisoned.
+    fn fail_to(&mut self, pending: &mut Vec<Pending>, e: std::io::Error, what: &str, keep_len: u64, next: u64) {
         metrics::counter!("iggy_ingest_wal_storage_errors_total").increment(1);
         tracing::error!(error = %e, segment = %self.active.path.display(), "log {what} failed");
-        self.undo_unsynced(&e, what);
+        self.undo_to(&e, what, keep_len, next);
         for p in pending.drain(..) {
             let err = std::io::Error::new(e.kind(), format!("log {what} failed: {e}"));
             let _ = p.reply.send(Err(WalError::io(&self.active.path, err)));
         }
     }
 
-    /// Cuts the active segment back to its durable length and syncs that; poisons the log
-    /// if either step fails.
-    fn undo_unsynced(&mut self, e: &std::io::Error, what: &str) {
-        let lost = self.written_len - self.durable_len;
-        let undo = self.active.file.set_len(self.durable_len).and_then(|()| self.active.file.sync_data());
-        match undo {
-            Ok(()) => {
-                self.allocated_len = self.durable_len;
-                self.shared.used_bytes.fetch_sub(lost, Ordering::AcqRel);
-                self.written_len = self.durable_len;
-                self.next_offset = self.shared.durable_next();
-                self.unsynced_since = None;
-            }
-            Err(undo_err) => {
-                let why = format!("{what} failed ({e}), and cutting the segment back failed ({undo_err})");
-                tracing::error!("{why}; the log accepts no more appends until reopened");
-                self.poisoned = Some(why);
-            }
+    /// Cuts the active segment back to `keep_len` and syncs it, after which everything up
+    /// to `keep_len` is durable and `next` is the next offset; poisons the log if either
+    /// step fails. `keep_len` is at least the durable length: after a failed sync it is
+    /// the durable length, after a failed write the length before that write.
+    fn undo_to(&mut self, e: &std::io::Error, what: &str, keep_len: u64, next: u64) {
+        debug_assert!(keep_len >= self.durable_len && keep_len <= self.written_len);
+        if let Err(undo_err) = self.active.file.set_len(keep_len) {
+            return self.poison(e, what, &undo_err);
         }
+        // The file is cut: account for it even if the sync below fails.
+        self.shared.used_bytes.fetch_sub(self.written_len - keep_len, Ordering::AcqRel);
+        self.written_len = keep_len;
+        self.allocated_len = keep_len;
+        self.next_offset = next;
+        if let Err(undo_err) = self.sync_active() {
+            return self.poison(e, what, &undo_err);
+        }
+    }
+
+    fn poison(&mut self, e: &std::io::Error, what: &str, undo_err: &std::io::Error) {
+        let why = format!("{what} failed ({e}), and cutting the segment back failed ({undo_err})");
+        tracing::error!("{why}; the log accepts no more appends until reopened");
+        self.poisoned = Some(why);
     }
 
     /// Seals the active segment (if not sealed yet) and starts its successor.
@@ -386,6 +417,16 @@ impl Writer {
         self.written_len = SEGMENT_HEADER_LEN;
         self.durable_len = SEGMENT_HEADER_LEN;
         self.allocated_len = SEGMENT_HEADER_LEN;
+        // The new segment is durable (created, synced, its directory entry synced): the
+        // watermark names it at once, so that releasing the sealed one never leaves the
+        // watermark naming a deleted file until the next sync.
+        if let Some(w) = &mut self.watermark {
+            w.publish(crate::format::DurableWatermark {
+                segment_base: self.active.base,
+                durable_len: self.durable_len,
+                next_offset: self.next_offset,
+            });
+        }
         Ok(())
     }
 

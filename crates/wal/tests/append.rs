@@ -174,6 +174,29 @@ fn close_syncs_and_marks_a_clean_shutdown() {
 }
 
 #[test]
+fn a_disk_with_room_for_a_group_but_not_its_zeros_takes_the_group() {
+    let sim = SimStorage::new();
+    let opts =
+        WalOptions { preallocate_bytes: 1024, segment_max_bytes: 1 << 16, max_bytes: 1 << 20, ..WalOptions::default() };
+    let wal = open(&sim, opts.clone());
+    rt().block_on(async {
+        // Up to the end of the zeros the first append wrote ahead.
+        for t in 1..9 {
+            wal.append(vec![payload(t, 100)]).await.unwrap_or_else(|e| panic!("{e}"));
+        }
+        // Room for the next group (332 bytes framed) but not for 1 KiB of zeros after it.
+        sim.set_space_limit(Some(sim.used_bytes() + 500));
+        wal.append(vec![payload(20, 300)]).await.unwrap_or_else(|e| panic!("refused though it fits: {e}"));
+        wal.close().await.unwrap_or_else(|e| panic!("{e}"));
+    });
+    drop(wal);
+    sim.set_space_limit(None);
+    let wal = open(&sim, opts);
+    let tags: Vec<u64> = read_all(&wal, 0).iter().map(|r| tag_of(&r.payload)).collect();
+    assert_eq!(tags, vec![1, 2, 3, 4, 5, 6, 7, 8, 20]);
+}
+
+#[test]
 fn storage_full_fails_the_append_and_the_log_continues_when_space_returns() {
     let sim = SimStorage::new();
     // Without zeros written ahead, so that the second append needs new space.

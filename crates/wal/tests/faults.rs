@@ -236,3 +236,31 @@ fn a_release_whose_directory_sync_failed_is_made_durable_before_the_next_removal
         assert_eq!(all.len() as u64, 40 - start, "seed {seed}: not dense from {start}");
     }
 }
+
+/// Under `interval` an append is answered once written, before its sync. A later group
+/// whose write fails (here: the disk is full) must cut back only its own bytes: the
+/// appends answered before it stay, and their offsets are not handed out again.
+#[test]
+fn under_interval_a_failed_write_keeps_the_appends_answered_before_it() {
+    let sim = SimStorage::new();
+    let opts = WalOptions {
+        sync: wal::SyncPolicy::Interval(std::time::Duration::from_secs(30)),
+        preallocate_bytes: 0,
+        ..small_options()
+    };
+    let wal = open(&sim, opts.clone());
+    rt().block_on(async {
+        let a = wal.append(vec![payload(1, 100)]).await.unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(a.first_offset, 0);
+        sim.set_space_limit(Some(sim.used_bytes() + 50));
+        assert!(wal.append(vec![payload(2, 100)]).await.is_err(), "a write past the space limit succeeded");
+        sim.set_space_limit(None);
+        let c = wal.append(vec![payload(3, 100)]).await.unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(c.first_offset, 1, "the answered append's offset was handed out again");
+        wal.close().await.unwrap_or_else(|e| panic!("{e}"));
+    });
+    drop(wal);
+    let wal = open(&sim, opts);
+    let tags: Vec<u64> = read_all(&wal, 0).iter().map(|r| tag_of(&r.payload)).collect();
+    assert_eq!(tags, vec![1, 3], "an append answered Ok was dropped without any crash");
+}

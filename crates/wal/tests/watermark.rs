@@ -51,11 +51,12 @@ fn a_read_only_open_beside_a_live_writer_never_sees_its_unsynced_group() {
 }
 
 #[test]
-fn a_segment_created_after_the_last_sync_is_left_out() {
+fn an_unsynced_write_into_a_new_segment_is_left_out() {
     let sim = SimStorage::new();
     let wal = open(&sim, lazy(4096));
     // Each batch is ~1.2 KiB: the fourth rotates, which syncs and seals the first
-    // segment, then writes itself, unsynced, into the new one.
+    // segment and creates the next (durably: its header synced, its directory entry
+    // too), then writes itself, unsynced, into the new one.
     rt().block_on(async {
         for t in 0..4 {
             wal.append(vec![payload(t, 1200)]).await.unwrap();
@@ -63,10 +64,10 @@ fn a_segment_created_after_the_last_sync_is_left_out() {
     });
     assert_eq!(segment_files(&sim, &dir()).len(), 2);
     let ro = read_only(&sim);
-    assert_eq!(tags(&ro), vec![0, 1, 2]);
-    assert_eq!(ro.segment_paths().len(), 1, "the unsynced segment is not part of the view");
+    assert_eq!(tags(&ro), vec![0, 1, 2], "the unsynced record is not part of the view");
+    assert_eq!(ro.segment_paths().len(), 2, "the new segment is durable and named by the watermark");
     let report = inspect::verify(&sim, &dir(), &mut |_| {}).unwrap();
-    assert_eq!((report.segments, report.records), (1, 3), "{report:?}");
+    assert_eq!((report.segments, report.records), (2, 3), "{report:?}");
     drop(ro);
     drop(wal);
 }
@@ -109,4 +110,27 @@ fn the_real_file_system_reports_a_live_writer_without_taking_its_lock() {
     assert!(!FsStorage.is_locked(&lock).unwrap(), "released with the writer");
     // A second writer can still take it: reading never held it.
     drop(Wal::open(tmp.path(), small_options()).unwrap());
+}
+
+/// A rotation names the new segment in the watermark at once: a rotating append refused
+/// as Full (no sync after the rotation), then a release of the sealed segment, must not
+/// leave the watermark naming a deleted file (read-only tools beside the writer would
+/// fail until the next sync).
+#[test]
+fn a_release_right_after_a_rotation_leaves_read_only_opens_working() {
+    let sim = SimStorage::new();
+    let opts = WalOptions { segment_max_bytes: 4096, max_bytes: 8192, ..WalOptions::default() };
+    let wal = open(&sim, opts);
+    rt().block_on(async {
+        for t in 0..3 {
+            wal.append(vec![payload(t, 1000)]).await.unwrap_or_else(|e| panic!("{e}"));
+        }
+        let e = wal.append(vec![payload(9, 5000)]).await.unwrap_err();
+        assert!(matches!(e, wal::WalError::Full { .. }), "{e}");
+        let r = wal.release_below(wal.next_offset()).await.unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(r.segments_deleted, 1);
+    });
+    let ro = read_only(&sim);
+    assert_eq!(ro.next_offset(), 3);
+    drop(wal);
 }
