@@ -368,7 +368,7 @@ impl Writer {
         self.allocated_len = keep_len;
         self.next_offset = next;
         if let Err(undo_err) = self.sync_active() {
-            return self.poison(e, what, &undo_err);
+            self.poison(e, what, &undo_err);
         }
     }
 
