@@ -4,14 +4,18 @@
 //! - Once draining, always draining (until the process exits).
 //! - Once the log stopped taking appends (closed or poisoned after a storage failure it
 //!   could not undo), health stays 503: only a restart (which recovers the log) clears
-//!   it, so a load balancer sends traffic elsewhere instead of into 503s.
+//!   it, so a load balancer sends traffic elsewhere instead of into 503s. Health asks
+//!   the log itself ([`Health::watch_log`]), so it says so before any request fails,
+//!   also when the failure came from a background sync.
 
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
 
 #[derive(Debug, Default)]
 pub struct Health {
     draining: AtomicBool,
     log_stopped: AtomicBool,
+    log: OnceLock<Arc<wal::Wal>>,
 }
 
 /// What `/health` reports.
@@ -49,10 +53,15 @@ impl Health {
         self.log_stopped.store(true, Ordering::Release);
     }
 
+    /// Health follows `wal` from now on: once it takes no more appends, health is 503.
+    pub fn watch_log(&self, wal: Arc<wal::Wal>) {
+        let _ = self.log.set(wal);
+    }
+
     pub fn state(&self) -> HealthState {
         if self.is_draining() {
             HealthState::Draining
-        } else if self.log_stopped.load(Ordering::Acquire) {
+        } else if self.log_stopped.load(Ordering::Acquire) || self.log.get().is_some_and(|wal| !wal.accepts_appends()) {
             HealthState::LogStopped
         } else {
             HealthState::Accepting

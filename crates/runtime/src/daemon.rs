@@ -167,6 +167,7 @@ pub async fn start(mut settings: Settings, metrics: Option<PrometheusHandle>) ->
     let endpoints = Arc::new(EndpointRegistry::load(state.clone(), source_keys.clone(), settings.endpoints.clone())?);
     let status = Arc::new(StatusBoard::new(source_keys));
     let health = Arc::new(Health::default());
+    health.watch_log(wal.clone());
 
     // Delivery never waits for Iggy: the daemon accepts and holds while it is away.
     let mut known_at_start: Vec<router::DestinationKey> = Vec::new();

@@ -345,6 +345,12 @@ async fn a_log_that_stopped_taking_appends_turns_health_503() {
     assert_eq!(request(running.admin_addr, "GET", "/health", &[], "").await.status, 200);
     // What a storage failure the log cannot undo looks like from outside: no appends.
     running.shared.wal.close().await.unwrap();
+    // Health says so before any request has failed (the failure may be a background
+    // sync's, with no request in flight).
+    for addr in [running.http_addr, running.admin_addr] {
+        let h = request(addr, "GET", "/health", &[], "").await;
+        assert_eq!((h.status, h.json()["status"].as_str()), (503, Some("log_stopped")), "before any request");
+    }
     let a = post_json(running.http_addr, "/v1/sources/default", "{}").await;
     assert_eq!(a.status, 503);
     assert_eq!(a.json()["error"], "log_unavailable");

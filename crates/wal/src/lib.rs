@@ -238,6 +238,14 @@ impl Wal {
         }
     }
 
+    /// False once the log takes no more appends: closed, read-only, or poisoned by a
+    /// storage failure it could not undo (only a reopen recovers it).
+    pub fn accepts_appends(&self) -> bool {
+        self.writer.is_some()
+            && !self.shared.closed.load(Ordering::Acquire)
+            && !self.shared.poisoned.load(Ordering::Acquire)
+    }
+
     /// The first offset readers may ask for.
     pub fn start_offset(&self) -> u64 {
         self.shared.start()

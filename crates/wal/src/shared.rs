@@ -42,6 +42,9 @@ pub(crate) struct Shared {
     pub record_max_bytes: u32,
     /// Set when the writer has stopped: nothing more will become durable.
     pub closed: AtomicBool,
+    /// Set when the writer was poisoned (a failure it could not undo): it takes no more
+    /// appends until the log is reopened.
+    pub poisoned: AtomicBool,
 }
 
 impl Shared {
@@ -65,6 +68,7 @@ impl Shared {
             max_bytes,
             record_max_bytes,
             closed: AtomicBool::new(false),
+            poisoned: AtomicBool::new(false),
         }
     }
 

@@ -372,10 +372,17 @@ impl Writer {
         }
     }
 
+    /// From now on every append fails with `why`, and [`crate::Wal::accepts_appends`] says
+    /// so to whoever asks (the daemon's health).
+    fn set_poisoned(&mut self, why: String) {
+        self.poisoned = Some(why);
+        self.shared.poisoned.store(true, Ordering::Release);
+    }
+
     fn poison(&mut self, e: &std::io::Error, what: &str, undo_err: &std::io::Error) {
         let why = format!("{what} failed ({e}), and cutting the segment back failed ({undo_err})");
         tracing::error!("{why}; the log accepts no more appends until reopened");
-        self.poisoned = Some(why);
+        self.set_poisoned(why);
     }
 
     /// Seals the active segment (if not sealed yet) and starts its successor.
@@ -388,7 +395,7 @@ impl Writer {
                 self.active.path.display()
             );
             tracing::error!("{why}");
-            self.poisoned = Some(why.clone());
+            self.set_poisoned(why.clone());
             return Err(WalError::Poisoned(why));
         }
         if !self.active.sealed.load(Ordering::Acquire) {

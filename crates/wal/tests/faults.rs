@@ -164,15 +164,19 @@ fn when_the_undo_fails_too_the_log_refuses_appends_until_reopened() {
     let wal = open(&sim, options());
     rt().block_on(async {
         wal.append(vec![payload(0, 100)]).await.unwrap();
+        assert!(wal.accepts_appends());
         // The write fails, then the truncation meant to undo it fails as well.
         sim.fail_nth(FaultOp::Write, 1, ErrorKind::Other);
         sim.fail_nth(FaultOp::Metadata, 1, ErrorKind::Other);
         assert!(wal.append(vec![payload(1, 100)]).await.is_err());
+        // Known before another append is tried.
+        assert!(!wal.accepts_appends(), "a poisoned log says it accepts appends");
         let e = wal.append(vec![payload(2, 100)]).await.unwrap_err();
         assert!(matches!(e, wal::WalError::Poisoned(_)), "{e}");
     });
     drop(wal);
     let wal = open(&sim, options());
+    assert!(wal.accepts_appends());
     rt().block_on(wal.append(vec![payload(3, 100)])).expect("reopened log accepts");
     let tags: Vec<u64> = read_all(&wal, 0).iter().map(|r| tag_of(&r.payload)).collect();
     assert_eq!(tags, vec![0, 3]);
