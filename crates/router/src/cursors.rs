@@ -105,7 +105,9 @@ impl CursorStore for StateCursorStore {
             Ok(r) => r.map_err(|e| e.to_string()),
             Err(e) => Err(format!("cursor commit task failed: {e}")),
         };
-        metrics::histogram!("iggy_connector_cursor_commit_seconds").record(started.elapsed().as_secs_f64());
+        if result.is_ok() {
+            metrics::histogram!("iggy_connector_cursor_commit_seconds").record(started.elapsed().as_secs_f64());
+        }
         result
     }
 }

@@ -64,6 +64,9 @@ struct Troubles {
     failed: HashSet<LaneKey>,
     /// Why the dispatcher cannot read the log, while it cannot.
     dispatcher: Option<String>,
+    /// Why acknowledged cursors cannot be stored, while they cannot (the log stays
+    /// pinned below them).
+    cursors: Option<String>,
 }
 
 impl RouterHealth {
@@ -87,6 +90,8 @@ impl RouterHealth {
             (Status::Error, format!("the router cannot read the log: {e}"))
         } else if let Some(k) = t.failed.iter().min() {
             (Status::Error, format!("destination {k} cannot read the log"))
+        } else if let Some(e) = &t.cursors {
+            (Status::Degraded, format!("acknowledged cursors cannot be stored (the log is not released): {e}"))
         } else if let Some(k) = t.degraded.iter().min() {
             (Status::Degraded, format!("destination {k} is degraded"))
         } else {
@@ -127,6 +132,20 @@ impl RouterHealth {
         let mut t = self.troubles();
         t.dispatcher = Some(e.to_string());
         self.settle(&t, false);
+    }
+
+    pub(crate) fn cursors_failed(&self, e: &str) {
+        self.cell.record_error(e);
+        let mut t = self.troubles();
+        t.cursors = Some(e.to_string());
+        self.settle(&t, false);
+    }
+
+    pub(crate) fn cursors_stored(&self) {
+        let mut t = self.troubles();
+        if t.cursors.take().is_some() {
+            self.settle(&t, false);
+        }
     }
 
     pub(crate) fn dispatcher_reading(&self) {
@@ -183,6 +202,7 @@ impl Router {
             cursors.clone(),
             cursor_dirty.clone(),
             delivered.clone(),
+            health.clone(),
             stop_flusher_rx,
         ));
         let ctx = LaneContext {
@@ -339,6 +359,7 @@ async fn cursor_flush_loop<C: CursorStore>(
     cursors: Arc<C>,
     dirty: Arc<Notify>,
     delivered: Arc<Notify>,
+    health: Arc<RouterHealth>,
     mut stop: watch::Receiver<bool>,
 ) {
     let mut failures = 0u32;
@@ -362,6 +383,7 @@ async fn cursor_flush_loop<C: CursorStore>(
             match cursors.store(rows).await {
                 Ok(()) => {
                     failures = 0;
+                    health.cursors_stored();
                     for (lane, stored) in &snapshot {
                         lane.delivered_below.fetch_max(*stored, Ordering::AcqRel);
                         let mut g = lane.gate();
@@ -373,6 +395,8 @@ async fn cursor_flush_loop<C: CursorStore>(
                 Err(e) => {
                     failures = failures.saturating_add(1);
                     tracing::error!(error = %e, "storing cursors failed; retrying");
+                    metrics::counter!("iggy_connector_cursor_store_failures_total").increment(1);
+                    health.cursors_failed(&format!("storing cursors failed: {e}"));
                     let delay = std::time::Duration::from_millis(100u64.saturating_mul(1 << failures.min(8)));
                     tokio::time::sleep(delay).await;
                     dirty.notify_one();

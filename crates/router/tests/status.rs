@@ -154,3 +154,57 @@ fn a_failed_log_read_is_an_error_until_the_log_reads_again() {
         });
     });
 }
+
+/// A cursor store that fails on command: a test double of the state database.
+#[derive(Default)]
+struct FailingCursorStore {
+    inner: MemoryCursorStore,
+    failing: std::sync::atomic::AtomicBool,
+}
+
+impl router::CursorStore for FailingCursorStore {
+    fn load(&self) -> Result<std::collections::HashMap<router::LaneKey, u64>, String> {
+        self.inner.load()
+    }
+
+    async fn store(&self, cursors: Vec<(router::LaneKey, u64)>) -> Result<(), String> {
+        if self.failing.load(std::sync::atomic::Ordering::Acquire) {
+            return Err("injected cursor store failure".into());
+        }
+        self.inner.store(cursors).await
+    }
+}
+
+/// Cursors that cannot be stored pin the log although every send succeeds: the router
+/// says so (Degraded, with the error, and counted) until a store succeeds again.
+#[test]
+fn cursors_that_cannot_be_stored_degrade_the_router_until_they_can() {
+    let recorder = PrometheusBuilder::new().build_recorder();
+    let snap = recorder.handle();
+    metrics::with_local_recorder(&recorder, || {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        rt.block_on(async {
+            let sim = SimStorage::new();
+            let wal = open_wal(&sim);
+            let sink = FaultySink::new();
+            let d = key("c", "1");
+            let cursors = Arc::new(FailingCursorStore::default());
+            cursors.failing.store(true, std::sync::atomic::Ordering::Release);
+            fill(&wal, std::slice::from_ref(&d), 0, 10).await;
+            let router =
+                Router::start(wal.clone(), sink.clone(), cursors.clone(), Policies::uniform(fast_policy())).unwrap();
+            eventually(Duration::from_secs(5), "sent", || sink.ids(&d).len() == 10).await;
+            eventually(Duration::from_secs(5), "degraded", || router.status().status == Status::Degraded).await;
+            assert!(router.status().reason.contains("cursors cannot be stored"), "{:?}", router.status());
+            assert!(router.status().last_error.is_some());
+            assert!(gauge(&snap, "iggy_connector_cursor_store_failures_total") >= 1.0);
+            assert_gauges_agree(&snap, &router);
+            assert_eq!(router.released_below(), 0, "released below cursors that are not stored");
+            cursors.failing.store(false, std::sync::atomic::Ordering::Release);
+            eventually(Duration::from_secs(10), "released", || router.released_below() == 10).await;
+            eventually(Duration::from_secs(5), "running", || router.status().status == Status::Running).await;
+            assert_gauges_agree(&snap, &router);
+            router.shutdown().await;
+        });
+    });
+}

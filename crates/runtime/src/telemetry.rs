@@ -179,6 +179,12 @@ pub fn catalog() -> Vec<Metric> {
         ),
         m("iggy_connector_send_latency_seconds", Histogram, &[], "Time of one send, until acknowledged"),
         m("iggy_connector_cursor_commit_seconds", Histogram, &[], "Time of one durable commit of the cursors"),
+        m(
+            "iggy_connector_cursor_store_failures_total",
+            Counter,
+            &[],
+            "Cursor commits that failed (retried; the log stays pinned below them meanwhile)",
+        ),
     ];
     for s in Status::ALL {
         v.push(Metric {
