@@ -196,7 +196,15 @@ impl<S: Sink, C: CursorStore> Dispatcher<S, C> {
         tracing::error!(offset, error = %e, "undecodable record held in the log");
         metrics::counter!("iggy_connector_destinations_rejected_total", "connector_key" => "unknown", "reason" => "malformed")
             .increment(1);
-        self.held_from.fetch_min(offset, Ordering::AcqRel);
+        self.hold_from(offset);
+    }
+
+    /// Holds the log from `offset` on: a record admission refused (or could not decode)
+    /// under a policy that keeps it. Until a restart nothing below it is released; the
+    /// gauge says so, since no lane counts such a record as held.
+    fn hold_from(&self, offset: u64) -> u64 {
+        metrics::gauge!("iggy_connector_admission_held").set(1.0);
+        self.held_from.fetch_min(offset, Ordering::AcqRel)
     }
 
     fn source(&mut self, source: &str) -> &SourceRoute {
@@ -258,7 +266,7 @@ impl<S: Sink, C: CursorStore> Dispatcher<S, C> {
             .increment(1);
         match policy.on_admission_failure {
             OnAdmissionFailure::Error => {
-                let before = self.held_from.fetch_min(offset, Ordering::AcqRel);
+                let before = self.hold_from(offset);
                 if before == u64::MAX {
                     tracing::error!(offset, source = %key.source, max_destinations = max, "destination cap reached: records held in the log");
                 }
@@ -274,7 +282,7 @@ impl<S: Sink, C: CursorStore> Dispatcher<S, C> {
                     let _ = dl.offer(routed, policy.lane_queue_max_records, false);
                 }
                 None => {
-                    self.held_from.fetch_min(offset, Ordering::AcqRel);
+                    self.hold_from(offset);
                 }
             },
         }

@@ -208,3 +208,34 @@ fn cursors_that_cannot_be_stored_degrade_the_router_until_they_can() {
         });
     });
 }
+
+/// A record the destination cap refuses under `error` holds the log; no lane counts it as
+/// held, so the admission gauge is what says so. Under `drop` nothing is held.
+#[test]
+fn a_record_held_by_admission_shows_in_its_gauge() {
+    for (on, held) in [(router::OnAdmissionFailure::Error, 1.0), (router::OnAdmissionFailure::Drop, 0.0)] {
+        let recorder = PrometheusBuilder::new().build_recorder();
+        let snap = recorder.handle();
+        metrics::with_local_recorder(&recorder, || {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            rt.block_on(async {
+                let sim = SimStorage::new();
+                let wal = open_wal(&sim);
+                let sink = FaultySink::new();
+                let dests = [key("a", "1"), key("a", "2")];
+                fill(&wal, &dests, 0, 4).await;
+                let mut policy = fast_policy();
+                policy.max_destinations = 1;
+                policy.on_admission_failure = on;
+                let router =
+                    Router::start(wal, sink.clone(), Arc::new(MemoryCursorStore::new()), Policies::uniform(policy))
+                        .unwrap();
+                eventually(Duration::from_secs(5), "admitted delivered", || sink.ids(&dests[0]).len() == 2).await;
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                assert_eq!(gauge(&snap, "iggy_connector_admission_held"), held, "{on:?}");
+                assert_eq!(router.held_from().is_some(), held == 1.0, "{on:?}");
+                router.shutdown().await;
+            });
+        });
+    }
+}

@@ -180,6 +180,12 @@ pub fn catalog() -> Vec<Metric> {
         m("iggy_connector_send_latency_seconds", Histogram, &[], "Time of one send, until acknowledged"),
         m("iggy_connector_cursor_commit_seconds", Histogram, &[], "Time of one durable commit of the cursors"),
         m(
+            "iggy_connector_admission_held",
+            Gauge,
+            &[],
+            "1 while a record admission refused (cap, error policy) or could not decode holds the log until a restart",
+        ),
+        m(
             "iggy_connector_cursor_store_failures_total",
             Counter,
             &[],
