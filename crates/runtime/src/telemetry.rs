@@ -88,7 +88,7 @@ pub fn catalog() -> Vec<Metric> {
             "iggy_ingest_http_request_duration_seconds",
             Histogram,
             &["source"],
-            "Time to answer an accepted webhook request, append included",
+            "Time to answer a request to a source, whatever the answer (for a 200: append and sync included)",
         ),
         m("iggy_ingest_auth_failures_total", Counter, &["source", "reason"], "Webhook requests that failed auth"),
         m("iggy_ingest_events_accepted_total", Counter, &["source"], "Events answered 200 (durable in the log)"),

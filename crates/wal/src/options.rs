@@ -48,8 +48,10 @@ pub struct WalOptions {
     /// How many appends may wait for the writer at once; more wait for a slot. Bounds
     /// the memory held by queued appends.
     pub queue_max_appends: usize,
-    /// The writer writes at most this many bytes of queued appends per write and sync
-    /// (a single larger batch is written alone). Bounds the write buffer.
+    /// The writer stops taking queued appends into a group once the group holds this
+    /// many bytes, so one write and sync carries at most this plus one batch (a batch
+    /// larger than this goes with whatever was queued before it). Bounds the write
+    /// buffer.
     pub group_max_bytes: usize,
     /// When a write would grow the tail segment's file, the writer also writes this many
     /// zero bytes after it (never past `segment_max_bytes`), so the group commits that
