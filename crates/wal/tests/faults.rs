@@ -106,6 +106,28 @@ fn an_error_at_every_operation_leaves_a_consistent_reopenable_log() {
     }
 }
 
+/// Under `interval` an append is answered once written; only a failed sync (which may
+/// have dropped pages) or a power loss may take it back. A failed write at any point,
+/// for any reason, loses none of them: the log reopens with every one.
+#[test]
+fn under_interval_a_failed_write_at_any_point_loses_no_answered_append() {
+    let interval = || WalOptions { sync: wal::SyncPolicy::Interval(std::time::Duration::from_secs(60)), ..options() };
+    let total = operations_in_scenario();
+    let mut fired = 0;
+    for n in 1..=total {
+        for kind in [ErrorKind::Other, ErrorKind::StorageFull] {
+            let sim = SimStorage::new();
+            let wal = open(&sim, interval());
+            sim.fail_nth(FaultOp::Write, n, kind);
+            let acked = scenario(&wal);
+            fired += usize::from(sim.armed_faults() == 0);
+            drop(wal);
+            check(&sim, &acked, &format!("interval, {kind:?} at write {n}"));
+        }
+    }
+    assert!(fired > 20, "too few writes failed to mean anything: {fired}");
+}
+
 #[test]
 fn what_a_restart_appends_after_any_fault_survives_a_power_loss() {
     // A fault can leave things undurable that a restarted process then builds on (a
