@@ -78,12 +78,9 @@ impl<S: Sink, C: CursorStore> Dispatcher<S, C> {
                 Ok(r) => break r,
                 Err(wal::WalError::Closed) => return,
                 Err(e) => {
-                    tracing::error!(error = %e, "router cannot read the log; retrying");
-                    self.ctx.router_status.dispatcher_failed(&e.to_string());
                     failing = true;
-                    tokio::select! {
-                        _ = tokio::time::sleep(retry_after) => {}
-                        _ = shutdown.changed() => return,
+                    if self.failed_to_read(&e, retry_after, &mut shutdown).await {
+                        return;
                     }
                 }
             }
@@ -108,12 +105,9 @@ impl<S: Sink, C: CursorStore> Dispatcher<S, C> {
                 }
                 Err(wal::WalError::Closed) => return,
                 Err(e) => {
-                    tracing::error!(error = %e, "router cannot read the log; retrying");
-                    self.ctx.router_status.dispatcher_failed(&e.to_string());
                     failing = true;
-                    tokio::select! {
-                        _ = tokio::time::sleep(retry_after) => {}
-                        _ = shutdown.changed() => return,
+                    if self.failed_to_read(&e, retry_after, &mut shutdown).await {
+                        return;
                     }
                     match self.wal.reader(reader.position()) {
                         Ok(r) => reader = r,
@@ -128,6 +122,22 @@ impl<S: Sink, C: CursorStore> Dispatcher<S, C> {
                 self.ctx.processed_below.store(offset + 1, Ordering::Release);
             }
             self.ctx.delivered.notify_one();
+        }
+    }
+
+    /// Says that the log could not be read (the router is in Error until it reads again)
+    /// and waits `retry_after`; true if shutdown came first.
+    async fn failed_to_read(
+        &self,
+        e: &wal::WalError,
+        retry_after: std::time::Duration,
+        shutdown: &mut watch::Receiver<bool>,
+    ) -> bool {
+        tracing::error!(error = %e, "router cannot read the log; retrying");
+        self.ctx.router_status.dispatcher_failed(&e.to_string());
+        tokio::select! {
+            _ = tokio::time::sleep(retry_after) => false,
+            _ = shutdown.changed() => true,
         }
     }
 

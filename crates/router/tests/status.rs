@@ -24,6 +24,22 @@ fn gauge(handle: &PrometheusHandle, name: &str) -> f64 {
         .sum()
 }
 
+/// Runs `test` on a single-threaded runtime (its clock paused when `paused`) with a
+/// Prometheus recorder of its own, whose handle it gets.
+fn with_metrics<F, Fut>(paused: bool, test: F)
+where
+    F: FnOnce(PrometheusHandle) -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    let recorder = PrometheusBuilder::new().build_recorder();
+    let snap = recorder.handle();
+    metrics::with_local_recorder(&recorder, || {
+        let mut builder = tokio::runtime::Builder::new_current_thread();
+        builder.enable_all().start_paused(paused);
+        builder.build().unwrap().block_on(test(snap));
+    });
+}
+
 /// Every destination's status is counted in exactly its own gauge.
 fn assert_gauges_agree(snap: &PrometheusHandle, router: &Router) {
     let lanes = router.destinations();
@@ -38,59 +54,54 @@ fn assert_gauges_agree(snap: &PrometheusHandle, router: &Router) {
 
 #[test]
 fn a_ten_minute_outage_is_held_and_then_delivered_in_order_with_truthful_status() {
-    let recorder = PrometheusBuilder::new().build_recorder();
-    let snap = recorder.handle();
-    metrics::with_local_recorder(&recorder, || {
-        let rt = tokio::runtime::Builder::new_current_thread().enable_all().start_paused(true).build().unwrap();
-        rt.block_on(async {
-            let sim = SimStorage::new();
-            let wal = open_wal(&sim);
-            let sink = FaultySink::new();
-            let dests = [key("o", "1"), key("o", "2")];
-            let mut want = fill(&wal, &dests, 0, 10).await;
-            let router = Router::start(
-                wal.clone(),
-                sink.clone(),
-                Arc::new(MemoryCursorStore::new()),
-                Policies::uniform(fast_policy()),
-            )
-            .unwrap();
-            eventually(Duration::from_secs(5), "warm", || dests.iter().all(|d| sink.ids(d).len() == 5)).await;
-            assert_eq!(router.status().status, Status::Running);
-            assert_gauges_agree(&snap, &router);
+    with_metrics(true, |snap| async move {
+        let sim = SimStorage::new();
+        let wal = open_wal(&sim);
+        let sink = FaultySink::new();
+        let dests = [key("o", "1"), key("o", "2")];
+        let mut want = fill(&wal, &dests, 0, 10).await;
+        let router = Router::start(
+            wal.clone(),
+            sink.clone(),
+            Arc::new(MemoryCursorStore::new()),
+            Policies::uniform(fast_policy()),
+        )
+        .unwrap();
+        eventually(Duration::from_secs(5), "warm", || dests.iter().all(|d| sink.ids(d).len() == 5)).await;
+        assert_eq!(router.status().status, Status::Running);
+        assert_gauges_agree(&snap, &router);
 
-            sink.client_fault(Some(SendErrorKind::Disconnected));
-            let more = fill(&wal, &dests, 10, 1000).await;
-            for (k, v) in more {
-                want.get_mut(&k).unwrap().extend(v);
-            }
-            eventually(Duration::from_secs(60), "degraded", || router.status().status == Status::Degraded).await;
+        sink.client_fault(Some(SendErrorKind::Disconnected));
+        let more = fill(&wal, &dests, 10, 1000).await;
+        for (k, v) in more {
+            want.get_mut(&k).unwrap().extend(v);
+        }
+        eventually(Duration::from_secs(60), "degraded", || router.status().status == Status::Degraded).await;
+        assert_gauges_agree(&snap, &router);
+        // Ten minutes of simulated time, checking the status every few seconds.
+        for _ in 0..120 {
+            tokio::time::sleep(Duration::from_secs(5)).await;
+            assert_eq!(router.status().status, Status::Degraded);
             assert_gauges_agree(&snap, &router);
-            // Ten minutes of simulated time, checking the status every few seconds.
-            for _ in 0..120 {
-                tokio::time::sleep(Duration::from_secs(5)).await;
-                assert_eq!(router.status().status, Status::Degraded);
-                assert_gauges_agree(&snap, &router);
-            }
-            for d in router.destinations() {
-                assert_eq!(d.breaker, "closed", "a client-wide outage opened a breaker");
-                assert_eq!(d.held_records, 500);
-            }
-            assert_eq!(router.released_below(), 10);
+        }
+        for d in router.destinations() {
+            assert_eq!(d.breaker, "closed", "a client-wide outage opened a breaker");
+            assert_eq!(d.held_records, 500);
+        }
+        assert_eq!(router.released_below(), 10);
 
-            sink.client_fault(None);
-            eventually(Duration::from_secs(120), "drained", || dests.iter().all(|d| sink.ids(d).len() == 505)).await;
-            for d in &dests {
-                assert_eq!(sink.ids(d), want[d], "{d}: lost, reordered or duplicated");
-            }
-            eventually(Duration::from_secs(10), "running", || router.status().status == Status::Running).await;
-            assert_gauges_agree(&snap, &router);
-            eventually(Duration::from_secs(10), "released", || router.released_below() == 1010).await;
-            router.shutdown().await;
-            // A stopped router counts as running nowhere (and, once gone, as nothing).
-            assert_eq!(gauge(&snap, "iggy_connector_router_running"), 0.0);
-            assert_eq!(gauge(&snap, "iggy_connector_destinations_running"), 0.0);
-        });
+        sink.client_fault(None);
+        eventually(Duration::from_secs(120), "drained", || dests.iter().all(|d| sink.ids(d).len() == 505)).await;
+        for d in &dests {
+            assert_eq!(sink.ids(d), want[d], "{d}: lost, reordered or duplicated");
+        }
+        eventually(Duration::from_secs(10), "running", || router.status().status == Status::Running).await;
+        assert_gauges_agree(&snap, &router);
+        eventually(Duration::from_secs(10), "released", || router.released_below() == 1010).await;
+        router.shutdown().await;
+        // A stopped router counts as running nowhere (and, once gone, as nothing).
+        assert_eq!(gauge(&snap, "iggy_connector_router_running"), 0.0);
+        assert_eq!(gauge(&snap, "iggy_connector_destinations_running"), 0.0);
     });
 }
 
@@ -98,60 +109,55 @@ fn a_ten_minute_outage_is_held_and_then_delivered_in_order_with_truthful_status(
 /// log reads again: first the dispatcher's read, then an overflowed lane's re-read.
 #[test]
 fn a_failed_log_read_is_an_error_until_the_log_reads_again() {
-    let recorder = PrometheusBuilder::new().build_recorder();
-    let snap = recorder.handle();
-    metrics::with_local_recorder(&recorder, || {
-        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-        rt.block_on(async {
-            let sim = SimStorage::new();
-            let wal = open_wal(&sim);
-            let sink = FaultySink::new();
-            let d = key("r", "1");
-            let mut want = fill(&wal, std::slice::from_ref(&d), 0, 4).await;
-            let mut policy = fast_policy();
-            policy.batch.backoff_max = Duration::from_millis(500);
-            policy.lane_queue_max_records = 2;
-            policy.batch.batch_max_records = 2;
-            // The dispatcher's first read fails.
-            sim.fail_nth(FaultOp::Read, 1, std::io::ErrorKind::Other);
-            let router =
-                Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), Policies::uniform(policy))
-                    .unwrap();
-            eventually(Duration::from_secs(5), "router error", || router.status().status == Status::Error).await;
-            assert!(router.status().reason.contains("cannot read the log"), "{:?}", router.status());
-            assert_gauges_agree(&snap, &router);
-            eventually(Duration::from_secs(10), "delivered", || sink.ids(&d).len() == 4).await;
-            eventually(Duration::from_secs(5), "running", || router.status().status == Status::Running).await;
-            assert_gauges_agree(&snap, &router);
+    with_metrics(false, |snap| async move {
+        let sim = SimStorage::new();
+        let wal = open_wal(&sim);
+        let sink = FaultySink::new();
+        let d = key("r", "1");
+        let mut want = fill(&wal, std::slice::from_ref(&d), 0, 4).await;
+        let mut policy = fast_policy();
+        policy.batch.backoff_max = Duration::from_millis(500);
+        policy.lane_queue_max_records = 2;
+        policy.batch.batch_max_records = 2;
+        // The dispatcher's first read fails.
+        sim.fail_nth(FaultOp::Read, 1, std::io::ErrorKind::Other);
+        let router =
+            Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), Policies::uniform(policy))
+                .unwrap();
+        eventually(Duration::from_secs(5), "router error", || router.status().status == Status::Error).await;
+        assert!(router.status().reason.contains("cannot read the log"), "{:?}", router.status());
+        assert_gauges_agree(&snap, &router);
+        eventually(Duration::from_secs(10), "delivered", || sink.ids(&d).len() == 4).await;
+        eventually(Duration::from_secs(5), "running", || router.status().status == Status::Running).await;
+        assert_gauges_agree(&snap, &router);
 
-            // The lane overflows to the log while its sends fail; then its re-read fails.
-            sink.client_fault(Some(SendErrorKind::Disconnected));
-            for (k, v) in fill(&wal, std::slice::from_ref(&d), 4, 20).await {
-                want.get_mut(&k).unwrap().extend(v);
-            }
-            // Every record routed (the dispatcher waits for more), the lane re-reading.
-            eventually(Duration::from_secs(10), "overflowed", || {
-                let lane = &router.destinations()[0];
-                lane.overflowed && lane.held_records == 20
-            })
-            .await;
-            sim.fail_nth(FaultOp::Read, 1, std::io::ErrorKind::Other);
-            sink.client_fault(None);
-            eventually(Duration::from_secs(10), "lane error", || {
-                router.destinations()[0].status == Status::Error && router.status().status == Status::Error
-            })
-            .await;
-            assert!(router.status().reason.contains("r/1 cannot read the log"), "{:?}", router.status());
-            assert_gauges_agree(&snap, &router);
-            eventually(Duration::from_secs(10), "drained", || sink.ids(&d).len() == 24).await;
-            assert_eq!(sink.ids(&d), want[&d], "lost, reordered or duplicated");
-            eventually(Duration::from_secs(5), "running", || {
-                router.destinations()[0].status == Status::Running && router.status().status == Status::Running
-            })
-            .await;
-            assert_gauges_agree(&snap, &router);
-            router.shutdown().await;
-        });
+        // The lane overflows to the log while its sends fail; then its re-read fails.
+        sink.client_fault(Some(SendErrorKind::Disconnected));
+        for (k, v) in fill(&wal, std::slice::from_ref(&d), 4, 20).await {
+            want.get_mut(&k).unwrap().extend(v);
+        }
+        // Every record routed (the dispatcher waits for more), the lane re-reading.
+        eventually(Duration::from_secs(10), "overflowed", || {
+            let lane = &router.destinations()[0];
+            lane.overflowed && lane.held_records == 20
+        })
+        .await;
+        sim.fail_nth(FaultOp::Read, 1, std::io::ErrorKind::Other);
+        sink.client_fault(None);
+        eventually(Duration::from_secs(10), "lane error", || {
+            router.destinations()[0].status == Status::Error && router.status().status == Status::Error
+        })
+        .await;
+        assert!(router.status().reason.contains("r/1 cannot read the log"), "{:?}", router.status());
+        assert_gauges_agree(&snap, &router);
+        eventually(Duration::from_secs(10), "drained", || sink.ids(&d).len() == 24).await;
+        assert_eq!(sink.ids(&d), want[&d], "lost, reordered or duplicated");
+        eventually(Duration::from_secs(5), "running", || {
+            router.destinations()[0].status == Status::Running && router.status().status == Status::Running
+        })
+        .await;
+        assert_gauges_agree(&snap, &router);
+        router.shutdown().await;
     });
 }
 
@@ -179,33 +185,28 @@ impl router::CursorStore for FailingCursorStore {
 /// says so (Degraded, with the error, and counted) until a store succeeds again.
 #[test]
 fn cursors_that_cannot_be_stored_degrade_the_router_until_they_can() {
-    let recorder = PrometheusBuilder::new().build_recorder();
-    let snap = recorder.handle();
-    metrics::with_local_recorder(&recorder, || {
-        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-        rt.block_on(async {
-            let sim = SimStorage::new();
-            let wal = open_wal(&sim);
-            let sink = FaultySink::new();
-            let d = key("c", "1");
-            let cursors = Arc::new(FailingCursorStore::default());
-            cursors.failing.store(true, std::sync::atomic::Ordering::Release);
-            fill(&wal, std::slice::from_ref(&d), 0, 10).await;
-            let router =
-                Router::start(wal.clone(), sink.clone(), cursors.clone(), Policies::uniform(fast_policy())).unwrap();
-            eventually(Duration::from_secs(5), "sent", || sink.ids(&d).len() == 10).await;
-            eventually(Duration::from_secs(5), "degraded", || router.status().status == Status::Degraded).await;
-            assert!(router.status().reason.contains("cursors cannot be stored"), "{:?}", router.status());
-            assert!(router.status().last_error.is_some());
-            assert!(gauge(&snap, "iggy_connector_cursor_store_failures_total") >= 1.0);
-            assert_gauges_agree(&snap, &router);
-            assert_eq!(router.released_below(), 0, "released below cursors that are not stored");
-            cursors.failing.store(false, std::sync::atomic::Ordering::Release);
-            eventually(Duration::from_secs(10), "released", || router.released_below() == 10).await;
-            eventually(Duration::from_secs(5), "running", || router.status().status == Status::Running).await;
-            assert_gauges_agree(&snap, &router);
-            router.shutdown().await;
-        });
+    with_metrics(false, |snap| async move {
+        let sim = SimStorage::new();
+        let wal = open_wal(&sim);
+        let sink = FaultySink::new();
+        let d = key("c", "1");
+        let cursors = Arc::new(FailingCursorStore::default());
+        cursors.failing.store(true, std::sync::atomic::Ordering::Release);
+        fill(&wal, std::slice::from_ref(&d), 0, 10).await;
+        let router =
+            Router::start(wal.clone(), sink.clone(), cursors.clone(), Policies::uniform(fast_policy())).unwrap();
+        eventually(Duration::from_secs(5), "sent", || sink.ids(&d).len() == 10).await;
+        eventually(Duration::from_secs(5), "degraded", || router.status().status == Status::Degraded).await;
+        assert!(router.status().reason.contains("cursors cannot be stored"), "{:?}", router.status());
+        assert!(router.status().last_error.is_some());
+        assert!(gauge(&snap, "iggy_connector_cursor_store_failures_total") >= 1.0);
+        assert_gauges_agree(&snap, &router);
+        assert_eq!(router.released_below(), 0, "released below cursors that are not stored");
+        cursors.failing.store(false, std::sync::atomic::Ordering::Release);
+        eventually(Duration::from_secs(10), "released", || router.released_below() == 10).await;
+        eventually(Duration::from_secs(5), "running", || router.status().status == Status::Running).await;
+        assert_gauges_agree(&snap, &router);
+        router.shutdown().await;
     });
 }
 
@@ -214,28 +215,23 @@ fn cursors_that_cannot_be_stored_degrade_the_router_until_they_can() {
 #[test]
 fn a_record_held_by_admission_shows_in_its_gauge() {
     for (on, held) in [(router::OnAdmissionFailure::Error, 1.0), (router::OnAdmissionFailure::Drop, 0.0)] {
-        let recorder = PrometheusBuilder::new().build_recorder();
-        let snap = recorder.handle();
-        metrics::with_local_recorder(&recorder, || {
-            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-            rt.block_on(async {
-                let sim = SimStorage::new();
-                let wal = open_wal(&sim);
-                let sink = FaultySink::new();
-                let dests = [key("a", "1"), key("a", "2")];
-                fill(&wal, &dests, 0, 4).await;
-                let mut policy = fast_policy();
-                policy.max_destinations = 1;
-                policy.on_admission_failure = on;
-                let router =
-                    Router::start(wal, sink.clone(), Arc::new(MemoryCursorStore::new()), Policies::uniform(policy))
-                        .unwrap();
-                eventually(Duration::from_secs(5), "admitted delivered", || sink.ids(&dests[0]).len() == 2).await;
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                assert_eq!(gauge(&snap, "iggy_connector_admission_held"), held, "{on:?}");
-                assert_eq!(router.held_from().is_some(), held == 1.0, "{on:?}");
-                router.shutdown().await;
-            });
+        with_metrics(false, |snap| async move {
+            let sim = SimStorage::new();
+            let wal = open_wal(&sim);
+            let sink = FaultySink::new();
+            let dests = [key("a", "1"), key("a", "2")];
+            fill(&wal, &dests, 0, 4).await;
+            let mut policy = fast_policy();
+            policy.max_destinations = 1;
+            policy.on_admission_failure = on;
+            let router =
+                Router::start(wal, sink.clone(), Arc::new(MemoryCursorStore::new()), Policies::uniform(policy))
+                    .unwrap();
+            eventually(Duration::from_secs(5), "admitted delivered", || sink.ids(&dests[0]).len() == 2).await;
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            assert_eq!(gauge(&snap, "iggy_connector_admission_held"), held, "{on:?}");
+            assert_eq!(router.held_from().is_some(), held == 1.0, "{on:?}");
+            router.shutdown().await;
         });
     }
 }

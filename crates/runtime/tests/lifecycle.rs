@@ -160,15 +160,22 @@ async fn finish(mut s: tokio::net::TcpStream) -> (u16, serde_json::Value) {
     (status, serde_json::from_str(body).unwrap_or_else(|e| panic!("not JSON ({e}): {text}")))
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_request_in_flight_across_a_revoke_is_refused_404_and_appends_nothing() {
+/// A daemon with one dynamic bearer endpoint on `default`: the daemon, its directory, the
+/// management headers, and the registration's answer (`id`, `path`, `secret`).
+async fn daemon_with_an_endpoint() -> (Daemon, tempfile::TempDir, String, serde_json::Value) {
     let dir = tempfile::tempdir().unwrap();
     let d = Daemon::start(dir.path(), "", SOURCES);
     let mgmt = bearer(MANAGEMENT_TOKEN);
     let auth = [("authorization", mgmt.as_str()), ("content-type", "application/json")];
     let reg = request(d.admin, "POST", "/v1/endpoints", &auth, r#"{"source":"default","auth_type":"bearer"}"#).await;
     assert_eq!(reg.status, 201, "{:?}", reg.body);
-    let reg = reg.json();
+    (d, dir, mgmt, reg.json())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_in_flight_across_a_revoke_is_refused_404_and_appends_nothing() {
+    let (d, dir, mgmt, reg) = daemon_with_an_endpoint().await;
+    let auth = [("authorization", mgmt.as_str()), ("content-type", "application/json")];
     let path = reg["path"].as_str().unwrap().to_string();
     let token = bearer(reg["secret"].as_str().unwrap());
     let before = log_next_offset(d.admin).await;
@@ -188,13 +195,8 @@ async fn a_request_in_flight_across_a_revoke_is_refused_404_and_appends_nothing(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_in_flight_across_a_rotate_with_the_old_secret_is_refused_401_and_appends_nothing() {
-    let dir = tempfile::tempdir().unwrap();
-    let d = Daemon::start(dir.path(), "", SOURCES);
-    let mgmt = bearer(MANAGEMENT_TOKEN);
+    let (d, dir, mgmt, reg) = daemon_with_an_endpoint().await;
     let auth = [("authorization", mgmt.as_str()), ("content-type", "application/json")];
-    let reg = request(d.admin, "POST", "/v1/endpoints", &auth, r#"{"source":"default","auth_type":"bearer"}"#).await;
-    assert_eq!(reg.status, 201, "{:?}", reg.body);
-    let reg = reg.json();
     let path = reg["path"].as_str().unwrap().to_string();
     let old = bearer(reg["secret"].as_str().unwrap());
     let before = log_next_offset(d.admin).await;
