@@ -650,6 +650,22 @@ impl Settings {
     }
 }
 
+/// Headers that do not tell one delivery from the next; as a delivery id each would make
+/// every request after the first a "replay" answered 200 and never stored.
+const SAME_FOR_EVERY_DELIVERY: &[&str] = &[
+    "host",
+    "user-agent",
+    "content-type",
+    "content-length",
+    "content-encoding",
+    "accept",
+    "accept-encoding",
+    "connection",
+    "transfer-encoding",
+    "x-forwarded-for",
+    "x-real-ip",
+];
+
 /// The most `http.max_events_per_request` may allow: every event of a request is encoded
 /// (its envelope included) in memory before the one append that holds them all.
 const MAX_EVENTS_PER_REQUEST_LIMIT: u64 = 1_000_000;
@@ -888,10 +904,24 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
             }
         }
         let idempotency_header = s.idempotency_header.as_ref().map(|h| h.to_ascii_lowercase());
-        if let Some(h) = &idempotency_header
-            && axum::http::HeaderName::from_bytes(h.as_bytes()).is_err()
-        {
-            c.err(&sp.key("idempotency_header"), format!("{h:?} is not a valid header name"));
+        if let Some(h) = &idempotency_header {
+            let ip = sp.key("idempotency_header");
+            if axum::http::HeaderName::from_bytes(h.as_bytes()).is_err() {
+                c.err(&ip, format!("{h:?} is not a valid header name"));
+            } else if is_credential_header(h) {
+                // The delivery id is stored in every record, and a credential repeats
+                // across deliveries: every request after the first would be answered as
+                // its replay and never stored.
+                c.err(
+                    &ip,
+                    format!("{h:?} carries credentials: it would be stored in the log and name every delivery alike"),
+                );
+            } else if SAME_FOR_EVERY_DELIVERY.contains(&h.as_str()) {
+                c.err(
+                    &ip,
+                    format!("{h:?} is the same for every delivery of a sender: every request after the first would be answered as a replay and never stored"),
+                );
+            }
         }
         for (i, e) in s.endpoints.iter().enumerate() {
             let ep = sp.key("endpoints").index(i);
@@ -1355,6 +1385,24 @@ mod tests {
         let set = validate(&parse(text, None).unwrap(), Some(text), None).unwrap();
         assert_eq!(set.runtime_worker_threads(2), 3);
         assert_eq!(set.runtime_worker_threads(64), 3);
+    }
+
+    #[test]
+    fn an_idempotency_header_that_names_every_delivery_alike_is_refused() {
+        for (header, needle) in
+            [("Authorization", "credentials"), ("x-hub-signature-256", "credentials"), ("User-Agent", "same for every")]
+        {
+            let text = format!(
+                "[sources.a]\nauth_type = \"bearer\"\nauth_secret = \"tok-0123456789abcdef\"\ndestination = {{ stream = \"s\", topic = \"t\" }}\nidempotency_header = \"{header}\"\n"
+            );
+            let e = errors(&text);
+            assert_eq!(e.len(), 1, "{header}: {e:?}");
+            assert_eq!((e[0].path.as_str(), e[0].line), ("sources.a.idempotency_header", Some(5)), "{header}");
+            assert!(e[0].message.contains(needle), "{header}: {}", e[0].message);
+        }
+        let text =
+            "[sources.a]\ndestination = { stream = \"s\", topic = \"t\" }\nidempotency_header = \"X-Delivery-Id\"\n";
+        assert!(validate(&parse(text, None).unwrap(), Some(text), None).is_ok());
     }
 
     #[test]
