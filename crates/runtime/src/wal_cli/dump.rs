@@ -203,7 +203,7 @@ pub(crate) fn write_record(
                 write!(out, " delivery={k}")?;
             }
             if h.batch_len > 1 {
-                write!(out, " event={}/{}", h.batch_index + 1, h.batch_len)?;
+                write!(out, " event={}/{}", u64::from(h.batch_index) + 1, h.batch_len)?;
             }
             writeln!(out)?;
             if let Some(ct) = &h.content_type {

@@ -165,10 +165,22 @@ pub(crate) fn payload_text(p: &[u8]) -> (std::borrow::Cow<'_, str>, &'static str
     }
 }
 
-/// Milliseconds since the epoch as an RFC 3339 UTC time.
+/// The last millisecond RFC 3339 can write: 9999-12-31T23:59:59.999Z.
+const RFC3339_MAX_MS: u64 = 253_402_300_799_999;
+
+/// Milliseconds since the epoch as an RFC 3339 UTC time. A time RFC 3339 cannot write
+/// (past the year 9999: a record's bytes are never trusted to be sensible) is shown as
+/// its milliseconds instead.
 pub(crate) fn rfc3339_ms(ms: u64) -> String {
+    if ms > RFC3339_MAX_MS {
+        return format!("{ms}ms-after-epoch");
+    }
     let t = std::time::UNIX_EPOCH + std::time::Duration::from_millis(ms);
-    humantime::format_rfc3339_millis(t).to_string()
+    let mut out = String::new();
+    match std::fmt::Write::write_fmt(&mut out, format_args!("{}", humantime::format_rfc3339_millis(t))) {
+        Ok(()) => out,
+        Err(_) => format!("{ms}ms-after-epoch"),
+    }
 }
 
 /// Bytes as a short human size (binary units).
@@ -209,4 +221,17 @@ pub(crate) fn write_json_line(out: &mut impl Write, v: &serde_json::Value) -> io
 pub(crate) fn default_state_path(dir: &Path) -> Option<PathBuf> {
     let parent = dir.canonicalize().ok()?.parent()?.to_path_buf();
     Some(parent.join("state.redb"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_receive_time_a_record_can_hold_is_shown_without_a_panic() {
+        assert_eq!(rfc3339_ms(0), "1970-01-01T00:00:00.000Z");
+        assert_eq!(rfc3339_ms(RFC3339_MAX_MS), "9999-12-31T23:59:59.999Z");
+        assert_eq!(rfc3339_ms(RFC3339_MAX_MS + 1), "253402300800000ms-after-epoch");
+        assert_eq!(rfc3339_ms(u64::MAX), format!("{}ms-after-epoch", u64::MAX));
+    }
 }
