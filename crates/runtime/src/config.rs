@@ -650,6 +650,12 @@ impl Settings {
     }
 }
 
+/// Two listen addresses one process cannot both bind: the same port (not 0, which picks
+/// a free one) on the same address, or with either on every address (`0.0.0.0`, `::`).
+fn listeners_collide(a: SocketAddr, b: SocketAddr) -> bool {
+    a.port() != 0 && a.port() == b.port() && (a.ip() == b.ip() || a.ip().is_unspecified() || b.ip().is_unspecified())
+}
+
 /// Headers that do not tell one delivery from the next; as a delivery id each would make
 /// every request after the first a "replay" answered 200 and never stored.
 const SAME_FOR_EVERY_DELIVERY: &[&str] = &[
@@ -724,6 +730,12 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
 
     let admin = root.key("admin");
     let admin_listen = c.addr(&admin.key("listen"), &config.admin.listen);
+    if listeners_collide(http_listen, admin_listen) {
+        c.err(
+            &admin.key("listen"),
+            format!("{admin_listen} is also the webhook listener's address (http.listen = {http_listen}); one of them could not bind"),
+        );
+    }
     let management_token = match (&config.admin.management_token, &config.admin.management_token_env) {
         (Some(_), Some(_)) => {
             c.err(&admin.key("management_token_env"), "set either management_token or management_token_env, not both");
@@ -1385,6 +1397,25 @@ mod tests {
         let set = validate(&parse(text, None).unwrap(), Some(text), None).unwrap();
         assert_eq!(set.runtime_worker_threads(2), 3);
         assert_eq!(set.runtime_worker_threads(64), 3);
+    }
+
+    #[test]
+    fn the_two_listeners_may_not_share_an_address() {
+        for (http, admin) in [("127.0.0.1:18080", "127.0.0.1:18080"), ("0.0.0.0:18080", "127.0.0.1:18080")] {
+            let text = format!(
+                "[http]\nlisten = \"{http}\"\n[admin]\nlisten = \"{admin}\"\n[sources.a]\ndestination = {{ stream = \"s\", topic = \"t\" }}\n"
+            );
+            let e = errors(&text);
+            assert_eq!(e.len(), 1, "{http} {admin}: {e:?}");
+            assert_eq!((e[0].path.as_str(), e[0].line), ("admin.listen", Some(4)));
+            assert!(e[0].message.contains("webhook listener"), "{}", e[0].message);
+        }
+        for (http, admin) in [("127.0.0.1:0", "127.0.0.1:0"), ("127.0.0.1:18080", "127.0.0.2:18080")] {
+            let text = format!(
+                "[http]\nlisten = \"{http}\"\n[admin]\nlisten = \"{admin}\"\n[sources.a]\ndestination = {{ stream = \"s\", topic = \"t\" }}\n"
+            );
+            assert!(validate(&parse(&text, None).unwrap(), Some(&text), None).is_ok(), "{http} {admin}");
+        }
     }
 
     #[test]
