@@ -170,6 +170,15 @@ fn policy_from(s: &RouterSection, prefix: &[&str], problems: &mut Vec<Problem>) 
             OnAdmissionFailure::Error
         }
     };
+    for (key, name) in [("dead_letter_stream", &s.dead_letter_stream), ("dead_letter_topic", &s.dead_letter_topic)] {
+        // As for a fixed destination: a name Iggy refuses would fail every dead-letter
+        // send, and the records would hold the log for good.
+        if let Some(n) = name
+            && (n.is_empty() || n.len() > 255)
+        {
+            problems.push((at(key), "must be 1 to 255 characters".into()));
+        }
+    }
     let dead_letter = match (&s.dead_letter_stream, &s.dead_letter_topic) {
         (Some(stream), Some(topic)) => Some(DestinationKey::new(stream.clone(), topic.clone())),
         (None, None) => None,
@@ -207,6 +216,23 @@ fn policy_from(s: &RouterSection, prefix: &[&str], problems: &mut Vec<Problem>) 
         lane_queue_max_records: s.lane_queue_max_records as usize,
         overflow_after: Duration::from_millis(s.overflow_after_ms),
     };
+    // The durations are checked here under their own keys (the router's message names its
+    // fields, `backoff_max`, `result_timeout`, not the keys with their units).
+    let mut durations_ok = true;
+    if s.result_timeout_ms == 0 {
+        problems.push((at("result_timeout_ms"), "must be greater than 0".into()));
+        durations_ok = false;
+    }
+    if s.backoff_base_ms == 0 {
+        problems.push((at("backoff_base_ms"), "must be greater than 0".into()));
+        durations_ok = false;
+    } else if s.backoff_max_ms < s.backoff_base_ms {
+        problems.push((at("backoff_max_ms"), format!("must be at least backoff_base_ms ({})", s.backoff_base_ms)));
+        durations_ok = false;
+    }
+    if !durations_ok {
+        return policy;
+    }
     if let Err(e) = policy.validate() {
         // The router's own message names the field; put it under this section.
         let field = match e.split_whitespace().next().unwrap_or("").trim_matches('"') {
@@ -445,6 +471,36 @@ mod tests {
         assert_eq!((github.batch.batch_max_records, github.batch.linger), (500, Duration::from_millis(50)));
         let stripe = settings.policies.for_source("stripe");
         assert_eq!((stripe.batch.batch_max_records, stripe.batch.linger), (500, Duration::from_millis(5)));
+    }
+
+    #[test]
+    fn durations_and_dead_letter_names_are_named_by_their_own_keys() {
+        let cases: Vec<(RouterSection, &str)> = vec![
+            (RouterSection { result_timeout_ms: 0, ..RouterSection::default() }, "router.result_timeout_ms"),
+            (RouterSection { backoff_base_ms: 0, ..RouterSection::default() }, "router.backoff_base_ms"),
+            (
+                RouterSection { backoff_base_ms: 500, backoff_max_ms: 100, ..RouterSection::default() },
+                "router.backoff_max_ms",
+            ),
+            (
+                RouterSection {
+                    dead_letter_stream: Some("dlq".into()),
+                    dead_letter_topic: Some(String::new()),
+                    ..RouterSection::default()
+                },
+                "router.dead_letter_topic",
+            ),
+        ];
+        for (section, want) in cases {
+            let (_, problems) = check(&section, &iggy(), &[]);
+            let paths: Vec<String> = problems.iter().map(|(p, _)| p.join(".")).collect();
+            assert_eq!(paths, vec![want.to_string()], "{problems:?}");
+        }
+        let mut section = RouterSection::default();
+        section.sources.insert("a".into(), PolicyOverrides { backoff_max_ms: Some(1), ..PolicyOverrides::default() });
+        let (_, problems) = check(&section, &iggy(), &["a".into()]);
+        let paths: Vec<String> = problems.iter().map(|(p, _)| p.join(".")).collect();
+        assert_eq!(paths, vec!["router.sources.a.backoff_max_ms"], "{problems:?}");
     }
 
     #[test]
