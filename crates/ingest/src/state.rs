@@ -231,14 +231,16 @@ impl StateInventory {
     }
 }
 
-/// Reads what the database at `path` holds, whatever its schema version. Fails if a
-/// running daemon holds it.
+/// Reads what the database at `path` holds, whatever its schema version, opened
+/// read-only: the file is not written (a database of another build is shown as it is).
+/// Fails if a running daemon holds it.
 pub fn inventory(path: &Path) -> Result<StateInventory, StateError> {
-    let db = Database::open(path).map_err(|e| StateError::Open { path: path.to_path_buf(), detail: e.to_string() })?;
+    let db = redb::ReadOnlyDatabase::open(path)
+        .map_err(|e| StateError::Open { path: path.to_path_buf(), detail: e.to_string() })?;
     inventory_of(&db)
 }
 
-fn inventory_of(db: &Database) -> Result<StateInventory, StateError> {
+fn inventory_of(db: &impl redb::ReadableDatabase) -> Result<StateInventory, StateError> {
     use redb::{ReadableTableMetadata, TableHandle};
     let txn = db.begin_read().map_err(storage_err)?;
     let schema_version = match txn.open_table(META) {
@@ -278,6 +280,19 @@ mod tests {
         assert_eq!(db.stored_schema_version().unwrap(), Some(SCHEMA_VERSION));
         drop(db);
         StateDb::open(&p).unwrap();
+    }
+
+    #[test]
+    fn showing_what_a_database_holds_writes_nothing_to_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("state.redb");
+        drop(StateDb::open(&p).unwrap());
+        let before = std::fs::read(&p).unwrap();
+        for _ in 0..2 {
+            let inv = inventory(&p).unwrap();
+            assert_eq!(inv.schema_version, Some(SCHEMA_VERSION));
+        }
+        assert!(std::fs::read(&p).unwrap() == before, "state show changed the database file");
     }
 
     #[test]
