@@ -124,6 +124,23 @@ impl AuthScheme {
                 _ => Err(("secret", format!("required when auth_type = \"{scheme}\""))),
             }
         };
+        // A setting the scheme does not read would be silently ignored (an auth_header on a
+        // bearer source still reads Authorization, and every request would get 401).
+        let hmac = matches!(scheme, "hmac-sha256" | "hmac-sha1" | "hmac-sha256-base64");
+        let timestamped = matches!(scheme, "standard-webhooks" | "stripe");
+        let known = hmac || timestamped || matches!(scheme, "none" | "bearer");
+        if known {
+            let only = |what: &str| format!("is not used by auth_type = \"{scheme}\" (only by {what})");
+            if header.is_some() && !hmac {
+                return Err(("header", only("the hmac schemes")));
+            }
+            if prefix.is_some() && !hmac {
+                return Err(("prefix", only("the hmac schemes")));
+            }
+            if tolerance_secs.is_some() && !timestamped {
+                return Err(("tolerance_secs", only("standard-webhooks and stripe")));
+            }
+        }
         let tolerance_secs = tolerance_secs.unwrap_or(DEFAULT_TOLERANCE_SECS);
         Ok(match scheme {
             "none" => AuthScheme::None,
@@ -449,5 +466,25 @@ mod tests {
             AuthScheme::from_parts("hmac-sha256", Some("k"), Some("bad header"), None, None).unwrap_err().0,
             "header"
         );
+    }
+
+    #[test]
+    fn a_setting_the_scheme_does_not_read_is_an_error_not_ignored() {
+        let refused = [
+            ("bearer", Some("x-webhook-key"), None, None, "header"),
+            ("stripe", Some("x-sig"), None, None, "header"),
+            ("standard-webhooks", None, Some("v1,"), None, "prefix"),
+            ("bearer", None, None, Some(60), "tolerance_secs"),
+            ("hmac-sha256", None, None, Some(60), "tolerance_secs"),
+            ("none", Some("x-sig"), None, None, "header"),
+        ];
+        for (scheme, header, prefix, tolerance, field) in refused {
+            let secret = if scheme == "standard-webhooks" { SW_SECRET } else { "s3cret" };
+            let e = AuthScheme::from_parts(scheme, Some(secret), header, prefix, tolerance).unwrap_err();
+            assert_eq!(e.0, field, "{scheme}: {e:?}");
+            assert!(e.1.contains("not used by"), "{scheme}: {}", e.1);
+        }
+        assert!(AuthScheme::from_parts("hmac-sha256", Some("k"), Some("x-sig"), Some("v1="), None).is_ok());
+        assert!(AuthScheme::from_parts("stripe", Some("k"), None, None, Some(60)).is_ok());
     }
 }

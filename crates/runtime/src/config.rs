@@ -650,6 +650,9 @@ impl Settings {
     }
 }
 
+/// The longest idempotency window: ten years.
+const RETENTION_SECS_MAX: u64 = 10 * 366 * 86_400;
+
 /// Two listen addresses one process cannot both bind: the same port (not 0, which picks
 /// a free one) on the same address, or with either on every address (`0.0.0.0`, `::`).
 fn listeners_collide(a: SocketAddr, b: SocketAddr) -> bool {
@@ -859,6 +862,10 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
 
     let idem = root.key("idempotency");
     let retention_secs = c.positive(&idem.key("retention_secs"), config.idempotency.retention_secs);
+    if retention_secs > RETENTION_SECS_MAX {
+        // Kept as milliseconds since the epoch: far larger windows would wrap.
+        c.err(&idem.key("retention_secs"), format!("{retention_secs} is more than {RETENTION_SECS_MAX} (ten years)"));
+    }
     let checkpoint_ms = c.positive(&idem.key("checkpoint_interval_ms"), config.idempotency.checkpoint_interval_ms);
 
     let iggy = root.key("iggy");
@@ -1397,6 +1404,14 @@ mod tests {
         let set = validate(&parse(text, None).unwrap(), Some(text), None).unwrap();
         assert_eq!(set.runtime_worker_threads(2), 3);
         assert_eq!(set.runtime_worker_threads(64), 3);
+    }
+
+    #[test]
+    fn an_idempotency_window_past_ten_years_is_refused() {
+        let text = "[idempotency]\nretention_secs = 18446744073709552\n[sources.a]\ndestination = { stream = \"s\", topic = \"t\" }\n";
+        let e = errors(text);
+        assert_eq!(e.len(), 1, "{e:?}");
+        assert_eq!((e[0].path.as_str(), e[0].line), ("idempotency.retention_secs", Some(2)));
     }
 
     #[test]

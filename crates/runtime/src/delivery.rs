@@ -28,6 +28,9 @@ use serde::Deserialize;
 use serde_json::json;
 use wal::Wal;
 
+/// The most partitions Iggy creates a topic with (its `MAX_PARTITIONS_COUNT`).
+const TOPIC_PARTITIONS_MAX: u32 = 1000;
+
 /// `[router]`: defaults for every source, `[router.sources.<key>]` overrides per source.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -293,8 +296,9 @@ pub fn check(section: &RouterSection, iggy: &IggyConfig, sources: &[String]) -> 
     }
     let t = &section.topic_defaults;
     let at = |k: &str| vec!["router".to_string(), "topic_defaults".to_string(), k.to_string()];
-    if t.partitions_count == 0 {
-        problems.push((at("partitions_count"), "must be greater than 0".into()));
+    if t.partitions_count == 0 || t.partitions_count > u64::from(TOPIC_PARTITIONS_MAX) {
+        // Iggy refuses a topic with more (`MAX_PARTITIONS_COUNT`): every create would fail.
+        problems.push((at("partitions_count"), format!("must be 1 to {TOPIC_PARTITIONS_MAX}")));
     }
     if t.messages_required_to_save == 0 {
         problems.push((at("messages_required_to_save"), "must be greater than 0".into()));
@@ -495,6 +499,12 @@ mod tests {
             let (_, problems) = check(&section, &iggy(), &[]);
             let paths: Vec<String> = problems.iter().map(|(p, _)| p.join(".")).collect();
             assert_eq!(paths, vec![want.to_string()], "{problems:?}");
+        }
+        for partitions_count in [0, u64::from(TOPIC_PARTITIONS_MAX) + 1] {
+            let topic_defaults = TopicDefaultsSection { partitions_count, ..TopicDefaultsSection::default() };
+            let (_, problems) = check(&RouterSection { topic_defaults, ..RouterSection::default() }, &iggy(), &[]);
+            let paths: Vec<String> = problems.iter().map(|(p, _)| p.join(".")).collect();
+            assert_eq!(paths, vec!["router.topic_defaults.partitions_count"], "{problems:?}");
         }
         let mut section = RouterSection::default();
         section.sources.insert("a".into(), PolicyOverrides { backoff_max_ms: Some(1), ..PolicyOverrides::default() });
