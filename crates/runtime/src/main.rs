@@ -133,6 +133,15 @@ fn state_command(command: StateCommand) -> ExitCode {
         StateCommand::Reset { data_dir, yes } => (data_dir, yes, true),
     };
     let path = data_dir.join("state.redb");
+    // An argument that names no database is a command-line error (2), like the log
+    // tools' unusable arguments; a database that cannot be read is a failure (1).
+    if !path.is_file() {
+        eprintln!(
+            "iggy-ingest: no state database at {} (is --data-dir the daemon's storage.data_dir?)",
+            path.display()
+        );
+        return ExitCode::from(2);
+    }
     let result = if reset && yes { ingest::state::reset(&path) } else { ingest::state::inventory(&path) };
     let inventory = match result {
         Ok(i) => i,

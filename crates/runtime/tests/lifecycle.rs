@@ -424,6 +424,10 @@ fn a_state_database_of_another_schema_version_refuses_to_start_until_reset() {
     let reset = cli(&["state", "reset", "--yes"]);
     assert!(reset.status.success(), "{}", String::from_utf8_lossy(&reset.stderr));
     assert!(String::from_utf8_lossy(&reset.stdout).contains("endpoints: 0 entries"));
+    // Once gone, naming it is a command-line error (2) and reports where it looked.
+    let gone = cli(&["state", "show"]);
+    assert_eq!(gone.status.code(), Some(2), "{}", String::from_utf8_lossy(&gone.stderr));
+    assert!(String::from_utf8_lossy(&gone.stderr).contains("no state database at"));
     let d = Daemon::start(dir.path(), "", SOURCES);
     assert!(d.stop().success());
 }
