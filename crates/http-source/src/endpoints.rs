@@ -114,8 +114,25 @@ pub fn parse_id(s: &str) -> Option<u128> {
     u128::from_str_radix(s, 16).ok()
 }
 
-/// Builds the checker for a stored auth.
+/// Builds the checker for an auth already stored. A setting its scheme does not read
+/// (stored before such settings were refused) is left out, so that an endpoint
+/// registered then still loads and answers as it did.
 pub fn scheme_from_stored(a: &StoredAuth) -> Result<AuthScheme, String> {
+    let hmac = a.scheme.starts_with("hmac-");
+    let timestamped = matches!(a.scheme.as_str(), "standard-webhooks" | "stripe");
+    AuthScheme::from_parts(
+        &a.scheme,
+        a.secret.as_deref(),
+        a.header.as_deref().filter(|_| hmac),
+        a.prefix.as_deref().filter(|_| hmac),
+        a.tolerance_secs.filter(|_| timestamped),
+    )
+    .map_err(|(field, msg)| format!("{field}: {msg}"))
+}
+
+/// Builds the checker for a new registration: a setting its scheme does not read is an
+/// error, as in the configuration.
+pub fn scheme_from_request(a: &StoredAuth) -> Result<AuthScheme, String> {
     AuthScheme::from_parts(&a.scheme, a.secret.as_deref(), a.header.as_deref(), a.prefix.as_deref(), a.tolerance_secs)
         .map_err(|(field, msg)| format!("{field}: {msg}"))
 }
@@ -273,7 +290,7 @@ impl EndpointRegistry {
         if auth.secret.is_none() && auth.scheme != "none" {
             auth.secret = Some(generate_secret(&auth.scheme));
         }
-        let scheme = scheme_from_stored(&auth).map_err(EndpointError::InvalidAuth)?;
+        let scheme = scheme_from_request(&auth).map_err(EndpointError::InvalidAuth)?;
         let _serial = self.changes.lock().await;
         let mut id: u128 = rand::random();
         while self.endpoints.read().unwrap_or_else(|p| p.into_inner()).contains_key(&id) {
@@ -417,6 +434,20 @@ fn view(e: &Endpoint, now_unix_ms: u64) -> EndpointView {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_stored_setting_its_scheme_does_not_read_still_loads_but_a_new_one_is_refused() {
+        let stored = StoredAuth {
+            scheme: "bearer".into(),
+            secret: Some("a-token-of-some-length".into()),
+            header: Some("x-webhook-key".into()),
+            prefix: None,
+            tolerance_secs: Some(60),
+        };
+        assert!(scheme_from_stored(&stored).is_ok(), "an endpoint registered before would be lost at start");
+        let e = scheme_from_request(&stored).unwrap_err();
+        assert!(e.starts_with("header:"), "{e}");
+    }
 
     fn bearer() -> StoredAuth {
         StoredAuth { scheme: "bearer".into(), secret: None, header: None, prefix: None, tolerance_secs: None }
