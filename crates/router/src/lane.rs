@@ -727,6 +727,15 @@ fn send_partitioning(r: &Routed) -> Partitioning {
     }
 }
 
+/// `call`, cut short after `timeout` (see [`timed_out`]).
+async fn bounded<S: Sink, T>(
+    sink: &S,
+    timeout: Duration,
+    call: impl std::future::Future<Output = Result<T, SendError>>,
+) -> Result<T, SendError> {
+    tokio::time::timeout(timeout, call).await.unwrap_or_else(|_| Err(timed_out(sink)))
+}
+
 /// The failure of a call cut short by the result timeout. While the sink was still
 /// connecting to the server the time went to the connection, which is every
 /// destination's: `Unavailable`, which no breaker counts. Otherwise the destination did
@@ -781,23 +790,17 @@ async fn attempt<S: Sink, C>(
         Op::Unsendable(e) => Err(e),
         Op::Ensure => {
             let started = std::time::Instant::now();
-            let r = tokio::time::timeout(timeout, ctx.sink.ensure(lane.dest())).await;
+            let r = bounded(&*ctx.sink, timeout, ctx.sink.ensure(lane.dest())).await;
             metrics::histogram!("iggy_connector_destination_create_latency_seconds")
                 .record(started.elapsed().as_secs_f64());
-            match r {
-                Ok(r) => r.map(Some),
-                Err(_) => Err(timed_out(&*ctx.sink)),
-            }
+            r.map(Some)
         }
         Op::Send(partitioning, messages) => {
             let started = std::time::Instant::now();
             fail_points::fail_point!("router.send");
-            let r = tokio::time::timeout(timeout, ctx.sink.send(lane.dest(), partitioning, messages)).await;
+            let r = bounded(&*ctx.sink, timeout, ctx.sink.send(lane.dest(), partitioning, messages)).await;
             metrics::histogram!("iggy_connector_send_latency_seconds").record(started.elapsed().as_secs_f64());
-            match r {
-                Ok(r) => r.map(|()| None),
-                Err(_) => Err(timed_out(&*ctx.sink)),
-            }
+            r.map(|()| None)
         }
     };
     drop(_slot);
@@ -847,17 +850,9 @@ async fn attempt<S: Sink, C>(
                 // The topic may be gone: ensure it again before the next send.
                 lock(&lane.info).topic = None;
             }
-            {
-                let mut i = lock(&lane.info);
-                i.breaker = Some(breaker.state());
-                i.consecutive_failures = *failures;
-                i.last_error = Some(e.to_string());
-            }
-            lane.status.record_error(&e.to_string());
+            lock(&lane.info).breaker = Some(breaker.state());
             metrics::counter!("iggy_connector_send_failures_total", "connector_key" => lane.key.source.clone(), "reason" => e.kind.as_str()).increment(1);
-            if *failures >= lane.policy.batch.degraded_after_failures {
-                degraded(lane, ctx, &format!("{failures} consecutive failures, last: {e}"));
-            }
+            failed(lane, ctx, *failures, &e.to_string());
             tracing::debug!(destination = %lane.key, error = %e, failures = *failures, "send failed; holding and retrying");
             if sleep_or_shutdown(shutdown, lane.policy.backoff(*failures)).await {
                 return Attempt::ShuttingDown;
@@ -918,16 +913,15 @@ async fn hold_until_partitions_exist<S: Sink, C>(
         if sleep_or_shutdown(shutdown, lane.policy.breaker.cool_down).await {
             return Delivery::ShuttingDown;
         }
-        match tokio::time::timeout(lane.policy.batch.result_timeout, ctx.sink.ensure(lane.dest())).await {
-            Ok(Ok(t)) => {
+        match bounded(&*ctx.sink, lane.policy.batch.result_timeout, ctx.sink.ensure(lane.dest())).await {
+            Ok(t) => {
                 lock(&lane.info).topic = Some(t);
                 if partition < t.partitions_count {
                     return Delivery::Retry;
                 }
                 why = format!("partition id {partition} is beyond the topic's {} partitions", t.partitions_count);
             }
-            Ok(Err(e)) => lane.status.record_error(&e.to_string()),
-            Err(_) => lane.status.record_error(&timed_out(&*ctx.sink).to_string()),
+            Err(e) => lane.status.record_error(&e.to_string()),
         }
     }
 }
@@ -957,19 +951,12 @@ async fn dead_letter<S: Sink, C>(
     loop {
         let sent = {
             let Ok(_slot) = lane.send_slots.acquire().await else { return Delivery::ShuttingDown };
-            match tokio::time::timeout(timeout, ctx.sink.ensure(dlq)).await {
-                Err(_) => Err(timed_out(&*ctx.sink)),
-                Ok(Err(e)) => Err(e),
-                Ok(Ok(_)) => match &mut prepared {
-                    Err(e) => Err(e.clone()),
-                    Ok(messages) => {
-                        match tokio::time::timeout(timeout, ctx.sink.send(dlq, &Partitioning::Balanced, messages)).await
-                        {
-                            Ok(r) => r,
-                            Err(_) => Err(timed_out(&*ctx.sink)),
-                        }
-                    }
-                },
+            match (bounded(&*ctx.sink, timeout, ctx.sink.ensure(dlq)).await, &mut prepared) {
+                (Err(e), _) => Err(e),
+                (Ok(_), Err(e)) => Err(e.clone()),
+                (Ok(_), Ok(messages)) => {
+                    bounded(&*ctx.sink, timeout, ctx.sink.send(dlq, &Partitioning::Balanced, messages)).await
+                }
             }
         };
         match sent {
@@ -980,16 +967,7 @@ async fn dead_letter<S: Sink, C>(
             }
             Err(e) => {
                 failures = failures.saturating_add(1);
-                let why = format!("dead-letter send failed: {e}");
-                {
-                    let mut i = lock(&lane.info);
-                    i.consecutive_failures = failures;
-                    i.last_error = Some(why.clone());
-                }
-                lane.status.record_error(&why);
-                if failures >= lane.policy.batch.degraded_after_failures {
-                    degraded(lane, ctx, &format!("{failures} consecutive failures, last: {why}"));
-                }
+                failed(lane, ctx, failures, &format!("dead-letter send failed: {e}"));
                 if sleep_or_shutdown(shutdown, lane.policy.backoff(failures)).await {
                     return Delivery::ShuttingDown;
                 }
@@ -1003,6 +981,20 @@ async fn dead_letter<S: Sink, C>(
 fn reads_again<S, C>(lane: &Lane, ctx: &LaneContext<S, C>) {
     if lane.status.get() == Status::Error {
         progressed(lane, ctx, "the log reads again");
+    }
+}
+
+/// The `failures`th failure in a row: shown (snapshot and status), and the lane Degraded
+/// once there are `degraded_after_failures` of them.
+fn failed<S, C>(lane: &Lane, ctx: &LaneContext<S, C>, failures: u32, why: &str) {
+    {
+        let mut i = lock(&lane.info);
+        i.consecutive_failures = failures;
+        i.last_error = Some(why.to_string());
+    }
+    lane.status.record_error(why);
+    if failures >= lane.policy.batch.degraded_after_failures {
+        degraded(lane, ctx, &format!("{failures} consecutive failures, last: {why}"));
     }
 }
 
