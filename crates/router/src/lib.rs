@@ -105,54 +105,42 @@ impl RouterHealth {
         self.settle(&t, true);
     }
 
-    pub(crate) fn lane_degraded(&self, key: &LaneKey) {
+    /// Applies `change` to the troubles and settles the status if it changed them.
+    fn update(&self, change: impl FnOnce(&mut Troubles) -> bool) {
         let mut t = self.troubles();
-        t.failed.remove(key);
-        t.degraded.insert(key.clone());
-        self.settle(&t, false);
+        if change(&mut t) {
+            self.settle(&t, false);
+        }
+    }
+
+    pub(crate) fn lane_degraded(&self, key: &LaneKey) {
+        self.update(|t| t.failed.remove(key) | t.degraded.insert(key.clone()));
     }
 
     pub(crate) fn lane_failed(&self, key: &LaneKey) {
-        let mut t = self.troubles();
-        t.degraded.remove(key);
-        t.failed.insert(key.clone());
-        self.settle(&t, false);
+        self.update(|t| t.degraded.remove(key) | t.failed.insert(key.clone()));
     }
 
     pub(crate) fn lane_recovered(&self, key: &LaneKey) {
-        let mut t = self.troubles();
-        let was_troubled = t.degraded.remove(key) | t.failed.remove(key);
-        if was_troubled {
-            self.settle(&t, false);
-        }
+        self.update(|t| t.degraded.remove(key) | t.failed.remove(key));
     }
 
     pub(crate) fn dispatcher_failed(&self, e: &str) {
         self.cell.record_error(e);
-        let mut t = self.troubles();
-        t.dispatcher = Some(e.to_string());
-        self.settle(&t, false);
+        self.update(|t| t.dispatcher.replace(e.to_string()).as_deref() != Some(e));
+    }
+
+    pub(crate) fn dispatcher_reading(&self) {
+        self.update(|t| t.dispatcher.take().is_some());
     }
 
     pub(crate) fn cursors_failed(&self, e: &str) {
         self.cell.record_error(e);
-        let mut t = self.troubles();
-        t.cursors = Some(e.to_string());
-        self.settle(&t, false);
+        self.update(|t| t.cursors.replace(e.to_string()).as_deref() != Some(e));
     }
 
     pub(crate) fn cursors_stored(&self) {
-        let mut t = self.troubles();
-        if t.cursors.take().is_some() {
-            self.settle(&t, false);
-        }
-    }
-
-    pub(crate) fn dispatcher_reading(&self) {
-        let mut t = self.troubles();
-        if t.dispatcher.take().is_some() {
-            self.settle(&t, false);
-        }
+        self.update(|t| t.cursors.take().is_some());
     }
 
     pub fn snapshot(&self) -> StatusSnapshot {
