@@ -310,6 +310,13 @@ impl Writer {
         self.unsynced_since = None;
         self.active.durable_len.store(self.durable_len, Ordering::Release);
         self.shared.durable_next.send_replace(self.next_offset);
+        self.publish_watermark();
+        Ok(())
+    }
+
+    /// Tells read-only openers beside this writer what is durable: the active segment up
+    /// to `durable_len`, and `next_offset`.
+    fn publish_watermark(&mut self) {
         if let Some(w) = &mut self.watermark {
             w.publish(crate::format::DurableWatermark {
                 segment_base: self.active.base,
@@ -317,7 +324,6 @@ impl Writer {
                 next_offset: self.next_offset,
             });
         }
-        Ok(())
     }
 
     fn sync_interval_writes(&mut self) {
@@ -427,13 +433,7 @@ impl Writer {
         // The new segment is durable (created, synced, its directory entry synced): the
         // watermark names it at once, so that releasing the sealed one never leaves the
         // watermark naming a deleted file until the next sync.
-        if let Some(w) = &mut self.watermark {
-            w.publish(crate::format::DurableWatermark {
-                segment_base: self.active.base,
-                durable_len: self.durable_len,
-                next_offset: self.next_offset,
-            });
-        }
+        self.publish_watermark();
         Ok(())
     }
 
