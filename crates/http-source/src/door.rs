@@ -375,12 +375,7 @@ async fn receive_inner(
         None => door.ingestor.accept(submission).await,
         Some(permit) => door.ingestor.accept_holding(submission, permit).await,
     };
-    let accepted = accepted.map_err(|e| {
-        if matches!(e, IngestError::Stopped(_)) {
-            door.health.log_stopped();
-        }
-        ingest_error(e, door.limits.retry_after_secs)
-    })?;
+    let accepted = accepted.map_err(|e| ingest_error(e, door.limits.retry_after_secs))?;
     fail_points::fail_point!("door.append.synced");
     if let Some(s) = status {
         s.accepted(accepted.events, accepted.replayed);

@@ -14,7 +14,7 @@ use std::sync::{Arc, OnceLock};
 #[derive(Debug, Default)]
 pub struct Health {
     draining: AtomicBool,
-    log_stopped: AtomicBool,
+    /// The log whose state health reports (none in tests of the door alone).
     log: OnceLock<Arc<wal::Wal>>,
 }
 
@@ -49,10 +49,6 @@ impl Health {
         self.draining.load(Ordering::Acquire)
     }
 
-    pub fn log_stopped(&self) {
-        self.log_stopped.store(true, Ordering::Release);
-    }
-
     /// Health follows `wal` from now on: once it takes no more appends, health is 503.
     pub fn watch_log(&self, wal: Arc<wal::Wal>) {
         let _ = self.log.set(wal);
@@ -61,7 +57,7 @@ impl Health {
     pub fn state(&self) -> HealthState {
         if self.is_draining() {
             HealthState::Draining
-        } else if self.log_stopped.load(Ordering::Acquire) || self.log.get().is_some_and(|wal| !wal.accepts_appends()) {
+        } else if self.log.get().is_some_and(|wal| !wal.accepts_appends()) {
             HealthState::LogStopped
         } else {
             HealthState::Accepting
