@@ -1416,20 +1416,20 @@ mod tests {
 
     #[test]
     fn the_two_listeners_may_not_share_an_address() {
-        for (http, admin) in [("127.0.0.1:18080", "127.0.0.1:18080"), ("0.0.0.0:18080", "127.0.0.1:18080")] {
-            let text = format!(
+        let text = |http: &str, admin: &str| {
+            format!(
                 "[http]\nlisten = \"{http}\"\n[admin]\nlisten = \"{admin}\"\n[sources.a]\ndestination = {{ stream = \"s\", topic = \"t\" }}\n"
-            );
-            let e = errors(&text);
+            )
+        };
+        for (http, admin) in [("127.0.0.1:18080", "127.0.0.1:18080"), ("0.0.0.0:18080", "127.0.0.1:18080")] {
+            let e = errors(&text(http, admin));
             assert_eq!(e.len(), 1, "{http} {admin}: {e:?}");
             assert_eq!((e[0].path.as_str(), e[0].line), ("admin.listen", Some(4)));
             assert!(e[0].message.contains("webhook listener"), "{}", e[0].message);
         }
         for (http, admin) in [("127.0.0.1:0", "127.0.0.1:0"), ("127.0.0.1:18080", "127.0.0.2:18080")] {
-            let text = format!(
-                "[http]\nlisten = \"{http}\"\n[admin]\nlisten = \"{admin}\"\n[sources.a]\ndestination = {{ stream = \"s\", topic = \"t\" }}\n"
-            );
-            assert!(validate(&parse(&text, None).unwrap(), Some(&text), None).is_ok(), "{http} {admin}");
+            let t = text(http, admin);
+            assert!(validate(&parse(&t, None).unwrap(), Some(&t), None).is_ok(), "{http} {admin}");
         }
     }
 
