@@ -11,6 +11,9 @@
 //!   acknowledged (or disposed of by an explicit admission policy), never skipped.
 //! - A lane's acknowledged records keep pinning the log (`unstored_from`) until the
 //!   cursor flusher has stored a cursor past them; only then does `low_water` move.
+//!   An acknowledgement and the flusher's settling of a stored cursor are each one step
+//!   under the gate ([`Gate::acknowledged`], [`Gate::cursor_stored`]), so no order of the
+//!   two can clear `unstored_from` for an acknowledgement the flusher has not stored.
 //! - Handoff from re-reading back to queueing happens under the gate lock and only when
 //!   every record the dispatcher skipped lies below the lane's read position, so no
 //!   record is lost or sent twice by the handoff.
@@ -53,7 +56,10 @@ pub(crate) struct Gate {
     in_flight_first: Option<u64>,
     /// At or below the lowest offset of an acknowledged record whose cursor is not yet
     /// stored (such records still pin the log).
-    pub(crate) unstored_from: Option<u64>,
+    unstored_from: Option<u64>,
+    /// Every record of this lane below this offset was acknowledged (its cursor not yet
+    /// necessarily stored).
+    acked_below: u64,
     /// Records and payload bytes routed here and not yet delivered (queued, in flight,
     /// or waiting in the log).
     held_records: u64,
@@ -72,6 +78,26 @@ impl Gate {
         self.held_records += 1;
         self.held_bytes += payload_len as u64;
         self.oldest_held_ms.get_or_insert(received_at_unix_ms);
+    }
+
+    /// The destination acknowledged the batch in flight, whose records all lie below
+    /// `below`. Its records keep pinning the log until [`Gate::cursor_stored`] settles a
+    /// cursor at or past `below`.
+    fn acknowledged(&mut self, below: u64) {
+        self.acked_below = self.acked_below.max(below);
+        self.unstored_from = self.unstored_from.or(self.in_flight_first);
+    }
+
+    /// Every record below this offset was acknowledged; what the cursor flusher stores.
+    pub(crate) fn acked_below(&self) -> u64 {
+        self.acked_below
+    }
+
+    /// The cursor flusher durably stored `stored`, a value it read from
+    /// [`Gate::acked_below`] earlier. Acknowledgements since then still pin the log, from
+    /// `stored` on.
+    pub(crate) fn cursor_stored(&mut self, stored: u64) {
+        self.unstored_from = (self.acked_below > stored).then_some(stored);
     }
 
     /// The lowest offset of a record this lane has not delivered, if it holds any.
@@ -131,9 +157,6 @@ pub(crate) struct Lane {
     /// Woken when the lane takes records from its queue.
     pub space: Notify,
     pub delivered_below: AtomicU64,
-    /// Every record of this lane below this offset was acknowledged (not yet
-    /// necessarily stored as the cursor).
-    pub acked_below: AtomicU64,
     pub status: StatusCell,
     info: Mutex<Info>,
 }
@@ -164,11 +187,10 @@ impl Lane {
             policy: share.policy.clone(),
             send_slots: share.send_slots.clone(),
             belongs: share.belongs.clone(),
-            gate: Mutex::new(Gate::default()),
+            gate: Mutex::new(Gate { acked_below: delivered_below, ..Gate::default() }),
             wake: Notify::new(),
             space: Notify::new(),
             delivered_below: AtomicU64::new(delivered_below),
-            acked_below: AtomicU64::new(delivered_below),
             status,
             info: Mutex::new(Info::default()),
         }
@@ -373,14 +395,9 @@ pub(crate) async fn run<S: Sink, C: CursorStore>(lane: Arc<Lane>, mut ctx: LaneC
             break;
         }
         // Acknowledged: the cursor flusher stores it; until then the records pin the log.
-        // Published under the gate, with `unstored_from`: the flusher, which stores what
-        // it read of `acked_below` and then settles `unstored_from` under the gate, could
-        // otherwise store this ack and clear `unstored_from` before it was set here,
-        // leaving stored records pinning the log until the lane's next ack.
         {
             let mut g = lane.gate();
-            lane.acked_below.fetch_max(last + 1, Ordering::AcqRel);
-            g.unstored_from = g.unstored_from.or(g.in_flight_first);
+            g.acknowledged(last + 1);
             let next_first = ahead.as_ref().and_then(|(b, _)| b.first());
             g.in_flight_first = next_first.map(|r| r.offset);
             g.held_records = g.held_records.saturating_sub(batch.len() as u64);
@@ -1008,4 +1025,83 @@ fn degraded<S, C>(lane: &Lane, ctx: &LaneContext<S, C>, why: &str) {
 fn progressed<S, C>(lane: &Lane, ctx: &LaneContext<S, C>, why: &str) {
     lane.status.set(Status::Running, why);
     ctx.router_status.lane_recovered(&lane.key);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Gate;
+
+    /// One step of the lane or of the cursor flusher.
+    #[derive(Clone, Copy, Debug)]
+    enum Step {
+        /// The lane takes the batch `[first, below)` to deliver.
+        Take { first: u64 },
+        /// The destination acknowledged the batch in flight, all of it below `below`.
+        Ack { below: u64 },
+        /// The flusher reads what to store.
+        Snapshot,
+        /// The flusher's store of its snapshot is durable.
+        Stored,
+    }
+
+    /// Runs `steps` on a gate, as the lane and the flusher would, and checks after every
+    /// step that no record taken and not yet durably stored lies below the gate's low
+    /// water (the releaser frees the log below it). Returns the final low water.
+    fn run(steps: &[Step]) -> Option<u64> {
+        let mut g = Gate::default();
+        let (mut durable, mut taken_below, mut snapshot) = (0u64, 0u64, None);
+        for (i, step) in steps.iter().enumerate() {
+            match *step {
+                Step::Take { first } => {
+                    g.in_flight_first = Some(first);
+                    taken_below = first + 10;
+                }
+                Step::Ack { below } => {
+                    g.acknowledged(below);
+                    g.in_flight_first = None;
+                }
+                Step::Snapshot => snapshot = Some(g.acked_below()).filter(|a| *a > durable),
+                Step::Stored => {
+                    if let Some(s) = snapshot.take() {
+                        durable = durable.max(s);
+                        g.cursor_stored(s);
+                    }
+                }
+            }
+            if taken_below > durable {
+                let low = g.low_water();
+                assert!(
+                    low.is_some_and(|l| l <= durable),
+                    "after step {i} of {steps:?}: records from {durable} are not stored, yet the low water is {low:?}"
+                );
+            }
+        }
+        g.low_water()
+    }
+
+    /// Every interleaving of the lane's two steps per batch with the flusher's two steps
+    /// per store. Whatever the order, the log is never released past a record whose
+    /// cursor is not stored, and once a last store follows the last acknowledgement
+    /// nothing pins it.
+    #[test]
+    fn no_order_of_acks_and_cursor_stores_releases_an_unstored_record_or_pins_a_stored_one() {
+        let lane: Vec<Step> =
+            (0..3u64).flat_map(|b| [Step::Take { first: b * 10 }, Step::Ack { below: b * 10 + 10 }]).collect();
+        let flusher: Vec<Step> = (0..3).flat_map(|_| [Step::Snapshot, Step::Stored]).collect();
+        let mut orders = 0;
+        // Each order is a choice of which of the 12 positions the lane's steps take.
+        for mask in 0u32..(1 << 12) {
+            if mask.count_ones() != 6 {
+                continue;
+            }
+            let (mut l, mut f) = (lane.iter(), flusher.iter());
+            let mut steps: Vec<Step> = (0..12)
+                .map(|pos| if mask & (1 << pos) != 0 { *l.next().unwrap() } else { *f.next().unwrap() })
+                .collect();
+            steps.extend([Step::Snapshot, Step::Stored]);
+            assert_eq!(run(&steps), None, "the last store left the log pinned: {steps:?}");
+            orders += 1;
+        }
+        assert_eq!(orders, 924);
+    }
 }

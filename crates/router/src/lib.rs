@@ -360,7 +360,7 @@ async fn cursor_flush_loop<C: CursorStore>(
             let l = lanes.read().unwrap_or_else(|p| p.into_inner());
             l.values()
                 .filter_map(|lane| {
-                    let acked = lane.acked_below.load(Ordering::Acquire);
+                    let acked = lane.gate().acked_below();
                     (acked > lane.delivered_below.load(Ordering::Acquire)).then(|| (lane.clone(), acked))
                 })
                 .collect()
@@ -374,9 +374,7 @@ async fn cursor_flush_loop<C: CursorStore>(
                     health.cursors_stored();
                     for (lane, stored) in &snapshot {
                         lane.delivered_below.fetch_max(*stored, Ordering::AcqRel);
-                        let mut g = lane.gate();
-                        // Acknowledged since the snapshot: still unstored, from `stored` on.
-                        g.unstored_from = (lane.acked_below.load(Ordering::Acquire) > *stored).then_some(*stored);
+                        lane.gate().cursor_stored(*stored);
                     }
                     delivered.notify_one();
                 }
