@@ -729,7 +729,26 @@ async fn deliver<S: Sink, C>(
             Attempt::ShuttingDown => return Delivery::ShuttingDown,
         }
     }
+    // Every record is sent or disposed of. A breaker still not closed was opened by
+    // failures on records the destination then answered for (its topic ensured) and that
+    // were disposed of without a send (out of range, dropped or dead-lettered): with
+    // nothing left to send, no probe would ever close it, and its gauge would say
+    // "open" for good. The next failure counts from zero.
+    if breaker.state() != BreakerState::Closed {
+        tracing::info!(destination = %lane.key, "circuit breaker closed: nothing is left to send");
+        close_breaker(lane, breaker);
+    }
     Delivery::Done
+}
+
+/// Closes `breaker` and publishes it (status and the open-breakers gauge).
+fn close_breaker(lane: &Lane, breaker: &mut Breaker) {
+    let was_open = breaker.state() != BreakerState::Closed;
+    breaker.on_success();
+    lock(&lane.info).breaker = Some(breaker.state());
+    if was_open {
+        metrics::gauge!("iggy_connector_destination_circuit_open").decrement(1.0);
+    }
 }
 
 /// How a record is sent: as it was accepted, except a dead-lettered record, which is
@@ -829,12 +848,10 @@ async fn attempt<S: Sink, C>(
             Attempt::Ensured(t)
         }
         Ok(info) => {
-            let was_open = breaker.state() != BreakerState::Closed;
-            breaker.on_success();
+            close_breaker(lane, breaker);
             *failures = 0;
             {
                 let mut i = lock(&lane.info);
-                i.breaker = Some(breaker.state());
                 i.consecutive_failures = 0;
                 if let Some(t) = info {
                     if !t.durable && i.topic.is_none() {
@@ -842,9 +859,6 @@ async fn attempt<S: Sink, C>(
                     }
                     i.topic = Some(t);
                 }
-            }
-            if was_open {
-                metrics::gauge!("iggy_connector_destination_circuit_open").decrement(1.0);
             }
             progressed(lane, ctx, "send succeeded");
             match info {

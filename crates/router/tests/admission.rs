@@ -229,6 +229,41 @@ async fn a_degraded_lane_whose_records_are_all_disposed_of_is_running_again() {
     }
 }
 
+/// A breaker opened by a failing destination closes once the destination answers and the
+/// held records all turn out to be out of range and are disposed of: with nothing left
+/// to send, no probe would ever close it, and its gauge (and the breaker alert) would say
+/// "open" for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_breaker_whose_held_records_are_all_disposed_of_closes() {
+    for on in [OnAdmissionFailure::Drop, OnAdmissionFailure::DeadLetter] {
+        let sim = SimStorage::new();
+        let wal = open_wal(&sim);
+        let sink = FaultySink::new();
+        let d = key("p", "t");
+        sink.set_partitions(&d, 3);
+        sink.fault(&d, Some(Fault::Fail(SendErrorKind::Destination)));
+        for i in 0..4u64 {
+            wal.append(vec![record(&d, i, Partitioning::PartitionId(7))]).await.unwrap_or_else(|e| panic!("{e}"));
+        }
+        let mut p = policy(on);
+        p.breaker.cool_down = Duration::from_millis(300);
+        let router =
+            Router::start(wal, sink.clone(), Arc::new(MemoryCursorStore::new()), Policies::uniform(p)).unwrap();
+        let breaker = |router: &Router| {
+            router.destinations().into_iter().find(|s| s.destination == d).map_or("none", |s| s.breaker)
+        };
+        eventually(Duration::from_secs(10), "the breaker opened", || breaker(&router) == "open").await;
+        sink.fault(&d, None);
+        eventually(Duration::from_secs(10), "released", || router.released_below() == 4).await;
+        eventually(Duration::from_secs(5), "running", || lane_status(&router, &d) == Status::Running).await;
+        // Nothing more arrives for this destination: the breaker must not stay open.
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        assert_eq!(breaker(&router), "closed", "{on:?}: the breaker stayed open with nothing to send");
+        assert!(sink.ids(&d).is_empty(), "{on:?}: an out-of-range record reached its topic");
+        router.shutdown().await;
+    }
+}
+
 /// A dead-letter topic that fails is a held lane like any other: Degraded after
 /// `degraded_after_failures`, with the result timeout applied, and Running once the
 /// records reach it.
