@@ -33,7 +33,7 @@ use crate::scan::{find_proof_of_durable_damage, read_seal, scan_segment};
 use crate::shared::{SegmentRef, Shared};
 use crate::storage::{OpenMode, Storage, StorageFile, read_exact_at};
 use crate::watermark::{self, Bound};
-use crate::writer::{Writer, create_segment, create_segment_with};
+use crate::writer::{Writer, create_segment, create_segment_with, write_file_atomically};
 use crate::{CLEAN_MARKER_FILE, DAMAGED_DIR, LOCK_FILE};
 
 /// What opening found and did.
@@ -341,7 +341,8 @@ fn open_bounded(
         tracing::error!(damage = %e, resumed_at = resume, "salvaged a damaged log");
         loaded = kept;
         next_offset = resume;
-        tail_sealed = true;
+        // The salvage started the tail, at `resume`.
+        tail_sealed = false;
         report.salvage = Some(salvage);
     }
 
@@ -377,8 +378,7 @@ fn open_bounded(
         })
         .collect();
     if tail_sealed && !read_only {
-        let flags = if report.salvage.is_some() { SEGMENT_FLAG_GAP_BEFORE } else { 0 };
-        segs.push(create_segment(&*storage, &dir, next_offset, flags)?);
+        segs.push(create_segment(&*storage, &dir, next_offset, 0)?);
     }
     Ok(finish(storage, dir, opts, segs, next_offset, lock, report))
 }
@@ -507,8 +507,16 @@ fn remove_durably(storage: &dyn Storage, dir: &Path, name: &str) -> Result<()> {
 }
 
 /// Keeps segments before `first_bad` and the valid prefix of `first_bad`, moves it and
-/// every later segment into `damaged/`, and returns the kept segments, the offset to
-/// resume at and the report.
+/// every later segment into `damaged/`, starts the tail at the offset to resume at (a
+/// segment flagged `GAP_BEFORE`), and returns the kept segments with that tail, the
+/// offset and the report.
+///
+/// Crash safety: the steps run in an order after which every crash leaves either the
+/// damage in place (the next salvage finds it and starts over, resuming no lower) or the
+/// finished result. The tail at `resume` is created first, so no state can resume below
+/// it; the later damaged segments leave next, last first; the first damaged segment is
+/// copied into `damaged/` and only then replaced by its valid prefix, in one rename (or
+/// moved, when nothing of it is kept), as the last step.
 fn salvage(
     storage: &dyn Storage,
     dir: &Path,
@@ -542,11 +550,29 @@ fn salvage(
     // still opens (and reads), and appends then fail with `OffsetsExhausted`.
     // Never below what was kept, though: a kept record's offset is never reused.
     let resume = resume.min(crate::format::OFFSET_MAX).max(kept_until);
+    if damaged.iter().any(|d| d.base >= resume) {
+        // Only a damaged segment named at the very top of the range: its name is the one
+        // the tail would take. Refuse rather than write over it.
+        return Err(WalError::OffsetsExhausted { next: resume, needed: 1 });
+    }
+    // The valid prefix, read while the damaged file is still in place.
+    let prefix_bytes = match &prefix {
+        Some(out) if out.next_offset > bad.base => {
+            let mut bytes = vec![0u8; out.valid_end as usize];
+            read_exact_at(&*bad.file, &mut bytes, 0).map_err(io_err(&bad.path))?;
+            if out.sealed.is_none() {
+                bytes.extend_from_slice(&FrameHeader::seal(out.next_offset, out.valid_end).encode());
+            }
+            Some(bytes)
+        }
+        _ => None,
+    };
+    let tail = create_segment(storage, dir, resume, SEGMENT_FLAG_GAP_BEFORE)?;
     let damaged_dir = dir.join(DAMAGED_DIR);
     storage.create_dir_all(&damaged_dir).map_err(io_err(&damaged_dir))?;
-    let existing = storage.list_dir(&damaged_dir).map_err(io_err(&damaged_dir))?;
-    let mut moved = Vec::new();
-    for d in &damaged {
+    storage.sync_dir(dir).map_err(io_err(dir))?;
+    let mut existing = storage.list_dir(&damaged_dir).map_err(io_err(&damaged_dir))?;
+    let mut target_for = |d: &Loaded| {
         let name = d.path.file_name().and_then(|n| n.to_str()).unwrap_or("segment");
         let mut target = name.to_string();
         let mut k = 1;
@@ -554,30 +580,50 @@ fn salvage(
             target = format!("{name}.{k}");
             k += 1;
         }
-        let to = damaged_dir.join(&target);
+        existing.push(target.clone());
+        target
+    };
+    let mut moved = Vec::new();
+    for d in damaged[1..].iter().rev() {
+        let to = damaged_dir.join(target_for(d));
         storage.rename(&d.path, &to).map_err(io_err(&d.path))?;
+        storage.sync_dir(&damaged_dir).map_err(io_err(&damaged_dir))?;
+        storage.sync_dir(dir).map_err(io_err(dir))?;
         moved.push(to);
     }
-    storage.sync_dir(&damaged_dir).map_err(io_err(&damaged_dir))?;
-    storage.sync_dir(dir).map_err(io_err(dir))?;
-    // Put the valid prefix back as a sealed segment of its own.
-    if let Some(out) = prefix
-        && out.next_offset > bad.base
-    {
-        let mut bytes = vec![0u8; out.valid_end as usize];
-        read_exact_at(&*bad.file, &mut bytes, 0).map_err(io_err(&bad.path))?;
-        if out.sealed.is_none() {
-            bytes.extend_from_slice(&FrameHeader::seal(out.next_offset, out.valid_end).encode());
+    let target = target_for(bad);
+    let to = damaged_dir.join(&target);
+    match &prefix_bytes {
+        Some(bytes) => {
+            // A copy, so that the damaged file's name goes straight from the damaged bytes
+            // to the valid prefix: a rename first would leave a moment with neither.
+            let mut original = vec![0u8; bad.len as usize];
+            read_exact_at(&*bad.file, &mut original, 0).map_err(io_err(&bad.path))?;
+            write_file_atomically(storage, &damaged_dir, &target, &original)?;
+            let seg = create_segment_with(storage, dir, bad.base, bytes)?;
+            loaded.push(Loaded {
+                base: bad.base,
+                path: seg.path.clone(),
+                file: seg.file.clone(),
+                len: bytes.len() as u64,
+                header: bad.header,
+            });
         }
-        let seg = create_segment_with(storage, dir, bad.base, &bytes)?;
-        loaded.push(Loaded {
-            base: bad.base,
-            path: seg.path.clone(),
-            file: seg.file.clone(),
-            len: bytes.len() as u64,
-            header: bad.header,
-        });
+        None => {
+            storage.rename(&bad.path, &to).map_err(io_err(&bad.path))?;
+            storage.sync_dir(&damaged_dir).map_err(io_err(&damaged_dir))?;
+            storage.sync_dir(dir).map_err(io_err(dir))?;
+        }
     }
+    moved.push(to);
+    moved.reverse();
+    loaded.push(Loaded {
+        base: resume,
+        path: tail.path.clone(),
+        file: tail.file.clone(),
+        len: SEGMENT_HEADER_LEN,
+        header: SegmentHeader { base_offset: resume, flags: SEGMENT_FLAG_GAP_BEFORE },
+    });
     let report = SalvageReport {
         damage: damage.to_string(),
         kept_until_offset: kept_until,

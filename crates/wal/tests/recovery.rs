@@ -197,6 +197,53 @@ fn salvage_keeps_the_valid_prefix_moves_the_rest_and_never_reuses_an_offset() {
     assert!(wal::inspect::verify(&sim, &dir(), &mut |_| {}).unwrap().is_clean());
 }
 
+/// A power loss at any step of a salvage in place: opening again (strictly or with
+/// salvage) never resumes below an offset the damaged log held, and a salvage then keeps
+/// exactly the valid prefix. The salvage moves files and rewrites the damaged segment's
+/// name; each crash point below is one more of its mutations.
+#[test]
+fn a_power_loss_at_any_step_of_a_salvage_loses_no_kept_record_and_reuses_no_offset() {
+    let salvage = WalOptions { recovery: RecoveryMode::Salvage, ..small_options() };
+    let mut crash_points = 0;
+    for k in 1.. {
+        let sim = SimStorage::new();
+        fill(&sim, &small_options(), 200, 100);
+        let names = segment_files(&sim, &dir());
+        assert!(names.len() >= 4, "the damage must have segments after it: {names:?}");
+        let second_base: u64 = names[1].trim_end_matches(".seg").parse().unwrap();
+        let pos = SEGMENT_HEADER_LEN + 2 * (FRAME_HEADER_LEN + 100) + FRAME_HEADER_LEN + 5;
+        flip(&sim, &dir().join(&names[1]), pos as usize);
+
+        sim.crash_at_nth(FaultOp::AnyMutation, k, CrashMode::LoseUnsynced);
+        let first = try_open(&sim, salvage.clone());
+        let crashed = sim.crashes() > 0;
+        drop(first);
+        sim.disarm();
+        if !crashed {
+            break;
+        }
+        crash_points += 1;
+        // A strict open may refuse (the damage is still there) or open the finished
+        // salvage; either way no offset the damaged log held is handed out again.
+        if let Ok(wal) = try_open(&sim, small_options()) {
+            let a = rt().block_on(wal.append(vec![payload(9999, 10)])).unwrap();
+            assert!(a.first_offset >= 200, "crash point {k}: a strict open resumed at {}", a.first_offset);
+            drop(wal);
+        }
+        let wal = try_open(&sim, salvage.clone()).unwrap_or_else(|e| panic!("crash point {k}: {e}"));
+        let kept: Vec<u64> = read_all(&wal, wal.start_offset()).iter().map(|r| r.offset).collect();
+        let prefix: Vec<u64> = (0..second_base + 2).collect();
+        assert!(kept.starts_with(&prefix), "crash point {k}: kept {kept:?}");
+        assert!(
+            kept[prefix.len()..].iter().all(|o| *o >= 200),
+            "crash point {k}: records after the prefix below the old end: {kept:?}"
+        );
+        let a = rt().block_on(wal.append(vec![payload(7777, 10)])).unwrap();
+        assert!(a.first_offset >= 200, "crash point {k}: resumed at {}", a.first_offset);
+    }
+    assert!(crash_points > 8, "the salvage made only {crash_points} mutations");
+}
+
 #[test]
 fn only_one_writer_at_a_time_but_any_number_of_readers() {
     let sim = SimStorage::new();
