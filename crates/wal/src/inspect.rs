@@ -217,6 +217,10 @@ fn verify_bounded(
         (Some((base, _, _, len)), Some(m)) => m.tail_base == *base && m.tail_len == *len,
         _ => bound.is_some(),
     };
+    if !tail_closed_cleanly && let Some((_, path, file, _)) = files.last() {
+        // Read as the open would: a failed sync's bytes are not on the disk.
+        crate::recovery::read_tail_from_disk(&**file, path);
+    }
     let mut report = VerifyReport { segments: files.len(), ..VerifyReport::default() };
     let mut done = 0u64;
     // The offset the next segment must start at (from the previous seal), if known.

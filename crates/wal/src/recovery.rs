@@ -205,9 +205,7 @@ fn open_bounded(
             // disk instead, so the open neither keeps those records nor builds on them
             // (a power loss would then take them from under later, synced appends). Not
             // after a clean shutdown of this tail, and never beside a live writer.
-            if let Err(e) = file.drop_cached() {
-                tracing::warn!(segment = %path.display(), error = %e, "could not drop the tail's cached pages; reading them as cached");
-            }
+            read_tail_from_disk(&*file, &path);
         }
         if let Some(w) = bound
             && base == w.segment_base
@@ -381,6 +379,16 @@ fn open_bounded(
         segs.push(create_segment(&*storage, &dir, next_offset, 0)?);
     }
     Ok(finish(storage, dir, opts, segs, next_offset, lock, report))
+}
+
+/// Drops the tail segment's cached pages, so that what follows reads what the disk holds:
+/// after a failed sync the kernel can hold pages clean that were never written. For every
+/// reader of a log no writer holds and no clean-shutdown marker vouches for (the open,
+/// `verify`, `salvage_copy`); it changes no byte on disk.
+pub(crate) fn read_tail_from_disk(file: &dyn StorageFile, path: &Path) {
+    if let Err(e) = file.drop_cached() {
+        tracing::warn!(segment = %path.display(), error = %e, "could not drop the tail's cached pages; reading them as cached");
+    }
 }
 
 /// A clean-shutdown marker is trusted only if it describes this tail and is consistent

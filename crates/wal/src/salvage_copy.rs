@@ -143,11 +143,22 @@ pub fn salvage_copy(storage: &dyn Storage, src: &Path, dst: &Path) -> Result<Cop
     }
     let mut report = CopyReport::default();
     let mut out = Out { storage, dir: dst, buf: Vec::new(), base: 0, next: 0, gap_before: false, written: 0 };
+    // With no writer bounding the read, the tail is read from the disk as the open reads
+    // it (a failed sync's bytes are not on it), unless a clean shutdown vouches for it.
+    let marker = if bound.is_none() && names.iter().any(|n| n == crate::CLEAN_MARKER_FILE) {
+        crate::recovery::read_marker(storage, &src.join(crate::CLEAN_MARKER_FILE))?
+    } else {
+        None
+    };
     let mut last: Option<u64> = None;
     for &base in &bases {
         let path = src.join(segment_file_name(base));
         let file = storage.open(&path, OpenMode::Read).map_err(|e| WalError::io(&path, e))?;
         let mut len = file.len().map_err(|e| WalError::io(&path, e))?;
+        let vouched = marker.is_some_and(|m| m.tail_base == base && m.tail_len == len);
+        if bound.is_none() && Some(&base) == bases.last() && !vouched {
+            crate::recovery::read_tail_from_disk(&*file, &path);
+        }
         if let Some(w) = bound
             && w.segment_base == base
         {

@@ -379,6 +379,25 @@ fn records_whose_sync_failed_are_not_kept_by_the_next_open() {
     assert_eq!(tags_after_a_power_loss(&sim), vec![0, 1, 3]);
 }
 
+/// `verify` and salvage by copy read a log no writer holds as the open does: the record
+/// whose sync failed (its sender was answered with an error and will send it again) is
+/// neither counted nor copied into the salvaged log, where it would come back as a
+/// duplicate.
+#[test]
+fn verify_and_salvage_by_copy_leave_out_records_whose_sync_failed() {
+    let sim = SimStorage::new();
+    poison_by_a_failed_sync(&sim, 2);
+    let v = wal::inspect::verify(&sim, &dir(), &mut |_| {}).unwrap();
+    assert_eq!(v.records, 2, "verify counted the failed append");
+    let copy = Path::new("/sim/salvaged");
+    let report = wal::salvage_copy::salvage_copy(&sim, &dir(), copy).unwrap();
+    assert_eq!(report.records, 2, "salvage copied the failed append");
+    let st: Arc<dyn Storage> = Arc::new(sim.clone());
+    let salvaged = Wal::open_read_only_with(st, copy).unwrap();
+    let tags: Vec<u64> = read_all(&salvaged, 0).iter().map(|r| tag_of(&r.payload)).collect();
+    assert_eq!(tags, vec![0, 1]);
+}
+
 #[test]
 fn a_seal_whose_sync_failed_is_not_built_on_by_the_next_open() {
     let sim = SimStorage::new();
