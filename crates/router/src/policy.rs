@@ -79,9 +79,9 @@ pub enum OnAdmissionFailure {
 pub struct RouterPolicy {
     pub batch: BatchPolicy,
     pub breaker: BreakerPolicy,
-    /// The most destinations the router delivers to. 1000.
+    /// The most destinations one source's records go to (per source). 1000.
     pub max_destinations: usize,
-    /// The most sends in flight at once, over all destinations. 16.
+    /// The most sends in flight at once, over one source's destinations. 16.
     pub max_concurrent_destinations: usize,
     pub on_admission_failure: OnAdmissionFailure,
     /// Where `DeadLetter` sends; required when it is chosen.

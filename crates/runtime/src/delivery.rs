@@ -3,7 +3,7 @@
 //!
 //! Invariants:
 //! - Every `[router]` setting is validated with the key path named in the error, and
-//!   every default is written out in `config/default.toml` with why.
+//!   every default is written out, with why, in `config/example.toml`.
 //! - The router starts after the log and the state database are open and stops after
 //!   the webhook listener drained and before the log closes, so its last cursors are
 //!   stored while the log is still there.

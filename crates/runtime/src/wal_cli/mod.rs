@@ -49,7 +49,7 @@ pub enum WalCommand {
     #[command(after_help = "Examples:\n  \
         iggy-ingest wal inspect /var/lib/iggy-ingest/wal\n  \
         iggy-ingest wal inspect ./data/wal --json | jq '.destinations.lanes'\n  \
-        iggy-ingest wal inspect ./data/wal --admin http://127.0.0.1:8081 --admin-token \"$TOKEN\"")]
+        iggy-ingest wal inspect ./data/wal --admin http://127.0.0.1:9180 --admin-token \"$TOKEN\"")]
     Inspect(InspectArgs),
     /// The decoded records (envelopes), from an offset, filtered by source or destination.
     #[command(after_help = "Examples:\n  \
