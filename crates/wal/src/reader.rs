@@ -5,6 +5,9 @@
 //!   bytes below their segment's durable length: nothing unsynced is ever returned.
 //! - Records come back in offset order with no gaps; every header and payload checksum
 //!   is checked on the way (damage is an error naming file and byte position).
+//! - The one exception is a salvage gap (a seal followed by a `GAP_BEFORE` segment whose
+//!   base is past it): its offsets name no record, so a reader crossing it, or started
+//!   inside it, goes on at that segment's base.
 //! - A batch holds at most `max_records` records and, unless its first record alone is
 //!   larger, at most `max_bytes` payload bytes.
 //! - A read the storage failed leaves nothing cached: the reader stays where it was and
@@ -136,7 +139,8 @@ impl Reader {
     }
 
     /// Positions the cursor on the frame holding `self.next`, crossing seals (and, after
-    /// a salvage, the offset gap a seal may be followed by).
+    /// a salvage, the offset gap a seal may be followed by). A reader that starts inside
+    /// such a gap starts at the base of the segment after it: those offsets name no record.
     fn position_cursor(&mut self) -> Result<&mut Cursor> {
         if self.cursor.is_none() {
             let seg = self
@@ -148,7 +152,20 @@ impl Reader {
             while offset < self.next {
                 let h = frame_header(&mut c)?;
                 if h.is_seal() {
-                    return Err(corrupt(&c, FrameProblem::UnexpectedOffset { expected: self.next, found: h.offset }));
+                    if h.offset != offset {
+                        return Err(corrupt(&c, FrameProblem::UnexpectedOffset { expected: offset, found: h.offset }));
+                    }
+                    // `self.next` lies in a salvage gap: past this seal, below the next
+                    // segment's base (the open checked that only a `GAP_BEFORE` segment
+                    // may start past its predecessor's seal).
+                    let next = self.shared.segment_after(c.seg.base).ok_or_else(|| WalError::MissingSuccessor {
+                        location: Location { file: c.seg.path.clone(), position: c.pos },
+                        next_offset: h.offset,
+                    })?;
+                    offset = next.base;
+                    self.next = self.next.max(next.base);
+                    c = Cursor::at_start_of(next);
+                    continue;
                 }
                 if h.offset != offset {
                     return Err(corrupt(&c, FrameProblem::UnexpectedOffset { expected: offset, found: h.offset }));

@@ -6,8 +6,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
+use wal::format::{FRAME_HEADER_LEN, SEGMENT_HEADER_LEN, segment_file_name};
 use wal::storage::{FaultOp, SimStorage};
-use wal::{WalError, WalOptions};
+use wal::{RecoveryMode, WalError, WalOptions};
 
 #[test]
 fn a_reader_starts_at_any_retained_offset_and_crosses_segments() {
@@ -24,6 +25,42 @@ fn a_reader_starts_at_any_retained_offset_and_crosses_segments() {
         }
     }
     assert!(matches!(wal.reader(301), Err(WalError::BeyondEnd { offset: 301, end: 300 })));
+}
+
+/// The offsets a salvage skipped (between the segment it sealed at the last kept offset
+/// and the next one, flagged `GAP_BEFORE`) name no record: a reader asked to start among
+/// them starts at the next segment's base, as a reader crossing the gap does, instead of
+/// calling the intact seal it meets damage (`wal tail` and `wal dump --from` start there).
+#[test]
+fn a_reader_started_inside_a_salvage_gap_starts_at_the_next_segment() {
+    let sim = SimStorage::new();
+    let opts = WalOptions { preallocate_bytes: 0, ..small_options() };
+    let wal = open(&sim, opts.clone());
+    append_tagged(&wal, 0..10, 100);
+    drop(wal);
+    // Record 3's payload damaged; the records after it prove it was durable.
+    let path = dir().join(segment_file_name(0));
+    let mut b = sim.read_file(&path).unwrap();
+    b[(SEGMENT_HEADER_LEN + 3 * (FRAME_HEADER_LEN + 100) + FRAME_HEADER_LEN + 5) as usize] ^= 0x40;
+    sim.write_file_durably(&path, &b).unwrap();
+    let wal = open(&sim, WalOptions { recovery: RecoveryMode::Salvage, ..opts });
+    let s = wal.open_report().salvage.clone().expect("salvaged");
+    assert_eq!(s.kept_until_offset, 3);
+    assert!(s.resumed_at_offset > s.kept_until_offset + 1, "{s:?}");
+    // Nothing past the gap yet: an empty read, not an error.
+    let mut r = wal.reader(s.kept_until_offset + 1).unwrap();
+    assert!(r.try_read(10, 1 << 20).unwrap().is_empty());
+    let a = rt().block_on(wal.append(vec![payload(77, 10)])).unwrap();
+    assert_eq!(a.first_offset, s.resumed_at_offset);
+    assert_eq!(r.try_read(10, 1 << 20).unwrap().len(), 1);
+    for from in [s.kept_until_offset, s.kept_until_offset + 1, s.resumed_at_offset - 1, s.resumed_at_offset] {
+        let mut r = wal.reader(from).unwrap();
+        let got: Vec<(u64, u64)> =
+            r.try_read(10, 1 << 20).unwrap().iter().map(|r| (r.offset, tag_of(&r.payload))).collect();
+        assert_eq!(got, vec![(s.resumed_at_offset, 77)], "from {from}");
+        assert_eq!(r.position(), s.resumed_at_offset + 1);
+    }
+    assert_eq!(read_all(&wal, 0).len(), 4);
 }
 
 /// A read the disk fails is an error (or ends a batch early, the error left for the next
