@@ -15,7 +15,8 @@ use std::sync::Arc;
 
 use crate::error::{Location, Result, WalError};
 use crate::format::{
-    SEGMENT_FLAG_GAP_BEFORE, SEGMENT_HEADER_LEN, SegmentHeader, parse_segment_file_name, segment_file_name,
+    FRAME_HEADER_LEN, FrameProblem, SEGMENT_FLAG_GAP_BEFORE, SEGMENT_HEADER_LEN, SegmentHeader,
+    parse_segment_file_name, segment_file_name,
 };
 use crate::reader::Record;
 use crate::scan::{find_proof_of_durable_damage, scan_segment};
@@ -54,7 +55,7 @@ pub fn segments_of(wal: &Wal) -> Result<Vec<SegmentInfo>> {
         read_up_to_at(&*s.file, &mut header, 0).map_err(|e| WalError::io(&s.path, e))?;
         let gap_before = SegmentHeader::decode(&header).is_ok_and(|h| h.flags & SEGMENT_FLAG_GAP_BEFORE != 0);
         let next_offset = if i + 1 < segs.len() {
-            crate::scan::read_seal(&*s.file, &s.path, bytes)?
+            crate::scan::read_seal(&*s.file, &s.path, s.base, bytes)?
         } else {
             let out = scan_segment(&*s.file, &s.path, s.base, bytes, &mut |_| {})?;
             out.sealed.unwrap_or(out.next_offset)
@@ -64,7 +65,8 @@ pub fn segments_of(wal: &Wal) -> Result<Vec<SegmentInfo>> {
             path: s.path.clone(),
             base_offset: s.base,
             next_offset,
-            records: next_offset - s.base,
+            // The open checked every seal against its base; never underflow all the same.
+            records: next_offset.saturating_sub(s.base),
             bytes,
             sealed,
             gap_before,
@@ -264,6 +266,14 @@ fn verify_bounded(
         report.bytes += len;
         done += len;
         expected_base = out.sealed;
+        if let Some(seal) = out.sealed
+            && i < last
+            && seal <= *base
+        {
+            // An empty segment is never sealed (the open refuses it the same way).
+            let p = FrameProblem::UnexpectedOffset { expected: base.saturating_add(1), found: seal };
+            report.problems.push(problem(out.valid_end - FRAME_HEADER_LEN, p.to_string()));
+        }
         match out.stop {
             Some((pos, p)) if i == last => {
                 if tail_closed_cleanly {

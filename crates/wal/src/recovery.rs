@@ -2,7 +2,8 @@
 //!
 //! Invariants:
 //! - Every segment header is checked; every segment with a successor must end in a seal
-//!   whose offset is its successor's base (or, after a salvage, at most that base).
+//!   whose offset is above its own base (the writer never seals an empty segment) and is
+//!   its successor's base (or, after a salvage, at most that base).
 //! - The tail segment is always scanned; a clean-shutdown marker is believed only where
 //!   the scan agrees with it. A damaged frame in the tail is a torn write (cut away, reported) only
 //!   if no later frame proves the damaged bytes were already durable; otherwise it is
@@ -239,7 +240,7 @@ fn open_bounded(
         let full_check = opts.recovery == RecoveryMode::Salvage && !read_only;
         let gap_allowed = bad_headers[i + 1].is_none() && next.header.flags & SEGMENT_FLAG_GAP_BEFORE != 0;
         let checked = full_scan_ok(&*seg.file, &seg.path, seg.base, seg.len, full_check)
-            .and_then(|()| read_seal(&*seg.file, &seg.path, seg.len))
+            .and_then(|()| read_seal(&*seg.file, &seg.path, seg.base, seg.len))
             .and_then(|seal| {
                 if seal == next.base || (gap_allowed && seal < next.base) {
                     Ok(())
@@ -398,7 +399,8 @@ fn marker_fits(m: &CleanMarker, tail: &Loaded) -> bool {
     let same = m.tail_base == tail.base && m.tail_len == tail.len;
     let has_records = tail.len > SEGMENT_HEADER_LEN;
     let offsets_fit = if has_records { m.next_offset > tail.base } else { m.next_offset == tail.base };
-    let seal_fits = !m.tail_sealed || read_seal(&*tail.file, &tail.path, tail.len).is_ok_and(|s| s == m.next_offset);
+    let seal_fits =
+        !m.tail_sealed || read_seal(&*tail.file, &tail.path, tail.base, tail.len).is_ok_and(|s| s == m.next_offset);
     same && offsets_fit && (m.tail_sealed || !has_records || m.next_offset > tail.base) && seal_fits
 }
 

@@ -197,8 +197,10 @@ impl ScanOutcome {
     }
 }
 
-/// Reads and checks the seal at the end of a sealed segment, returning its offset.
-pub(crate) fn read_seal(file: &dyn StorageFile, path: &Path, len: u64) -> Result<u64> {
+/// Reads and checks the seal at the end of a sealed segment whose first offset is `base`,
+/// returning its offset. The writer never seals an empty segment, so a seal at or below
+/// `base` is damage.
+pub(crate) fn read_seal(file: &dyn StorageFile, path: &Path, base: u64, len: u64) -> Result<u64> {
     let at = len.saturating_sub(FRAME_HEADER_LEN);
     let location = Location { file: path.to_path_buf(), position: at };
     if len < SEGMENT_HEADER_LEN + FRAME_HEADER_LEN {
@@ -207,7 +209,12 @@ pub(crate) fn read_seal(file: &dyn StorageFile, path: &Path, len: u64) -> Result
     let mut b = [0u8; FRAME_HEADER_LEN as usize];
     crate::storage::read_exact_at(file, &mut b, at).map_err(|e| WalError::io(path, e))?;
     match FrameHeader::decode(&b) {
-        Ok(h) if h.is_seal() => Ok(h.offset),
+        Ok(h) if h.is_seal() && h.offset > base => Ok(h.offset),
+        Ok(h) if h.is_seal() => {
+            // A sealed segment holds at least one record: its seal names at least `base + 1`.
+            let problem = FrameProblem::UnexpectedOffset { expected: base.saturating_add(1), found: h.offset };
+            Err(WalError::Corrupt { location, problem })
+        }
         Ok(_) | Err(FrameProblem::BadHeaderChecksum) => {
             Err(WalError::Corrupt { location, problem: FrameProblem::MissingSeal })
         }

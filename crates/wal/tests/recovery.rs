@@ -6,7 +6,9 @@ use std::path::Path;
 use std::sync::Arc;
 
 use common::*;
-use wal::format::{FRAME_HEADER_LEN, SEGMENT_HEADER_LEN, segment_file_name};
+use wal::format::{
+    FRAME_HEADER_LEN, FrameHeader, SEGMENT_FLAG_GAP_BEFORE, SEGMENT_HEADER_LEN, SegmentHeader, segment_file_name,
+};
 use wal::storage::{CrashMode, FaultOp, SimStorage, Storage};
 use wal::{RecoveryMode, Wal, WalError, WalOptions};
 
@@ -122,6 +124,35 @@ fn a_missing_segment_is_a_gap_error() {
     sim.remove_file(&dir().join(&names[1])).unwrap();
     let e = try_open(&sim, small_options()).unwrap_err();
     assert!(matches!(e, WalError::Gap { .. }), "{e}");
+}
+
+/// The writer never seals an empty segment: a seal at or below its own segment's base is
+/// damage, even when the next segment may start past it (`GAP_BEFORE`), and never a
+/// segment of "negative" records for the inspection.
+#[test]
+fn a_seal_not_above_its_segments_base_is_damage_even_before_a_gap() {
+    for seal in [50, 100] {
+        let sim = SimStorage::new();
+        sim.create_dir_all(&dir()).unwrap();
+        let mut a = SegmentHeader { base_offset: 100, flags: 0 }.encode().to_vec();
+        a.extend_from_slice(&FrameHeader::seal(seal, SEGMENT_HEADER_LEN).encode());
+        sim.write_file_durably(&seg_path(100), &a).unwrap();
+        let b = SegmentHeader { base_offset: 200, flags: SEGMENT_FLAG_GAP_BEFORE }.encode();
+        sim.write_file_durably(&seg_path(200), &b).unwrap();
+        let storage: Arc<dyn Storage> = Arc::new(sim.clone());
+        let e = Wal::open_read_only_with(storage.clone(), &dir()).unwrap_err();
+        assert!(
+            matches!(e, WalError::Corrupt { ref location, .. } if location.file == seg_path(100) && location.position == SEGMENT_HEADER_LEN),
+            "seal {seal}: {e}"
+        );
+        assert!(e.to_string().contains(&format!("offset {seal} where 101 was expected")), "{e}");
+        let e = wal::inspect::list_segments(storage, &dir()).unwrap_err();
+        assert!(e.is_corruption(), "seal {seal}: {e}");
+        assert!(try_open(&sim, small_options()).unwrap_err().is_corruption());
+        let v = wal::inspect::verify(&sim, &dir(), &mut |_| {}).unwrap();
+        assert_eq!(v.problems.len(), 1, "seal {seal}: {:?}", v.problems);
+        assert_eq!(v.problems[0].location.file, seg_path(100));
+    }
 }
 
 #[test]
