@@ -15,8 +15,10 @@
 //!   the log accepts as a salvage gap.
 //! - After damage the walk resynchronises byte by byte on the next frame that checks;
 //!   every skipped byte range (a bad segment header included) is reported with its file
-//!   and position. Zeros from a frame position to the end of a file are the zeros the
-//!   writer writes ahead of its records, not damage: they end the file's walk unreported.
+//!   and position. Zeros to the end of a file are the zeros the writer writes ahead of
+//!   its records, not damage: wherever the walk meets them (at a frame position, or
+//!   among bytes it is skipping, which then end where the zeros begin) they end the
+//!   file's walk unreported.
 //! - Each new segment is written whole (temporary file, sync, rename, directory sync),
 //!   so an interrupted copy leaves only whole segments and `*.tmp` garbage.
 
@@ -183,8 +185,10 @@ pub fn salvage_copy(storage: &dyn Storage, src: &Path, dst: &Path) -> Result<Cop
         // Where the current run of bytes that did not check began, and why.
         let mut bad: Option<(u64, String)> = None;
         // Zeros to the end of a file are what the writer writes ahead of its records:
-        // nothing was there. Checked once per file, at the first frame that does not check.
-        let mut zeros_checked = false;
+        // nothing was there. Looked for wherever the walk meets a zero byte that does not
+        // check, at a frame position or among skipped bytes, once per run of zeros (the
+        // byte before was not zero), so each byte is looked at a bounded number of times.
+        let mut in_zeros = false;
         while pos < len {
             let frame = match r.get(pos, FRAME_HEADER_LEN as usize).map_err(io)? {
                 None => Err("truncated frame header".to_string()),
@@ -206,10 +210,12 @@ pub fn salvage_copy(storage: &dyn Storage, src: &Path, dst: &Path) -> Result<Cop
             match frame {
                 Ok(None) => {
                     // A seal carries no record.
+                    in_zeros = false;
                     close_bad(&mut report, &path, &mut bad, pos);
                     pos += FRAME_HEADER_LEN;
                 }
                 Ok(Some(h)) => {
+                    in_zeros = false;
                     close_bad(&mut report, &path, &mut bad, pos);
                     let payload = r
                         .get(pos + FRAME_HEADER_LEN, h.payload_len as usize)
@@ -237,12 +243,13 @@ pub fn salvage_copy(storage: &dyn Storage, src: &Path, dst: &Path) -> Result<Cop
                     pos += h.frame_len();
                 }
                 Err(why) => {
-                    if !zeros_checked && bad.is_none() {
-                        zeros_checked = true;
-                        if r.zeros_to_end(pos).map_err(io)? {
-                            break;
-                        }
+                    let zero = r.get(pos, 1).map_err(io)?.is_some_and(|b| b[0] == 0);
+                    if zero && !in_zeros && r.zeros_to_end(pos).map_err(io)? {
+                        // Bytes skipped before the zeros end where they begin.
+                        close_bad(&mut report, &path, &mut bad, pos);
+                        break;
                     }
+                    in_zeros = zero;
                     bad.get_or_insert((pos, why));
                     pos += 1;
                 }

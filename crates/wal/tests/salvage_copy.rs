@@ -8,8 +8,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
+use wal::format::{FRAME_HEADER_LEN, SEGMENT_HEADER_LEN, segment_file_name};
 use wal::salvage_copy::salvage_copy;
-use wal::storage::{SimStorage, Storage};
+use wal::storage::{CrashMode, SimStorage, Storage};
 use wal::{SyncPolicy, Wal, WalOptions, inspect};
 
 fn out_dir() -> PathBuf {
@@ -71,4 +72,57 @@ fn beside_a_live_writer_only_synced_records_are_copied() {
     assert!(report.skipped.is_empty(), "unsynced bytes are not damage: {report:?}");
     assert_eq!(copied(&sim), vec![(0, 1), (1, 2)]);
     drop(wal);
+}
+
+/// The zeros the writer wrote ahead of its records are not damage wherever the walk meets
+/// them: damage earlier in the file is one skipped range, and the zeros after the last
+/// record are not a second one.
+#[test]
+fn zeros_written_ahead_after_damage_are_not_reported_as_skipped() {
+    let sim = SimStorage::new();
+    let opts =
+        WalOptions { preallocate_bytes: 64 * 1024, segment_max_bytes: 1 << 20, max_bytes: 8 << 20, ..small_options() };
+    let wal = open(&sim, opts);
+    append_tagged(&wal, 0..10, 100);
+    sim.crash(CrashMode::LoseUnsynced);
+    drop(wal);
+    let path = dir().join(segment_file_name(0));
+    let mut b = sim.read_file(&path).unwrap();
+    let records_end = (SEGMENT_HEADER_LEN + 10 * (FRAME_HEADER_LEN + 100)) as usize;
+    assert!(b.len() > records_end + 1024 && b[records_end..].iter().all(|&x| x == 0), "zeros written ahead");
+    let damaged = SEGMENT_HEADER_LEN + 3 * (FRAME_HEADER_LEN + 100);
+    b[(damaged + FRAME_HEADER_LEN + 5) as usize] ^= 0x40;
+    sim.write_file_durably(&path, &b).unwrap();
+
+    let report = salvage_copy(&sim, &dir(), &out_dir()).unwrap();
+    assert_eq!(report.skipped.len(), 1, "{:?}", report.skipped);
+    assert_eq!((report.skipped[0].from, report.skipped[0].to), (damaged, damaged + FRAME_HEADER_LEN + 100));
+    assert_eq!(report.records, 9);
+    assert_eq!(report.missing_offsets, vec![(3, 3)]);
+    let want: Vec<(u64, u64)> = (0..10).filter(|&o| o != 3).map(|o| (o, o)).collect();
+    assert_eq!(copied(&sim), want);
+}
+
+/// Zeros to the end of the file right after bytes that do not check (a write torn before
+/// the zeros written ahead of it) end the skipped range where they begin.
+#[test]
+fn a_skipped_range_ends_where_the_zeros_to_the_end_of_the_file_begin() {
+    let sim = SimStorage::new();
+    let opts =
+        WalOptions { preallocate_bytes: 64 * 1024, segment_max_bytes: 1 << 20, max_bytes: 8 << 20, ..small_options() };
+    let wal = open(&sim, opts);
+    append_tagged(&wal, 0..10, 100);
+    sim.crash(CrashMode::LoseUnsynced);
+    drop(wal);
+    let path = dir().join(segment_file_name(0));
+    let mut b = sim.read_file(&path).unwrap();
+    // The last record's header damaged: its bytes are skipped, the zeros after it are not.
+    let last = SEGMENT_HEADER_LEN + 9 * (FRAME_HEADER_LEN + 100);
+    b[(last + 10) as usize] ^= 0x40;
+    sim.write_file_durably(&path, &b).unwrap();
+
+    let report = salvage_copy(&sim, &dir(), &out_dir()).unwrap();
+    assert_eq!(report.records, 9);
+    assert_eq!(report.skipped.len(), 1, "{:?}", report.skipped);
+    assert_eq!((report.skipped[0].from, report.skipped[0].to), (last, last + FRAME_HEADER_LEN + 100));
 }
