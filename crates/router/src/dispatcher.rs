@@ -153,7 +153,7 @@ impl<S: Sink, C: CursorStore> Dispatcher<S, C> {
                 Err(e) => return self.hold_undecodable(rec.offset, &e),
             };
             if let Some((lane, _, _)) = self.lane_of(summary.source_key, summary.stream, summary.topic)
-                && lane.skip_if_overflowed(rec.offset, summary.payload_len, summary.received_at_unix_ms)
+                && lane.skip_if_overflowed(&summary, rec.offset)
             {
                 return;
             }
@@ -332,7 +332,12 @@ pub(crate) fn new_source_route<S: Sink, C: CursorStore>(
     let dead_letter_lane = dead_letter.map(|destination| {
         let key = LaneKey { source: source.to_string(), destination };
         let below = cursors_at_start.get(&key).copied().unwrap_or(0);
-        let lane = Arc::new(Lane::new(key.clone(), below, &share));
+        let of_source = cursors_at_start
+            .iter()
+            .filter(|(k, _)| k.source == source)
+            .map(|(k, below)| (k.destination.clone(), *below))
+            .collect();
+        let lane = Arc::new(Lane::new_dead_letter(key.clone(), below, &share, of_source));
         let n = {
             let mut lanes = lanes.write().unwrap_or_else(|p| p.into_inner());
             lanes.insert(key, lane.clone());

@@ -18,9 +18,15 @@
 //!   every record the dispatcher skipped lies below the lane's read position, so no
 //!   record is lost or sent twice by the handoff.
 //! - Client-wide failures (disconnected, unavailable) never count against the breaker.
+//! - A record below a lane's stored cursor is skipped as delivered before a restart only
+//!   where that cursor speaks for it: a destination's own lane always; the dead-letter
+//!   lane only for a record below the stored cursor of the record's own destination, or
+//!   one it delivered itself in this run. Which destinations the cap admits can change
+//!   across a restart, so a record the dead-letter topic never had can lie below its
+//!   cursor; it is dead-lettered (at least once), never skipped.
 
 use std::borrow::Cow;
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -81,11 +87,16 @@ impl Gate {
     }
 
     /// The destination acknowledged the batch in flight, whose records all lie below
-    /// `below`. Its records keep pinning the log until [`Gate::cursor_stored`] settles a
-    /// cursor at or past `below`.
-    fn acknowledged(&mut self, below: u64) {
+    /// `below`; the lane's stored cursor is `stored_below` (read under the gate). The
+    /// records not yet covered by it keep pinning the log until [`Gate::cursor_stored`]
+    /// settles a cursor at or past `below`. (Only the dead-letter lane sends records
+    /// below its stored cursor: those a restart newly refused for the cap.)
+    fn acknowledged(&mut self, below: u64, stored_below: u64) {
         self.acked_below = self.acked_below.max(below);
-        self.unstored_from = self.unstored_from.or(self.in_flight_first);
+        if below > stored_below {
+            let from = self.in_flight_first.map_or(stored_below, |f| f.max(stored_below));
+            self.unstored_from = Some(self.unstored_from.map_or(from, |u| u.min(from)));
+        }
     }
 
     /// Every record below this offset was acknowledged; what the cursor flusher stores.
@@ -157,6 +168,11 @@ pub(crate) struct Lane {
     /// Woken when the lane takes records from its queue.
     pub space: Notify,
     pub delivered_below: AtomicU64,
+    /// The dead-letter lane's view of every stored cursor of its source at start (see
+    /// [`Lane::delivered_before`]); `None` for a destination's own lane.
+    cursors_at_start: Option<Arc<HashMap<DestinationKey, u64>>>,
+    /// `delivered_below` at start.
+    delivered_below_at_start: u64,
     pub status: StatusCell,
     info: Mutex<Info>,
 }
@@ -191,8 +207,34 @@ impl Lane {
             wake: Notify::new(),
             space: Notify::new(),
             delivered_below: AtomicU64::new(delivered_below),
+            cursors_at_start: None,
+            delivered_below_at_start: delivered_below,
             status,
             info: Mutex::new(Info::default()),
+        }
+    }
+
+    /// A dead-letter lane: a record below its cursor counts as delivered before a restart
+    /// only if its own destination's cursor at start (`cursors_at_start`) is past it.
+    pub(crate) fn new_dead_letter(
+        key: LaneKey,
+        delivered_below: u64,
+        share: &SourceShare,
+        cursors_at_start: HashMap<DestinationKey, u64>,
+    ) -> Lane {
+        Lane { cursors_at_start: Some(Arc::new(cursors_at_start)), ..Lane::new(key, delivered_below, share) }
+    }
+
+    /// True if the record at `offset`, bound for `stream`/`topic`, was delivered: before a
+    /// restart (by its stored cursor) or in this run (by this lane's progress).
+    fn delivered_before(&self, offset: u64, stream: &str, topic: &str) -> bool {
+        let now = self.delivered_below.load(Ordering::Acquire);
+        match &self.cursors_at_start {
+            None => offset < now,
+            Some(cursors) => {
+                let own = cursors.get(&DestinationKey::new(stream, topic)).copied().unwrap_or(0);
+                offset < own || (self.delivered_below_at_start..now).contains(&offset)
+            }
         }
     }
 
@@ -211,8 +253,9 @@ impl Lane {
     // The `Err` is the record handed back, not an error: boxing it would allocate per record.
     #[allow(clippy::result_large_err)]
     pub(crate) fn offer(&self, r: Routed, queue_max: usize, may_refuse: bool) -> Result<(), Routed> {
-        if r.offset < self.delivered_below.load(Ordering::Acquire) {
-            return Ok(()); // delivered before a restart
+        let d = &r.envelope.header.destination;
+        if self.delivered_before(r.offset, &d.stream, &d.topic) {
+            return Ok(());
         }
         let mut g = self.gate();
         let full = g.overflow_from.is_none() && g.queue.len() >= queue_max;
@@ -248,10 +291,11 @@ impl Lane {
     /// skipped the record at `offset` and returns true; otherwise changes nothing and
     /// returns false (the record is to be offered). Lets the dispatcher skip a record
     /// without decoding it in full.
-    pub(crate) fn skip_if_overflowed(&self, offset: u64, payload_len: usize, received_at_unix_ms: u64) -> bool {
-        if offset < self.delivered_below.load(Ordering::Acquire) {
-            return true; // delivered before a restart
+    pub(crate) fn skip_if_overflowed(&self, summary: &EnvelopeSummary<'_>, offset: u64) -> bool {
+        if self.delivered_before(offset, summary.stream, summary.topic) {
+            return true;
         }
+        let (payload_len, received_at_unix_ms) = (summary.payload_len, summary.received_at_unix_ms);
         let mut g = self.gate();
         if g.overflow_from.is_none() {
             return false;
@@ -397,7 +441,7 @@ pub(crate) async fn run<S: Sink, C: CursorStore>(lane: Arc<Lane>, mut ctx: LaneC
         // Acknowledged: the cursor flusher stores it; until then the records pin the log.
         {
             let mut g = lane.gate();
-            g.acknowledged(last + 1);
+            g.acknowledged(last + 1, lane.delivered_below.load(Ordering::Acquire));
             let next_first = ahead.as_ref().and_then(|(b, _)| b.first());
             g.in_flight_first = next_first.map(|r| r.offset);
             g.held_records = g.held_records.saturating_sub(batch.len() as u64);
@@ -540,11 +584,11 @@ async fn next_batch<S, C>(
 }
 
 fn own_record(lane: &Lane, rec: Record) -> Option<Routed> {
-    if rec.offset < lane.delivered_below.load(Ordering::Acquire) {
-        return None;
-    }
     // Other lanes' records are told apart from the summary; only this lane's are decoded.
     let summary = Envelope::summarize(&rec.payload).ok()?;
+    if lane.delivered_before(rec.offset, summary.stream, summary.topic) {
+        return None;
+    }
     let reason = (lane.belongs)(&lane.key, &summary)?;
     let envelope = Envelope::decode(&rec.payload).ok()?;
     Some(Routed { offset: rec.offset, envelope, dead_letter_reason: reason })
@@ -1071,7 +1115,7 @@ mod tests {
                     taken_below = first + 10;
                 }
                 Step::Ack { below } => {
-                    g.acknowledged(below);
+                    g.acknowledged(below, durable);
                     g.in_flight_first = None;
                 }
                 Step::Snapshot => snapshot = Some(g.acked_below()).filter(|a| *a > durable),

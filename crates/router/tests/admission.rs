@@ -264,6 +264,65 @@ async fn a_breaker_whose_held_records_are_all_disposed_of_closes() {
     }
 }
 
+/// The cap's admitted set is built again at each start, in log order from the oldest
+/// record kept: a destination admitted before a restart (here A, whose backlog the log
+/// holds while A is down) can be refused after it, its records then dead-lettered. They
+/// lie below the dead-letter lane's stored cursor (B's records went there before), yet
+/// that topic never had them: they must go there (or to A), never be skipped as
+/// "delivered before the restart" and released.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_restart_records_refused_by_the_cap_are_dead_lettered_even_below_its_cursor() {
+    let sim = SimStorage::new();
+    let wal = open_wal(&sim);
+    let sink = FaultySink::new();
+    let cursors = Arc::new(MemoryCursorStore::new());
+    let (a, b, dlq) = (key("s", "a"), key("s", "b"), key("dlq", "rejected"));
+    let mut p = policy(OnAdmissionFailure::DeadLetter);
+    p.max_destinations = 1;
+    let policies = Policies::uniform(p);
+
+    // Run 1: A comes first and is admitted; one record reaches it, then it fails. B is
+    // over the cap: dead-lettered, and the log released below A's backlog.
+    wal.append(vec![record(&a, 0, Partitioning::Balanced)]).await.unwrap_or_else(|e| panic!("{e}"));
+    let router = Router::start(wal.clone(), sink.clone(), cursors.clone(), policies.clone()).unwrap();
+    eventually(Duration::from_secs(10), "A's first record", || sink.ids(&a).len() == 1).await;
+    sink.fault(&a, Some(Fault::Fail(SendErrorKind::Destination)));
+    let mut n = 1u64;
+    let mut append = |d: &router::DestinationKey, count: u64, owed: &mut Vec<u128>| {
+        let batch: Vec<_> = (n..n + count).map(|i| record(d, i, Partitioning::Balanced)).collect();
+        owed.extend((n..n + count).map(|i| u128::from(i) + 1));
+        n += count;
+        batch
+    };
+    let (mut b_ids, mut a_owed) = (Vec::new(), Vec::new());
+    for batch in [append(&b, 200, &mut b_ids), append(&a, 10, &mut a_owed), append(&b, 10, &mut b_ids)] {
+        for r in batch {
+            wal.append(vec![r]).await.unwrap_or_else(|e| panic!("{e}"));
+        }
+    }
+    eventually(Duration::from_secs(20), "B dead-lettered and the log released", || {
+        sink.ids(&dlq).len() == 210 && wal.start_offset() > 0
+    })
+    .await;
+    router.shutdown().await;
+    wal.close().await.unwrap_or_else(|e| panic!("{e}"));
+    drop(wal);
+
+    // Run 2, the same configuration: the log now starts with B's records, so B takes the
+    // slot and A's backlog is over the cap.
+    let wal = open_wal(&sim);
+    assert!(wal.start_offset() > 1, "the test needs the log to start past A's first record");
+    sink.fault(&a, None);
+    let router = Router::start(wal.clone(), sink.clone(), cursors.clone(), policies).unwrap();
+    eventually(Duration::from_secs(20), "released to the end", || router.released_below() == n).await;
+    let (to_a, to_dlq) = (sink.ids(&a), sink.ids(&dlq));
+    let lost: Vec<u128> = a_owed.iter().copied().filter(|id| !to_a.contains(id) && !to_dlq.contains(id)).collect();
+    router.shutdown().await;
+    assert!(lost.is_empty(), "released from the log and sent nowhere: {lost:?}");
+    let dlq_missing: Vec<u128> = b_ids.iter().copied().filter(|id| !to_dlq.contains(id)).collect();
+    assert!(dlq_missing.is_empty(), "B's records missing from the dead-letter topic: {dlq_missing:?}");
+}
+
 /// A dead-letter topic that fails is a held lane like any other: Degraded after
 /// `degraded_after_failures`, with the result timeout applied, and Running once the
 /// records reach it.
