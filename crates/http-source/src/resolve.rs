@@ -207,7 +207,11 @@ mod tests {
         assert_eq!(known, vec![("shop".to_string(), "other".to_string()), ("shop".to_string(), "ta".to_string())]);
         // A default the admission refuses is not among them.
         let deny = Admission::Denylist(vec![Rule::parse("shop", "other").unwrap()]);
-        assert!(spec(OnMissing::Default, deny, balanced).destinations_known_at_start().is_empty());
+        assert!(spec(OnMissing::Default, deny, balanced.clone()).destinations_known_at_start().is_empty());
+        // Nor a default no event can fall back to.
+        for on_missing in [OnMissing::Error, OnMissing::Drop] {
+            assert!(spec(on_missing, Admission::Open, balanced.clone()).destinations_known_at_start().is_empty());
+        }
     }
 
     fn events(lines: &[&str]) -> Vec<Bytes> {

@@ -88,14 +88,18 @@ pub struct SourceSpec {
 
 impl SourceSpec {
     /// The destinations this source's events can be seen to go to before any arrives,
-    /// in order, without repeats: its fixed destination, or its route's default, and the
+    /// in order, without repeats: its fixed destination, or its route's default (only
+    /// where an event can go there: `on_missing_destination = "default"`), and the
     /// allowlist's literal entries; each only if the source's admission lets it in. What
-    /// the router pre-warms at start.
+    /// the router pre-warms at start (at most the source's `max_destinations` of them).
     pub fn destinations_known_at_start(&self) -> Vec<(String, String)> {
         let mut out: Vec<(String, String)> = Vec::new();
         match &self.destinations {
             Destinations::Fixed { stream, topic } => out.push((stream.clone(), topic.clone())),
-            Destinations::Routed(r) => out.push((r.default_stream.clone(), r.default_topic.clone())),
+            Destinations::Routed(r) if r.on_missing == crate::route::OnMissing::Default => {
+                out.push((r.default_stream.clone(), r.default_topic.clone()))
+            }
+            Destinations::Routed(_) => {}
         }
         if let Admission::Allowlist(rules) = &self.admission {
             for rule in rules {

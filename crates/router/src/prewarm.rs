@@ -5,8 +5,12 @@
 //! Invariants:
 //! - Pre-warming never delays the daemon: it runs as its own task, and a destination it
 //!   could not ensure before the deadline is simply ensured on first use, as any other.
-//! - It only creates what a record would create anyway (the same `Sink::ensure`), so it
-//!   changes when a destination is created, never whether.
+//! - It only creates what a record could create (the same `Sink::ensure`): destinations
+//!   a source's records can name and its cap would admit (its fixed destination, its
+//!   route's default where events can fall back to it, literal allowlist entries; at
+//!   most `max_destinations` per source, chosen by the caller). A literal allowlist
+//!   entry no record ever names is still created: listing it is taken as saying it is
+//!   expected.
 //! - Every attempt is bounded: the whole run ends at the deadline, each failure waits a
 //!   capped backoff before the next try.
 

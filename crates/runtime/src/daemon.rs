@@ -170,11 +170,15 @@ pub async fn start(mut settings: Settings, metrics: Option<PrometheusHandle>) ->
     health.watch_log(wal.clone());
 
     // Delivery never waits for Iggy: the daemon accepts and holds while it is away.
+    // Pre-warmed: what a source's records can name, no more than its cap would admit.
     let mut known_at_start: Vec<router::DestinationKey> = Vec::new();
-    for (stream, topic) in settings.sources.iter().flat_map(|s| s.destinations_known_at_start()) {
-        let d = router::DestinationKey::new(stream, topic);
-        if !known_at_start.contains(&d) {
-            known_at_start.push(d);
+    for source in &settings.sources {
+        let max = settings.delivery.policies.for_source(&source.key).max_destinations;
+        for (stream, topic) in source.destinations_known_at_start().into_iter().take(max) {
+            let d = router::DestinationKey::new(stream, topic);
+            if !known_at_start.contains(&d) {
+                known_at_start.push(d);
+            }
         }
     }
     let delivery = Arc::new(

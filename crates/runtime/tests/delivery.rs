@@ -173,7 +173,10 @@ default_topic = "unrouted"
 
 [sources.shop.admission]
 mode = "allowlist"
-allowlist = [{{ stream = "shop", topic = "*" }}, {{ stream = "crm", topic = "customers" }}]
+allowlist = [{{ stream = "shop", topic = "*" }}, {{ stream = "crm", topic = "customers" }}, {{ stream = "crm", topic = "orders" }}]
+
+[router.sources.shop]
+max_destinations = 2
 "#,
         broker = broker.addr()
     );
@@ -190,5 +193,9 @@ allowlist = [{{ stream = "shop", topic = "*" }}, {{ stream = "crm", topic = "cus
         assert_eq!((o.enforce_fsync, o.messages_required_to_save), (Some(true), Some(1)), "{s}/{t} durable");
         assert!(broker.messages(s, t).is_empty(), "{s}/{t}: created, nothing sent");
     }
+    // The shop source's cap admits two destinations: a third literal entry would never
+    // be created by a record, so it is not pre-warmed either.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(broker.topic_options("crm", "orders").is_none(), "pre-warmed past the source's cap");
     assert!(daemon.stop().success());
 }
