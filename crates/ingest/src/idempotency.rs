@@ -19,6 +19,19 @@
 //! possible are deliveries retried after the retention window, or records released
 //! from the log before the checkpoint covered them.
 //!
+//! The other way round, the log can end below keys the database kept: under
+//! `wal.sync = "interval"` a key is recorded once its append is written, before the sync,
+//! and any later durable commit of the database (a checkpoint, a cursor store) persists
+//! it, so a power loss can take the record and keep the key; recovery can cut damage in
+//! the last synced write; the log directory can be replaced. Such a key would answer a
+//! retry with offsets the log does not hold (and will give to other events), and the
+//! retried event would never be stored. So the rebuild forgets every key whose offsets
+//! reach the log's next offset. It need not read every key on each start to find them:
+//! the database keeps a bound, `idempotency_keys_below` (every recorded key's last offset
+//! is below it), raised in the very transaction that records keys, so it is durable
+//! whenever they are; the keys are scanned only when that bound is above the log's next
+//! offset (or absent: a database from before the bound, scanned once).
+//!
 //! Invariants:
 //! - A delivery id is scoped by the source and by the secret-path endpoint the request
 //!   came through ([`IdempotencyKey`]): two endpoints of one source (two tenants) never
@@ -29,6 +42,9 @@
 //!   key claimed and is refused (409) until the first finishes.
 //! - Entries older than the retention window are ignored by lookups and swept by
 //!   checkpoints.
+//! - After a rebuild, every key's offsets are below the log's next offset: a key never
+//!   answers a retry with offsets the log does not hold. `idempotency_keys_below` is
+//!   above every recorded key's last offset, in every committed state of the database.
 //! - Keys recorded before keys were scoped by endpoint cannot be told apart: a request
 //!   through an endpoint was recorded in its source's named-path scope. Once per
 //!   database, before the first rebuild that scopes keys, those of sources that have
@@ -48,6 +64,9 @@ use crate::envelope::Envelope;
 use crate::state::{IDEMPOTENCY, IDEMPOTENCY_BY_TIME, META, StateDb, StateError, storage_err};
 
 const META_INDEXED_THROUGH: &str = "idempotency_indexed_through";
+/// Every recorded key's last offset is below this value: raised in the transaction that
+/// records keys, so it is durable whenever they are. Absent in a database from before it.
+const META_KEYS_BELOW: &str = "idempotency_keys_below";
 /// Set once the keys recorded before keys were scoped by endpoint were sorted out
 /// ([`IdempotencyIndex::forget_unscoped_keys_once`]).
 const META_KEYS_SCOPED_BY_ENDPOINT: &str = "idempotency_keys_scoped_by_endpoint";
@@ -95,6 +114,9 @@ pub struct RebuildReport {
     pub records_scanned: u64,
     pub keys_restored: u64,
     pub undecodable_records: u64,
+    /// Keys forgotten because their offsets were at or past the log's next offset (the
+    /// log lost its tail, or was replaced, after they were recorded).
+    pub keys_beyond_log_forgotten: u64,
 }
 
 /// The index. Share it behind an `Arc`.
@@ -129,9 +151,12 @@ fn run_recorder(state: Arc<StateDb>, jobs: std::sync::mpsc::Receiver<RecordJob>)
             let db = state.db()?;
             let mut txn = db.begin_write().map_err(storage_err)?;
             txn.set_durability(Durability::None).map_err(|e| StateError::Storage(e.to_string()))?;
+            let mut below = 0u64;
             for (key, prior, _) in &group {
                 insert(&txn, key, *prior)?;
+                below = below.max(prior.last_offset.saturating_add(1));
             }
+            raise_keys_below(&txn, below)?;
             txn.commit().map_err(storage_err)
         })();
         for (_, _, reply) in group {
@@ -323,14 +348,16 @@ impl IdempotencyIndex {
         Ok(forgotten)
     }
 
-    /// Restores the keys of records the last checkpoint did not cover. Call once after
-    /// opening, before serving.
+    /// Forgets the keys the log does not hold (offsets at or past its next offset), then
+    /// restores the keys of records the last checkpoint did not cover. Call once after
+    /// opening, before serving (or with keyed requests held at the gate).
     pub fn rebuild(&self, wal: &Wal, now_unix_ms: u64) -> Result<RebuildReport, StateError> {
-        let indexed_through = {
+        let (indexed_through, keys_below) = {
             let db = self.state.db()?;
             let txn = db.begin_read().map_err(storage_err)?;
             let meta = txn.open_table(META).map_err(storage_err)?;
-            meta.get(META_INDEXED_THROUGH).map_err(storage_err)?.map(|v| v.value()).unwrap_or(0)
+            let get = |name| meta.get(name).map_err(storage_err).map(|v| v.map(|v| v.value()));
+            (get(META_INDEXED_THROUGH)?.unwrap_or(0), get(META_KEYS_BELOW)?)
         };
         let stats = wal.stats();
         let from = if indexed_through > stats.next_offset {
@@ -347,6 +374,17 @@ impl IdempotencyIndex {
         let db = self.state.db()?;
         let mut txn = db.begin_write().map_err(storage_err)?;
         txn.set_durability(Durability::Immediate).map_err(|e| StateError::Storage(e.to_string()))?;
+        if keys_below.is_none_or(|below| below > stats.next_offset) {
+            report.keys_beyond_log_forgotten = forget_keys_from(&txn, stats.next_offset)?;
+            if report.keys_beyond_log_forgotten > 0 {
+                tracing::warn!(
+                    forgotten = report.keys_beyond_log_forgotten,
+                    keys_below = ?keys_below,
+                    log_next_offset = stats.next_offset,
+                    "delivery ids recorded at offsets the log does not hold (it lost its tail, or was replaced) were forgotten; a retry of one of those deliveries is appended again"
+                );
+            }
+        }
         let records = Records::new(wal, from).map_err(|e| StateError::Storage(format!("reading the log: {e}")))?;
         let mut next = from;
         for record in records {
@@ -377,6 +415,9 @@ impl IdempotencyIndex {
         {
             let mut meta = txn.open_table(META).map_err(storage_err)?;
             meta.insert(META_INDEXED_THROUGH, next.max(from)).map_err(storage_err)?;
+            // Every key left is below the log's end: the forgotten ones were at or past
+            // it, the restored ones are records of the log.
+            meta.insert(META_KEYS_BELOW, next.max(stats.next_offset)).map_err(storage_err)?;
         }
         txn.commit().map_err(storage_err)?;
         Ok(report)
@@ -395,6 +436,36 @@ fn insert(txn: &redb::WriteTransaction, key: &[u8], prior: PriorAcceptance) -> R
     }
     by_time.insert((prior.accepted_at_unix_ms, key), ()).map_err(storage_err)?;
     Ok(())
+}
+
+/// Raises `idempotency_keys_below` to `below` (never lowers it).
+fn raise_keys_below(txn: &redb::WriteTransaction, below: u64) -> Result<(), StateError> {
+    let mut meta = txn.open_table(META).map_err(storage_err)?;
+    let current = meta.get(META_KEYS_BELOW).map_err(storage_err)?.map(|v| v.value());
+    if current.is_none_or(|c| c < below) {
+        meta.insert(META_KEYS_BELOW, below).map_err(storage_err)?;
+    }
+    Ok(())
+}
+
+/// Removes every key whose last offset is at or past `log_next_offset` (a batch is
+/// whole or absent in the log, so such a key's records are all gone). Returns how many.
+fn forget_keys_from(txn: &redb::WriteTransaction, log_next_offset: u64) -> Result<u64, StateError> {
+    let mut table = txn.open_table(IDEMPOTENCY).map_err(storage_err)?;
+    let mut by_time = txn.open_table(IDEMPOTENCY_BY_TIME).map_err(storage_err)?;
+    let mut beyond: Vec<(Vec<u8>, u64)> = Vec::new();
+    for entry in table.iter().map_err(storage_err)? {
+        let (k, v) = entry.map_err(storage_err)?;
+        let (_, last_offset, accepted_at) = v.value();
+        if last_offset >= log_next_offset {
+            beyond.push((k.value().to_vec(), accepted_at));
+        }
+    }
+    for (key, accepted_at) in &beyond {
+        table.remove(key.as_slice()).map_err(storage_err)?;
+        by_time.remove((*accepted_at, key.as_slice())).map_err(storage_err)?;
+    }
+    Ok(beyond.len() as u64)
 }
 
 fn commit_checkpoint(state: &StateDb, through: u64, cutoff_unix_ms: u64) -> Result<(), StateError> {
@@ -483,6 +554,74 @@ mod tests {
         let wal = Wal::open(wal_dir.path(), wal::WalOptions::default()).unwrap();
         index.checkpoint(&wal, 100_000).await.unwrap();
         assert_eq!(index.lookup(&mixed(Some(7), "d"), 10_500).unwrap(), None);
+    }
+
+    fn keys_below(index: &IdempotencyIndex) -> Option<u64> {
+        let db = index.state.db().unwrap();
+        let txn = db.begin_read().unwrap();
+        let meta = txn.open_table(META).unwrap();
+        meta.get(META_KEYS_BELOW).unwrap().map(|v| v.value())
+    }
+
+    #[tokio::test]
+    async fn the_bound_on_recorded_keys_follows_the_records_and_a_database_without_it_is_scanned_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let state = Arc::new(StateDb::open(dir.path().join("s.redb")).unwrap());
+        let index = Arc::new(IdempotencyIndex::new(state.clone(), 60_000));
+        let wal_dir = tempfile::tempdir().unwrap();
+        let wal = Wal::open(wal_dir.path(), wal::WalOptions::default()).unwrap();
+        for _ in 0..4 {
+            wal.append(vec![bytes::Bytes::from_static(b"not an envelope")]).await.unwrap();
+        }
+        // A database from before the bound: keys, no bound.
+        {
+            let db = state.db().unwrap();
+            let txn = db.begin_write().unwrap();
+            insert(
+                &txn,
+                &key("kept").table_key(),
+                PriorAcceptance { first_offset: 1, last_offset: 3, accepted_at_unix_ms: 10_000 },
+            )
+            .unwrap();
+            insert(
+                &txn,
+                &key("gone").table_key(),
+                PriorAcceptance { first_offset: 2, last_offset: 4, accepted_at_unix_ms: 10_000 },
+            )
+            .unwrap();
+            txn.commit().unwrap();
+        }
+        assert_eq!(keys_below(&index), None);
+        let report = index.rebuild(&wal, 10_500).unwrap();
+        assert_eq!(report.keys_beyond_log_forgotten, 1, "a batch reaching past the log's end is gone whole");
+        assert!(index.lookup(&key("kept"), 10_500).unwrap().is_some());
+        assert_eq!(index.lookup(&key("gone"), 10_500).unwrap(), None);
+        assert_eq!(keys_below(&index), Some(4));
+
+        // Recording raises the bound past the key's last offset, never lowers it.
+        let c = index.claim(&key("new")).await.unwrap();
+        index
+            .record(&c, PriorAcceptance { first_offset: 7, last_offset: 9, accepted_at_unix_ms: 10_000 })
+            .await
+            .unwrap();
+        drop(c);
+        assert_eq!(keys_below(&index), Some(10));
+        let c = index.claim(&key("older")).await.unwrap();
+        index
+            .record(&c, PriorAcceptance { first_offset: 5, last_offset: 5, accepted_at_unix_ms: 10_000 })
+            .await
+            .unwrap();
+        drop(c);
+        assert_eq!(keys_below(&index), Some(10));
+
+        // The bound is past the log's end (4): the rebuild forgets those two and lowers it.
+        let report = index.rebuild(&wal, 10_500).unwrap();
+        assert_eq!(report.keys_beyond_log_forgotten, 2);
+        assert_eq!(keys_below(&index), Some(4));
+        assert!(index.lookup(&key("kept"), 10_500).unwrap().is_some());
+        // The time index lost them too: a sweep of everything passes.
+        index.checkpoint(&wal, 100_000).await.unwrap();
+        assert_eq!(index.lookup(&key("kept"), 10_500).unwrap(), None);
     }
 
     #[tokio::test]

@@ -20,7 +20,8 @@ use redb::{Database, ReadableDatabase, TableDefinition};
 /// table's key or value layout.
 pub const SCHEMA_VERSION: u64 = 1;
 
-/// `name → u64`: `schema_version`, `idempotency_indexed_through`.
+/// `name → u64`: `schema_version`, `idempotency_indexed_through`, `idempotency_keys_below`,
+/// `idempotency_keys_scoped_by_endpoint`.
 pub(crate) const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
 /// `source key ␀ delivery key → (first offset, last offset, accepted at unix ms)`.
 pub(crate) const IDEMPOTENCY: TableDefinition<&[u8], (u64, u64, u64)> = TableDefinition::new("idempotency");

@@ -1,0 +1,126 @@
+//! Delivery ids across a log that lost its tail after their keys were stored.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use ingest::{Destination, Event, IdempotencyIndex, Ingestor, Partitioning, StateDb, Submission};
+use wal::storage::{CrashMode, SimStorage};
+use wal::{SyncPolicy, Wal, WalOptions};
+
+const RETENTION_MS: u64 = 86_400_000;
+
+fn submission(delivery_key: Option<&str>, now: u64) -> Submission {
+    Submission {
+        source_key: "s".into(),
+        endpoint_id: None,
+        content_type: None,
+        metadata: vec![],
+        headers: vec![],
+        delivery_key: delivery_key.map(str::to_string),
+        events: vec![Event {
+            destination: Destination { stream: "a".into(), topic: "b".into(), partitioning: Partitioning::Balanced },
+            payload: Bytes::from_static(b"{}"),
+        }],
+        received_at_unix_ms: now,
+    }
+}
+
+fn open_wal(sim: &SimStorage, sync: SyncPolicy) -> Arc<Wal> {
+    let options = WalOptions { sync, ..WalOptions::default() };
+    Arc::new(Wal::open_with(Arc::new(sim.clone()), Path::new("/wal"), options).unwrap())
+}
+
+/// A started index: rebuilt against `wal`, as the daemon does before serving.
+fn start(state: &Arc<StateDb>, wal: &Arc<Wal>, now: u64) -> (Ingestor, ingest::idempotency::RebuildReport) {
+    let index = Arc::new(IdempotencyIndex::new(state.clone(), RETENTION_MS));
+    let report = index.rebuild(wal, now).unwrap();
+    (Ingestor::new(wal.clone(), index), report)
+}
+
+#[tokio::test]
+async fn a_key_whose_record_a_power_loss_took_is_forgotten_and_its_retry_appended_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = Arc::new(StateDb::open(dir.path().join("state.redb")).unwrap());
+    let sim = SimStorage::new();
+    let now = ingest::time::now_unix_ms();
+
+    // d-0 (offset 0) and two events without a delivery id, synced; a checkpoint covers them.
+    let wal = open_wal(&sim, SyncPolicy::Always);
+    let (ingestor, _) = start(&state, &wal, now);
+    let d0 = ingestor.accept(submission(Some("d-0"), now)).await.unwrap();
+    assert_eq!((d0.first_offset, d0.replayed), (0, false));
+    for _ in 0..2 {
+        ingestor.accept(submission(None, now)).await.unwrap();
+    }
+    assert_eq!(ingestor.idempotency().checkpoint(&wal, now).await.unwrap(), 3);
+    wal.close().await.unwrap();
+    drop((ingestor, wal));
+
+    // Under `interval`, d-1 is answered (offset 3) and its key recorded before the sync;
+    // a durable commit of the state database (here a cursor store) persists the key, then
+    // the power goes before the log syncs.
+    let wal = open_wal(&sim, SyncPolicy::Interval(Duration::from_secs(60)));
+    let (ingestor, _) = start(&state, &wal, now);
+    let d1 = ingestor.accept(submission(Some("d-1"), now)).await.unwrap();
+    assert_eq!((d1.first_offset, d1.replayed), (3, false));
+    state.store_cursors(&[]).unwrap();
+    sim.crash(CrashMode::LoseUnsynced);
+    drop((ingestor, wal));
+
+    let wal = open_wal(&sim, SyncPolicy::Always);
+    assert_eq!(wal.next_offset(), 3, "the power loss took d-1's record");
+    let (ingestor, report) = start(&state, &wal, now + 1);
+    assert_eq!(report.keys_beyond_log_forgotten, 1);
+
+    // The retry of d-1 is appended anew, at the offset the log now gives it.
+    let retry = ingestor.accept(submission(Some("d-1"), now + 1)).await.unwrap();
+    assert!(
+        !retry.replayed,
+        "answered as a replay of offsets {}..={}, which the log (next offset 3) does not hold",
+        retry.first_offset, retry.last_offset
+    );
+    assert_eq!(retry.first_offset, 3);
+    let records: Vec<_> = wal::inspect::Records::new(&wal, 0).unwrap().map(|r| r.unwrap()).collect();
+    let stored = ingest::Envelope::decode(&records[3].payload).unwrap();
+    assert_eq!(stored.header.idempotency_key.as_deref(), Some("d-1"));
+
+    // Keys below the log's end are kept: d-0 still replays, and so does d-1 now.
+    let again = ingestor.accept(submission(Some("d-0"), now + 2)).await.unwrap();
+    assert_eq!((again.first_offset, again.last_offset, again.replayed), (0, 0, true));
+    let again = ingestor.accept(submission(Some("d-1"), now + 2)).await.unwrap();
+    assert_eq!((again.first_offset, again.replayed), (3, true));
+
+    // A later start finds the keys below the log's end and forgets none.
+    wal.close().await.unwrap();
+    drop((ingestor, wal));
+    let wal = open_wal(&sim, SyncPolicy::Always);
+    let (_, report) = start(&state, &wal, now + 3);
+    assert_eq!(report.keys_beyond_log_forgotten, 0);
+}
+
+#[tokio::test]
+async fn keys_are_forgotten_when_the_log_directory_was_replaced_by_a_shorter_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = Arc::new(StateDb::open(dir.path().join("state.redb")).unwrap());
+    let now = ingest::time::now_unix_ms();
+    let sim = SimStorage::new();
+    let wal = open_wal(&sim, SyncPolicy::Always);
+    let (ingestor, _) = start(&state, &wal, now);
+    for _ in 0..3 {
+        ingestor.accept(submission(None, now)).await.unwrap();
+    }
+    let d1 = ingestor.accept(submission(Some("d-1"), now)).await.unwrap();
+    assert_eq!(d1.first_offset, 3);
+    ingestor.idempotency().checkpoint(&wal, now).await.unwrap();
+    wal.close().await.unwrap();
+    drop((ingestor, wal));
+
+    // Another, empty log directory: the checkpoint (4) is ahead of it.
+    let wal = open_wal(&SimStorage::new(), SyncPolicy::Always);
+    let (ingestor, report) = start(&state, &wal, now + 1);
+    assert_eq!(report.keys_beyond_log_forgotten, 1);
+    let retry = ingestor.accept(submission(Some("d-1"), now + 1)).await.unwrap();
+    assert_eq!((retry.first_offset, retry.replayed), (0, false));
+}
