@@ -4,8 +4,9 @@
 //! Invariants:
 //! - `store_cursors` commits durably (redb's default immediate durability) before it
 //!   returns: the log may be released below a cursor only once it is stored.
-//! - A stored cursor never moves backwards: a smaller value than the stored one is
-//!   ignored.
+//! - A stored cursor never moves backwards through `store_cursors`: a smaller value than
+//!   the stored one is ignored. Only `lower_cursors` moves one back, for a cursor the log
+//!   does not reach (it lost its tail after the cursor was stored).
 
 use redb::{ReadableDatabase, ReadableTable, TableDefinition};
 
@@ -56,6 +57,25 @@ impl StateDb {
                 let key = (r.source.as_str(), r.stream.as_str(), r.topic.as_str());
                 let current = table.get(key).map_err(storage_err)?.map(|v| v.value());
                 if current.is_none_or(|c| c < r.delivered_below) {
+                    table.insert(key, r.delivered_below).map_err(storage_err)?;
+                }
+            }
+        }
+        txn.commit().map_err(storage_err)
+    }
+
+    /// Lowers each stored cursor that is above the row's offset to it, in one durable
+    /// transaction; a cursor at or below it, or none, is left as it is. For a cursor the
+    /// log does not reach: kept, it would pass over records that reuse its offsets.
+    pub fn lower_cursors(&self, rows: &[CursorRow]) -> Result<(), StateError> {
+        let db = self.db()?;
+        let txn = db.begin_write().map_err(storage_err)?;
+        {
+            let mut table = txn.open_table(CURSORS).map_err(storage_err)?;
+            for r in rows {
+                let key = (r.source.as_str(), r.stream.as_str(), r.topic.as_str());
+                let current = table.get(key).map_err(storage_err)?.map(|v| v.value());
+                if current.is_some_and(|c| c > r.delivered_below) {
                     table.insert(key, r.delivered_below).map_err(storage_err)?;
                 }
             }
@@ -142,6 +162,20 @@ mod tests {
         let mut got = db.load_cursors().unwrap();
         got.sort_by(|x, y| x.source.cmp(&y.source));
         assert_eq!(got, vec![row("a", "t", 10), row("b", "t", 5)]);
+    }
+
+    #[test]
+    fn lowering_moves_only_cursors_above_the_offset_back_and_survives_a_reopen() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("state.redb");
+        let db = StateDb::open(&p).unwrap();
+        db.store_cursors(&[row("a", "t", 500), row("b", "t", 5)]).unwrap();
+        db.lower_cursors(&[row("a", "t", 10), row("b", "t", 10), row("c", "t", 10)]).unwrap();
+        drop(db);
+        let db = StateDb::open(&p).unwrap();
+        let mut got = db.load_cursors().unwrap();
+        got.sort_by(|x, y| x.source.cmp(&y.source));
+        assert_eq!(got, vec![row("a", "t", 10), row("b", "t", 5)], "b was below the offset, c had none");
     }
 
     #[test]

@@ -4,7 +4,9 @@
 //! Invariants:
 //! - `store` returns only once the cursors are durable; the log is released below a
 //!   lane's records only after that.
-//! - A cursor never moves backwards (stores only ever raise it).
+//! - A cursor never moves backwards through `store` (stores only ever raise it). Only
+//!   `lower`, called by the router at start for a cursor above the log's next offset (the
+//!   log lost its tail, or was replaced, after the cursor was stored), moves one back.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -21,6 +23,11 @@ pub trait CursorStore: Send + Sync + 'static {
     /// Durably records, for each lane, that every record of it below the offset was
     /// acknowledged; all or nothing.
     fn store(&self, cursors: Vec<(LaneKey, u64)>) -> impl Future<Output = Result<(), String>> + Send;
+
+    /// Durably lowers, for each lane, a stored cursor above the offset to it (one at or
+    /// below it is left); all or nothing. Blocking: called once at start, before the
+    /// router runs.
+    fn lower(&self, cursors: Vec<(LaneKey, u64)>) -> Result<(), String>;
 }
 
 /// Cursors kept in memory only: a test double, never durable.
@@ -59,6 +66,17 @@ impl CursorStore for MemoryCursorStore {
         }
         Ok(())
     }
+
+    fn lower(&self, cursors: Vec<(LaneKey, u64)>) -> Result<(), String> {
+        *self.commits.lock().unwrap_or_else(|p| p.into_inner()) += 1;
+        let mut c = self.cursors.lock().unwrap_or_else(|p| p.into_inner());
+        for (lane, below) in cursors {
+            if let Some(v) = c.get_mut(&lane) {
+                *v = (*v).min(below);
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Cursors in the daemon's state database: one durable redb transaction per store.
@@ -90,15 +108,7 @@ impl CursorStore for StateCursorStore {
     }
 
     async fn store(&self, cursors: Vec<(LaneKey, u64)>) -> Result<(), String> {
-        let rows: Vec<CursorRow> = cursors
-            .into_iter()
-            .map(|(lane, below)| CursorRow {
-                source: lane.source,
-                stream: lane.destination.stream,
-                topic: lane.destination.topic,
-                delivered_below: below,
-            })
-            .collect();
+        let rows = rows(cursors);
         let state = self.state.clone();
         let started = std::time::Instant::now();
         let result = match tokio::task::spawn_blocking(move || state.store_cursors(&rows)).await {
@@ -110,4 +120,20 @@ impl CursorStore for StateCursorStore {
         }
         result
     }
+
+    fn lower(&self, cursors: Vec<(LaneKey, u64)>) -> Result<(), String> {
+        self.state.lower_cursors(&rows(cursors)).map_err(|e| e.to_string())
+    }
+}
+
+fn rows(cursors: Vec<(LaneKey, u64)>) -> Vec<CursorRow> {
+    cursors
+        .into_iter()
+        .map(|(lane, below)| CursorRow {
+            source: lane.source,
+            stream: lane.destination.stream,
+            topic: lane.destination.topic,
+            delivered_below: below,
+        })
+        .collect()
 }

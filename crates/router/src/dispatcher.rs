@@ -53,6 +53,8 @@ pub(crate) struct Dispatcher<S, C> {
     pub policies: Arc<Policies>,
     pub lanes: Lanes,
     pub sources: HashMap<String, SourceRoute>,
+    /// The stored cursors, none above the log's next offset at start (see
+    /// `cursors_within_the_log`).
     pub cursors_at_start: HashMap<LaneKey, u64>,
     pub ctx: LaneContext<S, C>,
     /// The lowest offset held because it could not be admitted (`on_admission_failure =

@@ -20,6 +20,10 @@
 //!    ([`status::StatusCell::set`]); Degraded after `degraded_after_failures`, Running
 //!    again on the first success; Error while the dispatcher or a lane cannot read the
 //!    log, left as soon as it reads again ([`RouterHealth`] settles the router's own).
+//! 6. **No cursor is ahead of the log.** A lane passes over records below its cursor as
+//!    delivered; at start a stored cursor above the log's next offset (the log lost its
+//!    tail, or was replaced) is taken as that offset and lowered in the store before the
+//!    router runs, so records that reuse those offsets are delivered before release.
 
 pub mod breaker;
 pub mod cursors;
@@ -168,7 +172,11 @@ impl std::fmt::Debug for Router {
 }
 
 impl Router {
-    /// Starts draining `wal` into `sink`. Must be called inside a tokio runtime.
+    /// Starts draining `wal` into `sink`. Must be called inside a tokio runtime. A stored
+    /// cursor above the log's next offset is lowered to it (durably, in `cursors`, before
+    /// this returns; a failure to do so is an `Err`). The first start over a log just
+    /// opened belongs before the log takes appends: a cursor ahead of the log's end at
+    /// open, once new appends reached it, looks like a live one.
     pub fn start<S: Sink, C: CursorStore>(
         wal: Arc<Wal>,
         sink: Arc<S>,
@@ -176,7 +184,7 @@ impl Router {
         policies: Policies,
     ) -> Result<Router, String> {
         policies.validate()?;
-        let cursors_at_start = cursors.load()?;
+        let cursors_at_start = cursors_within_the_log(&*cursors, wal.next_offset())?;
         let policies = Arc::new(policies);
         let health = Arc::new(RouterHealth::new());
         let (shutdown, shutdown_rx) = watch::channel(false);
@@ -281,6 +289,39 @@ impl Router {
         }
         self.health.cell.set(Status::Stopped, "shutdown complete");
     }
+}
+
+/// The stored cursors, none above `log_next_offset`. A cursor above the log's next offset
+/// says records were delivered that the log does not hold: it lost its tail after the
+/// cursor was stored (a power loss under `wal.sync = "interval"`, recovery cutting damage
+/// in the last synced write) or the log directory was replaced. Kept, it would make its
+/// lane pass over the new records that reuse those offsets as delivered, and the
+/// releaser free them, never sent. Such a cursor is taken as the log's next offset, and
+/// lowered in the store (durably) before the router runs, so a later store, which only
+/// ever raises a cursor, cannot leave the old value in place.
+///
+/// Against the log's end at open: the daemon starts the router before it serves. (A
+/// stale cursor that appends made since the open have reached cannot be told apart.)
+fn cursors_within_the_log<C: CursorStore>(cursors: &C, log_next_offset: u64) -> Result<HashMap<LaneKey, u64>, String> {
+    let mut loaded = cursors.load()?;
+    let mut ahead: Vec<(LaneKey, u64)> = Vec::new();
+    for (lane, cursor) in loaded.iter_mut() {
+        if *cursor > log_next_offset {
+            tracing::warn!(
+                lane = %lane,
+                stored_cursor = *cursor,
+                log_next_offset,
+                "a stored cursor is ahead of the log (it lost its tail, or was replaced, after the cursor was stored); the lane resumes at the log's end"
+            );
+            *cursor = log_next_offset;
+            ahead.push((lane.clone(), log_next_offset));
+        }
+    }
+    if !ahead.is_empty() {
+        ahead.sort();
+        cursors.lower(ahead).map_err(|e| format!("lowering cursors ahead of the log: {e}"))?;
+    }
+    Ok(loaded)
 }
 
 #[allow(clippy::too_many_arguments)]

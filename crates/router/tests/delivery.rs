@@ -316,3 +316,35 @@ async fn failed_sends_with_the_next_batch_prepared_lose_nothing_and_repeat_nothi
     assert_eq!((lane.held_records, lane.held_bytes), (0, 0));
     router.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cursor_ahead_of_the_log_is_lowered_to_its_end_and_new_records_are_delivered_before_release() {
+    // The state database kept a cursor the log does not reach: a power loss took the log's
+    // tail under `interval`, or the log directory was replaced by an empty one.
+    let sim = SimStorage::new();
+    let wal = open_wal(&sim);
+    let sink = FaultySink::new();
+    let d = key("ahead", "t");
+    let lane = router::LaneKey { source: "test".into(), destination: d.clone() };
+    let cursors = Arc::new(MemoryCursorStore::new());
+    router::CursorStore::store(&*cursors, vec![(lane.clone(), 500)]).await.unwrap();
+
+    let router = Router::start(wal.clone(), sink.clone(), cursors.clone(), Policies::uniform(fast_policy())).unwrap();
+    assert_eq!(cursors.get(&lane), Some(0), "the stored cursor is lowered to the log's end before anything runs");
+
+    // The new records reuse offsets 0..10, below the old cursor. The destination is down
+    // at first: none of them may be released while it is.
+    sink.fault(&d, Some(Fault::Fail(SendErrorKind::Destination)));
+    let want = fill(&wal, std::slice::from_ref(&d), 0, 10).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(router.released_below(), 0, "records released before they were delivered");
+    eventually(Duration::from_secs(10), "the lane tried its destination", || sink.ensured(&d) + sink.calls(&d) > 0)
+        .await;
+    assert_eq!(router.released_below(), 0, "records released before they were delivered");
+    sink.fault(&d, None);
+    eventually(Duration::from_secs(20), "delivered", || sink.ids(&d).len() == 10).await;
+    assert_eq!(sink.ids(&d), want[&d]);
+    eventually(Duration::from_secs(20), "released after delivery", || router.released_below() == 10).await;
+    router.shutdown().await;
+    assert_eq!(cursors.get(&lane), Some(10));
+}

@@ -179,6 +179,33 @@ impl router::CursorStore for FailingCursorStore {
         }
         self.inner.store(cursors).await
     }
+
+    fn lower(&self, cursors: Vec<(router::LaneKey, u64)>) -> Result<(), String> {
+        if self.failing.load(std::sync::atomic::Ordering::Acquire) {
+            return Err("injected cursor store failure".into());
+        }
+        self.inner.lower(cursors)
+    }
+}
+
+/// A cursor ahead of the log that cannot be lowered in the store refuses the start: run
+/// with it in memory only, a later store (which only raises) would keep the old value, and
+/// the next start would pass over the records that reuse its offsets.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cursor_ahead_of_the_log_that_cannot_be_lowered_refuses_the_start() {
+    let sim = SimStorage::new();
+    let wal = open_wal(&sim);
+    let lane = router::LaneKey { source: "test".into(), destination: key("c", "1") };
+    let cursors = Arc::new(FailingCursorStore::default());
+    router::CursorStore::store(&*cursors, vec![(lane.clone(), 500)]).await.unwrap();
+    cursors.failing.store(true, std::sync::atomic::Ordering::Release);
+    let refused = Router::start(wal.clone(), FaultySink::new(), cursors.clone(), Policies::uniform(fast_policy()));
+    assert!(refused.unwrap_err().contains("injected cursor store failure"));
+    cursors.failing.store(false, std::sync::atomic::Ordering::Release);
+    let router =
+        Router::start(wal.clone(), FaultySink::new(), cursors.clone(), Policies::uniform(fast_policy())).unwrap();
+    assert_eq!(cursors.inner.get(&lane), Some(0));
+    router.shutdown().await;
 }
 
 /// Cursors that cannot be stored pin the log although every send succeeds: the router

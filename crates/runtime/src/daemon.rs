@@ -19,6 +19,8 @@
 //! - The log is closed only after the webhook listener drained, so no request that was
 //!   answered 200 can be behind the close.
 //! - Startup failures are typed ([`StartError`]) and name what failed.
+//! - The router starts before the webhook listener serves, so the log's next offset it
+//!   checks the stored cursors against is the log's end at open (`router::Router::start`).
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
