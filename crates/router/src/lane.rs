@@ -20,9 +20,10 @@
 //! - Client-wide failures (disconnected, unavailable) never count against the breaker.
 //! - A record below a lane's stored cursor is skipped as delivered before a restart only
 //!   where that cursor speaks for it (the router lowered every stored cursor above the
-//!   log's next offset to it at start, so no record appended since is skipped): a destination's own lane always; the dead-letter
-//!   lane only for a record below the stored cursor of the record's own destination, or
-//!   one it delivered itself in this run. Which destinations the cap admits can change
+//!   log's next offset to it at start, so no record appended since is skipped): a
+//!   destination's own lane always; the dead-letter lane only for a record below the
+//!   stored cursor of the record's own destination, or one it delivered itself in this
+//!   run. Which destinations the cap admits can change
 //!   across a restart, so a record the dead-letter topic never had can lie below its
 //!   cursor; it is dead-lettered (at least once), never skipped.
 
