@@ -149,8 +149,11 @@ impl VerifyReport {
 pub fn verify(storage: &dyn Storage, dir: &Path, progress: &mut dyn FnMut(VerifyProgress)) -> Result<VerifyReport> {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
     loop {
-        let attempt =
-            crate::watermark::read_bound(storage, dir).and_then(|b| verify_bounded(storage, dir, b, progress));
+        let attempt = crate::watermark::read_bound(storage, dir).and_then(|b| {
+            let report = verify_bounded(storage, dir, b, progress)?;
+            crate::watermark::confirm_unbounded(storage, dir, b)?;
+            Ok(report)
+        });
         match attempt {
             Err(WalError::Unsettled { .. }) if std::time::Instant::now() < deadline => {
                 std::thread::sleep(std::time::Duration::from_millis(10));

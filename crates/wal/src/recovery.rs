@@ -101,8 +101,11 @@ pub(crate) fn open(storage: Arc<dyn Storage>, dir: &Path, opts: &WalOptions, rea
     // for a moment (the writer is recovering) or name a segment that moved on: retry.
     let deadline = Instant::now() + UNSETTLED_RETRY_FOR;
     loop {
-        let attempt = watermark::read_bound(&*storage, dir)
-            .and_then(|bound| open_bounded(storage.clone(), dir, opts, true, bound));
+        let attempt = watermark::read_bound(&*storage, dir).and_then(|bound| {
+            let opened = open_bounded(storage.clone(), dir, opts, true, bound)?;
+            watermark::confirm_unbounded(&*storage, dir, bound)?;
+            Ok(opened)
+        });
         match attempt {
             Err(WalError::Unsettled { .. }) if Instant::now() < deadline => {
                 std::thread::sleep(Duration::from_millis(10));

@@ -116,12 +116,20 @@ impl Out<'_> {
 }
 
 /// Copies every record of the log in `src` that still checks into a new log in `dst`,
-/// which must not hold a log yet. The source is opened read-only and never changed.
+/// which must not hold a log yet. The source is opened read-only and never changed. If a
+/// writer took the source's lock while it was copied (the daemon started), the copy does
+/// not stand: `Err(Unsettled)`, and `dst` is to be removed and the copy made again.
 pub fn salvage_copy(storage: &dyn Storage, src: &Path, dst: &Path) -> Result<CopyReport> {
-    let bound = match read_bound(storage, src) {
-        Ok(Bound::Watermark(w)) => Some(w),
-        Ok(Bound::None) => None,
-        Err(e) => return Err(e),
+    let read = read_bound(storage, src)?;
+    let report = copy_bounded(storage, src, dst, read)?;
+    crate::watermark::confirm_unbounded(storage, src, read)?;
+    Ok(report)
+}
+
+fn copy_bounded(storage: &dyn Storage, src: &Path, dst: &Path, read: Bound) -> Result<CopyReport> {
+    let bound = match read {
+        Bound::Watermark(w) => Some(w),
+        Bound::None => None,
     };
     let names = storage.list_dir(src).map_err(|e| match e.kind() {
         std::io::ErrorKind::NotFound => WalError::NotALog(src.to_path_buf()),

@@ -107,6 +107,18 @@ pub(crate) fn read_bound(storage: &dyn Storage, dir: &Path) -> Result<Bound> {
     }
 }
 
+/// After a read under `bound`: with no writer then (`Bound::None`), one that took the
+/// lock since may have recovered, cut or appended unsynced bytes under the read, so the
+/// read does not stand; `Err(Unsettled)` (the caller reads again, bounded by the
+/// watermark this time, or gives up).
+pub(crate) fn confirm_unbounded(storage: &dyn Storage, dir: &Path, bound: Bound) -> Result<()> {
+    let lock = dir.join(LOCK_FILE);
+    if bound == Bound::None && storage.is_locked(&lock).map_err(|e| WalError::io(&lock, e))? {
+        return Err(unsettled(dir, "a writer took the log while it was being read"));
+    }
+    Ok(())
+}
+
 pub(crate) fn unsettled(dir: &Path, why: &str) -> WalError {
     WalError::Unsettled { dir: dir.to_path_buf(), why: why.to_string() }
 }

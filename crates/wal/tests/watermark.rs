@@ -134,3 +134,83 @@ fn a_release_right_after_a_rotation_leaves_read_only_opens_working() {
     assert_eq!(ro.next_offset(), 3);
     drop(wal);
 }
+
+/// A storage double: the simulated disk, on which a writer starts (it takes the log's
+/// lock and removes the previous writer's watermark, as a starting daemon does) the first
+/// time a reader opens a segment file.
+struct WriterStartsDuringRead {
+    sim: SimStorage,
+    taken: std::sync::Mutex<Option<Box<dyn Send + Sync>>>,
+}
+
+impl std::fmt::Debug for WriterStartsDuringRead {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WriterStartsDuringRead").finish_non_exhaustive()
+    }
+}
+
+impl Storage for WriterStartsDuringRead {
+    fn create_dir_all(&self, dir: &std::path::Path) -> std::io::Result<()> {
+        self.sim.create_dir_all(dir)
+    }
+    fn list_dir(&self, dir: &std::path::Path) -> std::io::Result<Vec<String>> {
+        self.sim.list_dir(dir)
+    }
+    fn open(
+        &self,
+        path: &std::path::Path,
+        mode: wal::storage::OpenMode,
+    ) -> std::io::Result<Arc<dyn wal::storage::StorageFile>> {
+        let mut taken = self.taken.lock().unwrap();
+        if taken.is_none() && path.extension().is_some_and(|e| e == "seg") {
+            *taken = Some(self.sim.try_lock(&dir().join(wal::LOCK_FILE))?);
+            match self.sim.remove_file(&dir().join(wal::WATERMARK_FILE)) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+                _ => {}
+            }
+        }
+        drop(taken);
+        self.sim.open(path, mode)
+    }
+    fn rename(&self, from: &std::path::Path, to: &std::path::Path) -> std::io::Result<()> {
+        self.sim.rename(from, to)
+    }
+    fn remove_file(&self, path: &std::path::Path) -> std::io::Result<()> {
+        self.sim.remove_file(path)
+    }
+    fn sync_dir(&self, dir: &std::path::Path) -> std::io::Result<()> {
+        self.sim.sync_dir(dir)
+    }
+    fn try_lock(&self, path: &std::path::Path) -> std::io::Result<Box<dyn Send + Sync>> {
+        self.sim.try_lock(path)
+    }
+    fn is_locked(&self, path: &std::path::Path) -> std::io::Result<bool> {
+        self.sim.is_locked(path)
+    }
+}
+
+/// A writer that starts while a read-only tool reads a log nobody held may recover, cut
+/// or append unsynced bytes under the read: the read does not stand. The tools read
+/// again within the watermark, or (none published yet) report the log unsettled; never
+/// an unbounded view of a log a writer holds.
+#[test]
+fn a_writer_that_starts_during_a_read_only_read_makes_it_read_again_or_report_unsettled() {
+    let sim = SimStorage::new();
+    let wal = open(&sim, small_options());
+    append_tagged(&wal, 0..3, 100);
+    drop(wal);
+    let racing = || Arc::new(WriterStartsDuringRead { sim: sim.clone(), taken: std::sync::Mutex::new(None) });
+
+    let storage = racing();
+    let opened = Wal::open_read_only_with(storage.clone() as Arc<dyn Storage>, &dir());
+    assert!(storage.taken.lock().unwrap().is_some(), "the double did not take the lock");
+    assert!(matches!(opened, Err(wal::WalError::Unsettled { .. })), "read-only open: {opened:?}");
+
+    let storage = racing();
+    let verified = inspect::verify(&*storage, &dir(), &mut |_| {});
+    assert!(matches!(verified, Err(wal::WalError::Unsettled { .. })), "verify: {verified:?}");
+
+    let storage = racing();
+    let copied = wal::salvage_copy::salvage_copy(&*storage, &dir(), std::path::Path::new("/sim/copy"));
+    assert!(matches!(copied, Err(wal::WalError::Unsettled { .. })), "salvage_copy: {copied:?}");
+}
