@@ -47,27 +47,21 @@ impl StateDb {
         Ok(out)
     }
 
-    /// Stores several cursors in one durable transaction.
+    /// Stores several cursors in one durable transaction; a cursor never moves back.
     pub fn store_cursors(&self, rows: &[CursorRow]) -> Result<(), StateError> {
-        let db = self.db()?;
-        let txn = db.begin_write().map_err(storage_err)?;
-        {
-            let mut table = txn.open_table(CURSORS).map_err(storage_err)?;
-            for r in rows {
-                let key = (r.source.as_str(), r.stream.as_str(), r.topic.as_str());
-                let current = table.get(key).map_err(storage_err)?.map(|v| v.value());
-                if current.is_none_or(|c| c < r.delivered_below) {
-                    table.insert(key, r.delivered_below).map_err(storage_err)?;
-                }
-            }
-        }
-        txn.commit().map_err(storage_err)
+        self.write_cursors(rows, |current, new| current.is_none_or(|c| c < new))
     }
 
     /// Lowers each stored cursor that is above the row's offset to it, in one durable
     /// transaction; a cursor at or below it, or none, is left as it is. For a cursor the
     /// log does not reach: kept, it would pass over records that reuse its offsets.
     pub fn lower_cursors(&self, rows: &[CursorRow]) -> Result<(), StateError> {
+        self.write_cursors(rows, |current, new| current.is_some_and(|c| c > new))
+    }
+
+    /// Writes each row whose offset `replaces` the stored one (`None`: no cursor yet),
+    /// in one durable transaction.
+    fn write_cursors(&self, rows: &[CursorRow], replaces: impl Fn(Option<u64>, u64) -> bool) -> Result<(), StateError> {
         let db = self.db()?;
         let txn = db.begin_write().map_err(storage_err)?;
         {
@@ -75,7 +69,7 @@ impl StateDb {
             for r in rows {
                 let key = (r.source.as_str(), r.stream.as_str(), r.topic.as_str());
                 let current = table.get(key).map_err(storage_err)?.map(|v| v.value());
-                if current.is_some_and(|c| c > r.delivered_below) {
+                if replaces(current, r.delivered_below) {
                     table.insert(key, r.delivered_below).map_err(storage_err)?;
                 }
             }

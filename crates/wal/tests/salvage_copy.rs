@@ -77,8 +77,9 @@ fn beside_a_live_writer_only_synced_records_are_copied() {
 /// The zeros the writer wrote ahead of its records are not damage wherever the walk meets
 /// them: damage earlier in the file is one skipped range, and the zeros after the last
 /// record are not a second one.
-#[test]
-fn zeros_written_ahead_after_damage_are_not_reported_as_skipped() {
+/// Ten records of 100 bytes with zeros written ahead of them (checked), after a power
+/// loss; the byte at `at` flipped.
+fn ten_records_with_zeros_ahead_damaged_at(at: u64) -> SimStorage {
     let sim = SimStorage::new();
     let opts =
         WalOptions { preallocate_bytes: 64 * 1024, segment_max_bytes: 1 << 20, max_bytes: 8 << 20, ..small_options() };
@@ -90,9 +91,15 @@ fn zeros_written_ahead_after_damage_are_not_reported_as_skipped() {
     let mut b = sim.read_file(&path).unwrap();
     let records_end = (SEGMENT_HEADER_LEN + 10 * (FRAME_HEADER_LEN + 100)) as usize;
     assert!(b.len() > records_end + 1024 && b[records_end..].iter().all(|&x| x == 0), "zeros written ahead");
-    let damaged = SEGMENT_HEADER_LEN + 3 * (FRAME_HEADER_LEN + 100);
-    b[(damaged + FRAME_HEADER_LEN + 5) as usize] ^= 0x40;
+    b[at as usize] ^= 0x40;
     sim.write_file_durably(&path, &b).unwrap();
+    sim
+}
+
+#[test]
+fn zeros_written_ahead_after_damage_are_not_reported_as_skipped() {
+    let damaged = SEGMENT_HEADER_LEN + 3 * (FRAME_HEADER_LEN + 100);
+    let sim = ten_records_with_zeros_ahead_damaged_at(damaged + FRAME_HEADER_LEN + 5);
 
     let report = salvage_copy(&sim, &dir(), &out_dir()).unwrap();
     assert_eq!(report.skipped.len(), 1, "{:?}", report.skipped);
@@ -107,19 +114,9 @@ fn zeros_written_ahead_after_damage_are_not_reported_as_skipped() {
 /// the zeros written ahead of it) end the skipped range where they begin.
 #[test]
 fn a_skipped_range_ends_where_the_zeros_to_the_end_of_the_file_begin() {
-    let sim = SimStorage::new();
-    let opts =
-        WalOptions { preallocate_bytes: 64 * 1024, segment_max_bytes: 1 << 20, max_bytes: 8 << 20, ..small_options() };
-    let wal = open(&sim, opts);
-    append_tagged(&wal, 0..10, 100);
-    sim.crash(CrashMode::LoseUnsynced);
-    drop(wal);
-    let path = dir().join(segment_file_name(0));
-    let mut b = sim.read_file(&path).unwrap();
     // The last record's header damaged: its bytes are skipped, the zeros after it are not.
     let last = SEGMENT_HEADER_LEN + 9 * (FRAME_HEADER_LEN + 100);
-    b[(last + 10) as usize] ^= 0x40;
-    sim.write_file_durably(&path, &b).unwrap();
+    let sim = ten_records_with_zeros_ahead_damaged_at(last + 10);
 
     let report = salvage_copy(&sim, &dir(), &out_dir()).unwrap();
     assert_eq!(report.records, 9);
