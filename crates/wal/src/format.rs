@@ -154,6 +154,11 @@ pub enum FrameProblem {
         expected: u64,
         found: u64,
     },
+    /// A seal frame before the end of the batch it follows (after `records` of its
+    /// records): the writer seals only after whole batches.
+    SealInsideBatch {
+        records: u64,
+    },
     /// Bytes follow a seal frame.
     DataAfterSeal,
     /// A segment that has a successor does not end in a seal.
@@ -171,6 +176,9 @@ impl std::fmt::Display for FrameProblem {
             FrameProblem::BadPayloadChecksum => write!(f, "payload checksum mismatch"),
             FrameProblem::UnexpectedOffset { expected, found } => {
                 write!(f, "offset {found} where {expected} was expected")
+            }
+            FrameProblem::SealInsideBatch { records } => {
+                write!(f, "a seal inside an unfinished batch (after {records} of its records)")
             }
             FrameProblem::DataAfterSeal => write!(f, "bytes after the segment's seal"),
             FrameProblem::MissingSeal => write!(f, "segment has a successor but no seal"),

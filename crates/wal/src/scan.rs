@@ -116,7 +116,7 @@ pub(crate) fn scan_segment(
         }
         if header.is_seal() {
             if batch_records > 0 {
-                out.stop = Some((pos, FrameProblem::UnexpectedOffset { expected, found: header.offset }));
+                out.stop = Some((pos, FrameProblem::SealInsideBatch { records: batch_records }));
                 break;
             }
             pos += FRAME_HEADER_LEN;

@@ -115,6 +115,31 @@ fn damage_in_a_sealed_segment_is_found_by_readers_and_verify() {
     assert_eq!(report.problems[0].location.file, seg_path(0));
 }
 
+/// A seal the writer could not have written (inside a batch whose last record is missing)
+/// is named as such, not as an offset that was expected where it stands.
+#[test]
+fn a_seal_inside_an_unfinished_batch_is_named_as_one() {
+    let sim = SimStorage::new();
+    let wal = open(&sim, small_options());
+    rt().block_on(async {
+        wal.append(vec![payload(0, 50)]).await.unwrap();
+        wal.append(vec![payload(1, 50), payload(2, 50), payload(3, 50)]).await.unwrap();
+    });
+    drop(wal);
+    // The batch's last record replaced by a seal at the offset after the two before it,
+    // and a successor starting there.
+    let path = seg_path(0);
+    let b = sim.read_file(&path).unwrap();
+    let kept = b.len() - (FRAME_HEADER_LEN as usize + 50);
+    let mut damaged = b[..kept].to_vec();
+    damaged.extend_from_slice(&FrameHeader::seal(3, kept as u64).encode());
+    sim.write_file_durably(&path, &damaged).unwrap();
+    sim.write_file_durably(&seg_path(3), &SegmentHeader { base_offset: 3, flags: 0 }.encode()).unwrap();
+    let report = wal::inspect::verify(&sim, &dir(), &mut |_| {}).unwrap();
+    assert_eq!(report.problems.len(), 1, "{:?}", report.problems);
+    assert_eq!(report.problems[0].what, "a seal inside an unfinished batch (after 2 of its records)");
+}
+
 #[test]
 fn a_missing_segment_is_a_gap_error() {
     let sim = SimStorage::new();
