@@ -563,11 +563,6 @@ fn salvage(
     // still opens (and reads), and appends then fail with `OffsetsExhausted`.
     // Never below what was kept, though: a kept record's offset is never reused.
     let resume = resume.min(crate::format::OFFSET_MAX).max(kept_until);
-    if damaged.iter().any(|d| d.base >= resume) {
-        // Only a damaged segment named at the very top of the range: its name is the one
-        // the tail would take. Refuse rather than write over it.
-        return Err(WalError::OffsetsExhausted { next: resume, needed: 1 });
-    }
     // The valid prefix, read while the damaged file is still in place.
     let prefix_bytes = match &prefix {
         Some(out) if out.next_offset > bad.base => {
@@ -580,7 +575,6 @@ fn salvage(
         }
         _ => None,
     };
-    let tail = create_segment(storage, dir, resume, SEGMENT_FLAG_GAP_BEFORE)?;
     let damaged_dir = dir.join(DAMAGED_DIR);
     storage.create_dir_all(&damaged_dir).map_err(io_err(&damaged_dir))?;
     storage.sync_dir(dir).map_err(io_err(dir))?;
@@ -597,7 +591,19 @@ fn salvage(
         target
     };
     let mut moved = Vec::new();
-    for d in damaged[1..].iter().rev() {
+    // Only at the very top of the offset range (the resume offset clamped) can a damaged
+    // segment bear the tail's name: that one leaves first, the tail cannot be created
+    // over it.
+    let named_as_tail = |d: &Loaded| d.base == resume;
+    for d in damaged.iter().filter(|d| named_as_tail(d)) {
+        let to = damaged_dir.join(target_for(d));
+        storage.rename(&d.path, &to).map_err(io_err(&d.path))?;
+        storage.sync_dir(&damaged_dir).map_err(io_err(&damaged_dir))?;
+        storage.sync_dir(dir).map_err(io_err(dir))?;
+        moved.push(to);
+    }
+    let tail = create_segment(storage, dir, resume, SEGMENT_FLAG_GAP_BEFORE)?;
+    for d in damaged[1..].iter().rev().filter(|d| !named_as_tail(d)) {
         let to = damaged_dir.join(target_for(d));
         storage.rename(&d.path, &to).map_err(io_err(&d.path))?;
         storage.sync_dir(&damaged_dir).map_err(io_err(&damaged_dir))?;
@@ -607,6 +613,7 @@ fn salvage(
     let target = target_for(bad);
     let to = damaged_dir.join(&target);
     match &prefix_bytes {
+        _ if named_as_tail(bad) => {}
         Some(bytes) => {
             // A copy, so that the damaged file's name goes straight from the damaged bytes
             // to the valid prefix: a rename first would leave a moment with neither.
@@ -628,8 +635,10 @@ fn salvage(
             storage.sync_dir(dir).map_err(io_err(dir))?;
         }
     }
-    moved.push(to);
-    moved.reverse();
+    if !named_as_tail(bad) {
+        moved.push(to);
+    }
+    moved.sort();
     loaded.push(Loaded {
         base: resume,
         path: tail.path.clone(),
