@@ -42,12 +42,21 @@ fn ids(broker: &TestBroker, s: &str, t: &str) -> Vec<u128> {
 /// A router over a fresh log delivering to `broker`, once one record of `stream/topic`
 /// was delivered (the destination exists and the client is connected).
 async fn start_warm(broker: &TestBroker, stream: &str, topic: &str) -> (Arc<wal::Wal>, Router) {
+    start_warm_with(broker, stream, topic, policy()).await
+}
+
+async fn start_warm_with(
+    broker: &TestBroker,
+    stream: &str,
+    topic: &str,
+    policy: RouterPolicy,
+) -> (Arc<wal::Wal>, Router) {
     let wal = sim_wal();
     let router = Router::start(
         wal.clone(),
         sink(broker.addr(), 1),
         Arc::new(MemoryCursorStore::new()),
-        Policies::uniform(policy()),
+        Policies::uniform(policy),
     )
     .unwrap();
     wal.append(vec![record(stream, topic, 0, Partitioning::Balanced)]).await.unwrap();
@@ -286,7 +295,12 @@ async fn result_timeouts_while_connecting_open_no_breaker() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reconnection_slower_than_the_result_timeout_still_completes() {
     let broker = TestBroker::start(TestBrokerConfig::default()).await.unwrap();
-    let (wal, router) = start_warm(&broker, "s", "t").await;
+    // Every reply 2 s late: a reconnection (sign-in, the client's first heartbeat, a
+    // ping) takes about 6 s, longer than the result timeout; a send, even queued behind
+    // a heartbeat, about 4 s, within it.
+    let mut p = policy();
+    p.batch.result_timeout = Duration::from_secs(5);
+    let (wal, router) = start_warm_with(&broker, "s", "t", p).await;
     broker.stop().await;
     for n in 1..100u64 {
         wal.append(vec![record("s", "t", n, Partitioning::Balanced)]).await.unwrap();
@@ -300,5 +314,73 @@ async fn a_reconnection_slower_than_the_result_timeout_still_completes() {
     .await;
     eventually(Duration::from_secs(30), "running", || async { router.status().status == Status::Running }).await;
     broker.set_delay(Duration::ZERO);
+    router.shutdown().await;
+}
+
+/// A destination that never answers holds only itself: the `iggy` client runs one
+/// request at a time per connection, so each call takes a connection of its own, and the
+/// other destinations' sends neither wait behind it nor count its silence against their
+/// breakers. Its own breaker opens (the server answers the others meanwhile).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_destination_that_never_answers_holds_only_itself() {
+    let broker = TestBroker::start(TestBrokerConfig::default()).await.unwrap();
+    let (wal, router) = start_warm(&broker, "h", "bad").await;
+    broker.black_hole_topic("h", "bad", true);
+    for n in 1..201u64 {
+        wal.append(vec![record("h", if n % 2 == 0 { "bad" } else { "good" }, n, Partitioning::Balanced)])
+            .await
+            .unwrap();
+    }
+    let good_breaker =
+        || router.destinations().iter().find(|d| d.destination.topic == "good").map_or("none", |d| d.breaker);
+    let deadline = std::time::Instant::now() + Duration::from_secs(8);
+    while ids(&broker, "h", "good").len() < 100 {
+        assert!(std::time::Instant::now() < deadline, "good delivered only {}", ids(&broker, "h", "good").len());
+        assert_eq!(good_breaker(), "closed", "good's breaker counted bad's silence");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    eventually(Duration::from_secs(30), "bad's breaker open", || async {
+        router.destinations().iter().any(|d| d.destination.topic == "bad" && d.breaker == "open")
+    })
+    .await;
+    assert_eq!(good_breaker(), "closed");
+    broker.black_hole_topic("h", "bad", false);
+    eventually(Duration::from_secs(30), "bad delivered", || async { ids(&broker, "h", "bad").len() == 101 }).await;
+    let want: Vec<u128> = (0..201u64).filter(|n| n % 2 == 0).map(|n| u128::from(n) + 1).collect();
+    assert_eq!(ids(&broker, "h", "bad"), want, "in log order, each once");
+    router.shutdown().await;
+}
+
+/// A server that stops answering altogether (hung, or the network silently dropping
+/// its packets) is an outage, not every destination failing: no breaker opens, the
+/// connections that timed out are replaced, and everything arrives once it answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_that_stops_answering_opens_no_breaker_and_is_reconnected() {
+    let broker = TestBroker::start(TestBrokerConfig::default()).await.unwrap();
+    let (wal, router) = start_warm(&broker, "q", "a").await;
+    wal.append(vec![record("q", "b", 1, Partitioning::Balanced)]).await.unwrap();
+    eventually(Duration::from_secs(20), "b warm", || async { ids(&broker, "q", "b").len() == 1 }).await;
+    let connections_before = broker.accepted_connections();
+    broker.set_delay(Duration::from_secs(20));
+    for n in 2..42u64 {
+        wal.append(vec![record("q", if n % 2 == 0 { "a" } else { "b" }, n, Partitioning::Balanced)]).await.unwrap();
+    }
+    // Several result timeouts (3 s each) and breaker thresholds (3) long.
+    let until = std::time::Instant::now() + Duration::from_secs(14);
+    while std::time::Instant::now() < until {
+        for d in router.destinations() {
+            assert_eq!(d.breaker, "closed", "{}: a hung server opened a breaker", d.destination);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(broker.accepted_connections() > connections_before, "timed-out connections were not replaced");
+    broker.set_delay(Duration::ZERO);
+    // At least once: a send the server took while it did not answer is sent again.
+    let unique = |t: &str| ids(&broker, "q", t).into_iter().collect::<BTreeSet<u128>>();
+    let want = |parity: u64| (0..42u64).filter(|n| n % 2 == parity).map(|n| u128::from(n) + 1).collect::<BTreeSet<_>>();
+    eventually(Duration::from_secs(60), "everything delivered", || async {
+        unique("a") == want(0) && unique("b") == want(1)
+    })
+    .await;
     router.shutdown().await;
 }

@@ -3,19 +3,26 @@
 //! server is one change.
 //!
 //! Invariants:
-//! - One client per daemon. The daemon starts and holds while the server is
-//!   unreachable: connecting is retried before each attempt, never required at start.
-//! - After a failed connection or a dropped one, the next attempt reconnects explicitly
-//!   first (the client otherwise stays disconnected and fails at once).
-//! - Every (re)connect builds a new client and connects it in a task of its own; the old
-//!   client is dropped once no operation uses it. A client is never reconnected in place:
-//!   the `iggy` client interrupted in the middle of connecting believes it is still
-//!   connecting and never connects again, and after a long outage its own reconnects
-//!   (from a failed send, from its heartbeat) were seen to hang it for good. A lane's
-//!   result timeout may stop waiting for a connect, never stop it half-way: connects cut
-//!   short one after another by the lanes' timeouts never finish.
-//! - A failure reported by an operation on an older connection than the current one
-//!   does not ask for a reconnect (it would tear down a connection that works).
+//! - A pool of connections, one call at a time on each: a call takes an idle connection
+//!   (or makes a new one) for itself and gives it back only once answered. The `iggy`
+//!   client runs one request at a time per connection, so with one shared connection a
+//!   destination that does not answer would hold every other destination's sends behind
+//!   it; now it holds only the connection its own call took.
+//! - A call cut short (the lane's result timeout) leaves its connection behind: it is
+//!   dropped, never reused, so a late answer can never be read as another call's.
+//! - A failure that says the server is gone (disconnected, unavailable, signed out)
+//!   drops every idle connection too: they are as dead as the one that failed.
+//! - The daemon starts and holds while the server is unreachable: connecting is retried
+//!   by the next call, never required at start. One connect runs at a time, in a task of
+//!   its own; a caller's timeout may stop waiting for it, never stop it half-way (the
+//!   `iggy` client interrupted in the middle of connecting never connects again); the
+//!   connect parks its connection as idle, and a call that waited long for it leaves it
+//!   to the retry, which then has a whole result timeout for its request. A client is
+//!   never reconnected in place: every connect builds a new one.
+//! - A call's timeout is the destination's only if the server answered some other call
+//!   since it began ([`Sink::answered_since`]) or answers a ping right after
+//!   ([`Sink::server_answers`]); otherwise the server, not the destination, is what
+//!   stopped answering, and no breaker counts it.
 //! - Destinations are created on first use with the topic defaults; "already exists" is
 //!   success. Topics the daemon creates are durable by default (`enforce_fsync`, one
 //!   message per save), because an ack from a topic without fsync does not survive a
@@ -24,15 +31,15 @@
 //!   the same id.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use bytes::BytesMut;
 use iggy::prelude::{
     AutoLogin, Client, ClientWrapper, Credentials, HeaderKind, Identifier, IggyByteSize, IggyClient, IggyDuration,
     IggyError, IggyExpiry, IggyMessage, IggyMessageHeader, IggyTimestamp, MAX_PAYLOAD_SIZE, MAX_USER_HEADERS_SIZE,
-    MaxTopicSize, MessageClient, Partitioning as IggyPartitioning, StreamClient, TcpClient, TcpClientConfig,
-    TcpClientReconnectionConfig, TopicClient, TopicCreateOptions,
+    MaxTopicSize, MessageClient, Partitioning as IggyPartitioning, StreamClient, SystemClient, TcpClient,
+    TcpClientConfig, TcpClientReconnectionConfig, TopicClient, TopicCreateOptions,
 };
 use iggy_binary_protocol::encode_user_headers;
 use ingest::envelope::Partitioning;
@@ -102,15 +109,27 @@ impl Default for IggySinkConfig {
 /// Delivers to an Iggy server.
 pub struct IggySink {
     config: IggySinkConfig,
-    /// The current client; replaced (never reconnected in place) by each connect.
-    client: std::sync::RwLock<Arc<IggyClient>>,
     defaults: TopicDefaults,
-    /// Set after a failure that leaves the client disconnected.
-    needs_connect: AtomicBool,
-    /// Counts explicit connects: which connection an operation ran on.
-    generation: AtomicU64,
+    /// Connected clients no call is using.
+    idle: Arc<std::sync::Mutex<Vec<Arc<IggyClient>>>>,
+    /// Set while no connection is known to work: at start, after a failed connect and
+    /// after a failure that says the server is gone; cleared by a connect that succeeds.
+    unreachable: AtomicBool,
     /// The connect in progress, if any; its task finishes even when nobody waits for it.
-    connecting: tokio::sync::Mutex<Option<JoinHandle<Result<IggyClient, IggyError>>>>,
+    connecting: tokio::sync::Mutex<Option<JoinHandle<Result<(), IggyError>>>>,
+    /// When the server last answered a call (an ack, or an error of its own).
+    last_answer: std::sync::Mutex<Option<std::time::Instant>>,
+}
+
+/// How long a call may wait for a new connection and still go out on it (see
+/// [`IggySink::take`]): far above a connect on a working network, far below any result
+/// timeout worth configuring.
+const FRESH_CONNECTION_USABLE_FOR: Duration = Duration::from_millis(250);
+
+/// A connection taken by one call. Given back with [`Taken::give_back`] once the call
+/// was answered; dropped otherwise (a call cut short, a dead connection), never reused.
+struct Taken {
+    client: Arc<IggyClient>,
 }
 
 impl std::fmt::Debug for IggySink {
@@ -120,39 +139,62 @@ impl std::fmt::Debug for IggySink {
 }
 
 impl IggySink {
-    /// Builds the client. Does not connect: the first attempt does, and a server that
-    /// is down only delays delivery.
+    /// Makes no connection: the first call does, and a server that is down only delays
+    /// delivery. Fails only on a configuration the client refuses.
     pub fn new(config: &IggySinkConfig) -> Result<IggySink, String> {
-        let client = build_client(config).map_err(|e| format!("iggy client: {e}"))?;
+        build_client(config).map_err(|e| format!("iggy client: {e}"))?;
         Ok(IggySink {
             config: config.clone(),
-            client: std::sync::RwLock::new(Arc::new(client)),
             defaults: config.topic_defaults.clone(),
-            needs_connect: AtomicBool::new(true),
-            generation: AtomicU64::new(0),
+            idle: Arc::default(),
+            unreachable: AtomicBool::new(true),
             connecting: tokio::sync::Mutex::new(None),
+            last_answer: std::sync::Mutex::new(None),
         })
     }
 
-    fn client(&self) -> Arc<IggyClient> {
-        self.client.read().unwrap_or_else(|p| p.into_inner()).clone()
+    fn idle(&self) -> std::sync::MutexGuard<'_, Vec<Arc<IggyClient>>> {
+        self.idle.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Connects if needed; returns the generation of the connection to use.
-    async fn connected(&self) -> Result<u64, SendError> {
-        if !self.needs_connect.load(Ordering::Acquire) {
-            return Ok(self.generation.load(Ordering::Acquire));
+    /// A connection for one call: an idle one, or a new one. A call that had to wait
+    /// long for a new connection does not go out on it: its result timeout ran while it
+    /// waited, and a call cut short costs its connection, so with a connect slower than
+    /// what is left, every try would connect again and never send. It fails
+    /// `Unavailable` instead, and the retry takes the parked connection with a whole
+    /// result timeout of its own.
+    async fn take(&self) -> Result<Taken, SendError> {
+        if let Some(client) = self.idle().pop() {
+            return Ok(Taken { client });
         }
+        let started = std::time::Instant::now();
+        self.connect().await?;
+        let client = (started.elapsed() < FRESH_CONNECTION_USABLE_FOR).then(|| self.idle().pop()).flatten();
+        client.map(|client| Taken { client }).ok_or_else(|| {
+            SendError::new(SendErrorKind::Unavailable, "connected to the server; the call goes out on the next try")
+        })
+    }
+
+    /// Makes one more idle connection, unless one is there: one connect at a time, in a
+    /// task of its own that parks its connection as idle whether or not anybody still
+    /// waits for it.
+    async fn connect(&self) -> Result<(), SendError> {
         let mut connecting = self.connecting.lock().await;
-        if !self.needs_connect.load(Ordering::Acquire) {
-            return Ok(self.generation.load(Ordering::Acquire));
+        if !self.idle().is_empty() {
+            return Ok(());
         }
         let task = connecting.get_or_insert_with(|| {
-            let config = self.config.clone();
+            let (config, idle) = (self.config.clone(), self.idle.clone());
             tokio::spawn(async move {
                 let client = build_client(&config)?;
                 client.connect().await?;
-                Ok(client)
+                // The client's heartbeat pings at once on connecting, and the connection
+                // takes one request at a time: parked before that ping was answered, the
+                // first call would wait behind it. This ping waits for it, and proves the
+                // signed-in connection answers.
+                client.ping().await?;
+                idle.lock().unwrap_or_else(|p| p.into_inner()).push(Arc::new(client));
+                Ok(())
             })
         });
         // Cancel-safe: dropped here, the task runs on and its handle stays for the next
@@ -163,40 +205,51 @@ impl IggySink {
             Err(e) => Err(SendError::new(SendErrorKind::Unavailable, format!("the connect task failed: {e}"))),
             // A failed connect is the client's, whatever the error: no destination's.
             Ok(Err(e)) => {
-                let mut failure = self.classify(e, None);
+                self.unreachable.store(true, Ordering::Release);
+                let mut failure = SendError::new(classify(&e), e.to_string());
                 if failure.kind == SendErrorKind::Destination {
                     failure.kind = SendErrorKind::Unavailable;
                 }
                 Err(failure)
             }
-            Ok(Ok(client)) => {
-                *self.client.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(client);
-                let generation = self.generation.fetch_add(1, Ordering::AcqRel) + 1;
-                self.needs_connect.store(false, Ordering::Release);
-                tracing::info!("connected to iggy");
-                Ok(generation)
+            Ok(Ok(())) => {
+                if self.unreachable.swap(false, Ordering::AcqRel) {
+                    tracing::info!("connected to iggy");
+                }
+                Ok(())
             }
         }
     }
 
-    /// The connection of `generation` is not to be trusted any more.
-    fn lost(&self, generation: u64) {
-        if generation == self.generation.load(Ordering::Acquire) {
-            self.needs_connect.store(true, Ordering::Release);
+    /// The outcome of a call made on `taken`: an answered call gives the connection back
+    /// (a destination's error included: the server answered); a failure that says the
+    /// server is gone drops it and every idle one.
+    fn settle<T>(&self, taken: Taken, result: Result<T, IggyError>) -> Result<T, SendError> {
+        match result {
+            Ok(v) => {
+                self.answered();
+                self.idle().push(taken.client);
+                Ok(v)
+            }
+            Err(e) => {
+                let kind = classify(&e);
+                if matches!(
+                    kind,
+                    SendErrorKind::Disconnected | SendErrorKind::Unavailable | SendErrorKind::Unauthorized
+                ) {
+                    self.unreachable.store(true, Ordering::Release);
+                    self.idle().clear();
+                } else {
+                    self.answered();
+                    self.idle().push(taken.client);
+                }
+                Err(SendError::new(kind, e.to_string()))
+            }
         }
     }
 
-    /// Classifies `e`; a client-wide failure on the current connection (or while
-    /// connecting, `generation` None) asks for a reconnect.
-    fn classify(&self, e: IggyError, generation: Option<u64>) -> SendError {
-        let kind = classify(&e);
-        if matches!(kind, SendErrorKind::Disconnected | SendErrorKind::Unavailable | SendErrorKind::Unauthorized) {
-            match generation {
-                Some(g) => self.lost(g),
-                None => self.needs_connect.store(true, Ordering::Release),
-            }
-        }
-        SendError::new(kind, e.to_string())
+    fn answered(&self) {
+        *self.last_answer.lock().unwrap_or_else(|p| p.into_inner()) = Some(std::time::Instant::now());
     }
 
     fn create_options(&self) -> TopicCreateOptions {
@@ -247,7 +300,11 @@ pub fn classify(e: &IggyError) -> SendErrorKind {
         | IggyError::StaleClient
         | IggyError::TcpError
         | IggyError::EmptyResponse
-        | IggyError::IoError(_) => SendErrorKind::Unavailable,
+        | IggyError::IoError(_)
+        // The server's own state (not caught up after a restart, a full pipeline), not
+        // one destination's; an outcome not committed is unknown, like a disconnect.
+        | IggyError::TransientNotCommitted
+        | IggyError::TransientNotAccepted => SendErrorKind::Unavailable,
         IggyError::InvalidCredentials | IggyError::Unauthenticated => SendErrorKind::Unauthorized,
         _ => SendErrorKind::Destination,
     }
@@ -344,12 +401,27 @@ impl Sink for IggySink {
     }
 
     async fn ensure(&self, dest: &DestinationKey) -> Result<TopicInfo, SendError> {
-        let generation = self.connected().await?;
-        self.ensure_on(dest, generation).await
+        let taken = self.take().await?;
+        let result = ensure_on(&taken.client, dest, &self.create_options()).await;
+        let info = self.settle(taken, result)?;
+        if !info.durable {
+            tracing::warn!(destination = %dest, "topic does not sync every message: its acks may not survive a crash of the server");
+        }
+        Ok(info)
     }
 
     fn connecting(&self) -> bool {
-        self.needs_connect.load(Ordering::Acquire)
+        self.unreachable.load(Ordering::Acquire)
+    }
+
+    fn answered_since(&self, since: std::time::Instant) -> bool {
+        self.last_answer.lock().unwrap_or_else(|p| p.into_inner()).is_some_and(|t| t >= since)
+    }
+
+    async fn server_answers(&self) -> bool {
+        let Ok(taken) = self.take().await else { return false };
+        let pinged = taken.client.ping().await;
+        self.settle(taken, pinged).is_ok()
     }
 
     async fn send(
@@ -358,62 +430,43 @@ impl Sink for IggySink {
         p: &Partitioning,
         messages: &mut [IggyMessage],
     ) -> Result<(), SendError> {
-        let generation = self.connected().await?;
-        self.send_on(dest, p, messages, generation).await
+        let stream =
+            Identifier::named(&dest.stream).map_err(|e| SendError::new(SendErrorKind::Destination, e.to_string()))?;
+        let topic =
+            Identifier::named(&dest.topic).map_err(|e| SendError::new(SendErrorKind::Destination, e.to_string()))?;
+        let taken = self.take().await?;
+        let result = taken.client.send_messages(&stream, &topic, &partitioning(p), messages).await;
+        self.settle(taken, result).map(|_| ())
     }
 }
 
-impl IggySink {
-    async fn ensure_on(&self, dest: &DestinationKey, generation: u64) -> Result<TopicInfo, SendError> {
-        let g = Some(generation);
-        let client = self.client();
-        let stream =
-            Identifier::named(&dest.stream).map_err(|e| SendError::new(SendErrorKind::Destination, e.to_string()))?;
-        let topic =
-            Identifier::named(&dest.topic).map_err(|e| SendError::new(SendErrorKind::Destination, e.to_string()))?;
-        let existing = client.get_stream(&stream).await.map_err(|e| self.classify(e, g))?;
-        if existing.is_none() {
-            match client.create_stream(&dest.stream).await {
-                Ok(_) | Err(IggyError::StreamNameAlreadyExists(_)) => {}
-                Err(e) => return Err(self.classify(e, g)),
-            }
-        }
-        let details = match client.get_topic(&stream, &topic).await.map_err(|e| self.classify(e, g))? {
-            Some(d) => d,
-            None => match client.create_topic(&stream, &dest.topic, &self.create_options()).await {
-                Ok(d) => d,
-                Err(IggyError::TopicNameAlreadyExists(..)) => client
-                    .get_topic(&stream, &topic)
-                    .await
-                    .map_err(|e| self.classify(e, g))?
-                    .ok_or_else(|| SendError::new(SendErrorKind::Destination, "topic vanished after creation"))?,
-                Err(e) => return Err(self.classify(e, g)),
-            },
-        };
-        let info = topic_info(details.partitions_count, &details.options);
-        if !info.durable {
-            tracing::warn!(destination = %dest, "topic does not sync every message: its acks may not survive a crash of the server");
-        }
-        Ok(info)
-    }
-
-    async fn send_on(
-        &self,
-        dest: &DestinationKey,
-        p: &Partitioning,
-        messages: &mut [IggyMessage],
-        generation: u64,
-    ) -> Result<(), SendError> {
-        let stream =
-            Identifier::named(&dest.stream).map_err(|e| SendError::new(SendErrorKind::Destination, e.to_string()))?;
-        let topic =
-            Identifier::named(&dest.topic).map_err(|e| SendError::new(SendErrorKind::Destination, e.to_string()))?;
-        let client = self.client();
-        match client.send_messages(&stream, &topic, &partitioning(p), messages).await {
-            Ok(_) => Ok(()),
-            Err(e) => Err(self.classify(e, Some(generation))),
+/// Makes sure `dest` exists on the server `client` is connected to, creating what is
+/// missing; "already exists" is success.
+async fn ensure_on(
+    client: &IggyClient,
+    dest: &DestinationKey,
+    options: &TopicCreateOptions,
+) -> Result<TopicInfo, IggyError> {
+    let stream = Identifier::named(&dest.stream)?;
+    let topic = Identifier::named(&dest.topic)?;
+    if client.get_stream(&stream).await?.is_none() {
+        match client.create_stream(&dest.stream).await {
+            Ok(_) | Err(IggyError::StreamNameAlreadyExists(_)) => {}
+            Err(e) => return Err(e),
         }
     }
+    let details = match client.get_topic(&stream, &topic).await? {
+        Some(d) => d,
+        None => match client.create_topic(&stream, &dest.topic, options).await {
+            Ok(d) => d,
+            Err(IggyError::TopicNameAlreadyExists(..)) => client
+                .get_topic(&stream, &topic)
+                .await?
+                .ok_or(IggyError::TopicIdNotFound(topic.clone(), stream.clone()))?,
+            Err(e) => return Err(e),
+        },
+    };
+    Ok(topic_info(details.partitions_count, &details.options))
 }
 
 #[cfg(test)]

@@ -809,24 +809,32 @@ fn send_partitioning(r: &Routed) -> Partitioning {
     }
 }
 
-/// `call`, cut short after `timeout` (see [`timed_out`]).
+/// `call`, cut short after `timeout`. A call cut short failed at its destination
+/// (`Timeout`, which its breaker counts) only if the server answered meanwhile: some
+/// other call since this one began, or else a probe right after (bounded by the same
+/// timeout). While the sink was still connecting, or the server answers nothing, the
+/// server as a whole is what does not answer, which is every destination's:
+/// `Unavailable`, which no breaker counts.
 async fn bounded<S: Sink, T>(
     sink: &S,
     timeout: Duration,
     call: impl std::future::Future<Output = Result<T, SendError>>,
 ) -> Result<T, SendError> {
-    tokio::time::timeout(timeout, call).await.unwrap_or_else(|_| Err(timed_out(sink)))
-}
-
-/// The failure of a call cut short by the result timeout. While the sink was still
-/// connecting to the server the time went to the connection, which is every
-/// destination's: `Unavailable`, which no breaker counts. Otherwise the destination did
-/// not answer: `Timeout`, which its breaker counts.
-fn timed_out<S: Sink>(sink: &S) -> SendError {
-    if sink.connecting() {
-        SendError::new(SendErrorKind::Unavailable, "not connected within the result timeout")
-    } else {
-        SendError::new(SendErrorKind::Timeout, "no answer within the result timeout")
+    let started = std::time::Instant::now();
+    match tokio::time::timeout(timeout, call).await {
+        Ok(result) => result,
+        Err(_) if sink.connecting() => {
+            Err(SendError::new(SendErrorKind::Unavailable, "not connected within the result timeout"))
+        }
+        Err(_) => {
+            let answers = sink.answered_since(started)
+                || tokio::time::timeout(timeout, sink.server_answers()).await.unwrap_or(false);
+            if answers {
+                Err(SendError::new(SendErrorKind::Timeout, "no answer within the result timeout"))
+            } else {
+                Err(SendError::new(SendErrorKind::Unavailable, "the server answered nothing within the result timeout"))
+            }
+        }
     }
 }
 

@@ -137,6 +137,20 @@ pub trait Sink: Send + Sync + 'static {
         false
     }
 
+    /// True if the server answered some call (an ack, or an error of its own) at or after
+    /// `since`. A call cut short that began at `since` then failed at its destination;
+    /// otherwise the server as a whole stopped answering, which is no destination's fault.
+    fn answered_since(&self, since: std::time::Instant) -> bool {
+        let _ = since;
+        true
+    }
+
+    /// Whether the server answers at all now (for the IggySink, a ping on a connection
+    /// of its own). Asked after a call was cut short while no other call was answered.
+    fn server_answers(&self) -> impl Future<Output = bool> + Send {
+        async { true }
+    }
+
     /// Sends `messages` to `dest` in order, all with the same partitioning, and returns
     /// once they were acknowledged.
     fn send(
