@@ -384,3 +384,36 @@ async fn a_server_that_stops_answering_opens_no_breaker_and_is_reconnected() {
     .await;
     router.shutdown().await;
 }
+
+/// Partitions deleted from a topic while the daemon sends to it: the `iggy` client
+/// resolves a partition key against the partition count it cached per connection and
+/// never asks again, so a keyed record would go to a partition that is gone for as long
+/// as that connection lives. The connection is dropped with the failure, and the record
+/// goes out on a new one that knows the new count.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keyed_records_reach_a_topic_whose_partitions_were_deleted() {
+    let broker = TestBroker::start(TestBrokerConfig::default()).await.unwrap();
+    // A key that 4 partitions place in partition 3, and 1 partition in 0.
+    let key = (0u32..).map(|i| format!("k{i}")).find(|k| iggy_common::calculate_32(k.as_bytes()) % 4 == 3).unwrap();
+    let wal = sim_wal();
+    let router = Router::start(
+        wal.clone(),
+        sink(broker.addr(), 4),
+        Arc::new(MemoryCursorStore::new()),
+        Policies::uniform(policy()),
+    )
+    .unwrap();
+    wal.append(vec![record("p", "t", 0, Partitioning::Key(key.clone().into_bytes()))]).await.unwrap();
+    eventually(Duration::from_secs(20), "first record", || async { ids(&broker, "p", "t").len() == 1 }).await;
+    assert_eq!(broker.messages("p", "t")[0].partition_id, 3);
+    assert!(broker.shrink_partitions("p", "t", 1));
+    for n in 1..21u64 {
+        wal.append(vec![record("p", "t", n, Partitioning::Key(key.clone().into_bytes()))]).await.unwrap();
+    }
+    eventually(Duration::from_secs(30), "delivered after the partitions were deleted", || async {
+        ids(&broker, "p", "t").len() == 21
+    })
+    .await;
+    assert!(broker.messages("p", "t")[1..].iter().all(|m| m.partition_id == 0));
+    router.shutdown().await;
+}

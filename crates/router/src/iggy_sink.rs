@@ -222,9 +222,17 @@ impl IggySink {
     }
 
     /// The outcome of a call made on `taken`: an answered call gives the connection back
-    /// (a destination's error included: the server answered); a failure that says the
-    /// server is gone drops it and every idle one.
+    /// (a destination's error included: the server answered, unless `cache_suspect`); a
+    /// failure that says the server is gone drops it and every idle one.
     fn settle<T>(&self, taken: Taken, result: Result<T, IggyError>) -> Result<T, SendError> {
+        self.settle_with(taken, result, false)
+    }
+
+    /// [`IggySink::settle`]; with `cache_suspect`, a destination's error drops the
+    /// connection too: the call relied on what the client caches per connection (a
+    /// topic's partition count, for balanced and keyed sends, which it never refreshes),
+    /// and that may be what is wrong (partitions deleted). A new connection asks again.
+    fn settle_with<T>(&self, taken: Taken, result: Result<T, IggyError>, cache_suspect: bool) -> Result<T, SendError> {
         match result {
             Ok(v) => {
                 self.answered();
@@ -241,7 +249,9 @@ impl IggySink {
                     self.idle().clear();
                 } else {
                     self.answered();
-                    self.idle().push(taken.client);
+                    if !cache_suspect {
+                        self.idle().push(taken.client);
+                    }
                 }
                 Err(SendError::new(kind, e.to_string()))
             }
@@ -436,7 +446,8 @@ impl Sink for IggySink {
             Identifier::named(&dest.topic).map_err(|e| SendError::new(SendErrorKind::Destination, e.to_string()))?;
         let taken = self.take().await?;
         let result = taken.client.send_messages(&stream, &topic, &partitioning(p), messages).await;
-        self.settle(taken, result).map(|_| ())
+        let client_resolves_partition = !matches!(p, Partitioning::PartitionId(_));
+        self.settle_with(taken, result, client_resolves_partition).map(|_| ())
     }
 }
 

@@ -175,6 +175,13 @@ impl TestBroker {
         self.shared.store().grow_partitions(stream, topic, partitions_count)
     }
 
+    /// Removes partitions from the end of `stream`/`topic` until it has
+    /// `partitions_count`, as an operator deleting partitions would. `false` when it does
+    /// not exist or has at most that many.
+    pub fn shrink_partitions(&self, stream: &str, topic: &str, partitions_count: u32) -> bool {
+        self.shared.store().shrink_partitions(stream, topic, partitions_count)
+    }
+
     /// Every message stored in `stream`/`topic`, in arrival order (across
     /// partitions). Empty when the destination does not exist.
     #[must_use]

@@ -190,6 +190,28 @@ impl Store {
         true
     }
 
+    /// Removes partitions from the end of `stream`/`topic` until it has
+    /// `partitions_count`, as an operator's `delete_partitions` would (their messages
+    /// stay listed for inspection). `false` when the destination does not exist or has
+    /// at most that many (a topic keeps at least one partition).
+    pub fn shrink_partitions(&mut self, stream: &str, topic: &str, partitions_count: u32) -> bool {
+        let Some(t) = self
+            .streams
+            .iter_mut()
+            .find(|candidate| candidate.name == stream)
+            .and_then(|s| s.topics.iter_mut().find(|candidate| candidate.name == topic))
+        else {
+            return false;
+        };
+        if partitions_count == 0 || partitions_count >= t.partitions_count {
+            return false;
+        }
+        t.partitions_count = partitions_count;
+        t.options.partitions_count = Some(partitions_count);
+        t.next_offsets.truncate(partitions_count as usize);
+        true
+    }
+
     /// The names a pair of identifiers refers to: the identifiers' own names
     /// when they are named, the stored names when they are numeric.
     pub fn names_of(&self, stream_id: &WireIdentifier, topic_id: &WireIdentifier) -> Option<(String, String)> {
