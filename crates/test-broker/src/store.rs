@@ -169,18 +169,20 @@ impl Store {
             .find(|candidate| candidate.name == topic)
     }
 
+    fn topic_by_names_mut(&mut self, stream: &str, topic: &str) -> Option<&mut Topic> {
+        self.streams
+            .iter_mut()
+            .find(|candidate| candidate.name == stream)?
+            .topics
+            .iter_mut()
+            .find(|candidate| candidate.name == topic)
+    }
+
     /// Adds partitions to `stream`/`topic` until it has `partitions_count`, as an
     /// operator's `create_partitions` would (the new ones empty). `false` when the
     /// destination does not exist or already has at least that many.
     pub fn grow_partitions(&mut self, stream: &str, topic: &str, partitions_count: u32) -> bool {
-        let Some(t) = self
-            .streams
-            .iter_mut()
-            .find(|candidate| candidate.name == stream)
-            .and_then(|s| s.topics.iter_mut().find(|candidate| candidate.name == topic))
-        else {
-            return false;
-        };
+        let Some(t) = self.topic_by_names_mut(stream, topic) else { return false };
         if partitions_count <= t.partitions_count {
             return false;
         }
@@ -195,14 +197,7 @@ impl Store {
     /// stay listed for inspection). `false` when the destination does not exist or has
     /// at most that many (a topic keeps at least one partition).
     pub fn shrink_partitions(&mut self, stream: &str, topic: &str, partitions_count: u32) -> bool {
-        let Some(t) = self
-            .streams
-            .iter_mut()
-            .find(|candidate| candidate.name == stream)
-            .and_then(|s| s.topics.iter_mut().find(|candidate| candidate.name == topic))
-        else {
-            return false;
-        };
+        let Some(t) = self.topic_by_names_mut(stream, topic) else { return false };
         if partitions_count == 0 || partitions_count >= t.partitions_count {
             return false;
         }

@@ -53,15 +53,20 @@ fn a_torn_tail_is_cut_and_reported_and_acknowledged_records_stay() {
     assert_eq!(sim.read_file(&path).unwrap().len(), len_before);
 }
 
-#[test]
-fn a_batch_missing_its_closing_record_is_dropped_whole() {
+/// A log of one record (tag 0) and then a batch of three (tags 1 to 3), 50 bytes each.
+fn one_record_then_a_batch_of_three() -> SimStorage {
     let sim = SimStorage::new();
     let wal = open(&sim, small_options());
     rt().block_on(async {
         wal.append(vec![payload(0, 50)]).await.unwrap();
         wal.append(vec![payload(1, 50), payload(2, 50), payload(3, 50)]).await.unwrap();
     });
-    drop(wal);
+    sim
+}
+
+#[test]
+fn a_batch_missing_its_closing_record_is_dropped_whole() {
+    let sim = one_record_then_a_batch_of_three();
     // Cut the file inside the last record of the second batch.
     let path = seg_path(0);
     let b = sim.read_file(&path).unwrap();
@@ -119,13 +124,7 @@ fn damage_in_a_sealed_segment_is_found_by_readers_and_verify() {
 /// is named as such, not as an offset that was expected where it stands.
 #[test]
 fn a_seal_inside_an_unfinished_batch_is_named_as_one() {
-    let sim = SimStorage::new();
-    let wal = open(&sim, small_options());
-    rt().block_on(async {
-        wal.append(vec![payload(0, 50)]).await.unwrap();
-        wal.append(vec![payload(1, 50), payload(2, 50), payload(3, 50)]).await.unwrap();
-    });
-    drop(wal);
+    let sim = one_record_then_a_batch_of_three();
     // The batch's last record replaced by a seal at the offset after the two before it,
     // and a successor starting there.
     let path = seg_path(0);
