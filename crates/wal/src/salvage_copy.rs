@@ -119,8 +119,18 @@ impl Out<'_> {
 /// which must not hold a log yet. The source is opened read-only and never changed. If a
 /// writer took the source's lock while it was copied (the daemon started), the copy does
 /// not stand: `Err(Unsettled)`, and `dst` is to be removed and the copy made again.
+/// Beside a writer that has not published its watermark yet (it is recovering) it waits
+/// for one, as the other read-only openers do, up to 5 s, before writing anything.
 pub fn salvage_copy(storage: &dyn Storage, src: &Path, dst: &Path) -> Result<CopyReport> {
-    let read = read_bound(storage, src)?;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    let read = loop {
+        match read_bound(storage, src) {
+            Err(WalError::Unsettled { .. }) if std::time::Instant::now() < deadline => {
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            other => break other?,
+        }
+    };
     let report = copy_bounded(storage, src, dst, read)?;
     crate::watermark::confirm_unbounded(storage, src, read)?;
     Ok(report)

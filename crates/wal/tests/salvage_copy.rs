@@ -123,3 +123,24 @@ fn a_skipped_range_ends_where_the_zeros_to_the_end_of_the_file_begin() {
     assert_eq!(report.skipped.len(), 1, "{:?}", report.skipped);
     assert_eq!((report.skipped[0].from, report.skipped[0].to), (last, last + FRAME_HEADER_LEN + 100));
 }
+
+/// A writer that holds the lock but has published no watermark yet (it is still
+/// recovering) is waited for, as the other read-only openers wait, not answered at once
+/// with "unsettled": here it goes away after a moment, and the copy is made.
+#[test]
+fn a_writer_without_a_watermark_yet_is_waited_for() {
+    let sim = SimStorage::new();
+    let wal = open(&sim, small_options());
+    append_tagged(&wal, 0..3, 10);
+    drop(wal);
+    let lock = sim.try_lock(&dir().join(wal::LOCK_FILE)).unwrap();
+    let _ = sim.remove_file(&dir().join(wal::WATERMARK_FILE));
+    let release = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(300));
+        drop(lock);
+    });
+    let report = salvage_copy(&sim, &dir(), &out_dir()).expect("the copy waited for the writer to settle");
+    release.join().unwrap();
+    assert_eq!(report.records, 3);
+    assert_eq!(copied(&sim), vec![(0, 0), (1, 1), (2, 2)]);
+}
