@@ -385,6 +385,29 @@ fn open_bounded(
     Ok(finish(storage, dir, opts, segs, next_offset, lock, report))
 }
 
+/// A name in `damaged/` for `d`'s file that none of `existing` has (then added to it).
+fn damaged_name(existing: &mut Vec<String>, d: &Loaded) -> String {
+    let name = d.path.file_name().and_then(|n| n.to_str()).unwrap_or("segment");
+    let mut target = name.to_string();
+    let mut k = 1;
+    while existing.contains(&target) {
+        target = format!("{name}.{k}");
+        k += 1;
+    }
+    existing.push(target.clone());
+    target
+}
+
+/// Renames `d`'s file into `damaged/`, durably (both directories synced); its new path.
+fn move_aside(storage: &dyn Storage, dir: &Path, existing: &mut Vec<String>, d: &Loaded) -> Result<PathBuf> {
+    let damaged_dir = dir.join(DAMAGED_DIR);
+    let to = damaged_dir.join(damaged_name(existing, d));
+    storage.rename(&d.path, &to).map_err(io_err(&d.path))?;
+    storage.sync_dir(&damaged_dir).map_err(io_err(&damaged_dir))?;
+    storage.sync_dir(dir).map_err(io_err(dir))?;
+    Ok(to)
+}
+
 /// Drops the tail segment's cached pages, so that what follows reads what the disk holds:
 /// after a failed sync the kernel can hold pages clean that were never written. For every
 /// reader of a log no writer holds and no clean-shutdown marker vouches for (the open,
@@ -579,64 +602,40 @@ fn salvage(
     storage.create_dir_all(&damaged_dir).map_err(io_err(&damaged_dir))?;
     storage.sync_dir(dir).map_err(io_err(dir))?;
     let mut existing = storage.list_dir(&damaged_dir).map_err(io_err(&damaged_dir))?;
-    let mut target_for = |d: &Loaded| {
-        let name = d.path.file_name().and_then(|n| n.to_str()).unwrap_or("segment");
-        let mut target = name.to_string();
-        let mut k = 1;
-        while existing.contains(&target) {
-            target = format!("{name}.{k}");
-            k += 1;
-        }
-        existing.push(target.clone());
-        target
-    };
     let mut moved = Vec::new();
     // Only at the very top of the offset range (the resume offset clamped) can a damaged
     // segment bear the tail's name: that one leaves first, the tail cannot be created
     // over it.
     let named_as_tail = |d: &Loaded| d.base == resume;
     for d in damaged.iter().filter(|d| named_as_tail(d)) {
-        let to = damaged_dir.join(target_for(d));
-        storage.rename(&d.path, &to).map_err(io_err(&d.path))?;
-        storage.sync_dir(&damaged_dir).map_err(io_err(&damaged_dir))?;
-        storage.sync_dir(dir).map_err(io_err(dir))?;
-        moved.push(to);
+        moved.push(move_aside(storage, dir, &mut existing, d)?);
     }
     let tail = create_segment(storage, dir, resume, SEGMENT_FLAG_GAP_BEFORE)?;
     for d in damaged[1..].iter().rev().filter(|d| !named_as_tail(d)) {
-        let to = damaged_dir.join(target_for(d));
-        storage.rename(&d.path, &to).map_err(io_err(&d.path))?;
-        storage.sync_dir(&damaged_dir).map_err(io_err(&damaged_dir))?;
-        storage.sync_dir(dir).map_err(io_err(dir))?;
-        moved.push(to);
-    }
-    let target = target_for(bad);
-    let to = damaged_dir.join(&target);
-    match &prefix_bytes {
-        _ if named_as_tail(bad) => {}
-        Some(bytes) => {
-            // A copy, so that the damaged file's name goes straight from the damaged bytes
-            // to the valid prefix: a rename first would leave a moment with neither.
-            let mut original = vec![0u8; bad.len as usize];
-            read_exact_at(&*bad.file, &mut original, 0).map_err(io_err(&bad.path))?;
-            write_file_atomically(storage, &damaged_dir, &target, &original)?;
-            let seg = create_segment_with(storage, dir, bad.base, bytes)?;
-            loaded.push(Loaded {
-                base: bad.base,
-                path: seg.path.clone(),
-                file: seg.file.clone(),
-                len: bytes.len() as u64,
-                header: bad.header,
-            });
-        }
-        None => {
-            storage.rename(&bad.path, &to).map_err(io_err(&bad.path))?;
-            storage.sync_dir(&damaged_dir).map_err(io_err(&damaged_dir))?;
-            storage.sync_dir(dir).map_err(io_err(dir))?;
-        }
+        moved.push(move_aside(storage, dir, &mut existing, d)?);
     }
     if !named_as_tail(bad) {
-        moved.push(to);
+        match &prefix_bytes {
+            Some(bytes) => {
+                // A copy, so that the damaged file's name goes straight from the damaged
+                // bytes to the valid prefix: a rename first would leave a moment with
+                // neither.
+                let name = damaged_name(&mut existing, bad);
+                let mut original = vec![0u8; bad.len as usize];
+                read_exact_at(&*bad.file, &mut original, 0).map_err(io_err(&bad.path))?;
+                write_file_atomically(storage, &damaged_dir, &name, &original)?;
+                moved.push(damaged_dir.join(name));
+                let seg = create_segment_with(storage, dir, bad.base, bytes)?;
+                loaded.push(Loaded {
+                    base: bad.base,
+                    path: seg.path.clone(),
+                    file: seg.file.clone(),
+                    len: bytes.len() as u64,
+                    header: bad.header,
+                });
+            }
+            None => moved.push(move_aside(storage, dir, &mut existing, bad)?),
+        }
     }
     moved.sort();
     loaded.push(Loaded {
