@@ -126,8 +126,8 @@ pub struct IggySink {
 /// timeout worth configuring.
 const FRESH_CONNECTION_USABLE_FOR: Duration = Duration::from_millis(250);
 
-/// A connection taken by one call. Given back with [`Taken::give_back`] once the call
-/// was answered; dropped otherwise (a call cut short, a dead connection), never reused.
+/// A connection taken by one call. Given back by [`IggySink::settle`] once the call was
+/// answered; dropped otherwise (a call cut short, a dead connection), never reused.
 struct Taken {
     client: Arc<IggyClient>,
 }
@@ -222,17 +222,13 @@ impl IggySink {
     }
 
     /// The outcome of a call made on `taken`: an answered call gives the connection back
-    /// (a destination's error included: the server answered, unless `cache_suspect`); a
-    /// failure that says the server is gone drops it and every idle one.
-    fn settle<T>(&self, taken: Taken, result: Result<T, IggyError>) -> Result<T, SendError> {
-        self.settle_with(taken, result, false)
-    }
-
-    /// [`IggySink::settle`]; with `cache_suspect`, a destination's error drops the
-    /// connection too: the call relied on what the client caches per connection (a
-    /// topic's partition count, for balanced and keyed sends, which it never refreshes),
-    /// and that may be what is wrong (partitions deleted). A new connection asks again.
-    fn settle_with<T>(&self, taken: Taken, result: Result<T, IggyError>, cache_suspect: bool) -> Result<T, SendError> {
+    /// (a destination's error included: the server answered); a failure that says the
+    /// server is gone drops it and every idle one. With `cache_suspect`, a destination's
+    /// error drops the connection too: the call relied on what the client caches per
+    /// connection (a topic's partition count, for balanced and keyed sends, which it
+    /// never refreshes), and that may be what is wrong (partitions deleted). A new
+    /// connection asks again.
+    fn settle<T>(&self, taken: Taken, result: Result<T, IggyError>, cache_suspect: bool) -> Result<T, SendError> {
         match result {
             Ok(v) => {
                 self.answered();
@@ -413,7 +409,7 @@ impl Sink for IggySink {
     async fn ensure(&self, dest: &DestinationKey) -> Result<TopicInfo, SendError> {
         let taken = self.take().await?;
         let result = ensure_on(&taken.client, dest, &self.create_options()).await;
-        let info = self.settle(taken, result)?;
+        let info = self.settle(taken, result, false)?;
         if !info.durable {
             tracing::warn!(destination = %dest, "topic does not sync every message: its acks may not survive a crash of the server");
         }
@@ -431,7 +427,7 @@ impl Sink for IggySink {
     async fn server_answers(&self) -> bool {
         let Ok(taken) = self.take().await else { return false };
         let pinged = taken.client.ping().await;
-        self.settle(taken, pinged).is_ok()
+        self.settle(taken, pinged, false).is_ok()
     }
 
     async fn send(
@@ -447,7 +443,7 @@ impl Sink for IggySink {
         let taken = self.take().await?;
         let result = taken.client.send_messages(&stream, &topic, &partitioning(p), messages).await;
         let client_resolves_partition = !matches!(p, Partitioning::PartitionId(_));
-        self.settle_with(taken, result, client_resolves_partition).map(|_| ())
+        self.settle(taken, result, client_resolves_partition).map(|_| ())
     }
 }
 

@@ -23,9 +23,9 @@
 //!   log's next offset to it at start, so no record appended since is skipped): a
 //!   destination's own lane always; the dead-letter lane only for a record below the
 //!   stored cursor of the record's own destination, or one it delivered itself in this
-//!   run. Which destinations the cap admits can change
-//!   across a restart, so a record the dead-letter topic never had can lie below its
-//!   cursor; it is dead-lettered (at least once), never skipped.
+//!   run. Which destinations the cap admits can change across a restart, so a record
+//!   the dead-letter topic never had can lie below its cursor; it is dead-lettered (at
+//!   least once), never skipped.
 
 use std::borrow::Cow;
 use std::collections::{HashMap, VecDeque};
