@@ -147,20 +147,7 @@ impl VerifyReport {
 /// Beside a running writer it checks only what the writer's durable watermark covers
 /// (see `watermark.rs`): bytes written but not yet synced are neither read nor reported.
 pub fn verify(storage: &dyn Storage, dir: &Path, progress: &mut dyn FnMut(VerifyProgress)) -> Result<VerifyReport> {
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
-    loop {
-        let attempt = crate::watermark::read_bound(storage, dir).and_then(|b| {
-            let report = verify_bounded(storage, dir, b, progress)?;
-            crate::watermark::confirm_unbounded(storage, dir, b)?;
-            Ok(report)
-        });
-        match attempt {
-            Err(WalError::Unsettled { .. }) if std::time::Instant::now() < deadline => {
-                std::thread::sleep(std::time::Duration::from_millis(10));
-            }
-            other => return other,
-        }
-    }
+    crate::watermark::read_settled(storage, dir, |bound| verify_bounded(storage, dir, bound, progress))
 }
 
 fn verify_bounded(

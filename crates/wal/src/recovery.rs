@@ -22,7 +22,6 @@
 use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 use crate::error::{Location, Result, WalError};
 use crate::format::{
@@ -90,29 +89,12 @@ fn io_err(path: &Path) -> impl Fn(io::Error) -> WalError + '_ {
     move |e| WalError::io(path, e)
 }
 
-/// How long a read-only open beside a starting or busy writer keeps retrying.
-const UNSETTLED_RETRY_FOR: Duration = Duration::from_secs(5);
-
 pub(crate) fn open(storage: Arc<dyn Storage>, dir: &Path, opts: &WalOptions, read_only: bool) -> Result<Opened> {
     if !read_only {
         return open_bounded(storage, dir, opts, false, Bound::None);
     }
-    // Beside a live writer, bound by its durable watermark; the watermark can be absent
-    // for a moment (the writer is recovering) or name a segment that moved on: retry.
-    let deadline = Instant::now() + UNSETTLED_RETRY_FOR;
-    loop {
-        let attempt = watermark::read_bound(&*storage, dir).and_then(|bound| {
-            let opened = open_bounded(storage.clone(), dir, opts, true, bound)?;
-            watermark::confirm_unbounded(&*storage, dir, bound)?;
-            Ok(opened)
-        });
-        match attempt {
-            Err(WalError::Unsettled { .. }) if Instant::now() < deadline => {
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            other => return other,
-        }
-    }
+    // Beside a live writer, bound by its durable watermark.
+    watermark::read_settled(&*storage, dir, |bound| open_bounded(storage.clone(), dir, opts, true, bound))
 }
 
 fn open_bounded(

@@ -31,7 +31,7 @@ use crate::format::{
 };
 use crate::scan::ChunkReader;
 use crate::storage::{OpenMode, Storage};
-use crate::watermark::{Bound, read_bound};
+use crate::watermark::Bound;
 
 /// The largest new segment written (a single larger record gets a segment of its own).
 const COPY_SEGMENT_BYTES: usize = 64 * 1024 * 1024;
@@ -122,15 +122,9 @@ impl Out<'_> {
 /// Beside a writer that has not published its watermark yet (it is recovering) it waits
 /// for one, as the other read-only openers do, up to 5 s, before writing anything.
 pub fn salvage_copy(storage: &dyn Storage, src: &Path, dst: &Path) -> Result<CopyReport> {
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
-    let read = loop {
-        match read_bound(storage, src) {
-            Err(WalError::Unsettled { .. }) if std::time::Instant::now() < deadline => {
-                std::thread::sleep(std::time::Duration::from_millis(10));
-            }
-            other => break other?,
-        }
-    };
+    // Only the bound is waited for: once copying began, `dst` holds a log and a second
+    // attempt would refuse it.
+    let read = crate::watermark::read_settled(storage, src, Ok)?;
     let report = copy_bounded(storage, src, dst, read)?;
     crate::watermark::confirm_unbounded(storage, src, read)?;
     Ok(report)

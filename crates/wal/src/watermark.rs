@@ -107,6 +107,35 @@ pub(crate) fn read_bound(storage: &dyn Storage, dir: &Path) -> Result<Bound> {
     }
 }
 
+/// How long a read-only reader beside a starting or busy writer keeps retrying.
+const UNSETTLED_RETRY_FOR: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Runs `read` under the bound a read-only reader of `dir` must respect (see
+/// [`read_bound`]), and voids a read that a writer started during (see
+/// [`confirm_unbounded`]). While the log is unsettled (the watermark absent for a moment,
+/// naming a segment that moved on, or a writer that took the lock during the read), reads
+/// again, for up to 5 s, then returns `Err(Unsettled)`.
+pub(crate) fn read_settled<T>(
+    storage: &dyn Storage,
+    dir: &Path,
+    mut read: impl FnMut(Bound) -> Result<T>,
+) -> Result<T> {
+    let deadline = std::time::Instant::now() + UNSETTLED_RETRY_FOR;
+    loop {
+        let attempt = read_bound(storage, dir).and_then(|bound| {
+            let value = read(bound)?;
+            confirm_unbounded(storage, dir, bound)?;
+            Ok(value)
+        });
+        match attempt {
+            Err(WalError::Unsettled { .. }) if std::time::Instant::now() < deadline => {
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            other => return other,
+        }
+    }
+}
+
 /// After a read under `bound`: with no writer then (`Bound::None`), one that took the
 /// lock since may have recovered, cut or appended unsynced bytes under the read, so the
 /// read does not stand; `Err(Unsettled)` (the caller reads again, bounded by the
