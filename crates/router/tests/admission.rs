@@ -199,21 +199,27 @@ async fn a_partition_id_out_of_range_with_error_is_held_until_the_topic_grows() 
     router.shutdown().await;
 }
 
+/// A log of four records for `p/t` with partition id 7, and a sink whose `p/t` has
+/// three partitions.
+async fn four_records_beyond_three_partitions() -> (Arc<wal::Wal>, Arc<FaultySink>, router::DestinationKey) {
+    let wal = open_wal(&SimStorage::new());
+    let sink = FaultySink::new();
+    let d = key("p", "t");
+    sink.set_partitions(&d, 3);
+    for i in 0..4u64 {
+        wal.append(vec![record(&d, i, Partitioning::PartitionId(7))]).await.unwrap_or_else(|e| panic!("{e}"));
+    }
+    (wal, sink, d)
+}
+
 /// A lane Degraded by failures whose records then all turn out to be out of range (and
 /// are dropped or dead-lettered, as configured) made progress: it is Running again,
 /// though it never sent to its own topic.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_degraded_lane_whose_records_are_all_disposed_of_is_running_again() {
     for on in [OnAdmissionFailure::Drop, OnAdmissionFailure::DeadLetter] {
-        let sim = SimStorage::new();
-        let wal = open_wal(&sim);
-        let sink = FaultySink::new();
-        let d = key("p", "t");
-        sink.set_partitions(&d, 3);
+        let (wal, sink, d) = four_records_beyond_three_partitions().await;
         sink.client_fault(Some(SendErrorKind::Unavailable));
-        for i in 0..4u64 {
-            wal.append(vec![record(&d, i, Partitioning::PartitionId(7))]).await.unwrap_or_else(|e| panic!("{e}"));
-        }
         let router =
             Router::start(wal, sink.clone(), Arc::new(MemoryCursorStore::new()), Policies::uniform(policy(on)))
                 .unwrap();
@@ -236,15 +242,8 @@ async fn a_degraded_lane_whose_records_are_all_disposed_of_is_running_again() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_breaker_whose_held_records_are_all_disposed_of_closes() {
     for on in [OnAdmissionFailure::Drop, OnAdmissionFailure::DeadLetter] {
-        let sim = SimStorage::new();
-        let wal = open_wal(&sim);
-        let sink = FaultySink::new();
-        let d = key("p", "t");
-        sink.set_partitions(&d, 3);
+        let (wal, sink, d) = four_records_beyond_three_partitions().await;
         sink.fault(&d, Some(Fault::Fail(SendErrorKind::Destination)));
-        for i in 0..4u64 {
-            wal.append(vec![record(&d, i, Partitioning::PartitionId(7))]).await.unwrap_or_else(|e| panic!("{e}"));
-        }
         let mut p = policy(on);
         p.breaker.cool_down = Duration::from_millis(300);
         let router =
