@@ -264,11 +264,10 @@ fn verify_bounded(
             let p = FrameProblem::UnexpectedOffset { expected: base.saturating_add(1), found: seal };
             report.problems.push(problem(out.valid_end - FRAME_HEADER_LEN, p.to_string()));
         }
+        let why = if bound.is_some() { "in bytes the running writer synced" } else { "in a tail closed cleanly" };
         match out.stop {
             Some((pos, p)) if i == last => {
                 if tail_closed_cleanly {
-                    let why =
-                        if bound.is_some() { "in bytes the running writer synced" } else { "in a tail closed cleanly" };
                     report.problems.push(problem(pos, format!("{p} ({why})")));
                 } else if find_proof_of_durable_damage(&**file, path, *len, pos)?.is_some() {
                     report.problems.push(problem(pos, format!("{p} (bytes that were durable)")));
@@ -280,6 +279,11 @@ fn verify_bounded(
             Some((pos, p)) => report.problems.push(problem(pos, p.to_string())),
             None if i < last && out.sealed.is_none() => {
                 report.problems.push(problem(*len, "segment has a successor but no seal".into()));
+            }
+            // Records that check but end no batch: torn, unless those bytes were durable
+            // (a clean close, or a live writer's watermark, ends only whole batches).
+            None if i == last && out.valid_end < *len && tail_closed_cleanly => {
+                report.problems.push(problem(out.valid_end, format!("a batch without its last record ({why})")));
             }
             None if i == last && out.valid_end < *len => {
                 report.torn_tail = Some(Location { file: path.clone(), position: out.valid_end });
