@@ -7,6 +7,10 @@
 //!   a keep-alive connection may sit idle between requests (hyper starts the same timer
 //!   when it starts waiting for the next head), so slow or idle clients cannot hold
 //!   connection slots.
+//! - `write_timeout` bounds how long an answer may wait for its client to take it: from
+//!   the first write the socket's buffer refuses until the whole answer is handed to the
+//!   kernel. A client that sends requests and never reads the answers (or reads them a
+//!   byte at a time) loses its connection then, so it cannot hold a slot either.
 //! - On shutdown the listener stops accepting at once, in-flight requests are finished,
 //!   idle keep-alive connections are closed, and the whole drain is bounded by `grace`:
 //!   a connection still open then is cut (its task aborted, its socket closed) before
@@ -15,15 +19,19 @@
 
 use std::future::Future;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
 use axum::Router;
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
-use tokio::net::TcpListener;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
+use tokio::time::Sleep;
 use tower::ServiceExt;
 
 use crate::door::PeerAddr;
@@ -32,6 +40,9 @@ use crate::door::PeerAddr;
 pub struct ConnectionLimits {
     pub max_connections: usize,
     pub header_read_timeout: Duration,
+    /// How long an answer may wait for the client to read it (see the module's
+    /// invariants).
+    pub write_timeout: Duration,
 }
 
 /// How a serve loop ended.
@@ -85,6 +96,7 @@ pub async fn serve(
             req.extensions_mut().insert(peer_addr.clone());
             router.clone().oneshot(req.map(axum::body::Body::new))
         });
+        let stream = WriteDeadline::new(stream, limits.write_timeout);
         let conn = builder.serve_connection(TokioIo::new(stream), service);
         let watched = graceful.watch(conn);
         connections.spawn(async move {
@@ -107,6 +119,75 @@ pub async fn serve(
     connections.abort_all();
     while connections.join_next().await.is_some() {}
     Drained { complete }
+}
+
+/// A connection's socket whose writes may stay refused for at most `limit`: the clock
+/// starts at the first write the socket does not take at once and stops when hyper
+/// flushes, which it does once its whole buffered answer went to the kernel. Partial
+/// progress does not stop it, so a client reading a byte at a time is cut as well.
+/// Nothing is allocated while the socket takes every write at once.
+struct WriteDeadline {
+    stream: TcpStream,
+    limit: Duration,
+    /// Running while a write is waiting for the client to read.
+    blocked: Option<Pin<Box<Sleep>>>,
+}
+
+impl WriteDeadline {
+    fn new(stream: TcpStream, limit: Duration) -> WriteDeadline {
+        WriteDeadline { stream, limit, blocked: None }
+    }
+
+    /// After a write the socket refused: an error once the clock ran out, else pending.
+    fn refused<T>(&mut self, cx: &mut Context<'_>) -> Poll<std::io::Result<T>> {
+        let limit = self.limit;
+        let clock = self.blocked.get_or_insert_with(|| Box::pin(tokio::time::sleep(limit)));
+        ready!(clock.as_mut().poll(cx));
+        Poll::Ready(Err(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!("the client took no answer for {} ms (http.write_timeout_ms)", limit.as_millis()),
+        )))
+    }
+}
+
+impl AsyncRead for WriteDeadline {
+    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.stream).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for WriteDeadline {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
+        match Pin::new(&mut self.stream).poll_write(cx, buf) {
+            Poll::Pending => self.refused(cx),
+            done => done,
+        }
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        match Pin::new(&mut self.stream).poll_write_vectored(cx, bufs) {
+            Poll::Pending => self.refused(cx),
+            done => done,
+        }
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.stream.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        let flushed = ready!(Pin::new(&mut self.stream).poll_flush(cx));
+        self.blocked = None;
+        Poll::Ready(flushed)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.stream).poll_shutdown(cx)
+    }
 }
 
 /// Binds a listener, with the address in the error.
@@ -136,7 +217,11 @@ mod tests {
         let listener = bind("127.0.0.1:0".parse().unwrap()).await.unwrap();
         let addr = listener.local_addr().unwrap();
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let limits = ConnectionLimits { max_connections: 4, header_read_timeout: Duration::from_secs(5) };
+        let limits = ConnectionLimits {
+            max_connections: 4,
+            header_read_timeout: Duration::from_secs(5),
+            write_timeout: Duration::from_secs(5),
+        };
         let server = tokio::spawn(serve(
             listener,
             router,
@@ -170,5 +255,56 @@ mod tests {
         }
         assert!(buf.is_empty(), "an answer came after the grace period: {}", String::from_utf8_lossy(&buf));
         assert!(returned.elapsed() < Duration::from_secs(1));
+    }
+
+    /// A client that sends requests and never reads the answers loses its connection
+    /// after `write_timeout`, so the one slot it held serves the next client.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_client_that_never_reads_its_answers_is_cut_after_the_write_timeout() {
+        let big = "x".repeat(64 * 1024);
+        let router = Router::new()
+            .route("/big", axum::routing::get(move || std::future::ready(big.clone())))
+            .route("/small", axum::routing::get(|| async { "small" }));
+        let listener = bind("127.0.0.1:0".parse().unwrap()).await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let limits = ConnectionLimits {
+            max_connections: 1,
+            header_read_timeout: Duration::from_secs(30),
+            write_timeout: Duration::from_millis(500),
+        };
+        tokio::spawn(serve(listener, router, limits, std::future::pending::<()>(), Duration::from_secs(1), "test"));
+        // Client A: a small receive buffer, 200 pipelined requests for 64 KiB answers,
+        // and never a read.
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.set_recv_buffer_size(4096).unwrap();
+        let a = socket.connect(addr).await.unwrap().into_std().unwrap();
+        a.set_nonblocking(false).unwrap();
+        let (a_sent, a_done) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut a = a;
+            for _ in 0..200 {
+                if a.write_all(b"GET /big HTTP/1.1\r\nhost: x\r\n\r\n").is_err() {
+                    break;
+                }
+            }
+            let _ = a_sent.send(());
+            // Held open (and unread) well past the test.
+            std::thread::sleep(Duration::from_secs(20));
+        });
+        let _ = tokio::task::spawn_blocking(move || a_done.recv_timeout(Duration::from_secs(5))).await;
+        // Client B, behind A in the accept backlog: served once A was cut.
+        let started = Instant::now();
+        let (read, answer) = tokio::task::spawn_blocking(move || {
+            let mut b = std::net::TcpStream::connect(addr).unwrap();
+            b.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+            b.write_all(b"GET /small HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n").unwrap();
+            let mut answer = Vec::new();
+            (b.read_to_end(&mut answer), String::from_utf8_lossy(&answer).into_owned())
+        })
+        .await
+        .unwrap();
+        assert!(read.is_ok(), "client B was not served while A held the only slot: {read:?}");
+        assert!(answer.starts_with("HTTP/1.1 200") && answer.ends_with("small"), "{answer}");
+        assert!(started.elapsed() < Duration::from_secs(4), "B waited {:?}", started.elapsed());
     }
 }

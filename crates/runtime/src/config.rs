@@ -50,6 +50,7 @@ pub struct HttpConfig {
     pub max_body_bytes: u64,
     pub header_read_timeout_ms: u64,
     pub body_read_timeout_ms: u64,
+    pub write_timeout_ms: u64,
     pub max_connections: u64,
     pub retry_after_secs: u64,
     pub max_events_per_request: u64,
@@ -337,6 +338,7 @@ impl Default for HttpConfig {
             max_body_bytes: 1024 * 1024,
             header_read_timeout_ms: 10_000,
             body_read_timeout_ms: 30_000,
+            write_timeout_ms: 10_000,
             max_connections: 1024,
             retry_after_secs: 5,
             max_events_per_request: http_source::body::MAX_EVENTS_PER_REQUEST_DEFAULT as u64,
@@ -610,6 +612,8 @@ pub struct Settings {
     pub max_events_per_request: usize,
     pub header_read_timeout: Duration,
     pub body_read_timeout: Duration,
+    /// `http.write_timeout_ms`: how long an answer may wait for its client to read it.
+    pub write_timeout: Duration,
     pub max_connections: usize,
     pub retry_after_secs: u64,
     /// Guards every admin route but `/health`; `None` leaves them open (loopback only,
@@ -721,6 +725,7 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
     let max_body_bytes = c.positive(&http.key("max_body_bytes"), config.http.max_body_bytes);
     let header_read_timeout_ms = c.positive(&http.key("header_read_timeout_ms"), config.http.header_read_timeout_ms);
     let body_read_timeout_ms = c.positive(&http.key("body_read_timeout_ms"), config.http.body_read_timeout_ms);
+    let write_timeout_ms = c.positive(&http.key("write_timeout_ms"), config.http.write_timeout_ms);
     let max_connections = c.positive(&http.key("max_connections"), config.http.max_connections);
     let retry_after_secs = c.positive(&http.key("retry_after_secs"), config.http.retry_after_secs);
     let max_events_per_request = c.positive(&http.key("max_events_per_request"), config.http.max_events_per_request);
@@ -1001,6 +1006,7 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
         max_events_per_request: max_events_per_request.min(MAX_EVENTS_PER_REQUEST_LIMIT) as usize,
         header_read_timeout: Duration::from_millis(header_read_timeout_ms),
         body_read_timeout: Duration::from_millis(body_read_timeout_ms),
+        write_timeout: Duration::from_millis(write_timeout_ms),
         max_connections: max_connections as usize,
         retry_after_secs,
         admin_token,

@@ -229,6 +229,7 @@ pub async fn start(mut settings: Settings, metrics: Option<PrometheusHandle>) ->
     let limits = ConnectionLimits {
         max_connections: settings.max_connections,
         header_read_timeout: settings.header_read_timeout,
+        write_timeout: settings.write_timeout,
     };
     let grace = settings.grace_period;
     let http_task = tokio::spawn(server::serve(
@@ -242,7 +243,7 @@ pub async fn start(mut settings: Settings, metrics: Option<PrometheusHandle>) ->
     let admin_task = tokio::spawn(server::serve(
         admin_listener,
         crate::admin::router(shared.clone()),
-        ConnectionLimits { max_connections: 64, header_read_timeout: settings.header_read_timeout },
+        ConnectionLimits { max_connections: 64, ..limits.clone() },
         stopped(admin_stop_rx),
         Duration::from_secs(5),
         "admin",
