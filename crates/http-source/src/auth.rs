@@ -93,6 +93,19 @@ impl AuthFailure {
     }
 }
 
+/// The shortest Standard Webhooks key accepted, decoded: the specification's lower bound.
+pub const STANDARD_WEBHOOKS_MIN_KEY_BYTES: usize = 24;
+
+/// A configured signature header, lower-cased, refused unless it is a valid header name
+/// (an invalid one would be looked up in vain and every request would get 401).
+fn header_name(header: &str) -> Result<String, (&'static str, String)> {
+    let header = header.to_ascii_lowercase();
+    match axum::http::HeaderName::from_bytes(header.as_bytes()) {
+        Ok(_) => Ok(header),
+        Err(_) => Err(("header", format!("{header:?} is not a valid header name"))),
+    }
+}
+
 /// The default tolerance of timestamped schemes (Standard Webhooks and Stripe both use
 /// five minutes).
 pub const DEFAULT_TOLERANCE_SECS: u64 = 300;
@@ -151,10 +164,7 @@ impl AuthScheme {
                     HmacAlgorithm::Sha256 => ("x-hub-signature-256", "sha256="),
                     HmacAlgorithm::Sha1 => ("x-hub-signature", "sha1="),
                 };
-                let header = header.unwrap_or(default_header).to_ascii_lowercase();
-                if axum::http::HeaderName::from_bytes(header.as_bytes()).is_err() {
-                    return Err(("header", format!("{header:?} is not a valid header name")));
-                }
+                let header = header_name(header.unwrap_or(default_header))?;
                 AuthScheme::Hmac {
                     algorithm,
                     secret: need_secret()?.as_bytes().to_vec(),
@@ -165,7 +175,7 @@ impl AuthScheme {
             }
             "hmac-sha256-base64" => {
                 let header = match header {
-                    Some(h) => h.to_ascii_lowercase(),
+                    Some(h) => header_name(h)?,
                     None => return Err(("header", format!("required when auth_type = \"{scheme}\""))),
                 };
                 AuthScheme::Hmac {
@@ -182,6 +192,17 @@ impl AuthScheme {
                 let key = BASE64
                     .decode(b64)
                     .map_err(|_| ("secret", "must be base64 (optionally prefixed whsec_)".to_string()))?;
+                // An empty key ("whsec_") would let anyone sign; the specification asks
+                // for 24 to 64 bytes.
+                if key.len() < STANDARD_WEBHOOKS_MIN_KEY_BYTES {
+                    return Err((
+                        "secret",
+                        format!(
+                            "decodes to a {}-byte key; Standard Webhooks keys are at least {STANDARD_WEBHOOKS_MIN_KEY_BYTES} bytes",
+                            key.len()
+                        ),
+                    ));
+                }
                 AuthScheme::StandardWebhooks { keys: vec![key], tolerance_secs }
             }
             "stripe" => AuthScheme::Stripe { secret: need_secret()?.as_bytes().to_vec(), tolerance_secs },
@@ -486,5 +507,25 @@ mod tests {
         }
         assert!(AuthScheme::from_parts("hmac-sha256", Some("k"), Some("x-sig"), Some("v1="), None).is_ok());
         assert!(AuthScheme::from_parts("stripe", Some("k"), None, None, Some(60)).is_ok());
+    }
+
+    /// A key anyone can sign with is refused, and so is a signature header the scheme
+    /// would look up in vain: each with the parameter named.
+    #[test]
+    fn an_empty_or_short_standard_webhooks_key_and_an_invalid_header_name_are_refused() {
+        for secret in ["whsec_", "whsec_AAAA", "c2hvcnQ="] {
+            let e = AuthScheme::from_parts("standard-webhooks", Some(secret), None, None, None).unwrap_err();
+            assert_eq!(e.0, "secret", "{secret}: {e:?}");
+            assert!(e.1.contains("at least 24 bytes"), "{secret}: {}", e.1);
+        }
+        let at_least = format!("whsec_{}", BASE64.encode([7u8; STANDARD_WEBHOOKS_MIN_KEY_BYTES]));
+        assert!(AuthScheme::from_parts("standard-webhooks", Some(&at_least), None, None, None).is_ok());
+        for scheme in ["hmac-sha256", "hmac-sha1", "hmac-sha256-base64"] {
+            let e = AuthScheme::from_parts(scheme, Some("k"), Some("x sig"), None, None).unwrap_err();
+            assert_eq!(e.0, "header", "{scheme}: {e:?}");
+            assert!(e.1.contains("not a valid header name"), "{scheme}: {}", e.1);
+        }
+        let ok = AuthScheme::from_parts("hmac-sha256-base64", Some("k"), Some("X-Shopify-Hmac-Sha256"), None, None);
+        assert!(matches!(ok, Ok(AuthScheme::Hmac { ref header, .. }) if header == "x-shopify-hmac-sha256"));
     }
 }
