@@ -45,7 +45,10 @@ use crate::error::ApiError;
 use crate::health::Health;
 use crate::metrics::{DoorMetrics, SourceMetrics};
 use crate::resolve::resolve;
-use crate::source::{DELIVERY_ID_HEADERS, DELIVERY_KEY_MAX_BYTES, HEADER_VALUE_MAX_BYTES, SourceSpec};
+use crate::source::{
+    DELIVERY_ID_HEADERS, DELIVERY_KEY_MAX_BYTES, HEADER_VALUE_MAX_BYTES, METADATA_PEER_ADDR, METADATA_RECEIVED_AT,
+    SourceSpec,
+};
 use crate::status::{SourceStatus, StatusBoard};
 
 /// The peer address of a connection, put into each request's extensions by the server.
@@ -314,6 +317,13 @@ async fn receive_inner(
 
     let content_type = match parts.headers.get(header::CONTENT_TYPE) {
         None => None,
+        Some(v) if v.len() > HEADER_VALUE_MAX_BYTES => {
+            return Err(ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "invalid_content_type",
+                format!("Content-Type is {} bytes long; at most {HEADER_VALUE_MAX_BYTES} are accepted", v.len()),
+            ));
+        }
         Some(v) => Some(v.to_str().map_err(|_| {
             ApiError::new(StatusCode::BAD_REQUEST, "invalid_content_type", "Content-Type is not valid ASCII")
         })?),
@@ -356,10 +366,10 @@ async fn receive_inner(
     if source.metadata.peer_addr
         && let Some(p) = peer
     {
-        metadata.push(("peer_addr".to_string(), p.text.to_string()));
+        metadata.push((METADATA_PEER_ADDR.to_string(), p.text.to_string()));
     }
     if source.metadata.received_at {
-        metadata.push(("received_at_unix_ms".to_string(), received_at_unix_ms.to_string()));
+        metadata.push((METADATA_RECEIVED_AT.to_string(), received_at_unix_ms.to_string()));
     }
     let submission = Submission {
         source_key: source.key.clone(),

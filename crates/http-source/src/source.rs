@@ -17,8 +17,8 @@ use crate::partition::PartitionRule;
 use crate::route::Route;
 
 /// The largest header value Iggy accepts; longer forwarded values are cut to this and
-/// the cut is counted.
-pub const HEADER_VALUE_MAX_BYTES: usize = 255;
+/// the cut is counted. A longer `Content-Type` is refused.
+pub const HEADER_VALUE_MAX_BYTES: usize = ingest::envelope::ENVELOPE_FIELD_MAX_BYTES;
 
 /// The longest delivery id accepted for idempotency; a longer one is a 400.
 pub const DELIVERY_KEY_MAX_BYTES: usize = 255;
@@ -112,7 +112,30 @@ impl SourceSpec {
         out.retain(|(s, t)| self.admission.check(s, t).is_ok() && seen.insert((s.clone(), t.clone())));
         out
     }
+
+    /// The most bytes a record of this source holds beside its event
+    /// ([`ingest::envelope::envelope_max_bytes`] for its key, forwarded headers and
+    /// metadata), so `http.max_body_bytes` plus this is its largest record.
+    pub fn envelope_max_bytes(&self) -> usize {
+        let names: Vec<usize> = self.forward_headers.iter().map(String::len).collect();
+        let mut metadata = Vec::new();
+        if self.metadata.peer_addr {
+            metadata.push((METADATA_PEER_ADDR.len(), PEER_ADDR_TEXT_MAX_BYTES));
+        }
+        if self.metadata.received_at {
+            metadata.push((METADATA_RECEIVED_AT.len(), u64::MAX.to_string().len()));
+        }
+        ingest::envelope::envelope_max_bytes(self.key.len(), &names, &metadata)
+    }
 }
+
+/// The metadata name of the sender's address.
+pub const METADATA_PEER_ADDR: &str = "peer_addr";
+/// The metadata name of the receive time.
+pub const METADATA_RECEIVED_AT: &str = "received_at_unix_ms";
+/// The longest socket address text: `[` an IPv6 address of 39 characters, `%` a scope id
+/// of up to 10 digits, `]:` and a port of up to 5 digits is 58; rounded up.
+pub const PEER_ADDR_TEXT_MAX_BYTES: usize = 64;
 
 /// Headers that carry credentials; forwarding them into the log would copy secrets
 /// into every downstream consumer.

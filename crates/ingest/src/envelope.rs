@@ -279,6 +279,58 @@ pub fn message_id_for_delivery(source_key: &str, endpoint_id: Option<u128>, key:
     u128::from_be_bytes(first)
 }
 
+/// The longest value the door lets into each of an envelope's client-chosen text
+/// fields: the content type, the delivery id, a forwarded header's value, a stream or
+/// topic name and a partition key (what Iggy takes in a header, a name or a key).
+pub const ENVELOPE_FIELD_MAX_BYTES: usize = 255;
+
+/// The bytes of a postcard varint holding `n`.
+fn varint_bytes(n: u128) -> usize {
+    let mut bytes = 1;
+    let mut rest = n >> 7;
+    while rest > 0 {
+        rest >>= 7;
+        bytes += 1;
+    }
+    bytes
+}
+
+/// The bytes of a postcard string (or byte vector) of at most `len` bytes.
+fn text_max_bytes(len: usize) -> usize {
+    varint_bytes(len as u128) + len
+}
+
+/// The most bytes a record can hold beside its event: the version byte and an
+/// [`EnvelopeHeader`] whose every field is as long as the door lets it be. What varies
+/// with configuration is passed in: the source key's length, the forwarded headers'
+/// name lengths (their values are at most [`ENVELOPE_FIELD_MAX_BYTES`]) and the metadata
+/// fields as (name length, longest value). So `max_body_bytes` plus this is the largest
+/// record a source can write, which the configuration check holds under
+/// `wal.record_max_bytes` (a test encodes a header at every maximum and gets exactly
+/// this).
+pub fn envelope_max_bytes(
+    source_key_bytes: usize,
+    forwarded_name_bytes: &[usize],
+    metadata: &[(usize, usize)],
+) -> usize {
+    let field = text_max_bytes(ENVELOPE_FIELD_MAX_BYTES);
+    let pairs = |pairs: &mut dyn Iterator<Item = (usize, usize)>, count: usize| {
+        varint_bytes(count as u128) + pairs.map(|(n, v)| text_max_bytes(n) + text_max_bytes(v)).sum::<usize>()
+    };
+    1 // ENVELOPE_VERSION
+        + varint_bytes(u128::MAX) // message_id
+        + varint_bytes(u64::MAX.into()) // received_at_unix_ms
+        + text_max_bytes(source_key_bytes)
+        + 1 + varint_bytes(u128::MAX) // endpoint_id
+        + 1 + field // content_type
+        + pairs(&mut metadata.iter().copied(), metadata.len())
+        + pairs(&mut forwarded_name_bytes.iter().map(|&n| (n, ENVELOPE_FIELD_MAX_BYTES)), forwarded_name_bytes.len())
+        + 1 + field // idempotency_key
+        + 2 * varint_bytes(u32::MAX.into()) // batch_index, batch_len
+        + 2 * field // stream, topic
+        + 1 + field.max(varint_bytes(u32::MAX.into())) // partitioning: a key or an id
+}
+
 /// A random message id, for events that came without a delivery id.
 pub fn random_message_id() -> u128 {
     rand::random::<u128>()
@@ -391,5 +443,39 @@ mod tests {
         assert_ne!(e1, a, "an endpoint's delivery is not the named path's");
         assert_ne!(e1, message_id_for_delivery("github", Some(2), "abc", 0), "nor another endpoint's");
         assert_ne!(random_message_id(), random_message_id());
+    }
+
+    /// The bound is exact: a header with every field at its longest encodes to it.
+    #[test]
+    fn a_header_at_every_maximum_encodes_to_exactly_envelope_max_bytes() {
+        let long = |n: usize| "x".repeat(n);
+        let field = ENVELOPE_FIELD_MAX_BYTES;
+        for (key_bytes, names, metadata) in
+            [(1, vec![], vec![]), (255, vec![14, 64], vec![(9, 64), (19, 20)]), (40, vec![200; 30], vec![(9, 64)])]
+        {
+            let header = EnvelopeHeader {
+                message_id: u128::MAX,
+                received_at_unix_ms: u64::MAX,
+                source_key: long(key_bytes),
+                endpoint_id: Some(u128::MAX),
+                content_type: Some(long(field)),
+                metadata: metadata.iter().map(|&(n, v)| (long(n), long(v))).collect(),
+                headers: names.iter().map(|&n| (long(n), vec![b'v'; field])).collect(),
+                idempotency_key: Some(long(field)),
+                batch_index: u32::MAX,
+                batch_len: u32::MAX,
+                destination: Destination {
+                    stream: long(field),
+                    topic: long(field),
+                    partitioning: Partitioning::Key(vec![b'k'; field]),
+                },
+            };
+            let encoded = Envelope::encode(&header, b"");
+            assert_eq!(
+                encoded.len(),
+                envelope_max_bytes(key_bytes, &names, &metadata),
+                "key {key_bytes}, names {names:?}"
+            );
+        }
     }
 }

@@ -683,6 +683,10 @@ const SAME_FOR_EVERY_DELIVERY: &[&str] = &[
 /// (its envelope included) in memory before the one append that holds them all.
 const MAX_EVENTS_PER_REQUEST_LIMIT: u64 = 1_000_000;
 
+/// The longest header name or value Iggy takes: bounds a source key (sent with every
+/// message as `iggy-ingest-source`) and a forwarded header's name.
+const IGGY_HEADER_FIELD_MAX_BYTES: usize = ingest::envelope::ENVELOPE_FIELD_MAX_BYTES;
+
 /// The most worker threads `runtime.worker_threads` may ask for.
 pub const MAX_WORKER_THREADS: u64 = 1024;
 
@@ -850,12 +854,6 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
     if config.wal.segment_max_bytes < 4096 {
         c.err(&w.key("segment_max_bytes"), "must be at least 4096");
     }
-    if (max_body_bytes as u128) + 4096 > u128::from(record_max_bytes) {
-        c.err(
-            &http.key("max_body_bytes"),
-            format!("must leave 4096 bytes of envelope room under wal.record_max_bytes ({record_max_bytes})"),
-        );
-    }
     let wal_options = WalOptions {
         segment_max_bytes: config.wal.segment_max_bytes,
         max_bytes: config.wal.max_bytes,
@@ -895,6 +893,12 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
         let sp = sources_path.key(key);
         if key.is_empty() || !key.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.')) {
             c.err(&sp, "a source key may only hold letters, digits, '-', '_' and '.'");
+        } else if key.len() > IGGY_HEADER_FIELD_MAX_BYTES {
+            // Every record carries it, and every message as the iggy-ingest-source header.
+            c.err(
+                &sp,
+                format!("a source key is at most {IGGY_HEADER_FIELD_MAX_BYTES} bytes (Iggy's header value limit)"),
+            );
         }
         let (destinations, partitioning, admission) = where_events_go(&mut c, &sp, s);
         let accept = match s.accept.as_str() {
@@ -911,6 +915,13 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
             let hp = sp.key("forward_headers").index(i);
             if axum::http::HeaderName::from_bytes(h.as_bytes()).is_err() {
                 c.err(&hp, format!("{h:?} is not a valid header name"));
+            } else if h.len() > IGGY_HEADER_FIELD_MAX_BYTES {
+                c.err(
+                    &hp,
+                    format!("a header name is at most {IGGY_HEADER_FIELD_MAX_BYTES} bytes (Iggy's header name limit)"),
+                );
+            } else if forward_headers.contains(&h.to_ascii_lowercase()) {
+                c.err(&hp, format!("{h:?} is listed twice"));
             } else if is_credential_header(h) {
                 c.err(&hp, format!("{h:?} carries credentials and may not be forwarded into the log"));
             } else {
@@ -981,7 +992,7 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
                 record: None,
             });
         }
-        sources.push(SourceSpec {
+        let spec = SourceSpec {
             key: key.clone(),
             destinations,
             partitioning,
@@ -993,7 +1004,19 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
             metadata,
             idempotency_header,
             idempotency: s.idempotency,
-        });
+        };
+        // The largest event plus the largest envelope this source writes must be a
+        // record the log takes, or a body within max_body_bytes could get 413.
+        let envelope_max_bytes = spec.envelope_max_bytes() as u128;
+        if max_body_bytes as u128 + envelope_max_bytes > u128::from(record_max_bytes) {
+            c.err(
+                &http.key("max_body_bytes"),
+                format!(
+                    "with source {key:?}'s envelope (up to {envelope_max_bytes} bytes: its key, forwarded headers, metadata, and 255 bytes each for the content type, delivery id, stream, topic and partition key) an event of {max_body_bytes} bytes exceeds wal.record_max_bytes ({record_max_bytes})"
+                ),
+            );
+        }
+        sources.push(spec);
     }
 
     if !c.errors.is_empty() {
@@ -1546,6 +1569,49 @@ auth_type = "hmac-sha256"
         assert!(validate(&c, Some(&text), None).is_ok());
         let both = format!("{text}auth_secret = \"x\"\n");
         assert_eq!(errors(&both)[0].path, "sources.a.auth_secret_env");
+    }
+
+    /// A body within max_body_bytes must make a record the log takes, whatever the
+    /// source adds around it: the margin is the source's own envelope bound, and a
+    /// source key or forwarded header name is bounded like Iggy's headers.
+    #[test]
+    fn max_body_bytes_must_fit_with_each_sources_largest_envelope() {
+        let source = |headers: &str| {
+            format!(
+                "[wal]\nrecord_max_bytes = 8192\n[sources.a]\ndestination = {{ stream = \"s\", topic = \"t\" }}\nforward_headers = [{headers}]\n"
+            )
+        };
+        let fits = |max_body: u64, headers: &str| {
+            let text = format!("[http]\nmax_body_bytes = {max_body}\n{}", source(headers));
+            let c = parse(&text, None).unwrap();
+            validate(&c, Some(&text), None)
+        };
+        // No forwarded header: the envelope of source "a" with the default metadata.
+        let spec_bound = |headers: &[&str]| {
+            let names: Vec<usize> = headers.iter().map(|h| h.len()).collect();
+            ingest::envelope::envelope_max_bytes(1, &names, &[(9, 64), (19, 20)]) as u64
+        };
+        let bare = 8192 - spec_bound(&[]);
+        assert!(fits(bare, "").is_ok());
+        let e = fits(bare + 1, "").unwrap_err().errors;
+        assert_eq!(e[0].path, "http.max_body_bytes");
+        assert!(
+            e[0].message.contains("source \"a\"") && e[0].message.contains("wal.record_max_bytes (8192)"),
+            "{}",
+            e[0].message
+        );
+        // Each forwarded header takes room: what fitted alone no longer does.
+        let headers = ["x-github-event", "x-github-hook-id", "user-agent"];
+        let listed = headers.iter().map(|h| format!("\"{h}\"")).collect::<Vec<_>>().join(", ");
+        assert!(fits(bare, &listed).is_err());
+        assert!(fits(8192 - spec_bound(&headers), &listed).is_ok());
+        // A name listed twice, a name longer than Iggy takes, a source key likewise.
+        let e = fits(1024, "\"x-a\", \"X-A\"").unwrap_err().errors;
+        assert_eq!((e[0].path.as_str(), e[0].message.contains("twice")), ("sources.a.forward_headers[1]", true));
+        let e = fits(1024, &format!("\"x-{}\"", "a".repeat(300))).unwrap_err().errors;
+        assert_eq!((e[0].path.as_str(), e[0].message.contains("at most 255")), ("sources.a.forward_headers[0]", true));
+        let long_key = format!("[sources.{}]\ndestination = {{ stream = \"s\", topic = \"t\" }}\n", "k".repeat(256));
+        assert!(errors(&long_key).iter().any(|e| e.message.contains("at most 255")), "{:?}", errors(&long_key));
     }
 
     #[test]

@@ -311,9 +311,12 @@ async fn bad_input_malformed_bodies_and_content_types_get_400_or_415_and_append_
     f.expected_next += MAX_EVENTS as u64;
     f.serves("malformed bodies").await;
 
-    // Header values that are not ASCII: a Content-Type, a delivery id.
+    // Header values that are not ASCII, or longer than Iggy takes: a Content-Type, a
+    // delivery id.
+    let long_content_type = format!("content-type: text/plain; x={}\r\n", "b".repeat(8000)).into_bytes();
     let cases: Vec<(Vec<u8>, u16, &str)> = vec![
         (b"content-type: application/json\xff\r\n".to_vec(), 400, "invalid_content_type"),
+        (long_content_type, 400, "invalid_content_type"),
         (b"content-type: application/json\r\nidempotency-key: d\xe9j\xe0\r\n".to_vec(), 400, "invalid_delivery_id"),
         (b"content-type: application/json\r\nidempotency-key:  \r\n".to_vec(), 400, "invalid_delivery_id"),
     ];
