@@ -234,11 +234,12 @@ impl AuthScheme {
             AuthScheme::None => Ok(()),
             AuthScheme::Bearer { token } => {
                 let value = header_str(headers, "authorization")?;
+                // The scheme name is case-insensitive (RFC 9110, section 11.1).
                 let presented = value
-                    .strip_prefix("Bearer ")
-                    .or_else(|| value.strip_prefix("bearer "))
-                    .ok_or(AuthFailure::Malformed)?
-                    .trim();
+                    .get(..7)
+                    .filter(|scheme| scheme.eq_ignore_ascii_case("bearer "))
+                    .map(|_| value[7..].trim())
+                    .ok_or(AuthFailure::Malformed)?;
                 let a = Sha256::digest(presented.as_bytes());
                 let b = Sha256::digest(token);
                 if bool::from(a.ct_eq(&b)) { Ok(()) } else { Err(AuthFailure::BadSignature) }
@@ -473,6 +474,12 @@ mod tests {
         assert_eq!(s.verify(&headers(&[("authorization", "Bearer s3cretX")]), b"", 0), Err(AuthFailure::BadSignature));
         assert_eq!(s.verify(&headers(&[("authorization", "Basic s3cret")]), b"", 0), Err(AuthFailure::Malformed));
         assert_eq!(s.verify(&headers(&[]), b"", 0), Err(AuthFailure::MissingHeader));
+        // The scheme's name in any case; nothing but a space after it.
+        assert_eq!(s.verify(&headers(&[("authorization", "BEARER s3cret")]), b"", 0), Ok(()));
+        assert_eq!(s.verify(&headers(&[("authorization", "bEaReR s3cret")]), b"", 0), Ok(()));
+        assert_eq!(s.verify(&headers(&[("authorization", "Bearers3cret")]), b"", 0), Err(AuthFailure::Malformed));
+        assert_eq!(s.verify(&headers(&[("authorization", "Bearer")]), b"", 0), Err(AuthFailure::Malformed));
+        assert_eq!(s.verify(&headers(&[("authorization", "Beär s3cret")]), b"", 0), Err(AuthFailure::Malformed));
     }
 
     #[test]
