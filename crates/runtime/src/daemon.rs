@@ -261,11 +261,21 @@ pub async fn start(mut settings: Settings, metrics: Option<PrometheusHandle>) ->
         tracing::info!("shutting down: draining");
         health.start_draining();
         tokio::time::sleep(drain_delay).await;
+        // From here the whole drain is bounded by the grace period.
+        let grace_ends = tokio::time::Instant::now() + grace;
         let _ = http_stop_tx.send(true);
         let drained = http_task.await.map(|d| d.complete).unwrap_or(false);
         checkpoint_task.abort();
-        // Stop sending and store the last cursors while the log is still open.
-        delivery.shutdown().await;
+        // Stop sending and store the last cursors while the log is still open. A send
+        // still waiting for Iggy when the grace period ends is abandoned with the
+        // router: its records stay in the log above the stored cursors, and go again
+        // (with the same message ids) after the restart.
+        if tokio::time::timeout_at(grace_ends, delivery.shutdown()).await.is_err() {
+            tracing::warn!(
+                grace_ms = grace.as_millis() as u64,
+                "the router did not stop within the grace period: sends in flight abandoned, their records are sent again after the restart"
+            );
+        }
         let wal_closed = wal.close().await.map_err(|e| e.to_string());
         let checkpoint = idempotency.checkpoint(&wal, ingest::time::now_unix_ms()).await.map_err(|e| e.to_string());
         let _ = admin_stop_tx.send(true);

@@ -274,6 +274,34 @@ async fn sigterm_drains_health_first_finishes_in_flight_and_closes_the_log() {
     assert_eq!(&log[0].1.payload[..], b"0123456789");
 }
 
+/// A send to an Iggy server that never answers does not hold the exit past the grace
+/// period: the drain ends within it, the log is closed cleanly and holds the event.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_grace_period_bounds_the_drain_while_a_send_to_iggy_hangs() {
+    let dir = tempfile::tempdir().unwrap();
+    // A server that takes connections and never answers a byte.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let iggy = silent.local_addr().unwrap();
+    std::thread::spawn(move || {
+        let held: Vec<_> = silent.incoming().map_while(Result::ok).collect();
+        drop(held);
+    });
+    let rest = format!("[iggy]\naddress = \"{iggy}\"\n\n[router]\nresult_timeout_ms = 25000\n{SOURCES}");
+    let text = config_text(dir.path(), "", &rest).replace("grace_period_ms = 20000", "grace_period_ms = 1000");
+    let mut d = Daemon::start_text(dir.path(), &text);
+    assert_eq!(post_json(d.http, "/v1/sources/default", "{}").await.status, 200);
+    // Long enough for the router to be waiting on the silent server.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let signalled = Instant::now();
+    d.signal(libc::SIGTERM);
+    let status = d.wait_exit(Duration::from_secs(30));
+    let took = signalled.elapsed();
+    assert!(status.success(), "{status}");
+    assert!(took < Duration::from_secs(3), "the drain took {took:?} with a grace period of 1 s");
+    assert!(dir.path().join("data/wal").join(wal::CLEAN_MARKER_FILE).exists(), "clean-shutdown marker");
+    assert_eq!(log_len(&dir.path().join("data/wal")), 1, "the event stays in the log, to be sent after a restart");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_signal_cuts_the_drain_short() {
     let dir = tempfile::tempdir().unwrap();
