@@ -683,6 +683,11 @@ const SAME_FOR_EVERY_DELIVERY: &[&str] = &[
 /// (its envelope included) in memory before the one append that holds them all.
 const MAX_EVENTS_PER_REQUEST_LIMIT: u64 = 1_000_000;
 
+/// The most connections `http.max_connections` may allow: each is an open file, and
+/// a million is already beyond what a process is usually allowed (`ulimit -n`); far
+/// above it the connection semaphore itself could not be built.
+const MAX_CONNECTIONS_LIMIT: u64 = 1_000_000;
+
 /// The longest header name or value Iggy takes: bounds a source key (sent with every
 /// message as `iggy-ingest-source`) and a forwarded header's name.
 const IGGY_HEADER_FIELD_MAX_BYTES: usize = ingest::envelope::ENVELOPE_FIELD_MAX_BYTES;
@@ -731,6 +736,9 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
     let body_read_timeout_ms = c.positive(&http.key("body_read_timeout_ms"), config.http.body_read_timeout_ms);
     let write_timeout_ms = c.positive(&http.key("write_timeout_ms"), config.http.write_timeout_ms);
     let max_connections = c.positive(&http.key("max_connections"), config.http.max_connections);
+    if max_connections > MAX_CONNECTIONS_LIMIT {
+        c.err(&http.key("max_connections"), format!("must be at most {MAX_CONNECTIONS_LIMIT}"));
+    }
     let retry_after_secs = c.positive(&http.key("retry_after_secs"), config.http.retry_after_secs);
     let max_events_per_request = c.positive(&http.key("max_events_per_request"), config.http.max_events_per_request);
     if max_events_per_request > MAX_EVENTS_PER_REQUEST_LIMIT {
@@ -848,7 +856,7 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
     if record_max_bytes == 0 || record_max_bytes > wal::format::RECORD_MAX_BYTES {
         c.err(&w.key("record_max_bytes"), format!("must be between 1 and {}", wal::format::RECORD_MAX_BYTES));
     }
-    if config.wal.max_bytes < 2 * config.wal.segment_max_bytes {
+    if u128::from(config.wal.max_bytes) < 2 * u128::from(config.wal.segment_max_bytes) {
         c.err(&w.key("max_bytes"), "must be at least twice wal.segment_max_bytes (space is freed a segment at a time)");
     }
     if config.wal.segment_max_bytes < 4096 {
@@ -1030,7 +1038,7 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
         header_read_timeout: Duration::from_millis(header_read_timeout_ms),
         body_read_timeout: Duration::from_millis(body_read_timeout_ms),
         write_timeout: Duration::from_millis(write_timeout_ms),
-        max_connections: max_connections as usize,
+        max_connections: max_connections.min(MAX_CONNECTIONS_LIMIT) as usize,
         retry_after_secs,
         admin_token,
         management_token,
@@ -1612,6 +1620,17 @@ auth_type = "hmac-sha256"
         assert_eq!((e[0].path.as_str(), e[0].message.contains("at most 255")), ("sources.a.forward_headers[0]", true));
         let long_key = format!("[sources.{}]\ndestination = {{ stream = \"s\", topic = \"t\" }}\n", "k".repeat(256));
         assert!(errors(&long_key).iter().any(|e| e.message.contains("at most 255")), "{:?}", errors(&long_key));
+    }
+
+    /// Numbers at the edge of u64 are errors naming their keys, not overflows.
+    #[test]
+    fn huge_numbers_are_errors_at_their_key_not_overflows() {
+        let text = "[http]\nmax_connections = 3000000000000000000\n[wal]\nsegment_max_bytes = 18446744073709551615\nmax_bytes = 18446744073709551615\n[sources.a]\ndestination = { stream = \"s\", topic = \"t\" }\n";
+        let e = errors(text);
+        let at = |path: &str| e.iter().find(|e| e.path == path).unwrap_or_else(|| panic!("no error at {path}: {e:?}"));
+        assert!(at("http.max_connections").message.contains("at most 1000000"));
+        assert_eq!(at("http.max_connections").line, Some(2));
+        assert!(at("wal.max_bytes").message.contains("twice"), "{:?}", at("wal.max_bytes"));
     }
 
     #[test]
