@@ -106,8 +106,7 @@ async fn not_found() -> Response {
 
 async fn method_not_allowed() -> Response {
     count("-", "4xx", "method_not_allowed");
-    ApiError::new(StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed", "method not allowed on this path")
-        .into_response()
+    ApiError::method_not_allowed().into_response()
 }
 
 async fn health(State(door): State<Arc<Door>>) -> Response {
@@ -123,13 +122,16 @@ pub fn health_answer(health: &Health) -> Response {
 
 use crate::metrics::count_answer as count;
 
-/// A path segment that does not percent-decode to UTF-8 names no source and no endpoint:
-/// 404 like any other unknown name, never axum's plain-text rejection.
+/// A path segment that does not percent-decode to UTF-8 names nothing: 404 like any
+/// other unknown name (`no such {what}`), never axum's plain-text rejection. The admin
+/// API's path parameters go through it too.
+pub fn path_param(path: Result<Path<String>, PathRejection>, what: &str) -> Result<String, ApiError> {
+    path.map(|Path(s)| s).map_err(|_| ApiError::not_found(format!("no such {what}")))
+}
+
+/// [`path_param`] for the webhook routes, counted like every other refusal of the door.
 fn path_segment(path: Result<Path<String>, PathRejection>, what: &str) -> Result<String, ApiError> {
-    path.map(|Path(s)| s).map_err(|_| {
-        count("-", "4xx", "not_found");
-        ApiError::not_found(format!("no such {what}"))
-    })
+    path_param(path, what).inspect_err(|_| count("-", "4xx", "not_found"))
 }
 
 async fn post_source(

@@ -32,6 +32,11 @@ impl ApiError {
         ApiError::new(StatusCode::NOT_FOUND, "not_found", message)
     }
 
+    /// 405: the path exists but does not take this method (axum adds `Allow`).
+    pub fn method_not_allowed() -> ApiError {
+        ApiError::new(StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed", "method not allowed on this path")
+    }
+
     pub fn unavailable(code: &'static str, message: impl Into<String>, retry_after_secs: u64) -> ApiError {
         ApiError {
             retry_after_secs: Some(retry_after_secs),

@@ -16,6 +16,10 @@
 //!   configured token they answer 404.
 //! - A 2xx from a management call means the change is committed to redb.
 //! - Secrets appear only in the answers of register and rotate, never in listings.
+//! - Every answer but a 2xx and `/metrics` is a JSON `ApiError`, as at the webhook
+//!   door: a method a path does not take is a 405 (with `Allow`), and a path parameter
+//!   that does not percent-decode to UTF-8 names nothing (404), never axum's empty or
+//!   plain-text rejections.
 //! - A management body is read only after the token was checked, at most 64 KiB and
 //!   within `http.body_read_timeout_ms` (413, 408), so a client without the token
 //!   cannot hold an admin connection by sending a body slowly.
@@ -24,11 +28,13 @@ use std::sync::Arc;
 
 use axum::Json;
 use axum::Router;
+use axum::extract::rejection::PathRejection;
 use axum::extract::{Path, Request, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use http_source::door::path_param;
 use http_source::endpoints::{EndpointError, format_id, parse_id};
 use http_source::error::ApiError;
 use ingest::{EndpointRecord, StoredAuth};
@@ -50,8 +56,10 @@ pub fn router(shared: Arc<Shared>) -> Router {
         .route("/v1/endpoints/{id}", axum::routing::delete(revoke))
         .route("/v1/endpoints/{id}/rotate", post(rotate))
         .fallback(|| async { ApiError::not_found("no such path") })
-        // On the whole router, fallback included: without the token an unknown path
-        // and a known one look alike.
+        // After every route: it applies to the routes there are when it is called.
+        .method_not_allowed_fallback(|| async { ApiError::method_not_allowed() })
+        // On the whole router, fallbacks included: without the token an unknown path
+        // and a known one, a wrong method and a right one, look alike.
         .layer(middleware::from_fn_with_state(shared.clone(), require_admin_token))
         .with_state(shared)
 }
@@ -132,7 +140,11 @@ async fn status(State(s): State<Arc<Shared>>) -> Response {
 }
 
 /// `GET /connectors/{key}`: one source's door status and its delivery status.
-async fn connector(State(s): State<Arc<Shared>>, Path(key): Path<String>) -> Response {
+async fn connector(State(s): State<Arc<Shared>>, key: Result<Path<String>, PathRejection>) -> Response {
+    let key = match path_param(key, "connector") {
+        Ok(k) => k,
+        Err(e) => return e.into_response(),
+    };
     let Some(door) = s.status.get(&key) else {
         return ApiError::not_found("no such connector").into_response();
     };
@@ -287,7 +299,7 @@ struct RotateRequest {
 
 async fn rotate(
     State(s): State<Arc<Shared>>,
-    Path(id): Path<String>,
+    id: Result<Path<String>, PathRejection>,
     headers: HeaderMap,
     body: axum::body::Body,
 ) -> Response {
@@ -297,6 +309,10 @@ async fn rotate(
     let body = match management_body(&s, body).await {
         Ok(b) => b,
         Err(refused) => return refused,
+    };
+    let id = match path_param(id, "endpoint") {
+        Ok(id) => id,
+        Err(e) => return e.into_response(),
     };
     let Some(id) = parse_id(&id) else { return ApiError::not_found("no such endpoint").into_response() };
     let req: RotateRequest = if body.is_empty() {
@@ -316,10 +332,14 @@ async fn rotate(
     }
 }
 
-async fn revoke(State(s): State<Arc<Shared>>, Path(id): Path<String>, headers: HeaderMap) -> Response {
+async fn revoke(State(s): State<Arc<Shared>>, id: Result<Path<String>, PathRejection>, headers: HeaderMap) -> Response {
     if let Some(refused) = refuse_management(&s, &headers) {
         return refused;
     }
+    let id = match path_param(id, "endpoint") {
+        Ok(id) => id,
+        Err(e) => return e.into_response(),
+    };
     let Some(id) = parse_id(&id) else { return ApiError::not_found("no such endpoint").into_response() };
     match s.endpoints.revoke(id, ingest::time::now_unix_ms()).await {
         Ok(r) => {

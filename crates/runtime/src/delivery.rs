@@ -449,7 +449,14 @@ pub fn connector_delivery_status(delivery: &Delivery, source: &str) -> &'static 
 }
 
 /// `GET /connectors/{key}/destinations`.
-pub async fn destinations(State(s): State<Arc<crate::daemon::Shared>>, Path(key): Path<String>) -> Response {
+pub async fn destinations(
+    State(s): State<Arc<crate::daemon::Shared>>,
+    key: Result<Path<String>, axum::extract::rejection::PathRejection>,
+) -> Response {
+    let key = match http_source::door::path_param(key, "connector") {
+        Ok(k) => k,
+        Err(e) => return e.into_response(),
+    };
     if s.status.get(&key).is_none() {
         return http_source::error::ApiError::not_found("no such connector").into_response();
     }

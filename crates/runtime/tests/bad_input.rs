@@ -938,3 +938,66 @@ async fn bad_input_path_traversal_and_encoded_tricks_in_ids_and_keys_find_nothin
     assert_eq!(via_encoded.header.endpoint_id, Some(0x0123456789abcdef0123456789abcdef), "the configured endpoint");
     assert_eq!(via_encoded.header.source_key, "hidden");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_the_admin_api_answers_wrong_methods_and_undecodable_paths_in_json() {
+    const READER: &str = "Bearer test-admin-reader-token-42";
+    let root = tempfile::tempdir().unwrap();
+    let text =
+        config_text(root.path(), "", SOURCES).replace("[admin]\n", "[admin]\ntoken = \"test-admin-reader-token-42\"\n");
+    let d = Daemon::start_text(root.path(), &text);
+    let manager = format!("Bearer {MANAGEMENT_TOKEN}");
+    let json_error = |a: &Answer, status: u16, code: &str, what: &str| {
+        assert_eq!(
+            a.header("content-type"),
+            Some("application/json"),
+            "{what}: {:?}",
+            String::from_utf8_lossy(&a.body)
+        );
+        assert_error(a, status, code, what);
+    };
+
+    // A method a path does not take: 405 with a JSON body and the methods it does take.
+    for (method, path, token) in [
+        ("POST", "/status", READER),
+        ("DELETE", "/metrics", READER),
+        ("PUT", "/connectors/open", READER),
+        ("POST", "/connectors/open/destinations", READER),
+        ("POST", "/health", READER),
+        ("PUT", "/v1/endpoints", manager.as_str()),
+        ("GET", "/v1/endpoints/0123456789abcdef0123456789abcdef", manager.as_str()),
+        ("GET", "/v1/endpoints/0123456789abcdef0123456789abcdef/rotate", manager.as_str()),
+    ] {
+        let what = format!("{method} {path}");
+        let a = request(d.admin, method, path, &[("authorization", token)], "").await;
+        json_error(&a, 405, "method_not_allowed", &what);
+        assert!(a.header("allow").is_some_and(|m| !m.is_empty()), "{what}: no Allow header");
+    }
+    // Without the admin token a wrong method is refused like any other call: the token
+    // is checked first, so a wrong method says nothing about which paths exist.
+    let a = request(d.admin, "POST", "/status", &[], "").await;
+    json_error(&a, 401, "unauthorized", "POST /status without a token");
+
+    // A path segment that does not percent-decode to UTF-8 names nothing: 404 in JSON,
+    // never a plain-text rejection.
+    for (method, path, token) in [
+        ("GET", "/connectors/%FF", READER),
+        ("GET", "/connectors/op%C3en", READER),
+        ("GET", "/connectors/%FF/destinations", READER),
+        ("DELETE", "/v1/endpoints/%FF", manager.as_str()),
+        ("POST", "/v1/endpoints/%FF%FE/rotate", manager.as_str()),
+    ] {
+        let a = request(d.admin, method, path, &[("authorization", token)], "").await;
+        json_error(&a, 404, "not_found", &format!("{method} {path}"));
+    }
+    // The management token is still checked before the path is looked at.
+    let a = request(d.admin, "DELETE", "/v1/endpoints/%FF", &[("authorization", READER)], "").await;
+    json_error(&a, 401, "unauthorized", "DELETE /v1/endpoints/%FF with the reader token");
+
+    // The static endpoint is untouched and the daemon still serves.
+    let a = request(d.admin, "GET", "/v1/endpoints", &[("authorization", &manager)], "").await;
+    assert_eq!(a.status, 200);
+    assert_eq!(a.json()["endpoints"].as_array().map(Vec::len), Some(1), "{}", a.json());
+    assert_eq!(post_json(d.http, "/v1/sources/open", "{}").await.status, 200);
+    assert!(d.stop().success());
+}
