@@ -880,8 +880,18 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
     let checkpoint_ms = c.positive(&idem.key("checkpoint_interval_ms"), config.idempotency.checkpoint_interval_ms);
 
     let iggy = root.key("iggy");
-    if config.iggy.address.is_empty() {
-        c.err(&iggy.key("address"), "must not be empty");
+    let address = &config.iggy.address;
+    match crate::host_port::check(address) {
+        Err(why) => c.err(&iggy.key("address"), format!("{address:?} {why}")),
+        // The client takes the TLS server name from the text before the first ':'.
+        Ok(()) if config.iggy.tls && config.iggy.tls_domain.is_none() && address.starts_with('[') => c.err(
+            &iggy.key("tls_domain"),
+            format!(
+                "must be set with iggy.tls = true and an IPv6 iggy.address ({address}): the client would take \"[\" \
+                 as the server's name"
+            ),
+        ),
+        Ok(()) => {}
     }
 
     let source_keys: Vec<String> = config.sources.keys().cloned().collect();
@@ -1812,6 +1822,30 @@ mapping_url = "https://example.com/m.json"
         assert_eq!(p, "admin.allow_unauthenticated_remote");
         // A bad token on a public address is one error, not two.
         assert_eq!(case("listen = \"0.0.0.0:1\"\ntoken = \"short\"").0, "admin.token");
+    }
+
+    #[test]
+    fn the_iggy_address_is_host_and_port_as_the_client_connects_to_it() {
+        let text = |iggy: &str| format!("[iggy]\n{iggy}\n{ONE_SOURCE}");
+        for bad in
+            ["not an address", "127.0.0.1", "127.0.0.1:0", "iggy:65536", "::1:8090", "[::1]", "http://iggy:8090", ""]
+        {
+            let e = errors(&text(&format!("address = {bad:?}")));
+            assert_eq!(e.len(), 1, "{bad:?}: {e:?}");
+            assert_eq!((e[0].path.as_str(), e[0].line), ("iggy.address", Some(2)), "{bad:?}: {e:?}");
+            assert!(e[0].message.contains("HOST:PORT"), "{bad:?}: {}", e[0].message);
+        }
+        for ok in ["127.0.0.1:8090", "iggy.internal:8090", "localhost:8090", "[::1]:8090"] {
+            let t = text(&format!("address = {ok:?}"));
+            let s = validate(&parse(&t, None).unwrap(), Some(&t), None).unwrap_or_else(|e| panic!("{ok}: {e}"));
+            assert_eq!(s.delivery.sink.address, ok);
+        }
+        // With TLS the client takes the server name from the text before the first ':',
+        // which for an IPv6 address is "[": iggy.tls_domain must say it.
+        let e = errors(&text("address = \"[::1]:8090\"\ntls = true"));
+        assert_eq!((e.len(), e[0].path.as_str()), (1, "iggy.tls_domain"), "{e:?}");
+        let t = text("address = \"[::1]:8090\"\ntls = true\ntls_domain = \"iggy.internal\"");
+        assert!(validate(&parse(&t, None).unwrap(), Some(&t), None).is_ok());
     }
 
     #[test]

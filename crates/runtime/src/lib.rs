@@ -7,6 +7,7 @@ pub mod admin;
 pub mod config;
 pub mod daemon;
 pub mod delivery;
+pub mod host_port;
 pub mod logging;
 pub mod mapping_fetch;
 pub mod run;
