@@ -761,19 +761,11 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
             c.err(&admin.key("management_token_env"), "set either management_token or management_token_env, not both");
             None
         }
-        (Some(t), None) if t.len() < 16 => {
-            c.err(&admin.key("management_token"), "must be at least 16 characters");
-            None
-        }
-        (Some(t), None) => Some(t.clone()),
+        (Some(t), None) => usable_token(&mut c, &admin.key("management_token"), "the token", t).then(|| t.clone()),
         (None, Some(var)) => match std::env::var(var) {
-            Ok(t) if t.len() >= 16 => Some(t),
-            Ok(_) => {
-                c.err(
-                    &admin.key("management_token_env"),
-                    format!("environment variable {var} must hold at least 16 characters"),
-                );
-                None
+            Ok(t) => {
+                let from = format!("the value of environment variable {var}");
+                usable_token(&mut c, &admin.key("management_token_env"), &from, &t).then_some(t)
             }
             Err(_) => {
                 c.err(
@@ -1089,14 +1081,11 @@ fn admin_token(
         },
         (None, None) => return None,
     };
-    let from = if a.token_env.is_some() { "the environment variable's value" } else { "the token" };
-    if token.len() < 16 {
-        c.err(&path, format!("{from} must be at least 16 characters"));
-        return None;
-    }
-    // A client must be able to send it in an Authorization header as it is.
-    if !token.bytes().all(|b| b.is_ascii_graphic()) {
-        c.err(&path, format!("{from} may only hold visible ASCII characters (no spaces)"));
+    let from = match &a.token_env {
+        Some(var) => format!("the value of environment variable {var}"),
+        None => "the token".into(),
+    };
+    if !usable_token(c, &path, &from, &token) {
         return None;
     }
     if management_token == Some(token.as_str()) {
@@ -1104,6 +1093,23 @@ fn admin_token(
         return None;
     }
     Some(token)
+}
+
+/// The rules of both admin tokens (`admin.token`, `admin.management_token`), named at
+/// `path`; `from` says where the value came from ("the token", "the value of
+/// environment variable V"). A client must be able to send the token in an
+/// `Authorization` header as it is: only visible ASCII (the admin API does not read a
+/// header value with other bytes as text, so such a token could never match).
+fn usable_token(c: &mut Checker<'_>, path: &KeyPath, from: &str, token: &str) -> bool {
+    if token.len() < 16 {
+        c.err(path, format!("{from} must be at least 16 characters"));
+        return false;
+    }
+    if !token.bytes().all(|b| b.is_ascii_graphic()) {
+        c.err(path, format!("{from} may only hold visible ASCII characters (no spaces)"));
+        return false;
+    }
+    true
 }
 
 /// A source's destination, route, partitioning and admission (see docs/routing.md for
@@ -1846,6 +1852,27 @@ mapping_url = "https://example.com/m.json"
         assert_eq!((e.len(), e[0].path.as_str()), (1, "iggy.tls_domain"), "{e:?}");
         let t = text("address = \"[::1]:8090\"\ntls = true\ntls_domain = \"iggy.internal\"");
         assert!(validate(&parse(&t, None).unwrap(), Some(&t), None).is_ok());
+    }
+
+    #[test]
+    fn the_management_token_follows_the_same_rules_as_the_admin_token() {
+        // A token that is not visible ASCII can never be presented (a header value that
+        // is not visible ASCII is not read as text), so every management call would be 401.
+        for (token, why) in [
+            ("short", "16"),
+            ("has a space in it, sadly", "visible ASCII"),
+            ("tab\there-0123456789", "visible ASCII"),
+            ("t\u{f6}k\u{e9}n-0123456789abcdef", "visible ASCII"),
+        ] {
+            for key in ["management_token", "token"] {
+                let e = admin_settings(&format!("{key} = {token:?}")).unwrap_err();
+                assert_eq!(e.len(), 1, "{key} = {token:?}: {e:?}");
+                assert_eq!((e[0].path.clone(), e[0].line), (format!("admin.{key}"), Some(2)), "{e:?}");
+                assert!(e[0].message.contains(why), "{key} = {token:?}: {}", e[0].message);
+            }
+        }
+        let s = admin_settings("management_token = \"!visible~ascii-0123456789\"").unwrap();
+        assert_eq!(s.management_token.as_deref(), Some("!visible~ascii-0123456789"));
     }
 
     #[test]
