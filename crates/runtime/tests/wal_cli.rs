@@ -287,6 +287,76 @@ fn damage_in_the_middle_is_named_by_file_and_byte_and_salvage_keeps_what_checks(
     assert_eq!(a.first_offset, 40);
 }
 
+/// Every file and directory under `dir`, with each file's length.
+fn tree(dir: &Path) -> Vec<(PathBuf, Option<u64>)> {
+    let mut out = Vec::new();
+    let mut todo = vec![dir.to_path_buf()];
+    while let Some(d) = todo.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            let m = std::fs::symlink_metadata(&p).unwrap();
+            if m.is_dir() {
+                todo.push(p.clone());
+                out.push((p, None));
+            } else {
+                out.push((p, Some(m.len())));
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+#[test]
+fn salvage_never_writes_into_the_log_and_refuses_an_unusable_out_with_exit_2() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = make_log(root.path(), 10, small());
+    let r = root.path();
+    let file = r.join("a-file");
+    std::fs::write(&file, b"keep me").unwrap();
+    std::os::unix::fs::symlink(&dir, r.join("link")).unwrap();
+    let before = tree(r);
+
+    // Inside the log directory, however it is spelled, the directory itself, a directory
+    // that holds it, an existing file, and a path under a file.
+    let outs: Vec<(PathBuf, &str)> = vec![
+        (dir.join("copy"), "inside"),
+        (dir.join("a/b/copy"), "inside"),
+        (dir.join("."), "the log directory itself"),
+        (dir.clone(), "the log directory itself"),
+        (r.join("nowhere/../wal/copy"), "inside"),
+        (r.join("link/copy"), "inside"),
+        (r.join("link"), "the log directory itself"),
+        (r.to_path_buf(), "holds the log directory"),
+        (file.clone(), "not a directory"),
+        (file.join("copy"), "not a directory"),
+    ];
+    for (out, why) in &outs {
+        let o = cli(&["salvage", dir.to_str().unwrap(), "--out", out.to_str().unwrap()]);
+        assert_eq!(code(&o), 2, "--out {}: {}{}", out.display(), stdout(&o), stderr(&o));
+        let e = stderr(&o);
+        assert_eq!(e.lines().count(), 1, "--out {}: {e}", out.display());
+        assert!(e.contains("--out") && e.contains(why), "--out {}: {e}", out.display());
+        assert!(o.stdout.is_empty(), "--out {}", out.display());
+        assert_eq!(tree(r), before, "--out {} changed something", out.display());
+    }
+    // A relative --out is taken from the working directory.
+    let o = Command::new(env!("CARGO_BIN_EXE_iggy-ingest"))
+        .args(["wal", "salvage", ".", "--out", "copy"])
+        .current_dir(&dir)
+        .output()
+        .unwrap();
+    assert_eq!(code(&o), 2, "{}", stderr(&o));
+    assert!(stderr(&o).contains("inside"), "{}", stderr(&o));
+    assert_eq!(tree(r), before);
+
+    // Beside the log, as the runbook has it, the copy is made.
+    let beside = r.join("wal.salvaged");
+    let o = cli(&["salvage", dir.to_str().unwrap(), "--out", beside.to_str().unwrap()]);
+    assert_eq!(code(&o), 0, "{}{}", stdout(&o), stderr(&o));
+    assert_eq!(code(&cli_in(&["verify"], &beside)), 0);
+}
+
 #[test]
 fn an_empty_log_is_clean_and_shows_nothing() {
     let root = tempfile::tempdir().unwrap();

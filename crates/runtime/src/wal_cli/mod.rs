@@ -69,8 +69,9 @@ pub enum WalCommand {
         iggy-ingest wal verify ./data/wal --json > report.json || echo damaged")]
     Verify(VerifyArgs),
     /// Copies every record that still checks into a new log, keeping offsets.
-    #[command(after_help = "The source is only read. Stop the daemon, salvage, check the copy with \
-        `wal verify`, then put the copy in place of the log directory.\n\nExit status: 0 everything \
+    #[command(after_help = "The source is only read. Stop the daemon, salvage into a new directory \
+        beside the log directory (never inside it), check the copy with `wal verify`, then put the \
+        copy in place of the log directory.\n\nExit status: 0 everything \
         copied, 1 copied with skipped damage (listed), 2 unusable arguments.\n\nExamples:\n  \
         iggy-ingest wal salvage ./data/wal --out ./data/wal.salvaged")]
     Salvage(SalvageArgs),

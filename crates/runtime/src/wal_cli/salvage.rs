@@ -4,14 +4,17 @@
 //!
 //! Invariants:
 //! - The source is only read; nothing is written outside `--out`, which must not hold a
-//!   log already.
+//!   log already, and must be neither the log directory, nor inside it, nor hold it
+//!   (compared with every symlink and `..` resolved, as the writes would resolve them):
+//!   the runbook moves the log directory aside and the copy into its place.
 //! - Offsets are kept, so the delivery cursors beside the log stay true for the copy;
 //!   every skipped byte range and every missing offset range is reported.
 //! - Exit 0 when everything was copied, 1 when damage was skipped (the copy is still a
-//!   whole log), 2 for unusable arguments.
+//!   whole log), 2 for unusable arguments (an `--out` above, or one that exists and is
+//!   not a directory), each said in one line before anything is written.
 
-use std::io::Write;
-use std::path::PathBuf;
+use std::io::{self, Write};
+use std::path::{Component, Path, PathBuf};
 use std::process::ExitCode;
 
 use clap::Args;
@@ -24,7 +27,7 @@ use super::{CliError, CliResult, human_bytes, not_a_log, stdout, wal_error, writ
 pub struct SalvageArgs {
     /// The damaged log directory (read only).
     pub dir: PathBuf,
-    /// A new directory for the copy (created; must not hold a log).
+    /// A new directory for the copy, beside the log directory (created; must not hold a log).
     #[arg(long, value_name = "NEWDIR")]
     pub out: PathBuf,
     /// A JSON report on standard output, for scripts.
@@ -36,11 +39,7 @@ pub(crate) fn run(a: SalvageArgs) -> CliResult {
     if !a.dir.is_dir() {
         return Err(not_a_log(&a.dir));
     }
-    if let (Ok(x), Ok(y)) = (a.dir.canonicalize(), a.out.canonicalize())
-        && x == y
-    {
-        return Err(CliError::Usage("--out must be a new directory, not the log itself".into()));
-    }
+    check_out(&a.dir, &a.out)?;
     let report = match wal::salvage_copy::salvage_copy(&FsStorage, &a.dir, &a.out) {
         Ok(r) => r,
         Err(wal::WalError::InvalidOptions(m)) => return Err(CliError::Usage(m)),
@@ -107,4 +106,85 @@ pub(crate) fn run(a: SalvageArgs) -> CliResult {
     }
     out.flush()?;
     Ok(if damaged { ExitCode::from(1) } else { ExitCode::SUCCESS })
+}
+
+/// Refuses an `--out` the copy cannot usefully go to: the log directory itself, a
+/// directory inside it or one holding it, or a path that exists (or runs through
+/// something that exists) and is not a directory.
+fn check_out(dir: &Path, out: &Path) -> CliResult<()> {
+    let failed = |p: &Path, e: io::Error| CliError::Failed(format!("{}: {e}", p.display()));
+    let log = dir.canonicalize().map_err(|e| failed(dir, e))?;
+    let usage = |why: String| CliError::Usage(format!("--out {} {why}", out.display()));
+    let beside = format!("give a new directory beside it (e.g. {}.salvaged)", log.display());
+    let target = match resolve(out).map_err(|e| failed(out, e))? {
+        Resolved::To(p) => p,
+        Resolved::NotADirectory => {
+            return Err(usage("exists and is not a directory; salvage needs a new directory".into()));
+        }
+        Resolved::Through(p) => {
+            return Err(usage(format!("runs through {}, which is not a directory", p.display())));
+        }
+    };
+    if target == log {
+        Err(usage(format!("is the log directory itself; {beside}")))
+    } else if target.starts_with(&log) {
+        Err(usage(format!("is inside the log directory {}, which salvage never writes to; {beside}", log.display())))
+    } else if log.starts_with(&target) {
+        Err(usage(format!("holds the log directory {}; {beside}", log.display())))
+    } else {
+        Ok(())
+    }
+}
+
+enum Resolved {
+    /// Where the path leads, symlinks and `..` resolved.
+    To(PathBuf),
+    /// The path exists and is not a directory.
+    NotADirectory,
+    /// The path runs through this, which exists and is not a directory.
+    Through(PathBuf),
+}
+
+/// Where `out` leads once created, as the kernel resolves it: relative to the working
+/// directory, every existing part with its symlinks resolved, and the parts below the
+/// last existing one (which cannot be symlinks) as written, `..` removing the part
+/// before it (as `create_dir_all` meets it).
+fn resolve(out: &Path) -> io::Result<Resolved> {
+    let absolute = std::path::absolute(out)?;
+    let mut at = PathBuf::new();
+    // How many of the last parts of `at` do not exist; 0: `at` exists and is canonical.
+    let mut missing = 0usize;
+    for part in absolute.components() {
+        if missing == 0 && matches!(part, Component::ParentDir | Component::Normal(_)) && !at.is_dir() {
+            return Ok(Resolved::Through(at));
+        }
+        match part {
+            Component::Prefix(_) | Component::RootDir => at.push(part),
+            Component::CurDir => {}
+            Component::ParentDir => {
+                // Of a canonical path, the parent is where `..` leads.
+                at.pop();
+                missing = missing.saturating_sub(1);
+            }
+            Component::Normal(name) if missing > 0 => {
+                at.push(name);
+                missing += 1;
+            }
+            Component::Normal(name) => {
+                let next = at.join(name);
+                match next.canonicalize() {
+                    Ok(p) => at = p,
+                    Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                        at = next;
+                        missing = 1;
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+        }
+    }
+    if missing == 0 && !at.is_dir() {
+        return Ok(Resolved::NotADirectory);
+    }
+    Ok(Resolved::To(at))
 }
