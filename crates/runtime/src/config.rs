@@ -1404,12 +1404,35 @@ fn auth_scheme(c: &mut Checker<'_>, path: &KeyPath, a: AuthConfig<'_>) -> AuthSc
 
 /// Reads, parses and validates a configuration file.
 pub fn load(path: &std::path::Path) -> Result<Settings, ConfigErrors> {
-    let text = std::fs::read_to_string(path).map_err(|e| ConfigErrors {
-        file: Some(path.to_path_buf()),
-        errors: vec![ConfigError { path: String::new(), line: None, message: format!("cannot read: {e}") }],
-    })?;
+    let text = read(path)?;
     let config = parse(&text, Some(path.to_path_buf()))?;
     validate(&config, Some(&text), Some(path.to_path_buf()))
+}
+
+/// `wal.max_bytes` of a configuration file, for the log tools, which need nothing else
+/// of it: the file must read and parse (syntax, types, unknown keys), and the capacity
+/// pass the daemon's own checks; nothing else is looked at (no environment variables,
+/// addresses or sources), so a file the daemon runs on elsewhere serves as it is.
+pub fn load_wal_max_bytes(path: &std::path::Path) -> Result<u64, ConfigErrors> {
+    let text = read(path)?;
+    let config = parse(&text, Some(path.to_path_buf()))?;
+    // The file's log section on the built-in default, which validates: the same rules
+    // as the daemon's, without the rest of the file.
+    let wal_only = Config { wal: config.wal.clone(), ..Config::builtin() };
+    match validate(&wal_only, Some(&text), Some(path.to_path_buf())) {
+        Ok(settings) => Ok(settings.wal.max_bytes),
+        Err(mut e) => {
+            e.errors.retain(|e| e.path == "wal.max_bytes");
+            if e.errors.is_empty() { Ok(config.wal.max_bytes) } else { Err(e) }
+        }
+    }
+}
+
+fn read(path: &std::path::Path) -> Result<String, ConfigErrors> {
+    std::fs::read_to_string(path).map_err(|e| ConfigErrors {
+        file: Some(path.to_path_buf()),
+        errors: vec![ConfigError { path: String::new(), line: None, message: format!("cannot read: {e}") }],
+    })
 }
 
 #[cfg(test)]

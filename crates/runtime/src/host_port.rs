@@ -18,7 +18,7 @@ use std::net::SocketAddr;
 const HOST_NAME_MAX_BYTES: usize = 253;
 
 /// The form, said after every reason.
-const FORM: &str = "expected HOST:PORT (a host name or IP address, IPv6 in brackets, and a port from 1 to 65535)";
+pub const FORM: &str = "expected HOST:PORT (a host name or IP address, IPv6 in brackets, and a port from 1 to 65535)";
 
 /// `Ok` when `s` is `HOST:PORT` as described above, else why not and the expected form
 /// (a phrase that follows the value in a message).
@@ -26,7 +26,8 @@ pub fn check(s: &str) -> Result<(), String> {
     problem(s).map_or(Ok(()), |why| Err(format!("{why}; {FORM}")))
 }
 
-fn problem(s: &str) -> Option<String> {
+/// Why `s` is not `HOST:PORT` (a phrase that follows the value), or `None` when it is.
+pub fn problem(s: &str) -> Option<String> {
     if s.contains("://") {
         return Some("is a URL, not an address (no scheme)".into());
     }

@@ -358,6 +358,74 @@ fn salvage_never_writes_into_the_log_and_refuses_an_unusable_out_with_exit_2() {
 }
 
 #[test]
+fn inspect_reads_only_the_log_s_capacity_from_a_config_and_refuses_a_bad_admin_url_with_exit_2() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = make_log(root.path(), 10, small());
+    let inspect = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_iggy-ingest"))
+            .args(["wal", "inspect", dir.to_str().unwrap(), "--json"])
+            .args(args)
+            .env_remove("IGGY_INGEST_ADMIN_TOKEN")
+            .env_remove("IGGY_INGEST_MANAGEMENT_TOKEN")
+            .output()
+            .unwrap()
+    };
+    // The deployed configuration names its tokens by environment variable; inspect needs
+    // none of them, only wal.max_bytes.
+    let deployed = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy/iggy-ingest.toml");
+    let o = inspect(&["--config", deployed.to_str().unwrap()]);
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    assert_eq!(json(&o)["max_bytes"].as_u64(), Some(8 << 30));
+    // Nor does anything else the daemon would refuse to start with.
+    let cfg = root.path().join("c.toml");
+    let with = |text: &str| {
+        std::fs::write(&cfg, text).unwrap();
+        inspect(&["--config", cfg.to_str().unwrap()])
+    };
+    let o = with("[admin]\ntoken = \"short\"\n[iggy]\naddress = \"nowhere\"\n[wal]\nmax_bytes = 1073741824\n");
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    assert_eq!(json(&o)["max_bytes"].as_u64(), Some(1 << 30));
+    // Without the key, the daemon's default.
+    let o = with("[http]\nlisten = \"127.0.0.1:0\"\n");
+    assert_eq!(json(&o)["max_bytes"].as_u64(), Some(8 << 30), "{}", stderr(&o));
+    // A file that does not parse, or a capacity the daemon would refuse: exit 2, named
+    // by key path and line.
+    for (text, named) in [
+        ("[wal]\nmax_bytes = \"lots\"\n", "line 2: wal.max_bytes"),
+        ("[wal]\nsegment_max_bytes = 67108864\nmax_bytes = 4096\n", "line 3: wal.max_bytes"),
+        ("[wal]\nmax_byte = 4096\n", "max_byte"),
+        ("[wal\n", "line 1"),
+    ] {
+        let o = with(text);
+        assert_eq!(code(&o), 2, "{text}: {}", stderr(&o));
+        assert!(stderr(&o).contains(named) && stderr(&o).contains("--config"), "{text}: {}", stderr(&o));
+        assert!(o.stdout.is_empty(), "{text}");
+    }
+    let o = inspect(&["--config", root.path().join("missing.toml").to_str().unwrap()]);
+    assert_eq!(code(&o), 2, "{}", stderr(&o));
+
+    // An --admin that is not http://HOST:PORT is an unusable argument, said before any
+    // connection is tried.
+    for url in [
+        "http://a b",
+        "http://a b:9180",
+        "http://127.0.0.1",
+        "http://127.0.0.1:0",
+        "https://127.0.0.1:9180",
+        "127.0.0.1:9180",
+        "http://h:9180/x",
+        "http://",
+    ] {
+        let o = inspect(&["--admin", url]);
+        assert_eq!(code(&o), 2, "{url}: {}", stderr(&o));
+        let e = stderr(&o);
+        assert_eq!(e.lines().count(), 1, "{url}: {e}");
+        assert!(e.contains(&format!("--admin {url}")) && e.contains("http://HOST:PORT"), "{url}: {e}");
+        assert!(o.stdout.is_empty(), "{url}");
+    }
+}
+
+#[test]
 fn an_empty_log_is_clean_and_shows_nothing() {
     let root = tempfile::tempdir().unwrap();
     let dir = make_log(root.path(), 0, small());

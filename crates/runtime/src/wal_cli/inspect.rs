@@ -47,7 +47,7 @@ pub struct InspectArgs {
     /// Bearer token for the admin API (default: $IGGY_INGEST_ADMIN_TOKEN).
     #[arg(long, value_name = "TOKEN")]
     pub admin_token: Option<String>,
-    /// The daemon's configuration, for the log's capacity (wal.max_bytes).
+    /// The daemon's configuration, for the log's capacity (only wal.max_bytes is read).
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
     /// Skip reading every record: no record times, no held counts from the log.
@@ -69,6 +69,7 @@ type LaneKey = (String, String, String);
 type AdminLane = (LaneKey, Lane);
 
 pub(crate) fn run(a: InspectArgs) -> CliResult {
+    let admin = a.admin.as_deref().map(admin_address).transpose()?;
     let wal = open_log(&a.dir)?;
     let running = writer_running(&a.dir);
     let segments = wal::inspect::segments_of(&wal).map_err(|e| wal_error(&a.dir, e))?;
@@ -78,9 +79,9 @@ pub(crate) fn run(a: InspectArgs) -> CliResult {
     // Cursors: the state database when it is free, else the admin API when given.
     let mut lanes: BTreeMap<LaneKey, Lane> = BTreeMap::new();
     let mut max_bytes: Option<u64> = None;
-    let (cursor_source, cursor_note) = if let Some(url) = &a.admin {
+    let (cursor_source, cursor_note) = if let Some((url, address)) = admin {
         let token = a.admin_token.clone().or_else(|| std::env::var("IGGY_INGEST_ADMIN_TOKEN").ok());
-        let (rows, log_max) = admin_lanes(url, token.as_deref())?;
+        let (rows, log_max) = admin_lanes(url, address, token.as_deref())?;
         max_bytes = log_max;
         for (k, l) in rows {
             lanes.insert(k, l);
@@ -117,8 +118,7 @@ pub(crate) fn run(a: InspectArgs) -> CliResult {
     if max_bytes.is_none()
         && let Some(cfg) = &a.config
     {
-        let settings = iggy_ingest_config(cfg)?;
-        max_bytes = Some(settings);
+        max_bytes = Some(config_max_bytes(cfg)?);
     }
 
     // One pass over the records: per-segment times, per-destination counts.
@@ -313,21 +313,39 @@ pub(crate) fn run(a: InspectArgs) -> CliResult {
     Ok(ExitCode::SUCCESS)
 }
 
-fn iggy_ingest_config(path: &std::path::Path) -> CliResult<u64> {
-    crate::config::load(path)
-        .map(|s| s.wal.max_bytes)
-        .map_err(|e| CliError::Usage(format!("--config {}: {e}", path.display())))
+/// `wal.max_bytes` of the daemon's configuration file: only that is read, so the file
+/// serves without the environment the daemon runs in (its token variables, say).
+fn config_max_bytes(path: &std::path::Path) -> CliResult<u64> {
+    crate::config::load_wal_max_bytes(path).map_err(|e| CliError::Usage(format!("--config {}: {e}", path.display())))
+}
+
+/// The `HOST:PORT` of an `--admin http://HOST:PORT[/]` URL, checked as the connection
+/// will take it; anything else is an unusable argument.
+fn admin_address(url: &str) -> CliResult<(&str, &str)> {
+    let usage = |why: String| CliError::Usage(format!("--admin {url}: {why}; expected http://HOST:PORT"));
+    let Some(rest) = url.strip_prefix("http://") else {
+        return Err(usage("not an http:// URL".into()));
+    };
+    let address = rest.strip_suffix('/').unwrap_or(rest);
+    if address.contains('/') {
+        return Err(usage("has a path".into()));
+    }
+    match crate::host_port::problem(address) {
+        Some(why) => Err(usage(format!("{address:?} {why}"))),
+        None => Ok((url, address)),
+    }
 }
 
 /// Cursors and held figures of every connector's destinations, and the log's capacity,
 /// from a running daemon's admin API.
-fn admin_lanes(url: &str, token: Option<&str>) -> CliResult<(Vec<AdminLane>, Option<u64>)> {
-    let status = http_get_json(url, "/status", token)?;
+fn admin_lanes(url: &str, address: &str, token: Option<&str>) -> CliResult<(Vec<AdminLane>, Option<u64>)> {
+    let get = |path: &str| http_get_json(url, address, path, token);
+    let status = get("/status")?;
     let max = status["log"]["max_bytes"].as_u64();
     let sources: Vec<String> = status["sources"].as_object().map(|o| o.keys().cloned().collect()).unwrap_or_default();
     let mut out = Vec::new();
     for src in sources {
-        let v = http_get_json(url, &format!("/connectors/{src}/destinations"), token)?;
+        let v = get(&format!("/connectors/{src}/destinations"))?;
         for d in v["destinations"].as_array().into_iter().flatten() {
             let key = (
                 src.clone(),
@@ -350,16 +368,12 @@ fn admin_lanes(url: &str, token: Option<&str>) -> CliResult<(Vec<AdminLane>, Opt
     Ok((out, max))
 }
 
-/// `GET base+path` from the admin API with hyper (one connection, on a runtime of its
-/// own: the CLI has none), JSON body expected; 10 s for the whole exchange.
-fn http_get_json(base: &str, path: &str, token: Option<&str>) -> CliResult<Value> {
+/// `GET path` from the admin API at `address` (checked by [`admin_address`]; `base` is
+/// the URL, for messages) with hyper (one connection, on a runtime of its own: the CLI
+/// has none), JSON body expected; 10 s for the whole exchange.
+fn http_get_json(base: &str, host: &str, path: &str, token: Option<&str>) -> CliResult<Value> {
     use http_body_util::{BodyExt, Empty};
     let usage = |m: String| CliError::Usage(format!("--admin {base}: {m}"));
-    let rest = base.strip_prefix("http://").ok_or_else(|| usage("expected http://HOST:PORT".into()))?;
-    let host = rest.trim_end_matches('/');
-    if host.is_empty() || host.contains('/') {
-        return Err(usage("expected http://HOST:PORT".into()));
-    }
     let failed = |m: String| CliError::Failed(format!("admin API {base}{path}: {m}"));
     let mut request = hyper::Request::get(path).header(hyper::header::HOST, host);
     if let Some(t) = token {
