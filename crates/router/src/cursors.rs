@@ -7,6 +7,9 @@
 //! - A cursor never moves backwards through `store` (stores only ever raise it). Only
 //!   `lower`, called by the router at start for a cursor above the log's next offset (the
 //!   log lost its tail, or was replaced, after the cursor was stored), moves one back.
+//! - A record below its own destination's cursor as the router found it at start was
+//!   delivered there before the restart (`DeliveredAtStart`, the one place that says
+//!   so for records a lane of another destination sees).
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -28,6 +31,36 @@ pub trait CursorStore: Send + Sync + 'static {
     /// below it is left); all or nothing. Blocking: called once at start, before the
     /// router runs.
     fn lower(&self, cursors: Vec<(LaneKey, u64)>) -> Result<(), String>;
+}
+
+/// One source's stored cursors as the router found them at start (none above the log's
+/// next offset), by stream and topic: a record of that source below its own destination's
+/// cursor here was delivered there before the restart. Which destinations the cap admits
+/// can change across a restart, so a record can be refused now that was delivered then:
+/// the dispatcher passes over it (neither counted, held, dropped nor dead-lettered), and
+/// the dead-letter lane does not send it again. A destination's own lane needs no such
+/// view: its cursor speaks for every record bound there.
+#[derive(Debug, Default)]
+pub(crate) struct DeliveredAtStart(HashMap<String, HashMap<String, u64>>);
+
+impl DeliveredAtStart {
+    /// The cursors of `source`'s lanes among `cursors` (every stored cursor at start).
+    pub(crate) fn of_source(cursors: &HashMap<LaneKey, u64>, source: &str) -> DeliveredAtStart {
+        let mut by_stream: HashMap<String, HashMap<String, u64>> = HashMap::new();
+        for (lane, below) in cursors.iter().filter(|(lane, _)| lane.source == source) {
+            by_stream
+                .entry(lane.destination.stream.clone())
+                .or_default()
+                .insert(lane.destination.topic.clone(), *below);
+        }
+        DeliveredAtStart(by_stream)
+    }
+
+    /// True if the record at `offset`, bound for `stream`/`topic`, lies below that
+    /// destination's cursor at start: delivered there before the restart.
+    pub(crate) fn delivered(&self, offset: u64, stream: &str, topic: &str) -> bool {
+        self.0.get(stream).and_then(|topics| topics.get(topic)).is_some_and(|&below| offset < below)
+    }
 }
 
 /// Cursors kept in memory only: a test double, never durable.

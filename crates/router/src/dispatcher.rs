@@ -11,6 +11,11 @@
 //! - Once a source's admitted destinations reach its cap, its admitted set never changes
 //!   while running, so "rejected for cap" is a stable property of a record (the
 //!   dead-letter lane re-reading the log decides it the same way).
+//! - A record the cap refuses that lies below its own destination's cursor at start was
+//!   delivered before the restart (the admitted set is built again at each start, so a
+//!   destination admitted then may be refused now): it is passed over, neither counted,
+//!   logged, held nor dead-lettered ([`DeliveredAtStart`], the notion the dead-letter
+//!   lane uses too).
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -20,7 +25,7 @@ use ingest::envelope::{Envelope, EnvelopeSummary};
 use tokio::sync::{Semaphore, watch};
 use wal::{Record, Wal};
 
-use crate::cursors::CursorStore;
+use crate::cursors::{CursorStore, DeliveredAtStart};
 use crate::lane::{self, Lane, LaneContext, Routed, SourceShare};
 use crate::policy::{OnAdmissionFailure, Policies};
 use crate::sink::{DestinationKey, LaneKey, Sink};
@@ -44,6 +49,8 @@ pub(crate) struct SourceRoute {
     pub share: SourceShare,
     pub admitted: Arc<Admitted>,
     pub dead_letter_lane: Option<Arc<Lane>>,
+    /// The source's cursors at start, shared with its dead-letter lane.
+    pub delivered_at_start: Arc<DeliveredAtStart>,
 }
 
 pub(crate) type Lanes = Arc<RwLock<HashMap<LaneKey, Arc<Lane>>>>;
@@ -270,6 +277,11 @@ impl<S: Sink, C: CursorStore> Dispatcher<S, C> {
 
     fn reject_for_cap(&mut self, key: &LaneKey, offset: u64, envelope: Envelope) {
         let route = self.source(&key.source);
+        if route.delivered_at_start.delivered(offset, &key.destination.stream, &key.destination.topic) {
+            // Delivered before the restart, when the cap admitted its destination: there
+            // is nothing to refuse, and nothing to hold the log for.
+            return;
+        }
         let policy = route.share.policy.clone();
         let dead_letter_lane = route.dead_letter_lane.clone();
         let max = route.admitted.max;
@@ -331,15 +343,11 @@ pub(crate) fn new_source_route<S: Sink, C: CursorStore>(
     };
     let share =
         SourceShare { send_slots: Arc::new(Semaphore::new(policy.max_concurrent_destinations)), policy, belongs };
+    let delivered_at_start = Arc::new(DeliveredAtStart::of_source(cursors_at_start, source));
     let dead_letter_lane = dead_letter.map(|destination| {
         let key = LaneKey { source: source.to_string(), destination };
         let below = cursors_at_start.get(&key).copied().unwrap_or(0);
-        let of_source = cursors_at_start
-            .iter()
-            .filter(|(k, _)| k.source == source)
-            .map(|(k, below)| (k.destination.clone(), *below))
-            .collect();
-        let lane = Arc::new(Lane::new_dead_letter(key.clone(), below, &share, of_source));
+        let lane = Arc::new(Lane::new_dead_letter(key.clone(), below, &share, delivered_at_start.clone()));
         let n = {
             let mut lanes = lanes.write().unwrap_or_else(|p| p.into_inner());
             lanes.insert(key, lane.clone());
@@ -351,5 +359,5 @@ pub(crate) fn new_source_route<S: Sink, C: CursorStore>(
         lane_tasks.lock().unwrap_or_else(|p| p.into_inner()).push(task);
         lane
     });
-    SourceRoute { share, admitted, dead_letter_lane }
+    SourceRoute { share, admitted, dead_letter_lane, delivered_at_start }
 }

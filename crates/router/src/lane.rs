@@ -22,13 +22,14 @@
 //!   where that cursor speaks for it (the router lowered every stored cursor above the
 //!   log's next offset to it at start, so no record appended since is skipped): a
 //!   destination's own lane always; the dead-letter lane only for a record below the
-//!   stored cursor of the record's own destination, or one it delivered itself in this
-//!   run. Which destinations the cap admits can change across a restart, so a record
-//!   the dead-letter topic never had can lie below its cursor; it is dead-lettered (at
-//!   least once), never skipped.
+//!   stored cursor of the record's own destination ([`DeliveredAtStart`], as the
+//!   dispatcher decides it for the cap), or one it delivered itself in this run. Which
+//!   destinations the cap admits can change across a restart, so a record the
+//!   dead-letter topic never had can lie below its cursor; it is dead-lettered (at least
+//!   once), never skipped.
 
 use std::borrow::Cow;
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -38,7 +39,7 @@ use tokio::time::{Duration, Instant};
 use wal::{Record, Wal};
 
 use crate::breaker::{Breaker, BreakerState};
-use crate::cursors::CursorStore;
+use crate::cursors::{CursorStore, DeliveredAtStart};
 use crate::policy::{OnAdmissionFailure, RouterPolicy};
 use crate::sink::{DestinationKey, LaneKey, OutMessage, SendError, SendErrorKind, Sink, TopicInfo};
 use crate::status::{Status, StatusCell};
@@ -172,7 +173,7 @@ pub(crate) struct Lane {
     pub delivered_below: AtomicU64,
     /// The dead-letter lane's view of every stored cursor of its source at start (see
     /// [`Lane::delivered_before`]); `None` for a destination's own lane.
-    cursors_at_start: Option<Arc<HashMap<DestinationKey, u64>>>,
+    cursors_at_start: Option<Arc<DeliveredAtStart>>,
     /// `delivered_below` at start.
     delivered_below_at_start: u64,
     pub status: StatusCell,
@@ -222,9 +223,9 @@ impl Lane {
         key: LaneKey,
         delivered_below: u64,
         share: &SourceShare,
-        cursors_at_start: HashMap<DestinationKey, u64>,
+        cursors_at_start: Arc<DeliveredAtStart>,
     ) -> Lane {
-        Lane { cursors_at_start: Some(Arc::new(cursors_at_start)), ..Lane::new(key, delivered_below, share) }
+        Lane { cursors_at_start: Some(cursors_at_start), ..Lane::new(key, delivered_below, share) }
     }
 
     /// True if the record at `offset`, bound for `stream`/`topic`, was delivered: before a
@@ -234,8 +235,7 @@ impl Lane {
         match &self.cursors_at_start {
             None => offset < now,
             Some(cursors) => {
-                let own = cursors.get(&DestinationKey::new(stream, topic)).copied().unwrap_or(0);
-                offset < own || (self.delivered_below_at_start..now).contains(&offset)
+                cursors.delivered(offset, stream, topic) || (self.delivered_below_at_start..now).contains(&offset)
             }
         }
     }

@@ -322,6 +322,88 @@ async fn after_a_restart_records_refused_by_the_cap_are_dead_lettered_even_below
     assert!(dlq_missing.is_empty(), "B's records missing from the dead-letter topic: {dlq_missing:?}");
 }
 
+/// The cap's admitted set is built again at each start, in log order from the oldest
+/// record kept, so a destination admitted before a restart (here B) can be refused after
+/// it when the log now starts with a record of another (A). B's records below its stored
+/// cursor were delivered before the restart: whatever `on_admission_failure` says, the
+/// cap refuses nothing there. They are not counted as rejected or dropped, not
+/// dead-lettered, and under `error` they hold nothing: the log is released to its end.
+#[test]
+fn after_a_restart_records_delivered_before_it_are_not_refused_by_the_cap() {
+    for on in [OnAdmissionFailure::Drop, OnAdmissionFailure::Error, OnAdmissionFailure::DeadLetter] {
+        with_metrics(false, |snap| async move {
+            let sim = SimStorage::new();
+            let wal = open_wal(&sim);
+            let sink = FaultySink::new();
+            let cursors = Arc::new(MemoryCursorStore::new());
+            let (a, b, x, y, dlq) =
+                (key("s", "a"), key("s", "b"), key("t", "x"), key("u", "y"), key("dlq", "rejected"));
+            let mut p = policy(on);
+            p.max_destinations = 1;
+            let policies = Policies::uniform(p);
+            let cap = |name: &str| metric(&snap, name, "reason=\"cap\"");
+            // The log: B (source s) first; records of another source filling segments;
+            // one record of a third source whose destination fails, pinning the log there;
+            // A (source s, refused by the cap in run 1); B's other records; then another
+            // record of the failing destination, the log's last.
+            let n = 400u64;
+            let mut log = vec![record_from("s", &b, 0, Partitioning::Balanced)];
+            log.extend((1..n).map(|i| record_from("u", &y, i, Partitioning::Balanced)));
+            log.push(record_from("t", &x, n, Partitioning::Balanced));
+            log.push(record_from("s", &a, n + 1, Partitioning::Balanced));
+            log.extend((n + 2..n + 12).map(|i| record_from("s", &b, i, Partitioning::Balanced)));
+            log.push(record_from("t", &x, n + 12, Partitioning::Balanced));
+            for r in log {
+                wal.append(vec![r]).await.unwrap_or_else(|e| panic!("{e}"));
+            }
+            let end = n + 13;
+            sink.fault(&x, Some(Fault::Fail(SendErrorKind::Destination)));
+
+            // Run 1: B is admitted, A refused; the log is released below x's record.
+            let router = Router::start(wal.clone(), sink.clone(), cursors.clone(), policies.clone()).unwrap();
+            let lane_b = router::LaneKey { source: "s".into(), destination: b.clone() };
+            eventually(Duration::from_secs(10), "B delivered, its cursor stored and the log released", || {
+                sink.ids(&b).len() == 11
+                    && cursors.get(&lane_b) == Some(n + 12)
+                    && router.released_below() == n
+                    && wal.start_offset() > 0
+            })
+            .await;
+            assert_eq!(router.held_from(), (on == OnAdmissionFailure::Error).then_some(n + 1), "{on:?}");
+            router.shutdown().await;
+            let rejected_1 = cap("iggy_connector_destinations_rejected_total");
+            let dropped_1 = cap("iggy_connector_messages_dropped_total");
+            assert_eq!(rejected_1, 1.0, "{on:?}: A's record, the only one refused in run 1");
+            assert_eq!(dropped_1, if on == OnAdmissionFailure::Drop { 1.0 } else { 0.0 }, "{on:?}");
+            let dead_lettered_1 = sink.ids(&dlq);
+            wal.close().await.unwrap_or_else(|e| panic!("{e}"));
+            drop(wal);
+
+            // Run 2: the log starts past B's first record, so A takes the slot and B's
+            // records, all delivered, are over the cap.
+            let wal = open_wal(&sim);
+            assert!(wal.start_offset() > 0 && wal.start_offset() <= n, "log starts at {}", wal.start_offset());
+            sink.fault(&x, None);
+            let router = Router::start(wal.clone(), sink.clone(), cursors.clone(), policies).unwrap();
+            // x's last record is the log's last: once it is delivered, every record of B
+            // was routed.
+            eventually(Duration::from_secs(10), "A and x delivered", || {
+                sink.ids(&a).len() == 1 && sink.ids(&x).len() == 2
+            })
+            .await;
+            assert_eq!(router.held_from(), None, "{on:?}: the log is held at a record delivered before the restart");
+            let rejected_2 = cap("iggy_connector_destinations_rejected_total") - rejected_1;
+            let dropped_2 = cap("iggy_connector_messages_dropped_total") - dropped_1;
+            assert_eq!(rejected_2, 0.0, "{on:?}: records delivered before the restart counted as rejected");
+            assert_eq!(dropped_2, 0.0, "{on:?}: records delivered before the restart counted as dropped");
+            eventually(Duration::from_secs(10), "released to the end", || router.released_below() == end).await;
+            router.shutdown().await;
+            assert_eq!(sink.ids(&b).len(), 11, "{on:?}: B's records sent again");
+            assert_eq!(sink.ids(&dlq), dead_lettered_1, "{on:?}: B's records dead-lettered");
+        });
+    }
+}
+
 /// A dead-letter topic that fails is a held lane like any other: Degraded after
 /// `degraded_after_failures`, with the result timeout applied, and Running once the
 /// records reach it.

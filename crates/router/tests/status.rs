@@ -6,39 +6,11 @@ mod support;
 use std::sync::Arc;
 use std::time::Duration;
 
-use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use metrics_exporter_prometheus::PrometheusHandle;
 use router::status::Status;
 use router::{MemoryCursorStore, Policies, Router, SendErrorKind};
 use support::*;
 use wal::storage::{FaultOp, SimStorage};
-
-/// A gauge's value in the exporter's rendering (the daemon's own exporter).
-fn gauge(handle: &PrometheusHandle, name: &str) -> f64 {
-    handle
-        .render()
-        .lines()
-        .filter(|l| !l.starts_with('#'))
-        .filter_map(|l| l.split_once(' '))
-        .filter(|(k, _)| *k == name || k.starts_with(&format!("{name}{{")))
-        .filter_map(|(_, v)| v.trim().parse::<f64>().ok())
-        .sum()
-}
-
-/// Runs `test` on a single-threaded runtime (its clock paused when `paused`) with a
-/// Prometheus recorder of its own, whose handle it gets.
-fn with_metrics<F, Fut>(paused: bool, test: F)
-where
-    F: FnOnce(PrometheusHandle) -> Fut,
-    Fut: std::future::Future<Output = ()>,
-{
-    let recorder = PrometheusBuilder::new().build_recorder();
-    let snap = recorder.handle();
-    metrics::with_local_recorder(&recorder, || {
-        let mut builder = tokio::runtime::Builder::new_current_thread();
-        builder.enable_all().start_paused(paused);
-        builder.build().unwrap().block_on(test(snap));
-    });
-}
 
 /// Every destination's status is counted in exactly its own gauge.
 fn assert_gauges_agree(snap: &PrometheusHandle, router: &Router) {

@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use ingest::envelope::{Destination, Envelope, EnvelopeHeader, Partitioning};
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use router::{DestinationKey, OutMessage, SendError, SendErrorKind, Sink, TopicInfo};
 use wal::storage::{SimStorage, Storage};
 use wal::{Wal, WalOptions};
@@ -228,4 +229,38 @@ pub fn fast_policy() -> router::RouterPolicy {
     p.breaker.failure_threshold = 3;
     p.breaker.cool_down = Duration::from_secs(5);
     p
+}
+
+/// The sum of a metric's series in the exporter's rendering (the daemon's own exporter)
+/// whose labels contain `label` (`""`: every series), e.g. `reason="cap"`.
+pub fn metric(handle: &PrometheusHandle, name: &str, label: &str) -> f64 {
+    handle
+        .render()
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| l.split_once(' '))
+        .filter(|(k, _)| (*k == name || k.starts_with(&format!("{name}{{"))) && k.contains(label))
+        .filter_map(|(_, v)| v.trim().parse::<f64>().ok())
+        .sum()
+}
+
+/// A gauge's value: the sum of its series.
+pub fn gauge(handle: &PrometheusHandle, name: &str) -> f64 {
+    metric(handle, name, "")
+}
+
+/// Runs `test` on a single-threaded runtime (its clock paused when `paused`) with a
+/// Prometheus recorder of its own, whose handle it gets.
+pub fn with_metrics<F, Fut>(paused: bool, test: F)
+where
+    F: FnOnce(PrometheusHandle) -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    let recorder = PrometheusBuilder::new().build_recorder();
+    let snap = recorder.handle();
+    metrics::with_local_recorder(&recorder, || {
+        let mut builder = tokio::runtime::Builder::new_current_thread();
+        builder.enable_all().start_paused(paused);
+        builder.build().unwrap().block_on(test(snap));
+    });
 }
