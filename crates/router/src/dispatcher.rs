@@ -78,6 +78,9 @@ pub(crate) type LaneTasks = Arc<std::sync::Mutex<Vec<tokio::task::JoinHandle<()>
 
 impl<S: Sink, C: CursorStore> Dispatcher<S, C> {
     pub(crate) async fn run(mut self, from: u64, mut shutdown: watch::Receiver<bool>) {
+        // A hold lasts until the dispatcher ends (a restart decides again): then nothing
+        // is held by this router, however the task ended.
+        let _held = crate::OnDrop(|| metrics::gauge!("iggy_connector_admission_held").set(0.0));
         let retry_after = self.policies.default.batch.backoff_max;
         // Set after a failure: the next read does not wait for new records, so that a log
         // that reads again is known to (and the router's Error left) at once.
@@ -264,12 +267,7 @@ impl<S: Sink, C: CursorStore> Dispatcher<S, C> {
         let share = route.share.clone();
         let delivered_below = self.cursors_at_start.get(key).copied().unwrap_or(0);
         let lane = Arc::new(Lane::new(key.clone(), delivered_below, &share));
-        let n = {
-            let mut lanes = self.lanes.write().unwrap_or_else(|p| p.into_inner());
-            lanes.insert(key.clone(), lane.clone());
-            lanes.len()
-        };
-        metrics::gauge!("iggy_connector_destinations_active").set(n as f64);
+        self.lanes.write().unwrap_or_else(|p| p.into_inner()).insert(key.clone(), lane.clone());
         let task = tokio::spawn(lane::run(lane.clone(), self.ctx.clone()));
         self.lane_tasks.lock().unwrap_or_else(|p| p.into_inner()).push(task);
         Some((lane, queue_max, wait))
@@ -348,13 +346,8 @@ pub(crate) fn new_source_route<S: Sink, C: CursorStore>(
         let key = LaneKey { source: source.to_string(), destination };
         let below = cursors_at_start.get(&key).copied().unwrap_or(0);
         let lane = Arc::new(Lane::new_dead_letter(key.clone(), below, &share, delivered_at_start.clone()));
-        let n = {
-            let mut lanes = lanes.write().unwrap_or_else(|p| p.into_inner());
-            lanes.insert(key, lane.clone());
-            lanes.len()
-        };
         // A dead-letter lane is a lane like any other: counted from its start.
-        metrics::gauge!("iggy_connector_destinations_active").set(n as f64);
+        lanes.write().unwrap_or_else(|p| p.into_inner()).insert(key, lane.clone());
         let task = tokio::spawn(lane::run(lane.clone(), ctx.clone()));
         lane_tasks.lock().unwrap_or_else(|p| p.into_inner()).push(task);
         lane

@@ -18,6 +18,11 @@
 //!   every record the dispatcher skipped lies below the lane's read position, so no
 //!   record is lost or sent twice by the handoff.
 //! - Client-wide failures (disconnected, unavailable) never count against the breaker.
+//! - A lane is counted in `iggy_connector_destinations_active` from its creation until it
+//!   is dropped (once its task ended and the router stopped), and its breaker in
+//!   `iggy_connector_destination_circuit_open` while it is not closed and its task
+//!   lives: each count is taken back by a `Drop`, so a stopped router (or one started
+//!   again in the same process) counts no lane and no open breaker of a task that is gone.
 //! - A record below a lane's stored cursor is skipped as delivered before a restart only
 //!   where that cursor speaks for it (the router lowered every stored cursor above the
 //!   log's next offset to it at start, so no record appended since is skipped): a
@@ -184,6 +189,12 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+impl Drop for Lane {
+    fn drop(&mut self) {
+        metrics::gauge!("iggy_connector_destinations_active").decrement(1.0);
+    }
+}
+
 impl std::fmt::Debug for Lane {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Lane").field("key", &self.key).finish_non_exhaustive()
@@ -199,8 +210,10 @@ pub(crate) struct SourceShare {
 }
 
 impl Lane {
+    /// A new lane, counted as active until it is dropped.
     pub(crate) fn new(key: LaneKey, delivered_below: u64, share: &SourceShare) -> Lane {
         let status = StatusCell::new("destinations", key.to_string());
+        metrics::gauge!("iggy_connector_destinations_active").increment(1.0);
         Lane {
             key,
             policy: share.policy.clone(),
@@ -225,7 +238,9 @@ impl Lane {
         share: &SourceShare,
         cursors_at_start: Arc<DeliveredAtStart>,
     ) -> Lane {
-        Lane { cursors_at_start: Some(cursors_at_start), ..Lane::new(key, delivered_below, share) }
+        let mut lane = Lane::new(key, delivered_below, share);
+        lane.cursors_at_start = Some(cursors_at_start);
+        lane
     }
 
     /// True if the record at `offset`, bound for `stream`/`topic`, was delivered: before a
@@ -389,7 +404,7 @@ enum Delivery {
 
 pub(crate) async fn run<S: Sink, C: CursorStore>(lane: Arc<Lane>, mut ctx: LaneContext<S, C>) {
     lane.status.set(Status::Running, "lane started");
-    let mut breaker = Breaker::new(lane.policy.breaker.clone());
+    let mut breaker = CountedBreaker::new(Breaker::new(lane.policy.breaker.clone()));
     let mut catchup: Option<wal::Reader> = None;
     // The next batch, taken from the queue and prepared while the previous one was in
     // flight (only ever a full one: a short batch is better left to fill).
@@ -724,7 +739,7 @@ fn prepare<S: Sink>(sink: &S, batch: &[Routed]) -> Prepared<S::Message> {
 async fn deliver<S: Sink, C>(
     lane: &Lane,
     ctx: &LaneContext<S, C>,
-    breaker: &mut Breaker,
+    breaker: &mut CountedBreaker,
     batch: &[Routed],
     prepared: &mut Prepared<S::Message>,
 ) -> Delivery {
@@ -787,13 +802,64 @@ async fn deliver<S: Sink, C>(
     Delivery::Done
 }
 
-/// Closes `breaker` and publishes it (status and the open-breakers gauge).
-fn close_breaker(lane: &Lane, breaker: &mut Breaker) {
-    let was_open = breaker.state() != BreakerState::Closed;
+/// Closes `breaker` and publishes it (status; the open-breakers gauge follows the state).
+fn close_breaker(lane: &Lane, breaker: &mut CountedBreaker) {
     breaker.on_success();
     lock(&lane.info).breaker = Some(breaker.state());
-    if was_open {
-        metrics::gauge!("iggy_connector_destination_circuit_open").decrement(1.0);
+}
+
+/// A lane's breaker, counted in `iggy_connector_destination_circuit_open` while it is not
+/// closed (open, or half-open for its probe). The count moves here only, with the state,
+/// and is taken back when the breaker is dropped: the lane's task ended (shutdown, or a
+/// panic), and a breaker nobody holds is open for no one.
+struct CountedBreaker {
+    breaker: Breaker,
+    counted: bool,
+}
+
+impl CountedBreaker {
+    fn new(breaker: Breaker) -> CountedBreaker {
+        let mut b = CountedBreaker { breaker, counted: false };
+        b.publish();
+        b
+    }
+
+    fn state(&self) -> BreakerState {
+        self.breaker.state()
+    }
+
+    fn wait(&mut self, now: Instant) -> Duration {
+        let wait = self.breaker.wait(now);
+        self.publish();
+        wait
+    }
+
+    fn on_failure(&mut self, now: Instant) {
+        self.breaker.on_failure(now);
+        self.publish();
+    }
+
+    fn on_success(&mut self) {
+        self.breaker.on_success();
+        self.publish();
+    }
+
+    /// Moves the gauge to the state: counted once while not closed.
+    fn publish(&mut self) {
+        let open = self.breaker.state() != BreakerState::Closed;
+        if open != self.counted {
+            self.counted = open;
+            let gauge = metrics::gauge!("iggy_connector_destination_circuit_open");
+            if open { gauge.increment(1.0) } else { gauge.decrement(1.0) }
+        }
+    }
+}
+
+impl Drop for CountedBreaker {
+    fn drop(&mut self) {
+        if self.counted {
+            metrics::gauge!("iggy_connector_destination_circuit_open").decrement(1.0);
+        }
     }
 }
 
@@ -859,7 +925,7 @@ enum Attempt {
 async fn attempt<S: Sink, C>(
     lane: &Lane,
     ctx: &LaneContext<S, C>,
-    breaker: &mut Breaker,
+    breaker: &mut CountedBreaker,
     failures: &mut u32,
     op: Op<'_, S::Message>,
     shutdown: &mut watch::Receiver<bool>,
@@ -928,7 +994,6 @@ async fn attempt<S: Sink, C>(
             }
             let is_open = breaker.state() != BreakerState::Closed;
             if is_open && !was_open {
-                metrics::gauge!("iggy_connector_destination_circuit_open").increment(1.0);
                 tracing::warn!(destination = %lane.key, "circuit breaker opened");
             }
             if e.kind == SendErrorKind::Destination {

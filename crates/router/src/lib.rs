@@ -20,6 +20,9 @@
 //!    ([`status::StatusCell::set`]); Degraded after `degraded_after_failures`, Running
 //!    again on the first success; Error while the dispatcher or a lane cannot read the
 //!    log, left as soon as it reads again ([`RouterHealth`] settles the router's own).
+//!    The gauges of a router that stopped count no lane, no open breaker and nothing
+//!    held: each count is taken back by a `Drop` of what it counts (a lane, its breaker,
+//!    the task that wrote it), however that ended.
 //! 6. **No cursor is ahead of the log.** A lane passes over records below its cursor as
 //!    delivered; at start a stored cursor above the log's next offset (the log lost its
 //!    tail, or was replaced) is taken as that offset and lowered in the store before the
@@ -324,6 +327,17 @@ fn cursors_within_the_log<C: CursorStore>(cursors: &C, log_next_offset: u64) -> 
     Ok(loaded)
 }
 
+/// Runs its function when dropped. Held by the task that is the one writer of some
+/// gauges, with a function that sets them to zero, so that once the task ended (a
+/// shutdown, or a panic) they say the truth: nothing held by a router that is gone.
+pub(crate) struct OnDrop(pub fn());
+
+impl Drop for OnDrop {
+    fn drop(&mut self) {
+        (self.0)();
+    }
+}
+
 #[allow(clippy::too_many_arguments)]
 async fn release_loop(
     wal: Arc<Wal>,
@@ -334,6 +348,10 @@ async fn release_loop(
     delivered: Arc<Notify>,
     mut shutdown: watch::Receiver<bool>,
 ) {
+    let _held = OnDrop(|| {
+        metrics::gauge!("iggy_connector_held_bytes").set(0.0);
+        metrics::gauge!("iggy_connector_oldest_held_age_seconds").set(0.0);
+    });
     loop {
         tokio::select! {
             _ = delivered.notified() => {}

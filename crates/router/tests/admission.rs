@@ -392,6 +392,7 @@ fn after_a_restart_records_delivered_before_it_are_not_refused_by_the_cap() {
             })
             .await;
             assert_eq!(router.held_from(), None, "{on:?}: the log is held at a record delivered before the restart");
+            assert_eq!(gauge(&snap, "iggy_connector_admission_held"), 0.0, "{on:?}: a hold shown");
             let rejected_2 = cap("iggy_connector_destinations_rejected_total") - rejected_1;
             let dropped_2 = cap("iggy_connector_messages_dropped_total") - dropped_1;
             assert_eq!(rejected_2, 0.0, "{on:?}: records delivered before the restart counted as rejected");

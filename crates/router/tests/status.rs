@@ -77,6 +77,55 @@ fn a_ten_minute_outage_is_held_and_then_delivered_in_order_with_truthful_status(
     });
 }
 
+/// The router's gauges of lanes, breakers and held records say nothing of a router that
+/// stopped: a breaker open at shutdown, a lane, held bytes and their age, a record held
+/// by the cap. A router started again in the same process counts only its own.
+#[test]
+fn a_stopped_router_leaves_no_lane_active_no_breaker_open_and_nothing_held() {
+    with_metrics(false, |snap| async move {
+        let sim = SimStorage::new();
+        let wal = open_wal(&sim);
+        let sink = FaultySink::new();
+        // A fails at its topic (its breaker opens); B is over the cap and held.
+        let (a, b) = (key("s", "a"), key("s", "b"));
+        sink.fault(&a, Some(Fault::Fail(SendErrorKind::Destination)));
+        fill(&wal, &[a.clone(), b.clone()], 0, 3).await;
+        let mut policy = fast_policy();
+        policy.max_destinations = 1;
+        let policies = Policies::uniform(policy);
+        let cursors = Arc::new(MemoryCursorStore::new());
+        let gauges = |snap: &PrometheusHandle| {
+            [
+                "iggy_connector_destinations_active",
+                "iggy_connector_destination_circuit_open",
+                "iggy_connector_held_bytes",
+                "iggy_connector_oldest_held_age_seconds",
+                "iggy_connector_admission_held",
+            ]
+            .map(|name| (name, gauge(snap, name)))
+        };
+        let router = Router::start(wal.clone(), sink.clone(), cursors.clone(), policies.clone()).unwrap();
+        eventually(Duration::from_secs(10), "A's breaker open, its records and B's held", || {
+            gauges(&snap).iter().all(|(_, v)| *v > 0.0)
+        })
+        .await;
+        assert_eq!(gauge(&snap, "iggy_connector_destination_circuit_open"), 1.0);
+        router.shutdown().await;
+        let after = gauges(&snap);
+        assert!(after.iter().all(|(_, v)| *v == 0.0), "after the router stopped: {after:?}");
+
+        // Started again, A answering: only the new router's lane is counted, and no breaker.
+        sink.fault(&a, None);
+        let router = Router::start(wal.clone(), sink.clone(), cursors, policies).unwrap();
+        eventually(Duration::from_secs(10), "A delivered", || sink.ids(&a).len() == 2).await;
+        assert_eq!(gauge(&snap, "iggy_connector_destinations_active"), 1.0);
+        assert_eq!(gauge(&snap, "iggy_connector_destination_circuit_open"), 0.0);
+        router.shutdown().await;
+        let after = gauges(&snap);
+        assert!(after.iter().all(|(_, v)| *v == 0.0), "after the router stopped again: {after:?}");
+    });
+}
+
 /// A log read that fails is an Error, for the lane and for the router, left as soon as the
 /// log reads again: first the dispatcher's read, then an overflowed lane's re-read.
 #[test]
