@@ -55,9 +55,14 @@ pub use sink::{DestinationKey, LaneKey, OutMessage, SendError, SendErrorKind, Si
 use status::{Status, StatusCell, StatusSnapshot};
 
 /// The router's own status, settled from what troubles it in one place: Error while the
-/// dispatcher or any lane cannot read the log, else Degraded while any destination is,
-/// else Running. Starting, Stopping and Stopped are the router's own (`start`,
-/// `shutdown`) and no trouble moves them.
+/// dispatcher or any lane cannot read the log, else Degraded while cursors cannot be
+/// stored or any destination is degraded, else Running. Starting, Stopping and Stopped
+/// are the router's own (`start`, `shutdown`) and no trouble moves them.
+///
+/// A connector's (source's) delivery status is settled from the same troubles, keeping
+/// only those that affect it: the dispatcher's (it reads the log for every source) and
+/// the cursor store's (no source's log is released), and its own lanes', never another
+/// source's.
 #[derive(Debug)]
 pub struct RouterHealth {
     cell: StatusCell,
@@ -74,6 +79,32 @@ struct Troubles {
     /// Why acknowledged cursors cannot be stored, while they cannot (the log stays
     /// pinned below them).
     cursors: Option<String>,
+}
+
+impl Troubles {
+    /// What the troubles say of the router as a whole (`source: None`) or of one source's
+    /// delivery: Error while the dispatcher, or a lane of it, cannot read the log;
+    /// Degraded while cursors cannot be stored, or a lane of it is degraded; `None`: no
+    /// trouble (Running).
+    fn verdict(&self, source: Option<&str>) -> Option<(Status, String)> {
+        let of_source = |k: &&LaneKey| source.is_none_or(|s| k.source == s);
+        if let Some(e) = &self.dispatcher {
+            return Some((Status::Error, format!("the router cannot read the log: {e}")));
+        }
+        if let Some(k) = self.failed.iter().filter(of_source).min() {
+            return Some((Status::Error, format!("destination {k} cannot read the log")));
+        }
+        if let Some(e) = &self.cursors {
+            return Some((
+                Status::Degraded,
+                format!("acknowledged cursors cannot be stored (the log is not released): {e}"),
+            ));
+        }
+        if let Some(k) = self.degraded.iter().filter(of_source).min() {
+            return Some((Status::Degraded, format!("destination {k} is degraded")));
+        }
+        None
+    }
 }
 
 impl RouterHealth {
@@ -93,17 +124,8 @@ impl RouterHealth {
         if !settles {
             return;
         }
-        let (to, why) = if let Some(e) = &t.dispatcher {
-            (Status::Error, format!("the router cannot read the log: {e}"))
-        } else if let Some(k) = t.failed.iter().min() {
-            (Status::Error, format!("destination {k} cannot read the log"))
-        } else if let Some(e) = &t.cursors {
-            (Status::Degraded, format!("acknowledged cursors cannot be stored (the log is not released): {e}"))
-        } else if let Some(k) = t.degraded.iter().min() {
-            (Status::Degraded, format!("destination {k} is degraded"))
-        } else {
-            (Status::Running, "every destination is delivering".to_string())
-        };
+        let (to, why) =
+            t.verdict(None).unwrap_or_else(|| (Status::Running, "every destination is delivering".to_string()));
         self.cell.set(to, &why);
     }
 
@@ -152,6 +174,18 @@ impl RouterHealth {
 
     pub fn snapshot(&self) -> StatusSnapshot {
         self.cell.snapshot()
+    }
+
+    /// The delivery status of `source`: the router's own while it is starting or
+    /// stopping, otherwise what the troubles that affect this source say.
+    pub fn connector_status(&self, source: &str) -> Status {
+        let t = self.troubles();
+        match self.cell.get() {
+            Status::Running | Status::Degraded | Status::Error => {
+                t.verdict(Some(source)).map_or(Status::Running, |(status, _)| status)
+            }
+            own => own,
+        }
     }
 }
 
@@ -259,6 +293,15 @@ impl Router {
 
     pub fn status(&self) -> StatusSnapshot {
         self.health.snapshot()
+    }
+
+    /// The delivery status of one source (connector): Error while the router cannot read
+    /// the log or one of the source's destinations cannot; Degraded while cursors cannot
+    /// be stored or one of its destinations is degraded; Running otherwise. Another
+    /// source's trouble never shows here. While the router starts or stops, its own
+    /// status.
+    pub fn connector_status(&self, source: &str) -> Status {
+        self.health.connector_status(source)
     }
 
     /// The log has been released below this offset.

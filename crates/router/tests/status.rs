@@ -6,6 +6,7 @@ mod support;
 use std::sync::Arc;
 use std::time::Duration;
 
+use ingest::envelope::Partitioning;
 use metrics_exporter_prometheus::PrometheusHandle;
 use router::status::Status;
 use router::{MemoryCursorStore, Policies, Router, SendErrorKind};
@@ -182,6 +183,66 @@ fn a_failed_log_read_is_an_error_until_the_log_reads_again() {
     });
 }
 
+/// A connector's delivery status shows the troubles that affect it, never another's: a
+/// lane of connector x that cannot read the log puts the router and x in Error, while y,
+/// whose destination is fine, keeps Running. The dispatcher's own read failure affects
+/// every connector, even one without a lane yet.
+#[test]
+fn a_connector_is_in_error_only_for_a_log_read_that_affects_it() {
+    with_metrics(false, |_snap| async move {
+        let sim = SimStorage::new();
+        let wal = open_wal(&sim);
+        let sink = FaultySink::new();
+        let (x, y) = (key("x", "1"), key("y", "1"));
+        for i in 0..4u64 {
+            wal.append(vec![record_from("x", &x, i, Partitioning::Balanced)]).await.unwrap();
+            wal.append(vec![record_from("y", &y, 100 + i, Partitioning::Balanced)]).await.unwrap();
+        }
+        let mut policy = fast_policy();
+        policy.batch.backoff_max = Duration::from_millis(500);
+        policy.lane_queue_max_records = 2;
+        policy.batch.batch_max_records = 2;
+        // The dispatcher's first read fails: the router and every connector are in Error.
+        sim.fail_nth(FaultOp::Read, 1, std::io::ErrorKind::Other);
+        let router =
+            Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), Policies::uniform(policy))
+                .unwrap();
+        eventually(Duration::from_secs(5), "router error", || router.status().status == Status::Error).await;
+        for c in ["x", "y", "z"] {
+            assert_eq!(router.connector_status(c), Status::Error, "{c}: the log reader serves every connector");
+        }
+        eventually(Duration::from_secs(10), "delivered", || sink.ids(&x).len() == 4 && sink.ids(&y).len() == 4).await;
+        eventually(Duration::from_secs(5), "running", || router.status().status == Status::Running).await;
+        assert_eq!((router.connector_status("x"), router.connector_status("y")), (Status::Running, Status::Running));
+
+        // x's lane overflows to the log while its sends fail (y has nothing to send), then
+        // its re-read fails.
+        sink.client_fault(Some(SendErrorKind::Disconnected));
+        for i in 4..24u64 {
+            wal.append(vec![record_from("x", &x, i, Partitioning::Balanced)]).await.unwrap();
+        }
+        let lane_x = |router: &Router| router.destinations_of("x").into_iter().next();
+        eventually(Duration::from_secs(10), "x overflowed", || {
+            lane_x(&router).is_some_and(|l| l.overflowed && l.held_records == 20 && l.status == Status::Degraded)
+        })
+        .await;
+        assert_eq!(router.connector_status("x"), Status::Degraded);
+        assert_eq!(router.connector_status("y"), Status::Running, "y shows x's degraded destination");
+        sim.fail_nth(FaultOp::Read, 1, std::io::ErrorKind::Other);
+        sink.client_fault(None);
+        eventually(Duration::from_secs(10), "x's lane in error", || {
+            lane_x(&router).is_some_and(|l| l.status == Status::Error) && router.status().status == Status::Error
+        })
+        .await;
+        assert_eq!(router.connector_status("x"), Status::Error);
+        assert_eq!(router.connector_status("y"), Status::Running, "y shows x's destination that cannot read the log");
+        eventually(Duration::from_secs(10), "x drained", || sink.ids(&x).len() == 24).await;
+        eventually(Duration::from_secs(5), "running", || router.status().status == Status::Running).await;
+        assert_eq!((router.connector_status("x"), router.connector_status("y")), (Status::Running, Status::Running));
+        router.shutdown().await;
+    });
+}
+
 /// A cursor store that fails on command: a test double of the state database.
 #[derive(Default)]
 struct FailingCursorStore {
@@ -246,6 +307,10 @@ fn cursors_that_cannot_be_stored_degrade_the_router_until_they_can() {
         eventually(Duration::from_secs(5), "sent", || sink.ids(&d).len() == 10).await;
         eventually(Duration::from_secs(5), "degraded", || router.status().status == Status::Degraded).await;
         assert!(router.status().reason.contains("cursors cannot be stored"), "{:?}", router.status());
+        // No connector's log is released: each is Degraded, with a lane or without.
+        for c in ["test", "other"] {
+            assert_eq!(router.connector_status(c), Status::Degraded, "{c}: cursors that cannot be stored");
+        }
         assert!(router.status().last_error.is_some());
         assert!(gauge(&snap, "iggy_connector_cursor_store_failures_total") >= 1.0);
         assert_gauges_agree(&snap, &router);
@@ -253,6 +318,7 @@ fn cursors_that_cannot_be_stored_degrade_the_router_until_they_can() {
         cursors.failing.store(false, std::sync::atomic::Ordering::Release);
         eventually(Duration::from_secs(10), "released", || router.released_below() == 10).await;
         eventually(Duration::from_secs(5), "running", || router.status().status == Status::Running).await;
+        assert_eq!(router.connector_status("test"), Status::Running);
         assert_gauges_agree(&snap, &router);
         router.shutdown().await;
     });

@@ -430,18 +430,12 @@ pub fn lane_json(d: &LaneSnapshot) -> serde_json::Value {
     })
 }
 
-/// A connector's delivery status: Degraded while any of its destinations is, Running
-/// otherwise (or the router's own status when it is not running).
+/// A connector's delivery status, as the router settles it for that source
+/// ([`Router::connector_status`]): only the troubles that affect it (the router's log
+/// reader and its cursor store, which serve every source, and its own destinations),
+/// never another connector's.
 pub fn connector_delivery_status(delivery: &Delivery, source: &str) -> &'static str {
-    let lanes = delivery.destinations_of(source);
-    if lanes.iter().any(|l| l.status == Status::Degraded) {
-        return Status::Degraded.as_str();
-    }
-    if lanes.iter().any(|l| l.status == Status::Error) {
-        return Status::Error.as_str();
-    }
-    match delivery.with(|r| r.status().status) {
-        Some(Status::Degraded) | Some(Status::Running) => Status::Running.as_str(),
+    match delivery.with(|r| r.connector_status(source)) {
         Some(s) => s.as_str(),
         None if !delivery.enabled => "disabled",
         None => Status::Stopped.as_str(),
