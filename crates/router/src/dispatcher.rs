@@ -268,7 +268,7 @@ impl<S: Sink, C: CursorStore> Dispatcher<S, C> {
         let delivered_below = self.cursors_at_start.get(key).copied().unwrap_or(0);
         let lane = Arc::new(Lane::new(key.clone(), delivered_below, &share));
         self.lanes.write().unwrap_or_else(|p| p.into_inner()).insert(key.clone(), lane.clone());
-        let task = tokio::spawn(lane::run(lane.clone(), self.ctx.clone()));
+        let task = lane::spawn(lane.clone(), self.ctx.clone());
         self.lane_tasks.lock().unwrap_or_else(|p| p.into_inner()).push(task);
         Some((lane, queue_max, wait))
     }
@@ -339,6 +339,7 @@ pub(crate) fn new_source_route<S: Sink, C: CursorStore>(
             own.then_some(None)
         })
     };
+    // Within tokio's `Semaphore::MAX_PERMITS`: `RouterPolicy::validate` bounds it.
     let share =
         SourceShare { send_slots: Arc::new(Semaphore::new(policy.max_concurrent_destinations)), policy, belongs };
     let delivered_at_start = Arc::new(DeliveredAtStart::of_source(cursors_at_start, source));
@@ -348,7 +349,7 @@ pub(crate) fn new_source_route<S: Sink, C: CursorStore>(
         let lane = Arc::new(Lane::new_dead_letter(key.clone(), below, &share, delivered_at_start.clone()));
         // A dead-letter lane is a lane like any other: counted from its start.
         lanes.write().unwrap_or_else(|p| p.into_inner()).insert(key, lane.clone());
-        let task = tokio::spawn(lane::run(lane.clone(), ctx.clone()));
+        let task = lane::spawn(lane.clone(), ctx.clone());
         lane_tasks.lock().unwrap_or_else(|p| p.into_inner()).push(task);
         lane
     });

@@ -402,7 +402,17 @@ enum Delivery {
     ShuttingDown,
 }
 
-pub(crate) async fn run<S: Sink, C: CursorStore>(lane: Arc<Lane>, mut ctx: LaneContext<S, C>) {
+/// Spawns the delivery task of `lane`. If it ends by a panic, the lane is in Error, and
+/// its connector and the router with it, until a restart: its records stay held.
+pub(crate) fn spawn<S: Sink, C: CursorStore>(lane: Arc<Lane>, ctx: LaneContext<S, C>) -> tokio::task::JoinHandle<()> {
+    let (watched, health) = (lane.clone(), ctx.router_status.clone());
+    crate::spawn_task(run(lane, ctx), move || {
+        watched.status.set(Status::Error, "the lane's task ended unexpectedly (a panic)");
+        health.lane_panicked(&watched.key);
+    })
+}
+
+async fn run<S: Sink, C: CursorStore>(lane: Arc<Lane>, mut ctx: LaneContext<S, C>) {
     lane.status.set(Status::Running, "lane started");
     let mut breaker = CountedBreaker::new(Breaker::new(lane.policy.breaker.clone()));
     let mut catchup: Option<wal::Reader> = None;

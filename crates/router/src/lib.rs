@@ -22,7 +22,9 @@
 //!    log, left as soon as it reads again ([`RouterHealth`] settles the router's own).
 //!    The gauges of a router that stopped count no lane, no open breaker and nothing
 //!    held: each count is taken back by a `Drop` of what it counts (a lane, its breaker,
-//!    the task that wrote it), however that ended.
+//!    the task that wrote it), however that ended. A task of the router that ends by a
+//!    panic puts it (and a lane's, its destination and connector) in Error until a
+//!    restart: nothing reports Running for work that nobody does ([`spawn_task`]).
 //! 6. **No cursor is ahead of the log.** A lane passes over records below its cursor as
 //!    delivered; at start a stored cursor above the log's next offset (the log lost its
 //!    tail, or was replaced) is taken as that offset and lowered in the store before the
@@ -38,7 +40,8 @@ pub mod prewarm;
 pub mod sink;
 pub mod status;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet};
+use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -55,9 +58,10 @@ pub use sink::{DestinationKey, LaneKey, OutMessage, SendError, SendErrorKind, Si
 use status::{Status, StatusCell, StatusSnapshot};
 
 /// The router's own status, settled from what troubles it in one place: Error while the
-/// dispatcher or any lane cannot read the log, else Degraded while cursors cannot be
-/// stored or any destination is degraded, else Running. Starting, Stopping and Stopped
-/// are the router's own (`start`, `shutdown`) and no trouble moves them.
+/// dispatcher or any lane cannot read the log, or once one of its tasks ended by a panic,
+/// else Degraded while cursors cannot be stored or any destination is degraded, else
+/// Running. Starting, Stopping and Stopped are the router's own (`start`, `shutdown`)
+/// and no trouble moves them.
 ///
 /// A connector's (source's) delivery status is settled from the same troubles, keeping
 /// only those that affect it: the dispatcher's (it reads the log for every source) and
@@ -79,17 +83,32 @@ struct Troubles {
     /// Why acknowledged cursors cannot be stored, while they cannot (the log stays
     /// pinned below them).
     cursors: Option<String>,
+    /// The router's own tasks (the dispatcher, the releaser, the cursor flusher) that
+    /// ended by a panic: what they did is not done until a restart.
+    tasks_ended: BTreeSet<&'static str>,
+    /// Lanes whose task ended by a panic: their records are held until a restart.
+    lanes_ended: HashSet<LaneKey>,
 }
 
 impl Troubles {
     /// What the troubles say of the router as a whole (`source: None`) or of one source's
-    /// delivery: Error while the dispatcher, or a lane of it, cannot read the log;
+    /// delivery: Error once a task of the router (or of a lane of it) ended by a panic, or
+    /// while the dispatcher, or a lane of it, cannot read the log;
     /// Degraded while cursors cannot be stored, or a lane of it is degraded; `None`: no
     /// trouble (Running).
     fn verdict(&self, source: Option<&str>) -> Option<(Status, String)> {
         let of_source = |k: &&LaneKey| source.is_none_or(|s| k.source == s);
+        if let Some(task) = self.tasks_ended.first() {
+            return Some((Status::Error, format!("the router's {task} ended unexpectedly (a panic); restart it")));
+        }
         if let Some(e) = &self.dispatcher {
             return Some((Status::Error, format!("the router cannot read the log: {e}")));
+        }
+        if let Some(k) = self.lanes_ended.iter().filter(of_source).min() {
+            return Some((
+                Status::Error,
+                format!("the task of destination {k} ended unexpectedly (a panic); restart it"),
+            ));
         }
         if let Some(k) = self.failed.iter().filter(of_source).min() {
             return Some((Status::Error, format!("destination {k} cannot read the log")));
@@ -172,6 +191,22 @@ impl RouterHealth {
         self.update(|t| t.cursors.take().is_some());
     }
 
+    /// One of the router's own tasks ended by a panic (called while it unwinds).
+    pub(crate) fn task_panicked(&self, task: &'static str) {
+        tracing::error!(
+            task,
+            "a task of the router ended unexpectedly (a panic); the router is in error until a restart"
+        );
+        self.cell.record_error(&format!("the router's {task} ended unexpectedly (a panic)"));
+        self.update(|t| t.tasks_ended.insert(task));
+    }
+
+    /// A lane's task ended by a panic (called while it unwinds).
+    pub(crate) fn lane_panicked(&self, key: &LaneKey) {
+        tracing::error!(destination = %key, "a lane's task ended unexpectedly (a panic); its records are held until a restart");
+        self.update(|t| t.degraded.remove(key) | t.failed.remove(key) | t.lanes_ended.insert(key.clone()));
+    }
+
     pub fn snapshot(&self) -> StatusSnapshot {
         self.cell.snapshot()
     }
@@ -230,14 +265,21 @@ impl Router {
         let delivered = Arc::new(Notify::new());
         let cursor_dirty = Arc::new(Notify::new());
         let (stop_flusher, stop_flusher_rx) = watch::channel(false);
-        let flusher = tokio::spawn(cursor_flush_loop(
-            lanes.clone(),
-            cursors.clone(),
-            cursor_dirty.clone(),
-            delivered.clone(),
-            health.clone(),
-            stop_flusher_rx,
-        ));
+        let on_panic = |task: &'static str| {
+            let health = health.clone();
+            move || health.task_panicked(task)
+        };
+        let flusher = spawn_task(
+            cursor_flush_loop(
+                lanes.clone(),
+                cursors.clone(),
+                cursor_dirty.clone(),
+                delivered.clone(),
+                health.clone(),
+                stop_flusher_rx,
+            ),
+            on_panic("cursor flusher"),
+        );
         let ctx = LaneContext {
             wal: wal.clone(),
             sink,
@@ -262,17 +304,20 @@ impl Router {
             last_lane: None,
         };
         let start = wal.start_offset();
-        let mut tasks = vec![tokio::spawn(dispatcher.run(start, shutdown_rx.clone()))];
+        let mut tasks = vec![spawn_task(dispatcher.run(start, shutdown_rx.clone()), on_panic("log reader"))];
         let released_below = Arc::new(AtomicU64::new(start));
-        tasks.push(tokio::spawn(release_loop(
-            wal,
-            lanes.clone(),
-            processed_below,
-            held_from.clone(),
-            released_below.clone(),
-            delivered,
-            shutdown_rx,
-        )));
+        tasks.push(spawn_task(
+            release_loop(
+                wal,
+                lanes.clone(),
+                processed_below,
+                held_from.clone(),
+                released_below.clone(),
+                delivered,
+                shutdown_rx,
+            ),
+            on_panic("releaser"),
+        ));
         health.started();
         Ok(Router { lanes, health, released_below, held_from, shutdown, tasks, lane_tasks, stop_flusher, flusher })
     }
@@ -368,6 +413,35 @@ fn cursors_within_the_log<C: CursorStore>(cursors: &C, log_next_offset: u64) -> 
         cursors.lower(ahead).map_err(|e| format!("lowering cursors ahead of the log: {e}"))?;
     }
     Ok(loaded)
+}
+
+/// Spawns one of the router's tasks. If it ends by a panic, `on_panic` runs as it
+/// unwinds: the task is gone and what it did is not done until a restart, so the router
+/// must say so instead of reporting Running (tokio keeps a task's panic to its join
+/// handle, which only a shutdown awaits). A task that returns was told to stop.
+pub(crate) fn spawn_task<F>(task: F, on_panic: impl FnOnce() + Send + 'static) -> JoinHandle<F::Output>
+where
+    F: Future + Send + 'static,
+    F::Output: Send + 'static,
+{
+    /// Runs its function if dropped while the thread panics: the task's future is dropped
+    /// while the panic unwinds out of its poll.
+    struct OnPanic<G: FnOnce()>(Option<G>);
+
+    impl<G: FnOnce()> Drop for OnPanic<G> {
+        fn drop(&mut self) {
+            if std::thread::panicking()
+                && let Some(f) = self.0.take()
+            {
+                f();
+            }
+        }
+    }
+
+    tokio::spawn(async move {
+        let _watch = OnPanic(Some(on_panic));
+        task.await
+    })
 }
 
 /// Runs its function when dropped. Held by the task that is the one writer of some

@@ -1,14 +1,45 @@
 //! The router's knobs, with the defaults an operator gets and why.
 //!
-//! Invariant: every limit is finite and validated (`RouterPolicy::validate`): a batch,
-//! a lane's queue, the number of lanes and the number of sends in flight are all bounded,
-//! so memory is bounded no matter how long a destination stays down.
+//! Invariant: every limit is validated (`RouterPolicy::validate`, `Policies::validate`)
+//! against a lower and an upper bound: a batch, a lane's queue, the number of lanes, the
+//! number of sends in flight and every duration. So memory is bounded no matter how long
+//! a destination stays down, and no value that passes validation can break a task at run
+//! time (a semaphore over its permits, a deadline past the clock's range): such a panic
+//! would end the task while the router kept reporting on it.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
 use crate::sink::DestinationKey;
+
+/// The most sends in flight per source. tokio's semaphore (the source's send slots)
+/// panics above `Semaphore::MAX_PERMITS`; and each send in flight holds a connection of
+/// its own to the server (the sink takes one per call), so this also bounds a source's
+/// connections: past a few thousand a process runs out of file descriptors long before
+/// it delivers any faster. 4096 is far above any useful setting (the default is 16).
+pub const MAX_CONCURRENT_DESTINATIONS: usize = 4096;
+
+/// The most destinations per source. Each is a lane (a task, a queue, a status and a
+/// cursor); the cap guards against a runaway route, and 100 000 is two orders of
+/// magnitude above the default.
+pub const MAX_DESTINATIONS: usize = 100_000;
+
+/// The most records per send (and per read of the log). A lane keeps up to two batches in
+/// memory (one in flight, the next prepared).
+pub const MAX_BATCH_RECORDS: usize = 100_000;
+
+/// The most payload bytes per send (and per read of the log): 64 MiB, for the same
+/// reason, per lane.
+pub const MAX_BATCH_BYTES: usize = 64 * 1024 * 1024;
+
+/// The most records a lane keeps in memory before it re-reads the log.
+pub const MAX_LANE_QUEUE_RECORDS: usize = 1_000_000;
+
+/// The longest duration of any knob: one day. Far above any useful setting, and the
+/// lanes take deadlines (`now + linger`, `now + cool_down`) that would overflow the
+/// clock, and panic, for a value near `u64::MAX` milliseconds.
+pub const MAX_DURATION: Duration = Duration::from_secs(24 * 60 * 60);
 
 /// How records are batched and retried, per destination.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -130,9 +161,8 @@ impl Policies {
         for (k, p) in &self.sources {
             p.validate().map_err(|e| format!("source {k}: {e}"))?;
         }
-        if self.read_batch_max_records == 0 || self.read_batch_max_bytes == 0 {
-            return Err("read_batch_max_records and read_batch_max_bytes must be at least 1".into());
-        }
+        within("read_batch_max_records", self.read_batch_max_records, MAX_BATCH_RECORDS)?;
+        within("read_batch_max_bytes", self.read_batch_max_bytes, MAX_BATCH_BYTES)?;
         Ok(())
     }
 }
@@ -153,18 +183,29 @@ impl Default for RouterPolicy {
 }
 
 impl RouterPolicy {
-    /// Checks the policy; the error names the field.
+    /// Checks the policy; the error names the field first.
     pub fn validate(&self) -> Result<(), String> {
-        let positive = [
-            ("batch_max_records", self.batch.batch_max_records),
-            ("batch_max_bytes", self.batch.batch_max_bytes),
-            ("max_destinations", self.max_destinations),
-            ("max_concurrent_destinations", self.max_concurrent_destinations),
-            ("lane_queue_max_records", self.lane_queue_max_records),
+        let counts = [
+            ("batch_max_records", self.batch.batch_max_records, MAX_BATCH_RECORDS),
+            ("batch_max_bytes", self.batch.batch_max_bytes, MAX_BATCH_BYTES),
+            ("max_destinations", self.max_destinations, MAX_DESTINATIONS),
+            ("max_concurrent_destinations", self.max_concurrent_destinations, MAX_CONCURRENT_DESTINATIONS),
+            ("lane_queue_max_records", self.lane_queue_max_records, MAX_LANE_QUEUE_RECORDS),
         ];
-        for (name, v) in positive {
-            if v == 0 {
-                return Err(format!("{name} must be at least 1"));
+        for (name, v, max) in counts {
+            within(name, v, max)?;
+        }
+        let durations = [
+            ("linger", self.batch.linger),
+            ("result_timeout", self.batch.result_timeout),
+            ("backoff_base", self.batch.backoff_base),
+            ("backoff_max", self.batch.backoff_max),
+            ("cool_down", self.breaker.cool_down),
+            ("overflow_after", self.overflow_after),
+        ];
+        for (name, d) in durations {
+            if d > MAX_DURATION {
+                return Err(format!("{name} must be at most {} s (one day)", MAX_DURATION.as_secs()));
             }
         }
         if self.breaker.failure_threshold == 0 {
@@ -192,6 +233,17 @@ impl RouterPolicy {
     }
 }
 
+/// `v` within `1..=max`, or an error naming `name` first.
+fn within(name: &str, v: usize, max: usize) -> Result<(), String> {
+    if v == 0 {
+        return Err(format!("{name} must be at least 1"));
+    }
+    if v > max {
+        return Err(format!("{name} must be at most {max}"));
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -204,6 +256,68 @@ mod tests {
         assert_eq!(p.backoff(4), Duration::from_millis(800));
         assert_eq!(p.backoff(20), Duration::from_secs(30));
         assert_eq!(p.backoff(u32::MAX), Duration::from_secs(30));
+    }
+
+    #[test]
+    fn every_count_and_duration_is_bounded_and_named() {
+        let cases: Vec<(RouterPolicy, &str)> = vec![
+            (
+                RouterPolicy { max_concurrent_destinations: usize::MAX, ..RouterPolicy::default() },
+                "max_concurrent_destinations",
+            ),
+            (
+                RouterPolicy {
+                    max_concurrent_destinations: MAX_CONCURRENT_DESTINATIONS + 1,
+                    ..RouterPolicy::default()
+                },
+                "max_concurrent_destinations",
+            ),
+            (RouterPolicy { max_destinations: MAX_DESTINATIONS + 1, ..RouterPolicy::default() }, "max_destinations"),
+            (
+                RouterPolicy { lane_queue_max_records: MAX_LANE_QUEUE_RECORDS + 1, ..RouterPolicy::default() },
+                "lane_queue_max_records",
+            ),
+            (
+                RouterPolicy { overflow_after: MAX_DURATION + Duration::from_millis(1), ..RouterPolicy::default() },
+                "overflow_after",
+            ),
+        ];
+        let batch = |f: fn(&mut BatchPolicy), name: &'static str| {
+            let mut p = RouterPolicy::default();
+            f(&mut p.batch);
+            (p, name)
+        };
+        let batches = vec![
+            batch(|b| b.batch_max_records = MAX_BATCH_RECORDS + 1, "batch_max_records"),
+            batch(|b| b.batch_max_bytes = MAX_BATCH_BYTES + 1, "batch_max_bytes"),
+            batch(|b| b.linger = Duration::MAX, "linger"),
+            batch(|b| b.result_timeout = Duration::MAX, "result_timeout"),
+            batch(|b| b.backoff_max = Duration::MAX, "backoff_max"),
+        ];
+        let mut cool_down = RouterPolicy::default();
+        cool_down.breaker.cool_down = Duration::from_millis(u64::MAX);
+        for (p, name) in cases.into_iter().chain(batches).chain([(cool_down, "cool_down")]) {
+            let e = p.validate().unwrap_err();
+            assert!(e.starts_with(name), "{name}: {e}");
+        }
+        // The bounds themselves pass.
+        let mut p = RouterPolicy {
+            max_concurrent_destinations: MAX_CONCURRENT_DESTINATIONS,
+            max_destinations: MAX_DESTINATIONS,
+            lane_queue_max_records: MAX_LANE_QUEUE_RECORDS,
+            overflow_after: MAX_DURATION,
+            ..RouterPolicy::default()
+        };
+        p.batch.batch_max_records = MAX_BATCH_RECORDS;
+        p.batch.batch_max_bytes = MAX_BATCH_BYTES;
+        p.batch.linger = MAX_DURATION;
+        p.batch.result_timeout = MAX_DURATION;
+        p.batch.backoff_max = MAX_DURATION;
+        p.breaker.cool_down = MAX_DURATION;
+        assert_eq!(p.validate(), Ok(()));
+        let mut policies = Policies::uniform(RouterPolicy::default());
+        policies.read_batch_max_bytes = MAX_BATCH_BYTES + 1;
+        assert!(policies.validate().unwrap_err().starts_with("read_batch_max_bytes"));
     }
 
     #[test]

@@ -348,3 +348,30 @@ async fn a_cursor_ahead_of_the_log_is_lowered_to_its_end_and_new_records_are_del
     router.shutdown().await;
     assert_eq!(cursors.get(&lane), Some(10));
 }
+
+/// A limit of sends in flight beyond what the router can run refuses the start, naming
+/// the key: accepted, it would panic the log reader at the first record (tokio's semaphore
+/// has a maximum), and nothing would be delivered while the router reported Running.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_limit_of_sends_in_flight_beyond_the_bound_refuses_the_start() {
+    let sim = SimStorage::new();
+    let wal = open_wal(&sim);
+    let sink = FaultySink::new();
+    let d = key("s", "a");
+    fill(&wal, std::slice::from_ref(&d), 0, 3).await;
+    let mut policy = fast_policy();
+    policy.max_concurrent_destinations = usize::MAX;
+    let refused =
+        Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), Policies::uniform(policy));
+    let e = refused.map(drop).unwrap_err();
+    assert!(e.contains("max_concurrent_destinations must be at most"), "{e}");
+    // At the bound it delivers.
+    let mut policy = fast_policy();
+    policy.max_concurrent_destinations = router::policy::MAX_CONCURRENT_DESTINATIONS;
+    let router =
+        Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), Policies::uniform(policy))
+            .unwrap();
+    eventually(Duration::from_secs(10), "delivered", || sink.ids(&d).len() == 3).await;
+    assert_eq!(router.status().status, Status::Running);
+    router.shutdown().await;
+}

@@ -243,11 +243,12 @@ fn a_connector_is_in_error_only_for_a_log_read_that_affects_it() {
     });
 }
 
-/// A cursor store that fails on command: a test double of the state database.
+/// A cursor store that fails (or panics) on command: a test double of the state database.
 #[derive(Default)]
 struct FailingCursorStore {
     inner: MemoryCursorStore,
     failing: std::sync::atomic::AtomicBool,
+    panicking: std::sync::atomic::AtomicBool,
 }
 
 impl router::CursorStore for FailingCursorStore {
@@ -256,6 +257,9 @@ impl router::CursorStore for FailingCursorStore {
     }
 
     async fn store(&self, cursors: Vec<(router::LaneKey, u64)>) -> Result<(), String> {
+        if self.panicking.load(std::sync::atomic::Ordering::Acquire) {
+            panic!("injected panic in a cursor store");
+        }
         if self.failing.load(std::sync::atomic::Ordering::Acquire) {
             return Err("injected cursor store failure".into());
         }
@@ -348,4 +352,46 @@ fn a_record_held_by_admission_shows_in_its_gauge() {
             router.shutdown().await;
         });
     }
+}
+
+/// A task of the router that ends by a panic is gone until a restart, and the router says
+/// so instead of reporting Running over work nobody does: a lane's panic puts that
+/// destination, its connector and the router in Error (another connector keeps Running);
+/// the cursor flusher's puts every connector in Error.
+#[test]
+fn a_router_task_that_panics_puts_the_router_in_error() {
+    with_metrics(false, |snap| async move {
+        let sim = SimStorage::new();
+        let wal = open_wal(&sim);
+        let sink = FaultySink::new();
+        let (x, y) = (key("x", "1"), key("y", "1"));
+        sink.fault(&x, Some(Fault::Panic));
+        for i in 0..4u64 {
+            wal.append(vec![record_from("x", &x, i, Partitioning::Balanced)]).await.unwrap();
+            wal.append(vec![record_from("y", &y, 100 + i, Partitioning::Balanced)]).await.unwrap();
+        }
+        let cursors = Arc::new(FailingCursorStore::default());
+        let router =
+            Router::start(wal.clone(), sink.clone(), cursors.clone(), Policies::uniform(fast_policy())).unwrap();
+        eventually(Duration::from_secs(10), "y delivered", || sink.ids(&y).len() == 4).await;
+        eventually(Duration::from_secs(5), "router error", || router.status().status == Status::Error).await;
+        assert!(router.status().reason.contains("x -> x/1"), "{:?}", router.status());
+        let lane_x = router.destinations_of("x").into_iter().next().map(|l| l.status);
+        assert_eq!(lane_x, Some(Status::Error));
+        assert_eq!(router.connector_status("x"), Status::Error);
+        assert_eq!(router.connector_status("y"), Status::Running, "y shows x's lane");
+        assert_gauges_agree(&snap, &router);
+        assert_eq!(router.released_below(), 0, "x's records are held");
+
+        // The cursor flusher panics at its next store: every connector is in Error.
+        cursors.panicking.store(true, std::sync::atomic::Ordering::Release);
+        wal.append(vec![record_from("y", &y, 104, Partitioning::Balanced)]).await.unwrap();
+        eventually(Duration::from_secs(10), "y's last delivered", || sink.ids(&y).len() == 5).await;
+        eventually(Duration::from_secs(5), "y in error", || router.connector_status("y") == Status::Error).await;
+        let last_error = router.status().last_error.map(|(e, _)| e);
+        assert!(last_error.as_deref().is_some_and(|e| e.contains("cursor flusher")), "{:?}", router.status());
+        assert_eq!(router.status().status, Status::Error);
+        assert_gauges_agree(&snap, &router);
+        router.shutdown().await;
+    });
 }

@@ -152,6 +152,22 @@ pub struct DeliverySettings {
 /// One validation problem: the key path below the document root, and the message.
 pub type Problem = (Vec<String>, String);
 
+/// A count from the configuration as the router takes it. Past `usize` (only on a 32-bit
+/// target) it is `usize::MAX`, which the router's validation refuses under the key, as it
+/// does any value above its bound.
+fn to_usize(v: u64) -> usize {
+    usize::try_from(v).unwrap_or(usize::MAX)
+}
+
+/// The router's longest duration, in the configuration's milliseconds.
+fn max_duration_ms() -> u64 {
+    u64::try_from(router::policy::MAX_DURATION.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// The most seconds `message_expiry_secs` takes: Iggy keeps a topic's expiry in
+/// microseconds, in a `u64`; a larger value would wrap around to a short expiry.
+const MESSAGE_EXPIRY_SECS_MAX: u64 = u64::MAX / 1_000_000;
+
 fn to_u32(v: u64, path: &[&str], problems: &mut Vec<Problem>) -> u32 {
     u32::try_from(v).unwrap_or_else(|_| {
         problems.push((path.iter().map(|s| s.to_string()).collect(), format!("must be at most {}", u32::MAX)));
@@ -203,8 +219,8 @@ fn policy_from(s: &RouterSection, prefix: &[&str], problems: &mut Vec<Problem>) 
     let failure_threshold = u32_of(s.failure_threshold, "failure_threshold");
     let policy = RouterPolicy {
         batch: BatchPolicy {
-            batch_max_records: s.batch_max_records as usize,
-            batch_max_bytes: s.batch_max_bytes as usize,
+            batch_max_records: to_usize(s.batch_max_records),
+            batch_max_bytes: to_usize(s.batch_max_bytes),
             linger: Duration::from_millis(s.linger_ms),
             result_timeout: Duration::from_millis(s.result_timeout_ms),
             backoff_base: Duration::from_millis(s.backoff_base_ms),
@@ -212,16 +228,30 @@ fn policy_from(s: &RouterSection, prefix: &[&str], problems: &mut Vec<Problem>) 
             degraded_after_failures,
         },
         breaker: BreakerPolicy { failure_threshold, cool_down: Duration::from_millis(s.cool_down_ms) },
-        max_destinations: s.max_destinations as usize,
-        max_concurrent_destinations: s.max_concurrent_destinations as usize,
+        max_destinations: to_usize(s.max_destinations),
+        max_concurrent_destinations: to_usize(s.max_concurrent_destinations),
         on_admission_failure,
         dead_letter,
-        lane_queue_max_records: s.lane_queue_max_records as usize,
+        lane_queue_max_records: to_usize(s.lane_queue_max_records),
         overflow_after: Duration::from_millis(s.overflow_after_ms),
     };
     // The durations are checked here under their own keys (the router's message names its
     // fields, `backoff_max`, `result_timeout`, not the keys with their units).
     let mut durations_ok = true;
+    let max_ms = max_duration_ms();
+    for (key, ms) in [
+        ("linger_ms", s.linger_ms),
+        ("result_timeout_ms", s.result_timeout_ms),
+        ("backoff_base_ms", s.backoff_base_ms),
+        ("backoff_max_ms", s.backoff_max_ms),
+        ("cool_down_ms", s.cool_down_ms),
+        ("overflow_after_ms", s.overflow_after_ms),
+    ] {
+        if ms > max_ms {
+            problems.push((at(key), format!("must be at most {max_ms} (one day)")));
+            durations_ok = false;
+        }
+    }
     if s.result_timeout_ms == 0 {
         problems.push((at("result_timeout_ms"), "must be greater than 0".into()));
         durations_ok = false;
@@ -303,6 +333,12 @@ pub fn check(section: &RouterSection, iggy: &IggyConfig, sources: &[String]) -> 
     if t.messages_required_to_save == 0 {
         problems.push((at("messages_required_to_save"), "must be greater than 0".into()));
     }
+    if t.message_expiry_secs > MESSAGE_EXPIRY_SECS_MAX {
+        problems.push((
+            at("message_expiry_secs"),
+            format!("must be at most {MESSAGE_EXPIRY_SECS_MAX} (Iggy keeps it in microseconds)"),
+        ));
+    }
     let partitions_count = to_u32(t.partitions_count, &["router", "topic_defaults", "partitions_count"], &mut problems);
     let messages_required_to_save =
         to_u32(t.messages_required_to_save, &["router", "topic_defaults", "messages_required_to_save"], &mut problems);
@@ -329,6 +365,13 @@ pub fn check(section: &RouterSection, iggy: &IggyConfig, sources: &[String]) -> 
     };
     let mut policies = Policies::uniform(default);
     policies.sources = per_source;
+    if section.prewarm_timeout_ms > max_duration_ms() {
+        // Its deadline (`now + prewarm_timeout`) would overflow the clock.
+        problems.push((
+            vec!["router".into(), "prewarm_timeout_ms".into()],
+            format!("must be at most {} (one day)", max_duration_ms()),
+        ));
+    }
     let prewarm_timeout = Duration::from_millis(section.prewarm_timeout_ms);
     (DeliverySettings { enabled: section.enabled, policies, sink, prewarm_timeout }, problems)
 }
@@ -512,6 +555,71 @@ mod tests {
         let (_, problems) = check(&section, &iggy(), &["a".into()]);
         let paths: Vec<String> = problems.iter().map(|(p, _)| p.join(".")).collect();
         assert_eq!(paths, vec!["router.sources.a.backoff_max_ms"], "{problems:?}");
+    }
+
+    /// Every count and duration above what the router can run is refused under its own
+    /// key: accepted, a limit of sends in flight above tokio's semaphore maximum, say,
+    /// would panic the router's log reader at the first record, while the router kept
+    /// reporting Running.
+    #[test]
+    fn a_limit_beyond_its_bound_is_named_by_its_own_key_path() {
+        let over_day = max_duration_ms() + 1;
+        let cases: Vec<(RouterSection, &str)> = vec![
+            (
+                RouterSection { max_concurrent_destinations: u64::MAX, ..RouterSection::default() },
+                "router.max_concurrent_destinations",
+            ),
+            (
+                RouterSection { max_concurrent_destinations: 4097, ..RouterSection::default() },
+                "router.max_concurrent_destinations",
+            ),
+            (RouterSection { max_destinations: u64::MAX, ..RouterSection::default() }, "router.max_destinations"),
+            (RouterSection { batch_max_records: u64::MAX, ..RouterSection::default() }, "router.batch_max_records"),
+            (RouterSection { batch_max_bytes: u64::MAX, ..RouterSection::default() }, "router.batch_max_bytes"),
+            (
+                RouterSection { lane_queue_max_records: u64::MAX, ..RouterSection::default() },
+                "router.lane_queue_max_records",
+            ),
+            (RouterSection { linger_ms: u64::MAX, ..RouterSection::default() }, "router.linger_ms"),
+            (RouterSection { result_timeout_ms: over_day, ..RouterSection::default() }, "router.result_timeout_ms"),
+            (RouterSection { backoff_max_ms: u64::MAX, ..RouterSection::default() }, "router.backoff_max_ms"),
+            (RouterSection { cool_down_ms: u64::MAX, ..RouterSection::default() }, "router.cool_down_ms"),
+            (RouterSection { overflow_after_ms: u64::MAX, ..RouterSection::default() }, "router.overflow_after_ms"),
+            (RouterSection { prewarm_timeout_ms: u64::MAX, ..RouterSection::default() }, "router.prewarm_timeout_ms"),
+            (
+                RouterSection {
+                    topic_defaults: TopicDefaultsSection {
+                        message_expiry_secs: MESSAGE_EXPIRY_SECS_MAX + 1,
+                        ..TopicDefaultsSection::default()
+                    },
+                    ..RouterSection::default()
+                },
+                "router.topic_defaults.message_expiry_secs",
+            ),
+        ];
+        for (section, want) in cases {
+            let (_, problems) = check(&section, &iggy(), &[]);
+            let paths: Vec<String> = problems.iter().map(|(p, _)| p.join(".")).collect();
+            assert_eq!(paths, vec![want.to_string()], "{problems:?}");
+        }
+        let mut section = RouterSection::default();
+        section.sources.insert(
+            "a".into(),
+            PolicyOverrides { max_concurrent_destinations: Some(u64::MAX), ..PolicyOverrides::default() },
+        );
+        let (_, problems) = check(&section, &iggy(), &["a".into()]);
+        let paths: Vec<String> = problems.iter().map(|(p, _)| p.join(".")).collect();
+        assert_eq!(paths, vec!["router.sources.a.max_concurrent_destinations"], "{problems:?}");
+        assert!(problems[0].1.contains("at most 4096"), "{problems:?}");
+        // The bounds themselves pass.
+        let section = RouterSection {
+            max_concurrent_destinations: 4096,
+            cool_down_ms: max_duration_ms(),
+            prewarm_timeout_ms: max_duration_ms(),
+            ..RouterSection::default()
+        };
+        let (_, problems) = check(&section, &iggy(), &[]);
+        assert!(problems.is_empty(), "{problems:?}");
     }
 
     #[test]

@@ -23,6 +23,8 @@ pub enum Fault {
     Fail(SendErrorKind),
     /// Never answers (the router's result timeout decides).
     BlackHole,
+    /// Panics in the call, as a defect of the sink would: the lane's task ends.
+    Panic,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -80,13 +82,18 @@ impl FaultySink {
         self.st().calls.get(dest).copied().unwrap_or(0)
     }
     fn check(&self, dest: &DestinationKey) -> Result<(), Option<SendError>> {
-        let st = self.st();
-        if let Some(k) = st.client_fault {
+        // The state's lock is let go before a panic, so other destinations' calls go on.
+        let (client_fault, fault) = {
+            let st = self.st();
+            (st.client_fault, st.faults.get(dest).copied())
+        };
+        if let Some(k) = client_fault {
             return Err(Some(SendError::new(k, "injected client fault")));
         }
-        match st.faults.get(dest) {
-            Some(Fault::Fail(k)) => Err(Some(SendError::new(*k, "injected destination fault"))),
+        match fault {
+            Some(Fault::Fail(k)) => Err(Some(SendError::new(k, "injected destination fault"))),
             Some(Fault::BlackHole) => Err(None),
+            Some(Fault::Panic) => panic!("injected panic in a call for {dest}"),
             None => Ok(()),
         }
     }
