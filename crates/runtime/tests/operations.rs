@@ -594,6 +594,48 @@ fn the_operations_guide_lists_every_metric() {
     }
 }
 
+/// Every metric a guide's table names (`| `name{labels}` | ...`) is written with the
+/// labels its series carry, and docs/delivery.md lists every metric of the router: a
+/// label a dashboard or an alert must aggregate over (or may filter on) is never left out.
+#[test]
+fn the_guides_name_each_metric_with_the_labels_it_carries() {
+    let catalog: BTreeMap<String, BTreeSet<&str>> =
+        iggy_ingest::telemetry::catalog().into_iter().map(|m| (m.name, m.labels.iter().copied().collect())).collect();
+    let mut listed: BTreeMap<&str, BTreeSet<String>> = BTreeMap::new();
+    for doc in ["docs/operations.md", "docs/delivery.md", "docs/routing.md"] {
+        let text = std::fs::read_to_string(repo().join(doc)).unwrap();
+        for line in text.lines() {
+            let Some(cell) = line.strip_prefix("| `").and_then(|l| l.split('`').next()) else { continue };
+            let (name, labels) = match cell.split_once('{') {
+                Some((name, rest)) => (name, rest.trim_end_matches('}').split(',').filter(|l| !l.is_empty()).collect()),
+                None => (cell, BTreeSet::new()),
+            };
+            // The status gauges are one pattern per family, with the status in the name.
+            if labels.contains("status") {
+                continue;
+            }
+            let Some(want) = catalog.get(name) else { continue };
+            assert_eq!(&labels, want, "{doc} names {name} with the labels {labels:?}; its series carry {want:?}");
+            listed.entry(doc).or_default().insert(name.to_string());
+        }
+    }
+    // The router's metrics (the door's own routing metrics are in docs/routing.md).
+    let door = ["iggy_connector_routing_unmatched_total", "iggy_connector_partition_key_missing_total"];
+    let by_status = ["iggy_connector_router_", "iggy_connector_destinations_"].map(|p| {
+        move |n: &str| {
+            n.strip_prefix(p)
+                .is_some_and(|s| ["starting", "running", "degraded", "error", "stopping", "stopped"].contains(&s))
+        }
+    });
+    let delivery = listed.get("docs/delivery.md").cloned().unwrap_or_default();
+    for name in catalog.keys().filter(|n| n.starts_with("iggy_connector_")) {
+        if door.contains(&name.as_str()) || by_status.iter().any(|f| f(name)) {
+            continue;
+        }
+        assert!(delivery.contains(name), "docs/delivery.md's metrics table does not list {name}");
+    }
+}
+
 /// What Grafana needs to lay the dashboard out and query it: unique panel ids, panels
 /// inside the 24-column grid without overlaps, every query on the dashboard's data
 /// source variable, and unique query ids per panel.
