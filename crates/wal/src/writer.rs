@@ -9,6 +9,9 @@
 //! Invariants:
 //! - An append resolves `Ok` only after the sync covering its bytes succeeded (under
 //!   `SyncPolicy::Always`), and every record of a batch is in one write to one segment.
+//! - Under `SyncPolicy::Interval(d)` the written bytes are synced at most `d` after the
+//!   first unsynced write, plus the time of the group in progress then: a due sync is
+//!   taken before the next command, however many are queued.
 //! - A segment is sealed (seal frame written and synced) before its successor exists; a
 //!   successor is created as a temporary file, synced, renamed and the directory synced,
 //!   so a segment name on disk always carries a whole, durable header.
@@ -108,6 +111,13 @@ pub(crate) struct Writer {
 impl Writer {
     pub(crate) fn run(mut self, rx: Receiver<Command>) {
         loop {
+            // A due interval sync runs before more commands are taken: `recv_timeout`
+            // returns a queued command even when its deadline has passed, so a queue
+            // that never empties would otherwise hold the sync off for as long as the
+            // load lasts (and with it readers and the power-loss window).
+            if self.sync_deadline().is_some_and(|deadline| deadline <= Instant::now()) {
+                self.sync_interval_writes();
+            }
             let first = match self.sync_deadline() {
                 None => match rx.recv() {
                     Ok(c) => c,

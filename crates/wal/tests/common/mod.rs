@@ -1,11 +1,13 @@
 //! Helpers shared by the log's test themes.
 #![allow(dead_code)]
 
+use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
-use wal::storage::{SimStorage, Storage};
+use wal::storage::{OpenMode, SimStorage, Storage, StorageFile};
 use wal::{Record, Wal, WalOptions};
 
 pub fn dir() -> PathBuf {
@@ -68,4 +70,67 @@ pub fn segment_files(sim: &SimStorage, dir: &Path) -> Vec<String> {
     let mut v: Vec<String> = sim.list_dir(dir).unwrap().into_iter().filter(|n| n.ends_with(".seg")).collect();
     v.sort();
     v
+}
+
+/// The simulated disk, but every file write takes at least `write_delay` (a busy disk, or
+/// the kernel throttling dirty pages: what a log under steady load meets).
+#[derive(Debug)]
+pub struct SlowWrites {
+    pub sim: SimStorage,
+    pub write_delay: Duration,
+}
+
+#[derive(Debug)]
+struct SlowFile {
+    file: Arc<dyn StorageFile>,
+    write_delay: Duration,
+}
+
+impl Storage for SlowWrites {
+    fn create_dir_all(&self, dir: &Path) -> io::Result<()> {
+        self.sim.create_dir_all(dir)
+    }
+    fn list_dir(&self, dir: &Path) -> io::Result<Vec<String>> {
+        self.sim.list_dir(dir)
+    }
+    fn open(&self, path: &Path, mode: OpenMode) -> io::Result<Arc<dyn StorageFile>> {
+        Ok(Arc::new(SlowFile { file: self.sim.open(path, mode)?, write_delay: self.write_delay }))
+    }
+    fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
+        self.sim.rename(from, to)
+    }
+    fn remove_file(&self, path: &Path) -> io::Result<()> {
+        self.sim.remove_file(path)
+    }
+    fn sync_dir(&self, dir: &Path) -> io::Result<()> {
+        self.sim.sync_dir(dir)
+    }
+    fn try_lock(&self, path: &Path) -> io::Result<Box<dyn Send + Sync>> {
+        self.sim.try_lock(path)
+    }
+    fn is_locked(&self, path: &Path) -> io::Result<bool> {
+        self.sim.is_locked(path)
+    }
+}
+
+impl StorageFile for SlowFile {
+    fn read_at(&self, buf: &mut [u8], pos: u64) -> io::Result<usize> {
+        self.file.read_at(buf, pos)
+    }
+    fn write_all_at(&self, buf: &[u8], pos: u64) -> io::Result<()> {
+        std::thread::sleep(self.write_delay);
+        self.file.write_all_at(buf, pos)
+    }
+    fn sync_data(&self) -> io::Result<()> {
+        self.file.sync_data()
+    }
+    fn len(&self) -> io::Result<u64> {
+        self.file.len()
+    }
+    fn set_len(&self, len: u64) -> io::Result<()> {
+        self.file.set_len(len)
+    }
+    fn drop_cached(&self) -> io::Result<()> {
+        self.file.drop_cached()
+    }
 }
