@@ -2,8 +2,8 @@
 //!
 //! Invariants:
 //! - Once draining, always draining (until the process exits).
-//! - Once the log stopped taking appends (closed or poisoned after a storage failure it
-//!   could not undo), health stays 503: only a restart (which recovers the log) clears
+//! - Once the log stopped taking appends (closed, or poisoned after a storage failure it
+//!   could not undo or an interval sync that failed), health stays 503: only a restart (which recovers the log) clears
 //!   it, so a load balancer sends traffic elsewhere instead of into 503s. Health asks
 //!   the log itself ([`Health::watch_log`]), so it says so before any request fails,
 //!   also when the failure came from a background sync.

@@ -78,7 +78,8 @@ pub enum IngestError {
     #[error("log unavailable: {0}")]
     Unavailable(String),
     /// The log takes no more appends through this handle (closed, or poisoned by a
-    /// storage failure it could not undo); only a restart recovers.
+    /// storage failure it could not undo or, under `interval`, a failed sync that may
+    /// have lost appends already answered); only a restart recovers.
     #[error("log stopped: {0}")]
     Stopped(String),
     #[error("internal error: {0}")]

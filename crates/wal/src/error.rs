@@ -59,9 +59,11 @@ pub enum WalError {
     #[error("log is closed")]
     Closed,
 
-    /// A write or sync failed and the log could not return to a state it can vouch for.
-    /// Nothing more will be appended through this handle; reopen the log.
-    #[error("log stopped accepting appends after a storage failure it could not undo: {0}")]
+    /// A write or sync failed and the log could not return to a state it can vouch for,
+    /// or (under `SyncPolicy::Interval`) a failed sync may have lost appends already
+    /// answered. Nothing more will be appended through this handle; reopen the log, which
+    /// recovers exactly what is durable.
+    #[error("log stopped accepting appends after a storage failure: {0}")]
     Poisoned(String),
 
     #[error("{location}: bad segment header: {problem}")]

@@ -19,7 +19,10 @@
 //!    is in the log or none is.
 //! 3. **Offsets are dense and never reused.** Offsets increase by one per record, across
 //!    segments, restarts and releases; an offset a reader ever saw, or an append ever
-//!    reported durable, never names another record.
+//!    reported durable, never names another record. Within one open of the log, an
+//!    offset an append was answered with is never answered to another append (under
+//!    [`SyncPolicy::Interval`] a reopen after a power loss, or after a failed sync that
+//!    poisoned the log, starts again after the last durable record).
 //! 4. **Readers see only synced bytes**, in offset order, each checksum checked.
 //! 5. **Nothing is evicted.** A full log fails appends with [`WalError::Full`]; only
 //!    [`Wal::release_below`] frees space, and only below the offset its owner names.
@@ -28,8 +31,11 @@
 //! 7. **A storage error leaves the log consistent.** A failed write or sync fails the
 //!    appends it carried and cuts their bytes away (a failed sync: back to the durable
 //!    length; a failed write: back to the length before it, so appends answered before it
-//!    under `interval` stay); a failed sync is never treated as covered by a later one. The log reopens with everything that was
-//!    acknowledged before the fault.
+//!    under `interval` stay); a failed sync is never treated as covered by a later one.
+//!    Under `Always` the log reopens with everything that was acknowledged before the
+//!    fault. Under `interval` a failed sync may lose the appends answered since the last
+//!    sync: the log is then poisoned ([`WalError::Poisoned`], [`Wal::accepts_appends`]
+//!    false) with a message saying so, and a reopen recovers exactly what is durable.
 //!
 //! All I/O goes through [`storage::Storage`], so the simulated disk in
 //! [`storage::SimStorage`] (feature `sim`) can crash it at any operation.
@@ -213,7 +219,9 @@ impl Wal {
     }
 
     /// Makes everything durable, writes the clean-shutdown marker and stops the writer.
-    /// Appends after this fail with [`WalError::Closed`].
+    /// Appends after this fail with [`WalError::Closed`]. Under [`SyncPolicy::Interval`] a
+    /// final sync that fails is [`WalError::Poisoned`]: appends answered since the last
+    /// sync may be lost.
     pub async fn close(&self) -> Result<()> {
         let writer = self.writer.as_ref().ok_or(WalError::ReadOnly)?;
         let (reply, rx) = oneshot::channel();
@@ -239,7 +247,8 @@ impl Wal {
     }
 
     /// False once the log takes no more appends: closed, read-only, or poisoned by a
-    /// storage failure it could not undo (only a reopen recovers it).
+    /// storage failure it could not undo, or (under [`SyncPolicy::Interval`]) by a failed
+    /// sync that may have lost appends already answered. Only a reopen recovers it.
     pub fn accepts_appends(&self) -> bool {
         self.writer.is_some()
             && !self.shared.closed.load(Ordering::Acquire)

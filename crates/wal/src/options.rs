@@ -15,7 +15,9 @@ pub enum SyncPolicy {
     /// Appends resolve once written to the operating system; the log syncs at most this
     /// long after the first unsynced write. A process crash loses nothing (the kernel
     /// holds the bytes); a power loss or kernel crash loses up to this window of resolved
-    /// appends. Readers still see only synced records.
+    /// appends, and so may a failed sync, after which the log is poisoned until reopened
+    /// (it never answers those offsets to other appends). Readers still see only synced
+    /// records.
     Interval(Duration),
 }
 

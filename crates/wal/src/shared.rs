@@ -42,8 +42,9 @@ pub(crate) struct Shared {
     pub record_max_bytes: u32,
     /// Set when the writer has stopped: nothing more will become durable.
     pub closed: AtomicBool,
-    /// Set when the writer was poisoned (a failure it could not undo): it takes no more
-    /// appends until the log is reopened.
+    /// Set when the writer was poisoned (a failure it could not undo, or under `Interval`
+    /// a failed sync that may have lost answered appends): it takes no more appends
+    /// until the log is reopened.
     pub poisoned: AtomicBool,
 }
 

@@ -20,6 +20,13 @@
 //!   write it cuts back only that write (appends answered before it under `Interval`
 //!   stay, their offsets are not handed out again) and syncs that. If the cut fails too,
 //!   the log is poisoned: no further append is accepted.
+//! - An offset answered `Ok` is never handed out again by this writer. Under `Interval`
+//!   a failed sync (an interval sync, the sync before a seal, the sync of a close) may
+//!   have dropped appends already answered, and the cut back to the durable length
+//!   drops them for certain: the log is then poisoned, saying those offsets may be lost,
+//!   and a reopen recovers exactly what is durable (the state a power loss leaves).
+//!   Under `Always` nothing answered is ever unsynced, so a failed sync only fails the
+//!   appends it carried and the log goes on.
 //! - The zeros written ahead are an optimisation: a write refused for space (`ENOSPC`,
 //!   `EDQUOT`) is tried again without them.
 //! - A rotation publishes the new segment in the durable watermark at once (it is
@@ -342,14 +349,15 @@ impl Writer {
             return;
         }
         if let Err(e) = self.sync_active() {
-            tracing::error!(error = %e, "log sync failed; records written since the last sync are dropped");
             self.fail(&mut Vec::new(), e, "sync");
         }
     }
 
     /// A sync (or a seal) failed: cut the segment back to its last durable length so the
     /// log is again exactly what it vouched for (no later sync is trusted to cover bytes
-    /// a failed one may have dropped), then fail the appends it carried.
+    /// a failed one may have dropped), then fail the appends it carried. Under
+    /// `Interval` that cut takes appends already answered: the log is then poisoned (see
+    /// [`Writer::fail_to`]).
     fn fail(&mut self, pending: &mut Vec<Pending>, e: std::io::Error, what: &str) {
         let (keep_len, next) = (self.durable_len, self.shared.durable_next());
         self.fail_to(pending, e, what, keep_len, next);
@@ -359,10 +367,37 @@ impl Writer {
     /// then fails the appends in `pending`. The cut comes first so that a caller told
     /// "failed" (and a sender that retries) finds the failed bytes already gone, unless
     /// the cut failed too and the log is poisoned.
+    ///
+    /// The log is poisoned (no more appends until reopened) when the undo fails, and when
+    /// the cut goes below appends already answered `Ok` (under `Interval`, after a failed
+    /// sync: the pages it carried may never reach the disk). Going on would hand their
+    /// offsets out again, to other records, while their senders hold them; a reopen
+    /// recovers exactly what is durable, as after a power loss.
     fn fail_to(&mut self, pending: &mut Vec<Pending>, e: std::io::Error, what: &str, keep_len: u64, next: u64) {
         metrics::counter!("iggy_ingest_wal_storage_errors_total").increment(1);
         tracing::error!(error = %e, segment = %self.active.path.display(), "log {what} failed");
-        self.undo_to(&e, what, keep_len, next);
+        // Offsets answered `Ok` that no sync covered yet: under `Interval`, the appends
+        // answered since the last sync; under `Always`, none.
+        let first_unanswered = pending.first().map_or(self.next_offset, |p| p.appended.first_offset);
+        let answered_unsynced = self.shared.durable_next()..first_unanswered;
+        let undone = self.undo_to(keep_len, next);
+        let cut_answered = next < first_unanswered;
+        if undone.is_err() || cut_answered {
+            let mut why = format!("{what} failed ({e})");
+            if let Err(undo_err) = &undone {
+                why.push_str(&format!(", and undoing it failed ({undo_err})"));
+            }
+            if !answered_unsynced.is_empty() {
+                why.push_str(&format!(
+                    "; the records answered since the last sync (offsets {} to {}) may be lost",
+                    answered_unsynced.start,
+                    answered_unsynced.end - 1
+                ));
+            }
+            why.push_str("; the log must be reopened, which recovers exactly what is durable");
+            tracing::error!("{why}; the log accepts no more appends until reopened");
+            self.set_poisoned(why);
+        }
         for p in pending.drain(..) {
             let err = std::io::Error::new(e.kind(), format!("log {what} failed: {e}"));
             let _ = p.reply.send(Err(WalError::io(&self.active.path, err)));
@@ -370,22 +405,22 @@ impl Writer {
     }
 
     /// Cuts the active segment back to `keep_len` and syncs it, after which everything up
-    /// to `keep_len` is durable and `next` is the next offset; poisons the log if either
-    /// step fails. `keep_len` is at least the durable length: after a failed sync it is
-    /// the durable length, after a failed write the length before that write.
-    fn undo_to(&mut self, e: &std::io::Error, what: &str, keep_len: u64, next: u64) {
+    /// to `keep_len` is durable and `next` is the next offset. `keep_len` is at least the
+    /// durable length: after a failed sync it is the durable length, after a failed write
+    /// the length before that write. An error says which step failed; the caller poisons
+    /// the log.
+    fn undo_to(&mut self, keep_len: u64, next: u64) -> std::io::Result<()> {
         debug_assert!(keep_len >= self.durable_len && keep_len <= self.written_len);
-        if let Err(undo_err) = self.active.file.set_len(keep_len) {
-            return self.poison(e, what, &undo_err);
+        fn step(what: &'static str) -> impl Fn(std::io::Error) -> std::io::Error {
+            move |e| std::io::Error::new(e.kind(), format!("{what}: {e}"))
         }
+        self.active.file.set_len(keep_len).map_err(step("cutting the segment back"))?;
         // The file is cut: account for it even if the sync below fails.
         self.shared.used_bytes.fetch_sub(self.written_len - keep_len, Ordering::AcqRel);
         self.written_len = keep_len;
         self.allocated_len = keep_len;
         self.next_offset = next;
-        if let Err(undo_err) = self.sync_active() {
-            self.poison(e, what, &undo_err);
-        }
+        self.sync_active().map_err(step("syncing the cut"))
     }
 
     /// From now on every append fails with `why`, and [`crate::Wal::accepts_appends`] says
@@ -393,12 +428,6 @@ impl Writer {
     fn set_poisoned(&mut self, why: String) {
         self.poisoned = Some(why);
         self.shared.poisoned.store(true, Ordering::Release);
-    }
-
-    fn poison(&mut self, e: &std::io::Error, what: &str, undo_err: &std::io::Error) {
-        let why = format!("{what} failed ({e}), and cutting the segment back failed ({undo_err})");
-        tracing::error!("{why}; the log accepts no more appends until reopened");
-        self.set_poisoned(why);
     }
 
     /// Seals the active segment (if not sealed yet) and starts its successor.
@@ -493,8 +522,13 @@ impl Writer {
         if let Some(why) = &self.poisoned {
             return Err(WalError::Poisoned(why.clone()));
         }
-        if self.written_len != self.durable_len {
-            self.sync_active().map_err(|e| WalError::io(&self.active.path, e))?;
+        if self.written_len != self.durable_len
+            && let Err(e) = self.sync_active()
+        {
+            // Under `Interval`: what was answered since the last sync may be lost.
+            self.fail(&mut Vec::new(), e, "sync");
+            let why = self.poisoned.clone().unwrap_or_else(|| "the final sync failed".into());
+            return Err(WalError::Poisoned(why));
         }
         // The marker states the tail's length: the zeros written ahead go first.
         if self.allocated_len > self.durable_len {

@@ -290,3 +290,76 @@ fn under_interval_a_failed_write_keeps_the_appends_answered_before_it() {
     let tags: Vec<u64> = read_all(&wal, 0).iter().map(|r| tag_of(&r.payload)).collect();
     assert_eq!(tags, vec![1, 3], "an append answered Ok was dropped without any crash");
 }
+
+fn lazy(sync_interval: std::time::Duration) -> WalOptions {
+    WalOptions { sync: wal::SyncPolicy::Interval(sync_interval), ..small_options() }
+}
+
+/// Under `interval` appends are answered before their sync. When a sync then fails (here
+/// the one a rotation makes before it seals), the pages it carried may never reach the
+/// disk, and the cut back to the durable length takes those answered appends. Their
+/// offsets must not be answered to other appends in the same open (a sender holds them,
+/// and the daemon recorded its delivery id at them): the log is poisoned, saying what may
+/// be lost, and a reopen recovers exactly what is durable.
+#[test]
+fn under_interval_a_failed_sync_poisons_the_log_rather_than_answer_an_offset_twice() {
+    let sim = SimStorage::new();
+    let opts = lazy(std::time::Duration::from_secs(60));
+    let wal = open(&sim, opts.clone());
+    rt().block_on(async {
+        let mut answered = Vec::new();
+        for t in 0..3 {
+            answered.push(wal.append(vec![payload(t, 1000)]).await.unwrap_or_else(|e| panic!("{e}")).first_offset);
+        }
+        assert_eq!(answered, vec![0, 1, 2]);
+        sim.fail_nth(FaultOp::Sync, 1, ErrorKind::Other);
+        // Does not fit beside the others: a rotation, whose sync fails.
+        assert!(wal.append(vec![payload(3, 1000)]).await.is_err());
+        match wal.append(vec![payload(4, 1000)]).await {
+            Err(wal::WalError::Poisoned(why)) => {
+                assert!(why.contains("(offsets 0 to 2) may be lost"), "{why}");
+            }
+            other => panic!("an append after answered offsets were lost got {other:?}"),
+        }
+        assert!(!wal.accepts_appends());
+    });
+    drop(wal);
+    // Nothing was synced: the reopened log is empty, as after a power loss.
+    let wal = open(&sim, opts);
+    assert_eq!((wal.start_offset(), wal.next_offset()), (0, 0));
+    assert!(wal.accepts_appends());
+}
+
+/// The same when the failing sync is the interval's own, with no append in flight: the
+/// log stops at once (its health says so before a request fails).
+#[test]
+fn under_interval_a_failed_interval_sync_poisons_the_log() {
+    let sim = SimStorage::new();
+    let wal = open(&sim, lazy(std::time::Duration::from_millis(10)));
+    sim.fail_nth(FaultOp::Sync, 1, ErrorKind::Other);
+    append_tagged(&wal, 0..2, 100);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while wal.accepts_appends() && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    assert!(!wal.accepts_appends(), "the log took appends after a sync lost answered ones");
+    let e = rt().block_on(wal.append(vec![payload(2, 100)])).unwrap_err();
+    assert!(matches!(&e, wal::WalError::Poisoned(why) if why.contains("(offsets 0 to 1) may be lost")), "{e}");
+}
+
+/// And when it is the sync of a clean close: the close fails, saying what may be lost,
+/// and writes no clean-shutdown marker.
+#[test]
+fn under_interval_a_failed_final_sync_fails_the_close_and_says_what_may_be_lost() {
+    let sim = SimStorage::new();
+    let opts = lazy(std::time::Duration::from_secs(60));
+    let wal = open(&sim, opts.clone());
+    append_tagged(&wal, 0..2, 100);
+    sim.fail_nth(FaultOp::Sync, 1, ErrorKind::Other);
+    let e = rt().block_on(wal.close()).unwrap_err();
+    assert!(matches!(&e, wal::WalError::Poisoned(why) if why.contains("(offsets 0 to 1) may be lost")), "{e}");
+    drop(wal);
+    let wal = open(&sim, opts);
+    assert!(!wal.open_report().clean_shutdown);
+    assert_eq!(wal.next_offset(), 0);
+}
