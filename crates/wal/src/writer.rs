@@ -18,8 +18,11 @@
 //! - After a failed sync the writer cuts the segment back to its last durable length and
 //!   syncs that; a later sync is never taken to cover the failed one. After a failed
 //!   write it cuts back only that write (appends answered before it under `Interval`
-//!   stay, their offsets are not handed out again) and syncs that. If the cut fails too,
-//!   the log is poisoned: no further append is accepted.
+//!   stay, their offsets are not handed out again) and syncs that. If the cut fails, the
+//!   writer overwrites everything past that length with zeros and syncs instead (a zero
+//!   frame header never checks, so the undone frames are never found again); if that
+//!   fails too, the log is poisoned: no further append is accepted, and the failed
+//!   bytes may still be in the page cache, whole, for the next open to keep.
 //! - An offset answered `Ok` is never handed out again by this writer. Under `Interval`
 //!   a failed sync (an interval sync, the sync before a seal, the sync of a close) may
 //!   have dropped appends already answered, and the cut back to the durable length
@@ -28,7 +31,8 @@
 //!   Under `Always` nothing answered is ever unsynced, so a failed sync only fails the
 //!   appends it carried and the log goes on.
 //! - The zeros written ahead are an optimisation: a write refused for space (`ENOSPC`,
-//!   `EDQUOT`) is tried again without them.
+//!   `EDQUOT`) is tried again without them. Zeros written by an undo whose cut failed
+//!   are zeros written ahead like any others.
 //! - A rotation publishes the new segment in the durable watermark at once (it is
 //!   durable when created), so releasing the sealed one never leaves the watermark
 //!   naming a deleted file.
@@ -409,18 +413,45 @@ impl Writer {
     /// durable length: after a failed sync it is the durable length, after a failed write
     /// the length before that write. An error says which step failed; the caller poisons
     /// the log.
+    ///
+    /// If the cut fails, the bytes from `keep_len` to the end of the file are overwritten
+    /// with zeros instead (tried once): a failed write may have left whole frames in the
+    /// page cache (a short write, or dirty pages dropping the cache keeps), which a later
+    /// open would find and keep, bringing back appends answered "failed". A zero frame
+    /// header never checks, so a scan stops at `keep_len`, as it does at the zeros
+    /// written ahead; the file then is exactly a tail followed by such zeros.
     fn undo_to(&mut self, keep_len: u64, next: u64) -> std::io::Result<()> {
         debug_assert!(keep_len >= self.durable_len && keep_len <= self.written_len);
-        fn step(what: &'static str) -> impl Fn(std::io::Error) -> std::io::Error {
-            move |e| std::io::Error::new(e.kind(), format!("{what}: {e}"))
+        match self.active.file.set_len(keep_len) {
+            Ok(()) => self.allocated_len = keep_len,
+            Err(cut_err) => {
+                let file_len = self.zero_from(keep_len).map_err(|zero_err| {
+                    let why = format!("cutting the segment back: {cut_err}; overwriting it with zeros: {zero_err}");
+                    std::io::Error::new(zero_err.kind(), why)
+                })?;
+                self.allocated_len = file_len.max(keep_len);
+            }
         }
-        self.active.file.set_len(keep_len).map_err(step("cutting the segment back"))?;
-        // The file is cut: account for it even if the sync below fails.
+        // The bytes are undone: account for it even if the sync below fails.
         self.shared.used_bytes.fetch_sub(self.written_len - keep_len, Ordering::AcqRel);
         self.written_len = keep_len;
-        self.allocated_len = keep_len;
         self.next_offset = next;
-        self.sync_active().map_err(step("syncing the cut"))
+        self.sync_active().map_err(|e| std::io::Error::new(e.kind(), format!("syncing the undo: {e}")))
+    }
+
+    /// Overwrites the active segment's bytes from `from` to the end of the file with
+    /// zeros (growing nothing); returns the file's length.
+    fn zero_from(&self, from: u64) -> std::io::Result<u64> {
+        const CHUNK_BYTES: u64 = 64 * 1024;
+        let file_len = self.active.file.len()?;
+        let zeros = vec![0u8; file_len.saturating_sub(from).min(CHUNK_BYTES) as usize];
+        let mut pos = from;
+        while pos < file_len {
+            let n = (file_len - pos).min(CHUNK_BYTES);
+            self.active.file.write_all_at(&zeros[..n as usize], pos)?;
+            pos += n;
+        }
+        Ok(file_len)
     }
 
     /// From now on every append fails with `why`, and [`crate::Wal::accepts_appends`] says

@@ -180,17 +180,73 @@ fn after_a_failed_write_the_log_keeps_accepting() {
     assert_eq!(tags, vec![0, 2, 3, 4, 5, 6, 7, 8, 9]);
 }
 
+/// A failed write whose cut back fails too: its bytes may be in the page cache whole.
+/// Here the write grows the file, so its buffer is the frame plus the zeros written
+/// ahead, and the half the simulated disk writes before failing holds the whole frame.
+/// The writer overwrites them with zeros instead of cutting: the append answered
+/// "failed" is not found by the next open (a sender that retries would otherwise have
+/// two copies), nor after a power loss, and the log goes on.
 #[test]
-fn when_the_undo_fails_too_the_log_refuses_appends_until_reopened() {
+fn a_failed_write_whose_cut_fails_is_overwritten_with_zeros_and_does_not_come_back() {
+    let opts = WalOptions { segment_max_bytes: 1 << 20, max_bytes: 4 << 20, ..WalOptions::default() };
+    for seed in 0..8 {
+        let sim = SimStorage::new();
+        let wal = open(&sim, opts.clone());
+        rt().block_on(async {
+            sim.fail_nth(FaultOp::Write, 1, ErrorKind::Other);
+            sim.fail_nth(FaultOp::Metadata, 1, ErrorKind::Other);
+            assert!(wal.append(vec![payload(1, 100)]).await.is_err());
+        });
+        assert_eq!(sim.armed_faults(), 0, "the write or the cut did not fail");
+        drop(wal);
+        let wal = open(&sim, opts.clone());
+        let tags: Vec<u64> = read_all(&wal, 0).iter().map(|r| tag_of(&r.payload)).collect();
+        assert_eq!(tags, Vec::<u64>::new(), "seed {seed}: the append answered failed came back after a reopen");
+        drop(wal);
+        sim.crash(CrashMode::Adversarial { seed });
+        let wal = open(&sim, opts.clone());
+        assert_eq!(wal.next_offset(), 0, "seed {seed}: the append answered failed came back after a power loss");
+    }
+}
+
+/// After such a zeroing the log is a tail followed by zeros, as with the zeros written
+/// ahead: it keeps accepting, the failed append's offset (never answered) goes to the
+/// next one, and a clean close cuts the zeros.
+#[test]
+fn after_a_failed_write_whose_cut_failed_the_log_keeps_accepting() {
+    let sim = SimStorage::new();
+    let wal = open(&sim, options());
+    rt().block_on(async {
+        wal.append(vec![payload(0, 100)]).await.unwrap_or_else(|e| panic!("{e}"));
+        sim.fail_nth(FaultOp::Write, 1, ErrorKind::Other);
+        sim.fail_nth(FaultOp::Metadata, 1, ErrorKind::Other);
+        assert!(wal.append(vec![payload(1, 100)]).await.is_err());
+        assert!(wal.accepts_appends(), "the zeros undid the write: the log is consistent");
+        let a = wal.append(vec![payload(2, 100)]).await.unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(a.first_offset, 1);
+        wal.close().await.unwrap_or_else(|e| panic!("{e}"));
+    });
+    drop(wal);
+    let wal = open(&sim, options());
+    assert!(wal.open_report().clean_shutdown);
+    let tags: Vec<u64> = read_all(&wal, 0).iter().map(|r| tag_of(&r.payload)).collect();
+    assert_eq!(tags, vec![0, 2]);
+}
+
+#[test]
+fn when_the_write_the_cut_and_the_zeroing_all_fail_the_log_refuses_appends_until_reopened() {
     let sim = SimStorage::new();
     let wal = open(&sim, options());
     rt().block_on(async {
         wal.append(vec![payload(0, 100)]).await.unwrap();
         assert!(wal.accepts_appends());
-        // The write fails, then the truncation meant to undo it fails as well.
+        // The write fails, then the truncation meant to undo it, then the zeros meant to
+        // undo it instead.
         sim.fail_nth(FaultOp::Write, 1, ErrorKind::Other);
         sim.fail_nth(FaultOp::Metadata, 1, ErrorKind::Other);
+        sim.fail_nth(FaultOp::Write, 2, ErrorKind::Other);
         assert!(wal.append(vec![payload(1, 100)]).await.is_err());
+        assert_eq!(sim.armed_faults(), 0);
         // Known before another append is tried.
         assert!(!wal.accepts_appends(), "a poisoned log says it accepts appends");
         let e = wal.append(vec![payload(2, 100)]).await.unwrap_err();
@@ -200,6 +256,9 @@ fn when_the_undo_fails_too_the_log_refuses_appends_until_reopened() {
     let wal = open(&sim, options());
     assert!(wal.accepts_appends());
     rt().block_on(wal.append(vec![payload(3, 100)])).expect("reopened log accepts");
+    // The failed write (half of its frame: this one did not grow the file) is a torn
+    // tail. Had it left its frame whole, the record would be back: the one case where an
+    // append answered "failed" can come back.
     let tags: Vec<u64> = read_all(&wal, 0).iter().map(|r| tag_of(&r.payload)).collect();
     assert_eq!(tags, vec![0, 3]);
 }

@@ -399,15 +399,26 @@ fn a_clean_marker_that_does_not_match_the_tail_is_ignored() {
     assert_eq!(wal.next_offset(), 1);
 }
 
-/// Appends records tagged `0..good`, then one more whose write's sync fails and whose cut
-/// back fails too: the writer stops, poisoned, with that write in the page cache (clean,
+/// Arms the faults that leave a failed sync's bytes in place: the sync fails, then the cut
+/// back meant to undo it, then the zeros meant to undo it instead (the write after the
+/// append's own).
+fn fail_the_sync_and_its_undo(sim: &SimStorage) {
+    sim.fail_nth(FaultOp::Sync, 1, std::io::ErrorKind::Other);
+    sim.fail_nth(FaultOp::Metadata, 1, std::io::ErrorKind::Other);
+    sim.fail_nth(FaultOp::Write, 2, std::io::ErrorKind::Other);
+}
+
+/// Appends records tagged `0..good`, then one more whose write's sync fails and whose
+/// undo fails too: the writer stops, poisoned, with that write in the page cache (clean,
 /// as Linux leaves pages after a failed sync) but not on disk.
 fn poison_by_a_failed_sync(sim: &SimStorage, good: u64) {
     let wal = open(sim, small_options());
     append_tagged(&wal, 0..good, 1000);
-    sim.fail_nth(FaultOp::Sync, 1, std::io::ErrorKind::Other);
-    sim.fail_nth(FaultOp::Metadata, 1, std::io::ErrorKind::Other);
+    fail_the_sync_and_its_undo(sim);
     assert!(rt().block_on(wal.append(vec![payload(good, 1000)])).is_err());
+    assert!(!wal.accepts_appends());
+    // What the failure did not need stays unfired; the next process starts clean.
+    sim.disarm();
 }
 
 /// The tags of every record after a power loss that keeps only synced bytes.
@@ -477,9 +488,10 @@ fn a_stale_clean_marker_does_not_spare_a_poisoned_tail_from_the_disk_read() {
     let stale = sim.read_file(&marker_path).unwrap();
     // The next start removes the marker; its writer then fails a sync and the cut back.
     let wal = open(&sim, small_options());
-    sim.fail_nth(FaultOp::Sync, 1, std::io::ErrorKind::Other);
-    sim.fail_nth(FaultOp::Metadata, 1, std::io::ErrorKind::Other);
+    fail_the_sync_and_its_undo(&sim);
     assert!(rt().block_on(wal.append(vec![payload(2, 1000)])).is_err());
+    assert!(!wal.accepts_appends());
+    sim.disarm();
     drop(wal);
     // A marker that names an older length of the tail vouches for nothing.
     sim.write_file_durably(&marker_path, &stale).unwrap();
