@@ -756,7 +756,9 @@ pub fn prepare(sim: &SimStorage, image: &Image, mutations: &[Mutation]) {
 }
 
 fn prepare_with(sim: &SimStorage, runtime: &Runtime, image: &Image, mutations: &[Mutation]) -> Option<Promised> {
-    sim.create_dir_all(&log_dir()).expect("create the log directory");
+    // Durably, as the log itself creates it: an image whose directory a power loss can
+    // take away would lose every record the build promised.
+    wal::storage::create_dir_all_durably(sim, &log_dir()).expect("create the log directory");
     let promised = match image {
         Image::Built(b) => Some(build(sim, runtime, b)),
         Image::Raw(files) => {

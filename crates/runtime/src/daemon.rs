@@ -16,6 +16,10 @@
 //! 5. the admin listener closes.
 //!
 //! Invariants:
+//! - The data directory (with any parent the start creates) and the state database's
+//!   entry in it are durable before anything is served: each directory created is
+//!   fsynced with its parent, and the data directory again once the state database file
+//!   was first created, so a power loss after a first start cannot take them away.
 //! - The log is closed only after the webhook listener drained, so no request that was
 //!   answered 200 can be behind the close.
 //! - Startup failures are typed ([`StartError`]) and name what failed.
@@ -37,6 +41,7 @@ use ingest::{IdempotencyIndex, Ingestor, StateDb, StateError};
 use metrics_exporter_prometheus::PrometheusHandle;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
+use wal::storage::{FsStorage, Storage};
 use wal::{Wal, WalError};
 
 use crate::config::Settings;
@@ -60,7 +65,7 @@ pub struct Shared {
 
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
-    #[error("cannot create data directory {path}: {source}")]
+    #[error("cannot create (or make durable) data directory {path}: {source}")]
     DataDir { path: PathBuf, source: std::io::Error },
     #[error("cannot open the log in {path}: {source}")]
     Wal { path: PathBuf, source: WalError },
@@ -124,7 +129,7 @@ pub async fn start(mut settings: Settings, metrics: Option<PrometheusHandle>) ->
     // Every metric at zero from the first scrape on (a no-op without a recorder).
     crate::telemetry::register_all(settings.sources.iter().map(|s| s.key.as_str()));
     crate::mapping_fetch::resolve_all(&mut settings.sources).await.map_err(StartError::Mapping)?;
-    std::fs::create_dir_all(&settings.data_dir)
+    wal::storage::create_dir_all_durably(&FsStorage, &settings.data_dir)
         .map_err(|source| StartError::DataDir { path: settings.data_dir.clone(), source })?;
     let wal_dir = settings.wal_dir();
     let wal = Wal::open(&wal_dir, settings.wal.clone())
@@ -134,12 +139,19 @@ pub async fn start(mut settings: Settings, metrics: Option<PrometheusHandle>) ->
     let wal = Arc::new(wal);
 
     let state_path = settings.state_path();
+    let state_is_new = !matches!(state_path.try_exists(), Ok(true));
     let state = {
         let p = state_path.clone();
         tokio::task::spawn_blocking(move || StateDb::open(p))
             .await
             .map_err(|e| StateError::Storage(format!("open task failed: {e}")))??
     };
+    if state_is_new {
+        // The database file is new: its name is durable only once its directory is synced.
+        FsStorage
+            .sync_dir(&settings.data_dir)
+            .map_err(|source| StartError::DataDir { path: settings.data_dir.clone(), source })?;
+    }
     let state = Arc::new(state);
     let idempotency = Arc::new(IdempotencyIndex::new(state.clone(), settings.idempotency_retention.as_millis() as u64));
     let rebuilt = {

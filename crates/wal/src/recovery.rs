@@ -11,6 +11,9 @@
 //! - A writable open removes the clean-shutdown marker, durably, before any append, and
 //!   syncs every segment file and the directory first: nothing it found is published
 //!   as durable unless it is.
+//! - A writable open that creates the log directory (or any of its parents) syncs each
+//!   directory it created and the parent of each before anything else: the directory
+//!   entry is durable before anything in it is.
 //! - Unless a clean-shutdown marker naming the tail (base and length) vouches that every
 //!   sync succeeded, and never beside a live writer, the tail is read past the page cache
 //!   (its clean pages are dropped first): bytes a failed sync left readable but not on
@@ -31,7 +34,7 @@ use crate::format::{
 use crate::options::{RecoveryMode, WalOptions};
 use crate::scan::{find_proof_of_durable_damage, read_seal, scan_segment};
 use crate::shared::{SegmentRef, Shared};
-use crate::storage::{OpenMode, Storage, StorageFile, read_exact_at};
+use crate::storage::{OpenMode, Storage, StorageFile, create_dir_all_durably, read_exact_at};
 use crate::watermark::{self, Bound};
 use crate::writer::{Writer, create_segment, create_segment_with, write_file_atomically};
 use crate::{CLEAN_MARKER_FILE, DAMAGED_DIR, LOCK_FILE};
@@ -109,7 +112,9 @@ fn open_bounded(
     let lock = if read_only {
         None
     } else {
-        storage.create_dir_all(&dir).map_err(io_err(&dir))?;
+        // On a first start the directory (and its parents) may be new: its entry must be
+        // durable before anything in it is promised durable.
+        create_dir_all_durably(&*storage, &dir).map_err(io_err(&dir))?;
         match storage.try_lock(&dir.join(LOCK_FILE)) {
             Ok(g) => Some(g),
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Err(WalError::Locked(dir)),
@@ -581,7 +586,8 @@ fn salvage(
         _ => None,
     };
     let damaged_dir = dir.join(DAMAGED_DIR);
-    storage.create_dir_all(&damaged_dir).map_err(io_err(&damaged_dir))?;
+    create_dir_all_durably(storage, &damaged_dir).map_err(io_err(&damaged_dir))?;
+    // Also when an earlier salvage created it and may have died before that sync.
     storage.sync_dir(dir).map_err(io_err(dir))?;
     let mut existing = storage.list_dir(&damaged_dir).map_err(io_err(&damaged_dir))?;
     let mut moved = Vec::new();

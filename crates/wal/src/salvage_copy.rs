@@ -147,7 +147,7 @@ fn copy_bounded(storage: &dyn Storage, src: &Path, dst: &Path, read: Bound) -> R
     if bases.is_empty() {
         return Err(WalError::NotALog(src.to_path_buf()));
     }
-    storage.create_dir_all(dst).map_err(|e| WalError::io(dst, e))?;
+    crate::storage::create_dir_all_durably(storage, dst).map_err(|e| WalError::io(dst, e))?;
     let existing = storage.list_dir(dst).map_err(|e| WalError::io(dst, e))?;
     if existing.iter().any(|n| parse_segment_file_name(n).is_some()) {
         return Err(WalError::InvalidOptions(format!(

@@ -502,3 +502,24 @@ fn a_stale_clean_marker_does_not_spare_a_poisoned_tail_from_the_disk_read() {
     drop(wal);
     assert_eq!(tags_after_a_power_loss(&sim), vec![0, 1, 3]);
 }
+
+/// On a first start the log's directory, and directories above it, may not exist yet. A
+/// power loss must not take them away, and with them every record answered durable: the
+/// open syncs each directory it creates and the parent of each.
+#[test]
+fn a_new_log_directory_survives_a_power_loss_with_its_records() {
+    let sim = SimStorage::new();
+    let fresh = Path::new("/fresh/data/wal");
+    let storage: Arc<dyn Storage> = Arc::new(sim.clone());
+    let wal = Wal::open_with(storage.clone(), fresh, small_options()).unwrap();
+    rt().block_on(async {
+        for t in 0..3 {
+            wal.append(vec![payload(t, 100)]).await.unwrap_or_else(|e| panic!("{e}"));
+        }
+    });
+    sim.crash(CrashMode::LoseUnsynced);
+    drop(wal);
+    let wal = Wal::open_with(storage, fresh, small_options()).unwrap();
+    let tags: Vec<u64> = read_all(&wal, 0).iter().map(|r| tag_of(&r.payload)).collect();
+    assert_eq!(tags, vec![0, 1, 2], "the power loss took the new directory, or records in it");
+}

@@ -150,7 +150,7 @@ impl std::fmt::Debug for WriterStartsDuringRead {
 }
 
 impl Storage for WriterStartsDuringRead {
-    fn create_dir_all(&self, dir: &std::path::Path) -> std::io::Result<()> {
+    fn create_dir_all(&self, dir: &std::path::Path) -> std::io::Result<Vec<std::path::PathBuf>> {
         self.sim.create_dir_all(dir)
     }
     fn list_dir(&self, dir: &std::path::Path) -> std::io::Result<Vec<String>> {

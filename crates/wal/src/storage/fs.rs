@@ -4,7 +4,7 @@
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::unix::fs::FileExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use super::{OpenMode, Storage, StorageFile};
@@ -17,8 +17,10 @@ pub struct FsStorage;
 struct FsFile(File);
 
 impl Storage for FsStorage {
-    fn create_dir_all(&self, dir: &Path) -> io::Result<()> {
-        std::fs::create_dir_all(dir)
+    fn create_dir_all(&self, dir: &Path) -> io::Result<Vec<PathBuf>> {
+        let mut created = Vec::new();
+        create_missing(dir, &mut created)?;
+        Ok(created)
     }
 
     fn list_dir(&self, dir: &Path) -> io::Result<Vec<String>> {
@@ -77,6 +79,26 @@ impl Storage for FsStorage {
             Err(e) => return Err(e),
         };
         ofd::is_write_locked(&file)
+    }
+}
+
+/// Creates `dir` after its missing parents, as `std::fs::create_dir_all` does, and notes
+/// each directory it created, outermost first.
+fn create_missing(dir: &Path, created: &mut Vec<PathBuf>) -> io::Result<()> {
+    if dir.as_os_str().is_empty() || dir.is_dir() {
+        return Ok(());
+    }
+    if let Some(parent) = dir.parent() {
+        create_missing(parent, created)?;
+    }
+    match std::fs::create_dir(dir) {
+        Ok(()) => {
+            created.push(dir.to_path_buf());
+            Ok(())
+        }
+        // Another process created it meanwhile.
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists && dir.is_dir() => Ok(()),
+        Err(e) => Err(e),
     }
 }
 
@@ -187,6 +209,21 @@ impl StorageFile for FsFile {
 mod tests {
     use super::*;
     use crate::storage::read_exact_at;
+
+    #[test]
+    fn create_dir_all_names_the_directories_it_created_outermost_first() {
+        let dir = tempfile::tempdir().unwrap();
+        let deep = dir.path().join("a/b/c");
+        let created = FsStorage.create_dir_all(&deep).unwrap();
+        assert_eq!(created, vec![dir.path().join("a"), dir.path().join("a/b"), deep.clone()]);
+        assert!(deep.is_dir());
+        assert_eq!(FsStorage.create_dir_all(&deep).unwrap(), Vec::<PathBuf>::new(), "nothing new to create");
+        crate::storage::create_dir_all_durably(&FsStorage, &dir.path().join("a/x/y")).unwrap();
+        assert!(dir.path().join("a/x/y").is_dir());
+        let file = dir.path().join("f");
+        std::fs::write(&file, b"").unwrap();
+        assert!(FsStorage.create_dir_all(&file.join("g")).is_err(), "a file is in the way");
+    }
 
     #[test]
     fn dropping_the_cache_changes_no_byte_synced_or_not() {

@@ -10,7 +10,9 @@
 //! - `StorageFile::sync_data` makes the file's written bytes and length durable. Until
 //!   then a power loss may keep, drop, zero or garble any unsynced sector.
 //! - A directory entry (create, rename, remove) is durable only after `sync_dir` on its
-//!   directory; until then a power loss may undo it.
+//!   directory; until then a power loss may undo it. That holds for directories too: a
+//!   directory `create_dir_all` made survives a power loss only once its parent was
+//!   synced, and [`create_dir_all_durably`] is how the log creates one.
 //! - A failed `sync_data` says nothing about what is durable: the caller must not treat a
 //!   later successful sync as covering the earlier writes.
 
@@ -20,7 +22,7 @@ pub mod sim;
 
 use std::fmt::Debug;
 use std::io;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 pub use fs::FsStorage;
@@ -40,7 +42,10 @@ pub enum OpenMode {
 
 /// A directory of files, as the log needs it.
 pub trait Storage: Send + Sync + Debug {
-    fn create_dir_all(&self, dir: &Path) -> io::Result<()>;
+    /// Creates `dir` and its missing parents; returns the directories it created,
+    /// outermost first. Each is durable only after `sync_dir` of its parent (see
+    /// [`create_dir_all_durably`]).
+    fn create_dir_all(&self, dir: &Path) -> io::Result<Vec<PathBuf>>;
     /// Names (not paths) of the plain files in `dir`, in no particular order.
     fn list_dir(&self, dir: &Path) -> io::Result<Vec<String>>;
     fn open(&self, path: &Path, mode: OpenMode) -> io::Result<Arc<dyn StorageFile>>;
@@ -73,6 +78,28 @@ pub trait StorageFile: Send + Sync + Debug {
     /// (written, not yet synced, never failed) are kept. Advisory: an error changes no
     /// byte of the file.
     fn drop_cached(&self) -> io::Result<()>;
+}
+
+/// Creates `dir` and its missing parents so that they survive a power loss: every
+/// directory created is synced (its own entries, the next one created among them) and so
+/// is its parent (its entry). Without this, a power loss after the first writes could
+/// take a new log directory away whole, with everything synced inside it.
+pub fn create_dir_all_durably(storage: &dyn Storage, dir: &Path) -> io::Result<()> {
+    let created = storage.create_dir_all(dir)?;
+    let mut to_sync: Vec<&Path> = Vec::new();
+    for d in created.iter().rev() {
+        // A relative path's outermost directory has the empty path as its parent.
+        let parent = d.parent().map(|p| if p.as_os_str().is_empty() { Path::new(".") } else { p });
+        for p in std::iter::once(d.as_path()).chain(parent) {
+            if !to_sync.contains(&p) {
+                to_sync.push(p);
+            }
+        }
+    }
+    for p in to_sync {
+        storage.sync_dir(p).map_err(|e| io::Error::new(e.kind(), format!("syncing directory {}: {e}", p.display())))?;
+    }
+    Ok(())
 }
 
 /// Reads exactly `buf.len()` bytes at `pos`, or fails with `UnexpectedEof`.

@@ -8,13 +8,17 @@
 //! durable image plus, in [`CrashMode::Adversarial`], any mix of what was pending:
 //! - each directory entry changed since the last `sync_dir` independently keeps its old
 //!   or its new state (a create may vanish, a remove or rename may be undone);
+//! - each directory created since the last `sync_dir` of its parent independently stays
+//!   or vanishes, with everything in it (always vanishes in [`CrashMode::LoseUnsynced`]);
 //! - a file's length lands anywhere between its durable and its current length (in whole
 //!   512-byte sectors), and each unsynced sector independently holds the new bytes, the
 //!   old durable bytes, zeros or garbage: out of order, as a real disk's write-back is.
 //!
 //! Assumptions the simulation makes (and that `FORMAT.md` states for real disks): a
-//! successful `sync_data` makes everything written before it durable; directories made by
-//! `create_dir_all` are durable at once.
+//! successful `sync_data` makes everything written before it durable; a directory made by
+//! `create_dir_all` is durable once its parent was synced (`sync_dir`), its entries once
+//! it was. The root directory always exists, and so do the directories a test builds
+//! with [`SimStorage::write_file_durably`].
 //!
 //! A failed `sync_data` behaves like Linux after an `EIO` writeback error: the dirty
 //! pages are marked clean without reaching the disk, so a later successful sync does not
@@ -25,7 +29,7 @@
 //! [`SimStorage::crash_at_nth`]) or by a space limit ([`SimStorage::set_space_limit`]),
 //! so a test can reproduce any fault exactly.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -84,6 +88,9 @@ struct State {
     epoch: u64,
     inodes: HashMap<u64, Inode>,
     dirs: HashMap<PathBuf, Dir>,
+    /// Directories created since the last `sync_dir` of their parent: a power loss may
+    /// take each away, with everything in it. Ordered, so a seed replays exactly.
+    dirs_unsynced: BTreeSet<PathBuf>,
     next_ino: u64,
     locks: HashSet<PathBuf>,
     armed: Vec<Armed>,
@@ -212,6 +219,11 @@ impl State {
             CrashMode::LoseUnsynced => None,
             CrashMode::Adversarial { seed } => Some(Rng::new(seed ^ self.crashes)),
         };
+        let lost: Vec<PathBuf> = std::mem::take(&mut self.dirs_unsynced)
+            .into_iter()
+            .filter(|_| rng.as_mut().is_none_or(|r| r.below(2) == 0))
+            .collect();
+        self.dirs.retain(|d, _| !lost.iter().any(|l| d.starts_with(l)));
         for dir in self.dirs.values_mut() {
             let mut keys: Vec<String> = dir.names.keys().chain(dir.durable.keys()).cloned().collect();
             keys.sort();
@@ -289,6 +301,7 @@ impl SimStorage {
                 epoch: 0,
                 inodes: HashMap::new(),
                 dirs: HashMap::new(),
+                dirs_unsynced: BTreeSet::new(),
                 next_ino: 1,
                 locks: HashSet::new(),
                 armed: Vec::new(),
@@ -359,10 +372,16 @@ impl SimStorage {
         Ok(st.inodes[ino].data.clone())
     }
 
-    /// Replaces a file's content, durably (a test's way to build or damage a disk image).
+    /// Replaces a file's content, durably (a test's way to build or damage a disk image):
+    /// the file, its name and its directory (with the directory's parents) survive a
+    /// power loss.
     pub fn write_file_durably(&self, path: &Path, bytes: &[u8]) -> io::Result<()> {
         let mut st = lock(&self.state);
         let (dir, name) = split(path)?;
+        for d in dir.ancestors() {
+            st.dirs.entry(d.to_path_buf()).or_default();
+            st.dirs_unsynced.remove(d);
+        }
         let existing = st.dirs.get(&dir).and_then(|d| d.names.get(&name)).copied();
         let ino = match existing {
             Some(ino) => ino,
@@ -385,14 +404,24 @@ impl SimStorage {
 }
 
 impl Storage for SimStorage {
-    fn create_dir_all(&self, dir: &Path) -> io::Result<()> {
+    fn create_dir_all(&self, dir: &Path) -> io::Result<Vec<PathBuf>> {
         let mut st = lock(&self.state);
-        let mut p = Some(dir);
-        while let Some(d) = p {
-            st.dirs.entry(d.to_path_buf()).or_default();
-            p = d.parent();
+        let mut missing: Vec<&Path> =
+            dir.ancestors().filter(|d| !d.as_os_str().is_empty() && !st.dirs.contains_key(*d)).collect();
+        missing.reverse();
+        let mut created = Vec::new();
+        for d in missing {
+            if d.parent().is_none_or(|p| p.as_os_str().is_empty()) {
+                // The root exists on any disk.
+                st.dirs.insert(d.to_path_buf(), Dir::default());
+                continue;
+            }
+            st.check(FaultOp::Metadata)?;
+            st.dirs.insert(d.to_path_buf(), Dir::default());
+            st.dirs_unsynced.insert(d.to_path_buf());
+            created.push(d.to_path_buf());
         }
-        Ok(())
+        Ok(created)
     }
 
     fn list_dir(&self, dir: &Path) -> io::Result<Vec<String>> {
@@ -463,6 +492,7 @@ impl Storage for SimStorage {
         st.check(FaultOp::SyncDir)?;
         let d = st.dirs.get_mut(dir).ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))?;
         d.durable = d.names.clone();
+        st.dirs_unsynced.retain(|child| child.parent() != Some(dir));
         Ok(())
     }
 
@@ -601,9 +631,35 @@ mod tests {
     use super::*;
     use crate::storage::read_exact_at;
 
+    /// A new file in the directory `/d`, which survives a power loss.
     fn file(s: &SimStorage, p: &str) -> Arc<dyn StorageFile> {
-        s.create_dir_all(Path::new("/d")).unwrap();
+        crate::storage::create_dir_all_durably(s, Path::new("/d")).unwrap();
         s.open(Path::new(p), OpenMode::CreateNew).unwrap()
+    }
+
+    #[test]
+    fn a_created_directory_survives_a_power_loss_only_once_its_parent_was_synced() {
+        let s = SimStorage::new();
+        assert_eq!(s.create_dir_all(Path::new("/a/b")).unwrap(), vec![PathBuf::from("/a"), PathBuf::from("/a/b")]);
+        s.write_file_durably(Path::new("/x/f"), b"f").unwrap();
+        s.sync_dir(Path::new("/a/b")).unwrap();
+        s.sync_dir(Path::new("/a")).unwrap();
+        s.crash(CrashMode::LoseUnsynced);
+        assert!(s.list_dir(Path::new("/a")).is_err(), "/a was never synced into /");
+        assert!(s.list_dir(Path::new("/a/b")).is_err(), "what is in a lost directory is lost with it");
+        assert_eq!(s.read_file(Path::new("/x/f")).unwrap(), b"f", "a test's durable image stays");
+        s.create_dir_all(Path::new("/a/b")).unwrap();
+        s.sync_dir(Path::new("/")).unwrap();
+        s.crash(CrashMode::LoseUnsynced);
+        assert!(s.list_dir(Path::new("/a")).is_ok());
+        assert!(s.list_dir(Path::new("/a/b")).is_err(), "/a/b was never synced into /a");
+        for seed in 0..32 {
+            let s = SimStorage::new();
+            s.create_dir_all(Path::new("/a/b")).unwrap();
+            s.crash(CrashMode::Adversarial { seed });
+            let (a, b) = (s.list_dir(Path::new("/a")).is_ok(), s.list_dir(Path::new("/a/b")).is_ok());
+            assert!(a || !b, "seed {seed}: /a/b outlived its parent");
+        }
     }
 
     #[test]

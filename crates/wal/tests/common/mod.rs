@@ -87,7 +87,7 @@ struct SlowFile {
 }
 
 impl Storage for SlowWrites {
-    fn create_dir_all(&self, dir: &Path) -> io::Result<()> {
+    fn create_dir_all(&self, dir: &Path) -> io::Result<Vec<PathBuf>> {
         self.sim.create_dir_all(dir)
     }
     fn list_dir(&self, dir: &Path) -> io::Result<Vec<String>> {
