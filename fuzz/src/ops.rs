@@ -409,6 +409,14 @@ impl Harness {
             }
             Err(WalError::Full { .. }) => {
                 assert!(self.options.max_bytes < UNBOUNDED_MAX_BYTES, "a log with room to spare reported Full");
+                let framed: u64 = batch.iter().map(|p| 32 + p.len() as u64).sum();
+                assert!(framed <= self.options.batch_max_bytes(), "a batch no release could make room for got Full");
+            }
+            Err(WalError::BatchTooLarge { batch_bytes, max_batch_bytes }) => {
+                let framed: u64 = batch.iter().map(|p| 32 + p.len() as u64).sum();
+                assert_eq!(batch_bytes, framed, "the refusal names another size than the batch's");
+                assert_eq!(max_batch_bytes, self.options.batch_max_bytes());
+                assert!(batch_bytes > max_batch_bytes, "a batch that fits an empty log was refused as too large");
             }
             Err(WalError::Poisoned(_)) => {
                 assert!(self.faults_possible || self.sim.crashes() != self.crashes_seen, "poisoned without a fault");

@@ -539,6 +539,13 @@ fn ingest_error(e: IngestError, retry_after_secs: u64) -> ApiError {
             "record_too_large",
             format!("an event of {len} bytes exceeds the record limit of {max} bytes"),
         ),
+        IngestError::BatchTooLarge { bytes, max_bytes } => ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "batch_too_large",
+            format!(
+                "the request's events take {bytes} bytes in the log, which holds at most {max_bytes} in one request"
+            ),
+        ),
         IngestError::Empty => ApiError::new(StatusCode::BAD_REQUEST, "no_events", "body holds no events"),
         IngestError::DiskFull(ref m) => {
             tracing::warn!(error = %m, "the disk holding the log is full: answering 503 until space returns");

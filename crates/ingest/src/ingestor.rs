@@ -64,6 +64,10 @@ pub enum IngestError {
     InFlight,
     #[error("event of {len} bytes exceeds the record limit of {max} bytes")]
     TooLarge { len: usize, max: u32 },
+    /// The request's events, as log records, take more than the log can hold in one
+    /// batch even when empty: permanent, unlike `Full`.
+    #[error("the request's events take {bytes} bytes in the log, more than the {max_bytes} it can take in one batch")]
+    BatchTooLarge { bytes: u64, max_bytes: u64 },
     #[error("no events in the request")]
     Empty,
     /// The disk holding the log has no space (ENOSPC, or a quota): the log undid the
@@ -93,6 +97,7 @@ impl IngestError {
             IngestError::Full { .. } => "log_full",
             IngestError::InFlight => "delivery_in_progress",
             IngestError::TooLarge { .. } => "record_too_large",
+            IngestError::BatchTooLarge { .. } => "batch_too_large",
             IngestError::Empty => "empty",
             IngestError::DiskFull(_) => "disk_full",
             IngestError::StateUnavailable(_) => "state_unavailable",
@@ -252,6 +257,9 @@ impl Ingestor {
             }),
             Err(WalError::Full { used_bytes, max_bytes, .. }) => Err(IngestError::Full { used_bytes, max_bytes }),
             Err(WalError::RecordTooLarge { len, max }) => Err(IngestError::TooLarge { len, max }),
+            Err(WalError::BatchTooLarge { batch_bytes, max_batch_bytes }) => {
+                Err(IngestError::BatchTooLarge { bytes: batch_bytes, max_bytes: max_batch_bytes })
+            }
             Err(WalError::EmptyBatch) => Err(IngestError::Empty),
             Err(e @ (WalError::Poisoned(_) | WalError::Closed | WalError::ReadOnly)) => {
                 Err(IngestError::Stopped(e.to_string()))
@@ -400,5 +408,24 @@ mod tests {
         assert!(matches!(last, Err(IngestError::Full { .. })), "{last:?}");
         assert!(matches!(ing.accept(submission(None, &[big.as_str()])).await, Err(IngestError::Full { .. })));
         assert_eq!(wal.next_offset(), before);
+    }
+
+    /// A request whose events could not fit even in an empty log is refused as too large
+    /// (413), not as full (503, "retry later", for ever), and appends nothing.
+    #[tokio::test]
+    async fn a_batch_no_release_could_make_room_for_is_too_large_not_full() {
+        let dir = tempfile::tempdir().unwrap();
+        let options = wal::WalOptions { segment_max_bytes: 4096, max_bytes: 8192, ..wal::WalOptions::default() };
+        let wal = Arc::new(Wal::open(dir.path().join("wal"), options).unwrap());
+        let state = Arc::new(StateDb::open(dir.path().join("state.redb")).unwrap());
+        let ing = Ingestor::new(wal.clone(), Arc::new(IdempotencyIndex::new(state, 60_000)));
+        let event = "x".repeat(1000);
+        let events = vec![event.as_str(); 9];
+        let e = ing.accept(submission(Some("k"), &events)).await.unwrap_err();
+        assert!(matches!(e, IngestError::BatchTooLarge { max_bytes: 8096, .. }), "{e:?}");
+        assert_eq!(e.reason(), "batch_too_large");
+        assert_eq!(wal.next_offset(), 0);
+        let fits = ing.accept(submission(Some("k"), &events[..4])).await.unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!((fits.first_offset, fits.replayed), (0, false), "the refused delivery id was not recorded");
     }
 }

@@ -25,6 +25,7 @@ use http_source::source::is_credential_header;
 use http_source::{Accept, Destinations, MetadataFields, SourceSpec};
 use ingest::Partitioning;
 use serde::Deserialize;
+use wal::options::PREALLOCATE_BYTES_MAX;
 use wal::{SyncPolicy, WalOptions};
 
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -854,6 +855,9 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
     if config.wal.segment_max_bytes < 4096 {
         c.err(&w.key("segment_max_bytes"), "must be at least 4096");
     }
+    if config.wal.preallocate_bytes > PREALLOCATE_BYTES_MAX {
+        c.err(&w.key("preallocate_bytes"), format!("must be at most {PREALLOCATE_BYTES_MAX}"));
+    }
     let wal_options = WalOptions {
         segment_max_bytes: config.wal.segment_max_bytes,
         max_bytes: config.wal.max_bytes,
@@ -862,6 +866,10 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
         preallocate_bytes: config.wal.preallocate_bytes,
         ..WalOptions::default()
     };
+    // A body of one event, with its envelope and frame header, must also fit in the log
+    // as one batch even when the log is empty: otherwise its sender would be told "full,
+    // retry later" (503) for ever. Checked per source, with its own envelope, below.
+    let batch_max_bytes = wal_options.batch_max_bytes();
 
     let idem = root.key("idempotency");
     let retention_secs = c.positive(&idem.key("retention_secs"), config.idempotency.retention_secs);
@@ -1018,11 +1026,21 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
         // The largest event plus the largest envelope this source writes must be a
         // record the log takes, or a body within max_body_bytes could get 413.
         let envelope_max_bytes = spec.envelope_max_bytes() as u128;
-        if max_body_bytes as u128 + envelope_max_bytes > u128::from(record_max_bytes) {
+        let record_bytes = max_body_bytes as u128 + envelope_max_bytes;
+        if record_bytes > u128::from(record_max_bytes) {
             c.err(
                 &http.key("max_body_bytes"),
                 format!(
                     "with source {key:?}'s envelope (up to {envelope_max_bytes} bytes: its key, forwarded headers, metadata, and 255 bytes each for the content type, delivery id, stream, topic and partition key) an event of {max_body_bytes} bytes exceeds wal.record_max_bytes ({record_max_bytes})"
+                ),
+            );
+        } else if record_bytes + u128::from(wal::format::FRAME_HEADER_LEN) > u128::from(batch_max_bytes) {
+            c.err(
+                &http.key("max_body_bytes"),
+                format!(
+                    "an event of {max_body_bytes} bytes, with source {key:?}'s envelope (up to {envelope_max_bytes} bytes) and a {}-byte frame header, can never fit in the log: wal.max_bytes ({}) takes at most {batch_max_bytes} bytes in one append",
+                    wal::format::FRAME_HEADER_LEN,
+                    config.wal.max_bytes
                 ),
             );
         }
@@ -1566,8 +1584,40 @@ mod tests {
         assert_eq!(s.wal.preallocate_bytes, 0);
         assert_eq!(validate(&Config::builtin(), None, None).unwrap().wal.preallocate_bytes, 1024 * 1024);
         // Larger than a (small) segment is not an error: the zeros stop at the segment's size.
-        let text = "[wal]\nsegment_max_bytes = 65536\nmax_bytes = 1048576\n[sources.a]\ndestination = { stream = \"s\", topic = \"t\" }\n";
+        let text = "[wal]\nsegment_max_bytes = 65536\nmax_bytes = 4194304\n[sources.a]\ndestination = { stream = \"s\", topic = \"t\" }\n";
         assert!(validate(&parse(text, None).unwrap(), Some(text), None).is_ok());
+        // But bounded: the zeros pass through the writer's buffer.
+        let e = errors(
+            "[wal]\npreallocate_bytes = 67108865\n[sources.a]\ndestination = { stream = \"s\", topic = \"t\" }\n",
+        );
+        assert_eq!(e.len(), 1, "{e:?}");
+        assert_eq!(e[0].path, "wal.preallocate_bytes");
+        assert_eq!(e[0].line, Some(2));
+    }
+
+    /// A body of `http.max_body_bytes` that could never fit in the log, even empty, would
+    /// be answered 503 "retry later" for ever: the configuration is refused, naming the
+    /// key. The smallest log that holds one (body, envelope room, frame header, and the
+    /// log's own 96 bytes of headers and seal) is accepted.
+    #[test]
+    fn a_body_the_log_could_never_hold_is_refused_naming_the_key() {
+        let with_max_bytes = |max_bytes: u64| {
+            format!(
+                "[http]\nmax_body_bytes = 1048576\n[wal]\nsegment_max_bytes = 65536\nmax_bytes = {max_bytes}\n\
+                 [sources.a]\ndestination = {{ stream = \"s\", topic = \"t\" }}\n"
+            )
+        };
+        let e = errors(&with_max_bytes(1_048_576));
+        assert_eq!(e.len(), 1, "{e:?}");
+        assert_eq!(e[0].path, "http.max_body_bytes");
+        assert_eq!(e[0].line, Some(2));
+        assert!(e[0].message.contains("wal.max_bytes (1048576)"), "{}", e[0].message);
+        let envelope = ingest::envelope::envelope_max_bytes(1, &[], &[(9, 64), (19, 20)]) as u64;
+        let smallest = 1_048_576 + envelope + 32 + 96;
+        let e = errors(&with_max_bytes(smallest - 1));
+        assert_eq!(e[0].path, "http.max_body_bytes", "{e:?}");
+        let text = with_max_bytes(smallest);
+        validate(&parse(&text, None).unwrap(), Some(&text), None).unwrap_or_else(|e| panic!("{e:?}"));
     }
 
     #[test]

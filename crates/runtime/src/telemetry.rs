@@ -250,6 +250,7 @@ pub const REJECTION_REASONS: &[&str] = &[
     "body_too_large",
     "too_many_events",
     "record_too_large",
+    "batch_too_large",
     "unsupported_media_type",
     "unknown_destination",
     "invalid_destination",

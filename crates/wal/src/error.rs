@@ -28,6 +28,15 @@ pub enum WalError {
     #[error("record of {len} bytes exceeds the limit of {max} bytes")]
     RecordTooLarge { len: usize, max: u32 },
 
+    /// The batch could never fit in this log, however much is released: its records and
+    /// their frame headers take more than an empty log has room for
+    /// ([`crate::WalOptions::batch_max_bytes`]). Permanent: nothing was written, and a
+    /// retry of the same batch fails the same way.
+    #[error(
+        "batch of {batch_bytes} bytes (records and frame headers) can never fit in the log, which takes at most {max_batch_bytes} in one batch"
+    )]
+    BatchTooLarge { batch_bytes: u64, max_batch_bytes: u64 },
+
     #[error("an append needs at least one record")]
     EmptyBatch,
 

@@ -25,7 +25,9 @@
 //!    poisoned the log, starts again after the last durable record).
 //! 4. **Readers see only synced bytes**, in offset order, each checksum checked.
 //! 5. **Nothing is evicted.** A full log fails appends with [`WalError::Full`]; only
-//!    [`Wal::release_below`] frees space, and only below the offset its owner names.
+//!    [`Wal::release_below`] frees space, and only below the offset its owner names. A
+//!    batch that could not fit even in an empty log is refused with
+//!    [`WalError::BatchTooLarge`] instead, so `Full` always means "retry after a release".
 //! 6. **Recovery is exact.** A torn tail is cut away and reported; damage to bytes that
 //!    were durable is an error naming file and byte position, never silently repaired.
 //! 7. **A storage error leaves the log consistent.** A failed write or sync fails the
@@ -183,7 +185,8 @@ impl Wal {
 
     /// Appends `records` as one atomic batch. Resolves with the batch's offsets once it
     /// is durable (see [`SyncPolicy`]). Fails fast with [`WalError::Full`] when the log
-    /// lacks room, with nothing written.
+    /// lacks room now, and with [`WalError::BatchTooLarge`] when it could never have room
+    /// (more than [`WalOptions::batch_max_bytes`]), with nothing written.
     pub async fn append(&self, records: Vec<Bytes>) -> Result<Appended> {
         let writer = self.writer.as_ref().ok_or(WalError::ReadOnly)?;
         if records.is_empty() {
@@ -194,13 +197,10 @@ impl Wal {
             return Err(WalError::RecordTooLarge { len: r.len(), max });
         }
         let frame_bytes = writer::frame_bytes(&records);
-        if frame_bytes > self.shared.max_bytes {
-            let used = self.shared.used_bytes.load(Ordering::Acquire);
-            return Err(WalError::Full {
-                used_bytes: used,
-                max_bytes: self.shared.max_bytes,
-                needed_bytes: frame_bytes,
-            });
+        let max_batch_bytes = options::batch_max_bytes(self.shared.max_bytes);
+        if frame_bytes > max_batch_bytes {
+            // Not `Full`: no release could ever make room for it.
+            return Err(WalError::BatchTooLarge { batch_bytes: frame_bytes, max_batch_bytes });
         }
         // Checksums are computed here, on the appending task, not on the writer thread.
         let crcs = records.iter().map(|r| crc32fast::hash(r)).collect();

@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use crate::error::{Result, WalError};
-use crate::format::{FRAME_HEADER_LEN, OFFSET_MAX, RECORD_MAX_BYTES, SEGMENT_HEADER_LEN};
+use crate::format::{FRAME_HEADER_LEN, OFFSET_MAX, RECORD_MAX_BYTES, SEAL_LEN, SEGMENT_HEADER_LEN};
 
 /// When an append's bytes are made durable.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -38,7 +38,9 @@ pub struct WalOptions {
     /// this size. A single batch larger than this gets a segment of its own.
     pub segment_max_bytes: u64,
     /// The total size of all segment files the log may hold. An append that would pass
-    /// it fails with [`WalError::Full`]; nothing is ever evicted to make room.
+    /// it fails with [`WalError::Full`]; nothing is ever evicted to make room. A batch
+    /// that could not fit even in an empty log fails with [`WalError::BatchTooLarge`]
+    /// (see [`WalOptions::batch_max_bytes`]).
     pub max_bytes: u64,
     /// The largest record accepted, at most [`RECORD_MAX_BYTES`].
     pub record_max_bytes: u32,
@@ -58,9 +60,9 @@ pub struct WalOptions {
     /// When a write would grow the tail segment's file, the writer also writes this many
     /// zero bytes after it (never past `segment_max_bytes`), so the group commits that
     /// follow overwrite bytes the file already has: their `fdatasync` then persists no
-    /// change of size (on ext4, one device write fewer per sync). 0 turns it off. The
-    /// zeros read as a torn tail after a crash and are cut by the next open; a seal and a
-    /// clean close cut them first.
+    /// change of size (on ext4, one device write fewer per sync). 0 turns it off; at most
+    /// [`PREALLOCATE_BYTES_MAX`]. The zeros read as a torn tail after a crash and are cut
+    /// by the next open; a seal and a clean close cut them first.
     pub preallocate_bytes: u64,
 }
 
@@ -68,6 +70,17 @@ pub struct WalOptions {
 /// change per thousand or so records instead of one per group commit, for at most 1 MiB of
 /// zeros on disk beyond what the log holds.
 pub const PREALLOCATE_BYTES_DEFAULT: u64 = 1024 * 1024;
+
+/// The most [`WalOptions::preallocate_bytes`] may be: the zeros go through the writer's
+/// buffer with the group they follow, so this bounds that buffer's growth.
+pub const PREALLOCATE_BYTES_MAX: u64 = 64 * 1024 * 1024;
+
+/// The largest batch (its records plus one frame header each) a log of `max_bytes` can
+/// ever take: an empty log holds its active segment's header, and the writer keeps room
+/// for a seal and the next segment's header beside every batch.
+pub(crate) fn batch_max_bytes(max_bytes: u64) -> u64 {
+    max_bytes.saturating_sub(SEAL_LEN + 2 * SEGMENT_HEADER_LEN)
+}
 
 impl Default for WalOptions {
     fn default() -> Self {
@@ -86,13 +99,20 @@ impl Default for WalOptions {
 }
 
 impl WalOptions {
+    /// The largest batch, in bytes of records plus their 32-byte frame headers, this log
+    /// can ever take, however much is released. A larger one is refused with
+    /// [`WalError::BatchTooLarge`].
+    pub fn batch_max_bytes(&self) -> u64 {
+        batch_max_bytes(self.max_bytes)
+    }
+
     pub(crate) fn validate(&self) -> Result<()> {
         let bad = |m: String| Err(WalError::InvalidOptions(m));
         let min_segment = SEGMENT_HEADER_LEN + 2 * FRAME_HEADER_LEN;
         if self.segment_max_bytes < min_segment {
             return bad(format!("segment_max_bytes must be at least {min_segment}"));
         }
-        if self.max_bytes < 2 * self.segment_max_bytes {
+        if self.segment_max_bytes.checked_mul(2).is_none_or(|twice| self.max_bytes < twice) {
             return bad(format!(
                 "max_bytes ({}) must be at least twice segment_max_bytes ({}): space is freed a whole segment at a time",
                 self.max_bytes, self.segment_max_bytes
@@ -109,6 +129,9 @@ impl WalOptions {
         }
         if self.group_max_bytes == 0 {
             return bad("group_max_bytes must be at least 1".into());
+        }
+        if self.preallocate_bytes > PREALLOCATE_BYTES_MAX {
+            return bad(format!("preallocate_bytes must be at most {PREALLOCATE_BYTES_MAX}"));
         }
         if let SyncPolicy::Interval(d) = self.sync
             && (d.is_zero() || d > Duration::from_secs(60))

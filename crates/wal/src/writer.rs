@@ -237,7 +237,7 @@ impl Writer {
         // rotation can never be the write that fails for space.
         let used = self.shared.used_bytes.load(Ordering::Acquire) + self.buf.len() as u64;
         let needed = frame_bytes + SEAL_LEN + SEGMENT_HEADER_LEN;
-        if used + needed > self.shared.max_bytes {
+        if used.saturating_add(needed) > self.shared.max_bytes {
             metrics::counter!("iggy_ingest_wal_full_rejections_total").increment(1);
             let _ = reply.send(Err(WalError::Full {
                 used_bytes: used,

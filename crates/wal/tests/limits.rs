@@ -6,6 +6,7 @@ mod common;
 use bytes::Bytes;
 use common::*;
 use wal::format::{OFFSET_MAX, RECORD_MAX_BYTES, segment_file_name};
+use wal::options::PREALLOCATE_BYTES_MAX;
 use wal::storage::{CrashMode, SimStorage};
 use wal::{WalError, WalOptions};
 
@@ -96,4 +97,49 @@ fn rotation_and_recovery_at_the_default_segment_size() {
     let all = read_all(&wal, 0);
     assert_eq!(all.len(), 70);
     assert!(all.iter().enumerate().all(|(i, r)| tag_of(&r.payload) == i as u64));
+}
+
+/// A batch larger than what even an empty log has room for is refused at once, as too
+/// large for good: `Full` would tell its sender to retry later, forever. One byte less
+/// fits an empty log exactly.
+#[test]
+fn a_batch_no_release_could_make_room_for_is_refused_as_too_large_not_full() {
+    let sim = SimStorage::new();
+    let opts = WalOptions { segment_max_bytes: 4096, max_bytes: 8192, ..WalOptions::default() };
+    assert_eq!(opts.batch_max_bytes(), 8192 - 3 * 32, "a segment header, a seal, the next segment's header");
+    let wal = open(&sim, opts.clone());
+    // One record: 32 bytes of frame header plus its payload.
+    let payload_len = (opts.batch_max_bytes() - 32) as usize;
+    rt().block_on(async {
+        let e = wal.append(vec![payload(1, payload_len + 1)]).await.unwrap_err();
+        assert!(
+            matches!(e, WalError::BatchTooLarge { batch_bytes: 8097, max_batch_bytes: 8096 }),
+            "a batch that can never fit got {e}"
+        );
+        let split = vec![payload(2, payload_len / 2), payload(3, payload_len / 2)];
+        let e = wal.append(split).await.unwrap_err();
+        assert!(matches!(e, WalError::BatchTooLarge { .. }), "the frame headers count: {e}");
+        assert_eq!(wal.next_offset(), 0, "nothing was written");
+        let a = wal.append(vec![payload(4, payload_len)]).await.unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(a.first_offset, 0, "the largest batch fits an empty log");
+        // The log is full now; the same batch again is a matter of releasing.
+        let e = wal.append(vec![payload(5, payload_len)]).await.unwrap_err();
+        assert!(matches!(e, WalError::Full { .. }), "{e}");
+    });
+}
+
+/// Options whose arithmetic would overflow, or whose zeros written ahead would make the
+/// writer's buffer grow without bound, are refused at open.
+#[test]
+fn options_that_overflow_or_overgrow_are_refused() {
+    let refused = |opts: WalOptions| match try_open(&SimStorage::new(), opts) {
+        Err(WalError::InvalidOptions(m)) => m,
+        other => panic!("accepted: {:?}", other.map(|_| ())),
+    };
+    let huge_segments = WalOptions { segment_max_bytes: u64::MAX / 2 + 1, max_bytes: u64::MAX, ..small_options() };
+    assert!(refused(huge_segments).contains("twice segment_max_bytes"));
+    let zeros = WalOptions { preallocate_bytes: PREALLOCATE_BYTES_MAX + 1, ..small_options() };
+    assert!(refused(zeros).contains("preallocate_bytes"));
+    let opts = WalOptions { preallocate_bytes: PREALLOCATE_BYTES_MAX, ..small_options() };
+    try_open(&SimStorage::new(), opts).unwrap_or_else(|e| panic!("the largest preallocation was refused: {e}"));
 }
