@@ -386,13 +386,19 @@ mod tests {
         assert_eq!(wal.next_offset(), 1);
     }
 
+    /// An ingestor over a log of 8 KiB (segments of 4 KiB) in `dir`.
+    fn small_log(dir: &std::path::Path) -> (Arc<Wal>, Ingestor) {
+        let options = wal::WalOptions { segment_max_bytes: 4096, max_bytes: 8192, ..wal::WalOptions::default() };
+        let wal = Arc::new(Wal::open(dir.join("wal"), options).unwrap());
+        let state = Arc::new(StateDb::open(dir.join("state.redb")).unwrap());
+        let ing = Ingestor::new(wal.clone(), Arc::new(IdempotencyIndex::new(state, 60_000)));
+        (wal, ing)
+    }
+
     #[tokio::test]
     async fn a_full_log_is_a_typed_error_with_nothing_appended() {
         let dir = tempfile::tempdir().unwrap();
-        let options = wal::WalOptions { segment_max_bytes: 4096, max_bytes: 8192, ..wal::WalOptions::default() };
-        let wal = Arc::new(Wal::open(dir.path().join("wal"), options).unwrap());
-        let state = Arc::new(StateDb::open(dir.path().join("state.redb")).unwrap());
-        let ing = Ingestor::new(wal.clone(), Arc::new(IdempotencyIndex::new(state, 60_000)));
+        let (wal, ing) = small_log(dir.path());
         let big = "x".repeat(1000);
         let mut last = Ok(());
         for _ in 0..100 {
@@ -415,10 +421,7 @@ mod tests {
     #[tokio::test]
     async fn a_batch_no_release_could_make_room_for_is_too_large_not_full() {
         let dir = tempfile::tempdir().unwrap();
-        let options = wal::WalOptions { segment_max_bytes: 4096, max_bytes: 8192, ..wal::WalOptions::default() };
-        let wal = Arc::new(Wal::open(dir.path().join("wal"), options).unwrap());
-        let state = Arc::new(StateDb::open(dir.path().join("state.redb")).unwrap());
-        let ing = Ingestor::new(wal.clone(), Arc::new(IdempotencyIndex::new(state, 60_000)));
+        let (wal, ing) = small_log(dir.path());
         let event = "x".repeat(1000);
         let events = vec![event.as_str(); 9];
         let e = ing.accept(submission(Some("k"), &events)).await.unwrap_err();

@@ -127,6 +127,16 @@ fn a_stopped_router_leaves_no_lane_active_no_breaker_open_and_nothing_held() {
     });
 }
 
+/// A lane that overflows to the log after two records and retries within half a
+/// second: the setup of the tests whose log reads fail.
+fn overflowing_policy() -> router::RouterPolicy {
+    let mut policy = fast_policy();
+    policy.batch.backoff_max = Duration::from_millis(500);
+    policy.lane_queue_max_records = 2;
+    policy.batch.batch_max_records = 2;
+    policy
+}
+
 /// A log read that fails is an Error, for the lane and for the router, left as soon as the
 /// log reads again: first the dispatcher's read, then an overflowed lane's re-read.
 #[test]
@@ -137,10 +147,7 @@ fn a_failed_log_read_is_an_error_until_the_log_reads_again() {
         let sink = FaultySink::new();
         let d = key("r", "1");
         let mut want = fill(&wal, std::slice::from_ref(&d), 0, 4).await;
-        let mut policy = fast_policy();
-        policy.batch.backoff_max = Duration::from_millis(500);
-        policy.lane_queue_max_records = 2;
-        policy.batch.batch_max_records = 2;
+        let policy = overflowing_policy();
         // The dispatcher's first read fails.
         sim.fail_nth(FaultOp::Read, 1, std::io::ErrorKind::Other);
         let router =
@@ -198,10 +205,7 @@ fn a_connector_is_in_error_only_for_a_log_read_that_affects_it() {
             wal.append(vec![record_from("x", &x, i, Partitioning::Balanced)]).await.unwrap();
             wal.append(vec![record_from("y", &y, 100 + i, Partitioning::Balanced)]).await.unwrap();
         }
-        let mut policy = fast_policy();
-        policy.batch.backoff_max = Duration::from_millis(500);
-        policy.lane_queue_max_records = 2;
-        policy.batch.batch_max_records = 2;
+        let policy = overflowing_policy();
         // The dispatcher's first read fails: the router and every connector are in Error.
         sim.fail_nth(FaultOp::Read, 1, std::io::ErrorKind::Other);
         let router =

@@ -509,6 +509,15 @@ mod tests {
         IggyConfig::default()
     }
 
+    /// Each section is refused with exactly one problem, at the key path given.
+    fn each_refused_at_its_key(cases: Vec<(RouterSection, &str)>) {
+        for (section, want) in cases {
+            let (_, problems) = check(&section, &iggy(), &[]);
+            let paths: Vec<String> = problems.iter().map(|(p, _)| p.join(".")).collect();
+            assert_eq!(paths, vec![want.to_string()], "{problems:?}");
+        }
+    }
+
     #[test]
     fn a_source_inherits_the_defaults_and_overrides_only_what_it_names() {
         let mut section = RouterSection { batch_max_records: 500, ..RouterSection::default() };
@@ -539,11 +548,7 @@ mod tests {
                 "router.dead_letter_topic",
             ),
         ];
-        for (section, want) in cases {
-            let (_, problems) = check(&section, &iggy(), &[]);
-            let paths: Vec<String> = problems.iter().map(|(p, _)| p.join(".")).collect();
-            assert_eq!(paths, vec![want.to_string()], "{problems:?}");
-        }
+        each_refused_at_its_key(cases);
         for partitions_count in [0, u64::from(TOPIC_PARTITIONS_MAX) + 1] {
             let topic_defaults = TopicDefaultsSection { partitions_count, ..TopicDefaultsSection::default() };
             let (_, problems) = check(&RouterSection { topic_defaults, ..RouterSection::default() }, &iggy(), &[]);
@@ -597,11 +602,7 @@ mod tests {
                 "router.topic_defaults.message_expiry_secs",
             ),
         ];
-        for (section, want) in cases {
-            let (_, problems) = check(&section, &iggy(), &[]);
-            let paths: Vec<String> = problems.iter().map(|(p, _)| p.join(".")).collect();
-            assert_eq!(paths, vec![want.to_string()], "{problems:?}");
-        }
+        each_refused_at_its_key(cases);
         let mut section = RouterSection::default();
         section.sources.insert(
             "a".into(),
