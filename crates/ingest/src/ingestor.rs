@@ -171,6 +171,17 @@ impl Ingestor {
         let key = IdempotencyKey { source_key: s.source_key.clone(), endpoint_id: s.endpoint_id, delivery_key };
         let claim = self.idempotency.claim(&key).await.ok_or(IngestError::InFlight)?;
         match self.idempotency.lookup(&key, s.received_at_unix_ms) {
+            Ok(Some(prior)) if !self.wal.accepts_appends() && prior.last_offset >= self.wal.next_offset() => {
+                // The log stopped (under `interval`, a failed sync may have taken records
+                // already answered) and does not hold these offsets durably: a replay
+                // would answer 200 for an event that may be gone. Refused like a new
+                // request; after the restart the key is forgotten if its record is, and
+                // the retry is appended again.
+                return Err(IngestError::Stopped(format!(
+                    "the log takes no appends and does not hold offsets {} to {} durably",
+                    prior.first_offset, prior.last_offset
+                )));
+            }
             Ok(Some(prior)) => {
                 metrics::counter!("iggy_ingest_idempotent_replays_total", "source" => s.source_key.clone())
                     .increment(1);

@@ -124,3 +124,39 @@ async fn keys_are_forgotten_when_the_log_directory_was_replaced_by_a_shorter_one
     let retry = ingestor.accept(submission(Some("d-1"), now + 1)).await.unwrap();
     assert_eq!((retry.first_offset, retry.replayed), (0, false));
 }
+
+/// Under `interval` a failed sync stops the log, and may have taken records already
+/// answered: a retry of such a delivery is not answered 200 as a replay of offsets the
+/// log does not hold, but refused like any request to a stopped log. A delivery whose
+/// record the log holds durably still replays.
+#[tokio::test]
+async fn a_retry_is_not_replayed_from_offsets_a_stopped_log_does_not_hold() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = Arc::new(StateDb::open(dir.path().join("state.redb")).unwrap());
+    let sim = SimStorage::new();
+    let now = ingest::time::now_unix_ms();
+    let wal = open_wal(&sim, SyncPolicy::Interval(Duration::from_millis(20)));
+    let (ingestor, _) = start(&state, &wal, now);
+    let durable = ingestor.accept(submission(Some("d-durable"), now)).await.unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while wal.next_offset() <= durable.last_offset {
+        assert!(std::time::Instant::now() < deadline, "the interval sync never ran");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // The next sync fails: d-lost was answered, then the log stops without it.
+    sim.fail_nth(wal::storage::FaultOp::Sync, 1, std::io::ErrorKind::Other);
+    let lost = ingestor.accept(submission(Some("d-lost"), now)).await.unwrap();
+    assert!(!lost.replayed);
+    while wal.accepts_appends() {
+        assert!(std::time::Instant::now() < deadline, "the failed sync did not stop the log");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert!(wal.next_offset() <= lost.first_offset, "the log holds d-lost durably after all");
+
+    match ingestor.accept(submission(Some("d-lost"), now + 1)).await {
+        Err(ingest::IngestError::Stopped(why)) => assert!(why.contains("does not hold"), "{why}"),
+        other => panic!("the retry of a delivery the stopped log may have lost was answered {other:?}"),
+    }
+    let again = ingestor.accept(submission(Some("d-durable"), now + 1)).await.unwrap();
+    assert_eq!((again.first_offset, again.replayed), (durable.first_offset, true));
+}
