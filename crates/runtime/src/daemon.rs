@@ -282,7 +282,10 @@ pub async fn start(mut settings: Settings, metrics: Option<PrometheusHandle>) ->
         // still waiting for Iggy when the grace period ends is abandoned with the
         // router: its records stay in the log above the stored cursors, and go again
         // (with the same message ids) after the restart.
-        if tokio::time::timeout_at(grace_ends, delivery.shutdown()).await.is_err() {
+        // At least ROUTER_STOP_MIN even when the requests took the whole grace period,
+        // so that idle lanes stop and the acknowledged cursors are stored.
+        let router_ends = grace_ends.max(tokio::time::Instant::now() + ROUTER_STOP_MIN);
+        if tokio::time::timeout_at(router_ends, delivery.shutdown()).await.is_err() {
             tracing::warn!(
                 grace_ms = grace.as_millis() as u64,
                 "the router did not stop within the grace period: sends in flight abandoned, their records are sent again after the restart"
@@ -301,6 +304,11 @@ pub async fn start(mut settings: Settings, metrics: Option<PrometheusHandle>) ->
     });
     Ok(RunningDaemon { http_addr, admin_addr, shared, shutdown_tx, task })
 }
+
+/// The least time the router is given to stop, even past the grace period: enough to
+/// end idle lanes and store the acknowledged cursors (a few milliseconds), never long
+/// enough to matter to a service manager's stop timeout.
+const ROUTER_STOP_MIN: Duration = Duration::from_secs(1);
 
 async fn stopped(mut rx: watch::Receiver<bool>) {
     // A dropped sender also means stop.
