@@ -31,9 +31,11 @@ pub fn filter_for(level: &str) -> String {
 }
 
 pub fn init(level: &str, json: bool) {
-    let filter = EnvFilter::try_from_default_env()
-        .or_else(|_| EnvFilter::try_new(filter_for(level)))
-        .unwrap_or_else(|_| EnvFilter::new("info"));
+    // RUST_LOG, when set and valid, takes the configured level's place: through the same
+    // filter, so the client stays quiet there too unless it is named.
+    let from_env = std::env::var(EnvFilter::DEFAULT_ENV).ok().filter(|v| EnvFilter::try_new(v).is_ok());
+    let filter = EnvFilter::try_new(filter_for(from_env.as_deref().unwrap_or(level)))
+        .unwrap_or_else(|_| EnvFilter::new(filter_for("info")));
     let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
     let _ = if json { builder.json().try_init() } else { builder.try_init() };
 }
