@@ -23,6 +23,13 @@ pub const HEADER_VALUE_MAX_BYTES: usize = ingest::envelope::ENVELOPE_FIELD_MAX_B
 /// The longest delivery id accepted for idempotency; a longer one is a 400.
 pub const DELIVERY_KEY_MAX_BYTES: usize = 255;
 
+// Every field the envelope bound counts at ENVELOPE_FIELD_MAX_BYTES is held to it here,
+// so raising one limit alone cannot make `SourceSpec::envelope_max_bytes` (and the
+// configuration check built on it) too small.
+const _: () = assert!(DELIVERY_KEY_MAX_BYTES <= ingest::envelope::ENVELOPE_FIELD_MAX_BYTES);
+const _: () = assert!(crate::partition::KEY_MAX_BYTES <= ingest::envelope::ENVELOPE_FIELD_MAX_BYTES);
+const _: () = assert!(crate::admission::NAME_MAX_BYTES <= ingest::envelope::ENVELOPE_FIELD_MAX_BYTES);
+
 /// The request headers that carry a sender's delivery id, in the order they are tried
 /// (after a source's own configured header). Not for a request authenticated by
 /// Standard Webhooks: its delivery id is the id its signature covers, and only that.
