@@ -233,13 +233,7 @@ impl AuthScheme {
         match self {
             AuthScheme::None => Ok(()),
             AuthScheme::Bearer { token } => {
-                let value = header_str(headers, "authorization")?;
-                // The scheme name is case-insensitive (RFC 9110, section 11.1).
-                let presented = value
-                    .get(..7)
-                    .filter(|scheme| scheme.eq_ignore_ascii_case("bearer "))
-                    .map(|_| value[7..].trim())
-                    .ok_or(AuthFailure::Malformed)?;
+                let presented = bearer_token(headers)?;
                 let a = Sha256::digest(presented.as_bytes());
                 let b = Sha256::digest(token);
                 if bool::from(a.ct_eq(&b)) { Ok(()) } else { Err(AuthFailure::BadSignature) }
@@ -333,6 +327,19 @@ fn standard_webhooks_id(headers: &HeaderMap) -> Result<(&'static str, &str), Aut
     header_str(headers, "webhook-id")
         .map(|id| ("webhook-id", id))
         .or_else(|_| header_str(headers, "svix-id").map(|id| ("svix-id", id)))
+}
+
+/// The token of an `Authorization: Bearer <token>` header, without surrounding blanks.
+/// The scheme name is case-insensitive (RFC 9110, section 11.1). One parser for the
+/// webhook door's bearer scheme and the admin API's tokens, so a header one accepts the
+/// other does too.
+pub fn bearer_token(headers: &HeaderMap) -> Result<&str, AuthFailure> {
+    let value = header_str(headers, "authorization")?;
+    value
+        .get(..7)
+        .filter(|scheme| scheme.eq_ignore_ascii_case("bearer "))
+        .map(|_| value[7..].trim())
+        .ok_or(AuthFailure::Malformed)
 }
 
 fn header_str<'a>(headers: &'a HeaderMap, name: &str) -> Result<&'a str, AuthFailure> {

@@ -80,12 +80,10 @@ async fn require_admin_token(State(s): State<Arc<Shared>>, request: Request, nex
     if accepted { next.run(request).await } else { refuse(presented.is_some(), "admin call") }
 }
 
-/// The token of an `Authorization: Bearer <token>` header, if there is one (the scheme
-/// is case-insensitive, RFC 9110).
+/// The token of an `Authorization: Bearer <token>` header, if there is one: parsed as
+/// the webhook door's bearer scheme parses it.
 fn bearer(headers: &HeaderMap) -> Option<&str> {
-    let value = headers.get(header::AUTHORIZATION)?.to_str().ok()?;
-    let (scheme, token) = value.split_once(' ')?;
-    scheme.eq_ignore_ascii_case("bearer").then_some(token)
+    http_source::auth::bearer_token(headers).ok()
 }
 
 /// Constant-time: hashing both sides first removes the length signal from the comparison.
