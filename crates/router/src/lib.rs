@@ -22,7 +22,8 @@
 //!    log, left as soon as it reads again ([`RouterHealth`] settles the router's own).
 //!    The gauges of a router that stopped count no lane, no open breaker and nothing
 //!    held: each count is taken back by a `Drop` of what it counts (a lane, its breaker,
-//!    the task that wrote it), however that ended. A task of the router that ends by a
+//!    the task that wrote it; a task that panicked leaves the held counts, which stay true
+//!    while the router is in Error). A task of the router that ends by a
 //!    panic puts it (and a lane's, its destination and connector) in Error until a
 //!    restart: nothing reports Running for work that nobody does ([`spawn_task`]).
 //! 6. **No cursor is ahead of the log.** A lane passes over records below its cursor as
@@ -444,14 +445,18 @@ where
     })
 }
 
-/// Runs its function when dropped. Held by the task that is the one writer of some
-/// gauges, with a function that sets them to zero, so that once the task ended (a
-/// shutdown, or a panic) they say the truth: nothing held by a router that is gone.
+/// Runs its function when dropped, unless by a panic. Held by the task that is the one
+/// writer of some gauges, with a function that sets them to zero, so that once the task
+/// was stopped they say the truth: nothing held by a router that is gone. A task that
+/// panicked leaves them as they were: the router is in Error and the records it held
+/// stay held (the log pinned) until a restart.
 pub(crate) struct OnDrop(pub fn());
 
 impl Drop for OnDrop {
     fn drop(&mut self) {
-        (self.0)();
+        if !std::thread::panicking() {
+            (self.0)();
+        }
     }
 }
 
