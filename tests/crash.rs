@@ -11,7 +11,7 @@
 
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use e2e::daemon::{Daemon, config_text, killed_by_sigkill, test_dir};
+use e2e::daemon::{Conn, Daemon, config_text, killed_by_sigkill, test_dir};
 use e2e::destination::Destination;
 use e2e::load::{Figures, Ledger, Load, Target, sources_config};
 use rand::Rng;
@@ -216,4 +216,51 @@ async fn a_crash_while_a_send_awaits_its_answer_resends_under_the_same_ids() {
     accepting(&load.ledger, 50, "accepting after the restart").await;
     let f = drain_and_check("crash while a send awaits its answer", &dest, &stream, load, daemon).await;
     assert!(f.duplicates >= 1, "the batch stored while its answer was held was not sent again: {}", f.line());
+}
+
+/// A listener that panics takes the daemon down with exit status 1 instead of leaving a
+/// process whose `/health` says "accepting" while nothing takes connections: a service
+/// manager then restarts it, and the event answered before the panic is still delivered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_webhook_listener_that_panics_stops_the_daemon_with_status_1_and_loses_nothing() {
+    let dest = Destination::broker().await;
+    let stream = unique("listener-panic");
+    let dir = test_dir(&stream);
+    let config = config_text(dir.path(), &dest.daemon_address(), &rest(&stream, 65536));
+    // The first connection is served; the listener panics as it accepts the second.
+    let env = [
+        ("IGGY_INGEST_FAIL_POINT", "listener.accept".to_string()),
+        ("IGGY_INGEST_FAIL_POINT_HIT", "2".to_string()),
+        ("IGGY_INGEST_FAIL_POINT_ACTION", "panic".to_string()),
+    ];
+    let mut daemon = Daemon::start(dir.path(), &config, &env).await;
+    let mut first = Conn::open(daemon.http).await.expect("connect");
+    let event = br#"{"t":"a","n":1}"#.as_slice();
+    let a = first
+        .send("POST", "/v1/sources/s0", &[("content-type", "application/json")], event)
+        .await
+        .expect("an answer on the first connection");
+    assert_eq!(a.status, 200, "{:?}", a.body);
+
+    let second = async {
+        let mut c = Conn::open(daemon.http).await.ok()?;
+        c.send("POST", "/v1/sources/s0", &[("content-type", "application/json")], event).await.ok()
+    };
+    let answered = tokio::time::timeout(Duration::from_secs(10), second).await.ok().flatten();
+    assert!(answered.is_none(), "the connection the listener panicked on was answered: {answered:?}");
+
+    let Some(status) = daemon.wait_exit(Duration::from_secs(60)).await else {
+        panic!("the daemon went on after its webhook listener panicked: {}", daemon.stderr());
+    };
+    let stderr = daemon.stderr();
+    assert!(stderr.contains("fail point listener.accept: hit 2, panicking"), "not the fail point's panic: {stderr}");
+    assert_eq!(status.code(), Some(1), "exit status after the panic: {status}: {stderr}");
+    assert!(stderr.contains("the webhook listener panicked"), "the exit does not name the task: {stderr}");
+
+    let daemon = Daemon::restart(dir.path(), &[]).await;
+    wait_for(Duration::from_secs(60), "the event answered before the panic delivered", async || {
+        dest.delivered(&stream).await.iter().any(|d| d.payload.as_ref() == event)
+    })
+    .await;
+    assert!(daemon.stop().await.success());
 }

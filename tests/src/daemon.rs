@@ -87,7 +87,7 @@ impl Daemon {
         cmd.arg("--config").arg(root.join("config.toml")).arg("--ready-file").arg(&ready);
         cmd.env_remove("IGGY_INGEST_FAIL_POINT")
             .env_remove("IGGY_INGEST_FAIL_POINT_HIT")
-            .env_remove("IGGY_INGEST_FAIL_POINT_DELAY_MS");
+            .env_remove("IGGY_INGEST_FAIL_POINT_ACTION");
         for (k, v) in env {
             cmd.env(k, v);
         }

@@ -1,11 +1,13 @@
 //! Fail points: named places in the daemon where a test can make the process die, to
-//! prove what survives a crash exactly there.
+//! prove what survives a crash exactly there, or make one task panic, to prove the
+//! daemon notices.
 //!
 //! `fail_point!("name")` expands to nothing unless this crate's `enabled` feature is on,
 //! so a build without it (every release build) carries no code and no check. With the
 //! feature, the call compares `name` with the point named by the environment and, on the
 //! chosen hit, kills the process with `SIGKILL`, exactly as `kill -9` would: no
-//! destructor, no flush, no clean-shutdown marker.
+//! destructor, no flush, no clean-shutdown marker. With the `panic` action it panics
+//! instead, on the thread that hit the point: only that task unwinds.
 //!
 //! The environment, read once per process:
 //!
@@ -13,9 +15,10 @@
 //! |---|---|
 //! | `IGGY_INGEST_FAIL_POINT` | the point to arm (one of [`POINTS`]); unset: nothing is armed |
 //! | `IGGY_INGEST_FAIL_POINT_HIT` | die on this hit of the point (1 = the first, the default) |
+//! | `IGGY_INGEST_FAIL_POINT_ACTION` | `kill` (the default) or `panic` |
 //!
-//! Before dying the process writes `fail point NAME: hit N, killing the process` to
-//! stderr, so a test can tell the death it caused from any other.
+//! Before acting the process writes `fail point NAME: hit N, killing the process` (or
+//! `panicking`) to stderr, so a test can tell the death it caused from any other.
 
 /// Every fail point, with the moment it stands for.
 pub const POINTS: &[(&str, &str)] = &[
@@ -24,6 +27,7 @@ pub const POINTS: &[(&str, &str)] = &[
     ("router.send", "a batch is about to be handed to the destination's client"),
     ("router.acked", "a destination acknowledged records and their cursor is not yet stored"),
     ("wal.release.removed", "a released segment file was removed and the directory not yet synced"),
+    ("listener.accept", "a listener accepted a connection and has not yet served it"),
 ];
 
 /// Dies here when the environment armed this point and this is the chosen hit.
@@ -50,6 +54,7 @@ mod armed {
     struct Armed {
         name: String,
         nth: u64,
+        panic: bool,
         hits: AtomicU64,
     }
 
@@ -63,7 +68,15 @@ mod armed {
                     return None;
                 }
                 let nth = std::env::var("IGGY_INGEST_FAIL_POINT_HIT").ok().and_then(|v| v.parse::<u64>().ok());
-                Some(Armed { name, nth: nth.unwrap_or(1).max(1), hits: AtomicU64::new(0) })
+                let panic = match std::env::var("IGGY_INGEST_FAIL_POINT_ACTION").ok().as_deref() {
+                    None | Some("" | "kill") => false,
+                    Some("panic") => true,
+                    Some(other) => {
+                        eprintln!("fail point {name}: no such action {other:?} (kill, panic); nothing is armed");
+                        return None;
+                    }
+                };
+                Some(Armed { name, nth: nth.unwrap_or(1).max(1), panic, hits: AtomicU64::new(0) })
             })
             .as_ref()
     }
@@ -77,6 +90,10 @@ mod armed {
         let n = a.hits.fetch_add(1, Ordering::AcqRel) + 1;
         if n != a.nth {
             return;
+        }
+        if a.panic {
+            eprintln!("fail point {name}: hit {n}, panicking");
+            panic!("fail point {name}: hit {n}");
         }
         eprintln!("fail point {name}: hit {n}, killing the process");
         // SAFETY: kill(2) on this process's own pid; SIGKILL cannot be caught.

@@ -89,6 +89,7 @@ pub async fn serve(
                 }
             },
         };
+        fail_points::fail_point!("listener.accept");
         let _ = stream.set_nodelay(true);
         let router = router.clone();
         let peer_addr = PeerAddr::new(peer);

@@ -7,7 +7,8 @@
 //! unscoped keys of sources with endpoints), load the endpoints, bind both listeners;
 //! only then serve.
 //!
-//! Shutdown order (SIGTERM/SIGINT or [`RunningDaemon::shutdown`]):
+//! Shutdown order (SIGTERM/SIGINT, [`RunningDaemon::shutdown`], or a task the daemon
+//! cannot run without ending by a panic):
 //! 1. `draining` is set: both `/health` answer 503 and new event requests get 503;
 //! 2. after `drain_delay` the webhook listener closes; in-flight requests finish,
 //!    bounded by `grace_period`;
@@ -25,6 +26,13 @@
 //! - Startup failures are typed ([`StartError`]) and name what failed.
 //! - The router starts before the webhook listener serves, so the log's next offset it
 //!   checks the stored cursors against is the log's end at open (`router::Router::start`).
+//! - A task the daemon cannot do its work without (either listener, the idempotency
+//!   checkpoint, the metrics upkeep) that panics stops the daemon: a listener gone while
+//!   `/health` still said "accepting" would turn a load balancer's traffic into refused
+//!   connections. The stop takes the usual order, and the report names the task, so the
+//!   process exits 1 and a service manager restarts it; every event answered 200 is in
+//!   the log. (The router's own tasks put the router in Error instead: delivery stops,
+//!   accepting goes on, and the status says so.)
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -84,7 +92,7 @@ pub struct RunningDaemon {
     pub http_addr: SocketAddr,
     pub admin_addr: SocketAddr,
     pub shared: Arc<Shared>,
-    shutdown_tx: watch::Sender<bool>,
+    shutdown_tx: Arc<watch::Sender<bool>>,
     task: JoinHandle<ShutdownReport>,
 }
 
@@ -96,11 +104,13 @@ pub struct ShutdownReport {
     /// The log was closed cleanly (marker written).
     pub wal_closed: Result<(), String>,
     pub checkpoint: Result<u64, String>,
+    /// The task whose panic stopped the daemon, when one did.
+    pub failed_task: Option<&'static str>,
 }
 
 impl ShutdownReport {
     pub fn is_clean(&self) -> bool {
-        self.drained && self.wal_closed.is_ok() && self.checkpoint.is_ok()
+        self.drained && self.wal_closed.is_ok() && self.checkpoint.is_ok() && self.failed_task.is_none()
     }
 }
 
@@ -108,6 +118,12 @@ impl RunningDaemon {
     /// Starts the shutdown sequence (idempotent).
     pub fn shutdown(&self) {
         let _ = self.shutdown_tx.send(true);
+    }
+
+    /// Resolves once the shutdown sequence started, whether asked for or because a task
+    /// the daemon cannot run without panicked.
+    pub async fn stopping(&self) {
+        stopped(self.shutdown_tx.subscribe()).await;
     }
 
     /// Waits for the shutdown sequence to finish.
@@ -118,6 +134,7 @@ impl RunningDaemon {
                 drained: false,
                 wal_closed: Err(format!("daemon task failed: {e}")),
                 checkpoint: Err("not run".into()),
+                failed_task: None,
             },
         }
     }
@@ -236,6 +253,8 @@ pub async fn start(mut settings: Settings, metrics: Option<PrometheusHandle>) ->
     let admin_addr = admin_listener.local_addr().map_err(|source| StartError::Bind { listener: "admin", source })?;
 
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
+    let shutdown_tx = Arc::new(shutdown_tx);
+    let (failed_tx, mut failed_rx) = tokio::sync::mpsc::unbounded_channel::<&'static str>();
     let (http_stop_tx, http_stop_rx) = watch::channel(false);
     let (admin_stop_tx, admin_stop_rx) = watch::channel(false);
     let limits = ConnectionLimits {
@@ -244,32 +263,62 @@ pub async fn start(mut settings: Settings, metrics: Option<PrometheusHandle>) ->
         write_timeout: settings.write_timeout,
     };
     let grace = settings.grace_period;
-    let http_task = tokio::spawn(server::serve(
-        http_listener,
-        http_source::router(door),
-        limits.clone(),
-        stopped(http_stop_rx),
-        grace,
-        "webhook",
-    ));
-    let admin_task = tokio::spawn(server::serve(
-        admin_listener,
-        crate::admin::router(shared.clone()),
-        ConnectionLimits { max_connections: 64, ..limits.clone() },
-        stopped(admin_stop_rx),
-        Duration::from_secs(5),
-        "admin",
-    ));
-    let checkpoint_task = tokio::spawn(checkpoint_loop(idempotency.clone(), wal.clone(), settings.checkpoint_interval));
-    let upkeep_task = shared
-        .metrics
-        .clone()
-        .map(|h| tokio::spawn(crate::telemetry::upkeep_loop(h, crate::telemetry::UPKEEP_INTERVAL)));
+    let http_task = spawn_essential(
+        "the webhook listener",
+        server::serve(
+            http_listener,
+            http_source::router(door),
+            limits.clone(),
+            stopped(http_stop_rx),
+            grace,
+            "webhook",
+        ),
+        &failed_tx,
+    );
+    let admin_task = spawn_essential(
+        "the admin listener",
+        server::serve(
+            admin_listener,
+            crate::admin::router(shared.clone()),
+            ConnectionLimits { max_connections: 64, ..limits.clone() },
+            stopped(admin_stop_rx),
+            Duration::from_secs(5),
+            "admin",
+        ),
+        &failed_tx,
+    );
+    let checkpoint_task = spawn_essential(
+        "the idempotency checkpoint",
+        checkpoint_loop(idempotency.clone(), wal.clone(), settings.checkpoint_interval),
+        &failed_tx,
+    );
+    let upkeep_task = shared.metrics.clone().map(|h| {
+        spawn_essential(
+            "the metrics upkeep",
+            crate::telemetry::upkeep_loop(h, crate::telemetry::UPKEEP_INTERVAL),
+            &failed_tx,
+        )
+    });
+    // Only the tasks hold senders now: once they are all gone, `recv` says so.
+    drop(failed_tx);
     tracing::info!(webhook = %http_addr, admin = %admin_addr, "listening");
 
     let drain_delay = settings.drain_delay;
+    let stop_tx = shutdown_tx.clone();
     let task = tokio::spawn(async move {
-        stopped(shutdown_rx).await;
+        let failed_task = tokio::select! {
+            _ = stopped(shutdown_rx) => None,
+            Some(name) = failed_rx.recv() => Some(name),
+        };
+        if let Some(name) = failed_task {
+            tracing::error!(
+                task = name,
+                "a task the daemon cannot run without panicked (its message is above): stopping, exit status 1; \
+                 every event answered 200 is in the log"
+            );
+            // `stopping()` resolves for whoever waits on it (the binary's signal wait).
+            let _ = stop_tx.send(true);
+        }
         tracing::info!("shutting down: draining");
         health.start_draining();
         tokio::time::sleep(drain_delay).await;
@@ -298,11 +347,42 @@ pub async fn start(mut settings: Settings, metrics: Option<PrometheusHandle>) ->
         if let Some(t) = upkeep_task {
             t.abort();
         }
-        let report = ShutdownReport { drained, wal_closed, checkpoint };
+        let report = ShutdownReport { drained, wal_closed, checkpoint, failed_task };
         tracing::info!(?report, "shutdown complete");
         report
     });
     Ok(RunningDaemon { http_addr, admin_addr, shared, shutdown_tx, task })
+}
+
+/// Spawns a task the daemon cannot run without. Should it panic, `name` goes to `failed`
+/// as the panic unwinds (tokio keeps the panic itself to the join handle, which only the
+/// shutdown awaits), and the daemon stops.
+fn spawn_essential<F>(
+    name: &'static str,
+    task: F,
+    failed: &tokio::sync::mpsc::UnboundedSender<&'static str>,
+) -> JoinHandle<F::Output>
+where
+    F: std::future::Future + Send + 'static,
+    F::Output: Send + 'static,
+{
+    /// Reports its task's name if dropped while the thread panics: the task's future is
+    /// dropped while the panic unwinds out of its poll.
+    struct OnPanic(&'static str, tokio::sync::mpsc::UnboundedSender<&'static str>);
+
+    impl Drop for OnPanic {
+        fn drop(&mut self) {
+            if std::thread::panicking() {
+                let _ = self.1.send(self.0);
+            }
+        }
+    }
+
+    let watch = OnPanic(name, failed.clone());
+    tokio::spawn(async move {
+        let _watch = watch;
+        task.await
+    })
 }
 
 /// The least time the router is given to stop, even past the grace period: enough to

@@ -6,6 +6,7 @@
 //!   listeners are bound; a failure to write it stops the daemon.
 //! - A first SIGTERM/SIGINT drains; a second exits with 130 at once, which is safe
 //!   because every event answered 200 is already durable.
+//! - A daemon that stopped itself (a task it cannot run without panicked) exits 1.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -60,7 +61,11 @@ pub fn run(settings: Settings, ready_file: Option<PathBuf>) -> ExitCode {
             running.wait().await;
             return ExitCode::FAILURE;
         }
-        wait_for_signal().await;
+        // A task the daemon cannot run without that panicked stops it too.
+        tokio::select! {
+            _ = wait_for_signal() => {}
+            _ = running.stopping() => {}
+        }
         running.shutdown();
         // A second signal stops at once. Safe: every event answered 200 is already
         // durable in the log; only requests still in flight are cut (without a 200).
@@ -75,7 +80,10 @@ pub fn run(settings: Settings, ready_file: Option<PathBuf>) -> ExitCode {
         if !report.drained {
             tracing::warn!("some connections were still open after the grace period and were closed");
         }
-        if report.wal_closed.is_ok() && report.checkpoint.is_ok() {
+        if let Some(task) = report.failed_task {
+            eprintln!("iggy-ingest: stopped because {task} panicked: {report:?}");
+            ExitCode::FAILURE
+        } else if report.wal_closed.is_ok() && report.checkpoint.is_ok() {
             ExitCode::SUCCESS
         } else {
             eprintln!("iggy-ingest: unclean shutdown: {report:?}");
