@@ -153,6 +153,11 @@ impl AuthScheme {
             if tolerance_secs.is_some() && !timestamped {
                 return Err(("tolerance_secs", only("standard-webhooks and stripe")));
             }
+            // A secret nothing checks would let an operator believe the endpoint is
+            // guarded when anyone with its URL can post.
+            if scheme == "none" && secret.is_some_and(|s| !s.is_empty()) {
+                return Err(("secret", "is not used by auth_type = \"none\" (nothing is checked)".to_string()));
+            }
         }
         let tolerance_secs = tolerance_secs.unwrap_or(DEFAULT_TOLERANCE_SECS);
         Ok(match scheme {

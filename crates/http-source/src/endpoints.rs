@@ -85,6 +85,11 @@ pub enum EndpointError {
     UnknownSource(String),
     #[error("invalid auth: {0}")]
     InvalidAuth(String),
+    #[error(
+        "endpoint {0} has auth_type \"none\": it has no secret to rotate (its id is its only secret); \
+         register a new endpoint and revoke this one"
+    )]
+    NoSecret(String),
     #[error(transparent)]
     State(#[from] StateError),
 }
@@ -106,6 +111,25 @@ pub fn format_id(id: u128) -> String {
     format!("{id:032x}")
 }
 
+/// How logs name an endpoint: the first 8 of its 32 hex digits. Enough to find it in a
+/// listing, nothing like enough to post to it: for an endpoint with `auth_type = "none"`
+/// the full id is the only secret, and logs travel further than the admin API.
+pub fn id_prefix(id: u128) -> String {
+    format!("{:08x}", (id >> 96) as u32)
+}
+
+/// Why the endpoints could not be loaded at start.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    #[error(transparent)]
+    State(#[from] StateError),
+    #[error(
+        "the static endpoint whose id starts {0} was revoked through the admin API, and a revoked id \
+         never works again: give that endpoint a new id in the configuration file"
+    )]
+    RevokedStatic(String),
+}
+
 /// Parses a 32-hex-digit endpoint id.
 pub fn parse_id(s: &str) -> Option<u128> {
     if s.len() != 32 || !s.bytes().all(|b| b.is_ascii_hexdigit()) {
@@ -122,7 +146,9 @@ pub fn scheme_from_stored(a: &StoredAuth) -> Result<AuthScheme, String> {
     let timestamped = matches!(a.scheme.as_str(), "standard-webhooks" | "stripe");
     AuthScheme::from_parts(
         &a.scheme,
-        a.secret.as_deref(),
+        // Earlier builds stored a secret given for (or generated on rotating) an endpoint
+        // with no auth; it was never checked, and is not now.
+        a.secret.as_deref().filter(|_| a.scheme != "none"),
         a.header.as_deref().filter(|_| hmac),
         a.prefix.as_deref().filter(|_| hmac),
         a.tolerance_secs.filter(|_| timestamped),
@@ -158,12 +184,13 @@ pub struct EndpointRegistry {
 
 impl EndpointRegistry {
     /// Loads the static endpoints and every dynamic one from the state database.
-    /// A dynamic record whose auth no longer validates is skipped with an error log.
+    /// A dynamic record whose auth no longer validates is skipped with an error log. A
+    /// static endpoint whose id was revoked is refused: a revocation never comes back.
     pub fn load(
         state: Arc<StateDb>,
         sources: Vec<String>,
         statics: Vec<Endpoint>,
-    ) -> Result<EndpointRegistry, StateError> {
+    ) -> Result<EndpointRegistry, LoadError> {
         let next_version = AtomicU64::new(0);
         let first_version = |endpoint: Endpoint| {
             let version = next_version.fetch_add(1, Ordering::Relaxed);
@@ -174,15 +201,18 @@ impl EndpointRegistry {
             let auth = match scheme_from_stored(&record.auth) {
                 Ok(a) => a,
                 Err(e) => {
-                    tracing::error!(endpoint = %format_id(record.id), error = %e, "stored endpoint has invalid auth; it answers 404");
+                    tracing::error!(endpoint = %id_prefix(record.id), error = %e, "stored endpoint has invalid auth; it answers 404");
                     continue;
                 }
             };
             map.insert(record.id, first_version(endpoint_from_record(record, auth)));
         }
         for s in statics {
-            if map.contains_key(&s.id) {
-                tracing::warn!(endpoint = %format_id(s.id), "a static endpoint shadows a dynamic one with the same id");
+            if let Some(dynamic) = map.get(&s.id) {
+                if dynamic.endpoint.revoked_at_unix_ms.is_some() {
+                    return Err(LoadError::RevokedStatic(id_prefix(s.id)));
+                }
+                tracing::warn!(endpoint = %id_prefix(s.id), "a static endpoint shadows a dynamic one with the same id");
             }
             map.insert(s.id, first_version(s));
         }
@@ -319,6 +349,9 @@ impl EndpointRegistry {
     ) -> Result<EndpointRecord, EndpointError> {
         let _serial = self.changes.lock().await;
         let mut record = self.dynamic_record(id)?;
+        if record.auth.scheme == "none" {
+            return Err(EndpointError::NoSecret(format_id(id)));
+        }
         record.auth.secret = Some(secret.unwrap_or_else(|| generate_secret(&record.auth.scheme)));
         record.rotated_at_unix_ms = Some(now_unix_ms);
         let scheme = scheme_from_stored(&record.auth).map_err(EndpointError::InvalidAuth)?;
@@ -451,6 +484,14 @@ mod tests {
 
     fn bearer() -> StoredAuth {
         StoredAuth { scheme: "bearer".into(), secret: None, header: None, prefix: None, tolerance_secs: None }
+    }
+
+    #[test]
+    fn logs_name_an_endpoint_by_the_first_8_of_its_32_hex_digits() {
+        let id = 0x0123_4567_89ab_cdef_0011_2233_4455_6677u128;
+        assert_eq!(id_prefix(id), "01234567");
+        assert!(format_id(id).starts_with(&id_prefix(id)));
+        assert_eq!(id_prefix(0xabc), "00000000", "the leading digits, zeros included");
     }
 
     #[test]

@@ -35,7 +35,7 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use http_source::door::path_param;
-use http_source::endpoints::{EndpointError, format_id, parse_id};
+use http_source::endpoints::{EndpointError, format_id, id_prefix, parse_id};
 use http_source::error::ApiError;
 use ingest::{EndpointRecord, StoredAuth};
 use serde::Deserialize;
@@ -192,6 +192,7 @@ fn endpoint_error(e: EndpointError) -> ApiError {
     match e {
         EndpointError::Unknown(_) | EndpointError::Revoked(_) => ApiError::not_found(e.to_string()),
         EndpointError::Static(_) => ApiError::new(StatusCode::CONFLICT, "static_endpoint", e.to_string()),
+        EndpointError::NoSecret(_) => ApiError::new(StatusCode::CONFLICT, "no_secret", e.to_string()),
         EndpointError::UnknownSource(_) | EndpointError::InvalidAuth(_) => {
             ApiError::new(StatusCode::BAD_REQUEST, "invalid_request", e.to_string())
         }
@@ -282,7 +283,7 @@ async fn register(State(s): State<Arc<Shared>>, headers: HeaderMap, body: axum::
     let now = ingest::time::now_unix_ms();
     match s.endpoints.register(req.source, auth, req.handshake_param, req.expires_at_unix_ms, now).await {
         Ok(r) => {
-            tracing::info!(endpoint = %format_id(r.id), source = %r.source_key, "endpoint registered");
+            tracing::info!(endpoint = %id_prefix(r.id), source = %r.source_key, "endpoint registered");
             (StatusCode::CREATED, Json(record_json(&r, true))).into_response()
         }
         Err(e) => endpoint_error(e).into_response(),
@@ -323,7 +324,7 @@ async fn rotate(
     };
     match s.endpoints.rotate(id, req.auth_secret, ingest::time::now_unix_ms()).await {
         Ok(r) => {
-            tracing::info!(endpoint = %format_id(r.id), "endpoint secret rotated");
+            tracing::info!(endpoint = %id_prefix(r.id), "endpoint secret rotated");
             Json(record_json(&r, true)).into_response()
         }
         Err(e) => endpoint_error(e).into_response(),
@@ -341,7 +342,7 @@ async fn revoke(State(s): State<Arc<Shared>>, id: Result<Path<String>, PathRejec
     let Some(id) = parse_id(&id) else { return ApiError::not_found("no such endpoint").into_response() };
     match s.endpoints.revoke(id, ingest::time::now_unix_ms()).await {
         Ok(r) => {
-            tracing::info!(endpoint = %format_id(r.id), "endpoint revoked");
+            tracing::info!(endpoint = %id_prefix(r.id), "endpoint revoked");
             Json(record_json(&r, false)).into_response()
         }
         Err(e) => endpoint_error(e).into_response(),

@@ -1641,6 +1641,22 @@ auth_type = "hmac-sha256"
     }
 
     #[test]
+    fn a_secret_on_an_endpoint_without_auth_is_refused_at_its_key() {
+        let text = r#"
+[sources.github]
+destination = { stream = "s", topic = "t" }
+
+[[sources.github.endpoints]]
+id = "000102030405060708090a0b0c0d0e0f"
+auth_secret = "never checked"
+"#;
+        let e = errors(text);
+        assert_eq!(e.len(), 1, "{e:?}");
+        assert_eq!(e[0].path, "sources.github.endpoints[0].auth_secret");
+        assert_eq!(e[0].message, "is not used by auth_type = \"none\" (nothing is checked)");
+    }
+
+    #[test]
     fn type_errors_and_unknown_keys_name_the_path_and_line() {
         let e = errors("[http]\nmax_body_bytes = \"big\"\n");
         assert_eq!(e[0].path, "http.max_body_bytes");

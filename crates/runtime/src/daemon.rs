@@ -83,6 +83,8 @@ pub enum StartError {
     Mapping(String),
     #[error("cannot start delivery: {0}")]
     Delivery(String),
+    #[error(transparent)]
+    Endpoints(#[from] http_source::endpoints::LoadError),
     #[error("cannot bind the {listener} listener: {source}")]
     Bind { listener: &'static str, source: std::io::Error },
 }

@@ -86,6 +86,61 @@ async fn dynamic_endpoints_register_rotate_revoke_and_survive_restarts() {
     assert_eq!(log_len(&dir.path().join("data/wal")), 3);
 }
 
+/// An endpoint without auth has nothing to rotate: its id is its only secret. A rotate
+/// that answered a secret would let an operator believe a leaked URL was shut, and a
+/// secret given at registration would never be checked; both are refused. A revoked id
+/// written into the configuration file as a static endpoint refuses the start instead
+/// of coming back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_endpoint_without_auth_has_no_secret_to_set_or_rotate_and_its_revoked_id_never_comes_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = Daemon::start(dir.path(), "", SOURCES);
+    let mgmt = bearer(MANAGEMENT_TOKEN);
+    let auth = [("authorization", mgmt.as_str()), ("content-type", "application/json")];
+
+    let a = request(d.admin, "POST", "/v1/endpoints", &auth, r#"{"source":"default","auth_secret":"abc"}"#).await;
+    assert_eq!(a.status, 400, "{:?}", a.body);
+    let j = a.json();
+    assert_eq!(j["error"], "invalid_request", "{j}");
+    assert!(j["message"].as_str().unwrap().contains("not used by auth_type = \"none\""), "{j}");
+
+    let reg = request(d.admin, "POST", "/v1/endpoints", &auth, r#"{"source":"default"}"#).await;
+    assert_eq!(reg.status, 201, "{:?}", reg.body);
+    let reg = reg.json();
+    assert!(reg["secret"].is_null(), "{reg}");
+    let id = reg["id"].as_str().unwrap().to_string();
+    let path = format!("/v1/e/{id}");
+
+    let rot = request(d.admin, "POST", &format!("/v1/endpoints/{id}/rotate"), &auth, "").await;
+    assert_eq!(rot.status, 409, "{:?}", rot.body);
+    let j = rot.json();
+    assert_eq!(j["error"], "no_secret", "{j}");
+    assert!(j.get("secret").is_none(), "{j}");
+    let given = request(d.admin, "POST", &format!("/v1/endpoints/{id}/rotate"), &auth, r#"{"auth_secret":"x"}"#).await;
+    assert_eq!(given.status, 409, "{:?}", given.body);
+    // Nothing changed: the endpoint takes requests as before.
+    assert_eq!(request(d.http, "POST", &path, &[], "e1").await.status, 200);
+
+    assert_eq!(request(d.admin, "DELETE", &format!("/v1/endpoints/{id}"), &auth, "").await.status, 200);
+    assert!(d.stop().success());
+
+    // The revoked id as a static endpoint: the start is refused, naming the id's prefix.
+    let text = config_text(dir.path(), "", &format!("{SOURCES}\n[[sources.default.endpoints]]\nid = \"{id}\"\n"));
+    let cfg = dir.path().join("config.toml");
+    std::fs::write(&cfg, text).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_iggy-ingest"))
+        .args(["run", "--config"])
+        .arg(&cfg)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("was revoked") && err.contains(&id[..8]) && !err.contains(&id), "{err}");
+    assert_eq!(log_len(&dir.path().join("data/wal")), 1);
+}
+
 /// Reads what the server sends on `s` until it closes or `wait` passes.
 async fn answer_within(s: &mut tokio::net::TcpStream, wait: Duration) -> String {
     let mut buf = Vec::new();
