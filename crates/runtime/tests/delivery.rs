@@ -57,7 +57,7 @@ fn delivered_ns(broker: &TestBroker) -> Vec<u64> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn accepted_events_reach_iggy_and_the_admin_api_shows_the_destination() {
+async fn accepted_events_reach_the_test_broker_and_the_admin_api_shows_the_destination() {
     let broker = TestBroker::start(TestBrokerConfig::default()).await.unwrap();
     let dir = tempfile::tempdir().unwrap();
     let daemon = Daemon::start(dir.path(), "", &rest(broker.addr()));
@@ -67,7 +67,7 @@ async fn accepted_events_reach_iggy_and_the_admin_api_shows_the_destination() {
     }
     wait_until("delivered", Duration::from_secs(30), || broker.messages("ingest", "events").len() >= 50).await;
     assert_eq!(delivered_ns(&broker), (0..50).collect::<Vec<_>>());
-    // The ids Iggy stored are the ids in the log.
+    // The ids the broker stored are the ids in the log.
     let in_log: HashSet<u128> = read_log(&daemon.wal_dir()).iter().map(|(_, e)| e.header.message_id).collect();
     assert!(broker.messages("ingest", "events").iter().all(|m| in_log.contains(&m.id)));
 

@@ -329,10 +329,10 @@ async fn sigterm_drains_health_first_finishes_in_flight_and_closes_the_log() {
     assert_eq!(&log[0].1.payload[..], b"0123456789");
 }
 
-/// A send to an Iggy server that never answers does not hold the exit past the grace
+/// A send to a server that never answers (where Iggy should be) does not hold the exit past the grace
 /// period: the drain ends within it, the log is closed cleanly and holds the event.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_grace_period_bounds_the_drain_while_a_send_to_iggy_hangs() {
+async fn the_grace_period_bounds_the_drain_while_a_send_to_a_silent_server_hangs() {
     let dir = tempfile::tempdir().unwrap();
     // A server that takes connections and never answers a byte.
     let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
