@@ -2,6 +2,9 @@
 //! (checked by `systemd-analyze verify` where the machine has it), the container
 //! image's Dockerfile, and the configuration both run on.
 
+#[path = "common/skip.rs"]
+mod skip;
+
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -123,7 +126,10 @@ fn the_systemd_unit_runs_the_production_config_with_room_to_drain() {
 fn systemd_analyze_verifies_the_unit() {
     let probe = Command::new("systemd-analyze").arg("--version").output();
     if !probe.is_ok_and(|o| o.status.success()) {
-        eprintln!("skipped: systemd-analyze is not installed");
+        skip::skip_or_fail(
+            "systemd_analyze_verifies_the_unit",
+            "systemd-analyze is not installed (Debian: apt-get install systemd)",
+        );
         return;
     }
     // verify checks that ExecStart's program exists: point it at the binary just built.

@@ -80,9 +80,9 @@ async fn disk_full_answers_503_loses_nothing_and_resumes_when_space_returns() {
     let _mount = match Tmpfs::mount(&data, "8m") {
         Ok(m) => m,
         Err(why) => {
-            eprintln!(
-                "SKIPPED disk_full_answers_503_loses_nothing_and_resumes_when_space_returns: {why}. \
-                 A full disk was NOT tested; run the tests as root (CAP_SYS_ADMIN) to mount a tmpfs."
+            skip_or_fail(
+                "disk_full_answers_503_loses_nothing_and_resumes_when_space_returns",
+                &format!("{why}. A full disk was NOT tested; run the tests as root (CAP_SYS_ADMIN) to mount a tmpfs"),
             );
             return;
         }

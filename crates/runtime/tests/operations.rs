@@ -422,7 +422,10 @@ fn the_alert_file_is_yaml_of_the_rule_file_shape() {
     let out = match std::process::Command::new("python3").arg("-c").arg(script).arg(&path).output() {
         Ok(o) if o.status.success() => o,
         _ => {
-            eprintln!("skipped: python3 with the yaml module is not available");
+            skip_or_fail(
+                "the_alert_file_is_yaml_of_the_rule_file_shape",
+                "python3 with the yaml module is not available (Debian: apt-get install python3-yaml)",
+            );
             return;
         }
     };
@@ -450,18 +453,18 @@ fn the_alert_file_is_yaml_of_the_rule_file_shape() {
 /// Prometheus's own tool: the rules load (`promtool check rules`), and the unit tests in
 /// `config/prometheus/alerts_test.yml` (synthetic series; which alert fires, with which
 /// labels and annotations, at which minute) pass. Skipped, saying so, where promtool is
-/// not installed, unless `IGGY_INGEST_REQUIRE_PROMTOOL` is set (CI installs it and sets it).
+/// not installed, unless `IGGY_INGEST_REQUIRE_ALL_CHECKS` is set (CI installs it and sets it).
 #[test]
 fn the_alert_rules_load_in_prometheus_and_pass_their_unit_tests() {
     let dir = repo().join("config/prometheus");
     let run = |args: &[&str]| std::process::Command::new("promtool").args(args).current_dir(&dir).output();
     let check = match run(&["check", "rules", "alerts.yml"]) {
         Ok(o) => o,
-        Err(e)
-            if e.kind() == std::io::ErrorKind::NotFound
-                && std::env::var_os("IGGY_INGEST_REQUIRE_PROMTOOL").is_none() =>
-        {
-            eprintln!("skipped: promtool is not installed (Debian: apt-get install prometheus)");
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            skip_or_fail(
+                "the_alert_rules_load_in_prometheus_and_pass_their_unit_tests",
+                "promtool is not installed (Debian: apt-get install prometheus)",
+            );
             return;
         }
         Err(e) => panic!("promtool could not be run: {e}"),

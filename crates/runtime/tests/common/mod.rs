@@ -13,6 +13,9 @@ use hyper::client::conn::http1::SendRequest;
 use hyper_util::rt::TokioIo;
 use ingest::Envelope;
 
+mod skip;
+pub use skip::skip_or_fail;
+
 pub const MANAGEMENT_TOKEN: &str = "test-management-token-0123";
 
 /// Generous: the machine running the tests may be busy compiling.
