@@ -16,8 +16,13 @@
 //!
 //! A crash between the append and the key record therefore loses nothing and does not
 //! even open a duplicate window (the rebuild restores the key); the only duplicates
-//! possible are deliveries retried after the retention window, or records released
-//! from the log before the checkpoint covered them.
+//! possible are deliveries retried after the retention window. Two things keep it so:
+//! - the log is not released at or above the durable checkpoint
+//!   ([`IdempotencyIndex::durable_through`], which the router's cursor store answers as
+//!   its release ceiling), so a record leaves the log only once its key is durable;
+//! - a key whose record failed (the database refused it, the recorder thread is gone)
+//!   holds the checkpoint below its record until a rebuild from the log restored it,
+//!   which the next checkpoint runs.
 //!
 //! The other way round, the log can end below keys the database kept: under
 //! `wal.sync = "interval"` a key is recorded once its append is written, before the sync,
@@ -53,6 +58,7 @@
 //!   of such a delivery is appended again (a duplicate, never a loss).
 
 use std::collections::HashSet;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use redb::{Durability, ReadableDatabase, ReadableTable};
@@ -123,6 +129,12 @@ pub struct RebuildReport {
 pub struct IdempotencyIndex {
     state: Arc<StateDb>,
     retention_ms: u64,
+    /// The durable checkpoint: every key of a record below it is durable in the state
+    /// database. Set by [`IdempotencyIndex::rebuild`], raised by each checkpoint.
+    durable_through: Arc<AtomicU64>,
+    /// The first offset of the earliest record whose key could not be recorded since
+    /// the last rebuild: the checkpoint stays below it until a rebuild restored it.
+    first_unrecorded: Mutex<Option<u64>>,
     gate: Arc<RwLock<()>>,
     in_flight: Mutex<HashSet<Vec<u8>>>,
     recorder: Mutex<Option<std::sync::mpsc::Sender<RecordJob>>>,
@@ -208,6 +220,8 @@ impl IdempotencyIndex {
         IdempotencyIndex {
             state,
             retention_ms,
+            durable_through: Arc::new(AtomicU64::new(0)),
+            first_unrecorded: Mutex::new(None),
             gate: Arc::new(RwLock::new(())),
             in_flight: Mutex::new(HashSet::new()),
             recorder: Mutex::new(recorder),
@@ -217,6 +231,12 @@ impl IdempotencyIndex {
 
     pub fn retention_ms(&self) -> u64 {
         self.retention_ms
+    }
+
+    /// The durable checkpoint, live: the log may be released below it (and not above,
+    /// or a crash could take a record whose key only the log still held).
+    pub fn durable_through(&self) -> Arc<AtomicU64> {
+        self.durable_through.clone()
     }
 
     /// Claims `key` for one request. `None` when another request holds it.
@@ -249,6 +269,16 @@ impl IdempotencyIndex {
     /// Records an acceptance (non-durably: see the module doc for why that is safe).
     /// Resolves once the record is committed (non-durably), so the claim may be dropped.
     pub async fn record(&self, claim: &Claim, prior: PriorAcceptance) -> Result<(), StateError> {
+        let recorded = self.record_once(claim, prior).await;
+        if recorded.is_err() {
+            // Still under the claim's shared gate, so a checkpoint cannot run in between.
+            let mut first = self.first_unrecorded.lock().unwrap_or_else(|p| p.into_inner());
+            *first = Some(first.map_or(prior.first_offset, |f| f.min(prior.first_offset)));
+        }
+        recorded
+    }
+
+    async fn record_once(&self, claim: &Claim, prior: PriorAcceptance) -> Result<(), StateError> {
         let (reply, done) = oneshot::channel();
         let sent = {
             let recorder = self.recorder.lock().unwrap_or_else(|p| p.into_inner());
@@ -270,6 +300,13 @@ impl IdempotencyIndex {
         let through = {
             let _exclusive = self.gate.write().await;
             self.recover_locked(wal, now_unix_ms).await?;
+            let unrecorded = *self.first_unrecorded.lock().unwrap_or_else(|p| p.into_inner());
+            if unrecorded.is_some() {
+                // Keys the recorder did not take: restore them from the log (durably),
+                // as a restart would, before the checkpoint may pass their records.
+                let report = self.rebuild(wal, now_unix_ms)?;
+                tracing::warn!(?report, "delivery ids that could not be recorded were restored from the log");
+            }
             wal.next_offset()
         };
         let state = self.state.clone();
@@ -277,6 +314,7 @@ impl IdempotencyIndex {
         tokio::task::spawn_blocking(move || commit_checkpoint(&state, through, cutoff))
             .await
             .map_err(|e| StateError::Storage(format!("checkpoint task failed: {e}")))??;
+        self.durable_through.fetch_max(through, Ordering::AcqRel);
         Ok(through)
     }
 
@@ -420,6 +458,10 @@ impl IdempotencyIndex {
             meta.insert(META_KEYS_BELOW, next.max(stats.next_offset)).map_err(storage_err)?;
         }
         txn.commit().map_err(storage_err)?;
+        self.durable_through.store(next.max(from), Ordering::Release);
+        // Every key of the log from `from` on is in the database now, those whose record
+        // failed included.
+        *self.first_unrecorded.lock().unwrap_or_else(|p| p.into_inner()) = None;
         Ok(report)
     }
 }
@@ -506,6 +548,56 @@ mod tests {
         assert_ne!(endpoint(1).table_key(), key("d").table_key());
         assert_ne!(endpoint(1).table_key(), endpoint(2).table_key());
         assert_eq!(endpoint(1).table_key(), endpoint(1).table_key());
+    }
+
+    /// A key whose record failed (here: the recorder thread is gone) must not be passed
+    /// over by a checkpoint, or neither a restart nor the log (released below the
+    /// checkpoint) could restore it: the checkpoint restores it from the log first, and
+    /// the log's release ceiling (`durable_through`) follows the checkpoint.
+    #[tokio::test]
+    async fn a_key_the_recorder_could_not_take_is_restored_from_the_log_before_a_checkpoint_passes_it() {
+        use crate::{Destination, Event, Ingestor, Partitioning, Submission};
+        let state = Arc::new(StateDb::open_in_memory().unwrap());
+        let sim = wal::storage::SimStorage::new();
+        let wal =
+            Arc::new(Wal::open_with(Arc::new(sim), std::path::Path::new("/wal"), wal::WalOptions::default()).unwrap());
+        let now = crate::time::now_unix_ms();
+        let index = Arc::new(IdempotencyIndex::new(state, 86_400_000));
+        index.rebuild(&wal, now).unwrap();
+        let ingestor = Ingestor::new(wal.clone(), index.clone());
+        let submission = |delivery_key: Option<&str>| Submission {
+            source_key: "s".into(),
+            endpoint_id: None,
+            content_type: None,
+            metadata: vec![],
+            headers: vec![],
+            delivery_key: delivery_key.map(str::to_string),
+            events: vec![Event {
+                destination: Destination {
+                    stream: "a".into(),
+                    topic: "b".into(),
+                    partitioning: Partitioning::Balanced,
+                },
+                payload: bytes::Bytes::from_static(b"{}"),
+            }],
+            received_at_unix_ms: now,
+        };
+        ingestor.accept(submission(None)).await.unwrap();
+        assert_eq!(index.checkpoint(&wal, now).await.unwrap(), 1);
+        assert_eq!(index.durable_through().load(Ordering::Acquire), 1);
+
+        *index.recorder.lock().unwrap() = None;
+        let first = ingestor.accept(submission(Some("d-1"))).await.unwrap();
+        assert_eq!((first.first_offset, first.replayed), (1, false));
+        assert_eq!(index.lookup(&key("d-1"), now).unwrap(), None, "the key was not recorded");
+        assert_eq!(index.durable_through().load(Ordering::Acquire), 1, "nothing is released past it yet");
+
+        assert_eq!(index.checkpoint(&wal, now).await.unwrap(), 2);
+        assert_eq!(index.lookup(&key("d-1"), now).unwrap().map(|p| p.first_offset), Some(1));
+        assert_eq!(index.durable_through().load(Ordering::Acquire), 2);
+        let retry = ingestor.accept(submission(Some("d-1"))).await.unwrap();
+        assert_eq!((retry.first_offset, retry.replayed), (1, true));
+        assert_eq!(wal.next_offset(), 2, "the retry appended nothing");
     }
 
     #[tokio::test]

@@ -208,8 +208,8 @@ impl Ingestor {
             accepted_at_unix_ms: s.received_at_unix_ms,
         };
         if let Err(e) = self.idempotency.record(&claim, prior).await {
-            // The events are durable; the key is restored from the log when the state
-            // database recovers (the next checkpoint) or the daemon restarts.
+            // The events are durable; the key is restored from the log by the next
+            // checkpoint (which does not pass this record before) or a restart.
             metrics::counter!("iggy_ingest_idempotency_record_failures_total").increment(1);
             tracing::error!(source = %s.source_key, error = %e, "recording a delivery id failed; a retry may duplicate until the state database recovers");
         }

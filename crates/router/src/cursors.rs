@@ -10,6 +10,9 @@
 //! - A record below its own destination's cursor as the router found it at start was
 //!   delivered there before the restart (`DeliveredAtStart`, the one place that says
 //!   so for records a lane of another destination sees).
+//! - The log is never released at or above the store's `release_ceiling`: the daemon's
+//!   store answers the idempotency index's durable checkpoint, so a record leaves the log
+//!   only once its delivery id is durable elsewhere.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -31,6 +34,12 @@ pub trait CursorStore: Send + Sync + 'static {
     /// below it is left); all or nothing. Blocking: called once at start, before the
     /// router runs.
     fn lower(&self, cursors: Vec<(LaneKey, u64)>) -> Result<(), String>;
+
+    /// The log may be released below this offset at most, whatever the cursors say
+    /// (default: no bound).
+    fn release_ceiling(&self) -> u64 {
+        u64::MAX
+    }
 }
 
 /// One source's stored cursors as the router found them at start (none above the log's
@@ -64,15 +73,31 @@ impl DeliveredAtStart {
 }
 
 /// Cursors kept in memory only: a test double, never durable.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct MemoryCursorStore {
     cursors: Mutex<HashMap<LaneKey, u64>>,
     commits: Mutex<u64>,
+    release_ceiling: std::sync::atomic::AtomicU64,
+}
+
+impl Default for MemoryCursorStore {
+    fn default() -> MemoryCursorStore {
+        MemoryCursorStore {
+            cursors: Mutex::default(),
+            commits: Mutex::default(),
+            release_ceiling: std::sync::atomic::AtomicU64::new(u64::MAX),
+        }
+    }
 }
 
 impl MemoryCursorStore {
     pub fn new() -> MemoryCursorStore {
         MemoryCursorStore::default()
+    }
+
+    /// What [`CursorStore::release_ceiling`] answers from now on (no bound at first).
+    pub fn set_release_ceiling(&self, below: u64) {
+        self.release_ceiling.store(below, std::sync::atomic::Ordering::Release);
     }
 
     pub fn get(&self, lane: &LaneKey) -> Option<u64> {
@@ -100,6 +125,10 @@ impl CursorStore for MemoryCursorStore {
         Ok(())
     }
 
+    fn release_ceiling(&self) -> u64 {
+        self.release_ceiling.load(std::sync::atomic::Ordering::Acquire)
+    }
+
     fn lower(&self, cursors: Vec<(LaneKey, u64)>) -> Result<(), String> {
         *self.commits.lock().unwrap_or_else(|p| p.into_inner()) += 1;
         let mut c = self.cursors.lock().unwrap_or_else(|p| p.into_inner());
@@ -115,6 +144,11 @@ impl CursorStore for MemoryCursorStore {
 /// Cursors in the daemon's state database: one durable redb transaction per store.
 pub struct StateCursorStore {
     state: Arc<StateDb>,
+    /// The idempotency index's durable checkpoint
+    /// ([`ingest::IdempotencyIndex::durable_through`]): the keys of every record below
+    /// it are durable in the state database. A record above it may still need the log
+    /// to rebuild its key after a crash, so it is not released before.
+    keys_durable_below: Option<Arc<std::sync::atomic::AtomicU64>>,
 }
 
 impl std::fmt::Debug for StateCursorStore {
@@ -125,7 +159,13 @@ impl std::fmt::Debug for StateCursorStore {
 
 impl StateCursorStore {
     pub fn new(state: Arc<StateDb>) -> StateCursorStore {
-        StateCursorStore { state }
+        StateCursorStore { state, keys_durable_below: None }
+    }
+
+    /// Releases of the log wait for the idempotency index's checkpoints.
+    pub fn with_keys_durable_below(mut self, below: Arc<std::sync::atomic::AtomicU64>) -> StateCursorStore {
+        self.keys_durable_below = Some(below);
+        self
     }
 }
 
@@ -156,6 +196,10 @@ impl CursorStore for StateCursorStore {
 
     fn lower(&self, cursors: Vec<(LaneKey, u64)>) -> Result<(), String> {
         self.state.lower_cursors(&rows(cursors)).map_err(|e| e.to_string())
+    }
+
+    fn release_ceiling(&self) -> u64 {
+        self.keys_durable_below.as_ref().map_or(u64::MAX, |b| b.load(std::sync::atomic::Ordering::Acquire))
     }
 }
 

@@ -284,7 +284,7 @@ impl Router {
         let ctx = LaneContext {
             wal: wal.clone(),
             sink,
-            cursors,
+            cursors: cursors.clone(),
             processed_below: processed_below.clone(),
             delivered: delivered.clone(),
             cursor_dirty,
@@ -310,6 +310,7 @@ impl Router {
         tasks.push(spawn_task(
             release_loop(
                 wal,
+                cursors.clone(),
                 lanes.clone(),
                 processed_below,
                 held_from.clone(),
@@ -461,8 +462,9 @@ impl Drop for OnDrop {
 }
 
 #[allow(clippy::too_many_arguments)]
-async fn release_loop(
+async fn release_loop<C: CursorStore>(
     wal: Arc<Wal>,
+    cursors: Arc<C>,
     lanes: Lanes,
     processed_below: Arc<AtomicU64>,
     held_from: Arc<AtomicU64>,
@@ -500,6 +502,9 @@ async fn release_loop(
         }
         metrics::gauge!("iggy_connector_held_bytes").set(held_bytes as f64);
         metrics::gauge!("iggy_connector_oldest_held_age_seconds").set(oldest_ms.unwrap_or(0) as f64 / 1000.0);
+        // Nor past what the cursor store's owner still needs of the log (the daemon: a
+        // record whose delivery id is not yet durably checkpointed).
+        low = low.min(cursors.release_ceiling());
         if low > released_below.load(Ordering::Acquire) {
             match wal.release_below(low).await {
                 Ok(r) => {

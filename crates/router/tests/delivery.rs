@@ -108,6 +108,31 @@ async fn a_client_wide_outage_holds_everything_and_opens_no_breaker() {
     router.shutdown().await;
 }
 
+/// The cursor store's owner can hold the log below its release ceiling (the daemon: the
+/// idempotency checkpoint), however far the cursors got; it goes once the ceiling rises.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_log_is_not_released_past_the_cursor_stores_ceiling() {
+    let sim = SimStorage::new();
+    let wal = open_wal(&sim);
+    let sink = FaultySink::new();
+    let cursors = Arc::new(MemoryCursorStore::new());
+    cursors.set_release_ceiling(10);
+    let dests = [key("c", "x")];
+    fill(&wal, &dests, 0, 400).await;
+    let router = Router::start(wal.clone(), sink.clone(), cursors.clone(), Policies::uniform(fast_policy())).unwrap();
+    eventually(Duration::from_secs(20), "all delivered", || sink.ids(&dests[0]).len() == 400).await;
+    let lane = router::LaneKey { source: "test".into(), destination: dests[0].clone() };
+    eventually(Duration::from_secs(10), "cursor stored", || cursors.get(&lane) == Some(400)).await;
+    // Two release rounds (one a second, and one per delivery).
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert_eq!(router.released_below(), 10);
+    assert!(wal.start_offset() <= 10, "the log starts at {}", wal.start_offset());
+    cursors.set_release_ceiling(u64::MAX);
+    eventually(Duration::from_secs(10), "released", || router.released_below() == 400).await;
+    assert!(wal.start_offset() > 10, "the log starts at {}", wal.start_offset());
+    router.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restart_resumes_from_the_cursors_without_loss_and_with_the_same_ids() {
     let sim = SimStorage::new();

@@ -215,8 +215,14 @@ pub async fn start(mut settings: Settings, metrics: Option<PrometheusHandle>) ->
         }
     }
     let delivery = Arc::new(
-        crate::delivery::Delivery::start(&settings.delivery, wal.clone(), state.clone(), known_at_start)
-            .map_err(StartError::Delivery)?,
+        crate::delivery::Delivery::start(
+            &settings.delivery,
+            wal.clone(),
+            state.clone(),
+            idempotency.durable_through(),
+            known_at_start,
+        )
+        .map_err(StartError::Delivery)?,
     );
 
     let shared = Arc::new(Shared {

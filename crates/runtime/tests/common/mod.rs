@@ -14,6 +14,7 @@ use hyper_util::rt::TokioIo;
 use ingest::Envelope;
 
 mod skip;
+#[allow(unused_imports)] // not every test file skips
 pub use skip::skip_or_fail;
 
 pub const MANAGEMENT_TOKEN: &str = "test-management-token-0123";
