@@ -22,7 +22,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 
 use ingest::envelope::{Envelope, EnvelopeSummary};
-use tokio::sync::{Semaphore, watch};
+use tokio::sync::watch;
 use wal::{Record, Wal};
 
 use crate::cursors::{CursorStore, DeliveredAtStart};
@@ -339,9 +339,11 @@ pub(crate) fn new_source_route<S: Sink, C: CursorStore>(
             own.then_some(None)
         })
     };
-    // Within tokio's `Semaphore::MAX_PERMITS`: `RouterPolicy::validate` bounds it.
-    let share =
-        SourceShare { send_slots: Arc::new(Semaphore::new(policy.max_concurrent_destinations)), policy, belongs };
+    let share = SourceShare {
+        send_slots: Arc::new(crate::lane::SendSlots::new(policy.max_concurrent_destinations)),
+        policy,
+        belongs,
+    };
     let delivered_at_start = Arc::new(DeliveredAtStart::of_source(cursors_at_start, source));
     let dead_letter_lane = dead_letter.map(|destination| {
         let key = LaneKey { source: source.to_string(), destination };

@@ -163,12 +163,45 @@ struct Info {
     out_of_range_counted: Option<u64>,
 }
 
+/// A source's sends in flight: at most `max_concurrent_destinations`, of which lanes
+/// whose last attempt failed hold at most half (at least one). Such a lane can hold its
+/// slot for a whole result timeout (twice, with the ping after it); without the bound,
+/// a handful of destinations that never answer would take every slot of their source
+/// and queue its healthy destinations behind their timeouts. With one slot in all, a
+/// failing lane can still hold it: sends are then one at a time by the operator's choice.
+#[derive(Debug)]
+pub(crate) struct SendSlots {
+    all: Semaphore,
+    failing: Semaphore,
+}
+
+/// A send slot, held for one attempt.
+pub(crate) struct SendSlot<'a> {
+    _failing: Option<tokio::sync::SemaphorePermit<'a>>,
+    _slot: tokio::sync::SemaphorePermit<'a>,
+}
+
+impl SendSlots {
+    /// `max` is within tokio's `Semaphore::MAX_PERMITS`: `RouterPolicy::validate` bounds it.
+    pub(crate) fn new(max: usize) -> SendSlots {
+        SendSlots { all: Semaphore::new(max), failing: Semaphore::new((max / 2).max(1)) }
+    }
+
+    /// Waits for a slot; a lane whose last attempt failed (`failing`) first waits for one
+    /// of the failing lanes' share. `None` once the slots are closed.
+    pub(crate) async fn acquire(&self, failing: bool) -> Option<SendSlot<'_>> {
+        let failing = if failing { Some(self.failing.acquire().await.ok()?) } else { None };
+        let slot = self.all.acquire().await.ok()?;
+        Some(SendSlot { _failing: failing, _slot: slot })
+    }
+}
+
 pub(crate) struct Lane {
     pub key: LaneKey,
     /// The policy of the lane's source.
     pub policy: Arc<RouterPolicy>,
     /// The source's limit on sends in flight.
-    pub send_slots: Arc<Semaphore>,
+    pub send_slots: Arc<SendSlots>,
     /// Which records read back from the log are this lane's.
     pub belongs: Arc<BelongsFn>,
     gate: Mutex<Gate>,
@@ -205,7 +238,7 @@ impl std::fmt::Debug for Lane {
 #[derive(Clone)]
 pub(crate) struct SourceShare {
     pub policy: Arc<RouterPolicy>,
-    pub send_slots: Arc<Semaphore>,
+    pub send_slots: Arc<SendSlots>,
     pub belongs: Arc<BelongsFn>,
 }
 
@@ -950,7 +983,7 @@ async fn attempt<S: Sink, C>(
     if !wait.is_zero() {
         return Attempt::Retry;
     }
-    let Ok(_slot) = lane.send_slots.acquire().await else { return Attempt::ShuttingDown };
+    let Some(_slot) = lane.send_slots.acquire(*failures > 0).await else { return Attempt::ShuttingDown };
     let timeout = lane.policy.batch.result_timeout;
     let result: Result<Option<TopicInfo>, SendError> = match op {
         Op::Unsendable(e) => Err(e),
@@ -1110,7 +1143,7 @@ async fn dead_letter<S: Sink, C>(
     let mut failures = 0u32;
     loop {
         let sent = {
-            let Ok(_slot) = lane.send_slots.acquire().await else { return Delivery::ShuttingDown };
+            let Some(_slot) = lane.send_slots.acquire(failures > 0).await else { return Delivery::ShuttingDown };
             match (bounded(&*ctx.sink, timeout, ctx.sink.ensure(dlq)).await, &mut prepared) {
                 (Err(e), _) => Err(e),
                 (Ok(_), Err(e)) => Err(e.clone()),

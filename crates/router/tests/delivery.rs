@@ -108,6 +108,45 @@ async fn a_client_wide_outage_holds_everything_and_opens_no_breaker() {
     router.shutdown().await;
 }
 
+/// Destinations that never answer cannot take every send slot of their source: while
+/// they fail, they hold at most half of them, so a healthy destination of the same
+/// source is never queued behind their result timeouts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failing_destinations_leave_a_healthy_one_of_their_source_a_send_slot() {
+    let sim = SimStorage::new();
+    let wal = open_wal(&sim);
+    let sink = FaultySink::new();
+    let bad: Vec<_> = (0..4).map(|i| key("slots", &format!("bad-{i}"))).collect();
+    let good = key("slots", "good");
+    for d in &bad {
+        sink.fault(d, Some(Fault::BlackHole));
+    }
+    let mut policy = fast_policy();
+    policy.max_concurrent_destinations = 2;
+    policy.batch.result_timeout = Duration::from_secs(1);
+    policy.batch.backoff_base = Duration::from_millis(10);
+    policy.batch.backoff_max = Duration::from_millis(50);
+    // The bad ones keep retrying instead of resting behind an open breaker.
+    policy.breaker.failure_threshold = 1_000;
+    fill(&wal, &bad, 0, 4).await;
+    let router =
+        Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), Policies::uniform(policy))
+            .unwrap();
+    // Every bad destination has timed out at least once by now.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(bad.iter().all(|d| sink.calls(d) + sink.ensured(d) >= 1));
+    let mut slowest = Duration::ZERO;
+    for n in 0..5u64 {
+        let appended = std::time::Instant::now();
+        wal.append(vec![record(&good, 100 + n, Partitioning::Balanced)]).await.unwrap();
+        eventually(Duration::from_secs(10), "good delivered", || sink.ids(&good).len() == n as usize + 1).await;
+        slowest = slowest.max(appended.elapsed());
+    }
+    // Well below the bad destinations' 1 s result timeout.
+    assert!(slowest < Duration::from_millis(600), "a record for the healthy destination waited {slowest:?}");
+    router.shutdown().await;
+}
+
 /// The cursor store's owner can hold the log below its release ceiling (the daemon: the
 /// idempotency checkpoint), however far the cursors got; it goes once the ceiling rises.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
