@@ -330,27 +330,54 @@ async fn receive_inner(
             ApiError::new(StatusCode::BAD_REQUEST, "invalid_content_type", "Content-Type is not valid ASCII")
         })?),
     };
+    let delivery_key = if source.idempotency { delivery_key(source, auth, &parts.headers)? } else { None };
+    // A retry of a delivery the log already holds is a replay, also when its body or its
+    // route would be refused now (a mapping, a content rule or a limit changed since it
+    // was accepted): the sender was answered 200 for it, and must not be told otherwise.
+    let endpoint_id = endpoint.as_ref().map(|e| e.endpoint.id);
+    let replay = || -> Option<Response> {
+        let key =
+            ingest::IdempotencyKey { source_key: source.key.clone(), endpoint_id, delivery_key: delivery_key.clone()? };
+        let accepted = door.ingestor.replay_of(&key, received_at_unix_ms)?;
+        if let Some(s) = status {
+            s.accepted(accepted.events, true);
+        }
+        if let Some(m) = metrics {
+            m.requests_2xx.increment(1);
+        }
+        Some(accepted_response(&accepted, 0))
+    };
     let reads_payload = source.destinations.route().is_some() || source.partitioning.reads_payload();
     let max_events = door.limits.max_events_per_request;
-    let decoded = body::decode_with(content_type, body, source.accept, reads_payload, max_events).map_err(|e| {
-        let status = match e {
-            BodyError::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
-            BodyError::TooManyEvents { .. } => StatusCode::PAYLOAD_TOO_LARGE,
-            _ => StatusCode::BAD_REQUEST,
-        };
-        ApiError::new(status, e.reason(), e.to_string())
-    })?;
+    let decoded = match body::decode_with(content_type, body, source.accept, reads_payload, max_events) {
+        Ok(d) => d,
+        Err(e) => {
+            let status = match e {
+                BodyError::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                BodyError::TooManyEvents { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+                _ => StatusCode::BAD_REQUEST,
+            };
+            return replay().ok_or_else(|| ApiError::new(status, e.reason(), e.to_string()));
+        }
+    };
 
-    let delivery_key = if source.idempotency { delivery_key(source, auth, &parts.headers)? } else { None };
     let routing = metrics.map(|m| &m.routing);
-    let resolution = resolve(source, &parts.headers, decoded.events, decoded.lines.as_deref(), decoded.values)
-        .map_err(|r| {
+    let resolution = match resolve(source, &parts.headers, decoded.events, decoded.lines.as_deref(), decoded.values) {
+        Ok(r) => r,
+        Err(r) => {
+            if let Some(replayed) = replay() {
+                return Ok(replayed);
+            }
             if let Some(m) = routing {
                 m.refused(r.kind);
             }
-            ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, r.kind.code(), r.message)
-        })?;
+            return Err(ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, r.kind.code(), r.message));
+        }
+    };
     if resolution.events.is_empty() {
+        if let Some(replayed) = replay() {
+            return Ok(replayed);
+        }
         // Every event was dropped by the route: nothing to append, and the sender is
         // told how many were dropped.
         if let Some(m) = metrics {
@@ -375,7 +402,7 @@ async fn receive_inner(
     }
     let submission = Submission {
         source_key: source.key.clone(),
-        endpoint_id: endpoint.as_ref().map(|e| e.endpoint.id),
+        endpoint_id,
         content_type: decoded.content_type,
         metadata,
         headers,
@@ -400,16 +427,21 @@ async fn receive_inner(
             m.routing.key_misses(&resolution.key_misses);
         }
     }
+    Ok(accepted_response(&accepted, resolution.dropped))
+}
+
+/// The 200 for events in the log: appended now, or (`replayed`) earlier.
+fn accepted_response(accepted: &ingest::Accepted, dropped: u64) -> Response {
     let body = AcceptedBody {
         accepted: accepted.events,
         offsets: Some([accepted.first_offset, accepted.last_offset]),
-        dropped: (resolution.dropped > 0).then_some(resolution.dropped),
+        dropped: (dropped > 0).then_some(dropped),
     };
     let mut resp = (StatusCode::OK, axum::Json(body)).into_response();
     if accepted.replayed {
         resp.headers_mut().insert("idempotent-replayed", HeaderValue::from_static("true"));
     }
-    Ok(resp)
+    resp
 }
 
 /// The body of a 200: `{"accepted": n, "offsets": [first, last]}` when something was

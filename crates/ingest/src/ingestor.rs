@@ -161,6 +161,39 @@ impl Ingestor {
         .map_err(|e| IngestError::Internal(format!("accept task failed: {e}")))?
     }
 
+    /// The earlier acceptance of the delivery `key`, for a request the door refuses
+    /// before it reaches [`Ingestor::accept`] (under the configuration of now, its body or
+    /// its route no longer passes: a mapping or a limit changed since): a retry of a
+    /// delivery the log holds is answered as the replay it is, whatever the
+    /// configuration says now. `None` when there is none, when the log does not hold it
+    /// durably, or when the state database cannot say (the refusal stands then).
+    pub fn replay_of(&self, key: &IdempotencyKey, now_unix_ms: u64) -> Option<Accepted> {
+        let prior = self.idempotency.lookup(key, now_unix_ms).ok()??;
+        self.replay(key, prior).ok()
+    }
+
+    /// Answers a delivery found in the index as a replay of `prior`.
+    fn replay(&self, key: &IdempotencyKey, prior: PriorAcceptance) -> Result<Accepted, IngestError> {
+        if !self.wal.accepts_appends() && prior.last_offset >= self.wal.next_offset() {
+            // The log stopped (under `interval`, a failed sync may have taken records
+            // already answered) and does not hold these offsets durably: a replay
+            // would answer 200 for an event that may be gone. Refused like a new
+            // request; after the restart the key is forgotten if its record is, and
+            // the retry is appended again.
+            return Err(IngestError::Stopped(format!(
+                "the log takes no appends and does not hold offsets {} to {} durably",
+                prior.first_offset, prior.last_offset
+            )));
+        }
+        metrics::counter!("iggy_ingest_idempotent_replays_total", "source" => key.source_key.clone()).increment(1);
+        Ok(Accepted {
+            events: prior.last_offset - prior.first_offset + 1,
+            first_offset: prior.first_offset,
+            last_offset: prior.last_offset,
+            replayed: true,
+        })
+    }
+
     async fn accept_inner(&self, s: Submission) -> Result<Accepted, IngestError> {
         if s.events.is_empty() {
             return Err(IngestError::Empty);
@@ -171,27 +204,7 @@ impl Ingestor {
         let key = IdempotencyKey { source_key: s.source_key.clone(), endpoint_id: s.endpoint_id, delivery_key };
         let claim = self.idempotency.claim(&key).await.ok_or(IngestError::InFlight)?;
         match self.idempotency.lookup(&key, s.received_at_unix_ms) {
-            Ok(Some(prior)) if !self.wal.accepts_appends() && prior.last_offset >= self.wal.next_offset() => {
-                // The log stopped (under `interval`, a failed sync may have taken records
-                // already answered) and does not hold these offsets durably: a replay
-                // would answer 200 for an event that may be gone. Refused like a new
-                // request; after the restart the key is forgotten if its record is, and
-                // the retry is appended again.
-                return Err(IngestError::Stopped(format!(
-                    "the log takes no appends and does not hold offsets {} to {} durably",
-                    prior.first_offset, prior.last_offset
-                )));
-            }
-            Ok(Some(prior)) => {
-                metrics::counter!("iggy_ingest_idempotent_replays_total", "source" => s.source_key.clone())
-                    .increment(1);
-                return Ok(Accepted {
-                    events: prior.last_offset - prior.first_offset + 1,
-                    first_offset: prior.first_offset,
-                    last_offset: prior.last_offset,
-                    replayed: true,
-                });
-            }
+            Ok(Some(prior)) => return self.replay(&key, prior),
             Ok(None) => {}
             Err(e @ StateError::Storage(_)) => {
                 // Reopen it now rather than at the next checkpoint. The task waits at the

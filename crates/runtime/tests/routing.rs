@@ -312,3 +312,41 @@ async fn a_failed_or_malformed_mapping_fetch_refuses_to_start() {
         assert!(!dir.path().join("data/wal").exists(), "nothing is opened before the mapping is loaded");
     }
 }
+
+/// A sender's retry of a delivery the log holds is answered as the replay it is, also
+/// after a restart whose configuration would now refuse its route (422) or drop it: it
+/// was answered 200 once, and a 4xx now would tell the sender otherwise.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_of_an_accepted_delivery_is_a_replay_under_a_route_that_would_refuse_it_now() {
+    let dir = tempfile::tempdir().unwrap();
+    let before = "[router]\nenabled = false\n\n[sources.orders]\naccept = \"json\"\n\
+                  route = { topic_field = \"type\", default_stream = \"o\", default_topic = \"other\", mapping = { a = \"alpha\" }, on_missing_destination = \"error\" }\n";
+    let d = Daemon::start(dir.path(), "", before);
+    let json_key = |k: &'static str| [("content-type", "application/json"), ("idempotency-key", k)];
+    let first = request(d.http, "POST", "/v1/sources/orders", &json_key("d-1"), r#"{"type":"a"}"#).await;
+    assert_eq!(first.status, 200, "{:?}", first.body);
+    assert_eq!(first.json()["offsets"], json!([0, 0]));
+    assert!(d.stop().success());
+
+    // "a" is no longer mapped: a new delivery of it is refused, the retry is a replay.
+    let refusing = before.replace("mapping = { a = \"alpha\" }", "mapping = { b = \"beta\" }");
+    let d = Daemon::start(dir.path(), "", &refusing);
+    let retry = request(d.http, "POST", "/v1/sources/orders", &json_key("d-1"), r#"{"type":"a"}"#).await;
+    assert_eq!((retry.status, retry.json()), (200, json!({"accepted": 1, "offsets": [0, 0]})));
+    assert_eq!(retry.header("idempotent-replayed"), Some("true"));
+    assert_refused(
+        &request(d.http, "POST", "/v1/sources/orders", &json_key("d-2"), r#"{"type":"a"}"#).await,
+        "unknown_destination",
+    );
+    assert!(d.stop().success());
+
+    // Now the route drops it: the retry is still a replay, not `{"accepted": 0}`.
+    let dropping = refusing.replace("on_missing_destination = \"error\"", "on_missing_destination = \"drop\"");
+    let d = Daemon::start(dir.path(), "", &dropping);
+    let retry = request(d.http, "POST", "/v1/sources/orders", &json_key("d-1"), r#"{"type":"a"}"#).await;
+    assert_eq!((retry.status, retry.json()), (200, json!({"accepted": 1, "offsets": [0, 0]})));
+    let dropped = request(d.http, "POST", "/v1/sources/orders", &json_key("d-3"), r#"{"type":"a"}"#).await;
+    assert_eq!((dropped.status, dropped.json()), (200, json!({"accepted": 0, "dropped": 1})));
+    assert!(d.stop().success());
+    assert_eq!(log_len(&dir.path().join("data/wal")), 1, "no retry appended anything");
+}
