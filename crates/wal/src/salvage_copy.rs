@@ -1,5 +1,5 @@
-//! Salvage by copy: every record of a damaged log that still checks, copied into a new
-//! log directory under its original offset, the source left untouched.
+//! Salvage by copy: every whole batch of a damaged log that still checks, copied into a
+//! new log directory under its original offsets, the source left untouched.
 //!
 //! `RecoveryMode::Salvage` keeps a log usable in place and gives up everything after the
 //! first damage. This is for the day a disk error hit the middle of a log and the records
@@ -10,6 +10,15 @@
 //! - A record is copied only if its frame header and payload checksums hold, and only
 //!   in increasing offset order: a frame whose offset is not above the last copied one
 //!   is skipped (a stale or duplicated frame can never shadow a record).
+//! - Batches are copied whole or not at all, as recovery keeps them: a batch is copied
+//!   only when its every record checked, in offset order, from a frame where a batch is
+//!   known to begin (the first frame of a file, or the frame right after one whose
+//!   checked header ends a batch) through the one flagged `END_OF_BATCH`, each copied
+//!   frame keeping its flag. The records of a batch whose closing record was lost (a
+//!   write that never finished, damage, a seal or an offset out of sequence, the end of
+//!   the file) or that may have lost its first records (damage just before them) are
+//!   left out and reported as skipped, with their count: copied, they would pass for a
+//!   whole batch that was never stored whole.
 //! - Every record keeps its offset, so the delivery cursors stored beside the log stay
 //!   true for the copy. Missing offsets start a new segment flagged `GAP_BEFORE`, which
 //!   the log accepts as a salvage gap.
@@ -33,7 +42,7 @@ use crate::scan::ChunkReader;
 use crate::storage::{OpenMode, Storage};
 use crate::watermark::Bound;
 
-/// The largest new segment written (a single larger record gets a segment of its own).
+/// The largest new segment written (a single larger batch gets a segment of its own).
 const COPY_SEGMENT_BYTES: usize = 64 * 1024 * 1024;
 
 /// Bytes of a source segment that were skipped.
@@ -43,6 +52,9 @@ pub struct Skipped {
     /// First and one-past-last byte position skipped.
     pub from: u64,
     pub to: u64,
+    /// Records in the range that checked but were left out because their batch is not
+    /// whole in the source; 0 for bytes that do not check.
+    pub records: u64,
     pub why: String,
 }
 
@@ -55,10 +67,14 @@ pub struct CopyReport {
     pub first_offset: Option<u64>,
     /// The offset after the last copied record.
     pub next_offset: Option<u64>,
-    /// Offsets between the first and last copied record that no valid frame held:
-    /// `(first, last)` inclusive.
+    /// Offsets between the first and last copied record that the copy does not hold (no
+    /// frame that checks held them, or their batch was not whole): `(first, last)`
+    /// inclusive.
     pub missing_offsets: Vec<(u64, u64)>,
     pub skipped: Vec<Skipped>,
+    /// Records that checked but were left out because their batch is not whole in the
+    /// source (the sum of `Skipped::records`).
+    pub partial_batch_records: u64,
 }
 
 struct Out<'a> {
@@ -81,13 +97,13 @@ impl Out<'_> {
         self.gap_before = gap_before;
     }
 
-    fn push(&mut self, offset: u64, payload: &[u8], crc: u32) {
+    fn push(&mut self, offset: u64, payload: &[u8], crc: u32, ends_batch: bool) {
         let h = FrameHeader {
             payload_len: payload.len() as u32,
             offset,
             // Everything before this frame is durable by the time anyone reads it.
             synced_len: self.buf.len() as u64,
-            flags: FLAG_END_OF_BATCH,
+            flags: if ends_batch { FLAG_END_OF_BATCH } else { 0 },
             payload_crc: crc,
         };
         self.buf.extend_from_slice(&h.encode());
@@ -97,6 +113,37 @@ impl Out<'_> {
 
     fn holds_records(&self) -> bool {
         self.buf.len() as u64 > SEGMENT_HEADER_LEN
+    }
+
+    /// Adds a whole batch after the last copied record `last`, in a new segment when the
+    /// offsets do not continue or the current one has no room for all of it.
+    fn push_batch(&mut self, report: &mut CopyReport, last: &mut Option<u64>, batch: &Batch) -> Result<()> {
+        let first = batch.first;
+        let contiguous = last.is_some_and(|l| l + 1 == first);
+        if !self.holds_records() {
+            self.start(first, last.is_some() && !contiguous);
+        } else if !contiguous
+            || self.buf.len() as u64 + batch.frame_bytes() + FRAME_HEADER_LEN > COPY_SEGMENT_BYTES as u64
+        {
+            self.finish(Some(if contiguous { first } else { self.next }))?;
+            self.start(first, !contiguous);
+        }
+        if let Some(l) = *last
+            && !contiguous
+        {
+            report.missing_offsets.push((l + 1, first - 1));
+        }
+        let mut at = 0;
+        for (i, h) in batch.headers.iter().enumerate() {
+            let payload = &batch.payloads[at..at + h.payload_len as usize];
+            at += payload.len();
+            self.push(h.offset, payload, h.payload_crc, i + 1 == batch.headers.len());
+            report.payload_bytes += u64::from(h.payload_len);
+        }
+        report.records += batch.headers.len() as u64;
+        report.first_offset.get_or_insert(first);
+        *last = Some(batch.next - 1);
+        Ok(())
     }
 
     /// Writes the segment being built; sealed at `seal_at` when a successor follows.
@@ -115,8 +162,55 @@ impl Out<'_> {
     }
 }
 
-/// Copies every record of the log in `src` that still checks into a new log in `dst`,
-/// which must not hold a log yet. The source is opened read-only and never changed. If a
+/// The records of the batch the walk is in, held until its closing record checks.
+struct Batch {
+    /// Byte positions of its first frame and just past its last.
+    from: u64,
+    to: u64,
+    /// It began where a batch is known to begin: once it closes, it is whole.
+    known_start: bool,
+    first: u64,
+    /// The offset after its last record.
+    next: u64,
+    headers: Vec<FrameHeader>,
+    payloads: Vec<u8>,
+}
+
+impl Batch {
+    fn frame_bytes(&self) -> u64 {
+        self.headers.iter().map(FrameHeader::frame_len).sum()
+    }
+
+    /// Reports the batch as left out; `closed`: its closing record checked.
+    fn leave_out(self, report: &mut CopyReport, path: &Path, closed: bool) {
+        let n = self.headers.len() as u64;
+        let why = match (self.known_start, closed) {
+            (true, _) => "whose closing record was lost",
+            (false, true) => "whose first records may have been lost before them",
+            (false, false) => "whose first records may have been lost before them, and its closing record after them",
+        };
+        let (first, last) = (self.first, self.next - 1);
+        let why = format!("{n} record(s) of a batch {why} (offsets {first}..={last})");
+        report.skipped.push(Skipped { file: path.to_path_buf(), from: self.from, to: self.to, records: n, why });
+        report.partial_batch_records += n;
+    }
+}
+
+/// What the walk found at a position.
+enum Found {
+    Seal,
+    Record(FrameHeader),
+    /// Bytes that do not hold a frame that checks. `batch_after`: the frame's header
+    /// checked and ends a batch (only its payload did not), so a batch begins where it
+    /// ends.
+    Bad {
+        why: String,
+        batch_after: Option<u64>,
+    },
+}
+
+/// Copies every whole batch of the log in `src` that still checks into a new log in
+/// `dst`, which must not hold a log yet. The source is opened read-only and never changed. If a
 /// writer took the source's lock while it was copied (the daemon started), the copy does
 /// not stand: `Err(Unsettled)`, and `dst` is to be removed and the copy made again.
 /// Beside a writer that has not published its watermark yet (it is recovering) it waits
@@ -191,81 +285,94 @@ fn copy_bounded(storage: &dyn Storage, src: &Path, dst: &Path, read: Bound) -> R
             },
         };
         if let Some(why) = header_problem {
-            report.skipped.push(Skipped { file: path.clone(), from: 0, to: SEGMENT_HEADER_LEN.min(len), why });
+            let to = SEGMENT_HEADER_LEN.min(len);
+            report.skipped.push(Skipped { file: path.clone(), from: 0, to, records: 0, why });
         }
         let mut pos = SEGMENT_HEADER_LEN.min(len);
         // Where the current run of bytes that did not check began, and why.
         let mut bad: Option<(u64, String)> = None;
+        // Where a batch is known to begin: a batch never spans files, so at the first frame
+        // of each, and then right after each frame whose checked header ends a batch.
+        let mut batch_start = Some(pos);
+        // The batch the walk is in, copied once its closing record checks.
+        let mut batch: Option<Batch> = None;
         // Zeros to the end of a file are what the writer writes ahead of its records:
         // nothing was there. Looked for wherever the walk meets a zero byte that does not
         // check, at a frame position or among skipped bytes, once per run of zeros (the
         // byte before was not zero), so each byte is looked at a bounded number of times.
         let mut in_zeros = false;
         while pos < len {
-            let frame = match r.get(pos, FRAME_HEADER_LEN as usize).map_err(io)? {
-                None => Err("truncated frame header".to_string()),
-                Some(b) => match FrameHeader::decode(b) {
-                    Err(p) => Err(p.to_string()),
-                    Ok(h) if h.is_seal() => Ok(None),
-                    Ok(h) if h.offset > OFFSET_MAX || last.is_some_and(|l| h.offset <= l) => {
-                        Err(format!("frame claims offset {} out of order", h.offset))
-                    }
-                    Ok(h) => match r.get(pos + FRAME_HEADER_LEN, h.payload_len as usize).map_err(io)? {
-                        None => Err("truncated payload".to_string()),
-                        Some(p) => match h.check_payload(p) {
-                            Ok(()) => Ok(Some(h)),
-                            Err(e) => Err(e.to_string()),
-                        },
-                    },
-                },
-            };
-            match frame {
-                Ok(None) => {
-                    // A seal carries no record.
+            // A frame must be above the last record copied, and continue the batch the
+            // walk is in.
+            let floor = batch.as_ref().map_or(last, |b| Some(b.next - 1));
+            let found = find(&mut r, &path, pos, floor)?;
+            match found {
+                Found::Seal => {
+                    // A seal carries no record, and the writer seals only between batches.
                     in_zeros = false;
                     close_bad(&mut report, &path, &mut bad, pos);
+                    let inside = batch.take().map(|b| b.leave_out(&mut report, &path, false)).is_some();
                     pos += FRAME_HEADER_LEN;
+                    batch_start = if inside { None } else { Some(pos) };
                 }
-                Ok(Some(h)) => {
+                Found::Record(h) => {
                     in_zeros = false;
                     close_bad(&mut report, &path, &mut bad, pos);
+                    if let Some(b) = batch.take_if(|b| b.next != h.offset) {
+                        // Not the record the batch needs next: it never closed here.
+                        b.leave_out(&mut report, &path, false);
+                    }
+                    let b = batch.get_or_insert_with(|| Batch {
+                        from: pos,
+                        to: pos,
+                        known_start: batch_start == Some(pos),
+                        first: h.offset,
+                        next: h.offset,
+                        headers: Vec::new(),
+                        payloads: Vec::new(),
+                    });
                     let payload = r
                         .get(pos + FRAME_HEADER_LEN, h.payload_len as usize)
                         .map_err(io)?
                         .ok_or_else(|| WalError::io(&path, std::io::ErrorKind::UnexpectedEof.into()))?;
-                    let contiguous = last.is_some_and(|l| l + 1 == h.offset);
-                    let frame_len = h.frame_len() as usize;
-                    if !out.holds_records() {
-                        out.start(h.offset, last.is_some() && !contiguous);
-                    } else if !contiguous || out.buf.len() + frame_len + FRAME_HEADER_LEN as usize > COPY_SEGMENT_BYTES
-                    {
-                        out.finish(Some(if contiguous { h.offset } else { out.next }))?;
-                        out.start(h.offset, !contiguous);
-                    }
-                    if let Some(l) = last
-                        && !contiguous
-                    {
-                        report.missing_offsets.push((l + 1, h.offset - 1));
-                    }
-                    out.push(h.offset, payload, h.payload_crc);
-                    report.records += 1;
-                    report.payload_bytes += u64::from(h.payload_len);
-                    report.first_offset.get_or_insert(h.offset);
-                    last = Some(h.offset);
+                    b.payloads.extend_from_slice(payload);
+                    b.headers.push(h);
+                    b.next = h.offset + 1;
                     pos += h.frame_len();
+                    b.to = pos;
+                    if h.ends_batch() {
+                        batch_start = Some(pos);
+                        if let Some(b) = batch.take() {
+                            if b.known_start {
+                                out.push_batch(&mut report, &mut last, &b)?;
+                            } else {
+                                b.leave_out(&mut report, &path, true);
+                            }
+                        }
+                    }
                 }
-                Err(why) => {
+                Found::Bad { why, batch_after } => {
+                    if let Some(b) = batch.take() {
+                        b.leave_out(&mut report, &path, false);
+                    }
                     let zero = r.get(pos, 1).map_err(io)?.is_some_and(|b| b[0] == 0);
                     if zero && !in_zeros && r.zeros_to_end(pos).map_err(io)? {
                         // Bytes skipped before the zeros end where they begin.
                         close_bad(&mut report, &path, &mut bad, pos);
                         break;
                     }
+                    if batch_after.is_some() {
+                        batch_start = batch_after;
+                    }
                     in_zeros = zero;
                     bad.get_or_insert((pos, why));
                     pos += 1;
                 }
             }
+        }
+        // A batch never spans files: one still open here never closed.
+        if let Some(b) = batch.take() {
+            b.leave_out(&mut report, &path, false);
         }
         close_bad(&mut report, &path, &mut bad, len);
     }
@@ -276,8 +383,35 @@ fn copy_bounded(storage: &dyn Storage, src: &Path, dst: &Path, read: Bound) -> R
     Ok(report)
 }
 
+/// What stands at `pos`: a seal, a record that checks and whose offset is above `floor`,
+/// or bytes to skip.
+fn find(r: &mut ChunkReader<'_>, path: &Path, pos: u64, floor: Option<u64>) -> Result<Found> {
+    let io = |e| WalError::io(path, e);
+    let bad = |why: String| Ok(Found::Bad { why, batch_after: None });
+    let h = match r.get(pos, FRAME_HEADER_LEN as usize).map_err(io)? {
+        None => return bad("truncated frame header".to_string()),
+        Some(b) => match FrameHeader::decode(b) {
+            Err(p) => return bad(p.to_string()),
+            Ok(h) => h,
+        },
+    };
+    if h.is_seal() {
+        return Ok(Found::Seal);
+    }
+    if h.offset > OFFSET_MAX || floor.is_some_and(|l| h.offset <= l) {
+        return bad(format!("frame claims offset {} out of order", h.offset));
+    }
+    match r.get(pos + FRAME_HEADER_LEN, h.payload_len as usize).map_err(io)? {
+        None => bad("truncated payload".to_string()),
+        Some(p) => match h.check_payload(p) {
+            Ok(()) => Ok(Found::Record(h)),
+            Err(e) => Ok(Found::Bad { why: e.to_string(), batch_after: h.ends_batch().then(|| pos + h.frame_len()) }),
+        },
+    }
+}
+
 fn close_bad(report: &mut CopyReport, path: &Path, bad: &mut Option<(u64, String)>, to: u64) {
     if let Some((from, why)) = bad.take() {
-        report.skipped.push(Skipped { file: path.to_path_buf(), from, to, why });
+        report.skipped.push(Skipped { file: path.to_path_buf(), from, to, records: 0, why });
     }
 }

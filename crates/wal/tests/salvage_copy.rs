@@ -1,5 +1,6 @@
-//! Salvage by copy: every record that still checks, under its own offset, in a new log;
-//! the source untouched, a live writer's unsynced bytes left out.
+//! Salvage by copy: every whole batch that still checks, under its own offsets, in a new
+//! log; the source untouched, a live writer's unsynced bytes and batches that are not
+//! whole left out.
 
 mod common;
 
@@ -8,7 +9,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
-use wal::format::{FRAME_HEADER_LEN, SEGMENT_HEADER_LEN, segment_file_name};
+use wal::format::{
+    FLAG_END_OF_BATCH, FRAME_HEADER_LEN, FrameHeader, SEGMENT_HEADER_LEN, SegmentHeader, segment_file_name,
+};
 use wal::salvage_copy::salvage_copy;
 use wal::storage::{CrashMode, SimStorage, Storage};
 use wal::{SyncPolicy, Wal, WalOptions, inspect};
@@ -20,6 +23,163 @@ fn out_dir() -> PathBuf {
 fn copied(sim: &SimStorage) -> Vec<(u64, u64)> {
     let wal = Wal::open_read_only_with(Arc::new(sim.clone()) as Arc<dyn Storage>, &out_dir()).expect("copy opens");
     read_all(&wal, wal.start_offset()).iter().map(|r| (r.offset, tag_of(&r.payload))).collect()
+}
+
+/// Every record frame of the copy, in file order, with whether it ends its batch.
+fn copied_frames(sim: &SimStorage) -> Vec<(u64, bool)> {
+    let mut out = Vec::new();
+    for name in segment_files(sim, &out_dir()) {
+        let b = sim.read_file(&out_dir().join(name)).unwrap();
+        let mut pos = SEGMENT_HEADER_LEN as usize;
+        while pos < b.len() {
+            let h = FrameHeader::decode(&b[pos..]).expect("the copy's frames check");
+            if !h.is_seal() {
+                out.push((h.offset, h.ends_batch()));
+            }
+            pos += h.frame_len() as usize;
+        }
+    }
+    out
+}
+
+/// A record frame written by hand, as the writer writes it: `synced_len` is where the
+/// write holding its batch began.
+fn frame(offset: u64, ends_batch: bool, synced_len: u64) -> Vec<u8> {
+    let payload = payload(offset, 50);
+    let h = FrameHeader {
+        payload_len: payload.len() as u32,
+        offset,
+        synced_len,
+        flags: if ends_batch { FLAG_END_OF_BATCH } else { 0 },
+        payload_crc: crc32fast::hash(&payload),
+    };
+    let mut b = h.encode().to_vec();
+    b.extend_from_slice(&payload);
+    b
+}
+
+fn write_source(sim: &SimStorage, bytes: &[u8]) {
+    sim.create_dir_all(&dir()).unwrap();
+    sim.write_file_durably(&dir().join(segment_file_name(0)), bytes).unwrap();
+}
+
+fn source_end(sim: &SimStorage) -> u64 {
+    Wal::open_read_only_with(Arc::new(sim.clone()) as Arc<dyn Storage>, &dir()).expect("the source opens").next_offset()
+}
+
+/// A batch of three records (offsets 1 to 3) whose write never finished: the power
+/// failed before its sync, so no one was told it was stored. Its first two records
+/// survived whole, the third did not (torn, or never written). The copy must not hold
+/// the two as if they were a batch: it holds what recovery would keep, and reports the
+/// two as left out.
+#[test]
+fn a_batch_that_never_closed_is_not_copied() {
+    for torn in [&[][..], &[0xAB; 40][..]] {
+        let sim = SimStorage::new();
+        let mut b = SegmentHeader { base_offset: 0, flags: 0 }.encode().to_vec();
+        b.extend(frame(0, true, SEGMENT_HEADER_LEN));
+        let batch_at = b.len() as u64;
+        b.extend(frame(1, false, batch_at));
+        b.extend(frame(2, false, batch_at));
+        let batch_end = b.len() as u64;
+        b.extend_from_slice(torn);
+        write_source(&sim, &b);
+
+        let report = salvage_copy(&sim, &dir(), &out_dir()).unwrap();
+        assert_eq!(source_end(&sim), 1, "recovery keeps only the first batch");
+        assert_eq!(report.next_offset, Some(source_end(&sim)), "{report:?}");
+        assert_eq!(report.records, 1, "{report:?}");
+        assert_eq!(report.partial_batch_records, 2, "{report:?}");
+        assert_eq!(copied(&sim), vec![(0, 0)]);
+        assert_eq!(copied_frames(&sim), vec![(0, true)]);
+        let s = &report.skipped[0];
+        assert_eq!((s.from, s.to), (batch_at, batch_end), "{report:?}");
+        assert!(s.why.contains("closing record was lost") && s.why.contains("1..=2"), "{}", s.why);
+        assert_eq!(s.records, 2);
+        if torn.is_empty() {
+            assert_eq!(report.skipped.len(), 1, "{report:?}");
+        } else {
+            assert_eq!(report.skipped.len(), 2, "{report:?}");
+            assert_eq!((report.skipped[1].from, report.skipped[1].to), (batch_end, batch_end + 40));
+        }
+        assert!(inspect::verify(&sim, &out_dir(), &mut |_| {}).unwrap().is_clean());
+    }
+}
+
+/// After damage the walk picks up at the next frame that checks, but a record found there
+/// may belong to a batch whose first records were in the damaged bytes: the records up to
+/// the end of that batch are left out, and the next batch is copied.
+#[test]
+fn records_after_damage_whose_batch_may_have_begun_before_it_are_not_copied() {
+    let sim = SimStorage::new();
+    let mut b = SegmentHeader { base_offset: 0, flags: 0 }.encode().to_vec();
+    b.extend(frame(0, true, SEGMENT_HEADER_LEN));
+    let batch_at = b.len() as u64;
+    b.extend(frame(1, false, batch_at));
+    let damaged_at = b.len() as u64;
+    b.extend_from_slice(&[0xAB; 40]);
+    let resync_at = b.len() as u64;
+    b.extend(frame(2, false, batch_at));
+    b.extend(frame(3, true, batch_at));
+    let next_batch_at = b.len() as u64;
+    b.extend(frame(4, true, next_batch_at));
+    write_source(&sim, &b);
+
+    let report = salvage_copy(&sim, &dir(), &out_dir()).unwrap();
+    assert_eq!(copied(&sim), vec![(0, 0), (4, 4)]);
+    assert_eq!(copied_frames(&sim), vec![(0, true), (4, true)]);
+    assert_eq!(report.records, 2);
+    assert_eq!(report.partial_batch_records, 3, "{report:?}");
+    assert_eq!(report.next_offset, Some(5));
+    assert_eq!(report.missing_offsets, vec![(1, 3)]);
+    let ranges: Vec<(u64, u64)> = report.skipped.iter().map(|s| (s.from, s.to)).collect();
+    assert_eq!(ranges, vec![(batch_at, damaged_at), (damaged_at, resync_at), (resync_at, next_batch_at)]);
+    assert!(inspect::verify(&sim, &out_dir(), &mut |_| {}).unwrap().is_clean());
+}
+
+/// Whole batches are copied as batches: only the last record of each ends it, so the
+/// copy's recovery keeps or drops each whole, as the source's would.
+#[test]
+fn a_whole_batch_is_copied_with_its_flags() {
+    let sim = SimStorage::new();
+    let wal = open(&sim, small_options());
+    rt().block_on(async {
+        wal.append(vec![payload(0, 50)]).await.unwrap();
+        wal.append(vec![payload(1, 50), payload(2, 50), payload(3, 50)]).await.unwrap();
+        wal.append(vec![payload(4, 50)]).await.unwrap();
+    });
+    drop(wal);
+
+    let report = salvage_copy(&sim, &dir(), &out_dir()).unwrap();
+    assert!(report.skipped.is_empty(), "{report:?}");
+    assert_eq!((report.records, report.partial_batch_records), (5, 0));
+    assert_eq!(copied(&sim), (0..5).map(|o| (o, o)).collect::<Vec<_>>());
+    assert_eq!(copied_frames(&sim), vec![(0, true), (1, false), (2, false), (3, true), (4, true)]);
+}
+
+/// A record whose payload alone was damaged still tells, by its checked header, that it
+/// ended its batch: the batch after it is known to begin where it ends, and is copied
+/// whole.
+#[test]
+fn the_batch_after_a_record_whose_payload_alone_was_damaged_is_copied_whole() {
+    let sim = SimStorage::new();
+    let mut b = SegmentHeader { base_offset: 0, flags: 0 }.encode().to_vec();
+    b.extend(frame(0, true, SEGMENT_HEADER_LEN));
+    let damaged_at = b.len() as u64;
+    b.extend(frame(1, true, damaged_at));
+    let batch_at = b.len() as u64;
+    b[(damaged_at + FRAME_HEADER_LEN + 3) as usize] ^= 0x40;
+    b.extend(frame(2, false, batch_at));
+    b.extend(frame(3, true, batch_at));
+    write_source(&sim, &b);
+
+    let report = salvage_copy(&sim, &dir(), &out_dir()).unwrap();
+    assert_eq!(copied(&sim), vec![(0, 0), (2, 2), (3, 3)]);
+    assert_eq!(copied_frames(&sim), vec![(0, true), (2, false), (3, true)]);
+    assert_eq!(report.partial_batch_records, 0, "{report:?}");
+    assert_eq!(report.missing_offsets, vec![(1, 1)]);
+    let ranges: Vec<(u64, u64)> = report.skipped.iter().map(|s| (s.from, s.to)).collect();
+    assert_eq!(ranges, vec![(damaged_at, batch_at)]);
 }
 
 #[test]

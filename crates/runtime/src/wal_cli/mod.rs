@@ -5,7 +5,7 @@
 //!  dump     the decoded envelopes, filtered, as text, NDJSON or bare payloads
 //!  tail     like dump, then follows new records as the daemon syncs them
 //!  verify   every header and checksum and the offset sequence; exit 0 / 1 / 2
-//!  salvage  every record that still checks, copied under its offset into a new log
+//!  salvage  every whole batch that still checks, copied under its offsets into a new log
 //! ```
 //!
 //! Invariants:
@@ -68,11 +68,12 @@ pub enum WalCommand {
         iggy-ingest wal verify ./data/wal\n  \
         iggy-ingest wal verify ./data/wal --json > report.json || echo damaged")]
     Verify(VerifyArgs),
-    /// Copies every record that still checks into a new log, keeping offsets.
+    /// Copies every whole batch that still checks into a new log, keeping offsets.
     #[command(after_help = "The source is only read. Stop the daemon, salvage into a new directory \
         beside the log directory (never inside it), check the copy with `wal verify`, then put the \
         copy in place of the log directory.\n\nExit status: 0 everything \
-        copied, 1 copied with skipped damage (listed), 2 unusable arguments.\n\nExamples:\n  \
+        copied, 1 copied with something skipped (damage, or records of an unfinished batch; listed), 2 \
+        unusable arguments.\n\nExamples:\n  \
         iggy-ingest wal salvage ./data/wal --out ./data/wal.salvaged")]
     Salvage(SalvageArgs),
 }

@@ -1,5 +1,5 @@
-//! `wal salvage DIR --out NEWDIR`: every record that still checks, copied under its own
-//! offset into a new log (`wal::salvage_copy`), for the day a disk error damaged the
+//! `wal salvage DIR --out NEWDIR`: every whole batch that still checks, copied under its
+//! own offsets into a new log (`wal::salvage_copy`), for the day a disk error damaged the
 //! middle of a log.
 //!
 //! Invariants:
@@ -8,10 +8,13 @@
 //!   (compared with every symlink and `..` resolved, as the writes would resolve them):
 //!   the runbook moves the log directory aside and the copy into its place.
 //! - Offsets are kept, so the delivery cursors beside the log stay true for the copy;
-//!   every skipped byte range and every missing offset range is reported.
-//! - Exit 0 when everything was copied, 1 when damage was skipped (the copy is still a
-//!   whole log), 2 for unusable arguments (an `--out` above, or one that exists and is
-//!   not a directory), each said in one line before anything is written.
+//!   every skipped byte range and every missing offset range is reported, and so are the
+//!   records left out because their batch is not whole (a batch is copied whole or not
+//!   at all), with their count.
+//! - Exit 0 when everything was copied, 1 when anything was skipped (damage, or records
+//!   of a batch that is not whole; the copy is still a whole log), 2 for unusable
+//!   arguments (an `--out` above, or one that exists and is not a directory), each said
+//!   in one line before anything is written.
 
 use std::io::{self, Write};
 use std::path::{Component, Path, PathBuf};
@@ -59,7 +62,7 @@ pub(crate) fn run(a: SalvageArgs) -> CliResult {
         }
     }
     let mut out = stdout();
-    let damaged = !report.skipped.is_empty() || !report.missing_offsets.is_empty();
+    let skipped_any = !report.skipped.is_empty() || !report.missing_offsets.is_empty();
     if a.json {
         write_json_line(
             &mut out,
@@ -72,7 +75,8 @@ pub(crate) fn run(a: SalvageArgs) -> CliResult {
                 "first_offset": report.first_offset,
                 "next_offset": report.next_offset,
                 "missing_offsets": report.missing_offsets.iter().map(|(a, b)| json!({"first": a, "last": b})).collect::<Vec<_>>(),
-                "skipped": report.skipped.iter().map(|s| json!({"file": s.file, "from": s.from, "to": s.to, "why": s.why})).collect::<Vec<_>>(),
+                "skipped": report.skipped.iter().map(|s| json!({"file": s.file, "from": s.from, "to": s.to, "records": s.records, "why": s.why})).collect::<Vec<_>>(),
+                "partial_batch_records": report.partial_batch_records,
             }),
         )?;
     } else {
@@ -90,22 +94,30 @@ pub(crate) fn run(a: SalvageArgs) -> CliResult {
         for (first, last) in &report.missing_offsets {
             writeln!(out, "missing offsets {first}..={last} ({} record(s))", last - first + 1)?;
         }
+        // Bytes that do not check, or offsets missing, are damage; records of a batch that
+        // is not whole alone are the trace of a write that never finished.
+        let damage = report.skipped.iter().any(|s| s.records == 0) || !report.missing_offsets.is_empty();
+        let left_out = match (damage, report.partial_batch_records) {
+            (false, 0) => "; nothing skipped".to_string(),
+            (true, 0) => "; damage skipped, see above".to_string(),
+            (false, n) => format!("; {n} record(s) of unfinished batches left out, see above"),
+            (true, n) => format!("; damage and {n} record(s) of unfinished batches skipped, see above"),
+        };
         let range = match (report.first_offset, report.next_offset) {
             (Some(f), Some(n)) => format!("offsets {f}..{n}"),
             _ => "no records".into(),
         };
         writeln!(
             out,
-            "copied {} record(s) ({}, {range}) into {} ({} segment(s)){}",
+            "copied {} record(s) ({}, {range}) into {} ({} segment(s)){left_out}",
             report.records,
             human_bytes(report.payload_bytes),
             a.out.display(),
             report.segments_written,
-            if damaged { "; damage skipped, see above" } else { "; nothing skipped" }
         )?;
     }
     out.flush()?;
-    Ok(if damaged { ExitCode::from(1) } else { ExitCode::SUCCESS })
+    Ok(if skipped_any { ExitCode::from(1) } else { ExitCode::SUCCESS })
 }
 
 /// Refuses an `--out` the copy cannot usefully go to: the log directory itself, a
