@@ -3,7 +3,9 @@
 //! Invariants:
 //! - Every segment header is checked; every segment with a successor must end in a seal
 //!   whose offset is above its own base (the writer never seals an empty segment) and is
-//!   its successor's base (or, after a salvage, at most that base).
+//!   its successor's base (or, after a salvage, at most that base). A seal in the tail
+//!   at or below its base is damage too, never a tear: a successor created after it
+//!   would take the tail's own name.
 //! - The tail segment is always scanned; a clean-shutdown marker is believed only where
 //!   the scan agrees with it. A damaged frame in the tail is a torn write (cut away, reported) only
 //!   if no later frame proves the damaged bytes were already durable; otherwise it is
@@ -269,10 +271,12 @@ fn open_bounded(
                 }
                 if let Some((pos, problem)) = out.stop {
                     // Within a live writer's watermark every byte was synced: a frame
-                    // that does not check there is damage, not a tear.
-                    let proof = match bound {
-                        Some(_) => Some(pos),
-                        None => find_proof_of_durable_damage(&*tail.file, &tail.path, tail.len, pos)?,
+                    // that does not check there is damage, not a tear. So is a frame the
+                    // writer never writes (a seal not above the tail's base), anywhere.
+                    let proof = if bound.is_some() || out.stop_is_damage {
+                        Some(pos)
+                    } else {
+                        find_proof_of_durable_damage(&*tail.file, &tail.path, tail.len, pos)?
                     };
                     match proof {
                         Some(_) => {

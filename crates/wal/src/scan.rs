@@ -6,6 +6,9 @@
 //!   the next in sequence.
 //! - A batch counts only once its closing frame (`END_OF_BATCH`) checked: `valid_end` and
 //!   `next_offset` always describe whole batches.
+//! - A seal counts only above the segment's base (the writer never seals an empty
+//!   segment); one at or below it stops the scan as damage (`stop_is_damage`), in the tail
+//!   too, never as a torn write.
 //! - A scan reads each byte at most once and holds at most one chunk (or one record, if
 //!   larger) in memory.
 
@@ -65,6 +68,10 @@ pub(crate) struct ScanOutcome {
     pub stop: Option<(u64, FrameProblem)>,
     /// Checked records after `valid_end` whose batch never closed.
     pub partial_batch_records: u64,
+    /// The frame at `stop` checked and is one the writer never writes (a seal at or
+    /// below the segment's base): damage wherever it stands, never a torn write, whatever
+    /// follows it.
+    pub stop_is_damage: bool,
 }
 
 /// Scans the segment whose first record is `base`, from its header to `len`, checking
@@ -88,6 +95,7 @@ pub(crate) fn scan_segment(
         sealed: None,
         stop: None,
         partial_batch_records: 0,
+        stop_is_damage: false,
     };
     // Records of the batch being read, counted once its closing frame checks.
     let mut batch_records = 0u64;
@@ -110,6 +118,15 @@ pub(crate) fn scan_segment(
                 }
             },
         };
+        if header.is_seal() && header.offset <= base {
+            // The writer never seals an empty segment: a sealed segment holds at least one
+            // record, so its seal names at least `base + 1`. Taken for a seal, this one
+            // would make the segment's successor take its own name.
+            let problem = FrameProblem::UnexpectedOffset { expected: base.saturating_add(1), found: header.offset };
+            out.stop = Some((pos, problem));
+            out.stop_is_damage = true;
+            break;
+        }
         if header.offset != expected {
             out.stop = Some((pos, FrameProblem::UnexpectedOffset { expected, found: header.offset }));
             break;

@@ -179,6 +179,53 @@ fn a_seal_not_above_its_segments_base_is_damage_even_before_a_gap() {
     }
 }
 
+/// The same holds for the tail: a tail whose seal names its own base (or one below it) is
+/// damage, for every opener, never a sealed tail to start a successor after (that
+/// successor would take the tail's own name, and the first release would then delete the
+/// live segment's directory entry) nor a torn write to cut. A salvage moves it aside.
+#[test]
+fn a_tail_sealed_at_or_below_its_own_base_is_damage() {
+    for seal in [100, 50] {
+        let sim = SimStorage::new();
+        sim.create_dir_all(&dir()).unwrap();
+        let mut tail = SegmentHeader { base_offset: 100, flags: 0 }.encode().to_vec();
+        tail.extend_from_slice(&FrameHeader::seal(seal, SEGMENT_HEADER_LEN).encode());
+        sim.write_file_durably(&seg_path(100), &tail).unwrap();
+        let storage: Arc<dyn Storage> = Arc::new(sim.clone());
+        let e = Wal::open_read_only_with(storage.clone(), &dir()).unwrap_err();
+        assert!(
+            matches!(e, WalError::Corrupt { ref location, .. } if location.file == seg_path(100) && location.position == SEGMENT_HEADER_LEN),
+            "seal {seal}: {e}"
+        );
+        assert!(e.to_string().contains(&format!("offset {seal} where 101 was expected")), "{e}");
+        let e = wal::inspect::list_segments(storage, &dir()).unwrap_err();
+        assert!(e.is_corruption(), "seal {seal}: {e}");
+        let e = try_open(&sim, small_options()).unwrap_err();
+        assert!(
+            matches!(e, WalError::Corrupt { ref location, .. } if location.file == seg_path(100)),
+            "seal {seal}: {e}"
+        );
+        assert_eq!(segment_files(&sim, &dir()), vec![segment_file_name(100)], "seal {seal}");
+        assert_eq!(sim.read_file(&seg_path(100)).unwrap(), tail, "seal {seal}: a refused open changed the tail");
+        let v = wal::inspect::verify(&sim, &dir(), &mut |_| {}).unwrap();
+        assert_eq!(v.problems.len(), 1, "seal {seal}: {:?}", v.problems);
+        assert_eq!(v.problems[0].location, wal::Location { file: seg_path(100), position: SEGMENT_HEADER_LEN });
+        assert_eq!(v.torn_tail, None, "seal {seal}");
+
+        let wal = open(&sim, WalOptions { recovery: RecoveryMode::Salvage, ..small_options() });
+        let s = wal.open_report().salvage.clone().expect("a salvage report");
+        assert!(s.resumed_at_offset > 100, "seal {seal}: {s:?}");
+        assert_eq!(wal.segment_paths(), vec![seg_path(s.resumed_at_offset)], "seal {seal}");
+        assert_eq!(s.moved_files, vec![dir().join(wal::DAMAGED_DIR).join(segment_file_name(100))]);
+        let a = rt().block_on(wal.append(vec![payload(1, 10)])).unwrap();
+        assert_eq!(a.first_offset, s.resumed_at_offset);
+        drop(wal);
+        let wal = open(&sim, small_options());
+        let offsets: Vec<u64> = read_all(&wal, wal.start_offset()).iter().map(|r| r.offset).collect();
+        assert_eq!(offsets, vec![s.resumed_at_offset], "seal {seal}");
+    }
+}
+
 #[test]
 fn a_bad_segment_header_is_refused() {
     let sim = SimStorage::new();
