@@ -583,7 +583,8 @@ fn scan_image(bytes: &[u8], base: u64) -> (usize, u64, Option<u64>) {
             break;
         }
         if h.is_seal() {
-            if next != expected {
+            // A seal ends a segment of records: one at its base is damage.
+            if next != expected || h.offset <= base {
                 break;
             }
             let end = pos + FRAME_HEADER_LEN as usize;
