@@ -10,7 +10,7 @@ use e2e::{eventually, record, sim_wal};
 use ingest::envelope::Partitioning;
 use router::iggy_sink::{IggySink, IggySinkConfig, TopicDefaults};
 use router::status::Status;
-use router::{MemoryCursorStore, Policies, Router, RouterPolicy};
+use router::{MemoryCursorStore, OnAdmissionFailure, Policies, Router, RouterPolicy};
 use test_broker::{TestBroker, TestBrokerConfig};
 
 fn sink(addr: std::net::SocketAddr, partitions: u32) -> Arc<IggySink> {
@@ -135,6 +135,45 @@ async fn a_record_held_for_a_missing_partition_goes_out_once_the_topic_grows() {
     .await;
     assert_eq!(broker.messages("g", "t")[1].partition_id, 2);
     eventually(Duration::from_secs(10), "running", || async { router.status().status == Status::Running }).await;
+    router.shutdown().await;
+}
+
+/// A partition an operator added after the lane learnt the topic's partition count is
+/// used at once, under `on_admission_failure = "drop"` too: the lane asks the server
+/// again before it takes a record for out of range, so a record whose partition exists
+/// is delivered, never dropped after its 200. A partition that really does not exist
+/// is still dropped, as configured.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partition_added_since_the_count_was_learnt_is_delivered_not_dropped() {
+    let broker = TestBroker::start(TestBrokerConfig::default()).await.unwrap();
+    let mut p = policy();
+    p.on_admission_failure = OnAdmissionFailure::Drop;
+    let wal = sim_wal();
+    let router =
+        Router::start(wal.clone(), sink(broker.addr(), 1), Arc::new(MemoryCursorStore::new()), Policies::uniform(p))
+            .unwrap();
+    // Delivered to partition 0: the lane now knows the topic as one partition.
+    wal.append(vec![record("n", "t", 0, Partitioning::PartitionId(0))]).await.unwrap();
+    eventually(Duration::from_secs(20), "the first delivered", || async { ids(&broker, "n", "t") == vec![1] }).await;
+    let lane = || router.destinations().into_iter().find(|d| d.destination.topic == "t").expect("the lane");
+    assert_eq!(lane().partitions_count, Some(1));
+    assert!(broker.grow_partitions("n", "t", 3));
+    wal.append(vec![record("n", "t", 1, Partitioning::PartitionId(2))]).await.unwrap();
+    // Delivered, or disposed of (the log released past it without a delivery).
+    eventually(Duration::from_secs(20), "the record for partition 2 settled", || async {
+        ids(&broker, "n", "t").len() == 2 || router.released_below() == 2
+    })
+    .await;
+    assert_eq!(ids(&broker, "n", "t"), vec![1, 2], "a record for a partition the topic has was dropped");
+    assert_eq!(broker.messages("n", "t")[1].partition_id, 2);
+    assert_eq!((lane().rejected_records, lane().partitions_count), (0, Some(3)));
+    // A partition the topic does not have: dropped, counted, and the records after it go on.
+    wal.append(vec![record("n", "t", 2, Partitioning::PartitionId(5))]).await.unwrap();
+    wal.append(vec![record("n", "t", 3, Partitioning::PartitionId(1))]).await.unwrap();
+    eventually(Duration::from_secs(20), "released past the dropped record", || async { router.released_below() == 4 })
+        .await;
+    assert_eq!(ids(&broker, "n", "t"), vec![1, 2, 4]);
+    assert_eq!(lane().rejected_records, 1);
     router.shutdown().await;
 }
 

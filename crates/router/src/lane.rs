@@ -18,6 +18,10 @@
 //!   every record the dispatcher skipped lies below the lane's read position, so no
 //!   record is lost or sent twice by the handoff.
 //! - Client-wide failures (disconnected, unavailable) never count against the breaker.
+//! - A record is taken for out of its topic's partitions (then dropped, dead-lettered or
+//!   held, as the policy says) only on a partition count the server gave while its batch
+//!   was being delivered, never on one the lane learnt before: an operator may have
+//!   added the partition since, and the record was answered 200.
 //! - A lane is counted in `iggy_connector_destinations_active` from its creation until it
 //!   is dropped (once its task ended and the router stopped), and its breaker in
 //!   `iggy_connector_destination_circuit_open` while it is not closed and its task
@@ -788,14 +792,22 @@ async fn deliver<S: Sink, C>(
 ) -> Delivery {
     let mut shutdown = ctx.shutdown.clone();
     let mut failures: u32 = 0;
+    // Set once the topic's partitions were asked of the server for this batch: what it
+    // answered decides every run of the batch. Before that, the count is what the lane
+    // learnt earlier, and an operator may have added partitions since.
+    let mut asked = false;
+    let mut ask = false;
     let mut i = 0;
     while i < batch.len() {
         // Make sure the destination exists and its partitions are known.
-        let cached = lock(&lane.info).topic;
+        let cached = if ask { None } else { lock(&lane.info).topic };
         let topic = match cached {
             Some(t) => t,
             None => match attempt(lane, ctx, breaker, &mut failures, Op::Ensure, &mut shutdown).await {
-                Attempt::Ensured(t) => t,
+                Attempt::Ensured(t) => {
+                    (asked, ask) = (true, false);
+                    t
+                }
                 Attempt::Retry => continue,
                 Attempt::Sent | Attempt::ShuttingDown => return Delivery::ShuttingDown,
             },
@@ -808,6 +820,14 @@ async fn deliver<S: Sink, C>(
         if let Partitioning::PartitionId(p) = partitioning
             && p >= topic.partitions_count
         {
+            if !asked {
+                // Out of range by a count learnt earlier: the topic may have gained
+                // partitions since. Dropping, dead-lettering or holding a record whose
+                // partition exists would be wrong, so the server is asked first (once
+                // for the batch; its answer is trusted for the rest of it).
+                ask = true;
+                continue;
+            }
             match out_of_range(lane, ctx, &batch[i..end], p, topic, &mut shutdown).await {
                 Delivery::Done => {
                     i = end;

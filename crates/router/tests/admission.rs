@@ -438,3 +438,73 @@ async fn a_failing_dead_letter_topic_degrades_the_lane_until_it_takes_the_record
     eventually(Duration::from_secs(5), "released", || router.released_below() == 1).await;
     router.shutdown().await;
 }
+
+/// A topic that gained partitions after the lane learnt its partition count: a record
+/// for one of the new partitions is delivered there, under every policy, and at once
+/// (never dropped, dead-lettered or held for a cool-down on a count that is out of
+/// date). The lane asks the topic again once per decision, not once per record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partition_added_since_the_count_was_learnt_is_used_under_every_policy() {
+    for on in [OnAdmissionFailure::Drop, OnAdmissionFailure::DeadLetter, OnAdmissionFailure::Error] {
+        let wal = open_wal(&SimStorage::new());
+        let sink = FaultySink::new();
+        let (d, dlq) = (key("p", "t"), key("dlq", "rejected"));
+        sink.set_partitions(&d, 1);
+        let mut p = policy(on);
+        // Long enough that a record held for a cool-down would show.
+        p.breaker.cool_down = Duration::from_secs(30);
+        // The records appended together go out as one batch.
+        p.batch.linger = Duration::from_millis(300);
+        let router =
+            Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), Policies::uniform(p)).unwrap();
+        wal.append(vec![record(&d, 0, Partitioning::PartitionId(0))]).await.unwrap_or_else(|e| panic!("{e}"));
+        eventually(Duration::from_secs(10), "the first delivered", || sink.ids(&d) == vec![1]).await;
+        let ensured = sink.ensured(&d);
+        sink.set_partitions(&d, 3);
+        let batch = (1..5u64).map(|i| record(&d, i, Partitioning::PartitionId(2))).collect();
+        wal.append(batch).await.unwrap_or_else(|e| panic!("{e}"));
+        eventually(Duration::from_secs(5), "settled", || sink.ids(&d).len() == 5 || router.released_below() == 5).await;
+        assert_eq!(sink.ids(&d), vec![1, 2, 3, 4, 5], "{on:?}: records for a partition the topic has not delivered");
+        assert!(sink.ids(&dlq).is_empty(), "{on:?}: dead-lettered");
+        let snap = router.destinations().into_iter().find(|s| s.destination == d).unwrap();
+        assert_eq!((snap.rejected_records, snap.partitions_count), (0, Some(3)), "{on:?}");
+        assert_eq!(sink.ensured(&d) - ensured, 1, "{on:?}: the topic asked once for the batch");
+        eventually(Duration::from_secs(5), "running", || lane_status(&router, &d) == Status::Running).await;
+        router.shutdown().await;
+    }
+}
+
+/// A partition that really is beyond the topic's is still disposed of as configured,
+/// after one question to the server per batch (the answer is trusted for the batch's
+/// every run), however many records the batch holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partition_the_topic_lacks_is_asked_about_once_per_batch_then_disposed_of() {
+    for on in [OnAdmissionFailure::Drop, OnAdmissionFailure::DeadLetter] {
+        let wal = open_wal(&SimStorage::new());
+        let sink = FaultySink::new();
+        let (d, dlq) = (key("p", "t"), key("dlq", "rejected"));
+        sink.set_partitions(&d, 3);
+        let mut p = policy(on);
+        p.batch.linger = Duration::from_millis(300);
+        let router =
+            Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), Policies::uniform(p)).unwrap();
+        wal.append(vec![record(&d, 0, Partitioning::PartitionId(0))]).await.unwrap_or_else(|e| panic!("{e}"));
+        eventually(Duration::from_secs(10), "the first delivered", || sink.ids(&d) == vec![1]).await;
+        let ensured = sink.ensured(&d);
+        // Two runs out of range, one in range between them.
+        let batch = [7u32, 7, 7, 1, 9, 9]
+            .into_iter()
+            .zip(1u64..)
+            .map(|(partition, i)| record(&d, i, Partitioning::PartitionId(partition)))
+            .collect();
+        wal.append(batch).await.unwrap_or_else(|e| panic!("{e}"));
+        eventually(Duration::from_secs(10), "released", || router.released_below() == 7).await;
+        assert_eq!(sink.ids(&d), vec![1, 5], "{on:?}");
+        let want_dlq: Vec<u128> = if on == OnAdmissionFailure::DeadLetter { vec![2, 3, 4, 6, 7] } else { vec![] };
+        assert_eq!(sink.ids(&dlq), want_dlq, "{on:?}");
+        let snap = router.destinations().into_iter().find(|s| s.destination == d).unwrap();
+        assert_eq!(snap.rejected_records, 5, "{on:?}");
+        assert_eq!(sink.ensured(&d) - ensured, 1, "{on:?}: the topic asked once for the batch");
+        router.shutdown().await;
+    }
+}
