@@ -121,6 +121,19 @@ pub struct IggySink {
     last_answer: std::sync::Mutex<Option<std::time::Instant>>,
 }
 
+/// How long the `iggy` client waits for a reply (its `RESPONSE_READ_TIMEOUT`, fixed and
+/// not exported): a request unanswered this long fails `Disconnected` and the client
+/// drops its connection. The sink reads `Disconnected` as the server gone (every idle
+/// connection dropped, no breaker counting it), so a result timeout must fire first to
+/// tell a silent destination from a silent server.
+pub const CLIENT_REPLY_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The longest result timeout the router may be given with this client: below
+/// [`CLIENT_REPLY_TIMEOUT`] by a margin that absorbs a busy runtime polling the lane's
+/// timer late (the client's clock starts a little after the router's, once the call has
+/// a connection, so only lateness can let the client's fire first).
+pub const MAX_RESULT_TIMEOUT: Duration = Duration::from_secs(25);
+
 /// How long a call may wait for a new connection and still go out on it (see
 /// [`IggySink::take`]): far above a connect on a working network, far below any result
 /// timeout worth configuring.

@@ -1620,6 +1620,30 @@ mod tests {
         validate(&parse(&text, None).unwrap(), Some(&text), None).unwrap_or_else(|e| panic!("{e:?}"));
     }
 
+    /// The `iggy` client gives up on a reply after 30 s and reports the connection lost,
+    /// which the router takes for the whole server: a result timeout at or above it would
+    /// never fire, so a silent topic would open no breaker and cost every idle connection.
+    /// Refused at its key path and line, per source too; the largest value below passes.
+    #[test]
+    fn a_result_timeout_the_iggy_client_would_preempt_is_refused_naming_the_key() {
+        let with = |global: u64, github: u64| {
+            format!(
+                "[router]\nresult_timeout_ms = {global}\n[router.sources.a]\nresult_timeout_ms = {github}\n\
+                 [sources.a]\ndestination = {{ stream = \"s\", topic = \"t\" }}\n"
+            )
+        };
+        let e = errors(&with(30_000, 1_000));
+        assert_eq!(e.len(), 1, "{e:?}");
+        assert_eq!((e[0].path.as_str(), e[0].line), ("router.result_timeout_ms", Some(2)));
+        assert!(e[0].message.contains("at most 25000"), "{}", e[0].message);
+        assert!(e[0].message.contains("30 s"), "{}", e[0].message);
+        let e = errors(&with(1_000, 30_000));
+        assert_eq!(e.len(), 1, "{e:?}");
+        assert_eq!((e[0].path.as_str(), e[0].line), ("router.sources.a.result_timeout_ms", Some(4)));
+        let text = with(25_000, 25_000);
+        validate(&parse(&text, None).unwrap(), Some(&text), None).unwrap_or_else(|e| panic!("{e:?}"));
+    }
+
     #[test]
     fn a_missing_secret_names_the_endpoint_key_path_and_line() {
         let text = r#"

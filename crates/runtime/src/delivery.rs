@@ -18,7 +18,7 @@ use axum::Json;
 use axum::extract::{Path, State};
 use axum::response::{IntoResponse, Response};
 use ingest::StateDb;
-use router::iggy_sink::{IggySink, IggySinkConfig, TopicDefaults};
+use router::iggy_sink::{CLIENT_REPLY_TIMEOUT, IggySink, IggySinkConfig, MAX_RESULT_TIMEOUT, TopicDefaults};
 use router::status::Status;
 use router::{
     BatchPolicy, BreakerPolicy, DestinationKey, LaneSnapshot, OnAdmissionFailure, Policies, Router, RouterPolicy,
@@ -164,6 +164,12 @@ fn max_duration_ms() -> u64 {
     u64::try_from(router::policy::MAX_DURATION.as_millis()).unwrap_or(u64::MAX)
 }
 
+/// The longest `result_timeout_ms`: the client's reply timeout, less a margin
+/// ([`router::iggy_sink::MAX_RESULT_TIMEOUT`]).
+fn max_result_timeout_ms() -> u64 {
+    u64::try_from(MAX_RESULT_TIMEOUT.as_millis()).unwrap_or(u64::MAX)
+}
+
 /// The most seconds `message_expiry_secs` takes: Iggy keeps a topic's expiry in
 /// microseconds, in a `u64`; a larger value would wrap around to a short expiry.
 const MESSAGE_EXPIRY_SECS_MAX: u64 = u64::MAX / 1_000_000;
@@ -241,7 +247,6 @@ fn policy_from(s: &RouterSection, prefix: &[&str], problems: &mut Vec<Problem>) 
     let max_ms = max_duration_ms();
     for (key, ms) in [
         ("linger_ms", s.linger_ms),
-        ("result_timeout_ms", s.result_timeout_ms),
         ("backoff_base_ms", s.backoff_base_ms),
         ("backoff_max_ms", s.backoff_max_ms),
         ("cool_down_ms", s.cool_down_ms),
@@ -251,6 +256,21 @@ fn policy_from(s: &RouterSection, prefix: &[&str], problems: &mut Vec<Problem>) 
             problems.push((at(key), format!("must be at most {max_ms} (one day)")));
             durations_ok = false;
         }
+    }
+    // Below the `iggy` client's own reply timeout: past it the client reports the
+    // connection lost, which counts for the whole server (no breaker, every idle
+    // connection dropped), so a topic that never answers would never open its breaker.
+    let result_max_ms = max_result_timeout_ms();
+    if s.result_timeout_ms > result_max_ms {
+        problems.push((
+            at("result_timeout_ms"),
+            format!(
+                "must be at most {result_max_ms}: the iggy client gives up on a reply after {} s and reports \
+                 the connection lost, which no destination's breaker counts",
+                CLIENT_REPLY_TIMEOUT.as_secs()
+            ),
+        ));
+        durations_ok = false;
     }
     if s.result_timeout_ms == 0 {
         problems.push((at("result_timeout_ms"), "must be greater than 0".into()));
@@ -623,6 +643,33 @@ mod tests {
         };
         let (_, problems) = check(&section, &iggy(), &[]);
         assert!(problems.is_empty(), "{problems:?}");
+    }
+
+    /// A result timeout the `iggy` client's own 30 s reply timeout would cut short first
+    /// (as a lost connection, every destination's) is refused, globally and per source;
+    /// the largest value below it passes.
+    #[test]
+    fn a_result_timeout_at_the_clients_reply_timeout_is_refused() {
+        for ms in [30_000, 25_001] {
+            each_refused_at_its_key(vec![(
+                RouterSection { result_timeout_ms: ms, ..RouterSection::default() },
+                "router.result_timeout_ms",
+            )]);
+            let mut section = RouterSection::default();
+            section
+                .sources
+                .insert("a".into(), PolicyOverrides { result_timeout_ms: Some(ms), ..PolicyOverrides::default() });
+            let (_, problems) = check(&section, &iggy(), &["a".into()]);
+            let paths: Vec<String> = problems.iter().map(|(p, _)| p.join(".")).collect();
+            assert_eq!(paths, vec!["router.sources.a.result_timeout_ms"], "{problems:?}");
+        }
+        let mut section = RouterSection { result_timeout_ms: 25_000, ..RouterSection::default() };
+        section
+            .sources
+            .insert("a".into(), PolicyOverrides { result_timeout_ms: Some(25_000), ..PolicyOverrides::default() });
+        let (settings, problems) = check(&section, &iggy(), &["a".into()]);
+        assert!(problems.is_empty(), "{problems:?}");
+        assert_eq!(settings.policies.for_source("a").batch.result_timeout, Duration::from_secs(25));
     }
 
     #[test]
