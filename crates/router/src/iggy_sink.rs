@@ -324,7 +324,12 @@ pub fn classify(e: &IggyError) -> SendErrorKind {
         // one destination's; an outcome not committed is unknown, like a disconnect.
         | IggyError::TransientNotCommitted
         | IggyError::TransientNotAccepted => SendErrorKind::Unavailable,
+        // Refused credentials, or a session not signed in: no call can succeed.
         IggyError::InvalidCredentials | IggyError::Unauthenticated => SendErrorKind::Unauthorized,
+        // Everything else is one destination's, `Unauthorized` (permission denied)
+        // included: Iggy grants permissions per stream and topic, so a user may lack
+        // them for one destination only, and that destination's breaker should open,
+        // not every destination be held as though the server were gone.
         _ => SendErrorKind::Destination,
     }
 }
@@ -558,6 +563,17 @@ mod tests {
             first.get(&HeaderKey::try_from("x-a").expect("key")).map(|v| v.as_bytes().to_vec()),
             Some(b"second".to_vec())
         );
+    }
+
+    /// Refused credentials fail every destination alike; a permission denied is one
+    /// destination's (Iggy grants permissions per stream and topic).
+    #[test]
+    fn bad_credentials_are_every_destinations_and_a_permission_denied_is_one_destinations() {
+        assert_eq!(classify(&IggyError::InvalidCredentials), SendErrorKind::Unauthorized);
+        assert_eq!(classify(&IggyError::Unauthenticated), SendErrorKind::Unauthorized);
+        assert_eq!(classify(&IggyError::Unauthorized), SendErrorKind::Destination);
+        assert!(classify(&IggyError::Unauthorized).counts_against_destination());
+        assert!(!classify(&IggyError::InvalidCredentials).counts_against_destination());
     }
 
     #[test]

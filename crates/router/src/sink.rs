@@ -6,9 +6,10 @@
 //! - `send` returns `Ok` only once the destination acknowledged every message of the
 //!   call; anything else is a failure and the whole call is retried (message ids make a
 //!   resend identifiable).
-//! - The classification decides who pays for a failure: `Disconnected` and
-//!   `Unavailable` are the client's (no destination's breaker counts them);
-//!   `Destination` failures count against that destination's breaker only.
+//! - The classification decides who pays for a failure: `Disconnected`, `Unavailable`
+//!   and `Unauthorized` (credentials) are the client's (no destination's breaker counts
+//!   them); `Destination` failures (a permission denied for one stream or topic among
+//!   them) and `Timeout` count against that destination's breaker only.
 
 use std::borrow::Cow;
 use std::fmt;
@@ -78,7 +79,9 @@ pub enum SendErrorKind {
     Unavailable,
     /// This destination failed (missing and not creatable, rejected, server error).
     Destination,
-    /// Credentials or permissions: every destination would fail the same way.
+    /// The credentials were refused, or the session is not signed in: every destination
+    /// would fail the same way. A permission denied for one destination is not this
+    /// (the server grants permissions per stream and topic): it is `Destination`.
     Unauthorized,
     /// No answer within the result timeout.
     Timeout,
