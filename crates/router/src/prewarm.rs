@@ -11,8 +11,12 @@
 //!   most `max_destinations` per source, chosen by the caller). A literal allowlist
 //!   entry no record ever names is still created: listing it is taken as saying it is
 //!   expected.
-//! - Every attempt is bounded: the whole run ends at the deadline, each failure waits a
-//!   capped backoff before the next try.
+//! - Every attempt is bounded: the whole run ends at the deadline, each attempt at the
+//!   largest result timeout (below the `iggy` client's own reply timeout, past which the
+//!   client would drop its connection and count the server as gone), each failure waits
+//!   a capped backoff before the next try.
+//! - At most [`PREWARM_MAX_IN_FLIGHT`] destinations are ensured at once: each call holds a
+//!   connection of its own, and a long literal allowlist must not open hundreds.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -33,6 +37,13 @@ pub struct PrewarmReport {
 const BACKOFF_FIRST: Duration = Duration::from_millis(100);
 const BACKOFF_MAX: Duration = Duration::from_secs(2);
 
+/// The most destinations pre-warmed at once: the default of `max_concurrent_destinations`,
+/// the bound on one source's connections.
+pub const PREWARM_MAX_IN_FLIGHT: usize = 16;
+
+/// The longest one attempt waits for its answer.
+const ATTEMPT_MAX: Duration = crate::iggy_sink::MAX_RESULT_TIMEOUT;
+
 /// Ensures every one of `destinations` (each on its own task, retrying failures) until
 /// all are ready or `deadline_after` has passed; logs and returns the outcome. A
 /// destination that never answers holds only itself.
@@ -42,11 +53,16 @@ pub async fn prewarm<S: Sink>(
     deadline_after: Duration,
 ) -> PrewarmReport {
     let deadline = Instant::now() + deadline_after;
+    let slots = Arc::new(tokio::sync::Semaphore::new(PREWARM_MAX_IN_FLIGHT));
     let mut tasks = JoinSet::new();
     for dest in destinations {
         let sink = sink.clone();
+        let slots = slots.clone();
         tasks.spawn(async move {
-            let outcome = ensure_until(&*sink, &dest, deadline).await;
+            let outcome = match tokio::time::timeout_at(deadline, slots.acquire()).await {
+                Ok(Ok(_slot)) => ensure_until(&*sink, &dest, deadline).await,
+                _ => Err("no pre-warm slot free before the deadline".to_string()),
+            };
             (dest, outcome)
         });
     }
@@ -74,10 +90,11 @@ async fn ensure_until<S: Sink>(sink: &S, dest: &DestinationKey, deadline: Instan
     let mut backoff = BACKOFF_FIRST;
     let mut last_error = "no answer before the deadline".to_string();
     while Instant::now() < deadline {
-        match tokio::time::timeout_at(deadline, sink.ensure(dest)).await {
+        match tokio::time::timeout_at(deadline.min(Instant::now() + ATTEMPT_MAX), sink.ensure(dest)).await {
             Ok(Ok(_)) => return Ok(()),
             Ok(Err(e)) => last_error = e.to_string(),
-            Err(_) => break,
+            Err(_) if Instant::now() >= deadline => break,
+            Err(_) => last_error = format!("no answer within {} s", ATTEMPT_MAX.as_secs()),
         }
         tokio::time::sleep_until((Instant::now() + backoff).min(deadline)).await;
         backoff = (backoff * 2).min(BACKOFF_MAX);
