@@ -328,17 +328,18 @@ async fn result_timeouts_while_connecting_open_no_breaker() {
 }
 
 /// A reconnection slower than the router's result timeout (here: the broker answers every
-/// request 2 s late, so signing in and reading the cluster metadata take longer than the
-/// 3 s timeout, while each send fits within it) must still complete. Connects cut short by
-/// the lanes' timeouts one after another never finished.
+/// request 2 s late, so signing in, reading the cluster metadata and the pings take longer
+/// than the 7 s timeout, while each send fits within it) must still complete. Connects
+/// cut short by the lanes' timeouts one after another never finished.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reconnection_slower_than_the_result_timeout_still_completes() {
     let broker = TestBroker::start(TestBrokerConfig::default()).await.unwrap();
-    // Every reply 2 s late: a reconnection (sign-in, the client's first heartbeat, a
-    // ping) takes about 6 s, longer than the result timeout; a send, even queued behind
-    // a heartbeat, about 4 s, within it.
+    // Every reply 2 s late: a reconnection (sign-in, cluster metadata, the client's first
+    // heartbeat, the sink's pings) takes about 8 s, longer than the result timeout; the
+    // first send on a new connection (the topic's partitions, then the send, perhaps
+    // behind a heartbeat) at most about 6 s, within it.
     let mut p = policy();
-    p.batch.result_timeout = Duration::from_secs(5);
+    p.batch.result_timeout = Duration::from_secs(7);
     let (wal, router) = start_warm_with(&broker, "s", "t", p).await;
     broker.stop().await;
     for n in 1..100u64 {

@@ -201,10 +201,15 @@ impl IggySink {
             tokio::spawn(async move {
                 let client = build_client(&config)?;
                 client.connect().await?;
-                // The client's heartbeat pings at once on connecting, and the connection
-                // takes one request at a time: parked before that ping was answered, the
-                // first call would wait behind it. This ping waits for it, and proves the
-                // signed-in connection answers.
+                // The client's heartbeat pings at once on connecting, from a task of its
+                // own, and the connection takes one request at a time: parked before
+                // that ping was answered, the first call would wait behind it (on a slow
+                // server, long enough to miss its result timeout, drop the connection,
+                // and start over). The heartbeat's task may not have run yet when this
+                // task pings, so it pings twice: by the time the first was answered (a
+                // round trip), the heartbeat's ping is queued, and the second waits for
+                // it. Both prove the signed-in connection answers.
+                client.ping().await?;
                 client.ping().await?;
                 idle.lock().unwrap_or_else(|p| p.into_inner()).push(Arc::new(client));
                 Ok(())
