@@ -439,6 +439,30 @@ async fn a_failing_dead_letter_topic_degrades_the_lane_until_it_takes_the_record
     router.shutdown().await;
 }
 
+/// A router under `on` whose lane to `p/t` (`partitions` partitions) has delivered one
+/// record to partition 0, so it has learnt the count; records appended together then go
+/// out as one batch (300 ms linger), and a record held for a cool-down would show (30 s).
+/// Returns the log, the sink, the router, the destination, the dead-letter destination
+/// and how often the topic was asked about so far.
+async fn one_record_delivered_to_partition_0(
+    on: OnAdmissionFailure,
+    partitions: u32,
+) -> (Arc<wal::Wal>, Arc<FaultySink>, Router, router::DestinationKey, router::DestinationKey, u64) {
+    let wal = open_wal(&SimStorage::new());
+    let sink = FaultySink::new();
+    let (d, dlq) = (key("p", "t"), key("dlq", "rejected"));
+    sink.set_partitions(&d, partitions);
+    let mut p = policy(on);
+    p.breaker.cool_down = Duration::from_secs(30);
+    p.batch.linger = Duration::from_millis(300);
+    let router =
+        Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), Policies::uniform(p)).unwrap();
+    wal.append(vec![record(&d, 0, Partitioning::PartitionId(0))]).await.unwrap_or_else(|e| panic!("{e}"));
+    eventually(Duration::from_secs(10), "the first delivered", || sink.ids(&d) == vec![1]).await;
+    let ensured = sink.ensured(&d);
+    (wal, sink, router, d, dlq, ensured)
+}
+
 /// A topic that gained partitions after the lane learnt its partition count: a record
 /// for one of the new partitions is delivered there, under every policy, and at once
 /// (never dropped, dead-lettered or held for a cool-down on a count that is out of
@@ -446,20 +470,7 @@ async fn a_failing_dead_letter_topic_degrades_the_lane_until_it_takes_the_record
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_partition_added_since_the_count_was_learnt_is_used_under_every_policy() {
     for on in [OnAdmissionFailure::Drop, OnAdmissionFailure::DeadLetter, OnAdmissionFailure::Error] {
-        let wal = open_wal(&SimStorage::new());
-        let sink = FaultySink::new();
-        let (d, dlq) = (key("p", "t"), key("dlq", "rejected"));
-        sink.set_partitions(&d, 1);
-        let mut p = policy(on);
-        // Long enough that a record held for a cool-down would show.
-        p.breaker.cool_down = Duration::from_secs(30);
-        // The records appended together go out as one batch.
-        p.batch.linger = Duration::from_millis(300);
-        let router =
-            Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), Policies::uniform(p)).unwrap();
-        wal.append(vec![record(&d, 0, Partitioning::PartitionId(0))]).await.unwrap_or_else(|e| panic!("{e}"));
-        eventually(Duration::from_secs(10), "the first delivered", || sink.ids(&d) == vec![1]).await;
-        let ensured = sink.ensured(&d);
+        let (wal, sink, router, d, dlq, ensured) = one_record_delivered_to_partition_0(on, 1).await;
         sink.set_partitions(&d, 3);
         let batch = (1..5u64).map(|i| record(&d, i, Partitioning::PartitionId(2))).collect();
         wal.append(batch).await.unwrap_or_else(|e| panic!("{e}"));
@@ -480,17 +491,7 @@ async fn a_partition_added_since_the_count_was_learnt_is_used_under_every_policy
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_partition_the_topic_lacks_is_asked_about_once_per_batch_then_disposed_of() {
     for on in [OnAdmissionFailure::Drop, OnAdmissionFailure::DeadLetter] {
-        let wal = open_wal(&SimStorage::new());
-        let sink = FaultySink::new();
-        let (d, dlq) = (key("p", "t"), key("dlq", "rejected"));
-        sink.set_partitions(&d, 3);
-        let mut p = policy(on);
-        p.batch.linger = Duration::from_millis(300);
-        let router =
-            Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), Policies::uniform(p)).unwrap();
-        wal.append(vec![record(&d, 0, Partitioning::PartitionId(0))]).await.unwrap_or_else(|e| panic!("{e}"));
-        eventually(Duration::from_secs(10), "the first delivered", || sink.ids(&d) == vec![1]).await;
-        let ensured = sink.ensured(&d);
+        let (wal, sink, router, d, dlq, ensured) = one_record_delivered_to_partition_0(on, 3).await;
         // Two runs out of range, one in range between them.
         let batch = [7u32, 7, 7, 1, 9, 9]
             .into_iter()

@@ -163,20 +163,26 @@ fn a_seal_not_above_its_segments_base_is_damage_even_before_a_gap() {
         sim.write_file_durably(&seg_path(100), &a).unwrap();
         let b = SegmentHeader { base_offset: 200, flags: SEGMENT_FLAG_GAP_BEFORE }.encode();
         sim.write_file_durably(&seg_path(200), &b).unwrap();
-        let storage: Arc<dyn Storage> = Arc::new(sim.clone());
-        let e = Wal::open_read_only_with(storage.clone(), &dir()).unwrap_err();
-        assert!(
-            matches!(e, WalError::Corrupt { ref location, .. } if location.file == seg_path(100) && location.position == SEGMENT_HEADER_LEN),
-            "seal {seal}: {e}"
-        );
-        assert!(e.to_string().contains(&format!("offset {seal} where 101 was expected")), "{e}");
-        let e = wal::inspect::list_segments(storage, &dir()).unwrap_err();
-        assert!(e.is_corruption(), "seal {seal}: {e}");
+        assert_readers_refuse_the_seal_of_segment_100(&sim, seal);
         assert!(try_open(&sim, small_options()).unwrap_err().is_corruption());
         let v = wal::inspect::verify(&sim, &dir(), &mut |_| {}).unwrap();
         assert_eq!(v.problems.len(), 1, "seal {seal}: {:?}", v.problems);
         assert_eq!(v.problems[0].location.file, seg_path(100));
     }
+}
+
+/// A read-only open and the segment listing both refuse segment 100's seal at `seal`
+/// (not above the base) as damage at its first frame.
+fn assert_readers_refuse_the_seal_of_segment_100(sim: &SimStorage, seal: u64) {
+    let storage: Arc<dyn Storage> = Arc::new(sim.clone());
+    let e = Wal::open_read_only_with(storage.clone(), &dir()).unwrap_err();
+    assert!(
+        matches!(e, WalError::Corrupt { ref location, .. } if location.file == seg_path(100) && location.position == SEGMENT_HEADER_LEN),
+        "seal {seal}: {e}"
+    );
+    assert!(e.to_string().contains(&format!("offset {seal} where 101 was expected")), "{e}");
+    let e = wal::inspect::list_segments(storage, &dir()).unwrap_err();
+    assert!(e.is_corruption(), "seal {seal}: {e}");
 }
 
 /// The same holds for the tail: a tail whose seal names its own base (or one below it) is
@@ -191,15 +197,7 @@ fn a_tail_sealed_at_or_below_its_own_base_is_damage() {
         let mut tail = SegmentHeader { base_offset: 100, flags: 0 }.encode().to_vec();
         tail.extend_from_slice(&FrameHeader::seal(seal, SEGMENT_HEADER_LEN).encode());
         sim.write_file_durably(&seg_path(100), &tail).unwrap();
-        let storage: Arc<dyn Storage> = Arc::new(sim.clone());
-        let e = Wal::open_read_only_with(storage.clone(), &dir()).unwrap_err();
-        assert!(
-            matches!(e, WalError::Corrupt { ref location, .. } if location.file == seg_path(100) && location.position == SEGMENT_HEADER_LEN),
-            "seal {seal}: {e}"
-        );
-        assert!(e.to_string().contains(&format!("offset {seal} where 101 was expected")), "{e}");
-        let e = wal::inspect::list_segments(storage, &dir()).unwrap_err();
-        assert!(e.is_corruption(), "seal {seal}: {e}");
+        assert_readers_refuse_the_seal_of_segment_100(&sim, seal);
         let e = try_open(&sim, small_options()).unwrap_err();
         assert!(
             matches!(e, WalError::Corrupt { ref location, .. } if location.file == seg_path(100)),
