@@ -72,9 +72,14 @@ pub struct CopyReport {
     /// inclusive.
     pub missing_offsets: Vec<(u64, u64)>,
     pub skipped: Vec<Skipped>,
+}
+
+impl CopyReport {
     /// Records that checked but were left out because their batch is not whole in the
-    /// source (the sum of `Skipped::records`).
-    pub partial_batch_records: u64,
+    /// source.
+    pub fn partial_batch_records(&self) -> u64 {
+        self.skipped.iter().map(|s| s.records).sum()
+    }
 }
 
 struct Out<'a> {
@@ -192,7 +197,6 @@ impl Batch {
         let (first, last) = (self.first, self.next - 1);
         let why = format!("{n} record(s) of a batch {why} (offsets {first}..={last})");
         report.skipped.push(Skipped { file: path.to_path_buf(), from: self.from, to: self.to, records: n, why });
-        report.partial_batch_records += n;
     }
 }
 

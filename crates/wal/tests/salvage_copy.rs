@@ -89,7 +89,7 @@ fn a_batch_that_never_closed_is_not_copied() {
         assert_eq!(source_end(&sim), 1, "recovery keeps only the first batch");
         assert_eq!(report.next_offset, Some(source_end(&sim)), "{report:?}");
         assert_eq!(report.records, 1, "{report:?}");
-        assert_eq!(report.partial_batch_records, 2, "{report:?}");
+        assert_eq!(report.partial_batch_records(), 2, "{report:?}");
         assert_eq!(copied(&sim), vec![(0, 0)]);
         assert_eq!(copied_frames(&sim), vec![(0, true)]);
         let s = &report.skipped[0];
@@ -129,7 +129,7 @@ fn records_after_damage_whose_batch_may_have_begun_before_it_are_not_copied() {
     assert_eq!(copied(&sim), vec![(0, 0), (4, 4)]);
     assert_eq!(copied_frames(&sim), vec![(0, true), (4, true)]);
     assert_eq!(report.records, 2);
-    assert_eq!(report.partial_batch_records, 3, "{report:?}");
+    assert_eq!(report.partial_batch_records(), 3, "{report:?}");
     assert_eq!(report.next_offset, Some(5));
     assert_eq!(report.missing_offsets, vec![(1, 3)]);
     let ranges: Vec<(u64, u64)> = report.skipped.iter().map(|s| (s.from, s.to)).collect();
@@ -152,7 +152,7 @@ fn a_whole_batch_is_copied_with_its_flags() {
 
     let report = salvage_copy(&sim, &dir(), &out_dir()).unwrap();
     assert!(report.skipped.is_empty(), "{report:?}");
-    assert_eq!((report.records, report.partial_batch_records), (5, 0));
+    assert_eq!((report.records, report.partial_batch_records()), (5, 0));
     assert_eq!(copied(&sim), (0..5).map(|o| (o, o)).collect::<Vec<_>>());
     assert_eq!(copied_frames(&sim), vec![(0, true), (1, false), (2, false), (3, true), (4, true)]);
 }
@@ -176,7 +176,7 @@ fn the_batch_after_a_record_whose_payload_alone_was_damaged_is_copied_whole() {
     let report = salvage_copy(&sim, &dir(), &out_dir()).unwrap();
     assert_eq!(copied(&sim), vec![(0, 0), (2, 2), (3, 3)]);
     assert_eq!(copied_frames(&sim), vec![(0, true), (2, false), (3, true)]);
-    assert_eq!(report.partial_batch_records, 0, "{report:?}");
+    assert_eq!(report.partial_batch_records(), 0, "{report:?}");
     assert_eq!(report.missing_offsets, vec![(1, 1)]);
     let ranges: Vec<(u64, u64)> = report.skipped.iter().map(|s| (s.from, s.to)).collect();
     assert_eq!(ranges, vec![(damaged_at, batch_at)]);

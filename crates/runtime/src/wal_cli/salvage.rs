@@ -76,7 +76,7 @@ pub(crate) fn run(a: SalvageArgs) -> CliResult {
                 "next_offset": report.next_offset,
                 "missing_offsets": report.missing_offsets.iter().map(|(a, b)| json!({"first": a, "last": b})).collect::<Vec<_>>(),
                 "skipped": report.skipped.iter().map(|s| json!({"file": s.file, "from": s.from, "to": s.to, "records": s.records, "why": s.why})).collect::<Vec<_>>(),
-                "partial_batch_records": report.partial_batch_records,
+                "partial_batch_records": report.partial_batch_records(),
             }),
         )?;
     } else {
@@ -97,7 +97,7 @@ pub(crate) fn run(a: SalvageArgs) -> CliResult {
         // Bytes that do not check, or offsets missing, are damage; records of a batch that
         // is not whole alone are the trace of a write that never finished.
         let damage = report.skipped.iter().any(|s| s.records == 0) || !report.missing_offsets.is_empty();
-        let left_out = match (damage, report.partial_batch_records) {
+        let left_out = match (damage, report.partial_batch_records()) {
             (false, 0) => "; nothing skipped".to_string(),
             (true, 0) => "; damage skipped, see above".to_string(),
             (false, n) => format!("; {n} record(s) of unfinished batches left out, see above"),
