@@ -417,11 +417,12 @@ fn cursors_within_the_log<C: CursorStore>(cursors: &C, log_next_offset: u64) -> 
     Ok(loaded)
 }
 
-/// Spawns one of the router's tasks. If it ends by a panic, `on_panic` runs as it
-/// unwinds: the task is gone and what it did is not done until a restart, so the router
-/// must say so instead of reporting Running (tokio keeps a task's panic to its join
-/// handle, which only a shutdown awaits). A task that returns was told to stop.
-pub(crate) fn spawn_task<F>(task: F, on_panic: impl FnOnce() + Send + 'static) -> JoinHandle<F::Output>
+/// Spawns a task that must not end unnoticed: one of the router's, and the daemon's own
+/// listeners and loops. If it ends by a panic, `on_panic` runs as it unwinds: the task is
+/// gone and what it did is not done until a restart, so its owner must say so instead of
+/// reporting Running (tokio keeps a task's panic to its join handle, which only a
+/// shutdown awaits). A task that returns was told to stop.
+pub fn spawn_task<F>(task: F, on_panic: impl FnOnce() + Send + 'static) -> JoinHandle<F::Output>
 where
     F: Future + Send + 'static,
     F::Output: Send + 'static,

@@ -374,22 +374,9 @@ where
     F: std::future::Future + Send + 'static,
     F::Output: Send + 'static,
 {
-    /// Reports its task's name if dropped while the thread panics: the task's future is
-    /// dropped while the panic unwinds out of its poll.
-    struct OnPanic(&'static str, tokio::sync::mpsc::UnboundedSender<&'static str>);
-
-    impl Drop for OnPanic {
-        fn drop(&mut self) {
-            if std::thread::panicking() {
-                let _ = self.1.send(self.0);
-            }
-        }
-    }
-
-    let watch = OnPanic(name, failed.clone());
-    tokio::spawn(async move {
-        let _watch = watch;
-        task.await
+    let failed = failed.clone();
+    router::spawn_task(task, move || {
+        let _ = failed.send(name);
     })
 }
 
