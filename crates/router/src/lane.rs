@@ -796,16 +796,15 @@ async fn deliver<S: Sink, C>(
     // answered decides every run of the batch. Before that, the count is what the lane
     // learnt earlier, and an operator may have added partitions since.
     let mut asked = false;
-    let mut ask = false;
     let mut i = 0;
     while i < batch.len() {
         // Make sure the destination exists and its partitions are known.
-        let cached = if ask { None } else { lock(&lane.info).topic };
+        let cached = lock(&lane.info).topic;
         let topic = match cached {
             Some(t) => t,
             None => match attempt(lane, ctx, breaker, &mut failures, Op::Ensure, &mut shutdown).await {
                 Attempt::Ensured(t) => {
-                    (asked, ask) = (true, false);
+                    asked = true;
                     t
                 }
                 Attempt::Retry => continue,
@@ -824,8 +823,9 @@ async fn deliver<S: Sink, C>(
                 // Out of range by a count learnt earlier: the topic may have gained
                 // partitions since. Dropping, dead-lettering or holding a record whose
                 // partition exists would be wrong, so the server is asked first (once
-                // for the batch; its answer is trusted for the rest of it).
-                ask = true;
+                // for the batch; its answer is trusted for the rest of it), as after a
+                // failed send: by forgetting what the lane learnt.
+                lock(&lane.info).topic = None;
                 continue;
             }
             match out_of_range(lane, ctx, &batch[i..end], p, topic, &mut shutdown).await {
