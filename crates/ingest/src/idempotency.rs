@@ -47,8 +47,11 @@
 //!   key claimed and is refused (409) until the first finishes.
 //! - Entries older than the retention window are ignored by lookups and swept by
 //!   checkpoints.
-//! - After a rebuild, every key's offsets are below the log's next offset: a key never
-//!   answers a retry with offsets the log does not hold. `idempotency_keys_below` is
+//! - After a rebuild, every key's offsets are below the log's next offset and outside
+//!   every range the log reports missing (`wal::OpenReport::missing_ranges`: offsets a
+//!   salvage skipped, in place or by copy): a key never answers a retry with offsets the
+//!   log does not hold. The missing ranges are known only at the log's open, and the
+//!   keys are scanned for them once per set of ranges (a fingerprint in the database). `idempotency_keys_below` is
 //!   above every recorded key's last offset, in every committed state of the database.
 //! - Keys recorded before keys were scoped by endpoint cannot be told apart: a request
 //!   through an endpoint was recorded in its source's named-path scope. Once per
@@ -73,6 +76,10 @@ const META_INDEXED_THROUGH: &str = "idempotency_indexed_through";
 /// Every recorded key's last offset is below this value: raised in the transaction that
 /// records keys, so it is durable whenever they are. Absent in a database from before it.
 const META_KEYS_BELOW: &str = "idempotency_keys_below";
+/// A fingerprint of the log's missing offset ranges whose keys were last forgotten
+/// ([`IdempotencyIndex::rebuild`]): a rebuild scans the keys again only when the log
+/// reports other ranges.
+const META_MISSING_RANGES_RECONCILED: &str = "idempotency_missing_ranges_reconciled";
 /// Set once the keys recorded before keys were scoped by endpoint were sorted out
 /// ([`IdempotencyIndex::forget_unscoped_keys_once`]).
 const META_KEYS_SCOPED_BY_ENDPOINT: &str = "idempotency_keys_scoped_by_endpoint";
@@ -123,6 +130,9 @@ pub struct RebuildReport {
     /// Keys forgotten because their offsets were at or past the log's next offset (the
     /// log lost its tail, or was replaced, after they were recorded).
     pub keys_beyond_log_forgotten: u64,
+    /// Keys forgotten because their offsets reach into a range the log reports missing
+    /// (`wal::OpenReport::missing_ranges`: a salvage skipped it).
+    pub keys_in_missing_ranges_forgotten: u64,
 }
 
 /// The index. Share it behind an `Arc`.
@@ -390,12 +400,12 @@ impl IdempotencyIndex {
     /// restores the keys of records the last checkpoint did not cover. Call once after
     /// opening, before serving (or with keyed requests held at the gate).
     pub fn rebuild(&self, wal: &Wal, now_unix_ms: u64) -> Result<RebuildReport, StateError> {
-        let (indexed_through, keys_below) = {
+        let (indexed_through, keys_below, missing_reconciled) = {
             let db = self.state.db()?;
             let txn = db.begin_read().map_err(storage_err)?;
             let meta = txn.open_table(META).map_err(storage_err)?;
             let get = |name| meta.get(name).map_err(storage_err).map(|v| v.map(|v| v.value()));
-            (get(META_INDEXED_THROUGH)?.unwrap_or(0), get(META_KEYS_BELOW)?)
+            (get(META_INDEXED_THROUGH)?.unwrap_or(0), get(META_KEYS_BELOW)?, get(META_MISSING_RANGES_RECONCILED)?)
         };
         let stats = wal.stats();
         let from = if indexed_through > stats.next_offset {
@@ -413,13 +423,33 @@ impl IdempotencyIndex {
         let mut txn = db.begin_write().map_err(storage_err)?;
         txn.set_durability(Durability::Immediate).map_err(|e| StateError::Storage(e.to_string()))?;
         if keys_below.is_none_or(|below| below > stats.next_offset) {
-            report.keys_beyond_log_forgotten = forget_keys_from(&txn, stats.next_offset)?;
+            report.keys_beyond_log_forgotten = forget_keys_where(&txn, |_, last| last >= stats.next_offset)?;
             if report.keys_beyond_log_forgotten > 0 {
                 tracing::warn!(
                     forgotten = report.keys_beyond_log_forgotten,
                     keys_below = ?keys_below,
                     log_next_offset = stats.next_offset,
                     "delivery ids recorded at offsets the log does not hold (it lost its tail, or was replaced) were forgotten; a retry of one of those deliveries is appended again"
+                );
+            }
+        }
+        // A salvage skips what it cannot read and the log goes on above it: a key of a
+        // skipped record would answer its retry "replayed" while the log holds no such
+        // record. Below the log's end, only the ranges the log reports missing tell.
+        let missing = &wal.open_report().missing_ranges;
+        let fingerprint = missing_ranges_fingerprint(missing);
+        if !missing.is_empty() && missing_reconciled != Some(fingerprint) {
+            report.keys_in_missing_ranges_forgotten =
+                forget_keys_where(&txn, |first, last| missing.iter().any(|r| first < r.end && last >= r.start))?;
+            txn.open_table(META)
+                .map_err(storage_err)?
+                .insert(META_MISSING_RANGES_RECONCILED, fingerprint)
+                .map_err(storage_err)?;
+            if report.keys_in_missing_ranges_forgotten > 0 {
+                tracing::warn!(
+                    forgotten = report.keys_in_missing_ranges_forgotten,
+                    missing_ranges = ?missing,
+                    "delivery ids recorded at offsets a salvage skipped were forgotten; a retry of one of those deliveries is appended again"
                 );
             }
         }
@@ -492,22 +522,37 @@ fn raise_keys_below(txn: &redb::WriteTransaction, below: u64) -> Result<(), Stat
 
 /// Removes every key whose last offset is at or past `log_next_offset` (a batch is
 /// whole or absent in the log, so such a key's records are all gone). Returns how many.
-fn forget_keys_from(txn: &redb::WriteTransaction, log_next_offset: u64) -> Result<u64, StateError> {
+/// Removes every key whose offsets `(first, last)` match `forget`; returns how many.
+fn forget_keys_where(txn: &redb::WriteTransaction, forget: impl Fn(u64, u64) -> bool) -> Result<u64, StateError> {
     let mut table = txn.open_table(IDEMPOTENCY).map_err(storage_err)?;
     let mut by_time = txn.open_table(IDEMPOTENCY_BY_TIME).map_err(storage_err)?;
-    let mut beyond: Vec<(Vec<u8>, u64)> = Vec::new();
+    let mut matched: Vec<(Vec<u8>, u64)> = Vec::new();
     for entry in table.iter().map_err(storage_err)? {
         let (k, v) = entry.map_err(storage_err)?;
-        let (_, last_offset, accepted_at) = v.value();
-        if last_offset >= log_next_offset {
-            beyond.push((k.value().to_vec(), accepted_at));
+        let (first_offset, last_offset, accepted_at) = v.value();
+        if forget(first_offset, last_offset) {
+            matched.push((k.value().to_vec(), accepted_at));
         }
     }
-    for (key, accepted_at) in &beyond {
+    for (key, accepted_at) in &matched {
         table.remove(key.as_slice()).map_err(storage_err)?;
         by_time.remove((*accepted_at, key.as_slice())).map_err(storage_err)?;
     }
-    Ok(beyond.len() as u64)
+    Ok(matched.len() as u64)
+}
+
+/// The first 8 bytes of a SHA-256 over the ranges: stable across builds and platforms.
+fn missing_ranges_fingerprint(ranges: &[std::ops::Range<u64>]) -> u64 {
+    use sha2::Digest;
+    let mut hash = sha2::Sha256::new();
+    for r in ranges {
+        hash.update(r.start.to_le_bytes());
+        hash.update(r.end.to_le_bytes());
+    }
+    let digest = hash.finalize();
+    let mut first = [0u8; 8];
+    first.copy_from_slice(&digest[..8]);
+    u64::from_le_bytes(first)
 }
 
 fn commit_checkpoint(state: &StateDb, through: u64, cutoff_unix_ms: u64) -> Result<(), StateError> {

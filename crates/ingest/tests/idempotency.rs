@@ -160,3 +160,66 @@ async fn a_retry_is_not_replayed_from_offsets_a_stopped_log_does_not_hold() {
     let again = ingestor.accept(submission(Some("d-durable"), now + 1)).await.unwrap();
     assert_eq!((again.first_offset, again.replayed), (durable.first_offset, true));
 }
+
+/// A salvage in place keeps the log's prefix before damage and resumes above every
+/// offset the damaged files could hold; `wal salvage --out` copies around damage. Either
+/// way the log goes on past offsets it no longer holds, so a key recorded there is below
+/// the log's end and the rule for keys past the end does not reach it. Such a key must
+/// not answer its retry "replayed": the event is gone, and the retry is all that can
+/// bring it back. Keys of records the log kept still replay.
+#[tokio::test]
+async fn keys_of_records_a_salvage_skipped_are_forgotten_and_their_retries_appended_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = Arc::new(StateDb::open(dir.path().join("state.redb")).unwrap());
+    let sim = SimStorage::new();
+    let now = ingest::time::now_unix_ms();
+    let options = |recovery| WalOptions { segment_max_bytes: 1024, recovery, ..WalOptions::default() };
+    let open =
+        |recovery| Arc::new(Wal::open_with(Arc::new(sim.clone()), Path::new("/wal"), options(recovery)).unwrap());
+
+    // Keys d-0 to d-39, a few records per segment; a checkpoint covers all of them.
+    let wal = open(wal::RecoveryMode::Strict);
+    let (ingestor, _) = start(&state, &wal, now);
+    let mut offsets = Vec::new();
+    for i in 0..40 {
+        offsets.push(ingestor.accept(submission(Some(&format!("d-{i}")), now)).await.unwrap().first_offset);
+    }
+    ingestor.idempotency().checkpoint(&wal, now).await.unwrap();
+    let segments = wal.segment_paths();
+    assert!(segments.len() >= 4, "{segments:?}");
+    wal.close().await.unwrap();
+    drop((ingestor, wal));
+
+    // A flipped byte in the second segment's first record.
+    let second = &segments[1];
+    let mut bytes = sim.read_file(second).unwrap();
+    bytes[wal::format::SEGMENT_HEADER_LEN as usize + wal::format::FRAME_HEADER_LEN as usize + 1] ^= 1;
+    sim.write_file_durably(second, &bytes).unwrap();
+
+    let wal = open(wal::RecoveryMode::Salvage);
+    let salvage = wal.open_report().salvage.clone().expect("the open salvaged");
+    let kept_below = salvage.kept_until_offset;
+    assert!(kept_below > 0 && kept_below < 40, "{salvage:?}");
+    assert!(wal.next_offset() > 40, "the salvage resumes above the damaged files' offsets");
+    let (ingestor, report) = start(&state, &wal, now + 1);
+    let skipped = offsets.iter().filter(|&&o| o >= kept_below).count() as u64;
+    assert_eq!(report.keys_beyond_log_forgotten, 0, "the keys are below the log's end");
+    assert_eq!(report.keys_in_missing_ranges_forgotten, skipped);
+
+    let kept = ingestor.accept(submission(Some("d-0"), now + 1)).await.unwrap();
+    assert_eq!((kept.first_offset, kept.replayed), (0, true), "a kept record's key still replays");
+    let retry = ingestor.accept(submission(Some("d-39"), now + 1)).await.unwrap();
+    assert!(!retry.replayed, "the retry of a delivery the salvage skipped was answered as a replay");
+    assert!(retry.first_offset >= salvage.resumed_at_offset);
+    ingestor.idempotency().checkpoint(&wal, now + 1).await.unwrap();
+    wal.close().await.unwrap();
+    drop((ingestor, wal));
+
+    // The next start finds the same missing ranges: nothing left to forget, and the
+    // retried delivery replays from its new offset.
+    let wal = open(wal::RecoveryMode::Strict);
+    let (ingestor, report) = start(&state, &wal, now + 2);
+    assert_eq!(report.keys_in_missing_ranges_forgotten, 0);
+    let again = ingestor.accept(submission(Some("d-39"), now + 2)).await.unwrap();
+    assert_eq!((again.first_offset, again.replayed), (retry.first_offset, true));
+}

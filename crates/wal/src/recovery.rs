@@ -61,6 +61,11 @@ pub struct OpenReport {
     /// Leftover temporary files of an interrupted segment creation, removed.
     pub removed_temp_files: Vec<String>,
     pub salvage: Option<SalvageReport>,
+    /// Offsets the log lacks below its end, each range `from..to`: a salvage (in place,
+    /// or by copy) skipped them, and a segment flagged `GAP_BEFORE` starts at `to`.
+    /// `from` is its predecessor's seal, or 0 for the log's first segment, below which
+    /// released offsets and skipped ones cannot be told apart. Ascending, disjoint.
+    pub missing_ranges: Vec<std::ops::Range<u64>>,
 }
 
 /// What a salvage kept, moved and skipped.
@@ -355,6 +360,7 @@ fn open_bounded(
         }
     }
 
+    report.missing_ranges = missing_ranges(&loaded)?;
     let count = loaded.len();
     let mut segs: Vec<Arc<SegmentRef>> = loaded
         .into_iter()
@@ -374,6 +380,26 @@ fn open_bounded(
         segs.push(create_segment(&*storage, &dir, next_offset, 0)?);
     }
     Ok(finish(storage, dir, opts, segs, next_offset, lock, report))
+}
+
+/// The offsets below each segment flagged `GAP_BEFORE` that the log does not hold: from
+/// the predecessor's seal (which the open checked is at or below the flagged base), or
+/// from 0 for the first segment.
+fn missing_ranges(loaded: &[Loaded]) -> Result<Vec<std::ops::Range<u64>>> {
+    let mut ranges = Vec::new();
+    for (i, seg) in loaded.iter().enumerate() {
+        if seg.header.flags & SEGMENT_FLAG_GAP_BEFORE == 0 {
+            continue;
+        }
+        let from = match i.checked_sub(1).map(|p| &loaded[p]) {
+            None => 0,
+            Some(prev) => read_seal(&*prev.file, &prev.path, prev.base, prev.len)?,
+        };
+        if from < seg.base {
+            ranges.push(from..seg.base);
+        }
+    }
+    Ok(ranges)
 }
 
 /// A name in `damaged/` for `d`'s file that none of `existing` has (then added to it).

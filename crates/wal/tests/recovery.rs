@@ -214,6 +214,9 @@ fn a_tail_sealed_at_or_below_its_own_base_is_damage() {
         let s = wal.open_report().salvage.clone().expect("a salvage report");
         assert!(s.resumed_at_offset > 100, "seal {seal}: {s:?}");
         assert_eq!(wal.segment_paths(), vec![seg_path(s.resumed_at_offset)], "seal {seal}");
+        // Nothing below the new tail is left: released offsets and skipped ones cannot be
+        // told apart there.
+        assert_eq!(wal.open_report().missing_ranges, vec![0..s.resumed_at_offset], "seal {seal}");
         assert_eq!(s.moved_files, vec![dir().join(wal::DAMAGED_DIR).join(segment_file_name(100))]);
         let a = rt().block_on(wal.append(vec![payload(1, 10)])).unwrap();
         assert_eq!(a.first_offset, s.resumed_at_offset);
@@ -280,6 +283,8 @@ fn salvage_keeps_the_valid_prefix_moves_the_rest_and_never_reuses_an_offset() {
     let s = wal.open_report().salvage.clone().expect("salvage report");
     assert_eq!(s.kept_until_offset, second_base + 2);
     assert!(s.resumed_at_offset >= total_before, "resumed at {} below the old end", s.resumed_at_offset);
+    // The offsets the salvage skipped, from the kept prefix's seal to the new tail.
+    assert_eq!(wal.open_report().missing_ranges, vec![second_base + 2..s.resumed_at_offset]);
     assert_eq!(s.moved_files.len(), names.len() - 1);
     let kept: Vec<u64> = read_all(&wal, 0).iter().map(|r| r.offset).collect();
     assert_eq!(kept, (0..second_base + 2).collect::<Vec<_>>());
@@ -295,6 +300,7 @@ fn salvage_keeps_the_valid_prefix_moves_the_rest_and_never_reuses_an_offset() {
     assert_eq!(all.last().map(|r| r.offset), Some(s.resumed_at_offset));
     assert_eq!(all.len() as u64, second_base + 3);
     assert!(wal::inspect::verify(&sim, &dir(), &mut |_| {}).unwrap().is_clean());
+    assert_eq!(wal.open_report().missing_ranges, vec![second_base + 2..s.resumed_at_offset], "after a reopen");
 }
 
 /// A power loss at any step of a salvage in place: opening again (strictly or with

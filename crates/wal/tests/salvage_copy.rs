@@ -211,6 +211,9 @@ fn damage_in_headers_and_payloads_loses_only_the_damaged_records_and_keeps_offse
     let want: Vec<(u64, u64)> = (0..30).filter(|&o| o != third_base).map(|o| (o, o)).collect();
     assert_eq!(got, want);
     assert!(inspect::verify(&sim, &out_dir(), &mut |_| {}).unwrap().is_clean());
+    let copy = Wal::open_read_only_with(Arc::new(sim.clone()) as Arc<dyn Storage>, &out_dir()).unwrap();
+    assert_eq!(copy.open_report().missing_ranges, vec![third_base..third_base + 1]);
+    drop(copy);
     let after: Vec<Vec<u8>> = segs.iter().map(|s| sim.read_file(&dir().join(s)).unwrap()).collect();
     assert_eq!(before, after, "the source was changed");
     // A second copy into the same directory is refused.
