@@ -6,8 +6,11 @@
 //! - A record is handed to its lane (or disposed of by policy, or held) *before*
 //!   `processed_below` moves past it, so the releaser, which reads `processed_below`
 //!   first and the lanes second, never releases a record that is still owed.
-//! - The dispatcher never waits for a lane: a full lane overflows and re-reads from the
-//!   log, so one stuck destination cannot stall the others.
+//! - The dispatcher never waits long for a lane: a full lane overflows and re-reads
+//!   from the log, so one stuck destination cannot stall the others. It waits for room
+//!   in a healthy lane's full queue for at most `overflow_after`, and only until that
+//!   lane's queue has stayed above half full for `overflow_after` in all: a destination
+//!   that answers, only slower than the log is read, does not pace the others.
 //! - Once a source's admitted destinations reach its cap, its admitted set never changes
 //!   while running, so "rejected for cap" is a stable property of a record (the
 //!   dead-letter lane re-reading the log decides it the same way).
@@ -188,13 +191,13 @@ impl<S: Sink, C: CursorStore> Dispatcher<S, C> {
         let space = lane.space.notified();
         tokio::pin!(space);
         space.as_mut().enable();
-        if let Err(routed) = lane.offer(routed, queue_max, true) {
+        if let Err(routed) = lane.offer(routed, queue_max, wait, true) {
             // A healthy lane with a full queue: give it a moment before it overflows.
             tokio::select! {
                 _ = space => {}
                 _ = tokio::time::sleep(wait) => {}
             }
-            let _ = lane.offer(routed, queue_max, false);
+            let _ = lane.offer(routed, queue_max, wait, false);
         }
     }
 
@@ -301,7 +304,7 @@ impl<S: Sink, C: CursorStore> Dispatcher<S, C> {
             OnAdmissionFailure::DeadLetter => match dead_letter_lane {
                 Some(dl) => {
                     let routed = Routed { offset, envelope, dead_letter_reason: Some("cap") };
-                    let _ = dl.offer(routed, policy.lane_queue_max_records, false);
+                    let _ = dl.offer(routed, policy.lane_queue_max_records, policy.overflow_after, false);
                 }
                 None => {
                     self.hold_from(offset);

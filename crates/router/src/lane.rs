@@ -84,6 +84,9 @@ pub(crate) struct Gate {
     held_bytes: u64,
     /// Receive time of the oldest held record, when known.
     oldest_held_ms: Option<u64>,
+    /// When an offer first found the queue full since it was last at most half full:
+    /// how long this lane has been keeping up with the reader less than its queue needs.
+    full_since: Option<Instant>,
     /// Queue length at which an offer wakes the lane: 0 or 1 normally (any record), the
     /// room left in the batch while the lane lingers (so a filling batch costs one
     /// wake-up, not one per record).
@@ -303,18 +306,34 @@ impl Lane {
     /// Called by the dispatcher for each record bound here, in log order. With
     /// `may_refuse`, a full queue of a healthy lane gives the record back (the dispatcher
     /// waits briefly for room: a healthy lane that is merely busy should not re-read the
-    /// log); otherwise a full queue overflows.
+    /// log), unless the queue has not been below half full for `overflow_after` since an
+    /// offer first found it full: a lane that slow would pace the log's single reader, and
+    /// with it every other destination, one short wait at a time. Otherwise a full queue
+    /// overflows.
     // The `Err` is the record handed back, not an error: boxing it would allocate per record.
     #[allow(clippy::result_large_err)]
-    pub(crate) fn offer(&self, r: Routed, queue_max: usize, may_refuse: bool) -> Result<(), Routed> {
+    pub(crate) fn offer(
+        &self,
+        r: Routed,
+        queue_max: usize,
+        overflow_after: Duration,
+        may_refuse: bool,
+    ) -> Result<(), Routed> {
         let d = &r.envelope.header.destination;
         if self.delivered_before(r.offset, &d.stream, &d.topic) {
             return Ok(());
         }
         let mut g = self.gate();
+        if g.queue.len() <= queue_max / 2 {
+            g.full_since = None;
+        }
         let full = g.overflow_from.is_none() && g.queue.len() >= queue_max;
         if full && may_refuse && self.is_healthy() {
-            return Err(r);
+            let now = Instant::now();
+            let since = *g.full_since.get_or_insert(now);
+            if now.duration_since(since) < overflow_after {
+                return Err(r);
+            }
         }
         g.hold(r.envelope.payload.len(), r.envelope.header.received_at_unix_ms);
         let wake = if g.overflow_from.is_some() {
@@ -323,6 +342,7 @@ impl Lane {
         } else if full {
             g.overflow_from = Some(r.offset);
             g.last_skipped = Some(r.offset);
+            g.full_since = None;
             true
         } else {
             g.queue.push_back(r);

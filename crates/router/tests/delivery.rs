@@ -147,6 +147,39 @@ async fn failing_destinations_leave_a_healthy_one_of_their_source_a_send_slot() 
     router.shutdown().await;
 }
 
+/// A destination that answers every send, only slowly, must not pace the log's single
+/// reader, and with it every other destination. Each of its waits for room in its full
+/// queue is short (it takes a batch every 50 ms), but together they last: once its
+/// queue has stayed full past `overflow_after`, it re-reads the log at its own pace.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_but_healthy_destination_does_not_pace_the_others() {
+    let sim = SimStorage::new();
+    let wal = open_wal(&sim);
+    let sink = FaultySink::new();
+    let (slow, fast) = (key("pace", "slow"), key("pace", "fast"));
+    sink.fault(&slow, Some(Fault::Slow(Duration::from_millis(50))));
+    let mut policy = fast_policy();
+    policy.batch.batch_max_records = 8;
+    policy.lane_queue_max_records = 32;
+    policy.overflow_after = Duration::from_millis(100);
+    // 1000 records each, alternating: the slow one takes 160 a second.
+    fill(&wal, &[slow.clone(), fast.clone()], 0, 2000).await;
+    let started = std::time::Instant::now();
+    let router =
+        Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), Policies::uniform(policy))
+            .unwrap();
+    eventually(Duration::from_secs(30), "fast delivered", || sink.ids(&fast).len() == 1000).await;
+    let took = started.elapsed();
+    let slow_done = sink.ids(&slow).len();
+    // Paced by the slow one, the fast one would take about as long: over 6 s.
+    assert!(took < Duration::from_secs(3), "the fast destination took {took:?} (the slow one had {slow_done})");
+    assert!(slow_done < 1000, "the slow destination was not slower: {slow_done} in {took:?}");
+    eventually(Duration::from_secs(30), "slow delivered", || sink.ids(&slow).len() == 1000).await;
+    let want: Vec<u128> = (0..1000u128).map(|i| 2 * i + 1).collect();
+    assert_eq!(sink.ids(&slow), want, "the slow destination's records, in order, once each");
+    router.shutdown().await;
+}
+
 /// The cursor store's owner can hold the log below its release ceiling (the daemon: the
 /// idempotency checkpoint), however far the cursors got; it goes once the ceiling rises.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -25,6 +25,8 @@ pub enum Fault {
     BlackHole,
     /// Panics in the call, as a defect of the sink would: the lane's task ends.
     Panic,
+    /// Answers every send, successfully, after this long: a healthy but slow server.
+    Slow(Duration),
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -81,6 +83,12 @@ impl FaultySink {
     pub fn calls(&self, dest: &DestinationKey) -> u64 {
         self.st().calls.get(dest).copied().unwrap_or(0)
     }
+    fn slow(&self, dest: &DestinationKey) -> Option<Duration> {
+        match self.st().faults.get(dest) {
+            Some(Fault::Slow(d)) => Some(*d),
+            _ => None,
+        }
+    }
     fn check(&self, dest: &DestinationKey) -> Result<(), Option<SendError>> {
         // The state's lock is let go before a panic, so other destinations' calls go on.
         let (client_fault, fault) = {
@@ -94,7 +102,7 @@ impl FaultySink {
             Some(Fault::Fail(k)) => Err(Some(SendError::new(k, "injected destination fault"))),
             Some(Fault::BlackHole) => Err(None),
             Some(Fault::Panic) => panic!("injected panic in a call for {dest}"),
-            None => Ok(()),
+            Some(Fault::Slow(_)) | None => Ok(()),
         }
     }
 }
@@ -130,6 +138,9 @@ impl Sink for FaultySink {
             Ok(()) => {}
             Err(Some(e)) => return Err(e),
             Err(None) => std::future::pending::<()>().await,
+        }
+        if let Some(d) = self.slow(dest) {
+            tokio::time::sleep(d).await;
         }
         let mut st = self.st();
         // As Iggy does: a partition id the topic does not have fails the send.
