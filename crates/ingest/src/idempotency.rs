@@ -135,6 +135,14 @@ pub struct RebuildReport {
     pub keys_in_missing_ranges_forgotten: u64,
 }
 
+/// When a rebuild runs: at start, before any append of this process was answered, or
+/// while serving.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    Start,
+    Serving,
+}
+
 /// The index. Share it behind an `Arc`.
 pub struct IdempotencyIndex {
     state: Arc<StateDb>,
@@ -314,7 +322,7 @@ impl IdempotencyIndex {
             if unrecorded.is_some() {
                 // Keys the recorder did not take: restore them from the log (durably),
                 // as a restart would, before the checkpoint may pass their records.
-                let report = self.rebuild(wal, now_unix_ms)?;
+                let report = self.restore_from_log(wal, now_unix_ms)?;
                 tracing::warn!(?report, "delivery ids that could not be recorded were restored from the log");
             }
             wal.next_offset()
@@ -344,7 +352,7 @@ impl IdempotencyIndex {
             .await
             .map_err(|e| StateError::Storage(format!("reopen task failed: {e}")))??;
         if reopened {
-            let report = self.rebuild(wal, now_unix_ms)?;
+            let report = self.restore_from_log(wal, now_unix_ms)?;
             tracing::warn!(?report, "idempotency keys restored from the log after the state database was reopened");
         }
         Ok(reopened)
@@ -396,10 +404,22 @@ impl IdempotencyIndex {
         Ok(forgotten)
     }
 
-    /// Forgets the keys the log does not hold (offsets at or past its next offset), then
-    /// restores the keys of records the last checkpoint did not cover. Call once after
-    /// opening, before serving (or with keyed requests held at the gate).
+    /// Forgets the keys the log does not hold (offsets at or past its next offset, or in
+    /// a range it reports missing), then restores the keys of records the last checkpoint
+    /// did not cover. Call once after opening the log, before serving.
     pub fn rebuild(&self, wal: &Wal, now_unix_ms: u64) -> Result<RebuildReport, StateError> {
+        self.rebuild_from_log(wal, now_unix_ms, Phase::Start)
+    }
+
+    /// Restores from the log the keys of records the last checkpoint did not cover, while
+    /// serving (keyed requests held at the gate). Forgets nothing: under `wal.sync =
+    /// "interval"` the log's durable end is below appends already answered, whose keys
+    /// are recorded and must keep answering their retries.
+    fn restore_from_log(&self, wal: &Wal, now_unix_ms: u64) -> Result<RebuildReport, StateError> {
+        self.rebuild_from_log(wal, now_unix_ms, Phase::Serving)
+    }
+
+    fn rebuild_from_log(&self, wal: &Wal, now_unix_ms: u64, phase: Phase) -> Result<RebuildReport, StateError> {
         let (indexed_through, keys_below, missing_reconciled) = {
             let db = self.state.db()?;
             let txn = db.begin_read().map_err(storage_err)?;
@@ -422,7 +442,7 @@ impl IdempotencyIndex {
         let db = self.state.db()?;
         let mut txn = db.begin_write().map_err(storage_err)?;
         txn.set_durability(Durability::Immediate).map_err(|e| StateError::Storage(e.to_string()))?;
-        if keys_below.is_none_or(|below| below > stats.next_offset) {
+        if phase == Phase::Start && keys_below.is_none_or(|below| below > stats.next_offset) {
             report.keys_beyond_log_forgotten = forget_keys_where(&txn, |_, last| last >= stats.next_offset)?;
             if report.keys_beyond_log_forgotten > 0 {
                 tracing::warn!(
@@ -438,7 +458,7 @@ impl IdempotencyIndex {
         // record. Below the log's end, only the ranges the log reports missing tell.
         let missing = &wal.open_report().missing_ranges;
         let fingerprint = missing_ranges_fingerprint(missing);
-        if !missing.is_empty() && missing_reconciled != Some(fingerprint) {
+        if phase == Phase::Start && !missing.is_empty() && missing_reconciled != Some(fingerprint) {
             report.keys_in_missing_ranges_forgotten =
                 forget_keys_where(&txn, |first, last| missing.iter().any(|r| first < r.end && last >= r.start))?;
             txn.open_table(META)
@@ -483,15 +503,23 @@ impl IdempotencyIndex {
         {
             let mut meta = txn.open_table(META).map_err(storage_err)?;
             meta.insert(META_INDEXED_THROUGH, next.max(from)).map_err(storage_err)?;
-            // Every key left is below the log's end: the forgotten ones were at or past
-            // it, the restored ones are records of the log.
-            meta.insert(META_KEYS_BELOW, next.max(stats.next_offset)).map_err(storage_err)?;
+            // At start every key left is below the log's end: the forgotten ones were at
+            // or past it, the restored ones are records of the log. While serving, keys
+            // of answered appends above the durable end stay, and so does the bound.
+            let below = next.max(stats.next_offset);
+            let below = match phase {
+                Phase::Start => below,
+                Phase::Serving => keys_below.map_or(below, |b| b.max(below)),
+            };
+            meta.insert(META_KEYS_BELOW, below).map_err(storage_err)?;
         }
         txn.commit().map_err(storage_err)?;
         self.durable_through.store(next.max(from), Ordering::Release);
-        // Every key of the log from `from` on is in the database now, those whose record
-        // failed included.
-        *self.first_unrecorded.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        // Every key of the log from `from` to `next` is in the database now, those whose
+        // record failed included; one of a record not yet durable (under `interval`) is
+        // still owed, and holds the next checkpoint's restore.
+        let mut unrecorded = self.first_unrecorded.lock().unwrap_or_else(|p| p.into_inner());
+        *unrecorded = unrecorded.filter(|&first| first >= next.max(from));
         Ok(report)
     }
 }
@@ -599,6 +627,67 @@ mod tests {
     /// over by a checkpoint, or neither a restart nor the log (released below the
     /// checkpoint) could restore it: the checkpoint restores it from the log first, and
     /// the log's release ceiling (`durable_through`) follows the checkpoint.
+    /// Under `wal.sync = "interval"` an append is answered once written, before the sync,
+    /// and its key recorded at once. A restore from the log while serving (here: a
+    /// checkpoint after a key the recorder could not take) must not forget such keys as
+    /// if the log had lost them, must not lower the bound a restart's check relies on,
+    /// and must keep owing the failed key of a record not yet durable until it restored
+    /// it.
+    #[tokio::test]
+    async fn a_restore_while_serving_keeps_the_keys_of_appends_answered_before_their_sync() {
+        use crate::{Destination, Event, Ingestor, Partitioning, Submission};
+        let state = Arc::new(StateDb::open_in_memory().unwrap());
+        let sim = wal::storage::SimStorage::new();
+        let options = wal::WalOptions {
+            sync: wal::SyncPolicy::Interval(std::time::Duration::from_secs(60)),
+            ..wal::WalOptions::default()
+        };
+        let wal = Arc::new(Wal::open_with(Arc::new(sim), std::path::Path::new("/wal"), options).unwrap());
+        let now = crate::time::now_unix_ms();
+        let index = Arc::new(IdempotencyIndex::new(state.clone(), 86_400_000));
+        index.rebuild(&wal, now).unwrap();
+        let ingestor = Ingestor::new(wal.clone(), index.clone());
+        let submission = |delivery_key: &str| Submission {
+            source_key: "s".into(),
+            endpoint_id: None,
+            content_type: None,
+            metadata: vec![],
+            headers: vec![],
+            delivery_key: Some(delivery_key.to_string()),
+            events: vec![Event {
+                destination: Destination {
+                    stream: "a".into(),
+                    topic: "b".into(),
+                    partitioning: Partitioning::Balanced,
+                },
+                payload: bytes::Bytes::from_static(b"{}"),
+            }],
+            received_at_unix_ms: now,
+        };
+        let d0 = ingestor.accept(submission("d-0")).await.unwrap();
+        assert_eq!((d0.first_offset, d0.replayed), (0, false));
+        *index.recorder.lock().unwrap() = None;
+        let d1 = ingestor.accept(submission("d-1")).await.unwrap();
+        assert_eq!(d1.first_offset, 1);
+        assert_eq!(wal.next_offset(), 0, "nothing is durable yet");
+
+        // The checkpoint restores from the log (a key is owed), which holds nothing yet.
+        assert_eq!(index.checkpoint(&wal, now).await.unwrap(), 0);
+        assert_eq!(index.lookup(&key("d-0"), now).unwrap().map(|p| p.first_offset), Some(0), "d-0 was forgotten");
+        let keys_below = {
+            let db = state.db().unwrap();
+            let txn = db.begin_read().unwrap();
+            txn.open_table(META).unwrap().get(META_KEYS_BELOW).unwrap().map(|v| v.value())
+        };
+        assert!(keys_below.is_some_and(|b| b > 0), "the bound fell below d-0's offset: {keys_below:?}");
+
+        // Once the records are durable, the next checkpoint restores d-1's key.
+        wal.close().await.unwrap();
+        assert_eq!(wal.next_offset(), 2);
+        assert_eq!(index.checkpoint(&wal, now).await.unwrap(), 2);
+        assert_eq!(index.lookup(&key("d-1"), now).unwrap().map(|p| p.first_offset), Some(1), "d-1 is still owed");
+    }
+
     #[tokio::test]
     async fn a_key_the_recorder_could_not_take_is_restored_from_the_log_before_a_checkpoint_passes_it() {
         use crate::{Destination, Event, Ingestor, Partitioning, Submission};
