@@ -226,6 +226,13 @@ impl Writer {
                 let _ = reply.send(Err(e));
                 return;
             }
+            // The segment just sealed may hold only released records (they were released
+            // while it was active, which is never deleted): free it now. The releaser
+            // asks again only when delivery moves on, and until then this append and the
+            // next would be refused as `Full` with nothing undelivered in the log.
+            if let Err(e) = self.delete_released() {
+                tracing::warn!(error = %e, "could not delete a released segment after a rotation; the next release tries again");
+            }
         }
         // Offsets are taken only now: a failed flush above gives back the offsets it held.
         let last = self.next_offset.checked_add(count - 1).filter(|&l| l <= OFFSET_MAX);
@@ -515,7 +522,14 @@ impl Writer {
 
     fn release(&mut self, below: u64) -> Result<Released> {
         let below = below.min(self.shared.durable_next());
-        let start = self.shared.start.fetch_max(below, Ordering::AcqRel).max(below);
+        self.shared.start.fetch_max(below, Ordering::AcqRel);
+        self.delete_released()
+    }
+
+    /// Deletes, oldest first, every segment below the log's start that is not the active
+    /// one (whole segments only: one whose successor begins at or below the start).
+    fn delete_released(&mut self) -> Result<Released> {
+        let start = self.shared.start();
         let mut out = Released { start, segments_deleted: 0, bytes_freed: 0 };
         if self.removal_unsynced {
             // An earlier removal is not durable yet: make it so before removing more.

@@ -143,3 +143,24 @@ fn options_that_overflow_or_overgrow_are_refused() {
     let opts = WalOptions { preallocate_bytes: PREALLOCATE_BYTES_MAX, ..small_options() };
     try_open(&SimStorage::new(), opts).unwrap_or_else(|e| panic!("the largest preallocation was refused: {e}"));
 }
+
+/// A segment whose records were all released while it was the active one is freed once
+/// a rotation seals it, without waiting for another release: the releaser only asks
+/// again when delivery moves on, and until then `Full` would be answered with nothing
+/// undelivered in the log.
+#[test]
+fn a_segment_sealed_after_its_release_is_freed_without_another_release() {
+    let sim = SimStorage::new();
+    let opts = WalOptions { segment_max_bytes: 4096, max_bytes: 8192, ..small_options() };
+    let wal = open(&sim, opts);
+    rt().block_on(async {
+        let a = wal.append(vec![payload(0, 3000)]).await.unwrap();
+        let released = wal.release_below(a.last_offset + 1).await.unwrap();
+        assert_eq!(released.segments_deleted, 0, "the active segment is never deleted");
+        // Does not fit beside the first record: the first segment is sealed, and with it
+        // the log would be full, though everything in it was released.
+        let b = wal.append(vec![payload(1, 5068)]).await;
+        assert!(b.is_ok(), "the second append was refused: {b:?}");
+    });
+    assert_eq!(segment_files(&sim, &dir()), vec![segment_file_name(1)]);
+}
