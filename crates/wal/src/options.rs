@@ -50,7 +50,7 @@ pub struct WalOptions {
     /// directory already holds a log.
     pub initial_offset: u64,
     /// How many appends may wait for the writer at once; more wait for a slot. Bounds
-    /// the memory held by queued appends.
+    /// the memory held by queued appends. At most [`QUEUE_MAX_APPENDS_MAX`].
     pub queue_max_appends: usize,
     /// The writer stops taking queued appends into a group once the group holds this
     /// many bytes, so one write and sync carries at most this plus one batch (a batch
@@ -74,6 +74,10 @@ pub const PREALLOCATE_BYTES_DEFAULT: u64 = 1024 * 1024;
 /// The most [`WalOptions::preallocate_bytes`] may be: the zeros go through the writer's
 /// buffer with the group they follow, so this bounds that buffer's growth.
 pub const PREALLOCATE_BYTES_MAX: u64 = 64 * 1024 * 1024;
+
+/// The largest `queue_max_appends`: 64 times the default, far above any useful setting,
+/// and far below what the slots' semaphore can count (it panics past that).
+pub const QUEUE_MAX_APPENDS_MAX: usize = 1024 * 1024;
 
 /// The largest batch (its records plus one frame header each) a log of `max_bytes` can
 /// ever take: an empty log holds its active segment's header, and the writer keeps room
@@ -124,8 +128,8 @@ impl WalOptions {
         if self.initial_offset > OFFSET_MAX {
             return bad(format!("initial_offset must be at most {OFFSET_MAX}"));
         }
-        if self.queue_max_appends == 0 {
-            return bad("queue_max_appends must be at least 1".into());
+        if self.queue_max_appends == 0 || self.queue_max_appends > QUEUE_MAX_APPENDS_MAX {
+            return bad(format!("queue_max_appends must be between 1 and {QUEUE_MAX_APPENDS_MAX}"));
         }
         if self.group_max_bytes == 0 {
             return bad("group_max_bytes must be at least 1".into());

@@ -287,13 +287,18 @@ impl Writer {
         };
         self.buf.resize((zeros_to - self.written_len) as usize, 0);
         let mut result = self.active.file.write_all_at(&self.buf, self.written_len);
+        let mut zeros_to = zeros_to;
         // The zeros are an optimisation: a disk with room for the group but not for
-        // them takes the group alone.
+        // them takes the group alone (and the next write that grows the file tries
+        // the zeros again).
         if let Err(e) = &result
             && zeros_to > end
             && matches!(e.kind(), std::io::ErrorKind::StorageFull | std::io::ErrorKind::QuotaExceeded)
         {
             result = self.active.file.write_all_at(&self.buf[..n as usize], self.written_len);
+            // The failed write may have grown the file part of the way: what it holds
+            // now is what a cut before the seal must reach (at worst, all of it).
+            zeros_to = self.active.file.len().map_or(zeros_to, |len| len.clamp(end, zeros_to));
         }
         self.buf.clear();
         if let Err(e) = result {

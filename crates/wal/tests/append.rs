@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use common::*;
+use wal::format::segment_file_name;
 use wal::storage::{CrashMode, FaultOp, SimStorage};
 use wal::{SyncPolicy, WalError, WalOptions};
 
@@ -226,13 +227,18 @@ fn a_disk_with_room_for_a_group_but_not_its_zeros_takes_the_group() {
         // Room for the next group (332 bytes framed) but not for 1 KiB of zeros after it.
         sim.set_space_limit(Some(sim.used_bytes() + 500));
         wal.append(vec![payload(20, 300)]).await.unwrap_or_else(|e| panic!("refused though it fits: {e}"));
+        // The zeros were not written, so the next append grows the file again, and
+        // writes zeros after itself again, as any write that grows the file does.
+        sim.set_space_limit(None);
+        wal.append(vec![payload(21, 100)]).await.unwrap_or_else(|e| panic!("{e}"));
+        let file_len = sim.read_file(&dir().join(segment_file_name(0))).unwrap().len() as u64;
+        assert_eq!(file_len, wal.stats().used_bytes + 1024, "no zeros after the append that grew the file");
         wal.close().await.unwrap_or_else(|e| panic!("{e}"));
     });
     drop(wal);
-    sim.set_space_limit(None);
     let wal = open(&sim, opts);
     let tags: Vec<u64> = read_all(&wal, 0).iter().map(|r| tag_of(&r.payload)).collect();
-    assert_eq!(tags, vec![1, 2, 3, 4, 5, 6, 7, 8, 20]);
+    assert_eq!(tags, vec![1, 2, 3, 4, 5, 6, 7, 8, 20, 21]);
 }
 
 #[test]

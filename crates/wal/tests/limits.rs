@@ -6,7 +6,7 @@ mod common;
 use bytes::Bytes;
 use common::*;
 use wal::format::{OFFSET_MAX, RECORD_MAX_BYTES, segment_file_name};
-use wal::options::PREALLOCATE_BYTES_MAX;
+use wal::options::{PREALLOCATE_BYTES_MAX, QUEUE_MAX_APPENDS_MAX};
 use wal::storage::{CrashMode, SimStorage};
 use wal::{WalError, WalOptions};
 
@@ -142,6 +142,11 @@ fn options_that_overflow_or_overgrow_are_refused() {
     assert!(refused(zeros).contains("preallocate_bytes"));
     let opts = WalOptions { preallocate_bytes: PREALLOCATE_BYTES_MAX, ..small_options() };
     try_open(&SimStorage::new(), opts).unwrap_or_else(|e| panic!("the largest preallocation was refused: {e}"));
+    // Past what the append slots' semaphore can count, it would panic at open.
+    let queue = WalOptions { queue_max_appends: usize::MAX, ..small_options() };
+    assert!(refused(queue).contains("queue_max_appends"));
+    let opts = WalOptions { queue_max_appends: QUEUE_MAX_APPENDS_MAX, ..small_options() };
+    try_open(&SimStorage::new(), opts).unwrap_or_else(|e| panic!("the largest queue was refused: {e}"));
 }
 
 /// A segment whose records were all released while it was the active one is freed once
