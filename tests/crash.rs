@@ -43,7 +43,7 @@ result_timeout_ms = 20000
 
 [wal]
 segment_max_bytes = {segment_max_bytes}
-max_bytes = 1073741824
+max_bytes = 67108864
 {wal_extra}
 
 {}"#,

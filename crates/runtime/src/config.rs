@@ -656,6 +656,13 @@ impl Settings {
 }
 
 /// The longest idempotency window: ten years.
+/// The most `wal.max_bytes / wal.segment_max_bytes`. The log keeps each segment's file
+/// open, and a segment can be as little as half full, so a full log holds up to twice
+/// this many files: with the connections and the state database, well inside the
+/// systemd unit's `LimitNOFILE=65536`. A log that ran out of descriptors could neither
+/// rotate (every append refused) nor be opened again after a restart.
+const WAL_SEGMENTS_MAX: u64 = 16_384;
+
 const RETENTION_SECS_MAX: u64 = 10 * 366 * 86_400;
 
 /// Two listen addresses one process cannot both bind: the same port (not 0, which picks
@@ -854,6 +861,13 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
     }
     if config.wal.segment_max_bytes < 4096 {
         c.err(&w.key("segment_max_bytes"), "must be at least 4096");
+    } else if config.wal.max_bytes / config.wal.segment_max_bytes > WAL_SEGMENTS_MAX {
+        c.err(
+            &w.key("max_bytes"),
+            format!(
+                "must be at most {WAL_SEGMENTS_MAX} times wal.segment_max_bytes: the log keeps a file open per segment (raise segment_max_bytes for a larger log)"
+            ),
+        );
     }
     if config.wal.preallocate_bytes > PREALLOCATE_BYTES_MAX {
         c.err(&w.key("preallocate_bytes"), format!("must be at most {PREALLOCATE_BYTES_MAX}"));
@@ -1760,6 +1774,24 @@ auth_secret = "never checked"
         assert!(at("http.max_connections").message.contains("at most 1000000"));
         assert_eq!(at("http.max_connections").line, Some(2));
         assert!(at("wal.max_bytes").message.contains("twice"), "{:?}", at("wal.max_bytes"));
+    }
+
+    /// Each segment is an open file: more segments than descriptors would stop the log.
+    #[test]
+    fn a_log_of_more_segments_than_the_file_budget_is_refused_at_its_key() {
+        let with = |max_bytes: u64| {
+            format!(
+                "[wal]\nsegment_max_bytes = 1048576\nmax_bytes = {max_bytes}\n[sources.a]\ndestination = {{ stream = \"s\", topic = \"t\" }}\n"
+            )
+        };
+        let e = errors(&with(16_385 * 1_048_576));
+        assert_eq!(e.len(), 1, "{e:?}");
+        assert_eq!((e[0].path.as_str(), e[0].line), ("wal.max_bytes", Some(3)));
+        assert!(e[0].message.contains("16384 times wal.segment_max_bytes"), "{}", e[0].message);
+        let at_the_bound = with(16_384 * 1_048_576);
+        if let Err(e) = parse(&at_the_bound, None).and_then(|c| validate(&c, Some(&at_the_bound), None)) {
+            panic!("the largest log was refused: {e:?}");
+        }
     }
 
     #[test]
