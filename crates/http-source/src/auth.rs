@@ -115,6 +115,9 @@ impl AuthScheme {
         match self {
             AuthScheme::None => "none",
             AuthScheme::Bearer { .. } => "bearer",
+            AuthScheme::Hmac { algorithm: HmacAlgorithm::Sha256, encoding: SignatureEncoding::Base64, .. } => {
+                "hmac-sha256-base64"
+            }
             AuthScheme::Hmac { algorithm: HmacAlgorithm::Sha256, .. } => "hmac-sha256",
             AuthScheme::Hmac { algorithm: HmacAlgorithm::Sha1, .. } => "hmac-sha1",
             AuthScheme::StandardWebhooks { .. } => "standard-webhooks",
@@ -546,5 +549,27 @@ mod tests {
         }
         let ok = AuthScheme::from_parts("hmac-sha256-base64", Some("k"), Some("X-Shopify-Hmac-Sha256"), None, None);
         assert!(matches!(ok, Ok(AuthScheme::Hmac { ref header, .. }) if header == "x-shopify-hmac-sha256"));
+    }
+
+    /// The name a scheme is listed under is the name it is configured by: an operator
+    /// copies it to register a replacement, and a base64 endpoint listed as hex would
+    /// refuse every request of its sender.
+    #[test]
+    fn every_scheme_is_named_as_it_is_configured() {
+        let secret = format!("whsec_{}", BASE64.encode([7u8; STANDARD_WEBHOOKS_MIN_KEY_BYTES]));
+        for scheme in
+            ["none", "bearer", "hmac-sha256", "hmac-sha1", "hmac-sha256-base64", "standard-webhooks", "stripe"]
+        {
+            let (secret, header) = match scheme {
+                "none" => (None, None),
+                "bearer" => (Some("a-token-of-some-length"), None),
+                "standard-webhooks" => (Some(secret.as_str()), None),
+                "stripe" => (Some("whsec_k"), None),
+                _ => (Some("k"), Some("x-signature")),
+            };
+            let built = AuthScheme::from_parts(scheme, secret, header, None, None)
+                .unwrap_or_else(|e| panic!("{scheme}: {e:?}"));
+            assert_eq!(built.name(), scheme);
+        }
     }
 }

@@ -99,7 +99,8 @@ pub enum EndpointError {
 pub struct EndpointView {
     pub id: String,
     pub source: String,
-    pub auth_type: &'static str,
+    /// As registered (a dynamic endpoint's stored scheme) or configured.
+    pub auth_type: String,
     pub dynamic: bool,
     pub state: &'static str,
     pub handshake_param: Option<String>,
@@ -184,8 +185,9 @@ pub struct EndpointRegistry {
 
 impl EndpointRegistry {
     /// Loads the static endpoints and every dynamic one from the state database.
-    /// A dynamic record whose auth no longer validates is skipped with an error log. A
-    /// static endpoint whose id was revoked is refused: a revocation never comes back.
+    /// A live dynamic record whose auth no longer validates is skipped with an error log
+    /// (it answers 404); a revoked one stays a tombstone. A static endpoint whose id was
+    /// revoked is refused: a revocation never comes back.
     pub fn load(
         state: Arc<StateDb>,
         sources: Vec<String>,
@@ -200,6 +202,12 @@ impl EndpointRegistry {
         for record in state.load_endpoints()? {
             let auth = match scheme_from_stored(&record.auth) {
                 Ok(a) => a,
+                // A tombstone's auth is never checked, and must stay whatever it holds: a
+                // revocation never comes back, not even as a static endpoint of the same id.
+                Err(e) if record.revoked_at_unix_ms.is_some() => {
+                    tracing::warn!(endpoint = %id_prefix(record.id), error = %e, "a revoked endpoint's stored auth no longer reads; it stays revoked");
+                    AuthScheme::None
+                }
                 Err(e) => {
                     tracing::error!(endpoint = %id_prefix(record.id), error = %e, "stored endpoint has invalid auth; it answers 404");
                     continue;
@@ -455,7 +463,7 @@ fn view(e: &Endpoint, now_unix_ms: u64) -> EndpointView {
     EndpointView {
         id: format_id(e.id),
         source: e.source_key.clone(),
-        auth_type: e.auth.name(),
+        auth_type: e.record.as_ref().map_or_else(|| e.auth.name().to_string(), |r| r.auth.scheme.clone()),
         dynamic: e.dynamic,
         state,
         handshake_param: e.handshake_param.clone(),
@@ -500,6 +508,56 @@ mod tests {
         assert_eq!(parse_id("abc"), None);
         assert_eq!(parse_id(&"g".repeat(32)), None);
         assert_eq!(parse_id(&"f".repeat(33)), None);
+    }
+
+    /// A tombstone whose stored auth this build no longer reads (a Standard Webhooks key
+    /// shorter than it now requires) stays revoked: its id cannot come back as a static
+    /// endpoint, and the listing still shows it, under the scheme it was registered with.
+    #[tokio::test]
+    async fn a_revoked_endpoint_whose_stored_auth_no_longer_reads_stays_revoked() {
+        let dir = tempfile::tempdir().unwrap();
+        let state = Arc::new(StateDb::open(dir.path().join("s.redb")).unwrap());
+        let id = 0x42u128;
+        let short_key = StoredAuth {
+            scheme: "standard-webhooks".into(),
+            secret: Some("whsec_AAAA".into()),
+            header: None,
+            prefix: None,
+            tolerance_secs: None,
+        };
+        assert!(scheme_from_stored(&short_key).is_err(), "the key must be one this build refuses");
+        state
+            .put_endpoint(&EndpointRecord {
+                id,
+                source_key: "default".into(),
+                auth: short_key,
+                handshake_param: None,
+                created_at_unix_ms: 1,
+                expires_at_unix_ms: None,
+                revoked_at_unix_ms: Some(2),
+                rotated_at_unix_ms: None,
+            })
+            .unwrap();
+        let reg = EndpointRegistry::load(state.clone(), vec!["default".into()], vec![]).unwrap();
+        assert_eq!(reg.lookup(id, 3).err(), Some(Refusal::Revoked));
+        let listed = reg.list(3);
+        assert_eq!(listed.len(), 1);
+        assert_eq!((listed[0].state, listed[0].auth_type.as_str()), ("revoked", "standard-webhooks"));
+        drop(reg);
+        let same_id = Endpoint {
+            id,
+            source_key: "default".into(),
+            auth: AuthScheme::None,
+            handshake_param: None,
+            expires_at_unix_ms: None,
+            revoked_at_unix_ms: None,
+            dynamic: false,
+            record: None,
+        };
+        assert!(matches!(
+            EndpointRegistry::load(state, vec!["default".into()], vec![same_id]),
+            Err(LoadError::RevokedStatic(_))
+        ));
     }
 
     #[tokio::test]
