@@ -18,6 +18,8 @@ use bytes::Bytes;
 use serde::de::IgnoredAny;
 use serde_json::Value;
 
+use crate::field_path::FieldPath;
+
 /// What a source accepts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Accept {
@@ -36,8 +38,9 @@ pub struct Decoded {
     /// For NDJSON, the 1-based line of each event (blank lines are skipped, so this is
     /// not the event's index); `None` for a single-event body.
     pub lines: Option<Vec<usize>>,
-    /// With `keep_values` and a JSON or NDJSON body: each event parsed, so that routing
-    /// at the door does not parse it again.
+    /// With fields to keep and a JSON or NDJSON body: each event parsed down to those
+    /// fields ([`crate::json_fields`]), so that routing at the door does not parse it
+    /// again.
     pub values: Option<Vec<Value>>,
 }
 
@@ -86,16 +89,16 @@ pub const MAX_EVENTS_PER_REQUEST_DEFAULT: usize = 10_000;
 /// Splits and checks a body, with at most [`MAX_EVENTS_PER_REQUEST_DEFAULT`] events.
 /// `content_type` is the request's `Content-Type`, if any.
 pub fn decode(content_type: Option<&str>, body: Bytes, accept: Accept) -> Result<Decoded, BodyError> {
-    decode_with(content_type, body, accept, false, MAX_EVENTS_PER_REQUEST_DEFAULT)
+    decode_with(content_type, body, accept, &[], MAX_EVENTS_PER_REQUEST_DEFAULT)
 }
 
-/// [`decode`] with at most `max_events` events, also keeping each JSON event's parsed
-/// value when `keep_values` (the one parse both checks the JSON and serves routing).
+/// [`decode`] with at most `max_events` events, also keeping what each JSON event holds
+/// at `keep_fields` (the one parse both checks the JSON and serves routing).
 pub fn decode_with(
     content_type: Option<&str>,
     body: Bytes,
     accept: Accept,
-    keep_values: bool,
+    keep_fields: &[&FieldPath],
     max_events: usize,
 ) -> Result<Decoded, BodyError> {
     // Iggy stores no empty message: an empty body would be accepted and never delivered.
@@ -104,9 +107,9 @@ pub fn decode_with(
     }
     let ess = content_type.map(essence);
     match ess.as_deref() {
-        Some(e) if is_ndjson(e) => decode_ndjson(body, keep_values, max_events),
+        Some(e) if is_ndjson(e) => decode_ndjson(body, keep_fields, max_events),
         Some(e) if is_json(e) => {
-            let value = check_json(&body, keep_values).map_err(BodyError::InvalidJson)?;
+            let value = check_json(&body, keep_fields).map_err(BodyError::InvalidJson)?;
             Ok(Decoded {
                 events: vec![body],
                 content_type: content_type.map(str::to_string),
@@ -126,21 +129,22 @@ pub fn decode_with(
     }
 }
 
-/// Checks that `bytes` are one JSON text, returning its value with `keep`. serde_json
-/// skips an ignored string's bytes without decoding them, so UTF-8 is checked first,
-/// with SIMD (`simdutf8` accepts exactly what `std::str::from_utf8` accepts, several
-/// times faster on the mostly-ASCII bodies webhooks carry).
-fn check_json(bytes: &[u8], keep: bool) -> Result<Option<Value>, String> {
+/// Checks that `bytes` are one JSON text, returning what it holds at `keep` when that
+/// names any field. serde_json skips an ignored string's bytes without decoding them, so
+/// UTF-8 is checked first, with SIMD (`simdutf8` accepts exactly what
+/// `std::str::from_utf8` accepts, several times faster on the mostly-ASCII bodies
+/// webhooks carry).
+fn check_json(bytes: &[u8], keep: &[&FieldPath]) -> Result<Option<Value>, String> {
     let text = simdutf8::compat::from_utf8(bytes)
         .map_err(|e| format!("not UTF-8: invalid byte at offset {}", e.valid_up_to()))?;
-    if keep {
-        serde_json::from_str::<Value>(text).map(Some).map_err(|e| e.to_string())
-    } else {
+    if keep.is_empty() {
         serde_json::from_str::<IgnoredAny>(text).map(|_| None).map_err(|e| e.to_string())
+    } else {
+        crate::json_fields::parse(text, keep).map(Some).map_err(|e| e.to_string())
     }
 }
 
-fn decode_ndjson(body: Bytes, keep_values: bool, max_events: usize) -> Result<Decoded, BodyError> {
+fn decode_ndjson(body: Bytes, keep_fields: &[&FieldPath], max_events: usize) -> Result<Decoded, BodyError> {
     let mut events = Vec::new();
     let mut lines = Vec::new();
     let mut values = Vec::new();
@@ -162,7 +166,7 @@ fn decode_ndjson(body: Bytes, keep_values: bool, max_events: usize) -> Result<De
             return Err(BodyError::TooManyEvents { max: max_events });
         }
         let value =
-            check_json(&line, keep_values).map_err(|detail| BodyError::MalformedLine { line: line_no, detail })?;
+            check_json(&line, keep_fields).map_err(|detail| BodyError::MalformedLine { line: line_no, detail })?;
         values.extend(value);
         events.push(line);
         lines.push(line_no);
@@ -170,7 +174,7 @@ fn decode_ndjson(body: Bytes, keep_values: bool, max_events: usize) -> Result<De
     if events.is_empty() {
         return Err(BodyError::NoEvents);
     }
-    let values = keep_values.then_some(values);
+    let values = (!keep_fields.is_empty()).then_some(values);
     Ok(Decoded { events, content_type: Some("application/json".to_string()), lines: Some(lines), values })
 }
 
@@ -181,43 +185,50 @@ mod tests {
     #[test]
     fn a_batch_may_hold_max_events_and_not_one_more_and_blank_lines_are_not_events() {
         let at_max = Bytes::from_static(b"1\n\n2\r\n   \n3\n");
-        let d = decode_with(Some("application/x-ndjson"), at_max.clone(), Accept::Json, false, 3).unwrap();
+        let d = decode_with(Some("application/x-ndjson"), at_max.clone(), Accept::Json, &[], 3).unwrap();
         assert_eq!(d.events.len(), 3);
         assert_eq!(d.lines, Some(vec![1, 3, 5]));
         assert_eq!(
-            decode_with(Some("application/x-ndjson"), at_max, Accept::Json, false, 2),
+            decode_with(Some("application/x-ndjson"), at_max, Accept::Json, &[], 2),
             Err(BodyError::TooManyEvents { max: 2 })
         );
         // Refused before the line past the limit is checked: the count, not the JSON.
         let over = Bytes::from_static(b"1\n2\nnot json\n");
-        let e = decode_with(Some("application/x-ndjson"), over, Accept::Json, false, 2).unwrap_err();
+        let e = decode_with(Some("application/x-ndjson"), over, Accept::Json, &[], 2).unwrap_err();
         assert_eq!((e.reason(), e.to_string().contains("more than 2 events")), ("too_many_events", true));
         // A single-event body is one event whatever the limit.
-        assert!(decode_with(Some("application/json"), Bytes::from_static(b"[1,2]"), Accept::Json, false, 1).is_ok());
+        assert!(decode_with(Some("application/json"), Bytes::from_static(b"[1,2]"), Accept::Json, &[], 1).is_ok());
     }
 
     #[test]
     fn kept_values_are_the_events_parsed_and_only_kept_when_asked() {
-        let body = Bytes::from_static(b"{\"a\":1}\n\n[2,\"x\"]\n");
-        let d =
-            decode_with(Some("application/x-ndjson"), body.clone(), Accept::Json, true, MAX_EVENTS_PER_REQUEST_DEFAULT)
-                .unwrap();
-        assert_eq!(d.values, Some(vec![serde_json::json!({"a": 1}), serde_json::json!([2, "x"])]));
-        assert_eq!(decode(Some("application/x-ndjson"), body, Accept::Json).unwrap().values, None);
-        let one = decode_with(
-            Some("application/json"),
-            Bytes::from_static(b"{\"b\":true}"),
-            Accept::Any,
-            true,
+        let a = FieldPath::parse("a").unwrap();
+        let body = Bytes::from_static(b"{\"a\":1,\"b\":2}\n\n[2,\"x\"]\n");
+        let d = decode_with(
+            Some("application/x-ndjson"),
+            body.clone(),
+            Accept::Json,
+            &[&a],
             MAX_EVENTS_PER_REQUEST_DEFAULT,
         )
         .unwrap();
-        assert_eq!(one.values, Some(vec![serde_json::json!({"b": true})]));
+        // Only what the fields reach is kept.
+        assert_eq!(d.values, Some(vec![serde_json::json!({"a": 1}), serde_json::Value::Null]));
+        assert_eq!(decode(Some("application/x-ndjson"), body, Accept::Json).unwrap().values, None);
+        let one = decode_with(
+            Some("application/json"),
+            Bytes::from_static(b"{\"a\":\"x\",\"b\":true}"),
+            Accept::Any,
+            &[&a],
+            MAX_EVENTS_PER_REQUEST_DEFAULT,
+        )
+        .unwrap();
+        assert_eq!(one.values, Some(vec![serde_json::json!({"a": "x"})]));
         let raw = decode_with(
             Some("text/plain"),
             Bytes::from_static(b"{}"),
             Accept::Any,
-            true,
+            &[&a],
             MAX_EVENTS_PER_REQUEST_DEFAULT,
         )
         .unwrap();
@@ -256,7 +267,7 @@ mod tests {
                     body.extend_from_slice(a);
                     body.extend_from_slice(b);
                     body.push(b'"');
-                    let ours = check_json(&body, false);
+                    let ours = check_json(&body, &[]);
                     match std::str::from_utf8(&body) {
                         Ok(_) => assert_eq!(ours, Ok(None), "{body:?}"),
                         Err(e) => assert_eq!(

@@ -347,9 +347,9 @@ async fn receive_inner(
         }
         Some(accepted_response(&accepted, 0))
     };
-    let reads_payload = source.destinations.route().is_some() || source.partitioning.reads_payload();
+    let fields = source.fields_read();
     let max_events = door.limits.max_events_per_request;
-    let decoded = match body::decode_with(content_type, body, source.accept, reads_payload, max_events) {
+    let decoded = match body::decode_with(content_type, body, source.accept, &fields, max_events) {
         Ok(d) => d,
         Err(e) => {
             let status = match e {

@@ -38,6 +38,16 @@ impl FieldPath {
         Ok(FieldPath { keys })
     }
 
+    /// How many keys the path holds (at least one).
+    pub fn key_count(&self) -> usize {
+        self.keys.len()
+    }
+
+    /// The key at `depth` (0: the event's top-level key).
+    pub fn key(&self, depth: usize) -> Option<&str> {
+        self.keys.get(depth).map(String::as_str)
+    }
+
     /// The path as written.
     pub fn as_dotted(&self) -> String {
         self.keys.join(".")

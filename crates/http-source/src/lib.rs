@@ -17,6 +17,7 @@ pub mod endpoints;
 pub mod error;
 pub mod field_path;
 pub mod health;
+pub mod json_fields;
 pub mod metrics;
 pub mod partition;
 pub mod resolve;

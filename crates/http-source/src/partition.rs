@@ -76,7 +76,15 @@ impl KeyMiss {
 impl PartitionRule {
     /// Whether the rule reads event payloads (so the door must parse them).
     pub fn reads_payload(&self) -> bool {
-        matches!(self, PartitionRule::Key { source: KeySource::Field(_), .. })
+        self.field().is_some()
+    }
+
+    /// The payload field a key is read from, if any.
+    pub fn field(&self) -> Option<&FieldPath> {
+        match self {
+            PartitionRule::Key { source: KeySource::Field(path), .. } => Some(path),
+            _ => None,
+        }
     }
 
     /// The partitioning of one event, and why its key was missing if it was.

@@ -73,7 +73,8 @@ pub struct Rejection {
 }
 
 /// Resolves every event of a request; `lines` are the NDJSON lines of the events,
-/// `values` their parsed JSON when the body decoder kept it (else parsed here if needed).
+/// `values` what their JSON holds at the fields routing reads when the body decoder kept
+/// it (else parsed here if needed, [`crate::json_fields`]).
 pub fn resolve(
     source: &SourceSpec,
     headers: &HeaderMap,
@@ -81,8 +82,7 @@ pub fn resolve(
     lines: Option<&[usize]>,
     values: Option<Vec<Value>>,
 ) -> Result<Resolution, Rejection> {
-    let route = source.destinations.route();
-    let parse = route.is_some() || source.partitioning.reads_payload();
+    let fields = source.fields_read();
     let mut out = Resolution { events: Vec::with_capacity(events.len()), ..Resolution::default() };
     let mut values = values.map(Vec::into_iter);
     for (i, payload) in events.into_iter().enumerate() {
@@ -97,7 +97,9 @@ pub fn resolve(
         let kept = values.as_mut().and_then(Iterator::next);
         let json: Option<Value> = match kept {
             Some(v) => Some(v),
-            None if parse => serde_json::from_slice(&payload).ok(),
+            None if !fields.is_empty() => {
+                simdutf8::basic::from_utf8(&payload).ok().and_then(|text| crate::json_fields::parse(text, &fields).ok())
+            }
             None => None,
         };
         let (stream, topic) = match &source.destinations {

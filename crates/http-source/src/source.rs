@@ -94,6 +94,14 @@ pub struct SourceSpec {
 }
 
 impl SourceSpec {
+    /// The payload fields routing reads from each event: the route's topic and stream
+    /// fields and the partition key's field. Empty when no event is read.
+    pub fn fields_read(&self) -> Vec<&crate::field_path::FieldPath> {
+        let route = self.destinations.route();
+        let route_fields = route.into_iter().flat_map(|r| std::iter::once(&r.topic_field).chain(&r.stream_field));
+        route_fields.chain(self.partitioning.field()).collect()
+    }
+
     /// The destinations this source's events can be seen to go to before any arrives,
     /// in order, without repeats: its fixed destination, or its route's default (only
     /// where an event can go there: `on_missing_destination = "default"`), and the

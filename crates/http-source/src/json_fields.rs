@@ -1,0 +1,221 @@
+//! The fields of a JSON event that routing reads, parsed without the rest of it.
+//!
+//! Routing at the door reads at most a few dotted paths of an event (a route's topic and
+//! stream fields, a partition key's field). Parsing the whole event into a
+//! `serde_json::Value` costs many times the body's size in memory (a 1 MiB array of
+//! zeros is half a million 32-byte nodes), for every request in flight. [`parse`] checks
+//! the whole text as one JSON value, as serde_json does, and keeps only what lies on one
+//! of the paths.
+//!
+//! Invariants:
+//! - It accepts and refuses exactly the texts the door's check of an unrouted event
+//!   accepts and refuses (serde_json skipping one JSON value, trailing characters and
+//!   all), with serde_json's error (its wording can differ: a value read and a value
+//!   skipped fail at the same place under different names). Like that check, it walks nesting off the
+//!   paths without recursion, so depth is bounded by the body's size alone; on the paths
+//!   it recurses at most [`crate::field_path::FIELD_PATH_MAX_SEGMENTS`] levels.
+//! - For every path it was given, [`FieldPath::lookup`] on the result answers what it
+//!   answers on the fully parsed value.
+//! - What it keeps is bounded by the paths, not by the event: the objects along them
+//!   (each with only the keys on a path) and the string or number at a path's end.
+
+use std::borrow::Cow;
+use std::fmt;
+
+use serde::de::{DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
+use serde_json::{Map, Value};
+
+use crate::field_path::FieldPath;
+
+/// Parses `text` as one JSON value, keeping only what `paths` can reach.
+pub fn parse(text: &str, paths: &[&FieldPath]) -> Result<Value, serde_json::Error> {
+    let mut de = serde_json::Deserializer::from_str(text);
+    let value = Pruned { paths, depth: 0 }.deserialize(&mut de)?;
+    de.end()?;
+    Ok(value)
+}
+
+/// The value at `depth` keys below the top, for the paths that went through the keys
+/// above it.
+#[derive(Clone, Copy)]
+struct Pruned<'p> {
+    paths: &'p [&'p FieldPath],
+    depth: usize,
+}
+
+impl Pruned<'_> {
+    /// A path ends here: a string or number here is a value some lookup returns.
+    fn is_leaf(&self) -> bool {
+        self.paths.iter().any(|p| p.key_count() == self.depth)
+    }
+}
+
+impl<'de> DeserializeSeed<'de> for Pruned<'_> {
+    type Value = Value;
+
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Value, D::Error> {
+        deserializer.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for Pruned<'_> {
+    type Value = Value;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("any JSON value")
+    }
+
+    // Only a string or a number at a path's end is ever looked at (see `FieldPath`):
+    // everything else is kept as `null`, which no lookup returns.
+    fn visit_bool<E>(self, _: bool) -> Result<Value, E> {
+        Ok(Value::Null)
+    }
+
+    fn visit_unit<E>(self) -> Result<Value, E> {
+        Ok(Value::Null)
+    }
+
+    fn visit_i64<E>(self, v: i64) -> Result<Value, E> {
+        Ok(if self.is_leaf() { Value::from(v) } else { Value::Null })
+    }
+
+    fn visit_u64<E>(self, v: u64) -> Result<Value, E> {
+        Ok(if self.is_leaf() { Value::from(v) } else { Value::Null })
+    }
+
+    fn visit_f64<E>(self, v: f64) -> Result<Value, E> {
+        Ok(if self.is_leaf() { Value::from(v) } else { Value::Null })
+    }
+
+    fn visit_str<E>(self, v: &str) -> Result<Value, E> {
+        Ok(if self.is_leaf() { Value::String(v.to_owned()) } else { Value::Null })
+    }
+
+    fn visit_string<E>(self, v: String) -> Result<Value, E> {
+        Ok(if self.is_leaf() { Value::String(v) } else { Value::Null })
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Value, A::Error> {
+        // No path walks into an array.
+        while seq.next_element::<IgnoredAny>()?.is_some() {}
+        Ok(Value::Null)
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
+        let mut kept = Map::new();
+        while let Some(Key(key)) = map.next_key()? {
+            let on_a_path = |p: &&&FieldPath| p.key(self.depth) == Some(key.as_ref());
+            if !self.paths.iter().any(|p| on_a_path(&p)) {
+                map.next_value::<IgnoredAny>()?;
+                continue;
+            }
+            let below: Vec<&FieldPath> = self.paths.iter().filter(on_a_path).copied().collect();
+            let value = map.next_value_seed(Pruned { paths: &below, depth: self.depth + 1 })?;
+            // A repeated key: the last one wins, as in a fully parsed value.
+            kept.insert(key.into_owned(), value);
+        }
+        Ok(Value::Object(kept))
+    }
+}
+
+/// An object's key, borrowed from the text where it has no escapes.
+struct Key<'de>(Cow<'de, str>);
+
+impl<'de> serde::Deserialize<'de> for Key<'de> {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct KeyVisitor;
+        impl<'de> Visitor<'de> for KeyVisitor {
+            type Value = Key<'de>;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("an object key")
+            }
+            fn visit_borrowed_str<E>(self, v: &'de str) -> Result<Key<'de>, E> {
+                Ok(Key(Cow::Borrowed(v)))
+            }
+            fn visit_str<E>(self, v: &str) -> Result<Key<'de>, E> {
+                Ok(Key(Cow::Owned(v.to_owned())))
+            }
+            fn visit_string<E>(self, v: String) -> Result<Key<'de>, E> {
+                Ok(Key(Cow::Owned(v)))
+            }
+        }
+        deserializer.deserialize_str(KeyVisitor)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn path(p: &str) -> FieldPath {
+        FieldPath::parse(p).unwrap()
+    }
+
+    /// Texts that exercise every kind of value on and off the paths: nesting, arrays on
+    /// the way, repeated keys, escapes in keys and values, numbers of every form, and
+    /// leaves that are not strings or numbers.
+    const TEXTS: &[&str] = &[
+        r#"{"event": {"type": "order.created", "n": 42, "f": 1.5}, "top": "x"}"#,
+        r#"{"event": {"type": 7}, "customer": {"id": -12}}"#,
+        r#"{"event": {"type": 1e3}, "customer": {"id": 18446744073709551615}}"#,
+        r#"{"event": {"type": 123456789012345678901234567890}, "customer": {"id": 0.1}}"#,
+        r#"{"event": [{"type": "a"}], "customer": "id"}"#,
+        r#"{"event": {"type": "first"}, "event": {"type": "second"}}"#,
+        r#"{"event": {"type": "first"}, "event": 5}"#,
+        r#"{"ev\u0065nt": {"t\u0079pe": "escaped \"key\" \u00e9"}}"#,
+        r#"{"event": {"type": null, "other": {"type": "no"}}, "customer": {"id": true}}"#,
+        r#"{"event": {"type": ""}, "customer": {"id": {}}}"#,
+        r#"{"event.type": "flat", "event": {"type.x": "dotted"}}"#,
+        r#"["event", {"type": "x"}]"#,
+        r#""a string""#,
+        "42",
+        "null",
+        r#"{"pad": [1, 2, [3, {"event": {"type": "deep"}}]], "event": {"pad": "x", "type": "t"}}"#,
+    ];
+
+    #[test]
+    fn every_lookup_answers_as_on_the_fully_parsed_value() {
+        let paths = [path("event.type"), path("customer.id"), path("top"), path("event.type.x"), path("event.n")];
+        let refs: Vec<&FieldPath> = paths.iter().collect();
+        for text in TEXTS {
+            let full: Value = serde_json::from_str(text).unwrap();
+            let pruned = parse(text, &refs).unwrap_or_else(|e| panic!("{text}: {e}"));
+            for p in &paths {
+                assert_eq!(p.lookup(&pruned), p.lookup(&full), "{} in {text}", p.as_dotted());
+            }
+            // Each path alone, too: the paths must not need each other.
+            for p in &paths {
+                let alone = parse(text, &[p]).unwrap();
+                assert_eq!(p.lookup(&alone), p.lookup(&full), "{} alone in {text}", p.as_dotted());
+            }
+        }
+    }
+
+    #[test]
+    fn it_accepts_and_refuses_what_the_unrouted_check_does() {
+        let deep = format!("{}{}", "[".repeat(200), "]".repeat(200));
+        let deep_on_the_path = format!("{}1{}", r#"{"a":"#.repeat(200), "}".repeat(200));
+        let texts =
+            ["", "{", r#"{"a": }"#, r#"{"a": 1} x"#, "[1,]", r#"{"a" 1}"#, "nul", r#""\x""#, &deep, &deep_on_the_path];
+        let long = vec!["a"; crate::field_path::FIELD_PATH_MAX_SEGMENTS].join(".");
+        for text in texts {
+            let theirs = serde_json::from_str::<IgnoredAny>(text).is_ok();
+            for p in [path("a"), path(&long)] {
+                assert_eq!(parse(text, &[&p]).is_ok(), theirs, "{text:?} with {}", p.as_dotted());
+            }
+        }
+    }
+
+    #[test]
+    fn what_is_kept_is_bounded_by_the_paths_not_by_the_event() {
+        let big = format!(
+            r#"{{"event": {{"type": "t", "pad": "{}"}}, "list": [{}0]}}"#,
+            "x".repeat(1 << 16),
+            "0,".repeat(1 << 16)
+        );
+        let kept = parse(&big, &[&path("event.type")]).unwrap();
+        assert_eq!(kept, serde_json::json!({"event": {"type": "t"}}));
+        // Nothing of the text at all when no key is on a path.
+        assert_eq!(parse(&big, &[&path("other")]).unwrap(), serde_json::json!({}));
+    }
+}
