@@ -218,6 +218,48 @@ async fn a_crash_while_a_send_awaits_its_answer_resends_under_the_same_ids() {
     assert!(f.duplicates >= 1, "the batch stored while its answer was held was not sent again: {}", f.line());
 }
 
+/// The log's writer is a thread, not a task: should it panic, the log must not look
+/// open (`/health` "accepting", the process running on) while every append fails. The
+/// log marks itself stopped, the daemon exits 1 naming the writer, and the event
+/// answered before the panic is delivered after the restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_log_writer_that_panics_stops_the_daemon_with_status_1_and_loses_nothing() {
+    let dest = Destination::broker().await;
+    let stream = unique("writer-panic");
+    let dir = test_dir(&stream);
+    let config = config_text(dir.path(), &dest.daemon_address(), &rest(&stream, 65536));
+    // The first group is written and synced; the writer panics after writing the second.
+    let env = [
+        ("IGGY_INGEST_FAIL_POINT", "wal.append.written".to_string()),
+        ("IGGY_INGEST_FAIL_POINT_HIT", "2".to_string()),
+        ("IGGY_INGEST_FAIL_POINT_ACTION", "panic".to_string()),
+    ];
+    let mut daemon = Daemon::start(dir.path(), &config, &env).await;
+    let mut conn = Conn::open(daemon.http).await.expect("connect");
+    let event = br#"{"t":"a","n":1}"#.as_slice();
+    let a = conn.send("POST", "/v1/sources/s0", &[("content-type", "application/json")], event).await.expect("answer");
+    assert_eq!(a.status, 200, "{:?}", a.body);
+    let second = br#"{"t":"a","n":2}"#.as_slice();
+    if let Ok(b) = conn.send("POST", "/v1/sources/s0", &[("content-type", "application/json")], second).await {
+        assert_ne!(b.status, 200, "an append whose writer panicked before its sync was answered 200");
+    }
+
+    let Some(status) = daemon.wait_exit(Duration::from_secs(60)).await else {
+        panic!("the daemon went on after the log's writer panicked: {}", daemon.stderr());
+    };
+    let stderr = daemon.stderr();
+    assert!(stderr.contains("fail point wal.append.written: hit 2, panicking"), "not the fail point's panic: {stderr}");
+    assert_eq!(status.code(), Some(1), "exit status after the panic: {status}: {stderr}");
+    assert!(stderr.contains("the log's writer panicked"), "the exit does not name the writer: {stderr}");
+
+    let daemon = Daemon::restart(dir.path(), &[]).await;
+    wait_for(Duration::from_secs(60), "the event answered before the panic delivered", async || {
+        dest.delivered(&stream).await.iter().any(|d| d.payload.as_ref() == event)
+    })
+    .await;
+    assert!(daemon.stop().await.success());
+}
+
 /// A listener that panics takes the daemon down with exit status 1 instead of leaving a
 /// process whose `/health` says "accepting" while nothing takes connections: a service
 /// manager then restarts it, and the event answered before the panic is still delivered.

@@ -27,7 +27,8 @@
 //! - The router starts before the webhook listener serves, so the log's next offset it
 //!   checks the stored cursors against is the log's end at open (`router::Router::start`).
 //! - A task the daemon cannot do its work without (either listener, the idempotency
-//!   checkpoint, the metrics upkeep) that panics stops the daemon: a listener gone while
+//!   checkpoint, the metrics upkeep, and the log's writer thread) that panics stops the
+//!   daemon: a listener gone while
 //!   `/health` still said "accepting" would turn a load balancer's traffic into refused
 //!   connections. The stop takes the usual order, and the report names the task, so the
 //!   process exits 1 and a service manager restarts it; every event answered 200 is in
@@ -307,6 +308,23 @@ pub async fn start(mut settings: Settings, metrics: Option<PrometheusHandle>) ->
             &failed_tx,
         )
     });
+    // The log's writer is a thread of the log, not a task: watched here, so that a panic
+    // in it stops the daemon as one in the tasks above does (the log marks itself
+    // poisoned and closed at once, so `/health` says `log_stopped` meanwhile).
+    let writer_watch = {
+        let failed = failed_tx.clone();
+        let wal = wal.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(WRITER_WATCH_INTERVAL);
+            loop {
+                tick.tick().await;
+                if wal.writer_panicked() {
+                    let _ = failed.send("the log's writer");
+                    return;
+                }
+            }
+        })
+    };
     // Only the tasks hold senders now: once they are all gone, `recv` says so.
     drop(failed_tx);
     tracing::info!(webhook = %http_addr, admin = %admin_addr, "listening");
@@ -355,6 +373,7 @@ pub async fn start(mut settings: Settings, metrics: Option<PrometheusHandle>) ->
         if let Some(t) = upkeep_task {
             t.abort();
         }
+        writer_watch.abort();
         let report = ShutdownReport { drained, wal_closed, checkpoint, failed_task };
         tracing::info!(?report, "shutdown complete");
         report
@@ -379,6 +398,9 @@ where
         let _ = failed.send(name);
     })
 }
+
+/// How often the daemon looks whether the log's writer thread panicked.
+const WRITER_WATCH_INTERVAL: Duration = Duration::from_millis(200);
 
 /// The least time the router is given to stop, even past the grace period: enough to
 /// end idle lanes and store the acknowledged cursors (a few milliseconds), never long

@@ -143,9 +143,13 @@ impl Wal {
         let opened = recovery::open(storage, dir, &options, false)?;
         let writer = opened.writer.ok_or(WalError::ReadOnly)?;
         let (tx, rx) = mpsc::channel();
+        let stopped_on_panic = StoppedOnPanic(opened.shared.clone());
         let thread = std::thread::Builder::new()
             .name("wal-writer".into())
-            .spawn(move || writer.run(rx))
+            .spawn(move || {
+                let _guard = stopped_on_panic;
+                writer.run(rx)
+            })
             .map_err(|e| WalError::io(dir, e))?;
         Ok(Wal {
             shared: opened.shared,
@@ -250,6 +254,12 @@ impl Wal {
         }
     }
 
+    /// True once the writer thread panicked (a defect, never a storage failure): the log
+    /// is then poisoned and closed, every append fails, and only a reopen recovers it.
+    pub fn writer_panicked(&self) -> bool {
+        self.shared.writer_panicked.load(Ordering::Acquire)
+    }
+
     /// False once the log takes no more appends: closed, read-only, or poisoned by a
     /// storage failure it could not undo, or (under [`SyncPolicy::Interval`]) by a failed
     /// sync that may have lost appends already answered. Only a reopen recovers it.
@@ -296,6 +306,23 @@ impl Drop for Wal {
     fn drop(&mut self) {
         if let Some(w) = &self.writer {
             w.shutdown();
+        }
+    }
+}
+
+/// Held by the writer thread: should the thread panic, the log is marked poisoned and
+/// closed as it unwinds, so [`Wal::accepts_appends`] (and with it a health check) tells
+/// the truth and readers waiting for more wake up, instead of a log that silently takes
+/// no append while it looks open.
+struct StoppedOnPanic(Arc<shared::Shared>);
+
+impl Drop for StoppedOnPanic {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            tracing::error!("the log's writer thread panicked: the log takes no more appends until it is reopened");
+            self.0.writer_panicked.store(true, Ordering::Release);
+            self.0.poisoned.store(true, Ordering::Release);
+            self.0.mark_closed();
         }
     }
 }

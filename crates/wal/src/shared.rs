@@ -46,6 +46,9 @@ pub(crate) struct Shared {
     /// a failed sync that may have lost answered appends): it takes no more appends
     /// until the log is reopened.
     pub poisoned: AtomicBool,
+    /// Set when the writer thread panicked (a defect): the log is then poisoned and
+    /// closed as well.
+    pub writer_panicked: AtomicBool,
 }
 
 impl Shared {
@@ -70,6 +73,7 @@ impl Shared {
             record_max_bytes,
             closed: AtomicBool::new(false),
             poisoned: AtomicBool::new(false),
+            writer_panicked: AtomicBool::new(false),
         }
     }
 
