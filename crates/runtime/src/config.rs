@@ -661,6 +661,12 @@ impl Settings {
 /// this many files: with the connections and the state database, well inside the
 /// systemd unit's `LimitNOFILE=65536`. A log that ran out of descriptors could neither
 /// rotate (every append refused) nor be opened again after a restart.
+/// The longest `idempotency.checkpoint_interval_ms`. The log is released only below the
+/// durable checkpoint (a record leaves the log once its key is durable), so the interval
+/// is how long delivered records keep their space; and a start re-reads the log from
+/// the last checkpoint. A minute, like the longest `wal.sync_interval_ms`.
+const CHECKPOINT_INTERVAL_MS_MAX: u64 = 60_000;
+
 const WAL_SEGMENTS_MAX: u64 = 16_384;
 
 const RETENTION_SECS_MAX: u64 = 10 * 366 * 86_400;
@@ -892,6 +898,14 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
         c.err(&idem.key("retention_secs"), format!("{retention_secs} is more than {RETENTION_SECS_MAX} (ten years)"));
     }
     let checkpoint_ms = c.positive(&idem.key("checkpoint_interval_ms"), config.idempotency.checkpoint_interval_ms);
+    if checkpoint_ms > CHECKPOINT_INTERVAL_MS_MAX {
+        c.err(
+            &idem.key("checkpoint_interval_ms"),
+            format!(
+                "must be at most {CHECKPOINT_INTERVAL_MS_MAX}: the log is released only below the last checkpoint, so a longer interval holds delivered records in it that long"
+            ),
+        );
+    }
 
     let iggy = root.key("iggy");
     let address = &config.iggy.address;
@@ -1774,6 +1788,26 @@ auth_secret = "never checked"
         assert!(at("http.max_connections").message.contains("at most 1000000"));
         assert_eq!(at("http.max_connections").line, Some(2));
         assert!(at("wal.max_bytes").message.contains("twice"), "{:?}", at("wal.max_bytes"));
+    }
+
+    /// The log is released only below the idempotency checkpoint: an hour between
+    /// checkpoints would hold an hour of delivered records, and fill a log sized for
+    /// delivery that keeps up.
+    #[test]
+    fn the_checkpoint_interval_is_bounded_at_its_key() {
+        let with = |ms: u64| {
+            format!(
+                "[sources.a]\ndestination = {{ stream = \"s\", topic = \"t\" }}\n[idempotency]\ncheckpoint_interval_ms = {ms}\n"
+            )
+        };
+        let e = errors(&with(60_001));
+        assert_eq!(e.len(), 1, "{e:?}");
+        assert_eq!((e[0].path.as_str(), e[0].line), ("idempotency.checkpoint_interval_ms", Some(4)));
+        assert!(e[0].message.contains("at most 60000"), "{}", e[0].message);
+        let at_the_bound = with(60_000);
+        if let Err(e) = parse(&at_the_bound, None).and_then(|c| validate(&c, Some(&at_the_bound), None)) {
+            panic!("the longest interval was refused: {e:?}");
+        }
     }
 
     /// Each segment is an open file: more segments than descriptors would stop the log.
