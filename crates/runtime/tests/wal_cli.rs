@@ -183,6 +183,9 @@ fn a_clean_log_verifies_dumps_inspects_and_salvages_to_the_same_records() {
     let push = lanes.iter().find(|l| l["topic"] == "push").unwrap();
     // github/push holds offsets 30, 32, ..., 38.
     assert_eq!((push["cursor"].as_u64(), push["held_records"].as_u64()), (Some(30), Some(5)));
+    // Payload bytes, as the admin API counts them, not the records' envelopes:
+    // {"n":30}, {"n":32}, 4 binary bytes at 34, {"n":36}, {"n":38}.
+    assert_eq!(push["held_bytes"].as_u64(), Some(8 + 8 + 4 + 8 + 8));
     let orders = lanes.iter().find(|l| l["topic"] == "orders").unwrap();
     assert_eq!(orders["held_records"].as_u64(), Some(20));
     assert!(orders["oldest_held_age_ms"].as_u64().unwrap() > 1000);

@@ -149,7 +149,7 @@ pub(crate) fn run(a: InspectArgs) -> CliResult {
             lane.records_in_log += 1;
             if count_held && lane.cursor.is_none_or(|c| r.offset >= c) {
                 *lane.held_records.get_or_insert(0) += 1;
-                *lane.held_bytes.get_or_insert(0) += r.payload.len() as u64;
+                *lane.held_bytes.get_or_insert(0) += e.payload.len() as u64;
                 if lane.oldest_held_age_ms.is_none() {
                     lane.oldest_held_age_ms = Some(now_ms.saturating_sub(t));
                 }
