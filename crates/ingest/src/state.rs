@@ -261,11 +261,25 @@ fn inventory_of(db: &impl redb::ReadableDatabase) -> Result<StateInventory, Stat
 
 /// Deletes the database at `path` after reading what it held (returned). The log is
 /// not touched. Fails, changing nothing, if a running daemon holds the database.
+///
+/// The file is unlinked while this holds the database's lock, so a daemon starting
+/// meanwhile either finds the lock taken (and refuses to start) or no file (and creates
+/// a new database): never one that is deleted under it. The removal is made durable.
 pub fn reset(path: &Path) -> Result<StateInventory, StateError> {
-    let db = Database::open(path).map_err(|e| StateError::Open { path: path.to_path_buf(), detail: e.to_string() })?;
+    reset_with(path, || {})
+}
+
+/// [`reset`], running `before_unlink` while the lock is held and the file not yet
+/// removed (where a concurrent start is tested).
+fn reset_with(path: &Path, before_unlink: impl FnOnce()) -> Result<StateInventory, StateError> {
+    let failed = |e: &dyn std::fmt::Display| StateError::Open { path: path.to_path_buf(), detail: e.to_string() };
+    let db = Database::open(path).map_err(|e| failed(&e))?;
     let inventory = inventory_of(&db)?;
+    before_unlink();
+    std::fs::remove_file(path).map_err(|e| failed(&e))?;
     drop(db);
-    std::fs::remove_file(path).map_err(|e| StateError::Open { path: path.to_path_buf(), detail: e.to_string() })?;
+    let parent = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    std::fs::File::open(parent).and_then(|d| d.sync_all()).map_err(|e| failed(&e))?;
     Ok(inventory)
 }
 
@@ -310,6 +324,26 @@ mod tests {
         assert_eq!(reset(&p).unwrap(), inv);
         assert!(!p.exists());
         StateDb::open(&p).unwrap();
+    }
+
+    /// A daemon starting while a reset runs must not open the file the reset is about to
+    /// delete: it would run on a file no longer in the directory, and everything it
+    /// stored (cursors, delivery ids, endpoints) would be gone at its next start.
+    #[test]
+    fn a_start_during_a_reset_never_gets_the_file_the_reset_deletes() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("state.redb");
+        drop(StateDb::open(&p).unwrap());
+        let mut started = None;
+        reset_with(&p, || started = Some(StateDb::open(&p))).unwrap();
+        match started.expect("the hook ran") {
+            Err(_) => {}
+            Ok(db) => {
+                assert!(p.exists(), "the start opened the file the reset then deleted");
+                drop(db);
+            }
+        }
+        assert!(!p.exists(), "the reset left the file");
     }
 
     #[test]
