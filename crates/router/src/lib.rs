@@ -232,10 +232,12 @@ pub struct Router {
     released_below: Arc<AtomicU64>,
     held_from: Arc<AtomicU64>,
     shutdown: watch::Sender<bool>,
-    tasks: Vec<JoinHandle<()>>,
+    /// Taken by the shutdown, which runs behind `&self` so that the router's status
+    /// stays readable ("stopping") while it waits for its tasks.
+    tasks: std::sync::Mutex<Vec<JoinHandle<()>>>,
     lane_tasks: LaneTasks,
     stop_flusher: watch::Sender<bool>,
-    flusher: JoinHandle<()>,
+    flusher: std::sync::Mutex<Option<JoinHandle<()>>>,
 }
 
 impl std::fmt::Debug for Router {
@@ -321,7 +323,17 @@ impl Router {
             on_panic("releaser"),
         ));
         health.started();
-        Ok(Router { lanes, health, released_below, held_from, shutdown, tasks, lane_tasks, stop_flusher, flusher })
+        Ok(Router {
+            lanes,
+            health,
+            released_below,
+            held_from,
+            shutdown,
+            tasks: std::sync::Mutex::new(tasks),
+            lane_tasks,
+            stop_flusher,
+            flusher: std::sync::Mutex::new(Some(flusher)),
+        })
     }
 
     /// Every lane the router delivers through, with its live state, ordered by source
@@ -362,10 +374,13 @@ impl Router {
     }
 
     /// Stops every task; batches in flight stay in the log and are sent again next time.
-    pub async fn shutdown(self) {
+    /// The status says `stopping` until every task has stopped, then `stopped`; a second
+    /// call finds nothing left to wait for.
+    pub async fn shutdown(&self) {
         self.health.cell.set(Status::Stopping, "shutdown requested");
         let _ = self.shutdown.send(true);
-        for t in self.tasks {
+        let tasks = std::mem::take(&mut *self.tasks.lock().unwrap_or_else(|p| p.into_inner()));
+        for t in tasks {
             let _ = t.await;
         }
         // The dispatcher has stopped, so no lane is created after this.
@@ -375,8 +390,15 @@ impl Router {
         }
         // Every lane has stopped: store what they acknowledged, then stop the flusher.
         let _ = self.stop_flusher.send(true);
-        let _ = self.flusher.await;
-        let lanes: Vec<Arc<Lane>> = self.lanes.read().unwrap_or_else(|p| p.into_inner()).values().cloned().collect();
+        let flusher = self.flusher.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(f) = flusher {
+            let _ = f.await;
+        }
+        // Every lane task has ended: the lanes go (and with them their counts in the
+        // gauges, taken back when a lane is dropped), as they did when the router itself
+        // was dropped at its shutdown.
+        let lanes: Vec<Arc<Lane>> =
+            self.lanes.write().unwrap_or_else(|p| p.into_inner()).drain().map(|(_, lane)| lane).collect();
         for lane in lanes {
             lane.status.set(Status::Stopped, "router stopped");
         }

@@ -398,7 +398,7 @@ pub fn check(section: &RouterSection, iggy: &IggyConfig, sources: &[String]) -> 
 
 /// The running router, as the daemon holds it.
 pub struct Delivery {
-    router: Mutex<Option<Router>>,
+    router: Mutex<Option<Arc<Router>>>,
     prewarm: Mutex<Option<tokio::task::JoinHandle<router::prewarm::PrewarmReport>>>,
     enabled: bool,
 }
@@ -430,7 +430,7 @@ impl Delivery {
         let prewarm = (!settings.prewarm_timeout.is_zero() && !known_at_start.is_empty())
             .then(|| tokio::spawn(router::prewarm::prewarm(sink, known_at_start, settings.prewarm_timeout)));
         tracing::info!(iggy = %settings.sink.address, "delivery started");
-        Ok(Delivery { router: Mutex::new(Some(router)), prewarm: Mutex::new(prewarm), enabled: true })
+        Ok(Delivery { router: Mutex::new(Some(Arc::new(router))), prewarm: Mutex::new(prewarm), enabled: true })
     }
 
     /// Stops sending; what is in flight stays in the log and is sent after a restart.
@@ -438,17 +438,19 @@ impl Delivery {
         if let Some(p) = self.prewarm.lock().unwrap_or_else(|p| p.into_inner()).take() {
             p.abort();
         }
-        let router = self.router.lock().unwrap_or_else(|p| p.into_inner()).take();
+        // The router stays here while it stops, so that the status and the destinations
+        // say `stopping` (and what each lane still holds) for the whole drain.
+        let router = self.router.lock().unwrap_or_else(|p| p.into_inner()).clone();
         if let Some(r) = router {
             r.shutdown().await;
         }
     }
 
     fn with<T>(&self, f: impl FnOnce(&Router) -> T) -> Option<T> {
-        self.router.lock().unwrap_or_else(|p| p.into_inner()).as_ref().map(f)
+        self.router.lock().unwrap_or_else(|p| p.into_inner()).as_deref().map(f)
     }
 
-    /// The router's status, or `None` when delivery is disabled or stopped.
+    /// The router's status (`stopping` while it stops, `stopped` after), or `disabled`.
     pub fn status_json(&self) -> serde_json::Value {
         match self.with(|r| (r.status(), r.released_below(), r.held_from())) {
             None if !self.enabled => json!({"status": "disabled"}),

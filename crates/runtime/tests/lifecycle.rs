@@ -361,6 +361,47 @@ async fn the_grace_period_bounds_the_drain_while_a_send_to_a_silent_server_hangs
     assert_eq!(log_len(&dir.path().join("data/wal")), 1, "the event stays in the log, to be sent after a restart");
 }
 
+/// While the router stops (a send to a silent server holds it for the grace period),
+/// `/status` and the destinations say what is happening, `stopping` and what each
+/// destination holds, not `stopped` and nothing while the gauges say otherwise.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn while_the_router_stops_the_status_says_stopping_and_lists_the_destinations() {
+    let dir = tempfile::tempdir().unwrap();
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let iggy = silent.local_addr().unwrap();
+    std::thread::spawn(move || {
+        let held: Vec<_> = silent.incoming().map_while(Result::ok).collect();
+        drop(held);
+    });
+    let rest = format!("[iggy]\naddress = \"{iggy}\"\n\n[router]\nresult_timeout_ms = 25000\n{SOURCES}");
+    let text = config_text_with_shutdown(dir.path(), "", "drain_delay_ms = 0", &rest)
+        .replace("grace_period_ms = 20000", "grace_period_ms = 4000");
+    let mut d = Daemon::start_text(dir.path(), &text);
+    assert_eq!(post_json(d.http, "/v1/sources/default", "{}").await.status, 200);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    d.signal(libc::SIGTERM);
+    let deadline = Instant::now() + Duration::from_secs(3);
+    let (router, destinations) = loop {
+        let status = request(d.admin, "GET", "/status", &[], "").await.json();
+        if status["router"]["status"] != "running" && status["router"]["status"] != "degraded" {
+            let lanes = request(d.admin, "GET", "/connectors/default/destinations", &[], "").await.json();
+            break (status["router"].clone(), lanes);
+        }
+        assert!(Instant::now() < deadline, "the router never left running: {status}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(router["status"], "stopping", "{router}");
+    let lanes = destinations["destinations"].as_array().cloned().unwrap_or_default();
+    assert_eq!(
+        lanes.len(),
+        1,
+        "the destination holding the event is not listed while the router stops: {destinations}"
+    );
+    assert_eq!(lanes[0]["held_records"], 1, "{destinations}");
+    let status = d.wait_exit(Duration::from_secs(30));
+    assert!(status.success(), "{status}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_signal_cuts_the_drain_short() {
     let dir = tempfile::tempdir().unwrap();
