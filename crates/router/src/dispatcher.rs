@@ -14,6 +14,9 @@
 //! - Once a source's admitted destinations reach its cap, its admitted set never changes
 //!   while running, so "rejected for cap" is a stable property of a record (the
 //!   dead-letter lane re-reading the log decides it the same way).
+//! - A record of a destination the operator gave up (`Policies::given_up`) is dropped
+//!   and counted before any lane is made for it: it never pins the log, is never sent,
+//!   and a dead-letter lane re-reading the log passes over it.
 //! - A record the cap refuses that lies below its own destination's cursor at start was
 //!   delivered before the restart (the admitted set is built again at each start, so a
 //!   destination admitted then may be refused now): it is passed over, neither counted,
@@ -75,6 +78,8 @@ pub(crate) struct Dispatcher<S, C> {
     /// The lane the previous record went to (lanes are never removed while running),
     /// with its source's queue limit and overflow wait.
     pub last_lane: Option<(Arc<Lane>, usize, std::time::Duration)>,
+    /// The given-up destinations whose first record of this run was logged.
+    pub given_up_logged: HashSet<LaneKey>,
 }
 
 pub(crate) type LaneTasks = Arc<std::sync::Mutex<Vec<tokio::task::JoinHandle<()>>>>;
@@ -157,6 +162,12 @@ impl<S: Sink, C: CursorStore> Dispatcher<S, C> {
     }
 
     async fn route(&mut self, rec: Record) {
+        if !self.policies.given_up.is_empty()
+            && let Ok(s) = Envelope::summarize(&rec.payload)
+            && self.policies.is_given_up(s.source_key, s.stream, s.topic)
+        {
+            return self.give_up(rec.offset, s.source_key, s.stream, s.topic);
+        }
         // While the lane of the previous record re-reads the log itself (its destination
         // down, or far behind), most records are only skipped: read just the summary
         // (no allocation) and decode in full only a record that is to be queued.
@@ -214,6 +225,25 @@ impl<S: Sink, C: CursorStore> Dispatcher<S, C> {
         let found = self.lane_for(&key)?;
         self.last_lane = Some(found.clone());
         Some(found)
+    }
+
+    /// A record of a destination the operator gave up: dropped, counted, and the first of
+    /// each destination in this run logged with its offset. No lane is made for it, so
+    /// nothing holds the log below it.
+    fn give_up(&mut self, offset: u64, source: &str, stream: &str, topic: &str) {
+        metrics::counter!("iggy_connector_messages_dropped_total", "connector_key" => source.to_string(), "reason" => "given_up")
+            .increment(1);
+        let key = LaneKey { source: source.to_string(), destination: DestinationKey::new(stream, topic) };
+        if !self.given_up_logged.contains(&key) {
+            tracing::warn!(
+                offset,
+                source,
+                stream,
+                topic,
+                "destination given up (router.give_up): its records are dropped, not delivered"
+            );
+            self.given_up_logged.insert(key);
+        }
     }
 
     /// Not a record this build can route: hold it (and the log below it) and say so.
@@ -330,8 +360,18 @@ pub(crate) fn new_source_route<S: Sink, C: CursorStore>(
     let belongs = {
         let admitted = admitted.clone();
         let dead_letter = dead_letter.clone();
+        let given_up = policies.given_up.clone();
         Arc::new(move |lane: &LaneKey, e: &EnvelopeSummary<'_>| {
             if lane.source != e.source_key {
+                return None;
+            }
+            // Given up: dropped by the dispatcher, never dead-lettered by a re-read.
+            if !given_up.is_empty()
+                && given_up.contains(&LaneKey {
+                    source: lane.source.clone(),
+                    destination: DestinationKey::new(e.stream, e.topic),
+                })
+            {
                 return None;
             }
             let own = lane.destination.stream == e.stream && lane.destination.topic == e.topic;

@@ -305,6 +305,7 @@ impl Router {
             ctx,
             held_from: held_from.clone(),
             last_lane: None,
+            given_up_logged: HashSet::new(),
         };
         let start = wal.start_offset();
         let mut tasks = vec![spawn_task(dispatcher.run(start, shutdown_rx.clone()), on_panic("log reader"))];

@@ -7,11 +7,11 @@
 //! time (a semaphore over its permits, a deadline past the clock's range): such a panic
 //! would end the task while the router kept reporting on it.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::sink::DestinationKey;
+use crate::sink::{DestinationKey, LaneKey};
 
 /// The most sends in flight per source. tokio's semaphore (the source's send slots)
 /// panics above `Semaphore::MAX_PERMITS`; and each send in flight holds a connection of
@@ -138,6 +138,11 @@ pub struct Policies {
     pub read_batch_max_records: usize,
     /// Bytes the dispatcher reads from the log per step. 4 MiB.
     pub read_batch_max_bytes: usize,
+    /// (source, destination) pairs whose records are given up: dropped, counted and
+    /// logged instead of delivered, so the log is released past them. An operator's
+    /// decision for a destination that can never be delivered; the source need not be
+    /// configured any more. Empty by default.
+    pub given_up: Arc<HashSet<LaneKey>>,
 }
 
 impl Policies {
@@ -148,7 +153,16 @@ impl Policies {
             sources: HashMap::new(),
             read_batch_max_records: 4096,
             read_batch_max_bytes: 4 * 1024 * 1024,
+            given_up: Arc::default(),
         }
+    }
+
+    /// Whether records of `source` bound for `stream`/`topic` are given up.
+    pub fn is_given_up(&self, source: &str, stream: &str, topic: &str) -> bool {
+        !self.given_up.is_empty()
+            && self
+                .given_up
+                .contains(&LaneKey { source: source.to_string(), destination: DestinationKey::new(stream, topic) })
     }
 
     pub fn for_source(&self, source: &str) -> Arc<RouterPolicy> {

@@ -180,6 +180,40 @@ async fn a_slow_but_healthy_destination_does_not_pace_the_others() {
     router.shutdown().await;
 }
 
+/// A destination that can never be delivered pins the log at its first record, however
+/// well the others go. Given up by the operator, its records are dropped, no send is
+/// made for them, and the log is released past them; the others are delivered as ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_given_up_destination_stops_pinning_the_log_and_the_others_are_delivered() {
+    let sim = SimStorage::new();
+    let wal = open_wal(&sim);
+    let sink = FaultySink::new();
+    let (good, bad) = (key("give", "good"), key("give", "bad"));
+    sink.fault(&bad, Some(Fault::Fail(SendErrorKind::Destination)));
+    let want = fill(&wal, &[good.clone(), bad.clone()], 0, 200).await;
+    let cursors = Arc::new(MemoryCursorStore::new());
+
+    let router = Router::start(wal.clone(), sink.clone(), cursors.clone(), Policies::uniform(fast_policy())).unwrap();
+    eventually(Duration::from_secs(20), "good delivered", || sink.ids(&good).len() == 100).await;
+    // Two release rounds (one a second, and one per delivery).
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert_eq!(router.released_below(), 1, "the failing destination's first record (offset 1) pins the log");
+    router.shutdown().await;
+
+    let mut policies = Policies::uniform(fast_policy());
+    policies.given_up =
+        Arc::new([router::LaneKey { source: "test".into(), destination: bad.clone() }].into_iter().collect());
+    let calls_before = sink.calls(&bad);
+    let router = Router::start(wal.clone(), sink.clone(), cursors, policies).unwrap();
+    eventually(Duration::from_secs(20), "the log released past every record", || router.released_below() == 200).await;
+    assert_eq!(sink.calls(&bad), calls_before, "a send was made for a given-up destination");
+    assert!(sink.ids(&bad).is_empty());
+    let mut got = sink.ids(&good);
+    got.dedup();
+    assert_eq!(got, want[&good]);
+    router.shutdown().await;
+}
+
 /// The cursor store's owner can hold the log below its release ceiling (the daemon: the
 /// idempotency checkpoint), however far the cursors got; it goes once the ceiling rises.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

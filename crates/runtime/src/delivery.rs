@@ -9,7 +9,7 @@
 //!   stored while the log is still there.
 //! - The daemon starts and accepts while Iggy is unreachable: nothing here waits for it.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -58,6 +58,9 @@ pub struct RouterSection {
     pub prewarm_timeout_ms: u64,
     pub topic_defaults: TopicDefaultsSection,
     pub sources: BTreeMap<String, PolicyOverrides>,
+    /// `[router.give_up]`: by source key, the destinations (`"stream/topic"`) whose records
+    /// are dropped instead of delivered. The source need not be configured any more.
+    pub give_up: BTreeMap<String, Vec<String>>,
 }
 
 impl Default for RouterSection {
@@ -84,6 +87,7 @@ impl Default for RouterSection {
             prewarm_timeout_ms: 10_000,
             topic_defaults: TopicDefaultsSection::default(),
             sources: BTreeMap::new(),
+            give_up: BTreeMap::new(),
         }
     }
 }
@@ -303,6 +307,36 @@ fn policy_from(s: &RouterSection, prefix: &[&str], problems: &mut Vec<Problem>) 
     policy
 }
 
+/// `[router.give_up]` as (source, destination) pairs. A source key or a name that could
+/// not be one is a problem at the source's key: such an entry would give up nothing.
+fn given_up(section: &BTreeMap<String, Vec<String>>, problems: &mut Vec<Problem>) -> HashSet<router::LaneKey> {
+    let mut out = HashSet::new();
+    for (source, destinations) in section {
+        let at = vec!["router".to_string(), "give_up".to_string(), source.clone()];
+        if !http_source::admission::is_name(source) {
+            problems.push((at.clone(), format!("{source:?} cannot be a source key")));
+            continue;
+        }
+        for d in destinations {
+            match d.split_once('/') {
+                Some((stream, topic))
+                    if http_source::admission::is_name(stream) && http_source::admission::is_name(topic) =>
+                {
+                    out.insert(router::LaneKey {
+                        source: source.clone(),
+                        destination: DestinationKey::new(stream, topic),
+                    });
+                }
+                _ => problems.push((
+                    at.clone(),
+                    format!("{d:?} is not \"stream/topic\" (names of letters, digits, '.', '_' and '-')"),
+                )),
+            }
+        }
+    }
+    out
+}
+
 /// `base` with a source's overrides applied (only the policy keys matter here).
 fn merged(base: &RouterSection, o: &PolicyOverrides) -> RouterSection {
     RouterSection {
@@ -326,6 +360,7 @@ fn merged(base: &RouterSection, o: &PolicyOverrides) -> RouterSection {
         prewarm_timeout_ms: base.prewarm_timeout_ms,
         topic_defaults: base.topic_defaults.clone(),
         sources: BTreeMap::new(),
+        give_up: BTreeMap::new(),
     }
 }
 
@@ -385,6 +420,7 @@ pub fn check(section: &RouterSection, iggy: &IggyConfig, sources: &[String]) -> 
     };
     let mut policies = Policies::uniform(default);
     policies.sources = per_source;
+    policies.given_up = Arc::new(given_up(&section.give_up, &mut problems));
     if section.prewarm_timeout_ms > max_duration_ms() {
         // Its deadline (`now + prewarm_timeout`) would overflow the clock.
         problems.push((
@@ -540,6 +576,29 @@ mod tests {
             let paths: Vec<String> = problems.iter().map(|(p, _)| p.join(".")).collect();
             assert_eq!(paths, vec![want.to_string()], "{problems:?}");
         }
+    }
+
+    /// A destination may be given up for a source no longer configured (its records are
+    /// still in the log); an entry that could not name one is refused at its source's key.
+    #[test]
+    fn given_up_destinations_are_read_by_source_and_bad_entries_named() {
+        let mut section = RouterSection::default();
+        section.give_up.insert("gone".into(), vec!["webhooks/deleted".into(), "a/b".into()]);
+        let (settings, problems) = check(&section, &iggy(), &["github".into()]);
+        assert!(problems.is_empty(), "{problems:?}");
+        let given_up = &settings.policies;
+        assert!(given_up.is_given_up("gone", "webhooks", "deleted") && given_up.is_given_up("gone", "a", "b"));
+        assert!(!given_up.is_given_up("github", "webhooks", "deleted"), "only the source named");
+        for bad in ["webhooks", "a/b/c", "/t", "s/", "s p/t"] {
+            let mut section = RouterSection::default();
+            section.give_up.insert("gone".into(), vec![bad.into()]);
+            let (_, problems) = check(&section, &iggy(), &[]);
+            let paths: Vec<String> = problems.iter().map(|(p, _)| p.join(".")).collect();
+            assert_eq!(paths, vec!["router.give_up.gone".to_string()], "{bad:?}: {problems:?}");
+        }
+        let mut section = RouterSection::default();
+        section.give_up.insert("no such key".into(), vec!["s/t".into()]);
+        assert_eq!(check(&section, &iggy(), &[]).1.len(), 1);
     }
 
     #[test]

@@ -153,7 +153,7 @@ pub fn catalog() -> Vec<Metric> {
             "iggy_connector_messages_dropped_total",
             Counter,
             &["connector_key", "reason"],
-            "Records dropped by on_admission_failure = \"drop\"",
+            "Records dropped by on_admission_failure = \"drop\", or given up (router.give_up)",
         ),
         m(
             "iggy_connector_send_failures_total",
@@ -357,6 +357,7 @@ pub fn register_all<'a>(sources: impl IntoIterator<Item = &'a str> + Clone) {
             counter("iggy_connector_destinations_rejected_total", labels.clone());
             counter("iggy_connector_messages_dropped_total", labels);
         }
+        counter("iggy_connector_messages_dropped_total", [("connector_key", s()), ("reason", "given_up".into())]);
         for kind in SEND_FAILURES {
             counter("iggy_connector_send_failures_total", [("connector_key", s()), ("reason", kind.as_str().into())]);
         }
