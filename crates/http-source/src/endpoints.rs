@@ -90,9 +90,19 @@ pub enum EndpointError {
          register a new endpoint and revoke this one"
     )]
     NoSecret(String),
+    #[error(
+        "{0} dynamic endpoints are registered, revoked ones included, the most there may be; \
+         revoked ones are kept for ever (a revocation never comes back)"
+    )]
+    TooMany(usize),
     #[error(transparent)]
     State(#[from] StateError),
 }
+
+/// The most dynamic endpoints (revoked ones included: their tombstones are never
+/// removed, so that a revoked id never works again). Every one is held in memory and
+/// read at each start; registration past it is refused.
+pub const DYNAMIC_ENDPOINTS_MAX: usize = 100_000;
 
 /// An endpoint as listed (no secrets).
 #[derive(Debug, Clone, Serialize)]
@@ -330,6 +340,7 @@ impl EndpointRegistry {
         }
         let scheme = scheme_from_request(&auth).map_err(EndpointError::InvalidAuth)?;
         let _serial = self.changes.lock().await;
+        self.registration_room(DYNAMIC_ENDPOINTS_MAX)?;
         let mut id: u128 = rand::random();
         while self.endpoints.read().unwrap_or_else(|p| p.into_inner()).contains_key(&id) {
             id = rand::random();
@@ -347,6 +358,13 @@ impl EndpointRegistry {
         self.commit(record.clone()).await?;
         self.install(endpoint_from_record(record.clone(), scheme)).await;
         Ok(record)
+    }
+
+    /// `Err(TooMany)` when `max` dynamic endpoints (revoked ones included) exist.
+    fn registration_room(&self, max: usize) -> Result<(), EndpointError> {
+        let map = self.endpoints.read().unwrap_or_else(|p| p.into_inner());
+        let dynamic = map.values().filter(|e| e.endpoint.dynamic).count();
+        if dynamic >= max { Err(EndpointError::TooMany(dynamic)) } else { Ok(()) }
     }
 
     async fn rotate_now(
@@ -558,6 +576,33 @@ mod tests {
             EndpointRegistry::load(state, vec!["default".into()], vec![same_id]),
             Err(LoadError::RevokedStatic(_))
         ));
+    }
+
+    /// Registrations are bounded, and tombstones count: they are never removed (a
+    /// revoked id never works again), so without the bound a management client could
+    /// grow the state database and the daemon's memory without end.
+    #[tokio::test]
+    async fn dynamic_endpoints_are_bounded_and_revoked_ones_count() {
+        let dir = tempfile::tempdir().unwrap();
+        let state = Arc::new(StateDb::open(dir.path().join("s.redb")).unwrap());
+        let statics = vec![Endpoint {
+            id: 1,
+            source_key: "default".into(),
+            auth: AuthScheme::None,
+            handshake_param: None,
+            expires_at_unix_ms: None,
+            revoked_at_unix_ms: None,
+            dynamic: false,
+            record: None,
+        }];
+        let reg = Arc::new(EndpointRegistry::load(state, vec!["default".into()], statics).unwrap());
+        let a = reg.register("default".into(), bearer(), None, None, 10).await.unwrap();
+        reg.register("default".into(), bearer(), None, None, 10).await.unwrap();
+        reg.revoke(a.id, 11).await.unwrap();
+        // Two dynamic endpoints, one revoked; the static one does not count.
+        assert!(matches!(reg.registration_room(2), Err(EndpointError::TooMany(2))));
+        assert!(reg.registration_room(3).is_ok());
+        assert!(reg.registration_room(DYNAMIC_ENDPOINTS_MAX).is_ok());
     }
 
     #[tokio::test]
