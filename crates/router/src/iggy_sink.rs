@@ -272,8 +272,13 @@ impl IggySink {
         }
     }
 
+    /// The server answered a call: it is reachable. Also takes back a client-wide
+    /// failure seen earlier on another connection, which only a new connect used to take
+    /// back: while it stood, a destination that went silent on a pooled connection was
+    /// taken for the whole server (never counted by its breaker).
     fn answered(&self) {
         *self.last_answer.lock().unwrap_or_else(|p| p.into_inner()) = Some(std::time::Instant::now());
+        self.unreachable.store(false, Ordering::Release);
     }
 
     fn create_options(&self) -> TopicCreateOptions {
@@ -519,6 +524,21 @@ mod tests {
         }
         let b = IggyMessage::builder().id(m.id).payload(m.payload.clone());
         if headers.is_empty() { b.build() } else { b.user_headers(headers).build() }.expect("the builder takes it")
+    }
+
+    /// A connection that failed for the whole client (disconnected) marks the server
+    /// unreachable; a call answered on another connection afterwards shows it is not.
+    /// Left standing, the mark made every timed-out call count as the whole server's,
+    /// so a silent destination's breaker never counted it, for as long as pooled
+    /// connections kept a new connect from happening.
+    #[test]
+    fn a_call_answered_after_a_client_wide_failure_takes_the_failure_back() {
+        let sink = IggySink::new(&IggySinkConfig::default()).unwrap();
+        let taken = || Taken { client: Arc::new(build_client(&IggySinkConfig::default()).unwrap()) };
+        assert!(sink.settle::<()>(taken(), Err(IggyError::Disconnected), false).is_err());
+        assert!(sink.connecting(), "a disconnection is the whole client's");
+        assert!(sink.settle(taken(), Ok(()), false).is_ok());
+        assert!(!sink.connecting(), "the server answered, yet it is still taken for unreachable");
     }
 
     #[test]
