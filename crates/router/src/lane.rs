@@ -615,17 +615,27 @@ async fn next_batch<S, C>(
         Some(r) if r.position() == from => r,
         _ => catchup.insert(ctx.wal.reader(from)?),
     };
+    // The same limits as a batch taken from the queue: at most `max_records`, and payload
+    // bytes within `max_bytes` unless a single record is larger (it goes alone). Reads
+    // ask for no more than the room left, and a record past the byte room is read again
+    // first next time.
     let mut batch = Vec::new();
     let mut bytes = 0usize;
-    while reader.position() < limit && batch.len() < max_records && bytes < max_bytes {
-        let want = ((limit - reader.position()) as usize).min(max_records);
-        let records = reader.try_read(want, max_bytes)?;
+    'read: while reader.position() < limit && batch.len() < max_records && bytes < max_bytes {
+        let want = ((limit - reader.position()) as usize).min(max_records - batch.len());
+        let records = reader.try_read(want, max_bytes - bytes)?;
         if records.is_empty() {
             break;
         }
         for rec in records {
+            let offset = rec.offset;
             if let Some(routed) = own_record(lane, rec) {
-                bytes += routed.envelope.payload.len();
+                let len = routed.envelope.payload.len();
+                if !batch.is_empty() && bytes + len > max_bytes {
+                    *reader = ctx.wal.reader(offset)?;
+                    break 'read;
+                }
+                bytes += len;
                 batch.push(routed);
             }
         }

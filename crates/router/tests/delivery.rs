@@ -214,6 +214,55 @@ async fn a_given_up_destination_stops_pinning_the_log_and_the_others_are_deliver
     router.shutdown().await;
 }
 
+/// A lane that re-reads its records from the log (it overflowed) keeps to the batch
+/// limits a batch from its queue keeps to: an operator may have sized them to what the
+/// server takes, and a batch it refuses would be retried for ever. Its records are
+/// spread unevenly among another destination's, so each read of the log brings a
+/// different number of them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_re_read_from_the_log_keeps_to_the_batch_limits() {
+    let sim = SimStorage::new();
+    let wal = open_wal(&sim);
+    let sink = FaultySink::new();
+    let (a, other) = (key("reread", "a"), key("reread", "other"));
+    sink.fault(&a, Some(Fault::Fail(SendErrorKind::Destination)));
+    // One of A's, nine others, ten of A's; again and again.
+    let mut n = 0;
+    let mut want = Vec::new();
+    for _ in 0..15 {
+        for (d, count) in [(&a, 1), (&other, 9), (&a, 10)] {
+            let appended = fill(&wal, &[d.clone()], n, count).await;
+            if d == &a {
+                want.extend(appended[d].iter().copied());
+            }
+            n += count;
+        }
+    }
+    let mut policy = fast_policy();
+    policy.batch.batch_max_records = 10;
+    // Payloads are 7 to 9 bytes ({"n":N}): at most five of them.
+    policy.batch.batch_max_bytes = 45;
+    policy.lane_queue_max_records = 4;
+    policy.breaker.failure_threshold = 1_000;
+    let router =
+        Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), Policies::uniform(policy))
+            .unwrap();
+    eventually(Duration::from_secs(20), "the other destination delivered", || sink.ids(&other).len() == 135).await;
+    sink.fault(&a, None);
+    eventually(Duration::from_secs(30), "A delivered", || sink.ids(&a).len() >= want.len()).await;
+    let mut got = sink.ids(&a);
+    got.dedup();
+    assert_eq!(got, want, "A's records, in order");
+    for (messages, bytes) in sink.send_sizes(&a) {
+        assert!(messages <= 10, "a send of {messages} messages, the limit is 10");
+        assert!(
+            bytes <= 45 || messages == 1,
+            "a send of {bytes} payload bytes in {messages} messages, the limit is 45"
+        );
+    }
+    router.shutdown().await;
+}
+
 /// The cursor store's owner can hold the log below its release ceiling (the daemon: the
 /// idempotency checkpoint), however far the cursors got; it goes once the ceiling rises.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

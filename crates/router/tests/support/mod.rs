@@ -44,6 +44,8 @@ struct State {
     client_fault: Option<SendErrorKind>,
     partitions: HashMap<DestinationKey, u32>,
     calls: HashMap<DestinationKey, u64>,
+    /// Every send's message count and payload bytes, answered or not.
+    sizes: HashMap<DestinationKey, Vec<(usize, usize)>>,
     ensured: HashMap<DestinationKey, u64>,
 }
 
@@ -82,6 +84,10 @@ impl FaultySink {
     }
     pub fn calls(&self, dest: &DestinationKey) -> u64 {
         self.st().calls.get(dest).copied().unwrap_or(0)
+    }
+    /// Each send's (messages, payload bytes), in order.
+    pub fn send_sizes(&self, dest: &DestinationKey) -> Vec<(usize, usize)> {
+        self.st().sizes.get(dest).cloned().unwrap_or_default()
     }
     fn slow(&self, dest: &DestinationKey) -> Option<Duration> {
         match self.st().faults.get(dest) {
@@ -133,7 +139,12 @@ impl Sink for FaultySink {
     }
 
     async fn send(&self, dest: &DestinationKey, p: &Partitioning, messages: &mut [Prepared]) -> Result<(), SendError> {
-        *self.st().calls.entry(dest.clone()).or_default() += 1;
+        {
+            let mut st = self.st();
+            *st.calls.entry(dest.clone()).or_default() += 1;
+            let bytes = messages.iter().map(|m| m.payload.len()).sum();
+            st.sizes.entry(dest.clone()).or_default().push((messages.len(), bytes));
+        }
         match self.check(dest) {
             Ok(()) => {}
             Err(Some(e)) => return Err(e),
