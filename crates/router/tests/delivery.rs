@@ -231,7 +231,7 @@ async fn a_batch_re_read_from_the_log_keeps_to_the_batch_limits() {
     let mut want = Vec::new();
     for _ in 0..15 {
         for (d, count) in [(&a, 1), (&other, 9), (&a, 10)] {
-            let appended = fill(&wal, &[d.clone()], n, count).await;
+            let appended = fill(&wal, std::slice::from_ref(d), n, count).await;
             if d == &a {
                 want.extend(appended[d].iter().copied());
             }
