@@ -154,6 +154,15 @@ impl RouterHealth {
         self.settle(&t, true);
     }
 
+    /// Sets a status of the router's own (stopping, stopped) under the troubles' lock,
+    /// which every settle holds from reading the status to setting it: set without it,
+    /// a settle that had read `Running` could write `Running` over `Stopping`, and no
+    /// later settle moves a stopping router.
+    fn set_own(&self, status: Status, why: &str) {
+        let _settles_wait = self.troubles();
+        self.cell.set(status, why);
+    }
+
     /// Applies `change` to the troubles and settles the status if it changed them.
     fn update(&self, change: impl FnOnce(&mut Troubles) -> bool) {
         let mut t = self.troubles();
@@ -378,7 +387,7 @@ impl Router {
     /// The status says `stopping` until every task has stopped, then `stopped`; a second
     /// call finds nothing left to wait for.
     pub async fn shutdown(&self) {
-        self.health.cell.set(Status::Stopping, "shutdown requested");
+        self.health.set_own(Status::Stopping, "shutdown requested");
         let _ = self.shutdown.send(true);
         let tasks = std::mem::take(&mut *self.tasks.lock().unwrap_or_else(|p| p.into_inner()));
         for t in tasks {
@@ -403,7 +412,7 @@ impl Router {
         for lane in lanes {
             lane.status.set(Status::Stopped, "router stopped");
         }
-        self.health.cell.set(Status::Stopped, "shutdown complete");
+        self.health.set_own(Status::Stopped, "shutdown complete");
     }
 }
 
@@ -605,5 +614,32 @@ async fn cursor_flush_loop<C: CursorStore>(
         if stopping {
             return;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A settle reads the status and then sets it, under the troubles' lock. A stop that
+    /// comes between the two must not be overwritten: it waits for the settle to end.
+    #[test]
+    fn a_stop_is_not_overwritten_by_a_settle_that_read_the_status_before_it() {
+        let health = Arc::new(RouterHealth::new());
+        health.started();
+        assert_eq!(health.cell.get(), Status::Running);
+        let guard = health.troubles();
+        // A settle's first half: it read Running.
+        let read = health.cell.get();
+        let stopper = {
+            let health = health.clone();
+            std::thread::spawn(move || health.set_own(Status::Stopping, "shutdown requested"))
+        };
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        // Its second half.
+        health.cell.set(read, "every destination is delivering");
+        drop(guard);
+        stopper.join().unwrap();
+        assert_eq!(health.cell.get(), Status::Stopping);
     }
 }
