@@ -89,8 +89,13 @@ pub(crate) struct Gate {
     full_since: Option<Instant>,
     /// Queue length at which an offer wakes the lane: 0 or 1 normally (any record), the
     /// room left in the batch while the lane lingers (so a filling batch costs one
-    /// wake-up, not one per record).
+    /// wake-up, not one per record), never more than the queue can hold.
     wake_at_queued: usize,
+    /// Payload bytes in `queue`.
+    queued_bytes: usize,
+    /// While the lane lingers, the payload bytes left in the batch: queued bytes that
+    /// reach it fill the batch, and wake the lane as well (0: not lingering).
+    wake_at_bytes: usize,
 }
 
 impl Gate {
@@ -345,8 +350,9 @@ impl Lane {
             g.full_since = None;
             true
         } else {
+            g.queued_bytes += r.envelope.payload.len();
             g.queue.push_back(r);
-            g.queue.len() >= g.wake_at_queued.max(1)
+            g.queue.len() >= g.wake_at_queued.max(1) || (g.wake_at_bytes > 0 && g.queued_bytes >= g.wake_at_bytes)
         };
         drop(g);
         if wake {
@@ -598,7 +604,7 @@ async fn next_batch<S, C>(
     let overflow_from = match queued {
         Ok(batch) => {
             lane.space.notify_waiters();
-            return Ok(Some(linger(lane, batch).await));
+            return Ok(Some(linger(lane, batch, &mut ctx.shutdown).await));
         }
         Err(overflow_from) => overflow_from,
     };
@@ -698,6 +704,7 @@ fn take_from_queue(g: &mut Gate, max_records: usize, max_bytes: usize) -> Vec<Ro
         }
         bytes += len;
         if let Some(r) = g.queue.pop_front() {
+            g.queued_bytes -= len;
             batch.push(r);
         }
     }
@@ -709,9 +716,10 @@ fn take_from_queue(g: &mut Gate, max_records: usize, max_bytes: usize) -> Vec<Ro
 
 /// Lets a short batch fill for up to `linger`, topping it up as records are queued and
 /// returning as soon as it is full: a lane draining a backlog never waits, a lane fed
-/// slowly waits at most `linger` per batch.
-async fn linger(lane: &Lane, mut batch: Vec<Routed>) -> Vec<Routed> {
-    if lane.policy.batch.linger.is_zero() {
+/// slowly waits at most `linger` per batch. A shutdown ends the wait: the router's stop
+/// is not held for a linger (at most a day).
+async fn linger(lane: &Lane, mut batch: Vec<Routed>, shutdown: &mut watch::Receiver<bool>) -> Vec<Routed> {
+    if lane.policy.batch.linger.is_zero() || *shutdown.borrow() {
         return batch;
     }
     let deadline = Instant::now() + lane.policy.batch.linger;
@@ -728,6 +736,7 @@ async fn linger(lane: &Lane, mut batch: Vec<Routed>) -> Vec<Routed> {
         tokio::select! {
             _ = &mut queued => {}
             _ = tokio::time::sleep_until(deadline) => break,
+            _ = shutdown.changed() => break,
         }
     }
     // Also puts the lane's wake-up threshold back to "any record".
@@ -760,13 +769,18 @@ fn top_up(lane: &Lane, batch: &mut Vec<Routed>, lingering: bool) -> TopUp {
             break;
         }
         if let Some(r) = g.queue.pop_front() {
+            g.queued_bytes -= len;
             bytes += len;
             batch.push(r);
             moved = true;
         }
         full = batch.len() >= max_records || bytes >= max_bytes;
     }
-    g.wake_at_queued = if lingering && !full { max_records - batch.len() } else { 0 };
+    let lingers = lingering && !full;
+    // Woken once the queue holds what fills the batch, by count or by bytes; a batch
+    // larger than the queue is woken when the queue is full, and tops up again.
+    g.wake_at_queued = if lingers { (max_records - batch.len()).min(lane.policy.lane_queue_max_records) } else { 0 };
+    g.wake_at_bytes = if lingers { max_bytes - bytes } else { 0 };
     drop(g);
     if moved {
         lane.space.notify_waiters();

@@ -398,6 +398,69 @@ async fn a_lingering_batch_goes_out_as_soon_as_it_is_full() {
     router.shutdown().await;
 }
 
+/// A stop does not wait for a lingering batch's linger (which may be set up to a day).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_does_not_wait_out_a_linger() {
+    let sim = SimStorage::new();
+    let wal = open_wal(&sim);
+    let sink = FaultySink::new();
+    let d = key("s", "lingering");
+    let mut policy = fast_policy();
+    policy.batch.linger = Duration::from_secs(60);
+    let router =
+        Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), Policies::uniform(policy))
+            .unwrap();
+    fill(&wal, std::slice::from_ref(&d), 0, 1).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(sink.ids(&d).is_empty(), "a short batch waits for its linger");
+    let stopped = tokio::time::timeout(Duration::from_secs(10), router.shutdown()).await;
+    assert!(stopped.is_ok(), "the stop waited for the 60 s linger");
+}
+
+/// A lingering batch that fills by bytes goes at once too, and so does one whose record
+/// limit is above what the lane's queue holds (the lane is woken as the queue fills and
+/// tops its batch up, rather than at a count the queue can never reach).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lingering_batch_full_by_bytes_or_larger_than_the_queue_goes_at_once() {
+    // Full by bytes: payloads of 7 to 9 bytes, at most 40 per send.
+    let sim = SimStorage::new();
+    let wal = open_wal(&sim);
+    let sink = FaultySink::new();
+    let d = key("s", "bytes");
+    let mut policy = fast_policy();
+    policy.batch.linger = Duration::from_secs(60);
+    policy.batch.batch_max_records = 1000;
+    policy.batch.batch_max_bytes = 40;
+    let router =
+        Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), Policies::uniform(policy))
+            .unwrap();
+    fill(&wal, std::slice::from_ref(&d), 0, 1).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(sink.ids(&d).is_empty(), "a short batch waits for its linger");
+    fill(&wal, std::slice::from_ref(&d), 1, 9).await;
+    eventually(Duration::from_secs(10), "the batch full by bytes sent", || !sink.ids(&d).is_empty()).await;
+    router.shutdown().await;
+
+    // A batch of 100 with a queue of 4.
+    let sim = SimStorage::new();
+    let wal = open_wal(&sim);
+    let sink = FaultySink::new();
+    let d = key("s", "deep");
+    let mut policy = fast_policy();
+    policy.batch.linger = Duration::from_secs(60);
+    policy.batch.batch_max_records = 100;
+    policy.lane_queue_max_records = 4;
+    let router =
+        Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), Policies::uniform(policy))
+            .unwrap();
+    fill(&wal, std::slice::from_ref(&d), 0, 1).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    fill(&wal, std::slice::from_ref(&d), 1, 120).await;
+    eventually(Duration::from_secs(10), "the full batch of 100 sent", || sink.ids(&d).len() >= 100).await;
+    assert_eq!(sink.send_sizes(&d)[0].0, 100, "the first send is the full batch");
+    router.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_backlog_goes_out_in_full_batches_in_order_with_the_next_one_prepared_ahead() {
     let sim = SimStorage::new();
