@@ -302,8 +302,8 @@ async fn every_auth_scheme_accepts_good_and_refuses_bad_signatures() {
 async fn a_retried_delivery_gets_its_original_offsets_even_after_kill_9() {
     let dir = tempfile::tempdir().unwrap();
     // No checkpoint before the kill: the key must come back from the log itself.
-    let text = config_text(dir.path(), "", SOURCES)
-        .replace("checkpoint_interval_ms = 200", "checkpoint_interval_ms = 60000");
+    let text =
+        config_text(dir.path(), "", SOURCES).replace("checkpoint_interval_ms = 200", "checkpoint_interval_ms = 60000");
     let mut d = Daemon::start_text(dir.path(), &text);
     let key = [("content-type", "application/x-ndjson"), ("idempotency-key", "delivery-1")];
     let first = request(d.http, "POST", "/v1/sources/default", &key, "{\"a\":1}\n{\"a\":2}\n").await;
@@ -332,8 +332,8 @@ async fn a_retried_delivery_gets_its_original_offsets_even_after_kill_9() {
 async fn delivery_ids_are_scoped_per_endpoint_so_two_tenants_never_replay_each_other_even_after_kill_9() {
     let dir = tempfile::tempdir().unwrap();
     // No checkpoint before the kill: the keys must come back from the log itself.
-    let text = config_text(dir.path(), "", SOURCES)
-        .replace("checkpoint_interval_ms = 200", "checkpoint_interval_ms = 60000");
+    let text =
+        config_text(dir.path(), "", SOURCES).replace("checkpoint_interval_ms = 200", "checkpoint_interval_ms = 60000");
     let mut d = Daemon::start_text(dir.path(), &text);
     let mgmt = format!("Bearer {MANAGEMENT_TOKEN}");
     let admin = [("authorization", mgmt.as_str()), ("content-type", "application/json")];
