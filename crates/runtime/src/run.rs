@@ -39,6 +39,10 @@ pub fn run(settings: Settings, ready_file: Option<PathBuf>) -> ExitCode {
         }
     };
     runtime.block_on(async move {
+        // Installed before anything else: a stop signal that comes while the daemon
+        // starts, or right after it said it is ready, is then a clean stop, not the
+        // default action's sudden death (no clean-shutdown marker, exit by signal).
+        let mut signals = StopSignals::install();
         let running = match daemon::start(settings, metrics).await {
             Ok(r) => r,
             Err(e) => {
@@ -63,14 +67,14 @@ pub fn run(settings: Settings, ready_file: Option<PathBuf>) -> ExitCode {
         }
         // A task the daemon cannot run without that panicked stops it too.
         tokio::select! {
-            _ = wait_for_signal() => {}
+            _ = signals.recv() => {}
             _ = running.stopping() => {}
         }
         running.shutdown();
         // A second signal stops at once. Safe: every event answered 200 is already
         // durable in the log; only requests still in flight are cut (without a 200).
-        tokio::spawn(async {
-            wait_for_signal().await;
+        tokio::spawn(async move {
+            signals.recv().await;
             eprintln!("iggy-ingest: second signal, exiting without waiting for the drain");
             std::process::exit(130);
         });
@@ -103,18 +107,31 @@ fn write_ready_file(path: &std::path::Path, running: &daemon::RunningDaemon) -> 
     std::fs::rename(&tmp, path)
 }
 
-async fn wait_for_signal() {
-    use tokio::signal::unix::{SignalKind, signal};
-    let (mut term, mut int) = match (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) {
-        (Ok(t), Ok(i)) => (t, i),
-        _ => {
-            tracing::error!("cannot install signal handlers; waiting for Ctrl-C only");
-            let _ = tokio::signal::ctrl_c().await;
-            return;
+/// SIGTERM and SIGINT, listened to from the moment they are installed: a signal that
+/// comes before anything waits for it is kept for the first `recv`.
+struct StopSignals(Option<(tokio::signal::unix::Signal, tokio::signal::unix::Signal)>);
+
+impl StopSignals {
+    fn install() -> StopSignals {
+        use tokio::signal::unix::{SignalKind, signal};
+        match (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) {
+            (Ok(t), Ok(i)) => StopSignals(Some((t, i))),
+            _ => {
+                tracing::error!("cannot install signal handlers; waiting for Ctrl-C only");
+                StopSignals(None)
+            }
         }
-    };
-    tokio::select! {
-        _ = term.recv() => tracing::info!("SIGTERM received"),
-        _ = int.recv() => tracing::info!("SIGINT received"),
+    }
+
+    async fn recv(&mut self) {
+        match &mut self.0 {
+            Some((term, int)) => tokio::select! {
+                _ = term.recv() => tracing::info!("SIGTERM received"),
+                _ = int.recv() => tracing::info!("SIGINT received"),
+            },
+            None => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
     }
 }

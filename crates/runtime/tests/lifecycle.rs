@@ -582,3 +582,68 @@ fn config_check_names_the_key_path_and_line_and_exits_non_zero() {
         .unwrap();
     assert!(ok.status.success(), "{}", String::from_utf8_lossy(&ok.stderr));
 }
+
+/// A stop signal that comes while the daemon is still starting (here: re-reading a long
+/// log for delivery ids, before it is ready) is a clean stop once the start is done, not
+/// the signal's default action: a process killed by it leaves no clean-shutdown marker,
+/// and a service manager sees a death, not a stop.
+#[test]
+fn a_stop_signal_during_the_start_is_a_clean_stop() {
+    let dir = tempfile::tempdir().unwrap();
+    // A long log and no state database: the start re-reads all of it.
+    let wal_dir = dir.path().join("data/wal");
+    let wal = wal::Wal::open(&wal_dir, wal::WalOptions::default()).unwrap();
+    let record = |i: u64| {
+        let header = ingest::EnvelopeHeader {
+            message_id: u128::from(i) + 1,
+            received_at_unix_ms: 1_700_000_000_000,
+            source_key: "default".into(),
+            endpoint_id: None,
+            content_type: None,
+            metadata: vec![],
+            headers: vec![],
+            idempotency_key: None,
+            batch_index: 0,
+            batch_len: 1,
+            destination: ingest::Destination {
+                stream: "ingest".into(),
+                topic: "events".into(),
+                partitioning: ingest::Partitioning::Balanced,
+            },
+        };
+        ingest::Envelope::encode(&header, b"{}")
+    };
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    rt.block_on(async {
+        for batch in 0..1000u64 {
+            wal.append((0..1000).map(|i| record(batch * 1000 + i)).collect()).await.unwrap();
+        }
+        wal.close().await.unwrap();
+    });
+    drop(wal);
+    let cfg = dir.path().join("config.toml");
+    std::fs::write(&cfg, config_text(dir.path(), "", SOURCES)).unwrap();
+    let ready = dir.path().join("ready.json");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_iggy-ingest"))
+        .args(["run", "--config"])
+        .arg(&cfg)
+        .arg("--ready-file")
+        .arg(&ready)
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(!ready.exists(), "the daemon was ready before the signal: the test needs a longer log");
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(Instant::now() < deadline, "the daemon did not stop");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(status.success(), "a stop signal during the start: {status}");
+    assert!(wal_dir.join(wal::CLEAN_MARKER_FILE).exists(), "no clean-shutdown marker");
+}
