@@ -188,7 +188,6 @@ fn under_interval_power_loss_at_every_operation_keeps_what_a_clean_close_covered
     let total = sim.ops() - before;
     assert!(closed);
     drop(wal);
-    let mut covered_by_a_close = 0;
     for n in 1..=total + 1 {
         for mode in [CrashMode::LoseUnsynced, CrashMode::Adversarial { seed: n }] {
             let sim = SimStorage::new();
@@ -201,7 +200,6 @@ fn under_interval_power_loss_at_every_operation_keeps_what_a_clean_close_covered
             }
             drop(wal);
             let promised = if closed && !crashed { acked } else { BTreeMap::new() };
-            covered_by_a_close += usize::from(!promised.is_empty());
             check_tags_below(
                 &sim,
                 &promised,
@@ -210,7 +208,16 @@ fn under_interval_power_loss_at_every_operation_keeps_what_a_clean_close_covered
             );
         }
     }
-    assert!(covered_by_a_close >= 2, "the sweep never reached a clean close");
+    // How many operations a run takes depends on how the appends of a round happen to
+    // group: the sweep above may never pass the last one. A run without a power loss
+    // inside it, then one right after its clean close, always keeps every append.
+    let sim = SimStorage::new();
+    let wal = open(&sim, interval());
+    let (acked, closed) = concurrent_scenario(&wal);
+    assert!(closed && acked.len() == 64, "the scenario without faults: closed {closed}, {} acked", acked.len());
+    sim.crash(CrashMode::Adversarial { seed: 7 });
+    drop(wal);
+    check_tags_below(&sim, &acked, 64, "interval, power loss after a clean close");
 }
 
 #[test]
