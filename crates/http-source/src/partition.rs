@@ -75,10 +75,6 @@ impl KeyMiss {
 
 impl PartitionRule {
     /// Whether the rule reads event payloads (so the door must parse them).
-    pub fn reads_payload(&self) -> bool {
-        self.field().is_some()
-    }
-
     /// The payload field a key is read from, if any.
     pub fn field(&self) -> Option<&FieldPath> {
         match self {
@@ -180,6 +176,6 @@ mod tests {
     fn fixed_rules_ignore_the_request() {
         let rule = PartitionRule::Fixed(Partitioning::PartitionId(3));
         assert_eq!(rule.partitioning(&headers(&[("x", "y")]), None), (Partitioning::PartitionId(3), None));
-        assert!(!rule.reads_payload());
+        assert!(rule.field().is_none());
     }
 }

@@ -627,6 +627,28 @@ mod tests {
     /// over by a checkpoint, or neither a restart nor the log (released below the
     /// checkpoint) could restore it: the checkpoint restores it from the log first, and
     /// the log's release ceiling (`durable_through`) follows the checkpoint.
+    /// A request of one small event for source `s`, with `delivery_key` if any.
+    fn one_event(delivery_key: Option<&str>, now: u64) -> crate::Submission {
+        use crate::{Destination, Event, Partitioning, Submission};
+        Submission {
+            source_key: "s".into(),
+            endpoint_id: None,
+            content_type: None,
+            metadata: vec![],
+            headers: vec![],
+            delivery_key: delivery_key.map(str::to_string),
+            events: vec![Event {
+                destination: Destination {
+                    stream: "a".into(),
+                    topic: "b".into(),
+                    partitioning: Partitioning::Balanced,
+                },
+                payload: bytes::Bytes::from_static(b"{}"),
+            }],
+            received_at_unix_ms: now,
+        }
+    }
+
     /// Under `wal.sync = "interval"` an append is answered once written, before the sync,
     /// and its key recorded at once. A restore from the log while serving (here: a
     /// checkpoint after a key the recorder could not take) must not forget such keys as
@@ -635,7 +657,7 @@ mod tests {
     /// it.
     #[tokio::test]
     async fn a_restore_while_serving_keeps_the_keys_of_appends_answered_before_their_sync() {
-        use crate::{Destination, Event, Ingestor, Partitioning, Submission};
+        use crate::Ingestor;
         let state = Arc::new(StateDb::open_in_memory().unwrap());
         let sim = wal::storage::SimStorage::new();
         let options = wal::WalOptions {
@@ -647,23 +669,7 @@ mod tests {
         let index = Arc::new(IdempotencyIndex::new(state.clone(), 86_400_000));
         index.rebuild(&wal, now).unwrap();
         let ingestor = Ingestor::new(wal.clone(), index.clone());
-        let submission = |delivery_key: &str| Submission {
-            source_key: "s".into(),
-            endpoint_id: None,
-            content_type: None,
-            metadata: vec![],
-            headers: vec![],
-            delivery_key: Some(delivery_key.to_string()),
-            events: vec![Event {
-                destination: Destination {
-                    stream: "a".into(),
-                    topic: "b".into(),
-                    partitioning: Partitioning::Balanced,
-                },
-                payload: bytes::Bytes::from_static(b"{}"),
-            }],
-            received_at_unix_ms: now,
-        };
+        let submission = |delivery_key: &str| one_event(Some(delivery_key), now);
         let d0 = ingestor.accept(submission("d-0")).await.unwrap();
         assert_eq!((d0.first_offset, d0.replayed), (0, false));
         *index.recorder.lock().unwrap() = None;
@@ -690,7 +696,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_key_the_recorder_could_not_take_is_restored_from_the_log_before_a_checkpoint_passes_it() {
-        use crate::{Destination, Event, Ingestor, Partitioning, Submission};
+        use crate::Ingestor;
         let state = Arc::new(StateDb::open_in_memory().unwrap());
         let sim = wal::storage::SimStorage::new();
         let wal =
@@ -699,23 +705,7 @@ mod tests {
         let index = Arc::new(IdempotencyIndex::new(state, 86_400_000));
         index.rebuild(&wal, now).unwrap();
         let ingestor = Ingestor::new(wal.clone(), index.clone());
-        let submission = |delivery_key: Option<&str>| Submission {
-            source_key: "s".into(),
-            endpoint_id: None,
-            content_type: None,
-            metadata: vec![],
-            headers: vec![],
-            delivery_key: delivery_key.map(str::to_string),
-            events: vec![Event {
-                destination: Destination {
-                    stream: "a".into(),
-                    topic: "b".into(),
-                    partitioning: Partitioning::Balanced,
-                },
-                payload: bytes::Bytes::from_static(b"{}"),
-            }],
-            received_at_unix_ms: now,
-        };
+        let submission = |delivery_key: Option<&str>| one_event(delivery_key, now);
         ingestor.accept(submission(None)).await.unwrap();
         assert_eq!(index.checkpoint(&wal, now).await.unwrap(), 1);
         assert_eq!(index.durable_through().load(Ordering::Acquire), 1);
