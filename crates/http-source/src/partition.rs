@@ -74,7 +74,6 @@ impl KeyMiss {
 }
 
 impl PartitionRule {
-    /// Whether the rule reads event payloads (so the door must parse them).
     /// The payload field a key is read from, if any.
     pub fn field(&self) -> Option<&FieldPath> {
         match self {
