@@ -366,12 +366,7 @@ pub(crate) fn new_source_route<S: Sink, C: CursorStore>(
                 return None;
             }
             // Given up: dropped by the dispatcher, never dead-lettered by a re-read.
-            if !given_up.is_empty()
-                && given_up.contains(&LaneKey {
-                    source: lane.source.clone(),
-                    destination: DestinationKey::new(e.stream, e.topic),
-                })
-            {
+            if crate::policy::is_given_up(&given_up, &lane.source, e.stream, e.topic) {
                 return None;
             }
             let own = lane.destination.stream == e.stream && lane.destination.topic == e.topic;

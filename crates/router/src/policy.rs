@@ -159,10 +159,7 @@ impl Policies {
 
     /// Whether records of `source` bound for `stream`/`topic` are given up.
     pub fn is_given_up(&self, source: &str, stream: &str, topic: &str) -> bool {
-        !self.given_up.is_empty()
-            && self
-                .given_up
-                .contains(&LaneKey { source: source.to_string(), destination: DestinationKey::new(stream, topic) })
+        is_given_up(&self.given_up, source, stream, topic)
     }
 
     pub fn for_source(&self, source: &str) -> Arc<RouterPolicy> {
@@ -179,6 +176,12 @@ impl Policies {
         within("read_batch_max_bytes", self.read_batch_max_bytes, MAX_BATCH_BYTES)?;
         Ok(())
     }
+}
+
+/// Whether `given_up` holds (source, stream/topic); allocates only when it holds anything.
+pub(crate) fn is_given_up(given_up: &HashSet<LaneKey>, source: &str, stream: &str, topic: &str) -> bool {
+    !given_up.is_empty()
+        && given_up.contains(&LaneKey { source: source.to_string(), destination: DestinationKey::new(stream, topic) })
 }
 
 impl Default for RouterPolicy {
