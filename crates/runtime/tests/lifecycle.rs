@@ -336,13 +336,7 @@ async fn sigterm_drains_health_first_finishes_in_flight_and_closes_the_log() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_grace_period_bounds_the_drain_while_a_send_to_a_silent_server_hangs() {
     let dir = tempfile::tempdir().unwrap();
-    // A server that takes connections and never answers a byte.
-    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let iggy = silent.local_addr().unwrap();
-    std::thread::spawn(move || {
-        let held: Vec<_> = silent.incoming().map_while(Result::ok).collect();
-        drop(held);
-    });
+    let iggy = silent_server();
     let rest = format!("[iggy]\naddress = \"{iggy}\"\n\n[router]\nresult_timeout_ms = 25000\n{SOURCES}");
     let text = config_text(dir.path(), "", &rest).replace("grace_period_ms = 20000", "grace_period_ms = 1000");
     let mut d = Daemon::start_text(dir.path(), &text);
@@ -367,12 +361,7 @@ async fn the_grace_period_bounds_the_drain_while_a_send_to_a_silent_server_hangs
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn while_the_router_stops_the_status_says_stopping_and_lists_the_destinations() {
     let dir = tempfile::tempdir().unwrap();
-    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let iggy = silent.local_addr().unwrap();
-    std::thread::spawn(move || {
-        let held: Vec<_> = silent.incoming().map_while(Result::ok).collect();
-        drop(held);
-    });
+    let iggy = silent_server();
     let rest = format!("[iggy]\naddress = \"{iggy}\"\n\n[router]\nresult_timeout_ms = 25000\n{SOURCES}");
     let text = config_text_with_shutdown(dir.path(), "", "drain_delay_ms = 0", &rest)
         .replace("grace_period_ms = 20000", "grace_period_ms = 4000");
@@ -623,27 +612,25 @@ fn a_stop_signal_during_the_start_is_a_clean_stop() {
     drop(wal);
     let cfg = dir.path().join("config.toml");
     std::fs::write(&cfg, config_text(dir.path(), "", SOURCES)).unwrap();
-    let ready = dir.path().join("ready.json");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_iggy-ingest"))
-        .args(["run", "--config"])
-        .arg(&cfg)
-        .arg("--ready-file")
-        .arg(&ready)
-        .stdout(Stdio::null())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap();
+    let mut d = Daemon::spawn(dir.path(), &cfg);
     std::thread::sleep(Duration::from_millis(300));
-    assert!(!ready.exists(), "the daemon was ready before the signal: the test needs a longer log");
-    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let status = loop {
-        if let Some(s) = child.try_wait().unwrap() {
-            break s;
-        }
-        assert!(Instant::now() < deadline, "the daemon did not stop");
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    assert!(
+        !dir.path().join("ready.json").exists(),
+        "the daemon was ready before the signal: the test needs a longer log"
+    );
+    d.signal(libc::SIGTERM);
+    let status = d.wait_exit(Duration::from_secs(60));
     assert!(status.success(), "a stop signal during the start: {status}");
     assert!(wal_dir.join(wal::CLEAN_MARKER_FILE).exists(), "no clean-shutdown marker");
+}
+
+/// A server where Iggy should be that takes connections and never answers a byte.
+fn silent_server() -> std::net::SocketAddr {
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = silent.local_addr().unwrap();
+    std::thread::spawn(move || {
+        let held: Vec<_> = silent.incoming().map_while(Result::ok).collect();
+        drop(held);
+    });
+    addr
 }

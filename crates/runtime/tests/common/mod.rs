@@ -84,6 +84,12 @@ impl Daemon {
     }
 
     fn start_with(root: &Path, cfg: &Path) -> Daemon {
+        Daemon::spawn(root, cfg).ready()
+    }
+
+    /// Starts the daemon on `cfg` without waiting for it to be ready (its addresses are
+    /// unknown until [`Daemon::ready`]); it writes `root/ready.json` once it is.
+    pub fn spawn(root: &Path, cfg: &Path) -> Daemon {
         let ready = root.join("ready.json");
         let _ = std::fs::remove_file(&ready);
         let child = Command::new(env!("CARGO_BIN_EXE_iggy-ingest"))
@@ -96,21 +102,21 @@ impl Daemon {
             .stderr(Stdio::inherit())
             .spawn()
             .unwrap();
-        let mut d = Daemon {
-            child,
-            http: "127.0.0.1:1".parse().unwrap(),
-            admin: "127.0.0.1:1".parse().unwrap(),
-            root: root.into(),
-        };
+        Daemon { child, http: "127.0.0.1:1".parse().unwrap(), admin: "127.0.0.1:1".parse().unwrap(), root: root.into() }
+    }
+
+    /// Waits for the ready file and reads the addresses from it.
+    pub fn ready(mut self) -> Daemon {
+        let ready = self.root.join("ready.json");
         let deadline = Instant::now() + STARTUP_TIMEOUT;
         loop {
             if let Ok(text) = std::fs::read_to_string(&ready) {
                 let v: serde_json::Value = serde_json::from_str(&text).unwrap();
-                d.http = v["http"].as_str().unwrap().parse().unwrap();
-                d.admin = v["admin"].as_str().unwrap().parse().unwrap();
-                return d;
+                self.http = v["http"].as_str().unwrap().parse().unwrap();
+                self.admin = v["admin"].as_str().unwrap().parse().unwrap();
+                return self;
             }
-            if let Some(status) = d.child.try_wait().unwrap() {
+            if let Some(status) = self.child.try_wait().unwrap() {
                 panic!("daemon exited before it was ready: {status}");
             }
             assert!(Instant::now() < deadline, "daemon not ready within {STARTUP_TIMEOUT:?}");
