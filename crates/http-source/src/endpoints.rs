@@ -508,6 +508,20 @@ mod tests {
         assert!(e.starts_with("header:"), "{e}");
     }
 
+    /// A static endpoint of source `default` without auth.
+    fn static_endpoint(id: u128) -> Endpoint {
+        Endpoint {
+            id,
+            source_key: "default".into(),
+            auth: AuthScheme::None,
+            handshake_param: None,
+            expires_at_unix_ms: None,
+            revoked_at_unix_ms: None,
+            dynamic: false,
+            record: None,
+        }
+    }
+
     fn bearer() -> StoredAuth {
         StoredAuth { scheme: "bearer".into(), secret: None, header: None, prefix: None, tolerance_secs: None }
     }
@@ -562,16 +576,7 @@ mod tests {
         assert_eq!(listed.len(), 1);
         assert_eq!((listed[0].state, listed[0].auth_type.as_str()), ("revoked", "standard-webhooks"));
         drop(reg);
-        let same_id = Endpoint {
-            id,
-            source_key: "default".into(),
-            auth: AuthScheme::None,
-            handshake_param: None,
-            expires_at_unix_ms: None,
-            revoked_at_unix_ms: None,
-            dynamic: false,
-            record: None,
-        };
+        let same_id = static_endpoint(id);
         assert!(matches!(
             EndpointRegistry::load(state, vec!["default".into()], vec![same_id]),
             Err(LoadError::RevokedStatic(_))
@@ -585,16 +590,7 @@ mod tests {
     async fn dynamic_endpoints_are_bounded_and_revoked_ones_count() {
         let dir = tempfile::tempdir().unwrap();
         let state = Arc::new(StateDb::open(dir.path().join("s.redb")).unwrap());
-        let statics = vec![Endpoint {
-            id: 1,
-            source_key: "default".into(),
-            auth: AuthScheme::None,
-            handshake_param: None,
-            expires_at_unix_ms: None,
-            revoked_at_unix_ms: None,
-            dynamic: false,
-            record: None,
-        }];
+        let statics = vec![static_endpoint(1)];
         let reg = Arc::new(EndpointRegistry::load(state, vec!["default".into()], statics).unwrap());
         let a = reg.register("default".into(), bearer(), None, None, 10).await.unwrap();
         reg.register("default".into(), bearer(), None, None, 10).await.unwrap();
@@ -609,16 +605,7 @@ mod tests {
     async fn register_rotate_revoke_persist_and_static_ones_refuse() {
         let dir = tempfile::tempdir().unwrap();
         let state = Arc::new(StateDb::open(dir.path().join("s.redb")).unwrap());
-        let statics = vec![Endpoint {
-            id: 1,
-            source_key: "default".into(),
-            auth: AuthScheme::None,
-            handshake_param: None,
-            expires_at_unix_ms: None,
-            revoked_at_unix_ms: None,
-            dynamic: false,
-            record: None,
-        }];
+        let statics = vec![static_endpoint(1)];
         let reg = Arc::new(EndpointRegistry::load(state.clone(), vec!["default".into()], statics.clone()).unwrap());
         let rec = reg.register("default".into(), bearer(), None, None, 10).await.unwrap();
         let first_secret = rec.auth.secret.clone().unwrap();
