@@ -470,8 +470,7 @@ enum Delivery {
 pub(crate) fn spawn<S: Sink, C: CursorStore>(lane: Arc<Lane>, ctx: LaneContext<S, C>) -> tokio::task::JoinHandle<()> {
     let (watched, health) = (lane.clone(), ctx.router_status.clone());
     crate::spawn_task(run(lane, ctx), move || {
-        watched.status.set(Status::Error, "the lane's task ended unexpectedly (a panic)");
-        health.lane_panicked(&watched.key);
+        health.lane_panicked(&watched.key, &watched.status);
     })
 }
 
@@ -502,9 +501,8 @@ async fn run<S: Sink, C: CursorStore>(lane: Arc<Lane>, mut ctx: LaneContext<S, C
                 }
                 Err(e) => {
                     // The log could not be read (damage): say so and keep trying, slowly.
-                    lane.status.set(Status::Error, "cannot read the log");
                     lane.status.record_error(&e.to_string());
-                    ctx.router_status.lane_failed(&lane.key);
+                    ctx.router_status.lane_failed(&lane.key, &lane.status, "cannot read the log");
                     tracing::error!(destination = %lane.key, error = %e, "lane cannot read the log");
                     if sleep_or_shutdown(&mut ctx.shutdown, lane.policy.batch.backoff_max).await {
                         break;
@@ -1107,9 +1105,11 @@ async fn attempt<S: Sink, C>(
                 // The topic may be gone: ensure it again before the next send.
                 lock(&lane.info).topic = None;
             }
-            lock(&lane.info).breaker = Some(breaker.state());
             metrics::counter!("iggy_connector_send_failures_total", "connector_key" => lane.key.source.clone(), "reason" => e.kind.as_str()).increment(1);
             failed(lane, ctx, *failures, &e.to_string());
+            // Shown after the status: a reader who sees the breaker open sees the
+            // failure that opened it counted in the status too.
+            lock(&lane.info).breaker = Some(breaker.state());
             tracing::debug!(destination = %lane.key, error = %e, failures = *failures, "send failed; holding and retrying");
             if sleep_or_shutdown(shutdown, lane.policy.backoff(*failures)).await {
                 return Attempt::ShuttingDown;
@@ -1257,14 +1257,12 @@ fn failed<S, C>(lane: &Lane, ctx: &LaneContext<S, C>, failures: u32, why: &str) 
 
 /// The lane is retrying without progress: Degraded, and the router told.
 fn degraded<S, C>(lane: &Lane, ctx: &LaneContext<S, C>, why: &str) {
-    lane.status.set(Status::Degraded, why);
-    ctx.router_status.lane_degraded(&lane.key);
+    ctx.router_status.lane_degraded(&lane.key, &lane.status, why);
 }
 
 /// The lane moved its records on: Running, and the router told.
 fn progressed<S, C>(lane: &Lane, ctx: &LaneContext<S, C>, why: &str) {
-    lane.status.set(Status::Running, why);
-    ctx.router_status.lane_recovered(&lane.key);
+    ctx.router_status.lane_recovered(&lane.key, &lane.status, why);
 }
 
 #[cfg(test)]

@@ -26,6 +26,8 @@
 //!    while the router is in Error). A task of the router that ends by a
 //!    panic puts it (and a lane's, its destination and connector) in Error until a
 //!    restart: nothing reports Running for work that nobody does ([`spawn_task`]).
+//!    A lane is never seen worse off than its router: a lane that worsens tells the
+//!    router before its own status moves, one that recovers moves its own first.
 //! 6. **No cursor is ahead of the log.** A lane passes over records below its cursor as
 //!    delivered; at start a stored cursor above the log's next offset (the log lost its
 //!    tail, or was replaced) is taken as that offset and lowered in the store before the
@@ -171,15 +173,26 @@ impl RouterHealth {
         }
     }
 
-    pub(crate) fn lane_degraded(&self, key: &LaneKey) {
+    // The lane's own status and the router's move in an order that keeps a reader who
+    // looks at the lane and then at the router from seeing the router better off than
+    // the lane it just read: a lane that worsens tells the router first, a lane that
+    // recovers sets its own status first.
+
+    /// The lane `key` (status `lane`) is retrying without progress: Degraded.
+    pub(crate) fn lane_degraded(&self, key: &LaneKey, lane: &StatusCell, why: &str) {
         self.update(|t| t.failed.remove(key) | t.degraded.insert(key.clone()));
+        lane.set(Status::Degraded, why);
     }
 
-    pub(crate) fn lane_failed(&self, key: &LaneKey) {
+    /// The lane `key` (status `lane`) cannot read the log: Error.
+    pub(crate) fn lane_failed(&self, key: &LaneKey, lane: &StatusCell, why: &str) {
         self.update(|t| t.degraded.remove(key) | t.failed.insert(key.clone()));
+        lane.set(Status::Error, why);
     }
 
-    pub(crate) fn lane_recovered(&self, key: &LaneKey) {
+    /// The lane `key` (status `lane`) moved its records on: Running.
+    pub(crate) fn lane_recovered(&self, key: &LaneKey, lane: &StatusCell, why: &str) {
+        lane.set(Status::Running, why);
         self.update(|t| t.degraded.remove(key) | t.failed.remove(key));
     }
 
@@ -212,9 +225,10 @@ impl RouterHealth {
     }
 
     /// A lane's task ended by a panic (called while it unwinds).
-    pub(crate) fn lane_panicked(&self, key: &LaneKey) {
+    pub(crate) fn lane_panicked(&self, key: &LaneKey, lane: &StatusCell) {
         tracing::error!(destination = %key, "a lane's task ended unexpectedly (a panic); its records are held until a restart");
         self.update(|t| t.degraded.remove(key) | t.failed.remove(key) | t.lanes_ended.insert(key.clone()));
+        lane.set(Status::Error, "the lane's task ended unexpectedly (a panic)");
     }
 
     pub fn snapshot(&self) -> StatusSnapshot {
@@ -641,5 +655,48 @@ mod tests {
         drop(guard);
         stopper.join().unwrap();
         assert_eq!(health.cell.get(), Status::Stopping);
+    }
+
+    /// A lane that worsens tells the router before its own status moves: while the
+    /// router's update waits (here, for the troubles' lock the test holds), the lane
+    /// still shows Running, so no reader sees a degraded or failed lane under a running
+    /// router. A lane that recovers shows it first.
+    #[test]
+    fn a_lane_never_shows_worse_than_the_router_it_belongs_to() {
+        type Worsen = fn(&RouterHealth, &LaneKey, &StatusCell);
+        let worsenings: [(Worsen, Status); 3] = [
+            (|h, k, c| h.lane_degraded(k, c, "failing"), Status::Degraded),
+            (|h, k, c| h.lane_failed(k, c, "cannot read"), Status::Error),
+            (|h, k, c| h.lane_panicked(k, c), Status::Error),
+        ];
+        for (worsen, to) in worsenings {
+            let health = Arc::new(RouterHealth::new());
+            health.started();
+            let key = LaneKey { source: "s".into(), destination: DestinationKey::new("st", "t") };
+            let lane = Arc::new(StatusCell::new("destinations", "s/st/t"));
+            lane.set(Status::Running, "lane started");
+            let guard = health.troubles();
+            let worsening = {
+                let (health, key, lane) = (health.clone(), key.clone(), lane.clone());
+                std::thread::spawn(move || worsen(&health, &key, &lane))
+            };
+            std::thread::sleep(std::time::Duration::from_millis(50));
+            assert_eq!(lane.get(), Status::Running, "the lane moved to {to:?} before its router");
+            drop(guard);
+            worsening.join().unwrap();
+            assert_eq!((lane.get(), health.cell.get()), (to, to));
+
+            let guard = health.troubles();
+            let recovering = {
+                let (health, key, lane) = (health.clone(), key.clone(), lane.clone());
+                std::thread::spawn(move || health.lane_recovered(&key, &lane, "delivered"))
+            };
+            std::thread::sleep(std::time::Duration::from_millis(50));
+            if to == Status::Degraded {
+                assert_eq!(lane.get(), Status::Running, "a recovering lane shows it first");
+            }
+            drop(guard);
+            recovering.join().unwrap();
+        }
     }
 }
