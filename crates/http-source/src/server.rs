@@ -208,11 +208,16 @@ mod tests {
     /// later (after the daemon moved on to closing the log).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_connection_still_open_after_the_grace_period_is_cut_before_serve_returns() {
+        let started = std::sync::Arc::new(tokio::sync::Notify::new());
         let router = Router::new().route(
             "/slow",
-            axum::routing::post(|| async {
-                tokio::time::sleep(Duration::from_secs(3)).await;
-                "late"
+            axum::routing::post({
+                let started = started.clone();
+                move || async move {
+                    started.notify_one();
+                    tokio::time::sleep(Duration::from_secs(3)).await;
+                    "late"
+                }
             }),
         );
         let listener = bind("127.0.0.1:0".parse().unwrap()).await.unwrap();
@@ -235,7 +240,8 @@ mod tests {
         ));
         let mut client = std::net::TcpStream::connect(addr).unwrap();
         client.write_all(b"POST /slow HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n").unwrap();
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        // The request is in its handler when the stop comes.
+        tokio::time::timeout(Duration::from_secs(30), started.notified()).await.unwrap();
         let _ = stop.send(());
         let drained = tokio::time::timeout(Duration::from_secs(2), server).await.unwrap().unwrap();
         assert!(!drained.complete, "the slow request cannot have finished within the grace period");

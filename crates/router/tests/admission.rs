@@ -38,6 +38,7 @@ async fn over_the_cap_with_error_the_records_are_held_and_the_log_pinned() {
         sink.ids(&dests[0]).len() == 10 && sink.ids(&dests[1]).len() == 10
     })
     .await;
+    eventually(Duration::from_secs(20), "released up to the held record", || router.released_below() == 2).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(sink.ids(&dests[2]).is_empty());
     assert_eq!(router.held_from(), Some(2), "the first record of the third destination holds the log");

@@ -364,12 +364,22 @@ async fn while_the_router_stops_the_status_says_stopping_and_lists_the_destinati
     let iggy = silent_server();
     let rest = format!("[iggy]\naddress = \"{iggy}\"\n\n[router]\nresult_timeout_ms = 25000\n{SOURCES}");
     let text = config_text_with_shutdown(dir.path(), "", "drain_delay_ms = 0", &rest)
-        .replace("grace_period_ms = 20000", "grace_period_ms = 4000");
+        .replace("grace_period_ms = 20000", "grace_period_ms = 10000");
     let mut d = Daemon::start_text(dir.path(), &text);
     assert_eq!(post_json(d.http, "/v1/sources/default", "{}").await.status, 200);
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // The destination holds the event before the stop begins.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let lanes = request(d.admin, "GET", "/connectors/default/destinations", &[], "").await.json();
+        if lanes["destinations"][0]["held_records"] == 1 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the event was never held: {lanes}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     d.signal(libc::SIGTERM);
-    let deadline = Instant::now() + Duration::from_secs(3);
+    // Within the grace period (10 s), which the send to the silent server takes whole.
+    let deadline = Instant::now() + Duration::from_secs(8);
     let (router, destinations) = loop {
         let status = request(d.admin, "GET", "/status", &[], "").await.json();
         if status["router"]["status"] != "running" && status["router"]["status"] != "degraded" {
@@ -613,7 +623,14 @@ fn a_stop_signal_during_the_start_is_a_clean_stop() {
     let cfg = dir.path().join("config.toml");
     std::fs::write(&cfg, config_text(dir.path(), "", SOURCES)).unwrap();
     let mut d = Daemon::spawn(dir.path(), &cfg);
-    std::thread::sleep(Duration::from_millis(300));
+    // The log's open takes the clean-shutdown marker away, after the daemon installed
+    // its signal handlers and before it is ready (the rest of the start reads the log).
+    let marker = wal_dir.join(wal::CLEAN_MARKER_FILE);
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while marker.exists() {
+        assert!(std::time::Instant::now() < deadline, "the daemon never opened the log");
+        std::thread::sleep(Duration::from_millis(1));
+    }
     assert!(
         !dir.path().join("ready.json").exists(),
         "the daemon was ready before the signal: the test needs a longer log"
