@@ -691,9 +691,13 @@ mod tests {
                 let (health, key, lane) = (health.clone(), key.clone(), lane.clone());
                 std::thread::spawn(move || health.lane_recovered(&key, &lane, "delivered"))
             };
-            std::thread::sleep(std::time::Duration::from_millis(50));
             if to == Status::Degraded {
-                assert_eq!(lane.get(), Status::Running, "a recovering lane shows it first");
+                // The lane moves while the router's update waits for the lock held here.
+                let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+                while lane.get() != Status::Running {
+                    assert!(std::time::Instant::now() < deadline, "a recovering lane shows it first");
+                    std::thread::sleep(std::time::Duration::from_millis(5));
+                }
             }
             drop(guard);
             recovering.join().unwrap();
