@@ -86,6 +86,10 @@ pub struct IggySinkConfig {
     /// Kept in the client's configuration, but the client's own reconnection is off:
     /// the sink reconnects, one attempt per retry of the router, which retries forever.
     pub reconnection_max_retries: u32,
+    /// After a failed connect, or a failure that says the server is gone, no new connect
+    /// is made for this long: the calls in between fail `Unavailable` at once (and the
+    /// router retries them with its backoff), so a server that is down or refusing sees
+    /// at most one connect per interval, however many destinations retry.
     pub reconnection_interval: Duration,
     pub topic_defaults: TopicDefaults,
 }
@@ -119,6 +123,9 @@ pub struct IggySink {
     connecting: tokio::sync::Mutex<Option<JoinHandle<Result<(), IggyError>>>>,
     /// When the server last answered a call (an ack, or an error of its own).
     last_answer: std::sync::Mutex<Option<std::time::Instant>>,
+    /// No connect before this: set `reconnection_interval` ahead by a failed connect and
+    /// by a failure that says the server is gone.
+    connect_not_before: std::sync::Mutex<Option<std::time::Instant>>,
 }
 
 /// How long the `iggy` client waits for a reply (its `RESPONSE_READ_TIMEOUT`, fixed and
@@ -163,6 +170,7 @@ impl IggySink {
             unreachable: AtomicBool::new(true),
             connecting: tokio::sync::Mutex::new(None),
             last_answer: std::sync::Mutex::new(None),
+            connect_not_before: std::sync::Mutex::new(None),
         })
     }
 
@@ -196,6 +204,17 @@ impl IggySink {
         if !self.idle().is_empty() {
             return Ok(());
         }
+        if connecting.is_none()
+            && let Some(wait) = self.connect_wait()
+        {
+            return Err(SendError::new(
+                SendErrorKind::Unavailable,
+                format!(
+                    "the server was unreachable; connecting again in {} ms (reconnection_interval_ms)",
+                    wait.as_millis()
+                ),
+            ));
+        }
         let task = connecting.get_or_insert_with(|| {
             let (config, idle) = (self.config.clone(), self.idle.clone());
             tokio::spawn(async move {
@@ -224,6 +243,7 @@ impl IggySink {
             // A failed connect is the client's, whatever the error: no destination's.
             Ok(Err(e)) => {
                 self.unreachable.store(true, Ordering::Release);
+                self.pace_connects();
                 let mut failure = SendError::new(classify(&e), e.to_string());
                 if failure.kind == SendErrorKind::Destination {
                     failure.kind = SendErrorKind::Unavailable;
@@ -261,6 +281,7 @@ impl IggySink {
                 ) {
                     self.unreachable.store(true, Ordering::Release);
                     self.idle().clear();
+                    self.pace_connects();
                 } else {
                     self.answered();
                     if !cache_suspect {
@@ -270,6 +291,19 @@ impl IggySink {
                 Err(SendError::new(kind, e.to_string()))
             }
         }
+    }
+
+    /// No new connect for `reconnection_interval` from now.
+    fn pace_connects(&self) {
+        let at = std::time::Instant::now() + self.config.reconnection_interval;
+        *self.connect_not_before.lock().unwrap_or_else(|p| p.into_inner()) = Some(at);
+    }
+
+    /// How long until a connect may be made, if it may not be made now.
+    fn connect_wait(&self) -> Option<Duration> {
+        let not_before = (*self.connect_not_before.lock().unwrap_or_else(|p| p.into_inner()))?;
+        let wait = not_before.saturating_duration_since(std::time::Instant::now());
+        (!wait.is_zero()).then_some(wait)
     }
 
     /// The server answered a call: it is reachable. Also takes back a client-wide
@@ -539,6 +573,47 @@ mod tests {
         assert!(sink.connecting(), "a disconnection is the whole client's");
         assert!(sink.settle(taken(), Ok(()), false).is_ok());
         assert!(!sink.connecting(), "the server answered, yet it is still taken for unreachable");
+    }
+
+    /// A server that takes connections and closes them at once, counting them.
+    fn closing_server() -> (String, Arc<std::sync::atomic::AtomicUsize>) {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counted = accepted.clone();
+        std::thread::spawn(move || {
+            for conn in listener.incoming().map_while(Result::ok) {
+                counted.fetch_add(1, Ordering::SeqCst);
+                drop(conn);
+            }
+        });
+        (addr, accepted)
+    }
+
+    /// After a failed connect no new one is made for `reconnection_interval`: the calls
+    /// in between fail at once, so however many destinations retry, a server that is
+    /// down sees one connect per interval. Once it has passed, the next call connects.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_failed_connect_is_not_tried_again_before_the_reconnection_interval() {
+        let (address, accepted) = closing_server();
+        let interval = Duration::from_millis(1500);
+        let sink =
+            IggySink::new(&IggySinkConfig { address, reconnection_interval: interval, ..Default::default() }).unwrap();
+        let first = tokio::time::timeout(Duration::from_secs(20), sink.connect()).await.expect("connect ends");
+        assert!(first.is_err(), "a server that closes every connection cannot be connected to");
+        assert_eq!(accepted.load(Ordering::SeqCst), 1);
+        let failed_at = std::time::Instant::now();
+        for _ in 0..20 {
+            let again = sink.connect().await.expect_err("within the interval");
+            assert_eq!(again.kind, SendErrorKind::Unavailable, "{again}");
+            assert!(again.detail.contains("reconnection_interval_ms"), "{again}");
+        }
+        if failed_at.elapsed() < interval {
+            assert_eq!(accepted.load(Ordering::SeqCst), 1, "a connect was made within the interval");
+        }
+        tokio::time::sleep(interval).await;
+        let _ = tokio::time::timeout(Duration::from_secs(20), sink.connect()).await.expect("connect ends");
+        assert_eq!(accepted.load(Ordering::SeqCst), 2, "the interval passed, and no connect was made");
     }
 
     #[test]
