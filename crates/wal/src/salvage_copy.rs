@@ -21,7 +21,11 @@
 //!   whole batch that was never stored whole.
 //! - Every record keeps its offset, so the delivery cursors stored beside the log stay
 //!   true for the copy. Missing offsets start a new segment flagged `GAP_BEFORE`, which
-//!   the log accepts as a salvage gap.
+//!   the log accepts as a salvage gap, and the copy reports (`OpenReport::missing_ranges`,
+//!   which the daemon's idempotency index forgets keys by). That includes offsets missing
+//!   before the first record copied: the copy's first segment is flagged when the source's
+//!   first offset was not copied, or the source's first segment was itself flagged (or
+//!   its header does not check, and so cannot say it was not).
 //! - After damage the walk resynchronises byte by byte on the next frame that checks;
 //!   every skipped byte range (a bad segment header included) is reported with its file
 //!   and position. Zeros to the end of a file are the zeros the writer writes ahead of
@@ -67,9 +71,9 @@ pub struct CopyReport {
     pub first_offset: Option<u64>,
     /// The offset after the last copied record.
     pub next_offset: Option<u64>,
-    /// Offsets between the first and last copied record that the copy does not hold (no
-    /// frame that checks held them, or their batch was not whole): `(first, last)`
-    /// inclusive.
+    /// Offsets from the source's first segment's base to the last copied record that the
+    /// copy does not hold (no frame that checks held them, or their batch was not whole):
+    /// `(first, last)` inclusive.
     pub missing_offsets: Vec<(u64, u64)>,
     pub skipped: Vec<Skipped>,
 }
@@ -90,6 +94,10 @@ struct Out<'a> {
     next: u64,
     gap_before: bool,
     written: usize,
+    /// The base of the source's first segment, and whether offsets may be missing below
+    /// it (its header is flagged `GAP_BEFORE`, or does not check).
+    source_first: u64,
+    source_gap_before: bool,
 }
 
 impl Out<'_> {
@@ -125,8 +133,15 @@ impl Out<'_> {
     fn push_batch(&mut self, report: &mut CopyReport, last: &mut Option<u64>, batch: &Batch) -> Result<()> {
         let first = batch.first;
         let contiguous = last.is_some_and(|l| l + 1 == first);
+        if last.is_none() && first > self.source_first {
+            report.missing_offsets.push((self.source_first, first - 1));
+        }
         if !self.holds_records() {
-            self.start(first, last.is_some() && !contiguous);
+            let gap = match last {
+                Some(_) => !contiguous,
+                None => first > self.source_first || self.source_gap_before,
+            };
+            self.start(first, gap);
         } else if !contiguous
             || self.buf.len() as u64 + batch.frame_bytes() + FRAME_HEADER_LEN > COPY_SEGMENT_BYTES as u64
         {
@@ -254,7 +269,17 @@ fn copy_bounded(storage: &dyn Storage, src: &Path, dst: &Path, read: Bound) -> R
         )));
     }
     let mut report = CopyReport::default();
-    let mut out = Out { storage, dir: dst, buf: Vec::new(), base: 0, next: 0, gap_before: false, written: 0 };
+    let mut out = Out {
+        storage,
+        dir: dst,
+        buf: Vec::new(),
+        base: 0,
+        next: 0,
+        gap_before: false,
+        written: 0,
+        source_first: bases[0],
+        source_gap_before: false,
+    };
     // With no writer bounding the read, the tail is read from the disk as the open reads
     // it (a failed sync's bytes are not on it), unless a clean shutdown vouches for it.
     let marker = if bound.is_none() && names.iter().any(|n| n == crate::CLEAN_MARKER_FILE) {
@@ -283,12 +308,20 @@ fn copy_bounded(storage: &dyn Storage, src: &Path, dst: &Path, read: Bound) -> R
         let header_problem = match r.get(0, SEGMENT_HEADER_LEN as usize).map_err(io)? {
             None => Some("segment header cut short".to_string()),
             Some(b) => match SegmentHeader::decode(b) {
-                Ok(h) if h.base_offset == base => None,
+                Ok(h) if h.base_offset == base => {
+                    if base == out.source_first {
+                        out.source_gap_before = h.flags & SEGMENT_FLAG_GAP_BEFORE != 0;
+                    }
+                    None
+                }
                 Ok(h) => Some(format!("header says base {}, name says {base}", h.base_offset)),
                 Err(p) => Some(format!("bad segment header: {p}")),
             },
         };
         if let Some(why) = header_problem {
+            // A first segment whose header does not check cannot say no offsets are
+            // missing below it.
+            out.source_gap_before |= base == out.source_first;
             let to = SEGMENT_HEADER_LEN.min(len);
             report.skipped.push(Skipped { file: path.clone(), from: 0, to, records: 0, why });
         }

@@ -10,7 +10,8 @@ use std::time::Duration;
 
 use common::*;
 use wal::format::{
-    FLAG_END_OF_BATCH, FRAME_HEADER_LEN, FrameHeader, SEGMENT_HEADER_LEN, SegmentHeader, segment_file_name,
+    FLAG_END_OF_BATCH, FRAME_HEADER_LEN, FrameHeader, SEGMENT_FLAG_GAP_BEFORE, SEGMENT_HEADER_LEN, SegmentHeader,
+    segment_file_name,
 };
 use wal::salvage_copy::salvage_copy;
 use wal::storage::{CrashMode, SimStorage, Storage};
@@ -135,6 +136,46 @@ fn records_after_damage_whose_batch_may_have_begun_before_it_are_not_copied() {
     let ranges: Vec<(u64, u64)> = report.skipped.iter().map(|s| (s.from, s.to)).collect();
     assert_eq!(ranges, vec![(batch_at, damaged_at), (damaged_at, resync_at), (resync_at, next_batch_at)]);
     assert!(inspect::verify(&sim, &out_dir(), &mut |_| {}).unwrap().is_clean());
+}
+
+/// Offsets missing before the first record copied are missing from the copy as they are
+/// from the source, and the copy's open reports them (the daemon forgets the delivery
+/// ids of missing records by that report, so that the retry of a lost event is taken
+/// again): the copy's first segment is flagged `GAP_BEFORE` when the source's first
+/// record was lost, and when the source's first segment was itself flagged.
+#[test]
+fn offsets_missing_before_the_first_record_copied_stay_missing_in_the_copy() {
+    let copy_report = |sim: &SimStorage| {
+        let copy = Wal::open_read_only_with(Arc::new(sim.clone()) as Arc<dyn Storage>, &out_dir()).unwrap();
+        copy.open_report().missing_ranges.clone()
+    };
+    // The source's first record is damaged.
+    let sim = SimStorage::new();
+    let mut b = SegmentHeader { base_offset: 0, flags: 0 }.encode().to_vec();
+    let damaged_at = b.len() as u64;
+    b.extend(frame(0, true, SEGMENT_HEADER_LEN));
+    b[(damaged_at + FRAME_HEADER_LEN + 3) as usize] ^= 0x40;
+    let next_at = b.len() as u64;
+    b.extend(frame(1, true, next_at));
+    b.extend(frame(2, true, b.len() as u64));
+    write_source(&sim, &b);
+    let report = salvage_copy(&sim, &dir(), &out_dir()).unwrap();
+    assert_eq!(copied(&sim), vec![(1, 1), (2, 2)]);
+    assert_eq!(report.missing_offsets, vec![(0, 0)], "{report:?}");
+    assert_eq!(copy_report(&sim), vec![0..1], "the lost first record is not reported by the copy");
+
+    // The source's first segment says offsets below it are missing (an earlier salvage).
+    let sim = SimStorage::new();
+    let mut b = SegmentHeader { base_offset: 5, flags: SEGMENT_FLAG_GAP_BEFORE }.encode().to_vec();
+    b.extend(frame(5, true, SEGMENT_HEADER_LEN));
+    sim.create_dir_all(&dir()).unwrap();
+    sim.write_file_durably(&dir().join(segment_file_name(5)), &b).unwrap();
+    let source = Wal::open_read_only_with(Arc::new(sim.clone()) as Arc<dyn Storage>, &dir()).unwrap();
+    assert_eq!(source.open_report().missing_ranges, vec![0..5]);
+    let report = salvage_copy(&sim, &dir(), &out_dir()).unwrap();
+    assert_eq!(copied(&sim), vec![(5, 5)]);
+    assert!(report.missing_offsets.is_empty(), "{report:?}");
+    assert_eq!(copy_report(&sim), vec![0..5], "the copy dropped the source's gap");
 }
 
 /// Whole batches are copied as batches: only the last record of each ends it, so the
