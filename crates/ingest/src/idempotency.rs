@@ -157,6 +157,10 @@ pub struct IdempotencyIndex {
     in_flight: Mutex<HashSet<Vec<u8>>>,
     recorder: Mutex<Option<std::sync::mpsc::Sender<RecordJob>>>,
     recorder_thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// Run once by the next checkpoint between its restore and its reading of the log's
+    /// end (a test makes the log's interval sync land there).
+    #[cfg(test)]
+    after_restore: Mutex<Option<std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>>>,
 }
 
 /// One key to record, and where to say it was.
@@ -244,6 +248,8 @@ impl IdempotencyIndex {
             in_flight: Mutex::new(HashSet::new()),
             recorder: Mutex::new(recorder),
             recorder_thread: Mutex::new(recorder_thread),
+            #[cfg(test)]
+            after_restore: Mutex::new(None),
         }
     }
 
@@ -309,7 +315,10 @@ impl IdempotencyIndex {
     }
 
     /// Makes every key of records below the log's current end durable, and sweeps keys
-    /// older than the retention window. Returns the offset now covered.
+    /// older than the retention window. Returns the offset now covered: never past a
+    /// record whose key is still owed (it could not be recorded, and the restore did not
+    /// reach it because it was not yet durable), even when the log's end moved past it
+    /// after the restore read it.
     ///
     /// First, if the state database latched an I/O error (a full disk), reopens it and
     /// restores from the log the keys its repair dropped, with keyed requests held at the
@@ -325,7 +334,15 @@ impl IdempotencyIndex {
                 let report = self.restore_from_log(wal, now_unix_ms)?;
                 tracing::warn!(?report, "delivery ids that could not be recorded were restored from the log");
             }
-            wal.next_offset()
+            #[cfg(test)]
+            {
+                let hook = self.after_restore.lock().unwrap_or_else(|p| p.into_inner()).take();
+                if let Some(hook) = hook {
+                    hook.await;
+                }
+            }
+            let owed_from = *self.first_unrecorded.lock().unwrap_or_else(|p| p.into_inner());
+            owed_from.map_or(wal.next_offset(), |owed| owed.min(wal.next_offset()))
         };
         let state = self.state.clone();
         let cutoff = now_unix_ms.saturating_sub(self.retention_ms);
@@ -692,6 +709,40 @@ mod tests {
         assert_eq!(wal.next_offset(), 2);
         assert_eq!(index.checkpoint(&wal, now).await.unwrap(), 2);
         assert_eq!(index.lookup(&key("d-1"), now).unwrap().map(|p| p.first_offset), Some(1), "d-1 is still owed");
+    }
+
+    /// Under `interval`, the log's sync can land between a checkpoint's restore (which
+    /// read the log up to its durable end, short of a record whose key is owed) and its
+    /// reading of the log's end: the checkpoint must still stop below the owed record,
+    /// or the next restore would start past it and the key would never come back.
+    #[tokio::test]
+    async fn a_checkpoint_stops_below_an_owed_key_when_the_log_synced_after_its_restore() {
+        use crate::Ingestor;
+        let state = Arc::new(StateDb::open_in_memory().unwrap());
+        let sim = wal::storage::SimStorage::new();
+        let options = wal::WalOptions {
+            sync: wal::SyncPolicy::Interval(std::time::Duration::from_secs(60)),
+            ..wal::WalOptions::default()
+        };
+        let wal = Arc::new(Wal::open_with(Arc::new(sim), std::path::Path::new("/wal"), options).unwrap());
+        let now = crate::time::now_unix_ms();
+        let index = Arc::new(IdempotencyIndex::new(state, 86_400_000));
+        index.rebuild(&wal, now).unwrap();
+        let ingestor = Ingestor::new(wal.clone(), index.clone());
+        ingestor.accept(one_event(Some("d-0"), now)).await.unwrap();
+        *index.recorder.lock().unwrap() = None;
+        let d1 = ingestor.accept(one_event(Some("d-1"), now)).await.unwrap();
+        assert_eq!(d1.first_offset, 1);
+        assert_eq!(wal.next_offset(), 0, "nothing is durable yet");
+
+        // The log becomes durable right after the restore read it (empty).
+        let syncing = wal.clone();
+        *index.after_restore.lock().unwrap() = Some(Box::pin(async move { syncing.close().await.unwrap() }));
+        let through = index.checkpoint(&wal, now).await.unwrap();
+        assert_eq!(wal.next_offset(), 2);
+        assert!(through <= 1, "the checkpoint passed the owed key of offset 1: {through}");
+        assert_eq!(index.checkpoint(&wal, now).await.unwrap(), 2);
+        assert_eq!(index.lookup(&key("d-1"), now).unwrap().map(|p| p.first_offset), Some(1), "d-1 was never restored");
     }
 
     #[tokio::test]
