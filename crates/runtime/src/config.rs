@@ -1163,10 +1163,10 @@ fn usable_token(c: &mut Checker<'_>, path: &KeyPath, from: &str, token: &str) ->
 fn where_events_go(c: &mut Checker<'_>, sp: &KeyPath, s: &SourceConfig) -> (Destinations, PartitionRule, Admission) {
     let dp = sp.key("destination");
     if let Some(d) = &s.destination {
+        // The grammar of routed names, the mapping's and `[router.give_up]`'s: a
+        // destination that can never be delivered can always be given up by name.
         for (name, v) in [("stream", &d.stream), ("topic", &d.topic)] {
-            if v.is_empty() || v.len() > 255 {
-                c.err(&dp.key(name), "must be 1 to 255 characters");
-            }
+            check_name(c, &dp.key(name), v);
         }
     }
     let fixed_partitioning = match &s.destination {
@@ -1442,7 +1442,15 @@ fn auth_scheme(c: &mut Checker<'_>, path: &KeyPath, a: AuthConfig<'_>) -> AuthSc
     match AuthScheme::from_parts(a.auth_type, secret, a.auth_header, a.auth_prefix, a.auth_tolerance_secs) {
         Ok(s) => s,
         Err((field, message)) => {
-            c.err(&path.key(&format!("auth_{field}")), message);
+            // A secret read from the environment is named by the key that names it.
+            let key = match (field, a.auth_secret_env) {
+                ("secret", Some(var)) => {
+                    c.err(&path.key("auth_secret_env"), format!("the value of {var}: {message}"));
+                    return AuthScheme::None;
+                }
+                _ => format!("auth_{field}"),
+            };
+            c.err(&path.key(&key), message);
             AuthScheme::None
         }
     }
@@ -1734,6 +1742,25 @@ auth_secret = "never checked"
         assert!(validate(&c, Some(&text), None).is_ok());
         let both = format!("{text}auth_secret = \"x\"\n");
         assert_eq!(errors(&both)[0].path, "sources.a.auth_secret_env");
+        // A value from the environment that is no key of its scheme is named by the key
+        // that named the variable (PATH holds ':', which base64 does not).
+        let swh = text.replace("\"bearer\"", "\"standard-webhooks\"");
+        let e = errors(&swh);
+        assert_eq!(e[0].path, "sources.a.auth_secret_env", "{e:?}");
+        assert!(e[0].message.contains("PATH"), "{e:?}");
+        assert_eq!(e[0].line, Some(4));
+    }
+
+    /// A fixed destination's names keep to the grammar of routed names, which
+    /// `[router.give_up]` takes: one that Iggy may refuse can always be given up.
+    #[test]
+    fn a_fixed_destination_is_named_by_the_grammar_of_routed_names() {
+        let e = errors("[sources.x]\ndestination = { stream = \"s\", topic = \"a b\" }\n");
+        assert_eq!(e.len(), 1, "{e:?}");
+        assert_eq!(e[0].path, "sources.x.destination.topic");
+        assert!(e[0].message.contains("[a-zA-Z0-9._-]"), "{e:?}");
+        let e = errors("[sources.x]\ndestination = { stream = \"\", topic = \"t\" }\n");
+        assert_eq!(e[0].path, "sources.x.destination.stream");
     }
 
     /// A body within max_body_bytes must make a record the log takes, whatever the

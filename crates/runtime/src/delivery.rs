@@ -201,11 +201,12 @@ fn policy_from(s: &RouterSection, prefix: &[&str], problems: &mut Vec<Problem>) 
     };
     for (key, name) in [("dead_letter_stream", &s.dead_letter_stream), ("dead_letter_topic", &s.dead_letter_topic)] {
         // As for a fixed destination: a name Iggy refuses would fail every dead-letter
-        // send, and the records would hold the log for good.
+        // send, and the records would hold the log for good (unless given up, by a name
+        // of this grammar).
         if let Some(n) = name
-            && (n.is_empty() || n.len() > 255)
+            && !http_source::admission::is_name(n)
         {
-            problems.push((at(key), "must be 1 to 255 characters".into()));
+            problems.push((at(key), format!("{n:?} is not a name of the grammar [a-zA-Z0-9._-] (1 to 255 bytes)")));
         }
     }
     let dead_letter = match (&s.dead_letter_stream, &s.dead_letter_topic) {
