@@ -284,6 +284,15 @@ fn damage_in_the_middle_is_named_by_file_and_byte_and_salvage_keeps_what_checks(
         json_lines(&cli_in(&["dump", "--json"], &copy)).iter().map(|l| l["offset"].as_u64().unwrap()).collect();
     let want: Vec<u64> = (0..40).filter(|&o| o != 2).collect();
     assert_eq!(offs, want, "offsets are kept across the gap");
+    // inspect counts the records the copy holds, not the offsets it spans.
+    let v = json(&cli_in(&["inspect", "--json", "--quick"], &copy));
+    assert_eq!((v["start_offset"].as_u64(), v["next_offset"].as_u64()), (Some(0), Some(40)), "{v}");
+    assert_eq!(v["records"].as_u64(), Some(39), "{v}");
+    assert_eq!(v["missing_ranges"], serde_json::json!([{"from": 2, "to": 3}]), "{v}");
+    let held: u64 = v["segments"].as_array().unwrap().iter().map(|s| s["records"].as_u64().unwrap()).sum();
+    assert_eq!(held, 39, "{v}");
+    let text = stdout(&cli_in(&["inspect", "--quick"], &copy));
+    assert!(text.contains("(39 records;") && text.contains("missing   2..3 (1 offsets a salvage skipped)"), "{text}");
     // The copy is a log the daemon can open and append to.
     let wal = Wal::open(&copy, small()).unwrap();
     let a = rt().block_on(wal.append(vec![envelope(99)])).unwrap();

@@ -164,6 +164,15 @@ pub(crate) fn run(a: InspectArgs) -> CliResult {
     }
 
     let report = wal.open_report();
+    // Offsets between the head and the tail that the log does not hold (a salvage skipped
+    // them): not records.
+    let missing: Vec<std::ops::Range<u64>> = report
+        .missing_ranges
+        .iter()
+        .map(|r| r.start.max(stats.start_offset)..r.end.min(stats.next_offset))
+        .filter(|r| r.start < r.end)
+        .collect();
+    let records = stats.next_offset - stats.start_offset - missing.iter().map(|r| r.end - r.start).sum::<u64>();
     let shutdown = if running {
         "running"
     } else if report.clean_shutdown {
@@ -213,7 +222,8 @@ pub(crate) fn run(a: InspectArgs) -> CliResult {
                 "torn_tail": report.torn_at.as_ref().map(|t| json!({"file": t.file, "position": t.position, "zeros_only": report.torn_tail_zeros_only})),
                 "start_offset": stats.start_offset,
                 "next_offset": stats.next_offset,
-                "records": stats.next_offset - stats.start_offset,
+                "records": records,
+                "missing_ranges": missing.iter().map(|r| json!({"from": r.start, "to": r.end})).collect::<Vec<_>>(),
                 "used_bytes": stats.used_bytes,
                 "max_bytes": max_bytes,
                 "capacity_used": max_bytes.map(|m| stats.used_bytes as f64 / m.max(1) as f64),
@@ -239,12 +249,11 @@ pub(crate) fn run(a: InspectArgs) -> CliResult {
     writeln!(
         out,
         "offsets   {}..{} ({} records; head {}, tail {})",
-        stats.start_offset,
-        stats.next_offset,
-        stats.next_offset - stats.start_offset,
-        stats.start_offset,
-        stats.next_offset
+        stats.start_offset, stats.next_offset, records, stats.start_offset, stats.next_offset
     )?;
+    for r in &missing {
+        writeln!(out, "missing   {}..{} ({} offsets a salvage skipped)", r.start, r.end, r.end - r.start)?;
+    }
     match max_bytes {
         Some(m) => writeln!(
             out,
