@@ -238,7 +238,10 @@ pub fn salvage_copy(storage: &dyn Storage, src: &Path, dst: &Path) -> Result<Cop
     // Only the bound is waited for: once copying began, `dst` holds a log and a second
     // attempt would refuse it.
     let read = crate::watermark::read_settled(storage, src, Ok)?;
-    let report = copy_bounded(storage, src, dst, read)?;
+    // A copy that failed is void too if a writer started under it (its recovery removes
+    // or changes files the copy reads): unsettled, to be made again.
+    let report = copy_bounded(storage, src, dst, read)
+        .map_err(|e| crate::watermark::confirm_unbounded(storage, src, read).err().unwrap_or(e))?;
     crate::watermark::confirm_unbounded(storage, src, read)?;
     Ok(report)
 }

@@ -123,7 +123,10 @@ pub(crate) fn read_settled<T>(
     let deadline = std::time::Instant::now() + UNSETTLED_RETRY_FOR;
     loop {
         let attempt = read_bound(storage, dir).and_then(|bound| {
-            let value = read(bound)?;
+            // A read that failed is void too if a writer started under it: the file it
+            // could not read may be one the writer's recovery removed (the clean-shutdown
+            // marker) or changed, not damage.
+            let value = read(bound).map_err(|e| confirm_unbounded(storage, dir, bound).err().unwrap_or(e))?;
             confirm_unbounded(storage, dir, bound)?;
             Ok(value)
         });

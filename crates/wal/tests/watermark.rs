@@ -137,10 +137,12 @@ fn a_release_right_after_a_rotation_leaves_read_only_opens_working() {
 
 /// A storage double: the simulated disk, on which a writer starts (it takes the log's
 /// lock and removes the previous writer's watermark, as a starting daemon does) the first
-/// time a reader opens a segment file.
+/// time a reader opens a segment file, or, `at_marker`, the clean-shutdown marker (and
+/// then the writer's recovery takes the marker away before the reader can open it).
 struct WriterStartsDuringRead {
     sim: SimStorage,
     taken: std::sync::Mutex<Option<Box<dyn Send + Sync>>>,
+    at_marker: bool,
 }
 
 impl std::fmt::Debug for WriterStartsDuringRead {
@@ -162,11 +164,18 @@ impl Storage for WriterStartsDuringRead {
         mode: wal::storage::OpenMode,
     ) -> std::io::Result<Arc<dyn wal::storage::StorageFile>> {
         let mut taken = self.taken.lock().unwrap();
-        if taken.is_none() && path.extension().is_some_and(|e| e == "seg") {
+        let trigger = match self.at_marker {
+            false => path.extension().is_some_and(|e| e == "seg"),
+            true => path.file_name().is_some_and(|n| n == wal::CLEAN_MARKER_FILE),
+        };
+        if taken.is_none() && trigger {
             *taken = Some(self.sim.try_lock(&dir().join(wal::LOCK_FILE))?);
             match self.sim.remove_file(&dir().join(wal::WATERMARK_FILE)) {
                 Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
                 _ => {}
+            }
+            if self.at_marker {
+                self.sim.remove_file(path)?;
             }
         }
         drop(taken);
@@ -198,19 +207,42 @@ fn a_writer_that_starts_during_a_read_only_read_makes_it_read_again_or_report_un
     let sim = SimStorage::new();
     let wal = open(&sim, small_options());
     append_tagged(&wal, 0..3, 100);
+    rt().block_on(wal.close()).unwrap();
     drop(wal);
-    let racing = || Arc::new(WriterStartsDuringRead { sim: sim.clone(), taken: std::sync::Mutex::new(None) });
+    let marker_path = dir().join(wal::CLEAN_MARKER_FILE);
+    let marker = sim.read_file(&marker_path).expect("a clean close leaves the marker");
+    for at_marker in [false, true] {
+        let racing = || {
+            // Each reader finds the log as the clean close left it.
+            sim.write_file_durably(&marker_path, &marker).unwrap();
+            Arc::new(WriterStartsDuringRead { sim: sim.clone(), taken: std::sync::Mutex::new(None), at_marker })
+        };
+        reads_again_or_report_unsettled(racing, &std::path::PathBuf::from(format!("/sim/copy-{at_marker}")));
+    }
+}
 
-    let storage = racing();
-    let opened = Wal::open_read_only_with(storage.clone() as Arc<dyn Storage>, &dir());
-    assert!(storage.taken.lock().unwrap().is_some(), "the double did not take the lock");
-    assert!(matches!(opened, Err(wal::WalError::Unsettled { .. })), "read-only open: {opened:?}");
-
-    let storage = racing();
-    let verified = inspect::verify(&*storage, &dir(), &mut |_| {});
-    assert!(matches!(verified, Err(wal::WalError::Unsettled { .. })), "verify: {verified:?}");
-
-    let storage = racing();
-    let copied = wal::salvage_copy::salvage_copy(&*storage, &dir(), std::path::Path::new("/sim/copy"));
-    assert!(matches!(copied, Err(wal::WalError::Unsettled { .. })), "salvage_copy: {copied:?}");
+/// A read-only open, a verify and a salvage copy, each on a fresh `racing()` storage,
+/// report the log unsettled (the double's writer never publishes a watermark): not an
+/// error of the log, as a file the starting writer removed under the read would be.
+fn reads_again_or_report_unsettled(racing: impl Fn() -> Arc<WriterStartsDuringRead>, copy: &std::path::Path) {
+    // Each double's writer lets go of the lock when the double is dropped, at the end of
+    // its block: the next reader starts on a log nobody holds.
+    {
+        let storage = racing();
+        let opened = Wal::open_read_only_with(storage.clone() as Arc<dyn Storage>, &dir());
+        assert!(storage.taken.lock().unwrap().is_some(), "the double did not take the lock");
+        assert!(matches!(opened, Err(wal::WalError::Unsettled { .. })), "read-only open: {opened:?}");
+    }
+    {
+        let storage = racing();
+        let verified = inspect::verify(&*storage, &dir(), &mut |_| {});
+        assert!(storage.taken.lock().unwrap().is_some(), "the double did not take the lock");
+        assert!(matches!(verified, Err(wal::WalError::Unsettled { .. })), "verify: {verified:?}");
+    }
+    {
+        let storage = racing();
+        let copied = wal::salvage_copy::salvage_copy(&*storage, &dir(), copy);
+        assert!(storage.taken.lock().unwrap().is_some(), "the double did not take the lock");
+        assert!(matches!(copied, Err(wal::WalError::Unsettled { .. })), "salvage_copy: {copied:?}");
+    }
 }
