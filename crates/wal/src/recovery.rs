@@ -51,7 +51,8 @@ pub struct OpenReport {
     pub next_offset: u64,
     /// Bytes of torn tail cut away (a write that never completed its sync).
     pub truncated_bytes: u64,
-    /// Where the torn tail began.
+    /// Where the torn tail began: the first byte cut, the start of the batch whose write
+    /// was interrupted (as `verify` reports it).
     pub torn_at: Option<Location>,
     /// The torn tail was only the zeros written ahead of the last write: no write was
     /// interrupted (the trace of a crash or kill between writes).
@@ -289,7 +290,10 @@ fn open_bounded(
                             damage = Some((tail_index, WalError::Corrupt { location, problem }));
                         }
                         None => {
-                            report.torn_at = Some(Location { file: tail.path.clone(), position: pos });
+                            // The torn write began with its batch: where the cut begins
+                            // (a batch's records before `pos` go with it), as `verify`
+                            // reports it.
+                            report.torn_at = Some(Location { file: tail.path.clone(), position: out.valid_end });
                         }
                     }
                 }

@@ -70,9 +70,18 @@ fn a_batch_missing_its_closing_record_is_dropped_whole() {
     // Cut the file inside the last record of the second batch.
     let path = seg_path(0);
     let b = sim.read_file(&path).unwrap();
-    sim.write_file_durably(&path, &b[..b.len() - 10]).unwrap();
+    let found_len = b.len() as u64 - 10;
+    sim.write_file_durably(&path, &b[..found_len as usize]).unwrap();
+    // The torn write begins where the batch does, after the one-record batch: the open,
+    // `verify` and the bytes cut all say so.
+    let batch_at = SEGMENT_HEADER_LEN + FRAME_HEADER_LEN + 50;
+    let v = wal::inspect::verify(&sim, &dir(), &mut |_| {}).unwrap();
+    assert_eq!(v.torn_tail.map(|l| l.position), Some(batch_at));
     let wal = open(&sim, small_options());
-    assert_eq!(wal.open_report().dropped_partial_batch_records, 2);
+    let r = wal.open_report();
+    assert_eq!(r.dropped_partial_batch_records, 2);
+    assert_eq!(r.torn_at.as_ref().map(|l| l.position), Some(batch_at), "{r:?}");
+    assert_eq!(batch_at + r.truncated_bytes, found_len, "{r:?}");
     let tags: Vec<u64> = read_all(&wal, 0).iter().map(|r| tag_of(&r.payload)).collect();
     assert_eq!(tags, vec![0], "a partial batch survived");
 }
