@@ -75,14 +75,14 @@ use crate::state::{IDEMPOTENCY, IDEMPOTENCY_BY_TIME, META, StateDb, StateError, 
 const META_INDEXED_THROUGH: &str = "idempotency_indexed_through";
 /// Every recorded key's last offset is below this value: raised in the transaction that
 /// records keys, so it is durable whenever they are. Absent in a database from before it.
-const META_KEYS_BELOW: &str = "idempotency_keys_below";
+pub(crate) const META_KEYS_BELOW: &str = "idempotency_keys_below";
 /// A fingerprint of the log's missing offset ranges whose keys were last forgotten
 /// ([`IdempotencyIndex::rebuild`]): a rebuild scans the keys again only when the log
 /// reports other ranges.
 const META_MISSING_RANGES_RECONCILED: &str = "idempotency_missing_ranges_reconciled";
 /// Set once the keys recorded before keys were scoped by endpoint were sorted out
 /// ([`IdempotencyIndex::forget_unscoped_keys_once`]).
-const META_KEYS_SCOPED_BY_ENDPOINT: &str = "idempotency_keys_scoped_by_endpoint";
+pub(crate) const META_KEYS_SCOPED_BY_ENDPOINT: &str = "idempotency_keys_scoped_by_endpoint";
 
 /// A delivery as the sender named it, scoped by source and by the endpoint it came
 /// through (`None`: the source's named path).
@@ -821,6 +821,41 @@ mod tests {
         let wal = Wal::open(wal_dir.path(), wal::WalOptions::default()).unwrap();
         index.checkpoint(&wal, 100_000).await.unwrap();
         assert_eq!(index.lookup(&mixed(Some(7), "d"), 10_500).unwrap(), None);
+    }
+
+    /// A build of schema version 1 records an endpoint request's delivery id in its
+    /// source's scope. Run on a database this build had sorted out (a rollback), it would
+    /// put such ids back where a named-path request finds them, and the once-only sort
+    /// would never run again: the named-path request with the same delivery id would be
+    /// answered as a replay of another delivery, its event never stored. Such a build
+    /// refuses this build's databases (version 2), and a database of version 1 must be
+    /// migrated, which makes the next start sort the keys out again.
+    #[tokio::test]
+    async fn keys_a_version_1_build_recorded_after_the_sort_are_sorted_out_again_after_migrating() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s.redb");
+        let named = IdempotencyKey { source_key: "s".into(), endpoint_id: None, delivery_key: "d".into() };
+        let prior = PriorAcceptance { first_offset: 1, last_offset: 1, accepted_at_unix_ms: 10_000 };
+        {
+            let state = Arc::new(StateDb::open(&path).unwrap());
+            let index = IdempotencyIndex::new(state.clone(), 60_000);
+            assert_eq!(index.forget_unscoped_keys_once(&["s".into()]).unwrap(), 0);
+            // What a version 1 build does with an endpoint request's id "d": it records it
+            // in the source's scope, the named path's.
+            let db = state.db().unwrap();
+            let txn = db.begin_write().unwrap();
+            insert(&txn, &named.table_key(), prior).unwrap();
+            txn.open_table(META).unwrap().insert(crate::state::META_SCHEMA_VERSION, 1).unwrap();
+            txn.commit().unwrap();
+        }
+        assert!(
+            matches!(StateDb::open(&path), Err(StateError::SchemaMismatch { found: 1, .. })),
+            "a database a version 1 build wrote must not be taken as it is"
+        );
+        assert!(matches!(crate::state::migrate(&path).unwrap(), crate::state::Migration::Migrated { from: 1, .. }));
+        let index = IdempotencyIndex::new(Arc::new(StateDb::open(&path).unwrap()), 60_000);
+        assert_eq!(index.forget_unscoped_keys_once(&["s".into()]).unwrap(), 1);
+        assert_eq!(index.lookup(&named, 10_500).unwrap(), None, "the named path would answer with another delivery");
     }
 
     fn keys_below(index: &IdempotencyIndex) -> Option<u64> {

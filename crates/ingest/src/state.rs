@@ -4,7 +4,10 @@
 //! Invariants:
 //! - The database carries a schema version in its `meta` table. Opening a database whose
 //!   version differs from [`SCHEMA_VERSION`] fails with [`StateError::SchemaMismatch`]
-//!   naming both versions; it is never reset or migrated silently.
+//!   naming both versions; it is never reset or migrated silently: [`migrate`] (the CLI's
+//!   `state migrate`) moves an older version forward, saying what it discards, and an
+//!   older build refuses a newer database (a rollback cannot write the old layout into
+//!   it unnoticed).
 //! - A database with tables but no version is treated as version 0, i.e. a mismatch.
 //! - Every table this crate uses is defined here, in one place.
 //! - After an I/O error (a full disk, say) redb refuses every operation until the
@@ -14,11 +17,18 @@
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};
 
-use redb::{Database, ReadableDatabase, TableDefinition};
+use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 
 /// The schema this build reads and writes. Bump it with every incompatible change to a
-/// table's key or value layout.
-pub const SCHEMA_VERSION: u64 = 1;
+/// table's key or value layout, or to what a key means, and teach [`migrate`] the step.
+///
+/// - 1: the delivery ids of requests through a secret-path endpoint were recorded in
+///   their source's scope, the scope of its named path.
+/// - 2: they are recorded in their endpoint's scope. A build of version 1 writing into a
+///   database (a rollback) would put such ids back where a named-path request with the
+///   same delivery id finds them, after this build sorted them out once
+///   (`idempotency_keys_scoped_by_endpoint`): the bump makes that build refuse it.
+pub const SCHEMA_VERSION: u64 = 2;
 
 /// `name → u64`: `schema_version`, `idempotency_indexed_through`, `idempotency_keys_below`,
 /// `idempotency_keys_scoped_by_endpoint`.
@@ -259,6 +269,60 @@ fn inventory_of(db: &impl redb::ReadableDatabase) -> Result<StateInventory, Stat
     Ok(StateInventory { schema_version, tables })
 }
 
+/// What [`migrate`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Migration {
+    /// The database was already of this build's version: nothing changed.
+    AlreadyCurrent,
+    /// Moved from version `from` to [`SCHEMA_VERSION`]; `discarded` says what the step
+    /// gave up, one line each.
+    Migrated { from: u64, discarded: Vec<&'static str> },
+}
+
+/// Moves the database at `path` (of a stopped daemon: fails, changing nothing, if a
+/// running one holds it) from an older schema version to [`SCHEMA_VERSION`], in one
+/// durable transaction. A version with no step to this one (newer, or unknown) is
+/// refused with [`StateError::SchemaMismatch`], changing nothing.
+///
+/// 1 → 2: the facts a build of version 1 could have made untrue are dropped, so the next
+/// start establishes them again from what the database holds: the mark that the keys
+/// recorded in a source's scope by endpoint requests were sorted out (they are forgotten
+/// again, for every source that has or had an endpoint), and the bound on recorded keys'
+/// offsets (the next start checks every key against the log's end).
+pub fn migrate(path: &Path) -> Result<Migration, StateError> {
+    use crate::idempotency::{META_KEYS_BELOW, META_KEYS_SCOPED_BY_ENDPOINT};
+    let db = Database::open(path).map_err(|e| StateError::Open { path: path.to_path_buf(), detail: e.to_string() })?;
+    let txn = db.begin_write().map_err(storage_err)?;
+    let found = {
+        let meta = txn.open_table(META).map_err(storage_err)?;
+        meta.get(META_SCHEMA_VERSION).map_err(storage_err)?.map(|v| v.value())
+    };
+    match found {
+        Some(SCHEMA_VERSION) => Ok(Migration::AlreadyCurrent),
+        Some(1) => {
+            {
+                let mut meta = txn.open_table(META).map_err(storage_err)?;
+                meta.remove(META_KEYS_SCOPED_BY_ENDPOINT).map_err(storage_err)?;
+                meta.remove(META_KEYS_BELOW).map_err(storage_err)?;
+                meta.insert(META_SCHEMA_VERSION, SCHEMA_VERSION).map_err(storage_err)?;
+            }
+            txn.commit().map_err(storage_err)?;
+            Ok(Migration::Migrated {
+                from: 1,
+                discarded: vec![
+                    "the mark that delivery ids recorded in a source's scope by endpoint requests were sorted out: the next start forgets them again, for every source that has or had an endpoint (a retry of one of those deliveries is appended again)",
+                    "the bound on recorded delivery ids' offsets: the next start checks every id against the log's end",
+                ],
+            })
+        }
+        other => Err(StateError::SchemaMismatch {
+            path: path.to_path_buf(),
+            found: other.unwrap_or(0),
+            expected: SCHEMA_VERSION,
+        }),
+    }
+}
+
 /// Deletes the database at `path` after reading what it held (returned). The log is
 /// not touched. Fails, changing nothing, if a running daemon holds the database.
 ///
@@ -286,6 +350,57 @@ fn reset_with(path: &Path, before_unlink: impl FnOnce()) -> Result<StateInventor
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `migrate` moves version 1 forward once, dropping the facts an older build could
+    /// have made untrue; it leaves a current database alone, and refuses a version it has
+    /// no step from, changing nothing.
+    #[test]
+    fn migrate_moves_version_1_forward_and_refuses_what_it_cannot_move() {
+        use crate::idempotency::{META_KEYS_BELOW, META_KEYS_SCOPED_BY_ENDPOINT};
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("state.redb");
+        let meta_of = |p: &Path| {
+            let db = Database::open(p).unwrap();
+            let txn = db.begin_read().unwrap();
+            let meta = txn.open_table(META).unwrap();
+            let get = |k| meta.get(k).unwrap().map(|v| v.value());
+            (get(META_SCHEMA_VERSION), get(META_KEYS_BELOW), get(META_KEYS_SCOPED_BY_ENDPOINT))
+        };
+        {
+            let db = StateDb::open(&p).unwrap();
+            let d = db.db().unwrap();
+            let txn = d.begin_write().unwrap();
+            {
+                let mut meta = txn.open_table(META).unwrap();
+                meta.insert(META_KEYS_BELOW, 40).unwrap();
+                meta.insert(META_KEYS_SCOPED_BY_ENDPOINT, 1).unwrap();
+            }
+            txn.commit().unwrap();
+            db.force_schema_version(1).unwrap();
+        }
+        assert_eq!(meta_of(&p), (Some(1), Some(40), Some(1)));
+        let Migration::Migrated { from, discarded } = migrate(&p).unwrap() else { panic!("not migrated") };
+        assert_eq!((from, discarded.len()), (1, 2));
+        assert_eq!(meta_of(&p), (Some(SCHEMA_VERSION), None, None));
+        StateDb::open(&p).expect("a migrated database opens");
+        assert_eq!(migrate(&p).unwrap(), Migration::AlreadyCurrent);
+        assert_eq!(meta_of(&p), (Some(SCHEMA_VERSION), None, None));
+
+        StateDb::open(&p).unwrap().force_schema_version(7).unwrap();
+        assert!(matches!(migrate(&p), Err(StateError::SchemaMismatch { found: 7, .. })));
+        assert_eq!(meta_of(&p).0, Some(7), "a refused migration changed the version");
+        // A running daemon holds the database: refused.
+        {
+            let db = Database::open(&p).unwrap();
+            let txn = db.begin_write().unwrap();
+            txn.open_table(META).unwrap().insert(META_SCHEMA_VERSION, 1).unwrap();
+            txn.commit().unwrap();
+        }
+        let held = Database::open(&p).unwrap();
+        assert!(matches!(migrate(&p), Err(StateError::Open { .. })));
+        drop(held);
+        assert_eq!(meta_of(&p).0, Some(1));
+    }
 
     #[test]
     fn new_database_gets_the_current_version_and_reopens() {

@@ -1,5 +1,5 @@
 //! The `iggy-ingest` command line: `run`, `config check`, `config default`,
-//! `state show`, `state reset`, and the read-only log tools `wal inspect|dump|tail|verify|salvage`
+//! `state show`, `state migrate`, `state reset`, and the read-only log tools `wal inspect|dump|tail|verify|salvage`
 //! (`src/wal_cli/`, whose exit codes are its own: 0 done, 1 damage found, 2 unusable
 //! arguments).
 //!
@@ -61,6 +61,13 @@ enum Command {
 enum StateCommand {
     /// Show the schema version and what each table holds (any schema version).
     Show {
+        /// The daemon's storage.data_dir.
+        #[arg(long)]
+        data_dir: PathBuf,
+    },
+    /// Move a state database of an older schema version to this build's, saying what
+    /// the step discards. The log is not touched.
+    Migrate {
         /// The daemon's storage.data_dir.
         #[arg(long)]
         data_dir: PathBuf,
@@ -131,6 +138,7 @@ fn state_command(command: StateCommand) -> ExitCode {
     let (data_dir, yes, reset) = match command {
         StateCommand::Show { data_dir } => (data_dir, false, false),
         StateCommand::Reset { data_dir, yes } => (data_dir, yes, true),
+        StateCommand::Migrate { data_dir } => return state_migrate(&data_dir.join("state.redb")),
     };
     let path = data_dir.join("state.redb");
     // An argument that names no database is a command-line error (2), like the log
@@ -161,4 +169,34 @@ fn state_command(command: StateCommand) -> ExitCode {
         _ => {}
     }
     ExitCode::SUCCESS
+}
+
+/// `state migrate`: exit 0 migrated or already current, 1 refused (a version with no
+/// step to this build's, a running daemon, a database that cannot be read), 2 no
+/// database at the path.
+fn state_migrate(path: &std::path::Path) -> ExitCode {
+    if !path.is_file() {
+        eprintln!(
+            "iggy-ingest: no state database at {} (is --data-dir the daemon's storage.data_dir?)",
+            path.display()
+        );
+        return ExitCode::from(2);
+    }
+    match ingest::state::migrate(path) {
+        Ok(ingest::state::Migration::AlreadyCurrent) => {
+            println!("{}: schema version {}; nothing to migrate", path.display(), ingest::SCHEMA_VERSION);
+            ExitCode::SUCCESS
+        }
+        Ok(ingest::state::Migration::Migrated { from, discarded }) => {
+            println!("{}: migrated from schema version {from} to {}", path.display(), ingest::SCHEMA_VERSION);
+            for line in discarded {
+                println!("  discarded: {line}");
+            }
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("iggy-ingest: {e}");
+            ExitCode::FAILURE
+        }
+    }
 }

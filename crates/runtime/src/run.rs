@@ -48,7 +48,13 @@ pub fn run(settings: Settings, ready_file: Option<PathBuf>) -> ExitCode {
             Err(e) => {
                 tracing::error!(error = %e, "start failed");
                 eprintln!("iggy-ingest: {e}");
-                if let daemon::StartError::State(ingest::StateError::SchemaMismatch { .. }) = e {
+                if let daemon::StartError::State(ingest::StateError::SchemaMismatch { found, .. }) = e {
+                    if found > 0 && found < ingest::SCHEMA_VERSION {
+                        eprintln!(
+                            "iggy-ingest: `iggy-ingest state migrate --data-dir DIR` moves it to this build's version, \
+                             saying what it discards"
+                        );
+                    }
                     eprintln!(
                         "iggy-ingest: `iggy-ingest state show --data-dir DIR` shows what the database holds; \
                          `iggy-ingest state reset --data-dir DIR --yes` discards it (the log is kept)"

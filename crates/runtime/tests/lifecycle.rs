@@ -535,7 +535,8 @@ fn a_state_database_of_another_schema_version_refuses_to_start_until_reset() {
         .unwrap();
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("schema version 7") && err.contains("expects 1"), "{err}");
+    assert!(err.contains("schema version 7") && err.contains(&format!("expects {}", ingest::SCHEMA_VERSION)), "{err}");
+    assert!(!err.contains("state migrate"), "no step leads from version 7: {err}");
 
     // The explicit way out: show, a dry-run reset that changes nothing, then the reset.
     let data = dir.path().join("data");
@@ -557,6 +558,53 @@ fn a_state_database_of_another_schema_version_refuses_to_start_until_reset() {
     assert!(String::from_utf8_lossy(&gone.stderr).contains("no state database at"));
     let d = Daemon::start(dir.path(), "", SOURCES);
     assert!(d.stop().success());
+}
+
+/// A database of an older schema version refuses to start and names the way forward;
+/// `state migrate` moves it, saying what it discards, and the daemon starts on it, its
+/// endpoints kept. Migrating again changes nothing; no database is a command-line error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_state_database_of_an_older_schema_version_is_migrated_explicitly_and_keeps_its_endpoints() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = Daemon::start(dir.path(), "", SOURCES);
+    let mgmt = bearer(MANAGEMENT_TOKEN);
+    let auth = [("authorization", mgmt.as_str()), ("content-type", "application/json")];
+    let reg = request(d.admin, "POST", "/v1/endpoints", &auth, r#"{"source":"default","auth_type":"bearer"}"#).await;
+    assert_eq!(reg.status, 201, "{:?}", reg.body);
+    let reg = reg.json();
+    let (path, secret) = (reg["path"].as_str().unwrap().to_string(), bearer(reg["secret"].as_str().unwrap()));
+    assert!(d.stop().success());
+    let data = dir.path().join("data");
+    ingest::StateDb::open(data.join("state.redb")).unwrap().force_schema_version(1).unwrap();
+
+    let cfg = dir.path().join("config.toml");
+    let out = Command::new(env!("CARGO_BIN_EXE_iggy-ingest")).args(["run", "--config"]).arg(&cfg).output().unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("schema version 1") && err.contains("state migrate --data-dir"), "{err}");
+
+    let cli = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_iggy-ingest")).args(args).arg("--data-dir").arg(&data).output().unwrap()
+    };
+    let migrated = cli(&["state", "migrate"]);
+    assert!(migrated.status.success(), "{}", String::from_utf8_lossy(&migrated.stderr));
+    let said = String::from_utf8_lossy(&migrated.stdout);
+    assert!(said.contains(&format!("migrated from schema version 1 to {}", ingest::SCHEMA_VERSION)), "{said}");
+    assert!(said.contains("discarded:"), "{said}");
+    let again = cli(&["state", "migrate"]);
+    assert!(again.status.success());
+    assert!(String::from_utf8_lossy(&again.stdout).contains("nothing to migrate"));
+
+    let d = Daemon::restart(dir.path());
+    let event = request(d.http, "POST", &path, &[("authorization", &secret)], "{}").await;
+    assert_eq!(event.status, 200, "the endpoint registered before the migration: {:?}", event.body);
+    assert!(d.stop().success());
+    let nothing = Command::new(env!("CARGO_BIN_EXE_iggy-ingest"))
+        .args(["state", "migrate", "--data-dir"])
+        .arg(dir.path().join("elsewhere"))
+        .output()
+        .unwrap();
+    assert_eq!(nothing.status.code(), Some(2));
 }
 
 #[test]
