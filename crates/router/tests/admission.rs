@@ -193,7 +193,7 @@ async fn a_partition_id_out_of_range_with_error_is_held_until_the_topic_grows() 
     sink.set_partitions(&d, 8);
     eventually(Duration::from_secs(20), "delivered after growth", || sink.ids(&d).len() == 4).await;
     assert_eq!(sink.ids(&d), vec![1, 2, 3, 4]);
-    eventually(Duration::from_secs(5), "running again", || {
+    eventually(Duration::from_secs(30), "running again", || {
         lane_status(&router, &d) == Status::Running && router.status().status == Status::Running
     })
     .await;
@@ -227,7 +227,7 @@ async fn a_degraded_lane_whose_records_are_all_disposed_of_is_running_again() {
         eventually(Duration::from_secs(10), "degraded", || lane_status(&router, &d) == Status::Degraded).await;
         sink.client_fault(None);
         eventually(Duration::from_secs(10), "released", || router.released_below() == 4).await;
-        eventually(Duration::from_secs(5), "running", || {
+        eventually(Duration::from_secs(30), "running", || {
             lane_status(&router, &d) == Status::Running && router.status().status == Status::Running
         })
         .await;
@@ -255,7 +255,7 @@ async fn a_breaker_whose_held_records_are_all_disposed_of_closes() {
         eventually(Duration::from_secs(10), "the breaker opened", || breaker(&router) == "open").await;
         sink.fault(&d, None);
         eventually(Duration::from_secs(10), "released", || router.released_below() == 4).await;
-        eventually(Duration::from_secs(5), "running", || lane_status(&router, &d) == Status::Running).await;
+        eventually(Duration::from_secs(30), "running", || lane_status(&router, &d) == Status::Running).await;
         // Nothing more arrives for this destination: the breaker must not stay open.
         tokio::time::sleep(Duration::from_millis(700)).await;
         assert_eq!(breaker(&router), "closed", "{on:?}: the breaker stayed open with nothing to send");
@@ -435,8 +435,8 @@ async fn a_failing_dead_letter_topic_degrades_the_lane_until_it_takes_the_record
     assert_eq!(router.released_below(), 0);
     sink.fault(&key("dlq", "rejected"), None);
     eventually(Duration::from_secs(10), "dead-lettered", || sink.ids(&key("dlq", "rejected")) == vec![1]).await;
-    eventually(Duration::from_secs(5), "running", || lane_status(&router, &d) == Status::Running).await;
-    eventually(Duration::from_secs(5), "released", || router.released_below() == 1).await;
+    eventually(Duration::from_secs(30), "running", || lane_status(&router, &d) == Status::Running).await;
+    eventually(Duration::from_secs(30), "released", || router.released_below() == 1).await;
     router.shutdown().await;
 }
 
@@ -475,13 +475,13 @@ async fn a_partition_added_since_the_count_was_learnt_is_used_under_every_policy
         sink.set_partitions(&d, 3);
         let batch = (1..5u64).map(|i| record(&d, i, Partitioning::PartitionId(2))).collect();
         wal.append(batch).await.unwrap_or_else(|e| panic!("{e}"));
-        eventually(Duration::from_secs(5), "settled", || sink.ids(&d).len() == 5 || router.released_below() == 5).await;
+        eventually(Duration::from_secs(30), "settled", || sink.ids(&d).len() == 5 || router.released_below() == 5).await;
         assert_eq!(sink.ids(&d), vec![1, 2, 3, 4, 5], "{on:?}: records for a partition the topic has not delivered");
         assert!(sink.ids(&dlq).is_empty(), "{on:?}: dead-lettered");
         let snap = router.destinations().into_iter().find(|s| s.destination == d).unwrap();
         assert_eq!((snap.rejected_records, snap.partitions_count), (0, Some(3)), "{on:?}");
         assert_eq!(sink.ensured(&d) - ensured, 1, "{on:?}: the topic asked once for the batch");
-        eventually(Duration::from_secs(5), "running", || lane_status(&router, &d) == Status::Running).await;
+        eventually(Duration::from_secs(30), "running", || lane_status(&router, &d) == Status::Running).await;
         router.shutdown().await;
     }
 }

@@ -40,7 +40,7 @@ fn a_ten_minute_outage_is_held_and_then_delivered_in_order_with_truthful_status(
             Policies::uniform(fast_policy()),
         )
         .unwrap();
-        eventually(Duration::from_secs(5), "warm", || dests.iter().all(|d| sink.ids(d).len() == 5)).await;
+        eventually(Duration::from_secs(30), "warm", || dests.iter().all(|d| sink.ids(d).len() == 5)).await;
         assert_eq!(router.status().status, Status::Running);
         assert_gauges_agree(&snap, &router);
 
@@ -153,11 +153,11 @@ fn a_failed_log_read_is_an_error_until_the_log_reads_again() {
         let router =
             Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), Policies::uniform(policy))
                 .unwrap();
-        eventually(Duration::from_secs(5), "router error", || router.status().status == Status::Error).await;
+        eventually(Duration::from_secs(30), "router error", || router.status().status == Status::Error).await;
         assert!(router.status().reason.contains("cannot read the log"), "{:?}", router.status());
         assert_gauges_agree(&snap, &router);
         eventually(Duration::from_secs(10), "delivered", || sink.ids(&d).len() == 4).await;
-        eventually(Duration::from_secs(5), "running", || router.status().status == Status::Running).await;
+        eventually(Duration::from_secs(30), "running", || router.status().status == Status::Running).await;
         assert_gauges_agree(&snap, &router);
 
         // The lane overflows to the log while its sends fail; then its re-read fails.
@@ -181,7 +181,7 @@ fn a_failed_log_read_is_an_error_until_the_log_reads_again() {
         assert_gauges_agree(&snap, &router);
         eventually(Duration::from_secs(10), "drained", || sink.ids(&d).len() == 24).await;
         assert_eq!(sink.ids(&d), want[&d], "lost, reordered or duplicated");
-        eventually(Duration::from_secs(5), "running", || {
+        eventually(Duration::from_secs(30), "running", || {
             router.destinations()[0].status == Status::Running && router.status().status == Status::Running
         })
         .await;
@@ -211,12 +211,12 @@ fn a_connector_is_in_error_only_for_a_log_read_that_affects_it() {
         let router =
             Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), Policies::uniform(policy))
                 .unwrap();
-        eventually(Duration::from_secs(5), "router error", || router.status().status == Status::Error).await;
+        eventually(Duration::from_secs(30), "router error", || router.status().status == Status::Error).await;
         for c in ["x", "y", "z"] {
             assert_eq!(router.connector_status(c), Status::Error, "{c}: the log reader serves every connector");
         }
         eventually(Duration::from_secs(10), "delivered", || sink.ids(&x).len() == 4 && sink.ids(&y).len() == 4).await;
-        eventually(Duration::from_secs(5), "running", || router.status().status == Status::Running).await;
+        eventually(Duration::from_secs(30), "running", || router.status().status == Status::Running).await;
         assert_eq!((router.connector_status("x"), router.connector_status("y")), (Status::Running, Status::Running));
 
         // x's lane overflows to the log while its sends fail (y has nothing to send), then
@@ -241,7 +241,7 @@ fn a_connector_is_in_error_only_for_a_log_read_that_affects_it() {
         assert_eq!(router.connector_status("x"), Status::Error);
         assert_eq!(router.connector_status("y"), Status::Running, "y shows x's destination that cannot read the log");
         eventually(Duration::from_secs(10), "x drained", || sink.ids(&x).len() == 24).await;
-        eventually(Duration::from_secs(5), "running", || router.status().status == Status::Running).await;
+        eventually(Duration::from_secs(30), "running", || router.status().status == Status::Running).await;
         assert_eq!((router.connector_status("x"), router.connector_status("y")), (Status::Running, Status::Running));
         router.shutdown().await;
     });
@@ -312,8 +312,8 @@ fn cursors_that_cannot_be_stored_degrade_the_router_until_they_can() {
         fill(&wal, std::slice::from_ref(&d), 0, 10).await;
         let router =
             Router::start(wal.clone(), sink.clone(), cursors.clone(), Policies::uniform(fast_policy())).unwrap();
-        eventually(Duration::from_secs(5), "sent", || sink.ids(&d).len() == 10).await;
-        eventually(Duration::from_secs(5), "degraded", || router.status().status == Status::Degraded).await;
+        eventually(Duration::from_secs(30), "sent", || sink.ids(&d).len() == 10).await;
+        eventually(Duration::from_secs(30), "degraded", || router.status().status == Status::Degraded).await;
         assert!(router.status().reason.contains("cursors cannot be stored"), "{:?}", router.status());
         // No connector's log is released: each is Degraded, with a lane or without.
         for c in ["test", "other"] {
@@ -325,7 +325,7 @@ fn cursors_that_cannot_be_stored_degrade_the_router_until_they_can() {
         assert_eq!(router.released_below(), 0, "released below cursors that are not stored");
         cursors.failing.store(false, std::sync::atomic::Ordering::Release);
         eventually(Duration::from_secs(10), "released", || router.released_below() == 10).await;
-        eventually(Duration::from_secs(5), "running", || router.status().status == Status::Running).await;
+        eventually(Duration::from_secs(30), "running", || router.status().status == Status::Running).await;
         assert_eq!(router.connector_status("test"), Status::Running);
         assert_gauges_agree(&snap, &router);
         router.shutdown().await;
@@ -349,7 +349,7 @@ fn a_record_held_by_admission_shows_in_its_gauge() {
             let router =
                 Router::start(wal, sink.clone(), Arc::new(MemoryCursorStore::new()), Policies::uniform(policy))
                     .unwrap();
-            eventually(Duration::from_secs(5), "admitted delivered", || sink.ids(&dests[0]).len() == 2).await;
+            eventually(Duration::from_secs(30), "admitted delivered", || sink.ids(&dests[0]).len() == 2).await;
             tokio::time::sleep(Duration::from_millis(100)).await;
             assert_eq!(gauge(&snap, "iggy_connector_admission_held"), held, "{on:?}");
             assert_eq!(router.held_from().is_some(), held == 1.0, "{on:?}");
@@ -378,7 +378,7 @@ fn a_router_task_that_panics_puts_the_router_in_error() {
         let router =
             Router::start(wal.clone(), sink.clone(), cursors.clone(), Policies::uniform(fast_policy())).unwrap();
         eventually(Duration::from_secs(10), "y delivered", || sink.ids(&y).len() == 4).await;
-        eventually(Duration::from_secs(5), "router error", || router.status().status == Status::Error).await;
+        eventually(Duration::from_secs(30), "router error", || router.status().status == Status::Error).await;
         assert!(router.status().reason.contains("x -> x/1"), "{:?}", router.status());
         let lane_x = router.destinations_of("x").into_iter().next().map(|l| l.status);
         assert_eq!(lane_x, Some(Status::Error));
@@ -391,7 +391,7 @@ fn a_router_task_that_panics_puts_the_router_in_error() {
         cursors.panicking.store(true, std::sync::atomic::Ordering::Release);
         wal.append(vec![record_from("y", &y, 104, Partitioning::Balanced)]).await.unwrap();
         eventually(Duration::from_secs(10), "y's last delivered", || sink.ids(&y).len() == 5).await;
-        eventually(Duration::from_secs(5), "y in error", || router.connector_status("y") == Status::Error).await;
+        eventually(Duration::from_secs(30), "y in error", || router.connector_status("y") == Status::Error).await;
         let last_error = router.status().last_error.map(|(e, _)| e);
         assert!(last_error.as_deref().is_some_and(|e| e.contains("cursor flusher")), "{:?}", router.status());
         assert_eq!(router.status().status, Status::Error);
