@@ -475,7 +475,8 @@ async fn a_partition_added_since_the_count_was_learnt_is_used_under_every_policy
         sink.set_partitions(&d, 3);
         let batch = (1..5u64).map(|i| record(&d, i, Partitioning::PartitionId(2))).collect();
         wal.append(batch).await.unwrap_or_else(|e| panic!("{e}"));
-        eventually(Duration::from_secs(30), "settled", || sink.ids(&d).len() == 5 || router.released_below() == 5).await;
+        eventually(Duration::from_secs(30), "settled", || sink.ids(&d).len() == 5 || router.released_below() == 5)
+            .await;
         assert_eq!(sink.ids(&d), vec![1, 2, 3, 4, 5], "{on:?}: records for a partition the topic has not delivered");
         assert!(sink.ids(&dlq).is_empty(), "{on:?}: dead-lettered");
         let snap = router.destinations().into_iter().find(|s| s.destination == d).unwrap();

@@ -380,6 +380,15 @@ async fn cursors_in_the_state_database_survive_a_reopen() {
     router.shutdown().await;
 }
 
+/// Waits until the lane of `d` holds `n` records: it has them, and what follows about
+/// whether it sent them is not merely too early to tell.
+async fn held(router: &Router, d: &router::DestinationKey, n: u64) {
+    eventually(Duration::from_secs(30), "the lane holds the records", || {
+        router.destinations().iter().any(|l| &l.destination == d && l.held_records == n)
+    })
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lingering_batch_goes_out_as_soon_as_it_is_full() {
     let sim = SimStorage::new();
@@ -393,6 +402,7 @@ async fn a_lingering_batch_goes_out_as_soon_as_it_is_full() {
         Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), Policies::uniform(policy))
             .unwrap();
     let mut want = fill(&wal, std::slice::from_ref(&d), 0, 4).await;
+    held(&router, &d, 4).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(sink.ids(&d).is_empty(), "a short batch waits for its linger");
     want.get_mut(&d).unwrap().extend(&fill(&wal, std::slice::from_ref(&d), 4, 6).await[&d]);
@@ -416,6 +426,7 @@ async fn a_stop_does_not_wait_out_a_linger() {
         Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), Policies::uniform(policy))
             .unwrap();
     fill(&wal, std::slice::from_ref(&d), 0, 1).await;
+    held(&router, &d, 1).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(sink.ids(&d).is_empty(), "a short batch waits for its linger");
     let stopped = tokio::time::timeout(Duration::from_secs(10), router.shutdown()).await;
@@ -440,6 +451,7 @@ async fn a_lingering_batch_full_by_bytes_or_larger_than_the_queue_goes_at_once()
         Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), Policies::uniform(policy))
             .unwrap();
     fill(&wal, std::slice::from_ref(&d), 0, 1).await;
+    held(&router, &d, 1).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(sink.ids(&d).is_empty(), "a short batch waits for its linger");
     fill(&wal, std::slice::from_ref(&d), 1, 9).await;
