@@ -332,7 +332,9 @@ impl IdempotencyIndex {
                 // Keys the recorder did not take: restore them from the log (durably),
                 // as a restart would, before the checkpoint may pass their records.
                 let report = self.restore_from_log(wal, now_unix_ms)?;
-                tracing::warn!(?report, "delivery ids that could not be recorded were restored from the log");
+                if report.keys_restored > 0 {
+                    tracing::warn!(?report, "delivery ids that could not be recorded were restored from the log");
+                }
             }
             #[cfg(test)]
             {
@@ -371,6 +373,13 @@ impl IdempotencyIndex {
         if reopened {
             let report = self.restore_from_log(wal, now_unix_ms)?;
             tracing::warn!(?report, "idempotency keys restored from the log after the state database was reopened");
+            // The repair kept the last durable commit: keys recorded since (not durably)
+            // for records the restore could not read yet (answered under `interval`, not
+            // yet synced) are gone from the database, and owed until a restore reads
+            // their records. Under `always` the restore read every answered record.
+            let restored_below = self.durable_through.load(Ordering::Acquire);
+            let mut owed = self.first_unrecorded.lock().unwrap_or_else(|p| p.into_inner());
+            *owed = Some(owed.map_or(restored_below, |first| first.min(restored_below)));
         }
         Ok(reopened)
     }
@@ -709,6 +718,120 @@ mod tests {
         assert_eq!(wal.next_offset(), 2);
         assert_eq!(index.checkpoint(&wal, now).await.unwrap(), 2);
         assert_eq!(index.lookup(&key("d-1"), now).unwrap().map(|p| p.first_offset), Some(1), "d-1 is still owed");
+    }
+
+    /// A storage double for the state database: the file, whose writes and syncs fail
+    /// once `fail` is set (a full disk), so that redb latches the I/O error.
+    #[derive(Debug)]
+    struct FailingFile {
+        inner: redb::backends::FileBackend,
+        fail: Arc<std::sync::atomic::AtomicBool>,
+    }
+
+    impl FailingFile {
+        fn check(&self) -> std::io::Result<()> {
+            match self.fail.load(Ordering::SeqCst) {
+                true => Err(std::io::Error::new(std::io::ErrorKind::StorageFull, "the disk is full (test double)")),
+                false => Ok(()),
+            }
+        }
+    }
+
+    impl redb::StorageBackend for FailingFile {
+        fn len(&self) -> std::io::Result<u64> {
+            self.inner.len()
+        }
+        fn read(&self, offset: u64, out: &mut [u8]) -> std::io::Result<()> {
+            self.inner.read(offset, out)
+        }
+        fn set_len(&self, len: u64) -> std::io::Result<()> {
+            self.check()?;
+            self.inner.set_len(len)
+        }
+        fn sync_data(&self) -> std::io::Result<()> {
+            self.check()?;
+            self.inner.sync_data()
+        }
+        fn write(&self, offset: u64, data: &[u8]) -> std::io::Result<()> {
+            self.check()?;
+            self.inner.write(offset, data)
+        }
+        fn close(&self) -> std::io::Result<()> {
+            self.inner.close()
+        }
+        fn try_lock_range(
+            &self,
+            start: std::ops::Bound<u64>,
+            end: std::ops::Bound<u64>,
+        ) -> Result<bool, redb::BackendError> {
+            self.inner.try_lock_range(start, end)
+        }
+        fn try_lock_shared_range(
+            &self,
+            start: std::ops::Bound<u64>,
+            end: std::ops::Bound<u64>,
+        ) -> Result<bool, redb::BackendError> {
+            self.inner.try_lock_shared_range(start, end)
+        }
+        fn lock_range(&self, start: std::ops::Bound<u64>, end: std::ops::Bound<u64>) -> Result<(), redb::BackendError> {
+            self.inner.lock_range(start, end)
+        }
+        fn lock_shared_range(
+            &self,
+            start: std::ops::Bound<u64>,
+            end: std::ops::Bound<u64>,
+        ) -> Result<(), redb::BackendError> {
+            self.inner.lock_shared_range(start, end)
+        }
+        fn unlock_range(
+            &self,
+            start: std::ops::Bound<u64>,
+            end: std::ops::Bound<u64>,
+        ) -> Result<(), redb::BackendError> {
+            self.inner.unlock_range(start, end)
+        }
+    }
+
+    /// Under `interval`, a reopen after an I/O error (redb repairs the database to its
+    /// last durable commit) loses the keys recorded since for appends answered before
+    /// their sync, which the restore that follows cannot read yet: they are owed, and the
+    /// restore that first reads their records brings them back. Before, they were gone
+    /// for good and a retry was appended again.
+    #[tokio::test]
+    async fn keys_a_reopen_lost_for_records_not_yet_synced_come_back_once_the_records_are_durable() {
+        use crate::Ingestor;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s.redb");
+        let fail = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let file = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&path).unwrap();
+        let backend = FailingFile { inner: redb::backends::FileBackend::new(file).unwrap(), fail: fail.clone() };
+        let state = Arc::new(StateDb::open_with_backend(&path, backend).unwrap());
+        let sim = wal::storage::SimStorage::new();
+        let options = wal::WalOptions {
+            sync: wal::SyncPolicy::Interval(std::time::Duration::from_secs(60)),
+            ..wal::WalOptions::default()
+        };
+        let wal = Arc::new(Wal::open_with(Arc::new(sim), std::path::Path::new("/wal"), options).unwrap());
+        let now = crate::time::now_unix_ms();
+        let index = Arc::new(IdempotencyIndex::new(state, 86_400_000));
+        index.rebuild(&wal, now).unwrap();
+        let ingestor = Ingestor::new(wal.clone(), index.clone());
+        let d0 = ingestor.accept(one_event(Some("d-0"), now)).await.unwrap();
+        assert_eq!((d0.first_offset, d0.replayed), (0, false));
+        assert_eq!(wal.next_offset(), 0, "nothing is durable yet");
+
+        // The disk fills: the checkpoint's commit fails and redb latches the error. The
+        // failing file is dropped by the reopen, so nothing reaches the disk after it.
+        fail.store(true, Ordering::SeqCst);
+        assert!(index.checkpoint(&wal, now).await.is_err());
+        assert_eq!(index.checkpoint(&wal, now).await.unwrap(), 0, "reopened and restored");
+        assert_eq!(index.lookup(&key("d-0"), now).unwrap(), None, "the repair kept the key after all");
+
+        // The record becomes durable: the next checkpoint's restore reads it.
+        wal.close().await.unwrap();
+        assert_eq!(wal.next_offset(), 1);
+        assert_eq!(index.checkpoint(&wal, now).await.unwrap(), 1);
+        assert_eq!(index.lookup(&key("d-0"), now).unwrap().map(|p| p.first_offset), Some(0), "d-0 never came back");
     }
 
     /// Under `interval`, the log's sync can land between a checkpoint's restore (which

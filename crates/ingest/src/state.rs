@@ -85,6 +85,22 @@ impl StateDb {
         Ok(state)
     }
 
+    /// [`StateDb::open`] on a backend of the caller's (a test's, that fails on demand); a
+    /// reopen after an I/O error opens the file at `path` itself.
+    #[cfg(test)]
+    pub(crate) fn open_with_backend(
+        path: impl AsRef<Path>,
+        backend: impl redb::StorageBackend,
+    ) -> Result<StateDb, StateError> {
+        let path = path.as_ref().to_path_buf();
+        let db = redb::Builder::new()
+            .create_with_backend(backend)
+            .map_err(|e| StateError::Open { path: path.clone(), detail: e.to_string() })?;
+        let state = StateDb { db: RwLock::new(Some(Arc::new(db))), path, in_memory: false };
+        state.check_or_init_schema()?;
+        Ok(state)
+    }
+
     /// A fresh database held in memory, for tests and fuzzing: the same tables and
     /// schema, nothing on disk.
     pub fn open_in_memory() -> Result<StateDb, StateError> {
