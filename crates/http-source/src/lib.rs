@@ -2,7 +2,7 @@
 //!
 //! ```text
 //!  TCP ─▶ server (connection cap, header/idle timeout, graceful drain)
-//!        ─▶ door (route ─▶ size/timeout ─▶ endpoint re-check ─▶ auth ─▶ decode ─▶ delivery id ─▶ resolve destinations)
+//!        ─▶ door (route ─▶ size/timeout ─▶ endpoint re-check ─▶ auth ─▶ content type ─▶ delivery id ─▶ decode ─▶ resolve destinations)
 //!        ─▶ ingest::Ingestor
 //! ```
 //!

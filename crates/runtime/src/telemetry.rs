@@ -367,9 +367,12 @@ pub fn register_all<'a>(sources: impl IntoIterator<Item = &'a str> + Clone) {
         "iggy_connector_destinations_rejected_total",
         [("connector_key", "unknown".into()), ("reason", "malformed".into())],
     );
-    // Requests to unknown paths or ids count under source "-".
+    // Requests no source is resolved for count under source "-": unknown paths or ids,
+    // endpoints already expired, methods a path does not take.
     counter("iggy_ingest_http_requests_total", [("source", "-".into()), ("status_class", "4xx".into())]);
-    counter("iggy_ingest_http_rejected_total", [("source", "-".into()), ("reason", "not_found".into())]);
+    for reason in ["not_found", "endpoint_expired", "method_not_allowed"] {
+        counter("iggy_ingest_http_rejected_total", [("source", "-".into()), ("reason", reason.into())]);
+    }
 }
 
 #[cfg(test)]
