@@ -586,8 +586,16 @@ async fn sleep_or_shutdown(shutdown: &mut watch::Receiver<bool>, d: Duration) ->
     }
 }
 
+/// Records a lane re-reading the log scans in one call before it lets the runtime's
+/// other tasks run. A destination with a small share of a long backlog finds few of its
+/// records in it: unbounded, one call would scan the whole backlog (gigabytes) without
+/// yielding, and hold a worker of the runtime the door and every other lane share (the
+/// only one, on a 2-core host) for as long. 4096 records is a few milliseconds.
+const CATCHUP_SCAN_MAX_RECORDS: usize = 4096;
+
 /// The next batch: from the queue, or re-read from the log while overflowed. `None`
-/// when there was nothing yet (after waiting for a wake-up).
+/// when there was nothing yet (after waiting for a wake-up, or after a scan that found
+/// none of the lane's records within [`CATCHUP_SCAN_MAX_RECORDS`]).
 async fn next_batch<S, C>(
     lane: &Arc<Lane>,
     ctx: &mut LaneContext<S, C>,
@@ -625,12 +633,20 @@ async fn next_batch<S, C>(
     // first next time.
     let mut batch = Vec::new();
     let mut bytes = 0usize;
-    'read: while reader.position() < limit && batch.len() < max_records && bytes < max_bytes {
-        let want = ((limit - reader.position()) as usize).min(max_records - batch.len());
+    let mut scanned = 0usize;
+    'read: while reader.position() < limit
+        && batch.len() < max_records
+        && bytes < max_bytes
+        && scanned < CATCHUP_SCAN_MAX_RECORDS
+    {
+        let want = ((limit - reader.position()) as usize)
+            .min(max_records - batch.len())
+            .min(CATCHUP_SCAN_MAX_RECORDS - scanned);
         let records = reader.try_read(want, max_bytes - bytes)?;
         if records.is_empty() {
             break;
         }
+        scanned += records.len();
         for rec in records {
             let offset = rec.offset;
             if let Some(routed) = own_record(lane, rec) {
@@ -667,6 +683,10 @@ async fn next_batch<S, C>(
             None
         }
     };
+    if scanned >= CATCHUP_SCAN_MAX_RECORDS || (batch.is_empty() && handed_back.is_none()) {
+        // The scan's share of the worker is spent: the others run before it goes on.
+        tokio::task::yield_now().await;
+    }
     match handed_back {
         Some(true) => {
             *catchup = None;
@@ -677,6 +697,9 @@ async fn next_batch<S, C>(
             tokio::task::yield_now().await;
             Ok(None)
         }
+        // The scan stopped at its bound before finding any of the lane's records: go on
+        // from where it stopped, next call.
+        None if batch.is_empty() => Ok(None),
         None => Ok(Some(batch)),
     }
 }

@@ -640,3 +640,67 @@ async fn a_limit_of_sends_in_flight_beyond_the_bound_refuses_the_start() {
     assert_eq!(router.status().status, Status::Running);
     router.shutdown().await;
 }
+
+/// A lane catching up on a long backlog in which it has few records scans it in bounded
+/// steps and lets the other tasks run between them: one unbounded call would scan the
+/// whole backlog without yielding and hold the worker that the door and every other lane
+/// share (the only one, on a 2-core host). Measured on a single-threaded runtime by a
+/// task that notes, each time it runs, how many bytes the log's files were read since its
+/// last turn.
+#[tokio::test]
+async fn a_lane_catching_up_on_a_long_backlog_lets_the_other_tasks_run() {
+    let storage = CountingReads::new(&SimStorage::new());
+    let wal = storage.open_wal();
+    let sink = FaultySink::new();
+    let (rare, busy) = (key("s", "rare"), key("s", "busy"));
+    sink.fault(&rare, Some(Fault::Fail(SendErrorKind::Destination)));
+    let mut policy = fast_policy();
+    // The rare lane holds a few records (a batch in flight, one prepared, a short queue)
+    // and overflows: it re-reads the rest from the log once its destination is back.
+    policy.lane_queue_max_records = 4;
+    policy.batch.batch_max_records = 2;
+    policy.batch.backoff_max = Duration::from_millis(200);
+    let router =
+        Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), Policies::uniform(policy))
+            .unwrap();
+    wal.append((0..100).map(|n| record(&rare, n, Partitioning::Balanced)).collect()).await.unwrap();
+    const BUSY: u64 = 60_000;
+    for chunk in 0..BUSY / 1000 {
+        let first = 100 + chunk * 1000;
+        wal.append((first..first + 1000).map(|n| record(&busy, n, Partitioning::Balanced)).collect()).await.unwrap();
+    }
+    eventually(Duration::from_secs(120), "the busy destination delivered", || sink.ids(&busy).len() == BUSY as usize)
+        .await;
+    let lanes = router.destinations();
+    assert!(
+        lanes.iter().any(|l| l.destination == rare && l.overflowed),
+        "the rare destination's lane did not overflow: {lanes:?}"
+    );
+
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let watcher = {
+        let (storage, stop) = (storage.clone(), stop.clone());
+        tokio::spawn(async move {
+            let (mut last, mut most) = (storage.bytes_read(), 0u64);
+            let start = last;
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                let now = storage.bytes_read();
+                most = most.max(now - last);
+                last = now;
+                tokio::task::yield_now().await;
+            }
+            (most, last - start)
+        })
+    };
+    sink.fault(&rare, None);
+    eventually(Duration::from_secs(120), "the rare destination delivered", || sink.ids(&rare).len() == 100).await;
+    eventually(Duration::from_secs(120), "the rare lane caught up", || {
+        router.destinations().iter().any(|l| l.destination == rare && !l.overflowed)
+    })
+    .await;
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let (most, total) = watcher.await.unwrap();
+    assert!(total > 3 << 20, "the catch-up read only {total} bytes: the test no longer scans a long backlog");
+    assert!(most < 2 << 20, "{most} bytes were read between two turns of another task (of {total} in all)");
+    router.shutdown().await;
+}
