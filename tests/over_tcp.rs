@@ -391,6 +391,30 @@ async fn a_destination_that_never_answers_holds_only_itself() {
     router.shutdown().await;
 }
 
+/// A topic that never answers opens its breaker even where a new connection takes long
+/// (here every reply is 150 ms late, so a connect, with its sign-in and pings, takes more
+/// than the 250 ms after which a call does not go out on the connection it waited for).
+/// The call cut short costs its connection, so the check that the server still answers
+/// (a ping) connects anew: that connect succeeding is the server answering. Before, it
+/// was read as the server gone, and the timeout was never the topic's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_topic_opens_its_breaker_even_when_connecting_is_slow() {
+    let broker = TestBroker::start(TestBrokerConfig::default()).await.unwrap();
+    let mut p = policy();
+    p.breaker.failure_threshold = 1;
+    p.breaker.cool_down = Duration::from_secs(60);
+    let (wal, router) = start_warm_with(&broker, "z", "silent", p).await;
+    broker.black_hole_topic("z", "silent", true);
+    broker.set_delay(Duration::from_millis(150));
+    wal.append(vec![record("z", "silent", 1, Partitioning::Balanced)]).await.unwrap();
+    eventually(Duration::from_secs(60), "the silent topic's breaker open", || async {
+        router.destinations().iter().any(|d| d.destination.topic == "silent" && d.breaker == "open")
+    })
+    .await;
+    broker.set_delay(Duration::ZERO);
+    router.shutdown().await;
+}
+
 /// A server that stops answering altogether (hung, or the network silently dropping
 /// its packets) is an outage, not every destination failing: no breaker opens, the
 /// connections that timed out are replaced, and everything arrives once it answers.

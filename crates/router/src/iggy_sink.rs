@@ -18,7 +18,11 @@
 //!   `iggy` client interrupted in the middle of connecting never connects again); the
 //!   connect parks its connection as idle, and a call that waited long for it leaves it
 //!   to the retry, which then has a whole result timeout for its request. A client is
-//!   never reconnected in place: every connect builds a new one.
+//!   never reconnected in place: every connect builds a new one. A connect fails after
+//!   `connect_timeout`; after a failed one (paced from the moment it failed) or a failure
+//!   that says the server is gone, no connect is made for `reconnection_interval`. A
+//!   connect that ended while nobody waited is taken in by the next caller, never handed
+//!   to it as its own outcome; one that succeeded counts as the server answering.
 //! - A call's timeout is the destination's only if the server answered some other call
 //!   since it began ([`Sink::answered_since`]) or answers a ping right after
 //!   ([`Sink::server_answers`]); otherwise the server, not the destination, is what
@@ -91,6 +95,12 @@ pub struct IggySinkConfig {
     /// router retries them with its backoff), so a server that is down or refusing sees
     /// at most one connect per interval, however many destinations retry.
     pub reconnection_interval: Duration,
+    /// How long one connect (TCP, sign-in, the pings that prove the connection answers)
+    /// may take before it fails. The client bounds each reply by itself
+    /// ([`CLIENT_REPLY_TIMEOUT`]) but not the TCP connect, which on a network that drops
+    /// packets lasts until the kernel gives up (about two minutes on Linux), with every
+    /// caller joined to it. 30 s by default.
+    pub connect_timeout: Duration,
     pub topic_defaults: TopicDefaults,
 }
 
@@ -105,6 +115,7 @@ impl Default for IggySinkConfig {
             tls_ca_file: None,
             reconnection_max_retries: 1,
             reconnection_interval: Duration::from_millis(500),
+            connect_timeout: Duration::from_secs(30),
             topic_defaults: TopicDefaults::default(),
         }
     }
@@ -123,9 +134,10 @@ pub struct IggySink {
     connecting: tokio::sync::Mutex<Option<JoinHandle<Result<(), IggyError>>>>,
     /// When the server last answered a call (an ack, or an error of its own).
     last_answer: std::sync::Mutex<Option<std::time::Instant>>,
-    /// No connect before this: set `reconnection_interval` ahead by a failed connect and
-    /// by a failure that says the server is gone.
-    connect_not_before: std::sync::Mutex<Option<std::time::Instant>>,
+    /// No connect before this: set `reconnection_interval` ahead by a failed connect (by
+    /// its task, when it fails, whether or not anybody still waits for it) and by a
+    /// failure that says the server is gone.
+    connect_not_before: Arc<std::sync::Mutex<Option<std::time::Instant>>>,
 }
 
 /// How long the `iggy` client waits for a reply (its `RESPONSE_READ_TIMEOUT`, fixed and
@@ -170,7 +182,7 @@ impl IggySink {
             unreachable: AtomicBool::new(true),
             connecting: tokio::sync::Mutex::new(None),
             last_answer: std::sync::Mutex::new(None),
-            connect_not_before: std::sync::Mutex::new(None),
+            connect_not_before: Arc::default(),
         })
     }
 
@@ -201,6 +213,12 @@ impl IggySink {
     /// waits for it.
     async fn connect(&self) -> Result<(), SendError> {
         let mut connecting = self.connecting.lock().await;
+        if let Some(task) = connecting.take_if(|t| t.is_finished()) {
+            // It ended while nobody waited (every caller's timeout cut it short): its
+            // outcome is taken in (a connection parked, the server marked reachable or
+            // not), not handed to a caller who came later as if it were theirs.
+            let _ = self.connected(task.await);
+        }
         if !self.idle().is_empty() {
             return Ok(());
         }
@@ -216,34 +234,53 @@ impl IggySink {
             ));
         }
         let task = connecting.get_or_insert_with(|| {
-            let (config, idle) = (self.config.clone(), self.idle.clone());
+            let (config, idle, not_before) = (self.config.clone(), self.idle.clone(), self.connect_not_before.clone());
             tokio::spawn(async move {
-                let client = build_client(&config)?;
-                client.connect().await?;
-                // The client's heartbeat pings at once on connecting, from a task of its
-                // own, and the connection takes one request at a time: parked before
-                // that ping was answered, the first call would wait behind it (on a slow
-                // server, long enough to miss its result timeout, drop the connection,
-                // and start over). The heartbeat's task may not have run yet when this
-                // task pings, so it pings twice: by the time the first was answered (a
-                // round trip), the heartbeat's ping is queued, and the second waits for
-                // it. Both prove the signed-in connection answers.
-                client.ping().await?;
-                client.ping().await?;
-                idle.lock().unwrap_or_else(|p| p.into_inner()).push(Arc::new(client));
-                Ok(())
+                let connected = tokio::time::timeout(config.connect_timeout, async {
+                    let client = build_client(&config)?;
+                    client.connect().await?;
+                    // The client's heartbeat pings at once on connecting, from a task of
+                    // its own, and the connection takes one request at a time: parked
+                    // before that ping was answered, the first call would wait behind it
+                    // (on a slow server, long enough to miss its result timeout, drop the
+                    // connection, and start over). The heartbeat's task may not have run
+                    // yet when this task pings, so it pings twice: by the time the first
+                    // was answered (a round trip), the heartbeat's ping is queued, and the
+                    // second waits for it. Both prove the signed-in connection answers.
+                    client.ping().await?;
+                    client.ping().await?;
+                    Ok(client)
+                })
+                .await
+                .unwrap_or(Err(IggyError::CannotEstablishConnection));
+                match connected {
+                    Ok(client) => {
+                        idle.lock().unwrap_or_else(|p| p.into_inner()).push(Arc::new(client));
+                        Ok(())
+                    }
+                    Err(e) => {
+                        // Paced from the failure, not from when somebody reads it.
+                        let at = std::time::Instant::now() + config.reconnection_interval;
+                        *not_before.lock().unwrap_or_else(|p| p.into_inner()) = Some(at);
+                        Err(e)
+                    }
+                }
             })
         });
         // Cancel-safe: dropped here, the task runs on and its handle stays for the next
         // caller.
         let joined = task.await;
         *connecting = None;
+        self.connected(joined)
+    }
+
+    /// Takes in the outcome of a connect task.
+    fn connected(&self, joined: Result<Result<(), IggyError>, tokio::task::JoinError>) -> Result<(), SendError> {
         match joined {
             Err(e) => Err(SendError::new(SendErrorKind::Unavailable, format!("the connect task failed: {e}"))),
             // A failed connect is the client's, whatever the error: no destination's.
             Ok(Err(e)) => {
                 self.unreachable.store(true, Ordering::Release);
-                self.pace_connects();
                 let mut failure = SendError::new(classify(&e), e.to_string());
                 if failure.kind == SendErrorKind::Destination {
                     failure.kind = SendErrorKind::Unavailable;
@@ -251,9 +288,11 @@ impl IggySink {
                 Err(failure)
             }
             Ok(Ok(())) => {
-                if self.unreachable.swap(false, Ordering::AcqRel) {
+                if self.unreachable.load(Ordering::Acquire) {
                     tracing::info!("connected to iggy");
                 }
+                // The new connection signed in and answered two pings: the server answers.
+                self.answered();
                 Ok(())
             }
         }
@@ -487,7 +526,10 @@ impl Sink for IggySink {
     }
 
     async fn server_answers(&self) -> bool {
-        let Ok(taken) = self.take().await else { return false };
+        let asked = std::time::Instant::now();
+        // A connect that succeeded but took too long for a call to go out on it (`take`)
+        // still showed the server answering.
+        let Ok(taken) = self.take().await else { return self.answered_since(asked) };
         let pinged = taken.client.ping().await;
         self.settle(taken, pinged, false).is_ok()
     }
@@ -575,8 +617,9 @@ mod tests {
         assert!(!sink.connecting(), "the server answered, yet it is still taken for unreachable");
     }
 
-    /// A server that takes connections and closes them at once, counting them.
-    fn closing_server() -> (String, Arc<std::sync::atomic::AtomicUsize>) {
+    /// A server that takes connections and closes each after `hold` (never answering a
+    /// byte), counting them.
+    fn closing_server_after(hold: Duration) -> (String, Arc<std::sync::atomic::AtomicUsize>) {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap().to_string();
         let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
@@ -584,10 +627,51 @@ mod tests {
         std::thread::spawn(move || {
             for conn in listener.incoming().map_while(Result::ok) {
                 counted.fetch_add(1, Ordering::SeqCst);
-                drop(conn);
+                std::thread::spawn(move || {
+                    std::thread::sleep(hold);
+                    drop(conn);
+                });
             }
         });
         (addr, accepted)
+    }
+
+    /// A server that takes connections and closes them at once, counting them.
+    fn closing_server() -> (String, Arc<std::sync::atomic::AtomicUsize>) {
+        closing_server_after(Duration::ZERO)
+    }
+
+    /// A connect whose every waiter gave up (their result timeouts) fails later: the next
+    /// call, once the reconnection interval has passed since that failure, makes a new
+    /// attempt. Before, it was handed the old failure as its own, and no attempt was made.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_connect_that_failed_while_nobody_waited_is_not_handed_to_a_later_call() {
+        let (address, accepted) = closing_server_after(Duration::from_millis(500));
+        let config =
+            IggySinkConfig { address, reconnection_interval: Duration::from_millis(300), ..Default::default() };
+        let sink = IggySink::new(&config).unwrap();
+        assert!(tokio::time::timeout(Duration::from_millis(100), sink.connect()).await.is_err(), "gave up waiting");
+        // The connect fails about 500 ms in; the interval has passed well after that.
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        assert_eq!(accepted.load(Ordering::SeqCst), 1);
+        let again = tokio::time::timeout(Duration::from_secs(20), sink.connect()).await.expect("connect ends");
+        assert!(again.is_err(), "the server closes every connection");
+        assert_eq!(accepted.load(Ordering::SeqCst), 2, "no new attempt: the old failure was handed over");
+    }
+
+    /// A connect to a server that takes the connection and never answers fails after the
+    /// connect timeout, not after the client's own reply timeout (30 s) or, for a TCP
+    /// connect into a network that drops packets, the kernel's (about two minutes).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_connect_to_a_server_that_never_answers_fails_after_the_connect_timeout() {
+        let (address, _accepted) = closing_server_after(Duration::from_secs(120));
+        let config = IggySinkConfig { address, connect_timeout: Duration::from_millis(300), ..Default::default() };
+        let sink = IggySink::new(&config).unwrap();
+        let started = std::time::Instant::now();
+        let failed = tokio::time::timeout(Duration::from_secs(15), sink.connect()).await;
+        let failed = failed.expect("the connect outlasted 15 s: no connect timeout");
+        assert!(failed.is_err());
+        assert!(started.elapsed() < Duration::from_secs(10), "{:?}", started.elapsed());
     }
 
     /// After a failed connect no new one is made for `reconnection_interval`: the calls
