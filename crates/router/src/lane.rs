@@ -1130,8 +1130,13 @@ async fn attempt<S: Sink, C>(
             }
             metrics::counter!("iggy_connector_send_failures_total", "connector_key" => lane.key.source.clone(), "reason" => e.kind.as_str()).increment(1);
             failed(lane, ctx, *failures, &e.to_string());
-            // Shown after the status: a reader who sees the breaker open sees the
-            // failure that opened it counted in the status too.
+            if is_open {
+                // An open breaker sends nothing for a cool-down: not Running, whatever
+                // `degraded_after_failures` says.
+                degraded(lane, ctx, &format!("circuit breaker open; last failure: {e}"));
+            }
+            // Shown after the status: a reader who sees the breaker open sees the lane
+            // Degraded.
             lock(&lane.info).breaker = Some(breaker.state());
             tracing::debug!(destination = %lane.key, error = %e, failures = *failures, "send failed; holding and retrying");
             if sleep_or_shutdown(shutdown, lane.policy.backoff(*failures)).await {

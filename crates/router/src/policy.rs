@@ -237,6 +237,11 @@ impl RouterPolicy {
         if self.batch.result_timeout.is_zero() {
             return Err("result_timeout must be above zero".into());
         }
+        // A record held for a partition its topic lacks asks the topic again after each
+        // cool-down: with none, that loop would not rest at all.
+        if self.breaker.cool_down.is_zero() {
+            return Err("cool_down must be above zero".into());
+        }
         if self.on_admission_failure == OnAdmissionFailure::DeadLetter && self.dead_letter.is_none() {
             return Err("dead_letter is required when on_admission_failure = \"dead_letter\"".into());
         }
@@ -313,7 +318,10 @@ mod tests {
         ];
         let mut cool_down = RouterPolicy::default();
         cool_down.breaker.cool_down = Duration::from_millis(u64::MAX);
-        for (p, name) in cases.into_iter().chain(batches).chain([(cool_down, "cool_down")]) {
+        let mut no_cool_down = RouterPolicy::default();
+        no_cool_down.breaker.cool_down = Duration::ZERO;
+        for (p, name) in cases.into_iter().chain(batches).chain([(cool_down, "cool_down"), (no_cool_down, "cool_down")])
+        {
             let e = p.validate().unwrap_err();
             assert!(e.starts_with(name), "{name}: {e}");
         }

@@ -78,6 +78,34 @@ async fn a_black_holed_destination_opens_its_breaker_and_stalls_no_one_else() {
     router.shutdown().await;
 }
 
+/// An open breaker sends nothing for its cool-down: the destination is Degraded (and the
+/// router with it) from the moment it opens, even when that is before
+/// `degraded_after_failures` failures.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_destination_whose_breaker_opened_is_degraded_whatever_the_failure_count() {
+    let sim = SimStorage::new();
+    let wal = open_wal(&sim);
+    let sink = FaultySink::new();
+    let d = key("s", "opens-early");
+    sink.fault(&d, Some(Fault::Fail(SendErrorKind::Destination)));
+    let mut policy = fast_policy();
+    policy.breaker.failure_threshold = 1;
+    policy.batch.degraded_after_failures = 5;
+    policy.breaker.cool_down = Duration::from_secs(60);
+    let router =
+        Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), Policies::uniform(policy))
+            .unwrap();
+    fill(&wal, std::slice::from_ref(&d), 0, 1).await;
+    eventually(Duration::from_secs(30), "breaker open", || {
+        router.destinations().iter().any(|l| l.destination == d && l.breaker == "open")
+    })
+    .await;
+    let lane = router.destinations().into_iter().find(|l| l.destination == d).unwrap();
+    assert_eq!((lane.consecutive_failures, lane.status), (1, Status::Degraded), "{lane:?}");
+    assert_eq!(router.status().status, Status::Degraded);
+    router.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_wide_outage_holds_everything_and_opens_no_breaker() {
     let sim = SimStorage::new();
