@@ -281,6 +281,12 @@ fn policy_from(s: &RouterSection, prefix: &[&str], problems: &mut Vec<Problem>) 
         problems.push((at("result_timeout_ms"), "must be greater than 0".into()));
         durations_ok = false;
     }
+    if s.cool_down_ms == 0 {
+        // A held record asks its topic again after each cool-down: with none, that loop
+        // would not rest at all.
+        problems.push((at("cool_down_ms"), "must be greater than 0".into()));
+        durations_ok = false;
+    }
     if s.backoff_base_ms == 0 {
         problems.push((at("backoff_base_ms"), "must be greater than 0".into()));
         durations_ok = false;
@@ -398,8 +404,13 @@ pub fn check(section: &RouterSection, iggy: &IggyConfig, sources: &[String]) -> 
     let partitions_count = to_u32(t.partitions_count, &["router", "topic_defaults", "partitions_count"], &mut problems);
     let messages_required_to_save =
         to_u32(t.messages_required_to_save, &["router", "topic_defaults", "messages_required_to_save"], &mut problems);
-    if iggy.reconnection_interval_ms == 0 {
-        problems.push((vec!["iggy".into(), "reconnection_interval_ms".into()], "must be greater than 0".into()));
+    // At most a day, as the router's durations: after a failed connect, none is made
+    // for this long.
+    if iggy.reconnection_interval_ms == 0 || iggy.reconnection_interval_ms > max_duration_ms() {
+        problems.push((
+            vec!["iggy".into(), "reconnection_interval_ms".into()],
+            format!("must be 1 to {} (one day)", max_duration_ms()),
+        ));
     }
     let sink = IggySinkConfig {
         address: iggy.address.clone(),
@@ -410,6 +421,7 @@ pub fn check(section: &RouterSection, iggy: &IggyConfig, sources: &[String]) -> 
         tls_ca_file: iggy.tls_ca_file.clone(),
         reconnection_max_retries: 1,
         reconnection_interval: Duration::from_millis(iggy.reconnection_interval_ms.max(1)),
+        connect_timeout: IggySinkConfig::default().connect_timeout,
         topic_defaults: TopicDefaults {
             partitions_count,
             message_expiry: (t.message_expiry_secs > 0).then(|| Duration::from_secs(t.message_expiry_secs)),
@@ -619,6 +631,8 @@ mod tests {
         let cases: Vec<(RouterSection, &str)> = vec![
             (RouterSection { result_timeout_ms: 0, ..RouterSection::default() }, "router.result_timeout_ms"),
             (RouterSection { backoff_base_ms: 0, ..RouterSection::default() }, "router.backoff_base_ms"),
+            // A held record asks its topic again after each cool-down: none would spin.
+            (RouterSection { cool_down_ms: 0, ..RouterSection::default() }, "router.cool_down_ms"),
             (
                 RouterSection { backoff_base_ms: 500, backoff_max_ms: 100, ..RouterSection::default() },
                 "router.backoff_max_ms",
@@ -696,6 +710,13 @@ mod tests {
         let paths: Vec<String> = problems.iter().map(|(p, _)| p.join(".")).collect();
         assert_eq!(paths, vec!["router.sources.a.max_concurrent_destinations"], "{problems:?}");
         assert!(problems[0].1.contains("at most 4096"), "{problems:?}");
+        // After a failed connect none is made for the reconnection interval: a day at most.
+        for reconnection_interval_ms in [0, max_duration_ms() + 1] {
+            let iggy = IggyConfig { reconnection_interval_ms, ..iggy() };
+            let (_, problems) = check(&RouterSection::default(), &iggy, &[]);
+            let paths: Vec<String> = problems.iter().map(|(p, _)| p.join(".")).collect();
+            assert_eq!(paths, vec!["iggy.reconnection_interval_ms"], "{problems:?}");
+        }
         // The bounds themselves pass.
         let section = RouterSection {
             max_concurrent_destinations: 4096,
