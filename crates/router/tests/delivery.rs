@@ -507,7 +507,7 @@ async fn a_lingering_batch_full_by_bytes_or_larger_than_the_queue_goes_at_once()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_backlog_goes_out_in_full_batches_in_order_with_the_next_one_prepared_ahead() {
+async fn a_backlog_goes_out_in_full_batches_in_order() {
     let sim = SimStorage::new();
     let wal = open_wal(&sim);
     let sink = FaultySink::new();

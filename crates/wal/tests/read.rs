@@ -119,7 +119,7 @@ fn batches_are_bounded_by_count_and_bytes_but_never_empty_for_a_large_record() {
 }
 
 #[test]
-fn a_tailing_reader_wakes_on_each_append_without_polling() {
+fn a_tailing_reader_wakes_on_each_append() {
     let sim = SimStorage::new();
     let wal = Arc::new(open(&sim, small_options()));
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
