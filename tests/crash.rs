@@ -120,8 +120,8 @@ async fn kill_loop(cycles: u32, sync: &str) {
     }
     accepting(&load.ledger, 20, "accepting after the last restart").await;
     let label = format!("kill -9 loop ({}): {cycles} cycles in {:?}", sync.replace('\n', ", "), started.elapsed());
-    let f = drain_and_check(&label, &dest, &stream, load, daemon).await;
-    assert!(f.delivered >= f.acknowledged);
+    // Every acknowledged event delivered, in order, each once: checked by the drain.
+    drain_and_check(&label, &dest, &stream, load, daemon).await;
 }
 
 /// Runs load with `point` armed on its `hit`th hit, waits for the daemon to die there,

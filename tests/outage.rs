@@ -273,8 +273,7 @@ async fn a_broker_outage_loses_nothing_and_status_and_metrics_follow_it() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_broker_outage_with_the_daemon_killed_and_restarted_inside_it_loses_nothing() {
-    let f = broker_outage(Destination::broker().await, outage_length(false), true).await;
-    assert!(f.acknowledged > 0);
+    broker_outage(Destination::broker().await, outage_length(false), true).await;
 }
 
 fn skipped(test: &str) {
