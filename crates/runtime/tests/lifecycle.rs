@@ -197,11 +197,15 @@ async fn a_management_body_sent_slowly_is_cut_off_and_one_without_the_token_is_n
 async fn half_sent(addr: std::net::SocketAddr, path: &str, authorization: &str) -> tokio::net::TcpStream {
     let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
     let head = format!(
-        "POST {path} HTTP/1.1\r\nhost: x\r\nauthorization: {authorization}\r\nconnection: close\r\ncontent-length: 10\r\n\r\n01234"
+        "POST {path} HTTP/1.1\r\nhost: x\r\nauthorization: {authorization}\r\nconnection: close\r\ncontent-length: 10\r\nexpect: 100-continue\r\n\r\n"
     );
     s.write_all(head.as_bytes()).await.unwrap();
-    // Let the daemon read the head and start on the body.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The daemon asks for the body only once it has checked the head (the endpoint was
+    // active then) and starts reading the body: the request is in flight from here on.
+    let mut interim = [0u8; 25];
+    tokio::time::timeout(Duration::from_secs(30), s.read_exact(&mut interim)).await.unwrap().unwrap();
+    assert_eq!(&interim, b"HTTP/1.1 100 Continue\r\n\r\n", "{}", String::from_utf8_lossy(&interim));
+    s.write_all(b"01234").await.unwrap();
     s
 }
 
