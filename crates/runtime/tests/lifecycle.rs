@@ -5,6 +5,7 @@
 mod common;
 
 use std::process::{Command, Stdio};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -340,13 +341,12 @@ async fn sigterm_drains_health_first_finishes_in_flight_and_closes_the_log() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_grace_period_bounds_the_drain_while_a_send_to_a_silent_server_hangs() {
     let dir = tempfile::tempdir().unwrap();
-    let iggy = silent_server();
+    let (iggy, accepted) = silent_server();
     let rest = format!("[iggy]\naddress = \"{iggy}\"\n\n[router]\nresult_timeout_ms = 25000\n{SOURCES}");
     let text = config_text(dir.path(), "", &rest).replace("grace_period_ms = 20000", "grace_period_ms = 1000");
     let mut d = Daemon::start_text(dir.path(), &text);
     assert_eq!(post_json(d.http, "/v1/sources/default", "{}").await.status, 200);
-    // Long enough for the router to be waiting on the silent server.
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    a_call_is_out(&accepted).await;
     let signalled = Instant::now();
     d.signal(libc::SIGTERM);
     let status = d.wait_exit(Duration::from_secs(30));
@@ -365,7 +365,7 @@ async fn the_grace_period_bounds_the_drain_while_a_send_to_a_silent_server_hangs
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn while_the_router_stops_the_status_says_stopping_and_lists_the_destinations() {
     let dir = tempfile::tempdir().unwrap();
-    let iggy = silent_server();
+    let (iggy, accepted) = silent_server();
     let rest = format!("[iggy]\naddress = \"{iggy}\"\n\n[router]\nresult_timeout_ms = 25000\n{SOURCES}");
     let text = config_text_with_shutdown(dir.path(), "", "drain_delay_ms = 0", &rest)
         .replace("grace_period_ms = 20000", "grace_period_ms = 10000");
@@ -381,6 +381,7 @@ async fn while_the_router_stops_the_status_says_stopping_and_lists_the_destinati
         assert!(Instant::now() < deadline, "the event was never held: {lanes}");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    a_call_is_out(&accepted).await;
     d.signal(libc::SIGTERM);
     // Within the grace period (10 s), which the send to the silent server takes whole.
     let deadline = Instant::now() + Duration::from_secs(8);
@@ -694,12 +695,27 @@ fn a_stop_signal_during_the_start_is_a_clean_stop() {
 }
 
 /// A server where Iggy should be that takes connections and never answers a byte.
-fn silent_server() -> std::net::SocketAddr {
+/// Also counts the connections it took.
+fn silent_server() -> (std::net::SocketAddr, Arc<std::sync::atomic::AtomicUsize>) {
     let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = silent.local_addr().unwrap();
+    let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = accepted.clone();
     std::thread::spawn(move || {
-        let held: Vec<_> = silent.incoming().map_while(Result::ok).collect();
-        drop(held);
+        let mut held = Vec::new();
+        for conn in silent.incoming().map_while(Result::ok) {
+            counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            held.push(conn);
+        }
     });
-    addr
+    (addr, accepted)
+}
+
+/// Waits until the router has a call out to `silent_server` (it took a connection).
+async fn a_call_is_out(accepted: &std::sync::atomic::AtomicUsize) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while accepted.load(std::sync::atomic::Ordering::SeqCst) == 0 {
+        assert!(Instant::now() < deadline, "the router never called the silent server");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
