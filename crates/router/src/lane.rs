@@ -17,6 +17,10 @@
 //! - Handoff from re-reading back to queueing happens under the gate lock and only when
 //!   every record the dispatcher skipped lies below the lane's read position, so no
 //!   record is lost or sent twice by the handoff.
+//! - A lane re-reading the log yields to the runtime's other tasks after every
+//!   [`CATCHUP_SCAN_RECORDS_PER_YIELD`] records it scans, so a destination with a small
+//!   share of a long backlog never holds a worker for the whole scan, and still fills
+//!   its batches.
 //! - Client-wide failures (disconnected, unavailable) never count against the breaker.
 //! - A record is taken for out of its topic's partitions (then dropped, dead-lettered or
 //!   held, as the policy says) only on a partition count the server gave while its batch
@@ -586,16 +590,17 @@ async fn sleep_or_shutdown(shutdown: &mut watch::Receiver<bool>, d: Duration) ->
     }
 }
 
-/// Records a lane re-reading the log scans in one call before it lets the runtime's
-/// other tasks run. A destination with a small share of a long backlog finds few of its
-/// records in it: unbounded, one call would scan the whole backlog (gigabytes) without
-/// yielding, and hold a worker of the runtime the door and every other lane share (the
-/// only one, on a 2-core host) for as long. 4096 records is a few milliseconds.
-const CATCHUP_SCAN_MAX_RECORDS: usize = 4096;
+/// Records a lane re-reading the log scans before it lets the runtime's other tasks run,
+/// and then goes on filling its batch. A destination with a small share of a long
+/// backlog finds few of its records in it: without a yield, filling one batch would scan
+/// the whole backlog (gigabytes), holding a worker of the runtime the door and every
+/// other lane share (the only one, on a 2-core host) for as long. Stopping the batch at
+/// the bound instead would send batches of a few records. 4096 records is a few
+/// milliseconds.
+const CATCHUP_SCAN_RECORDS_PER_YIELD: usize = 4096;
 
 /// The next batch: from the queue, or re-read from the log while overflowed. `None`
-/// when there was nothing yet (after waiting for a wake-up, or after a scan that found
-/// none of the lane's records within [`CATCHUP_SCAN_MAX_RECORDS`]).
+/// when there was nothing yet (after waiting for a wake-up).
 async fn next_batch<S, C>(
     lane: &Arc<Lane>,
     ctx: &mut LaneContext<S, C>,
@@ -633,20 +638,20 @@ async fn next_batch<S, C>(
     // first next time.
     let mut batch = Vec::new();
     let mut bytes = 0usize;
-    let mut scanned = 0usize;
-    'read: while reader.position() < limit
-        && batch.len() < max_records
-        && bytes < max_bytes
-        && scanned < CATCHUP_SCAN_MAX_RECORDS
-    {
+    let mut scanned_since_yield = 0usize;
+    'read: while reader.position() < limit && batch.len() < max_records && bytes < max_bytes {
+        if scanned_since_yield >= CATCHUP_SCAN_RECORDS_PER_YIELD {
+            tokio::task::yield_now().await;
+            scanned_since_yield = 0;
+        }
         let want = ((limit - reader.position()) as usize)
             .min(max_records - batch.len())
-            .min(CATCHUP_SCAN_MAX_RECORDS - scanned);
+            .min(CATCHUP_SCAN_RECORDS_PER_YIELD - scanned_since_yield);
         let records = reader.try_read(want, max_bytes - bytes)?;
         if records.is_empty() {
             break;
         }
-        scanned += records.len();
+        scanned_since_yield += records.len();
         for rec in records {
             let offset = rec.offset;
             if let Some(routed) = own_record(lane, rec) {
@@ -683,10 +688,6 @@ async fn next_batch<S, C>(
             None
         }
     };
-    if scanned >= CATCHUP_SCAN_MAX_RECORDS || (batch.is_empty() && handed_back.is_none()) {
-        // The scan's share of the worker is spent: the others run before it goes on.
-        tokio::task::yield_now().await;
-    }
     match handed_back {
         Some(true) => {
             *catchup = None;
@@ -697,9 +698,6 @@ async fn next_batch<S, C>(
             tokio::task::yield_now().await;
             Ok(None)
         }
-        // The scan stopped at its bound before finding any of the lane's records: go on
-        // from where it stopped, next call.
-        None if batch.is_empty() => Ok(None),
         None => Ok(Some(batch)),
     }
 }
