@@ -115,7 +115,7 @@ impl Default for IggySinkConfig {
             tls_ca_file: None,
             reconnection_max_retries: 1,
             reconnection_interval: Duration::from_millis(500),
-            connect_timeout: Duration::from_secs(30),
+            connect_timeout: CLIENT_REPLY_TIMEOUT,
             topic_defaults: TopicDefaults::default(),
         }
     }
@@ -131,7 +131,7 @@ pub struct IggySink {
     /// after a failure that says the server is gone; cleared by a connect that succeeds.
     unreachable: AtomicBool,
     /// The connect in progress, if any; its task finishes even when nobody waits for it.
-    connecting: tokio::sync::Mutex<Option<JoinHandle<Result<(), IggyError>>>>,
+    connecting: tokio::sync::Mutex<Option<JoinHandle<Result<(), ConnectFailure>>>>,
     /// When the server last answered a call (an ack, or an error of its own).
     last_answer: std::sync::Mutex<Option<std::time::Instant>>,
     /// No connect before this: set `reconnection_interval` ahead by a failed connect (by
@@ -157,6 +157,25 @@ pub const MAX_RESULT_TIMEOUT: Duration = Duration::from_secs(25);
 /// [`IggySink::take`]): far above a connect on a working network, far below any result
 /// timeout worth configuring.
 const FRESH_CONNECTION_USABLE_FOR: Duration = Duration::from_millis(250);
+
+/// Why a connect failed.
+#[derive(Debug)]
+enum ConnectFailure {
+    /// It outlasted `connect_timeout`.
+    TimedOut(Duration),
+    Client(IggyError),
+}
+
+impl std::fmt::Display for ConnectFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ConnectFailure::TimedOut(limit) => {
+                write!(f, "connecting took longer than {} ms (the connect timeout)", limit.as_millis())
+            }
+            ConnectFailure::Client(e) => write!(f, "{e}"),
+        }
+    }
+}
 
 /// A connection taken by one call. Given back by [`IggySink::settle`] once the call was
 /// answered; dropped otherwise (a call cut short, a dead connection), never reused.
@@ -210,14 +229,15 @@ impl IggySink {
 
     /// Makes one more idle connection, unless one is there: one connect at a time, in a
     /// task of its own that parks its connection as idle whether or not anybody still
-    /// waits for it.
+    /// waits for it. Within `reconnection_interval` of a failure that paced connects, it
+    /// fails `Unavailable` at once.
     async fn connect(&self) -> Result<(), SendError> {
         let mut connecting = self.connecting.lock().await;
         if let Some(task) = connecting.take_if(|t| t.is_finished()) {
             // It ended while nobody waited (every caller's timeout cut it short): its
-            // outcome is taken in (a connection parked, the server marked reachable or
-            // not), not handed to a caller who came later as if it were theirs.
-            let _ = self.connected(task.await);
+            // outcome is taken in, not handed to a caller who came later as if it were
+            // theirs, and a success long past is no answer of the server now.
+            let _ = self.connected(task.await, false);
         }
         if !self.idle().is_empty() {
             return Ok(());
@@ -252,7 +272,8 @@ impl IggySink {
                     Ok(client)
                 })
                 .await
-                .unwrap_or(Err(IggyError::CannotEstablishConnection));
+                .map_err(|_| ConnectFailure::TimedOut(config.connect_timeout))
+                .and_then(|r| r.map_err(ConnectFailure::Client));
                 match connected {
                     Ok(client) => {
                         idle.lock().unwrap_or_else(|p| p.into_inner()).push(Arc::new(client));
@@ -260,8 +281,7 @@ impl IggySink {
                     }
                     Err(e) => {
                         // Paced from the failure, not from when somebody reads it.
-                        let at = std::time::Instant::now() + config.reconnection_interval;
-                        *not_before.lock().unwrap_or_else(|p| p.into_inner()) = Some(at);
+                        pace(&not_before, config.reconnection_interval);
                         Err(e)
                     }
                 }
@@ -271,23 +291,28 @@ impl IggySink {
         // caller.
         let joined = task.await;
         *connecting = None;
-        self.connected(joined)
+        self.connected(joined, true)
     }
 
-    /// Takes in the outcome of a connect task.
-    fn connected(&self, joined: Result<Result<(), IggyError>, tokio::task::JoinError>) -> Result<(), SendError> {
+    /// Takes in the outcome of a connect task; `fresh`: it ended just now, as its caller
+    /// waited for it.
+    fn connected(
+        &self,
+        joined: Result<Result<(), ConnectFailure>, tokio::task::JoinError>,
+        fresh: bool,
+    ) -> Result<(), SendError> {
         match joined {
             Err(e) => Err(SendError::new(SendErrorKind::Unavailable, format!("the connect task failed: {e}"))),
             // A failed connect is the client's, whatever the error: no destination's.
-            Ok(Err(e)) => {
+            Ok(Err(failure)) => {
                 self.unreachable.store(true, Ordering::Release);
-                let mut failure = SendError::new(classify(&e), e.to_string());
-                if failure.kind == SendErrorKind::Destination {
-                    failure.kind = SendErrorKind::Unavailable;
-                }
-                Err(failure)
+                let kind = match &failure {
+                    ConnectFailure::Client(e) if classify(e) != SendErrorKind::Destination => classify(e),
+                    _ => SendErrorKind::Unavailable,
+                };
+                Err(SendError::new(kind, failure.to_string()))
             }
-            Ok(Ok(())) => {
+            Ok(Ok(())) if fresh => {
                 if self.unreachable.load(Ordering::Acquire) {
                     tracing::info!("connected to iggy");
                 }
@@ -295,6 +320,8 @@ impl IggySink {
                 self.answered();
                 Ok(())
             }
+            // Its connection is parked: a call made on it says whether the server answers.
+            Ok(Ok(())) => Ok(()),
         }
     }
 
@@ -320,7 +347,11 @@ impl IggySink {
                 ) {
                     self.unreachable.store(true, Ordering::Release);
                     self.idle().clear();
-                    self.pace_connects();
+                    // A server that answered "not now" (busy, catching up) is there:
+                    // connects go on at the router's pace.
+                    if !matches!(e, IggyError::TransientNotAccepted | IggyError::TransientNotCommitted) {
+                        self.pace_connects();
+                    }
                 } else {
                     self.answered();
                     if !cache_suspect {
@@ -334,8 +365,7 @@ impl IggySink {
 
     /// No new connect for `reconnection_interval` from now.
     fn pace_connects(&self) {
-        let at = std::time::Instant::now() + self.config.reconnection_interval;
-        *self.connect_not_before.lock().unwrap_or_else(|p| p.into_inner()) = Some(at);
+        pace(&self.connect_not_before, self.config.reconnection_interval);
     }
 
     /// How long until a connect may be made, if it may not be made now.
@@ -366,6 +396,11 @@ impl IggySink {
             ..TopicCreateOptions::default()
         }
     }
+}
+
+/// No connect before `interval` from now.
+fn pace(not_before: &std::sync::Mutex<Option<std::time::Instant>>, interval: Duration) {
+    *not_before.lock().unwrap_or_else(|p| p.into_inner()) = Some(std::time::Instant::now() + interval);
 }
 
 /// A client of the server in `config`, not connected. Its own reconnection is off: every
@@ -651,12 +686,33 @@ mod tests {
             IggySinkConfig { address, reconnection_interval: Duration::from_millis(300), ..Default::default() };
         let sink = IggySink::new(&config).unwrap();
         assert!(tokio::time::timeout(Duration::from_millis(100), sink.connect()).await.is_err(), "gave up waiting");
-        // The connect fails about 500 ms in; the interval has passed well after that.
-        tokio::time::sleep(Duration::from_secs(2)).await;
+        // The connect fails about 500 ms in, then the interval passes.
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while !sink.connecting.lock().await.as_ref().is_some_and(|t| t.is_finished()) {
+            assert!(std::time::Instant::now() < deadline, "the connect never ended");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(600)).await;
         assert_eq!(accepted.load(Ordering::SeqCst), 1);
         let again = tokio::time::timeout(Duration::from_secs(20), sink.connect()).await.expect("connect ends");
         assert!(again.is_err(), "the server closes every connection");
         assert_eq!(accepted.load(Ordering::SeqCst), 2, "no new attempt: the old failure was handed over");
+    }
+
+    /// A connect that succeeded just now, as its caller waited, shows the server answering
+    /// (a timed-out call's check that the server still answers relies on it); one that
+    /// succeeded long ago, taken in later, shows nothing about the server now: counted as
+    /// an answer, it would charge a silent server's timeouts to each destination's breaker.
+    #[test]
+    fn only_a_connect_that_just_succeeded_counts_as_the_server_answering() {
+        let sink = IggySink::new(&IggySinkConfig::default()).unwrap();
+        let before = std::time::Instant::now();
+        assert!(sink.connected(Ok(Ok(())), false).is_ok());
+        assert!(!sink.answered_since(before), "a success long past counted as an answer now");
+        assert!(sink.connecting(), "a success long past took the server for reachable");
+        assert!(sink.connected(Ok(Ok(())), true).is_ok());
+        assert!(sink.answered_since(before));
+        assert!(!sink.connecting());
     }
 
     /// A connect to a server that takes the connection and never answers fails after the
@@ -686,15 +742,17 @@ mod tests {
         let first = tokio::time::timeout(Duration::from_secs(20), sink.connect()).await.expect("connect ends");
         assert!(first.is_err(), "a server that closes every connection cannot be connected to");
         assert_eq!(accepted.load(Ordering::SeqCst), 1);
+        // Calls well inside the interval (half of it, whatever a busy machine delays).
         let failed_at = std::time::Instant::now();
-        for _ in 0..20 {
+        let mut refused = 0;
+        while failed_at.elapsed() < interval / 2 && refused < 20 {
             let again = sink.connect().await.expect_err("within the interval");
             assert_eq!(again.kind, SendErrorKind::Unavailable, "{again}");
             assert!(again.detail.contains("reconnection_interval_ms"), "{again}");
+            refused += 1;
         }
-        if failed_at.elapsed() < interval {
-            assert_eq!(accepted.load(Ordering::SeqCst), 1, "a connect was made within the interval");
-        }
+        assert!(refused > 0, "no call was made within the interval");
+        assert_eq!(accepted.load(Ordering::SeqCst), 1, "a connect was made within the interval");
         tokio::time::sleep(interval).await;
         let _ = tokio::time::timeout(Duration::from_secs(20), sink.connect()).await.expect("connect ends");
         assert_eq!(accepted.load(Ordering::SeqCst), 2, "the interval passed, and no connect was made");
