@@ -371,17 +371,24 @@ impl IdempotencyIndex {
             .await
             .map_err(|e| StateError::Storage(format!("reopen task failed: {e}")))??;
         if reopened {
+            // The repair kept the last durable commit: keys recorded since (not durably)
+            // are gone from the database, and owed until a restore reads their records.
+            // Owed from the checkpoint first, in case the restore fails; after it, from
+            // where it stopped: records it could not read yet (answered under
+            // `interval`, not yet synced) have lost their keys. Under `always` it read
+            // every answered record.
+            self.owe_from(self.durable_through.load(Ordering::Acquire));
             let report = self.restore_from_log(wal, now_unix_ms)?;
             tracing::warn!(?report, "idempotency keys restored from the log after the state database was reopened");
-            // The repair kept the last durable commit: keys recorded since (not durably)
-            // for records the restore could not read yet (answered under `interval`, not
-            // yet synced) are gone from the database, and owed until a restore reads
-            // their records. Under `always` the restore read every answered record.
-            let restored_below = self.durable_through.load(Ordering::Acquire);
-            let mut owed = self.first_unrecorded.lock().unwrap_or_else(|p| p.into_inner());
-            *owed = Some(owed.map_or(restored_below, |first| first.min(restored_below)));
+            self.owe_from(self.durable_through.load(Ordering::Acquire));
         }
         Ok(reopened)
+    }
+
+    /// Marks the keys of records from `offset` on owed (see `first_unrecorded`).
+    fn owe_from(&self, offset: u64) {
+        let mut owed = self.first_unrecorded.lock().unwrap_or_else(|p| p.into_inner());
+        *owed = Some(owed.map_or(offset, |first| first.min(offset)));
     }
 
     /// Once per database (a durable marker says it was done): forgets the keys recorded,
