@@ -1232,8 +1232,13 @@ fn where_events_go(c: &mut Checker<'_>, sp: &KeyPath, s: &SourceConfig) -> (Dest
 /// A name of the narrow grammar, or an error at `path`.
 fn check_name(c: &mut Checker<'_>, path: &KeyPath, name: &str) {
     if !is_name(name) {
-        c.err(path, format!("{name:?} is not a name of the grammar [a-zA-Z0-9._-] (1 to 255 bytes)"));
+        c.err(path, not_a_name(name));
     }
+}
+
+/// The problem with a stream or topic name outside the grammar of routed names.
+pub(crate) fn not_a_name(name: &str) -> String {
+    format!("{name:?} is not a name of the grammar [a-zA-Z0-9._-] (1 to 255 bytes)")
 }
 
 fn field_path(c: &mut Checker<'_>, path: &KeyPath, text: &str) -> FieldPath {

@@ -206,7 +206,7 @@ fn policy_from(s: &RouterSection, prefix: &[&str], problems: &mut Vec<Problem>) 
         if let Some(n) = name
             && !http_source::admission::is_name(n)
         {
-            problems.push((at(key), format!("{n:?} is not a name of the grammar [a-zA-Z0-9._-] (1 to 255 bytes)")));
+            problems.push((at(key), crate::config::not_a_name(n)));
         }
     }
     let dead_letter = match (&s.dead_letter_stream, &s.dead_letter_topic) {

@@ -194,6 +194,14 @@ fn state_migrate(path: &std::path::Path) -> ExitCode {
             }
             ExitCode::SUCCESS
         }
+        Err(ingest::StateError::SchemaMismatch { found, .. }) => {
+            eprintln!(
+                "iggy-ingest: {}: no migration step leads from schema version {found} to {} (nothing was changed)",
+                path.display(),
+                ingest::SCHEMA_VERSION
+            );
+            ExitCode::FAILURE
+        }
         Err(e) => {
             eprintln!("iggy-ingest: {e}");
             ExitCode::FAILURE

@@ -292,7 +292,7 @@ fn damage_in_the_middle_is_named_by_file_and_byte_and_salvage_keeps_what_checks(
     let held: u64 = v["segments"].as_array().unwrap().iter().map(|s| s["records"].as_u64().unwrap()).sum();
     assert_eq!(held, 39, "{v}");
     let text = stdout(&cli_in(&["inspect", "--quick"], &copy));
-    assert!(text.contains("(39 records;") && text.contains("missing   2..3 (1 offsets a salvage skipped)"), "{text}");
+    assert!(text.contains("(39 records;") && text.contains("missing   2..3 (1 offset(s) a salvage skipped)"), "{text}");
     // The copy is a log the daemon can open and append to.
     let wal = Wal::open(&copy, small()).unwrap();
     let a = rt().block_on(wal.append(vec![envelope(99)])).unwrap();

@@ -284,17 +284,11 @@ fn open_bounded(
                     } else {
                         find_proof_of_durable_damage(&*tail.file, &tail.path, tail.len, pos)?
                     };
-                    match proof {
-                        Some(_) => {
-                            let location = Location { file: tail.path.clone(), position: pos };
-                            damage = Some((tail_index, WalError::Corrupt { location, problem }));
-                        }
-                        None => {
-                            // The torn write began with its batch: where the cut begins
-                            // (a batch's records before `pos` go with it), as `verify`
-                            // reports it.
-                            report.torn_at = Some(Location { file: tail.path.clone(), position: out.valid_end });
-                        }
+                    // Without proof it is a torn write, cut below from where its batch
+                    // began (`torn_at` is set there, as `verify` reports it).
+                    if proof.is_some() {
+                        let location = Location { file: tail.path.clone(), position: pos };
+                        damage = Some((tail_index, WalError::Corrupt { location, problem }));
                     }
                 }
                 if damage.is_none() {

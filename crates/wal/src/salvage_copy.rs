@@ -240,8 +240,8 @@ pub fn salvage_copy(storage: &dyn Storage, src: &Path, dst: &Path) -> Result<Cop
     let read = crate::watermark::read_settled(storage, src, Ok)?;
     // A copy that failed is void too if a writer started under it (its recovery removes
     // or changes files the copy reads): unsettled, to be made again.
-    let report = copy_bounded(storage, src, dst, read)
-        .map_err(|e| crate::watermark::confirm_unbounded(storage, src, read).err().unwrap_or(e))?;
+    let report =
+        copy_bounded(storage, src, dst, read).map_err(|e| crate::watermark::unsettled_or(storage, src, read, e))?;
     crate::watermark::confirm_unbounded(storage, src, read)?;
     Ok(report)
 }

@@ -126,7 +126,7 @@ pub(crate) fn read_settled<T>(
             // A read that failed is void too if a writer started under it: the file it
             // could not read may be one the writer's recovery removed (the clean-shutdown
             // marker) or changed, not damage.
-            let value = read(bound).map_err(|e| confirm_unbounded(storage, dir, bound).err().unwrap_or(e))?;
+            let value = read(bound).map_err(|e| unsettled_or(storage, dir, bound, e))?;
             confirm_unbounded(storage, dir, bound)?;
             Ok(value)
         });
@@ -136,6 +136,16 @@ pub(crate) fn read_settled<T>(
             }
             other => return other,
         }
+    }
+}
+
+/// What a read under `bound` that failed with `e` reports: `Unsettled` if a writer took
+/// the lock during it (the failure may be the writer's doing: a file its recovery removed
+/// or changed), else `e` itself (also when the lock cannot be checked).
+pub(crate) fn unsettled_or(storage: &dyn Storage, dir: &Path, bound: Bound, e: WalError) -> WalError {
+    match confirm_unbounded(storage, dir, bound) {
+        Err(unsettled @ WalError::Unsettled { .. }) => unsettled,
+        _ => e,
     }
 }
 

@@ -252,7 +252,7 @@ pub(crate) fn run(a: InspectArgs) -> CliResult {
         stats.start_offset, stats.next_offset, records, stats.start_offset, stats.next_offset
     )?;
     for r in &missing {
-        writeln!(out, "missing   {}..{} ({} offsets a salvage skipped)", r.start, r.end, r.end - r.start)?;
+        writeln!(out, "missing   {}..{} ({} offset(s) a salvage skipped)", r.start, r.end, r.end - r.start)?;
     }
     match max_bytes {
         Some(m) => writeln!(
