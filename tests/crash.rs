@@ -306,3 +306,54 @@ async fn a_webhook_listener_that_panics_stops_the_daemon_with_status_1_and_loses
     .await;
     assert!(daemon.stop().await.success());
 }
+
+/// A crash after a keyed request's events were appended (and synced) and before its
+/// delivery id was recorded: its sender got no answer, yet the event is in the log. After
+/// the restart every retry, that one's included, is answered with the offsets the log
+/// holds for it and appends nothing: the restart restores the delivery ids from the log.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_between_a_keyed_append_and_its_recorded_id_answers_every_retry_from_the_log() {
+    const HIT: u64 = 20;
+    let dir = test_dir("keyed-append");
+    let rest = "[router]\nenabled = false\n\n[sources.k]\ndestination = { stream = \"s\", topic = \"t\" }\n";
+    let config = config_text(dir.path(), "127.0.0.1:1", rest);
+    let env =
+        [("IGGY_INGEST_FAIL_POINT", "ingest.appended".to_string()), ("IGGY_INGEST_FAIL_POINT_HIT", HIT.to_string())];
+    let mut daemon = Daemon::start(dir.path(), &config, &env).await;
+    let post = async |conn: &mut Conn, n: u64| {
+        let key = format!("delivery-{n}");
+        let headers = [("idempotency-key", key.as_str()), ("content-type", "application/json")];
+        conn.send("POST", "/v1/sources/k", &headers, format!("{{\"n\":{n}}}")).await
+    };
+    // One request at a time: the n-th is appended at offset n - 1.
+    let mut conn = Conn::open(daemon.http).await.expect("connect");
+    let mut answered = Vec::new();
+    for n in 1..=HIT {
+        match post(&mut conn, n).await {
+            Ok(a) => {
+                assert_eq!(a.status, 200, "delivery-{n}: {:?}", String::from_utf8_lossy(&a.body));
+                answered.push(a.json()["offsets"].clone());
+            }
+            Err(_) => break,
+        }
+    }
+    let status = daemon.wait_exit(Duration::from_secs(60)).await.expect("the daemon died at the fail point");
+    assert!(killed_by_sigkill(&status), "ended otherwise: {status}: {}", daemon.stderr());
+    assert!(daemon.stderr().contains(&format!("fail point ingest.appended: hit {HIT}")), "{}", daemon.stderr());
+    assert_eq!(answered.len() as u64, HIT - 1, "the requests before the crash were answered");
+
+    let daemon = Daemon::restart(dir.path(), &[]).await;
+    let mut conn = Conn::open(daemon.http).await.expect("connect");
+    for n in 1..=HIT {
+        let a = post(&mut conn, n).await.expect("answered");
+        assert_eq!(a.status, 200, "retry of delivery-{n}: {:?}", String::from_utf8_lossy(&a.body));
+        let want = serde_json::json!([n - 1, n - 1]);
+        assert_eq!(a.json()["offsets"], want, "retry of delivery-{n}");
+        if let Some(before) = answered.get((n - 1) as usize) {
+            assert_eq!(*before, want, "delivery-{n}'s first answer");
+        }
+    }
+    let status = e2e::daemon::get(daemon.admin, "/status").await.expect("status").json();
+    assert_eq!(status["log"]["next_offset"], HIT, "a retry was appended again: {status}");
+    assert!(daemon.stop().await.success());
+}

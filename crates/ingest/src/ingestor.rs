@@ -215,6 +215,7 @@ impl Ingestor {
             Err(e) => return Err(IngestError::Internal(e.to_string())),
         }
         let accepted = self.append(&s).await?;
+        fail_points::fail_point!("ingest.appended");
         let prior = PriorAcceptance {
             first_offset: accepted.first_offset,
             last_offset: accepted.last_offset,
