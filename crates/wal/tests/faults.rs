@@ -125,6 +125,19 @@ fn concurrent_scenario(wal: &Wal) -> (BTreeMap<u64, u64>, bool) {
     (acked, closed)
 }
 
+/// Every append of [`concurrent_scenario`] is a batch of two records, tags `2k` and
+/// `2k + 1`: in the reopened log each batch is whole or absent, answered or not (the
+/// door's NDJSON requests are such batches, and a sender told nothing must not find half
+/// of its request delivered).
+fn check_batches_whole(sim: &SimStorage, context: &str) {
+    let wal = try_open(sim, options()).unwrap_or_else(|e| panic!("{context}: reopen failed: {e}"));
+    let tags: Vec<u64> = read_all(&wal, wal.start_offset()).iter().map(|r| tag_of(&r.payload)).collect();
+    assert!(tags.len() % 2 == 0, "{context}: an odd number of records, {tags:?}");
+    for pair in tags.chunks(2) {
+        assert!(pair[0] % 2 == 0 && pair[1] == pair[0] + 1, "{context}: a batch not whole: {pair:?} in {tags:?}");
+    }
+}
+
 /// The synced length every record frame of the log carries, in file order.
 fn frame_synced_lengths(sim: &SimStorage) -> Vec<(String, u64)> {
     use wal::format::{FrameHeader, SEGMENT_HEADER_LEN};
@@ -170,7 +183,9 @@ fn power_loss_at_every_operation_with_appends_in_flight_keeps_every_resolved_app
                 sim.crash(mode);
             }
             drop(wal);
-            check_tags_below(&sim, &acked, 64, &format!("power loss at operation {n} of {total} ({mode:?})"));
+            let context = format!("power loss at operation {n} of {total} ({mode:?})");
+            check_tags_below(&sim, &acked, 64, &context);
+            check_batches_whole(&sim, &context);
         }
     }
 }
@@ -200,12 +215,9 @@ fn under_interval_power_loss_at_every_operation_keeps_what_a_clean_close_covered
             }
             drop(wal);
             let promised = if closed && !crashed { acked } else { BTreeMap::new() };
-            check_tags_below(
-                &sim,
-                &promised,
-                64,
-                &format!("interval, power loss at operation {n} of {total} ({mode:?})"),
-            );
+            let context = format!("interval, power loss at operation {n} of {total} ({mode:?})");
+            check_tags_below(&sim, &promised, 64, &context);
+            check_batches_whole(&sim, &context);
         }
     }
     // How many operations a run takes depends on how the appends of a round happen to
