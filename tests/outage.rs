@@ -86,6 +86,9 @@ impl Monitor {
         tokio::spawn(async move {
             while let Some(m) = weak.upgrade() {
                 let admin = m.admin();
+                // A sample belongs to a phase only if the phase did not change while it
+                // was taken.
+                let phase = m.phase.load(Ordering::SeqCst);
                 let held = metric(admin, "iggy_connector_held_bytes").await;
                 let mut degraded = 0;
                 for s in 0..SOURCES {
@@ -93,8 +96,9 @@ impl Monitor {
                         degraded += 1;
                     }
                 }
-                if let Some(held_bytes) = held {
-                    let phase = m.phase.load(Ordering::SeqCst);
+                if let Some(held_bytes) = held
+                    && m.phase.load(Ordering::SeqCst) == phase
+                {
                     m.samples.lock().unwrap_or_else(|p| p.into_inner()).push(Sample { phase, held_bytes, degraded });
                 }
                 drop(m);
