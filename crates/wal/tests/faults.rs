@@ -132,9 +132,12 @@ fn concurrent_scenario(wal: &Wal) -> (BTreeMap<u64, u64>, bool) {
 fn check_batches_whole(sim: &SimStorage, context: &str) {
     let wal = try_open(sim, options()).unwrap_or_else(|e| panic!("{context}: reopen failed: {e}"));
     let tags: Vec<u64> = read_all(&wal, wal.start_offset()).iter().map(|r| tag_of(&r.payload)).collect();
-    assert!(tags.len() % 2 == 0, "{context}: an odd number of records, {tags:?}");
+    assert!(tags.len().is_multiple_of(2), "{context}: an odd number of records, {tags:?}");
     for pair in tags.chunks(2) {
-        assert!(pair[0] % 2 == 0 && pair[1] == pair[0] + 1, "{context}: a batch not whole: {pair:?} in {tags:?}");
+        assert!(
+            pair[0].is_multiple_of(2) && pair[1] == pair[0] + 1,
+            "{context}: a batch not whole: {pair:?} in {tags:?}"
+        );
     }
 }
 
