@@ -656,10 +656,6 @@ mod tests {
         assert_eq!(endpoint(1).table_key(), endpoint(1).table_key());
     }
 
-    /// A key whose record failed (here: the recorder thread is gone) must not be passed
-    /// over by a checkpoint, or neither a restart nor the log (released below the
-    /// checkpoint) could restore it: the checkpoint restores it from the log first, and
-    /// the log's release ceiling (`durable_through`) follows the checkpoint.
     /// A request of one small event for source `s`, with `delivery_key` if any.
     fn one_event(delivery_key: Option<&str>, now: u64) -> crate::Submission {
         use crate::{Destination, Event, Partitioning, Submission};
@@ -682,6 +678,23 @@ mod tests {
         }
     }
 
+    /// A log under `wal.sync = "interval"` (a sync a minute, so nothing is synced unless
+    /// a test closes the log) on the simulated disk, and an index over `state` rebuilt
+    /// from it with the ingest core in front: the daemon serving, `now` its clock.
+    fn serving_under_interval(state: Arc<StateDb>) -> (Arc<Wal>, Arc<IdempotencyIndex>, crate::Ingestor, u64) {
+        let options = wal::WalOptions {
+            sync: wal::SyncPolicy::Interval(std::time::Duration::from_secs(60)),
+            ..wal::WalOptions::default()
+        };
+        let sim = Arc::new(wal::storage::SimStorage::new());
+        let wal = Arc::new(Wal::open_with(sim, std::path::Path::new("/wal"), options).unwrap());
+        let now = crate::time::now_unix_ms();
+        let index = Arc::new(IdempotencyIndex::new(state, 86_400_000));
+        index.rebuild(&wal, now).unwrap();
+        let ingestor = crate::Ingestor::new(wal.clone(), index.clone());
+        (wal, index, ingestor, now)
+    }
+
     /// Under `wal.sync = "interval"` an append is answered once written, before the sync,
     /// and its key recorded at once. A restore from the log while serving (here: a
     /// checkpoint after a key the recorder could not take) must not forget such keys as
@@ -690,18 +703,8 @@ mod tests {
     /// it.
     #[tokio::test]
     async fn a_restore_while_serving_keeps_the_keys_of_appends_answered_before_their_sync() {
-        use crate::Ingestor;
         let state = Arc::new(StateDb::open_in_memory().unwrap());
-        let sim = wal::storage::SimStorage::new();
-        let options = wal::WalOptions {
-            sync: wal::SyncPolicy::Interval(std::time::Duration::from_secs(60)),
-            ..wal::WalOptions::default()
-        };
-        let wal = Arc::new(Wal::open_with(Arc::new(sim), std::path::Path::new("/wal"), options).unwrap());
-        let now = crate::time::now_unix_ms();
-        let index = Arc::new(IdempotencyIndex::new(state.clone(), 86_400_000));
-        index.rebuild(&wal, now).unwrap();
-        let ingestor = Ingestor::new(wal.clone(), index.clone());
+        let (wal, index, ingestor, now) = serving_under_interval(state.clone());
         let submission = |delivery_key: &str| one_event(Some(delivery_key), now);
         let d0 = ingestor.accept(submission("d-0")).await.unwrap();
         assert_eq!((d0.first_offset, d0.replayed), (0, false));
@@ -806,23 +809,13 @@ mod tests {
     /// for good and a retry was appended again.
     #[tokio::test]
     async fn keys_a_reopen_lost_for_records_not_yet_synced_come_back_once_the_records_are_durable() {
-        use crate::Ingestor;
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("s.redb");
         let fail = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let file = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&path).unwrap();
         let backend = FailingFile { inner: redb::backends::FileBackend::new(file).unwrap(), fail: fail.clone() };
         let state = Arc::new(StateDb::open_with_backend(&path, backend).unwrap());
-        let sim = wal::storage::SimStorage::new();
-        let options = wal::WalOptions {
-            sync: wal::SyncPolicy::Interval(std::time::Duration::from_secs(60)),
-            ..wal::WalOptions::default()
-        };
-        let wal = Arc::new(Wal::open_with(Arc::new(sim), std::path::Path::new("/wal"), options).unwrap());
-        let now = crate::time::now_unix_ms();
-        let index = Arc::new(IdempotencyIndex::new(state, 86_400_000));
-        index.rebuild(&wal, now).unwrap();
-        let ingestor = Ingestor::new(wal.clone(), index.clone());
+        let (wal, index, ingestor, now) = serving_under_interval(state);
         let d0 = ingestor.accept(one_event(Some("d-0"), now)).await.unwrap();
         assert_eq!((d0.first_offset, d0.replayed), (0, false));
         assert_eq!(wal.next_offset(), 0, "nothing is durable yet");
@@ -847,18 +840,8 @@ mod tests {
     /// or the next restore would start past it and the key would never come back.
     #[tokio::test]
     async fn a_checkpoint_stops_below_an_owed_key_when_the_log_synced_after_its_restore() {
-        use crate::Ingestor;
         let state = Arc::new(StateDb::open_in_memory().unwrap());
-        let sim = wal::storage::SimStorage::new();
-        let options = wal::WalOptions {
-            sync: wal::SyncPolicy::Interval(std::time::Duration::from_secs(60)),
-            ..wal::WalOptions::default()
-        };
-        let wal = Arc::new(Wal::open_with(Arc::new(sim), std::path::Path::new("/wal"), options).unwrap());
-        let now = crate::time::now_unix_ms();
-        let index = Arc::new(IdempotencyIndex::new(state, 86_400_000));
-        index.rebuild(&wal, now).unwrap();
-        let ingestor = Ingestor::new(wal.clone(), index.clone());
+        let (wal, index, ingestor, now) = serving_under_interval(state);
         ingestor.accept(one_event(Some("d-0"), now)).await.unwrap();
         *index.recorder.lock().unwrap() = None;
         let d1 = ingestor.accept(one_event(Some("d-1"), now)).await.unwrap();
@@ -875,6 +858,10 @@ mod tests {
         assert_eq!(index.lookup(&key("d-1"), now).unwrap().map(|p| p.first_offset), Some(1), "d-1 was never restored");
     }
 
+    /// A key whose record failed (here: the recorder thread is gone) must not be passed
+    /// over by a checkpoint, or neither a restart nor the log (released below the
+    /// checkpoint) could restore it: the checkpoint restores it from the log first, and
+    /// the log's release ceiling (`durable_through`) follows the checkpoint.
     #[tokio::test]
     async fn a_key_the_recorder_could_not_take_is_restored_from_the_log_before_a_checkpoint_passes_it() {
         use crate::Ingestor;
