@@ -80,7 +80,12 @@ impl StateDb {
     pub fn open(path: impl AsRef<Path>) -> Result<StateDb, StateError> {
         let path = path.as_ref().to_path_buf();
         let db = Database::create(&path).map_err(|e| StateError::Open { path: path.clone(), detail: e.to_string() })?;
-        let state = StateDb { db: RwLock::new(Some(Arc::new(db))), path, in_memory: false };
+        StateDb::checked(db, path, false)
+    }
+
+    /// `db`, opened at `path`, once its schema version checks (or a new one is set up).
+    fn checked(db: Database, path: PathBuf, in_memory: bool) -> Result<StateDb, StateError> {
+        let state = StateDb { db: RwLock::new(Some(Arc::new(db))), path, in_memory };
         state.check_or_init_schema()?;
         Ok(state)
     }
@@ -96,9 +101,7 @@ impl StateDb {
         let db = redb::Builder::new()
             .create_with_backend(backend)
             .map_err(|e| StateError::Open { path: path.clone(), detail: e.to_string() })?;
-        let state = StateDb { db: RwLock::new(Some(Arc::new(db))), path, in_memory: false };
-        state.check_or_init_schema()?;
-        Ok(state)
+        StateDb::checked(db, path, false)
     }
 
     /// A fresh database held in memory, for tests and fuzzing: the same tables and
@@ -108,9 +111,7 @@ impl StateDb {
         let db = redb::Builder::new()
             .create_with_backend(redb::backends::InMemoryBackend::new())
             .map_err(|e| StateError::Open { path: path.clone(), detail: e.to_string() })?;
-        let state = StateDb { db: RwLock::new(Some(Arc::new(db))), path, in_memory: true };
-        state.check_or_init_schema()?;
-        Ok(state)
+        StateDb::checked(db, path, true)
     }
 
     /// The database, for one operation. Keep the handle alive until the operation's

@@ -135,10 +135,9 @@ fn main() -> ExitCode {
 }
 
 fn state_command(command: StateCommand) -> ExitCode {
-    let (data_dir, yes, reset) = match command {
-        StateCommand::Show { data_dir } => (data_dir, false, false),
-        StateCommand::Reset { data_dir, yes } => (data_dir, yes, true),
-        StateCommand::Migrate { data_dir } => return state_migrate(&data_dir.join("state.redb")),
+    let (data_dir, yes, reset) = match &command {
+        StateCommand::Show { data_dir } | StateCommand::Migrate { data_dir } => (data_dir, false, false),
+        StateCommand::Reset { data_dir, yes } => (data_dir, *yes, true),
     };
     let path = data_dir.join("state.redb");
     // An argument that names no database is a command-line error (2), like the log
@@ -149,6 +148,9 @@ fn state_command(command: StateCommand) -> ExitCode {
             path.display()
         );
         return ExitCode::from(2);
+    }
+    if let StateCommand::Migrate { .. } = command {
+        return state_migrate(&path);
     }
     let result = if reset && yes { ingest::state::reset(&path) } else { ingest::state::inventory(&path) };
     let inventory = match result {
@@ -171,17 +173,10 @@ fn state_command(command: StateCommand) -> ExitCode {
     ExitCode::SUCCESS
 }
 
-/// `state migrate`: exit 0 migrated or already current, 1 refused (a version with no
-/// step to this build's, a running daemon, a database that cannot be read), 2 no
-/// database at the path.
+/// `state migrate` of the database at `path`: exit 0 migrated or already current, 1
+/// refused (a version with no step to this build's, a running daemon, a database that
+/// cannot be read).
 fn state_migrate(path: &std::path::Path) -> ExitCode {
-    if !path.is_file() {
-        eprintln!(
-            "iggy-ingest: no state database at {} (is --data-dir the daemon's storage.data_dir?)",
-            path.display()
-        );
-        return ExitCode::from(2);
-    }
     match ingest::state::migrate(path) {
         Ok(ingest::state::Migration::AlreadyCurrent) => {
             println!("{}: schema version {}; nothing to migrate", path.display(), ingest::SCHEMA_VERSION);
