@@ -1447,15 +1447,11 @@ fn auth_scheme(c: &mut Checker<'_>, path: &KeyPath, a: AuthConfig<'_>) -> AuthSc
     match AuthScheme::from_parts(a.auth_type, secret, a.auth_header, a.auth_prefix, a.auth_tolerance_secs) {
         Ok(s) => s,
         Err((field, message)) => {
-            // A secret read from the environment is named by the key that names it.
-            let key = match (field, a.auth_secret_env) {
-                ("secret", Some(var)) => {
-                    c.err(&path.key("auth_secret_env"), format!("the value of {var}: {message}"));
-                    return AuthScheme::None;
-                }
-                _ => format!("auth_{field}"),
-            };
-            c.err(&path.key(&key), message);
+            match (field, a.auth_secret_env) {
+                // A secret read from the environment is named by the key that names it.
+                ("secret", Some(var)) => c.err(&path.key("auth_secret_env"), format!("the value of {var}: {message}")),
+                _ => c.err(&path.key(&format!("auth_{field}")), message),
+            }
             AuthScheme::None
         }
     }

@@ -421,7 +421,7 @@ pub fn check(section: &RouterSection, iggy: &IggyConfig, sources: &[String]) -> 
         tls_ca_file: iggy.tls_ca_file.clone(),
         reconnection_max_retries: 1,
         reconnection_interval: Duration::from_millis(iggy.reconnection_interval_ms.max(1)),
-        connect_timeout: IggySinkConfig::default().connect_timeout,
+        connect_timeout: router::iggy_sink::CLIENT_REPLY_TIMEOUT,
         topic_defaults: TopicDefaults {
             partitions_count,
             message_expiry: (t.message_expiry_secs > 0).then(|| Duration::from_secs(t.message_expiry_secs)),
