@@ -75,8 +75,7 @@ async fn over_the_cap_with_dead_letter_the_records_go_there_with_the_reason() {
     let want = fill(&wal, &dests, 0, 30).await;
     let mut p = policy(OnAdmissionFailure::DeadLetter);
     p.lane_queue_max_records = 2; // the dead-letter lane overflows and re-reads the log
-    let router =
-        Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), Policies::uniform(p)).unwrap();
+    let router = start_router(&wal, &sink, p);
     let dlq = key("dlq", "rejected");
     eventually(Duration::from_secs(10), "dead-lettered", || sink.ids(&dlq).len() == 10).await;
     assert_eq!(sink.ids(&dlq), want[&dests[2]]);
@@ -456,8 +455,7 @@ async fn one_record_delivered_to_partition_0(
     let mut p = policy(on);
     p.breaker.cool_down = Duration::from_secs(30);
     p.batch.linger = Duration::from_millis(300);
-    let router =
-        Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), Policies::uniform(p)).unwrap();
+    let router = start_router(&wal, &sink, p);
     wal.append(vec![record(&d, 0, Partitioning::PartitionId(0))]).await.unwrap_or_else(|e| panic!("{e}"));
     eventually(Duration::from_secs(10), "the first delivered", || sink.ids(&d) == vec![1]).await;
     let ensured = sink.ensured(&d);

@@ -19,9 +19,7 @@ async fn three_destinations_each_get_their_records_in_log_order() {
     let sink = FaultySink::new();
     let dests = [key("app", "orders"), key("app", "users"), key("audit", "events")];
     let want = fill(&wal, &dests, 0, 300).await;
-    let router =
-        Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), Policies::uniform(fast_policy()))
-            .unwrap();
+    let router = start_router(&wal, &sink, fast_policy());
     eventually(Duration::from_secs(20), "all delivered", || dests.iter().all(|d| sink.ids(d).len() == 100)).await;
     for d in &dests {
         assert_eq!(sink.ids(d), want[d], "{d}");
@@ -43,9 +41,7 @@ async fn a_black_holed_destination_opens_its_breaker_and_stalls_no_one_else() {
     let mut policy = fast_policy();
     policy.batch.result_timeout = Duration::from_millis(100);
     policy.lane_queue_max_records = 16; // the stuck lane overflows to the log quickly
-    let router =
-        Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), Policies::uniform(policy))
-            .unwrap();
+    let router = start_router(&wal, &sink, policy);
     // Both destinations exist first, then the bad one goes dark.
     let mut want = fill(&wal, &[good.clone(), bad.clone()], 0, 2).await;
     eventually(Duration::from_secs(10), "warm", || sink.ids(&bad).len() == 1).await;
@@ -92,9 +88,7 @@ async fn a_destination_whose_breaker_opened_is_degraded_whatever_the_failure_cou
     policy.breaker.failure_threshold = 1;
     policy.batch.degraded_after_failures = 5;
     policy.breaker.cool_down = Duration::from_secs(60);
-    let router =
-        Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), Policies::uniform(policy))
-            .unwrap();
+    let router = start_router(&wal, &sink, policy);
     fill(&wal, std::slice::from_ref(&d), 0, 1).await;
     eventually(Duration::from_secs(30), "breaker open", || {
         router.destinations().iter().any(|l| l.destination == d && l.breaker == "open")
@@ -114,9 +108,7 @@ async fn a_client_wide_outage_holds_everything_and_opens_no_breaker() {
     let dests = [key("a", "1"), key("a", "2"), key("b", "1")];
     let mut policy = fast_policy();
     policy.lane_queue_max_records = 32;
-    let router =
-        Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), Policies::uniform(policy))
-            .unwrap();
+    let router = start_router(&wal, &sink, policy);
     sink.client_fault(Some(SendErrorKind::Unavailable));
     let want = fill(&wal, &dests, 0, 600).await;
     eventually(Duration::from_secs(30), "degraded", || router.status().status == Status::Degraded).await;
@@ -157,9 +149,7 @@ async fn failing_destinations_leave_a_healthy_one_of_their_source_a_send_slot() 
     // The bad ones keep retrying instead of resting behind an open breaker.
     policy.breaker.failure_threshold = 1_000;
     fill(&wal, &bad, 0, 4).await;
-    let router =
-        Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), Policies::uniform(policy))
-            .unwrap();
+    let router = start_router(&wal, &sink, policy);
     // Every bad destination has timed out at least once (its second call has begun).
     eventually(Duration::from_secs(60), "every bad destination failed once", || {
         bad.iter().all(|d| sink.calls(d) + sink.ensured(d) >= 2)
@@ -195,9 +185,7 @@ async fn a_slow_but_healthy_destination_does_not_pace_the_others() {
     // 1000 records each, alternating: the slow one takes 160 a second.
     fill(&wal, &[slow.clone(), fast.clone()], 0, 2000).await;
     let started = std::time::Instant::now();
-    let router =
-        Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), Policies::uniform(policy))
-            .unwrap();
+    let router = start_router(&wal, &sink, policy);
     eventually(Duration::from_secs(30), "fast delivered", || sink.ids(&fast).len() == 1000).await;
     let took = started.elapsed();
     let slow_done = sink.ids(&slow).len();
@@ -276,9 +264,7 @@ async fn a_batch_re_read_from_the_log_keeps_to_the_batch_limits() {
     policy.batch.batch_max_bytes = 45;
     policy.lane_queue_max_records = 4;
     policy.breaker.failure_threshold = 1_000;
-    let router =
-        Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), Policies::uniform(policy))
-            .unwrap();
+    let router = start_router(&wal, &sink, policy);
     eventually(Duration::from_secs(20), "the other destination delivered", || sink.ids(&other).len() == 135).await;
     sink.fault(&a, None);
     eventually(Duration::from_secs(30), "A delivered", || sink.ids(&a).len() >= want.len()).await;
@@ -354,9 +340,7 @@ async fn each_source_has_its_own_lane_to_a_shared_destination_and_keeps_its_orde
         let source = if n % 2 == 0 { "github" } else { "stripe" };
         wal.append(vec![record_from(source, &d, n, ingest::envelope::Partitioning::Balanced)]).await.unwrap();
     }
-    let router =
-        Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), Policies::uniform(fast_policy()))
-            .unwrap();
+    let router = start_router(&wal, &sink, fast_policy());
     eventually(Duration::from_secs(20), "delivered", || sink.ids(&d).len() == 200).await;
     let lanes = router.destinations();
     assert_eq!(lanes.iter().map(|l| l.source.as_str()).collect::<Vec<_>>(), vec!["github", "stripe"]);
@@ -426,9 +410,7 @@ async fn a_lingering_batch_goes_out_as_soon_as_it_is_full() {
     let mut policy = fast_policy();
     policy.batch.linger = Duration::from_secs(60);
     policy.batch.batch_max_records = 10;
-    let router =
-        Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), Policies::uniform(policy))
-            .unwrap();
+    let router = start_router(&wal, &sink, policy);
     let mut want = fill(&wal, std::slice::from_ref(&d), 0, 4).await;
     held(&router, &d, 4).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -450,9 +432,7 @@ async fn a_stop_does_not_wait_out_a_linger() {
     let d = key("s", "lingering");
     let mut policy = fast_policy();
     policy.batch.linger = Duration::from_secs(60);
-    let router =
-        Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), Policies::uniform(policy))
-            .unwrap();
+    let router = start_router(&wal, &sink, policy);
     fill(&wal, std::slice::from_ref(&d), 0, 1).await;
     held(&router, &d, 1).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -475,9 +455,7 @@ async fn a_lingering_batch_full_by_bytes_or_larger_than_the_queue_goes_at_once()
     policy.batch.linger = Duration::from_secs(60);
     policy.batch.batch_max_records = 1000;
     policy.batch.batch_max_bytes = 40;
-    let router =
-        Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), Policies::uniform(policy))
-            .unwrap();
+    let router = start_router(&wal, &sink, policy);
     fill(&wal, std::slice::from_ref(&d), 0, 1).await;
     held(&router, &d, 1).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -495,9 +473,7 @@ async fn a_lingering_batch_full_by_bytes_or_larger_than_the_queue_goes_at_once()
     policy.batch.linger = Duration::from_secs(60);
     policy.batch.batch_max_records = 100;
     policy.lane_queue_max_records = 4;
-    let router =
-        Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), Policies::uniform(policy))
-            .unwrap();
+    let router = start_router(&wal, &sink, policy);
     fill(&wal, std::slice::from_ref(&d), 0, 1).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     fill(&wal, std::slice::from_ref(&d), 1, 120).await;
@@ -519,9 +495,7 @@ async fn a_backlog_goes_out_in_full_batches_in_order() {
     policy.batch.linger = Duration::from_secs(60);
     // The whole backlog is in the log before the router (and its lane) starts.
     let want = fill(&wal, std::slice::from_ref(&d), 0, 1000).await;
-    let router =
-        Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), Policies::uniform(policy))
-            .unwrap();
+    let router = start_router(&wal, &sink, policy);
     eventually(Duration::from_secs(20), "all delivered", || sink.ids(&d).len() == 1000).await;
     assert_eq!(sink.ids(&d), want[&d], "log order, each once");
     assert_eq!(sink.calls(&d), 20, "twenty full batches, nothing sent twice");
@@ -556,9 +530,7 @@ async fn the_oldest_held_age_follows_a_lane_re_reading_the_log() {
     policy.lane_queue_max_records = 4;
     policy.batch.batch_max_records = 5;
     policy.batch.result_timeout = Duration::from_millis(300);
-    let router =
-        Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), Policies::uniform(policy))
-            .unwrap();
+    let router = start_router(&wal, &sink, policy);
     let lane = |router: &Router| router.destinations().into_iter().find(|l| l.destination == d).unwrap();
     eventually(Duration::from_secs(10), "overflowed", || {
         router.destinations().iter().any(|l| l.destination == d && l.overflowed)
@@ -586,9 +558,7 @@ async fn failed_sends_with_the_next_batch_prepared_lose_nothing_and_repeat_nothi
     let d = key("s", "flaky");
     let mut policy = fast_policy();
     policy.batch.batch_max_records = 20;
-    let router =
-        Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), Policies::uniform(policy))
-            .unwrap();
+    let router = start_router(&wal, &sink, policy);
     let mut want = fill(&wal, std::slice::from_ref(&d), 0, 1).await;
     eventually(Duration::from_secs(10), "warm", || sink.ids(&d).len() == 1).await;
     // Sends fail while a backlog builds: the first batch is retried while the next ones
@@ -661,9 +631,7 @@ async fn a_limit_of_sends_in_flight_beyond_the_bound_refuses_the_start() {
     // At the bound it delivers.
     let mut policy = fast_policy();
     policy.max_concurrent_destinations = router::policy::MAX_CONCURRENT_DESTINATIONS;
-    let router =
-        Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), Policies::uniform(policy))
-            .unwrap();
+    let router = start_router(&wal, &sink, policy);
     eventually(Duration::from_secs(10), "delivered", || sink.ids(&d).len() == 3).await;
     assert_eq!(router.status().status, Status::Running);
     router.shutdown().await;
@@ -688,9 +656,7 @@ async fn a_lane_catching_up_on_a_long_backlog_lets_the_other_tasks_run() {
     policy.lane_queue_max_records = 4;
     policy.batch.batch_max_records = 2;
     policy.batch.backoff_max = Duration::from_millis(200);
-    let router =
-        Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), Policies::uniform(policy))
-            .unwrap();
+    let router = start_router(&wal, &sink, policy);
     wal.append((0..100).map(|n| record(&rare, n, Partitioning::Balanced)).collect()).await.unwrap();
     const BUSY: u64 = 60_000;
     for chunk in 0..BUSY / 1000 {

@@ -33,13 +33,7 @@ fn a_ten_minute_outage_is_held_and_then_delivered_in_order_with_truthful_status(
         let sink = FaultySink::new();
         let dests = [key("o", "1"), key("o", "2")];
         let mut want = fill(&wal, &dests, 0, 10).await;
-        let router = Router::start(
-            wal.clone(),
-            sink.clone(),
-            Arc::new(MemoryCursorStore::new()),
-            Policies::uniform(fast_policy()),
-        )
-        .unwrap();
+        let router = start_router(&wal, &sink, fast_policy());
         eventually(Duration::from_secs(30), "warm", || dests.iter().all(|d| sink.ids(d).len() == 5)).await;
         assert_eq!(router.status().status, Status::Running);
         assert_gauges_agree(&snap, &router);
@@ -150,9 +144,7 @@ fn a_failed_log_read_is_an_error_until_the_log_reads_again() {
         let policy = overflowing_policy();
         // The dispatcher's first read fails.
         sim.fail_nth(FaultOp::Read, 1, std::io::ErrorKind::Other);
-        let router =
-            Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), Policies::uniform(policy))
-                .unwrap();
+        let router = start_router(&wal, &sink, policy);
         eventually(Duration::from_secs(30), "router error", || router.status().status == Status::Error).await;
         assert!(router.status().reason.contains("cannot read the log"), "{:?}", router.status());
         assert_gauges_agree(&snap, &router);
@@ -208,9 +200,7 @@ fn a_connector_is_in_error_only_for_a_log_read_that_affects_it() {
         let policy = overflowing_policy();
         // The dispatcher's first read fails: the router and every connector are in Error.
         sim.fail_nth(FaultOp::Read, 1, std::io::ErrorKind::Other);
-        let router =
-            Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), Policies::uniform(policy))
-                .unwrap();
+        let router = start_router(&wal, &sink, policy);
         eventually(Duration::from_secs(30), "router error", || router.status().status == Status::Error).await;
         for c in ["x", "y", "z"] {
             assert_eq!(router.connector_status(c), Status::Error, "{c}: the log reader serves every connector");

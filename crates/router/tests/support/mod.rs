@@ -226,6 +226,18 @@ pub fn open_wal(sim: &SimStorage) -> Arc<Wal> {
     Arc::new(Wal::open_with(Arc::new(sim.clone()) as Arc<dyn Storage>, &PathBuf::from("/sim/log"), opts).unwrap())
 }
 
+/// A router over `wal` delivering to `sink`, every source under `policy`, its cursors
+/// kept in memory.
+pub fn start_router(wal: &Arc<Wal>, sink: &Arc<FaultySink>, policy: router::RouterPolicy) -> router::Router {
+    router::Router::start(
+        wal.clone(),
+        sink.clone(),
+        Arc::new(router::MemoryCursorStore::new()),
+        router::Policies::uniform(policy),
+    )
+    .unwrap()
+}
+
 /// Appends `n` records round-robin over `dests`, one record per append; returns the
 /// ids per destination in log order.
 pub async fn fill(wal: &Wal, dests: &[DestinationKey], from: u64, n: u64) -> BTreeMap<DestinationKey, Vec<u128>> {
