@@ -570,13 +570,7 @@ fn a_state_database_of_another_schema_version_refuses_to_start_until_reset() {
 /// endpoints kept. Migrating again changes nothing; no database is a command-line error.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_state_database_of_an_older_schema_version_is_migrated_explicitly_and_keeps_its_endpoints() {
-    let dir = tempfile::tempdir().unwrap();
-    let d = Daemon::start(dir.path(), "", SOURCES);
-    let mgmt = bearer(MANAGEMENT_TOKEN);
-    let auth = [("authorization", mgmt.as_str()), ("content-type", "application/json")];
-    let reg = request(d.admin, "POST", "/v1/endpoints", &auth, r#"{"source":"default","auth_type":"bearer"}"#).await;
-    assert_eq!(reg.status, 201, "{:?}", reg.body);
-    let reg = reg.json();
+    let (d, dir, _, reg) = daemon_with_an_endpoint().await;
     let (path, secret) = (reg["path"].as_str().unwrap().to_string(), bearer(reg["secret"].as_str().unwrap()));
     assert!(d.stop().success());
     let data = dir.path().join("data");
