@@ -1127,12 +1127,7 @@ async fn attempt<S: Sink, C>(
                 lock(&lane.info).topic = None;
             }
             metrics::counter!("iggy_connector_send_failures_total", "connector_key" => lane.key.source.clone(), "reason" => e.kind.as_str()).increment(1);
-            failed(lane, ctx, *failures, &e.to_string());
-            if is_open {
-                // An open breaker sends nothing for a cool-down: not Running, whatever
-                // `degraded_after_failures` says.
-                degraded(lane, ctx, &format!("circuit breaker open; last failure: {e}"));
-            }
+            failed(lane, ctx, *failures, is_open, &e.to_string());
             // Shown after the status: a reader who sees the breaker open sees the lane
             // Degraded.
             lock(&lane.info).breaker = Some(breaker.state());
@@ -1250,7 +1245,7 @@ async fn dead_letter<S: Sink, C>(
             }
             Err(e) => {
                 failures = failures.saturating_add(1);
-                failed(lane, ctx, failures, &format!("dead-letter send failed: {e}"));
+                failed(lane, ctx, failures, false, &format!("dead-letter send failed: {e}"));
                 if sleep_or_shutdown(shutdown, lane.policy.backoff(failures)).await {
                     return Delivery::ShuttingDown;
                 }
@@ -1268,8 +1263,9 @@ fn reads_again<S, C>(lane: &Lane, ctx: &LaneContext<S, C>) {
 }
 
 /// The `failures`th failure in a row: shown (snapshot and status), and the lane Degraded
-/// once there are `degraded_after_failures` of them.
-fn failed<S, C>(lane: &Lane, ctx: &LaneContext<S, C>, failures: u32, why: &str) {
+/// once there are `degraded_after_failures` of them, or its breaker is open (it sends
+/// nothing for a cool-down, whatever the count).
+fn failed<S, C>(lane: &Lane, ctx: &LaneContext<S, C>, failures: u32, breaker_open: bool, why: &str) {
     {
         let mut i = lock(&lane.info);
         i.consecutive_failures = failures;
@@ -1278,6 +1274,8 @@ fn failed<S, C>(lane: &Lane, ctx: &LaneContext<S, C>, failures: u32, why: &str) 
     lane.status.record_error(why);
     if failures >= lane.policy.batch.degraded_after_failures {
         degraded(lane, ctx, &format!("{failures} consecutive failures, last: {why}"));
+    } else if breaker_open {
+        degraded(lane, ctx, &format!("circuit breaker open; last failure: {why}"));
     }
 }
 
