@@ -676,10 +676,17 @@ mod tests {
             let lane = Arc::new(StatusCell::new("destinations", "s/st/t"));
             lane.set(Status::Running, "lane started");
             let guard = health.troubles();
+            let (running, started) = std::sync::mpsc::channel();
             let worsening = {
                 let (health, key, lane) = (health.clone(), key.clone(), lane.clone());
-                std::thread::spawn(move || worsen(&health, &key, &lane))
+                std::thread::spawn(move || {
+                    let _ = running.send(());
+                    worsen(&health, &key, &lane)
+                })
             };
+            // The thread runs; given a moment, a lane that moved before its router would
+            // show it (with the right order, the thread waits for the lock held here).
+            started.recv().unwrap();
             std::thread::sleep(std::time::Duration::from_millis(50));
             assert_eq!(lane.get(), Status::Running, "the lane moved to {to:?} before its router");
             drop(guard);
