@@ -307,9 +307,10 @@ impl IggySink {
             Ok(Err(failure)) => {
                 self.unreachable.store(true, Ordering::Release);
                 let kind = match &failure {
-                    ConnectFailure::Client(e) if classify(e) != SendErrorKind::Destination => classify(e),
-                    _ => SendErrorKind::Unavailable,
+                    ConnectFailure::Client(e) => classify(e),
+                    ConnectFailure::TimedOut(_) => SendErrorKind::Unavailable,
                 };
+                let kind = if kind == SendErrorKind::Destination { SendErrorKind::Unavailable } else { kind };
                 Err(SendError::new(kind, failure.to_string()))
             }
             Ok(Ok(())) if fresh => {
