@@ -14,6 +14,13 @@
 //!   512-byte sectors), and each unsynced sector independently holds the new bytes, the
 //!   old durable bytes, zeros or garbage: out of order, as a real disk's write-back is.
 //!
+//! [`CrashMode::Reordered`] does the same except that a file's length is its durable or
+//! its current one (a size change is atomic) and an unsynced sector holds only its new or
+//! its old bytes, never zeros or garbage: a file system that changes sizes atomically on
+//! a disk that writes whole sectors atomically, in any order. That is what redb's design assumes of a disk (single-byte
+//! writes are atomic, a write changes no byte outside its range), so the state database
+//! is tested under it; the log assumes less and is tested under both.
+//!
 //! Assumptions the simulation makes (and that `FORMAT.md` states for real disks): a
 //! successful `sync_data` makes everything written before it durable; a directory made by
 //! `create_dir_all` is durable once its parent was synced (`sync_dir`), its entries once
@@ -61,6 +68,10 @@ pub enum CrashMode {
     LoseUnsynced,
     /// The durable images plus an arbitrary, seeded mix of the pending changes.
     Adversarial { seed: u64 },
+    /// As `Adversarial`, but a file's length is its durable or its current one, and each
+    /// unsynced sector keeps its new or its old bytes, never zeros or garbage: size
+    /// changes and sector writes are atomic, and reordered.
+    Reordered { seed: u64 },
 }
 
 #[derive(Debug)]
@@ -215,9 +226,10 @@ impl State {
         self.crashes += 1;
         self.locks.clear();
         self.armed.clear();
-        let mut rng = match mode {
-            CrashMode::LoseUnsynced => None,
-            CrashMode::Adversarial { seed } => Some(Rng::new(seed ^ self.crashes)),
+        let (mut rng, atomic) = match mode {
+            CrashMode::LoseUnsynced => (None, true),
+            CrashMode::Adversarial { seed } => (Some(Rng::new(seed ^ self.crashes)), false),
+            CrashMode::Reordered { seed } => (Some(Rng::new(seed ^ self.crashes)), true),
         };
         let lost: Vec<PathBuf> = std::mem::take(&mut self.dirs_unsynced)
             .into_iter()
@@ -246,7 +258,7 @@ impl State {
         for inode in self.inodes.values_mut() {
             let mut image = inode.durable.clone();
             if let Some(r) = &mut rng {
-                tear(&mut image, inode, r);
+                tear(&mut image, inode, r, atomic);
             }
             inode.data = image.clone();
             inode.durable = image;
@@ -256,23 +268,33 @@ impl State {
 }
 
 /// Applies an arbitrary part of `inode`'s pending changes to `image` (its durable bytes).
-fn tear(image: &mut Vec<u8>, inode: &Inode, r: &mut Rng) {
+/// With `atomic`, the length is the old or the new one and each unsynced sector holds
+/// its new or its old bytes; without, the length lands in between too and a sector may
+/// also hold zeros or garbage.
+fn tear(image: &mut Vec<u8>, inode: &Inode, r: &mut Rng, atomic: bool) {
     let pending_from = inode.dirty_from.min(inode.durable.len()).min(inode.data.len());
     if inode.dirty_from == usize::MAX && inode.data.len() == inode.durable.len() {
         return;
     }
     let lo = inode.durable.len().min(inode.data.len());
     let hi = inode.durable.len().max(inode.data.len());
-    // The new length: anywhere from the shorter to the longer image, in whole sectors.
-    let choices = (hi - lo).div_ceil(SECTOR_BYTES) as u64 + 1;
-    let len = (lo + r.below(choices) as usize * SECTOR_BYTES).min(hi);
+    // The new length: anywhere from the shorter to the longer image, in whole sectors,
+    // or (sizes changed atomically) one of the two.
+    let len = if !atomic {
+        let choices = (hi - lo).div_ceil(SECTOR_BYTES) as u64 + 1;
+        (lo + r.below(choices) as usize * SECTOR_BYTES).min(hi)
+    } else if r.below(2) == 0 {
+        inode.durable.len()
+    } else {
+        inode.data.len()
+    };
     image.resize(len, 0);
     let first_sector = pending_from / SECTOR_BYTES;
     let mut s = first_sector;
     while s * SECTOR_BYTES < len {
         let a = (s * SECTOR_BYTES).max(pending_from);
         let b = ((s + 1) * SECTOR_BYTES).min(len);
-        match r.below(4) {
+        match r.below(if atomic { 2 } else { 4 }) {
             0 => {
                 for (i, byte) in image[a..b].iter_mut().enumerate() {
                     *byte = inode.data.get(a + i).copied().unwrap_or(0);
@@ -697,6 +719,34 @@ mod tests {
         assert_eq!(read(&f), b"synced-failed-dirty", "the page cache holds all of it");
         f.drop_cached().unwrap();
         assert_eq!(read(&f), b"synced\0\0\0\0\0\0\0-dirty", "from the disk, but for the dirty bytes");
+    }
+
+    /// A reordered crash keeps, sector by sector, the new or the old bytes of an
+    /// overwrite (and both occur over the seeds), never zeros or garbage; what lies past
+    /// the durable length reads as the new bytes or zeros, where the file grew.
+    #[test]
+    fn reordered_crashes_keep_old_or_new_sectors_only() {
+        let (mut saw_old, mut saw_new) = (false, false);
+        for seed in 0..64 {
+            let s = SimStorage::new();
+            let f = file(&s, "/d/a");
+            s.sync_dir(Path::new("/d")).unwrap();
+            f.write_all_at(&[0x11; 4 * SECTOR_BYTES], 0).unwrap();
+            f.sync_data().unwrap();
+            f.write_all_at(&[0x22; 6 * SECTOR_BYTES], 0).unwrap();
+            s.crash(CrashMode::Reordered { seed });
+            let after = s.read_file(Path::new("/d/a")).unwrap();
+            assert!(after.len() >= 4 * SECTOR_BYTES, "seed {seed}: shorter than durable: {}", after.len());
+            for (i, sector) in after.chunks(SECTOR_BYTES).enumerate() {
+                let old = if i < 4 { 0x11 } else { 0x00 };
+                let kept = sector[0];
+                assert!(kept == 0x22 || kept == old, "seed {seed}: sector {i} holds {kept:#x}");
+                assert!(sector.iter().all(|&b| b == kept), "seed {seed}: sector {i} was torn inside");
+                saw_old |= i < 4 && kept == old;
+                saw_new |= kept == 0x22;
+            }
+        }
+        assert!(saw_old && saw_new, "the seeds never mixed old and new sectors");
     }
 
     #[test]
