@@ -812,18 +812,23 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("s.redb");
         let fail = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let file = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&path).unwrap();
-        let backend = FailingFile { inner: redb::backends::FileBackend::new(file).unwrap(), fail: fail.clone() };
+        let (p, failing) = (path.clone(), fail.clone());
+        let backend = move || {
+            let file =
+                std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&p).unwrap();
+            FailingFile { inner: redb::backends::FileBackend::new(file).unwrap(), fail: failing.clone() }
+        };
         let state = Arc::new(StateDb::open_with_backend(&path, backend).unwrap());
         let (wal, index, ingestor, now) = serving_under_interval(state);
         let d0 = ingestor.accept(one_event(Some("d-0"), now)).await.unwrap();
         assert_eq!((d0.first_offset, d0.replayed), (0, false));
         assert_eq!(wal.next_offset(), 0, "nothing is durable yet");
 
-        // The disk fills: the checkpoint's commit fails and redb latches the error. The
-        // failing file is dropped by the reopen, so nothing reaches the disk after it.
+        // The disk fills: the checkpoint's commit fails and redb latches the error. Once
+        // it has room again, the next checkpoint reopens the database.
         fail.store(true, Ordering::SeqCst);
         assert!(index.checkpoint(&wal, now).await.is_err());
+        fail.store(false, Ordering::SeqCst);
         assert_eq!(index.checkpoint(&wal, now).await.unwrap(), 0, "reopened and restored");
         assert_eq!(index.lookup(&key("d-0"), now).unwrap(), None, "the repair kept the key after all");
 

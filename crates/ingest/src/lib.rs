@@ -21,6 +21,7 @@ pub mod envelope;
 pub mod idempotency;
 pub mod ingestor;
 pub mod state;
+pub mod state_storage;
 pub mod time;
 
 pub use cursors::{CursorRow, CursorsSnapshot, read_cursors_read_only};

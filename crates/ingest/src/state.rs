@@ -9,6 +9,9 @@
 //!   older build refuses a newer database (a rollback cannot write the old layout into
 //!   it unnoticed).
 //! - A database with tables but no version is treated as version 0, i.e. a mismatch.
+//! - The file is created whole or not at all: a new database is set up (schema and
+//!   tables, committed durably) under a temporary name and renamed into place, and its
+//!   directory is synced at every open, before anything in it is answered for.
 //! - Every table this crate uses is defined here, in one place.
 //! - After an I/O error (a full disk, say) redb refuses every operation until the
 //!   database is reopened. [`StateDb::reopen_if_failed`] reopens it in place, which
@@ -18,6 +21,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};
 
 use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
+use wal::storage::{OpenMode, Storage};
 
 /// The schema this build reads and writes. Bump it with every incompatible change to a
 /// table's key or value layout, or to what a key means, and teach [`migrate`] the step.
@@ -56,17 +60,25 @@ pub enum StateError {
     Malformed(String),
 }
 
+fn open_err(path: &Path, e: impl std::fmt::Display) -> StateError {
+    StateError::Open { path: path.to_path_buf(), detail: e.to_string() }
+}
+
 pub(crate) fn storage_err<E: Into<redb::Error>>(e: E) -> StateError {
     StateError::Storage(e.into().to_string())
 }
+
+/// Opens the database anew (redb repairs it to its last durable commit).
+type Opener = Box<dyn Fn() -> Result<Database, StateError> + Send + Sync>;
 
 /// The open state database.
 pub struct StateDb {
     /// `None` only while [`StateDb::reopen_if_failed`] replaces a failed database.
     db: RwLock<Option<Arc<Database>>>,
     path: PathBuf,
-    /// Held in memory (fuzzing, tests): nothing to reopen.
-    in_memory: bool,
+    /// How the database was opened, to open it again after an I/O error; `None` when it
+    /// is held in memory (fuzzing, tests): nothing to reopen.
+    reopen: Option<Opener>,
 }
 
 impl std::fmt::Debug for StateDb {
@@ -76,32 +88,62 @@ impl std::fmt::Debug for StateDb {
 }
 
 impl StateDb {
-    /// Opens (creating if needed) the database at `path` and checks its schema version.
+    /// Opens (creating if needed, see [`create_whole`]) the database at `path` and checks
+    /// its schema version.
     pub fn open(path: impl AsRef<Path>) -> Result<StateDb, StateError> {
-        let path = path.as_ref().to_path_buf();
-        let db = Database::create(&path).map_err(|e| StateError::Open { path: path.clone(), detail: e.to_string() })?;
-        StateDb::checked(db, path, false)
+        StateDb::opened(path.as_ref().to_path_buf(), Arc::new(wal::storage::FsStorage), |p| {
+            Database::create(p).map_err(|e| e.to_string())
+        })
+    }
+
+    /// [`StateDb::open`] on another storage of the log's storage layer (the simulated
+    /// disk: a power loss there takes the log and the state database together), through
+    /// [`StorageFileBackend`](crate::state_storage::StorageFileBackend).
+    pub fn open_on(storage: Arc<dyn Storage>, path: impl AsRef<Path>) -> Result<StateDb, StateError> {
+        let files = storage.clone();
+        StateDb::opened(path.as_ref().to_path_buf(), storage, move |p| {
+            let file = files.open(p, OpenMode::ReadWrite).map_err(|e| e.to_string())?;
+            redb::Builder::new()
+                .create_with_backend(crate::state_storage::StorageFileBackend::new(file))
+                .map_err(|e| e.to_string())
+        })
+    }
+
+    /// The database at `path` on `storage`, created whole if missing, opened by `open_at`
+    /// (which opens an existing file, or sets up an empty one), once its schema version
+    /// checks; kept to open it again after an I/O error.
+    fn opened(
+        path: PathBuf,
+        storage: Arc<dyn Storage>,
+        open_at: impl Fn(&Path) -> Result<Database, String> + Send + Sync + 'static,
+    ) -> Result<StateDb, StateError> {
+        let p = path.clone();
+        let open = move || {
+            create_whole(&*storage, &p, &open_at)?;
+            open_at(&p).map_err(|e| open_err(&p, e))
+        };
+        let db = open()?;
+        StateDb::checked(db, path, Some(Box::new(open)))
     }
 
     /// `db`, opened at `path`, once its schema version checks (or a new one is set up).
-    fn checked(db: Database, path: PathBuf, in_memory: bool) -> Result<StateDb, StateError> {
-        let state = StateDb { db: RwLock::new(Some(Arc::new(db))), path, in_memory };
+    fn checked(db: Database, path: PathBuf, reopen: Option<Opener>) -> Result<StateDb, StateError> {
+        let state = StateDb { db: RwLock::new(Some(Arc::new(db))), path, reopen };
         state.check_or_init_schema()?;
         Ok(state)
     }
 
-    /// [`StateDb::open`] on a backend of the caller's (a test's, that fails on demand); a
-    /// reopen after an I/O error opens the file at `path` itself.
+    /// [`StateDb::open`] on backends of the caller's (a test's, that fails on demand):
+    /// `backend` gives one for the open and for every reopen after an I/O error.
     #[cfg(test)]
-    pub(crate) fn open_with_backend(
+    pub(crate) fn open_with_backend<B: redb::StorageBackend>(
         path: impl AsRef<Path>,
-        backend: impl redb::StorageBackend,
+        backend: impl Fn() -> B + Send + Sync + 'static,
     ) -> Result<StateDb, StateError> {
         let path = path.as_ref().to_path_buf();
-        let db = redb::Builder::new()
-            .create_with_backend(backend)
-            .map_err(|e| StateError::Open { path: path.clone(), detail: e.to_string() })?;
-        StateDb::checked(db, path, false)
+        let p = path.clone();
+        let open = move || redb::Builder::new().create_with_backend(backend()).map_err(|e| open_err(&p, e));
+        StateDb::checked(open()?, path, Some(Box::new(open)))
     }
 
     /// A fresh database held in memory, for tests and fuzzing: the same tables and
@@ -111,7 +153,7 @@ impl StateDb {
         let db = redb::Builder::new()
             .create_with_backend(redb::backends::InMemoryBackend::new())
             .map_err(|e| StateError::Open { path: path.clone(), detail: e.to_string() })?;
-        StateDb::checked(db, path, true)
+        StateDb::checked(db, path, None)
     }
 
     /// The database, for one operation. Keep the handle alive until the operation's
@@ -131,9 +173,9 @@ impl StateDb {
     /// Waits (bounded) for operations in progress; if they do not finish, or the reopen
     /// fails (the disk is still full), the database stays failed and a later call retries.
     pub fn reopen_if_failed(&self) -> Result<bool, StateError> {
-        if self.in_memory {
+        let Some(reopen) = &self.reopen else {
             return Ok(false);
-        }
+        };
         let failed = match self.db.read().unwrap_or_else(|p| p.into_inner()).as_ref() {
             None => true,
             Some(db) => {
@@ -162,8 +204,7 @@ impl StateDb {
             return Err(StateError::Storage("the state database is in use; reopening it later".to_string()));
         }
         // The failed database is closed (dropped above): open it again, repaired.
-        let db = Database::create(&self.path)
-            .map_err(|e| StateError::Open { path: self.path.clone(), detail: e.to_string() })?;
+        let db = reopen()?;
         *self.db.write().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(db));
         tracing::warn!(path = %self.path.display(), "state database reopened after an I/O error");
         Ok(true)
@@ -226,6 +267,42 @@ impl StateDb {
         }
         txn.commit().map_err(storage_err)
     }
+}
+
+/// Makes sure a database exists at `path`, created whole or not at all. A new one is set
+/// up (schema and tables, committed durably) under `path` + `.init`, closed, renamed into
+/// place and its directory synced: a power loss while redb sets up a file in place can
+/// leave one of a length redb refuses, or without its header, which no start could open
+/// again. An existing one has its directory synced again, so that its entry is durable
+/// before any commit in it is answered (an earlier run may have stopped before that).
+fn create_whole(
+    storage: &dyn Storage,
+    path: &Path,
+    open_at: &dyn Fn(&Path) -> Result<Database, String>,
+) -> Result<(), StateError> {
+    let io = |e: std::io::Error| open_err(path, e);
+    let parent = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    match storage.open(path, OpenMode::Read) {
+        Ok(_) => return storage.sync_dir(parent).map_err(io),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(io(e)),
+    }
+    let mut name = path.file_name().unwrap_or_default().to_os_string();
+    name.push(".init");
+    let init = path.with_file_name(name);
+    match storage.remove_file(&init) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(io(e)),
+    }
+    storage.open(&init, OpenMode::CreateNew).map_err(io)?;
+    let db = open_at(&init).map_err(|e| open_err(&init, e))?;
+    drop(StateDb::checked(db, init.clone(), None)?);
+    storage.rename(&init, path).map_err(io)?;
+    storage.sync_dir(parent).map_err(io)
 }
 
 /// What a state database holds, read without checking its schema version.

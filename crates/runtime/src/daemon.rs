@@ -50,7 +50,7 @@ use ingest::{IdempotencyIndex, Ingestor, StateDb, StateError};
 use metrics_exporter_prometheus::PrometheusHandle;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
-use wal::storage::{FsStorage, Storage};
+use wal::storage::FsStorage;
 use wal::{Wal, WalError};
 
 use crate::config::Settings;
@@ -159,19 +159,13 @@ pub async fn start(mut settings: Settings, metrics: Option<PrometheusHandle>) ->
     let wal = Arc::new(wal);
 
     let state_path = settings.state_path();
-    let state_is_new = !matches!(state_path.try_exists(), Ok(true));
     let state = {
+        // Created whole (or not at all) and its name made durable (`StateDb::open`).
         let p = state_path.clone();
         tokio::task::spawn_blocking(move || StateDb::open(p))
             .await
             .map_err(|e| StateError::Storage(format!("open task failed: {e}")))??
     };
-    if state_is_new {
-        // The database file is new: its name is durable only once its directory is synced.
-        FsStorage
-            .sync_dir(&settings.data_dir)
-            .map_err(|source| StartError::DataDir { path: settings.data_dir.clone(), source })?;
-    }
     let state = Arc::new(state);
     let idempotency = Arc::new(IdempotencyIndex::new(state.clone(), settings.idempotency_retention.as_millis() as u64));
     let rebuilt = {

@@ -1,0 +1,435 @@
+//! One power loss takes the log and the state database together, as on a real machine:
+//! both live on one simulated disk (`SimStorage`, the state database through
+//! `StateDb::open_on`). A seeded script of what the daemon does with them (accepts with
+//! and without a delivery id, retries, idempotency checkpoints, endpoint registrations,
+//! rotations and revocations, cursor stores and releases) runs until the power goes just
+//! before the disk's nth write, sync or metadata change, for every n the script reaches,
+//! under both sync policies, losing exactly what was unsynced or an adversarial mix of
+//! it. Then both are opened again, as a restart does, and checked against what was
+//! answered:
+//!
+//! - every endpoint change that returned is in effect (a revocation never comes back);
+//!   the change in flight at the crash is either in effect or not;
+//! - the stored cursor is at least the last one stored, and the log was not released
+//!   past it;
+//! - under `always`, every answered event is in the log at the offsets it was given, and
+//!   the retry of every answered delivery is answered with those offsets, appending
+//!   nothing;
+//! - under `interval`, a retry is answered as a replay only of offsets the log holds for
+//!   that very delivery; otherwise it is appended again (never a 200 for an event the
+//!   log does not hold).
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use ingest::{
+    CursorRow, Destination, EndpointRecord, Envelope, Event, IdempotencyIndex, Ingestor, Partitioning, StateDb,
+    StoredAuth, Submission,
+};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use wal::storage::{CrashMode, FaultOp, SimStorage, Storage};
+use wal::{SyncPolicy, Wal, WalOptions};
+
+const DATA_DIR: &str = "/data";
+const STATE_PATH: &str = "/data/state.redb";
+const WAL_DIR: &str = "/data/wal";
+const RETENTION_MS: u64 = 86_400_000;
+const SCRIPT_OPS: usize = 36;
+/// A bound on each step, so that a hang after the crash fails the test instead of
+/// stalling it.
+const STEP_LIMIT: Duration = Duration::from_secs(20);
+
+/// One step of the script.
+#[derive(Debug, Clone)]
+enum Op {
+    /// An event, with a delivery id or without.
+    Accept {
+        delivery_key: Option<String>,
+    },
+    /// A delivery sent again (an earlier one of the script, answered or not).
+    Retry {
+        delivery_key: String,
+    },
+    Checkpoint,
+    Register {
+        id: u128,
+    },
+    /// Rotates (or revokes) the `nth` (modulo how many) endpoint registered so far, if
+    /// there is one.
+    Rotate {
+        nth: usize,
+    },
+    Revoke {
+        nth: usize,
+    },
+    /// Stores the cursor somewhere up to the log's end, then releases below it (and
+    /// below the idempotency checkpoint), as the router does.
+    StoreCursorAndRelease {
+        ahead: u64,
+    },
+    /// Gives the log's interval sync a chance to run.
+    Pause,
+}
+
+fn script(seed: u64) -> Vec<Op> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut keys = 0u32;
+    (0..SCRIPT_OPS)
+        .map(|i| match rng.gen_range(0..100) {
+            0..35 => {
+                keys += 1;
+                Op::Accept { delivery_key: Some(format!("d-{keys}")) }
+            }
+            35..50 => Op::Accept { delivery_key: None },
+            50..58 if keys > 0 => Op::Retry { delivery_key: format!("d-{}", rng.gen_range(1..=keys)) },
+            58..66 => Op::Checkpoint,
+            66..74 => Op::Register { id: (seed as u128) << 64 | i as u128 },
+            74..80 => Op::Rotate { nth: rng.r#gen() },
+            80..86 => Op::Revoke { nth: rng.r#gen() },
+            86..95 => Op::StoreCursorAndRelease { ahead: rng.gen_range(0..8) },
+            _ => Op::Pause,
+        })
+        .collect()
+}
+
+fn options(sync: SyncPolicy) -> WalOptions {
+    // Small segments, so that the script rotates and releases whole segments.
+    WalOptions { sync, segment_max_bytes: 1024, max_bytes: 1 << 20, preallocate_bytes: 256, ..WalOptions::default() }
+}
+
+fn submission(delivery_key: Option<&str>, payload: String, now: u64) -> Submission {
+    Submission {
+        source_key: "s".into(),
+        endpoint_id: None,
+        content_type: None,
+        metadata: vec![],
+        headers: vec![],
+        delivery_key: delivery_key.map(str::to_string),
+        events: vec![Event {
+            destination: Destination { stream: "a".into(), topic: "b".into(), partitioning: Partitioning::Balanced },
+            payload: Bytes::from(payload),
+        }],
+        received_at_unix_ms: now,
+    }
+}
+
+fn endpoint(id: u128, secret: &str, now: u64) -> EndpointRecord {
+    EndpointRecord {
+        id,
+        source_key: "s".into(),
+        auth: StoredAuth {
+            scheme: "bearer".into(),
+            secret: Some(secret.into()),
+            header: None,
+            prefix: None,
+            tolerance_secs: None,
+        },
+        handshake_param: None,
+        created_at_unix_ms: now,
+        expires_at_unix_ms: None,
+        revoked_at_unix_ms: None,
+        rotated_at_unix_ms: None,
+    }
+}
+
+fn cursor_row(delivered_below: u64) -> CursorRow {
+    CursorRow { source: "s".into(), stream: "a".into(), topic: "b".into(), delivered_below }
+}
+
+/// A durable state that outlived its step's answer, or the step the crash cut short.
+#[derive(Debug, Default)]
+struct Answered {
+    /// Delivery id → the offsets its first acceptance was given.
+    keys: BTreeMap<String, (u64, u64)>,
+    /// Offset → the payload answered there.
+    records: BTreeMap<u64, Bytes>,
+    /// Endpoint id → the record of its last answered change (`None`: its registration
+    /// never answered), and the change in flight at the crash.
+    endpoints: BTreeMap<u128, (Option<EndpointRecord>, Option<EndpointRecord>)>,
+    /// The last cursor stored, and one in flight at the crash.
+    cursor: (u64, Option<u64>),
+}
+
+/// The daemon's pieces over one disk.
+struct Opened {
+    wal: Arc<Wal>,
+    state: Arc<StateDb>,
+    ingestor: Ingestor,
+}
+
+fn open(sim: &SimStorage, sync: SyncPolicy, now: u64) -> Result<Opened, String> {
+    let storage: Arc<dyn Storage> = Arc::new(sim.clone());
+    let wal =
+        Wal::open_with(storage.clone(), Path::new(WAL_DIR), options(sync)).map_err(|e| format!("the log: {e}"))?;
+    let wal = Arc::new(wal);
+    let state = Arc::new(StateDb::open_on(storage, STATE_PATH).map_err(|e| format!("the state database: {e}"))?);
+    let index = Arc::new(IdempotencyIndex::new(state.clone(), RETENTION_MS));
+    index.rebuild(&wal, now).map_err(|e| format!("the idempotency index: {e}"))?;
+    let ingestor = Ingestor::new(wal.clone(), index);
+    Ok(Opened { wal, state, ingestor })
+}
+
+/// Runs `script` on a fresh disk until its end or the power loss armed at the `crash_at`th
+/// mutation; returns what was answered and how many mutations the disk saw.
+async fn run_until_crash(
+    sim: &SimStorage,
+    script: &[Op],
+    sync: SyncPolicy,
+    crash_at: Option<(u64, CrashMode)>,
+    now: u64,
+) -> Answered {
+    if let Some((n, mode)) = crash_at {
+        sim.crash_at_nth(FaultOp::AnyMutation, n, mode);
+    }
+    let mut answered = Answered::default();
+    // The first start creates the data directory, the log and the state database: the
+    // power may go while it does.
+    let started = wal::storage::create_dir_all_durably(sim, Path::new(DATA_DIR))
+        .map_err(|e| e.to_string())
+        .and_then(|()| open(sim, sync, now));
+    let daemon = match started {
+        Ok(daemon) => daemon,
+        Err(_) if sim.crashes() > 0 => return answered,
+        Err(e) => panic!("the first start failed with the power on: {e}"),
+    };
+    let mut registered: Vec<u128> = Vec::new();
+    for (i, op) in script.iter().enumerate() {
+        let payload = format!("{{\"op\":{i}}}");
+        let step = async {
+            match op {
+                Op::Accept { delivery_key } => {
+                    match daemon.ingestor.accept(submission(delivery_key.as_deref(), payload.clone(), now)).await {
+                        Ok(a) if a.replayed => panic!("op {i}: a new delivery was answered as a replay: {a:?}"),
+                        Ok(a) => {
+                            answered.records.insert(a.first_offset, Bytes::from(payload));
+                            if let Some(k) = delivery_key {
+                                answered.keys.insert(k.clone(), (a.first_offset, a.last_offset));
+                            }
+                            Ok(())
+                        }
+                        Err(e) => Err(e.to_string()),
+                    }
+                }
+                Op::Retry { delivery_key } => {
+                    match daemon.ingestor.accept(submission(Some(delivery_key), payload.clone(), now)).await {
+                        Ok(a) if a.replayed => {
+                            let original = answered.keys.get(delivery_key).copied();
+                            assert_eq!(
+                                original,
+                                Some((a.first_offset, a.last_offset)),
+                                "op {i}: replayed {delivery_key}"
+                            );
+                            Ok(())
+                        }
+                        Ok(a) => {
+                            // Its earlier sending was not answered (the script never
+                            // answers one without a crash): this one is appended.
+                            assert!(!answered.keys.contains_key(delivery_key), "op {i}: {delivery_key} appended twice");
+                            answered.records.insert(a.first_offset, Bytes::from(payload));
+                            answered.keys.insert(delivery_key.clone(), (a.first_offset, a.last_offset));
+                            Ok(())
+                        }
+                        Err(e) => Err(e.to_string()),
+                    }
+                }
+                Op::Checkpoint => daemon
+                    .ingestor
+                    .idempotency()
+                    .checkpoint(&daemon.wal, now)
+                    .await
+                    .map(|_| ())
+                    .map_err(|e| e.to_string()),
+                Op::Register { id } => {
+                    registered.push(*id);
+                    put(&daemon.state, &mut answered, endpoint(*id, &format!("secret-{i}"), now))
+                }
+                Op::Rotate { nth } | Op::Revoke { nth } => {
+                    let Some(&id) = registered.get(nth % registered.len().max(1)) else { return Ok(()) };
+                    let Some(current) = daemon.state.get_endpoint(id).map_err(|e| e.to_string())? else {
+                        return Ok(());
+                    };
+                    let mut next = current.clone();
+                    if matches!(op, Op::Revoke { .. }) {
+                        next.revoked_at_unix_ms = Some(now + i as u64);
+                    } else {
+                        next.auth.secret = Some(format!("secret-{i}"));
+                        next.rotated_at_unix_ms = Some(now + i as u64);
+                    }
+                    put(&daemon.state, &mut answered, next)
+                }
+                Op::StoreCursorAndRelease { ahead } => {
+                    let stored = answered.cursor.0;
+                    let cursor = (stored + ahead).min(daemon.wal.next_offset()).max(stored);
+                    answered.cursor.1 = Some(cursor);
+                    daemon.state.store_cursors(&[cursor_row(cursor)]).map_err(|e| e.to_string())?;
+                    answered.cursor = (cursor, None);
+                    let ceiling =
+                        daemon.ingestor.idempotency().durable_through().load(std::sync::atomic::Ordering::Acquire);
+                    daemon.wal.release_below(cursor.min(ceiling)).await.map(|_| ()).map_err(|e| e.to_string())
+                }
+                Op::Pause => {
+                    tokio::time::sleep(Duration::from_millis(3)).await;
+                    Ok(())
+                }
+            }
+        };
+        let outcome = tokio::time::timeout(STEP_LIMIT, step).await.unwrap_or_else(|_| panic!("op {i} ({op:?}) hung"));
+        if sim.crashes() > 0 {
+            break;
+        }
+        if let Err(e) = outcome {
+            panic!("op {i} ({op:?}) failed with the power on: {e}");
+        }
+    }
+    answered
+}
+
+/// Writes an endpoint change durably, noting it in flight first.
+fn put(state: &StateDb, answered: &mut Answered, record: EndpointRecord) -> Result<(), String> {
+    let entry = answered.endpoints.entry(record.id).or_default();
+    entry.1 = Some(record.clone());
+    state.put_endpoint(&record).map_err(|e| e.to_string())?;
+    *entry = (Some(record), None);
+    Ok(())
+}
+
+/// Opens the disk again after the power loss and checks it against `answered`.
+async fn check_after_crash(sim: &SimStorage, answered: &Answered, sync: SyncPolicy, now: u64, case: &str) {
+    let daemon = open(sim, SyncPolicy::Always, now + 1).unwrap_or_else(|e| panic!("{case}: {e}"));
+    let wal = &daemon.wal;
+
+    for (id, (done, in_flight)) in &answered.endpoints {
+        let found = daemon.state.get_endpoint(*id).unwrap();
+        let allowed = found == *done || (found.is_some() && found == *in_flight);
+        assert!(allowed, "{case}: endpoint {id:x} is {found:?}, answered {done:?} (in flight {in_flight:?})");
+    }
+
+    let (cursor_done, cursor_in_flight) = answered.cursor;
+    let stored = daemon.state.load_cursors().unwrap().first().map_or(0, |r| r.delivered_below);
+    assert!(
+        stored >= cursor_done && stored <= cursor_in_flight.unwrap_or(cursor_done).max(cursor_done),
+        "{case}: the stored cursor is {stored}, answered {cursor_done} (in flight {cursor_in_flight:?})"
+    );
+    assert!(
+        wal.start_offset() <= stored,
+        "{case}: the log was released to {} past its cursor {stored}",
+        wal.start_offset()
+    );
+
+    let next_at_reopen = wal.next_offset();
+    let held: BTreeMap<u64, Envelope> = wal::inspect::Records::new(wal, wal.start_offset())
+        .unwrap()
+        .map(|r| r.unwrap())
+        .map(|r| (r.offset, Envelope::decode(&r.payload).unwrap()))
+        .collect();
+    if sync == SyncPolicy::Always {
+        for (offset, payload) in answered.records.range(wal.start_offset()..) {
+            let found = held.get(offset).map(|e| &e.payload);
+            assert_eq!(found, Some(payload), "{case}: the event answered at offset {offset}");
+        }
+    }
+    for (offset, envelope) in &held {
+        if let Some(payload) = answered.records.get(offset) {
+            assert_eq!(&envelope.payload, payload, "{case}: another event at answered offset {offset}");
+        }
+    }
+
+    for (key, &(first, last)) in &answered.keys {
+        let retry = daemon.ingestor.accept(submission(Some(key), "{\"retry\":true}".into(), now + 1)).await.unwrap();
+        if retry.replayed {
+            assert_eq!((retry.first_offset, retry.last_offset), (first, last), "{case}: {key} replayed elsewhere");
+            assert!(last < next_at_reopen, "{case}: {key} replayed from offsets the log does not hold");
+            if let Some(envelope) = held.get(&first) {
+                assert_eq!(envelope.header.idempotency_key.as_deref(), Some(key.as_str()), "{case}: offset {first}");
+            }
+        } else {
+            assert!(sync != SyncPolicy::Always, "{case}: answered delivery {key} appended again: {retry:?}");
+            assert!(first >= next_at_reopen, "{case}: {key} appended again though the log holds it at {first}");
+        }
+    }
+    if sync == SyncPolicy::Always {
+        assert_eq!(wal.next_offset(), next_at_reopen, "{case}: a retry appended");
+    }
+
+    // And it goes on: a new delivery is appended, and its retry replayed.
+    let fresh = daemon.ingestor.accept(submission(Some("after"), "{}".into(), now + 2)).await.unwrap();
+    let again = daemon.ingestor.accept(submission(Some("after"), "{}".into(), now + 2)).await.unwrap();
+    assert!(!fresh.replayed && again.replayed && again.first_offset == fresh.first_offset, "{case}: after the restart");
+    wal.close().await.unwrap();
+}
+
+/// How many of the mutations of a crash-free run to crash at: every one by default
+/// (`POWER_LOSS_STRIDE=N` takes every nth, for a quicker run).
+fn stride() -> u64 {
+    std::env::var("POWER_LOSS_STRIDE").ok().and_then(|v| v.parse().ok()).unwrap_or(1).max(1)
+}
+
+/// What a script's crash-free run did, beside accepting: so that a change to the script
+/// cannot quietly stop testing it.
+#[derive(Debug, Default, Clone, Copy)]
+struct Covered {
+    released: bool,
+    rotated: bool,
+    revoked: bool,
+}
+
+impl std::ops::BitOr for Covered {
+    type Output = Covered;
+    fn bitor(self, o: Covered) -> Covered {
+        Covered {
+            released: self.released | o.released,
+            rotated: self.rotated | o.rotated,
+            revoked: self.revoked | o.revoked,
+        }
+    }
+}
+
+async fn sweep(seed: u64, sync: SyncPolicy) -> Covered {
+    let now = ingest::time::now_unix_ms();
+    let script = script(seed);
+    let clean = SimStorage::new();
+    let answered = run_until_crash(&clean, &script, sync, None, now).await;
+    let released = Wal::open_read_only_with(Arc::new(clean.clone()), Path::new(WAL_DIR)).unwrap().start_offset() > 0;
+    let changes = |f: fn(&EndpointRecord) -> bool| answered.endpoints.values().flat_map(|(done, _)| done).any(f);
+    let covered = Covered {
+        released,
+        rotated: changes(|e| e.rotated_at_unix_ms.is_some()),
+        revoked: changes(|e| e.revoked_at_unix_ms.is_some()),
+    };
+    let mutations = clean.ops();
+    assert!(mutations > 50, "the script barely wrote: {mutations} mutations");
+    let mut crashes = 0;
+    for n in (1..=mutations).step_by(stride() as usize) {
+        for mode in [CrashMode::LoseUnsynced, CrashMode::Reordered { seed: seed ^ n }] {
+            let sim = SimStorage::new();
+            let answered = run_until_crash(&sim, &script, sync, Some((n, mode)), now).await;
+            if sim.crashes() == 0 {
+                continue; // this run made fewer mutations than the clean one
+            }
+            crashes += 1;
+            sim.disarm();
+            let case = format!("seed {seed}, {sync:?}, crash before mutation {n} of {mutations}, {mode:?}");
+            check_after_crash(&sim, &answered, sync, now, &case).await;
+        }
+    }
+    assert!(crashes as u64 > mutations, "only {crashes} of {mutations} crash points were reached");
+    eprintln!("seed {seed}, {sync:?}: {crashes} power losses over {mutations} mutations, all consistent; {covered:?}");
+    covered
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_power_loss_at_any_write_keeps_every_answer_of_the_log_and_the_state_database_under_always() {
+    let covered = sweep(1, SyncPolicy::Always).await | sweep(2, SyncPolicy::Always).await;
+    assert!(covered.released && covered.rotated && covered.revoked, "{covered:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_power_loss_at_any_write_never_replays_what_the_log_lost_under_interval() {
+    let interval = SyncPolicy::Interval(Duration::from_millis(2));
+    let covered = sweep(3, interval).await | sweep(4, interval).await;
+    assert!(covered.released && covered.rotated && covered.revoked, "{covered:?}");
+}
