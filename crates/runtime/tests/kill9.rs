@@ -1,7 +1,10 @@
-//! Crash test: concurrent clients send numbered events, the daemon is SIGKILLed at a
-//! random moment, restarted; every event that got a 200 must be in the log (read back
-//! through the wal crate) at the offsets the 200 named, in per-connection order, and
-//! every NDJSON batch must be whole or absent.
+//! Crash test: concurrent clients send numbered events, half of them through the
+//! source's named path and half through a secret-path endpoint with its own auth, every
+//! third request with a delivery id; the daemon is SIGKILLed at a random moment,
+//! restarted; every event that got a 200 must be in the log (read back through the wal
+//! crate) at the offsets the 200 named, in per-connection order, every NDJSON batch must
+//! be whole or absent, and the retry of every answered delivery must be answered with its
+//! offsets, appending nothing.
 
 mod common;
 
@@ -15,7 +18,14 @@ use rand::Rng;
 const SOURCES: &str = r#"
 [sources.default]
 destination = { stream = "ingest", topic = "events" }
+
+[[sources.default.endpoints]]
+id = "0123456789abcdef0123456789abcdef"
+auth_type = "bearer"
+auth_secret = "kill9-endpoint-token-0123456789"
 "#;
+const ENDPOINT_PATH: &str = "/v1/e/0123456789abcdef0123456789abcdef";
+const ENDPOINT_AUTH: &str = "Bearer kill9-endpoint-token-0123456789";
 
 const CONNECTIONS: u64 = 8;
 const BATCH_LINES: u64 = 3;
@@ -23,6 +33,22 @@ const ROUNDS: usize = 3;
 
 /// Acknowledged: (connection, sequence) → (first offset, last offset).
 type Acked = Arc<Mutex<BTreeMap<(u64, u64), (u64, u64)>>>;
+
+/// Where connection `conn_id` sends, with which headers: odd connections through the
+/// endpoint. Every third sequence number carries a delivery id.
+fn route(conn_id: u64, seq: u64) -> (&'static str, Vec<(&'static str, String)>) {
+    let mut headers = Vec::new();
+    let path = if conn_id % 2 == 1 {
+        headers.push(("authorization", ENDPOINT_AUTH.to_string()));
+        ENDPOINT_PATH
+    } else {
+        "/v1/sources/default"
+    };
+    if seq % 3 == 0 {
+        headers.push(("idempotency-key", format!("c{conn_id}-s{seq}")));
+    }
+    (path, headers)
+}
 
 async fn client(addr: std::net::SocketAddr, conn_id: u64, acked: Acked) {
     let Ok(mut conn) = Conn::open(addr).await else { return };
@@ -36,7 +62,10 @@ async fn client(addr: std::net::SocketAddr, conn_id: u64, acked: Acked) {
         } else {
             ("application/json", format!("{{\"conn\":{conn_id},\"seq\":{seq},\"part\":0}}"))
         };
-        let answer = match conn.send("POST", "/v1/sources/default", &[("content-type", ct)], body).await {
+        let (path, mut headers) = route(conn_id, seq);
+        headers.push(("content-type", ct.to_string()));
+        let headers: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        let answer = match conn.send("POST", path, &headers, body).await {
             Ok(a) => a,
             Err(_) => return,
         };
@@ -71,8 +100,20 @@ async fn every_acknowledged_event_survives_kill_9_in_per_connection_order() {
         for c in clients {
             tokio::time::timeout(Duration::from_secs(30), c).await.expect("client hung after the kill").unwrap();
         }
-        // Restart (recovery cuts any torn tail), prove it still appends, stop cleanly.
+        // Restart (recovery cuts any torn tail). Every answered delivery's retry is
+        // answered with its offsets and appends nothing; then it still appends.
         let d = Daemon::restart(dir.path());
+        let acked_now = acked.lock().unwrap().clone();
+        let mut retried = 0;
+        for (&(c, s), &(first, last)) in acked_now.iter().filter(|((_, s), _)| s % 3 == 0) {
+            let (path, headers) = route(c, s);
+            let headers: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
+            let again = request(d.http, "POST", path, &headers, r#"{"retry":true}"#).await;
+            assert_eq!(again.status, 200, "round {round}: retry of ({c},{s}): {:?}", again.body);
+            assert_eq!(again.header("idempotent-replayed"), Some("true"), "round {round}: ({c},{s}) appended again");
+            assert_eq!(again.json()["offsets"], serde_json::json!([first, last]), "round {round}: ({c},{s})");
+            retried += 1;
+        }
         let after = post_json(d.http, "/v1/sources/default", r#"{"after":"restart"}"#).await;
         assert_eq!(after.status, 200);
         assert!(d.stop().success());
@@ -81,10 +122,19 @@ async fn every_acknowledged_event_survives_kill_9_in_per_connection_order() {
         let mut found: HashMap<(u64, u64), Vec<(u64, u64)>> = HashMap::new();
         for (offset, envelope) in &log {
             let j: serde_json::Value = serde_json::from_slice(&envelope.payload).unwrap();
+            assert!(j.get("retry").is_none(), "round {round}: a retry was appended at {offset}");
             if j.get("after").is_some() {
                 continue;
             }
             let key = (j["conn"].as_u64().unwrap(), j["seq"].as_u64().unwrap());
+            let via_endpoint = envelope.header.endpoint_id.is_some();
+            assert_eq!(
+                via_endpoint,
+                key.0 % 2 == 1,
+                "round {round}: ({},{}) came through the wrong door",
+                key.0,
+                key.1
+            );
             found.entry(key).or_default().push((*offset, j["part"].as_u64().unwrap()));
         }
         let acked = acked.lock().unwrap().clone();
@@ -107,7 +157,7 @@ async fn every_acknowledged_event_survives_kill_9_in_per_connection_order() {
             assert!(seqs.windows(2).all(|w| w[0].1 < w[1].1), "round {round}: connection {c} out of order: {seqs:?}");
         }
         eprintln!(
-            "kill -9 round {round}: killed {kill_after:?} after traffic started, {} requests acknowledged, {} records in the log, all present",
+            "kill -9 round {round}: killed {kill_after:?} after traffic started, {} requests acknowledged ({retried} with a delivery id, each replayed), {} records in the log, all present",
             acked.len(),
             log.len()
         );
