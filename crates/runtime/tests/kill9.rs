@@ -44,7 +44,7 @@ fn route(conn_id: u64, seq: u64) -> (&'static str, Vec<(&'static str, String)>) 
     } else {
         "/v1/sources/default"
     };
-    if seq % 3 == 0 {
+    if seq.is_multiple_of(3) {
         headers.push(("idempotency-key", format!("c{conn_id}-s{seq}")));
     }
     (path, headers)
@@ -105,7 +105,7 @@ async fn every_acknowledged_event_survives_kill_9_in_per_connection_order() {
         let d = Daemon::restart(dir.path());
         let acked_now = acked.lock().unwrap().clone();
         let mut retried = 0;
-        for (&(c, s), &(first, last)) in acked_now.iter().filter(|((_, s), _)| s % 3 == 0) {
+        for (&(c, s), &(first, last)) in acked_now.iter().filter(|((_, s), _)| s.is_multiple_of(3)) {
             let (path, headers) = route(c, s);
             let headers: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
             let again = request(d.http, "POST", path, &headers, r#"{"retry":true}"#).await;
