@@ -231,7 +231,8 @@ async fn list(State(s): State<Arc<Shared>>, headers: HeaderMap) -> Response {
 #[serde(deny_unknown_fields)]
 struct RegisterRequest {
     source: String,
-    #[serde(default = "none_type")]
+    /// Required, `"none"` included: an endpoint is never left unauthenticated by a
+    /// field a script forgot.
     auth_type: String,
     auth_secret: Option<String>,
     auth_header: Option<String>,
@@ -239,10 +240,6 @@ struct RegisterRequest {
     auth_tolerance_secs: Option<u64>,
     handshake_param: Option<String>,
     expires_at_unix_ms: Option<u64>,
-}
-
-fn none_type() -> String {
-    "none".into()
 }
 
 fn parse_json<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {

@@ -87,7 +87,8 @@ async fn dynamic_endpoints_register_rotate_revoke_and_survive_restarts() {
     assert_eq!(log_len(&dir.path().join("data/wal")), 3);
 }
 
-/// An endpoint without auth has nothing to rotate: its id is its only secret. A rotate
+/// An endpoint without auth (`auth_type = "none"`, asked for explicitly) has nothing to
+/// rotate: its id is its only secret. A rotate
 /// that answered a secret would let an operator believe a leaked URL was shut, and a
 /// secret given at registration would never be checked; both are refused. A revoked id
 /// written into the configuration file as a static endpoint refuses the start instead
@@ -99,13 +100,27 @@ async fn an_endpoint_without_auth_has_no_secret_to_set_or_rotate_and_its_revoked
     let mgmt = bearer(MANAGEMENT_TOKEN);
     let auth = [("authorization", mgmt.as_str()), ("content-type", "application/json")];
 
-    let a = request(d.admin, "POST", "/v1/endpoints", &auth, r#"{"source":"default","auth_secret":"abc"}"#).await;
+    // The scheme is never implied: a registration without one is refused.
+    let a = request(d.admin, "POST", "/v1/endpoints", &auth, r#"{"source":"default"}"#).await;
+    assert_eq!(a.status, 400, "{:?}", a.body);
+    let j = a.json();
+    assert_eq!(j["error"], "invalid_json", "{j}");
+    assert!(j["message"].as_str().unwrap().contains("auth_type"), "{j}");
+
+    let a = request(
+        d.admin,
+        "POST",
+        "/v1/endpoints",
+        &auth,
+        r#"{"source":"default","auth_type":"none","auth_secret":"abc"}"#,
+    )
+    .await;
     assert_eq!(a.status, 400, "{:?}", a.body);
     let j = a.json();
     assert_eq!(j["error"], "invalid_request", "{j}");
     assert!(j["message"].as_str().unwrap().contains("not used by auth_type = \"none\""), "{j}");
 
-    let reg = request(d.admin, "POST", "/v1/endpoints", &auth, r#"{"source":"default"}"#).await;
+    let reg = request(d.admin, "POST", "/v1/endpoints", &auth, r#"{"source":"default","auth_type":"none"}"#).await;
     assert_eq!(reg.status, 201, "{:?}", reg.body);
     let reg = reg.json();
     assert!(reg["secret"].is_null(), "{reg}");
