@@ -180,6 +180,13 @@ pub(crate) fn scan_segment(
 /// that were already durable: a checked frame whose `synced_len` lies beyond the damage
 /// (it was written when the segment was known durable past that point). Returns its
 /// position. Finding none means the damage is a torn write of the unsynced tail.
+///
+/// When the frame at `damage_pos` has a header that checks (its payload is what failed,
+/// or its offset), the frame's extent is known, and the search starts at its end: a
+/// sync point (`synced_len`) is always the end of a batch, never inside a frame, and so
+/// is every frame written after it. The damaged frame's payload is a sender's bytes,
+/// which may hold anything that decodes as a frame header; searching inside it let a
+/// crafted body, torn by a crash, pose as proof and refuse the open.
 pub(crate) fn find_proof_of_durable_damage(
     file: &dyn StorageFile,
     path: &Path,
@@ -187,12 +194,21 @@ pub(crate) fn find_proof_of_durable_damage(
     damage_pos: u64,
 ) -> Result<Option<u64>> {
     let mut r = ChunkReader::new(file, len);
-    let mut p = damage_pos + 1;
-    while p + FRAME_HEADER_LEN <= len {
+    let damaged_frame_end = match r.get(damage_pos, FRAME_HEADER_LEN as usize).map_err(|e| WalError::io(path, e))? {
+        Some(b) => FrameHeader::decode(b).ok().map(|h| damage_pos.saturating_add(h.frame_len())),
+        None => None,
+    };
+    // The earliest position of a frame written after a sync beyond the damage, and the
+    // least such a sync point can be.
+    let (mut p, synced_at_least) = match damaged_frame_end {
+        Some(end) => (end, end),
+        None => (damage_pos + 1, damage_pos + 1),
+    };
+    while p.saturating_add(FRAME_HEADER_LEN) <= len {
         let b = r.get(p, FRAME_HEADER_LEN as usize).map_err(|e| WalError::io(path, e))?;
         if let Some(b) = b
             && let Ok(h) = FrameHeader::decode(b)
-            && h.synced_len > damage_pos
+            && h.synced_len >= synced_at_least
             && h.synced_len <= p
         {
             return Ok(Some(p));

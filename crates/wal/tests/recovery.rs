@@ -86,6 +86,33 @@ fn a_batch_missing_its_closing_record_is_dropped_whole() {
     assert_eq!(tags, vec![0], "a partial batch survived");
 }
 
+/// A sender's payload may hold bytes that decode as a frame header claiming the segment
+/// was synced past the damage. When a torn write damages that very record, those bytes
+/// are no proof that durable data was hit (a proof frame is a frame of its own, and no
+/// frame starts inside another): the open cuts the torn write. Before, it refused to
+/// start with "damage hit acknowledged data".
+#[test]
+fn a_frame_header_inside_a_torn_records_payload_is_no_proof_of_durable_damage() {
+    let sim = SimStorage::new();
+    fill(&sim, &small_options(), 2, 100);
+    let path = seg_path(0);
+    let third = SEGMENT_HEADER_LEN + 2 * (FRAME_HEADER_LEN + 100);
+    let fake = FrameHeader { payload_len: 0, offset: 3, synced_len: third + 1, flags: 0, payload_crc: 0 };
+    let mut body = vec![0x55u8; 100];
+    body[40..40 + FRAME_HEADER_LEN as usize].copy_from_slice(&fake.encode());
+    {
+        let wal = open(&sim, small_options());
+        rt().block_on(wal.append(vec![bytes::Bytes::from(body)])).unwrap();
+    }
+    // The write is torn before the fake header: the record's payload does not check.
+    flip(&sim, &path, (third + FRAME_HEADER_LEN + 5) as usize);
+    let wal = try_open(&sim, small_options()).unwrap_or_else(|e| panic!("the torn write was taken for damage: {e}"));
+    let r = wal.open_report();
+    assert_eq!(r.torn_at.as_ref().map(|l| l.position), Some(third), "{r:?}");
+    assert_eq!(read_all(&wal, 0).len(), 2);
+    assert_eq!(sim.read_file(&path).unwrap().len() as u64, third);
+}
+
 #[test]
 fn damage_in_the_middle_of_the_tail_is_an_error_naming_file_and_position() {
     let sim = SimStorage::new();
