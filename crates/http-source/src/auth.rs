@@ -236,6 +236,19 @@ impl AuthScheme {
         }
     }
 
+    /// The header a configured name chose to carry this scheme's signature (the hmac
+    /// schemes' `auth_header`), which the name-based credential check
+    /// ([`is_credential_header`](crate::source::is_credential_header)) cannot know: such
+    /// a signature carries no timestamp, and forwarded into the log it would let any
+    /// consumer post the stored event again. The other schemes' headers are credential
+    /// headers by name.
+    pub fn configured_signature_header(&self) -> Option<&str> {
+        match self {
+            AuthScheme::Hmac { header, .. } => Some(header),
+            _ => None,
+        }
+    }
+
     /// Checks a request. `now_unix_secs` is the receive time.
     pub fn verify(&self, headers: &HeaderMap, body: &[u8], now_unix_secs: u64) -> Result<(), AuthFailure> {
         match self {

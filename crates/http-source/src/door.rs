@@ -390,7 +390,7 @@ async fn receive_inner(
         let body = AcceptedBody { accepted: 0, offsets: None, dropped: Some(resolution.dropped) };
         return Ok((StatusCode::OK, axum::Json(body)).into_response());
     }
-    let headers = forward_headers(source, &parts.headers);
+    let headers = forward_headers(source, &parts.headers, auth);
     let mut metadata = Vec::new();
     if source.metadata.peer_addr
         && let Some(p) = peer
@@ -534,9 +534,16 @@ fn delivery_key(source: &SourceSpec, auth: &AuthScheme, headers: &HeaderMap) -> 
 /// its last value, the one Iggy would keep (a message holds one value per header name).
 /// So what a request adds to each of its events' envelopes is bounded by the
 /// configuration (names x 255 bytes), not by how often a client repeats a header.
-fn forward_headers(source: &SourceSpec, headers: &HeaderMap) -> Vec<(String, Vec<u8>)> {
+/// Never the header `auth` read its signature from: the configuration refuses that for
+/// a source and its static endpoints, and a dynamic endpoint's registration can choose
+/// any header name.
+fn forward_headers(source: &SourceSpec, headers: &HeaderMap, auth: &AuthScheme) -> Vec<(String, Vec<u8>)> {
+    let signature = auth.configured_signature_header();
     let mut out = Vec::new();
     for name in &source.forward_headers {
+        if signature.is_some_and(|s| s.eq_ignore_ascii_case(name)) {
+            continue;
+        }
         if let Some(v) = headers.get_all(name.as_str()).iter().next_back() {
             let bytes = v.as_bytes();
             let value = if bytes.len() > HEADER_VALUE_MAX_BYTES {

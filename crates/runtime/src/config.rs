@@ -974,6 +974,9 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
                 forward_headers.push(h.to_ascii_lowercase());
             }
         }
+        if let Some(signature) = auth.configured_signature_header() {
+            forwarded_signature(&mut c, &sp, &s.forward_headers, signature, "the source's named path");
+        }
         let mut metadata = MetadataFields::default();
         for (i, m) in s.metadata.iter().enumerate() {
             match m.as_str() {
@@ -1027,6 +1030,9 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
                     }
                 },
             };
+            if let Some(signature) = auth.configured_signature_header() {
+                forwarded_signature(&mut c, &sp, &s.forward_headers, signature, &format!("endpoint {}", e.id));
+            }
             endpoints.push(Endpoint {
                 id,
                 source_key: key.clone(),
@@ -1351,6 +1357,12 @@ fn partition_rule(c: &mut Checker<'_>, pp: &KeyPath, p: &PartitioningConfig) -> 
             let h = h.to_ascii_lowercase();
             if axum::http::HeaderName::from_bytes(h.as_bytes()).is_err() {
                 c.err(&pp.key("key_header"), format!("{h:?} is not a valid header name"));
+            } else if is_credential_header(&h) {
+                // The key is stored in every record's envelope, as a forwarded header is.
+                c.err(
+                    &pp.key("key_header"),
+                    format!("{h:?} carries credentials and may not become the partition key stored in the log"),
+                );
             }
             PartitionRule::Key { source: KeySource::Header(h), encoding }
         }
@@ -1418,6 +1430,22 @@ fn admission(c: &mut Checker<'_>, ap: &KeyPath, a: &AdmissionConfig) -> Admissio
         other => {
             c.err(&ap.key("mode"), format!("{other:?}: expected \"open\", \"allowlist\" or \"denylist\""));
             Admission::Open
+        }
+    }
+}
+
+/// Refuses a `forward_headers` entry naming `signature`, the header an hmac scheme of
+/// `whose` reads its signature from: a signature without a timestamp, copied into the
+/// log, would let any consumer post the stored event again as a new delivery.
+fn forwarded_signature(c: &mut Checker<'_>, source: &KeyPath, forward: &[String], signature: &str, whose: &str) {
+    for (i, h) in forward.iter().enumerate() {
+        if h.eq_ignore_ascii_case(signature) {
+            c.err(
+                &source.key("forward_headers").index(i),
+                format!(
+                    "{h:?} carries the signature of {whose} (its auth_header) and may not be forwarded into the log"
+                ),
+            );
         }
     }
 }
@@ -1864,6 +1892,28 @@ auth_secret = "never checked"
         assert_eq!(e[0].line, Some(3));
     }
 
+    /// A configured signature header passes the check by name (Shopify's
+    /// `X-Shopify-Hmac-Sha256` holds none of its words) and is refused because the
+    /// source's or a static endpoint's hmac scheme reads it.
+    #[test]
+    fn the_header_an_hmac_scheme_reads_its_signature_from_cannot_be_forwarded() {
+        let source = "[sources.a]\ndestination = { stream = \"s\", topic = \"t\" }\nauth_type = \"hmac-sha256-base64\"\nauth_secret = \"x\"\nauth_header = \"X-Shopify-Hmac-Sha256\"\nforward_headers = [\"x-shopify-topic\", \"x-shopify-hmac-sha256\"]\n";
+        let e = errors(source);
+        assert_eq!(e.len(), 1, "{e:?}");
+        assert_eq!((e[0].path.as_str(), e[0].line), ("sources.a.forward_headers[1]", Some(6)));
+        assert!(e[0].message.contains("the source's named path"), "{}", e[0].message);
+
+        let endpoint = "[sources.a]\ndestination = { stream = \"s\", topic = \"t\" }\nforward_headers = [\"X-Sig\"]\n[[sources.a.endpoints]]\nid = \"0123456789abcdef0123456789abcdef\"\nauth_type = \"hmac-sha256\"\nauth_secret = \"x\"\nauth_header = \"x-sig\"\n";
+        let e = errors(endpoint);
+        assert_eq!(e.len(), 1, "{e:?}");
+        assert_eq!(e[0].path, "sources.a.forward_headers[0]");
+        assert!(e[0].message.contains("endpoint 0123456789abcdef0123456789abcdef"), "{}", e[0].message);
+        let other = endpoint.replace("auth_header = \"x-sig\"", "auth_header = \"x-other\"");
+        if let Err(e) = parse(&other, None).and_then(|c| validate(&c, Some(&other), None)) {
+            panic!("another header was refused: {e:?}");
+        }
+    }
+
     #[test]
     fn semantic_checks_name_their_keys() {
         let text = r#"
@@ -2098,6 +2148,9 @@ mapping_url = "https://example.com/m.json"
         assert_eq!(case("{ key_header = \"x-a\", partition_id = 1 }")[0].path, "sources.a.partitioning");
         assert_eq!(case("{}")[0].path, "sources.a.partitioning");
         assert_eq!(case("{ key_header = \"bad header\" }")[0].path, "sources.a.partitioning.key_header");
+        let credential = case("{ key_header = \"X-Api-Key\" }");
+        assert_eq!(credential[0].path, "sources.a.partitioning.key_header");
+        assert!(credential[0].message.contains("carries credentials"), "{}", credential[0].message);
         assert_eq!(
             case("{ key_header = \"x-a\", key_encoding = \"u64\" }")[0].path,
             "sources.a.partitioning.key_encoding"

@@ -395,3 +395,37 @@ async fn delivery_ids_are_scoped_per_endpoint_so_two_tenants_never_replay_each_o
     let ids: std::collections::HashSet<u128> = log.iter().map(|(_, e)| e.header.message_id).collect();
     assert_eq!(ids.len(), 3, "each delivery has its own message id");
 }
+
+/// A dynamic endpoint may carry its hmac signature in any header, one its source
+/// forwards included: the signature (no timestamp in it) is never copied into the log,
+/// where any consumer could post the stored event again with it. The source's named
+/// path still forwards that header.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_header_a_request_was_signed_in_is_never_forwarded_into_the_log() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = Daemon::start(dir.path(), "", SOURCES);
+    let mgmt = format!("Bearer {MANAGEMENT_TOKEN}");
+    let admin = [("authorization", mgmt.as_str()), ("content-type", "application/json")];
+    let reg = request(
+        d.admin,
+        "POST",
+        "/v1/endpoints",
+        &admin,
+        r#"{"source":"default","auth_type":"hmac-sha256","auth_secret":"s3cret","auth_header":"X-Event-Kind","auth_prefix":""}"#,
+    )
+    .await;
+    assert_eq!(reg.status, 201, "{:?}", reg.body);
+    let path = reg.json()["path"].as_str().unwrap().to_string();
+    let signature = hmac_hex(b"s3cret", b"signed");
+    let a = request(d.http, "POST", &path, &[("x-event-kind", &signature)], "signed").await;
+    assert_eq!(a.status, 200, "{:?}", a.body);
+    let a = request(d.http, "POST", "/v1/sources/default", &[("x-event-kind", "push")], "named").await;
+    assert_eq!(a.status, 200, "{:?}", a.body);
+    assert!(d.stop().success());
+
+    let log = read_log(&dir.path().join("data/wal"));
+    let payloads: Vec<&[u8]> = log.iter().map(|(_, e)| &e.payload[..]).collect();
+    assert_eq!(payloads, [&b"signed"[..], &b"named"[..]]);
+    assert_eq!(log[0].1.header.headers, [], "the signature was forwarded");
+    assert_eq!(log[1].1.header.headers, [("x-event-kind".to_string(), b"push".to_vec())]);
+}
