@@ -35,9 +35,10 @@
 //!    length; a failed write: back to the length before it, so appends answered before it
 //!    under `interval` stay); a failed sync is never treated as covered by a later one.
 //!    If the cut fails, the bytes are overwritten with zeros and synced instead; only if
-//!    that fails too is the log poisoned, and only then can a failed append come back
-//!    after a reopen (its bytes may be in the page cache whole): a possible duplicate,
-//!    never a loss. Under `Always` the log reopens with everything that was
+//!    that fails too, or the sync of a cut that succeeded fails, is the log poisoned,
+//!    and only then can a failed append come back after a reopen (its bytes may be in
+//!    the page cache whole, or on the disk beside a cut never made durable): a possible
+//!    duplicate, never a loss. Under `Always` the log reopens with everything that was
 //!    acknowledged before the fault. Under `interval` a failed sync may lose the appends
 //!    answered since the last sync: the log is then poisoned ([`WalError::Poisoned`],
 //!    [`Wal::accepts_appends`] false) with a message saying so, and a reopen recovers
