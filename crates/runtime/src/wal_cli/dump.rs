@@ -131,6 +131,19 @@ fn partitioning_json(p: &Partitioning) -> serde_json::Value {
     }
 }
 
+/// `s` with every control character (newlines, escape sequences, carriage returns)
+/// written as its Rust escape (`\n`, `\u{1b}`), so a record cannot move the cursor,
+/// rewrite the terminal or forge the next line of the human format.
+fn terminal_safe(s: &str) -> std::borrow::Cow<'_, str> {
+    if !s.chars().any(char::is_control) {
+        return s.into();
+    }
+    s.chars()
+        .map(|c| if c.is_control() { c.escape_default().collect() } else { c.to_string() })
+        .collect::<String>()
+        .into()
+}
+
 fn header_value(v: &[u8]) -> String {
     String::from_utf8_lossy(v).into_owned()
 }
@@ -185,38 +198,40 @@ pub(crate) fn write_record(
             write_json_line(out, &json!({"offset": offset, "error": err.to_string(), "record_base64": raw}))
         }
         (Format::Human, Ok(e)) => {
+            // Every field a sender could have chosen is shown with its control characters
+            // escaped: the human format goes to a terminal, one line per field.
             let h = &e.header;
             write!(
                 out,
                 "#{offset} {} {} -> {}/{} ({}) id={:032x}",
                 rfc3339_ms(h.received_at_unix_ms),
-                h.source_key,
-                h.destination.stream,
-                h.destination.topic,
-                partitioning_text(&h.destination.partitioning),
+                terminal_safe(&h.source_key),
+                terminal_safe(&h.destination.stream),
+                terminal_safe(&h.destination.topic),
+                terminal_safe(&partitioning_text(&h.destination.partitioning)),
                 h.message_id,
             )?;
             if let Some(ep) = h.endpoint_id {
                 write!(out, " endpoint={ep:032x}")?;
             }
             if let Some(k) = &h.idempotency_key {
-                write!(out, " delivery={k}")?;
+                write!(out, " delivery={}", terminal_safe(k))?;
             }
             if h.batch_len > 1 {
                 write!(out, " event={}/{}", u64::from(h.batch_index) + 1, h.batch_len)?;
             }
             writeln!(out)?;
             if let Some(ct) = &h.content_type {
-                writeln!(out, "  content-type: {ct}")?;
+                writeln!(out, "  content-type: {}", terminal_safe(ct))?;
             }
             for (k, v) in &h.metadata {
-                writeln!(out, "  meta {k}: {v}")?;
+                writeln!(out, "  meta {}: {}", terminal_safe(k), terminal_safe(v))?;
             }
             for (k, v) in &h.headers {
-                writeln!(out, "  header {k}: {}", header_value(v))?;
+                writeln!(out, "  header {}: {}", terminal_safe(k), terminal_safe(&header_value(v)))?;
             }
             let (payload, encoding) = payload_text(&e.payload);
-            writeln!(out, "  payload ({} bytes, {encoding}): {payload}", e.payload.len())
+            writeln!(out, "  payload ({} bytes, {encoding}): {}", e.payload.len(), terminal_safe(&payload))
         }
         (Format::Human, Err(err)) => {
             let raw = base64::Engine::encode(&base64::engine::general_purpose::STANDARD, record);
@@ -250,4 +265,50 @@ pub(crate) fn run(a: DumpArgs) -> CliResult {
     }
     out.flush()?;
     Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ingest::{Destination, EnvelopeHeader};
+
+    /// A sender's bytes (the payload, a forwarded header, a partition key from a JSON
+    /// field) reach the terminal with their control characters escaped: no escape
+    /// sequence, no carriage return, and no line of the human format that the record did
+    /// not make. The JSON and payload-only formats stay exact.
+    #[test]
+    fn the_human_format_escapes_what_a_sender_could_send_to_the_terminal() {
+        let header = EnvelopeHeader {
+            message_id: 7,
+            received_at_unix_ms: 0,
+            source_key: "s".into(),
+            endpoint_id: None,
+            content_type: Some("text/plain".into()),
+            metadata: vec![],
+            headers: vec![("x-kind".into(), b"a\tb".to_vec())],
+            idempotency_key: None,
+            batch_index: 0,
+            batch_len: 1,
+            destination: Destination {
+                stream: "st".into(),
+                topic: "tp".into(),
+                partitioning: Partitioning::Key(b"k\rey".to_vec()),
+            },
+        };
+        let payload = "title\u{1b}]0;pwned\u{7}\n#2 1970-01-01T00:00:00.000Z forged -> x/y";
+        let record = ingest::Envelope::encode(&header, payload.as_bytes());
+        let envelope = ingest::Envelope::decode(&record);
+        let mut out = Vec::new();
+        write_record(&mut out, Format::Human, 1, &record, &envelope).unwrap();
+        let text = String::from_utf8(out).unwrap();
+        assert!(!text.chars().any(|c| c.is_control() && c != '\n'), "{text:?}");
+        assert_eq!(text.lines().count(), 4, "{text}");
+        assert!(text.lines().all(|l| !l.starts_with("#2")), "a forged line: {text}");
+        assert!(text.contains(r"title\u{1b}]0;pwned\u{7}\n#2"), "{text}");
+        assert!(text.contains(r"(key:k\rey)") && text.contains(r"header x-kind: a\tb"), "{text}");
+
+        let mut exact = Vec::new();
+        write_record(&mut exact, Format::PayloadOnly, 1, &record, &envelope).unwrap();
+        assert!(exact.starts_with(payload.as_bytes()), "payload-only is the payload's bytes");
+    }
 }
