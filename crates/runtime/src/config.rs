@@ -739,6 +739,10 @@ impl Checker<'_> {
 }
 
 /// Validates a parsed configuration. `text` is the file's text, for line numbers.
+/// The longest `shutdown.grace_period_ms` and `shutdown.drain_delay_ms`: an hour, far
+/// past any supervisor's stop timeout (systemd's default is 90 s).
+const SHUTDOWN_MS_MAX: u64 = 3_600_000;
+
 pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> Result<Settings, ConfigErrors> {
     let mut c = Checker { text, errors: Vec::new() };
     let root = KeyPath::default();
@@ -920,6 +924,26 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
             ),
         ),
         Ok(()) => {}
+    }
+    if let Some(ca) = &config.iggy.tls_ca_file {
+        // The client reads it only when it connects, and a failed connect only holds the
+        // records: a wrong path would pass every check and never deliver.
+        if !config.iggy.tls {
+            c.err(&iggy.key("tls_ca_file"), "is not used unless iggy.tls = true");
+        } else if let Err(e) = std::fs::File::open(ca) {
+            c.err(&iggy.key("tls_ca_file"), format!("{ca:?} cannot be read: {e}"));
+        }
+    }
+
+    let shutdown = root.key("shutdown");
+    if config.shutdown.grace_period_ms == 0 || config.shutdown.grace_period_ms > SHUTDOWN_MS_MAX {
+        c.err(
+            &shutdown.key("grace_period_ms"),
+            format!("must be between 1 and {SHUTDOWN_MS_MAX} (0 would cut every request in flight at each stop)"),
+        );
+    }
+    if config.shutdown.drain_delay_ms > SHUTDOWN_MS_MAX {
+        c.err(&shutdown.key("drain_delay_ms"), format!("must be at most {SHUTDOWN_MS_MAX}"));
     }
 
     let source_keys: Vec<String> = config.sources.keys().cloned().collect();
@@ -2109,6 +2133,31 @@ mapping_url = "https://example.com/m.json"
         assert_eq!((e.len(), e[0].path.as_str()), (1, "iggy.tls_domain"), "{e:?}");
         let t = text("address = \"[::1]:8090\"\ntls = true\ntls_domain = \"iggy.internal\"");
         assert!(validate(&parse(&t, None).unwrap(), Some(&t), None).is_ok());
+        // A CA file is read at config load: a wrong path would only show as connects
+        // that fail for ever, the records held.
+        let e = errors(&text("tls = true\ntls_ca_file = \"/nonexistent/ca.pem\""));
+        assert_eq!((e.len(), e[0].path.as_str()), (1, "iggy.tls_ca_file"), "{e:?}");
+        assert!(e[0].message.contains("cannot be read"), "{}", e[0].message);
+        let e = errors(&text("tls_ca_file = \"/nonexistent/ca.pem\""));
+        assert!(e[0].message.contains("not used unless iggy.tls = true"), "{}", e[0].message);
+        let dir = tempfile::tempdir().unwrap();
+        let ca = dir.path().join("ca.pem");
+        std::fs::write(&ca, "-----BEGIN CERTIFICATE-----\n").unwrap();
+        let t = text(&format!("tls = true\ntls_ca_file = {:?}", ca.display().to_string()));
+        assert!(validate(&parse(&t, None).unwrap(), Some(&t), None).is_ok());
+    }
+
+    #[test]
+    fn the_shutdown_timings_are_bounded() {
+        let t = |body: &str| {
+            format!("[shutdown]\n{body}\n[sources.a]\ndestination = {{ stream = \"s\", topic = \"t\" }}\n")
+        };
+        let e = errors(&t("grace_period_ms = 0"));
+        assert_eq!((e[0].path.as_str(), e[0].line), ("shutdown.grace_period_ms", Some(2)));
+        assert_eq!(errors(&t("grace_period_ms = 3600001"))[0].path, "shutdown.grace_period_ms");
+        assert_eq!(errors(&t("drain_delay_ms = 3600001"))[0].path, "shutdown.drain_delay_ms");
+        let fine = t("grace_period_ms = 3600000\ndrain_delay_ms = 3600000");
+        assert!(validate(&parse(&fine, None).unwrap(), Some(&fine), None).is_ok());
     }
 
     #[test]
