@@ -38,6 +38,15 @@ pub fn run(settings: Settings, ready_file: Option<PathBuf>) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    // A ready file left by an earlier run (killed, or crashed) would tell a supervisor
+    // this one is ready, with the old run's ports and pid, before it is.
+    if let Some(path) = &ready_file
+        && let Err(e) = std::fs::remove_file(path)
+        && e.kind() != std::io::ErrorKind::NotFound
+    {
+        eprintln!("iggy-ingest: cannot remove the ready file {} left by an earlier run: {e}", path.display());
+        return ExitCode::FAILURE;
+    }
     runtime.block_on(async move {
         // Installed before anything else: a stop signal that comes while the daemon
         // starts, or right after it said it is ready, is then a clean stop, not the
@@ -108,7 +117,11 @@ fn write_ready_file(path: &std::path::Path, running: &daemon::RunningDaemon) -> 
         "admin": running.admin_addr.to_string(),
         "pid": std::process::id(),
     });
-    let tmp = path.with_extension("tmp");
+    // Beside it under another name (its name plus `.tmp`, whatever its own extension),
+    // then renamed over it: a reader never sees half of it.
+    let mut tmp_name = path.file_name().unwrap_or_default().to_os_string();
+    tmp_name.push(".tmp");
+    let tmp = path.with_file_name(tmp_name);
     std::fs::write(&tmp, body.to_string())?;
     std::fs::rename(&tmp, path)
 }

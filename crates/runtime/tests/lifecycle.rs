@@ -728,3 +728,33 @@ async fn a_call_is_out(accepted: &std::sync::atomic::AtomicUsize) {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// A ready file an earlier run left (killed before it could remove it) is removed at
+/// start, before anything else: a supervisor waiting for it never reads the old run's
+/// ports and pid as this run's. Here the start then fails (its listen address is taken),
+/// so no new ready file is written either.
+#[test]
+fn a_ready_file_left_by_an_earlier_run_is_removed_at_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let text = config_text(dir.path(), "", SOURCES).replacen(
+        "listen = \"127.0.0.1:0\"",
+        &format!("listen = \"{}\"", taken.local_addr().unwrap()),
+        1,
+    );
+    let cfg = dir.path().join("config.toml");
+    std::fs::write(&cfg, text).unwrap();
+    let ready = dir.path().join("ready.json");
+    std::fs::write(&ready, r#"{"http":"127.0.0.1:1","admin":"127.0.0.1:2","pid":1}"#).unwrap();
+    let status = Command::new(env!("CARGO_BIN_EXE_iggy-ingest"))
+        .args(["run", "--config"])
+        .arg(&cfg)
+        .arg("--ready-file")
+        .arg(&ready)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .unwrap();
+    assert!(!status.success(), "the start did not fail on the taken address");
+    assert!(!ready.exists(), "the earlier run's ready file is still there");
+}
