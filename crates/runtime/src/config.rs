@@ -599,8 +599,21 @@ pub fn parse(text: &str, file: Option<PathBuf>) -> Result<Config, ConfigErrors> 
         let path = if path == "." { String::new() } else { path };
         let inner = e.into_inner();
         let line = inner.span().map(|s| line_of(text, s.start));
-        ConfigErrors { file, errors: vec![ConfigError { path, line, message: inner.message().to_string() }] }
+        // serde quotes the value it refused ("invalid type: integer `12345678`"): at a
+        // secret's key that would print the secret to the terminal and the journal.
+        let message = if is_secret_key(&path) {
+            "must be a string (what was given is not repeated here: it is a secret)".to_string()
+        } else {
+            inner.message().to_string()
+        };
+        ConfigErrors { file, errors: vec![ConfigError { path, line, message }] }
     })
+}
+
+/// Whether the key at `path` (dotted) holds a secret: its value never appears in a message.
+fn is_secret_key(path: &str) -> bool {
+    let last = path.rsplit('.').next().unwrap_or(path);
+    matches!(last, "auth_secret" | "password" | "token" | "management_token")
 }
 
 /// Everything the daemon runs on, validated.
@@ -2145,6 +2158,35 @@ mapping_url = "https://example.com/m.json"
         std::fs::write(&ca, "-----BEGIN CERTIFICATE-----\n").unwrap();
         let t = text(&format!("tls = true\ntls_ca_file = {:?}", ca.display().to_string()));
         assert!(validate(&parse(&t, None).unwrap(), Some(&t), None).is_ok());
+    }
+
+    /// A secret of the wrong type (a number left unquoted) is refused at its key without
+    /// repeating it: the message would otherwise go to the terminal and the journal.
+    #[test]
+    fn a_secret_of_the_wrong_type_is_refused_without_repeating_it() {
+        for (text, path) in [
+            (
+                "[sources.a]\ndestination = { stream = \"s\", topic = \"t\" }\nauth_type = \"bearer\"\nauth_secret = 987654321\n",
+                "sources.a.auth_secret",
+            ),
+            (
+                "[iggy]\npassword = 987654321\n[sources.a]\ndestination = { stream = \"s\", topic = \"t\" }\n",
+                "iggy.password",
+            ),
+            (
+                "[admin]\nmanagement_token = 987654321\n[sources.a]\ndestination = { stream = \"s\", topic = \"t\" }\n",
+                "admin.management_token",
+            ),
+        ] {
+            let e = errors(text);
+            assert_eq!(e[0].path, path);
+            assert!(!e[0].message.contains("987654321"), "{path}: {}", e[0].message);
+            assert!(e[0].message.contains("must be a string"), "{path}: {}", e[0].message);
+        }
+        // Elsewhere the refused value is named as serde names it.
+        let e =
+            errors("[http]\nmax_body_bytes = \"lots\"\n[sources.a]\ndestination = { stream = \"s\", topic = \"t\" }\n");
+        assert!(e[0].message.contains("lots"), "{}", e[0].message);
     }
 
     #[test]
