@@ -249,6 +249,19 @@ impl AuthScheme {
         }
     }
 
+    /// How far from now a signed timestamp may be, either way, for the schemes that sign
+    /// one (Standard Webhooks, Stripe). A captured request can be sent again for twice
+    /// this long; the delivery ids must be kept at least that long to answer it as the
+    /// replay it is.
+    pub fn tolerance_secs(&self) -> Option<u64> {
+        match self {
+            AuthScheme::StandardWebhooks { tolerance_secs, .. } | AuthScheme::Stripe { tolerance_secs, .. } => {
+                Some(*tolerance_secs)
+            }
+            _ => None,
+        }
+    }
+
     /// Checks a request. `now_unix_secs` is the receive time.
     pub fn verify(&self, headers: &HeaderMap, body: &[u8], now_unix_secs: u64) -> Result<(), AuthFailure> {
         match self {

@@ -188,6 +188,9 @@ pub fn generate_secret(scheme: &str) -> String {
 pub struct EndpointRegistry {
     state: Arc<StateDb>,
     sources: Vec<String>,
+    /// The largest `tolerance_secs` a registration may ask for: half the delivery ids'
+    /// retention ([`EndpointRegistry::with_tolerance_secs_max`]).
+    tolerance_secs_max: u64,
     endpoints: RwLock<HashMap<u128, Arc<EndpointVersion>>>,
     changes: tokio::sync::Mutex<()>,
     next_version: AtomicU64,
@@ -237,10 +240,35 @@ impl EndpointRegistry {
         Ok(EndpointRegistry {
             state,
             sources,
+            tolerance_secs_max: u64::MAX,
             endpoints: RwLock::new(map),
             changes: tokio::sync::Mutex::new(()),
             next_version,
         })
+    }
+
+    /// Bounds the `tolerance_secs` of registrations to `max` (the daemon passes half of
+    /// `idempotency.retention_secs`): a request replayed within its signature's tolerance
+    /// must still find its delivery id, or it is appended again. A stored endpoint over
+    /// the bound (the retention was lowered since) keeps working, with a warning.
+    pub fn with_tolerance_secs_max(mut self, max: u64) -> EndpointRegistry {
+        self.tolerance_secs_max = max;
+        for current in self.endpoints.read().unwrap_or_else(|p| p.into_inner()).values() {
+            let e = &current.endpoint;
+            if let Some(t) = e.auth.tolerance_secs()
+                && t > max
+                && e.dynamic
+                && e.revoked_at_unix_ms.is_none()
+            {
+                tracing::warn!(
+                    endpoint = %id_prefix(e.id),
+                    tolerance_secs = t,
+                    tolerance_secs_max = max,
+                    "an endpoint's signature tolerance is more than half the delivery ids' retention: a request replayed late in its tolerance is appended again"
+                );
+            }
+        }
+        self
     }
 
     /// The endpoint's current version, if it takes requests at `now_unix_ms`. What a
@@ -339,6 +367,14 @@ impl EndpointRegistry {
             auth.secret = Some(generate_secret(&auth.scheme));
         }
         let scheme = scheme_from_request(&auth).map_err(EndpointError::InvalidAuth)?;
+        if let Some(t) = scheme.tolerance_secs()
+            && t > self.tolerance_secs_max
+        {
+            return Err(EndpointError::InvalidAuth(format!(
+                "tolerance_secs: {t} is more than {} (half of idempotency.retention_secs): a request replayed late in its tolerance would no longer find its delivery id and be appended again",
+                self.tolerance_secs_max
+            )));
+        }
         let _serial = self.changes.lock().await;
         self.registration_room(DYNAMIC_ENDPOINTS_MAX)?;
         let mut id: u128 = rand::random();
@@ -581,6 +617,33 @@ mod tests {
             EndpointRegistry::load(state, vec!["default".into()], vec![same_id]),
             Err(LoadError::RevokedStatic(_))
         ));
+    }
+
+    /// A registration may not ask for a signature tolerance longer than half the
+    /// delivery ids' retention, the default of 300 s included.
+    #[tokio::test]
+    async fn a_registration_s_tolerance_is_bounded_by_the_retention() {
+        let dir = tempfile::tempdir().unwrap();
+        let state = Arc::new(StateDb::open(dir.path().join("s.redb")).unwrap());
+        let reg = Arc::new(
+            EndpointRegistry::load(state, vec!["default".into()], vec![]).unwrap().with_tolerance_secs_max(200),
+        );
+        let stripe = |tolerance_secs| StoredAuth {
+            scheme: "stripe".into(),
+            secret: None,
+            header: None,
+            prefix: None,
+            tolerance_secs,
+        };
+        for tolerance in [None, Some(201)] {
+            match reg.register("default".into(), stripe(tolerance), None, None, 10).await {
+                Err(EndpointError::InvalidAuth(m)) => assert!(m.contains("retention_secs"), "{m}"),
+                other => panic!("{tolerance:?}: {other:?}"),
+            }
+        }
+        assert!(reg.list(10).is_empty(), "a refused registration was kept");
+        reg.register("default".into(), stripe(Some(200)), None, None, 10).await.unwrap();
+        reg.register("default".into(), bearer(), None, None, 10).await.unwrap();
     }
 
     /// Registrations are bounded, and tombstones count: they are never removed (a

@@ -993,6 +993,7 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
             }
         };
         let auth = auth_scheme(&mut c, &sp, s.auth());
+        tolerance_within_retention(&mut c, &sp, &auth, s.auth().auth_tolerance_secs.is_some(), retention_secs);
         let mut forward_headers = Vec::new();
         for (i, h) in s.forward_headers.iter().enumerate() {
             let hp = sp.key("forward_headers").index(i);
@@ -1054,6 +1055,7 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
                 c.err(&ep.key("id"), "is used by another endpoint");
             }
             let auth = auth_scheme(&mut c, &ep, e.auth());
+            tolerance_within_retention(&mut c, &ep, &auth, e.auth().auth_tolerance_secs.is_some(), retention_secs);
             let expires_at_unix_ms = match &e.expires_at {
                 None => None,
                 Some(t) => match humantime::parse_rfc3339_weak(t) {
@@ -1468,6 +1470,33 @@ fn admission(c: &mut Checker<'_>, ap: &KeyPath, a: &AdmissionConfig) -> Admissio
             c.err(&ap.key("mode"), format!("{other:?}: expected \"open\", \"allowlist\" or \"denylist\""));
             Admission::Open
         }
+    }
+}
+
+/// Refuses a signature tolerance (at `at`, the source or endpoint; `set` whether the file
+/// sets `auth_tolerance_secs` there, or the default applies) longer than half the
+/// delivery ids' retention: a captured request can be sent again until its timestamp is
+/// `tolerance` in the past, having been first accepted when it was up to `tolerance` in
+/// the future, and must then still find its delivery id, or it is appended again.
+fn tolerance_within_retention(c: &mut Checker<'_>, at: &KeyPath, auth: &AuthScheme, set: bool, retention_secs: u64) {
+    let Some(tolerance) = auth.tolerance_secs() else { return };
+    if tolerance.saturating_mul(2) <= retention_secs {
+        return;
+    }
+    if set {
+        c.err(
+            &at.key("auth_tolerance_secs"),
+            format!(
+                "{tolerance} is more than half of idempotency.retention_secs ({retention_secs}): a request replayed late in its tolerance would no longer find its delivery id and be appended again"
+            ),
+        );
+    } else {
+        c.err(
+            &KeyPath::default().key("idempotency").key("retention_secs"),
+            format!(
+                "{retention_secs} is less than twice the signature tolerance of {at} ({tolerance} s, the default): a request replayed late in its tolerance would no longer find its delivery id and be appended again"
+            ),
+        );
     }
 }
 
@@ -2187,6 +2216,24 @@ mapping_url = "https://example.com/m.json"
         let e =
             errors("[http]\nmax_body_bytes = \"lots\"\n[sources.a]\ndestination = { stream = \"s\", topic = \"t\" }\n");
         assert!(e[0].message.contains("lots"), "{}", e[0].message);
+    }
+
+    /// A signature tolerance longer than half the delivery ids' retention is refused: at
+    /// the tolerance when the file sets it, at the retention when the default (300 s)
+    /// applies.
+    #[test]
+    fn a_signature_tolerance_needs_twice_its_length_of_retention() {
+        let stripe = "[sources.a]\ndestination = { stream = \"s\", topic = \"t\" }\nauth_type = \"stripe\"\nauth_secret = \"whsec_x\"\n";
+        let e = errors(&format!("[idempotency]\nretention_secs = 599\n{stripe}"));
+        assert_eq!((e.len(), e[0].path.as_str(), e[0].line), (1, "idempotency.retention_secs", Some(2)), "{e:?}");
+        assert!(e[0].message.contains("sources.a"), "{}", e[0].message);
+        let fine = format!("[idempotency]\nretention_secs = 600\n{stripe}");
+        assert!(validate(&parse(&fine, None).unwrap(), Some(&fine), None).is_ok());
+        let e = errors(&format!("[idempotency]\nretention_secs = 600\n{stripe}auth_tolerance_secs = 301\n"));
+        assert_eq!((e.len(), e[0].path.as_str(), e[0].line), (1, "sources.a.auth_tolerance_secs", Some(7)), "{e:?}");
+        let endpoint = "[sources.b]\ndestination = { stream = \"s\", topic = \"t\" }\n[[sources.b.endpoints]]\nid = \"0123456789abcdef0123456789abcdef\"\nauth_type = \"standard-webhooks\"\nauth_secret = \"whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw\"\nauth_tolerance_secs = 100\n";
+        let e = errors(&format!("[idempotency]\nretention_secs = 199\n{endpoint}"));
+        assert_eq!(e[0].path, "sources.b.endpoints[0].auth_tolerance_secs", "{e:?}");
     }
 
     #[test]

@@ -192,7 +192,10 @@ pub async fn start(mut settings: Settings, metrics: Option<PrometheusHandle>) ->
     tracing::info!(?rebuilt, "idempotency keys rebuilt from the log");
 
     let source_keys: Vec<String> = settings.sources.iter().map(|s| s.key.clone()).collect();
-    let endpoints = Arc::new(EndpointRegistry::load(state.clone(), source_keys.clone(), settings.endpoints.clone())?);
+    let endpoints = Arc::new(
+        EndpointRegistry::load(state.clone(), source_keys.clone(), settings.endpoints.clone())?
+            .with_tolerance_secs_max(settings.idempotency_retention.as_secs() / 2),
+    );
     let status = Arc::new(StatusBoard::new(source_keys));
     let health = Arc::new(Health::default());
     health.watch_log(wal.clone());
