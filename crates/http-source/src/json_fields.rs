@@ -15,7 +15,11 @@
 //!   paths without recursion, so depth is bounded by the body's size alone; on the paths
 //!   it recurses at most [`crate::field_path::FIELD_PATH_MAX_SEGMENTS`] levels.
 //! - For every path it was given, [`FieldPath::lookup`] on the result answers what it
-//!   answers on the fully parsed value.
+//!   answers on the fully parsed value. A text that is well formed but holds what
+//!   serde_json reads and cannot hold, on a path or in a key beside one (a number past
+//!   f64's range, a lone surrogate escape: skipping only checks their syntax), has no
+//!   fully parsed value: it is accepted, as the unrouted check accepts it, with nothing
+//!   at any path (routing takes every field as missing).
 //! - What it keeps is bounded by the paths, not by the event: the objects along them
 //!   (each with only the keys on a path) and the string or number at a path's end.
 
@@ -29,10 +33,17 @@ use crate::field_path::FieldPath;
 
 /// Parses `text` as one JSON value, keeping only what `paths` can reach.
 pub fn parse(text: &str, paths: &[&FieldPath]) -> Result<Value, serde_json::Error> {
-    let mut de = serde_json::Deserializer::from_str(text);
-    let value = Pruned { paths, depth: 0 }.deserialize(&mut de)?;
-    de.end()?;
-    Ok(value)
+    let pruned = (|| {
+        let mut de = serde_json::Deserializer::from_str(text);
+        let value = Pruned { paths, depth: 0 }.deserialize(&mut de)?;
+        de.end()?;
+        Ok(value)
+    })();
+    pruned.or_else(|e| match serde_json::from_str::<IgnoredAny>(text) {
+        // Well formed, but not a value serde_json can hold (see the module's invariants).
+        Ok(_) => Ok(Value::Null),
+        Err(_) => Err(e),
+    })
 }
 
 /// The value at `depth` keys below the top, for the paths that went through the keys
@@ -197,6 +208,16 @@ mod tests {
         let deep_on_the_path = format!("{}1{}", r#"{"a":"#.repeat(200), "}".repeat(200));
         let texts =
             ["", "{", r#"{"a": }"#, r#"{"a": 1} x"#, "[1,]", r#"{"a" 1}"#, "nul", r#""\x""#, &deep, &deep_on_the_path];
+        // Well formed, yet no value serde_json can hold: a number past f64's range, a
+        // lone surrogate escape, on a path, beside one and at the top.
+        let unholdable = [
+            r#"{"a": 1e400}"#,
+            "1e400",
+            r#"{"a": "\ud800"}"#,
+            r#"{"a": {"a": 1}, "\ud800": 1}"#,
+            r#"{"b": 1e400, "a": "x"}"#,
+        ];
+        let texts: Vec<&str> = texts.into_iter().chain(unholdable).collect();
         let long = vec!["a"; crate::field_path::FIELD_PATH_MAX_SEGMENTS].join(".");
         for text in texts {
             let theirs = serde_json::from_str::<IgnoredAny>(text).is_ok();
@@ -204,6 +225,20 @@ mod tests {
                 assert_eq!(parse(text, &[&p]).is_ok(), theirs, "{text:?} with {}", p.as_dotted());
             }
         }
+    }
+
+    /// Such a text has nothing at its paths: routing takes the fields as missing (its
+    /// default or its refusal), where before the request was refused 400 on a routed
+    /// source and taken on an unrouted one.
+    #[test]
+    fn a_text_serde_json_cannot_hold_has_nothing_at_its_paths() {
+        let a = path("a");
+        for text in [r#"{"a": 1e400}"#, r#"{"a": "x", "\udc00": 1}"#, "1e400"] {
+            assert!(serde_json::from_str::<Value>(text).is_err(), "{text} is holdable after all");
+            assert_eq!(a.lookup(&parse(text, &[&a]).unwrap()), None, "{text}");
+        }
+        // What serde_json can hold beside it is read as ever.
+        assert_eq!(a.lookup(&parse(r#"{"a": "x", "b": 1e400}"#, &[&a]).unwrap()), Some("x".to_string()));
     }
 
     #[test]
