@@ -192,6 +192,15 @@ fn a_clean_log_verifies_dumps_inspects_and_salvages_to_the_same_records() {
     let o = cli_in(&["inspect"], &dir);
     assert_eq!(code(&o), 0);
     assert!(stdout(&o).contains("shutdown  clean") && stdout(&o).contains("events/push"), "{}", stdout(&o));
+    assert!(!stdout(&o).contains("without a cursor"), "every destination has one: {}", stdout(&o));
+    // A destination without a stored cursor counts all its records as held, which the
+    // tool cannot tell from one the router gives up on: it says so.
+    std::fs::remove_file(root.path().join("state.redb")).unwrap();
+    let state = StateDb::open(root.path().join("state.redb")).unwrap();
+    state.store_cursors(&[row("github", "push", 30)]).unwrap();
+    drop(state);
+    let o = cli_in(&["inspect"], &dir);
+    assert!(stdout(&o).contains("without a cursor (-)") && stdout(&o).contains("--admin tells"), "{}", stdout(&o));
 
     // salvage of a clean log copies everything, offsets kept.
     let copy = root.path().join("copy");

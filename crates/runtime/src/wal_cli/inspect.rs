@@ -318,6 +318,12 @@ pub(crate) fn run(a: InspectArgs) -> CliResult {
             )?;
         }
     }
+    if cursor_source == "state" && lanes.values().any(|l| l.cursor.is_none()) {
+        writeln!(
+            out,
+            "note      a destination without a cursor (-) has delivered nothing yet, or is one the router gives up on or refuses (its records then pin nothing); --admin tells"
+        )?;
+    }
     out.flush()?;
     Ok(ExitCode::SUCCESS)
 }
