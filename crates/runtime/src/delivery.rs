@@ -383,7 +383,15 @@ pub fn check(section: &RouterSection, iggy: &IggyConfig, sources: &[String]) -> 
                 .push((vec!["router".into(), "sources".into(), key.clone()], format!("there is no source {key:?}")));
             continue;
         }
-        let p = policy_from(&merged(section, o), &["router", "sources", key], &mut problems);
+        // What the override inherits was checked at [router]: a problem there is reported
+        // there once, not again under every source that overrides something else.
+        let mut own = Vec::new();
+        let p = policy_from(&merged(section, o), &["router", "sources", key], &mut own);
+        let inherited = |(path, message): &Problem| {
+            path.get(3).is_some_and(|k| problems.iter().any(|(gp, gm)| gp.len() == 2 && gp[1] == *k && gm == message))
+        };
+        let own: Vec<Problem> = own.into_iter().filter(|p| !inherited(p)).collect();
+        problems.extend(own);
         per_source.insert(key.clone(), Arc::new(p));
     }
     let t = &section.topic_defaults;
@@ -612,6 +620,24 @@ mod tests {
         let mut section = RouterSection::default();
         section.give_up.insert("no such key".into(), vec!["s/t".into()]);
         assert_eq!(check(&section, &iggy(), &[]).1.len(), 1);
+    }
+
+    /// A problem with an inherited value is reported once, at [router], not again under
+    /// every source that overrides something else (at a key its table does not hold);
+    /// one the override itself makes is reported under the source.
+    #[test]
+    fn an_inherited_problem_is_reported_once_at_router() {
+        let mut section = RouterSection { backoff_base_ms: 500, backoff_max_ms: 100, ..RouterSection::default() };
+        section.sources.insert("a".into(), PolicyOverrides { linger_ms: Some(5), ..PolicyOverrides::default() });
+        let (_, problems) = check(&section, &iggy(), &["a".into()]);
+        let paths: Vec<String> = problems.iter().map(|(p, _)| p.join(".")).collect();
+        assert_eq!(paths, ["router.backoff_max_ms"], "{problems:?}");
+
+        let mut section = RouterSection::default();
+        section.sources.insert("a".into(), PolicyOverrides { cool_down_ms: Some(0), ..PolicyOverrides::default() });
+        let (_, problems) = check(&section, &iggy(), &["a".into()]);
+        let paths: Vec<String> = problems.iter().map(|(p, _)| p.join(".")).collect();
+        assert_eq!(paths, ["router.sources.a.cool_down_ms"], "{problems:?}");
     }
 
     #[test]
