@@ -34,7 +34,7 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use bytes::Bytes;
-use http_body_util::{BodyExt, Limited};
+use http_body_util::BodyExt;
 use ingest::{IngestError, Ingestor, Submission};
 use serde_json::json;
 
@@ -467,7 +467,7 @@ fn content_length(headers: &HeaderMap) -> Option<u64> {
 /// Reads a whole body of at most `max` bytes within `timeout` of the first byte wait:
 /// 413 past `max`, 408 after `timeout`, 400 when reading fails.
 pub async fn read_body(body: Body, max: usize, timeout: Duration) -> Result<Bytes, ApiError> {
-    let mut collect = std::pin::pin!(Limited::new(body, max).collect());
+    let mut collect = std::pin::pin!(collect_bounded(body, max));
     // A body that came in with its headers is complete at the first poll; a timer is
     // armed only for one that has to be waited for.
     let first = std::future::poll_fn(|cx| std::task::Poll::Ready(collect.as_mut().poll(cx))).await;
@@ -485,12 +485,55 @@ pub async fn read_body(body: Body, max: usize, timeout: Duration) -> Result<Byte
         },
     };
     match collected {
-        Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(too_large(max)),
-        Err(e) => {
+        Err(BodyReadError::TooLarge) => Err(too_large(max)),
+        Err(BodyReadError::Failed(e)) => {
             Err(ApiError::new(StatusCode::BAD_REQUEST, "body_read_failed", format!("reading the body failed: {e}")))
         }
-        Ok(collected) => Ok(collected.to_bytes()),
+        Ok(bytes) => Ok(bytes),
     }
+}
+
+enum BodyReadError {
+    TooLarge,
+    Failed(String),
+}
+
+/// The body's bytes, at most `max` of them, holding nothing of the connection's read
+/// buffers once a second frame came. Each frame hyper gives is a slice of its read
+/// buffer, and a buffer a slice is still held from is not reused: the next read takes a
+/// fresh block of 8 KiB. Keeping the frames (as `collect` does) let a client that sends
+/// its body a byte per read hold some 8 KiB per byte, 230 MiB for a 1 MiB body trickled
+/// within the body-read timeout, before any auth check. So the first frame is kept as it
+/// is (the whole body, for nearly every request: no copy), and from the second on every
+/// frame is copied into one buffer and dropped at once; chunk framing is never kept.
+async fn collect_bounded(mut body: Body, max: usize) -> Result<Bytes, BodyReadError> {
+    let mut first: Option<Bytes> = None;
+    let mut copied: Option<Vec<u8>> = None;
+    let mut total = 0usize;
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| BodyReadError::Failed(e.to_string()))?;
+        let Ok(data) = frame.into_data() else { continue }; // trailers
+        total = total.saturating_add(data.len());
+        if total > max {
+            return Err(BodyReadError::TooLarge);
+        }
+        if data.is_empty() {
+            continue;
+        }
+        match (&mut first, &mut copied) {
+            (_, Some(buf)) => buf.extend_from_slice(&data),
+            (None, None) => first = Some(data),
+            (Some(_), None) => {
+                // The length the sender announced (never past `max`), or twice what came.
+                let announced = usize::try_from(hyper::body::Body::size_hint(&body).lower()).unwrap_or(usize::MAX);
+                let mut buf = Vec::with_capacity(announced.max(total.saturating_mul(2)).min(max));
+                buf.extend_from_slice(&first.take().unwrap_or_default());
+                buf.extend_from_slice(&data);
+                copied = Some(buf);
+            }
+        }
+    }
+    Ok(copied.map(Bytes::from).or(first).unwrap_or_default())
 }
 
 /// The request's delivery id. For a request whose signature covers an id (Standard
@@ -610,5 +653,80 @@ fn ingest_error(e: IngestError, retry_after_secs: u64) -> ApiError {
             tracing::error!(error = %m, "internal error while accepting");
             ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", "internal error")
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::pin::Pin;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::task::{Context, Poll};
+
+    use hyper::body::Frame;
+
+    use super::*;
+
+    /// One 8 KiB block of a connection's read buffer, counted while alive.
+    struct Block {
+        bytes: Vec<u8>,
+        live: Arc<AtomicUsize>,
+    }
+
+    impl AsRef<[u8]> for Block {
+        fn as_ref(&self) -> &[u8] {
+            &self.bytes
+        }
+    }
+
+    impl Drop for Block {
+        fn drop(&mut self) {
+            self.live.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+
+    /// A body sent a byte per read, as hyper gives it then: each frame a 1-byte slice of
+    /// a block of its own. Records the most blocks alive at once.
+    struct Trickle {
+        left: usize,
+        live: Arc<AtomicUsize>,
+        most_live: Arc<AtomicUsize>,
+    }
+
+    impl hyper::body::Body for Trickle {
+        type Data = Bytes;
+        type Error = std::convert::Infallible;
+
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+            if self.left == 0 {
+                return Poll::Ready(None);
+            }
+            self.left -= 1;
+            let live = self.live.fetch_add(1, Ordering::SeqCst) + 1;
+            self.most_live.fetch_max(live, Ordering::SeqCst);
+            let block = Block { bytes: vec![b'x'; 8192], live: self.live.clone() };
+            Poll::Ready(Some(Ok(Frame::data(Bytes::from_owner(block).slice(0..1)))))
+        }
+    }
+
+    /// A body trickled a byte per read holds no more than two of the connection's read
+    /// blocks while it is read (the first frame, kept uncopied, and the one in hand),
+    /// where keeping every frame held one 8 KiB block per byte: 2,000 here.
+    #[tokio::test]
+    async fn a_trickled_body_holds_no_read_buffer_per_byte() {
+        let (live, most_live) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        let body = Body::new(Trickle { left: 2_000, live: live.clone(), most_live: most_live.clone() });
+        let bytes = read_body(body, 1 << 20, Duration::from_secs(5)).await.unwrap();
+        assert_eq!(bytes, vec![b'x'; 2_000]);
+        assert!(most_live.load(Ordering::SeqCst) <= 2, "{} blocks alive at once", most_live.load(Ordering::SeqCst));
+        assert_eq!(live.load(Ordering::SeqCst), 0, "the answer holds a read block");
+
+        // One frame: the body as it came, and past `max`: 413.
+        let one = read_body(Body::from("whole"), 5, Duration::from_secs(5)).await.unwrap();
+        assert_eq!(one, "whole");
+        let over = Body::new(Trickle { left: 10, live: live.clone(), most_live: most_live.clone() });
+        assert_eq!(read_body(over, 9, Duration::from_secs(5)).await.unwrap_err().status, StatusCode::PAYLOAD_TOO_LARGE);
     }
 }
