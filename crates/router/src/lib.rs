@@ -53,6 +53,10 @@ use tokio::task::JoinHandle;
 use wal::Wal;
 
 pub use cursors::{CursorStore, MemoryCursorStore, StateCursorStore};
+/// The largest payload Iggy stores in one message (`iggy::MAX_PAYLOAD_SIZE`: 64 * 1000 *
+/// 1000 bytes, not 64 MiB). An event larger than this could be accepted into the log and
+/// never delivered.
+pub const IGGY_PAYLOAD_MAX_BYTES: u64 = iggy::prelude::MAX_PAYLOAD_SIZE as u64;
 use dispatcher::{Dispatcher, LaneTasks, Lanes};
 pub use lane::LaneSnapshot;
 use lane::{Lane, LaneContext};

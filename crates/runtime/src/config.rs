@@ -763,6 +763,17 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
     let http = root.key("http");
     let http_listen = c.addr(&http.key("listen"), &config.http.listen);
     let max_body_bytes = c.positive(&http.key("max_body_bytes"), config.http.max_body_bytes);
+    if max_body_bytes > router::IGGY_PAYLOAD_MAX_BYTES {
+        // A single event takes the whole body: past this it would be accepted, and its
+        // destination would refuse it for ever, blocking the events behind it.
+        c.err(
+            &http.key("max_body_bytes"),
+            format!(
+                "must be at most {} (the largest payload Iggy stores in one message): a larger event would be accepted and never delivered",
+                router::IGGY_PAYLOAD_MAX_BYTES
+            ),
+        );
+    }
     let header_read_timeout_ms = c.positive(&http.key("header_read_timeout_ms"), config.http.header_read_timeout_ms);
     let body_read_timeout_ms = c.positive(&http.key("body_read_timeout_ms"), config.http.body_read_timeout_ms);
     let write_timeout_ms = c.positive(&http.key("write_timeout_ms"), config.http.write_timeout_ms);
@@ -2234,6 +2245,24 @@ mapping_url = "https://example.com/m.json"
         let endpoint = "[sources.b]\ndestination = { stream = \"s\", topic = \"t\" }\n[[sources.b.endpoints]]\nid = \"0123456789abcdef0123456789abcdef\"\nauth_type = \"standard-webhooks\"\nauth_secret = \"whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw\"\nauth_tolerance_secs = 100\n";
         let e = errors(&format!("[idempotency]\nretention_secs = 199\n{endpoint}"));
         assert_eq!(e[0].path, "sources.b.endpoints[0].auth_tolerance_secs", "{e:?}");
+    }
+
+    /// A body larger than Iggy stores in one message (64,000,000 bytes, under the log's
+    /// largest record of 64 MiB) would be accepted and never delivered.
+    #[test]
+    fn a_body_larger_than_iggy_stores_is_refused() {
+        let t = |body: u64| {
+            format!(
+                "[http]\nmax_body_bytes = {body}\n[wal]\nrecord_max_bytes = 67108864\n[sources.a]\ndestination = {{ stream = \"s\", topic = \"t\" }}\n"
+            )
+        };
+        let e = errors(&t(64_000_001));
+        assert_eq!((e.len(), e[0].path.as_str(), e[0].line), (1, "http.max_body_bytes", Some(2)), "{e:?}");
+        assert!(e[0].message.contains("64000000"), "{}", e[0].message);
+        let fine = t(64_000_000);
+        if let Err(e) = parse(&fine, None).and_then(|c| validate(&c, Some(&fine), None)) {
+            panic!("Iggy's own limit was refused: {e:?}");
+        }
     }
 
     #[test]
