@@ -332,11 +332,16 @@ impl Lane {
         if self.delivered_before(r.offset, &d.stream, &d.topic) {
             return Ok(());
         }
+        // Full by records, or by payload bytes (a queue holding any record takes no more
+        // once it holds `lane_queue_max_bytes`: what a stuck lane keeps in memory is
+        // bounded by bytes too, not only by a count of events of up to a megabyte each).
+        let max_bytes = self.policy.lane_queue_max_bytes;
         let mut g = self.gate();
-        if g.queue.len() <= queue_max / 2 {
+        if g.queue.len() <= queue_max / 2 && g.queued_bytes <= max_bytes / 2 {
             g.full_since = None;
         }
-        let full = g.overflow_from.is_none() && g.queue.len() >= queue_max;
+        let full = g.overflow_from.is_none()
+            && (g.queue.len() >= queue_max || (!g.queue.is_empty() && g.queued_bytes >= max_bytes));
         if full && may_refuse && self.is_healthy() {
             let now = Instant::now();
             let since = *g.full_since.get_or_insert(now);

@@ -35,6 +35,8 @@ pub const MAX_BATCH_BYTES: usize = 64 * 1024 * 1024;
 
 /// The most records a lane keeps in memory before it re-reads the log.
 pub const MAX_LANE_QUEUE_RECORDS: usize = 1_000_000;
+/// The most payload bytes one lane may keep queued in memory: 1 GiB.
+pub const MAX_LANE_QUEUE_BYTES: usize = 1024 * 1024 * 1024;
 
 /// The longest duration of any knob: one day. Far above any useful setting, and the
 /// lanes take deadlines (`now + linger`, `now + cool_down`) that would overflow the
@@ -120,6 +122,11 @@ pub struct RouterPolicy {
     /// Records a destination may hold in memory before it re-reads from the log
     /// instead. 4096.
     pub lane_queue_max_records: usize,
+    /// Payload bytes a destination may hold in memory before it re-reads from the log
+    /// instead (a queue may pass it by the one record that reached it). 8 MiB: with the
+    /// record count alone, a lane stuck on a failing destination kept up to 4096 events
+    /// of up to `http.max_body_bytes` each in memory for the whole outage.
+    pub lane_queue_max_bytes: usize,
     /// How long the dispatcher waits for room in the full queue of a healthy
     /// destination before letting it overflow to the log. 100 ms: a busy destination
     /// keeps its records in memory, a stuck one (failing, or slower than this for
@@ -194,6 +201,7 @@ impl Default for RouterPolicy {
             on_admission_failure: OnAdmissionFailure::Error,
             dead_letter: None,
             lane_queue_max_records: 4096,
+            lane_queue_max_bytes: 8 * 1024 * 1024,
             overflow_after: Duration::from_millis(100),
         }
     }
@@ -208,6 +216,7 @@ impl RouterPolicy {
             ("max_destinations", self.max_destinations, MAX_DESTINATIONS),
             ("max_concurrent_destinations", self.max_concurrent_destinations, MAX_CONCURRENT_DESTINATIONS),
             ("lane_queue_max_records", self.lane_queue_max_records, MAX_LANE_QUEUE_RECORDS),
+            ("lane_queue_max_bytes", self.lane_queue_max_bytes, MAX_LANE_QUEUE_BYTES),
         ];
         for (name, v, max) in counts {
             within(name, v, max)?;

@@ -74,6 +74,35 @@ async fn a_black_holed_destination_opens_its_breaker_and_stalls_no_one_else() {
     router.shutdown().await;
 }
 
+/// What a stuck lane keeps in memory is bounded by payload bytes as well as by records:
+/// past `lane_queue_max_bytes` it re-reads the log instead, however few records that is,
+/// and delivers everything in order once its destination is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stuck_lane_overflows_to_the_log_at_its_byte_bound_before_its_record_bound() {
+    for (max_bytes, overflows) in [(100, true), (8 << 20, false)] {
+        let sim = SimStorage::new();
+        let wal = open_wal(&sim);
+        let sink = FaultySink::new();
+        let d = key("s", "stuck");
+        sink.fault(&d, Some(Fault::Fail(SendErrorKind::Destination)));
+        let mut policy = fast_policy();
+        policy.lane_queue_max_records = 4096;
+        policy.lane_queue_max_bytes = max_bytes;
+        let router = start_router(&wal, &sink, policy);
+        let want = fill(&wal, std::slice::from_ref(&d), 0, 300).await;
+        eventually(Duration::from_secs(30), "all held", || {
+            router.destinations().iter().any(|l| l.destination == d && l.held_records == 300)
+        })
+        .await;
+        let lane = router.destinations().into_iter().find(|l| l.destination == d).unwrap();
+        assert_eq!(lane.overflowed, overflows, "{max_bytes} bytes: {lane:?}");
+        sink.fault(&d, None);
+        eventually(Duration::from_secs(60), "delivered", || sink.ids(&d).len() >= 300).await;
+        assert_eq!(sink.ids(&d), want[&d], "lost, reordered or duplicated records");
+        router.shutdown().await;
+    }
+}
+
 /// An open breaker sends nothing for its cool-down: the destination is Degraded (and the
 /// router with it) from the moment it opens, even when that is before
 /// `degraded_after_failures` failures.

@@ -52,6 +52,7 @@ pub struct RouterSection {
     pub dead_letter_stream: Option<String>,
     pub dead_letter_topic: Option<String>,
     pub lane_queue_max_records: u64,
+    pub lane_queue_max_bytes: u64,
     pub overflow_after_ms: u64,
     /// How long the destinations known at start may take to be ensured in the
     /// background (0: not pre-warmed; each is ensured on first use).
@@ -83,6 +84,7 @@ impl Default for RouterSection {
             dead_letter_stream: None,
             dead_letter_topic: None,
             lane_queue_max_records: p.lane_queue_max_records as u64,
+            lane_queue_max_bytes: p.lane_queue_max_bytes as u64,
             overflow_after_ms: p.overflow_after.as_millis() as u64,
             prewarm_timeout_ms: 10_000,
             topic_defaults: TopicDefaultsSection::default(),
@@ -111,6 +113,7 @@ pub struct PolicyOverrides {
     pub dead_letter_stream: Option<String>,
     pub dead_letter_topic: Option<String>,
     pub lane_queue_max_records: Option<u64>,
+    pub lane_queue_max_bytes: Option<u64>,
     pub overflow_after_ms: Option<u64>,
 }
 
@@ -244,6 +247,7 @@ fn policy_from(s: &RouterSection, prefix: &[&str], problems: &mut Vec<Problem>) 
         on_admission_failure,
         dead_letter,
         lane_queue_max_records: to_usize(s.lane_queue_max_records),
+        lane_queue_max_bytes: to_usize(s.lane_queue_max_bytes),
         overflow_after: Duration::from_millis(s.overflow_after_ms),
     };
     // The durations are checked here under their own keys (the router's message names its
@@ -362,6 +366,7 @@ fn merged(base: &RouterSection, o: &PolicyOverrides) -> RouterSection {
         dead_letter_stream: o.dead_letter_stream.clone().or_else(|| base.dead_letter_stream.clone()),
         dead_letter_topic: o.dead_letter_topic.clone().or_else(|| base.dead_letter_topic.clone()),
         lane_queue_max_records: o.lane_queue_max_records.unwrap_or(base.lane_queue_max_records),
+        lane_queue_max_bytes: o.lane_queue_max_bytes.unwrap_or(base.lane_queue_max_bytes),
         overflow_after_ms: o.overflow_after_ms.unwrap_or(base.overflow_after_ms),
         enabled: base.enabled,
         prewarm_timeout_ms: base.prewarm_timeout_ms,
@@ -709,6 +714,11 @@ mod tests {
                 RouterSection { lane_queue_max_records: u64::MAX, ..RouterSection::default() },
                 "router.lane_queue_max_records",
             ),
+            (
+                RouterSection { lane_queue_max_bytes: u64::MAX, ..RouterSection::default() },
+                "router.lane_queue_max_bytes",
+            ),
+            (RouterSection { lane_queue_max_bytes: 0, ..RouterSection::default() }, "router.lane_queue_max_bytes"),
             (RouterSection { linger_ms: u64::MAX, ..RouterSection::default() }, "router.linger_ms"),
             (RouterSection { result_timeout_ms: over_day, ..RouterSection::default() }, "router.result_timeout_ms"),
             (RouterSection { backoff_max_ms: u64::MAX, ..RouterSection::default() }, "router.backoff_max_ms"),
