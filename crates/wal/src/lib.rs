@@ -117,6 +117,9 @@ pub struct WalStats {
 struct WriterHandle {
     tx: Mutex<Option<mpsc::Sender<Command>>>,
     slots: Arc<Semaphore>,
+    /// `queue_max_bytes` in KiB: what queued appends may hold.
+    queue_kib: Arc<Semaphore>,
+    queue_kib_max: u32,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
 
@@ -144,6 +147,7 @@ impl Wal {
         let opened = recovery::open(storage, dir, &options, false)?;
         let writer = opened.writer.ok_or(WalError::ReadOnly)?;
         let (tx, rx) = mpsc::channel();
+        let queue_kib_max = u32::try_from(options.queue_max_bytes.div_ceil(1024)).unwrap_or(u32::MAX).max(1);
         let stopped_on_panic = StoppedOnPanic(opened.shared.clone());
         let thread = std::thread::Builder::new()
             .name("wal-writer".into())
@@ -157,6 +161,8 @@ impl Wal {
             writer: Some(WriterHandle {
                 tx: Mutex::new(Some(tx)),
                 slots: Arc::new(Semaphore::new(options.queue_max_appends)),
+                queue_kib: Arc::new(Semaphore::new(queue_kib_max as usize)),
+                queue_kib_max,
                 thread: Mutex::new(Some(thread)),
             }),
             report: opened.report,
@@ -210,8 +216,11 @@ impl Wal {
         // Checksums are computed here, on the appending task, not on the writer thread.
         let crcs = records.iter().map(|r| crc32fast::hash(r)).collect();
         let permit = writer.slots.clone().acquire_owned().await.map_err(|_| WalError::Closed)?;
+        // A batch larger than the whole bound takes all of it: it waits for an empty queue.
+        let kib = u32::try_from(frame_bytes.div_ceil(1024)).unwrap_or(u32::MAX).min(writer.queue_kib_max);
+        let bytes_permit = writer.queue_kib.clone().acquire_many_owned(kib).await.map_err(|_| WalError::Closed)?;
         let (reply, rx) = oneshot::channel();
-        let cmd = Command::Append { records, crcs, frame_bytes, reply, _permit: permit };
+        let cmd = Command::Append { records, crcs, frame_bytes, reply, _permit: (permit, bytes_permit) };
         writer.send(cmd)?;
         rx.await.map_err(|_| WalError::Closed)?
     }
@@ -296,6 +305,7 @@ impl WriterHandle {
     fn shutdown(&self) {
         self.tx.lock().unwrap_or_else(|p| p.into_inner()).take();
         self.slots.close();
+        self.queue_kib.close();
         let thread = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take();
         if let Some(t) = thread {
             let _ = t.join();
@@ -325,5 +335,38 @@ impl Drop for StoppedOnPanic {
             self.0.poisoned.store(true, Ordering::Release);
             self.0.mark_closed();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::future::Future;
+    use std::pin::pin;
+    use std::task::Context;
+
+    use super::*;
+    use crate::storage::SimStorage;
+
+    /// An append waits for room by bytes as well as by count: with the queue's bytes
+    /// taken (by appends whose callers may be long gone), a new one does not queue its
+    /// records until they are given back; a batch larger than the whole bound then goes
+    /// alone.
+    #[tokio::test]
+    async fn an_append_waits_for_room_in_the_queue_by_bytes() {
+        let options = WalOptions { queue_max_bytes: 4 * 1024, ..WalOptions::default() };
+        let wal = Wal::open_with(Arc::new(SimStorage::new()), Path::new("/wal"), options).unwrap();
+        let writer = wal.writer.as_ref().unwrap();
+        assert_eq!(writer.queue_kib_max, 4);
+        let taken = writer.queue_kib.clone().acquire_many_owned(4).await.unwrap();
+
+        let mut append = pin!(wal.append(vec![Bytes::from(vec![7u8; 2000])]));
+        let mut cx = Context::from_waker(std::task::Waker::noop());
+        assert!(append.as_mut().poll(&mut cx).is_pending(), "queued past the byte bound");
+        drop(taken);
+        assert_eq!(append.await.unwrap().first_offset, 0);
+
+        let larger_than_the_bound = wal.append(vec![Bytes::from(vec![7u8; 64 * 1024])]).await.unwrap();
+        assert_eq!(larger_than_the_bound.first_offset, 1);
+        assert_eq!(writer.queue_kib.available_permits(), 4, "a permit was not given back");
     }
 }

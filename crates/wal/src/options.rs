@@ -52,6 +52,12 @@ pub struct WalOptions {
     /// How many appends may wait for the writer at once; more wait for a slot. Bounds
     /// the memory held by queued appends. At most [`QUEUE_MAX_APPENDS_MAX`].
     pub queue_max_appends: usize,
+    /// How many bytes of records may wait for the writer at once (counted in KiB; a batch
+    /// larger than this waits until nothing else is queued, then goes alone). With the
+    /// count alone, appends whose callers went away (a client that disconnected after
+    /// sending its body) could queue `queue_max_appends` records of up to
+    /// `record_max_bytes` each. 64 MiB; at most [`QUEUE_MAX_BYTES_MAX`].
+    pub queue_max_bytes: u64,
     /// The writer stops taking queued appends into a group once the group holds this
     /// many bytes, so one write and sync carries at most this plus one batch (a batch
     /// larger than this goes with whatever was queued before it). Bounds the write
@@ -75,6 +81,9 @@ pub const PREALLOCATE_BYTES_DEFAULT: u64 = 1024 * 1024;
 /// buffer with the group they follow, so this bounds that buffer's growth.
 pub const PREALLOCATE_BYTES_MAX: u64 = 64 * 1024 * 1024;
 
+/// The largest `queue_max_bytes`: 64 GiB.
+pub const QUEUE_MAX_BYTES_MAX: u64 = 64 * 1024 * 1024 * 1024;
+
 /// The largest `queue_max_appends`: 64 times the default, far above any useful setting,
 /// and far below what the slots' semaphore can count (it panics past that).
 pub const QUEUE_MAX_APPENDS_MAX: usize = 1024 * 1024;
@@ -96,6 +105,7 @@ impl Default for WalOptions {
             recovery: RecoveryMode::Strict,
             initial_offset: 0,
             queue_max_appends: 16 * 1024,
+            queue_max_bytes: 64 * 1024 * 1024,
             group_max_bytes: 16 * 1024 * 1024,
             preallocate_bytes: PREALLOCATE_BYTES_DEFAULT,
         }
@@ -130,6 +140,9 @@ impl WalOptions {
         }
         if self.queue_max_appends == 0 || self.queue_max_appends > QUEUE_MAX_APPENDS_MAX {
             return bad(format!("queue_max_appends must be between 1 and {QUEUE_MAX_APPENDS_MAX}"));
+        }
+        if self.queue_max_bytes == 0 || self.queue_max_bytes > QUEUE_MAX_BYTES_MAX {
+            return bad(format!("queue_max_bytes must be between 1 and {QUEUE_MAX_BYTES_MAX}"));
         }
         if self.group_max_bytes == 0 {
             return bad("group_max_bytes must be at least 1".into());

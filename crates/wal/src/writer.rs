@@ -70,7 +70,8 @@ pub(crate) enum Command {
         crcs: Vec<u32>,
         frame_bytes: u64,
         reply: oneshot::Sender<Result<Appended>>,
-        _permit: OwnedSemaphorePermit,
+        /// Its place in the queue, by count and by bytes, given back once staged.
+        _permit: (OwnedSemaphorePermit, OwnedSemaphorePermit),
     },
     Release {
         below: u64,
