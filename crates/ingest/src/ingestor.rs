@@ -11,6 +11,11 @@
 //!   cannot interrupt it between the append and the key record; so does one accepted
 //!   with a hold ([`Ingestor::accept_holding`]), which is released only after its append
 //!   resolved.
+//! - Such tasks outlive their callers, so the payload bytes they hold are bounded:
+//!   [`RUNNING_ON_MAX_BYTES`] in all (a submission larger than that waits until none
+//!   runs). A caller waits for room before its task starts, and holds nothing while it
+//!   waits: clients that send a body and disconnect cannot pile up appends in memory
+//!   faster than the log takes them.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -108,11 +113,17 @@ impl IngestError {
     }
 }
 
+/// The most payload bytes the submissions running in their own tasks may hold at once.
+/// Past the log's queue (`wal::WalOptions::queue_max_bytes`, 64 MiB) they would only wait.
+pub const RUNNING_ON_MAX_BYTES: u64 = 256 * 1024 * 1024;
+
 /// Turns submissions into log records. Cheap to clone.
 #[derive(Clone)]
 pub struct Ingestor {
     wal: Arc<Wal>,
     idempotency: Arc<IdempotencyIndex>,
+    /// [`RUNNING_ON_MAX_BYTES`] in KiB, taken by each submission that runs in its own task.
+    running_on_kib: Arc<tokio::sync::Semaphore>,
     append_latency: metrics::Histogram,
     /// Set while a recovery of the state database, started by a failed lookup, runs.
     recovering: Arc<AtomicBool>,
@@ -121,7 +132,8 @@ pub struct Ingestor {
 impl Ingestor {
     pub fn new(wal: Arc<Wal>, idempotency: Arc<IdempotencyIndex>) -> Ingestor {
         let append_latency = metrics::histogram!("iggy_ingest_append_latency_seconds");
-        Ingestor { wal, idempotency, append_latency, recovering: Arc::new(AtomicBool::new(false)) }
+        let running_on_kib = Arc::new(tokio::sync::Semaphore::new((RUNNING_ON_MAX_BYTES / 1024) as usize));
+        Ingestor { wal, idempotency, running_on_kib, append_latency, recovering: Arc::new(AtomicBool::new(false)) }
     }
 
     pub fn wal(&self) -> &Arc<Wal> {
@@ -151,10 +163,18 @@ impl Ingestor {
         submission: Submission,
         hold: H,
     ) -> Result<Accepted, IngestError> {
+        let bytes: u64 = submission.events.iter().map(|e| e.payload.len() as u64).sum();
+        let kib = u32::try_from(bytes.div_ceil(1024)).unwrap_or(u32::MAX).min((RUNNING_ON_MAX_BYTES / 1024) as u32);
+        let room = self
+            .running_on_kib
+            .clone()
+            .acquire_many_owned(kib)
+            .await
+            .map_err(|e| IngestError::Internal(format!("the submissions' room is closed: {e}")))?;
         let this = self.clone();
         tokio::spawn(async move {
             let accepted = this.accept_inner(submission).await;
-            drop(hold);
+            drop((hold, room));
             accepted
         })
         .await
@@ -338,6 +358,31 @@ mod tests {
         let idem = Arc::new(IdempotencyIndex::new(state, 3_600_000));
         idem.rebuild(&wal, crate::time::now_unix_ms()).unwrap();
         (wal.clone(), Ingestor::new(wal, idem))
+    }
+
+    /// A submission that runs in its own task waits for room before the task starts:
+    /// while the room is taken, its caller holds nothing, and a caller that goes away
+    /// then (a client that disconnected) leaves nothing running and appends nothing.
+    #[tokio::test]
+    async fn a_submission_waits_for_room_before_its_task_runs_on_without_its_caller() {
+        use std::future::Future;
+        let dir = tempfile::tempdir().unwrap();
+        let (wal, ing) = open(dir.path());
+        let all = (RUNNING_ON_MAX_BYTES / 1024) as u32;
+        let taken = ing.running_on_kib.clone().acquire_many_owned(all).await.unwrap();
+        {
+            let mut waiting = std::pin::pin!(ing.accept(submission(Some("gone"), &["x"])));
+            let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+            assert!(waiting.as_mut().poll(&mut cx).is_pending());
+        } // the caller goes away while it waits
+        drop(taken);
+        for _ in 0..100 {
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(wal.next_offset(), 0, "a submission whose caller went away before it had room was appended");
+        let a = ing.accept(submission(Some("kept"), &["y"])).await.unwrap();
+        assert_eq!((a.first_offset, a.replayed), (0, false));
+        assert_eq!(ing.running_on_kib.available_permits(), all as usize, "room was not given back");
     }
 
     #[tokio::test]
