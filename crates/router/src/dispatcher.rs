@@ -229,11 +229,15 @@ impl<S: Sink, C: CursorStore> Dispatcher<S, C> {
 
     /// A record of a destination the operator gave up: dropped, counted, and the first of
     /// each destination in this run logged with its offset. No lane is made for it, so
-    /// nothing holds the log below it.
+    /// nothing holds the log below it. A record below the destination's stored cursor
+    /// was delivered before it was given up: it is neither counted nor logged.
     fn give_up(&mut self, offset: u64, source: &str, stream: &str, topic: &str) {
+        let key = LaneKey { source: source.to_string(), destination: DestinationKey::new(stream, topic) };
+        if self.cursors_at_start.get(&key).is_some_and(|&delivered_below| offset < delivered_below) {
+            return;
+        }
         metrics::counter!("iggy_connector_messages_dropped_total", "connector_key" => source.to_string(), "reason" => "given_up")
             .increment(1);
-        let key = LaneKey { source: source.to_string(), destination: DestinationKey::new(stream, topic) };
         if !self.given_up_logged.contains(&key) {
             tracing::warn!(
                 offset,

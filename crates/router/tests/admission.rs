@@ -509,3 +509,27 @@ async fn a_partition_the_topic_lacks_is_asked_about_once_per_batch_then_disposed
         router.shutdown().await;
     }
 }
+
+/// A destination given up after part of it was delivered: the records below its stored
+/// cursor, still in the log, were delivered and are not counted as dropped (nor named as
+/// the first dropped); the rest are, once each per run.
+#[test]
+fn giving_up_counts_only_the_records_not_delivered() {
+    with_metrics(false, |snap| async move {
+        let sim = SimStorage::new();
+        let wal = open_wal(&sim);
+        let sink = FaultySink::new();
+        let cursors = Arc::new(MemoryCursorStore::new());
+        let d = key("s", "given-up");
+        let lane = router::LaneKey { source: "test".into(), destination: d.clone() };
+        fill(&wal, std::slice::from_ref(&d), 0, 20).await;
+        router::CursorStore::store(&*cursors, vec![(lane.clone(), 12)]).await.unwrap();
+        let mut policies = Policies::uniform(fast_policy());
+        policies.given_up = Arc::new([lane].into_iter().collect());
+        let router = Router::start(wal.clone(), sink.clone(), cursors, policies).unwrap();
+        eventually(Duration::from_secs(10), "released past every record", || router.released_below() == 20).await;
+        router.shutdown().await;
+        assert_eq!(metric(&snap, "iggy_connector_messages_dropped_total", "reason=\"given_up\""), 8.0);
+        assert!(sink.ids(&d).is_empty());
+    });
+}
