@@ -335,12 +335,16 @@ impl<S: Sink, C: CursorStore> Dispatcher<S, C> {
                     .increment(1);
                 tracing::warn!(offset, source = %key.source, "destination cap reached: record dropped, as configured");
             }
-            OnAdmissionFailure::DeadLetter => match dead_letter_lane {
-                Some(dl) => {
+            OnAdmissionFailure::DeadLetter => match (dead_letter_lane, &policy.dead_letter) {
+                (Some(dl), _) => {
                     let routed = Routed { offset, envelope, dead_letter_reason: Some("cap") };
                     let _ = dl.offer(routed, policy.lane_queue_max_records, policy.overflow_after, false);
                 }
-                None => {
+                (None, Some(dlq)) if route.share.dead_letter_given_up => {
+                    let (stream, topic) = (dlq.stream.clone(), dlq.topic.clone());
+                    self.give_up(offset, &connector, &stream, &topic);
+                }
+                (None, _) => {
                     self.hold_from(offset);
                 }
             },
@@ -381,10 +385,17 @@ pub(crate) fn new_source_route<S: Sink, C: CursorStore>(
             own.then_some(None)
         })
     };
+    // A given-up dead-letter destination gets no lane: what would go there is dropped
+    // and counted as given up, and holds nothing.
+    let dead_letter_given_up = dead_letter
+        .as_ref()
+        .is_some_and(|d| crate::policy::is_given_up(&policies.given_up, source, &d.stream, &d.topic));
+    let dead_letter = dead_letter.filter(|_| !dead_letter_given_up);
     let share = SourceShare {
         send_slots: Arc::new(crate::lane::SendSlots::new(policy.max_concurrent_destinations)),
         policy,
         belongs,
+        dead_letter_given_up,
     };
     let delivered_at_start = Arc::new(DeliveredAtStart::of_source(cursors_at_start, source));
     let dead_letter_lane = dead_letter.map(|destination| {

@@ -220,6 +220,8 @@ pub(crate) struct Lane {
     pub send_slots: Arc<SendSlots>,
     /// Which records read back from the log are this lane's.
     pub belongs: Arc<BelongsFn>,
+    /// See [`SourceShare::dead_letter_given_up`].
+    dead_letter_given_up: bool,
     gate: Mutex<Gate>,
     wake: Notify,
     /// Woken when the lane takes records from its queue.
@@ -256,6 +258,9 @@ pub(crate) struct SourceShare {
     pub policy: Arc<RouterPolicy>,
     pub send_slots: Arc<SendSlots>,
     pub belongs: Arc<BelongsFn>,
+    /// The source's dead-letter destination is given up (`[router.give_up]`): what
+    /// would go there is dropped and counted as given up instead.
+    pub dead_letter_given_up: bool,
 }
 
 impl Lane {
@@ -268,6 +273,7 @@ impl Lane {
             policy: share.policy.clone(),
             send_slots: share.send_slots.clone(),
             belongs: share.belongs.clone(),
+            dead_letter_given_up: share.dead_letter_given_up,
             gate: Mutex::new(Gate { acked_below: delivered_below, ..Gate::default() }),
             wake: Notify::new(),
             space: Notify::new(),
@@ -1171,6 +1177,17 @@ async fn out_of_range<S: Sink, C>(
             metrics::counter!("iggy_connector_messages_dropped_total", "connector_key" => lane.key.source.clone(), "reason" => "partition_id_out_of_range")
                 .increment(n);
             progressed(lane, ctx, "records out of the topic's partitions dropped, as configured");
+            Delivery::Done
+        }
+        OnAdmissionFailure::DeadLetter if lane.dead_letter_given_up => {
+            tracing::warn!(destination = %lane.key, records = n, "{why}: dropped, the dead-letter destination is given up (router.give_up)");
+            metrics::counter!("iggy_connector_messages_dropped_total", "connector_key" => lane.key.source.clone(), "reason" => "given_up")
+                .increment(n);
+            progressed(
+                lane,
+                ctx,
+                "records out of the topic's partitions dropped: the dead-letter destination is given up",
+            );
             Delivery::Done
         }
         OnAdmissionFailure::DeadLetter => {

@@ -533,3 +533,42 @@ fn giving_up_counts_only_the_records_not_delivered() {
         assert!(sink.ids(&d).is_empty());
     });
 }
+
+/// A dead-letter destination that can never take records (the user may not write to
+/// it) is given up like any other: what would go there (refused by the cap, or out of
+/// its topic's partitions) is dropped and counted as given up, holds no lane and pins
+/// nothing, and the destination it came from goes on. Before, the cap's refusals kept
+/// going to a dead-letter lane that pinned the log, and an out-of-range record held its
+/// own destination's lane in the dead-letter retry for good.
+#[test]
+fn a_given_up_dead_letter_destination_takes_nothing_and_pins_nothing() {
+    with_metrics(false, |snap| async move {
+        let sim = SimStorage::new();
+        let wal = open_wal(&sim);
+        let sink = FaultySink::new();
+        let dlq = key("dlq", "rejected");
+        sink.fault(&dlq, Some(Fault::Fail(SendErrorKind::Destination)));
+        let (a, b, c, p) = (key("s", "a"), key("s", "b"), key("s", "c"), key("s", "p"));
+        sink.set_partitions(&p, 3);
+        // p (one record beyond its topic's 3 partitions, one within), a and b are
+        // admitted (cap 3); c is refused.
+        wal.append(vec![record(&p, 0, Partitioning::PartitionId(7))]).await.unwrap();
+        wal.append(vec![record(&p, 1, Partitioning::PartitionId(1))]).await.unwrap();
+        let want = fill(&wal, &[a.clone(), b.clone(), c.clone()], 0, 30).await;
+        let mut policy = policy(OnAdmissionFailure::DeadLetter);
+        policy.max_destinations = 3;
+        let mut policies = Policies::uniform(policy);
+        policies.given_up =
+            Arc::new([router::LaneKey { source: "test".into(), destination: dlq.clone() }].into_iter().collect());
+        let router = Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), policies).unwrap();
+        eventually(Duration::from_secs(20), "released past every record", || router.released_below() == 32).await;
+        assert_eq!(sink.ids(&a), want[&a]);
+        assert_eq!(sink.ids(&b), want[&b]);
+        assert_eq!(sink.ids(&p), vec![2], "the out-of-range record held its destination");
+        assert_eq!(sink.calls(&dlq), 0, "a send was made to the given-up dead-letter destination");
+        assert!(router.destinations().iter().all(|l| l.destination != dlq), "a lane for it");
+        // c's 10 records refused by the cap, and p's record out of range.
+        assert_eq!(metric(&snap, "iggy_connector_messages_dropped_total", "reason=\"given_up\""), 11.0);
+        router.shutdown().await;
+    });
+}
