@@ -159,7 +159,14 @@ pub struct LaneSnapshot {
     pub sent_records: u64,
     pub rejected_records: u64,
     pub consecutive_failures: u32,
+    /// The lane's last error of any kind (a failed send, an unreadable log, a record
+    /// beyond its topic's partitions, ...), and when it happened: it stays after the lane
+    /// recovers, the time telling how old it is.
     pub last_error: Option<String>,
+    pub last_error_at: Option<std::time::SystemTime>,
+    /// Why the lane has its status, and since when.
+    pub status_reason: String,
+    pub status_since: std::time::SystemTime,
     pub partitions_count: Option<u32>,
     /// Set when the topic acknowledges without syncing: its acks may not survive a crash
     /// of the server.
@@ -174,7 +181,6 @@ struct Info {
     sent_records: u64,
     rejected_records: u64,
     consecutive_failures: u32,
-    last_error: Option<String>,
     /// First offset of the out-of-range run already counted as rejected.
     out_of_range_counted: Option<u64>,
 }
@@ -410,13 +416,19 @@ impl Lane {
     }
 
     pub(crate) fn snapshot(&self) -> LaneSnapshot {
+        let status = self.status.snapshot();
+        let (last_error, last_error_at) = status.last_error.map_or((None, None), |(e, at)| (Some(e), Some(at)));
         let g = self.gate();
         let i = lock(&self.info);
         let now_ms = ingest_time_ms();
         LaneSnapshot {
             source: self.key.source.clone(),
             destination: self.key.destination.clone(),
-            status: self.status.get(),
+            status: status.status,
+            status_reason: status.reason,
+            status_since: status.since,
+            last_error,
+            last_error_at,
             breaker: i.breaker.map_or("closed", |b| b.as_str()),
             delivered_below: self.delivered_below.load(Ordering::Acquire),
             held_records: g.held_records,
@@ -425,7 +437,6 @@ impl Lane {
             sent_records: i.sent_records,
             rejected_records: i.rejected_records,
             consecutive_failures: i.consecutive_failures,
-            last_error: i.last_error.clone(),
             partitions_count: i.topic.map(|t| t.partitions_count),
             not_durable_warning: i.topic.is_some_and(|t| !t.durable),
             overflowed: g.overflow_from.is_some(),
@@ -1176,6 +1187,7 @@ async fn out_of_range<S: Sink, C>(
             tracing::warn!(destination = %lane.key, records = n, "{why}: dropped, as configured");
             metrics::counter!("iggy_connector_messages_dropped_total", "connector_key" => lane.key.source.clone(), "reason" => "partition_id_out_of_range")
                 .increment(n);
+            lock(&lane.info).consecutive_failures = 0;
             progressed(lane, ctx, "records out of the topic's partitions dropped, as configured");
             Delivery::Done
         }
@@ -1183,6 +1195,7 @@ async fn out_of_range<S: Sink, C>(
             tracing::warn!(destination = %lane.key, records = n, "{why}: dropped, the dead-letter destination is given up (router.give_up)");
             metrics::counter!("iggy_connector_messages_dropped_total", "connector_key" => lane.key.source.clone(), "reason" => "given_up")
                 .increment(n);
+            lock(&lane.info).consecutive_failures = 0;
             progressed(
                 lane,
                 ctx,
@@ -1289,9 +1302,7 @@ fn reads_again<S, C>(lane: &Lane, ctx: &LaneContext<S, C>) {
 /// nothing for a cool-down, whatever the count).
 fn failed<S, C>(lane: &Lane, ctx: &LaneContext<S, C>, failures: u32, breaker_open: bool, why: &str) {
     {
-        let mut i = lock(&lane.info);
-        i.consecutive_failures = failures;
-        i.last_error = Some(why.to_string());
+        lock(&lane.info).consecutive_failures = failures;
     }
     lane.status.record_error(why);
     if failures >= lane.policy.batch.degraded_after_failures {

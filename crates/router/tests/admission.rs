@@ -178,6 +178,11 @@ async fn a_partition_id_out_of_range_with_error_is_held_until_the_topic_grows() 
     assert_eq!(sink.ids(&d), vec![1, 2], "a held record was skipped");
     let snap = router.destinations().into_iter().find(|s| s.destination == d).unwrap();
     assert_eq!((snap.breaker, snap.rejected_records), ("closed", 1));
+    // What holds it is shown, though no send failed: the last error and when it came,
+    // and the status's reason.
+    assert!(snap.last_error.as_deref().is_some_and(|e| e.contains("beyond the topic's 3 partitions")), "{snap:?}");
+    assert!(snap.last_error_at.is_some(), "{snap:?}");
+    assert!(snap.status_reason.contains("beyond the topic's 3 partitions"), "{snap:?}");
     // Held across several cool-downs (each asks the topic again): Degraded throughout,
     // the router too, and counted once.
     for _ in 0..4 {

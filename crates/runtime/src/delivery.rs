@@ -549,8 +549,11 @@ pub fn lane_json(d: &LaneSnapshot) -> serde_json::Value {
         "oldest_held_age_ms": d.oldest_held_age_ms,
         "sent_records": d.sent_records,
         "rejected_records": d.rejected_records,
+        "status_reason": d.status_reason,
+        "status_since_unix_ms": unix_ms(d.status_since),
         "consecutive_failures": d.consecutive_failures,
         "last_error": d.last_error,
+        "last_error_at_unix_ms": d.last_error_at.map(unix_ms),
         "partitions_count": d.partitions_count,
         "warning": d.not_durable_warning.then_some(
             "the topic acknowledges without fsync: its acks may not survive a crash of the server"
