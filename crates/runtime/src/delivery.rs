@@ -583,10 +583,12 @@ pub async fn destinations(
         Ok(k) => k,
         Err(e) => return e.into_response(),
     };
-    if s.status.get(&key).is_none() {
+    // A source removed from the configuration may still have records in the log, and
+    // lanes delivering (or holding) them: those are shown, as they pin the log as well.
+    let lanes: Vec<serde_json::Value> = s.delivery.destinations_of(&key).iter().map(lane_json).collect();
+    if s.status.get(&key).is_none() && lanes.is_empty() {
         return http_source::error::ApiError::not_found("no such connector").into_response();
     }
-    let lanes: Vec<serde_json::Value> = s.delivery.destinations_of(&key).iter().map(lane_json).collect();
     Json(json!({"connector": key, "destinations": lanes})).into_response()
 }
 

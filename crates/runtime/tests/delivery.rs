@@ -199,3 +199,34 @@ max_destinations = 2
     assert!(broker.topic_options("crm", "orders").is_none(), "pre-warmed past the source's cap");
     assert!(daemon.stop().success());
 }
+
+/// A source removed from the configuration while its records are still in the log keeps
+/// a lane that holds (and pins) them: its destinations are shown, not a 404, so the
+/// runbook can find what pins the log. A name that never had records stays 404.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_destinations_of_a_source_removed_from_the_configuration_are_still_shown() {
+    let dir = tempfile::tempdir().unwrap();
+    let unreachable = "127.0.0.1:1".parse().unwrap();
+    let old = "\n[sources.old]\ndestination = { stream = \"legacy\", topic = \"events\" }\n";
+    let d = Daemon::start(dir.path(), "", &format!("{}{old}", rest(unreachable)));
+    for n in 0..3 {
+        assert_eq!(post_json(d.http, "/v1/sources/old", &format!("{{\"n\":{n}}}")).await.status, 200);
+    }
+    assert!(d.stop().success());
+    let d = Daemon::start(dir.path(), "", &rest(unreachable));
+    let mut lanes = serde_json::Value::Null;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while Instant::now() < deadline {
+        let a = request(d.admin, "GET", "/connectors/old/destinations", &[], "").await;
+        if a.status == 200 {
+            lanes = a.json()["destinations"].clone();
+            if lanes[0]["held_records"] == 3 {
+                break;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!((lanes[0]["stream"].as_str(), lanes[0]["held_records"].as_u64()), (Some("legacy"), Some(3)), "{lanes}");
+    assert_eq!(request(d.admin, "GET", "/connectors/never/destinations", &[], "").await.status, 404);
+    assert!(d.stop().success());
+}
