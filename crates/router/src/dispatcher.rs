@@ -390,7 +390,9 @@ pub(crate) fn new_source_route<S: Sink, C: CursorStore>(
     let dead_letter_given_up = dead_letter
         .as_ref()
         .is_some_and(|d| crate::policy::is_given_up(&policies.given_up, source, &d.stream, &d.topic));
-    let dead_letter = dead_letter.filter(|_| !dead_letter_given_up);
+    // Nor does one that nothing is sent to through a lane (the cap's refusals go there
+    // only under `dead_letter`): it would only show as a destination that never sends.
+    let dead_letter = dead_letter.filter(|_| !dead_letter_given_up && dl_on_reject);
     let share = SourceShare {
         send_slots: Arc::new(crate::lane::SendSlots::new(policy.max_concurrent_destinations)),
         policy,

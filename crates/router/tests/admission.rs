@@ -43,6 +43,10 @@ async fn over_the_cap_with_error_the_records_are_held_and_the_log_pinned() {
     assert!(sink.ids(&dests[2]).is_empty());
     assert_eq!(router.held_from(), Some(2), "the first record of the third destination holds the log");
     assert_eq!(router.released_below(), 2);
+    // The dead-letter destination is configured but unused under `error`: no lane shows
+    // for it, as if it were a destination that never sends.
+    let shown: Vec<_> = router.destinations().into_iter().map(|l| l.destination).collect();
+    assert_eq!(shown.len(), 2, "{shown:?}");
     router.shutdown().await;
 }
 
