@@ -101,11 +101,16 @@ pub fn decode_with(
     keep_fields: &[&FieldPath],
     max_events: usize,
 ) -> Result<Decoded, BodyError> {
+    let ess = content_type.map(essence);
+    // The media type first, as the documented order of checks has it: a source that
+    // takes only JSON answers 415 to another type, empty or not.
+    if accept == Accept::Json && !ess.as_deref().is_some_and(|e| is_ndjson(e) || is_json(e)) {
+        return Err(BodyError::UnsupportedMediaType(ess.unwrap_or_default()));
+    }
     // Iggy stores no empty message: an empty body would be accepted and never delivered.
     if body.is_empty() {
         return Err(BodyError::NoEvents);
     }
-    let ess = content_type.map(essence);
     match ess.as_deref() {
         Some(e) if is_ndjson(e) => decode_ndjson(body, keep_fields, max_events),
         Some(e) if is_json(e) => {
@@ -159,7 +164,10 @@ fn decode_ndjson(body: Bytes, keep_fields: &[&FieldPath], max_events: usize) -> 
         }
         let line = body.slice(start..line_end);
         start = end + 1;
-        if line.iter().all(|b| b.is_ascii_whitespace()) {
+        // Blank: JSON's own whitespace only (RFC 8259: space, tab, CR, LF). A form feed,
+        // which `is_ascii_whitespace` counts, is not JSON whitespace: such a line is
+        // refused as malformed, not skipped.
+        if line.iter().all(|b| matches!(b, b' ' | b'\t' | b'\r')) {
             continue;
         }
         if events.len() >= max_events {
@@ -279,6 +287,33 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// A source that takes only JSON answers 415 to another media type before anything
+    /// else, an empty body included (the documented order: Content-Type, then decoding).
+    #[test]
+    fn a_json_source_refuses_another_media_type_before_looking_at_the_body() {
+        for body in [Bytes::new(), Bytes::from_static(b"x")] {
+            let e = decode(Some("text/plain"), body.clone(), Accept::Json).unwrap_err();
+            assert!(matches!(e, BodyError::UnsupportedMediaType(ref t) if t == "text/plain"), "{e:?}");
+            assert!(matches!(decode(None, body, Accept::Json), Err(BodyError::UnsupportedMediaType(_))));
+        }
+        assert!(matches!(decode(Some("application/json"), Bytes::new(), Accept::Json), Err(BodyError::NoEvents)));
+    }
+
+    /// A blank line is JSON whitespace only: a line of form feeds (which
+    /// `is_ascii_whitespace` counts) is malformed, not skipped.
+    #[test]
+    fn a_line_of_form_feeds_is_not_blank() {
+        let body = Bytes::from_static(
+            b"1
+ \t\r
+\x0c
+2
+",
+        );
+        let e = decode(Some("application/x-ndjson"), body, Accept::Json).unwrap_err();
+        assert!(matches!(e, BodyError::MalformedLine { line: 3, .. }), "{e:?}");
     }
 
     #[test]
