@@ -236,6 +236,13 @@ impl<S: Sink, C: CursorStore> Dispatcher<S, C> {
         if self.cursors_at_start.get(&key).is_some_and(|&delivered_below| offset < delivered_below) {
             return;
         }
+        self.count_given_up(offset, key);
+    }
+
+    /// Counts a record dropped because `key`, where it would go, is given up, and logs
+    /// the first of each destination in this run.
+    fn count_given_up(&mut self, offset: u64, key: LaneKey) {
+        let (source, stream, topic) = (&key.source, &key.destination.stream, &key.destination.topic);
         metrics::counter!("iggy_connector_messages_dropped_total", "connector_key" => source.to_string(), "reason" => "given_up")
             .increment(1);
         if !self.given_up_logged.contains(&key) {
@@ -341,8 +348,11 @@ impl<S: Sink, C: CursorStore> Dispatcher<S, C> {
                     let _ = dl.offer(routed, policy.lane_queue_max_records, policy.overflow_after, false);
                 }
                 (None, Some(dlq)) if route.share.dead_letter_given_up => {
-                    let (stream, topic) = (dlq.stream.clone(), dlq.topic.clone());
-                    self.give_up(offset, &connector, &stream, &topic);
+                    // Refused by the cap in this run (records delivered before it were
+                    // passed over above): the dead-letter lane's cursor says nothing
+                    // about them, so every one is counted.
+                    let key = LaneKey { source: connector, destination: dlq.clone() };
+                    self.count_given_up(offset, key);
                 }
                 (None, _) => {
                     self.hold_from(offset);

@@ -821,7 +821,9 @@ fn top_up(lane: &Lane, batch: &mut Vec<Routed>, lingering: bool) -> TopUp {
     // Woken once the queue holds what fills the batch, by count or by bytes; a batch
     // larger than the queue is woken when the queue is full, and tops up again.
     g.wake_at_queued = if lingers { (max_records - batch.len()).min(lane.policy.lane_queue_max_records) } else { 0 };
-    g.wake_at_bytes = if lingers { max_bytes - bytes } else { 0 };
+    // Never more than the queue holds by bytes either, or a lingering lane whose queue
+    // filled by bytes would never be woken (and its offers refused meanwhile).
+    g.wake_at_bytes = if lingers { (max_bytes - bytes).min(lane.policy.lane_queue_max_bytes) } else { 0 };
     drop(g);
     if moved {
         lane.space.notify_waiters();
@@ -1398,5 +1400,38 @@ mod tests {
             orders += 1;
         }
         assert_eq!(orders, 924);
+    }
+}
+
+#[cfg(test)]
+mod linger_tests {
+    use std::sync::Arc;
+
+    use super::*;
+
+    /// A lingering lane is woken once its queue holds what fills the batch, or what the
+    /// queue holds at most, by count and by bytes alike. With a queue bounded below a
+    /// batch's bytes, waking only at a batch's bytes would never come: the queue fills,
+    /// the lane lingers on, and the log's reader waits at its full queue.
+    #[test]
+    fn a_lingering_lane_is_woken_by_what_its_queue_can_hold() {
+        let mut policy = RouterPolicy::default();
+        policy.batch.batch_max_bytes = 1024 * 1024;
+        policy.lane_queue_max_bytes = 100;
+        policy.batch.batch_max_records = 500;
+        policy.lane_queue_max_records = 10;
+        let belongs: Arc<BelongsFn> = Arc::new(|_: &LaneKey, _: &EnvelopeSummary<'_>| None);
+        let share = SourceShare {
+            policy: Arc::new(policy),
+            send_slots: Arc::new(SendSlots::new(1)),
+            belongs,
+            dead_letter_given_up: false,
+        };
+        let key = LaneKey { source: "s".into(), destination: DestinationKey::new("a", "b") };
+        let lane = Lane::new(key, 0, &share);
+        let mut batch = Vec::new();
+        top_up(&lane, &mut batch, true);
+        let g = lane.gate();
+        assert_eq!((g.wake_at_queued, g.wake_at_bytes), (10, 100));
     }
 }
