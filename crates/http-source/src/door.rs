@@ -289,7 +289,7 @@ async fn receive_inner(
             door.limits.retry_after_secs,
         ));
     }
-    let (parts, body) = req.into_parts();
+    let (mut parts, body) = req.into_parts();
     let peer = parts.extensions.get::<PeerAddr>();
     let max = door.limits.max_body_bytes;
     if let Some(len) = content_length(&parts.headers)
@@ -300,17 +300,34 @@ async fn receive_inner(
     let body = read_body(body, max, door.limits.body_read_timeout).await?;
 
     // The endpoint may have been rotated, revoked or expired while the body was read:
-    // decide again, and hold the permit until the append resolved.
+    // decide again, and hold the permit until the append resolved. The room its append
+    // runs in is taken first: waiting for room with the permit held would hold off every
+    // change to the endpoint (and every registration) for as long.
     let (endpoint, permit) = match entrance {
         Entrance::SourcePath => (None, None),
         Entrance::Endpoint(seen) => {
+            let room = door
+                .ingestor
+                .room(body.len() as u64)
+                .await
+                .map_err(|e| ingest_error(e, door.limits.retry_after_secs))?;
             let (current, permit) =
                 door.endpoints.recheck(&seen, ingest::time::now_unix_ms()).await.map_err(refusal_error)?;
-            (Some(current), Some(permit))
+            (Some(current), Some((permit, room)))
         }
     };
     let auth: &AuthScheme = endpoint.as_ref().map_or(&source.auth, |e| &e.endpoint.auth);
-    if let Err(failure) = auth.verify(&parts.headers, &body, received_at_unix_ms / 1000) {
+    let verified = auth.verify(&parts.headers, &body, received_at_unix_ms / 1000);
+    // Checked, the signature is done with: a header a configured name chose to carry it
+    // (an hmac scheme's `auth_header`, which no name-based credential check knows) is
+    // dropped here, so nothing after (forwarded headers, a partition key, a delivery id)
+    // can copy into the log a signature with no timestamp in it, that any consumer could
+    // post again. The configuration refuses naming it for a source and its static
+    // endpoints; a dynamic endpoint's registration can choose any name.
+    if let Some(signature) = auth.configured_signature_header() {
+        parts.headers.remove(signature);
+    }
+    if let Err(failure) = verified {
         tracing::warn!(source = %source.key, reason = failure.reason(), peer = ?peer.map(|p| p.addr), "request failed authentication");
         metrics::counter!("iggy_ingest_auth_failures_total", "source" => source.key.clone(), "reason" => failure.reason())
             .increment(1);
@@ -390,7 +407,7 @@ async fn receive_inner(
         let body = AcceptedBody { accepted: 0, offsets: None, dropped: Some(resolution.dropped) };
         return Ok((StatusCode::OK, axum::Json(body)).into_response());
     }
-    let headers = forward_headers(source, &parts.headers, auth);
+    let headers = forward_headers(source, &parts.headers);
     let mut metadata = Vec::new();
     if source.metadata.peer_addr
         && let Some(p) = peer
@@ -412,7 +429,7 @@ async fn receive_inner(
     };
     let accepted = match permit {
         None => door.ingestor.accept(submission).await,
-        Some(permit) => door.ingestor.accept_holding(submission, permit).await,
+        Some((permit, room)) => door.ingestor.accept_holding(submission, permit, room).await,
     };
     let accepted = accepted.map_err(|e| ingest_error(e, door.limits.retry_after_secs))?;
     fail_points::fail_point!("door.append.synced");
@@ -524,16 +541,29 @@ async fn collect_bounded(mut body: Body, max: usize) -> Result<Bytes, BodyReadEr
             (_, Some(buf)) => buf.extend_from_slice(&data),
             (None, None) => first = Some(data),
             (Some(_), None) => {
-                // The length the sender announced (never past `max`), or twice what came.
-                let announced = usize::try_from(hyper::body::Body::size_hint(&body).lower()).unwrap_or(usize::MAX);
-                let mut buf = Vec::with_capacity(announced.max(total.saturating_mul(2)).min(max));
+                // What came plus what the framing says is still to come (hyper's hint is
+                // the rest of a `Content-Length` body: the whole body, exactly), or twice
+                // what came for a chunked one; never past `max`.
+                let capacity = match hyper::body::Body::size_hint(&body).exact() {
+                    Some(to_come) => total.saturating_add(usize::try_from(to_come).unwrap_or(usize::MAX)),
+                    None => total.saturating_mul(2),
+                };
+                let mut buf = Vec::with_capacity(capacity.min(max));
                 buf.extend_from_slice(&first.take().unwrap_or_default());
                 buf.extend_from_slice(&data);
                 copied = Some(buf);
             }
         }
     }
-    Ok(copied.map(Bytes::from).or(first).unwrap_or_default())
+    Ok(match copied {
+        // `Bytes` keeps a `Vec`'s whole capacity: a chunked body's spare room is given
+        // back, so the request holds its bytes and no more on its way to the log.
+        Some(mut buf) => {
+            buf.shrink_to_fit();
+            Bytes::from(buf)
+        }
+        None => first.unwrap_or_default(),
+    })
 }
 
 /// The request's delivery id. For a request whose signature covers an id (Standard
@@ -577,16 +607,10 @@ fn delivery_key(source: &SourceSpec, auth: &AuthScheme, headers: &HeaderMap) -> 
 /// its last value, the one Iggy would keep (a message holds one value per header name).
 /// So what a request adds to each of its events' envelopes is bounded by the
 /// configuration (names x 255 bytes), not by how often a client repeats a header.
-/// Never the header `auth` read its signature from: the configuration refuses that for
-/// a source and its static endpoints, and a dynamic endpoint's registration can choose
-/// any header name.
-fn forward_headers(source: &SourceSpec, headers: &HeaderMap, auth: &AuthScheme) -> Vec<(String, Vec<u8>)> {
-    let signature = auth.configured_signature_header();
+/// Never the header the request's hmac signature came in: it is dropped once checked.
+fn forward_headers(source: &SourceSpec, headers: &HeaderMap) -> Vec<(String, Vec<u8>)> {
     let mut out = Vec::new();
     for name in &source.forward_headers {
-        if signature.is_some_and(|s| s.eq_ignore_ascii_case(name)) {
-            continue;
-        }
         if let Some(v) = headers.get_all(name.as_str()).iter().next_back() {
             let bytes = v.as_bytes();
             let value = if bytes.len() > HEADER_VALUE_MAX_BYTES {
@@ -666,6 +690,37 @@ mod tests {
 
     use super::*;
 
+    /// A body of the given pieces, its length announced (as `Content-Length` does) or not.
+    struct Pieces {
+        pieces: Vec<&'static [u8]>,
+        announced: bool,
+    }
+
+    impl hyper::body::Body for Pieces {
+        type Data = Bytes;
+        type Error = std::convert::Infallible;
+
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+            if self.pieces.is_empty() {
+                return Poll::Ready(None);
+            }
+            let piece = self.pieces.remove(0);
+            Poll::Ready(Some(Ok(Frame::data(Bytes::from_static(piece)))))
+        }
+
+        fn size_hint(&self) -> hyper::body::SizeHint {
+            let left: usize = self.pieces.iter().map(|p| p.len()).sum();
+            if self.announced {
+                hyper::body::SizeHint::with_exact(left as u64)
+            } else {
+                hyper::body::SizeHint::default()
+            }
+        }
+    }
+
     /// One 8 KiB block of a connection's read buffer, counted while alive.
     struct Block {
         bytes: Vec<u8>,
@@ -722,6 +777,12 @@ mod tests {
         assert_eq!(bytes, vec![b'x'; 2_000]);
         assert!(most_live.load(Ordering::SeqCst) <= 2, "{} blocks alive at once", most_live.load(Ordering::SeqCst));
         assert_eq!(live.load(Ordering::SeqCst), 0, "the answer holds a read block");
+
+        // A body in pieces is joined in order, a `Content-Length` one or a chunked one.
+        for announced in [true, false] {
+            let body = Body::new(Pieces { pieces: vec![&b"ab"[..], b"cd", b"efg"], announced });
+            assert_eq!(read_body(body, 1 << 20, Duration::from_secs(5)).await.unwrap(), "abcdefg");
+        }
 
         // One frame: the body as it came, and past `max`: 413.
         let one = read_body(Body::from("whole"), 5, Duration::from_secs(5)).await.unwrap();

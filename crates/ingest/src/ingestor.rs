@@ -13,9 +13,10 @@
 //!   resolved.
 //! - Such tasks outlive their callers, so the payload bytes they hold are bounded:
 //!   [`RUNNING_ON_MAX_BYTES`] in all (a submission larger than that waits until none
-//!   runs). A caller waits for room before its task starts, and holds nothing while it
-//!   waits: clients that send a body and disconnect cannot pile up appends in memory
-//!   faster than the log takes them.
+//!   runs). A caller takes its [`Room`] before its task starts, before it takes anything
+//!   a change would wait for (the door: before an endpoint's permit), and holds nothing
+//!   else while it waits: clients that send a body and disconnect cannot pile up appends
+//!   in memory faster than the log takes them.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -117,6 +118,10 @@ impl IngestError {
 /// Past the log's queue (`wal::WalOptions::queue_max_bytes`, 64 MiB) they would only wait.
 pub const RUNNING_ON_MAX_BYTES: u64 = 256 * 1024 * 1024;
 
+/// A submission's share of [`RUNNING_ON_MAX_BYTES`], given back when dropped.
+#[derive(Debug)]
+pub struct Room(#[allow(dead_code)] tokio::sync::OwnedSemaphorePermit);
+
 /// Turns submissions into log records. Cheap to clone.
 #[derive(Clone)]
 pub struct Ingestor {
@@ -151,26 +156,34 @@ impl Ingestor {
             // skip: run it on the caller's task.
             return self.accept_inner(submission).await;
         }
-        self.accept_holding(submission, ()).await
+        let bytes: u64 = submission.events.iter().map(|e| e.payload.len() as u64).sum();
+        let room = self.room(bytes).await?;
+        self.accept_holding(submission, (), room).await
+    }
+
+    /// Room for a submission of `bytes` payload bytes to run in a task of its own
+    /// ([`Ingestor::accept_holding`]): waits while others hold [`RUNNING_ON_MAX_BYTES`].
+    pub async fn room(&self, bytes: u64) -> Result<Room, IngestError> {
+        let kib = u32::try_from(bytes.div_ceil(1024)).unwrap_or(u32::MAX).min((RUNNING_ON_MAX_BYTES / 1024) as u32);
+        self.running_on_kib
+            .clone()
+            .acquire_many_owned(kib)
+            .await
+            .map(Room)
+            .map_err(|e| IngestError::Internal(format!("the submissions' room is closed: {e}")))
     }
 
     /// [`Ingestor::accept`], keeping `hold` until the submission's append resolved (and
     /// its key was recorded), even if the caller stops waiting: the submission runs in
-    /// its own task, which owns `hold`. For a guard that must outlive every append made
-    /// under it (the door's endpoint permit).
+    /// its own task, which owns `hold` and `room` (taken first, see [`Ingestor::room`]).
+    /// For a guard that must outlive every append made under it (the door's endpoint
+    /// permit).
     pub async fn accept_holding<H: Send + 'static>(
         &self,
         submission: Submission,
         hold: H,
+        room: Room,
     ) -> Result<Accepted, IngestError> {
-        let bytes: u64 = submission.events.iter().map(|e| e.payload.len() as u64).sum();
-        let kib = u32::try_from(bytes.div_ceil(1024)).unwrap_or(u32::MAX).min((RUNNING_ON_MAX_BYTES / 1024) as u32);
-        let room = self
-            .running_on_kib
-            .clone()
-            .acquire_many_owned(kib)
-            .await
-            .map_err(|e| IngestError::Internal(format!("the submissions' room is closed: {e}")))?;
         let this = self.clone();
         tokio::spawn(async move {
             let accepted = this.accept_inner(submission).await;

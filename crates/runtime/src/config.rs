@@ -751,11 +751,11 @@ impl Checker<'_> {
     }
 }
 
-/// Validates a parsed configuration. `text` is the file's text, for line numbers.
 /// The longest `shutdown.grace_period_ms` and `shutdown.drain_delay_ms`: an hour, far
 /// past any supervisor's stop timeout (systemd's default is 90 s).
 const SHUTDOWN_MS_MAX: u64 = 3_600_000;
 
+/// Validates a parsed configuration. `text` is the file's text, for line numbers.
 pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> Result<Settings, ConfigErrors> {
     let mut c = Checker { text, errors: Vec::new() };
     let root = KeyPath::default();
@@ -1004,7 +1004,10 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
             }
         };
         let auth = auth_scheme(&mut c, &sp, s.auth());
-        tolerance_within_retention(&mut c, &sp, &auth, s.auth().auth_tolerance_secs.is_some(), retention_secs);
+        // A source that keeps no delivery ids has no replay to answer.
+        if s.idempotency {
+            tolerance_within_retention(&mut c, &sp, &auth, s.auth().auth_tolerance_secs.is_some(), retention_secs);
+        }
         let mut forward_headers = Vec::new();
         for (i, h) in s.forward_headers.iter().enumerate() {
             let hp = sp.key("forward_headers").index(i);
@@ -1024,7 +1027,7 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
             }
         }
         if let Some(signature) = auth.configured_signature_header() {
-            forwarded_signature(&mut c, &sp, &s.forward_headers, signature, "the source's named path");
+            forwarded_signature(&mut c, &sp, s, signature, "the source's named path");
         }
         let mut metadata = MetadataFields::default();
         for (i, m) in s.metadata.iter().enumerate() {
@@ -1066,7 +1069,9 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
                 c.err(&ep.key("id"), "is used by another endpoint");
             }
             let auth = auth_scheme(&mut c, &ep, e.auth());
-            tolerance_within_retention(&mut c, &ep, &auth, e.auth().auth_tolerance_secs.is_some(), retention_secs);
+            if s.idempotency {
+                tolerance_within_retention(&mut c, &ep, &auth, e.auth().auth_tolerance_secs.is_some(), retention_secs);
+            }
             let expires_at_unix_ms = match &e.expires_at {
                 None => None,
                 Some(t) => match humantime::parse_rfc3339_weak(t) {
@@ -1081,7 +1086,7 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
                 },
             };
             if let Some(signature) = auth.configured_signature_header() {
-                forwarded_signature(&mut c, &sp, &s.forward_headers, signature, &format!("endpoint {}", e.id));
+                forwarded_signature(&mut c, &sp, s, signature, &format!("endpoint {}", e.id));
             }
             endpoints.push(Endpoint {
                 id,
@@ -1514,16 +1519,26 @@ fn tolerance_within_retention(c: &mut Checker<'_>, at: &KeyPath, auth: &AuthSche
 /// Refuses a `forward_headers` entry naming `signature`, the header an hmac scheme of
 /// `whose` reads its signature from: a signature without a timestamp, copied into the
 /// log, would let any consumer post the stored event again as a new delivery.
-fn forwarded_signature(c: &mut Checker<'_>, source: &KeyPath, forward: &[String], signature: &str, whose: &str) {
-    for (i, h) in forward.iter().enumerate() {
+fn forwarded_signature(c: &mut Checker<'_>, source: &KeyPath, s: &SourceConfig, signature: &str, whose: &str) {
+    let why = |h: &str| format!("{h:?} carries the signature of {whose} (its auth_header)");
+    for (i, h) in s.forward_headers.iter().enumerate() {
         if h.eq_ignore_ascii_case(signature) {
-            c.err(
-                &source.key("forward_headers").index(i),
-                format!(
-                    "{h:?} carries the signature of {whose} (its auth_header) and may not be forwarded into the log"
-                ),
-            );
+            c.err(&source.key("forward_headers").index(i), format!("{} and may not be forwarded into the log", why(h)));
         }
+    }
+    // A partition key and a delivery id are stored in every record as well.
+    if let Some(h) = s.partitioning.as_ref().and_then(|p| p.key_header.as_deref())
+        && h.eq_ignore_ascii_case(signature)
+    {
+        c.err(
+            &source.key("partitioning").key("key_header"),
+            format!("{} and may not become the partition key", why(h)),
+        );
+    }
+    if let Some(h) = s.idempotency_header.as_deref()
+        && h.eq_ignore_ascii_case(signature)
+    {
+        c.err(&source.key("idempotency_header"), format!("{} and may not become the delivery id", why(h)));
     }
 }
 
@@ -1985,6 +2000,10 @@ auth_secret = "never checked"
         assert_eq!(e.len(), 1, "{e:?}");
         assert_eq!(e[0].path, "sources.a.forward_headers[0]");
         assert!(e[0].message.contains("endpoint 0123456789abcdef0123456789abcdef"), "{}", e[0].message);
+        // Nor may it become the partition key or the delivery id, both stored in every record.
+        let keyed = "[sources.a]\ndestination = { stream = \"s\", topic = \"t\" }\nauth_type = \"hmac-sha256\"\nauth_secret = \"x\"\nauth_header = \"x-sig\"\nidempotency_header = \"X-Sig\"\npartitioning = { key_header = \"x-sig\" }\n";
+        let paths: Vec<String> = errors(keyed).into_iter().map(|e| e.path).collect();
+        assert_eq!(paths, ["sources.a.partitioning.key_header", "sources.a.idempotency_header"], "{paths:?}");
         let other = endpoint.replace("auth_header = \"x-sig\"", "auth_header = \"x-other\"");
         if let Err(e) = parse(&other, None).and_then(|c| validate(&c, Some(&other), None)) {
             panic!("another header was refused: {e:?}");
@@ -2238,6 +2257,9 @@ mapping_url = "https://example.com/m.json"
         let e = errors(&format!("[idempotency]\nretention_secs = 599\n{stripe}"));
         assert_eq!((e.len(), e[0].path.as_str(), e[0].line), (1, "idempotency.retention_secs", Some(2)), "{e:?}");
         assert!(e[0].message.contains("sources.a"), "{}", e[0].message);
+        // A source that keeps no delivery ids has nothing to replay.
+        let unkeyed = format!("[idempotency]\nretention_secs = 599\n{stripe}idempotency = false\n");
+        assert!(validate(&parse(&unkeyed, None).unwrap(), Some(&unkeyed), None).is_ok());
         let fine = format!("[idempotency]\nretention_secs = 600\n{stripe}");
         assert!(validate(&parse(&fine, None).unwrap(), Some(&fine), None).is_ok());
         let e = errors(&format!("[idempotency]\nretention_secs = 600\n{stripe}auth_tolerance_secs = 301\n"));
