@@ -294,7 +294,8 @@ impl EndpointConfig {
 #[serde(deny_unknown_fields)]
 pub struct EndpointConfig {
     pub id: String,
-    #[serde(default = "default_auth_type")]
+    /// Required, `"none"` included: an endpoint is never left unauthenticated by a line
+    /// left out (as `POST /v1/endpoints` requires it too).
     pub auth_type: String,
     #[serde(default)]
     pub auth_secret: Option<String>,
@@ -1809,6 +1810,7 @@ destination = { stream = "s", topic = "t" }
 
 [[sources.github.endpoints]]
 id = "000102030405060708090a0b0c0d0e0f"
+auth_type = "none"
 
 [[sources.github.endpoints]]
 id = "100102030405060708090a0b0c0d0e0f"
@@ -1818,7 +1820,18 @@ auth_type = "hmac-sha256"
         assert_eq!(e.len(), 1, "{e:?}");
         assert_eq!(e[0].path, "sources.github.endpoints[1].auth_secret");
         assert_eq!(e[0].message, "required when auth_type = \"hmac-sha256\"");
-        assert_eq!(e[0].line, Some(8), "the line of the endpoint's table");
+        assert_eq!(e[0].line, Some(9), "the line of the endpoint's table");
+    }
+
+    /// An endpoint's auth_type is never implied: an entry without one is refused, naming
+    /// the entry ("none" must be asked for, as `POST /v1/endpoints` requires too).
+    #[test]
+    fn an_endpoint_without_an_auth_type_is_refused() {
+        let text = "[sources.github]\ndestination = { stream = \"s\", topic = \"t\" }\n[[sources.github.endpoints]]\nid = \"000102030405060708090a0b0c0d0e0f\"\n";
+        let e = errors(text);
+        assert_eq!(e.len(), 1, "{e:?}");
+        assert_eq!(e[0].path, "sources.github.endpoints[0]");
+        assert!(e[0].message.contains("auth_type"), "{}", e[0].message);
     }
 
     #[test]
@@ -1829,6 +1842,7 @@ destination = { stream = "s", topic = "t" }
 
 [[sources.github.endpoints]]
 id = "000102030405060708090a0b0c0d0e0f"
+auth_type = "none"
 auth_secret = "never checked"
 "#;
         let e = errors(text);

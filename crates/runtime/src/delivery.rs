@@ -95,7 +95,7 @@ impl Default for RouterSection {
 }
 
 /// Per-source overrides: any key of `[router]`'s policy, absent ones inherited.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct PolicyOverrides {
     pub batch_max_records: Option<u64>,
@@ -392,8 +392,16 @@ pub fn check(section: &RouterSection, iggy: &IggyConfig, sources: &[String]) -> 
         // there once, not again under every source that overrides something else.
         let mut own = Vec::new();
         let p = policy_from(&merged(section, o), &["router", "sources", key], &mut own);
+        // The keys this table sets: a problem there is the override's own, even when
+        // [router] has the same one.
+        let set: Vec<String> = match serde_json::to_value(o) {
+            Ok(serde_json::Value::Object(m)) => m.into_iter().filter(|(_, v)| !v.is_null()).map(|(k, _)| k).collect(),
+            _ => Vec::new(),
+        };
         let inherited = |(path, message): &Problem| {
-            path.get(3).is_some_and(|k| problems.iter().any(|(gp, gm)| gp.len() == 2 && gp[1] == *k && gm == message))
+            path.get(3).is_some_and(|k| {
+                !set.contains(k) && problems.iter().any(|(gp, gm)| gp.len() == 2 && gp[1] == *k && gm == message)
+            })
         };
         let own: Vec<Problem> = own.into_iter().filter(|p| !inherited(p)).collect();
         problems.extend(own);
@@ -648,6 +656,13 @@ mod tests {
         let (_, problems) = check(&section, &iggy(), &["a".into()]);
         let paths: Vec<String> = problems.iter().map(|(p, _)| p.join(".")).collect();
         assert_eq!(paths, ["router.sources.a.cool_down_ms"], "{problems:?}");
+
+        // The same bad value set in both places is reported in both.
+        let mut section = RouterSection { cool_down_ms: 0, ..RouterSection::default() };
+        section.sources.insert("a".into(), PolicyOverrides { cool_down_ms: Some(0), ..PolicyOverrides::default() });
+        let (_, problems) = check(&section, &iggy(), &["a".into()]);
+        let paths: Vec<String> = problems.iter().map(|(p, _)| p.join(".")).collect();
+        assert_eq!(paths, ["router.cool_down_ms", "router.sources.a.cool_down_ms"], "{problems:?}");
     }
 
     #[test]

@@ -8,7 +8,7 @@
 //!   because every event answered 200 is already durable.
 //! - A daemon that stopped itself (a task it cannot run without panicked) exits 1.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use crate::config::Settings;
@@ -39,8 +39,10 @@ pub fn run(settings: Settings, ready_file: Option<PathBuf>) -> ExitCode {
         }
     };
     // A ready file left by an earlier run (killed, or crashed) would tell a supervisor
-    // this one is ready, with the old run's ports and pid, before it is.
+    // this one is ready, with the old run's ports and pid, before it is. One whose
+    // daemon still runs is left alone: this start will find its log locked and stop.
     if let Some(path) = &ready_file
+        && !written_by_a_live_process(path)
         && let Err(e) = std::fs::remove_file(path)
         && e.kind() != std::io::ErrorKind::NotFound
     {
@@ -109,6 +111,16 @@ pub fn run(settings: Settings, ready_file: Option<PathBuf>) -> ExitCode {
             ExitCode::FAILURE
         }
     })
+}
+
+/// Whether the ready file at `path` names a process that is alive (its `pid`, other
+/// than this one, under `/proc`). A file that cannot be read or names no pid is not.
+fn written_by_a_live_process(path: &std::path::Path) -> bool {
+    let Ok(text) = std::fs::read_to_string(path) else { return false };
+    let Ok(v) = serde_json::from_str::<serde_json::Value>(&text) else { return false };
+    v["pid"]
+        .as_u64()
+        .is_some_and(|pid| pid != u64::from(std::process::id()) && Path::new("/proc").join(pid.to_string()).exists())
 }
 
 fn write_ready_file(path: &std::path::Path, running: &daemon::RunningDaemon) -> std::io::Result<()> {

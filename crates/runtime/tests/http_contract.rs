@@ -48,10 +48,12 @@ named_path = false
 
 [[sources.hidden.endpoints]]
 id = "0123456789abcdef0123456789abcdef"
+auth_type = "none"
 handshake_param = "challenge"
 
 [[sources.hidden.endpoints]]
 id = "fedcba9876543210fedcba9876543210"
+auth_type = "none"
 expires_at = "2001-01-01T00:00:00Z"
 "#;
 

@@ -18,6 +18,7 @@ destination = { stream = "ingest", topic = "events" }
 
 [[sources.default.endpoints]]
 id = "0123456789abcdef0123456789abcdef"
+auth_type = "none"
 "#;
 
 fn bearer(token: &str) -> String {
@@ -141,7 +142,11 @@ async fn an_endpoint_without_auth_has_no_secret_to_set_or_rotate_and_its_revoked
     assert!(d.stop().success());
 
     // The revoked id as a static endpoint: the start is refused, naming the id's prefix.
-    let text = config_text(dir.path(), "", &format!("{SOURCES}\n[[sources.default.endpoints]]\nid = \"{id}\"\n"));
+    let text = config_text(
+        dir.path(),
+        "",
+        &format!("{SOURCES}\n[[sources.default.endpoints]]\nid = \"{id}\"\nauth_type = \"none\"\n"),
+    );
     let cfg = dir.path().join("config.toml");
     std::fs::write(&cfg, text).unwrap();
     let out = Command::new(env!("CARGO_BIN_EXE_iggy-ingest"))
@@ -731,8 +736,9 @@ async fn a_call_is_out(accepted: &std::sync::atomic::AtomicUsize) {
 
 /// A ready file an earlier run left (killed before it could remove it) is removed at
 /// start, before anything else: a supervisor waiting for it never reads the old run's
-/// ports and pid as this run's. Here the start then fails (its listen address is taken),
-/// so no new ready file is written either.
+/// ports and pid as this run's. One whose process still runs (a second start beside a
+/// running daemon) is left alone. Here the start then fails (its listen address is
+/// taken), so no new ready file is written either.
 #[test]
 fn a_ready_file_left_by_an_earlier_run_is_removed_at_start() {
     let dir = tempfile::tempdir().unwrap();
@@ -745,16 +751,28 @@ fn a_ready_file_left_by_an_earlier_run_is_removed_at_start() {
     let cfg = dir.path().join("config.toml");
     std::fs::write(&cfg, text).unwrap();
     let ready = dir.path().join("ready.json");
-    std::fs::write(&ready, r#"{"http":"127.0.0.1:1","admin":"127.0.0.1:2","pid":1}"#).unwrap();
-    let status = Command::new(env!("CARGO_BIN_EXE_iggy-ingest"))
-        .args(["run", "--config"])
-        .arg(&cfg)
-        .arg("--ready-file")
-        .arg(&ready)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .unwrap();
-    assert!(!status.success(), "the start did not fail on the taken address");
+    let start = || {
+        Command::new(env!("CARGO_BIN_EXE_iggy-ingest"))
+            .args(["run", "--config"])
+            .arg(&cfg)
+            .arg("--ready-file")
+            .arg(&ready)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .unwrap()
+    };
+    // Written by a process that is gone: removed.
+    let mut gone = Command::new("true").spawn().unwrap();
+    let gone_pid = gone.id();
+    gone.wait().unwrap();
+    std::fs::write(&ready, format!(r#"{{"http":"127.0.0.1:1","admin":"127.0.0.1:2","pid":{gone_pid}}}"#)).unwrap();
+    assert!(!start().success(), "the start did not fail on the taken address");
     assert!(!ready.exists(), "the earlier run's ready file is still there");
+    // Written by a process that runs (here the test itself, as a daemon would be that
+    // this start finds holding the log): left alone.
+    let live = format!(r#"{{"http":"127.0.0.1:1","admin":"127.0.0.1:2","pid":{}}}"#, std::process::id());
+    std::fs::write(&ready, &live).unwrap();
+    assert!(!start().success());
+    assert_eq!(std::fs::read_to_string(&ready).unwrap(), live, "a live daemon's ready file was removed");
 }

@@ -297,7 +297,10 @@ fn tear(image: &mut Vec<u8>, inode: &Inode, r: &mut Rng, atomic: bool) {
         match r.below(if atomic { 2 } else { 4 }) {
             0 => {
                 for (i, byte) in image[a..b].iter_mut().enumerate() {
-                    *byte = inode.data.get(a + i).copied().unwrap_or(0);
+                    // Past a shrink the new image has no bytes: with sizes atomic, the
+                    // kept (old) length holds the old bytes there, never zeros.
+                    let old = if atomic { inode.durable.get(a + i).copied() } else { None };
+                    *byte = inode.data.get(a + i).copied().or(old).unwrap_or(0);
                 }
             }
             1 => {
@@ -719,6 +722,24 @@ mod tests {
         assert_eq!(read(&f), b"synced-failed-dirty", "the page cache holds all of it");
         f.drop_cached().unwrap();
         assert_eq!(read(&f), b"synced\0\0\0\0\0\0\0-dirty", "from the disk, but for the dirty bytes");
+    }
+
+    /// After an unsynced shrink, a reordered crash that keeps the old length keeps the
+    /// old bytes past the new one, never zeros.
+    #[test]
+    fn a_reordered_crash_after_a_shrink_keeps_the_old_bytes() {
+        for seed in 0..64 {
+            let s = SimStorage::new();
+            let f = file(&s, "/d/a");
+            s.sync_dir(Path::new("/d")).unwrap();
+            f.write_all_at(&[0x11; 4 * SECTOR_BYTES], 0).unwrap();
+            f.sync_data().unwrap();
+            f.set_len(SECTOR_BYTES as u64).unwrap();
+            s.crash(CrashMode::Reordered { seed });
+            let after = s.read_file(Path::new("/d/a")).unwrap();
+            assert!(after.len() == SECTOR_BYTES || after.len() == 4 * SECTOR_BYTES, "seed {seed}: {}", after.len());
+            assert!(after.iter().all(|&b| b == 0x11), "seed {seed}: zeros where the old bytes were");
+        }
     }
 
     /// A reordered crash keeps, sector by sector, the new or the old bytes of an
