@@ -122,15 +122,13 @@ pub fn decode_with(
                 values: value.map(|v| vec![v]),
             })
         }
-        other => match accept {
-            Accept::Json => Err(BodyError::UnsupportedMediaType(other.unwrap_or("").to_string())),
-            Accept::Any => Ok(Decoded {
-                events: vec![body],
-                content_type: content_type.map(str::to_string),
-                lines: None,
-                values: None,
-            }),
-        },
+        // Any other type, on a source that takes any (a JSON-only one refused it above).
+        _ => Ok(Decoded {
+            events: vec![body],
+            content_type: content_type.map(str::to_string),
+            lines: None,
+            values: None,
+        }),
     }
 }
 
