@@ -510,6 +510,17 @@ pub async fn read_body(body: Body, max: usize, timeout: Duration) -> Result<Byte
     }
 }
 
+/// The buffer a body in pieces is joined into, once `arrived` bytes came: the whole body
+/// when its framing says what is still to come (`to_come`, hyper's exact hint for a
+/// `Content-Length` body: the rest, not the whole), else twice what came; never past `max`.
+fn joined_capacity(arrived: usize, to_come: Option<u64>, max: usize) -> usize {
+    let whole = match to_come {
+        Some(rest) => arrived.saturating_add(usize::try_from(rest).unwrap_or(usize::MAX)),
+        None => arrived.saturating_mul(2),
+    };
+    whole.min(max)
+}
+
 enum BodyReadError {
     TooLarge,
     Failed(String),
@@ -544,11 +555,8 @@ async fn collect_bounded(mut body: Body, max: usize) -> Result<Bytes, BodyReadEr
                 // What came plus what the framing says is still to come (hyper's hint is
                 // the rest of a `Content-Length` body: the whole body, exactly), or twice
                 // what came for a chunked one; never past `max`.
-                let capacity = match hyper::body::Body::size_hint(&body).exact() {
-                    Some(to_come) => total.saturating_add(usize::try_from(to_come).unwrap_or(usize::MAX)),
-                    None => total.saturating_mul(2),
-                };
-                let mut buf = Vec::with_capacity(capacity.min(max));
+                let to_come = hyper::body::Body::size_hint(&body).exact();
+                let mut buf = Vec::with_capacity(joined_capacity(total, to_come, max));
                 buf.extend_from_slice(&first.take().unwrap_or_default());
                 buf.extend_from_slice(&data);
                 copied = Some(buf);
@@ -778,6 +786,12 @@ mod tests {
         assert!(most_live.load(Ordering::SeqCst) <= 2, "{} blocks alive at once", most_live.load(Ordering::SeqCst));
         assert_eq!(live.load(Ordering::SeqCst), 0, "the answer holds a read block");
 
+        // Joined into a buffer of the whole body when its length is announced (hyper's
+        // hint is what is still to come), never past `max`.
+        assert_eq!(joined_capacity(4, Some(1_048_572), 1 << 20), 1 << 20);
+        assert_eq!(joined_capacity(4, Some(6), 1 << 20), 10);
+        assert_eq!(joined_capacity(4, None, 1 << 20), 8);
+        assert_eq!(joined_capacity(600_000, None, 1 << 20), 1 << 20);
         // A body in pieces is joined in order, a `Content-Length` one or a chunked one.
         for announced in [true, false] {
             let body = Body::new(Pieces { pieces: vec![&b"ab"[..], b"cd", b"efg"], announced });

@@ -113,14 +113,16 @@ pub fn run(settings: Settings, ready_file: Option<PathBuf>) -> ExitCode {
     })
 }
 
-/// Whether the ready file at `path` names a process that is alive (its `pid`, other
-/// than this one, under `/proc`). A file that cannot be read or names no pid is not.
+/// Whether the ready file at `path` names a live process of this same program (its
+/// `pid`, other than this one, running the executable this one runs): a pid reused by
+/// an unrelated process since does not count. A file that cannot be read or names no
+/// pid does not either.
 fn written_by_a_live_process(path: &std::path::Path) -> bool {
     let Ok(text) = std::fs::read_to_string(path) else { return false };
     let Ok(v) = serde_json::from_str::<serde_json::Value>(&text) else { return false };
-    v["pid"]
-        .as_u64()
-        .is_some_and(|pid| pid != u64::from(std::process::id()) && Path::new("/proc").join(pid.to_string()).exists())
+    let Some(pid) = v["pid"].as_u64().filter(|&p| p != u64::from(std::process::id())) else { return false };
+    let runs = std::fs::read_link(Path::new("/proc").join(pid.to_string()).join("exe"));
+    matches!((runs, std::env::current_exe()), (Ok(theirs), Ok(ours)) if theirs == ours)
 }
 
 fn write_ready_file(path: &std::path::Path, running: &daemon::RunningDaemon) -> std::io::Result<()> {

@@ -769,10 +769,25 @@ fn a_ready_file_left_by_an_earlier_run_is_removed_at_start() {
     std::fs::write(&ready, format!(r#"{{"http":"127.0.0.1:1","admin":"127.0.0.1:2","pid":{gone_pid}}}"#)).unwrap();
     assert!(!start().success(), "the start did not fail on the taken address");
     assert!(!ready.exists(), "the earlier run's ready file is still there");
-    // Written by a process that runs (here the test itself, as a daemon would be that
-    // this start finds holding the log): left alone.
-    let live = format!(r#"{{"http":"127.0.0.1:1","admin":"127.0.0.1:2","pid":{}}}"#, std::process::id());
-    std::fs::write(&ready, &live).unwrap();
+    // Written by a process that runs another program (a pid reused since): removed.
+    let other = format!(r#"{{"http":"127.0.0.1:1","admin":"127.0.0.1:2","pid":{}}}"#, std::process::id());
+    std::fs::write(&ready, &other).unwrap();
     assert!(!start().success());
-    assert_eq!(std::fs::read_to_string(&ready).unwrap(), live, "a live daemon's ready file was removed");
+    assert!(!ready.exists(), "a ready file of another program's pid was kept");
+    // Written by a daemon that runs (one this start finds holding the log): left alone.
+    let mut live = Daemon::start(dir.path(), "", SOURCES);
+    let theirs = std::fs::read_to_string(dir.path().join("ready.json")).unwrap();
+    let ready_of_live = dir.path().join("ready.json");
+    let second = Command::new(env!("CARGO_BIN_EXE_iggy-ingest"))
+        .args(["run", "--config"])
+        .arg(dir.path().join("config.toml"))
+        .arg("--ready-file")
+        .arg(&ready_of_live)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .unwrap();
+    assert!(!second.success(), "a second daemon started on a held log");
+    assert_eq!(std::fs::read_to_string(&ready_of_live).unwrap(), theirs, "the live daemon's ready file was removed");
+    live.kill9();
 }
