@@ -101,7 +101,7 @@ pub fn read_cursors_read_only(path: &std::path::Path) -> Result<CursorsSnapshot,
     let db = match redb::ReadOnlyDatabase::open(path) {
         Ok(db) => db,
         Err(redb::DatabaseError::DatabaseAlreadyOpen) => return Ok(CursorsSnapshot::HeldByRunningDaemon),
-        Err(e) => return Err(StateError::Open { path: path.to_path_buf(), detail: e.to_string() }),
+        Err(e) => return Err(crate::state::open_err(path, e)),
     };
     let txn = db.begin_read().map_err(storage_err)?;
     let schema_version = match txn.open_table(META) {

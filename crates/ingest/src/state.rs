@@ -60,7 +60,7 @@ pub enum StateError {
     Malformed(String),
 }
 
-fn open_err(path: &Path, e: impl std::fmt::Display) -> StateError {
+pub(crate) fn open_err(path: &Path, e: impl std::fmt::Display) -> StateError {
     StateError::Open { path: path.to_path_buf(), detail: e.to_string() }
 }
 
@@ -152,7 +152,7 @@ impl StateDb {
         let path = PathBuf::from("(in memory)");
         let db = redb::Builder::new()
             .create_with_backend(redb::backends::InMemoryBackend::new())
-            .map_err(|e| StateError::Open { path: path.clone(), detail: e.to_string() })?;
+            .map_err(|e| open_err(&path, e))?;
         StateDb::checked(db, path, None)
     }
 
@@ -340,8 +340,7 @@ impl StateInventory {
 /// read-only: the file is not written (a database of another build is shown as it is).
 /// Fails if a running daemon holds it.
 pub fn inventory(path: &Path) -> Result<StateInventory, StateError> {
-    let db = redb::ReadOnlyDatabase::open(path)
-        .map_err(|e| StateError::Open { path: path.to_path_buf(), detail: e.to_string() })?;
+    let db = redb::ReadOnlyDatabase::open(path).map_err(|e| open_err(path, e))?;
     inventory_of(&db)
 }
 
@@ -385,7 +384,7 @@ pub enum Migration {
 /// offsets (the next start checks every key against the log's end).
 pub fn migrate(path: &Path) -> Result<Migration, StateError> {
     use crate::idempotency::{META_KEYS_BELOW, META_KEYS_SCOPED_BY_ENDPOINT};
-    let db = Database::open(path).map_err(|e| StateError::Open { path: path.to_path_buf(), detail: e.to_string() })?;
+    let db = Database::open(path).map_err(|e| open_err(path, e))?;
     let txn = db.begin_write().map_err(storage_err)?;
     let found = {
         let meta = txn.open_table(META).map_err(storage_err)?;
@@ -430,7 +429,7 @@ pub fn reset(path: &Path) -> Result<StateInventory, StateError> {
 /// [`reset`], running `before_unlink` while the lock is held and the file not yet
 /// removed (where a concurrent start is tested).
 fn reset_with(path: &Path, before_unlink: impl FnOnce()) -> Result<StateInventory, StateError> {
-    let failed = |e: &dyn std::fmt::Display| StateError::Open { path: path.to_path_buf(), detail: e.to_string() };
+    let failed = |e: &dyn std::fmt::Display| open_err(path, e);
     let db = Database::open(path).map_err(|e| failed(&e))?;
     let inventory = inventory_of(&db)?;
     before_unlink();
