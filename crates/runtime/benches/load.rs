@@ -5,17 +5,24 @@
 //!
 //! - **bare**: a minimal axum server started here that answers 200 without doing
 //!   anything (the ceiling of HTTP handling on this machine);
+//! - **durable floor**: the same kind of axum server, on the daemon's runtime shape (one
+//!   async worker, one writer thread), that answers 200 only after a writer thread wrote
+//!   the body with one `pwrite` per group and one `fdatasync` (group commit into a
+//!   preallocated file in the bench directory), and does nothing else: no envelope, no
+//!   checksum, no metrics, no router. What a durable 200 costs on this machine before
+//!   any of the daemon's own work; not a log (it wraps around its file), a measure;
 //! - **daemon**: the release `iggy-ingest` binary with `wal.sync = "always"`, i.e. every
 //!   200 waited for `fdatasync`;
 //!
-//! in rounds (bare, then daemon, `LOAD_ROUNDS` times), and prints events/s, p50/p99
-//! latency, non-2xx answers and each round's ratio to the baseline as a Markdown table,
-//! then the median ratio. A shared virtual machine's speed drifts from minute to minute;
+//! in rounds (bare, floor, daemon, `LOAD_ROUNDS` times), and prints events/s, p50/p99
+//! latency, non-2xx answers and each round's ratio to the bare server as a Markdown
+//! table, then the median ratio (the daemon's against bare is the figure the target is
+//! set on; `LOAD_FLOOR=0` leaves the floor out). A shared virtual machine's speed drifts from minute to minute;
 //! a ratio taken within one round, and the median over rounds, is what holds still.
 //! Afterwards it checks that the daemon's log took at least as many records (offsets
 //! appended, delivered ones included) as wrk counted 2xx answers.
 //!
-//! Environment: `LOAD_SECS` (default 10), `LOAD_ROUNDS` (3), `LOAD_CONNECTIONS` (64), `LOAD_THREADS` (2),
+//! Environment: `LOAD_SECS` (default 10), `LOAD_ROUNDS` (3), `LOAD_CONNECTIONS` (64), `LOAD_THREADS` (2), `LOAD_FLOOR` (1),
 //! `LOAD_BENCH_DIR` (default: Cargo's target tmp dir; put it on the disk you care about:
 //! on tmpfs `fdatasync` is free and the figures mean nothing).
 
@@ -108,6 +115,83 @@ fn start_bare_server() -> SocketAddr {
     rx.recv().unwrap()
 }
 
+/// The durable floor's file: appends wrap around inside it, so that every sync persists
+/// data pages and no size change, as the daemon's log does with its zeros written ahead.
+const FLOOR_FILE_BYTES: u64 = 256 << 20;
+
+type FloorQueue = std::sync::Mutex<Vec<(axum::body::Bytes, tokio::sync::oneshot::Sender<()>)>>;
+
+/// Starts the durable floor (see the module comment) with its file in `dir`.
+fn start_floor_server(dir: &Path) -> SocketAddr {
+    use std::os::unix::fs::FileExt;
+    use std::sync::{Arc, Condvar};
+    let path = dir.join("floor.bin");
+    let file = std::fs::OpenOptions::new().read(true).write(true).create_new(true).open(&path).unwrap();
+    let zeros = vec![0u8; 1 << 20];
+    for i in 0..FLOOR_FILE_BYTES >> 20 {
+        file.write_all_at(&zeros, i << 20).unwrap();
+    }
+    file.sync_all().unwrap();
+    let queue: Arc<(FloorQueue, Condvar)> = Arc::default();
+    let writer_queue = queue.clone();
+    std::thread::spawn(move || {
+        let (pending, wake) = &*writer_queue;
+        let mut at = 0u64;
+        let mut buf = Vec::with_capacity(1 << 20);
+        loop {
+            let group = {
+                let mut q = pending.lock().unwrap();
+                while q.is_empty() {
+                    q = wake.wait(q).unwrap();
+                }
+                std::mem::take(&mut *q)
+            };
+            buf.clear();
+            for (body, _) in &group {
+                buf.extend_from_slice(&(body.len() as u32).to_le_bytes());
+                buf.extend_from_slice(body);
+            }
+            if at + buf.len() as u64 > FLOOR_FILE_BYTES {
+                at = 0;
+            }
+            file.write_all_at(&buf, at).unwrap();
+            file.sync_data().unwrap();
+            at += buf.len() as u64;
+            for (_, done) in group {
+                let _ = done.send(());
+            }
+        }
+    });
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+        rt.block_on(async move {
+            let append = move |body: axum::body::Bytes| {
+                let queue = queue.clone();
+                async move {
+                    let (done, wait) = tokio::sync::oneshot::channel();
+                    {
+                        let mut q = queue.0.lock().unwrap();
+                        q.push((body, done));
+                        if q.len() == 1 {
+                            queue.1.notify_one();
+                        }
+                    }
+                    match wait.await {
+                        Ok(()) => axum::http::StatusCode::OK,
+                        Err(_) => axum::http::StatusCode::SERVICE_UNAVAILABLE,
+                    }
+                }
+            };
+            let app = axum::Router::new().route("/v1/sources/default", axum::routing::post(append));
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            tx.send(listener.local_addr().unwrap()).unwrap();
+            axum::serve(listener, app).await.unwrap();
+        });
+    });
+    rx.recv().unwrap()
+}
+
 struct DaemonProcess(Child);
 
 impl Drop for DaemonProcess {
@@ -186,16 +270,23 @@ fn main() {
     // (other tenants of its host, frequency) lands on both sides of a round's ratio;
     // the verdict is the median round.
     let bare_addr = start_bare_server();
+    let floor_addr = (env_or("LOAD_FLOOR", 1) != 0).then(|| start_floor_server(dir.path()));
     let (daemon, http, _admin) = start_daemon(dir.path());
     let mut rounds: Vec<(WrkResult, WrkResult)> = Vec::new();
+    let mut floors: Vec<WrkResult> = Vec::new();
     for round in 1..=rounds_wanted {
         let (bare, bare_raw) =
             run_wrk(&format!("http://{bare_addr}/v1/sources/default"), &script, secs, connections, threads);
+        eprintln!("--- round {round}, wrk, bare server ---\n{bare_raw}");
+        if let Some(addr) = floor_addr {
+            let (floor, floor_raw) =
+                run_wrk(&format!("http://{addr}/v1/sources/default"), &script, secs, connections, threads);
+            eprintln!("--- round {round}, wrk, durable floor ---\n{floor_raw}");
+            floors.push(floor);
+        }
         let (durable, durable_raw) =
             run_wrk(&format!("http://{http}/v1/sources/default"), &script, secs, connections, threads);
-        eprintln!(
-            "--- round {round}, wrk, bare server ---\n{bare_raw}\n--- round {round}, wrk, daemon ---\n{durable_raw}"
-        );
+        eprintln!("--- round {round}, wrk, daemon ---\n{durable_raw}");
         rounds.push((bare, durable));
     }
     // Stop the daemon cleanly, then count what its log holds.
@@ -223,6 +314,17 @@ fn main() {
             bare.p99_ms,
             bare.non_2xx
         );
+        if let Some(floor) = floors.get(i) {
+            println!(
+                "| {} | durable floor (group commit + fdatasync, nothing else) | {:.0} | {:.2} ms | {:.2} ms | {} | {:.2} |",
+                i + 1,
+                floor.requests_per_sec,
+                floor.p50_ms,
+                floor.p99_ms,
+                floor.non_2xx,
+                floor.requests_per_sec / bare.requests_per_sec
+            );
+        }
         println!(
             "| {} | iggy-ingest, sync = always | {:.0} | {:.2} ms | {:.2} ms | {} | {ratio:.2} |",
             i + 1,
@@ -245,6 +347,17 @@ fn main() {
         ratios[0],
         ratios[ratios.len() - 1]
     );
+    if !floors.is_empty() {
+        let mut floor_ratios: Vec<f64> =
+            floors.iter().zip(&rounds).map(|(f, (bare, _))| f.requests_per_sec / bare.requests_per_sec).collect();
+        floor_ratios.sort_by(f64::total_cmp);
+        println!(
+            "durable floor: median ratio {:.2} (lowest {:.2}, highest {:.2})",
+            floor_ratios[floor_ratios.len() / 2],
+            floor_ratios[0],
+            floor_ratios[floor_ratios.len() - 1]
+        );
+    }
     println!(
         "{secs} s per run, {connections} keep-alive connections, {threads} wrk threads, 1 KiB JSON events; \
          the daemon's log took {records} records for {requests} requests wrk completed{}",
