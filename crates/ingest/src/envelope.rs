@@ -15,8 +15,11 @@
 //!   share one; random otherwise. Replaying the log sends the same id again.
 //! - Decoding rejects an unknown version instead of guessing.
 
+use std::sync::Arc;
+
 use bytes::Bytes;
-use serde::{Deserialize, Serialize};
+use serde::ser::SerializeSeq;
+use serde::{Deserialize, Serialize, Serializer};
 use sha2::{Digest, Sha256};
 
 /// The version byte written first in every record.
@@ -74,12 +77,107 @@ pub struct EnvelopeHeaderRef<'a> {
     pub source_key: &'a str,
     pub endpoint_id: Option<u128>,
     pub content_type: Option<&'a str>,
-    pub metadata: &'a [(String, String)],
+    pub metadata: MetadataRef<'a>,
     pub headers: &'a [(String, Vec<u8>)],
     pub idempotency_key: Option<&'a str>,
     pub batch_index: u32,
     pub batch_len: u32,
     pub destination: &'a Destination,
+}
+
+/// A metadata value as the door holds it: text it already has (the peer address,
+/// formatted once per connection), or a number, recorded as its decimal text. Either way
+/// the record holds a string, so nothing is formatted into a `String` per request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MetadataValue {
+    Text(Arc<str>),
+    Decimal(u64),
+}
+
+/// The metadata of a header being encoded: an owned header's strings, or the door's
+/// values. Both write the same shape, a list of (name, value) strings.
+#[derive(Debug, Clone, Copy)]
+pub enum MetadataRef<'a> {
+    Strings(&'a [(String, String)]),
+    Values(&'a [(&'static str, MetadataValue)]),
+}
+
+impl MetadataRef<'_> {
+    /// The encoded length of the list (its varint length, then each name and value).
+    fn encoded_len(&self) -> usize {
+        let text = |len: usize| varint_bytes(len as u128) + len;
+        match self {
+            MetadataRef::Strings(pairs) => {
+                varint_bytes(pairs.len() as u128)
+                    + pairs.iter().map(|(n, v)| text(n.len()) + text(v.len())).sum::<usize>()
+            }
+            MetadataRef::Values(pairs) => {
+                varint_bytes(pairs.len() as u128)
+                    + pairs
+                        .iter()
+                        .map(|(n, v)| {
+                            text(n.len())
+                                + text(match v {
+                                    MetadataValue::Text(t) => t.len(),
+                                    MetadataValue::Decimal(d) => itoa::Buffer::new().format(*d).len(),
+                                })
+                        })
+                        .sum::<usize>()
+            }
+        }
+    }
+}
+
+impl Serialize for MetadataRef<'_> {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        match self {
+            MetadataRef::Strings(pairs) => pairs.serialize(serializer),
+            MetadataRef::Values(pairs) => {
+                let mut seq = serializer.serialize_seq(Some(pairs.len()))?;
+                let mut digits = itoa::Buffer::new();
+                for (name, value) in pairs.iter() {
+                    let value: &str = match value {
+                        MetadataValue::Text(t) => t,
+                        MetadataValue::Decimal(d) => digits.format(*d),
+                    };
+                    seq.serialize_element(&(*name, value))?;
+                }
+                seq.end()
+            }
+        }
+    }
+}
+
+impl EnvelopeHeaderRef<'_> {
+    /// The length of this header's postcard encoding, computed without encoding it:
+    /// integers as varints, a string or byte string as its varint length and its bytes, an
+    /// option as a tag byte and its value, a list as its varint length and its elements,
+    /// an enum as its varint variant index and its value.
+    pub fn encoded_len(&self) -> usize {
+        let text = |len: usize| varint_bytes(len as u128) + len;
+        let d = self.destination;
+        varint_bytes(self.message_id)
+            + varint_bytes(self.received_at_unix_ms.into())
+            + text(self.source_key.len())
+            + 1
+            + self.endpoint_id.map_or(0, varint_bytes)
+            + 1
+            + self.content_type.map_or(0, |c| text(c.len()))
+            + self.metadata.encoded_len()
+            + varint_bytes(self.headers.len() as u128)
+            + self.headers.iter().map(|(n, v)| text(n.len()) + text(v.len())).sum::<usize>()
+            + 1
+            + self.idempotency_key.map_or(0, |k| text(k.len()))
+            + varint_bytes(self.batch_index.into())
+            + varint_bytes(self.batch_len.into())
+            + text(d.stream.len())
+            + text(d.topic.len())
+            + match &d.partitioning {
+                Partitioning::Balanced => 1,
+                Partitioning::Key(k) => 1 + text(k.len()),
+                Partitioning::PartitionId(id) => 1 + varint_bytes((*id).into()),
+            }
+    }
 }
 
 impl EnvelopeHeader {
@@ -91,7 +189,7 @@ impl EnvelopeHeader {
             source_key: &self.source_key,
             endpoint_id: self.endpoint_id,
             content_type: self.content_type.as_deref(),
-            metadata: &self.metadata,
+            metadata: MetadataRef::Strings(&self.metadata),
             headers: &self.headers,
             idempotency_key: self.idempotency_key.as_deref(),
             batch_index: self.batch_index,
@@ -125,14 +223,20 @@ impl Envelope {
     }
 
     /// [`Envelope::encode`] from borrowed fields.
+    ///
+    /// The record's buffer is allocated at its exact length, so it is never grown (a
+    /// copy of everything written so far) and becomes `Bytes` without a second
+    /// allocation (`Bytes::from` a `Vec` whose length is its capacity takes it whole).
     pub fn encode_ref(header: &EnvelopeHeaderRef<'_>, payload: &[u8]) -> Bytes {
-        let mut out = Vec::with_capacity(payload.len() + 128);
+        let len = 1 + header.encoded_len() + payload.len();
+        let mut out = Vec::with_capacity(len);
         out.push(ENVELOPE_VERSION);
         // Serializing plain structs of strings, integers and vectors into a Vec cannot fail.
         if let Err(e) = postcard::serialize_with_flavor(header, VecFlavor(&mut out)) {
             unreachable!("postcard into a Vec failed: {e}");
         }
         out.extend_from_slice(payload);
+        debug_assert_eq!(out.len(), len, "encoded_len disagrees with postcard");
         Bytes::from(out)
     }
 
@@ -390,9 +494,33 @@ mod tests {
         for h in variants() {
             let owned = postcard::to_allocvec(&h).unwrap();
             assert_eq!(postcard::to_allocvec(&h.as_ref()).unwrap(), owned, "{h:?}");
+            assert_eq!(h.as_ref().encoded_len(), owned.len(), "{h:?}");
             let record = Envelope::encode_ref(&h.as_ref(), b"p");
+            assert_eq!(record.len(), 1 + owned.len() + 1);
             assert_eq!(&record[1..1 + owned.len()], &owned[..]);
             assert_eq!(Envelope::decode(&record).unwrap().header, h);
+        }
+    }
+
+    /// The door's metadata values write the bytes of the same metadata as strings, and
+    /// `encoded_len` counts them (a number's decimal text included).
+    #[test]
+    fn door_metadata_values_write_the_strings_bytes() {
+        for received_at in [0, 9, 10, 1_700_000_000_123, u64::MAX] {
+            for peer in ["127.0.0.1:5000", "[::1]:9", ""] {
+                let mut h = header();
+                h.metadata =
+                    vec![("peer_addr".into(), peer.into()), ("received_at_unix_ms".into(), received_at.to_string())];
+                let values = [
+                    ("peer_addr", MetadataValue::Text(peer.into())),
+                    ("received_at_unix_ms", MetadataValue::Decimal(received_at)),
+                ];
+                let door = EnvelopeHeaderRef { metadata: MetadataRef::Values(&values), ..h.as_ref() };
+                let owned = postcard::to_allocvec(&h).unwrap();
+                assert_eq!(postcard::to_allocvec(&door).unwrap(), owned, "{received_at} {peer}");
+                assert_eq!(door.encoded_len(), owned.len(), "{received_at} {peer}");
+                assert_eq!(Envelope::decode(&Envelope::encode_ref(&door, b"p")).unwrap().header, h);
+            }
         }
     }
 
@@ -471,6 +599,7 @@ mod tests {
                 },
             };
             let encoded = Envelope::encode(&header, b"");
+            assert_eq!(1 + header.as_ref().encoded_len(), encoded.len(), "multi-byte varints counted");
             assert_eq!(
                 encoded.len(),
                 envelope_max_bytes(key_bytes, &names, &metadata),

@@ -25,7 +25,9 @@ use std::time::Instant;
 use bytes::Bytes;
 use wal::{Wal, WalError};
 
-use crate::envelope::{Destination, Envelope, EnvelopeHeaderRef, message_id_for_delivery, random_message_id};
+use crate::envelope::{
+    Destination, Envelope, EnvelopeHeaderRef, MetadataRef, MetadataValue, message_id_for_delivery, random_message_id,
+};
 use crate::idempotency::{IdempotencyIndex, IdempotencyKey, PriorAcceptance};
 use crate::state::StateError;
 
@@ -42,7 +44,8 @@ pub struct Submission {
     pub source_key: String,
     pub endpoint_id: Option<u128>,
     pub content_type: Option<String>,
-    pub metadata: Vec<(String, String)>,
+    /// Configured metadata, name and value (see [`MetadataValue`]).
+    pub metadata: Vec<(&'static str, MetadataValue)>,
     pub headers: Vec<(String, Vec<u8>)>,
     /// The sender's delivery id, if the request carried one.
     pub delivery_key: Option<String>,
@@ -294,7 +297,7 @@ impl Ingestor {
                 source_key: &s.source_key,
                 endpoint_id: s.endpoint_id,
                 content_type: s.content_type.as_deref(),
-                metadata: &s.metadata,
+                metadata: MetadataRef::Values(&s.metadata),
                 headers: &s.headers,
                 idempotency_key: s.delivery_key.as_deref(),
                 batch_index,

@@ -26,7 +26,9 @@ pub mod time;
 
 pub use cursors::{CursorRow, CursorsSnapshot, read_cursors_read_only};
 pub use endpoints::{EndpointRecord, StoredAuth};
-pub use envelope::{Destination, Envelope, EnvelopeError, EnvelopeHeader, EnvelopeHeaderRef, Partitioning};
+pub use envelope::{
+    Destination, Envelope, EnvelopeError, EnvelopeHeader, EnvelopeHeaderRef, MetadataRef, MetadataValue, Partitioning,
+};
 pub use idempotency::{IdempotencyIndex, IdempotencyKey};
 pub use ingestor::{Accepted, Event, IngestError, Ingestor, Submission};
 pub use state::{SCHEMA_VERSION, StateDb, StateError};
