@@ -474,24 +474,34 @@ struct AcceptedBody {
 }
 
 impl AcceptedBody {
-    fn to_json(&self) -> Vec<u8> {
+    /// Three numbers of at most 20 digits each and the punctuation around them.
+    const JSON_MAX_BYTES: usize = 128;
+
+    /// The JSON, written into a buffer on the stack and copied once into the body's
+    /// `Bytes` (a `Vec` whose length is not its capacity would take a second allocation).
+    fn to_json(&self) -> Bytes {
+        let mut out = [0u8; Self::JSON_MAX_BYTES];
+        let mut len = 0;
+        let mut put = |part: &[u8]| {
+            out[len..len + part.len()].copy_from_slice(part);
+            len += part.len();
+        };
         let mut digits = itoa::Buffer::new();
-        let mut out = Vec::with_capacity(80);
-        out.extend_from_slice(b"{\"accepted\":");
-        out.extend_from_slice(digits.format(self.accepted).as_bytes());
+        put(b"{\"accepted\":");
+        put(digits.format(self.accepted).as_bytes());
         if let Some([first, last]) = self.offsets {
-            out.extend_from_slice(b",\"offsets\":[");
-            out.extend_from_slice(digits.format(first).as_bytes());
-            out.push(b',');
-            out.extend_from_slice(digits.format(last).as_bytes());
-            out.push(b']');
+            put(b",\"offsets\":[");
+            put(digits.format(first).as_bytes());
+            put(b",");
+            put(digits.format(last).as_bytes());
+            put(b"]");
         }
         if let Some(dropped) = self.dropped {
-            out.extend_from_slice(b",\"dropped\":");
-            out.extend_from_slice(digits.format(dropped).as_bytes());
+            put(b",\"dropped\":");
+            put(digits.format(dropped).as_bytes());
         }
-        out.push(b'}');
-        out
+        put(b"}");
+        Bytes::copy_from_slice(&out[..len])
     }
 }
 
@@ -738,7 +748,7 @@ mod tests {
                     let body = AcceptedBody { accepted, offsets, dropped };
                     let expected = serde_json::to_vec(&body).unwrap();
                     assert_eq!(
-                        String::from_utf8(body.to_json()).unwrap(),
+                        String::from_utf8(body.to_json().to_vec()).unwrap(),
                         String::from_utf8(expected.clone()).unwrap()
                     );
                     let resp = body.into_response();
