@@ -5,8 +5,9 @@
 //!
 //! - **bare**: a minimal axum server started here that answers 200 without doing
 //!   anything (the ceiling of HTTP handling on this machine);
-//! - **durable floor**: the same kind of axum server, on the daemon's runtime shape (one
-//!   async worker, one writer thread), that answers 200 only after a writer thread wrote
+//! - **durable floor**: the same kind of axum server, on the daemon's runtime shape (as
+//!   many async workers as the daemon's default, the cores minus one, at least one, and
+//!   one writer thread), that answers 200 only after a writer thread wrote
 //!   the body with one `pwrite` per group and one `fdatasync` (group commit into a
 //!   preallocated file in the bench directory), and does nothing else: no envelope, no
 //!   checksum, no metrics, no router. What a durable 200 costs on this machine before
@@ -14,7 +15,7 @@
 //! - **daemon**: the release `iggy-ingest` binary with `wal.sync = "always"`, i.e. every
 //!   200 waited for `fdatasync`;
 //!
-//! in rounds (bare, floor, daemon, `LOAD_ROUNDS` times), and prints events/s, p50/p99
+//! in rounds (bare, daemon, floor, `LOAD_ROUNDS` times), and prints events/s, p50/p99
 //! latency, non-2xx answers and each round's ratio to the bare server as a Markdown
 //! table, then the median ratio (the daemon's against bare is the figure the target is
 //! set on; `LOAD_FLOOR=0` leaves the floor out). A shared virtual machine's speed drifts from minute to minute;
@@ -154,8 +155,11 @@ fn start_floor_server(dir: &Path) -> SocketAddr {
             if at + buf.len() as u64 > FLOOR_FILE_BYTES {
                 at = 0;
             }
-            file.write_all_at(&buf, at).unwrap();
-            file.sync_data().unwrap();
+            if let Err(e) = file.write_all_at(&buf, at).and_then(|()| file.sync_data()) {
+                // Every request would wait for ever: end the bench with the reason instead.
+                eprintln!("the durable floor cannot write or sync {}: {e}", path.display());
+                std::process::exit(1);
+            }
             at += buf.len() as u64;
             for (_, done) in group {
                 let _ = done.send(());
@@ -164,7 +168,9 @@ fn start_floor_server(dir: &Path) -> SocketAddr {
     });
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
-        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+        // The daemon's default (`runtime.worker_threads = 0`): the cores minus one.
+        let workers = std::thread::available_parallelism().map_or(1, |n| n.get().saturating_sub(1).max(1));
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(workers).enable_all().build().unwrap();
         rt.block_on(async move {
             let append = move |body: axum::body::Bytes| {
                 let queue = queue.clone();
@@ -266,9 +272,9 @@ fn main() {
     )
     .unwrap();
 
-    // Rounds alternate bare and daemon, so that a change in what the machine gives
-    // (other tenants of its host, frequency) lands on both sides of a round's ratio;
-    // the verdict is the median round.
+    // Each round runs bare, then the daemon right after it, then the floor, so that a
+    // change in what the machine gives (other tenants of its host, frequency) lands on
+    // both sides of the target's ratio; the verdict is the median round.
     let bare_addr = start_bare_server();
     let floor_addr = (env_or("LOAD_FLOOR", 1) != 0).then(|| start_floor_server(dir.path()));
     let (daemon, http, _admin) = start_daemon(dir.path());
@@ -278,16 +284,16 @@ fn main() {
         let (bare, bare_raw) =
             run_wrk(&format!("http://{bare_addr}/v1/sources/default"), &script, secs, connections, threads);
         eprintln!("--- round {round}, wrk, bare server ---\n{bare_raw}");
+        let (durable, durable_raw) =
+            run_wrk(&format!("http://{http}/v1/sources/default"), &script, secs, connections, threads);
+        eprintln!("--- round {round}, wrk, daemon ---\n{durable_raw}");
+        rounds.push((bare, durable));
         if let Some(addr) = floor_addr {
             let (floor, floor_raw) =
                 run_wrk(&format!("http://{addr}/v1/sources/default"), &script, secs, connections, threads);
             eprintln!("--- round {round}, wrk, durable floor ---\n{floor_raw}");
             floors.push(floor);
         }
-        let (durable, durable_raw) =
-            run_wrk(&format!("http://{http}/v1/sources/default"), &script, secs, connections, threads);
-        eprintln!("--- round {round}, wrk, daemon ---\n{durable_raw}");
-        rounds.push((bare, durable));
     }
     // Stop the daemon cleanly, then count what its log holds.
     // SAFETY: kill(2) on our own child.
