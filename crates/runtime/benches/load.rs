@@ -17,8 +17,10 @@
 //!
 //! in rounds (bare, daemon, floor, `LOAD_ROUNDS` times), and prints events/s, p50/p99
 //! latency, non-2xx answers and each round's ratio to the bare server as a Markdown
-//! table, then the median ratio (the daemon's against bare is the figure the target is
-//! set on; `LOAD_FLOOR=0` leaves the floor out). A shared virtual machine's speed drifts from minute to minute;
+//! table, then the median ratios: the daemon's against bare (the figure the target is
+//! set on), the floor's against bare, and the daemon's against the floor (what the
+//! daemon's own work costs beside the durable write). `LOAD_FLOOR=0` leaves the floor
+//! out. A shared virtual machine's speed drifts from minute to minute;
 //! a ratio taken within one round, and the median over rounds, is what holds still.
 //! Afterwards it checks that the daemon's log took at least as many records (offsets
 //! appended, delivered ones included) as wrk counted 2xx answers.
@@ -362,6 +364,16 @@ fn main() {
             floor_ratios[floor_ratios.len() / 2],
             floor_ratios[0],
             floor_ratios[floor_ratios.len() - 1]
+        );
+        // What the daemon's own work costs beside the durable write, round by round.
+        let mut of_floor: Vec<f64> =
+            floors.iter().zip(&rounds).map(|(f, (_, d))| d.requests_per_sec / f.requests_per_sec).collect();
+        of_floor.sort_by(f64::total_cmp);
+        println!(
+            "daemon against the durable floor: median ratio {:.2} (lowest {:.2}, highest {:.2})",
+            of_floor[of_floor.len() / 2],
+            of_floor[0],
+            of_floor[of_floor.len() - 1]
         );
     }
     println!(
