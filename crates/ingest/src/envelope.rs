@@ -105,25 +105,18 @@ pub enum MetadataRef<'a> {
 impl MetadataRef<'_> {
     /// The encoded length of the list (its varint length, then each name and value).
     fn encoded_len(&self) -> usize {
-        let text = |len: usize| varint_bytes(len as u128) + len;
         match self {
-            MetadataRef::Strings(pairs) => {
-                varint_bytes(pairs.len() as u128)
-                    + pairs.iter().map(|(n, v)| text(n.len()) + text(v.len())).sum::<usize>()
-            }
-            MetadataRef::Values(pairs) => {
-                varint_bytes(pairs.len() as u128)
-                    + pairs
-                        .iter()
-                        .map(|(n, v)| {
-                            text(n.len())
-                                + text(match v {
-                                    MetadataValue::Text(t) => t.len(),
-                                    MetadataValue::Decimal(d) => itoa::Buffer::new().format(*d).len(),
-                                })
-                        })
-                        .sum::<usize>()
-            }
+            MetadataRef::Strings(pairs) => pairs_bytes(pairs.len(), pairs.iter().map(|(n, v)| (n.len(), v.len()))),
+            MetadataRef::Values(pairs) => pairs_bytes(
+                pairs.len(),
+                pairs.iter().map(|(n, v)| {
+                    let value_len = match v {
+                        MetadataValue::Text(t) => t.len(),
+                        MetadataValue::Decimal(d) => decimal_digits(*d),
+                    };
+                    (n.len(), value_len)
+                }),
+            ),
         }
     }
 }
@@ -154,27 +147,25 @@ impl EnvelopeHeaderRef<'_> {
     /// option as a tag byte and its value, a list as its varint length and its elements,
     /// an enum as its varint variant index and its value.
     pub fn encoded_len(&self) -> usize {
-        let text = |len: usize| varint_bytes(len as u128) + len;
         let d = self.destination;
         varint_bytes(self.message_id)
             + varint_bytes(self.received_at_unix_ms.into())
-            + text(self.source_key.len())
+            + text_bytes(self.source_key.len())
             + 1
             + self.endpoint_id.map_or(0, varint_bytes)
             + 1
-            + self.content_type.map_or(0, |c| text(c.len()))
+            + self.content_type.map_or(0, |c| text_bytes(c.len()))
             + self.metadata.encoded_len()
-            + varint_bytes(self.headers.len() as u128)
-            + self.headers.iter().map(|(n, v)| text(n.len()) + text(v.len())).sum::<usize>()
+            + pairs_bytes(self.headers.len(), self.headers.iter().map(|(n, v)| (n.len(), v.len())))
             + 1
-            + self.idempotency_key.map_or(0, |k| text(k.len()))
+            + self.idempotency_key.map_or(0, |k| text_bytes(k.len()))
             + varint_bytes(self.batch_index.into())
             + varint_bytes(self.batch_len.into())
-            + text(d.stream.len())
-            + text(d.topic.len())
+            + text_bytes(d.stream.len())
+            + text_bytes(d.topic.len())
             + match &d.partitioning {
                 Partitioning::Balanced => 1,
-                Partitioning::Key(k) => 1 + text(k.len()),
+                Partitioning::Key(k) => 1 + text_bytes(k.len()),
                 Partitioning::PartitionId(id) => 1 + varint_bytes((*id).into()),
             }
     }
@@ -399,9 +390,21 @@ fn varint_bytes(n: u128) -> usize {
     bytes
 }
 
-/// The bytes of a postcard string (or byte vector) of at most `len` bytes.
-fn text_max_bytes(len: usize) -> usize {
+/// The bytes of a postcard string (or byte vector) of `len` bytes: its varint length,
+/// then the bytes.
+fn text_bytes(len: usize) -> usize {
     varint_bytes(len as u128) + len
+}
+
+/// The bytes of a postcard list of `count` (name, value) pairs of strings whose lengths
+/// `lens` gives: its varint length, then each name and value.
+fn pairs_bytes(count: usize, lens: impl Iterator<Item = (usize, usize)>) -> usize {
+    varint_bytes(count as u128) + lens.map(|(n, v)| text_bytes(n) + text_bytes(v)).sum::<usize>()
+}
+
+/// The digits of `n` in decimal, as `itoa` writes it.
+fn decimal_digits(n: u64) -> usize {
+    n.checked_ilog10().map_or(1, |log| log as usize + 1)
 }
 
 /// The most bytes a record can hold beside its event: the version byte and an
@@ -417,18 +420,15 @@ pub fn envelope_max_bytes(
     forwarded_name_bytes: &[usize],
     metadata: &[(usize, usize)],
 ) -> usize {
-    let field = text_max_bytes(ENVELOPE_FIELD_MAX_BYTES);
-    let pairs = |pairs: &mut dyn Iterator<Item = (usize, usize)>, count: usize| {
-        varint_bytes(count as u128) + pairs.map(|(n, v)| text_max_bytes(n) + text_max_bytes(v)).sum::<usize>()
-    };
+    let field = text_bytes(ENVELOPE_FIELD_MAX_BYTES);
     1 // ENVELOPE_VERSION
         + varint_bytes(u128::MAX) // message_id
         + varint_bytes(u64::MAX.into()) // received_at_unix_ms
-        + text_max_bytes(source_key_bytes)
+        + text_bytes(source_key_bytes)
         + 1 + varint_bytes(u128::MAX) // endpoint_id
         + 1 + field // content_type
-        + pairs(&mut metadata.iter().copied(), metadata.len())
-        + pairs(&mut forwarded_name_bytes.iter().map(|&n| (n, ENVELOPE_FIELD_MAX_BYTES)), forwarded_name_bytes.len())
+        + pairs_bytes(metadata.len(), metadata.iter().copied())
+        + pairs_bytes(forwarded_name_bytes.len(), forwarded_name_bytes.iter().map(|&n| (n, ENVELOPE_FIELD_MAX_BYTES)))
         + 1 + field // idempotency_key
         + 2 * varint_bytes(u32::MAX.into()) // batch_index, batch_len
         + 2 * field // stream, topic
