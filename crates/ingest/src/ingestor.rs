@@ -123,7 +123,9 @@ pub const RUNNING_ON_MAX_BYTES: u64 = 256 * 1024 * 1024;
 
 /// A submission's share of [`RUNNING_ON_MAX_BYTES`], given back when dropped.
 #[derive(Debug)]
-pub struct Room(#[allow(dead_code)] tokio::sync::OwnedSemaphorePermit);
+pub struct Room {
+    _kib: tokio::sync::OwnedSemaphorePermit,
+}
 
 /// Turns submissions into log records. Cheap to clone.
 #[derive(Clone)]
@@ -172,7 +174,7 @@ impl Ingestor {
             .clone()
             .acquire_many_owned(kib)
             .await
-            .map(Room)
+            .map(|kib| Room { _kib: kib })
             .map_err(|e| IngestError::Internal(format!("the submissions' room is closed: {e}")))
     }
 

@@ -429,14 +429,13 @@ pub fn reset(path: &Path) -> Result<StateInventory, StateError> {
 /// [`reset`], running `before_unlink` while the lock is held and the file not yet
 /// removed (where a concurrent start is tested).
 fn reset_with(path: &Path, before_unlink: impl FnOnce()) -> Result<StateInventory, StateError> {
-    let failed = |e: &dyn std::fmt::Display| open_err(path, e);
-    let db = Database::open(path).map_err(|e| failed(&e))?;
+    let db = Database::open(path).map_err(|e| open_err(path, e))?;
     let inventory = inventory_of(&db)?;
     before_unlink();
-    std::fs::remove_file(path).map_err(|e| failed(&e))?;
+    std::fs::remove_file(path).map_err(|e| open_err(path, e))?;
     drop(db);
     let parent = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    std::fs::File::open(parent).and_then(|d| d.sync_all()).map_err(|e| failed(&e))?;
+    std::fs::File::open(parent).and_then(|d| d.sync_all()).map_err(|e| open_err(path, e))?;
     Ok(inventory)
 }
 

@@ -117,7 +117,7 @@ pub fn run(settings: Settings, ready_file: Option<PathBuf>) -> ExitCode {
 /// `pid`, other than this one, running the executable this one runs): a pid reused by
 /// an unrelated process since does not count. A file that cannot be read or names no
 /// pid does not either.
-fn written_by_a_live_process(path: &std::path::Path) -> bool {
+fn written_by_a_live_process(path: &Path) -> bool {
     let Ok(text) = std::fs::read_to_string(path) else { return false };
     let Ok(v) = serde_json::from_str::<serde_json::Value>(&text) else { return false };
     let Some(pid) = v["pid"].as_u64().filter(|&p| p != u64::from(std::process::id())) else { return false };
@@ -125,7 +125,7 @@ fn written_by_a_live_process(path: &std::path::Path) -> bool {
     matches!((runs, std::env::current_exe()), (Ok(theirs), Ok(ours)) if theirs == ours)
 }
 
-fn write_ready_file(path: &std::path::Path, running: &daemon::RunningDaemon) -> std::io::Result<()> {
+fn write_ready_file(path: &Path, running: &daemon::RunningDaemon) -> std::io::Result<()> {
     let body = serde_json::json!({
         "http": running.http_addr.to_string(),
         "admin": running.admin_addr.to_string(),
