@@ -1303,9 +1303,7 @@ fn reads_again<S, C>(lane: &Lane, ctx: &LaneContext<S, C>) {
 /// once there are `degraded_after_failures` of them, or its breaker is open (it sends
 /// nothing for a cool-down, whatever the count).
 fn failed<S, C>(lane: &Lane, ctx: &LaneContext<S, C>, failures: u32, breaker_open: bool, why: &str) {
-    {
-        lock(&lane.info).consecutive_failures = failures;
-    }
+    lock(&lane.info).consecutive_failures = failures;
     lane.status.record_error(why);
     if failures >= lane.policy.batch.degraded_after_failures {
         degraded(lane, ctx, &format!("{failures} consecutive failures, last: {why}"));
@@ -1326,7 +1324,7 @@ fn progressed<S, C>(lane: &Lane, ctx: &LaneContext<S, C>, why: &str) {
 
 #[cfg(test)]
 mod tests {
-    use super::Gate;
+    use super::*;
 
     /// One step of the lane or of the cursor flusher.
     #[derive(Clone, Copy, Debug)]
@@ -1401,13 +1399,6 @@ mod tests {
         }
         assert_eq!(orders, 924);
     }
-}
-
-#[cfg(test)]
-mod linger_tests {
-    use std::sync::Arc;
-
-    use super::*;
 
     /// A lingering lane is woken once its queue holds what fills the batch, or what the
     /// queue holds at most, by count and by bytes alike. With a queue bounded below a
