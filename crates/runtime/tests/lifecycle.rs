@@ -777,17 +777,8 @@ fn a_ready_file_left_by_an_earlier_run_is_removed_at_start() {
     // Written by a daemon that runs (one this start finds holding the log): left alone.
     let mut live = Daemon::start(dir.path(), "", SOURCES);
     let theirs = std::fs::read_to_string(dir.path().join("ready.json")).unwrap();
-    let ready_of_live = dir.path().join("ready.json");
-    let second = Command::new(env!("CARGO_BIN_EXE_iggy-ingest"))
-        .args(["run", "--config"])
-        .arg(dir.path().join("config.toml"))
-        .arg("--ready-file")
-        .arg(&ready_of_live)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .unwrap();
-    assert!(!second.success(), "a second daemon started on a held log");
-    assert_eq!(std::fs::read_to_string(&ready_of_live).unwrap(), theirs, "the live daemon's ready file was removed");
+    // `start` runs the configuration the live daemon wrote, with its ready file.
+    assert!(!start().success(), "a second daemon started on a held log");
+    assert_eq!(std::fs::read_to_string(&ready).unwrap(), theirs, "the live daemon's ready file was removed");
     live.kill9();
 }
