@@ -82,6 +82,12 @@ fn parse_wrk(out: &str) -> WrkResult {
     r
 }
 
+/// The median, lowest and highest of some ratios (at least one).
+fn spread(mut ratios: Vec<f64>) -> (f64, f64, f64) {
+    ratios.sort_by(f64::total_cmp);
+    (ratios[ratios.len() / 2], ratios[0], ratios[ratios.len() - 1])
+}
+
 fn run_wrk(url: &str, script: &Path, secs: u64, connections: u64, threads: u64) -> (WrkResult, String) {
     let out = Command::new("wrk")
         .args([
@@ -342,38 +348,26 @@ fn main() {
             durable.non_2xx
         );
     }
-    ratios.sort_by(f64::total_cmp);
-    let median = ratios[ratios.len() / 2];
+    let (median, lowest, highest) = spread(ratios);
     let requests: u64 = rounds.iter().map(|(_, d)| d.requests).sum();
     let non_2xx: u64 = rounds.iter().map(|(_, d)| d.non_2xx).sum();
     let worst_p99 = rounds.iter().map(|(_, d)| d.p99_ms).fold(0.0, f64::max);
     let socket_errors: Vec<&str> =
         rounds.iter().map(|(_, d)| d.socket_errors.as_str()).filter(|e| !e.is_empty()).collect();
     println!(
-        "\nmedian ratio {median:.2} over {} rounds (lowest {:.2}, highest {:.2}); daemon p99 at most {worst_p99:.2} ms, {non_2xx} non-2xx",
-        ratios.len(),
-        ratios[0],
-        ratios[ratios.len() - 1]
+        "\nmedian ratio {median:.2} over {} rounds (lowest {lowest:.2}, highest {highest:.2}); daemon p99 at most {worst_p99:.2} ms, {non_2xx} non-2xx",
+        rounds.len(),
     );
     if !floors.is_empty() {
-        let mut floor_ratios: Vec<f64> =
-            floors.iter().zip(&rounds).map(|(f, (bare, _))| f.requests_per_sec / bare.requests_per_sec).collect();
-        floor_ratios.sort_by(f64::total_cmp);
-        println!(
-            "durable floor: median ratio {:.2} (lowest {:.2}, highest {:.2})",
-            floor_ratios[floor_ratios.len() / 2],
-            floor_ratios[0],
-            floor_ratios[floor_ratios.len() - 1]
+        let (median, lowest, highest) = spread(
+            floors.iter().zip(&rounds).map(|(f, (bare, _))| f.requests_per_sec / bare.requests_per_sec).collect(),
         );
+        println!("durable floor: median ratio {median:.2} (lowest {lowest:.2}, highest {highest:.2})");
         // What the daemon's own work costs beside the durable write, round by round.
-        let mut of_floor: Vec<f64> =
-            floors.iter().zip(&rounds).map(|(f, (_, d))| d.requests_per_sec / f.requests_per_sec).collect();
-        of_floor.sort_by(f64::total_cmp);
+        let (median, lowest, highest) =
+            spread(floors.iter().zip(&rounds).map(|(f, (_, d))| d.requests_per_sec / f.requests_per_sec).collect());
         println!(
-            "daemon against the durable floor: median ratio {:.2} (lowest {:.2}, highest {:.2})",
-            of_floor[of_floor.len() / 2],
-            of_floor[0],
-            of_floor[of_floor.len() - 1]
+            "daemon against the durable floor: median ratio {median:.2} (lowest {lowest:.2}, highest {highest:.2})"
         );
     }
     println!(
