@@ -662,6 +662,16 @@ mod tests {
         s.open(Path::new(p), OpenMode::CreateNew).unwrap()
     }
 
+    /// `/d/a` on a fresh disk, its name and `bytes` durable.
+    fn durable_file(bytes: &[u8]) -> (SimStorage, Arc<dyn StorageFile>) {
+        let s = SimStorage::new();
+        let f = file(&s, "/d/a");
+        s.sync_dir(Path::new("/d")).unwrap();
+        f.write_all_at(bytes, 0).unwrap();
+        f.sync_data().unwrap();
+        (s, f)
+    }
+
     #[test]
     fn a_created_directory_survives_a_power_loss_only_once_its_parent_was_synced() {
         let s = SimStorage::new();
@@ -729,11 +739,7 @@ mod tests {
     #[test]
     fn a_reordered_crash_after_a_shrink_keeps_the_old_bytes() {
         for seed in 0..64 {
-            let s = SimStorage::new();
-            let f = file(&s, "/d/a");
-            s.sync_dir(Path::new("/d")).unwrap();
-            f.write_all_at(&[0x11; 4 * SECTOR_BYTES], 0).unwrap();
-            f.sync_data().unwrap();
+            let (s, f) = durable_file(&[0x11; 4 * SECTOR_BYTES]);
             f.set_len(SECTOR_BYTES as u64).unwrap();
             s.crash(CrashMode::Reordered { seed });
             let after = s.read_file(Path::new("/d/a")).unwrap();
@@ -749,11 +755,7 @@ mod tests {
     fn reordered_crashes_keep_old_or_new_sectors_only() {
         let (mut saw_old, mut saw_new) = (false, false);
         for seed in 0..64 {
-            let s = SimStorage::new();
-            let f = file(&s, "/d/a");
-            s.sync_dir(Path::new("/d")).unwrap();
-            f.write_all_at(&[0x11; 4 * SECTOR_BYTES], 0).unwrap();
-            f.sync_data().unwrap();
+            let (s, f) = durable_file(&[0x11; 4 * SECTOR_BYTES]);
             f.write_all_at(&[0x22; 6 * SECTOR_BYTES], 0).unwrap();
             s.crash(CrashMode::Reordered { seed });
             let after = s.read_file(Path::new("/d/a")).unwrap();
@@ -773,12 +775,8 @@ mod tests {
     #[test]
     fn adversarial_crashes_never_touch_durable_bytes() {
         for seed in 0..200 {
-            let s = SimStorage::new();
-            let f = file(&s, "/d/a");
-            s.sync_dir(Path::new("/d")).unwrap();
             let durable: Vec<u8> = (0..1500u32).map(|i| i as u8).collect();
-            f.write_all_at(&durable, 0).unwrap();
-            f.sync_data().unwrap();
+            let (s, f) = durable_file(&durable);
             f.write_all_at(&[0xEE; 3000], 1500).unwrap();
             s.crash(CrashMode::Adversarial { seed });
             let after = s.read_file(Path::new("/d/a")).unwrap();
