@@ -7,6 +7,9 @@
 //!   it, so a load balancer sends traffic elsewhere instead of into 503s. Health asks
 //!   the log itself ([`Health::watch_log`]), so it says so before any request fails,
 //!   also when the failure came from a background sync.
+//! - While the log cannot create its next segment, health is 503 too (`log_unavailable`,
+//!   the code every append then gets); it turns 200 again by itself once the log's
+//!   writer, which keeps trying, has created it.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -24,6 +27,7 @@ pub enum HealthState {
     Accepting,
     Draining,
     LogStopped,
+    LogUnavailable,
 }
 
 impl HealthState {
@@ -32,6 +36,7 @@ impl HealthState {
             HealthState::Accepting => "accepting",
             HealthState::Draining => "draining",
             HealthState::LogStopped => "log_stopped",
+            HealthState::LogUnavailable => "log_unavailable",
         }
     }
 
@@ -56,11 +61,12 @@ impl Health {
 
     pub fn state(&self) -> HealthState {
         if self.is_draining() {
-            HealthState::Draining
-        } else if self.log.get().is_some_and(|wal| !wal.accepts_appends()) {
-            HealthState::LogStopped
-        } else {
-            HealthState::Accepting
+            return HealthState::Draining;
+        }
+        match self.log.get() {
+            Some(wal) if !wal.accepts_appends() => HealthState::LogStopped,
+            Some(wal) if wal.awaits_segment() => HealthState::LogUnavailable,
+            _ => HealthState::Accepting,
         }
     }
 }

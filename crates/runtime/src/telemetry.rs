@@ -69,7 +69,13 @@ pub fn catalog() -> Vec<Metric> {
             "iggy_ingest_wal_storage_errors_total",
             Counter,
             &[],
-            "Failed writes or syncs of the log (the appends they carried failed)",
+            "Failed writes, syncs or segment creations of the log (the appends they carried failed)",
+        ),
+        m(
+            "iggy_ingest_wal_awaiting_segment",
+            Gauge,
+            &[],
+            "1 while the log cannot create its next segment and takes no append (health 503 log_unavailable)",
         ),
         // The door.
         m(

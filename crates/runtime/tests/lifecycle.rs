@@ -516,6 +516,61 @@ async fn a_log_that_stopped_taking_appends_turns_health_503() {
     running.wait().await;
 }
 
+/// When the log cannot create its next segment (here: a directory sits where the new
+/// segment's temporary file must go, which no permission can override), no event can be
+/// taken: health says so on both listeners, every request gets 503 `log_unavailable`, and
+/// once the cause is gone health turns 200 again by itself, with no request to prompt it
+/// (a load balancer that stopped sending waits on exactly that), and events are taken at
+/// the next offset.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_log_that_cannot_create_its_next_segment_turns_health_503_until_it_can() {
+    let dir = tempfile::tempdir().unwrap();
+    let rest = format!(
+        "[wal]\nsegment_max_bytes = 65536\nmax_bytes = 1048576\nrecord_max_bytes = 16384\n\n[router]\nenabled = false\n{SOURCES}"
+    );
+    let text = config_text(dir.path(), "max_body_bytes = 8192", &rest);
+    let settings = config::validate(&config::parse(&text, None).unwrap(), Some(&text), None).unwrap();
+    let running = daemon::start(settings, None).await.unwrap();
+    let (h, admin) = (running.http_addr, running.admin_addr);
+    let log_dir = dir.path().join("data/wal");
+    // Every segment the test can reach, after the first.
+    let blockers: Vec<_> = (1..=64).map(|base| log_dir.join(format!("{base:020}.seg.tmp"))).collect();
+    for b in &blockers {
+        std::fs::create_dir(b).unwrap();
+    }
+    let event = format!("{{\"pad\":\"{}\"}}", "x".repeat(4000));
+    let mut accepted = 0u64;
+    let refused = loop {
+        let a = post_json(h, "/v1/sources/default", &event).await;
+        if a.status != 200 {
+            break a;
+        }
+        accepted += 1;
+        assert!(accepted < 64, "the log never rotated");
+    };
+    assert_eq!((refused.status, refused.json()["error"].as_str()), (503, Some("log_unavailable")));
+    for addr in [h, admin] {
+        let health = request(addr, "GET", "/health", &[], "").await;
+        assert_eq!((health.status, health.json()["status"].as_str()), (503, Some("log_unavailable")));
+    }
+    assert_eq!(post_json(h, "/v1/sources/default", &event).await.status, 503, "still no segment");
+    for b in &blockers {
+        std::fs::remove_dir(b).unwrap();
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut health = request(admin, "GET", "/health", &[], "").await;
+    while health.status != 200 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        health = request(admin, "GET", "/health", &[], "").await;
+    }
+    assert_eq!((health.status, health.json()["status"].as_str()), (200, Some("accepting")));
+    let a = post_json(h, "/v1/sources/default", &event).await;
+    assert_eq!(a.status, 200, "{:?}", a.body);
+    assert_eq!(a.json()["offsets"], serde_json::json!([accepted, accepted]), "a 503 took no offset");
+    running.shutdown();
+    assert!(running.wait().await.is_clean());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connections_are_capped_and_idle_ones_are_closed() {
     let dir = tempfile::tempdir().unwrap();

@@ -279,6 +279,15 @@ impl Wal {
             && !self.shared.poisoned.load(Ordering::Acquire)
     }
 
+    /// True while the active segment is sealed and the writer could not create its
+    /// successor (a storage error: a full disk, a directory it cannot write): every
+    /// append fails until it can. Unlike [`Wal::accepts_appends`] this clears without a
+    /// reopen, once the writer's next try succeeds (before each append, and every second
+    /// with none arriving).
+    pub fn awaits_segment(&self) -> bool {
+        self.shared.awaits_segment.load(Ordering::Acquire)
+    }
+
     /// The first offset readers may ask for.
     pub fn start_offset(&self) -> u64 {
         self.shared.start()

@@ -480,6 +480,7 @@ fn finish(
                 sync: opts.sync,
                 poisoned: None,
                 unsynced_since: None,
+                successor_retry_at: None,
                 buf: Vec::new(),
                 removal_unsynced: false,
                 watermark,

@@ -49,6 +49,9 @@ pub(crate) struct Shared {
     /// Set when the writer thread panicked (a defect): the log is then poisoned and
     /// closed as well.
     pub writer_panicked: AtomicBool,
+    /// Set while the active segment is sealed and the writer could not create its
+    /// successor: no append can be taken until it does.
+    pub awaits_segment: AtomicBool,
 }
 
 impl Shared {
@@ -74,6 +77,7 @@ impl Shared {
             closed: AtomicBool::new(false),
             poisoned: AtomicBool::new(false),
             writer_panicked: AtomicBool::new(false),
+            awaits_segment: AtomicBool::new(false),
         }
     }
 

@@ -36,6 +36,11 @@
 //! - A rotation publishes the new segment in the durable watermark at once (it is
 //!   durable when created), so releasing the sealed one never leaves the watermark
 //!   naming a deleted file.
+//! - A sealed segment whose successor could not be created takes no append until the
+//!   successor exists. The writer says so ([`crate::Wal::awaits_segment`], which health
+//!   reports) and creates it again before every append and, with none arriving, every
+//!   [`SUCCESSOR_RETRY_INTERVAL`]: a load balancer that stopped sending on that health
+//!   gets it back once the cause is gone, with no restart.
 //! - A write that grows the active segment's file also writes zeros after itself
 //!   (`preallocate_bytes`), so the group commits that follow sync no size change. Zeros
 //!   are only ever written past `written_len`; the file is cut back to its frames before
@@ -49,7 +54,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use tokio::sync::{OwnedSemaphorePermit, oneshot};
@@ -63,6 +68,11 @@ use crate::options::SyncPolicy;
 use crate::shared::{SegmentRef, Shared};
 use crate::storage::{OpenMode, Storage};
 use crate::{Appended, CLEAN_MARKER_FILE, Released};
+
+/// How often the writer tries again to create a sealed segment's successor while no
+/// append arrives to try it (each append tries it too). Once a second: a retry is one
+/// small file created and synced, and a load balancer's health probe is rarely faster.
+pub(crate) const SUCCESSOR_RETRY_INTERVAL: Duration = Duration::from_secs(1);
 
 pub(crate) enum Command {
     Append {
@@ -109,6 +119,9 @@ pub(crate) struct Writer {
     pub poisoned: Option<String>,
     /// Under `SyncPolicy::Interval`: when the oldest unsynced write happened.
     pub unsynced_since: Option<Instant>,
+    /// Set while the active segment is sealed and creating its successor failed: when
+    /// to try again with no append waiting.
+    pub successor_retry_at: Option<Instant>,
     pub buf: Vec<u8>,
     /// Set when a segment was removed but the directory sync after it failed: until a
     /// directory sync succeeds, that removal may be undone by a power loss, so no later
@@ -123,24 +136,29 @@ pub(crate) struct Writer {
 impl Writer {
     pub(crate) fn run(mut self, rx: Receiver<Command>) {
         loop {
-            // A due interval sync runs before more commands are taken: `recv_timeout`
-            // returns a queued command even when its deadline has passed, so a queue
-            // that never empties would otherwise hold the sync off for as long as the
+            // Due work runs before more commands are taken: `recv_timeout` returns a
+            // queued command even when its deadline has passed, so a queue that never
+            // empties would otherwise hold a due interval sync off for as long as the
             // load lasts (and with it readers and the power-loss window).
-            if self.sync_deadline().is_some_and(|deadline| deadline <= Instant::now()) {
+            let now = Instant::now();
+            if self.sync_deadline().is_some_and(|deadline| deadline <= now) {
                 self.sync_interval_writes();
             }
-            let first = match self.sync_deadline() {
+            if self.successor_retry_at.is_some_and(|at| at <= now) {
+                self.retry_successor();
+            }
+            let deadline = match (self.sync_deadline(), self.successor_retry_at) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
+            let first = match deadline {
                 None => match rx.recv() {
                     Ok(c) => c,
                     Err(_) => break,
                 },
                 Some(deadline) => match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
                     Ok(c) => c,
-                    Err(RecvTimeoutError::Timeout) => {
-                        self.sync_interval_writes();
-                        continue;
-                    }
+                    Err(RecvTimeoutError::Timeout) => continue,
                     Err(RecvTimeoutError::Disconnected) => break,
                 },
             };
@@ -169,6 +187,20 @@ impl Writer {
         match (self.sync, self.unsynced_since) {
             (SyncPolicy::Interval(d), Some(t)) => Some(t + d),
             _ => None,
+        }
+    }
+
+    /// Creates the sealed active segment's successor, with no append waiting for it.
+    fn retry_successor(&mut self) {
+        self.successor_retry_at = None;
+        if self.poisoned.is_some() || !self.active.sealed.load(Ordering::Acquire) {
+            return;
+        }
+        // A failure is logged and counted, and sets the next retry, in `rotate`.
+        if self.rotate().is_ok()
+            && let Err(e) = self.delete_released()
+        {
+            tracing::warn!(error = %e, "could not delete a released segment after a rotation; the next release tries again");
         }
     }
 
@@ -505,7 +537,26 @@ impl Writer {
             self.sync_active().map_err(|e| self.fail_rotation(e))?;
             self.active.sealed.store(true, Ordering::Release);
         }
-        let seg = create_segment(&*self.shared.storage, &self.shared.dir, self.next_offset, 0)?;
+        let seg = match create_segment(&*self.shared.storage, &self.shared.dir, self.next_offset, 0) {
+            Ok(seg) => seg,
+            Err(e) => {
+                metrics::counter!("iggy_ingest_wal_storage_errors_total").increment(1);
+                if self.successor_retry_at.is_none() && !self.shared.awaits_segment.load(Ordering::Acquire) {
+                    tracing::error!(error = %e, "could not create the next log segment; no append is taken until it exists, trying again every second");
+                } else {
+                    tracing::warn!(error = %e, "could not create the next log segment yet");
+                }
+                self.shared.awaits_segment.store(true, Ordering::Release);
+                metrics::gauge!("iggy_ingest_wal_awaiting_segment").set(1.0);
+                self.successor_retry_at = Some(Instant::now() + SUCCESSOR_RETRY_INTERVAL);
+                return Err(e);
+            }
+        };
+        if self.shared.awaits_segment.swap(false, Ordering::AcqRel) {
+            metrics::gauge!("iggy_ingest_wal_awaiting_segment").set(0.0);
+            tracing::info!(segment = %seg.path.display(), "created the next log segment; appends are taken again");
+        }
+        self.successor_retry_at = None;
         self.shared.used_bytes.fetch_add(SEGMENT_HEADER_LEN, Ordering::AcqRel);
         self.shared.segments_mut().push(seg.clone());
         metrics::gauge!("iggy_ingest_wal_segments").set(self.shared.segments().len() as f64);

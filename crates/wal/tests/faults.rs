@@ -570,3 +570,55 @@ fn under_interval_a_failed_final_sync_fails_the_close_and_says_what_may_be_lost(
     assert!(!wal.open_report().clean_shutdown);
     assert_eq!(wal.next_offset(), 0);
 }
+
+/// A rotation seals the active segment, then creates its successor. When that creation
+/// fails and keeps failing (a directory that turned read-only, a full disk), no append
+/// can be taken: the log says so (`awaits_segment`, which the daemon's health reports),
+/// takes no offset for the appends it fails, and keeps trying with no append arriving,
+/// so that once the cause is gone the successor exists before the next append comes
+/// (a load balancer stopped sending on that health, and is waiting for it to clear).
+#[test]
+fn a_successor_that_cannot_be_created_is_created_by_the_writer_once_it_can() {
+    let sim = SimStorage::new();
+    // No zeros written ahead, so the seal cuts nothing and the first namespace change of
+    // the rotation is the successor's creation.
+    let wal = open(&sim, WalOptions { preallocate_bytes: 0, ..small_options() });
+    append_tagged(&wal, 0..3, 1000);
+    assert!(!wal.awaits_segment());
+    for _ in 0..100 {
+        sim.fail_nth(FaultOp::Metadata, 1, ErrorKind::PermissionDenied);
+    }
+    rt().block_on(async {
+        // Does not fit beside the three: a rotation, whose successor is refused.
+        for tag in 3..5 {
+            let e = wal.append(vec![payload(tag, 1000)]).await.unwrap_err();
+            assert!(e.to_string().contains("simulated fault"), "{e}");
+            assert!(wal.awaits_segment(), "a log that can take no append says it accepts them");
+            assert!(wal.accepts_appends(), "nothing is lost or poisoned: a reopen is not needed");
+        }
+    });
+    assert_eq!(segment_files(&sim, &dir()).len(), 1);
+    // With no append arriving, the writer tries again by itself.
+    let armed = sim.armed_faults();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while sim.armed_faults() == armed && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    assert!(sim.armed_faults() < armed, "the writer did not try again with no append waiting");
+    assert!(wal.awaits_segment());
+    // The cause goes away: the successor is created before any append asks for it.
+    sim.disarm();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while wal.awaits_segment() && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    assert!(!wal.awaits_segment(), "the successor was never created");
+    assert_eq!(segment_files(&sim, &dir()).len(), 2);
+    // The failed appends took no offsets.
+    let a = rt().block_on(wal.append(vec![payload(5, 1000)])).unwrap();
+    assert_eq!(a.first_offset, 3);
+    drop(wal);
+    let wal = open(&sim, small_options());
+    let tags: Vec<u64> = read_all(&wal, 0).iter().map(|r| tag_of(&r.payload)).collect();
+    assert_eq!(tags, vec![0, 1, 2, 5]);
+}
