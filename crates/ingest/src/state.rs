@@ -91,9 +91,14 @@ impl StateDb {
     /// Opens (creating if needed, see [`create_whole`]) the database at `path` and checks
     /// its schema version.
     pub fn open(path: impl AsRef<Path>) -> Result<StateDb, StateError> {
-        StateDb::opened(path.as_ref().to_path_buf(), Arc::new(wal::storage::FsStorage), |p| {
-            Database::create(p).map_err(|e| e.to_string())
-        })
+        StateDb::opened(
+            path.as_ref().to_path_buf(),
+            Arc::new(wal::storage::FsStorage),
+            |p| Database::create(p).map_err(|e| e.to_string()),
+            // Never `create` at the final name: a file gone from under the daemon (a
+            // reset, by hand) must fail the open, not be set up again in place.
+            |p| Database::open(p).map_err(|e| e.to_string()),
+        )
     }
 
     /// [`StateDb::open`] on another storage of the log's storage layer (the simulated
@@ -101,25 +106,31 @@ impl StateDb {
     /// [`StorageFileBackend`](crate::state_storage::StorageFileBackend).
     pub fn open_on(storage: Arc<dyn Storage>, path: impl AsRef<Path>) -> Result<StateDb, StateError> {
         let files = storage.clone();
-        StateDb::opened(path.as_ref().to_path_buf(), storage, move |p| {
+        // `ReadWrite` opens an existing file only: a file gone from under the daemon
+        // fails the open here too.
+        let open_at = move |p: &Path| {
             let file = files.open(p, OpenMode::ReadWrite).map_err(|e| e.to_string())?;
             redb::Builder::new()
                 .create_with_backend(crate::state_storage::StorageFileBackend::new(file))
                 .map_err(|e| e.to_string())
-        })
+        };
+        let create_at = open_at.clone();
+        StateDb::opened(path.as_ref().to_path_buf(), storage, create_at, open_at)
     }
 
-    /// The database at `path` on `storage`, created whole if missing, opened by `open_at`
-    /// (which opens an existing file, or sets up an empty one), once its schema version
-    /// checks; kept to open it again after an I/O error.
+    /// The database at `path` on `storage`, created whole if missing (set up by
+    /// `create_at` in an empty file under a temporary name), opened by `open_at` (which
+    /// opens an existing database only), once its schema version checks; kept to open
+    /// it again after an I/O error.
     fn opened(
         path: PathBuf,
         storage: Arc<dyn Storage>,
+        create_at: impl Fn(&Path) -> Result<Database, String> + Send + Sync + 'static,
         open_at: impl Fn(&Path) -> Result<Database, String> + Send + Sync + 'static,
     ) -> Result<StateDb, StateError> {
         let p = path.clone();
         let open = move || {
-            create_whole(&*storage, &p, &open_at)?;
+            create_whole(&*storage, &p, &create_at)?;
             open_at(&p).map_err(|e| open_err(&p, e))
         };
         let db = open()?;
@@ -278,7 +289,7 @@ impl StateDb {
 fn create_whole(
     storage: &dyn Storage,
     path: &Path,
-    open_at: &dyn Fn(&Path) -> Result<Database, String>,
+    create_at: &dyn Fn(&Path) -> Result<Database, String>,
 ) -> Result<(), StateError> {
     let io = |e: std::io::Error| open_err(path, e);
     let parent = match path.parent() {
@@ -299,7 +310,7 @@ fn create_whole(
         Err(e) => return Err(io(e)),
     }
     storage.open(&init, OpenMode::CreateNew).map_err(io)?;
-    let db = open_at(&init).map_err(|e| open_err(&init, e))?;
+    let db = create_at(&init).map_err(|e| open_err(&init, e))?;
     drop(StateDb::checked(db, init.clone(), None)?);
     storage.rename(&init, path).map_err(io)?;
     storage.sync_dir(parent).map_err(io)

@@ -651,9 +651,14 @@ pub struct Settings {
     pub delivery: crate::delivery::DeliverySettings,
 }
 
+/// The log's directory under `storage.data_dir`. Its lock (`wal::LOCK_FILE`) is the
+/// daemon's: taken before the state database is opened, held while the daemon runs, and
+/// taken by every command that changes the state database.
+pub const WAL_DIR_NAME: &str = "wal";
+
 impl Settings {
     pub fn wal_dir(&self) -> PathBuf {
-        self.data_dir.join("wal")
+        self.data_dir.join(WAL_DIR_NAME)
     }
     pub fn state_path(&self) -> PathBuf {
         self.data_dir.join("state.redb")

@@ -149,6 +149,17 @@ fn state_command(command: StateCommand) -> ExitCode {
         );
         return ExitCode::from(2);
     }
+    // A command that changes the database first locks out the daemon (and keeps it out
+    // until done), so that neither a running one nor one starting meanwhile can meet a
+    // database being deleted or migrated.
+    let changes = matches!(command, StateCommand::Migrate { .. }) || (reset && yes);
+    let _daemon_locked_out = match changes.then(|| lock_out_the_daemon(data_dir)).transpose() {
+        Ok(lock) => lock,
+        Err(why) => {
+            eprintln!("iggy-ingest: {why} (nothing was changed)");
+            return ExitCode::FAILURE;
+        }
+    };
     if let StateCommand::Migrate { .. } = command {
         return state_migrate(&path);
     }
@@ -171,6 +182,25 @@ fn state_command(command: StateCommand) -> ExitCode {
         _ => {}
     }
     ExitCode::SUCCESS
+}
+
+/// Takes the lock of the log in `data_dir`, which the daemon takes at start before it
+/// opens the state database and holds for as long as it runs. redb's own lock on the
+/// database is not enough: a running daemon lets go of it while it reopens the database
+/// after an I/O error, and a daemon starting beside a reset could create a new database
+/// in place of the one the reset deletes.
+fn lock_out_the_daemon(data_dir: &std::path::Path) -> Result<Box<dyn Send + Sync>, String> {
+    use wal::storage::Storage;
+    let wal_dir = data_dir.join(config::WAL_DIR_NAME);
+    let fs = wal::storage::FsStorage;
+    wal::storage::create_dir_all_durably(&fs, &wal_dir).map_err(|e| format!("{}: {e}", wal_dir.display()))?;
+    let lock = wal_dir.join(wal::LOCK_FILE);
+    fs.try_lock(&lock).map_err(|e| match e.kind() {
+        std::io::ErrorKind::WouldBlock => {
+            format!("a daemon runs on {} (its log {} is locked); stop it first", data_dir.display(), wal_dir.display())
+        }
+        _ => format!("{}: {e}", lock.display()),
+    })
 }
 
 /// `state migrate` of the database at `path`: exit 0 migrated or already current, 1

@@ -640,6 +640,40 @@ fn a_state_database_of_another_schema_version_refuses_to_start_until_reset() {
     assert!(d.stop().success());
 }
 
+/// `state reset --yes` and `state migrate` take the daemon's lock (its log's) before
+/// they change the database. redb's lock on the database alone leaves two windows: a
+/// running daemon lets go of it while it reopens the database after an I/O error, and a
+/// daemon starting beside a reset can create a new database in place of the one being
+/// deleted. Here the log is held, the database closed: what a daemon in either window
+/// looks like. Both commands refuse, changing nothing; once the log is free they work.
+#[test]
+fn state_commands_that_change_the_database_refuse_while_a_daemon_holds_the_log() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    std::fs::create_dir_all(&data).unwrap();
+    ingest::StateDb::open(data.join("state.redb")).unwrap().force_schema_version(1).unwrap();
+    let before = std::fs::read(data.join("state.redb")).unwrap();
+    let cli = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_iggy-ingest")).args(args).arg("--data-dir").arg(&data).output().unwrap()
+    };
+    let held = wal::Wal::open(data.join("wal"), wal::WalOptions::default()).unwrap();
+    for args in [&["state", "reset", "--yes"][..], &["state", "migrate"][..]] {
+        let out = cli(args);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {}", String::from_utf8_lossy(&out.stdout));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("a daemon runs on") && err.contains("nothing was changed"), "{args:?}: {err}");
+        assert_eq!(std::fs::read(data.join("state.redb")).unwrap(), before, "{args:?} changed the database");
+    }
+    // Reading changes nothing, and needs no lock.
+    assert!(cli(&["state", "show"]).status.success());
+    drop(held);
+    let migrated = cli(&["state", "migrate"]);
+    assert!(migrated.status.success(), "{}", String::from_utf8_lossy(&migrated.stderr));
+    let reset = cli(&["state", "reset", "--yes"]);
+    assert!(reset.status.success(), "{}", String::from_utf8_lossy(&reset.stderr));
+    assert!(!data.join("state.redb").exists());
+}
+
 /// A database of an older schema version refuses to start and names the way forward;
 /// `state migrate` moves it, saying what it discards, and the daemon starts on it, its
 /// endpoints kept. Migrating again changes nothing; no database is a command-line error.
