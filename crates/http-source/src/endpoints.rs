@@ -188,9 +188,12 @@ pub fn generate_secret(scheme: &str) -> String {
 pub struct EndpointRegistry {
     state: Arc<StateDb>,
     sources: Vec<String>,
-    /// The largest `tolerance_secs` a registration may ask for: half the delivery ids'
-    /// retention ([`EndpointRegistry::with_tolerance_secs_max`]).
+    /// The largest `tolerance_secs` a registration for one of `keyed_sources` may ask
+    /// for: half the delivery ids' retention
+    /// ([`EndpointRegistry::with_tolerance_secs_max`]).
     tolerance_secs_max: u64,
+    /// The sources that keep delivery ids: only their replays must find one.
+    keyed_sources: Vec<String>,
     endpoints: RwLock<HashMap<u128, Arc<EndpointVersion>>>,
     changes: tokio::sync::Mutex<()>,
     next_version: AtomicU64,
@@ -241,22 +244,27 @@ impl EndpointRegistry {
             state,
             sources,
             tolerance_secs_max: u64::MAX,
+            keyed_sources: Vec::new(),
             endpoints: RwLock::new(map),
             changes: tokio::sync::Mutex::new(()),
             next_version,
         })
     }
 
-    /// Bounds the `tolerance_secs` of registrations to `max` (the daemon passes half of
-    /// `idempotency.retention_secs`): a request replayed within its signature's tolerance
-    /// must still find its delivery id, or it is appended again. A stored endpoint over
-    /// the bound (the retention was lowered since) keeps working, with a warning.
-    pub fn with_tolerance_secs_max(mut self, max: u64) -> EndpointRegistry {
+    /// Bounds the `tolerance_secs` of registrations for `keyed_sources` (those that keep
+    /// delivery ids) to `max` (the daemon passes half of `idempotency.retention_secs`): a
+    /// request replayed within its signature's tolerance must still find its delivery
+    /// id, or it is appended again. A source that keeps no delivery ids has no replay to
+    /// answer, and any tolerance. A stored endpoint over the bound (the retention was
+    /// lowered since) keeps working, with a warning.
+    pub fn with_tolerance_secs_max(mut self, max: u64, keyed_sources: Vec<String>) -> EndpointRegistry {
         self.tolerance_secs_max = max;
+        self.keyed_sources = keyed_sources;
         for current in self.endpoints.read().unwrap_or_else(|p| p.into_inner()).values() {
             let e = &current.endpoint;
             if let Some(t) = e.auth.tolerance_secs()
                 && t > max
+                && self.keyed_sources.contains(&e.source_key)
                 && e.dynamic
                 && e.revoked_at_unix_ms.is_none()
             {
@@ -369,6 +377,7 @@ impl EndpointRegistry {
         let scheme = scheme_from_request(&auth).map_err(EndpointError::InvalidAuth)?;
         if let Some(t) = scheme.tolerance_secs()
             && t > self.tolerance_secs_max
+            && self.keyed_sources.contains(&source_key)
         {
             return Err(EndpointError::InvalidAuth(format!(
                 "tolerance_secs: {t} is more than {} (half of idempotency.retention_secs): a request replayed late in its tolerance would no longer find its delivery id and be appended again",
@@ -620,13 +629,16 @@ mod tests {
     }
 
     /// A registration may not ask for a signature tolerance longer than half the
-    /// delivery ids' retention, the default of 300 s included.
+    /// delivery ids' retention, the default of 300 s included, when its source keeps
+    /// delivery ids; one whose source keeps none may (it has no replay to answer).
     #[tokio::test]
     async fn a_registration_s_tolerance_is_bounded_by_the_retention() {
         let dir = tempfile::tempdir().unwrap();
         let state = Arc::new(StateDb::open(dir.path().join("s.redb")).unwrap());
         let reg = Arc::new(
-            EndpointRegistry::load(state, vec!["default".into()], vec![]).unwrap().with_tolerance_secs_max(200),
+            EndpointRegistry::load(state, vec!["default".into(), "unkeyed".into()], vec![])
+                .unwrap()
+                .with_tolerance_secs_max(200, vec!["default".into()]),
         );
         let stripe = |tolerance_secs| StoredAuth {
             scheme: "stripe".into(),
@@ -644,6 +656,11 @@ mod tests {
         assert!(reg.list(10).is_empty(), "a refused registration was kept");
         reg.register("default".into(), stripe(Some(200)), None, None, 10).await.unwrap();
         reg.register("default".into(), bearer(), None, None, 10).await.unwrap();
+        for tolerance in [None, Some(201), Some(3600)] {
+            reg.register("unkeyed".into(), stripe(tolerance), None, None, 10)
+                .await
+                .unwrap_or_else(|e| panic!("{tolerance:?} for a source without delivery ids: {e}"));
+        }
     }
 
     /// Registrations are bounded, and tombstones count: they are never removed (a

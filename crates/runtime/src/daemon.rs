@@ -194,7 +194,10 @@ pub async fn start(mut settings: Settings, metrics: Option<PrometheusHandle>) ->
     let source_keys: Vec<String> = settings.sources.iter().map(|s| s.key.clone()).collect();
     let endpoints = Arc::new(
         EndpointRegistry::load(state.clone(), source_keys.clone(), settings.endpoints.clone())?
-            .with_tolerance_secs_max(settings.idempotency_retention.as_secs() / 2),
+            .with_tolerance_secs_max(
+                settings.idempotency_retention.as_secs() / 2,
+                settings.sources.iter().filter(|s| s.idempotency).map(|s| s.key.clone()).collect(),
+            ),
     );
     let status = Arc::new(StatusBoard::new(source_keys));
     let health = Arc::new(Health::default());
