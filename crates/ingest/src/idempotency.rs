@@ -55,10 +55,10 @@
 //!   above every recorded key's last offset, in every committed state of the database.
 //! - Keys recorded before keys were scoped by endpoint cannot be told apart: a request
 //!   through an endpoint was recorded in its source's named-path scope. Once per
-//!   database, before the first rebuild that scopes keys, those of sources that have
-//!   endpoints are forgotten ([`IdempotencyIndex::forget_unscoped_keys_once`]), so none
-//!   of them can answer a named-path request with another delivery's offsets; a retry
-//!   of such a delivery is appended again (a duplicate, never a loss).
+//!   database, before the first rebuild that scopes keys, all of them are forgotten
+//!   ([`IdempotencyIndex::forget_unscoped_keys_once`]), so none can answer a named-path
+//!   request with another delivery's offsets; a retry of such a delivery is appended
+//!   again (a duplicate, never a loss).
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -391,20 +391,20 @@ impl IdempotencyIndex {
         *owed = Some(owed.map_or(offset, |first| first.min(offset)));
     }
 
-    /// Once per database (a durable marker says it was done): forgets the keys recorded,
-    /// before keys were scoped by endpoint, for `sources_with_endpoints` (every source
-    /// that has, or had, a secret-path endpoint). Such a key may have been recorded by a
-    /// request through an endpoint, yet it sits in the named path's scope, where it could
-    /// answer a named-path request carrying the same delivery id with another delivery's
-    /// offsets (a 200 for an event never stored); forgetting it can at worst let a retry
-    /// be appended again. Keys of other sources are kept. Call before
-    /// [`IdempotencyIndex::rebuild`], which restores the keys of the records it re-reads
-    /// in their scoped form. Returns how many keys were forgotten.
-    pub fn forget_unscoped_keys_once(&self, sources_with_endpoints: &[String]) -> Result<u64, StateError> {
+    /// Once per database (a durable marker says it was done): forgets every key recorded
+    /// before keys were scoped by endpoint, of every source. Such a key may have been
+    /// recorded by a request through an endpoint, yet it sits in the named path's scope,
+    /// where it could answer a named-path request carrying the same delivery id with
+    /// another delivery's offsets (a 200 for an event never stored); forgetting it can at
+    /// worst let a retry be appended again. Which sources had endpoints cannot be told:
+    /// a static endpoint removed from the configuration leaves no trace in the database.
+    /// Call before [`IdempotencyIndex::rebuild`], which restores the keys of the records
+    /// it re-reads in their scoped form. Returns how many keys were forgotten.
+    pub fn forget_unscoped_keys_once(&self) -> Result<u64, StateError> {
         let db = self.state.db()?;
         let mut txn = db.begin_write().map_err(storage_err)?;
         txn.set_durability(Durability::Immediate).map_err(|e| StateError::Storage(e.to_string()))?;
-        let mut forgotten = 0u64;
+        let forgotten;
         {
             let mut meta = txn.open_table(META).map_err(storage_err)?;
             if meta.get(META_KEYS_SCOPED_BY_ENDPOINT).map_err(storage_err)?.is_some() {
@@ -412,25 +412,21 @@ impl IdempotencyIndex {
             }
             let mut table = txn.open_table(IDEMPOTENCY).map_err(storage_err)?;
             let mut by_time = txn.open_table(IDEMPOTENCY_BY_TIME).map_err(storage_err)?;
-            for source in sources_with_endpoints {
-                // Every key of the source lies in [source 0x00, source 0x01); a named-path
-                // key holds no second 0x00 (see `IdempotencyKey::table_key`).
-                let from = [source.as_bytes(), &[0]].concat();
-                let below = [source.as_bytes(), &[1]].concat();
-                let mut unscoped: Vec<(Vec<u8>, u64)> = Vec::new();
-                for entry in table.range::<&[u8]>(from.as_slice()..below.as_slice()).map_err(storage_err)? {
-                    let (k, v) = entry.map_err(storage_err)?;
-                    let key = k.value();
-                    if !key[from.len()..].contains(&0) {
-                        unscoped.push((key.to_vec(), v.value().2));
-                    }
+            // A named-path key holds one 0x00, an endpoint's two (see
+            // `IdempotencyKey::table_key`).
+            let mut unscoped: Vec<(Vec<u8>, u64)> = Vec::new();
+            for entry in table.iter().map_err(storage_err)? {
+                let (k, v) = entry.map_err(storage_err)?;
+                let key = k.value();
+                if key.iter().filter(|&&b| b == 0).count() == 1 {
+                    unscoped.push((key.to_vec(), v.value().2));
                 }
-                for (key, accepted_at) in &unscoped {
-                    table.remove(key.as_slice()).map_err(storage_err)?;
-                    by_time.remove((*accepted_at, key.as_slice())).map_err(storage_err)?;
-                }
-                forgotten += unscoped.len() as u64;
             }
+            for (key, accepted_at) in &unscoped {
+                table.remove(key.as_slice()).map_err(storage_err)?;
+                by_time.remove((*accepted_at, key.as_slice())).map_err(storage_err)?;
+            }
+            forgotten = unscoped.len() as u64;
             meta.insert(META_KEYS_SCOPED_BY_ENDPOINT, 1).map_err(storage_err)?;
         }
         txn.commit().map_err(storage_err)?;
@@ -910,7 +906,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn keys_from_before_endpoint_scoping_are_forgotten_once_for_sources_with_endpoints_only() {
+    async fn keys_from_before_endpoint_scoping_are_forgotten_once_for_every_source() {
         let dir = tempfile::tempdir().unwrap();
         let state = Arc::new(StateDb::open(dir.path().join("s.redb")).unwrap());
         let index = Arc::new(IdempotencyIndex::new(state, 60_000));
@@ -925,18 +921,20 @@ mod tests {
             let c = index.claim(key).await.unwrap();
             index.record(&c, prior).await.unwrap();
         }
-        assert_eq!(index.forget_unscoped_keys_once(&["mixed".into()]).unwrap(), 2);
+        assert_eq!(index.forget_unscoped_keys_once().unwrap(), 4);
         assert_eq!(index.lookup(&mixed(None, "d"), 10_500).unwrap(), None);
         assert_eq!(index.lookup(&mixed(None, "e"), 10_500).unwrap(), None);
         assert_eq!(index.lookup(&mixed(Some(7), "d"), 10_500).unwrap(), Some(prior), "a scoped key is kept");
-        assert_eq!(index.lookup(&plain, 10_500).unwrap(), Some(prior), "a source without endpoints keeps its keys");
-        assert_eq!(index.lookup(&neighbour, 10_500).unwrap(), Some(prior));
+        // A source with no endpoint now may have had a static one, removed from the
+        // configuration before the upgrade: nothing in the database says so.
+        assert_eq!(index.lookup(&plain, 10_500).unwrap(), None, "a source without endpoints now");
+        assert_eq!(index.lookup(&neighbour, 10_500).unwrap(), None);
 
         // Once: keys recorded after the first run are the scoped kind and stay.
         let c = index.claim(&mixed(None, "f")).await.unwrap();
         index.record(&c, prior).await.unwrap();
         drop(c);
-        assert_eq!(index.forget_unscoped_keys_once(&["mixed".into()]).unwrap(), 0);
+        assert_eq!(index.forget_unscoped_keys_once().unwrap(), 0);
         assert_eq!(index.lookup(&mixed(None, "f"), 10_500).unwrap(), Some(prior));
         // The time index lost the forgotten keys too: a sweep of everything passes.
         let wal_dir = tempfile::tempdir().unwrap();
@@ -961,7 +959,7 @@ mod tests {
         {
             let state = Arc::new(StateDb::open(&path).unwrap());
             let index = IdempotencyIndex::new(state.clone(), 60_000);
-            assert_eq!(index.forget_unscoped_keys_once(&["s".into()]).unwrap(), 0);
+            assert_eq!(index.forget_unscoped_keys_once().unwrap(), 0);
             // What a version 1 build does with an endpoint request's id "d": it records it
             // in the source's scope, the named path's.
             let db = state.db().unwrap();
@@ -976,7 +974,7 @@ mod tests {
         );
         assert!(matches!(crate::state::migrate(&path).unwrap(), crate::state::Migration::Migrated { from: 1, .. }));
         let index = IdempotencyIndex::new(Arc::new(StateDb::open(&path).unwrap()), 60_000);
-        assert_eq!(index.forget_unscoped_keys_once(&["s".into()]).unwrap(), 1);
+        assert_eq!(index.forget_unscoped_keys_once().unwrap(), 1);
         assert_eq!(index.lookup(&named, 10_500).unwrap(), None, "the named path would answer with another delivery");
     }
 

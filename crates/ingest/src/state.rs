@@ -391,7 +391,7 @@ pub enum Migration {
 /// 1 → 2: the facts a build of version 1 could have made untrue are dropped, so the next
 /// start establishes them again from what the database holds: the mark that the keys
 /// recorded in a source's scope by endpoint requests were sorted out (they are forgotten
-/// again, for every source that has or had an endpoint), and the bound on recorded keys'
+/// again, for every source), and the bound on recorded keys'
 /// offsets (the next start checks every key against the log's end).
 pub fn migrate(path: &Path) -> Result<Migration, StateError> {
     use crate::idempotency::{META_KEYS_BELOW, META_KEYS_SCOPED_BY_ENDPOINT};
@@ -414,7 +414,7 @@ pub fn migrate(path: &Path) -> Result<Migration, StateError> {
             Ok(Migration::Migrated {
                 from: 1,
                 discarded: vec![
-                    "the mark that delivery ids recorded in a source's scope by endpoint requests were sorted out: the next start forgets them again, for every source that has or had an endpoint (a retry of one of those deliveries is appended again)",
+                    "the mark that delivery ids recorded in a source's scope by endpoint requests were sorted out: the next start forgets every delivery id recorded in a source's scope again, for every source (a retry of one of those deliveries is appended again)",
                     "the bound on recorded delivery ids' offsets: the next start checks every id against the log's end",
                 ],
             })

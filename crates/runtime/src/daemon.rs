@@ -3,8 +3,8 @@
 //! Start order: fetch the routes' `mapping_url`s (a failure refuses the start before
 //! anything is opened), open the log (taking its lock), open the state database (checking its
 //! schema version), rebuild the idempotency keys the last checkpoint missed (the first
-//! time on a database from before keys were scoped by endpoint, after forgetting the
-//! unscoped keys of sources with endpoints), load the endpoints, bind both listeners;
+//! time on a database from before keys were scoped by endpoint, after forgetting
+//! every unscoped key), load the endpoints, bind both listeners;
 //! only then serve.
 //!
 //! Shutdown order (SIGTERM/SIGINT, [`RunningDaemon::shutdown`], or a task the daemon
@@ -169,19 +169,14 @@ pub async fn start(mut settings: Settings, metrics: Option<PrometheusHandle>) ->
     let state = Arc::new(state);
     let idempotency = Arc::new(IdempotencyIndex::new(state.clone(), settings.idempotency_retention.as_millis() as u64));
     let rebuilt = {
-        let (idem, wal, state) = (idempotency.clone(), wal.clone(), state.clone());
-        let mut sources_with_endpoints: Vec<String> = settings.endpoints.iter().map(|e| e.source_key.clone()).collect();
+        let (idem, wal) = (idempotency.clone(), wal.clone());
         tokio::task::spawn_blocking(move || {
             // Before the rebuild, which restores the keys it re-reads in their scoped form.
-            sources_with_endpoints.extend(state.load_endpoints()?.into_iter().map(|r| r.source_key));
-            sources_with_endpoints.sort();
-            sources_with_endpoints.dedup();
-            let forgotten = idem.forget_unscoped_keys_once(&sources_with_endpoints)?;
+            let forgotten = idem.forget_unscoped_keys_once()?;
             if forgotten > 0 {
                 tracing::warn!(
                     forgotten,
-                    sources = ?sources_with_endpoints,
-                    "delivery ids recorded before they were scoped by endpoint were forgotten for sources with endpoints; a retry of one of those deliveries is appended again"
+                    "delivery ids recorded before they were scoped by endpoint were forgotten; a retry of one of those deliveries is appended again"
                 );
             }
             idem.rebuild(&wal, ingest::time::now_unix_ms())
