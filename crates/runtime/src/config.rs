@@ -960,8 +960,8 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
         // records: a wrong path would pass every check and never deliver.
         if !config.iggy.tls {
             c.err(&iggy.key("tls_ca_file"), "is not used unless iggy.tls = true");
-        } else if let Err(e) = std::fs::File::open(ca) {
-            c.err(&iggy.key("tls_ca_file"), format!("{ca:?} cannot be read: {e}"));
+        } else if let Some(problem) = ca_file_problem(ca) {
+            c.err(&iggy.key("tls_ca_file"), problem);
         }
     }
 
@@ -1616,6 +1616,37 @@ fn read(path: &std::path::Path) -> Result<String, ConfigErrors> {
     })
 }
 
+/// What is wrong with the CA file at `path`, read as the Iggy client reads it when it
+/// connects (each PEM certificate in it added to an empty set of roots), or `None`. A
+/// file without a certificate passes that read, and every connection would then fail to
+/// verify the server: it is a problem too.
+fn ca_file_problem(path: &str) -> Option<String> {
+    use rustls::pki_types::CertificateDer;
+    use rustls::pki_types::pem::PemObject;
+    let certs = match CertificateDer::pem_file_iter(path) {
+        Ok(certs) => certs,
+        Err(e) => return Some(format!("{path:?} cannot be read: {e}")),
+    };
+    let mut roots = rustls::RootCertStore::empty();
+    for (i, cert) in certs.enumerate() {
+        let n = i + 1;
+        let added = match cert {
+            Ok(cert) => {
+                roots.add(cert).map_err(|e| format!("{path:?}: certificate {n} is not a usable CA certificate: {e}"))
+            }
+            Err(e) => Err(format!("{path:?}: certificate {n} is not valid PEM: {e}")),
+        };
+        if let Err(problem) = added {
+            return Some(problem);
+        }
+    }
+    roots.is_empty().then(|| {
+        format!(
+            "{path:?} holds no PEM certificate (-----BEGIN CERTIFICATE-----): no server could be verified against it"
+        )
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -2231,12 +2262,46 @@ mapping_url = "https://example.com/m.json"
         assert!(e[0].message.contains("cannot be read"), "{}", e[0].message);
         let e = errors(&text("tls_ca_file = \"/nonexistent/ca.pem\""));
         assert!(e[0].message.contains("not used unless iggy.tls = true"), "{}", e[0].message);
+        // Its content too, as the client will read it: a file the client would turn into
+        // no roots, or refuse, fails here, naming the problem.
         let dir = tempfile::tempdir().unwrap();
         let ca = dir.path().join("ca.pem");
-        std::fs::write(&ca, "-----BEGIN CERTIFICATE-----\n").unwrap();
-        let t = text(&format!("tls = true\ntls_ca_file = {:?}", ca.display().to_string()));
-        assert!(validate(&parse(&t, None).unwrap(), Some(&t), None).is_ok());
+        let with_ca = |content: &str| {
+            std::fs::write(&ca, content).unwrap();
+            let t = text(&format!("tls = true\ntls_ca_file = {:?}", ca.display().to_string()));
+            validate(&parse(&t, None).unwrap(), Some(&t), None).map(|_| ())
+        };
+        with_ca(TEST_CA_PEM).unwrap();
+        with_ca(&format!("{TEST_CA_PEM}{TEST_CA_PEM}")).unwrap();
+        let garbage = TEST_CA_PEM.replace("MIIBlDCC", "AAAAAAAA");
+        for (content, says) in [
+            ("", "holds no PEM certificate"),
+            ("-----BEGIN PRIVATE KEY-----\nAAAA\n-----END PRIVATE KEY-----\n", "holds no PEM certificate"),
+            ("-----BEGIN CERTIFICATE-----\n", "certificate 1 is not valid PEM"),
+            (garbage.as_str(), "certificate 1 is not a usable CA certificate"),
+        ] {
+            let e = match with_ca(content) {
+                Err(ConfigErrors { errors, .. }) => errors,
+                Ok(()) => panic!("{content:?} passed"),
+            };
+            assert_eq!((e.len(), e[0].path.as_str()), (1, "iggy.tls_ca_file"), "{e:?}");
+            assert!(e[0].message.contains(says), "{content:?}: {}", e[0].message);
+        }
     }
+
+    /// A CA certificate (self-signed, P-256, valid until 2126) for the checks above.
+    const TEST_CA_PEM: &str = "-----BEGIN CERTIFICATE-----
+MIIBlDCCATmgAwIBAgIUUfUtsD3xztALss4Z2FRFdpBRBlYwCgYIKoZIzj0EAwIw
+HjEcMBoGA1UEAwwTaWdneS1pbmdlc3QgdGVzdCBDQTAgFw0yNjEyMDIxNTU2NDda
+GA8yMTI2MTEwODE1NTY0N1owHjEcMBoGA1UEAwwTaWdneS1pbmdlc3QgdGVzdCBD
+QTBZMBMGByqGSM49AgEGCCqGSM49AwEHA0IABOf1dDaBHHrif+CeSCmPxxcJzG51
+oy4/Jf0/g+tbh5Y/HalVNkuQdG5eiz0akuV007zcTXsP78we1Xv7YZs7HTqjUzBR
+MB0GA1UdDgQWBBRYq30DHj4qNWveiDLPiz9un1LzdDAfBgNVHSMEGDAWgBRYq30D
+Hj4qNWveiDLPiz9un1LzdDAPBgNVHRMBAf8EBTADAQH/MAoGCCqGSM49BAMCA0kA
+MEYCIQDdANBkmDQFww9i5RQhvNuKwA5ZH2xt1JEZsFIszbXCTAIhAOm7dqPjNHJ+
+bBtPhzVL3fJI+53KVnAh3DIZNmANmTYN
+-----END CERTIFICATE-----
+";
 
     /// A secret of the wrong type (a number left unquoted) is refused at its key without
     /// repeating it: the message would otherwise go to the terminal and the journal.
