@@ -560,6 +560,58 @@ fn line_of(text: &str, byte: usize) -> usize {
     text.as_bytes()[..byte.min(text.len())].iter().filter(|&&b| b == b'\n').count() + 1
 }
 
+/// The key path of the line holding `byte`, read off the text of a document that did
+/// not parse: the last table header above it (an array of tables with its index among
+/// the headers of that name), then the header or the dotted key on the line itself.
+/// Empty when the line is neither a header nor a key's assignment (an unclosed header,
+/// say), rather than name a table the problem is not in. A line within a multi-line
+/// string is read as what it looks like.
+fn key_path_at(text: &str, byte: usize) -> String {
+    /// `[name]` → (`name`, false), `[[name]]` → (`name`, true).
+    fn header(line: &str) -> Option<(String, bool)> {
+        let l = line.trim();
+        let (inner, array) = match l.strip_prefix("[[") {
+            Some(rest) => (rest.split_once("]]")?.0, true),
+            None => (l.strip_prefix('[')?.split_once(']')?.0, false),
+        };
+        Some((dotted(inner), array))
+    }
+    /// A dotted key with the spaces around its dots and the quotes of its parts gone.
+    fn dotted(key: &str) -> String {
+        key.split('.').map(|part| part.trim().trim_matches(|c| c == '"' || c == '\'')).collect::<Vec<_>>().join(".")
+    }
+    let byte = byte.min(text.len());
+    let start = text[..byte].rfind('\n').map_or(0, |i| i + 1);
+    let end = text[start..].find('\n').map_or(text.len(), |i| start + i);
+    let mut table = String::new();
+    let mut arrays: BTreeMap<String, usize> = BTreeMap::new();
+    let mut enter = |(name, array): (String, bool)| {
+        if array {
+            let n = arrays.entry(name.clone()).or_insert(0);
+            *n += 1;
+            format!("{name}[{}]", *n - 1)
+        } else {
+            name
+        }
+    };
+    for line in text[..start].lines() {
+        if let Some(h) = header(line) {
+            table = enter(h);
+        }
+    }
+    let line = &text[start..end];
+    if let Some(h) = header(line) {
+        return enter(h);
+    }
+    let Some((key, _)) = line.split_once('=').filter(|(k, _)| !k.trim().is_empty() && !k.contains(['[', '#'])) else {
+        return String::new();
+    };
+    match (table.is_empty(), dotted(key)) {
+        (true, key) => key,
+        (false, key) => format!("{table}.{key}"),
+    }
+}
+
 /// Finds the line of the deepest part of `path` present in the document.
 fn locate(text: Option<&str>, path: &KeyPath) -> Option<usize> {
     let text = text?;
@@ -588,10 +640,11 @@ pub fn parse(text: &str, file: Option<PathBuf>) -> Result<Config, ConfigErrors> 
     let de = match toml::de::Deserializer::parse(text) {
         Ok(d) => d,
         Err(e) => {
-            let line = e.span().map(|s| line_of(text, s.start));
+            let at = e.span().map(|s| s.start);
+            let (path, line) = (at.map(|b| key_path_at(text, b)).unwrap_or_default(), at.map(|b| line_of(text, b)));
             return Err(ConfigErrors {
                 file,
-                errors: vec![ConfigError { path: String::new(), line, message: e.message().to_string() }],
+                errors: vec![ConfigError { path, line, message: e.message().to_string() }],
             });
         }
     };
@@ -1769,6 +1822,38 @@ mod tests {
             Ok(_) => panic!("expected errors"),
             Err(e) => e.errors,
         }
+    }
+
+    /// A document that does not parse has no key path from the parser: the error names
+    /// the one its line shows (the table above it and the key on it), never a table the
+    /// problem is not in, and never a value.
+    #[test]
+    fn a_syntax_error_names_the_key_path_its_line_shows() {
+        let cases = [
+            ("[http]\nlisten = \"127.0.0.1:1\"\nlisten = \"127.0.0.1:2\"\n", 3, "http.listen"),
+            ("[http]\nmax_body_bytes = 1 2\n", 2, "http.max_body_bytes"),
+            ("[http]\n\n[sources.a]\n\"accept\" = \"json\"\naccept = \"any\"\n", 5, "sources.a.accept"),
+            (
+                "[[sources.a.endpoints]]\nid = \"1\"\n[[ sources.a.endpoints ]]\nid = \"2\"\nid = \"3\"\n",
+                5,
+                "sources.a.endpoints[1].id",
+            ),
+            ("[http]\n[http]\n", 2, "http"),
+            ("[sources.a.endpoints]\n[[sources.a.endpoints]]\n", 2, "sources.a.endpoints[0]"),
+            ("log = { level = \"info\" \n", 1, "log"),
+            ("[http]\nlisten = \"x\"\n[sources.a\nkey = 1\n", 3, ""),
+            ("[http]\n= 5\n", 2, ""),
+        ];
+        for (text, line, path) in cases {
+            let e = match parse(text, None) {
+                Err(e) => e.errors,
+                Ok(_) => panic!("{text:?} parsed"),
+            };
+            assert_eq!((e.len(), e[0].line, e[0].path.as_str()), (1, Some(line), path), "{text:?}: {e:?}");
+        }
+        let e = parse("[iggy]\npassword = \"hunter2\" x\n", None).unwrap_err();
+        assert_eq!(e.errors[0].path, "iggy.password");
+        assert!(!e.to_string().contains("hunter2"), "{e}");
     }
 
     #[test]
