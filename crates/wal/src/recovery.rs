@@ -374,10 +374,22 @@ fn open_bounded(
             })
         })
         .collect();
+    // A sealed tail gets its successor now. If that fails (a full disk, say), the log
+    // opens anyway, waiting for it as after a rotation whose successor failed: the
+    // writer tries again every second, and a daemon that could not start could not
+    // deliver what the log holds either, which is what frees the disk.
+    let mut successor_failed = None;
     if tail_sealed && !read_only {
-        segs.push(create_segment(&*storage, &dir, next_offset, 0)?);
+        match create_segment(&*storage, &dir, next_offset, 0) {
+            Ok(seg) => segs.push(seg),
+            Err(e) => successor_failed = Some(e),
+        }
     }
-    Ok(finish(storage, dir, opts, segs, next_offset, lock, report))
+    let mut opened = finish(storage, dir, opts, segs, next_offset, lock, report);
+    if let (Some(e), Some(writer)) = (successor_failed, opened.writer.as_mut()) {
+        writer.await_segment(&e);
+    }
+    Ok(opened)
 }
 
 /// The offsets below each segment flagged `GAP_BEFORE` that the log does not hold: from

@@ -540,15 +540,7 @@ impl Writer {
         let seg = match create_segment(&*self.shared.storage, &self.shared.dir, self.next_offset, 0) {
             Ok(seg) => seg,
             Err(e) => {
-                metrics::counter!("iggy_ingest_wal_storage_errors_total").increment(1);
-                if self.successor_retry_at.is_none() && !self.shared.awaits_segment.load(Ordering::Acquire) {
-                    tracing::error!(error = %e, "could not create the next log segment; no append is taken until it exists, trying again every second");
-                } else {
-                    tracing::warn!(error = %e, "could not create the next log segment yet");
-                }
-                self.shared.awaits_segment.store(true, Ordering::Release);
-                metrics::gauge!("iggy_ingest_wal_awaiting_segment").set(1.0);
-                self.successor_retry_at = Some(Instant::now() + SUCCESSOR_RETRY_INTERVAL);
+                self.await_segment(&e);
                 return Err(e);
             }
         };
@@ -569,6 +561,21 @@ impl Writer {
         // watermark naming a deleted file until the next sync.
         self.publish_watermark();
         Ok(())
+    }
+
+    /// Creating the sealed active segment's successor failed with `e`: no append can be
+    /// taken until it exists. The first failure is logged and counted as a storage error;
+    /// the tries after it (every second, and for every append) only at debug level, the
+    /// waiting itself being in health and in `iggy_ingest_wal_awaiting_segment`.
+    pub(crate) fn await_segment(&mut self, e: &WalError) {
+        if !self.shared.awaits_segment.swap(true, Ordering::AcqRel) {
+            metrics::counter!("iggy_ingest_wal_storage_errors_total").increment(1);
+            metrics::gauge!("iggy_ingest_wal_awaiting_segment").set(1.0);
+            tracing::error!(error = %e, "could not create the next log segment; no append is taken until it exists, trying again every second");
+        } else {
+            tracing::debug!(error = %e, "could not create the next log segment yet");
+        }
+        self.successor_retry_at = Some(Instant::now() + SUCCESSOR_RETRY_INTERVAL);
     }
 
     fn fail_rotation(&mut self, e: std::io::Error) -> WalError {

@@ -622,3 +622,41 @@ fn a_successor_that_cannot_be_created_is_created_by_the_writer_once_it_can() {
     let tags: Vec<u64> = read_all(&wal, 0).iter().map(|r| tag_of(&r.payload)).collect();
     assert_eq!(tags, vec![0, 1, 2, 5]);
 }
+
+/// A power loss between a seal and its successor's creation leaves a log whose tail is
+/// sealed, and the open creates the successor. When it cannot (the disk full), the log
+/// opens anyway and waits for it, as a running one does: a daemon that could not start
+/// could not deliver what its log holds either, which is what would free the disk.
+#[test]
+fn a_log_whose_sealed_tail_cannot_get_its_successor_opens_and_waits_for_it() {
+    let sim = SimStorage::new();
+    let opts = WalOptions { preallocate_bytes: 0, ..small_options() };
+    let wal = open(&sim, opts.clone());
+    append_tagged(&wal, 0..3, 1000);
+    for _ in 0..100 {
+        sim.fail_nth(FaultOp::Metadata, 1, ErrorKind::PermissionDenied);
+    }
+    // The rotation seals the tail (synced), then fails to create the successor.
+    assert!(rt().block_on(wal.append(vec![payload(3, 1000)])).is_err());
+    assert!(wal.awaits_segment());
+    sim.crash(CrashMode::LoseUnsynced);
+    drop(wal);
+    sim.disarm();
+    // No room for one more byte: the successor's header cannot be written.
+    sim.set_space_limit(Some(sim.used_bytes()));
+    let wal = try_open(&sim, opts.clone()).unwrap_or_else(|e| panic!("a full disk kept the log from opening: {e}"));
+    assert!(wal.awaits_segment());
+    assert_eq!(segment_files(&sim, &dir()).len(), 1);
+    let tags: Vec<u64> = read_all(&wal, 0).iter().map(|r| tag_of(&r.payload)).collect();
+    assert_eq!(tags, vec![0, 1, 2], "what the log held is readable (and deliverable) meanwhile");
+    let e = rt().block_on(wal.append(vec![payload(4, 100)])).unwrap_err();
+    assert!(matches!(e, wal::WalError::Io { .. }), "{e}");
+    // Space returns: the writer creates the successor by itself.
+    sim.set_space_limit(None);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while wal.awaits_segment() && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    assert!(!wal.awaits_segment(), "the successor was never created");
+    assert_eq!(rt().block_on(wal.append(vec![payload(5, 100)])).unwrap().first_offset, 3);
+}
