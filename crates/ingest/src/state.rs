@@ -128,11 +128,12 @@ impl StateDb {
         create_at: impl Fn(&Path) -> Result<Database, String> + Send + Sync + 'static,
         open_at: impl Fn(&Path) -> Result<Database, String> + Send + Sync + 'static,
     ) -> Result<StateDb, StateError> {
+        create_whole(&*storage, &path, &create_at)?;
+        // A reopen (after an I/O error) opens the same file, never a new one: a database
+        // gone from under the daemon fails it (and every operation after it) rather than
+        // be replaced by an empty one, which would drop every key and endpoint unsaid.
         let p = path.clone();
-        let open = move || {
-            create_whole(&*storage, &p, &create_at)?;
-            open_at(&p).map_err(|e| open_err(&p, e))
-        };
+        let open = move || open_at(&p).map_err(|e| open_err(&p, e));
         let db = open()?;
         StateDb::checked(db, path, Some(Box::new(open)))
     }
@@ -562,6 +563,27 @@ mod tests {
             }
         }
         assert!(!p.exists(), "the reset left the file");
+    }
+
+    /// After an I/O error the database is reopened in place. If its file is gone by then
+    /// (deleted by hand under the daemon), the reopen fails and keeps failing: setting up
+    /// an empty database in its place would drop every delivery id and endpoint unsaid.
+    #[test]
+    fn a_reopen_never_sets_up_a_database_in_place_of_one_deleted() {
+        use wal::storage::{FaultOp, SimStorage};
+        let sim = SimStorage::new();
+        let storage: Arc<dyn Storage> = Arc::new(sim.clone());
+        let dir = Path::new("/sim/data");
+        wal::storage::create_dir_all_durably(&*storage, dir).unwrap();
+        let p = dir.join("state.redb");
+        let db = StateDb::open_on(storage.clone(), &p).unwrap();
+        sim.fail_nth(FaultOp::Write, 1, std::io::ErrorKind::Other);
+        assert!(db.force_schema_version(SCHEMA_VERSION).is_err(), "the write fault did not fail the commit");
+        storage.remove_file(&p).unwrap();
+        storage.sync_dir(dir).unwrap();
+        assert!(db.reopen_if_failed().is_err(), "a reopen set up a new database");
+        assert!(db.reopen_if_failed().is_err());
+        assert!(sim.list_dir(dir).unwrap().is_empty(), "{:?}", sim.list_dir(dir));
     }
 
     #[test]
