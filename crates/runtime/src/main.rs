@@ -190,17 +190,30 @@ fn state_command(command: StateCommand) -> ExitCode {
 /// after an I/O error, and a daemon starting beside a reset could create a new database
 /// in place of the one the reset deletes.
 fn lock_out_the_daemon(data_dir: &std::path::Path) -> Result<Box<dyn Send + Sync>, String> {
+    use std::os::unix::fs::MetadataExt;
     use wal::storage::Storage;
     let wal_dir = data_dir.join(config::WAL_DIR_NAME);
+    let lock = wal_dir.join(wal::LOCK_FILE);
+    let (dir_existed, lock_existed) = (wal_dir.exists(), lock.exists());
     let fs = wal::storage::FsStorage;
     wal::storage::create_dir_all_durably(&fs, &wal_dir).map_err(|e| format!("{}: {e}", wal_dir.display()))?;
-    let lock = wal_dir.join(wal::LOCK_FILE);
-    fs.try_lock(&lock).map_err(|e| match e.kind() {
+    let held = fs.try_lock(&lock).map_err(|e| match e.kind() {
         std::io::ErrorKind::WouldBlock => {
             format!("a daemon runs on {} (its log {} is locked); stop it first", data_dir.display(), wal_dir.display())
         }
         _ => format!("{}: {e}", lock.display()),
-    })
+    })?;
+    // What this made belongs to whoever owns the data directory (the daemon's user),
+    // not to whoever ran the command (root, say): else the daemon could not take its
+    // own lock, or write its log, at its next start.
+    let owner = std::fs::metadata(data_dir).map_err(|e| format!("{}: {e}", data_dir.display()))?;
+    for (made, path) in [(!dir_existed, &wal_dir), (!lock_existed, &lock)] {
+        if made {
+            std::os::unix::fs::chown(path, Some(owner.uid()), Some(owner.gid()))
+                .map_err(|e| format!("{}: giving it the data directory's owner: {e}", path.display()))?;
+        }
+    }
+    Ok(held)
 }
 
 /// `state migrate` of the database at `path`: exit 0 migrated or already current, 1

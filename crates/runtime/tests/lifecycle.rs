@@ -672,6 +672,23 @@ fn state_commands_that_change_the_database_refuse_while_a_daemon_holds_the_log()
     let reset = cli(&["state", "reset", "--yes"]);
     assert!(reset.status.success(), "{}", String::from_utf8_lossy(&reset.stderr));
     assert!(!data.join("state.redb").exists());
+
+    // Where the command has to make the log's directory to lock it, what it makes is the
+    // data directory owner's (the daemon's user), not the caller's.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("not root: the ownership of what the lock makes is not checked");
+        return;
+    }
+    use std::os::unix::fs::MetadataExt;
+    std::fs::remove_dir_all(data.join("wal")).unwrap();
+    ingest::StateDb::open(data.join("state.redb")).unwrap();
+    std::os::unix::fs::chown(&data, Some(54321), Some(54322)).unwrap();
+    let reset = cli(&["state", "reset", "--yes"]);
+    assert!(reset.status.success(), "{}", String::from_utf8_lossy(&reset.stderr));
+    for made in [data.join("wal"), data.join("wal").join(wal::LOCK_FILE)] {
+        let m = std::fs::metadata(&made).unwrap();
+        assert_eq!((m.uid(), m.gid()), (54321, 54322), "{}", made.display());
+    }
 }
 
 /// A database of an older schema version refuses to start and names the way forward;
