@@ -17,6 +17,11 @@
 //! - A record of a destination the operator gave up (`Policies::given_up`) is dropped
 //!   and counted before any lane is made for it: it never pins the log, is never sent,
 //!   and a dead-letter lane re-reading the log passes over it.
+//! - A record this build cannot decode holds the log, and no lane's stored cursor passes
+//!   it ([`Dispatcher::undecodable_from`]): it names no destination, so it may be any
+//!   lane's, and a build that can read it (a rollback, then forward again) would
+//!   otherwise find it below its lane's cursor and skip it as delivered. The records
+//!   delivered after it are sent again after a restart, with the same ids.
 //! - A record the cap refuses that lies below its own destination's cursor at start was
 //!   delivered before the restart (the admitted set is built again at each start, so a
 //!   destination admitted then may be refused now): it is passed over, neither counted,
@@ -73,6 +78,9 @@ pub(crate) struct Dispatcher<S, C> {
     /// The lowest offset held because it could not be admitted (`on_admission_failure =
     /// error`, or a record this build cannot decode), pinning the log below it.
     pub held_from: Arc<AtomicU64>,
+    /// The lowest offset held because this build cannot decode it: it names no
+    /// destination, so it may be any lane's, and no stored cursor may pass it.
+    pub undecodable_from: Arc<AtomicU64>,
     /// Lane tasks, so a shutdown can wait for every one of them.
     pub lane_tasks: LaneTasks,
     /// The lane the previous record went to (lanes are never removed while running),
@@ -262,6 +270,7 @@ impl<S: Sink, C: CursorStore> Dispatcher<S, C> {
         tracing::error!(offset, error = %e, "undecodable record held in the log");
         metrics::counter!("iggy_connector_destinations_rejected_total", "connector_key" => "unknown", "reason" => "malformed")
             .increment(1);
+        self.undecodable_from.fetch_min(offset, Ordering::AcqRel);
         self.hold_from(offset);
     }
 

@@ -299,10 +299,12 @@ impl Router {
             let health = health.clone();
             move || health.task_panicked(task)
         };
+        let undecodable_from = Arc::new(AtomicU64::new(u64::MAX));
         let flusher = spawn_task(
             cursor_flush_loop(
                 lanes.clone(),
                 cursors.clone(),
+                undecodable_from.clone(),
                 cursor_dirty.clone(),
                 delivered.clone(),
                 health.clone(),
@@ -331,6 +333,7 @@ impl Router {
             cursors_at_start,
             ctx,
             held_from: held_from.clone(),
+            undecodable_from,
             last_lane: None,
             given_up_logged: HashSet::new(),
         };
@@ -582,6 +585,7 @@ async fn release_loop<C: CursorStore>(
 async fn cursor_flush_loop<C: CursorStore>(
     lanes: Lanes,
     cursors: Arc<C>,
+    undecodable_from: Arc<AtomicU64>,
     dirty: Arc<Notify>,
     delivered: Arc<Notify>,
     health: Arc<RouterHealth>,
@@ -594,10 +598,12 @@ async fn cursor_flush_loop<C: CursorStore>(
             _ = stop.changed() => true,
         };
         let snapshot: Vec<(Arc<Lane>, u64)> = {
+            // No cursor passes a record held as undecodable (see `Dispatcher`).
+            let ceiling = undecodable_from.load(Ordering::Acquire);
             let l = lanes.read().unwrap_or_else(|p| p.into_inner());
             l.values()
                 .filter_map(|lane| {
-                    let acked = lane.gate().acked_below();
+                    let acked = lane.gate().acked_below().min(ceiling);
                     (acked > lane.delivered_below.load(Ordering::Acquire)).then(|| (lane.clone(), acked))
                 })
                 .collect()

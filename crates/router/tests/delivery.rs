@@ -727,3 +727,27 @@ async fn a_lane_catching_up_on_a_long_backlog_lets_the_other_tasks_run() {
     assert!(most < 2 << 20, "{most} bytes were read between two turns of another task (of {total} in all)");
     router.shutdown().await;
 }
+
+/// A record this build cannot decode (a newer build wrote it, say, before a rollback)
+/// names no destination, so it may be any lane's: no lane's stored cursor passes it.
+/// Else the build that can read it, once back, would find it below its lane's cursor
+/// and skip it as delivered, an event answered 200 and never sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_stored_cursor_passes_a_record_held_as_undecodable() {
+    let sim = SimStorage::new();
+    let wal = open_wal(&sim);
+    let d = key("app", "orders");
+    wal.append(vec![record(&d, 0, Partitioning::Balanced)]).await.unwrap();
+    wal.append(vec![bytes::Bytes::from_static(&[9, 0])]).await.unwrap();
+    wal.append(vec![record(&d, 2, Partitioning::Balanced)]).await.unwrap();
+    let sink = FaultySink::new();
+    let cursors = Arc::new(MemoryCursorStore::new());
+    let router = Router::start(wal.clone(), sink.clone(), cursors.clone(), Policies::uniform(fast_policy())).unwrap();
+    eventually(Duration::from_secs(20), "both records delivered", || sink.ids(&d).len() == 2).await;
+    let lane = router::LaneKey { source: "test".into(), destination: d.clone() };
+    eventually(Duration::from_secs(20), "a cursor stored", || cursors.get(&lane).is_some()).await;
+    router.shutdown().await;
+    assert_eq!(router.held_from(), Some(1));
+    assert_eq!(cursors.get(&lane), Some(1), "the cursor passed the undecodable record");
+    assert_eq!(router.released_below(), 1);
+}
