@@ -592,11 +592,16 @@ async fn cursor_flush_loop<C: CursorStore>(
     mut stop: watch::Receiver<bool>,
 ) {
     let mut failures = 0u32;
+    let mut stop_seen = false;
     loop {
-        let stopping = tokio::select! {
-            _ = dirty.notified() => false,
-            _ = stop.changed() => true,
-        };
+        // A stop is taken first: once asked, the flusher stores once more and ends,
+        // however many acknowledgements keep coming.
+        let stopping = stop_seen
+            || tokio::select! {
+                biased;
+                _ = stop.changed() => true,
+                _ = dirty.notified() => false,
+            };
         let snapshot: Vec<(Arc<Lane>, u64)> = {
             // No cursor passes a record held as undecodable (see `Dispatcher`).
             let ceiling = undecodable_from.load(Ordering::Acquire);
@@ -626,12 +631,21 @@ async fn cursor_flush_loop<C: CursorStore>(
                     tracing::error!(error = %e, "storing cursors failed; retrying");
                     metrics::counter!("iggy_connector_cursor_store_failures_total").increment(1);
                     health.cursors_failed(&format!("storing cursors failed: {e}"));
-                    let delay = std::time::Duration::from_millis(100u64.saturating_mul(1 << failures.min(8)));
-                    tokio::time::sleep(delay).await;
-                    dirty.notify_one();
-                    if !stopping {
-                        continue;
+                    if stopping {
+                        // The last try failed: what it carried stays in the log, and is
+                        // delivered again after a restart (with the same ids).
+                        return;
                     }
+                    // The backoff (up to 25.6 s) ends early for a stop, which must not
+                    // wait it out past the daemon's grace period.
+                    let delay = std::time::Duration::from_millis(100u64.saturating_mul(1 << failures.min(8)));
+                    tokio::select! {
+                        biased;
+                        _ = stop.changed() => stop_seen = true,
+                        _ = tokio::time::sleep(delay) => {}
+                    }
+                    dirty.notify_one();
+                    continue;
                 }
             }
         }

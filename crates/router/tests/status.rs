@@ -243,6 +243,8 @@ struct FailingCursorStore {
     inner: MemoryCursorStore,
     failing: std::sync::atomic::AtomicBool,
     panicking: std::sync::atomic::AtomicBool,
+    /// Stores refused.
+    refused: std::sync::atomic::AtomicU64,
 }
 
 impl router::CursorStore for FailingCursorStore {
@@ -255,6 +257,7 @@ impl router::CursorStore for FailingCursorStore {
             panic!("injected panic in a cursor store");
         }
         if self.failing.load(std::sync::atomic::Ordering::Acquire) {
+            self.refused.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
             return Err("injected cursor store failure".into());
         }
         self.inner.store(cursors).await
@@ -388,4 +391,28 @@ fn a_router_task_that_panics_puts_the_router_in_error() {
         assert_gauges_agree(&snap, &router);
         router.shutdown().await;
     });
+}
+
+/// Storing cursors that keeps failing backs off, up to 25.6 s between tries. A stop
+/// does not wait that out (the daemon's grace period would abandon the router): the
+/// flusher tries once more and ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_does_not_wait_out_the_cursor_stores_backoff() {
+    let sim = SimStorage::new();
+    let wal = open_wal(&sim);
+    let sink = FaultySink::new();
+    let d = key("c", "1");
+    let cursors = Arc::new(FailingCursorStore::default());
+    cursors.failing.store(true, std::sync::atomic::Ordering::Release);
+    let router = Router::start(wal.clone(), sink.clone(), cursors.clone(), Policies::uniform(fast_policy())).unwrap();
+    wal.append(vec![record(&d, 0, Partitioning::Balanced)]).await.unwrap();
+    // The fourth refusal starts a backoff of 1.6 s.
+    eventually(Duration::from_secs(20), "four stores refused", || {
+        cursors.refused.load(std::sync::atomic::Ordering::Acquire) >= 4
+    })
+    .await;
+    let asked = std::time::Instant::now();
+    router.shutdown().await;
+    assert!(asked.elapsed() < Duration::from_millis(800), "the stop took {:?}", asked.elapsed());
+    assert_eq!(sink.ids(&d).len(), 1);
 }
