@@ -602,6 +602,25 @@ fn take_full_batch(lane: &Lane) -> Option<Vec<Routed>> {
     Some(batch)
 }
 
+/// One of the source's send slots, or `None` once a stop is asked (or the router is
+/// gone) before or while waiting for it: a stopping lane starts no new call. Lanes that
+/// wait for a slot behind calls that never answer would otherwise each start one more,
+/// a few at a time, long past the daemon's grace period.
+async fn slot_or_shutdown<'a>(
+    lane: &'a Lane,
+    failing: bool,
+    shutdown: &mut watch::Receiver<bool>,
+) -> Option<SendSlot<'a>> {
+    if *shutdown.borrow() {
+        return None;
+    }
+    tokio::select! {
+        biased;
+        _ = shutdown.changed() => None,
+        slot = lane.send_slots.acquire(failing) => slot,
+    }
+}
+
 async fn sleep_or_shutdown(shutdown: &mut watch::Receiver<bool>, d: Duration) -> bool {
     if *shutdown.borrow() {
         return true;
@@ -1090,7 +1109,7 @@ async fn attempt<S: Sink, C>(
     if !wait.is_zero() {
         return Attempt::Retry;
     }
-    let Some(_slot) = lane.send_slots.acquire(*failures > 0).await else { return Attempt::ShuttingDown };
+    let Some(_slot) = slot_or_shutdown(lane, *failures > 0, shutdown).await else { return Attempt::ShuttingDown };
     let timeout = lane.policy.batch.result_timeout;
     let result: Result<Option<TopicInfo>, SendError> = match op {
         Op::Unsendable(e) => Err(e),
@@ -1265,7 +1284,9 @@ async fn dead_letter<S: Sink, C>(
     let mut failures = 0u32;
     loop {
         let sent = {
-            let Some(_slot) = lane.send_slots.acquire(failures > 0).await else { return Delivery::ShuttingDown };
+            let Some(_slot) = slot_or_shutdown(lane, failures > 0, shutdown).await else {
+                return Delivery::ShuttingDown;
+            };
             match (bounded(&*ctx.sink, timeout, ctx.sink.ensure(dlq)).await, &mut prepared) {
                 (Err(e), _) => Err(e),
                 (Ok(_), Err(e)) => Err(e.clone()),

@@ -267,6 +267,16 @@ pub struct Router {
     flusher: std::sync::Mutex<Option<JoinHandle<()>>>,
 }
 
+/// A router dropped without [`Router::shutdown`] (a daemon whose start failed after it
+/// started delivery, say) still stops its tasks: with the stop signals' senders gone
+/// and no value sent, a task waiting on them would wake at once, again and again.
+impl Drop for Router {
+    fn drop(&mut self) {
+        self.shutdown.send_replace(true);
+        self.stop_flusher.send_replace(true);
+    }
+}
+
 impl std::fmt::Debug for Router {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Router").field("released_below", &self.released_below()).finish()

@@ -751,3 +751,50 @@ async fn no_stored_cursor_passes_a_record_held_as_undecodable() {
     assert_eq!(cursors.get(&lane), Some(1), "the cursor passed the undecodable record");
     assert_eq!(router.released_below(), 1);
 }
+
+/// Lanes waiting for one of their source's send slots, behind calls that never answer,
+/// start no new call once a stop is asked: each would take a slot in turn and wait out
+/// its own result timeout, a few at a time, long past the daemon's grace period. Only
+/// the calls already in flight are waited for.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_starts_no_call_for_lanes_waiting_for_a_send_slot() {
+    let sim = SimStorage::new();
+    let wal = open_wal(&sim);
+    let sink = FaultySink::new();
+    let dests: Vec<_> = (0..8).map(|i| key("s", &format!("t{i}"))).collect();
+    for d in &dests {
+        sink.fault(d, Some(Fault::BlackHole));
+    }
+    let mut policy = fast_policy();
+    policy.max_concurrent_destinations = 2;
+    policy.batch.result_timeout = Duration::from_secs(1);
+    policy.breaker.failure_threshold = 1000;
+    fill(&wal, &dests, 0, 8).await;
+    let router =
+        Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), Policies::uniform(policy))
+            .unwrap();
+    eventually(Duration::from_secs(20), "two calls in flight", || {
+        dests.iter().map(|d| sink.calls(d) + sink.ensured(d)).sum::<u64>() >= 2
+    })
+    .await;
+    let started = std::time::Instant::now();
+    router.shutdown().await;
+    let calls: u64 = dests.iter().map(|d| sink.calls(d) + sink.ensured(d)).sum();
+    assert!(started.elapsed() < Duration::from_secs(5), "the stop took {:?} ({calls} calls)", started.elapsed());
+    assert!(calls <= 4, "{calls} calls were made, most of them after the stop");
+}
+
+/// A router dropped without a shutdown (a daemon whose start failed after delivery
+/// began) stops its tasks: none is left running, idle or waking, holding the log.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_router_dropped_without_a_shutdown_stops_its_tasks() {
+    let sim = SimStorage::new();
+    let wal = open_wal(&sim);
+    let sink = FaultySink::new();
+    let d = key("app", "orders");
+    fill(&wal, std::slice::from_ref(&d), 0, 3).await;
+    let router = start_router(&wal, &sink, fast_policy());
+    eventually(Duration::from_secs(20), "delivered", || sink.ids(&d).len() == 3).await;
+    drop(router);
+    eventually(Duration::from_secs(5), "every task let go of the log", || Arc::strong_count(&wal) == 1).await;
+}
