@@ -1291,10 +1291,20 @@ async fn dead_letter<S: Sink, C>(
                 (Err(e), _) => Err(e),
                 (Ok(_), Err(e)) => Err(e.clone()),
                 (Ok(_), Ok(messages)) => {
-                    bounded(&*ctx.sink, timeout, ctx.sink.send(dlq, &Partitioning::Balanced, messages)).await
+                    let started = std::time::Instant::now();
+                    let r = bounded(&*ctx.sink, timeout, ctx.sink.send(dlq, &Partitioning::Balanced, messages)).await;
+                    metrics::histogram!("iggy_connector_send_latency_seconds").record(started.elapsed().as_secs_f64());
+                    r
                 }
             }
         };
+        // Counted as every send is (the dead-letter lane's, for the cap, included).
+        match &sent {
+            Ok(()) => metrics::counter!("iggy_connector_messages_routed_total", "connector_key" => lane.key.source.clone())
+                .increment(records.len() as u64),
+            Err(e) => metrics::counter!("iggy_connector_send_failures_total", "connector_key" => lane.key.source.clone(), "reason" => e.kind.as_str())
+                .increment(1),
+        }
         match sent {
             Ok(()) => {
                 lock(&lane.info).consecutive_failures = 0;

@@ -173,6 +173,43 @@ async fn a_partition_id_out_of_range_with_dead_letter_goes_there() {
     router.shutdown().await;
 }
 
+/// The sends to the dead-letter topic of records beyond the topic's partitions are
+/// counted as every send is: their failures by reason (what the runbook reads to tell a
+/// failing destination from a failing server), and the records once delivered there.
+#[test]
+fn sends_to_the_dead_letter_topic_for_out_of_range_records_are_counted() {
+    with_metrics(false, |snap| async move {
+        let dlq = key("dlq", "rejected");
+        let (sink, router) = {
+            // `out_of_range`, with the dead-letter topic failing from the start.
+            let sim = SimStorage::new();
+            let wal = open_wal(&sim);
+            let sink = FaultySink::new();
+            let d = key("p", "t");
+            sink.set_partitions(&d, 3);
+            sink.fault(&dlq, Some(Fault::Fail(SendErrorKind::Destination)));
+            for (i, p) in [0u32, 1, 7, 2].into_iter().enumerate() {
+                wal.append(vec![record(&d, i as u64, Partitioning::PartitionId(p))]).await.unwrap();
+            }
+            let mut p = policy(OnAdmissionFailure::DeadLetter);
+            p.breaker.cool_down = Duration::from_millis(500);
+            let router =
+                Router::start(wal, sink.clone(), Arc::new(MemoryCursorStore::new()), Policies::uniform(p)).unwrap();
+            (sink, router)
+        };
+        let failures = || metric(&snap, "iggy_connector_send_failures_total", "reason=\"destination\"");
+        eventually(Duration::from_secs(10), "a dead-letter send failed", || failures() > 0.0).await;
+        let routed = || metric(&snap, "iggy_connector_messages_routed_total", "");
+        // The two before it; the one after waits for it, in order.
+        assert_eq!(routed(), 2.0);
+        sink.fault(&dlq, None);
+        eventually(Duration::from_secs(20), "dead-lettered", || sink.delivered(&dlq).len() == 1).await;
+        eventually(Duration::from_secs(5), "all delivered", || sink.ids(&key("p", "t")).len() == 3).await;
+        eventually(Duration::from_secs(5), "counted", || routed() == 4.0).await;
+        router.shutdown().await;
+    });
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_partition_id_out_of_range_with_error_is_held_until_the_topic_grows() {
     let (sink, router) = out_of_range(OnAdmissionFailure::Error).await;
