@@ -110,6 +110,23 @@ fn header_name(header: &str) -> Result<String, (&'static str, String)> {
 /// five minutes).
 pub const DEFAULT_TOLERANCE_SECS: u64 = 300;
 
+/// The longest tolerance a configuration or a registration may set: a day. Within it a
+/// captured request passes again, so past a day the timestamp checks nothing a sender's
+/// clock needs. (An endpoint stored with more before this bound still loads as it was.)
+pub const TOLERANCE_SECS_MAX: u64 = 86_400;
+
+/// Refuses a tolerance over [`TOLERANCE_SECS_MAX`], for a new configuration or
+/// registration (the error names the parameter, as [`AuthScheme::from_parts`]'s do).
+pub fn check_new_tolerance(tolerance_secs: Option<u64>) -> Result<(), (&'static str, String)> {
+    match tolerance_secs {
+        Some(t) if t > TOLERANCE_SECS_MAX => Err((
+            "tolerance_secs",
+            format!("{t} is more than {TOLERANCE_SECS_MAX} (a day): a captured request would pass again for as long"),
+        )),
+        _ => Ok(()),
+    }
+}
+
 impl AuthScheme {
     pub fn name(&self) -> &'static str {
         match self {

@@ -171,6 +171,7 @@ pub fn scheme_from_stored(a: &StoredAuth) -> Result<AuthScheme, String> {
 /// error, as in the configuration.
 pub fn scheme_from_request(a: &StoredAuth) -> Result<AuthScheme, String> {
     AuthScheme::from_parts(&a.scheme, a.secret.as_deref(), a.header.as_deref(), a.prefix.as_deref(), a.tolerance_secs)
+        .and_then(|scheme| crate::auth::check_new_tolerance(a.tolerance_secs).map(|()| scheme))
         .map_err(|(field, msg)| format!("{field}: {msg}"))
 }
 
@@ -656,10 +657,17 @@ mod tests {
         assert!(reg.list(10).is_empty(), "a refused registration was kept");
         reg.register("default".into(), stripe(Some(200)), None, None, 10).await.unwrap();
         reg.register("default".into(), bearer(), None, None, 10).await.unwrap();
-        for tolerance in [None, Some(201), Some(3600)] {
+        for tolerance in [None, Some(201), Some(86_400)] {
             reg.register("unkeyed".into(), stripe(tolerance), None, None, 10)
                 .await
                 .unwrap_or_else(|e| panic!("{tolerance:?} for a source without delivery ids: {e}"));
+        }
+        // Yet not without any bound: past a day a captured request passes for days.
+        match reg.register("unkeyed".into(), stripe(Some(86_401)), None, None, 10).await {
+            Err(EndpointError::InvalidAuth(m)) => {
+                assert!(m.starts_with("tolerance_secs: 86401 is more than 86400"), "{m}")
+            }
+            other => panic!("{other:?}"),
         }
     }
 

@@ -1734,7 +1734,9 @@ fn auth_scheme(c: &mut Checker<'_>, path: &KeyPath, a: AuthConfig<'_>) -> AuthSc
         },
         (secret, None) => secret,
     };
-    match AuthScheme::from_parts(a.auth_type, secret, a.auth_header, a.auth_prefix, a.auth_tolerance_secs) {
+    let scheme = AuthScheme::from_parts(a.auth_type, secret, a.auth_header, a.auth_prefix, a.auth_tolerance_secs)
+        .and_then(|s| http_source::auth::check_new_tolerance(a.auth_tolerance_secs).map(|()| s));
+    match scheme {
         Ok(s) => s,
         Err((field, message)) => {
             match (field, a.auth_secret_env) {
@@ -2569,6 +2571,12 @@ bBtPhzVL3fJI+53KVnAh3DIZNmANmTYN
         let endpoint = "[sources.b]\ndestination = { stream = \"s\", topic = \"t\" }\n[[sources.b.endpoints]]\nid = \"0123456789abcdef0123456789abcdef\"\nauth_type = \"standard-webhooks\"\nauth_secret = \"whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw\"\nauth_tolerance_secs = 100\n";
         let e = errors(&format!("[idempotency]\nretention_secs = 199\n{endpoint}"));
         assert_eq!(e[0].path, "sources.b.endpoints[0].auth_tolerance_secs", "{e:?}");
+        // Without delivery ids a day at most: past it, a captured request passes for days.
+        let day = format!("{stripe}idempotency = false\nauth_tolerance_secs = 86400\n");
+        assert!(validate(&parse(&day, None).unwrap(), Some(&day), None).is_ok());
+        let e = errors(&format!("{stripe}idempotency = false\nauth_tolerance_secs = 86401\n"));
+        assert_eq!((e.len(), e[0].path.as_str(), e[0].line), (1, "sources.a.auth_tolerance_secs", Some(6)), "{e:?}");
+        assert!(e[0].message.contains("more than 86400"), "{}", e[0].message);
     }
 
     /// A body larger than Iggy stores in one message (64,000,000 bytes, under the log's
