@@ -613,12 +613,15 @@ async fn cursor_flush_loop<C: CursorStore>(
                 _ = dirty.notified() => false,
             };
         let snapshot: Vec<(Arc<Lane>, u64)> = {
-            // No cursor passes a record held as undecodable (see `Dispatcher`).
-            let ceiling = undecodable_from.load(Ordering::Acquire);
             let l = lanes.read().unwrap_or_else(|p| p.into_inner());
             l.values()
                 .filter_map(|lane| {
-                    let acked = lane.gate().acked_below().min(ceiling);
+                    let acked = lane.gate().acked_below();
+                    // No cursor passes a record held as undecodable (see `Dispatcher`).
+                    // Read after the acknowledgements: a lane acknowledges past that
+                    // record only after the dispatcher published it (`processed_below`,
+                    // which follows the hold), so this load sees the hold.
+                    let acked = acked.min(undecodable_from.load(Ordering::Acquire));
                     (acked > lane.delivered_below.load(Ordering::Acquire)).then(|| (lane.clone(), acked))
                 })
                 .collect()
