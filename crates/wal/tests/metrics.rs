@@ -1,0 +1,58 @@
+//! What the log counts, read through a Prometheus recorder installed for this binary
+//! alone (the writer runs on a thread of its own, so a recorder local to the test's
+//! thread would not see it): one test, so that nothing else counts meanwhile.
+
+mod common;
+
+use std::io::ErrorKind;
+use std::time::{Duration, Instant};
+
+use common::*;
+use metrics_exporter_prometheus::PrometheusBuilder;
+use wal::WalOptions;
+use wal::storage::{FaultOp, SimStorage};
+
+/// The value of a label-less series in the exporter's rendering (0 when absent).
+fn value(rendered: &str, name: &str) -> f64 {
+    rendered
+        .lines()
+        .find_map(|l| l.strip_prefix(name).and_then(|rest| rest.strip_prefix(' ')))
+        .map_or(0.0, |v| v.trim().parse().unwrap())
+}
+
+/// While the log waits for a segment it cannot create, only the failure that started
+/// the wait is a storage error: the tries after it (every second, and for every
+/// append) are not, or the storage-error alert's count would grow by one a second. The
+/// gauge says the log waits, and says it no longer does once the segment exists.
+#[test]
+fn waiting_for_a_segment_counts_one_storage_error_and_is_a_gauge() {
+    let handle = PrometheusBuilder::new().install_recorder().unwrap();
+    let sim = SimStorage::new();
+    let wal = open(&sim, WalOptions { preallocate_bytes: 0, ..small_options() });
+    append_tagged(&wal, 0..3, 1000);
+    for _ in 0..100 {
+        sim.fail_nth(FaultOp::Metadata, 1, ErrorKind::PermissionDenied);
+    }
+    rt().block_on(async {
+        for tag in 3..6 {
+            assert!(wal.append(vec![payload(tag, 1000)]).await.is_err());
+        }
+    });
+    let armed = sim.armed_faults();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while sim.armed_faults() == armed && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(sim.armed_faults() < armed, "the writer did not try again by itself");
+    let r = handle.render();
+    assert_eq!(value(&r, "iggy_ingest_wal_storage_errors_total"), 1.0, "{r}");
+    assert_eq!(value(&r, "iggy_ingest_wal_awaiting_segment"), 1.0, "{r}");
+    sim.disarm();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while wal.awaits_segment() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let r = handle.render();
+    assert_eq!(value(&r, "iggy_ingest_wal_awaiting_segment"), 0.0, "{r}");
+    assert_eq!(value(&r, "iggy_ingest_wal_storage_errors_total"), 1.0, "{r}");
+}
