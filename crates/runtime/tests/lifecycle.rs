@@ -362,7 +362,7 @@ async fn sigterm_drains_health_first_finishes_in_flight_and_closes_the_log() {
 async fn the_grace_period_bounds_the_drain_while_a_send_to_a_silent_server_hangs() {
     let dir = tempfile::tempdir().unwrap();
     let (iggy, accepted) = silent_server();
-    let rest = format!("[iggy]\naddress = \"{iggy}\"\n\n[router]\nresult_timeout_ms = 25000\n{SOURCES}");
+    let rest = format!("[iggy]\naddress = \"{iggy}\"\n\n[router]\n{SILENT_ROUTER}\n{SOURCES}");
     let text = config_text(dir.path(), "", &rest).replace("grace_period_ms = 20000", "grace_period_ms = 1000");
     let mut d = Daemon::start_text(dir.path(), &text);
     assert_eq!(post_json(d.http, "/v1/sources/default", "{}").await.status, 200);
@@ -386,7 +386,7 @@ async fn the_grace_period_bounds_the_drain_while_a_send_to_a_silent_server_hangs
 async fn while_the_router_stops_the_status_says_stopping_and_lists_the_destinations() {
     let dir = tempfile::tempdir().unwrap();
     let (iggy, accepted) = silent_server();
-    let rest = format!("[iggy]\naddress = \"{iggy}\"\n\n[router]\nresult_timeout_ms = 25000\n{SOURCES}");
+    let rest = format!("[iggy]\naddress = \"{iggy}\"\n\n[router]\n{SILENT_ROUTER}\n{SOURCES}");
     let text = config_text_with_shutdown(dir.path(), "", "drain_delay_ms = 0", &rest)
         .replace("grace_period_ms = 20000", "grace_period_ms = 10000");
     let mut d = Daemon::start_text(dir.path(), &text);
@@ -831,7 +831,13 @@ fn silent_server() -> (std::net::SocketAddr, Arc<std::sync::atomic::AtomicUsize>
     (addr, accepted)
 }
 
-/// Waits until the router has a call out to `silent_server` (it took a connection).
+/// The `[router]` keys of the tests against `silent_server`: pre-warming off, so that
+/// the first connection the server accepts is a lane's own call (a stop waits for a
+/// call in flight, and starts none), and a result timeout longer than any grace period.
+const SILENT_ROUTER: &str = "result_timeout_ms = 25000\nprewarm_timeout_ms = 0";
+
+/// Waits until a lane has a call out to `silent_server` (it took a connection: with
+/// pre-warming off, see [`SILENT_ROUTER`], only a lane's call connects).
 async fn a_call_is_out(accepted: &std::sync::atomic::AtomicUsize) {
     let deadline = Instant::now() + Duration::from_secs(30);
     while accepted.load(std::sync::atomic::Ordering::SeqCst) == 0 {
