@@ -317,7 +317,7 @@ async fn receive_inner(
         }
     };
     let auth: &AuthScheme = endpoint.as_ref().map_or(&source.auth, |e| &e.endpoint.auth);
-    let verified = auth.verify(&parts.headers, &body, received_at_unix_ms / 1000);
+    let verified = auth.verify(&parts.headers, &body, received_at_unix_ms);
     // Checked, the signature is done with: a header a configured name chose to carry it
     // (an hmac scheme's `auth_header`, which no name-based credential check knows) is
     // dropped here, so nothing after (forwarded headers, a partition key, a delivery id)
@@ -352,17 +352,22 @@ async fn receive_inner(
     // route would be refused now (a mapping, a content rule or a limit changed since it
     // was accepted): the sender was answered 200 for it, and must not be told otherwise.
     let endpoint_id = endpoint.as_ref().map(|e| e.endpoint.id);
-    let replay = || -> Option<Response> {
-        let key =
-            ingest::IdempotencyKey { source_key: source.key.clone(), endpoint_id, delivery_key: delivery_key.clone()? };
-        let accepted = door.ingestor.replay_of(&key, received_at_unix_ms)?;
+    // A state database that cannot say answers 503, not the refusal: the delivery may be
+    // one the log holds.
+    let replay = || -> Result<Option<Response>, ApiError> {
+        let Some(delivery_key) = delivery_key.clone() else { return Ok(None) };
+        let key = ingest::IdempotencyKey { source_key: source.key.clone(), endpoint_id, delivery_key };
+        let accepted = door.ingestor.replay_of(&key, received_at_unix_ms);
+        let Some(accepted) = accepted.map_err(|e| ingest_error(e, door.limits.retry_after_secs))? else {
+            return Ok(None);
+        };
         if let Some(s) = status {
             s.accepted(accepted.events, true);
         }
         if let Some(m) = metrics {
             m.requests_2xx.increment(1);
         }
-        Some(accepted_response(&accepted, 0))
+        Ok(Some(accepted_response(&accepted, 0)))
     };
     let fields = source.fields_read();
     let max_events = door.limits.max_events_per_request;
@@ -374,7 +379,7 @@ async fn receive_inner(
                 BodyError::TooManyEvents { .. } => StatusCode::PAYLOAD_TOO_LARGE,
                 _ => StatusCode::BAD_REQUEST,
             };
-            return replay().ok_or_else(|| ApiError::new(status, e.reason(), e.to_string()));
+            return replay()?.ok_or_else(|| ApiError::new(status, e.reason(), e.to_string()));
         }
     };
 
@@ -382,7 +387,7 @@ async fn receive_inner(
     let resolution = match resolve(source, &parts.headers, decoded.events, decoded.lines.as_deref(), decoded.values) {
         Ok(r) => r,
         Err(r) => {
-            if let Some(replayed) = replay() {
+            if let Some(replayed) = replay()? {
                 return Ok(replayed);
             }
             if let Some(m) = routing {
@@ -392,7 +397,7 @@ async fn receive_inner(
         }
     };
     if resolution.events.is_empty() {
-        if let Some(replayed) = replay() {
+        if let Some(replayed) = replay()? {
             return Ok(replayed);
         }
         // Every event was dropped by the route: nothing to append, and the sender is

@@ -203,11 +203,30 @@ impl Ingestor {
     /// before it reaches [`Ingestor::accept`] (under the configuration of now, its body or
     /// its route no longer passes: a mapping or a limit changed since): a retry of a
     /// delivery the log holds is answered as the replay it is, whatever the
-    /// configuration says now. `None` when there is none, when the log does not hold it
-    /// durably, or when the state database cannot say (the refusal stands then).
-    pub fn replay_of(&self, key: &IdempotencyKey, now_unix_ms: u64) -> Option<Accepted> {
-        let prior = self.idempotency.lookup(key, now_unix_ms).ok()??;
-        self.replay(key, prior).ok()
+    /// configuration says now. `None` when there is none (the refusal stands then); an
+    /// error, as [`Ingestor::accept`] gives it, when the state database cannot say or the
+    /// log does not hold the delivery durably: neither a refusal nor a 200 is true then.
+    pub fn replay_of(&self, key: &IdempotencyKey, now_unix_ms: u64) -> Result<Option<Accepted>, IngestError> {
+        match self.prior(key, now_unix_ms)? {
+            Some(prior) => self.replay(key, prior).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// The recorded acceptance of `key`, if any. A state database that cannot be read is
+    /// `StateUnavailable` (and reopened in the background), never "none": the caller
+    /// would append a retry again, or refuse a delivery the log holds.
+    fn prior(&self, key: &IdempotencyKey, now_unix_ms: u64) -> Result<Option<PriorAcceptance>, IngestError> {
+        match self.idempotency.lookup(key, now_unix_ms) {
+            Ok(prior) => Ok(prior),
+            Err(e @ StateError::Storage(_)) => {
+                // Reopen it now rather than at the next checkpoint. The task waits at the
+                // gate until a request holding it shared has answered.
+                self.recover_state_soon(now_unix_ms);
+                Err(IngestError::StateUnavailable(e.to_string()))
+            }
+            Err(e) => Err(IngestError::Internal(e.to_string())),
+        }
     }
 
     /// Answers a delivery found in the index as a replay of `prior`.
@@ -241,16 +260,8 @@ impl Ingestor {
         };
         let key = IdempotencyKey { source_key: s.source_key.clone(), endpoint_id: s.endpoint_id, delivery_key };
         let claim = self.idempotency.claim(&key).await.ok_or(IngestError::InFlight)?;
-        match self.idempotency.lookup(&key, s.received_at_unix_ms) {
-            Ok(Some(prior)) => return self.replay(&key, prior),
-            Ok(None) => {}
-            Err(e @ StateError::Storage(_)) => {
-                // Reopen it now rather than at the next checkpoint. The task waits at the
-                // gate until this request (which holds it shared) has answered.
-                self.recover_state_soon(s.received_at_unix_ms);
-                return Err(IngestError::StateUnavailable(e.to_string()));
-            }
-            Err(e) => return Err(IngestError::Internal(e.to_string())),
+        if let Some(prior) = self.prior(&key, s.received_at_unix_ms)? {
+            return self.replay(&key, prior);
         }
         let accepted = self.append(&s).await?;
         fail_points::fail_point!("ingest.appended");
@@ -401,6 +412,37 @@ mod tests {
         let a = ing.accept(submission(Some("kept"), &["y"])).await.unwrap();
         assert_eq!((a.first_offset, a.replayed), (0, false));
         assert_eq!(ing.running_on_kib.available_permits(), all as usize, "room was not given back");
+    }
+
+    /// A retry the door would refuse under today's configuration is answered as the
+    /// replay it is; when the state database cannot be read, neither "no replay" (the
+    /// door would then send the refusal, for a delivery the log may hold) nor a replay is
+    /// true: it is `StateUnavailable`, a 503 the sender retries.
+    #[tokio::test]
+    async fn a_replay_the_state_database_cannot_answer_is_unavailable_not_absent() {
+        use wal::storage::{FaultOp, SimStorage, Storage};
+        let sim = SimStorage::new();
+        let storage: Arc<dyn Storage> = Arc::new(sim.clone());
+        let wal =
+            Arc::new(Wal::open_with(storage.clone(), std::path::Path::new("/sim/wal"), Default::default()).unwrap());
+        let state = Arc::new(StateDb::open_on(storage, "/sim/state.redb").unwrap());
+        let ing = Ingestor::new(wal, Arc::new(IdempotencyIndex::new(state.clone(), 3_600_000)));
+        let s = submission(Some("d"), &["x"]);
+        let now = s.received_at_unix_ms;
+        let key = IdempotencyKey { source_key: "default".into(), endpoint_id: None, delivery_key: "d".into() };
+        assert_eq!(ing.replay_of(&key, now).unwrap(), None);
+        ing.accept(s).await.unwrap();
+        assert!(ing.replay_of(&key, now).unwrap().is_some_and(|a| a.replayed && a.first_offset == 0));
+        // The disk fails a write, and the reopen that follows fails too (its file is
+        // gone): until one succeeds, the database cannot answer.
+        sim.fail_nth(FaultOp::Write, 1, std::io::ErrorKind::Other);
+        assert!(state.force_schema_version(crate::state::SCHEMA_VERSION).is_err());
+        sim.remove_file(std::path::Path::new("/sim/state.redb")).unwrap();
+        assert!(state.reopen_if_failed().is_err());
+        match ing.replay_of(&key, now) {
+            Err(IngestError::StateUnavailable(_)) => {}
+            other => panic!("{other:?}"),
+        }
     }
 
     #[tokio::test]
