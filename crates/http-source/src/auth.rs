@@ -279,8 +279,12 @@ impl AuthScheme {
         }
     }
 
-    /// Checks a request. `now_unix_secs` is the receive time.
-    pub fn verify(&self, headers: &HeaderMap, body: &[u8], now_unix_secs: u64) -> Result<(), AuthFailure> {
+    /// Checks a request. `now_unix_ms` is the receive time, in milliseconds: a
+    /// timestamp's tolerance is measured to the millisecond, so that a request and its
+    /// replay, each within the tolerance, are at most twice the tolerance apart, which
+    /// the delivery ids' retention covers (rounded to seconds, a replay up to 999 ms
+    /// later would pass, and find the id expired).
+    pub fn verify(&self, headers: &HeaderMap, body: &[u8], now_unix_ms: u64) -> Result<(), AuthFailure> {
         match self {
             AuthScheme::None => Ok(()),
             AuthScheme::Bearer { token } => {
@@ -312,7 +316,7 @@ impl AuthScheme {
                 let sigs =
                     header_str(headers, "webhook-signature").or_else(|_| header_str(headers, "svix-signature"))?;
                 let ts_secs: u64 = ts.trim().parse().map_err(|_| AuthFailure::Malformed)?;
-                check_tolerance(ts_secs, now_unix_secs, *tolerance_secs)?;
+                check_tolerance(ts_secs, now_unix_ms, *tolerance_secs)?;
                 // One tag per key, computed once: the header may list any number of
                 // signatures (hyper admits a head of some 400 KB), and a MAC over the
                 // body per listed signature would let one unsigned request hold the
@@ -359,7 +363,7 @@ impl AuthScheme {
                     return Err(AuthFailure::Malformed);
                 }
                 let ts_secs: u64 = t.parse().map_err(|_| AuthFailure::Malformed)?;
-                check_tolerance(ts_secs, now_unix_secs, *tolerance_secs)?;
+                check_tolerance(ts_secs, now_unix_ms, *tolerance_secs)?;
                 let mac = mac256(secret, &[t.as_bytes(), b".", body]);
                 if v1.iter().any(|sig| mac.clone().verify_slice(sig).is_ok()) {
                     Ok(())
@@ -411,13 +415,40 @@ fn header_str<'a>(headers: &'a HeaderMap, name: &str) -> Result<&'a str, AuthFai
     v.to_str().map_err(|_| AuthFailure::Malformed)
 }
 
-fn check_tolerance(ts_secs: u64, now_secs: u64, tolerance_secs: u64) -> Result<(), AuthFailure> {
-    if ts_secs.abs_diff(now_secs) > tolerance_secs { Err(AuthFailure::StaleTimestamp) } else { Ok(()) }
+fn check_tolerance(ts_secs: u64, now_ms: u64, tolerance_secs: u64) -> Result<(), AuthFailure> {
+    let off_ms = ts_secs.saturating_mul(1000).abs_diff(now_ms);
+    if off_ms > tolerance_secs.saturating_mul(1000) { Err(AuthFailure::StaleTimestamp) } else { Ok(()) }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A receive time of `secs` seconds, in the milliseconds `verify` takes.
+    fn ms(secs: u64) -> u64 {
+        secs * 1000
+    }
+
+    /// The tolerance is measured to the millisecond: 300 s after the timestamp passes,
+    /// 1 ms more does not (rounded down to seconds, 999 ms more would have).
+    #[test]
+    fn the_tolerance_is_measured_to_the_millisecond() {
+        let s = AuthScheme::from_parts("stripe", Some("whsec_test"), None, None, Some(300)).unwrap();
+        let t = 1_700_000_000u64;
+        let mac = mac256(b"whsec_test", &[t.to_string().as_bytes(), b".", b"{}"]);
+        let sig = hex::encode(mac.finalize().into_bytes());
+        let h = headers(&[("stripe-signature", &format!("t={t},v1={sig}"))]);
+        for (now_ms, ok) in [
+            (ms(t + 300), true),
+            (ms(t + 300) + 1, false),
+            (ms(t + 300) + 999, false),
+            (ms(t - 300), true),
+            (ms(t - 300) - 1, false),
+        ] {
+            let want = if ok { Ok(()) } else { Err(AuthFailure::StaleTimestamp) };
+            assert_eq!(s.verify(&h, b"{}", now_ms), want, "{now_ms}");
+        }
+    }
     use axum::http::HeaderValue;
 
     fn headers(pairs: &[(&'static str, &str)]) -> HeaderMap {
@@ -435,15 +466,15 @@ mod tests {
     #[test]
     fn github_documented_vector_passes_and_tampering_fails() {
         let s = AuthScheme::from_parts("hmac-sha256", Some("It's a Secret to Everybody"), None, None, None).unwrap();
-        assert_eq!(s.verify(&headers(&[("x-hub-signature-256", GITHUB_SIG)]), b"Hello, World!", 0), Ok(()));
+        assert_eq!(s.verify(&headers(&[("x-hub-signature-256", GITHUB_SIG)]), b"Hello, World!", ms(0)), Ok(()));
         assert_eq!(
-            s.verify(&headers(&[("x-hub-signature-256", GITHUB_SIG)]), b"Hello, World?", 0),
+            s.verify(&headers(&[("x-hub-signature-256", GITHUB_SIG)]), b"Hello, World?", ms(0)),
             Err(AuthFailure::BadSignature)
         );
-        assert_eq!(s.verify(&headers(&[]), b"Hello, World!", 0), Err(AuthFailure::MissingHeader));
+        assert_eq!(s.verify(&headers(&[]), b"Hello, World!", ms(0)), Err(AuthFailure::MissingHeader));
         let no_prefix = GITHUB_SIG.trim_start_matches("sha256=");
         assert_eq!(
-            s.verify(&headers(&[("x-hub-signature-256", no_prefix)]), b"Hello, World!", 0),
+            s.verify(&headers(&[("x-hub-signature-256", no_prefix)]), b"Hello, World!", ms(0)),
             Err(AuthFailure::Malformed)
         );
     }
@@ -453,8 +484,8 @@ mod tests {
         // Computed with Python's hmac module: hmac.new(secret, body, hashlib.sha1).hexdigest()
         let s = AuthScheme::from_parts("hmac-sha1", Some("It's a Secret to Everybody"), None, None, None).unwrap();
         let h = headers(&[("x-hub-signature", "sha1=01dc10d0c83e72ed246219cdd91669667fe2ca59")]);
-        assert_eq!(s.verify(&h, b"Hello, World!", 0), Ok(()));
-        assert_eq!(s.verify(&h, b"Hello, World", 0), Err(AuthFailure::BadSignature));
+        assert_eq!(s.verify(&h, b"Hello, World!", ms(0)), Ok(()));
+        assert_eq!(s.verify(&h, b"Hello, World", ms(0)), Err(AuthFailure::BadSignature));
     }
 
     // The Standard Webhooks specification's published example.
@@ -469,13 +500,13 @@ mod tests {
         let s = AuthScheme::from_parts("standard-webhooks", Some(SW_SECRET), None, None, None).unwrap();
         let now = 1_614_265_330;
         let h = headers(&[("webhook-id", SW_ID), ("webhook-timestamp", SW_TS), ("webhook-signature", SW_SIG)]);
-        assert_eq!(s.verify(&h, SW_BODY, now), Ok(()));
+        assert_eq!(s.verify(&h, SW_BODY, ms(now)), Ok(()));
         let svix = headers(&[("svix-id", SW_ID), ("svix-timestamp", SW_TS), ("svix-signature", SW_SIG)]);
-        assert_eq!(s.verify(&svix, SW_BODY, now + 299), Ok(()));
+        assert_eq!(s.verify(&svix, SW_BODY, ms(now + 299)), Ok(()));
         // Rotation: several signatures, the valid one last.
         let rotated = format!("v1,AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA= {SW_SIG}");
         let h = headers(&[("webhook-id", SW_ID), ("webhook-timestamp", SW_TS), ("webhook-signature", &rotated)]);
-        assert_eq!(s.verify(&h, SW_BODY, now), Ok(()));
+        assert_eq!(s.verify(&h, SW_BODY, ms(now)), Ok(()));
     }
 
     #[test]
@@ -489,10 +520,10 @@ mod tests {
             ("webhook-signature", SW_SIG),
             ("idempotency-key", "unsigned"),
         ]);
-        assert_eq!(s.verify(&both, SW_BODY, now), Ok(()));
+        assert_eq!(s.verify(&both, SW_BODY, ms(now)), Ok(()));
         assert_eq!(s.signed_delivery_id_header(&both), Some("webhook-id"));
         let svix = headers(&[("svix-id", SW_ID), ("svix-timestamp", SW_TS), ("svix-signature", SW_SIG)]);
-        assert_eq!(s.verify(&svix, SW_BODY, now), Ok(()));
+        assert_eq!(s.verify(&svix, SW_BODY, ms(now)), Ok(()));
         assert_eq!(s.signed_delivery_id_header(&svix), Some("svix-id"));
         let hmac = AuthScheme::from_parts("hmac-sha256", Some("secret"), None, None, None).unwrap();
         assert_eq!(hmac.signed_delivery_id_header(&both), None);
@@ -514,12 +545,12 @@ mod tests {
         let many = format!("{}{SW_SIG}", "v1, ".repeat(10_000));
         let h = headers(&[("webhook-id", SW_ID), ("webhook-timestamp", SW_TS), ("webhook-signature", &many)]);
         let before = MACS_COMPUTED.with(|n| n.get());
-        assert_eq!(s.verify(&h, SW_BODY, now), Ok(()), "the valid signature listed last");
+        assert_eq!(s.verify(&h, SW_BODY, ms(now)), Ok(()), "the valid signature listed last");
         assert_eq!(MACS_COMPUTED.with(|n| n.get()) - before, 1);
         let bogus = "v1, ".repeat(10_000);
         let h = headers(&[("webhook-id", SW_ID), ("webhook-timestamp", SW_TS), ("webhook-signature", &bogus)]);
         let before = MACS_COMPUTED.with(|n| n.get());
-        assert_eq!(s.verify(&h, SW_BODY, now), Err(AuthFailure::BadSignature));
+        assert_eq!(s.verify(&h, SW_BODY, ms(now)), Err(AuthFailure::BadSignature));
         assert_eq!(MACS_COMPUTED.with(|n| n.get()) - before, 1);
     }
 
@@ -528,13 +559,13 @@ mod tests {
         let s = AuthScheme::from_parts("standard-webhooks", Some(SW_SECRET), None, None, None).unwrap();
         let now = 1_614_265_330;
         let h = headers(&[("webhook-id", SW_ID), ("webhook-timestamp", SW_TS), ("webhook-signature", SW_SIG)]);
-        assert_eq!(s.verify(&h, SW_BODY, now + 301), Err(AuthFailure::StaleTimestamp));
-        assert_eq!(s.verify(&h, SW_BODY, now - 301), Err(AuthFailure::StaleTimestamp));
-        assert_eq!(s.verify(&h, br#"{"test": 2432232315}"#, now), Err(AuthFailure::BadSignature));
+        assert_eq!(s.verify(&h, SW_BODY, ms(now + 301)), Err(AuthFailure::StaleTimestamp));
+        assert_eq!(s.verify(&h, SW_BODY, ms(now - 301)), Err(AuthFailure::StaleTimestamp));
+        assert_eq!(s.verify(&h, br#"{"test": 2432232315}"#, ms(now)), Err(AuthFailure::BadSignature));
         let other_id = headers(&[("webhook-id", "msg_x"), ("webhook-timestamp", SW_TS), ("webhook-signature", SW_SIG)]);
-        assert_eq!(s.verify(&other_id, SW_BODY, now), Err(AuthFailure::BadSignature));
+        assert_eq!(s.verify(&other_id, SW_BODY, ms(now)), Err(AuthFailure::BadSignature));
         let v2 = headers(&[("webhook-id", SW_ID), ("webhook-timestamp", SW_TS), ("webhook-signature", "v2,abc")]);
-        assert_eq!(s.verify(&v2, SW_BODY, now), Err(AuthFailure::Malformed));
+        assert_eq!(s.verify(&v2, SW_BODY, ms(now)), Err(AuthFailure::Malformed));
     }
 
     #[test]
@@ -545,18 +576,18 @@ mod tests {
         let s = AuthScheme::from_parts("stripe", Some("whsec_test_secret"), None, None, None).unwrap();
         let body = br#"{"id":"evt_1"}"#;
         let good = format!("t=1700000000,v1={sig},v0=ignored");
-        assert_eq!(s.verify(&headers(&[("stripe-signature", &good)]), body, 1_700_000_100), Ok(()));
+        assert_eq!(s.verify(&headers(&[("stripe-signature", &good)]), body, ms(1_700_000_100)), Ok(()));
         assert_eq!(
-            s.verify(&headers(&[("stripe-signature", &good)]), body, 1_700_000_301),
+            s.verify(&headers(&[("stripe-signature", &good)]), body, ms(1_700_000_301)),
             Err(AuthFailure::StaleTimestamp)
         );
         let wrong_t = format!("t=1700000001,v1={sig}");
         assert_eq!(
-            s.verify(&headers(&[("stripe-signature", &wrong_t)]), body, 1_700_000_000),
+            s.verify(&headers(&[("stripe-signature", &wrong_t)]), body, ms(1_700_000_000)),
             Err(AuthFailure::BadSignature)
         );
         assert_eq!(
-            s.verify(&headers(&[("stripe-signature", "t=1700000000")]), body, 1_700_000_000),
+            s.verify(&headers(&[("stripe-signature", "t=1700000000")]), body, ms(1_700_000_000)),
             Err(AuthFailure::Malformed)
         );
     }
@@ -564,17 +595,23 @@ mod tests {
     #[test]
     fn bearer_compares_whole_tokens() {
         let s = AuthScheme::from_parts("bearer", Some("s3cret"), None, None, None).unwrap();
-        assert_eq!(s.verify(&headers(&[("authorization", "Bearer s3cret")]), b"", 0), Ok(()));
-        assert_eq!(s.verify(&headers(&[("authorization", "Bearer s3cre")]), b"", 0), Err(AuthFailure::BadSignature));
-        assert_eq!(s.verify(&headers(&[("authorization", "Bearer s3cretX")]), b"", 0), Err(AuthFailure::BadSignature));
-        assert_eq!(s.verify(&headers(&[("authorization", "Basic s3cret")]), b"", 0), Err(AuthFailure::Malformed));
-        assert_eq!(s.verify(&headers(&[]), b"", 0), Err(AuthFailure::MissingHeader));
+        assert_eq!(s.verify(&headers(&[("authorization", "Bearer s3cret")]), b"", ms(0)), Ok(()));
+        assert_eq!(
+            s.verify(&headers(&[("authorization", "Bearer s3cre")]), b"", ms(0)),
+            Err(AuthFailure::BadSignature)
+        );
+        assert_eq!(
+            s.verify(&headers(&[("authorization", "Bearer s3cretX")]), b"", ms(0)),
+            Err(AuthFailure::BadSignature)
+        );
+        assert_eq!(s.verify(&headers(&[("authorization", "Basic s3cret")]), b"", ms(0)), Err(AuthFailure::Malformed));
+        assert_eq!(s.verify(&headers(&[]), b"", ms(0)), Err(AuthFailure::MissingHeader));
         // The scheme's name in any case; nothing but a space after it.
-        assert_eq!(s.verify(&headers(&[("authorization", "BEARER s3cret")]), b"", 0), Ok(()));
-        assert_eq!(s.verify(&headers(&[("authorization", "bEaReR s3cret")]), b"", 0), Ok(()));
-        assert_eq!(s.verify(&headers(&[("authorization", "Bearers3cret")]), b"", 0), Err(AuthFailure::Malformed));
-        assert_eq!(s.verify(&headers(&[("authorization", "Bearer")]), b"", 0), Err(AuthFailure::Malformed));
-        assert_eq!(s.verify(&headers(&[("authorization", "Beär s3cret")]), b"", 0), Err(AuthFailure::Malformed));
+        assert_eq!(s.verify(&headers(&[("authorization", "BEARER s3cret")]), b"", ms(0)), Ok(()));
+        assert_eq!(s.verify(&headers(&[("authorization", "bEaReR s3cret")]), b"", ms(0)), Ok(()));
+        assert_eq!(s.verify(&headers(&[("authorization", "Bearers3cret")]), b"", ms(0)), Err(AuthFailure::Malformed));
+        assert_eq!(s.verify(&headers(&[("authorization", "Bearer")]), b"", ms(0)), Err(AuthFailure::Malformed));
+        assert_eq!(s.verify(&headers(&[("authorization", "Beär s3cret")]), b"", ms(0)), Err(AuthFailure::Malformed));
     }
 
     #[test]

@@ -80,6 +80,13 @@ pub(crate) const META_KEYS_BELOW: &str = "idempotency_keys_below";
 /// ([`IdempotencyIndex::rebuild`]): a rebuild scans the keys again only when the log
 /// reports other ranges.
 const META_MISSING_RANGES_RECONCILED: &str = "idempotency_missing_ranges_reconciled";
+/// How long after its retention window a key is swept. A request's lookup is made at
+/// the time its head arrived, which its body (up to `http.body_read_timeout_ms`) and a
+/// wait for room can put minutes behind the checkpoint that sweeps: a retry whose head
+/// arrived within the window still finds its key. Lookups apply the exact window, so a
+/// key kept longer changes no answer.
+pub const SWEEP_GRACE_MS: u64 = 5 * 60 * 1000;
+
 /// Set once the keys recorded before keys were scoped by endpoint were sorted out
 /// ([`IdempotencyIndex::forget_unscoped_keys_once`]).
 pub(crate) const META_KEYS_SCOPED_BY_ENDPOINT: &str = "idempotency_keys_scoped_by_endpoint";
@@ -347,7 +354,7 @@ impl IdempotencyIndex {
             owed_from.map_or(wal.next_offset(), |owed| owed.min(wal.next_offset()))
         };
         let state = self.state.clone();
-        let cutoff = now_unix_ms.saturating_sub(self.retention_ms);
+        let cutoff = now_unix_ms.saturating_sub(self.retention_ms).saturating_sub(SWEEP_GRACE_MS);
         tokio::task::spawn_blocking(move || commit_checkpoint(&state, through, cutoff))
             .await
             .map_err(|e| StateError::Storage(format!("checkpoint task failed: {e}")))??;
@@ -939,7 +946,7 @@ mod tests {
         // The time index lost the forgotten keys too: a sweep of everything passes.
         let wal_dir = tempfile::tempdir().unwrap();
         let wal = Wal::open(wal_dir.path(), wal::WalOptions::default()).unwrap();
-        index.checkpoint(&wal, 100_000).await.unwrap();
+        index.checkpoint(&wal, 100_000 + SWEEP_GRACE_MS).await.unwrap();
         assert_eq!(index.lookup(&mixed(Some(7), "d"), 10_500).unwrap(), None);
     }
 
@@ -1042,7 +1049,7 @@ mod tests {
         assert_eq!(keys_below(&index), Some(4));
         assert!(index.lookup(&key("kept"), 10_500).unwrap().is_some());
         // The time index lost them too: a sweep of everything passes.
-        index.checkpoint(&wal, 100_000).await.unwrap();
+        index.checkpoint(&wal, 100_000 + SWEEP_GRACE_MS).await.unwrap();
         assert_eq!(index.lookup(&key("kept"), 10_500).unwrap(), None);
     }
 
@@ -1061,7 +1068,13 @@ mod tests {
 
         let wal_dir = tempfile::tempdir().unwrap();
         let wal = Wal::open(wal_dir.path(), wal::WalOptions::default()).unwrap();
-        index.checkpoint(&wal, 20_000).await.unwrap();
+        // A checkpoint just past the window keeps it: a request whose head arrived
+        // within the window (its body still coming) looks it up at that earlier time.
+        index.checkpoint(&wal, 11_001).await.unwrap();
+        assert_eq!(index.lookup(&key("a"), 10_999).unwrap(), Some(prior));
+        index.checkpoint(&wal, 11_000 + SWEEP_GRACE_MS).await.unwrap();
+        assert_eq!(index.lookup(&key("a"), 10_999).unwrap(), Some(prior));
+        index.checkpoint(&wal, 11_001 + SWEEP_GRACE_MS).await.unwrap();
         // Swept: even a lookup "in the past" no longer finds it.
         assert_eq!(index.lookup(&key("a"), 10_500).unwrap(), None);
     }
