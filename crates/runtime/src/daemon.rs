@@ -1,11 +1,11 @@
 //! Starting, running and stopping the daemon.
 //!
 //! Start order: fetch the routes' `mapping_url`s (a failure refuses the start before
-//! anything is opened), open the log (taking its lock), open the state database (checking its
+//! anything is opened), bind both listeners (a taken port refuses it before the log is
+//! opened), open the log (taking its lock), open the state database (checking its
 //! schema version), rebuild the idempotency keys the last checkpoint missed (the first
 //! time on a database from before keys were scoped by endpoint, after forgetting
-//! every unscoped key), load the endpoints, bind both listeners;
-//! only then serve.
+//! every unscoped key), load the endpoints, start delivery; only then serve.
 //!
 //! Shutdown order (SIGTERM/SIGINT, [`RunningDaemon::shutdown`], or a task the daemon
 //! cannot run without ending by a panic):
@@ -149,6 +149,15 @@ pub async fn start(mut settings: Settings, metrics: Option<PrometheusHandle>) ->
     // Every metric at zero from the first scrape on (a no-op without a recorder).
     crate::telemetry::register_all(settings.sources.iter().map(|s| s.key.as_str()));
     crate::mapping_fetch::resolve_all(&mut settings.sources).await.map_err(StartError::Mapping)?;
+    // Bound first, served last: a port that is taken (an old process still stopping)
+    // fails the start before the log is opened (which would mark it not cleanly shut
+    // down) and before delivery begins. Until served, a connection waits in the backlog.
+    let http_listener =
+        server::bind(settings.http_listen).await.map_err(|source| StartError::Bind { listener: "webhook", source })?;
+    let admin_listener =
+        server::bind(settings.admin_listen).await.map_err(|source| StartError::Bind { listener: "admin", source })?;
+    let http_addr = http_listener.local_addr().map_err(|source| StartError::Bind { listener: "webhook", source })?;
+    let admin_addr = admin_listener.local_addr().map_err(|source| StartError::Bind { listener: "admin", source })?;
     wal::storage::create_dir_all_durably(&FsStorage, &settings.data_dir)
         .map_err(|source| StartError::DataDir { path: settings.data_dir.clone(), source })?;
     let wal_dir = settings.wal_dir();
@@ -248,13 +257,6 @@ pub async fn start(mut settings: Settings, metrics: Option<PrometheusHandle>) ->
         status,
         metrics: http_source::metrics::DoorMetrics::new(settings.sources.iter().map(|s| s.key.as_str())),
     });
-
-    let http_listener =
-        server::bind(settings.http_listen).await.map_err(|source| StartError::Bind { listener: "webhook", source })?;
-    let admin_listener =
-        server::bind(settings.admin_listen).await.map_err(|source| StartError::Bind { listener: "admin", source })?;
-    let http_addr = http_listener.local_addr().map_err(|source| StartError::Bind { listener: "webhook", source })?;
-    let admin_addr = admin_listener.local_addr().map_err(|source| StartError::Bind { listener: "admin", source })?;
 
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
     let shutdown_tx = Arc::new(shutdown_tx);

@@ -881,6 +881,10 @@ fn a_ready_file_left_by_an_earlier_run_is_removed_at_start() {
     std::fs::write(&ready, format!(r#"{{"http":"127.0.0.1:1","admin":"127.0.0.1:2","pid":{gone_pid}}}"#)).unwrap();
     assert!(!start().success(), "the start did not fail on the taken address");
     assert!(!ready.exists(), "the earlier run's ready file is still there");
+    // The address is bound before anything else is opened: the log was not (opening it
+    // would have marked it as not cleanly shut down, on every restart of a supervisor
+    // waiting for the port).
+    assert!(!dir.path().join("data").exists(), "the start opened the log before it found its port taken");
     // Written by a process that runs another program (a pid reused since): removed.
     let other = format!(r#"{{"http":"127.0.0.1:1","admin":"127.0.0.1:2","pid":{}}}"#, std::process::id());
     std::fs::write(&ready, &other).unwrap();
