@@ -307,6 +307,46 @@ async fn a_webhook_listener_that_panics_stops_the_daemon_with_status_1_and_loses
     assert!(daemon.stop().await.success());
 }
 
+/// After the daemon stopped itself (a listener panicked), a supervisor's ordinary stop
+/// signal during the drain is the first signal, not the second: the drain goes on (the
+/// log is closed cleanly, the keys checkpointed). Only a second one exits 130 at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_stop_of_its_own_the_first_signal_lets_the_drain_finish() {
+    let dest = Destination::broker().await;
+    let stream = unique("self-stop-signal");
+    let dir = test_dir(&stream);
+    let config = config_text(dir.path(), &dest.daemon_address(), &rest(&stream, 65536))
+        .replace("grace_period_ms = 20000", "grace_period_ms = 20000\ndrain_delay_ms = 60000");
+    let env = [
+        ("IGGY_INGEST_FAIL_POINT", "listener.accept".to_string()),
+        ("IGGY_INGEST_FAIL_POINT_HIT", "1".to_string()),
+        ("IGGY_INGEST_FAIL_POINT_ACTION", "panic".to_string()),
+    ];
+    let mut daemon = Daemon::start(dir.path(), &config, &env).await;
+    // The webhook listener panics as it accepts this connection, which is dropped (the
+    // admin listener is asked only after: its accept must not be the one that panics).
+    let dropped = async {
+        let mut c = Conn::open(daemon.http).await.ok()?;
+        c.send("GET", "/health", &[], b"".as_slice()).await.ok()
+    };
+    let answered = tokio::time::timeout(Duration::from_secs(10), dropped).await.ok().flatten();
+    assert!(answered.is_none(), "the connection the listener panicked on was answered");
+    wait_for(Duration::from_secs(30), "the daemon draining after the panic", async || {
+        e2e::daemon::get(daemon.admin, "/health").await.is_some_and(|a| a.json()["status"] == "draining")
+    })
+    .await;
+    let term = |d: &Daemon| {
+        // SAFETY: kill(2) with the pid of our own child process.
+        assert_eq!(unsafe { libc::kill(d.child.id() as i32, libc::SIGTERM) }, 0);
+    };
+    term(&daemon);
+    let early = daemon.wait_exit(Duration::from_millis(1500)).await;
+    assert!(early.is_none(), "the first signal after a stop of its own ended the drain: {early:?}");
+    term(&daemon);
+    let status = daemon.wait_exit(Duration::from_secs(30)).await.expect("the second signal did not stop it");
+    assert_eq!(status.code(), Some(130), "{status}: {}", daemon.stderr());
+}
+
 /// A crash after a keyed request's events were appended (and synced) and before its
 /// delivery id was recorded: its sender got no answer, yet the event is in the log. After
 /// the restart every retry, that one's included, is answered with the offsets the log

@@ -83,14 +83,19 @@ pub fn run(settings: Settings, ready_file: Option<PathBuf>) -> ExitCode {
             return ExitCode::FAILURE;
         }
         // A task the daemon cannot run without that panicked stops it too.
-        tokio::select! {
-            _ = signals.recv() => {}
-            _ = running.stopping() => {}
-        }
+        let signalled = tokio::select! {
+            _ = signals.recv() => true,
+            _ = running.stopping() => false,
+        };
         running.shutdown();
         // A second signal stops at once. Safe: every event answered 200 is already
         // durable in the log; only requests still in flight are cut (without a 200).
+        // After a stop of the daemon's own, the first signal (a supervisor's ordinary
+        // stop) is the first: it lets the drain finish.
         tokio::spawn(async move {
+            if !signalled {
+                signals.recv().await;
+            }
             signals.recv().await;
             eprintln!("iggy-ingest: second signal, exiting without waiting for the drain");
             std::process::exit(130);
