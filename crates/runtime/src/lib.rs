@@ -12,4 +12,5 @@ pub mod logging;
 pub mod mapping_fetch;
 pub mod run;
 pub mod telemetry;
+mod toml_lines;
 pub mod wal_cli;
