@@ -95,9 +95,28 @@ pub enum EndpointError {
          revoked ones are kept for ever (a revocation never comes back)"
     )]
     TooMany(usize),
+    /// A field of a registration that could never work as given (the message names it).
+    #[error("{0}")]
+    InvalidField(String),
     #[error(transparent)]
     State(#[from] StateError),
 }
+
+/// A secret a request can present for the scheme: a bearer token is visible ASCII
+/// without spaces (a request's `Authorization` header is trimmed, and holds nothing
+/// else), so a stored one outside that could never match and every request would get
+/// 401. Other schemes' secrets are keys, any bytes.
+fn check_new_secret(scheme: &str, secret: Option<&str>) -> Result<(), EndpointError> {
+    match secret {
+        Some(s) if scheme == "bearer" && !s.bytes().all(|b| b.is_ascii_graphic()) => Err(EndpointError::InvalidAuth(
+            "secret: a bearer token is visible ASCII without spaces; no request could present this one".to_string(),
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// The longest `handshake_param`: a query parameter's name.
+pub const HANDSHAKE_PARAM_MAX_BYTES: usize = 64;
 
 /// The most dynamic endpoints (revoked ones included: their tombstones are never
 /// removed, so that a revoked id never works again). Every one is held in memory and
@@ -372,6 +391,24 @@ impl EndpointRegistry {
         if !self.sources.contains(&source_key) {
             return Err(EndpointError::UnknownSource(source_key));
         }
+        // An endpoint that could only ever answer 410 would take a slot for good (a
+        // revoked one's tombstone counts too): an expiry in seconds reads as 1970.
+        if let Some(t) = expires_at_unix_ms.filter(|&t| t <= now_unix_ms) {
+            return Err(EndpointError::InvalidField(format!(
+                "expires_at_unix_ms: {t} is not in the future (milliseconds since the epoch; now is {now_unix_ms})"
+            )));
+        }
+        if let Some(p) = handshake_param.as_deref().filter(|p| {
+            p.is_empty()
+                || p.len() > HANDSHAKE_PARAM_MAX_BYTES
+                || !p.bytes().all(|b| b.is_ascii_graphic() && !matches!(b, b'&' | b'=' | b'#' | b'?'))
+        }) {
+            return Err(EndpointError::InvalidField(format!(
+                "handshake_param: {p:?} is not a query parameter name (1 to {HANDSHAKE_PARAM_MAX_BYTES} visible ASCII \
+                 characters, none of & = # ?)"
+            )));
+        }
+        check_new_secret(&auth.scheme, auth.secret.as_deref())?;
         if auth.secret.is_none() && auth.scheme != "none" {
             auth.secret = Some(generate_secret(&auth.scheme));
         }
@@ -424,6 +461,7 @@ impl EndpointRegistry {
         if record.auth.scheme == "none" {
             return Err(EndpointError::NoSecret(format_id(id)));
         }
+        check_new_secret(&record.auth.scheme, secret.as_deref())?;
         record.auth.secret = Some(secret.unwrap_or_else(|| generate_secret(&record.auth.scheme)));
         record.rotated_at_unix_ms = Some(now_unix_ms);
         let scheme = scheme_from_stored(&record.auth).map_err(EndpointError::InvalidAuth)?;
@@ -667,6 +705,43 @@ mod tests {
             Err(EndpointError::InvalidAuth(m)) => {
                 assert!(m.starts_with("tolerance_secs: 86401 is more than 86400"), "{m}")
             }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// A registration that could never work as given is refused, naming the field, and
+    /// takes no slot: an expiry not in the future (seconds given for milliseconds read
+    /// as 1970, and the endpoint would only answer 410), a handshake parameter no query
+    /// could carry, a bearer token no request could present. Rotating to such a token
+    /// is refused too.
+    #[tokio::test]
+    async fn a_registration_that_could_never_work_is_refused_naming_the_field() {
+        let dir = tempfile::tempdir().unwrap();
+        let state = Arc::new(StateDb::open(dir.path().join("s.redb")).unwrap());
+        let reg = Arc::new(EndpointRegistry::load(state, vec!["default".into()], vec![]).unwrap());
+        let now = 1_767_225_600_000;
+        let with_secret = |s: &str| StoredAuth { secret: Some(s.into()), ..bearer() };
+        let refusals: [(StoredAuth, Option<&str>, Option<u64>, &str); 6] = [
+            (bearer(), None, Some(1_767_225_600), "expires_at_unix_ms: 1767225600 is not in the future"),
+            (bearer(), None, Some(now), "expires_at_unix_ms"),
+            (bearer(), Some(""), None, "handshake_param"),
+            (bearer(), Some("a&b"), None, "handshake_param"),
+            (with_secret("tok "), None, None, "secret: a bearer token is visible ASCII"),
+            (with_secret("tök"), None, None, "secret: a bearer token is visible ASCII"),
+        ];
+        for (auth, param, expires, says) in refusals {
+            match reg.register("default".into(), auth, param.map(str::to_string), expires, now).await {
+                Err(e @ (EndpointError::InvalidField(_) | EndpointError::InvalidAuth(_))) => {
+                    assert!(e.to_string().contains(says), "{e}")
+                }
+                other => panic!("{param:?} {expires:?}: {other:?}"),
+            }
+        }
+        assert!(reg.list(now).is_empty(), "a refused registration was kept");
+        let fine = reg.register("default".into(), with_secret("tok"), Some("challenge".into()), Some(now + 1), now);
+        let fine = fine.await.unwrap();
+        match reg.rotate(fine.id, Some("new token".into()), now).await {
+            Err(EndpointError::InvalidAuth(m)) => assert!(m.contains("visible ASCII"), "{m}"),
             other => panic!("{other:?}"),
         }
     }
