@@ -184,7 +184,7 @@ fn resolve_endpoint(door: &Door, id: &str) -> Result<Arc<EndpointVersion>, ApiEr
 
 fn refusal_reason(refusal: Refusal) -> &'static str {
     match refusal {
-        Refusal::Unknown | Refusal::Revoked => "not_found",
+        Refusal::Unknown | Refusal::Revoked | Refusal::Unusable => "not_found",
         Refusal::Expired => "endpoint_expired",
     }
 }
@@ -192,7 +192,7 @@ fn refusal_reason(refusal: Refusal) -> &'static str {
 /// Revoked answers like unknown (404): a leaked URL tells nothing. Expired is 410.
 fn refusal_error(refusal: Refusal) -> ApiError {
     match refusal {
-        Refusal::Unknown | Refusal::Revoked => ApiError::not_found("no such endpoint"),
+        Refusal::Unknown | Refusal::Revoked | Refusal::Unusable => ApiError::not_found("no such endpoint"),
         Refusal::Expired => ApiError::new(StatusCode::GONE, "endpoint_expired", "this endpoint has expired"),
     }
 }

@@ -41,6 +41,10 @@ pub struct Endpoint {
     pub dynamic: bool,
     /// The stored form (dynamic endpoints only).
     pub record: Option<EndpointRecord>,
+    /// Why a dynamic endpoint's stored auth no longer reads (a record written by another
+    /// build, or damaged): it takes no request (404, as unknown) and can only be listed
+    /// and revoked.
+    pub unusable: Option<String>,
 }
 
 /// One version of an endpoint: its record as one change (load, register, rotate,
@@ -71,6 +75,8 @@ pub enum Refusal {
     Unknown,
     Revoked,
     Expired,
+    /// A stored endpoint whose auth no longer reads ([`Endpoint::unusable`]).
+    Unusable,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -85,6 +91,8 @@ pub enum EndpointError {
     UnknownSource(String),
     #[error("invalid auth: {0}")]
     InvalidAuth(String),
+    #[error("endpoint {0}'s stored auth no longer reads ({1}): it takes no request; revoke it and register a new one")]
+    Unusable(String, String),
     #[error(
         "endpoint {0} has auth_type \"none\": it has no secret to rotate (its id is its only secret); \
          register a new endpoint and revoke this one"
@@ -221,8 +229,9 @@ pub struct EndpointRegistry {
 
 impl EndpointRegistry {
     /// Loads the static endpoints and every dynamic one from the state database.
-    /// A live dynamic record whose auth no longer validates is skipped with an error log
-    /// (it answers 404); a revoked one stays a tombstone. A static endpoint whose id was
+    /// A live dynamic record whose auth no longer reads is loaded unusable, with an error
+    /// log: it answers 404, is listed as `unusable`, and can be revoked; a revoked one
+    /// stays a tombstone. A static endpoint whose id was
     /// revoked is refused: a revocation never comes back.
     pub fn load(
         state: Arc<StateDb>,
@@ -236,20 +245,24 @@ impl EndpointRegistry {
         };
         let mut map: HashMap<u128, Arc<EndpointVersion>> = HashMap::new();
         for record in state.load_endpoints()? {
-            let auth = match scheme_from_stored(&record.auth) {
-                Ok(a) => a,
+            let endpoint = match scheme_from_stored(&record.auth) {
+                Ok(auth) => endpoint_from_record(record, auth),
                 // A tombstone's auth is never checked, and must stay whatever it holds: a
                 // revocation never comes back, not even as a static endpoint of the same id.
                 Err(e) if record.revoked_at_unix_ms.is_some() => {
                     tracing::warn!(endpoint = %id_prefix(record.id), error = %e, "a revoked endpoint's stored auth no longer reads; it stays revoked");
-                    AuthScheme::None
+                    endpoint_from_record(record, AuthScheme::None)
                 }
                 Err(e) => {
-                    tracing::error!(endpoint = %id_prefix(record.id), error = %e, "stored endpoint has invalid auth; it answers 404");
-                    continue;
+                    tracing::error!(
+                        endpoint = %id_prefix(record.id),
+                        error = %e,
+                        "a stored endpoint's auth no longer reads; it answers 404 until revoked through the admin API"
+                    );
+                    unusable_from_record(record, e)
                 }
             };
-            map.insert(record.id, first_version(endpoint_from_record(record, auth)));
+            map.insert(endpoint.id, first_version(endpoint));
         }
         for s in statics {
             if let Some(dynamic) = map.get(&s.id) {
@@ -458,6 +471,9 @@ impl EndpointRegistry {
     ) -> Result<EndpointRecord, EndpointError> {
         let _serial = self.changes.lock().await;
         let mut record = self.dynamic_record(id)?;
+        if let Some(why) = self.current(id).and_then(|v| v.endpoint.unusable.clone()) {
+            return Err(EndpointError::Unusable(format_id(id), why));
+        }
         if record.auth.scheme == "none" {
             return Err(EndpointError::NoSecret(format_id(id)));
         }
@@ -474,7 +490,9 @@ impl EndpointRegistry {
         let _serial = self.changes.lock().await;
         let mut record = self.dynamic_record(id)?;
         record.revoked_at_unix_ms = Some(now_unix_ms);
-        let scheme = scheme_from_stored(&record.auth).map_err(EndpointError::InvalidAuth)?;
+        // A tombstone's auth is never checked: an endpoint whose stored auth no longer
+        // reads is revoked all the same (and loads as revoked after a restart).
+        let scheme = scheme_from_stored(&record.auth).unwrap_or(AuthScheme::None);
         self.commit(record.clone()).await?;
         self.install(endpoint_from_record(record.clone(), scheme)).await;
         Ok(record)
@@ -534,6 +552,8 @@ where
 fn check_active(e: &Endpoint, now_unix_ms: u64) -> Result<(), Refusal> {
     if e.revoked_at_unix_ms.is_some() {
         Err(Refusal::Revoked)
+    } else if e.unusable.is_some() {
+        Err(Refusal::Unusable)
     } else if e.expires_at_unix_ms.is_some_and(|t| t <= now_unix_ms) {
         Err(Refusal::Expired)
     } else {
@@ -551,12 +571,21 @@ fn endpoint_from_record(record: EndpointRecord, auth: AuthScheme) -> Endpoint {
         revoked_at_unix_ms: record.revoked_at_unix_ms,
         dynamic: true,
         record: Some(record),
+        unusable: None,
     }
+}
+
+/// A live stored endpoint whose auth does not read (`why`): it takes no request. Its
+/// auth is the never-checked placeholder; [`check_active`] refuses it first.
+fn unusable_from_record(record: EndpointRecord, why: String) -> Endpoint {
+    Endpoint { unusable: Some(why), ..endpoint_from_record(record, AuthScheme::None) }
 }
 
 fn view(e: &Endpoint, now_unix_ms: u64) -> EndpointView {
     let state = if e.revoked_at_unix_ms.is_some() {
         "revoked"
+    } else if e.unusable.is_some() {
+        "unusable"
     } else if e.expires_at_unix_ms.is_some_and(|t| t <= now_unix_ms) {
         "expired"
     } else {
@@ -603,6 +632,7 @@ mod tests {
             revoked_at_unix_ms: None,
             dynamic: false,
             record: None,
+            unusable: None,
         }
     }
 
@@ -789,6 +819,49 @@ mod tests {
         assert_eq!(again.lookup(rec.id, 14).err(), Some(Refusal::Revoked));
         assert!(again.lookup(1, 14).is_ok());
         assert_eq!(again.lookup(2, 14).err(), Some(Refusal::Unknown));
+    }
+
+    /// A live stored record whose auth this build cannot read takes no request, but is
+    /// listed and can be revoked, and the revocation holds across a restart: skipped at
+    /// load, it could never be revoked, and a build that reads it again would bring it back.
+    #[tokio::test]
+    async fn a_stored_endpoint_whose_auth_does_not_read_takes_nothing_but_can_be_revoked() {
+        let dir = tempfile::tempdir().unwrap();
+        let state = Arc::new(StateDb::open(dir.path().join("s.redb")).unwrap());
+        let id = 0x00aa_0000_0000_0000_0000_0000_0000_0001u128;
+        let unreadable = StoredAuth {
+            scheme: "a-scheme-of-another-build".into(),
+            secret: Some("s".into()),
+            header: None,
+            prefix: None,
+            tolerance_secs: None,
+        };
+        assert!(scheme_from_stored(&unreadable).is_err());
+        state
+            .put_endpoint(&EndpointRecord {
+                id,
+                source_key: "default".into(),
+                auth: unreadable,
+                handshake_param: None,
+                created_at_unix_ms: 1,
+                expires_at_unix_ms: None,
+                revoked_at_unix_ms: None,
+                rotated_at_unix_ms: None,
+            })
+            .unwrap();
+        let reg = Arc::new(EndpointRegistry::load(state.clone(), vec!["default".into()], vec![]).unwrap());
+        assert_eq!(reg.lookup(id, 2).err(), Some(Refusal::Unusable));
+        let listed = reg.list(2);
+        assert_eq!(listed.len(), 1);
+        assert_eq!(listed[0].state, "unusable");
+        assert!(matches!(reg.rotate(id, None, 3).await, Err(EndpointError::Unusable(..))));
+        let revoked = reg.revoke(id, 4).await.unwrap();
+        assert_eq!(revoked.revoked_at_unix_ms, Some(4));
+        assert_eq!(reg.lookup(id, 5).err(), Some(Refusal::Revoked));
+        drop(reg);
+        let again = EndpointRegistry::load(state, vec!["default".into()], vec![]).unwrap();
+        assert_eq!(again.lookup(id, 6).err(), Some(Refusal::Revoked));
+        assert_eq!(again.list(6)[0].state, "revoked");
     }
 
     #[tokio::test]

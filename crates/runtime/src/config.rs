@@ -1105,6 +1105,7 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
                 revoked_at_unix_ms: None,
                 dynamic: false,
                 record: None,
+                unusable: None,
             });
         }
         let spec = SourceSpec {
