@@ -357,6 +357,29 @@ async fn the_dashboard_and_the_alerts_use_only_what_the_daemon_exports() {
     for (name, e) in &alerts {
         problems.extend(check_expr(e, &samples).into_iter().map(|p| format!("alert {name}: {p}")));
     }
+    // The alert tests' made-up series use names and label values the daemon emits, so
+    // a passing `promtool test rules` speaks of series that can exist. Source and
+    // connector keys are the test's own; every other label value must be a real one.
+    let tests_text = std::fs::read_to_string(repo().join("config/prometheus/alerts_test.yml")).unwrap();
+    let test_series = test_input_series(&tests_text);
+    assert!(test_series.len() >= 15, "too few input series found: {test_series:?}");
+    for (name, labels) in test_series.iter().filter(|(name, _)| name != "up") {
+        let series: Vec<&Sample> = samples.iter().filter(|s| &s.name == name).collect();
+        if series.is_empty() {
+            problems.push(format!("alerts_test.yml: the daemon has no series {name}"));
+            continue;
+        }
+        for (label, val) in labels {
+            if ["job", "instance", "source", "connector_key", "stream", "topic", "destination"]
+                .contains(&label.as_str())
+            {
+                continue;
+            }
+            if !series.iter().any(|s| s.labels.get(label) == Some(val)) {
+                problems.push(format!("alerts_test.yml: {name} has no series with {label}=\"{val}\""));
+            }
+        }
+    }
     assert!(problems.is_empty(), "{}", problems.join("\n"));
 
     // What the brief asks the alerts to watch, by metric.
@@ -373,6 +396,24 @@ async fn the_dashboard_and_the_alerts_use_only_what_the_daemon_exports() {
         assert!(all_alert_text.contains(watched), "no alert watches {watched}");
     }
     assert!(d.stop().success());
+}
+
+/// The `input_series` of a promtool rule-test file: each series' metric name and labels.
+fn test_input_series(text: &str) -> Vec<(String, BTreeMap<String, String>)> {
+    text.lines()
+        .filter_map(|l| l.trim().strip_prefix("- series:"))
+        .map(|l| {
+            let l = l.trim().trim_matches('\'');
+            let (name, rest) = l.split_once('{').unwrap_or((l, "}"));
+            let labels = rest
+                .trim_end_matches('}')
+                .split(',')
+                .filter_map(|kv| kv.split_once('='))
+                .map(|(k, v)| (k.trim().to_string(), v.trim().trim_matches('"').to_string()))
+                .collect();
+            (name.trim().to_string(), labels)
+        })
+        .collect()
 }
 
 #[test]
