@@ -610,3 +610,30 @@ fn a_new_log_directory_survives_a_power_loss_with_its_records() {
     let tags: Vec<u64> = read_all(&wal, 0).iter().map(|r| tag_of(&r.payload)).collect();
     assert_eq!(tags, vec![0, 1, 2], "the power loss took the new directory, or records in it");
 }
+
+/// A log directory that already exists may be one an earlier run created and stopped
+/// before syncing its parent (killed, or a failed sync): its entry, and with it every
+/// record synced inside it, is not yet durable. An open makes it so whether or not it
+/// created the directory, before it accepts an append.
+#[test]
+fn an_existing_log_directory_whose_entry_never_reached_the_disk_is_made_durable_at_open() {
+    // The directories exist, their entries never synced: an installer's `mkdir -p`, or
+    // an earlier open that stopped at its first directory sync.
+    for earlier_open_fails in [false, true] {
+        let sim = SimStorage::new();
+        if earlier_open_fails {
+            sim.fail_nth(FaultOp::SyncDir, 1, std::io::ErrorKind::Other);
+            assert!(try_open(&sim, small_options()).is_err(), "the first open's directory sync fails");
+            sim.disarm();
+        } else {
+            sim.create_dir_all(&dir()).unwrap();
+        }
+        let wal = open(&sim, small_options());
+        rt().block_on(wal.append(vec![payload(0, 100)])).unwrap();
+        drop(wal);
+        sim.crash(CrashMode::LoseUnsynced);
+        let wal = open(&sim, small_options());
+        let tags: Vec<u64> = read_all(&wal, 0).iter().map(|r| tag_of(&r.payload)).collect();
+        assert_eq!(tags, vec![0], "earlier open failed: {earlier_open_fails}");
+    }
+}

@@ -12,7 +12,8 @@
 //! - A directory entry (create, rename, remove) is durable only after `sync_dir` on its
 //!   directory; until then a power loss may undo it. That holds for directories too: a
 //!   directory `create_dir_all` made survives a power loss only once its parent was
-//!   synced, and [`create_dir_all_durably`] is how the log creates one.
+//!   synced, and [`create_dir_all_durably`] is how the log creates one (or opens one
+//!   that exists: an earlier run may have stopped before that sync).
 //! - A failed `sync_data` says nothing about what is durable: the caller must not treat a
 //!   later successful sync as covering the earlier writes.
 
@@ -80,24 +81,25 @@ pub trait StorageFile: Send + Sync + Debug {
     fn drop_cached(&self) -> io::Result<()>;
 }
 
-/// Creates `dir` and its missing parents so that they survive a power loss: every
-/// directory created is synced (its own entries, the next one created among them) and so
-/// is its parent (its entry). Without this, a power loss after the first writes could
-/// take a new log directory away whole, with everything synced inside it.
+/// Creates `dir` and its missing parents so that they survive a power loss: `dir` and
+/// every ancestor, innermost first, is synced (its entries: the next one down among
+/// them), whether or not this call created it. Without this, a power loss after the
+/// first writes could take a new log directory away whole, with everything synced
+/// inside it; and a directory that already exists may be one an earlier run created and
+/// stopped (killed, or failed) before syncing its parent, so existing is no proof that
+/// its entry is durable. A directory this call did not create whose sync is refused for
+/// want of permission (it can be written and searched without being readable) is
+/// passed over; `dir` itself, every directory created now, and any other error fail.
 pub fn create_dir_all_durably(storage: &dyn Storage, dir: &Path) -> io::Result<()> {
     let created = storage.create_dir_all(dir)?;
-    let mut to_sync: Vec<&Path> = Vec::new();
-    for d in created.iter().rev() {
-        // A relative path's outermost directory has the empty path as its parent.
-        let parent = d.parent().map(|p| if p.as_os_str().is_empty() { Path::new(".") } else { p });
-        for p in std::iter::once(d.as_path()).chain(parent) {
-            if !to_sync.contains(&p) {
-                to_sync.push(p);
-            }
+    // A relative path's outermost directory has the empty path as its parent.
+    let chain = dir.ancestors().map(|p| if p.as_os_str().is_empty() { Path::new(".") } else { p });
+    for p in chain {
+        match storage.sync_dir(p) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::PermissionDenied && p != dir && !created.iter().any(|c| c == p) => {}
+            Err(e) => return Err(io::Error::new(e.kind(), format!("syncing directory {}: {e}", p.display()))),
         }
-    }
-    for p in to_sync {
-        storage.sync_dir(p).map_err(|e| io::Error::new(e.kind(), format!("syncing directory {}: {e}", p.display())))?;
     }
     Ok(())
 }
