@@ -227,10 +227,11 @@ fn a_disk_with_room_for_a_group_but_not_its_zeros_takes_the_group() {
         // Room for the next group (332 bytes framed) but not for 1 KiB of zeros after it.
         sim.set_space_limit(Some(sim.used_bytes() + 500));
         wal.append(vec![payload(20, 300)]).await.unwrap_or_else(|e| panic!("refused though it fits: {e}"));
-        // The zeros were not written, so the next append grows the file again, and
-        // writes zeros after itself again, as any write that grows the file does.
+        // The zeros were written only as far as the disk had room (168 bytes), so the
+        // next append, longer than that, grows the file again, and writes zeros after
+        // itself again, as any write that grows the file does.
         sim.set_space_limit(None);
-        wal.append(vec![payload(21, 100)]).await.unwrap_or_else(|e| panic!("{e}"));
+        wal.append(vec![payload(21, 300)]).await.unwrap_or_else(|e| panic!("{e}"));
         let file_len = sim.read_file(&dir().join(segment_file_name(0))).unwrap().len() as u64;
         assert_eq!(file_len, wal.stats().used_bytes + 1024, "no zeros after the append that grew the file");
         wal.close().await.unwrap_or_else(|e| panic!("{e}"));

@@ -28,9 +28,11 @@
 //! with [`SimStorage::write_file_durably`].
 //!
 //! A failed `sync_data` behaves like Linux after an `EIO` writeback error: the dirty
-//! pages are marked clean without reaching the disk, so a later successful sync does not
-//! cover them (the bytes in the lost range read back as zeros after a crash, or after
-//! `drop_cached` evicted them).
+//! pages are marked clean, so a later successful sync does not cover them. Some may have
+//! reached the disk before the error, sector by sector (the others read back as what the
+//! disk held before, zeros past its old end, after a crash or once `drop_cached` evicted
+//! them), and a shorter length the sync was to persist may not be durable (a crash can
+//! bring the old length back). Which, is drawn from the operation count.
 //!
 //! Faults are injected by operation count ([`SimStorage::fail_nth`],
 //! [`SimStorage::crash_at_nth`]) or by a space limit ([`SimStorage::set_space_limit`]),
@@ -106,6 +108,8 @@ struct State {
     locks: HashSet<PathBuf>,
     armed: Vec<Armed>,
     space_limit_bytes: Option<u64>,
+    /// Whether a failed sync may have written some of its sectors (the default) or none.
+    failed_syncs_write_nothing: bool,
     crashes: u64,
     ops: u64,
 }
@@ -331,6 +335,7 @@ impl SimStorage {
                 locks: HashSet::new(),
                 armed: Vec::new(),
                 space_limit_bytes: None,
+                failed_syncs_write_nothing: false,
                 crashes: 0,
                 ops: 0,
             })),
@@ -365,9 +370,19 @@ impl SimStorage {
         lock(&self.state).armed.clear();
     }
 
-    /// Writes that would grow the disk's total past `limit` fail with `StorageFull`.
+    /// Writes that would grow the disk's total past `limit` fail with `StorageFull`,
+    /// having written the part that fits.
     pub fn set_space_limit(&self, limit_bytes: Option<u64>) {
         lock(&self.state).space_limit_bytes = limit_bytes;
+    }
+
+    /// From now on a failed sync writes none of its sectors and its length is durable
+    /// (as if the disk had persisted the size, then failed every page). By default some
+    /// sectors may have reached the disk and a shrink may not be durable. A test that
+    /// must tell whether the log read a failed write back from the page cache or from
+    /// the disk needs this: a sector the disk did get reads the same either way.
+    pub fn set_failed_syncs_write_nothing(&self, on: bool) {
+        lock(&self.state).failed_syncs_write_nothing = on;
     }
 
     /// Bytes held by all files.
@@ -572,17 +587,24 @@ impl StorageFile for SimFile {
         let pos = usize::try_from(pos).map_err(|_| eio("position"))?;
         let end = pos + buf.len();
         let used = st.used_bytes();
-        let grows_by = end.saturating_sub(self.live(&mut st)?.data.len()) as u64;
-        if let Some(limit) = st.space_limit_bytes
-            && used + grows_by > limit
-        {
-            return Err(io::Error::new(io::ErrorKind::StorageFull, "simulated disk full"));
-        }
-        let (n, result) = match st.check(FaultOp::Write) {
-            Ok(()) => (buf.len(), Ok(())),
-            Err(e) if e.kind() == io::ErrorKind::Other && st.epoch != self.epoch => return Err(e),
-            Err(e) => (buf.len() / 2, Err(e)),
+        let len_now = self.live(&mut st)?.data.len();
+        let grows_by = end.saturating_sub(len_now) as u64;
+        let (n, result) = match st.space_limit_bytes {
+            // A disk that runs out part of the way writes what fits, as `pwrite` does.
+            Some(limit) if used + grows_by > limit => {
+                let room = usize::try_from(limit.saturating_sub(used)).unwrap_or(usize::MAX);
+                let n = (len_now.saturating_add(room)).saturating_sub(pos).min(buf.len());
+                (n, Err(io::Error::new(io::ErrorKind::StorageFull, "simulated disk full")))
+            }
+            _ => match st.check(FaultOp::Write) {
+                Ok(()) => (buf.len(), Ok(())),
+                Err(e) if e.kind() == io::ErrorKind::Other && st.epoch != self.epoch => return Err(e),
+                Err(e) => (buf.len() / 2, Err(e)),
+            },
         };
+        if n == 0 {
+            return result;
+        }
         let inode = st.inodes.get_mut(&self.ino).ok_or_else(|| eio("inode gone"))?;
         if inode.data.len() < pos + n {
             inode.data.resize(pos + n, 0);
@@ -597,13 +619,32 @@ impl StorageFile for SimFile {
         self.live(&mut st)?;
         if let Err(e) = st.check(FaultOp::Sync) {
             if st.epoch == self.epoch {
-                // Linux after a writeback error: the pages are clean, the bytes are not
-                // on disk, and nothing will write them again.
+                // Linux after a writeback error: the pages are clean and nothing will
+                // write them again; which of them reached the disk before the error is
+                // anyone's guess, sector by sector, and a cut the sync was to persist
+                // may not be durable. Decided here, from the operation count, so a test
+                // replays it exactly.
+                let mut r = Rng::new(st.ops ^ 0xFA11_ED5C);
+                let nothing = st.failed_syncs_write_nothing;
                 let inode = st.inodes.get_mut(&self.ino).ok_or_else(|| eio("inode gone"))?;
                 let from = inode.dirty_from.min(inode.data.len());
-                let keep = from.min(inode.durable.len());
-                inode.durable.truncate(keep);
-                inode.durable.resize(inode.data.len(), 0);
+                let old_len = inode.durable.len();
+                let len =
+                    if inode.data.len() < old_len && !nothing && r.below(2) == 0 { old_len } else { inode.data.len() };
+                let mut image = std::mem::take(&mut inode.durable);
+                image.resize(len, 0);
+                let mut s = from / SECTOR_BYTES;
+                while s * SECTOR_BYTES < len.min(inode.data.len()) {
+                    let a = (s * SECTOR_BYTES).max(from);
+                    let b = ((s + 1) * SECTOR_BYTES).min(len).min(inode.data.len());
+                    if !nothing && r.below(2) == 0 {
+                        image[a..b].copy_from_slice(&inode.data[a..b]);
+                    } else if a >= old_len {
+                        image[a..b].fill(0);
+                    }
+                    s += 1;
+                }
+                inode.durable = image;
                 inode.dirty_from = usize::MAX;
             }
             return Err(e);
@@ -714,24 +755,75 @@ mod tests {
         assert!(s.read_file(Path::new("/d/b")).is_err(), "an unsynced directory entry survived");
     }
 
+    /// A failed sync's pages are clean but may or may not be on the disk: once evicted
+    /// from the cache they read back as what reached it (both outcomes occur as the
+    /// operation count varies), while bytes written after it, still dirty, are kept.
     #[test]
-    fn dropping_the_cache_shows_what_a_failed_sync_never_wrote_and_keeps_dirty_bytes() {
-        let s = SimStorage::new();
-        let f = file(&s, "/d/a");
-        f.write_all_at(b"synced", 0).unwrap();
-        f.sync_data().unwrap();
-        f.write_all_at(b"-failed", 6).unwrap();
-        s.fail_nth(FaultOp::Sync, 1, io::ErrorKind::Other);
-        assert!(f.sync_data().is_err());
-        f.write_all_at(b"-dirty", 13).unwrap();
-        let read = |f: &Arc<dyn StorageFile>| {
-            let mut b = vec![0u8; f.len().unwrap() as usize];
-            read_exact_at(&**f, &mut b, 0).unwrap();
-            b
-        };
-        assert_eq!(read(&f), b"synced-failed-dirty", "the page cache holds all of it");
-        f.drop_cached().unwrap();
-        assert_eq!(read(&f), b"synced\0\0\0\0\0\0\0-dirty", "from the disk, but for the dirty bytes");
+    fn dropping_the_cache_shows_what_a_failed_sync_wrote_or_not_and_keeps_dirty_bytes() {
+        let (mut saw_written, mut saw_lost) = (false, false);
+        for ops_before in 0..32 {
+            let s = SimStorage::new();
+            let f = file(&s, "/d/a");
+            s.sync_dir(Path::new("/d")).unwrap();
+            for _ in 0..ops_before {
+                f.write_all_at(b"x", 0).unwrap(); // counted operations, overwritten below
+            }
+            f.write_all_at(b"synced", 0).unwrap();
+            f.sync_data().unwrap();
+            f.write_all_at(b"-failed", 6).unwrap();
+            s.fail_nth(FaultOp::Sync, 1, io::ErrorKind::Other);
+            assert!(f.sync_data().is_err());
+            f.write_all_at(b"-dirty", 13).unwrap();
+            let read = |f: &Arc<dyn StorageFile>| {
+                let mut b = vec![0u8; f.len().unwrap() as usize];
+                read_exact_at(&**f, &mut b, 0).unwrap();
+                b
+            };
+            assert_eq!(read(&f), b"synced-failed-dirty", "the page cache holds all of it");
+            f.drop_cached().unwrap();
+            let b = read(&f);
+            if b == b"synced-failed-dirty" {
+                saw_written = true;
+            } else {
+                assert_eq!(b, b"synced\0\0\0\0\0\0\0-dirty", "from the disk, but for the dirty bytes");
+                saw_lost = true;
+            }
+            // Nothing writes the failed pages again: a later successful sync does not
+            // change what the disk holds of them.
+            f.sync_data().unwrap();
+            s.crash(CrashMode::LoseUnsynced);
+            assert_eq!(s.read_file(Path::new("/d/a")).unwrap(), b, "ops before: {ops_before}");
+        }
+        assert!(saw_written && saw_lost, "written {saw_written}, lost {saw_lost}");
+    }
+
+    /// A shrink whose sync failed is not durable for sure: a crash may bring back the
+    /// old length and bytes (over the operation counts, both occur).
+    #[test]
+    fn a_shrink_whose_sync_failed_may_come_back_at_its_old_length() {
+        let (mut saw_old, mut saw_new) = (false, false);
+        for ops_before in 0..32 {
+            let s = SimStorage::new();
+            let f = file(&s, "/d/a");
+            s.sync_dir(Path::new("/d")).unwrap();
+            for _ in 0..ops_before {
+                f.write_all_at(b"x", 0).unwrap(); // counted operations, overwritten below
+            }
+            f.write_all_at(&[0x11; 4 * SECTOR_BYTES], 0).unwrap();
+            f.sync_data().unwrap();
+            f.set_len(SECTOR_BYTES as u64).unwrap();
+            s.fail_nth(FaultOp::Sync, 1, io::ErrorKind::Other);
+            assert!(f.sync_data().is_err());
+            s.crash(CrashMode::LoseUnsynced);
+            let after = s.read_file(Path::new("/d/a")).unwrap();
+            assert!(after.iter().all(|&b| b == 0x11), "ops before {ops_before}: bytes that were never there");
+            match after.len() {
+                n if n == SECTOR_BYTES => saw_new = true,
+                n if n == 4 * SECTOR_BYTES => saw_old = true,
+                n => panic!("ops before {ops_before}: length {n}"),
+            }
+        }
+        assert!(saw_old && saw_new, "old length {saw_old}, new {saw_new}");
     }
 
     /// After an unsynced shrink, a reordered crash that keeps the old length keeps the
