@@ -727,6 +727,14 @@ fn ingest_error(e: IngestError, retry_after_secs: u64) -> ApiError {
             tracing::error!(error = %m, "the log stopped taking appends; /health now answers 503");
             ApiError::unavailable("log_unavailable", "the log cannot take events now", retry_after_secs)
         }
+        IngestError::LookupTooLate { waited_ms, .. } => {
+            tracing::warn!(waited_ms, "a request with a delivery id took too long to reach its lookup: answering 503");
+            ApiError::unavailable(
+                "lookup_too_late",
+                "the request took too long between its head and its delivery-id check; retry",
+                retry_after_secs,
+            )
+        }
         IngestError::Internal(ref m) => {
             tracing::error!(error = %m, "internal error while accepting");
             ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", "internal error")

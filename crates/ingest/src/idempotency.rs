@@ -84,7 +84,9 @@ const META_MISSING_RANGES_RECONCILED: &str = "idempotency_missing_ranges_reconci
 /// the time its head arrived, which its body (up to `http.body_read_timeout_ms`) and a
 /// wait for room can put minutes behind the checkpoint that sweeps: a retry whose head
 /// arrived within the window still finds its key. Lookups apply the exact window, so a
-/// key kept longer changes no answer.
+/// key kept longer changes no answer. A request that reaches its lookup later than this
+/// after its head is refused (`IngestError::LookupTooLate`), and `http.body_read_timeout_ms`
+/// is bounded well inside it.
 pub const SWEEP_GRACE_MS: u64 = 5 * 60 * 1000;
 
 /// Set once the keys recorded before keys were scoped by endpoint were sorted out

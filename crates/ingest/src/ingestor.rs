@@ -28,7 +28,7 @@ use wal::{Wal, WalError};
 use crate::envelope::{
     Destination, Envelope, EnvelopeHeaderRef, MetadataRef, MetadataValue, message_id_for_delivery, random_message_id,
 };
-use crate::idempotency::{IdempotencyIndex, IdempotencyKey, PriorAcceptance};
+use crate::idempotency::{IdempotencyIndex, IdempotencyKey, PriorAcceptance, SWEEP_GRACE_MS};
 use crate::state::StateError;
 
 /// One event of a submission and where it goes (resolved at the door).
@@ -95,6 +95,15 @@ pub enum IngestError {
     /// have lost appends already answered); only a restart recovers.
     #[error("log stopped: {0}")]
     Stopped(String),
+    /// A keyed request reached its delivery-id lookup more than
+    /// [`crate::idempotency::SWEEP_GRACE_MS`] after its head arrived: a checkpoint may have
+    /// swept the key its lookup window still covers, so the lookup could answer "new" for
+    /// a delivery already accepted. Nothing was appended; a retry is looked up afresh.
+    #[error(
+        "the request reached its delivery-id lookup {waited_ms} ms after its head arrived, more than the {grace_ms} ms \
+         keys are kept past their window"
+    )]
+    LookupTooLate { waited_ms: u64, grace_ms: u64 },
     #[error("internal error: {0}")]
     Internal(String),
 }
@@ -112,6 +121,7 @@ impl IngestError {
             IngestError::StateUnavailable(_) => "state_unavailable",
             IngestError::Unavailable(_) => "log_unavailable",
             IngestError::Stopped(_) => "log_stopped",
+            IngestError::LookupTooLate { .. } => "lookup_too_late",
             IngestError::Internal(_) => "internal",
         }
     }
@@ -260,6 +270,14 @@ impl Ingestor {
         };
         let key = IdempotencyKey { source_key: s.source_key.clone(), endpoint_id: s.endpoint_id, delivery_key };
         let claim = self.idempotency.claim(&key).await.ok_or(IngestError::InFlight)?;
+        // The lookup is made at the head's arrival time, but a checkpoint sweeps by its own
+        // clock, keeping keys only SWEEP_GRACE_MS past their window: a request that took
+        // longer than that to get here (a body trickling in, a wait for room) could miss
+        // the key of a delivery already accepted and append it again.
+        let waited_ms = crate::time::now_unix_ms().saturating_sub(s.received_at_unix_ms);
+        if waited_ms > SWEEP_GRACE_MS {
+            return Err(IngestError::LookupTooLate { waited_ms, grace_ms: SWEEP_GRACE_MS });
+        }
         if let Some(prior) = self.prior(&key, s.received_at_unix_ms)? {
             return self.replay(&key, prior);
         }
@@ -443,6 +461,30 @@ mod tests {
             Err(IngestError::StateUnavailable(_)) => {}
             other => panic!("{other:?}"),
         }
+    }
+
+    /// A keyed request that reached its lookup more than SWEEP_GRACE_MS after its head
+    /// arrived is refused (retryable), appending nothing: a checkpoint may have swept the
+    /// key its lookup window covers, and "new" would append an accepted delivery again.
+    /// A request without a delivery id has no lookup to miss, and is taken.
+    #[tokio::test]
+    async fn a_keyed_request_that_reaches_its_lookup_past_the_sweep_grace_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let (wal, ing) = open(dir.path());
+        let late = |key: Option<&str>, by_ms: u64| {
+            let mut s = submission(key, &["x"]);
+            s.received_at_unix_ms -= by_ms;
+            s
+        };
+        match ing.accept(late(Some("d"), SWEEP_GRACE_MS + 1_000)).await {
+            Err(e @ IngestError::LookupTooLate { .. }) => assert_eq!(e.reason(), "lookup_too_late"),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(wal.next_offset(), 0, "a refused request was appended");
+        let a = ing.accept(late(Some("d"), SWEEP_GRACE_MS - 60_000)).await.unwrap();
+        assert_eq!((a.first_offset, a.replayed), (0, false));
+        let b = ing.accept(late(None, SWEEP_GRACE_MS + 1_000)).await.unwrap();
+        assert_eq!(b.first_offset, 1);
     }
 
     #[tokio::test]

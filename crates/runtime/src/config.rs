@@ -759,6 +759,11 @@ impl Checker<'_> {
     }
 }
 
+/// The longest `http.body_read_timeout_ms`: two minutes, well inside the five minutes
+/// (`ingest::idempotency::SWEEP_GRACE_MS`) a request with a delivery id has from its head
+/// to its lookup, so a slow body meets its 408 rather than a 503 once it was read.
+const BODY_READ_TIMEOUT_MS_MAX: u64 = 120_000;
+
 /// The longest `shutdown.grace_period_ms` and `shutdown.drain_delay_ms`: an hour, far
 /// past any supervisor's stop timeout (systemd's default is 90 s).
 const SHUTDOWN_MS_MAX: u64 = 3_600_000;
@@ -784,6 +789,16 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
     }
     let header_read_timeout_ms = c.positive(&http.key("header_read_timeout_ms"), config.http.header_read_timeout_ms);
     let body_read_timeout_ms = c.positive(&http.key("body_read_timeout_ms"), config.http.body_read_timeout_ms);
+    if body_read_timeout_ms > BODY_READ_TIMEOUT_MS_MAX {
+        c.err(
+            &http.key("body_read_timeout_ms"),
+            format!(
+                "must be at most {BODY_READ_TIMEOUT_MS_MAX}: a request with a delivery id must reach its lookup within \
+                 {} ms of its head (keys are kept that long past their window), or it is refused with 503",
+                ingest::idempotency::SWEEP_GRACE_MS
+            ),
+        );
+    }
     let write_timeout_ms = c.positive(&http.key("write_timeout_ms"), config.http.write_timeout_ms);
     let max_connections = c.positive(&http.key("max_connections"), config.http.max_connections);
     if max_connections > MAX_CONNECTIONS_LIMIT {
@@ -1697,6 +1712,19 @@ mod tests {
         let set = validate(&parse(text, None).unwrap(), Some(text), None).unwrap();
         assert_eq!(set.runtime_worker_threads(2), 3);
         assert_eq!(set.runtime_worker_threads(64), 3);
+    }
+
+    /// A keyed request has five minutes from its head to its lookup; a body timeout
+    /// near that would turn a slow sender's 408 into a 503 after its body was read.
+    #[test]
+    fn a_body_read_timeout_past_two_minutes_is_refused_naming_the_key() {
+        let src = "[sources.a]\ndestination = { stream = \"s\", topic = \"t\" }\n";
+        let at_max = format!("[http]\nbody_read_timeout_ms = 120000\n{src}");
+        assert!(validate(&parse(&at_max, None).unwrap(), Some(&at_max), None).is_ok());
+        let e = errors(&format!("[http]\nbody_read_timeout_ms = 120001\n{src}"));
+        assert_eq!(e.len(), 1, "{e:?}");
+        assert_eq!((e[0].path.as_str(), e[0].line), ("http.body_read_timeout_ms", Some(2)));
+        assert!(e[0].to_string().contains("must be at most 120000"), "{}", e[0]);
     }
 
     #[test]

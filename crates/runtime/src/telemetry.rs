@@ -266,6 +266,7 @@ pub const REJECTION_REASONS: &[&str] = &[
     "log_full",
     "disk_full",
     "state_unavailable",
+    "lookup_too_late",
     "shutting_down",
     "log_unavailable",
 ];
