@@ -61,7 +61,7 @@
 //!   again (a duplicate, never a loss).
 
 use std::collections::HashSet;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use redb::{Durability, ReadableDatabase, ReadableTable};
@@ -162,6 +162,10 @@ pub struct IdempotencyIndex {
     /// The first offset of the earliest record whose key could not be recorded since
     /// the last rebuild: the checkpoint stays below it until a rebuild restored it.
     first_unrecorded: Mutex<Option<u64>>,
+    /// Set while a reopen of the state database may have happened without its dropped
+    /// keys being owed yet: a recovery cancelled at its await (the daemon aborts its
+    /// checkpoint task at shutdown) leaves it set, and the next recovery owes them.
+    reopen_unsettled: AtomicBool,
     gate: Arc<RwLock<()>>,
     in_flight: Mutex<HashSet<Vec<u8>>>,
     recorder: Mutex<Option<std::sync::mpsc::Sender<RecordJob>>>,
@@ -170,6 +174,10 @@ pub struct IdempotencyIndex {
     /// end (a test makes the log's interval sync land there).
     #[cfg(test)]
     after_restore: Mutex<Option<std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>>>,
+    /// Run once by the next recovery right after its reopen returned (a test cancels
+    /// the recovery there).
+    #[cfg(test)]
+    after_reopen: Mutex<Option<std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>>>,
 }
 
 /// One key to record, and where to say it was.
@@ -253,12 +261,15 @@ impl IdempotencyIndex {
             retention_ms,
             durable_through: Arc::new(AtomicU64::new(0)),
             first_unrecorded: Mutex::new(None),
+            reopen_unsettled: AtomicBool::new(false),
             gate: Arc::new(RwLock::new(())),
             in_flight: Mutex::new(HashSet::new()),
             recorder: Mutex::new(recorder),
             recorder_thread: Mutex::new(recorder_thread),
             #[cfg(test)]
             after_restore: Mutex::new(None),
+            #[cfg(test)]
+            after_reopen: Mutex::new(None),
         }
     }
 
@@ -375,10 +386,22 @@ impl IdempotencyIndex {
 
     /// [`IdempotencyIndex::recover`] for a caller holding the gate exclusively.
     async fn recover_locked(&self, wal: &Wal, now_unix_ms: u64) -> Result<bool, StateError> {
+        if self.reopen_unsettled.swap(true, Ordering::AcqRel) {
+            // An earlier recovery stopped at its await below: its reopen may have run to
+            // the end on its blocking thread, its dropped keys owed by no one.
+            self.owe_from(self.durable_through.load(Ordering::Acquire));
+        }
         let state = self.state.clone();
         let reopened = tokio::task::spawn_blocking(move || state.reopen_if_failed())
             .await
             .map_err(|e| StateError::Storage(format!("reopen task failed: {e}")))??;
+        #[cfg(test)]
+        {
+            let hook = self.after_reopen.lock().unwrap_or_else(|p| p.into_inner()).take();
+            if let Some(hook) = hook {
+                hook.await;
+            }
+        }
         if reopened {
             // The repair kept the last durable commit: keys recorded since (not durably)
             // are gone from the database, and owed until a restore reads their records.
@@ -387,9 +410,12 @@ impl IdempotencyIndex {
             // `interval`, not yet synced) have lost their keys. Under `always` it read
             // every answered record.
             self.owe_from(self.durable_through.load(Ordering::Acquire));
+            self.reopen_unsettled.store(false, Ordering::Release);
             let report = self.restore_from_log(wal, now_unix_ms)?;
             tracing::warn!(?report, "idempotency keys restored from the log after the state database was reopened");
             self.owe_from(self.durable_through.load(Ordering::Acquire));
+        } else {
+            self.reopen_unsettled.store(false, Ordering::Release);
         }
         Ok(reopened)
     }
@@ -842,6 +868,48 @@ mod tests {
         assert_eq!(wal.next_offset(), 1);
         assert_eq!(index.checkpoint(&wal, now).await.unwrap(), 1);
         assert_eq!(index.lookup(&key("d-0"), now).unwrap().map(|p| p.first_offset), Some(0), "d-0 never came back");
+    }
+
+    /// A recovery cancelled right after its reopen (the daemon aborts its checkpoint task
+    /// at shutdown) has not yet owed the keys redb's repair dropped: the next recovery
+    /// (here the final checkpoint) must owe and restore them, or it would commit its
+    /// checkpoint past their records and a retry would be appended again.
+    #[tokio::test]
+    async fn keys_a_reopen_dropped_are_restored_even_when_the_recovery_was_cancelled_after_the_reopen() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s.redb");
+        let fail = Arc::new(AtomicBool::new(false));
+        let (p, failing) = (path.clone(), fail.clone());
+        let backend = move || {
+            let file =
+                std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&p).unwrap();
+            FailingFile { inner: redb::backends::FileBackend::new(file).unwrap(), fail: failing.clone() }
+        };
+        let state = Arc::new(StateDb::open_with_backend(&path, backend).unwrap());
+        let (wal, index, ingestor, now) = serving_under_interval(state);
+        ingestor.accept(one_event(Some("d-0"), now)).await.unwrap();
+        wal.close().await.unwrap();
+        assert_eq!(wal.next_offset(), 1, "the record is durable");
+
+        fail.store(true, Ordering::SeqCst);
+        assert!(index.checkpoint(&wal, now).await.is_err(), "the commit fails, redb latches the error");
+        fail.store(false, Ordering::SeqCst);
+        let (reached, at_hook) = tokio::sync::oneshot::channel::<()>();
+        *index.after_reopen.lock().unwrap() = Some(Box::pin(async move {
+            let _ = reached.send(());
+            std::future::pending::<()>().await
+        }));
+        let cancelled = tokio::spawn({
+            let (index, wal) = (index.clone(), wal.clone());
+            async move { index.checkpoint(&wal, now).await }
+        });
+        at_hook.await.unwrap();
+        cancelled.abort();
+        assert!(cancelled.await.unwrap_err().is_cancelled());
+        assert_eq!(index.lookup(&key("d-0"), now).unwrap(), None, "the reopen ran: the repair dropped the key");
+
+        assert_eq!(index.checkpoint(&wal, now).await.unwrap(), 1);
+        assert_eq!(index.lookup(&key("d-0"), now).unwrap().map(|p| p.first_offset), Some(0), "d-0 was never restored");
     }
 
     /// Under `interval`, the log's sync can land between a checkpoint's restore (which
