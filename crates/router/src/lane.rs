@@ -1225,7 +1225,11 @@ async fn out_of_range<S: Sink, C>(
             Delivery::Done
         }
         OnAdmissionFailure::DeadLetter => {
-            let Some(dlq) = lane.policy.dead_letter.clone() else { return Delivery::Done };
+            // Validation refuses `dead_letter` without a destination; were one to slip
+            // through, the records are held, never counted delivered unsent.
+            let Some(dlq) = lane.policy.dead_letter.clone() else {
+                return hold_until_partitions_exist(lane, ctx, partition, why, shutdown).await;
+            };
             dead_letter(lane, ctx, &dlq, records, shutdown).await
         }
         OnAdmissionFailure::Error => hold_until_partitions_exist(lane, ctx, partition, why, shutdown).await,
@@ -1247,7 +1251,13 @@ async fn hold_until_partitions_exist<S: Sink, C>(
         if sleep_or_shutdown(shutdown, lane.policy.breaker.cool_down).await {
             return Delivery::ShuttingDown;
         }
-        match bounded(&*ctx.sink, lane.policy.batch.result_timeout, ctx.sink.ensure(lane.dest())).await {
+        // A call like any send: within the source's send slots.
+        let Some(slot) = slot_or_shutdown(lane, true, shutdown).await else {
+            return Delivery::ShuttingDown;
+        };
+        let asked = bounded(&*ctx.sink, lane.policy.batch.result_timeout, ctx.sink.ensure(lane.dest())).await;
+        drop(slot);
+        match asked {
             Ok(t) => {
                 lock(&lane.info).topic = Some(t);
                 if partition < t.partitions_count {

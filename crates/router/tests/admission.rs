@@ -210,6 +210,34 @@ fn sends_to_the_dead_letter_topic_for_out_of_range_records_are_counted() {
     });
 }
 
+/// Lanes holding records beyond their topic's partitions ask the topic again after each
+/// cool-down; those calls take the source's send slots as sends do, so a source's
+/// connections stay within `max_concurrent_destinations` however many lanes hold.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lanes_holding_out_of_range_records_ask_their_topics_within_the_send_slots() {
+    let sim = SimStorage::new();
+    let wal = open_wal(&sim);
+    let sink = FaultySink::new();
+    let dests = [key("p", "t1"), key("p", "t2"), key("p", "t3")];
+    for (i, d) in dests.iter().enumerate() {
+        sink.set_partitions(d, 3);
+        wal.append(vec![record(d, i as u64, Partitioning::PartitionId(7))]).await.unwrap();
+    }
+    let mut p = policy(OnAdmissionFailure::Error);
+    p.max_destinations = 3;
+    p.max_concurrent_destinations = 1;
+    p.breaker.cool_down = Duration::from_millis(50);
+    let router = Router::start(wal, sink.clone(), Arc::new(MemoryCursorStore::new()), Policies::uniform(p)).unwrap();
+    eventually(Duration::from_secs(10), "every lane holds", || {
+        dests.iter().all(|d| lane_status(&router, d) == Status::Degraded)
+    })
+    .await;
+    sink.set_ensure_delay(Some(Duration::from_millis(150)));
+    eventually(Duration::from_secs(10), "each lane asked again", || dests.iter().all(|d| sink.ensured(d) >= 4)).await;
+    assert_eq!(sink.ensures_peak(), 1, "more calls in flight than the source's one send slot");
+    router.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_partition_id_out_of_range_with_error_is_held_until_the_topic_grows() {
     let (sink, router) = out_of_range(OnAdmissionFailure::Error).await;

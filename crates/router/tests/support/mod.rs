@@ -48,6 +48,11 @@ struct State {
     /// Every send's message count and payload bytes, answered or not.
     sizes: HashMap<DestinationKey, Vec<(usize, usize)>>,
     ensured: HashMap<DestinationKey, u64>,
+    /// How long every `ensure` takes from now on.
+    ensure_delay: Option<Duration>,
+    ensures_in_flight: u64,
+    /// The most `ensure` calls in flight at once since [`FaultySink::set_ensure_delay`].
+    ensures_peak: u64,
 }
 
 #[derive(Debug, Default)]
@@ -82,6 +87,15 @@ impl FaultySink {
     }
     pub fn ensured(&self, dest: &DestinationKey) -> u64 {
         self.st().ensured.get(dest).copied().unwrap_or(0)
+    }
+    /// Every `ensure` from now on takes `d`; counts the most in flight at once from zero.
+    pub fn set_ensure_delay(&self, d: Option<Duration>) {
+        let mut st = self.st();
+        st.ensure_delay = d;
+        st.ensures_peak = 0;
+    }
+    pub fn ensures_peak(&self) -> u64 {
+        self.st().ensures_peak
     }
     pub fn calls(&self, dest: &DestinationKey) -> u64 {
         self.st().calls.get(dest).copied().unwrap_or(0)
@@ -130,6 +144,23 @@ impl Sink for FaultySink {
 
     async fn ensure(&self, dest: &DestinationKey) -> Result<TopicInfo, SendError> {
         *self.st().ensured.entry(dest.clone()).or_default() += 1;
+        let delay = self.st().ensure_delay;
+        if let Some(d) = delay {
+            {
+                let mut st = self.st();
+                st.ensures_in_flight += 1;
+                st.ensures_peak = st.ensures_peak.max(st.ensures_in_flight);
+            }
+            // Counted down even when the call is dropped at the router's timeout.
+            struct InFlight<'a>(&'a FaultySink);
+            impl Drop for InFlight<'_> {
+                fn drop(&mut self) {
+                    self.0.st().ensures_in_flight -= 1;
+                }
+            }
+            let _in_flight = InFlight(self);
+            tokio::time::sleep(d).await;
+        }
         match self.check(dest) {
             Ok(()) => {}
             Err(Some(e)) => return Err(e),
