@@ -163,6 +163,12 @@ pub enum FrameProblem {
     DataAfterSeal,
     /// A segment that has a successor does not end in a seal.
     MissingSeal,
+    /// Bytes known to be durable (a tail closed cleanly, or within a live writer's
+    /// watermark) end inside a batch, after `records` of its records: the writer syncs
+    /// only whole batches.
+    UnfinishedBatch {
+        records: u64,
+    },
 }
 
 impl std::fmt::Display for FrameProblem {
@@ -182,6 +188,12 @@ impl std::fmt::Display for FrameProblem {
             }
             FrameProblem::DataAfterSeal => write!(f, "bytes after the segment's seal"),
             FrameProblem::MissingSeal => write!(f, "segment has a successor but no seal"),
+            FrameProblem::UnfinishedBatch { records } => {
+                write!(
+                    f,
+                    "a batch without its last record (after {records} of its records) in bytes known to be durable"
+                )
+            }
         }
     }
 }

@@ -266,6 +266,13 @@ fn open_bounded(
         // milliseconds): a marker is only believed where the scan agrees with it, so
         // a stale or crafted marker can never hide a record or invent one.
         let fits = marker.as_ref().is_some_and(|m| marker_fits(m, tail));
+        // Every byte of the tail was synced: a live writer's watermark bounds it, or a
+        // clean shutdown's marker names it (base and length; the writer writes the marker
+        // only after its last sync, and every writable open removes it durably before
+        // writing). Then nothing in it is a torn write: a frame that does not check, or
+        // records that end no batch, are damage, and are not cut.
+        let tail_vouched =
+            bound.is_some() || marker.is_some_and(|m| m.tail_base == tail.base && m.tail_len == tail.len);
         {
             {
                 let out = scan_segment(&*tail.file, &tail.path, tail.base, tail.len, &mut |_| {})?;
@@ -279,7 +286,7 @@ fn open_bounded(
                     // Within a live writer's watermark every byte was synced: a frame
                     // that does not check there is damage, not a tear. So is a frame the
                     // writer never writes (a seal not above the tail's base), anywhere.
-                    let proof = if bound.is_some() || out.stop_is_damage {
+                    let proof = if tail_vouched || out.stop_is_damage {
                         Some(pos)
                     } else {
                         find_proof_of_durable_damage(&*tail.file, &tail.path, tail.len, pos)?
@@ -290,6 +297,10 @@ fn open_bounded(
                         let location = Location { file: tail.path.clone(), position: pos };
                         damage = Some((tail_index, WalError::Corrupt { location, problem }));
                     }
+                } else if tail_vouched && out.valid_end < tail.len {
+                    let location = Location { file: tail.path.clone(), position: out.valid_end };
+                    let problem = crate::format::FrameProblem::UnfinishedBatch { records: out.partial_batch_records };
+                    damage = Some((tail_index, WalError::Corrupt { location, problem }));
                 }
                 if damage.is_none() {
                     next_offset = out.sealed.unwrap_or(out.next_offset);
