@@ -259,6 +259,11 @@ fn copy_bounded(storage: &dyn Storage, src: &Path, dst: &Path, read: Bound) -> R
     bases.sort_unstable();
     if let Some(w) = bound {
         bases.retain(|&b| b <= w.segment_base);
+        // Beside a live writer, the watermark's segment released since it was read: the
+        // read does not stand (as for the open), rather than "not a log".
+        if bases.last() != Some(&w.segment_base) {
+            return Err(crate::watermark::unsettled(src, "the durable watermark's segment was released"));
+        }
     }
     if bases.is_empty() {
         return Err(WalError::NotALog(src.to_path_buf()));
@@ -293,7 +298,13 @@ fn copy_bounded(storage: &dyn Storage, src: &Path, dst: &Path, read: Bound) -> R
     let mut last: Option<u64> = None;
     for &base in &bases {
         let path = src.join(segment_file_name(base));
-        let file = storage.open(&path, OpenMode::Read).map_err(|e| WalError::io(&path, e))?;
+        let file = storage.open(&path, OpenMode::Read).map_err(|e| match e.kind() {
+            // Beside a live writer a listed segment can be released before it is opened.
+            std::io::ErrorKind::NotFound if bound.is_some() => {
+                crate::watermark::unsettled(src, "a segment was released while the log was being copied")
+            }
+            _ => WalError::io(&path, e),
+        })?;
         let mut len = file.len().map_err(|e| WalError::io(&path, e))?;
         let vouched = marker.is_some_and(|m| m.tail_base == base && m.tail_len == len);
         if bound.is_none() && Some(&base) == bases.last() && !vouched {
@@ -302,7 +313,10 @@ fn copy_bounded(storage: &dyn Storage, src: &Path, dst: &Path, read: Bound) -> R
         if let Some(w) = bound
             && w.segment_base == base
         {
-            len = len.min(w.durable_len);
+            if len < w.durable_len {
+                return Err(crate::watermark::unsettled(src, "the durable watermark is beyond its segment's end"));
+            }
+            len = w.durable_len;
         }
         let io = |e| WalError::io(&path, e);
         let mut r = ChunkReader::new(&*file, len);
