@@ -251,6 +251,15 @@ fn verify_bounded(
         let out = scan_segment(&**file, path, *base, *len, &mut |pos| {
             progress(VerifyProgress { bytes_done: start_done + pos, bytes_total: total })
         })?;
+        // As for the open: a watermark whose offsets the scan of its bytes does not end at
+        // is not the writer's for these bytes (stale, or raced), and the read is made again.
+        if let Some(w) = bound
+            && i == last
+            && out.stop.is_none()
+            && out.sealed.unwrap_or(out.next_offset) != w.next_offset
+        {
+            return Err(crate::watermark::unsettled(dir, "the durable watermark and its segment disagree"));
+        }
         report.records += out.records;
         report.bytes += len;
         done += len;

@@ -246,3 +246,24 @@ fn reads_again_or_report_unsettled(racing: impl Fn() -> Arc<WriterStartsDuringRe
         assert!(matches!(copied, Err(wal::WalError::Unsettled { .. })), "salvage_copy: {copied:?}");
     }
 }
+
+/// A watermark whose offsets its segment's bytes do not end at (stale, crafted, or a
+/// read that raced the writer) bounds no read: `verify` reports the read unsettled, as
+/// the open does, rather than a verdict on bytes the watermark does not describe.
+#[test]
+fn verify_beside_a_writer_refuses_a_watermark_its_segment_disagrees_with() {
+    let sim = SimStorage::new();
+    let wal = open(&sim, small_options());
+    rt().block_on(wal.append(vec![payload(1, 100), payload(2, 100)])).unwrap();
+    let path = dir().join(wal::WATERMARK_FILE);
+    let mut w = wal::format::DurableWatermark::decode(&sim.read_file(&path).unwrap()).expect("the writer's watermark");
+    assert_eq!(w.next_offset, 2);
+    assert_eq!(inspect::verify(&sim, &dir(), &mut |_| {}).unwrap().records, 2);
+    w.next_offset = 5;
+    sim.write_file_durably(&path, &w.encode()).unwrap();
+    match inspect::verify(&sim, &dir(), &mut |_| {}) {
+        Err(e @ wal::WalError::Unsettled { .. }) => assert!(e.to_string().contains("disagree"), "{e}"),
+        other => panic!("{other:?}"),
+    }
+    drop(wal);
+}
