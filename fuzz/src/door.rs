@@ -470,6 +470,7 @@ impl World {
             revoked_at_unix_ms: None,
             dynamic: false,
             record: None,
+            unusable: None,
         };
         let endpoints = EndpointRegistry::load(
             state.clone(),
