@@ -178,6 +178,10 @@ pub struct IdempotencyIndex {
     /// the recovery there).
     #[cfg(test)]
     after_reopen: Mutex<Option<std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>>>,
+    /// Run once by the next restore while serving, on the thread that reads the log (a
+    /// test checks that the async worker stays free meanwhile).
+    #[cfg(test)]
+    during_restore: Mutex<Option<Box<dyn FnOnce() + Send>>>,
 }
 
 /// One key to record, and where to say it was.
@@ -270,6 +274,8 @@ impl IdempotencyIndex {
             after_restore: Mutex::new(None),
             #[cfg(test)]
             after_reopen: Mutex::new(None),
+            #[cfg(test)]
+            during_restore: Mutex::new(None),
         }
     }
 
@@ -479,8 +485,25 @@ impl IdempotencyIndex {
     /// serving (keyed requests held at the gate). Forgets nothing: under `wal.sync =
     /// "interval"` the log's durable end is below appends already answered, whose keys
     /// are recorded and must keep answering their retries.
+    ///
+    /// It reads every record from the durable checkpoint on, which after a long failure of
+    /// the state database is a long read: on a multi-threaded runtime it runs with the
+    /// worker handed over ([`tokio::task::block_in_place`]), so the door's other requests
+    /// (and `/health`) keep being served by the runtime while keyed ones wait at the gate.
     fn restore_from_log(&self, wal: &Wal, now_unix_ms: u64) -> Result<RebuildReport, StateError> {
-        self.rebuild_from_log(wal, now_unix_ms, Phase::Serving)
+        let restore = || {
+            #[cfg(test)]
+            {
+                let hook = self.during_restore.lock().unwrap_or_else(|p| p.into_inner()).take();
+                if let Some(hook) = hook {
+                    hook();
+                }
+            }
+            self.rebuild_from_log(wal, now_unix_ms, Phase::Serving)
+        };
+        let multi_threaded = tokio::runtime::Handle::try_current()
+            .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
+        if multi_threaded { tokio::task::block_in_place(restore) } else { restore() }
     }
 
     fn rebuild_from_log(&self, wal: &Wal, now_unix_ms: u64, phase: Phase) -> Result<RebuildReport, StateError> {
@@ -612,8 +635,6 @@ fn raise_keys_below(txn: &redb::WriteTransaction, below: u64) -> Result<(), Stat
     Ok(())
 }
 
-/// Removes every key whose last offset is at or past `log_next_offset` (a batch is
-/// whole or absent in the log, so such a key's records are all gone). Returns how many.
 /// Removes every key whose offsets `(first, last)` match `forget`; returns how many.
 fn forget_keys_where(txn: &redb::WriteTransaction, forget: impl Fn(u64, u64) -> bool) -> Result<u64, StateError> {
     let mut table = txn.open_table(IDEMPOTENCY).map_err(storage_err)?;
@@ -910,6 +931,44 @@ mod tests {
 
         assert_eq!(index.checkpoint(&wal, now).await.unwrap(), 1);
         assert_eq!(index.lookup(&key("d-0"), now).unwrap().map(|p| p.first_offset), Some(0), "d-0 was never restored");
+    }
+
+    /// A restore while serving reads the log from the durable checkpoint on, which after
+    /// a long failure of the state database is a long read. The daemon runs one async
+    /// worker on two cores: a restore read on it would stall every request of the door,
+    /// `/health` included. Here the restore spawns a task on the one-worker runtime and
+    /// waits for it, which can run only if the restore handed the worker over.
+    #[test]
+    fn a_restore_while_serving_leaves_the_async_worker_free() {
+        let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+        runtime.block_on(async {
+            let state = Arc::new(StateDb::open_in_memory().unwrap());
+            let (wal, index, ingestor, now) = serving_under_interval(state);
+            ingestor.accept(one_event(Some("d-0"), now)).await.unwrap();
+            *index.recorder.lock().unwrap() = None;
+            ingestor.accept(one_event(Some("d-1"), now)).await.unwrap();
+            wal.close().await.unwrap();
+
+            let worker_was_free = Arc::new(AtomicBool::new(false));
+            let (seen, runtime) = (worker_was_free.clone(), tokio::runtime::Handle::current());
+            *index.during_restore.lock().unwrap() = Some(Box::new(move || {
+                // Spawned from inside the restore: it can run only on a free worker.
+                let (ping, pinged) = std::sync::mpsc::channel::<()>();
+                runtime.spawn(async move {
+                    let _ = ping.send(());
+                });
+                let arrived = pinged.recv_timeout(std::time::Duration::from_secs(5)).is_ok();
+                seen.store(arrived, Ordering::SeqCst);
+            }));
+            // On the runtime's one worker, as the daemon's checkpoint task is.
+            let checkpoint = tokio::spawn({
+                let (index, wal) = (index.clone(), wal.clone());
+                async move { index.checkpoint(&wal, now).await }
+            });
+            assert_eq!(checkpoint.await.unwrap().unwrap(), 2);
+            assert!(worker_was_free.load(Ordering::SeqCst), "the restore held the async worker");
+            assert_eq!(index.lookup(&key("d-1"), now).unwrap().map(|p| p.first_offset), Some(1));
+        });
     }
 
     /// Under `interval`, the log's sync can land between a checkpoint's restore (which
