@@ -115,13 +115,35 @@ pub const DEFAULT_TOLERANCE_SECS: u64 = 300;
 /// clock needs. (An endpoint stored with more before this bound still loads as it was.)
 pub const TOLERANCE_SECS_MAX: u64 = 86_400;
 
-/// Refuses a tolerance over [`TOLERANCE_SECS_MAX`], for a new configuration or
+/// Refuses a tolerance of 0 or over [`TOLERANCE_SECS_MAX`], for a new configuration or
 /// registration (the error names the parameter, as [`AuthScheme::from_parts`]'s do).
+/// A timestamp is sent in whole seconds and compared with a clock in milliseconds, so a
+/// tolerance of 0 fails nearly every request; there is no way to turn the check off.
 pub fn check_new_tolerance(tolerance_secs: Option<u64>) -> Result<(), (&'static str, String)> {
     match tolerance_secs {
+        Some(0) => Err((
+            "tolerance_secs",
+            "must be at least 1: a timestamp in whole seconds would fail nearly every request (the check cannot be turned off)"
+                .to_string(),
+        )),
         Some(t) if t > TOLERANCE_SECS_MAX => Err((
             "tolerance_secs",
             format!("{t} is more than {TOLERANCE_SECS_MAX} (a day): a captured request would pass again for as long"),
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// Refuses a secret no request could present for the scheme, for a new configuration or
+/// registration: a bearer token is visible ASCII without spaces (a request's
+/// `Authorization` header is trimmed, and holds nothing else), so one outside that
+/// (a value read from a file or the environment with its newline, say) could never match
+/// and every request would get 401. Other schemes' secrets are keys, any bytes.
+pub fn check_new_secret(scheme: &str, secret: Option<&str>) -> Result<(), (&'static str, String)> {
+    match secret {
+        Some(s) if scheme == "bearer" && !s.bytes().all(|b| b.is_ascii_graphic()) => Err((
+            "secret",
+            "a bearer token is visible ASCII without spaces; no request could present this one".to_string(),
         )),
         _ => Ok(()),
     }

@@ -110,21 +110,27 @@ pub enum EndpointError {
     State(#[from] StateError),
 }
 
-/// A secret a request can present for the scheme: a bearer token is visible ASCII
-/// without spaces (a request's `Authorization` header is trimmed, and holds nothing
-/// else), so a stored one outside that could never match and every request would get
-/// 401. Other schemes' secrets are keys, any bytes.
 fn check_new_secret(scheme: &str, secret: Option<&str>) -> Result<(), EndpointError> {
-    match secret {
-        Some(s) if scheme == "bearer" && !s.bytes().all(|b| b.is_ascii_graphic()) => Err(EndpointError::InvalidAuth(
-            "secret: a bearer token is visible ASCII without spaces; no request could present this one".to_string(),
-        )),
-        _ => Ok(()),
-    }
+    crate::auth::check_new_secret(scheme, secret)
+        .map_err(|(field, message)| EndpointError::InvalidAuth(format!("{field}: {message}")))
 }
 
 /// The longest `handshake_param`: a query parameter's name.
 pub const HANDSHAKE_PARAM_MAX_BYTES: usize = 64;
+
+/// Refuses a `handshake_param` no GET handshake could carry (every one would answer 400
+/// `missing_challenge`), for a registration and for a static endpoint alike.
+pub fn check_handshake_param(p: &str) -> Result<(), String> {
+    if p.is_empty()
+        || p.len() > HANDSHAKE_PARAM_MAX_BYTES
+        || !p.bytes().all(|b| b.is_ascii_graphic() && !matches!(b, b'&' | b'=' | b'#' | b'?'))
+    {
+        return Err(format!(
+            "{p:?} is not a query parameter name (1 to {HANDSHAKE_PARAM_MAX_BYTES} visible ASCII characters, none of & = # ?)"
+        ));
+    }
+    Ok(())
+}
 
 /// The most dynamic endpoints (revoked ones included: their tombstones are never
 /// removed, so that a revoked id never works again). Every one is held in memory and
@@ -411,15 +417,8 @@ impl EndpointRegistry {
                 "expires_at_unix_ms: {t} is not in the future (milliseconds since the epoch; now is {now_unix_ms})"
             )));
         }
-        if let Some(p) = handshake_param.as_deref().filter(|p| {
-            p.is_empty()
-                || p.len() > HANDSHAKE_PARAM_MAX_BYTES
-                || !p.bytes().all(|b| b.is_ascii_graphic() && !matches!(b, b'&' | b'=' | b'#' | b'?'))
-        }) {
-            return Err(EndpointError::InvalidField(format!(
-                "handshake_param: {p:?} is not a query parameter name (1 to {HANDSHAKE_PARAM_MAX_BYTES} visible ASCII \
-                 characters, none of & = # ?)"
-            )));
+        if let Some(Err(message)) = handshake_param.as_deref().map(check_handshake_param) {
+            return Err(EndpointError::InvalidField(format!("handshake_param: {message}")));
         }
         check_new_secret(&auth.scheme, auth.secret.as_deref())?;
         if auth.secret.is_none() && auth.scheme != "none" {

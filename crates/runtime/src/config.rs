@@ -676,20 +676,20 @@ impl Settings {
     }
 }
 
-/// The longest idempotency window: ten years.
-/// The most `wal.max_bytes / wal.segment_max_bytes`. The log keeps each segment's file
-/// open, and a segment can be as little as half full, so a full log holds up to twice
-/// this many files: with the connections and the state database, well inside the
-/// systemd unit's `LimitNOFILE=65536`. A log that ran out of descriptors could neither
-/// rotate (every append refused) nor be opened again after a restart.
 /// The longest `idempotency.checkpoint_interval_ms`. The log is released only below the
 /// durable checkpoint (a record leaves the log once its key is durable), so the interval
 /// is how long delivered records keep their space; and a start re-reads the log from
 /// the last checkpoint. A minute, like the longest `wal.sync_interval_ms`.
 const CHECKPOINT_INTERVAL_MS_MAX: u64 = 60_000;
 
+/// The most `wal.max_bytes / wal.segment_max_bytes`. The log keeps each segment's file
+/// open, and a segment can be as little as half full, so a full log holds up to twice
+/// this many files, which the start counts with the connections against the open-file
+/// limit (`open_files`). A log that ran out of descriptors could neither rotate (every
+/// append refused) nor be opened again after a restart.
 const WAL_SEGMENTS_MAX: u64 = 16_384;
 
+/// The longest idempotency window: ten years.
 const RETENTION_SECS_MAX: u64 = 10 * 366 * 86_400;
 
 /// Two listen addresses one process cannot both bind: the same port (not 0, which picks
@@ -764,6 +764,11 @@ impl Checker<'_> {
 /// to its lookup, so a slow body meets its 408 rather than a 503 once it was read.
 const BODY_READ_TIMEOUT_MS_MAX: u64 = 120_000;
 
+/// The longest `http.header_read_timeout_ms` and `http.write_timeout_ms`: two minutes, as
+/// for the body. They are what keeps a slow or idle client from holding one of
+/// `http.max_connections`; an hour (a zero too many) would turn that protection off.
+const CLIENT_TIMEOUT_MS_MAX: u64 = 120_000;
+
 /// The longest `shutdown.grace_period_ms` and `shutdown.drain_delay_ms`: an hour, far
 /// past any supervisor's stop timeout (systemd's default is 90 s).
 const SHUTDOWN_MS_MAX: u64 = 3_600_000;
@@ -788,6 +793,19 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
         );
     }
     let header_read_timeout_ms = c.positive(&http.key("header_read_timeout_ms"), config.http.header_read_timeout_ms);
+    for (key, value) in [
+        ("header_read_timeout_ms", config.http.header_read_timeout_ms),
+        ("write_timeout_ms", config.http.write_timeout_ms),
+    ] {
+        if value > CLIENT_TIMEOUT_MS_MAX {
+            c.err(
+                &http.key(key),
+                format!(
+                    "must be at most {CLIENT_TIMEOUT_MS_MAX}: it bounds how long a slow or idle client may hold a connection"
+                ),
+            );
+        }
+    }
     let body_read_timeout_ms = c.positive(&http.key("body_read_timeout_ms"), config.http.body_read_timeout_ms);
     if body_read_timeout_ms > BODY_READ_TIMEOUT_MS_MAX {
         c.err(
@@ -972,6 +990,9 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
         ),
         Ok(()) => {}
     }
+    if config.iggy.tls_domain.is_some() && !config.iggy.tls {
+        c.err(&iggy.key("tls_domain"), "is not used unless iggy.tls = true");
+    }
     if let Some(ca) = &config.iggy.tls_ca_file {
         // The client reads it only when it connects, and a failed connect only holds the
         // records: a wrong path would pass every check and never deliver.
@@ -1065,7 +1086,9 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
         let idempotency_header = s.idempotency_header.as_ref().map(|h| h.to_ascii_lowercase());
         if let Some(h) = &idempotency_header {
             let ip = sp.key("idempotency_header");
-            if axum::http::HeaderName::from_bytes(h.as_bytes()).is_err() {
+            if !s.idempotency {
+                c.err(&ip, "is not used unless the source's idempotency = true");
+            } else if axum::http::HeaderName::from_bytes(h.as_bytes()).is_err() {
                 c.err(&ip, format!("{h:?} is not a valid header name"));
             } else if is_credential_header(h) {
                 // The delivery id is stored in every record, and a credential repeats
@@ -1092,6 +1115,10 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
                 c.err(&ep.key("id"), "is used by another endpoint");
             }
             let auth = auth_scheme(&mut c, &ep, e.auth());
+            if let Some(Err(message)) = e.handshake_param.as_deref().map(http_source::endpoints::check_handshake_param)
+            {
+                c.err(&ep.key("handshake_param"), message);
+            }
             if s.idempotency {
                 tolerance_within_retention(&mut c, &ep, &auth, e.auth().auth_tolerance_secs.is_some(), retention_secs);
             }
@@ -1589,7 +1616,8 @@ fn auth_scheme(c: &mut Checker<'_>, path: &KeyPath, a: AuthConfig<'_>) -> AuthSc
         (secret, None) => secret,
     };
     let scheme = AuthScheme::from_parts(a.auth_type, secret, a.auth_header, a.auth_prefix, a.auth_tolerance_secs)
-        .and_then(|s| http_source::auth::check_new_tolerance(a.auth_tolerance_secs).map(|()| s));
+        .and_then(|s| http_source::auth::check_new_tolerance(a.auth_tolerance_secs).map(|()| s))
+        .and_then(|s| http_source::auth::check_new_secret(a.auth_type, secret).map(|()| s));
     match scheme {
         Ok(s) => s,
         Err((field, message)) => {
@@ -1686,6 +1714,14 @@ mod tests {
         let settings = validate(&config, Some(EXAMPLE_TOML), None).unwrap_or_else(|e| panic!("{e}"));
         assert!(settings.sources.len() >= 2);
         assert!(!settings.endpoints.is_empty());
+        // Partition ids start at 0: a fixed one must exist in the topics the daemon
+        // creates, or a copied example holds its events for good.
+        let partitions = config.router.topic_defaults.partitions_count;
+        for source in &settings.sources {
+            if let PartitionRule::Fixed(Partitioning::PartitionId(id)) = source.partitioning {
+                assert!(u64::from(id) < partitions, "{}: partition_id {id} of {partitions} partitions", source.key);
+            }
+        }
     }
 
     #[test]
@@ -1725,6 +1761,63 @@ mod tests {
         assert_eq!(e.len(), 1, "{e:?}");
         assert_eq!((e[0].path.as_str(), e[0].line), ("http.body_read_timeout_ms", Some(2)));
         assert!(e[0].to_string().contains("must be at most 120000"), "{}", e[0]);
+    }
+
+    /// Settings that could never work, or would be ignored, are refused at load with
+    /// their key path and line, as the management API refuses them for a registration.
+    #[test]
+    fn settings_that_could_never_work_or_would_be_ignored_are_refused_naming_the_key() {
+        let src = "[sources.a]\ndestination = { stream = \"s\", topic = \"t\" }\n";
+        let endpoint =
+            |extra: &str| format!("{src}[[sources.a.endpoints]]\nid = \"0123456789abcdef0123456789abcdef\"\n{extra}");
+        let cases: Vec<(String, &str, usize, &str)> = vec![
+            (
+                format!("[http]\nheader_read_timeout_ms = 120001\n{src}"),
+                "http.header_read_timeout_ms",
+                2,
+                "at most 120000",
+            ),
+            (format!("[http]\nwrite_timeout_ms = 3600000\n{src}"), "http.write_timeout_ms", 2, "at most 120000"),
+            (format!("[iggy]\ntls_domain = \"iggy.internal\"\n{src}"), "iggy.tls_domain", 2, "iggy.tls = true"),
+            (
+                format!("{src}idempotency = false\nidempotency_header = \"x-delivery\"\n"),
+                "sources.a.idempotency_header",
+                4,
+                "idempotency = true",
+            ),
+            (
+                endpoint("auth_type = \"stripe\"\nauth_secret = \"whsec_x\"\nauth_tolerance_secs = 0\n"),
+                "sources.a.endpoints[0].auth_tolerance_secs",
+                7,
+                "at least 1",
+            ),
+            (
+                endpoint("auth_type = \"bearer\"\nauth_secret = \"token-with-a-newline\\n\"\n"),
+                "sources.a.endpoints[0].auth_secret",
+                6,
+                "visible ASCII",
+            ),
+            (
+                endpoint("auth_type = \"none\"\nhandshake_param = \"a=b\"\n"),
+                "sources.a.endpoints[0].handshake_param",
+                6,
+                "not a query parameter name",
+            ),
+        ];
+        for (text, path, line, says) in cases {
+            let e = errors(&text);
+            assert_eq!(e.len(), 1, "{text}: {e:?}");
+            assert_eq!((e[0].path.as_str(), e[0].line), (path, Some(line)), "{text}");
+            assert!(e[0].to_string().contains(says), "{text}: {}", e[0]);
+        }
+        for fine in [
+            format!("[http]\nheader_read_timeout_ms = 120000\nwrite_timeout_ms = 120000\n{src}"),
+            format!("[iggy]\ntls = true\ntls_domain = \"iggy.internal\"\n{src}"),
+            endpoint("auth_type = \"stripe\"\nauth_secret = \"whsec_x\"\nauth_tolerance_secs = 1\n"),
+            endpoint("auth_type = \"none\"\nhandshake_param = \"crc_token\"\n"),
+        ] {
+            assert!(validate(&parse(&fine, None).unwrap(), Some(&fine), None).is_ok(), "{fine}");
+        }
     }
 
     #[test]
