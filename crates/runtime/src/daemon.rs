@@ -160,6 +160,10 @@ pub async fn start(mut settings: Settings, metrics: Option<PrometheusHandle>) ->
     let admin_addr = admin_listener.local_addr().map_err(|source| StartError::Bind { listener: "admin", source })?;
     wal::storage::create_dir_all_durably(&FsStorage, &settings.data_dir)
         .map_err(|source| StartError::DataDir { path: settings.data_dir.clone(), source })?;
+    // A relative `storage.data_dir` is taken from the working directory: a start from
+    // another one would find another (empty) log, so the log says which one this is.
+    let data_dir_absolute = std::fs::canonicalize(&settings.data_dir).unwrap_or_else(|_| settings.data_dir.clone());
+    tracing::info!(data_dir = %data_dir_absolute.display(), "data directory");
     let wal_dir = settings.wal_dir();
     let wal = Wal::open(&wal_dir, settings.wal.clone())
         .map_err(|source| StartError::Wal { path: wal_dir.clone(), source })?;

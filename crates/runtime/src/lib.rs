@@ -10,6 +10,7 @@ pub mod delivery;
 pub mod host_port;
 pub mod logging;
 pub mod mapping_fetch;
+pub mod open_files;
 pub mod run;
 pub mod telemetry;
 mod toml_lines;

@@ -15,7 +15,7 @@ use crate::config::Settings;
 use crate::{daemon, logging};
 
 /// Runs the daemon on `settings` until SIGTERM/SIGINT, as `iggy-ingest run` does:
-/// logging, the metrics recorder, `daemon::start`, the ready file, a graceful stop (a
+/// logging, the metrics recorder, the open-file limit (`open_files`), `daemon::start`, the ready file, a graceful stop (a
 /// second signal exits at once with 130). Exit: 0 after a clean stop, 1 for a failed
 /// start or an unclean stop.
 pub fn run(settings: Settings, ready_file: Option<PathBuf>) -> ExitCode {
@@ -27,6 +27,8 @@ pub fn run(settings: Settings, ready_file: Option<PathBuf>) -> ExitCode {
             None
         }
     };
+    // Before any file is opened: the log's segments and the connections need room.
+    crate::open_files::raise_for(&settings);
     let cores = std::thread::available_parallelism().map_or(1, usize::from);
     let worker_threads = settings.runtime_worker_threads(cores);
     tracing::info!(worker_threads, cores, "starting the async runtime");

@@ -898,3 +898,80 @@ fn a_ready_file_left_by_an_earlier_run_is_removed_at_start() {
     assert_eq!(std::fs::read_to_string(&ready).unwrap(), theirs, "the live daemon's ready file was removed");
     live.kill9();
 }
+
+/// The daemon's soft and hard open-file limits, from `/proc/PID/limits`.
+fn open_file_limits(pid: u32) -> (u64, u64) {
+    let limits = std::fs::read_to_string(format!("/proc/{pid}/limits")).unwrap();
+    let line = limits.lines().find(|l| l.starts_with("Max open files")).unwrap();
+    let numbers: Vec<u64> = line.split_whitespace().filter_map(|w| w.parse().ok()).collect();
+    (numbers[0], numbers[1])
+}
+
+/// Starts the daemon on `text` with its open-file limits set to `soft` and `hard` before
+/// it runs, its log (at info level) in `root/daemon.log`.
+fn start_with_open_file_limits(root: &std::path::Path, text: &str, soft: u64, hard: u64) -> Daemon {
+    use std::os::unix::process::CommandExt;
+    let cfg = root.join("config.toml");
+    std::fs::write(&cfg, text.replace("level = \"error\"", "level = \"info\"")).unwrap();
+    let log = std::fs::File::create(root.join("daemon.log")).unwrap();
+    let _ = std::fs::remove_file(root.join("ready.json"));
+    let mut command = Command::new(env!("CARGO_BIN_EXE_iggy-ingest"));
+    command
+        .arg("run")
+        .arg("--config")
+        .arg(&cfg)
+        .arg("--ready-file")
+        .arg(root.join("ready.json"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::from(log));
+    // SAFETY: setrlimit is async-signal-safe, and the closure touches nothing else.
+    unsafe {
+        command.pre_exec(move || {
+            let lim = libc::rlimit { rlim_cur: soft, rlim_max: hard };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let child = command.spawn().unwrap();
+    Daemon { child, http: "127.0.0.1:1".parse().unwrap(), admin: "127.0.0.1:1".parse().unwrap(), root: root.into() }
+        .ready()
+}
+
+/// Many systems start a service with a soft open-file limit of 1024, which the default
+/// `http.max_connections` alone would fill, and then the log could not rotate either.
+/// The daemon raises its soft limit to what its configuration may open, within the hard
+/// limit; when even the hard limit is short it still starts and says so, naming
+/// `http.max_connections`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_daemon_raises_its_open_file_limit_and_warns_when_the_hard_limit_is_short() {
+    let (_, hard) = open_file_limits(std::process::id());
+    let dir = tempfile::tempdir().unwrap();
+    let text = config_text(dir.path(), "max_connections = 1024", SOURCES);
+    let settings = config::validate(&config::parse(&text, None).unwrap(), Some(&text), None).unwrap();
+    let needed = iggy_ingest::open_files::files_needed(&settings);
+    assert!(needed > 1024, "{needed}");
+
+    // Room under the hard limit: the soft limit is raised to the need.
+    if hard >= needed {
+        let d = start_with_open_file_limits(dir.path(), &text, 256, hard);
+        assert_eq!(open_file_limits(d.child.id()), (needed, hard));
+        let a = post_json(d.http, "/v1/sources/default", "{\"n\":1}").await;
+        assert_eq!(a.status, 200, "{:?}", a.body);
+        assert!(d.stop().success());
+        let log = std::fs::read_to_string(dir.path().join("daemon.log")).unwrap();
+        assert!(!log.contains("http.max_connections"), "a warning with room to spare: {log}");
+    } else {
+        eprintln!("hard open-file limit {hard} is below {needed}: only the short case runs");
+    }
+
+    // A hard limit below the need: raised to it, and a warning that names the setting.
+    let short = 700;
+    let d = start_with_open_file_limits(dir.path(), &text, 256, short);
+    assert_eq!(open_file_limits(d.child.id()), (short, short));
+    assert!(d.stop().success());
+    let log = std::fs::read_to_string(dir.path().join("daemon.log")).unwrap();
+    let warning = log.lines().find(|l| l.contains("open-file limit is below")).unwrap_or_else(|| panic!("{log}"));
+    assert!(warning.contains("http.max_connections") && warning.contains("WARN"), "{warning}");
+}
