@@ -98,7 +98,8 @@ pub async fn resolve_all(sources: &mut [SourceSpec]) -> Result<(), String> {
     for source in sources {
         let Some(route) = source.destinations.route_mut() else { continue };
         let MappingSource::Url(url) = &route.mapping else { continue };
-        let mapping = fetch(url).await.map_err(|e| format!("sources.{}.route.mapping_url: {e}", source.key))?;
+        let path = crate::config::KeyPath::default().key("sources").key(&source.key).key("route").key("mapping_url");
+        let mapping = fetch(url).await.map_err(|e| format!("{path}: {e}"))?;
         tracing::info!(source = %source.key, url = %url, entries = mapping.len(), "route mapping fetched");
         route.mapping = MappingSource::Table(mapping);
     }
@@ -118,5 +119,15 @@ mod tests {
         }
         assert_eq!(parse("http://h/m").unwrap().authority, "h:80");
         assert_eq!(parse("http://[::1]:81/m").unwrap().authority, "[::1]:81");
+    }
+
+    /// A source key may hold a dot: the error names it as `config check` does, quoted.
+    #[tokio::test]
+    async fn a_failed_fetch_names_the_key_path_as_config_check_does() {
+        let text = "[sources.\"shop.v2\"]\nroute = { topic_field = \"kind\", default_stream = \"s\", default_topic = \"t\", mapping_url = \"http://127.0.0.1:1/m\" }\n";
+        let config = crate::config::parse(text, None).unwrap();
+        let mut settings = crate::config::validate(&config, Some(text), None).unwrap();
+        let e = resolve_all(&mut settings.sources).await.unwrap_err();
+        assert!(e.starts_with("sources.\"shop.v2\".route.mapping_url: "), "{e}");
     }
 }
