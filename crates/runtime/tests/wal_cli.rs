@@ -338,6 +338,9 @@ fn salvage_leaves_out_a_batch_whose_closing_record_was_lost() {
     assert!(out.contains("2 record(s) of a batch whose closing record was lost (offsets 5..=6)"), "{out}");
     assert!(out.contains("copied 5 record(s)") && out.contains("offsets 0..5"), "{out}");
     assert!(out.contains("; 2 record(s) of unfinished batches left out, see above"), "{out}");
+    // Their offsets named records: the copy goes on past them, never giving them to others.
+    assert!(out.contains("missing offsets 5..=6 (2 record(s))") && out.contains("continues at offset 7"), "{out}");
+    assert_eq!(Wal::open_read_only(&copy).unwrap().next_offset(), 7);
     let offs: Vec<u64> =
         json_lines(&cli_in(&["dump", "--json"], &copy)).iter().map(|l| l["offset"].as_u64().unwrap()).collect();
     assert_eq!(offs, (0..5).collect::<Vec<_>>());
@@ -350,7 +353,11 @@ fn salvage_leaves_out_a_batch_whose_closing_record_was_lost() {
     assert_eq!((r["records"].as_u64(), r["next_offset"].as_u64()), (Some(5), Some(5)));
     assert_eq!(r["partial_batch_records"].as_u64(), Some(2));
     assert_eq!(r["skipped"][0]["records"].as_u64(), Some(2));
-    assert_eq!(r["missing_offsets"].as_array().map(Vec::len), Some(0));
+    assert_eq!(r["end_offset"].as_u64(), Some(7));
+    assert_eq!(
+        (r["missing_offsets"][0]["first"].as_u64(), r["missing_offsets"][0]["last"].as_u64()),
+        (Some(5), Some(6))
+    );
 }
 
 /// Every file and directory under `dir`, with each file's length.

@@ -55,6 +55,10 @@ pub enum WalError {
 
     #[error("{0} holds no log (no segment files)")]
     NotALog(PathBuf),
+    /// The directory holds a salvage copy that never finished (its
+    /// `salvage-incomplete` file is there): its segments are a part of a copy, not a log.
+    #[error("{0} holds a salvage copy that did not finish, not a log: remove the directory and salvage again")]
+    UnfinishedSalvage(PathBuf),
 
     /// A read-only open beside a running writer could not read the writer's durable
     /// watermark consistently (the writer is starting, or kept moving); retrying later

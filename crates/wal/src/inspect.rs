@@ -159,6 +159,9 @@ fn verify_bounded(
         std::io::ErrorKind::NotFound => WalError::NotALog(dir.to_path_buf()),
         _ => WalError::io(dir, e),
     })?;
+    if names.iter().any(|n| n == crate::SALVAGE_INCOMPLETE_FILE) {
+        return Err(WalError::UnfinishedSalvage(dir.to_path_buf()));
+    }
     let mut bases: Vec<u64> = names.iter().filter_map(|n| parse_segment_file_name(n)).collect();
     bases.sort_unstable();
     if bases.is_empty() {

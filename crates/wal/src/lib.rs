@@ -86,6 +86,9 @@ pub const CLEAN_MARKER_FILE: &str = "clean-shutdown";
 pub const WATERMARK_FILE: &str = "durable-watermark";
 /// Where a salvage moves damaged segment files.
 pub const DAMAGED_DIR: &str = "damaged";
+/// Present in a salvage copy's directory from before its first segment is written until
+/// the copy is whole and confirmed; a directory holding it is refused by every open.
+pub const SALVAGE_INCOMPLETE_FILE: &str = "salvage-incomplete";
 
 /// Where an appended batch landed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

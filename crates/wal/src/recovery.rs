@@ -145,6 +145,9 @@ fn open_bounded(
         }
         r => r.map_err(io_err(&dir))?,
     };
+    if names.iter().any(|n| n == crate::SALVAGE_INCOMPLETE_FILE) {
+        return Err(WalError::UnfinishedSalvage(dir));
+    }
     if !read_only {
         for n in names.iter().filter(|n| n.ends_with(".tmp")) {
             storage.remove_file(&dir.join(n)).map_err(io_err(&dir.join(n)))?;
@@ -575,7 +578,7 @@ pub(crate) fn read_marker(storage: &dyn Storage, path: &Path) -> Result<Option<C
     Ok(CleanMarker::decode(&b))
 }
 
-fn remove_durably(storage: &dyn Storage, dir: &Path, name: &str) -> Result<()> {
+pub(crate) fn remove_durably(storage: &dyn Storage, dir: &Path, name: &str) -> Result<()> {
     let path = dir.join(name);
     storage.remove_file(&path).map_err(io_err(&path))?;
     storage.sync_dir(dir).map_err(io_err(dir))

@@ -34,6 +34,11 @@
 //!   file's walk unreported.
 //! - Each new segment is written whole (temporary file, sync, rename, directory sync),
 //!   so an interrupted copy leaves only whole segments and `*.tmp` garbage.
+//! - A copy that did not finish is never taken for a log: a `salvage-incomplete` file
+//!   is made durable in the new directory before its first segment, and removed
+//!   (durably) only once the copy is whole and confirmed (no writer started under it).
+//!   Every open, `verify` included, refuses a directory holding it
+//!   (`WalError::UnfinishedSalvage`), and so does a second copy into it.
 
 use std::path::{Path, PathBuf};
 
@@ -71,6 +76,12 @@ pub struct CopyReport {
     pub first_offset: Option<u64>,
     /// The offset after the last copied record.
     pub next_offset: Option<u64>,
+    /// Where the copy's log continues (its `next_offset` once opened): past every offset
+    /// a record of the source may have had, copied or not, so that no offset that named
+    /// a record is given to another (see FORMAT.md, "Salvage"). Above `next_offset` when
+    /// records or damaged bytes were left out after the last copied one; the offsets in
+    /// between are reported missing.
+    pub end_offset: u64,
     /// Offsets from the source's first segment's base to the last copied record that the
     /// copy does not hold (no frame that checks held them, or their batch was not whole):
     /// `(first, last)` inclusive.
@@ -166,6 +177,14 @@ impl Out<'_> {
         Ok(())
     }
 
+    /// Writes the segment being built as the copy's tail, unsealed, even with no record.
+    fn write_tail(&mut self) -> Result<()> {
+        crate::writer::create_segment_with(self.storage, self.dir, self.base, &self.buf)?;
+        self.written += 1;
+        self.buf.clear();
+        Ok(())
+    }
+
     /// Writes the segment being built; sealed at `seal_at` when a successor follows.
     fn finish(&mut self, seal_at: Option<u64>) -> Result<()> {
         if !self.holds_records() {
@@ -201,8 +220,10 @@ impl Batch {
         self.headers.iter().map(FrameHeader::frame_len).sum()
     }
 
-    /// Reports the batch as left out; `closed`: its closing record checked.
-    fn leave_out(self, report: &mut CopyReport, path: &Path, closed: bool) {
+    /// Reports the batch as left out; `closed`: its closing record checked. Its records'
+    /// offsets named records: `named_until` is raised past them.
+    fn leave_out(self, report: &mut CopyReport, path: &Path, closed: bool, named_until: &mut u64) {
+        *named_until = (*named_until).max(self.next);
         let n = self.headers.len() as u64;
         let why = match (self.known_start, closed) {
             (true, _) => "whose closing record was lost",
@@ -243,6 +264,7 @@ pub fn salvage_copy(storage: &dyn Storage, src: &Path, dst: &Path) -> Result<Cop
     let report =
         copy_bounded(storage, src, dst, read).map_err(|e| crate::watermark::unsettled_or(storage, src, read, e))?;
     crate::watermark::confirm_unbounded(storage, src, read)?;
+    crate::recovery::remove_durably(storage, dst, crate::SALVAGE_INCOMPLETE_FILE)?;
     Ok(report)
 }
 
@@ -270,12 +292,25 @@ fn copy_bounded(storage: &dyn Storage, src: &Path, dst: &Path, read: Bound) -> R
     }
     crate::storage::create_dir_all_durably(storage, dst).map_err(|e| WalError::io(dst, e))?;
     let existing = storage.list_dir(dst).map_err(|e| WalError::io(dst, e))?;
+    if existing.iter().any(|n| n == crate::SALVAGE_INCOMPLETE_FILE) {
+        return Err(WalError::InvalidOptions(format!(
+            "{} holds a salvage copy that did not finish; remove the directory and salvage again",
+            dst.display()
+        )));
+    }
     if existing.iter().any(|n| parse_segment_file_name(n).is_some()) {
         return Err(WalError::InvalidOptions(format!(
             "{} already holds a log; salvage needs a new directory",
             dst.display()
         )));
     }
+    // Durable before the first segment: a copy cut short is never taken for a log.
+    crate::writer::write_file_atomically(
+        storage,
+        dst,
+        crate::SALVAGE_INCOMPLETE_FILE,
+        b"a salvage copy is being made\n",
+    )?;
     let mut report = CopyReport::default();
     let mut out = Out {
         storage,
@@ -296,7 +331,10 @@ fn copy_bounded(storage: &dyn Storage, src: &Path, dst: &Path, read: Bound) -> R
         None
     };
     let mut last: Option<u64> = None;
-    for &base in &bases {
+    // Past every offset a left-out record or a damaged byte range may have named.
+    let mut named_until = bases[0];
+    for (i, &base) in bases.iter().enumerate() {
+        let skipped_before = report.skipped.len();
         let path = src.join(segment_file_name(base));
         let file = storage.open(&path, OpenMode::Read).map_err(|e| match e.kind() {
             // Beside a live writer a listed segment can be released before it is opened.
@@ -335,6 +373,7 @@ fn copy_bounded(storage: &dyn Storage, src: &Path, dst: &Path, read: Bound) -> R
                 Err(p) => Some(format!("bad segment header: {p}")),
             },
         };
+        let header_problem_seen = header_problem.is_some();
         if let Some(why) = header_problem {
             // A first segment whose header does not check cannot say no offsets are
             // missing below it.
@@ -345,6 +384,10 @@ fn copy_bounded(storage: &dyn Storage, src: &Path, dst: &Path, read: Bound) -> R
         let mut pos = SEGMENT_HEADER_LEN.min(len);
         // Where the current run of bytes that did not check began, and why.
         let mut bad: Option<(u64, String)> = None;
+        // The offset after the last record that checked in this file, and whether bytes
+        // that do not check came after it: such bytes may have held later records.
+        let mut seen_next = base;
+        let mut damage_after_last_record = header_problem_seen;
         // Where a batch is known to begin: a batch never spans files, so at the first frame
         // of each, and then right after each frame whose checked header ends a batch.
         let mut batch_start = Some(pos);
@@ -365,16 +408,19 @@ fn copy_bounded(storage: &dyn Storage, src: &Path, dst: &Path, read: Bound) -> R
                     // A seal carries no record, and the writer seals only between batches.
                     in_zeros = false;
                     close_bad(&mut report, &path, &mut bad, pos);
-                    let inside = batch.take().map(|b| b.leave_out(&mut report, &path, false)).is_some();
+                    let inside =
+                        batch.take().map(|b| b.leave_out(&mut report, &path, false, &mut named_until)).is_some();
                     pos += FRAME_HEADER_LEN;
                     batch_start = if inside { None } else { Some(pos) };
                 }
                 Found::Record(h) => {
                     in_zeros = false;
+                    seen_next = h.offset + 1;
+                    damage_after_last_record = false;
                     close_bad(&mut report, &path, &mut bad, pos);
                     if let Some(b) = batch.take_if(|b| b.next != h.offset) {
                         // Not the record the batch needs next: it never closed here.
-                        b.leave_out(&mut report, &path, false);
+                        b.leave_out(&mut report, &path, false, &mut named_until);
                     }
                     let b = batch.get_or_insert_with(|| Batch {
                         from: pos,
@@ -400,14 +446,14 @@ fn copy_bounded(storage: &dyn Storage, src: &Path, dst: &Path, read: Bound) -> R
                             if b.known_start {
                                 out.push_batch(&mut report, &mut last, &b)?;
                             } else {
-                                b.leave_out(&mut report, &path, true);
+                                b.leave_out(&mut report, &path, true, &mut named_until);
                             }
                         }
                     }
                 }
                 Found::Bad { why, batch_after } => {
                     if let Some(b) = batch.take() {
-                        b.leave_out(&mut report, &path, false);
+                        b.leave_out(&mut report, &path, false, &mut named_until);
                     }
                     let zero = r.get(pos, 1).map_err(io)?.is_some_and(|b| b[0] == 0);
                     if zero && !in_zeros && r.zeros_to_end(pos).map_err(io)? {
@@ -419,6 +465,7 @@ fn copy_bounded(storage: &dyn Storage, src: &Path, dst: &Path, read: Bound) -> R
                         batch_start = batch_after;
                     }
                     in_zeros = zero;
+                    damage_after_last_record = true;
                     bad.get_or_insert((pos, why));
                     pos += 1;
                 }
@@ -426,14 +473,43 @@ fn copy_bounded(storage: &dyn Storage, src: &Path, dst: &Path, read: Bound) -> R
         }
         // A batch never spans files: one still open here never closed.
         if let Some(b) = batch.take() {
-            b.leave_out(&mut report, &path, false);
+            b.leave_out(&mut report, &path, false, &mut named_until);
         }
         close_bad(&mut report, &path, &mut bad, len);
+        if damage_after_last_record
+            && let Some(damaged) = report.skipped[skipped_before..].iter().rev().find(|s| s.records == 0)
+        {
+            // Bytes that do not check after the file's last record may have held records
+            // after it (before a record that checks, they could only hold lower offsets):
+            // each takes at least one frame header, so `n` bytes hold fewer than
+            // `n / 32 + 1` offsets, and none at or past the successor's base.
+            let room = (damaged.to - damaged.from) / FRAME_HEADER_LEN + 1;
+            let bound = bases.get(i + 1).map_or(u64::MAX, |&next| next);
+            named_until = named_until.max(seen_next.saturating_add(room).min(bound));
+        }
     }
-    // The last segment stays unsealed: it is the new log's tail.
-    out.finish(None)?;
+    let copied_end = last.map_or(out.source_first, |l| l + 1);
+    // Never below what was copied; at the very top of the range the log still opens,
+    // and appends fail with `OffsetsExhausted`, as after an in-place salvage.
+    let end = named_until.min(OFFSET_MAX).max(copied_end);
+    if end > copied_end {
+        // The last copied record's segment is sealed, and the tail starts past the
+        // offsets left out, flagged as a gap.
+        report.missing_offsets.push((copied_end, end - 1));
+        out.finish(Some(copied_end))?;
+        out.start(end, true);
+        out.write_tail()?;
+    } else if out.holds_records() {
+        // The last segment stays unsealed: it is the new log's tail.
+        out.finish(None)?;
+    } else {
+        // Nothing to copy: the copy is an empty log at the source's first offset.
+        out.start(copied_end, out.source_gap_before);
+        out.write_tail()?;
+    }
     report.segments_written = out.written;
     report.next_offset = last.map(|l| l + 1);
+    report.end_offset = end;
     Ok(report)
 }
 

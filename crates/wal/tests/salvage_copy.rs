@@ -412,3 +412,91 @@ fn a_segment_released_under_a_copy_beside_a_live_writer_makes_it_unsettled() {
     }
     drop(wal);
 }
+
+/// A copy cut short (here the disk fills while its second segment is written) leaves
+/// whole segments behind, the first one sealed. They must never pass for a log: not for
+/// `verify`, which the runbook runs on the copy before it replaces the log, nor for an
+/// open, nor for a second copy into the same directory, which is told to start afresh.
+#[test]
+fn a_copy_that_did_not_finish_is_never_taken_for_a_log() {
+    let sim = SimStorage::new();
+    let wal = open(&sim, small_options());
+    append_tagged(&wal, 0..30, 500);
+    drop(wal);
+    let segs = segment_files(&sim, &dir());
+    let third = dir().join(&segs[2]);
+    let mut b = sim.read_file(&third).unwrap();
+    b[32 + 32 + 100] ^= 1;
+    sim.write_file_durably(&third, &b).unwrap();
+
+    // Writes: the unfinished-copy file, the first segment, the second (after the gap).
+    sim.fail_nth(wal::storage::FaultOp::Write, 3, std::io::ErrorKind::StorageFull);
+    assert!(salvage_copy(&sim, &dir(), &out_dir()).is_err());
+    let left = segment_files(&sim, &out_dir());
+    assert_eq!(left.len(), 1, "the first segment was written whole: {left:?}");
+    let open = Wal::open_read_only_with(Arc::new(sim.clone()) as Arc<dyn Storage>, &out_dir());
+    assert!(matches!(open, Err(wal::WalError::UnfinishedSalvage(_))), "{open:?}");
+    let verified = inspect::verify(&sim, &out_dir(), &mut |_| {});
+    assert!(matches!(verified, Err(wal::WalError::UnfinishedSalvage(_))), "{verified:?}");
+    let writable = Wal::open_with(Arc::new(sim.clone()) as Arc<dyn Storage>, &out_dir(), small_options());
+    assert!(matches!(writable, Err(wal::WalError::UnfinishedSalvage(_))), "{writable:?}");
+    match salvage_copy(&sim, &dir(), &out_dir()) {
+        Err(wal::WalError::InvalidOptions(m)) => assert!(m.contains("did not finish"), "{m}"),
+        other => panic!("a second copy into the unfinished one: {other:?}"),
+    }
+
+    // Removed, the copy is made again, whole, and opens.
+    for name in sim.list_dir(&out_dir()).unwrap() {
+        sim.remove_file(&out_dir().join(name)).unwrap();
+    }
+    let report = salvage_copy(&sim, &dir(), &out_dir()).unwrap();
+    assert_eq!(report.records, 29, "{report:?}");
+    assert!(!sim.list_dir(&out_dir()).unwrap().iter().any(|n| n == wal::SALVAGE_INCOMPLETE_FILE));
+    assert_eq!(copied(&sim).len(), 29);
+    assert!(inspect::verify(&sim, &out_dir(), &mut |_| {}).unwrap().is_clean());
+}
+
+/// A source with no whole batch to copy (here a tail segment holding only its header, at
+/// base 100) still gives a log, which continues where the source does: an empty copy at
+/// offset 0 would give the offsets the delivery cursors beside the log passed to new
+/// records.
+#[test]
+fn a_source_without_a_whole_batch_still_gives_a_log_that_continues_where_it_did() {
+    let sim = SimStorage::new();
+    sim.create_dir_all(&dir()).unwrap();
+    let header = SegmentHeader { base_offset: 100, flags: 0 }.encode();
+    sim.write_file_durably(&dir().join(segment_file_name(100)), &header).unwrap();
+    let report = salvage_copy(&sim, &dir(), &out_dir()).unwrap();
+    assert_eq!((report.records, report.next_offset, report.end_offset), (0, None, 100), "{report:?}");
+    assert!(report.missing_offsets.is_empty(), "{report:?}");
+    let copy = Wal::open_read_only_with(Arc::new(sim.clone()) as Arc<dyn Storage>, &out_dir()).unwrap();
+    assert_eq!((copy.start_offset(), copy.next_offset()), (100, 100));
+    assert!(copy.open_report().missing_ranges.is_empty());
+}
+
+/// Damage in the last record of the log: the copy holds the records before it, and its
+/// log continues past every offset the damaged bytes could have held, never at the
+/// damaged record's own offset, which named an event that was answered and may have
+/// been delivered. The offsets in between are reported missing.
+#[test]
+fn damage_at_the_end_of_the_log_never_gives_its_offsets_to_new_records() {
+    let sim = SimStorage::new();
+    let mut b = SegmentHeader { base_offset: 0, flags: 0 }.encode().to_vec();
+    for offset in 0..10 {
+        let at = b.len() as u64;
+        b.extend_from_slice(&frame(offset, true, at));
+    }
+    let last = b.len() - 10;
+    b[last] ^= 1;
+    write_source(&sim, &b);
+    let report = salvage_copy(&sim, &dir(), &out_dir()).unwrap();
+    assert_eq!((report.records, report.next_offset), (9, Some(9)), "{report:?}");
+    assert!(report.end_offset > 9, "{report:?}");
+    assert_eq!(report.missing_offsets, vec![(9, report.end_offset - 1)]);
+    let copy = Wal::open_with(Arc::new(sim.clone()) as Arc<dyn Storage>, &out_dir(), WalOptions::default()).unwrap();
+    assert_eq!(copy.next_offset(), report.end_offset);
+    assert_eq!(copy.open_report().missing_ranges, vec![9..report.end_offset]);
+    let appended = rt().block_on(copy.append(vec![payload(99, 50)])).unwrap();
+    assert!(appended.first_offset > 9, "{appended:?}");
+    assert_eq!(copied(&sim).into_iter().take(9).map(|(o, _)| o).collect::<Vec<_>>(), (0..9).collect::<Vec<_>>());
+}

@@ -7,14 +7,16 @@
 //!   log already, and must be neither the log directory, nor inside it, nor hold it
 //!   (compared with every symlink and `..` resolved, as the writes would resolve them):
 //!   the runbook moves the log directory aside and the copy into its place.
-//! - Offsets are kept, so the delivery cursors beside the log stay true for the copy;
+//! - Offsets are kept, so the delivery cursors beside the log stay true for the copy,
+//!   and the copy continues past every offset a left-out record may have had;
 //!   every skipped byte range and every missing offset range is reported, and so are the
 //!   records left out because their batch is not whole (a batch is copied whole or not
 //!   at all), with their count.
 //! - Exit 0 when everything was copied, 1 when anything was skipped (damage, or records
 //!   of a batch that is not whole; the copy is still a whole log), 2 for unusable
 //!   arguments (an `--out` above, or one that exists and is not a directory), each said
-//!   in one line before anything is written.
+//!   in one line before anything is written. A copy that did not finish is refused by
+//!   every open (`wal::SALVAGE_INCOMPLETE_FILE`), and the error says to remove it.
 
 use std::io::{self, Write};
 use std::path::{Component, Path, PathBuf};
@@ -46,21 +48,29 @@ pub(crate) fn run(a: SalvageArgs) -> CliResult {
     let report = match wal::salvage_copy::salvage_copy(&FsStorage, &a.dir, &a.out) {
         Ok(r) => r,
         Err(wal::WalError::InvalidOptions(m)) => return Err(CliError::Usage(m)),
-        Err(e) => return Err(wal_error(&a.dir, e)),
+        Err(e) => {
+            let unfinished = a.out.join(wal::SALVAGE_INCOMPLETE_FILE).exists();
+            return Err(match wal_error(&a.dir, e) {
+                CliError::Failed(m) if unfinished => CliError::Failed(format!(
+                    "{m}\nthe copy in {} did not finish: every open refuses it; remove the directory and salvage again",
+                    a.out.display()
+                )),
+                other => other,
+            });
+        }
     };
     // The copy must open as a log, or it is no use to anyone.
-    if report.records > 0 {
-        let copy = wal::Wal::open_read_only(&a.out)
-            .map_err(|e| CliError::Failed(format!("the copy in {} does not open: {e}", a.out.display())))?;
-        if copy.next_offset() != report.next_offset.unwrap_or(0) {
-            return Err(CliError::Failed(format!(
-                "the copy in {} ends at offset {}, expected {:?}",
-                a.out.display(),
-                copy.next_offset(),
-                report.next_offset
-            )));
-        }
+    let copy = wal::Wal::open_read_only(&a.out)
+        .map_err(|e| CliError::Failed(format!("the copy in {} does not open: {e}", a.out.display())))?;
+    if copy.next_offset() != report.end_offset {
+        return Err(CliError::Failed(format!(
+            "the copy in {} ends at offset {}, expected {}",
+            a.out.display(),
+            copy.next_offset(),
+            report.end_offset
+        )));
     }
+    drop(copy);
     let mut out = stdout();
     let skipped_any = !report.skipped.is_empty() || !report.missing_offsets.is_empty();
     if a.json {
@@ -74,6 +84,7 @@ pub(crate) fn run(a: SalvageArgs) -> CliResult {
                 "segments_written": report.segments_written,
                 "first_offset": report.first_offset,
                 "next_offset": report.next_offset,
+                "end_offset": report.end_offset,
                 "missing_offsets": report.missing_offsets.iter().map(|(a, b)| json!({"first": a, "last": b})).collect::<Vec<_>>(),
                 "skipped": report.skipped.iter().map(|s| json!({"file": s.file, "from": s.from, "to": s.to, "records": s.records, "why": s.why})).collect::<Vec<_>>(),
                 "partial_batch_records": report.partial_batch_records(),
@@ -96,7 +107,11 @@ pub(crate) fn run(a: SalvageArgs) -> CliResult {
         }
         // Bytes that do not check, or offsets missing, are damage; records of a batch that
         // is not whole alone are the trace of a write that never finished.
-        let damage = report.skipped.iter().any(|s| s.records == 0) || !report.missing_offsets.is_empty();
+        // (Offsets missing after the last copied record are those of what was skipped
+        // there, counted by the skipped lines already.)
+        let below_last_copied = |last: u64| report.next_offset.is_some_and(|n| last < n);
+        let damage = report.skipped.iter().any(|s| s.records == 0)
+            || report.missing_offsets.iter().any(|&(_, last)| below_last_copied(last));
         let left_out = match (damage, report.partial_batch_records()) {
             (false, 0) => "; nothing skipped".to_string(),
             (true, 0) => "; damage skipped, see above".to_string(),
@@ -109,11 +124,12 @@ pub(crate) fn run(a: SalvageArgs) -> CliResult {
         };
         writeln!(
             out,
-            "copied {} record(s) ({}, {range}) into {} ({} segment(s)){left_out}",
+            "copied {} record(s) ({}, {range}) into {} ({} segment(s)){left_out}; the copy continues at offset {}",
             report.records,
             human_bytes(report.payload_bytes),
             a.out.display(),
             report.segments_written,
+            report.end_offset,
         )?;
     }
     out.flush()?;
