@@ -110,15 +110,15 @@ impl WalError {
         WalError::Io { path: path.into(), source }
     }
 
-    /// True for damage that only an operator can deal with (salvage, restore).
+    /// True for damage that only an operator can deal with (salvage, restore). A segment
+    /// of another format version whose header checks is not damage: a build that reads
+    /// that version can read it, and no salvage of this one may copy or move it.
     pub fn is_corruption(&self) -> bool {
-        matches!(
-            self,
-            WalError::BadSegmentHeader { .. }
-                | WalError::Corrupt { .. }
-                | WalError::Gap { .. }
-                | WalError::MissingSuccessor { .. }
-        )
+        match self {
+            WalError::BadSegmentHeader { problem, .. } => !problem.is_other_version(),
+            WalError::Corrupt { .. } | WalError::Gap { .. } | WalError::MissingSuccessor { .. } => true,
+            _ => false,
+        }
     }
 }
 

@@ -64,11 +64,21 @@ pub enum HeaderProblem {
     BadChecksum,
     UnsupportedVersion(u32),
     UnknownFlags(u32),
+    /// The reserved bytes 24..28 are not zero (this build writes zero).
+    ReservedNotZero(u32),
     /// The header's base offset is not the one the file name says.
     BaseMismatch {
         name: u64,
         header: u64,
     },
+}
+
+impl HeaderProblem {
+    /// The header checks and says another format version wrote the segment (a newer
+    /// build, before a rollback): not damage, and nothing this build may salvage.
+    pub fn is_other_version(&self) -> bool {
+        matches!(self, HeaderProblem::UnsupportedVersion(_))
+    }
 }
 
 impl std::fmt::Display for HeaderProblem {
@@ -81,6 +91,7 @@ impl std::fmt::Display for HeaderProblem {
                 write!(f, "segment format version {v}, this build reads version {FORMAT_VERSION}")
             }
             HeaderProblem::UnknownFlags(v) => write!(f, "unknown segment header flags {v:#x}"),
+            HeaderProblem::ReservedNotZero(v) => write!(f, "segment header reserved bytes are {v:#x}, not zero"),
             HeaderProblem::BaseMismatch { name, header } => {
                 write!(f, "file name says base offset {name}, header says {header}")
             }
@@ -108,6 +119,8 @@ impl SegmentHeader {
         if b[0..8] != SEGMENT_MAGIC {
             return Err(HeaderProblem::BadMagic);
         }
+        // The checksum first: a version field that does not check is damage, not a newer
+        // format (one flipped bit must not make a damaged log look unsalvageable).
         if crc32fast::hash(&b[0..28]) != le_u32(&b[28..32]) {
             return Err(HeaderProblem::BadChecksum);
         }
@@ -118,6 +131,10 @@ impl SegmentHeader {
         let flags = le_u32(&b[12..16]);
         if flags & !SEGMENT_FLAG_GAP_BEFORE != 0 {
             return Err(HeaderProblem::UnknownFlags(flags));
+        }
+        let reserved = le_u32(&b[24..28]);
+        if reserved != 0 {
+            return Err(HeaderProblem::ReservedNotZero(reserved));
         }
         Ok(SegmentHeader { base_offset: le_u64(&b[16..24]), flags })
     }

@@ -344,7 +344,9 @@ fn open_bounded(
     }
 
     if let Some((i, e)) = damage {
-        if read_only || opts.recovery == RecoveryMode::Strict {
+        // A segment of another format version is not damage: refused, never moved aside.
+        let other_version = matches!(&e, WalError::BadSegmentHeader { problem, .. } if problem.is_other_version());
+        if read_only || opts.recovery == RecoveryMode::Strict || other_version {
             return Err(e);
         }
         let (kept, resume, salvage) = salvage(&*storage, &dir, loaded, i, &e)?;

@@ -370,6 +370,14 @@ fn copy_bounded(storage: &dyn Storage, src: &Path, dst: &Path, read: Bound) -> R
                     None
                 }
                 Ok(h) => Some(format!("header says base {}, name says {base}", h.base_offset)),
+                // Another format version wrote it (a newer build): its frames are not
+                // this version's to read, so the copy is refused, not made without them.
+                Err(p) if p.is_other_version() => {
+                    return Err(WalError::BadSegmentHeader {
+                        location: crate::error::Location { file: path.clone(), position: 0 },
+                        problem: p,
+                    });
+                }
                 Err(p) => Some(format!("bad segment header: {p}")),
             },
         };

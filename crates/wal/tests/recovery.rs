@@ -284,6 +284,30 @@ fn a_future_format_version_is_refused_by_name() {
     sim.write_file_durably(&path, &b).unwrap();
     let e = try_open(&sim, small_options()).unwrap_err();
     assert!(e.to_string().contains("format version 2"), "{e}");
+    // Not damage: no salvage may move it aside, nor copy it as this version's frames.
+    assert!(!e.is_corruption(), "{e}");
+    let salvaging = WalOptions { recovery: RecoveryMode::Salvage, ..small_options() };
+    let e = try_open(&sim, salvaging).unwrap_err();
+    assert!(e.to_string().contains("format version 2"), "{e}");
+    assert_eq!(sim.read_file(&path).unwrap(), b, "the segment was changed");
+    let e = wal::salvage_copy::salvage_copy(&sim, &dir(), std::path::Path::new("/sim/copy")).unwrap_err();
+    assert!(e.to_string().contains("format version 2"), "{e}");
+}
+
+/// The header's reserved bytes are zero in every segment this build writes; a header
+/// whose checksum holds over other reserved bytes was not written by it.
+#[test]
+fn a_segment_header_with_reserved_bytes_set_is_refused() {
+    let sim = SimStorage::new();
+    fill(&sim, &small_options(), 1, 10);
+    let path = seg_path(0);
+    let mut b = sim.read_file(&path).unwrap();
+    b[24] = 1;
+    let crc = crc32(&b[0..28]);
+    b[28..32].copy_from_slice(&crc.to_le_bytes());
+    sim.write_file_durably(&path, &b).unwrap();
+    let e = try_open(&sim, small_options()).unwrap_err();
+    assert!(e.to_string().contains("reserved bytes are 0x1, not zero"), "{e}");
 }
 
 fn crc32(b: &[u8]) -> u32 {
