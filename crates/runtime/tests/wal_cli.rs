@@ -788,3 +788,50 @@ async fn every_subcommand_works_on_a_running_daemons_log() {
     assert_eq!((i["writer_running"].as_bool(), i["clean_shutdown"].as_bool()), (Some(false), Some(true)));
     assert_eq!(i["next_offset"].as_u64(), Some(sent + 1));
 }
+
+/// `tail --from` is checked as `dump --from` is: below the log's start (released) or past
+/// its end it is refused at once, exit 2, instead of following from elsewhere and
+/// saying the offsets "were released meanwhile".
+#[test]
+fn tail_and_dump_refuse_a_from_below_the_start_or_past_the_end_alike() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path().join("wal");
+    let wal = Wal::open(&dir, small()).unwrap();
+    rt().block_on(async {
+        for i in 0..40 {
+            wal.append(vec![envelope(i)]).await.unwrap();
+        }
+        // Past the first segment's records, so that its file goes (the start itself is
+        // not kept across a reopen: the log then starts at its first segment).
+        wal.release_below(39).await.unwrap();
+        wal.close().await.unwrap();
+    });
+    let start = Wal::open_read_only(&dir).unwrap().start_offset();
+    assert!(start > 0, "the test wants a released head");
+    for from in ["0".to_string(), "41".to_string()] {
+        for tool in ["dump", "tail"] {
+            let started = std::time::Instant::now();
+            let child = Command::new(env!("CARGO_BIN_EXE_iggy-ingest"))
+                .args(["wal", tool, dir.to_str().unwrap(), "--from", &from])
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap();
+            let pid = child.id();
+            // A tail that follows instead never ends: stop it after a while.
+            let watchdog = std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_secs(10));
+                // SAFETY: kill(2) on our own child's pid (a no-op error if it is gone).
+                unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+            });
+            let o = child.wait_with_output().unwrap();
+            assert!(started.elapsed() < Duration::from_secs(10), "{tool} --from {from} kept running");
+            assert_eq!(code(&o), 2, "{tool} --from {from}: {}{}", stdout(&o), stderr(&o));
+            assert!(stdout(&o).is_empty(), "{tool} --from {from}: {}", stdout(&o));
+            drop(watchdog);
+        }
+    }
+    // At the start, and at the end (nothing yet, so tail waits), both are fine.
+    let o = cli_in(&["dump", "--from", &start.to_string(), "--limit", "1", "--json"], &dir);
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+}

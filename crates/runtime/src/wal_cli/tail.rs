@@ -10,6 +10,8 @@
 //! Invariants:
 //! - Records come out once each, in offset order, with no gaps except what was released
 //!   while the tool was not looking (said on stderr, then it continues from the start).
+//! - `--from` is checked as `dump` checks it: below the log's start or past its end it
+//!   is refused (exit 2). A log that later ends below what was shown was replaced: exit 1.
 //! - Only durable records are shown, as in every read-only view.
 //! - It runs until interrupted or until its output is closed.
 
@@ -72,7 +74,14 @@ pub(crate) fn run(a: TailArgs) -> CliResult {
     let mut last_look = look(&a.dir);
     let wal = open_log(&a.dir)?;
     let mut next = match a.from {
-        Some(f) => f,
+        // As `dump` does: an offset the log no longer (or does not yet) hold is refused.
+        Some(f) => match wal::inspect::Records::new(&wal, f) {
+            Ok(_) => f,
+            Err(e @ (WalError::Released { .. } | WalError::BeyondEnd { .. })) => {
+                return Err(super::CliError::Usage(format!("--from {f}: {e}")));
+            }
+            Err(e) => return Err(wal_error(&a.dir, e)),
+        },
         None => wal.next_offset().saturating_sub(a.lines).max(wal.start_offset()),
     };
     let mut out = stdout();
@@ -85,8 +94,13 @@ pub(crate) fn run(a: TailArgs) -> CliResult {
             }
             let records = match wal::inspect::Records::new(&w, next) {
                 Ok(r) => r,
-                Err(WalError::BeyondEnd { .. }) => {
-                    return Err(super::CliError::Usage(format!("--from {next} is beyond the end of the log")));
+                // Read up to `next` before: the log now ends lower (it was replaced, by a
+                // salvaged copy say) and what follows is not the log that was followed.
+                Err(WalError::BeyondEnd { end, .. }) => {
+                    return Err(super::CliError::Failed(format!(
+                        "the log now ends at offset {end}, below offset {next} already shown: was {} replaced?",
+                        a.dir.display()
+                    )));
                 }
                 Err(e) => return Err(wal_error(&a.dir, e)),
             };
