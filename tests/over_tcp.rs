@@ -415,6 +415,42 @@ async fn a_silent_topic_opens_its_breaker_even_when_connecting_is_slow() {
     router.shutdown().await;
 }
 
+/// A server that answers pings, sign-ins and topic reads but no write (a node that lost
+/// its quorum, a server not caught up; the `iggy` client replays its "not ready" answers
+/// inside itself, so the router sees only timeouts) is an outage of the server, not of
+/// every destination: no breaker opens, and everything arrives once it writes again.
+/// Each lane's timeouts are taken for the server's because the other destination's sends
+/// go unanswered too while no write is answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_that_answers_pings_but_no_write_opens_no_breaker() {
+    let broker = TestBroker::start(TestBrokerConfig::default()).await.unwrap();
+    let (wal, router) = start_warm(&broker, "w", "a").await;
+    wal.append(vec![record("w", "b", 1, Partitioning::Balanced)]).await.unwrap();
+    eventually(Duration::from_secs(20), "b warm", || async { ids(&broker, "w", "b").len() == 1 }).await;
+    broker.black_hole_topic("w", "a", true);
+    broker.black_hole_topic("w", "b", true);
+    for n in 2..42u64 {
+        wal.append(vec![record("w", if n % 2 == 0 { "a" } else { "b" }, n, Partitioning::Balanced)]).await.unwrap();
+    }
+    // Several result timeouts (3 s each) and breaker thresholds (3) long.
+    let until = std::time::Instant::now() + Duration::from_secs(16);
+    while std::time::Instant::now() < until {
+        for d in router.destinations() {
+            assert_eq!(d.breaker, "closed", "{}: a server that writes nothing opened a breaker", d.destination);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    broker.black_hole_topic("w", "a", false);
+    broker.black_hole_topic("w", "b", false);
+    let unique = |t: &str| ids(&broker, "w", t).into_iter().collect::<BTreeSet<u128>>();
+    let want = |parity: u64| (0..42u64).filter(|n| n % 2 == parity).map(|n| u128::from(n) + 1).collect::<BTreeSet<_>>();
+    eventually(Duration::from_secs(60), "everything delivered", || async {
+        unique("a") == want(0) && unique("b") == want(1)
+    })
+    .await;
+    router.shutdown().await;
+}
+
 /// A server that stops answering altogether (hung, or the network silently dropping
 /// its packets) is an outage, not every destination failing: no breaker opens, the
 /// connections that timed out are replaced, and everything arrives once it answers.

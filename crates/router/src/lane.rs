@@ -466,6 +466,9 @@ pub(crate) struct LaneContext<S, C> {
     pub shutdown: watch::Receiver<bool>,
     /// Degraded/Running of the router as a whole follows its lanes.
     pub router_status: Arc<crate::RouterHealth>,
+    /// Whether the server answers writes, for telling a silent destination from a
+    /// server that stalls every write ([`bounded_send`]).
+    pub writes: Arc<crate::write_watch::WriteWatch>,
 }
 
 impl<S, C> Clone for LaneContext<S, C> {
@@ -479,6 +482,7 @@ impl<S, C> Clone for LaneContext<S, C> {
             cursor_dirty: self.cursor_dirty.clone(),
             shutdown: self.shutdown.clone(),
             router_status: self.router_status.clone(),
+            writes: self.writes.clone(),
         }
     }
 }
@@ -1073,6 +1077,34 @@ async fn bounded<S: Sink, T>(
     }
 }
 
+/// A send to `dest`, cut short after `timeout`, as [`bounded`] but telling a server that
+/// stalls every write from a silent destination ([`crate::write_watch`]): a send cut short
+/// while no write was answered since it began, and another destination's send went
+/// unanswered during it, is the server's (`Unavailable`, no breaker counts it), even
+/// though the server still answers pings. An answer to the send (an ack, or its
+/// destination's refusal) is noted as a write answered.
+async fn bounded_send<S: Sink, C>(
+    ctx: &LaneContext<S, C>,
+    dest: &DestinationKey,
+    timeout: Duration,
+    call: impl std::future::Future<Output = Result<(), SendError>>,
+) -> Result<(), SendError> {
+    let started = std::time::Instant::now();
+    let result = bounded(&*ctx.sink, timeout, call).await;
+    match &result {
+        Ok(()) => ctx.writes.answered(),
+        Err(e) if e.kind == SendErrorKind::Destination => ctx.writes.answered(),
+        Err(e) if e.kind == SendErrorKind::Timeout && ctx.writes.unanswered(dest, started) => {
+            return Err(SendError::new(
+                SendErrorKind::Unavailable,
+                "the server answered no write within the result timeout, to this destination or another",
+            ));
+        }
+        Err(_) => {}
+    }
+    result
+}
+
 /// What an attempt does.
 enum Op<'a, M> {
     /// Make sure the destination exists.
@@ -1123,7 +1155,7 @@ async fn attempt<S: Sink, C>(
         Op::Send(partitioning, messages) => {
             let started = std::time::Instant::now();
             fail_points::fail_point!("router.send");
-            let r = bounded(&*ctx.sink, timeout, ctx.sink.send(lane.dest(), partitioning, messages)).await;
+            let r = bounded_send(ctx, lane.dest(), timeout, ctx.sink.send(lane.dest(), partitioning, messages)).await;
             metrics::histogram!("iggy_connector_send_latency_seconds").record(started.elapsed().as_secs_f64());
             r.map(|()| None)
         }
@@ -1302,7 +1334,8 @@ async fn dead_letter<S: Sink, C>(
                 (Ok(_), Err(e)) => Err(e.clone()),
                 (Ok(_), Ok(messages)) => {
                     let started = std::time::Instant::now();
-                    let r = bounded(&*ctx.sink, timeout, ctx.sink.send(dlq, &Partitioning::Balanced, messages)).await;
+                    let r =
+                        bounded_send(ctx, dlq, timeout, ctx.sink.send(dlq, &Partitioning::Balanced, messages)).await;
                     metrics::histogram!("iggy_connector_send_latency_seconds").record(started.elapsed().as_secs_f64());
                     r
                 }

@@ -42,6 +42,7 @@ pub mod policy;
 pub mod prewarm;
 pub mod sink;
 pub mod status;
+mod write_watch;
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::future::Future;
@@ -331,6 +332,7 @@ impl Router {
             cursor_dirty,
             shutdown: shutdown_rx.clone(),
             router_status: health.clone(),
+            writes: Arc::default(),
         };
         let held_from = Arc::new(AtomicU64::new(u64::MAX));
         let lane_tasks = LaneTasks::default();
