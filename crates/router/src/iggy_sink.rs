@@ -11,7 +11,10 @@
 //! - A call cut short (the lane's result timeout) leaves its connection behind: it is
 //!   dropped, never reused, so a late answer can never be read as another call's.
 //! - A failure that says the server is gone (disconnected, unavailable, signed out)
-//!   drops every idle connection too: they are as dead as the one that failed.
+//!   drops every idle connection too: they are as dead as the one that failed. Two
+//!   failures do not say so: a connection that knew it was not connected (closed while
+//!   idle; nothing was sent) drops only itself, and a "not now" answer (busy, catching
+//!   up) keeps its connection, the server having answered on it.
 //! - The daemon starts and holds while the server is unreachable: connecting is retried
 //!   by the next call, never required at start. One connect runs at a time, in a task of
 //!   its own; a caller's timeout may stop waiting for it, never stop it half-way (the
@@ -342,17 +345,24 @@ impl IggySink {
             }
             Err(e) => {
                 let kind = classify(&e);
-                if matches!(
+                if matches!(e, IggyError::TransientNotAccepted | IggyError::TransientNotCommitted) {
+                    // The server answered "not now" (busy, catching up) on this
+                    // connection: it is there, and so is the connection. No destination's
+                    // fault either (the kind says so), and nothing to reconnect.
+                    self.answered();
+                    self.idle().push(taken.client);
+                } else if matches!(e, IggyError::NotConnected) {
+                    // This connection alone knew it was not connected (its heartbeat
+                    // failed: closed while idle, by the server or something between), so
+                    // nothing was sent. The others may be fine: only it is dropped, and
+                    // the next call takes another or connects anew, unpaced.
+                } else if matches!(
                     kind,
                     SendErrorKind::Disconnected | SendErrorKind::Unavailable | SendErrorKind::Unauthorized
                 ) {
                     self.unreachable.store(true, Ordering::Release);
                     self.idle().clear();
-                    // A server that answered "not now" (busy, catching up) is there:
-                    // connects go on at the router's pace.
-                    if !matches!(e, IggyError::TransientNotAccepted | IggyError::TransientNotCommitted) {
-                        self.pace_connects();
-                    }
+                    self.pace_connects();
                 } else {
                     self.answered();
                     if !cache_suspect {
@@ -651,6 +661,37 @@ mod tests {
         assert!(sink.connecting(), "a disconnection is the whole client's");
         assert!(sink.settle(taken(), Ok(()), false).is_ok());
         assert!(!sink.connecting(), "the server answered, yet it is still taken for unreachable");
+    }
+
+    /// One pooled connection that knew it was not connected (closed while idle) is that
+    /// connection's trouble, not the server's: the other idle connections stay, connects
+    /// are not paced, and the sink is not taken for unreachable.
+    #[test]
+    fn a_pooled_connection_found_not_connected_drops_only_itself() {
+        let sink = IggySink::new(&IggySinkConfig::default()).unwrap();
+        let taken = || Taken { client: Arc::new(build_client(&IggySinkConfig::default()).unwrap()) };
+        assert!(sink.settle(taken(), Ok(()), false).is_ok());
+        assert!(sink.settle(taken(), Ok(()), false).is_ok());
+        let e = sink.settle::<()>(taken(), Err(IggyError::NotConnected), false).unwrap_err();
+        assert_eq!(e.kind, SendErrorKind::Unavailable, "no breaker counts it");
+        assert_eq!(sink.idle().len(), 2, "the other connections were dropped too");
+        assert!(!sink.connecting(), "taken for the whole server");
+        assert!(sink.connect_wait().is_none(), "connects paced");
+    }
+
+    /// A server that answers "not now" is there, and so is its connection.
+    #[test]
+    fn a_transient_answer_keeps_the_connection_and_the_pool() {
+        let sink = IggySink::new(&IggySinkConfig::default()).unwrap();
+        let taken = || Taken { client: Arc::new(build_client(&IggySinkConfig::default()).unwrap()) };
+        assert!(sink.settle(taken(), Ok(()), false).is_ok());
+        let before = std::time::Instant::now();
+        for transient in [IggyError::TransientNotAccepted, IggyError::TransientNotCommitted] {
+            let e = sink.settle::<()>(taken(), Err(transient), false).unwrap_err();
+            assert_eq!(e.kind, SendErrorKind::Unavailable, "no breaker counts it");
+        }
+        assert_eq!(sink.idle().len(), 3);
+        assert!(sink.answered_since(before) && !sink.connecting());
     }
 
     /// A server that takes connections and closes each after `hold` (never answering a
