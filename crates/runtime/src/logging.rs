@@ -1,5 +1,6 @@
 //! Structured logs through `tracing`: text or JSON on stderr, the level from the
-//! configuration unless `RUST_LOG` is set.
+//! configuration unless `RUST_LOG` is set. Text is coloured only when stderr is a
+//! terminal.
 //!
 //! The `iggy` client's own messages are off unless the configured level or `RUST_LOG`
 //! names the `iggy` target: it logs every failed connection attempt at error level,
@@ -36,7 +37,9 @@ pub fn init(level: &str, json: bool) {
     let from_env = std::env::var(EnvFilter::DEFAULT_ENV).ok().filter(|v| EnvFilter::try_new(v).is_ok());
     let filter = EnvFilter::try_new(filter_for(from_env.as_deref().unwrap_or(level)))
         .unwrap_or_else(|_| EnvFilter::new(filter_for("info")));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    // Colours only for a terminal: a journal, a file or a log shipper gets plain text.
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(ansi);
     let _ = if json { builder.json().try_init() } else { builder.try_init() };
 }
 

@@ -974,4 +974,5 @@ async fn the_daemon_raises_its_open_file_limit_and_warns_when_the_hard_limit_is_
     let log = std::fs::read_to_string(dir.path().join("daemon.log")).unwrap();
     let warning = log.lines().find(|l| l.contains("open-file limit is below")).unwrap_or_else(|| panic!("{log}"));
     assert!(warning.contains("http.max_connections") && warning.contains("WARN"), "{warning}");
+    assert!(!log.contains('\u{1b}'), "terminal colours in a log written to a file: {warning:?}");
 }
