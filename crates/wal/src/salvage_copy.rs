@@ -334,6 +334,9 @@ fn copy_bounded(storage: &dyn Storage, src: &Path, dst: &Path, read: Bound) -> R
     // Past every offset a left-out record or a damaged byte range may have named.
     let mut named_until = bases[0];
     for (i, &base) in bases.iter().enumerate() {
+        // The source's log continues at least at its newest segment's base (a tail an
+        // in-place salvage started past damaged offsets, say), even with no record in it.
+        named_until = named_until.max(base);
         let skipped_before = report.skipped.len();
         let path = src.join(segment_file_name(base));
         let file = storage.open(&path, OpenMode::Read).map_err(|e| match e.kind() {

@@ -500,3 +500,28 @@ fn damage_at_the_end_of_the_log_never_gives_its_offsets_to_new_records() {
     assert!(appended.first_offset > 9, "{appended:?}");
     assert_eq!(copied(&sim).into_iter().take(9).map(|(o, _)| o).collect::<Vec<_>>(), (0..9).collect::<Vec<_>>());
 }
+
+/// A source whose newest segment starts past offsets nothing holds any more (an in-place
+/// salvage resumed there, moving the damaged records aside) and holds no record yet:
+/// the copy continues there too, never at the offsets the salvage kept from reuse.
+#[test]
+fn the_copy_continues_at_the_sources_newest_segment_even_when_it_is_empty() {
+    let sim = SimStorage::new();
+    let mut b = SegmentHeader { base_offset: 0, flags: 0 }.encode().to_vec();
+    for offset in 0..3 {
+        let at = b.len() as u64;
+        b.extend_from_slice(&frame(offset, true, at));
+    }
+    let at = b.len() as u64;
+    b.extend_from_slice(&FrameHeader::seal(3, at).encode());
+    write_source(&sim, &b);
+    let tail = SegmentHeader { base_offset: 10, flags: SEGMENT_FLAG_GAP_BEFORE }.encode();
+    sim.write_file_durably(&dir().join(segment_file_name(10)), &tail).unwrap();
+    assert_eq!(source_end(&sim), 10);
+
+    let report = salvage_copy(&sim, &dir(), &out_dir()).unwrap();
+    assert_eq!((report.records, report.next_offset, report.end_offset), (3, Some(3), 10), "{report:?}");
+    assert_eq!(report.missing_offsets, vec![(3, 9)]);
+    let copy = Wal::open_read_only_with(Arc::new(sim.clone()) as Arc<dyn Storage>, &out_dir()).unwrap();
+    assert_eq!(copy.next_offset(), 10);
+}
