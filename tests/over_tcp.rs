@@ -451,6 +451,52 @@ async fn a_server_that_answers_pings_but_no_write_opens_no_breaker() {
     router.shutdown().await;
 }
 
+/// A refusal is not a write: a server that writes nothing may still refuse one
+/// destination's sends (it validates before it replicates), and a refusal the client
+/// makes itself never reached the server. Such refusals, coming every cool-down, must not
+/// end the stall and let the silent destinations' timeouts open their breakers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_destination_does_not_end_a_stall_of_every_write() {
+    let broker = TestBroker::start(TestBrokerConfig::default()).await.unwrap();
+    let (wal, router) = start_warm(&broker, "v", "a").await;
+    for (n, topic) in [(1u64, "b"), (2, "c")] {
+        wal.append(vec![record("v", topic, n, Partitioning::Balanced)]).await.unwrap();
+        eventually(Duration::from_secs(20), "warm", || async { ids(&broker, "v", topic).len() == 1 }).await;
+    }
+    broker.black_hole_topic("v", "a", true);
+    broker.black_hole_topic("v", "b", true);
+    broker.fail_topic("v", "c", Some(iggy::prelude::IggyError::Error));
+    wal.append(vec![record("v", "c", 3, Partitioning::Balanced)]).await.unwrap();
+    for n in 4..44u64 {
+        wal.append(vec![record("v", if n % 2 == 0 { "a" } else { "b" }, n, Partitioning::Balanced)]).await.unwrap();
+    }
+    // Several result timeouts (3 s each), breaker thresholds (3) and cool-downs (1 s) of
+    // the refused destination long.
+    let until = std::time::Instant::now() + Duration::from_secs(16);
+    let mut refusals_seen = 0;
+    while std::time::Instant::now() < until {
+        for d in router.destinations() {
+            if d.destination.topic == "c" {
+                refusals_seen = refusals_seen.max(d.consecutive_failures);
+            } else {
+                assert_eq!(d.breaker, "closed", "{}: a server that writes nothing opened a breaker", d.destination);
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(refusals_seen >= 4, "the refused destination was retried {refusals_seen} times only");
+    broker.black_hole_topic("v", "a", false);
+    broker.black_hole_topic("v", "b", false);
+    broker.fail_topic("v", "c", None);
+    let unique = |t: &str| ids(&broker, "v", t).into_iter().collect::<BTreeSet<u128>>();
+    let want = |parity: u64| (4..44u64).filter(|n| n % 2 == parity).map(|n| u128::from(n) + 1).collect::<BTreeSet<_>>();
+    eventually(Duration::from_secs(60), "everything delivered", || async {
+        unique("a").is_superset(&want(0)) && unique("b").is_superset(&want(1)) && unique("c").len() == 2
+    })
+    .await;
+    router.shutdown().await;
+}
+
 /// A server that stops answering altogether (hung, or the network silently dropping
 /// its packets) is an outage, not every destination failing: no breaker opens, the
 /// connections that timed out are replaced, and everything arrives once it answers.

@@ -467,7 +467,7 @@ pub(crate) struct LaneContext<S, C> {
     /// Degraded/Running of the router as a whole follows its lanes.
     pub router_status: Arc<crate::RouterHealth>,
     /// Whether the server answers writes, for telling a silent destination from a
-    /// server that stalls every write ([`bounded_send`]).
+    /// server that stalls every write ([`bounded_write`]).
     pub writes: Arc<crate::write_watch::WriteWatch>,
 }
 
@@ -1077,30 +1077,32 @@ async fn bounded<S: Sink, T>(
     }
 }
 
-/// A send to `dest`, cut short after `timeout`, as [`bounded`] but telling a server that
-/// stalls every write from a silent destination ([`crate::write_watch`]): a send cut short
-/// while no write was answered since it began, and another destination's send went
-/// unanswered during it, is the server's (`Unavailable`, no breaker counts it), even
-/// though the server still answers pings. An answer to the send (an ack, or its
-/// destination's refusal) is noted as a write answered.
-async fn bounded_send<S: Sink, C>(
+/// A call that writes to `dest` (a send, or an ensure that may create the topic), cut
+/// short after `timeout`, as [`bounded`] but telling a server that stalls every write
+/// from a silent destination ([`crate::write_watch`]): a call cut short while no write
+/// was answered since it began, and another destination's went unanswered during it, is
+/// the server's (`Unavailable`, no breaker counts it), even though the server still
+/// answers pings. Only an acknowledged send (`ok_is_write`) is noted as a write
+/// answered: a refusal may come from the client itself (a name it cannot encode) or from
+/// a server that validates but writes nothing, and an ensure may have only read.
+async fn bounded_write<S: Sink, C, T>(
     ctx: &LaneContext<S, C>,
     dest: &DestinationKey,
     timeout: Duration,
-    call: impl std::future::Future<Output = Result<(), SendError>>,
-) -> Result<(), SendError> {
+    ok_is_write: bool,
+    call: impl std::future::Future<Output = Result<T, SendError>>,
+) -> Result<T, SendError> {
     let started = std::time::Instant::now();
     let result = bounded(&*ctx.sink, timeout, call).await;
     match &result {
-        Ok(()) => ctx.writes.answered(),
-        Err(e) if e.kind == SendErrorKind::Destination => ctx.writes.answered(),
+        Ok(_) if ok_is_write => ctx.writes.answered(),
         Err(e) if e.kind == SendErrorKind::Timeout && ctx.writes.unanswered(dest, started) => {
             return Err(SendError::new(
                 SendErrorKind::Unavailable,
                 "the server answered no write within the result timeout, to this destination or another",
             ));
         }
-        Err(_) => {}
+        _ => {}
     }
     result
 }
@@ -1147,7 +1149,7 @@ async fn attempt<S: Sink, C>(
         Op::Unsendable(e) => Err(e),
         Op::Ensure => {
             let started = std::time::Instant::now();
-            let r = bounded(&*ctx.sink, timeout, ctx.sink.ensure(lane.dest())).await;
+            let r = bounded_write(ctx, lane.dest(), timeout, false, ctx.sink.ensure(lane.dest())).await;
             metrics::histogram!("iggy_connector_destination_create_latency_seconds")
                 .record(started.elapsed().as_secs_f64());
             r.map(Some)
@@ -1155,7 +1157,8 @@ async fn attempt<S: Sink, C>(
         Op::Send(partitioning, messages) => {
             let started = std::time::Instant::now();
             fail_points::fail_point!("router.send");
-            let r = bounded_send(ctx, lane.dest(), timeout, ctx.sink.send(lane.dest(), partitioning, messages)).await;
+            let r = bounded_write(ctx, lane.dest(), timeout, true, ctx.sink.send(lane.dest(), partitioning, messages))
+                .await;
             metrics::histogram!("iggy_connector_send_latency_seconds").record(started.elapsed().as_secs_f64());
             r.map(|()| None)
         }
@@ -1335,7 +1338,8 @@ async fn dead_letter<S: Sink, C>(
                 (Ok(_), Ok(messages)) => {
                     let started = std::time::Instant::now();
                     let r =
-                        bounded_send(ctx, dlq, timeout, ctx.sink.send(dlq, &Partitioning::Balanced, messages)).await;
+                        bounded_write(ctx, dlq, timeout, true, ctx.sink.send(dlq, &Partitioning::Balanced, messages))
+                            .await;
                     metrics::histogram!("iggy_connector_send_latency_seconds").record(started.elapsed().as_secs_f64());
                     r
                 }

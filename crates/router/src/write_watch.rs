@@ -5,8 +5,10 @@
 //! inside itself, so the router only ever sees the timeout).
 //!
 //! Invariants:
-//! - A write counts as answered when a send got the server's answer: an ack, or a
-//!   refusal of its destination. A ping, a sign-in or a topic read is not a write.
+//! - A write counts as answered only when a send was acknowledged. A ping, a sign-in, a
+//!   topic read or a successful ensure (which may only have read) is not a write; nor is
+//!   a refusal, which the client may make itself (a name it cannot encode) and a server
+//!   that writes nothing may still give (it validates before it replicates).
 //! - A send cut short while some write was answered since it began is its destination's
 //!   (the server writes, only not there): its breaker counts it.
 //! - Once sends to two different destinations were cut short with no write answered
@@ -17,6 +19,10 @@
 //!   beside others being written opens its own. (With one destination sending, the two
 //!   cannot be told apart, and the lane's older check decides: whether the server
 //!   answers at all.)
+//! - Two destinations silent alone on a server that writes, while no other destination
+//!   has anything acknowledged, look exactly like a stall and are taken for one: their
+//!   records are held and retried as in an outage and reported Degraded, only no breaker
+//!   opens. The first acknowledged send of any destination ends it.
 //! - The watch holds two instants, a flag and one destination: nothing grows.
 
 use std::sync::Mutex;
@@ -42,7 +48,7 @@ impl WriteWatch {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// A send got the server's answer (an ack, or its destination refused).
+    /// A send was acknowledged: the server writes.
     pub(crate) fn answered(&self) {
         let mut s = self.state();
         s.last_answered = Some(Instant::now());
