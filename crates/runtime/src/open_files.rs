@@ -23,14 +23,18 @@ const FILES_BESIDES: u64 = 256;
 /// What the configuration may hold open at once: every webhook connection, two files
 /// per log segment (a segment can be as little as half full, so a full log holds up to
 /// twice `wal.max_bytes / wal.segment_max_bytes` of them), a connection to Iggy per
-/// concurrent destination of every source, and [`FILES_BESIDES`].
+/// concurrent destination of every configured source (each has its own send slots, its
+/// own policy's or the default's) and of the sources found only in the log (counted once,
+/// at the default), and [`FILES_BESIDES`].
 pub fn files_needed(settings: &Settings) -> u64 {
     let segments = settings.wal.max_bytes / settings.wal.segment_max_bytes.max(1);
     let policies = &settings.delivery.policies;
-    let iggy_connections: u64 = std::iter::once(&policies.default)
-        .chain(policies.sources.values())
-        .map(|p| p.max_concurrent_destinations as u64)
-        .sum();
+    let iggy_connections: u64 = settings
+        .sources
+        .iter()
+        .map(|source| policies.for_source(&source.key).max_concurrent_destinations as u64)
+        .chain(std::iter::once(policies.default.max_concurrent_destinations as u64))
+        .fold(0u64, u64::saturating_add);
     (settings.max_connections as u64)
         .saturating_add(segments.saturating_mul(2))
         .saturating_add(iggy_connections)
@@ -107,5 +111,20 @@ mod tests {
         let needed = files_needed(&settings);
         assert!(needed > 1_024, "{needed}");
         assert!(needed >= settings.max_connections as u64 + FILES_BESIDES, "{needed}");
+    }
+
+    #[test]
+    fn every_source_counts_its_own_iggy_connections_with_or_without_a_policy_of_its_own() {
+        let mut settings = crate::config::validate(&crate::config::Config::builtin(), None, None).unwrap();
+        let one_source = files_needed(&settings);
+        let mut second = settings.sources[0].clone();
+        second.key = "second".into();
+        settings.sources.push(second);
+        let per_source = settings.delivery.policies.default.max_concurrent_destinations as u64;
+        assert_eq!(files_needed(&settings), one_source + per_source, "a source without a policy of its own");
+        let mut own = (*settings.delivery.policies.default).clone();
+        own.max_concurrent_destinations = per_source as usize + 100;
+        settings.delivery.policies.sources.insert("second".into(), std::sync::Arc::new(own));
+        assert_eq!(files_needed(&settings), one_source + per_source + 100, "a source with a policy of its own");
     }
 }
