@@ -344,10 +344,16 @@ fn open_bounded(
     }
 
     if let Some((i, e)) = damage {
-        // A segment of another format version is not damage: refused, never moved aside.
-        let other_version = matches!(&e, WalError::BadSegmentHeader { problem, .. } if problem.is_other_version());
-        if read_only || opts.recovery == RecoveryMode::Strict || other_version {
+        // A segment of another format version is not damage: refused, never moved aside,
+        // whether it is the first problem or lies past it (a salvage moves every segment
+        // from the damage on).
+        let is_other_version =
+            |e: &WalError| matches!(e, WalError::BadSegmentHeader { problem, .. } if problem.is_other_version());
+        if read_only || opts.recovery == RecoveryMode::Strict || is_other_version(&e) {
             return Err(e);
+        }
+        if let Some(later) = bad_headers.iter_mut().skip(i + 1).find_map(|b| b.take_if(|e| is_other_version(e))) {
+            return Err(later);
         }
         let (kept, resume, salvage) = salvage(&*storage, &dir, loaded, i, &e)?;
         tracing::error!(damage = %e, resumed_at = resume, "salvaged a damaged log");

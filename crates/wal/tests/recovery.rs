@@ -294,6 +294,32 @@ fn a_future_format_version_is_refused_by_name() {
     assert!(e.to_string().contains("format version 2"), "{e}");
 }
 
+/// A salvage moves every segment from the damage on: a later segment of another format
+/// version among them would be moved aside as damage. The open refuses by its version
+/// instead, and changes nothing.
+#[test]
+fn a_salvage_refuses_when_a_later_segment_is_of_another_format_version() {
+    let sim = SimStorage::new();
+    fill(&sim, &small_options(), 120, 100);
+    let files = segment_files(&sim, &dir());
+    assert!(files.len() >= 3, "{files:?}");
+    // Damage in the first segment's header, another version in the last one's.
+    flip(&sim, &seg_path(0), 3);
+    let last = dir().join(files.last().unwrap());
+    let mut b = sim.read_file(&last).unwrap();
+    b[8..12].copy_from_slice(&2u32.to_le_bytes());
+    let crc = crc32(&b[0..28]);
+    b[28..32].copy_from_slice(&crc.to_le_bytes());
+    sim.write_file_durably(&last, &b).unwrap();
+    let before: Vec<Vec<u8>> = files.iter().map(|f| sim.read_file(&dir().join(f)).unwrap()).collect();
+    let salvaging = WalOptions { recovery: RecoveryMode::Salvage, ..small_options() };
+    let e = try_open(&sim, salvaging).unwrap_err();
+    assert!(e.to_string().contains("format version 2"), "{e}");
+    assert_eq!(segment_files(&sim, &dir()), files, "a segment was moved");
+    let after: Vec<Vec<u8>> = files.iter().map(|f| sim.read_file(&dir().join(f)).unwrap()).collect();
+    assert!(before == after, "a segment was changed");
+}
+
 /// The header's reserved bytes are zero in every segment this build writes; a header
 /// whose checksum holds over other reserved bytes was not written by it.
 #[test]
