@@ -339,7 +339,11 @@ fn salvage_leaves_out_a_batch_whose_closing_record_was_lost() {
     assert!(out.contains("copied 5 record(s)") && out.contains("offsets 0..5"), "{out}");
     assert!(out.contains("; 2 record(s) of unfinished batches left out, see above"), "{out}");
     // Their offsets named records: the copy goes on past them, never giving them to others.
-    assert!(out.contains("missing offsets 5..=6 (2 record(s))") && out.contains("continues at offset 7"), "{out}");
+    assert!(
+        out.contains("reserved offsets 5..=6: past the last record copied") && out.contains("continues at offset 7"),
+        "{out}"
+    );
+    assert!(!out.contains("missing offsets"), "the copy's records lack no offset: {out}");
     assert_eq!(Wal::open_read_only(&copy).unwrap().next_offset(), 7);
     let offs: Vec<u64> =
         json_lines(&cli_in(&["dump", "--json"], &copy)).iter().map(|l| l["offset"].as_u64().unwrap()).collect();
@@ -354,10 +358,47 @@ fn salvage_leaves_out_a_batch_whose_closing_record_was_lost() {
     assert_eq!(r["partial_batch_records"].as_u64(), Some(2));
     assert_eq!(r["skipped"][0]["records"].as_u64(), Some(2));
     assert_eq!(r["end_offset"].as_u64(), Some(7));
-    assert_eq!(
-        (r["missing_offsets"][0]["first"].as_u64(), r["missing_offsets"][0]["last"].as_u64()),
-        (Some(5), Some(6))
-    );
+    assert_eq!((r["reserved_offsets"]["first"].as_u64(), r["reserved_offsets"]["last"].as_u64()), (Some(5), Some(6)));
+    assert_eq!(r["missing_offsets"], serde_json::json!([]));
+}
+
+/// A log whose newest segment starts above its last record (an in-place salvage
+/// resumed there) lost nothing a copy could keep: the copy reserves those offsets too,
+/// says so, and exits 0 with "nothing skipped".
+#[test]
+fn salvage_of_a_whole_log_whose_tail_starts_past_its_last_record_skips_nothing() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = make_log(root.path(), 3, small());
+    let wal = Wal::open(&dir, small()).unwrap();
+    rt().block_on(async {
+        wal.append(vec![envelope(3)]).await.unwrap();
+        wal.close().await.unwrap();
+    });
+    drop(wal);
+    // The last record damaged in a tail the clean shutdown vouched for: the in-place
+    // salvage moves it aside and resumes past every offset its bytes could hold.
+    let tail = segments(&dir).last().unwrap().clone();
+    let mut bytes = std::fs::read(&tail).unwrap();
+    let last = bytes.len() - 3;
+    bytes[last] ^= 1;
+    std::fs::write(&tail, &bytes).unwrap();
+    let salvaging = WalOptions { recovery: wal::RecoveryMode::Salvage, ..small() };
+    let wal = Wal::open(&dir, salvaging).unwrap();
+    let resumed = wal.open_report().salvage.as_ref().expect("an in-place salvage").resumed_at_offset;
+    assert!(resumed > 3, "{resumed}");
+    rt().block_on(wal.close()).unwrap();
+    drop(wal);
+    std::fs::remove_dir_all(dir.join(wal::DAMAGED_DIR)).unwrap();
+    assert_eq!(code(&cli_in(&["verify"], &dir)), 0, "the source is a whole log");
+
+    let copy = root.path().join("salvaged");
+    let o = cli(&["salvage", dir.to_str().unwrap(), "--out", copy.to_str().unwrap()]);
+    let out = stdout(&o);
+    assert_eq!(code(&o), 0, "{out}{}", stderr(&o));
+    assert!(out.contains(&format!("reserved offsets 3..={}", resumed - 1)), "{out}");
+    assert!(out.contains("; nothing skipped;") && out.contains(&format!("continues at offset {resumed}")), "{out}");
+    assert!(!out.contains("missing offsets"), "{out}");
+    assert_eq!(Wal::open_read_only(&copy).unwrap().next_offset(), resumed);
 }
 
 /// Every file and directory under `dir`, with each file's length.

@@ -79,13 +79,20 @@ pub struct CopyReport {
     /// Where the copy's log continues (its `next_offset` once opened): past every offset
     /// a record of the source may have had, copied or not, so that no offset that named
     /// a record is given to another (see FORMAT.md, "Salvage"). Above `next_offset` when
-    /// records or damaged bytes were left out after the last copied one; the offsets in
-    /// between are reported missing.
+    /// records or damaged bytes were left out after the last copied one, or the source's
+    /// newest segment starts above it; the offsets in between are
+    /// [`reserved_offsets`](Self::reserved_offsets).
     pub end_offset: u64,
     /// Offsets from the source's first segment's base to the last copied record that the
     /// copy does not hold (no frame that checks held them, or their batch was not whole):
-    /// `(first, last)` inclusive.
+    /// `(first, last)` inclusive. Each named a record that is lost.
     pub missing_offsets: Vec<(u64, u64)>,
+    /// Offsets past the last copied record up to `end_offset`, `(first, last)` inclusive,
+    /// which the copy gives to no new record. An upper bound, not a count: they may have
+    /// named records of what was skipped after the last copied one (damaged bytes are
+    /// counted at the most records they could hold), or none at all (the source's own
+    /// newest segment started above them).
+    pub reserved_offsets: Option<(u64, u64)>,
     pub skipped: Vec<Skipped>,
 }
 
@@ -506,7 +513,7 @@ fn copy_bounded(storage: &dyn Storage, src: &Path, dst: &Path, read: Bound) -> R
     if end > copied_end {
         // The last copied record's segment is sealed, and the tail starts past the
         // offsets left out, flagged as a gap.
-        report.missing_offsets.push((copied_end, end - 1));
+        report.reserved_offsets = Some((copied_end, end - 1));
         out.finish(Some(copied_end))?;
         out.start(end, true);
         out.write_tail()?;

@@ -11,9 +11,13 @@
 //!   and the copy continues past every offset a left-out record may have had;
 //!   every skipped byte range and every missing offset range is reported, and so are the
 //!   records left out because their batch is not whole (a batch is copied whole or not
-//!   at all), with their count.
-//! - Exit 0 when everything was copied, 1 when anything was skipped (damage, or records
-//!   of a batch that is not whole; the copy is still a whole log), 2 for unusable
+//!   at all), with their count. The offsets kept from reuse past the last copied record
+//!   are reported as reserved, not missing: they are an upper bound (damaged bytes are
+//!   counted at the most records they could hold), and a source whose newest segment
+//!   starts above its last record reserves some with nothing lost.
+//! - Exit 0 when everything was copied (offsets reserved or not), 1 when anything was
+//!   skipped (damage, or records of a batch that is not whole; the copy is still a whole
+//!   log), 2 for unusable
 //!   arguments (an `--out` above, or one that exists and is not a directory), each said
 //!   in one line before anything is written. A copy that did not finish is refused by
 //!   every open (`wal::SALVAGE_INCOMPLETE_FILE`), and the error says to remove it.
@@ -86,6 +90,7 @@ pub(crate) fn run(a: SalvageArgs) -> CliResult {
                 "next_offset": report.next_offset,
                 "end_offset": report.end_offset,
                 "missing_offsets": report.missing_offsets.iter().map(|(a, b)| json!({"first": a, "last": b})).collect::<Vec<_>>(),
+                "reserved_offsets": report.reserved_offsets.map(|(a, b)| json!({"first": a, "last": b})),
                 "skipped": report.skipped.iter().map(|s| json!({"file": s.file, "from": s.from, "to": s.to, "records": s.records, "why": s.why})).collect::<Vec<_>>(),
                 "partial_batch_records": report.partial_batch_records(),
             }),
@@ -105,13 +110,16 @@ pub(crate) fn run(a: SalvageArgs) -> CliResult {
         for (first, last) in &report.missing_offsets {
             writeln!(out, "missing offsets {first}..={last} ({} record(s))", last - first + 1)?;
         }
+        if let Some((first, last)) = report.reserved_offsets {
+            writeln!(
+                out,
+                "reserved offsets {first}..={last}: past the last record copied, given to no new record (they may have \
+                 named records of what was skipped there)"
+            )?;
+        }
         // Bytes that do not check, or offsets missing, are damage; records of a batch that
         // is not whole alone are the trace of a write that never finished.
-        // (Offsets missing after the last copied record are those of what was skipped
-        // there, counted by the skipped lines already.)
-        let below_last_copied = |last: u64| report.next_offset.is_some_and(|n| last < n);
-        let damage = report.skipped.iter().any(|s| s.records == 0)
-            || report.missing_offsets.iter().any(|&(_, last)| below_last_copied(last));
+        let damage = report.skipped.iter().any(|s| s.records == 0) || !report.missing_offsets.is_empty();
         let left_out = match (damage, report.partial_batch_records()) {
             (false, 0) => "; nothing skipped".to_string(),
             (true, 0) => "; damage skipped, see above".to_string(),
