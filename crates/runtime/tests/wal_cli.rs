@@ -368,13 +368,7 @@ fn salvage_leaves_out_a_batch_whose_closing_record_was_lost() {
 #[test]
 fn salvage_of_a_whole_log_whose_tail_starts_past_its_last_record_skips_nothing() {
     let root = tempfile::tempdir().unwrap();
-    let dir = make_log(root.path(), 3, small());
-    let wal = Wal::open(&dir, small()).unwrap();
-    rt().block_on(async {
-        wal.append(vec![envelope(3)]).await.unwrap();
-        wal.close().await.unwrap();
-    });
-    drop(wal);
+    let dir = make_log(root.path(), 4, small());
     // The last record damaged in a tail the clean shutdown vouched for: the in-place
     // salvage moves it aside and resumes past every offset its bytes could hold.
     let tail = segments(&dir).last().unwrap().clone();

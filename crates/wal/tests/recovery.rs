@@ -28,6 +28,21 @@ fn flip(sim: &SimStorage, path: &Path, at: usize) {
     sim.write_file_durably(path, &b).unwrap();
 }
 
+/// Edits the segment header's first 28 bytes and writes a checksum that holds over them,
+/// as a build writing other header fields would; returns the file's new bytes.
+fn rewrite_header(sim: &SimStorage, path: &Path, edit: impl FnOnce(&mut [u8])) -> Vec<u8> {
+    let mut b = sim.read_file(path).unwrap();
+    edit(&mut b[0..28]);
+    let crc = crc32(&b[0..28]);
+    b[28..32].copy_from_slice(&crc.to_le_bytes());
+    sim.write_file_durably(path, &b).unwrap();
+    b
+}
+
+fn set_version(version: u32) -> impl FnOnce(&mut [u8]) {
+    move |h| h[8..12].copy_from_slice(&version.to_le_bytes())
+}
+
 /// Appends `n` single-record batches of `len` bytes, tags 0..n.
 fn fill(sim: &SimStorage, opts: &WalOptions, n: u64, len: usize) {
     let wal = open(sim, opts.clone());
@@ -277,11 +292,7 @@ fn a_future_format_version_is_refused_by_name() {
     let sim = SimStorage::new();
     fill(&sim, &small_options(), 1, 10);
     let path = seg_path(0);
-    let mut b = sim.read_file(&path).unwrap();
-    b[8..12].copy_from_slice(&2u32.to_le_bytes());
-    let crc = crc32(&b[0..28]);
-    b[28..32].copy_from_slice(&crc.to_le_bytes());
-    sim.write_file_durably(&path, &b).unwrap();
+    let b = rewrite_header(&sim, &path, set_version(2));
     let e = try_open(&sim, small_options()).unwrap_err();
     assert!(e.to_string().contains("format version 2"), "{e}");
     // Not damage: no salvage may move it aside, nor copy it as this version's frames.
@@ -306,11 +317,7 @@ fn a_salvage_refuses_when_a_later_segment_is_of_another_format_version() {
     // Damage in the first segment's header, another version in the last one's.
     flip(&sim, &seg_path(0), 3);
     let last = dir().join(files.last().unwrap());
-    let mut b = sim.read_file(&last).unwrap();
-    b[8..12].copy_from_slice(&2u32.to_le_bytes());
-    let crc = crc32(&b[0..28]);
-    b[28..32].copy_from_slice(&crc.to_le_bytes());
-    sim.write_file_durably(&last, &b).unwrap();
+    rewrite_header(&sim, &last, set_version(2));
     let before: Vec<Vec<u8>> = files.iter().map(|f| sim.read_file(&dir().join(f)).unwrap()).collect();
     let salvaging = WalOptions { recovery: RecoveryMode::Salvage, ..small_options() };
     let e = try_open(&sim, salvaging).unwrap_err();
@@ -327,11 +334,7 @@ fn a_segment_header_with_reserved_bytes_set_is_refused() {
     let sim = SimStorage::new();
     fill(&sim, &small_options(), 1, 10);
     let path = seg_path(0);
-    let mut b = sim.read_file(&path).unwrap();
-    b[24] = 1;
-    let crc = crc32(&b[0..28]);
-    b[28..32].copy_from_slice(&crc.to_le_bytes());
-    sim.write_file_durably(&path, &b).unwrap();
+    rewrite_header(&sim, &path, |h| h[24] = 1);
     let e = try_open(&sim, small_options()).unwrap_err();
     assert!(e.to_string().contains("reserved bytes are 0x1, not zero"), "{e}");
 }
