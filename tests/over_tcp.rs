@@ -11,7 +11,7 @@ use ingest::envelope::Partitioning;
 use router::iggy_sink::{IggySink, IggySinkConfig, TopicDefaults};
 use router::status::Status;
 use router::{MemoryCursorStore, OnAdmissionFailure, Policies, Router, RouterPolicy};
-use test_broker::{TestBroker, TestBrokerConfig};
+use test_broker::{RequestKind, TestBroker, TestBrokerConfig};
 
 fn sink(addr: std::net::SocketAddr, partitions: u32) -> Arc<IggySink> {
     let config = IggySinkConfig {
@@ -446,6 +446,40 @@ async fn a_server_that_answers_pings_but_no_write_opens_no_breaker() {
     let want = |parity: u64| (0..42u64).filter(|n| n % 2 == parity).map(|n| u128::from(n) + 1).collect::<BTreeSet<_>>();
     eventually(Duration::from_secs(60), "everything delivered", || async {
         unique("a") == want(0) && unique("b") == want(1)
+    })
+    .await;
+    router.shutdown().await;
+}
+
+/// A server that stalls every write stalls topic creation too: the first record of a new
+/// destination waits on a `CreateTopic` that is never answered, beside another
+/// destination's unanswered sends. That creation cut short is the server's as a send
+/// would be: no breaker opens, and the new topic is made and filled once it writes again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_that_stalls_every_write_creates_no_topic_and_opens_no_breaker() {
+    let broker = TestBroker::start(TestBrokerConfig::default()).await.unwrap();
+    let (wal, router) = start_warm(&broker, "k", "a").await;
+    broker.black_hole_topic("k", "a", true);
+    broker.black_hole_topic("k", "new", true);
+    for n in 1..41u64 {
+        wal.append(vec![record("k", if n % 2 == 0 { "a" } else { "new" }, n, Partitioning::Balanced)]).await.unwrap();
+    }
+    // Several result timeouts (3 s each) and breaker thresholds (3) long.
+    let until = std::time::Instant::now() + Duration::from_secs(16);
+    while std::time::Instant::now() < until {
+        for d in router.destinations() {
+            assert_eq!(d.breaker, "closed", "{}: a server that writes nothing opened a breaker", d.destination);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(broker.topic_options("k", "new").is_none(), "a creation the server never answered made the topic");
+    assert!(broker.request_count(RequestKind::CreateTopic) >= 2, "the new topic's creation was not retried");
+    broker.black_hole_topic("k", "a", false);
+    broker.black_hole_topic("k", "new", false);
+    let unique = |t: &str| ids(&broker, "k", t).into_iter().collect::<BTreeSet<u128>>();
+    let want = |parity: u64| (1..41u64).filter(|n| n % 2 == parity).map(|n| u128::from(n) + 1).collect::<BTreeSet<_>>();
+    eventually(Duration::from_secs(60), "everything delivered", || async {
+        unique("a").is_superset(&want(0)) && unique("new") == want(1)
     })
     .await;
     router.shutdown().await;

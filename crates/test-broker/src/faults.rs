@@ -22,12 +22,13 @@ pub enum DropPoint {
     AfterApplying,
 }
 
-/// What the broker does with a `SendMessages` to one topic.
+/// What the broker does with a `SendMessages` to one topic (and, for `BlackHole`, with
+/// a `CreateTopic` of it).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum TopicFault {
     /// Answer with this nonzero status (an `IggyError` code); store nothing.
     Fail(u32),
-    /// Read the request and never answer it; store nothing.
+    /// Read the request and never answer it; store (or create) nothing.
     BlackHole,
 }
 

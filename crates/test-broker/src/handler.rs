@@ -231,6 +231,12 @@ fn create_topic(shared: &Shared, header: &RequestHeader, body: &[u8]) -> Result<
     // created, as the server does.
     let options = TopicCreateOptions::parse(&request.options)?;
     let mut store = shared.store();
+    // A black-holed destination's creation is a write like its sends: never answered.
+    if let Some(stream) = store.stream(&request.stream_id)
+        && shared.faults().topic_fault(&stream.name, request.name.as_str()) == Some(TopicFault::BlackHole)
+    {
+        return Ok(Action::Silence);
+    }
     let reply = match store.create_topic(
         &request.stream_id,
         request.name.as_str(),

@@ -19,8 +19,8 @@
 //! - [`TestBroker::drop_connection_after_next_request`]: close the connection
 //!   that carries the next request of a kind, before or after applying it;
 //! - [`TestBroker::fail_topic`]: sends to one destination get an error status;
-//! - [`TestBroker::black_hole_topic`]: sends to one destination are read and
-//!   never answered.
+//! - [`TestBroker::black_hole_topic`]: sends to one destination, and its
+//!   creation, are read and never answered.
 //!
 //! Which client error each fault produces is recorded in this crate's
 //! `README.md` and checked by `tests/client.rs`.
@@ -157,8 +157,9 @@ impl TestBroker {
         };
     }
 
-    /// `true`: every `SendMessages` to `stream`/`topic` is read and never
-    /// answered (nothing is stored). `false`: sends are answered again.
+    /// `true`: every `SendMessages` to `stream`/`topic`, and every `CreateTopic`
+    /// of it, is read and never answered (nothing is stored or created). `false`:
+    /// they are answered again.
     pub fn black_hole_topic(&self, stream: &str, topic: &str, black_hole: bool) {
         let key = (stream.to_owned(), topic.to_owned());
         let mut faults = self.shared.faults();

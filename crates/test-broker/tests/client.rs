@@ -335,6 +335,27 @@ async fn black_holed_topic_never_answers() {
     assert_eq!(broker.request_count(RequestKind::SendMessages), 1);
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn black_holed_topic_is_never_created() {
+    let broker = start().await;
+    let client = client(&broker);
+    client.connect().await.expect("connect");
+    client.create_stream(STREAM).await.expect("create stream");
+
+    broker.black_hole_topic(STREAM, TOPIC, true);
+    let options = TopicCreateOptions { partitions_count: Some(1), ..TopicCreateOptions::default() };
+    let pending = tokio::time::timeout(Duration::from_secs(2), client.create_topic(&id(STREAM), TOPIC, &options)).await;
+    assert!(pending.is_err(), "a black-holed topic's creation must not be answered");
+    assert!(broker.topic_options(STREAM, TOPIC).is_none(), "a creation never answered made the topic");
+    assert_eq!(broker.request_count(RequestKind::CreateTopic), 1);
+
+    broker.black_hole_topic(STREAM, TOPIC, false);
+    let client = self::client(&broker);
+    client.connect().await.expect("connect");
+    client.create_topic(&id(STREAM), TOPIC, &options).await.expect("created once answered again");
+    assert!(broker.topic_options(STREAM, TOPIC).is_some());
+}
+
 /// Records what the client finally returns for a send that is never
 /// answered: its own 30 s reply timeout, then one reconnect and resend.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
