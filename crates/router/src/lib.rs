@@ -449,6 +449,15 @@ impl Router {
     }
 }
 
+/// Lowers every stored cursor above `wal`'s next offset to it, durably, as
+/// [`Router::start`] does: for a daemon that serves without its router. It must run
+/// before the log takes appends, whether the router runs or not: a run that accepts
+/// events at offsets below a stale cursor would otherwise leave, for the next run that
+/// delivers, new records that look delivered (and are released, never sent).
+pub fn lower_cursors_ahead_of_the_log<C: CursorStore>(wal: &Wal, cursors: &C) -> Result<(), String> {
+    cursors_within_the_log(cursors, wal.next_offset()).map(drop)
+}
+
 /// The stored cursors, none above `log_next_offset`. A cursor above the log's next offset
 /// says records were delivered that the log does not hold: it lost its tail after the
 /// cursor was stored (a power loss under `wal.sync = "interval"`, recovery cutting damage

@@ -491,6 +491,10 @@ impl Delivery {
         known_at_start: Vec<DestinationKey>,
     ) -> Result<Delivery, String> {
         if !settings.enabled {
+            // Cursors ahead of the log are lowered even so: the door appends at the
+            // offsets they claim, and a later run with delivery would pass over those
+            // records as delivered.
+            router::lower_cursors_ahead_of_the_log(&wal, &StateCursorStore::new(state))?;
             tracing::warn!("delivery is disabled ([router] enabled = false): events are kept in the log only");
             return Ok(Delivery { router: Mutex::new(None), prewarm: Mutex::new(None), enabled: false });
         }

@@ -230,3 +230,46 @@ async fn the_destinations_of_a_source_removed_from_the_configuration_are_still_s
     assert_eq!(request(d.admin, "GET", "/connectors/never/destinations", &[], "").await.status, 404);
     assert!(d.stop().success());
 }
+
+/// The log directory is replaced by an empty one (a backup restored, a salvaged copy put
+/// in its place) while the state database keeps the cursors of the old log, and the
+/// daemon then runs with delivery disabled: the events it accepts take offsets below
+/// those cursors. When delivery is enabled again, every one of them is delivered. Left
+/// in place, the old cursors would make the lane pass over the new records as delivered
+/// and the releaser free them, never sent: so they are lowered at every start, with the
+/// router or without it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_accepted_with_delivery_disabled_over_a_replaced_log_are_all_delivered() {
+    let broker = TestBroker::start(TestBrokerConfig::default()).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let daemon = Daemon::start(dir.path(), "", &rest(broker.addr()));
+    for n in 0..5u64 {
+        assert_eq!(post_json(daemon.http, "/v1/sources/default", &format!("{{\"n\":{n}}}")).await.status, 200);
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let d = admin_json(daemon.admin, "/connectors/default/destinations").await;
+        if d["destinations"][0]["cursor"] == 5 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the cursor never reached 5: {d}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(daemon.stop().success());
+    assert_eq!(delivered_ns(&broker), (0..5).collect::<Vec<_>>());
+
+    std::fs::remove_dir_all(dir.path().join("data").join("wal")).unwrap();
+    let disabled = rest(broker.addr()).replace("[router]\n", "[router]\nenabled = false\n");
+    let daemon = Daemon::start(dir.path(), "", &disabled);
+    for n in 5..10u64 {
+        let a = post_json(daemon.http, "/v1/sources/default", &format!("{{\"n\":{n}}}")).await;
+        assert_eq!(a.status, 200);
+        assert_eq!(a.json()["offsets"][0], n - 5, "the replaced log starts again at offset 0");
+    }
+    assert!(daemon.stop().success());
+
+    let daemon = Daemon::start(dir.path(), "", &rest(broker.addr()));
+    wait_until("the new events delivered", Duration::from_secs(30), || delivered_ns(&broker).len() >= 10).await;
+    assert_eq!(delivered_ns(&broker), (0..10).collect::<Vec<_>>(), "lost or reordered events");
+    assert!(daemon.stop().success());
+}
