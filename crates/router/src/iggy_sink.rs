@@ -470,7 +470,7 @@ fn topic_info(details_partitions: u32, options: &iggy::prelude::ResourceOptions)
 }
 
 /// The largest header name or value the server takes.
-const HEADER_FIELD_MAX_BYTES: usize = 255;
+pub(crate) const HEADER_FIELD_MAX_BYTES: usize = 255;
 
 /// Builds the wire messages of a batch: the same messages `IggyMessage::builder()` builds
 /// (a test compares them byte for byte), without its per-message map and per-header
@@ -858,6 +858,37 @@ mod tests {
         assert_eq!(classify(&IggyError::Unauthorized), SendErrorKind::Destination);
         assert!(classify(&IggyError::Unauthorized).counts_against_destination());
         assert!(!classify(&IggyError::InvalidCredentials).counts_against_destination());
+    }
+
+    /// A dead-lettered message says where it was bound however long the names: a stream
+    /// and a topic of up to 255 bytes each reach the server in headers of their own, and
+    /// `stream/topic`, longer than a header value may be, is not sent at all (nothing is
+    /// dropped and counted).
+    #[test]
+    fn a_dead_lettered_message_keeps_its_destination_whatever_the_length_of_its_names() {
+        let payload = Bytes::from_static(b"{}");
+        let header = |m: &IggyMessage, name: &str| {
+            let map = m.user_headers_map().expect("parses").expect("has headers");
+            map.get(&HeaderKey::try_from(name).expect("key")).map(|v| v.as_bytes().to_vec())
+        };
+        for (stream, topic) in [("s".to_string(), "c".to_string()), ("s".repeat(255), "t".repeat(255))] {
+            let d = ingest::envelope::Destination {
+                stream: stream.clone(),
+                topic: topic.clone(),
+                partitioning: Partitioning::Balanced,
+            };
+            let mut headers = Vec::new();
+            crate::lane::rejected_headers(&mut headers, "cap", &d);
+            let sent = to_iggy(&[OutMessage { id: 7, payload: &payload, headers: headers.clone() }]).expect("prepared");
+            assert_eq!(header(&sent[0], "iggy-ingest-rejected-reason"), Some(b"cap".to_vec()));
+            assert_eq!(header(&sent[0], "iggy-ingest-destination-stream"), Some(stream.clone().into_bytes()));
+            assert_eq!(header(&sent[0], "iggy-ingest-destination-topic"), Some(topic.clone().into_bytes()));
+            let combined =
+                (stream.len() + 1 + topic.len() <= HEADER_FIELD_MAX_BYTES).then(|| format!("{stream}/{topic}"));
+            assert_eq!(header(&sent[0], "iggy-ingest-destination"), combined.map(String::into_bytes));
+            let sent_count = sent[0].user_headers_map().expect("parses").expect("has headers").len();
+            assert_eq!(sent_count, headers.len(), "every header built was sent: none dropped");
+        }
     }
 
     #[test]

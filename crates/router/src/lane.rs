@@ -877,10 +877,22 @@ fn out_message(r: &Routed) -> OutMessage<'_> {
     OutMessage { id: h.message_id, payload: &r.envelope.payload, headers }
 }
 
-/// The headers a dead-lettered message carries: why, and where it was bound.
-fn rejected_headers<'a>(headers: &mut Vec<(&'a str, Cow<'a, [u8]>)>, reason: &'static str, d: &Destination) {
+/// The headers a dead-lettered message carries: why, and where it was bound. The
+/// stream and the topic each have a header of their own, which always fits (a name is at
+/// most 255 bytes, as is a header value); `stream/topic` in one header is there too when
+/// it fits, and left out (not sent to be dropped by the sink and counted) when it does
+/// not.
+pub(crate) fn rejected_headers<'a>(
+    headers: &mut Vec<(&'a str, Cow<'a, [u8]>)>,
+    reason: &'static str,
+    d: &'a Destination,
+) {
     headers.push(("iggy-ingest-rejected-reason", Cow::Borrowed(reason.as_bytes())));
-    headers.push(("iggy-ingest-destination", Cow::Owned(format!("{}/{}", d.stream, d.topic).into_bytes())));
+    headers.push(("iggy-ingest-destination-stream", Cow::Borrowed(d.stream.as_bytes())));
+    headers.push(("iggy-ingest-destination-topic", Cow::Borrowed(d.topic.as_bytes())));
+    if d.stream.len() + 1 + d.topic.len() <= crate::iggy_sink::HEADER_FIELD_MAX_BYTES {
+        headers.push(("iggy-ingest-destination", Cow::Owned(format!("{}/{}", d.stream, d.topic).into_bytes())));
+    }
 }
 
 /// A batch's messages in the sink's form, or why the sink cannot take them.

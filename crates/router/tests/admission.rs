@@ -86,6 +86,8 @@ async fn over_the_cap_with_dead_letter_the_records_go_there_with_the_reason() {
     let m = &sink.delivered(&dlq)[0];
     assert!(m.headers.iter().any(|(k, v)| k == "iggy-ingest-rejected-reason" && &v[..] == b"cap"));
     assert!(m.headers.iter().any(|(k, v)| k == "iggy-ingest-destination" && &v[..] == b"s/c"));
+    assert!(m.headers.iter().any(|(k, v)| k == "iggy-ingest-destination-stream" && &v[..] == b"s"));
+    assert!(m.headers.iter().any(|(k, v)| k == "iggy-ingest-destination-topic" && &v[..] == b"c"));
     eventually(Duration::from_secs(10), "released", || router.released_below() == 30).await;
     router.shutdown().await;
 }
