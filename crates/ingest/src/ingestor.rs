@@ -216,8 +216,13 @@ impl Ingestor {
     /// configuration says now. `None` when there is none (the refusal stands then); an
     /// error, as [`Ingestor::accept`] gives it, when the state database cannot say or the
     /// log does not hold the delivery durably: neither a refusal nor a 200 is true then.
-    pub fn replay_of(&self, key: &IdempotencyKey, now_unix_ms: u64) -> Result<Option<Accepted>, IngestError> {
-        match self.prior(key, now_unix_ms)? {
+    /// `received_at_unix_ms` is when the request's head arrived: a lookup more than
+    /// `SWEEP_GRACE_MS` after it is `LookupTooLate`, as in [`Ingestor::accept`] (a
+    /// checkpoint may have swept the key, and "none" would turn the refusal of a
+    /// delivery the log holds into the answer).
+    pub fn replay_of(&self, key: &IdempotencyKey, received_at_unix_ms: u64) -> Result<Option<Accepted>, IngestError> {
+        lookup_in_time(received_at_unix_ms)?;
+        match self.prior(key, received_at_unix_ms)? {
             Some(prior) => self.replay(key, prior).map(Some),
             None => Ok(None),
         }
@@ -270,14 +275,7 @@ impl Ingestor {
         };
         let key = IdempotencyKey { source_key: s.source_key.clone(), endpoint_id: s.endpoint_id, delivery_key };
         let claim = self.idempotency.claim(&key).await.ok_or(IngestError::InFlight)?;
-        // The lookup is made at the head's arrival time, but a checkpoint sweeps by its own
-        // clock, keeping keys only SWEEP_GRACE_MS past their window: a request that took
-        // longer than that to get here (a body trickling in, a wait for room) could miss
-        // the key of a delivery already accepted and append it again.
-        let waited_ms = crate::time::now_unix_ms().saturating_sub(s.received_at_unix_ms);
-        if waited_ms > SWEEP_GRACE_MS {
-            return Err(IngestError::LookupTooLate { waited_ms, grace_ms: SWEEP_GRACE_MS });
-        }
+        lookup_in_time(s.received_at_unix_ms)?;
         if let Some(prior) = self.prior(&key, s.received_at_unix_ms)? {
             return self.replay(&key, prior);
         }
@@ -367,6 +365,18 @@ impl Ingestor {
 /// ENOSPC or EDQUOT: the file system, not the log, is out of room.
 fn is_out_of_space(e: &std::io::Error) -> bool {
     matches!(e.kind(), std::io::ErrorKind::StorageFull | std::io::ErrorKind::QuotaExceeded)
+}
+
+/// The lookup of a delivery id is made at its head's arrival time, but a checkpoint
+/// sweeps by its own clock, keeping keys only `SWEEP_GRACE_MS` past their window: a request
+/// that took longer than that to reach its lookup (a body trickling in, a wait for room)
+/// could miss the key of a delivery already accepted, and is refused (retryable) instead.
+fn lookup_in_time(received_at_unix_ms: u64) -> Result<(), IngestError> {
+    let waited_ms = crate::time::now_unix_ms().saturating_sub(received_at_unix_ms);
+    if waited_ms > SWEEP_GRACE_MS {
+        return Err(IngestError::LookupTooLate { waited_ms, grace_ms: SWEEP_GRACE_MS });
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -485,6 +495,16 @@ mod tests {
         assert_eq!((a.first_offset, a.replayed), (0, false));
         let b = ing.accept(late(None, SWEEP_GRACE_MS + 1_000)).await.unwrap();
         assert_eq!(b.first_offset, 1);
+        // The door's look-up for a request it refuses (its body or route no longer
+        // passes) is held to the same bound: a late "none" would let the refusal stand
+        // for a delivery the log holds.
+        let key = IdempotencyKey { source_key: "default".into(), endpoint_id: None, delivery_key: "d".into() };
+        let head = crate::time::now_unix_ms();
+        assert!(ing.replay_of(&key, head).unwrap().is_some_and(|r| r.replayed && r.first_offset == 0));
+        match ing.replay_of(&key, head - SWEEP_GRACE_MS - 1_000) {
+            Err(e @ IngestError::LookupTooLate { .. }) => assert_eq!(e.reason(), "lookup_too_late"),
+            other => panic!("{other:?}"),
+        }
     }
 
     #[tokio::test]
