@@ -268,6 +268,19 @@ impl EndpointRegistry {
                     unusable_from_record(record, e)
                 }
             };
+            // A live endpoint of a source no longer configured takes no request: a POST
+            // would find no source to take it. Unusable, its handshake is refused alike
+            // (an echo would tell a provider the URL works), and the listing says so.
+            let endpoint = if endpoint.revoked_at_unix_ms.is_none()
+                && endpoint.unusable.is_none()
+                && !sources.contains(&endpoint.source_key)
+            {
+                let why = format!("its source {:?} is not in the configuration", endpoint.source_key);
+                tracing::warn!(endpoint = %id_prefix(endpoint.id), source = %endpoint.source_key, "a stored endpoint's source is not in the configuration; it answers 404 until the source is configured again or it is revoked");
+                Endpoint { unusable: Some(why), ..endpoint }
+            } else {
+                endpoint
+            };
             map.insert(endpoint.id, first_version(endpoint));
         }
         for s in statics {
@@ -818,6 +831,26 @@ mod tests {
         assert_eq!(again.lookup(rec.id, 14).err(), Some(Refusal::Revoked));
         assert!(again.lookup(1, 14).is_ok());
         assert_eq!(again.lookup(2, 14).err(), Some(Refusal::Unknown));
+    }
+
+    /// A live stored endpoint of a source removed from the configuration takes nothing,
+    /// not even a handshake, and is listed as unusable; configured again, it is active.
+    #[tokio::test]
+    async fn a_stored_endpoint_of_a_source_no_longer_configured_is_unusable() {
+        let dir = tempfile::tempdir().unwrap();
+        let state = Arc::new(StateDb::open(dir.path().join("s.redb")).unwrap());
+        let reg = Arc::new(EndpointRegistry::load(state.clone(), vec!["a".into(), "b".into()], vec![]).unwrap());
+        let none = StoredAuth { scheme: "none".into(), secret: None, header: None, prefix: None, tolerance_secs: None };
+        let id = reg.register("a".into(), none, Some("challenge".into()), None, 1).await.unwrap().id;
+        assert!(reg.lookup(id, 2).is_ok());
+        drop(reg);
+        let without = EndpointRegistry::load(state.clone(), vec!["b".into()], vec![]).unwrap();
+        assert_eq!(without.lookup(id, 3).err(), Some(Refusal::Unusable));
+        assert_eq!(without.list(3)[0].state, "unusable");
+        drop(without);
+        let again = EndpointRegistry::load(state, vec!["a".into(), "b".into()], vec![]).unwrap();
+        assert!(again.lookup(id, 4).is_ok());
+        assert_eq!(again.list(4)[0].state, "active");
     }
 
     /// A live stored record whose auth this build cannot read takes no request, but is
