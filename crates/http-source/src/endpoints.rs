@@ -288,7 +288,12 @@ impl EndpointRegistry {
                 if dynamic.endpoint.revoked_at_unix_ms.is_some() {
                     return Err(LoadError::RevokedStatic(id_prefix(s.id)));
                 }
-                tracing::warn!(endpoint = %id_prefix(s.id), "a static endpoint shadows a dynamic one with the same id");
+                // The configuration now owns the id: the stored record is removed, so
+                // that taking the static endpoint out of the configuration ends the id
+                // (404) rather than bring back the dynamic one with its old secret, and
+                // no hidden record counts against the cap or escapes a revocation.
+                state.remove_live_endpoint(s.id)?;
+                tracing::warn!(endpoint = %id_prefix(s.id), "a static endpoint takes the id of a dynamic one; the dynamic endpoint's stored record is removed");
             }
             map.insert(s.id, first_version(s));
         }
@@ -707,6 +712,26 @@ mod tests {
             EndpointRegistry::load(state, vec!["default".into()], vec![same_id]),
             Err(LoadError::RevokedStatic(_))
         ));
+    }
+
+    /// A static endpoint given the id of a live dynamic one takes it over for good: the
+    /// stored record is removed, so taking the static endpoint out of the configuration
+    /// ends the id (404) instead of bringing the dynamic one back with its old secret.
+    #[tokio::test]
+    async fn a_static_endpoint_given_a_dynamic_ones_id_takes_it_over_for_good() {
+        let dir = tempfile::tempdir().unwrap();
+        let state = Arc::new(StateDb::open(dir.path().join("s.redb")).unwrap());
+        let reg = Arc::new(EndpointRegistry::load(state.clone(), vec!["default".into()], vec![]).unwrap());
+        let id = reg.register("default".into(), bearer(), None, None, 1).await.unwrap().id;
+        drop(reg);
+        let with_static =
+            EndpointRegistry::load(state.clone(), vec!["default".into()], vec![static_endpoint(id)]).unwrap();
+        assert!(with_static.lookup(id, 2).is_ok_and(|v| !v.endpoint.dynamic));
+        assert_eq!(state.get_endpoint(id).unwrap(), None, "the dynamic record is still stored");
+        assert_eq!(with_static.list(2).len(), 1);
+        drop(with_static);
+        let without = EndpointRegistry::load(state, vec!["default".into()], vec![]).unwrap();
+        assert_eq!(without.lookup(id, 3).err(), Some(Refusal::Unknown));
     }
 
     /// A registration may not ask for a signature tolerance longer than half the

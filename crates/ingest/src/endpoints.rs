@@ -4,7 +4,9 @@
 //! - Every change is committed with `Durability::Immediate` before the call returns, so
 //!   a caller that answers 2xx afterwards answers for something durable.
 //! - Revocation is a tombstone (the record stays, with `revoked_at_unix_ms`), so a
-//!   revoked id can never come back, not even by re-registration with the same id.
+//!   revoked id can never come back, not even by re-registration with the same id. Only
+//!   a live record is ever removed (`remove_live_endpoint`: a static endpoint took its
+//!   id).
 //! - The auth fields are stored as configured (scheme name and parameters); the HTTP
 //!   source validates them the same way as static endpoints when it loads them.
 
@@ -48,6 +50,29 @@ impl StateDb {
         {
             let mut table = txn.open_table(ENDPOINTS).map_err(storage_err)?;
             table.insert(record.id, bytes.as_slice()).map_err(storage_err)?;
+        }
+        txn.commit().map_err(storage_err)
+    }
+
+    /// Removes a live endpoint's record durably (a static endpoint of the same id took
+    /// its place). A tombstone is never removed: that would let a revoked id come back.
+    pub fn remove_live_endpoint(&self, id: u128) -> Result<(), StateError> {
+        let db = self.db()?;
+        let mut txn = db.begin_write().map_err(storage_err)?;
+        txn.set_durability(Durability::Immediate).map_err(|e| StateError::Storage(e.to_string()))?;
+        {
+            let mut table = txn.open_table(ENDPOINTS).map_err(storage_err)?;
+            let revoked = match table.get(id).map_err(storage_err)? {
+                Some(v) => postcard::from_bytes::<EndpointRecord>(v.value())
+                    .map_err(|e| StateError::Malformed(e.to_string()))?
+                    .revoked_at_unix_ms
+                    .is_some(),
+                None => false,
+            };
+            if revoked {
+                return Err(StateError::Malformed(format!("endpoint {id:032x} is revoked; its tombstone stays")));
+            }
+            table.remove(id).map_err(storage_err)?;
         }
         txn.commit().map_err(storage_err)
     }
@@ -108,7 +133,17 @@ mod tests {
         }
         let db = StateDb::open(&p).unwrap();
         assert_eq!(db.load_endpoints().unwrap(), vec![rec.clone()]);
-        assert_eq!(db.get_endpoint(42).unwrap(), Some(rec));
+        assert_eq!(db.get_endpoint(42).unwrap(), Some(rec.clone()));
         assert_eq!(db.get_endpoint(43).unwrap(), None);
+        // A tombstone is never removed; a live record is, durably.
+        assert!(db.remove_live_endpoint(42).is_err());
+        assert_eq!(db.get_endpoint(42).unwrap(), Some(rec.clone()));
+        let live = EndpointRecord { id: 44, revoked_at_unix_ms: None, ..rec };
+        db.put_endpoint(&live).unwrap();
+        db.remove_live_endpoint(44).unwrap();
+        drop(db);
+        let db = StateDb::open(&p).unwrap();
+        assert_eq!(db.get_endpoint(44).unwrap(), None);
+        assert_eq!(db.load_endpoints().unwrap().len(), 1);
     }
 }
