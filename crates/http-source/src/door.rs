@@ -213,12 +213,12 @@ async fn get_handshake(
     let endpoint = &endpoint.endpoint;
     let Some(param) = endpoint.handshake_param.as_deref() else {
         count(&endpoint.source_key, "4xx", "method_not_allowed");
-        return ApiError::new(
-            StatusCode::METHOD_NOT_ALLOWED,
-            "method_not_allowed",
-            "this endpoint has no GET handshake",
-        )
-        .into_response();
+        // A 405 names the methods the resource takes (RFC 9110, 15.5.6), as axum's own do.
+        let mut refused =
+            ApiError::new(StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed", "this endpoint has no GET handshake")
+                .into_response();
+        refused.headers_mut().insert(header::ALLOW, HeaderValue::from_static("POST"));
+        return refused;
     };
     match query.get(param) {
         Some(challenge) => {

@@ -930,6 +930,7 @@ async fn bad_input_path_traversal_and_encoded_tricks_in_ids_and_keys_find_nothin
     {
         let a = request(h, method, path, &token, "{}").await;
         assert_error(&a, 405, "method_not_allowed", &format!("{method} {path}"));
+        assert!(a.header("allow").is_some_and(|m| m.contains("POST")), "{method} {path}: no Allow header");
         f.nothing_appended(path).await;
     }
     f.serves("after path tricks").await;

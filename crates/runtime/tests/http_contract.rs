@@ -350,6 +350,10 @@ async fn delivery_ids_are_scoped_per_endpoint_so_two_tenants_never_replay_each_o
         let id = u128::from_str_radix(reg["id"].as_str().unwrap(), 16).unwrap();
         tenants.push((path, token, id));
     }
+    // An endpoint without a handshake takes no GET: 405, naming the method it takes.
+    let a = request(d.http, "GET", &tenants[0].0, &[], "").await;
+    assert_error(&a, 405, "method_not_allowed");
+    assert_eq!(a.header("allow"), Some("POST"));
     // Two tenants of one source, and the source's named path, each send the same
     // Idempotency-Key with their own event: three deliveries, three records.
     let send = |http: std::net::SocketAddr, path: String, token: Option<String>, body: String| async move {
