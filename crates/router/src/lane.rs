@@ -721,6 +721,9 @@ async fn next_batch<S, C>(
                 g.last_skipped = None;
                 Some(true)
             } else {
+                // Nothing of this lane's below `pos`: the next read starts there (with
+                // this reader), not again at `from`.
+                g.overflow_from = Some(pos);
                 Some(false)
             }
         } else {
