@@ -82,7 +82,9 @@ impl StateDb {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum CursorsSnapshot {
     /// The database was free: every stored cursor, and the schema version.
-    Read { schema_version: Option<u64>, cursors: Vec<CursorRow> },
+    /// `from_repaired_copy`: it was not closed cleanly, and was read from a repaired copy
+    /// ([`crate::state::REPAIRED_COPY_NOTE`]).
+    Read { schema_version: Option<u64>, cursors: Vec<CursorRow>, from_repaired_copy: bool },
     /// A running daemon holds the database (redb locks it for as long as it is open).
     HeldByRunningDaemon,
     /// No database at that path.
@@ -98,11 +100,12 @@ pub fn read_cursors_read_only(path: &std::path::Path) -> Result<CursorsSnapshot,
     if !path.exists() {
         return Ok(CursorsSnapshot::Missing);
     }
-    let db = match redb::ReadOnlyDatabase::open(path) {
+    let db = match crate::state::ReadOnlyView::open(path) {
         Ok(db) => db,
         Err(redb::DatabaseError::DatabaseAlreadyOpen) => return Ok(CursorsSnapshot::HeldByRunningDaemon),
         Err(e) => return Err(crate::state::open_err(path, e)),
     };
+    let from_repaired_copy = db.is_repaired_copy();
     let txn = db.begin_read().map_err(storage_err)?;
     let schema_version = match txn.open_table(META) {
         Ok(t) => t.get(META_SCHEMA_VERSION).map_err(storage_err)?.map(|v| v.value()),
@@ -117,7 +120,7 @@ pub fn read_cursors_read_only(path: &std::path::Path) -> Result<CursorsSnapshot,
     let table = match txn.open_table(CURSORS) {
         Ok(t) => t,
         Err(redb::TableError::TableDoesNotExist(_)) => {
-            return Ok(CursorsSnapshot::Read { schema_version, cursors: Vec::new() });
+            return Ok(CursorsSnapshot::Read { schema_version, cursors: Vec::new(), from_repaired_copy });
         }
         Err(e) => return Err(storage_err(e)),
     };
@@ -132,7 +135,7 @@ pub fn read_cursors_read_only(path: &std::path::Path) -> Result<CursorsSnapshot,
             delivered_below: v.value(),
         });
     }
-    Ok(CursorsSnapshot::Read { schema_version, cursors })
+    Ok(CursorsSnapshot::Read { schema_version, cursors, from_repaired_copy })
 }
 
 #[cfg(test)]
@@ -186,5 +189,39 @@ mod tests {
             other => panic!("{other:?}"),
         }
         StateDb::open(&p).expect("the read-only look left the database free");
+    }
+
+    /// A database not closed cleanly (its image while the daemon had it open, as a crash
+    /// leaves it) is one redb's read-only open refuses until repaired: it is read from a
+    /// repaired copy, and says so, and the file itself is not written.
+    #[test]
+    fn a_database_not_closed_cleanly_is_read_from_a_repaired_copy_and_left_as_it_is() {
+        let dir = tempfile::tempdir().unwrap();
+        let (p, crashed) = (dir.path().join("state.redb"), dir.path().join("crashed.redb"));
+        let db = StateDb::open(&p).unwrap();
+        db.store_cursors(&[row("a", "t", 10)]).unwrap();
+        std::fs::copy(&p, &crashed).unwrap();
+        drop(db);
+        assert!(
+            matches!(redb::ReadOnlyDatabase::open(&crashed), Err(redb::DatabaseError::RepairAborted)),
+            "the image must be one that needs repair"
+        );
+        let before = std::fs::read(&crashed).unwrap();
+        match read_cursors_read_only(&crashed).unwrap() {
+            CursorsSnapshot::Read { cursors, from_repaired_copy, .. } => {
+                assert_eq!(cursors, vec![row("a", "t", 10)]);
+                assert!(from_repaired_copy);
+            }
+            other => panic!("{other:?}"),
+        }
+        let inventory = crate::state::inventory(&crashed).unwrap();
+        assert!(inventory.from_repaired_copy);
+        assert!(inventory.tables.iter().any(|(name, n)| name == "router_cursors" && *n == 1), "{inventory:?}");
+        assert_eq!(std::fs::read(&crashed).unwrap(), before, "a read-only look wrote the file");
+        // A database closed cleanly is read in place.
+        match read_cursors_read_only(&p).unwrap() {
+            CursorsSnapshot::Read { from_repaired_copy, .. } => assert!(!from_repaired_copy),
+            other => panic!("{other:?}"),
+        }
     }
 }

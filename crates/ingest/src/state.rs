@@ -68,6 +68,49 @@ pub(crate) fn storage_err<E: Into<redb::Error>>(e: E) -> StateError {
     StateError::Storage(e.into().to_string())
 }
 
+/// A state database opened to be read, never written: the read-only tools' view.
+pub(crate) enum ReadOnlyView {
+    /// The file itself, through redb's read-only open.
+    File(redb::ReadOnlyDatabase),
+    /// A database not closed cleanly (the daemon crashed, was killed, or the machine
+    /// lost power, and has not started since), read from a copy repaired in a temporary
+    /// directory: redb's read-only open refuses a database that needs repair, and the
+    /// file itself is not to be written (the daemon repairs it at its next start).
+    RepairedCopy { db: Database, _dir: tempfile::TempDir },
+}
+
+impl ReadOnlyView {
+    /// Opens `path` to be read. `DatabaseAlreadyOpen` while a daemon holds it.
+    pub(crate) fn open(path: &Path) -> Result<ReadOnlyView, redb::DatabaseError> {
+        match redb::ReadOnlyDatabase::open(path) {
+            Ok(db) => Ok(ReadOnlyView::File(db)),
+            Err(redb::DatabaseError::RepairAborted) => {
+                let io = |e: std::io::Error| redb::DatabaseError::Storage(redb::StorageError::Io(e));
+                let dir = tempfile::Builder::new().prefix("iggy-ingest-state-").tempdir().map_err(io)?;
+                let copy = dir.path().join("state.redb");
+                std::fs::copy(path, &copy).map_err(io)?;
+                let db = Database::open(&copy)?;
+                Ok(ReadOnlyView::RepairedCopy { db, _dir: dir })
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    pub(crate) fn begin_read(&self) -> Result<redb::ReadTransaction, redb::TransactionError> {
+        match self {
+            ReadOnlyView::File(db) => db.begin_read(),
+            ReadOnlyView::RepairedCopy { db, .. } => db.begin_read(),
+        }
+    }
+
+    pub(crate) fn is_repaired_copy(&self) -> bool {
+        matches!(self, ReadOnlyView::RepairedCopy { .. })
+    }
+}
+
+/// What a tool says of a database read from a repaired copy.
+pub const REPAIRED_COPY_NOTE: &str = "not closed cleanly (the daemon crashed or was killed, and has not started since): read from a repaired copy; the file itself is left as it is, and repaired at the daemon's next start";
+
 /// Opens the database anew (redb repairs it to its last durable commit).
 type Opener = Box<dyn Fn() -> Result<Database, StateError> + Send + Sync>;
 
@@ -323,6 +366,8 @@ pub struct StateInventory {
     pub schema_version: Option<u64>,
     /// Every table and its number of entries, by name.
     pub tables: Vec<(String, u64)>,
+    /// Read from a repaired copy: the database was not closed cleanly.
+    pub from_repaired_copy: bool,
 }
 
 impl StateInventory {
@@ -349,16 +394,16 @@ impl StateInventory {
 }
 
 /// Reads what the database at `path` holds, whatever its schema version, opened
-/// read-only: the file is not written (a database of another build is shown as it is).
-/// Fails if a running daemon holds it.
+/// read-only: the file is not written (a database of another build is shown as it is;
+/// one not closed cleanly is read from a repaired copy). Fails if a running daemon holds it.
 pub fn inventory(path: &Path) -> Result<StateInventory, StateError> {
-    let db = redb::ReadOnlyDatabase::open(path).map_err(|e| open_err(path, e))?;
-    inventory_of(&db)
+    let view = ReadOnlyView::open(path).map_err(|e| open_err(path, e))?;
+    let txn = view.begin_read().map_err(storage_err)?;
+    Ok(StateInventory { from_repaired_copy: view.is_repaired_copy(), ..inventory_of(txn)? })
 }
 
-fn inventory_of(db: &impl redb::ReadableDatabase) -> Result<StateInventory, StateError> {
+fn inventory_of(txn: redb::ReadTransaction) -> Result<StateInventory, StateError> {
     use redb::{ReadableTableMetadata, TableHandle};
-    let txn = db.begin_read().map_err(storage_err)?;
     let schema_version = match txn.open_table(META) {
         Ok(t) => t.get(META_SCHEMA_VERSION).map_err(storage_err)?.map(|v| v.value()),
         Err(redb::TableError::TableDoesNotExist(_)) => None,
@@ -371,7 +416,7 @@ fn inventory_of(db: &impl redb::ReadableDatabase) -> Result<StateInventory, Stat
         tables.push((name, table.len().map_err(storage_err)?));
     }
     tables.sort();
-    Ok(StateInventory { schema_version, tables })
+    Ok(StateInventory { schema_version, tables, from_repaired_copy: false })
 }
 
 /// What [`migrate`] did.
@@ -442,7 +487,7 @@ pub fn reset(path: &Path) -> Result<StateInventory, StateError> {
 /// removed (where a concurrent start is tested).
 fn reset_with(path: &Path, before_unlink: impl FnOnce()) -> Result<StateInventory, StateError> {
     let db = Database::open(path).map_err(|e| open_err(path, e))?;
-    let inventory = inventory_of(&db)?;
+    let inventory = inventory_of(db.begin_read().map_err(storage_err)?)?;
     before_unlink();
     std::fs::remove_file(path).map_err(|e| open_err(path, e))?;
     drop(db);

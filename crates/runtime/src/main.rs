@@ -173,6 +173,9 @@ fn state_command(command: StateCommand) -> ExitCode {
     };
     let version = inventory.schema_version.map_or("none".to_string(), |v| v.to_string());
     println!("{}: schema version {version} (this build: {})", path.display(), ingest::SCHEMA_VERSION);
+    if inventory.from_repaired_copy {
+        println!("  {}", ingest::state::REPAIRED_COPY_NOTE);
+    }
     for line in inventory.consequences() {
         println!("  {line}");
     }

@@ -870,3 +870,51 @@ fn tail_and_dump_refuse_a_from_below_the_start_or_past_the_end_alike() {
     let o = cli_in(&["dump", "--from", &start.to_string(), "--limit", "1", "--json"], &dir);
     assert_eq!(code(&o), 0, "{}", stderr(&o));
 }
+
+/// After a kill -9 the state database was not closed cleanly, and redb's read-only open
+/// refuses such a database until it is repaired, which only the daemon's next start does:
+/// the moment (a daemon that will not start) the runbook needs the cursors most. `wal
+/// inspect` still reads them, and `state show` the tables, from a repaired copy, each
+/// saying so, and neither writes the database.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_tools_read_the_state_database_a_kill_9_left() {
+    let root = tempfile::tempdir().unwrap();
+    let mut d = Daemon::start(root.path(), "", SOURCES);
+    for i in 0..3 {
+        assert_eq!(post_json(d.http, "/v1/sources/default", &format!("{{\"i\":{i}}}")).await.status, 200);
+    }
+    // Past a checkpoint of the delivery ids' index: the database has commits of the run.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    d.kill9();
+    let data = root.path().join("data");
+    let state = data.join("state.redb");
+    assert!(
+        matches!(redb::ReadOnlyDatabase::open(&state), Err(redb::DatabaseError::RepairAborted)),
+        "the kill left a database that needs no repair; nothing here is tested"
+    );
+    let before = std::fs::read(&state).unwrap();
+
+    let o = cli_in(&["inspect", "--json"], &d.wal_dir());
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    let i = json(&o);
+    assert_eq!(i["destinations"]["cursors_from"], "state", "{i}");
+    assert!(i["destinations"]["note"].as_str().unwrap().contains("repaired copy"), "{i}");
+    assert_eq!(i["next_offset"].as_u64(), Some(3));
+
+    let o = Command::new(env!("CARGO_BIN_EXE_iggy-ingest"))
+        .args(["state", "show", "--data-dir"])
+        .arg(&data)
+        .output()
+        .unwrap();
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    assert!(stdout(&o).contains("repaired copy") && stdout(&o).contains("idempotency"), "{}", stdout(&o));
+    assert_eq!(std::fs::read(&state).unwrap(), before, "a read-only tool wrote the state database");
+
+    // The daemon starts on it (redb repairs it then), and a clean stop leaves a database
+    // the tools read in place.
+    let d = Daemon::restart(root.path());
+    assert!(d.stop().success());
+    let o = cli_in(&["inspect", "--json"], &data.join("wal"));
+    let i = json(&o);
+    assert!(!i["destinations"]["note"].as_str().unwrap().contains("repaired copy"), "{i}");
+}

@@ -91,14 +91,17 @@ pub(crate) fn run(a: InspectArgs) -> CliResult {
         let path = a.state.clone().or_else(|| default_state_path(&a.dir));
         match path.as_deref().map(ingest::read_cursors_read_only) {
             None => ("unavailable", "no state database found beside the log; pass --state FILE".to_string()),
-            Some(Ok(CursorsSnapshot::Read { cursors, .. })) => {
+            Some(Ok(CursorsSnapshot::Read { cursors, from_repaired_copy, .. })) => {
                 for c in cursors {
                     lanes.entry((c.source, c.stream, c.topic)).or_default().cursor = Some(c.delivered_below);
                 }
-                (
-                    "state",
-                    format!("cursors from {}", path.as_deref().map(|p| p.display().to_string()).unwrap_or_default()),
-                )
+                let from = path.as_deref().map(|p| p.display().to_string()).unwrap_or_default();
+                let note = if from_repaired_copy {
+                    format!("cursors from {from}, {}", ingest::state::REPAIRED_COPY_NOTE)
+                } else {
+                    format!("cursors from {from}")
+                };
+                ("state", note)
             }
             Some(Ok(CursorsSnapshot::Missing)) => (
                 "unavailable",
