@@ -228,6 +228,23 @@ async fn the_destinations_of_a_source_removed_from_the_configuration_are_still_s
     }
     assert_eq!((lanes[0]["stream"].as_str(), lanes[0]["held_records"].as_u64()), (Some("legacy"), Some(3)), "{lanes}");
     assert_eq!(request(d.admin, "GET", "/connectors/never/destinations", &[], "").await.status, 404);
+    // `wal inspect --admin` shows them too, with the daemon's figures: the source is not
+    // in `/status`, but its records in the log are.
+    let (wal_dir, admin) = (d.wal_dir(), format!("http://{}", d.admin));
+    let o = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(env!("CARGO_BIN_EXE_iggy-ingest"))
+            .args(["wal", "inspect", wal_dir.to_str().unwrap(), "--json", "--admin", &admin])
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let i: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let lanes = i["destinations"]["lanes"].as_array().unwrap();
+    let old = lanes.iter().find(|l| l["source"] == "old").unwrap_or_else(|| panic!("{i}"));
+    assert_eq!((old["stream"].as_str(), old["held_records"].as_u64()), (Some("legacy"), Some(3)), "{i}");
+    assert!(old["status"].is_string(), "{i}");
     assert!(d.stop().success());
 }
 

@@ -16,7 +16,7 @@
 //! - Nothing is written anywhere; the state database is never opened for writing.
 //! - A figure that cannot be known is shown as unknown (`-`, `null`), never guessed.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -79,10 +79,12 @@ pub(crate) fn run(a: InspectArgs) -> CliResult {
     // Cursors: the state database when it is free, else the admin API when given.
     let mut lanes: BTreeMap<LaneKey, Lane> = BTreeMap::new();
     let mut max_bytes: Option<u64> = None;
+    let mut asked_sources = BTreeSet::new();
     let (cursor_source, cursor_note) = if let Some((url, address)) = admin {
         let token = a.admin_token.clone().or_else(|| std::env::var("IGGY_INGEST_ADMIN_TOKEN").ok());
-        let (rows, log_max) = admin_lanes(url, address, token.as_deref())?;
+        let (rows, log_max, sources) = admin_lanes(url, address, token.as_deref())?;
         max_bytes = log_max;
+        asked_sources = sources;
         for (k, l) in rows {
             lanes.insert(k, l);
         }
@@ -162,6 +164,20 @@ pub(crate) fn run(a: InspectArgs) -> CliResult {
             for l in lanes.values_mut() {
                 l.held_records.get_or_insert(0);
                 l.held_bytes.get_or_insert(0);
+            }
+        }
+        // A source no longer configured is not in the daemon's `/status`, but its records
+        // in the log still have lanes there (that pin the log, which is what an operator
+        // runs this to find): asked for by name.
+        if let Some((url, address)) = admin {
+            let token = a.admin_token.clone().or_else(|| std::env::var("IGGY_INGEST_ADMIN_TOKEN").ok());
+            let unasked: BTreeSet<String> =
+                lanes.keys().map(|k| k.0.clone()).filter(|s| !asked_sources.contains(s)).collect();
+            for src in unasked {
+                for (k, l) in admin_destinations(url, address, token.as_deref(), &src)? {
+                    let lane = lanes.entry(k).or_default();
+                    *lane = Lane { records_in_log: lane.records_in_log, ..l };
+                }
             }
         }
     }
@@ -356,17 +372,31 @@ fn admin_address(url: &str) -> CliResult<(&str, &str)> {
 
 /// Cursors and held figures of every connector's destinations, and the log's capacity,
 /// from a running daemon's admin API.
-fn admin_lanes(url: &str, address: &str, token: Option<&str>) -> CliResult<(Vec<AdminLane>, Option<u64>)> {
-    let get = |path: &str| http_get_json(url, address, path, token);
-    let status = get("/status")?;
+/// Also returns the sources asked for (those of `/status`: the configured ones).
+fn admin_lanes(
+    url: &str,
+    address: &str,
+    token: Option<&str>,
+) -> CliResult<(Vec<AdminLane>, Option<u64>, BTreeSet<String>)> {
+    let status = http_get_json(url, address, "/status", token)?.unwrap_or_default();
     let max = status["log"]["max_bytes"].as_u64();
-    let sources: Vec<String> = status["sources"].as_object().map(|o| o.keys().cloned().collect()).unwrap_or_default();
+    let sources: BTreeSet<String> =
+        status["sources"].as_object().map(|o| o.keys().cloned().collect()).unwrap_or_default();
     let mut out = Vec::new();
-    for src in sources {
-        let v = get(&format!("/connectors/{src}/destinations"))?;
+    for src in &sources {
+        out.extend(admin_destinations(url, address, token, src)?);
+    }
+    Ok((out, max, sources))
+}
+
+/// The destinations the running daemon shows for source `src` (none if it knows no such
+/// connector: a source no longer configured whose lanes the router has not made yet).
+fn admin_destinations(url: &str, address: &str, token: Option<&str>, src: &str) -> CliResult<Vec<AdminLane>> {
+    let mut out = Vec::new();
+    if let Some(v) = http_get_json(url, address, &format!("/connectors/{src}/destinations"), token)? {
         for d in v["destinations"].as_array().into_iter().flatten() {
             let key = (
-                src.clone(),
+                src.to_string(),
                 d["stream"].as_str().unwrap_or_default().to_string(),
                 d["topic"].as_str().unwrap_or_default().to_string(),
             );
@@ -383,13 +413,13 @@ fn admin_lanes(url: &str, address: &str, token: Option<&str>) -> CliResult<(Vec<
             ));
         }
     }
-    Ok((out, max))
+    Ok(out)
 }
 
 /// `GET path` from the admin API at `address` (checked by [`admin_address`]; `base` is
 /// the URL, for messages) with hyper (one connection, on a runtime of its own: the CLI
-/// has none), JSON body expected; 10 s for the whole exchange.
-fn http_get_json(base: &str, host: &str, path: &str, token: Option<&str>) -> CliResult<Value> {
+/// has none), JSON body expected; 10 s for the whole exchange. `None` for a 404.
+fn http_get_json(base: &str, host: &str, path: &str, token: Option<&str>) -> CliResult<Option<Value>> {
     use http_body_util::{BodyExt, Empty};
     let usage = |m: String| CliError::Usage(format!("--admin {base}: {m}"));
     let failed = |m: String| CliError::Failed(format!("admin API {base}{path}: {m}"));
@@ -414,6 +444,9 @@ fn http_get_json(base: &str, host: &str, path: &str, token: Option<&str>) -> Cli
     let (code, body) = runtime
         .block_on(async { tokio::time::timeout(Duration::from_secs(10), exchange).await })
         .map_err(|_| failed("no answer within 10 s".into()))??;
+    if code == hyper::StatusCode::NOT_FOUND {
+        return Ok(None);
+    }
     if code != hyper::StatusCode::OK {
         let hint = if code == hyper::StatusCode::UNAUTHORIZED {
             " (pass --admin-token or set IGGY_INGEST_ADMIN_TOKEN)"
@@ -422,5 +455,5 @@ fn http_get_json(base: &str, host: &str, path: &str, token: Option<&str>) -> Cli
         };
         return Err(failed(format!("HTTP {}{hint}: {}", code.as_u16(), String::from_utf8_lossy(&body).trim())));
     }
-    serde_json::from_slice(&body).map_err(|e| failed(format!("not JSON: {e}")))
+    serde_json::from_slice(&body).map(Some).map_err(|e| failed(format!("not JSON: {e}")))
 }
