@@ -91,6 +91,9 @@ struct Troubles {
     /// Why acknowledged cursors cannot be stored, while they cannot (the log stays
     /// pinned below them).
     cursors: Option<String>,
+    /// Why the log's released space cannot be freed, while it cannot (the log fills
+    /// though every destination delivers).
+    release: Option<String>,
     /// The router's own tasks (the dispatcher, the releaser, the cursor flusher) that
     /// ended by a panic: what they did is not done until a restart.
     tasks_ended: BTreeSet<&'static str>,
@@ -126,6 +129,9 @@ impl Troubles {
                 Status::Degraded,
                 format!("acknowledged cursors cannot be stored (the log is not released): {e}"),
             ));
+        }
+        if let Some(e) = &self.release {
+            return Some((Status::Degraded, format!("delivered log space cannot be freed (the log fills): {e}")));
         }
         if let Some(k) = self.degraded.iter().filter(of_source).min() {
             return Some((Status::Degraded, format!("destination {k} is degraded")));
@@ -217,6 +223,15 @@ impl RouterHealth {
 
     pub(crate) fn cursors_stored(&self) {
         self.update(|t| t.cursors.take().is_some());
+    }
+
+    pub(crate) fn release_failed(&self, e: &str) {
+        self.cell.record_error(e);
+        self.update(|t| t.release.replace(e.to_string()).as_deref() != Some(e));
+    }
+
+    pub(crate) fn released(&self) {
+        self.update(|t| t.release.take().is_some());
     }
 
     /// One of the router's own tasks ended by a panic (called while it unwinds).
@@ -361,6 +376,7 @@ impl Router {
                 held_from.clone(),
                 released_below.clone(),
                 delivered,
+                health.clone(),
                 shutdown_rx,
             ),
             on_panic("releaser"),
@@ -545,6 +561,7 @@ async fn release_loop<C: CursorStore>(
     held_from: Arc<AtomicU64>,
     released_below: Arc<AtomicU64>,
     delivered: Arc<Notify>,
+    health: Arc<RouterHealth>,
     mut shutdown: watch::Receiver<bool>,
 ) {
     let _held = OnDrop(|| {
@@ -584,6 +601,7 @@ async fn release_loop<C: CursorStore>(
             match wal.release_below(low).await {
                 Ok(r) => {
                     released_below.store(low, Ordering::Release);
+                    health.released();
                     if r.segments_deleted > 0 {
                         tracing::debug!(
                             below = low,
@@ -593,7 +611,10 @@ async fn release_loop<C: CursorStore>(
                         );
                     }
                 }
-                Err(e) => tracing::error!(error = %e, "releasing log space failed; will retry"),
+                Err(e) => {
+                    tracing::error!(error = %e, "releasing log space failed; will retry");
+                    health.release_failed(&format!("releasing the log below {low} failed: {e}"));
+                }
             }
         }
     }

@@ -325,6 +325,39 @@ fn cursors_that_cannot_be_stored_degrade_the_router_until_they_can() {
     });
 }
 
+/// Delivered log space that cannot be freed (a segment's removal fails) fills the log
+/// though every destination delivers: the router says so (Degraded, with the error)
+/// until a release succeeds, and then frees it. (The log counts the failure as a storage
+/// error: `wal/tests/metrics.rs`.)
+#[test]
+fn released_space_that_cannot_be_freed_degrades_the_router_until_it_can() {
+    with_metrics(false, |snap| async move {
+        let sim = SimStorage::new();
+        let wal = open_wal(&sim);
+        let sink = FaultySink::new();
+        let d = key("r", "1");
+        fill(&wal, std::slice::from_ref(&d), 0, 600).await;
+        assert!(wal.stats().segments > 2, "the records must span segments to release: {:?}", wal.stats());
+        // The next three removals fail (nothing else changes the namespace meanwhile).
+        for n in 1..=3 {
+            sim.fail_nth(FaultOp::Metadata, n, std::io::ErrorKind::PermissionDenied);
+        }
+        let router = start_router(&wal, &sink, fast_policy());
+        eventually(Duration::from_secs(30), "sent", || sink.ids(&d).len() == 600).await;
+        eventually(Duration::from_secs(30), "degraded", || router.status().status == Status::Degraded).await;
+        assert!(router.status().reason.contains("cannot be freed"), "{:?}", router.status());
+        assert_eq!(router.connector_status("test"), Status::Degraded);
+        assert!(router.status().last_error.is_some());
+        assert_gauges_agree(&snap, &router);
+        eventually(Duration::from_secs(30), "freed", || wal.stats().segments == 1).await;
+        eventually(Duration::from_secs(30), "running", || router.status().status == Status::Running).await;
+        assert_eq!(sim.armed_faults(), 0);
+        assert_eq!(router.released_below(), 600);
+        assert_gauges_agree(&snap, &router);
+        router.shutdown().await;
+    });
+}
+
 /// A record the destination cap refuses under `error` holds the log; no lane counts it as
 /// held, so the admission gauge is what says so. Under `drop` nothing is held.
 #[test]

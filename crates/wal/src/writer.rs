@@ -591,8 +591,17 @@ impl Writer {
     }
 
     /// Deletes, oldest first, every segment below the log's start that is not the active
-    /// one (whole segments only: one whose successor begins at or below the start).
+    /// one (whole segments only: one whose successor begins at or below the start). A
+    /// failure is counted as a storage error: space the log cannot free fills it.
     fn delete_released(&mut self) -> Result<Released> {
+        let deleted = self.try_delete_released();
+        if deleted.is_err() {
+            metrics::counter!("iggy_ingest_wal_storage_errors_total").increment(1);
+        }
+        deleted
+    }
+
+    fn try_delete_released(&mut self) -> Result<Released> {
         let start = self.shared.start();
         let mut out = Released { start, segments_deleted: 0, bytes_freed: 0 };
         if self.removal_unsynced {

@@ -25,7 +25,7 @@ fn value(rendered: &str, name: &str) -> f64 {
 /// append) are not, or the storage-error alert's count would grow by one a second. The
 /// gauge says the log waits, and says it no longer does once the segment exists.
 #[test]
-fn waiting_for_a_segment_counts_one_storage_error_and_is_a_gauge() {
+fn waiting_for_a_segment_counts_one_storage_error_and_is_a_gauge_and_a_failed_release_counts_one() {
     let handle = PrometheusBuilder::new().install_recorder().unwrap();
     let sim = SimStorage::new();
     let wal = open(&sim, WalOptions { preallocate_bytes: 0, ..small_options() });
@@ -55,4 +55,16 @@ fn waiting_for_a_segment_counts_one_storage_error_and_is_a_gauge() {
     let r = handle.render();
     assert_eq!(value(&r, "iggy_ingest_wal_awaiting_segment"), 0.0, "{r}");
     assert_eq!(value(&r, "iggy_ingest_wal_storage_errors_total"), 1.0, "{r}");
+
+    // A released segment whose removal fails is a storage error too: space the log
+    // cannot free fills it. The release that succeeds then counts nothing.
+    append_tagged(&wal, 6..12, 1000);
+    let (segments, below) = (wal.stats().segments, wal.next_offset());
+    assert!(segments > 1, "{:?}", wal.stats());
+    sim.fail_nth(FaultOp::Metadata, 1, ErrorKind::PermissionDenied);
+    assert!(rt().block_on(wal.release_below(below)).is_err());
+    assert_eq!(value(&handle.render(), "iggy_ingest_wal_storage_errors_total"), 2.0);
+    let released = rt().block_on(wal.release_below(below)).unwrap();
+    assert!(released.segments_deleted > 0);
+    assert_eq!(value(&handle.render(), "iggy_ingest_wal_storage_errors_total"), 2.0);
 }
