@@ -55,6 +55,16 @@ fn rt() -> tokio::runtime::Runtime {
 
 const T0: u64 = 1_760_000_000_000;
 
+/// Record `i`'s `x-event` header: `e{i}`, or, for every seventh, those bytes cut inside
+/// a UTF-8 character (as the door's clamp to 255 bytes can).
+fn header_value(i: u64) -> Vec<u8> {
+    let mut v = format!("e{i}").into_bytes();
+    if i % 7 == 6 {
+        v.push("é".as_bytes()[0]);
+    }
+    v
+}
+
 /// Record `i`: sources alternate github/stripe, destinations events/push and
 /// events/orders; every fifth payload is binary.
 fn envelope(i: u64) -> Bytes {
@@ -66,7 +76,7 @@ fn envelope(i: u64) -> Bytes {
         endpoint_id: None,
         content_type: Some("application/json".into()),
         metadata: vec![],
-        headers: vec![("x-event".into(), format!("e{i}").into_bytes())],
+        headers: vec![("x-event".into(), header_value(i))],
         idempotency_key: Some(format!("d-{i}")),
         batch_index: 0,
         batch_len: 1,
@@ -128,7 +138,16 @@ fn a_clean_log_verifies_dumps_inspects_and_salvages_to_the_same_records() {
         assert_eq!(l["offset"].as_u64(), Some(i as u64));
         assert_eq!(l["received_at_unix_ms"].as_u64(), Some(T0 + i as u64 * 1000));
         assert_eq!(l["id"].as_str().unwrap(), format!("{:032x}", (i as u128) << 64 | 0xabc));
-        assert_eq!(l["headers"][0]["value"].as_str(), Some(format!("e{i}").as_str()));
+        let header = &l["headers"][0];
+        let shown = header["value"].as_str().unwrap().as_bytes().to_vec();
+        match header["encoding"].as_str() {
+            Some("utf-8") => assert_eq!(shown, header_value(i as u64)),
+            Some("base64") => {
+                assert_eq!(base64::engine::general_purpose::STANDARD.decode(shown).unwrap(), header_value(i as u64));
+                assert_eq!(i % 7, 6, "a UTF-8 value in base64: {header}");
+            }
+            _ => panic!("{header}"),
+        }
         if i % 5 == 4 {
             assert_eq!(l["payload_encoding"], "base64");
             let raw = base64::engine::general_purpose::STANDARD.decode(l["payload"].as_str().unwrap()).unwrap();

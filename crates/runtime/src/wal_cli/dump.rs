@@ -144,10 +144,6 @@ fn terminal_safe(s: &str) -> std::borrow::Cow<'_, str> {
         .into()
 }
 
-fn header_value(v: &[u8]) -> String {
-    String::from_utf8_lossy(v).into_owned()
-}
-
 /// Writes one record in `format`.
 pub(crate) fn write_record(
     out: &mut impl Write,
@@ -170,8 +166,14 @@ pub(crate) fn write_record(
         (Format::Json, Ok(e)) => {
             let h = &e.header;
             let (payload, encoding) = payload_text(&e.payload);
-            let headers: Vec<serde_json::Value> =
-                h.headers.iter().map(|(k, v)| json!({"name": k, "value": header_value(v)})).collect();
+            let headers: Vec<serde_json::Value> = h
+                .headers
+                .iter()
+                .map(|(k, v)| {
+                    let (value, encoding) = payload_text(v);
+                    json!({"name": k, "value": value, "encoding": encoding})
+                })
+                .collect();
             let v = json!({
                 "offset": offset,
                 "id": format!("{:032x}", h.message_id),
@@ -228,7 +230,10 @@ pub(crate) fn write_record(
                 writeln!(out, "  meta {}: {}", terminal_safe(k), terminal_safe(v))?;
             }
             for (k, v) in &h.headers {
-                writeln!(out, "  header {}: {}", terminal_safe(k), terminal_safe(&header_value(v)))?;
+                match payload_text(v) {
+                    (text, "utf-8") => writeln!(out, "  header {}: {}", terminal_safe(k), terminal_safe(&text))?,
+                    (text, encoding) => writeln!(out, "  header {} ({encoding}): {text}", terminal_safe(k))?,
+                }
             }
             let (payload, encoding) = payload_text(&e.payload);
             writeln!(out, "  payload ({} bytes, {encoding}): {}", e.payload.len(), terminal_safe(&payload))
