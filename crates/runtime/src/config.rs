@@ -693,9 +693,25 @@ const WAL_SEGMENTS_MAX: u64 = 16_384;
 const RETENTION_SECS_MAX: u64 = 10 * 366 * 86_400;
 
 /// Two listen addresses one process cannot both bind: the same port (not 0, which picks
-/// a free one) on the same address, or with either on every address (`0.0.0.0`, `::`).
+/// a free one) on the same address; or with either on `::`, which takes the port on
+/// every address of both families (Linux's dual stack, `net.ipv6.bindv6only = 0`, the
+/// default); or with either on `0.0.0.0` and the other an IPv4 address (an IPv4-mapped
+/// IPv6 one included). `0.0.0.0` and `::1` bind side by side: the families differ.
 fn listeners_collide(a: SocketAddr, b: SocketAddr) -> bool {
-    a.port() != 0 && a.port() == b.port() && (a.ip() == b.ip() || a.ip().is_unspecified() || b.ip().is_unspecified())
+    use std::net::IpAddr;
+    if a.port() == 0 || a.port() != b.port() {
+        return false;
+    }
+    let (a, b) = (a.ip(), b.ip());
+    let v6_any = |ip: IpAddr| matches!(ip, IpAddr::V6(v) if v.is_unspecified());
+    let v4 = |ip: IpAddr| match ip {
+        IpAddr::V4(v) => Some(v),
+        IpAddr::V6(v) => v.to_ipv4_mapped(),
+    };
+    a == b
+        || v6_any(a)
+        || v6_any(b)
+        || matches!((v4(a), v4(b)), (Some(x), Some(y)) if x == y || x.is_unspecified() || y.is_unspecified())
 }
 
 /// Headers that do not tell one delivery from the next; as a delivery id each would make
@@ -1835,13 +1851,26 @@ mod tests {
                 "[http]\nlisten = \"{http}\"\n[admin]\nlisten = \"{admin}\"\n[sources.a]\ndestination = {{ stream = \"s\", topic = \"t\" }}\n"
             )
         };
-        for (http, admin) in [("127.0.0.1:18080", "127.0.0.1:18080"), ("0.0.0.0:18080", "127.0.0.1:18080")] {
+        for (http, admin) in [
+            ("127.0.0.1:18080", "127.0.0.1:18080"),
+            ("0.0.0.0:18080", "127.0.0.1:18080"),
+            ("[::]:18080", "127.0.0.1:18080"),
+            ("[::]:18080", "[::1]:18080"),
+            ("[::1]:18080", "[::1]:18080"),
+        ] {
             let e = errors(&text(http, admin));
             assert_eq!(e.len(), 1, "{http} {admin}: {e:?}");
             assert_eq!((e[0].path.as_str(), e[0].line), ("admin.listen", Some(4)));
             assert!(e[0].message.contains("webhook listener"), "{}", e[0].message);
         }
-        for (http, admin) in [("127.0.0.1:0", "127.0.0.1:0"), ("127.0.0.1:18080", "127.0.0.2:18080")] {
+        // Apart on Linux: another address of the same family, or another family unless
+        // one side is `::` (each pair binds side by side with `bindv6only = 0`).
+        for (http, admin) in [
+            ("127.0.0.1:0", "127.0.0.1:0"),
+            ("127.0.0.1:18080", "127.0.0.2:18080"),
+            ("0.0.0.0:18080", "[::1]:18080"),
+            ("127.0.0.1:18080", "[::1]:18080"),
+        ] {
             let t = text(http, admin);
             assert!(validate(&parse(&t, None).unwrap(), Some(&t), None).is_ok(), "{http} {admin}");
         }
