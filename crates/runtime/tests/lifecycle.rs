@@ -676,7 +676,10 @@ fn state_commands_that_change_the_database_refuse_while_a_daemon_holds_the_log()
     // Where the command has to make the log's directory to lock it, what it makes is the
     // data directory owner's (the daemon's user), not the caller's.
     if unsafe { libc::geteuid() } != 0 {
-        eprintln!("not root: the ownership of what the lock makes is not checked");
+        skip_or_fail(
+            "state_commands_that_change_the_database_refuse_while_a_daemon_holds_the_log",
+            "not root: the ownership of what the lock makes is not checked",
+        );
         return;
     }
     use std::os::unix::fs::MetadataExt;
