@@ -56,31 +56,42 @@ fn delivered_ns(broker: &TestBroker) -> Vec<u64> {
         .collect()
 }
 
+/// Posts `{"n": n}` for each `n` to the default source; each must be answered 200.
+async fn post_numbered(http: SocketAddr, ns: std::ops::Range<u64>) {
+    for n in ns {
+        let a = post_json(http, "/v1/sources/default", &format!("{{\"n\":{n}}}")).await;
+        assert_eq!(a.status, 200, "event {n}");
+    }
+}
+
+/// The default source's first destination as the admin API shows it, once its cursor
+/// reached `cursor` or 30 s passed (the caller asserts what it needs).
+async fn first_lane_once_its_cursor_reaches(admin: SocketAddr, cursor: u64) -> serde_json::Value {
+    let mut lane = serde_json::Value::Null;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while Instant::now() < deadline {
+        lane = admin_json(admin, "/connectors/default/destinations").await["destinations"][0].clone();
+        if lane["cursor"] == cursor {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    lane
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn accepted_events_reach_the_test_broker_and_the_admin_api_shows_the_destination() {
     let broker = TestBroker::start(TestBrokerConfig::default()).await.unwrap();
     let dir = tempfile::tempdir().unwrap();
     let daemon = Daemon::start(dir.path(), "", &rest(broker.addr()));
-    for n in 0..50u64 {
-        let a = post_json(daemon.http, "/v1/sources/default", &format!("{{\"n\":{n}}}")).await;
-        assert_eq!(a.status, 200);
-    }
+    post_numbered(daemon.http, 0..50).await;
     wait_until("delivered", Duration::from_secs(30), || broker.messages("ingest", "events").len() >= 50).await;
     assert_eq!(delivered_ns(&broker), (0..50).collect::<Vec<_>>());
     // The ids the broker stored are the ids in the log.
     let in_log: HashSet<u128> = read_log(&daemon.wal_dir()).iter().map(|(_, e)| e.header.message_id).collect();
     assert!(broker.messages("ingest", "events").iter().all(|m| in_log.contains(&m.id)));
 
-    let mut lane = serde_json::Value::Null;
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while Instant::now() < deadline {
-        let d = admin_json(daemon.admin, "/connectors/default/destinations").await;
-        lane = d["destinations"][0].clone();
-        if lane["cursor"] == 50 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let lane = first_lane_once_its_cursor_reaches(daemon.admin, 50).await;
     assert_eq!(lane["stream"], "ingest");
     assert_eq!(lane["topic"], "events");
     assert_eq!(lane["cursor"], 50, "{lane}");
@@ -260,18 +271,9 @@ async fn events_accepted_with_delivery_disabled_over_a_replaced_log_are_all_deli
     let broker = TestBroker::start(TestBrokerConfig::default()).await.unwrap();
     let dir = tempfile::tempdir().unwrap();
     let daemon = Daemon::start(dir.path(), "", &rest(broker.addr()));
-    for n in 0..5u64 {
-        assert_eq!(post_json(daemon.http, "/v1/sources/default", &format!("{{\"n\":{n}}}")).await.status, 200);
-    }
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let d = admin_json(daemon.admin, "/connectors/default/destinations").await;
-        if d["destinations"][0]["cursor"] == 5 {
-            break;
-        }
-        assert!(Instant::now() < deadline, "the cursor never reached 5: {d}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    post_numbered(daemon.http, 0..5).await;
+    let lane = first_lane_once_its_cursor_reaches(daemon.admin, 5).await;
+    assert_eq!(lane["cursor"], 5, "the cursor never reached 5: {lane}");
     assert!(daemon.stop().success());
     assert_eq!(delivered_ns(&broker), (0..5).collect::<Vec<_>>());
 
