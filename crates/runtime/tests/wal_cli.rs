@@ -804,6 +804,13 @@ async fn every_subcommand_works_on_a_running_daemons_log() {
         stderr(&no_token)
     );
     assert!(no_token.stdout.is_empty());
+    // The webhook listener given for the admin one: its 404 is an error, not an empty view.
+    let (dir5, webhook) = (dir.clone(), format!("http://{}", d.http));
+    let wrong =
+        tokio::task::spawn_blocking(move || cli_in(&["inspect", "--json", "--admin", &webhook], &dir5)).await.unwrap();
+    assert_eq!(code(&wrong), 1, "{}", stdout(&wrong));
+    assert!(stderr(&wrong).contains("HTTP 404"), "{}", stderr(&wrong));
+    assert!(wrong.stdout.is_empty());
     assert_eq!(code(&o), 0, "{}", stderr(&o));
     let i = json(&o);
     assert_eq!(i["destinations"]["cursors_from"], "admin");

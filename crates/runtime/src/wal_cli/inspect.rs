@@ -80,8 +80,8 @@ pub(crate) fn run(a: InspectArgs) -> CliResult {
     let mut lanes: BTreeMap<LaneKey, Lane> = BTreeMap::new();
     let mut max_bytes: Option<u64> = None;
     let mut asked_sources = BTreeSet::new();
+    let token = a.admin_token.clone().or_else(|| std::env::var("IGGY_INGEST_ADMIN_TOKEN").ok());
     let (cursor_source, cursor_note) = if let Some((url, address)) = admin {
-        let token = a.admin_token.clone().or_else(|| std::env::var("IGGY_INGEST_ADMIN_TOKEN").ok());
         let (rows, log_max, sources) = admin_lanes(url, address, token.as_deref())?;
         max_bytes = log_max;
         asked_sources = sources;
@@ -170,7 +170,6 @@ pub(crate) fn run(a: InspectArgs) -> CliResult {
         // in the log still have lanes there (that pin the log, which is what an operator
         // runs this to find): asked for by name.
         if let Some((url, address)) = admin {
-            let token = a.admin_token.clone().or_else(|| std::env::var("IGGY_INGEST_ADMIN_TOKEN").ok());
             let unasked: BTreeSet<String> =
                 lanes.keys().map(|k| k.0.clone()).filter(|s| !asked_sources.contains(s)).collect();
             for src in unasked {
@@ -378,7 +377,10 @@ fn admin_lanes(
     address: &str,
     token: Option<&str>,
 ) -> CliResult<(Vec<AdminLane>, Option<u64>, BTreeSet<String>)> {
-    let status = http_get_json(url, address, "/status", token)?.unwrap_or_default();
+    // A 404 here is not a daemon's admin listener (the webhook listener, say): an error,
+    // never an empty answer.
+    let status = http_get_json(url, address, "/status", token)?
+        .ok_or_else(|| CliError::Failed(format!("admin API {url}/status: HTTP 404: not a daemon's admin listener")))?;
     let max = status["log"]["max_bytes"].as_u64();
     let sources: BTreeSet<String> =
         status["sources"].as_object().map(|o| o.keys().cloned().collect()).unwrap_or_default();
