@@ -496,12 +496,14 @@ fn read_only_open_hides_a_torn_tail_without_cutting_it() {
 /// successor: the temporary file made, written, synced, renamed into place, the
 /// directory synced), under seeded mixes of what was not synced: each run did lose
 /// power, and the next open holds a dense log, no temporary file, and takes appends.
-/// The simulated disk lets the writer's own clean-up of its temporary file run after the
-/// loss (a dead process would not), so the open's removal of one left behind is checked
-/// on its own at the end, with the file a creation cut short leaves.
+/// The dead writer cannot clean up after the loss (its view of the simulated disk is
+/// fenced), so some runs leave a temporary file for the open to remove, and the sweep
+/// requires that some did. The open's removal is also checked on its own at the end,
+/// with the file a creation cut short while it was written leaves.
 #[test]
 fn an_interrupted_segment_creation_leaves_nothing_behind() {
     let opts = small_options();
+    let mut temp_files_removed_by_an_open = 0;
     for n in 1..=8 {
         for k in 1..=8u64 {
             let seed = k.wrapping_mul(0x9e37_79b9_7f4a_7c15);
@@ -526,11 +528,13 @@ fn an_interrupted_segment_creation_leaves_nothing_behind() {
             let wal = open(&sim, opts.clone());
             let names = sim.list_dir(&dir()).unwrap();
             assert!(names.iter().all(|n| !n.ends_with(".tmp")), "{names:?}");
+            temp_files_removed_by_an_open += wal.open_report().removed_temp_files.len();
             let records = read_all(&wal, 0).len() as u64;
             assert_eq!(wal.next_offset(), records, "metadata operation {n}, seed {seed}");
             rt().block_on(wal.append(vec![payload(9999, 200)])).unwrap();
         }
     }
+    assert!(temp_files_removed_by_an_open > 0, "no power loss left a temporary file behind");
 
     // The successor's temporary file as a process that died while writing it leaves it:
     // named, half a header, its name in the directory. The open removes it and says so.
@@ -727,8 +731,7 @@ fn a_stale_clean_marker_does_not_spare_a_poisoned_tail_from_the_disk_read() {
 fn a_new_log_directory_survives_a_power_loss_with_its_records() {
     let sim = SimStorage::new();
     let fresh = Path::new("/fresh/data/wal");
-    let storage: Arc<dyn Storage> = Arc::new(sim.clone());
-    let wal = Wal::open_with(storage.clone(), fresh, small_options()).unwrap();
+    let wal = Wal::open_with(Arc::new(sim.clone()), fresh, small_options()).unwrap();
     rt().block_on(async {
         for t in 0..3 {
             wal.append(vec![payload(t, 100)]).await.unwrap_or_else(|e| panic!("{e}"));
@@ -736,7 +739,8 @@ fn a_new_log_directory_survives_a_power_loss_with_its_records() {
     });
     sim.crash(CrashMode::LoseUnsynced);
     drop(wal);
-    let wal = Wal::open_with(storage, fresh, small_options()).unwrap();
+    // A new process, with its own view of the disk.
+    let wal = Wal::open_with(Arc::new(sim.clone()), fresh, small_options()).unwrap();
     let tags: Vec<u64> = read_all(&wal, 0).iter().map(|r| tag_of(&r.payload)).collect();
     assert_eq!(tags, vec![0, 1, 2], "the power loss took the new directory, or records in it");
 }

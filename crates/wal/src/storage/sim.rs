@@ -115,9 +115,27 @@ struct State {
 }
 
 /// A simulated disk; clones share it.
-#[derive(Debug, Clone)]
+///
+/// A clone is one process's view of the disk: it is bound to the power cycle it was made
+/// in (a clone of a bound view keeps its cycle), and after a power loss every `Storage`
+/// call through it fails with `EIO`, as every file handle opened before the loss does. A
+/// process that lost power can then neither help nor harm what the next one finds: a
+/// clean-up the dead writer would run after the loss (removing a temporary file, say)
+/// does not happen. The view [`SimStorage::new`] returns is the test's own, never bound:
+/// it builds and inspects the disk across power losses. A process started after a power
+/// loss takes a new clone.
+#[derive(Debug)]
 pub struct SimStorage {
     state: Arc<Mutex<State>>,
+    /// The power cycle this view belongs to; `None` for the test's own view.
+    epoch: Option<u64>,
+}
+
+impl Clone for SimStorage {
+    fn clone(&self) -> SimStorage {
+        let epoch = self.epoch.unwrap_or_else(|| lock(&self.state).epoch);
+        SimStorage { state: self.state.clone(), epoch: Some(epoch) }
+    }
 }
 
 impl Default for SimStorage {
@@ -339,6 +357,17 @@ impl SimStorage {
                 crashes: 0,
                 ops: 0,
             })),
+            epoch: None,
+        }
+    }
+
+    /// The disk, locked, for one `Storage` call: refused with `EIO` if this view belongs
+    /// to a process from before a power loss.
+    fn live_state(&self) -> io::Result<MutexGuard<'_, State>> {
+        let st = lock(&self.state);
+        match self.epoch {
+            Some(e) if e != st.epoch => Err(eio("process from before a power loss")),
+            _ => Ok(st),
         }
     }
 
@@ -445,7 +474,7 @@ impl SimStorage {
 
 impl Storage for SimStorage {
     fn create_dir_all(&self, dir: &Path) -> io::Result<Vec<PathBuf>> {
-        let mut st = lock(&self.state);
+        let mut st = self.live_state()?;
         let mut missing: Vec<&Path> =
             dir.ancestors().filter(|d| !d.as_os_str().is_empty() && !st.dirs.contains_key(*d)).collect();
         missing.reverse();
@@ -465,13 +494,13 @@ impl Storage for SimStorage {
     }
 
     fn list_dir(&self, dir: &Path) -> io::Result<Vec<String>> {
-        let st = lock(&self.state);
+        let st = self.live_state()?;
         let d = st.dirs.get(dir).ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))?;
         Ok(d.names.keys().cloned().collect())
     }
 
     fn open(&self, path: &Path, mode: OpenMode) -> io::Result<Arc<dyn StorageFile>> {
-        let mut st = lock(&self.state);
+        let mut st = self.live_state()?;
         let (dir, name) = split(path)?;
         if !st.dirs.contains_key(&dir) {
             return Err(io::Error::from(io::ErrorKind::NotFound));
@@ -498,7 +527,7 @@ impl Storage for SimStorage {
     }
 
     fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
-        let mut st = lock(&self.state);
+        let mut st = self.live_state()?;
         st.check(FaultOp::Metadata)?;
         let (fd, fname) = split(from)?;
         let (td, tname) = split(to)?;
@@ -517,7 +546,7 @@ impl Storage for SimStorage {
     }
 
     fn remove_file(&self, path: &Path) -> io::Result<()> {
-        let mut st = lock(&self.state);
+        let mut st = self.live_state()?;
         st.check(FaultOp::Metadata)?;
         let (dir, name) = split(path)?;
         st.dirs
@@ -528,7 +557,7 @@ impl Storage for SimStorage {
     }
 
     fn sync_dir(&self, dir: &Path) -> io::Result<()> {
-        let mut st = lock(&self.state);
+        let mut st = self.live_state()?;
         st.check(FaultOp::SyncDir)?;
         let d = st.dirs.get_mut(dir).ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))?;
         d.durable = d.names.clone();
@@ -537,7 +566,7 @@ impl Storage for SimStorage {
     }
 
     fn try_lock(&self, path: &Path) -> io::Result<Box<dyn Send + Sync>> {
-        let mut st = lock(&self.state);
+        let mut st = self.live_state()?;
         if !st.locks.insert(path.to_path_buf()) {
             return Err(io::Error::from(io::ErrorKind::WouldBlock));
         }
@@ -545,7 +574,7 @@ impl Storage for SimStorage {
     }
 
     fn is_locked(&self, path: &Path) -> io::Result<bool> {
-        Ok(lock(&self.state).locks.contains(path))
+        Ok(self.live_state()?.locks.contains(path))
     }
 }
 
@@ -711,6 +740,35 @@ mod tests {
         f.write_all_at(bytes, 0).unwrap();
         f.sync_data().unwrap();
         (s, f)
+    }
+
+    #[test]
+    fn a_process_view_from_before_a_power_loss_can_do_nothing_after_it() {
+        let (s, _f) = durable_file(b"x");
+        let process = s.clone();
+        let inner = process.clone();
+        s.write_file_durably(Path::new("/d/t.tmp"), b"t").unwrap();
+        s.crash(CrashMode::LoseUnsynced);
+        for view in [&process, &inner] {
+            assert!(view.remove_file(Path::new("/d/t.tmp")).is_err(), "a dead process removed a file");
+            assert!(view.rename(Path::new("/d/t.tmp"), Path::new("/d/b")).is_err());
+            assert!(view.open(Path::new("/d/c"), OpenMode::CreateNew).is_err());
+            assert!(view.sync_dir(Path::new("/d")).is_err());
+            assert!(view.list_dir(Path::new("/d")).is_err());
+            assert!(view.try_lock(Path::new("/d/lock")).is_err());
+        }
+        assert_eq!(s.list_dir(Path::new("/d")).unwrap(), vec!["a".to_string(), "t.tmp".to_string()]);
+        // The next process, and the test's own view, act as before.
+        let next = s.clone();
+        next.remove_file(Path::new("/d/t.tmp")).unwrap();
+        assert_eq!(s.list_dir(Path::new("/d")).unwrap(), vec!["a".to_string()]);
+        assert_eq!(read_exact_vec(&*next.open(Path::new("/d/a"), OpenMode::Read).unwrap(), 1), b"x");
+    }
+
+    fn read_exact_vec(f: &dyn StorageFile, n: usize) -> Vec<u8> {
+        let mut b = vec![0; n];
+        read_exact_at(f, &mut b, 0).unwrap();
+        b
     }
 
     #[test]
