@@ -617,6 +617,42 @@ fn dump_stops_cleanly_when_its_reader_goes_away() {
     assert!(err.is_empty(), "{err}");
 }
 
+/// `tail -n N` with a filter starts with the last N records that match, however far back
+/// they are, not with the matches among the last N records.
+#[test]
+fn tail_with_a_filter_shows_the_last_n_records_that_match() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = make_log(root.path(), 200, WalOptions { segment_max_bytes: 4096, ..small() });
+    let first_lines = |args: &[&str], n: usize| -> Vec<String> {
+        let mut child = KillOnDrop(
+            Command::new(env!("CARGO_BIN_EXE_iggy-ingest"))
+                .args(["wal", "tail", dir.to_str().unwrap(), "--interval-ms", "20"])
+                .args(args)
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap(),
+        );
+        let lines = line_reader(&mut child.0);
+        (0..n).map(|_| lines.recv_timeout(Duration::from_secs(30)).expect("a line from tail")).collect()
+    };
+    let offsets = |lines: Vec<String>| -> Vec<u64> {
+        lines
+            .iter()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["offset"].as_u64().unwrap())
+            .collect()
+    };
+    // Records 0..200 alternate github (even) and stripe (odd).
+    let stripe = offsets(first_lines(&["-n", "3", "--source", "stripe", "--json"], 3));
+    assert_eq!(stripe, vec![195, 197, 199]);
+    // The last 60 to events/push (github) reach back 120 records, past the first window.
+    let github = offsets(first_lines(&["-n", "60", "--destination", "events/push", "--json"], 60));
+    assert_eq!(github, (80..200).step_by(2).collect::<Vec<u64>>());
+    // More than the log holds: every match, from the log's start.
+    let all = offsets(first_lines(&["-n", "1000", "--source", "stripe", "--json"], 2));
+    assert_eq!(all, vec![1, 3]);
+}
+
 #[test]
 fn tail_shows_the_last_records_then_follows_and_ends_when_its_reader_goes() {
     let root = tempfile::tempdir().unwrap();

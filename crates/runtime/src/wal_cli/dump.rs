@@ -75,7 +75,7 @@ impl Filter {
         Ok(Filter { source: a.source.clone(), destination })
     }
 
-    fn is_empty(&self) -> bool {
+    pub(crate) fn is_empty(&self) -> bool {
         self.source.is_none() && self.destination.is_none()
     }
 

@@ -32,7 +32,8 @@ use super::{CliResult, open_log, stdout, wal_error};
 pub struct TailArgs {
     /// The log directory (the daemon's DATA_DIR/wal).
     pub dir: PathBuf,
-    /// Start with the last N records already in the log (0: only new ones).
+    /// Start with the last N records already in the log that match the filters (0: only
+    /// new ones).
     #[arg(short = 'n', long, value_name = "N", default_value_t = 10)]
     pub lines: u64,
     /// Start at this offset instead.
@@ -45,6 +46,44 @@ pub struct TailArgs {
     pub filter: FilterArgs,
     #[command(flatten)]
     pub format: FormatArgs,
+}
+
+/// The offset from which the log's last `n` records that match `filter` follow (the
+/// log's start if it holds fewer). Without a filter that is `n` records back; with one,
+/// windows of the log's end, each four times the last, are read until one holds `n`
+/// matches or reaches the log's start: the records read are at most about 4/3 of the
+/// span searched (and that span, over the last match's window, at most four times).
+fn start_of_last_matching(wal: &wal::Wal, filter: &Filter, n: u64) -> Result<u64, WalError> {
+    let (start, end) = (wal.start_offset(), wal.next_offset());
+    if filter.is_empty() || n == 0 {
+        return Ok(end.saturating_sub(n).max(start));
+    }
+    let mut window = n;
+    loop {
+        let from = end.saturating_sub(window).max(start);
+        // The offsets of the last `n` matches in the window, oldest first.
+        let mut matched = std::collections::VecDeque::new();
+        let mut matches = 0u64;
+        for r in wal::inspect::Records::new(wal, from)? {
+            let r = r?;
+            if filter.matches(Envelope::decode(&r.payload).as_ref().ok()) {
+                if matched.len() as u64 == n {
+                    matched.pop_front();
+                }
+                matched.push_back(r.offset);
+                matches += 1;
+            }
+        }
+        if matches >= n
+            && let Some(&first) = matched.front()
+        {
+            return Ok(first);
+        }
+        if from == start {
+            return Ok(start);
+        }
+        window = window.saturating_mul(4);
+    }
 }
 
 /// What a cheap look at the directory sees: segment names, the newest segment's length
@@ -82,7 +121,7 @@ pub(crate) fn run(a: TailArgs) -> CliResult {
             }
             Err(e) => return Err(wal_error(&a.dir, e)),
         },
-        None => wal.next_offset().saturating_sub(a.lines).max(wal.start_offset()),
+        None => start_of_last_matching(&wal, &filter, a.lines).map_err(|e| wal_error(&a.dir, e))?,
     };
     let mut out = stdout();
     let mut wal = Some(wal);
