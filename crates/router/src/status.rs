@@ -3,7 +3,8 @@
 //! under the same lock, so a status and its gauges can never disagree.
 //!
 //! Invariants:
-//! - Every transition is logged with its reason and recorded with its time.
+//! - Every transition is logged with its reason and recorded with its time; the reason
+//!   shown is always the latest one given for the current status.
 //! - A gauge `iggy_connector_{kind}_{status}` counts the cells of that kind in that
 //!   status; each cell is counted in exactly one status at a time.
 //! - A task that ends sets Stopped (or Error) itself; nothing reports Running for a task
@@ -77,10 +78,16 @@ impl StatusCell {
         }
     }
 
-    /// Moves the status (if it changes) and its gauges together, and logs the reason.
+    /// Moves the status (if it changes) and its gauges together, and logs the reason. A
+    /// new reason for the same status replaces the old one (the status keeps its
+    /// `since`): a reason is what holds now, never what held when the status began.
     pub fn set(&self, to: Status, reason: &str) {
         let mut s = self.inner.lock().unwrap_or_else(|p| p.into_inner());
         if s.status == to {
+            if s.reason != reason {
+                tracing::debug!(kind = self.kind, name = %self.name, status = to.as_str(), reason, "status reason");
+                s.reason = reason.to_string();
+            }
             return;
         }
         metrics::gauge!(gauge_name(self.kind, s.status)).decrement(1.0);
@@ -110,5 +117,24 @@ impl Drop for StatusCell {
     fn drop(&mut self) {
         let s = self.inner.lock().unwrap_or_else(|p| p.into_inner());
         metrics::gauge!(gauge_name(self.kind, s.status)).decrement(1.0);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_new_reason_for_the_same_status_replaces_the_old_and_keeps_since() {
+        let cell = StatusCell::new("test_status_cell", "x");
+        cell.set(Status::Degraded, "destination a is degraded");
+        let first = cell.snapshot();
+        std::thread::sleep(std::time::Duration::from_millis(5));
+        cell.set(Status::Degraded, "destination b is degraded");
+        let now = cell.snapshot();
+        assert_eq!((now.status, now.reason.as_str()), (Status::Degraded, "destination b is degraded"));
+        assert_eq!(now.since, first.since, "the status did not change");
+        cell.set(Status::Running, "recovered");
+        assert!(cell.snapshot().since > first.since);
     }
 }
