@@ -159,6 +159,9 @@ pub struct IdempotencyIndex {
     /// The durable checkpoint: every key of a record below it is durable in the state
     /// database. Set by [`IdempotencyIndex::rebuild`], raised by each checkpoint.
     durable_through: Arc<AtomicU64>,
+    /// Why the last checkpoint failed, while no checkpoint has succeeded since: the
+    /// durable checkpoint, and with it the log's release, stands still meanwhile.
+    checkpoint_failure: Mutex<Option<String>>,
     /// The first offset of the earliest record whose key could not be recorded since
     /// the last rebuild: the checkpoint stays below it until a rebuild restored it.
     first_unrecorded: Mutex<Option<u64>>,
@@ -264,6 +267,7 @@ impl IdempotencyIndex {
             state,
             retention_ms,
             durable_through: Arc::new(AtomicU64::new(0)),
+            checkpoint_failure: Mutex::new(None),
             first_unrecorded: Mutex::new(None),
             reopen_unsettled: AtomicBool::new(false),
             gate: Arc::new(RwLock::new(())),
@@ -349,7 +353,24 @@ impl IdempotencyIndex {
     /// First, if the state database latched an I/O error (a full disk), reopens it and
     /// restores from the log the keys its repair dropped, with keyed requests held at the
     /// gate, so the index recovers without a restart once the disk has room again.
+    ///
+    /// A failure is kept ([`IdempotencyIndex::checkpoint_failure`]) until a checkpoint
+    /// succeeds.
     pub async fn checkpoint(&self, wal: &Wal, now_unix_ms: u64) -> Result<u64, StateError> {
+        let result = self.checkpoint_once(wal, now_unix_ms).await;
+        *self.checkpoint_failure.lock().unwrap_or_else(|p| p.into_inner()) =
+            result.as_ref().err().map(|e| e.to_string());
+        result
+    }
+
+    /// Why the last checkpoint failed, if none succeeded since. The durable checkpoint
+    /// ([`IdempotencyIndex::durable_through`]) does not move meanwhile, so the log is not
+    /// released past it: an operator must hear of it before the log fills.
+    pub fn checkpoint_failure(&self) -> Option<String> {
+        self.checkpoint_failure.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    async fn checkpoint_once(&self, wal: &Wal, now_unix_ms: u64) -> Result<u64, StateError> {
         let through = {
             let _exclusive = self.gate.write().await;
             self.recover_locked(wal, now_unix_ms).await?;
@@ -878,10 +899,13 @@ mod tests {
 
         // The disk fills: the checkpoint's commit fails and redb latches the error. Once
         // it has room again, the next checkpoint reopens the database.
+        assert_eq!(index.checkpoint_failure(), None);
         fail.store(true, Ordering::SeqCst);
-        assert!(index.checkpoint(&wal, now).await.is_err());
+        let failed = index.checkpoint(&wal, now).await.unwrap_err().to_string();
+        assert_eq!(index.checkpoint_failure().as_deref(), Some(failed.as_str()), "the failure is kept");
         fail.store(false, Ordering::SeqCst);
         assert_eq!(index.checkpoint(&wal, now).await.unwrap(), 0, "reopened and restored");
+        assert_eq!(index.checkpoint_failure(), None, "a checkpoint that succeeds clears it");
         assert_eq!(index.lookup(&key("d-0"), now).unwrap(), None, "the repair kept the key after all");
 
         // The record becomes durable: the next checkpoint's restore reads it.

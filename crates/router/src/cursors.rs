@@ -40,6 +40,13 @@ pub trait CursorStore: Send + Sync + 'static {
     fn release_ceiling(&self) -> u64 {
         u64::MAX
     }
+
+    /// Why the release ceiling stands still, while a failure holds it (the daemon's
+    /// idempotency checkpoints failing); `None` while nothing does. The router is
+    /// Degraded meanwhile: the log fills though every destination delivers.
+    fn release_held_by(&self) -> Option<String> {
+        None
+    }
 }
 
 /// One source's stored cursors as the router found them at start (none above the log's
@@ -78,6 +85,7 @@ pub struct MemoryCursorStore {
     cursors: Mutex<HashMap<LaneKey, u64>>,
     commits: Mutex<u64>,
     release_ceiling: std::sync::atomic::AtomicU64,
+    release_held_by: Mutex<Option<String>>,
 }
 
 impl Default for MemoryCursorStore {
@@ -86,6 +94,7 @@ impl Default for MemoryCursorStore {
             cursors: Mutex::default(),
             commits: Mutex::default(),
             release_ceiling: std::sync::atomic::AtomicU64::new(u64::MAX),
+            release_held_by: Mutex::new(None),
         }
     }
 }
@@ -98,6 +107,11 @@ impl MemoryCursorStore {
     /// What [`CursorStore::release_ceiling`] answers from now on (no bound at first).
     pub fn set_release_ceiling(&self, below: u64) {
         self.release_ceiling.store(below, std::sync::atomic::Ordering::Release);
+    }
+
+    /// What [`CursorStore::release_held_by`] answers from now on.
+    pub fn set_release_held_by(&self, why: Option<&str>) {
+        *self.release_held_by.lock().unwrap_or_else(|p| p.into_inner()) = why.map(str::to_string);
     }
 
     pub fn get(&self, lane: &LaneKey) -> Option<u64> {
@@ -129,6 +143,10 @@ impl CursorStore for MemoryCursorStore {
         self.release_ceiling.load(std::sync::atomic::Ordering::Acquire)
     }
 
+    fn release_held_by(&self) -> Option<String> {
+        self.release_held_by.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
     fn lower(&self, cursors: Vec<(LaneKey, u64)>) -> Result<(), String> {
         *self.commits.lock().unwrap_or_else(|p| p.into_inner()) += 1;
         let mut c = self.cursors.lock().unwrap_or_else(|p| p.into_inner());
@@ -144,11 +162,11 @@ impl CursorStore for MemoryCursorStore {
 /// Cursors in the daemon's state database: one durable redb transaction per store.
 pub struct StateCursorStore {
     state: Arc<StateDb>,
-    /// The idempotency index's durable checkpoint
-    /// ([`ingest::IdempotencyIndex::durable_through`]): the keys of every record below
-    /// it are durable in the state database. A record above it may still need the log
-    /// to rebuild its key after a crash, so it is not released before.
-    keys_durable_below: Option<Arc<std::sync::atomic::AtomicU64>>,
+    /// The idempotency index, whose durable checkpoint
+    /// ([`ingest::IdempotencyIndex::durable_through`]) is the release ceiling: the keys
+    /// of every record below it are durable in the state database. A record above it may
+    /// still need the log to rebuild its key after a crash, so it is not released before.
+    idempotency: Option<Arc<ingest::IdempotencyIndex>>,
 }
 
 impl std::fmt::Debug for StateCursorStore {
@@ -159,12 +177,12 @@ impl std::fmt::Debug for StateCursorStore {
 
 impl StateCursorStore {
     pub fn new(state: Arc<StateDb>) -> StateCursorStore {
-        StateCursorStore { state, keys_durable_below: None }
+        StateCursorStore { state, idempotency: None }
     }
 
     /// Releases of the log wait for the idempotency index's checkpoints.
-    pub fn with_keys_durable_below(mut self, below: Arc<std::sync::atomic::AtomicU64>) -> StateCursorStore {
-        self.keys_durable_below = Some(below);
+    pub fn with_idempotency(mut self, index: Arc<ingest::IdempotencyIndex>) -> StateCursorStore {
+        self.idempotency = Some(index);
         self
     }
 }
@@ -199,7 +217,12 @@ impl CursorStore for StateCursorStore {
     }
 
     fn release_ceiling(&self) -> u64 {
-        self.keys_durable_below.as_ref().map_or(u64::MAX, |b| b.load(std::sync::atomic::Ordering::Acquire))
+        self.idempotency.as_ref().map_or(u64::MAX, |i| i.durable_through().load(std::sync::atomic::Ordering::Acquire))
+    }
+
+    fn release_held_by(&self) -> Option<String> {
+        let failure = self.idempotency.as_ref()?.checkpoint_failure()?;
+        Some(format!("idempotency checkpoints fail: {failure}"))
     }
 }
 

@@ -94,6 +94,11 @@ struct Troubles {
     /// Why the log's released space cannot be freed, while it cannot (the log fills
     /// though every destination delivers).
     release: Option<String>,
+    /// Why the cursor store's release ceiling stands still, while the store says it is
+    /// held by a failure (the daemon's idempotency checkpoints failing): delivered
+    /// records are not released past it, so the log fills though every destination
+    /// delivers.
+    release_held: Option<String>,
     /// The router's own tasks (the dispatcher, the releaser, the cursor flusher) that
     /// ended by a panic: what they did is not done until a restart.
     tasks_ended: BTreeSet<&'static str>,
@@ -132,6 +137,9 @@ impl Troubles {
         }
         if let Some(e) = &self.release {
             return Some((Status::Degraded, format!("delivered log space cannot be freed (the log fills): {e}")));
+        }
+        if let Some(e) = &self.release_held {
+            return Some((Status::Degraded, format!("delivered records are not released (the log fills): {e}")));
         }
         if let Some(k) = self.degraded.iter().filter(of_source).min() {
             return Some((Status::Degraded, format!("destination {k} is degraded")));
@@ -232,6 +240,18 @@ impl RouterHealth {
 
     pub(crate) fn released(&self) {
         self.update(|t| t.release.take().is_some());
+    }
+
+    /// What the cursor store says holds its release ceiling back (`None`: nothing).
+    pub(crate) fn release_held_by(&self, why: Option<String>) {
+        if let Some(e) = &why {
+            self.cell.record_error(e);
+        }
+        self.update(|t| {
+            let changed = t.release_held != why;
+            t.release_held = why;
+            changed
+        });
     }
 
     /// One of the router's own tasks ended by a panic (called while it unwinds).
@@ -596,7 +616,11 @@ async fn release_loop<C: CursorStore>(
         metrics::gauge!("iggy_connector_oldest_held_age_seconds").set(oldest_ms.unwrap_or(0) as f64 / 1000.0);
         // Nor past what the cursor store's owner still needs of the log (the daemon: a
         // record whose delivery id is not yet durably checkpointed).
-        low = low.min(cursors.release_ceiling());
+        let ceiling = cursors.release_ceiling();
+        health.release_held_by(
+            cursors.release_held_by().map(|why| format!("the log is not released past offset {ceiling}: {why}")),
+        );
+        low = low.min(ceiling);
         if low > released_below.load(Ordering::Acquire) {
             match wal.release_below(low).await {
                 Ok(r) => {

@@ -228,7 +228,7 @@ pub async fn start(mut settings: Settings, metrics: Option<PrometheusHandle>) ->
             &settings.delivery,
             wal.clone(),
             state.clone(),
-            idempotency.durable_through(),
+            idempotency.clone(),
             known_at_start,
         )
         .map_err(StartError::Delivery)?,

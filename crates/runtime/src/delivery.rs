@@ -482,12 +482,13 @@ impl std::fmt::Debug for Delivery {
 impl Delivery {
     /// Starts the router over `wal` (unless disabled), and pre-warms `known_at_start` in
     /// the background. Never waits for Iggy. The log is released only below
-    /// `keys_durable_below` (the idempotency index's durable checkpoint).
+    /// the idempotency index's durable checkpoint, and the router is Degraded while the
+    /// checkpoints fail.
     pub fn start(
         settings: &DeliverySettings,
         wal: Arc<Wal>,
         state: Arc<StateDb>,
-        keys_durable_below: Arc<std::sync::atomic::AtomicU64>,
+        idempotency: Arc<ingest::IdempotencyIndex>,
         known_at_start: Vec<DestinationKey>,
     ) -> Result<Delivery, String> {
         if !settings.enabled {
@@ -499,7 +500,7 @@ impl Delivery {
             return Ok(Delivery { router: Mutex::new(None), prewarm: Mutex::new(None), enabled: false });
         }
         let sink = Arc::new(IggySink::new(&settings.sink)?);
-        let cursors = Arc::new(StateCursorStore::new(state).with_keys_durable_below(keys_durable_below));
+        let cursors = Arc::new(StateCursorStore::new(state).with_idempotency(idempotency));
         let router = Router::start(wal, sink.clone(), cursors, settings.policies.clone())?;
         let prewarm = (!settings.prewarm_timeout.is_zero() && !known_at_start.is_empty())
             .then(|| tokio::spawn(router::prewarm::prewarm(sink, known_at_start, settings.prewarm_timeout)));
