@@ -358,6 +358,71 @@ fn released_space_that_cannot_be_freed_degrades_the_router_until_it_can() {
     });
 }
 
+/// The router's reason is what holds now: with two destinations degraded it names one;
+/// once that one recovers it names the other, though the router stays Degraded.
+#[test]
+fn the_routers_reason_follows_its_troubles_while_its_status_stays() {
+    with_metrics(false, |_snap| async move {
+        let sim = SimStorage::new();
+        let wal = open_wal(&sim);
+        let sink = FaultySink::new();
+        let (a, b) = (key("s", "a"), key("s", "b"));
+        sink.fault(&a, Some(Fault::Fail(SendErrorKind::Destination)));
+        sink.fault(&b, Some(Fault::Fail(SendErrorKind::Destination)));
+        fill(&wal, &[a.clone(), b.clone()], 0, 4).await;
+        let router = start_router(&wal, &sink, fast_policy());
+        let lane_is = |d: &router::DestinationKey, status: Status| {
+            router.destinations().iter().any(|l| l.destination == *d && l.status == status)
+        };
+        eventually(Duration::from_secs(30), "both degraded", || {
+            lane_is(&a, Status::Degraded) && lane_is(&b, Status::Degraded)
+        })
+        .await;
+        let reason = router.status().reason;
+        assert!(reason.contains("s/a") && reason.contains("degraded"), "{reason}");
+        sink.fault(&a, None);
+        eventually(Duration::from_secs(30), "a delivered", || sink.ids(&a).len() == 2).await;
+        eventually(Duration::from_secs(30), "a running", || lane_is(&a, Status::Running)).await;
+        let now = router.status();
+        assert_eq!(now.status, Status::Degraded);
+        assert!(now.reason.contains("s/b") && !now.reason.contains("s/a"), "{now:?}");
+        router.shutdown().await;
+    });
+}
+
+/// A release ceiling held back by a failure (the daemon's idempotency checkpoints
+/// failing) keeps delivered records in the log, which fills though every destination
+/// delivers: the router says so, naming the ceiling and the failure, until the store
+/// lets go, and then releases.
+#[test]
+fn a_release_ceiling_held_by_a_failure_degrades_the_router_until_it_moves() {
+    with_metrics(false, |snap| async move {
+        let sim = SimStorage::new();
+        let wal = open_wal(&sim);
+        let sink = FaultySink::new();
+        let d = key("r", "1");
+        fill(&wal, std::slice::from_ref(&d), 0, 600).await;
+        let cursors = Arc::new(MemoryCursorStore::new());
+        cursors.set_release_ceiling(0);
+        cursors.set_release_held_by(Some("idempotency checkpoints fail: disk I/O error"));
+        let router =
+            Router::start(wal.clone(), sink.clone(), cursors.clone(), Policies::uniform(fast_policy())).unwrap();
+        eventually(Duration::from_secs(30), "sent", || sink.ids(&d).len() == 600).await;
+        eventually(Duration::from_secs(30), "degraded", || router.status().status == Status::Degraded).await;
+        let reason = router.status().reason;
+        assert!(reason.contains("not released past offset 0") && reason.contains("disk I/O error"), "{reason}");
+        assert_eq!(router.connector_status("test"), Status::Degraded);
+        assert_eq!(router.released_below(), 0);
+        assert_gauges_agree(&snap, &router);
+        cursors.set_release_held_by(None);
+        cursors.set_release_ceiling(u64::MAX);
+        eventually(Duration::from_secs(30), "running", || router.status().status == Status::Running).await;
+        eventually(Duration::from_secs(30), "released", || router.released_below() == 600).await;
+        assert_gauges_agree(&snap, &router);
+        router.shutdown().await;
+    });
+}
+
 /// A record the destination cap refuses under `error` holds the log; no lane counts it as
 /// held, so the admission gauge is what says so. Under `drop` nothing is held.
 #[test]
