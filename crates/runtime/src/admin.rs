@@ -130,6 +130,7 @@ async fn status(State(s): State<Arc<Shared>>) -> Response {
             "segments": stats.segments,
             "used_bytes": stats.used_bytes,
             "max_bytes": stats.max_bytes,
+            "full": s.wal.is_full(),
         },
         "sources": sources,
         "router": s.delivery.status_json(),

@@ -66,6 +66,12 @@ pub fn catalog() -> Vec<Metric> {
         m("iggy_ingest_wal_segments", Gauge, &[], "Segment files of the log"),
         m("iggy_ingest_wal_full_rejections_total", Counter, &[], "Appends refused because the log was full (503)"),
         m(
+            "iggy_ingest_wal_full",
+            Gauge,
+            &[],
+            "1 from an append refused because the log was full until an append fits or space is freed",
+        ),
+        m(
             "iggy_ingest_wal_storage_errors_total",
             Counter,
             &[],

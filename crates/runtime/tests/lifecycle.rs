@@ -477,10 +477,19 @@ async fn a_full_log_answers_503_appends_nothing_and_recovers_after_release() {
     assert_eq!(wal.next_offset(), accepted, "a 503 appended nothing");
     assert_eq!(post_json(h, "/v1/sources/default", &event).await.status, 503, "still full");
     assert_eq!(request(h, "GET", "/health", &[], "").await.status, 200, "full is not unhealthy");
+    let admin = running.admin_addr;
+    let status = request(admin, "GET", "/status", &[], "").await.json();
+    assert_eq!(
+        (status["state"].as_str(), status["log"]["full"].as_bool()),
+        (Some("accepting"), Some(true)),
+        "{status}"
+    );
 
     // What the router does once every destination acknowledged: release.
     let released = wal.release_below(wal.next_offset()).await.unwrap();
     assert!(released.segments_deleted >= 1, "{released:?}");
+    let status = request(admin, "GET", "/status", &[], "").await.json();
+    assert_eq!(status["log"]["full"].as_bool(), Some(false), "space was freed: {status}");
     let a = post_json(h, "/v1/sources/default", &event).await;
     assert_eq!(a.status, 200, "{:?}", a.body);
     assert_eq!(a.json()["offsets"], serde_json::json!([accepted, accepted]));

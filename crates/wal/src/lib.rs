@@ -291,6 +291,13 @@ impl Wal {
         self.shared.awaits_segment.load(Ordering::Acquire)
     }
 
+    /// True from an append refused as [`WalError::Full`] until an append fits again or a
+    /// release frees space: the log is full for what it is being given. (Health does not
+    /// turn 503 for it: see the daemon's `docs/http.md`, "Health and shutdown".)
+    pub fn is_full(&self) -> bool {
+        self.shared.full.load(Ordering::Acquire)
+    }
+
     /// The first offset readers may ask for.
     pub fn start_offset(&self) -> u64 {
         self.shared.start()

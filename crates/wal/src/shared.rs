@@ -52,6 +52,9 @@ pub(crate) struct Shared {
     /// Set while the active segment is sealed and the writer could not create its
     /// successor: no append can be taken until it does.
     pub awaits_segment: AtomicBool,
+    /// Set when an append was refused as `Full`, cleared when an append fits again or a
+    /// release frees space: the log is full for what it is being given.
+    pub full: AtomicBool,
 }
 
 impl Shared {
@@ -78,6 +81,7 @@ impl Shared {
             poisoned: AtomicBool::new(false),
             writer_panicked: AtomicBool::new(false),
             awaits_segment: AtomicBool::new(false),
+            full: AtomicBool::new(false),
         }
     }
 

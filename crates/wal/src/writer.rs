@@ -279,6 +279,7 @@ impl Writer {
         let needed = frame_bytes + SEAL_LEN + SEGMENT_HEADER_LEN;
         if used.saturating_add(needed) > self.shared.max_bytes {
             metrics::counter!("iggy_ingest_wal_full_rejections_total").increment(1);
+            self.set_full(true);
             let _ = reply.send(Err(WalError::Full {
                 used_bytes: used,
                 max_bytes: self.shared.max_bytes,
@@ -286,6 +287,7 @@ impl Writer {
             }));
             return;
         }
+        self.set_full(false);
         let synced_len = self.durable_len;
         for (i, (payload, crc)) in records.iter().zip(crcs).enumerate() {
             let h = FrameHeader {
@@ -598,7 +600,23 @@ impl Writer {
         if deleted.is_err() {
             metrics::counter!("iggy_ingest_wal_storage_errors_total").increment(1);
         }
+        // Also after a removal that failed part of the way: what was removed before it
+        // is gone, and the gauges say so.
+        metrics::gauge!("iggy_ingest_wal_segments").set(self.shared.segments().len() as f64);
+        metrics::gauge!("iggy_ingest_wal_used_bytes").set(self.shared.used_bytes.load(Ordering::Relaxed) as f64);
+        if deleted.as_ref().is_ok_and(|r| r.bytes_freed > 0) {
+            self.set_full(false);
+        }
         deleted
+    }
+
+    /// Says whether the log is full for what it is being given ([`crate::Wal::is_full`]),
+    /// in the flag and its gauge together.
+    fn set_full(&self, full: bool) {
+        if self.shared.full.load(Ordering::Relaxed) != full {
+            self.shared.full.store(full, Ordering::Release);
+            metrics::gauge!("iggy_ingest_wal_full").set(if full { 1.0 } else { 0.0 });
+        }
     }
 
     fn try_delete_released(&mut self) -> Result<Released> {
@@ -630,8 +648,6 @@ impl Writer {
             out.segments_deleted += 1;
             out.bytes_freed += size;
         }
-        metrics::gauge!("iggy_ingest_wal_segments").set(self.shared.segments().len() as f64);
-        metrics::gauge!("iggy_ingest_wal_used_bytes").set(self.shared.used_bytes.load(Ordering::Relaxed) as f64);
         Ok(out)
     }
 

@@ -88,12 +88,20 @@ fn full_log_refuses_with_full_and_evicts_nothing() {
             }
         };
         assert!(matches!(err, WalError::Full { .. }), "{err}");
+        assert!(wal.is_full(), "the log says it is full");
         assert!(wal.stats().used_bytes <= 8192);
         let all = read_all(&wal, 0);
         assert_eq!(all.len() as u64, accepted, "a record was evicted");
-        // Releasing frees whole segments and makes room again.
+        // A smaller append that still fits is taken, and the log is no longer full for it.
+        wal.append(vec![payload(998, 1)]).await.expect("a small one fits");
+        assert!(!wal.is_full());
+        let err = wal.append(vec![payload(997, 500)]).await.unwrap_err();
+        assert!(matches!(err, WalError::Full { .. }) && wal.is_full(), "{err}");
+        // Releasing frees whole segments and makes room again: no longer full, before any
+        // append.
         let r = wal.release_below(accepted).await.unwrap();
         assert!(r.segments_deleted >= 1);
+        assert!(!wal.is_full(), "space was freed");
         wal.append(vec![payload(999, 500)]).await.expect("room after release");
     });
 }
