@@ -505,7 +505,8 @@ pub(crate) fn spawn<S: Sink, C: CursorStore>(lane: Arc<Lane>, ctx: LaneContext<S
 }
 
 async fn run<S: Sink, C: CursorStore>(lane: Arc<Lane>, mut ctx: LaneContext<S, C>) {
-    lane.status.set(Status::Running, "lane started");
+    // Starting until the first send succeeds (`progressed`) or the lane degrades:
+    // "running" is said of a destination that took records, never of one only created.
     let mut breaker = CountedBreaker::new(Breaker::new(lane.policy.breaker.clone()));
     let mut catchup: Option<wal::Reader> = None;
     // The next batch, taken from the queue and prepared while the previous one was in
