@@ -358,6 +358,35 @@ fn released_space_that_cannot_be_freed_degrades_the_router_until_it_can() {
     });
 }
 
+/// A destination is `starting` until its first send succeeds: one whose sends fail is
+/// never shown running, before it turns degraded.
+#[test]
+fn a_destination_is_starting_until_a_send_succeeds() {
+    with_metrics(false, |snap| async move {
+        let sim = SimStorage::new();
+        let wal = open_wal(&sim);
+        let sink = FaultySink::new();
+        let a = key("s", "a");
+        sink.fault(&a, Some(Fault::Fail(SendErrorKind::Destination)));
+        fill(&wal, std::slice::from_ref(&a), 0, 2).await;
+        // Tries half a second apart at least: the look after the first is not raced by
+        // the third, which degrades the lane.
+        let mut policy = fast_policy();
+        policy.batch.backoff_base = Duration::from_millis(500);
+        let router = start_router(&wal, &sink, policy);
+        let status_of_a = || router.destinations().iter().find(|l| l.destination == a).map(|l| l.status);
+        eventually(Duration::from_secs(30), "a try", || sink.ensured(&a) >= 1).await;
+        assert_eq!(status_of_a(), Some(Status::Starting), "a failure, nothing sent yet");
+        assert_eq!(gauge(&snap, "iggy_connector_destinations_starting"), 1.0);
+        eventually(Duration::from_secs(30), "degraded", || status_of_a() == Some(Status::Degraded)).await;
+        sink.fault(&a, None);
+        eventually(Duration::from_secs(30), "running", || status_of_a() == Some(Status::Running)).await;
+        assert_eq!(sink.ids(&a).len(), 2);
+        assert_gauges_agree(&snap, &router);
+        router.shutdown().await;
+    });
+}
+
 /// The router's reason is what holds now: with two destinations degraded it names one;
 /// once that one recovers it names the other, though the router stays Degraded.
 #[test]
