@@ -31,6 +31,17 @@ use wal::Wal;
 /// The most partitions Iggy creates a topic with (its `MAX_PARTITIONS_COUNT`).
 const TOPIC_PARTITIONS_MAX: u32 = 1000;
 
+/// The bounds Iggy puts on a topic's own segment size (`MIN_TOPIC_SEGMENT_SIZE`, the
+/// segment maximum `MAX_SIZE_OF_MESSAGES_REQUIRED_TO_SAVE` mirrors, and a multiple of
+/// 512: `validate_topic_segment_size` in `iggy_common`). Outside them every create of a
+/// topic fails, and every record bound for a new destination is held.
+const TOPIC_SEGMENT_BYTES_MIN: u64 = 1024 * 1024;
+const TOPIC_SEGMENT_BYTES_MAX: u64 = 1024 * 1024 * 1024;
+const TOPIC_SEGMENT_BYTES_MULTIPLE: u64 = 512;
+
+/// The most `messages_required_to_save` Iggy admits (`MAX_MESSAGES_REQUIRED_TO_SAVE`).
+const MESSAGES_REQUIRED_TO_SAVE_MAX: u64 = 16 * 1024 * 1024;
+
 /// `[router]`: defaults for every source, `[router.sources.<key>]` overrides per source.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -413,8 +424,22 @@ pub fn check(section: &RouterSection, iggy: &IggyConfig, sources: &[String]) -> 
         // Iggy refuses a topic with more (`MAX_PARTITIONS_COUNT`): every create would fail.
         problems.push((at("partitions_count"), format!("must be 1 to {TOPIC_PARTITIONS_MAX}")));
     }
-    if t.messages_required_to_save == 0 {
-        problems.push((at("messages_required_to_save"), "must be greater than 0".into()));
+    if t.messages_required_to_save == 0 || t.messages_required_to_save > MESSAGES_REQUIRED_TO_SAVE_MAX {
+        problems.push((
+            at("messages_required_to_save"),
+            format!("must be 1 to {MESSAGES_REQUIRED_TO_SAVE_MAX} (Iggy's limit)"),
+        ));
+    }
+    if t.segment_size_bytes != 0
+        && (!(TOPIC_SEGMENT_BYTES_MIN..=TOPIC_SEGMENT_BYTES_MAX).contains(&t.segment_size_bytes)
+            || !t.segment_size_bytes.is_multiple_of(TOPIC_SEGMENT_BYTES_MULTIPLE))
+    {
+        problems.push((
+            at("segment_size_bytes"),
+            format!(
+                "must be 0 (the server's default) or {TOPIC_SEGMENT_BYTES_MIN} to {TOPIC_SEGMENT_BYTES_MAX} and a multiple of {TOPIC_SEGMENT_BYTES_MULTIPLE} (Iggy refuses any other topic)"
+            ),
+        ));
     }
     if t.message_expiry_secs > MESSAGE_EXPIRY_SECS_MAX {
         problems.push((
@@ -708,6 +733,39 @@ mod tests {
             let (_, problems) = check(&RouterSection { topic_defaults, ..RouterSection::default() }, &iggy(), &[]);
             let paths: Vec<String> = problems.iter().map(|(p, _)| p.join(".")).collect();
             assert_eq!(paths, vec!["router.topic_defaults.partitions_count"], "{problems:?}");
+        }
+        // Values Iggy refuses for a topic, which would fail every create.
+        let segment =
+            |segment_size_bytes| TopicDefaultsSection { segment_size_bytes, ..TopicDefaultsSection::default() };
+        let saves = |messages_required_to_save| TopicDefaultsSection {
+            messages_required_to_save,
+            ..TopicDefaultsSection::default()
+        };
+        let refused = [
+            (segment(1000), "segment_size_bytes"),
+            (segment(TOPIC_SEGMENT_BYTES_MIN - 512), "segment_size_bytes"),
+            (segment(TOPIC_SEGMENT_BYTES_MIN + 1), "segment_size_bytes"),
+            (segment(TOPIC_SEGMENT_BYTES_MAX + 512), "segment_size_bytes"),
+            (saves(0), "messages_required_to_save"),
+            (saves(MESSAGES_REQUIRED_TO_SAVE_MAX + 1), "messages_required_to_save"),
+        ];
+        for (topic_defaults, key) in refused {
+            let (_, problems) = check(&RouterSection { topic_defaults, ..RouterSection::default() }, &iggy(), &[]);
+            let paths: Vec<String> = problems.iter().map(|(p, _)| p.join(".")).collect();
+            assert_eq!(paths, vec![format!("router.topic_defaults.{key}")], "{problems:?}");
+        }
+        for topic_defaults in [
+            segment(0),
+            segment(TOPIC_SEGMENT_BYTES_MIN),
+            segment(TOPIC_SEGMENT_BYTES_MAX),
+            saves(MESSAGES_REQUIRED_TO_SAVE_MAX),
+        ] {
+            let (_, problems) = check(
+                &RouterSection { topic_defaults: topic_defaults.clone(), ..RouterSection::default() },
+                &iggy(),
+                &[],
+            );
+            assert!(problems.is_empty(), "{topic_defaults:?}: {problems:?}");
         }
         let mut section = RouterSection::default();
         section.sources.insert("a".into(), PolicyOverrides { backoff_max_ms: Some(1), ..PolicyOverrides::default() });
