@@ -83,6 +83,16 @@ fn is_json(essence: &str) -> bool {
     essence == "application/json" || (essence.starts_with("application/") && essence.ends_with("+json"))
 }
 
+/// The most events a body of `body_bytes` under `content_type` can become (before it is
+/// decoded): one, unless it is NDJSON, whose every event is a line of at least one byte
+/// ended by a newline (the last may lack it), and at most `max_events`.
+pub fn events_at_most(content_type: Option<&str>, body_bytes: usize, max_events: usize) -> usize {
+    match content_type.map(essence) {
+        Some(e) if is_ndjson(&e) => body_bytes.div_ceil(2).clamp(1, max_events.max(1)),
+        _ => 1,
+    }
+}
+
 /// The default of `http.max_events_per_request`: a 1 MiB NDJSON body of 100-byte events.
 pub const MAX_EVENTS_PER_REQUEST_DEFAULT: usize = 10_000;
 
@@ -186,6 +196,19 @@ fn decode_ndjson(body: Bytes, keep_fields: &[&FieldPath], max_events: usize) -> 
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn the_events_a_body_can_become_are_bounded_before_it_is_decoded() {
+        let nd = Some("application/x-ndjson; charset=utf-8");
+        // "1\n" per event, the last newline optional: 5 bytes hold at most 3 events.
+        let body = Bytes::from_static(b"1\n2\n3");
+        let decoded = decode(nd, body.clone(), Accept::Any).unwrap();
+        assert_eq!(decoded.events.len(), 3);
+        assert_eq!(events_at_most(nd, body.len(), 100), 3);
+        assert_eq!(events_at_most(nd, 20_000, 100), 100, "capped by max_events");
+        assert_eq!(events_at_most(Some("application/json"), 20_000, 100), 1);
+        assert_eq!(events_at_most(None, 20_000, 100), 1);
+    }
     use super::*;
 
     #[test]

@@ -11,12 +11,15 @@
 //!   cannot interrupt it between the append and the key record; so does one accepted
 //!   with a hold ([`Ingestor::accept_holding`]), which is released only after its append
 //!   resolved.
-//! - Such tasks outlive their callers, so the payload bytes they hold are bounded:
+//! - Such tasks outlive their callers, so what they hold is bounded:
 //!   [`RUNNING_ON_MAX_BYTES`] in all (a submission larger than that waits until none
 //!   runs). A caller takes its [`Room`] before its task starts, before it takes anything
 //!   a change would wait for (the door: before an endpoint's permit), and holds nothing
 //!   else while it waits: clients that send a body and disconnect cannot pile up appends
-//!   in memory faster than the log takes them.
+//!   in memory faster than the log takes them. A submission's room is what it holds
+//!   until its append resolved ([`Submission::footprint_bytes`]: its events and their
+//!   encoded records, envelopes included), not its payload bytes alone: a thousand
+//!   one-byte events under a long delivery id hold hundreds of times their payload.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -53,6 +56,57 @@ pub struct Submission {
     /// topics), in request order.
     pub events: Vec<Event>,
     pub received_at_unix_ms: u64,
+}
+
+/// What each event of a submission holds beside its payload and its record's header:
+/// the `Event` itself, its destination's three strings' allocations (stream, topic, a
+/// partition key: each at most 255 bytes, counted as they are), and the record's
+/// `Bytes` handle.
+const EVENT_HOLD_BYTES: u64 = (std::mem::size_of::<Event>() + std::mem::size_of::<Bytes>()) as u64;
+
+impl Submission {
+    /// At least what this submission holds until its append resolved: each event (its
+    /// destination and payload) and its encoded record (the envelope's version byte, a
+    /// header whose message id is counted at its longest, and the payload again). What
+    /// [`Ingestor::room`] is taken for.
+    pub fn footprint_bytes(&self) -> u64 {
+        let batch_len = u32::try_from(self.events.len()).unwrap_or(u32::MAX);
+        let mut total = 0u64;
+        for (i, event) in self.events.iter().enumerate() {
+            let header = EnvelopeHeaderRef {
+                message_id: u128::MAX,
+                received_at_unix_ms: self.received_at_unix_ms,
+                source_key: &self.source_key,
+                endpoint_id: self.endpoint_id,
+                content_type: self.content_type.as_deref(),
+                metadata: MetadataRef::Values(&self.metadata),
+                headers: &self.headers,
+                idempotency_key: self.delivery_key.as_deref(),
+                batch_index: u32::try_from(i).unwrap_or(u32::MAX),
+                batch_len,
+                destination: &event.destination,
+            };
+            let d = &event.destination;
+            let partition_key = match &d.partitioning {
+                crate::envelope::Partitioning::Key(k) => k.len(),
+                _ => 0,
+            };
+            let event_bytes = EVENT_HOLD_BYTES + (d.stream.len() + d.topic.len() + partition_key) as u64;
+            let record_bytes = 1 + header.encoded_len() as u64 + event.payload.len() as u64;
+            total = total.saturating_add(event_bytes + event.payload.len() as u64 + record_bytes);
+        }
+        total
+    }
+}
+
+/// A bound of [`Submission::footprint_bytes`] for a body not yet decoded: `body_bytes`
+/// long, to become at most `events_max` events (their payloads lie within the body), of
+/// a source whose records hold at most `envelope_max_bytes` beside their event
+/// (`ingest::envelope::envelope_max_bytes`).
+pub fn footprint_bound(body_bytes: u64, events_max: u64, envelope_max_bytes: u64) -> u64 {
+    let destination_bytes = 3 * crate::envelope::ENVELOPE_FIELD_MAX_BYTES as u64;
+    let per_event = EVENT_HOLD_BYTES + destination_bytes + envelope_max_bytes;
+    body_bytes.saturating_mul(2).saturating_add(events_max.saturating_mul(per_event))
 }
 
 /// Where a submission's events are.
@@ -134,6 +188,8 @@ pub const RUNNING_ON_MAX_BYTES: u64 = 256 * 1024 * 1024;
 /// A submission's share of [`RUNNING_ON_MAX_BYTES`], given back when dropped.
 #[derive(Debug)]
 pub struct Room {
+    /// The bytes it was asked for (its permits are these in KiB, at most all of them).
+    bytes: u64,
     _kib: tokio::sync::OwnedSemaphorePermit,
 }
 
@@ -171,12 +227,12 @@ impl Ingestor {
             // skip: run it on the caller's task.
             return self.accept_inner(submission).await;
         }
-        let bytes: u64 = submission.events.iter().map(|e| e.payload.len() as u64).sum();
-        let room = self.room(bytes).await?;
+        let room = self.room(submission.footprint_bytes()).await?;
         self.accept_holding(submission, (), room).await
     }
 
-    /// Room for a submission of `bytes` payload bytes to run in a task of its own
+    /// Room for a submission that holds `bytes` ([`Submission::footprint_bytes`], or a
+    /// bound of it taken before its body was decoded) to run in a task of its own
     /// ([`Ingestor::accept_holding`]): waits while others hold [`RUNNING_ON_MAX_BYTES`].
     pub async fn room(&self, bytes: u64) -> Result<Room, IngestError> {
         let kib = u32::try_from(bytes.div_ceil(1024)).unwrap_or(u32::MAX).min((RUNNING_ON_MAX_BYTES / 1024) as u32);
@@ -184,7 +240,7 @@ impl Ingestor {
             .clone()
             .acquire_many_owned(kib)
             .await
-            .map(|kib| Room { _kib: kib })
+            .map(|kib| Room { bytes, _kib: kib })
             .map_err(|e| IngestError::Internal(format!("the submissions' room is closed: {e}")))
     }
 
@@ -199,6 +255,13 @@ impl Ingestor {
         hold: H,
         room: Room,
     ) -> Result<Accepted, IngestError> {
+        // A room taken for a bound before the body was decoded must cover what the
+        // decoded submission holds, or the bound on what such tasks hold is not one.
+        let footprint = submission.footprint_bytes();
+        if footprint > room.bytes {
+            debug_assert!(false, "a submission holding {footprint} bytes ran in room for {}", room.bytes);
+            tracing::error!(footprint, room = room.bytes, "a submission holds more than the room it was given");
+        }
         let this = self.clone();
         tokio::spawn(async move {
             let accepted = this.accept_inner(submission).await;
@@ -415,6 +478,60 @@ mod tests {
         let idem = Arc::new(IdempotencyIndex::new(state, 3_600_000));
         idem.rebuild(&wal, crate::time::now_unix_ms()).unwrap();
         (wal.clone(), Ingestor::new(wal, idem))
+    }
+
+    /// The room a submission takes covers what it holds: every encoded record (envelopes
+    /// included) beside its events, not its payload bytes alone. Ten thousand one-byte
+    /// events under a 255-byte delivery id, with fields at their longest, hold hundreds
+    /// of times their payload; and the bound the door takes before decoding a body of
+    /// them covers that too.
+    #[test]
+    fn a_submissions_room_covers_its_records_and_the_bound_before_decoding_covers_it() {
+        let long = "k".repeat(crate::envelope::ENVELOPE_FIELD_MAX_BYTES);
+        let n = 10_000usize;
+        let mut s = submission(Some(&long), &vec!["1"; n]);
+        s.content_type = Some("c".repeat(crate::envelope::ENVELOPE_FIELD_MAX_BYTES));
+        s.endpoint_id = Some(u128::MAX);
+        s.headers = vec![("x-forwarded".into(), vec![b'v'; crate::envelope::ENVELOPE_FIELD_MAX_BYTES])];
+        s.metadata = vec![("peer_addr", MetadataValue::Text("p".repeat(47).into()))];
+        for e in &mut s.events {
+            e.destination = Destination {
+                stream: long.clone(),
+                topic: long.clone(),
+                partitioning: Partitioning::Key(long.clone().into_bytes()),
+            };
+        }
+        let payload: u64 = s.events.iter().map(|e| e.payload.len() as u64).sum();
+        let records: u64 = s
+            .events
+            .iter()
+            .enumerate()
+            .map(|(i, e)| {
+                let header = EnvelopeHeaderRef {
+                    message_id: random_message_id(),
+                    received_at_unix_ms: s.received_at_unix_ms,
+                    source_key: &s.source_key,
+                    endpoint_id: s.endpoint_id,
+                    content_type: s.content_type.as_deref(),
+                    metadata: MetadataRef::Values(&s.metadata),
+                    headers: &s.headers,
+                    idempotency_key: s.delivery_key.as_deref(),
+                    batch_index: i as u32,
+                    batch_len: n as u32,
+                    destination: &e.destination,
+                };
+                Envelope::encode_ref(&header, &e.payload).len() as u64
+            })
+            .sum();
+        let footprint = s.footprint_bytes();
+        assert!(footprint >= records + payload, "{footprint} < {records} + {payload}");
+        assert!(footprint > 500 * payload, "the envelopes are counted: {footprint} for {payload} payload bytes");
+        // The body these events came from (NDJSON, "1\n" each), bounded before decoding
+        // with the source's largest envelope.
+        let body_bytes = 2 * n as u64;
+        let envelope_max = crate::envelope::envelope_max_bytes(s.source_key.len(), &["x-forwarded".len()], &[(9, 47)]);
+        let bound = footprint_bound(body_bytes, n as u64, envelope_max as u64);
+        assert!(bound >= footprint, "{bound} < {footprint}");
     }
 
     /// A submission that runs in its own task waits for room before the task starts:

@@ -300,6 +300,29 @@ async fn every_auth_scheme_accepts_good_and_refuses_bad_signatures() {
     assert_eq!(log_len(&dir.path().join("data/wal")), 6, "only the accepted requests were appended");
 }
 
+/// An NDJSON batch of tiny events through a secret-path endpoint, under a delivery id at
+/// its longest: the room its task takes before the body is decoded covers what the
+/// decoded request holds (a debug build checks it as the task starts), and it is
+/// accepted whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_of_tiny_events_through_an_endpoint_runs_within_its_room() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = Daemon::start(dir.path(), "", SOURCES);
+    let key = "d".repeat(255);
+    let body = "1\n".repeat(5000);
+    let a = request(
+        d.http,
+        "POST",
+        "/v1/e/0123456789abcdef0123456789abcdef",
+        &[("content-type", "application/x-ndjson"), ("idempotency-key", key.as_str())],
+        body,
+    )
+    .await;
+    assert_eq!(a.status, 200, "{:?}", String::from_utf8_lossy(&a.body));
+    assert_eq!(a.json(), serde_json::json!({"accepted": 5000, "offsets": [0, 4999]}));
+    assert!(d.stop().success());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_retried_delivery_gets_its_original_offsets_even_after_kill_9() {
     let dir = tempfile::tempdir().unwrap();
