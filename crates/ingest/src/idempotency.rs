@@ -689,6 +689,15 @@ fn missing_ranges_fingerprint(ranges: &[std::ops::Range<u64>]) -> u64 {
     u64::from_le_bytes(first)
 }
 
+/// The most expired keys one checkpoint sweeps. A checkpoint's write transaction holds
+/// redb's writer, which the recorder of every keyed request waits for, and its expired
+/// keys are gathered in memory first: after a downtime longer than the retention window
+/// (or a shorter window configured) millions of keys expire at once, and sweeping them
+/// in one transaction would hold every keyed request for minutes and gigabytes. The rest
+/// goes with the next checkpoints (one a second by default: 10,000 a second, more than
+/// any sender records); lookups ignore expired keys meanwhile.
+pub(crate) const SWEEP_MAX_KEYS_PER_CHECKPOINT: usize = 10_000;
+
 fn commit_checkpoint(state: &StateDb, through: u64, cutoff_unix_ms: u64) -> Result<(), StateError> {
     let db = state.db()?;
     let txn = db.begin_write().map_err(storage_err)?;
@@ -696,7 +705,8 @@ fn commit_checkpoint(state: &StateDb, through: u64, cutoff_unix_ms: u64) -> Resu
         let mut table = txn.open_table(IDEMPOTENCY).map_err(storage_err)?;
         let mut by_time = txn.open_table(IDEMPOTENCY_BY_TIME).map_err(storage_err)?;
         let mut expired: Vec<(u64, Vec<u8>)> = Vec::new();
-        for entry in by_time.range::<(u64, &[u8])>(..(cutoff_unix_ms, &[][..])).map_err(storage_err)? {
+        let range = by_time.range::<(u64, &[u8])>(..(cutoff_unix_ms, &[][..])).map_err(storage_err)?;
+        for entry in range.take(SWEEP_MAX_KEYS_PER_CHECKPOINT) {
             let (k, _) = entry.map_err(storage_err)?;
             let (at, key) = k.value();
             expired.push((at, key.to_vec()));
@@ -1230,5 +1240,45 @@ mod tests {
         index.checkpoint(&wal, 11_001 + SWEEP_GRACE_MS).await.unwrap();
         // Swept: even a lookup "in the past" no longer finds it.
         assert_eq!(index.lookup(&key("a"), 10_500).unwrap(), None);
+    }
+
+    /// After a downtime longer than the window, more keys expire at once than one
+    /// checkpoint sweeps: each sweeps at most SWEEP_MAX_KEYS_PER_CHECKPOINT (the real
+    /// limit), oldest first, the next ones the rest, and a key still in the window stays.
+    #[tokio::test]
+    async fn a_checkpoint_sweeps_at_most_its_share_of_expired_keys_and_the_next_the_rest() {
+        let state = Arc::new(StateDb::open_in_memory().unwrap());
+        let index = Arc::new(IdempotencyIndex::new(state.clone(), 1_000));
+        let expired = SWEEP_MAX_KEYS_PER_CHECKPOINT + 2_500;
+        {
+            let db = state.db().unwrap();
+            let txn = db.begin_write().unwrap();
+            for i in 0..expired {
+                let prior = PriorAcceptance { first_offset: 0, last_offset: 0, accepted_at_unix_ms: i as u64 };
+                insert(&txn, key(&format!("old-{i}")).table_key().as_slice(), prior).unwrap();
+            }
+            let fresh = PriorAcceptance { first_offset: 1, last_offset: 1, accepted_at_unix_ms: 1_000_000 };
+            insert(&txn, key("fresh").table_key().as_slice(), fresh).unwrap();
+            txn.commit().unwrap();
+        }
+        let count = |t| {
+            use redb::ReadableTableMetadata;
+            let db = state.db().unwrap();
+            let txn = db.begin_read().unwrap();
+            match t {
+                "keys" => txn.open_table(IDEMPOTENCY).unwrap().len().unwrap(),
+                _ => txn.open_table(IDEMPOTENCY_BY_TIME).unwrap().len().unwrap(),
+            }
+        };
+        let wal_dir = tempfile::tempdir().unwrap();
+        let wal = Wal::open(wal_dir.path(), wal::WalOptions::default()).unwrap();
+        let now = 1_000_000 + SWEEP_GRACE_MS;
+        index.checkpoint(&wal, now).await.unwrap();
+        assert_eq!(count("keys"), 2_501, "one checkpoint swept more or less than its share");
+        assert_eq!(count("by_time"), 2_501);
+        assert_eq!(index.lookup(&key("old-0"), now).unwrap(), None, "the oldest go first");
+        index.checkpoint(&wal, now).await.unwrap();
+        assert_eq!((count("keys"), count("by_time")), (1, 1), "the next checkpoint sweeps the rest");
+        assert!(index.lookup(&key("fresh"), 1_000_500).unwrap().is_some());
     }
 }
