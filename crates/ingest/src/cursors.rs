@@ -59,6 +59,25 @@ impl StateDb {
         self.write_cursors(rows, |current, new| current.is_some_and(|c| c > new))
     }
 
+    /// Deletes each stored cursor at or below its row's offset, in one durable
+    /// transaction; one above it, or none, is left as it is. For a cursor the log's start
+    /// has passed: it says nothing of any record the log holds.
+    pub fn forget_cursors(&self, rows: &[CursorRow]) -> Result<(), StateError> {
+        let db = self.db()?;
+        let txn = db.begin_write().map_err(storage_err)?;
+        {
+            let mut table = txn.open_table(CURSORS).map_err(storage_err)?;
+            for r in rows {
+                let key = (r.source.as_str(), r.stream.as_str(), r.topic.as_str());
+                let current = table.get(key).map_err(storage_err)?.map(|v| v.value());
+                if current.is_some_and(|c| c <= r.delivered_below) {
+                    table.remove(key).map_err(storage_err)?;
+                }
+            }
+        }
+        txn.commit().map_err(storage_err)
+    }
+
     /// Writes each row whose offset `replaces` the stored one (`None`: no cursor yet),
     /// in one durable transaction.
     fn write_cursors(&self, rows: &[CursorRow], replaces: impl Fn(Option<u64>, u64) -> bool) -> Result<(), StateError> {
@@ -173,6 +192,18 @@ mod tests {
         let mut got = db.load_cursors().unwrap();
         got.sort_by(|x, y| x.source.cmp(&y.source));
         assert_eq!(got, vec![row("a", "t", 10), row("b", "t", 5)], "b was below the offset, c had none");
+    }
+
+    #[test]
+    fn forgetting_deletes_only_cursors_at_or_below_the_offset_and_survives_a_reopen() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("state.redb");
+        let db = StateDb::open(&p).unwrap();
+        db.store_cursors(&[row("a", "t", 500), row("b", "t", 5), row("c", "t", 10)]).unwrap();
+        db.forget_cursors(&[row("a", "t", 10), row("b", "t", 10), row("c", "t", 10), row("d", "t", 10)]).unwrap();
+        drop(db);
+        let db = StateDb::open(&p).unwrap();
+        assert_eq!(db.load_cursors().unwrap(), vec![row("a", "t", 500)], "a was above the offset, d had none");
     }
 
     #[test]

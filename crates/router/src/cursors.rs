@@ -35,6 +35,11 @@ pub trait CursorStore: Send + Sync + 'static {
     /// router runs.
     fn lower(&self, cursors: Vec<(LaneKey, u64)>) -> Result<(), String>;
 
+    /// Durably deletes, for each lane, a stored cursor at or below the offset (one above
+    /// it, stored meanwhile, is kept); all or nothing. Blocking: called once at start,
+    /// for cursors the log's start has passed.
+    fn forget(&self, cursors: Vec<(LaneKey, u64)>) -> Result<(), String>;
+
     /// The log may be released below this offset at most, whatever the cursors say
     /// (default: no bound).
     fn release_ceiling(&self) -> u64 {
@@ -157,6 +162,17 @@ impl CursorStore for MemoryCursorStore {
         }
         Ok(())
     }
+
+    fn forget(&self, cursors: Vec<(LaneKey, u64)>) -> Result<(), String> {
+        *self.commits.lock().unwrap_or_else(|p| p.into_inner()) += 1;
+        let mut c = self.cursors.lock().unwrap_or_else(|p| p.into_inner());
+        for (lane, at_most) in cursors {
+            if c.get(&lane).is_some_and(|v| *v <= at_most) {
+                c.remove(&lane);
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Cursors in the daemon's state database: one durable redb transaction per store.
@@ -214,6 +230,10 @@ impl CursorStore for StateCursorStore {
 
     fn lower(&self, cursors: Vec<(LaneKey, u64)>) -> Result<(), String> {
         self.state.lower_cursors(&rows(cursors)).map_err(|e| e.to_string())
+    }
+
+    fn forget(&self, cursors: Vec<(LaneKey, u64)>) -> Result<(), String> {
+        self.state.forget_cursors(&rows(cursors)).map_err(|e| e.to_string())
     }
 
     fn release_ceiling(&self) -> u64 {

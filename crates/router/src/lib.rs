@@ -332,7 +332,7 @@ impl Router {
         policies: Policies,
     ) -> Result<Router, String> {
         policies.validate()?;
-        let cursors_at_start = cursors_within_the_log(&*cursors, wal.next_offset())?;
+        let cursors_at_start = cursors_within_the_log(&*cursors, wal.start_offset(), wal.next_offset())?;
         let policies = Arc::new(policies);
         let health = Arc::new(RouterHealth::new());
         let (shutdown, shutdown_rx) = watch::channel(false);
@@ -491,7 +491,7 @@ impl Router {
 /// events at offsets below a stale cursor would otherwise leave, for the next run that
 /// delivers, new records that look delivered (and are released, never sent).
 pub fn lower_cursors_ahead_of_the_log<C: CursorStore>(wal: &Wal, cursors: &C) -> Result<(), String> {
-    cursors_within_the_log(cursors, wal.next_offset()).map(drop)
+    cursors_within_the_log(cursors, wal.start_offset(), wal.next_offset()).map(drop)
 }
 
 /// The stored cursors, none above `log_next_offset`. A cursor above the log's next offset
@@ -505,8 +505,27 @@ pub fn lower_cursors_ahead_of_the_log<C: CursorStore>(wal: &Wal, cursors: &C) ->
 ///
 /// Against the log's end at open: the daemon starts the router before it serves. (A
 /// stale cursor that appends made since the open have reached cannot be told apart.)
-fn cursors_within_the_log<C: CursorStore>(cursors: &C, log_next_offset: u64) -> Result<HashMap<LaneKey, u64>, String> {
+///
+/// A cursor at or below the log's start says nothing of any record the log holds (every
+/// one is at or above it), so it is forgotten, durably: the store does not grow by every
+/// destination that was ever written to (names a route takes from the payload, run
+/// after run), and a start does not load them all.
+fn cursors_within_the_log<C: CursorStore>(
+    cursors: &C,
+    log_start_offset: u64,
+    log_next_offset: u64,
+) -> Result<HashMap<LaneKey, u64>, String> {
     let mut loaded = cursors.load()?;
+    let mut behind: Vec<(LaneKey, u64)> =
+        loaded.iter().filter(|(_, c)| **c <= log_start_offset).map(|(l, c)| (l.clone(), *c)).collect();
+    if !behind.is_empty() {
+        behind.sort();
+        tracing::info!(cursors = behind.len(), log_start_offset, "forgetting cursors the log has passed");
+        for (lane, _) in &behind {
+            loaded.remove(lane);
+        }
+        cursors.forget(behind).map_err(|e| format!("forgetting cursors the log has passed: {e}"))?;
+    }
     let mut ahead: Vec<(LaneKey, u64)> = Vec::new();
     for (lane, cursor) in loaded.iter_mut() {
         if *cursor > log_next_offset {

@@ -336,6 +336,31 @@ async fn the_log_is_not_released_past_the_cursor_stores_ceiling() {
     router.shutdown().await;
 }
 
+/// A stored cursor the log's start has passed says nothing of any record the log holds:
+/// the router forgets it at start, durably, and keeps every other, so the store does not
+/// grow by every destination ever written to.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cursors_the_logs_start_has_passed_are_forgotten_at_start() {
+    let sim = SimStorage::new();
+    let wal = open_wal(&sim);
+    let sink = FaultySink::new();
+    let cursors = Arc::new(MemoryCursorStore::new());
+    let lane = |t: &str| router::LaneKey { source: "test".into(), destination: key("f", t) };
+    let (gone, kept) = (lane("gone"), lane("kept"));
+    let d = key("f", "x");
+    fill(&wal, std::slice::from_ref(&d), 0, 400).await;
+    let released = wal.release_below(300).await.unwrap();
+    assert!(released.segments_deleted > 0, "the test needs a log that starts above 0");
+    let start = wal.start_offset();
+    router::CursorStore::store(&*cursors, vec![(gone.clone(), start), (kept.clone(), start + 1)]).await.unwrap();
+    let router = Router::start(wal.clone(), sink.clone(), cursors.clone(), Policies::uniform(fast_policy())).unwrap();
+    assert_eq!(cursors.get(&gone), None, "a cursor at the log's start was kept");
+    assert_eq!(cursors.get(&kept), Some(start + 1));
+    eventually(Duration::from_secs(20), "the log's records delivered", || sink.ids(&d).len() as u64 == 400 - start)
+        .await;
+    router.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restart_resumes_from_the_cursors_without_loss_and_with_the_same_ids() {
     let sim = SimStorage::new();

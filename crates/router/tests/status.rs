@@ -269,6 +269,13 @@ impl router::CursorStore for FailingCursorStore {
         }
         self.inner.lower(cursors)
     }
+
+    fn forget(&self, cursors: Vec<(router::LaneKey, u64)>) -> Result<(), String> {
+        if self.failing.load(std::sync::atomic::Ordering::Acquire) {
+            return Err("injected cursor store failure".into());
+        }
+        self.inner.forget(cursors)
+    }
 }
 
 /// A cursor ahead of the log that cannot be lowered in the store refuses the start: run
