@@ -739,6 +739,11 @@ const MAX_EVENTS_PER_REQUEST_LIMIT: u64 = 1_000_000;
 /// above it the connection semaphore itself could not be built.
 const MAX_CONNECTIONS_LIMIT: u64 = 1_000_000;
 
+/// The longest `http.retry_after_secs`: an hour. A sender that obeys `Retry-After` stops
+/// sending deliveries it still owes for that long; a value meant in milliseconds (5000)
+/// would be over an hour, and a larger one would make senders give up.
+const RETRY_AFTER_SECS_MAX: u64 = 3600;
+
 /// The longest header name or value Iggy takes: bounds a source key (sent with every
 /// message as `iggy-ingest-source`) and a forwarded header's name.
 const IGGY_HEADER_FIELD_MAX_BYTES: usize = ingest::envelope::ENVELOPE_FIELD_MAX_BYTES;
@@ -839,6 +844,9 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
         c.err(&http.key("max_connections"), format!("must be at most {MAX_CONNECTIONS_LIMIT}"));
     }
     let retry_after_secs = c.positive(&http.key("retry_after_secs"), config.http.retry_after_secs);
+    if retry_after_secs > RETRY_AFTER_SECS_MAX {
+        c.err(&http.key("retry_after_secs"), format!("must be at most {RETRY_AFTER_SECS_MAX} (an hour)"));
+    }
     let max_events_per_request = c.positive(&http.key("max_events_per_request"), config.http.max_events_per_request);
     if max_events_per_request > MAX_EVENTS_PER_REQUEST_LIMIT {
         c.err(
@@ -2190,6 +2198,13 @@ auth_secret = "never checked"
         assert!(at("http.max_connections").message.contains("at most 1000000"));
         assert_eq!(at("http.max_connections").line, Some(2));
         assert!(at("wal.max_bytes").message.contains("twice"), "{:?}", at("wal.max_bytes"));
+        // Retry-After is bounded too: a value meant in milliseconds is refused.
+        let src = "[sources.a]\ndestination = { stream = \"s\", topic = \"t\" }\n";
+        let e = errors(&format!("[http]\nretry_after_secs = 5000\n{src}"));
+        assert_eq!((e[0].path.as_str(), e[0].line), ("http.retry_after_secs", Some(2)), "{e:?}");
+        assert!(e[0].message.contains("at most 3600"));
+        let text = format!("[http]\nretry_after_secs = 3600\n{src}");
+        assert!(parse(&text, None).and_then(|c| validate(&c, Some(&text), None)).is_ok());
     }
 
     /// The log is released only below the idempotency checkpoint: an hour between
