@@ -228,6 +228,9 @@ pub struct EndpointRegistry {
     tolerance_secs_max: u64,
     /// The sources that keep delivery ids: only their replays must find one.
     keyed_sources: Vec<String>,
+    /// The most dynamic endpoints (revoked ones included) a registration may make:
+    /// [`DYNAMIC_ENDPOINTS_MAX`] unless [`EndpointRegistry::with_dynamic_endpoints_max`].
+    dynamic_endpoints_max: usize,
     endpoints: RwLock<HashMap<u128, Arc<EndpointVersion>>>,
     changes: tokio::sync::Mutex<()>,
     next_version: AtomicU64,
@@ -302,10 +305,20 @@ impl EndpointRegistry {
             sources,
             tolerance_secs_max: u64::MAX,
             keyed_sources: Vec::new(),
+            dynamic_endpoints_max: DYNAMIC_ENDPOINTS_MAX,
             endpoints: RwLock::new(map),
             changes: tokio::sync::Mutex::new(()),
             next_version,
         })
+    }
+
+    /// Bounds dynamic endpoints at `max` instead of [`DYNAMIC_ENDPOINTS_MAX`] (never
+    /// above it): for a test that reaches the bound through `register` without making a
+    /// hundred thousand durable commits.
+    #[cfg(test)]
+    pub(crate) fn with_dynamic_endpoints_max(mut self, max: usize) -> EndpointRegistry {
+        self.dynamic_endpoints_max = max.min(DYNAMIC_ENDPOINTS_MAX);
+        self
     }
 
     /// Bounds the `tolerance_secs` of registrations for `keyed_sources` (those that keep
@@ -453,7 +466,7 @@ impl EndpointRegistry {
             )));
         }
         let _serial = self.changes.lock().await;
-        self.registration_room(DYNAMIC_ENDPOINTS_MAX)?;
+        self.registration_room(self.dynamic_endpoints_max)?;
         let mut id: u128 = rand::random();
         while self.endpoints.read().unwrap_or_else(|p| p.into_inner()).contains_key(&id) {
             id = rand::random();
@@ -828,7 +841,26 @@ mod tests {
         // Two dynamic endpoints, one revoked; the static one does not count.
         assert!(matches!(reg.registration_room(2), Err(EndpointError::TooMany(2))));
         assert!(reg.registration_room(3).is_ok());
-        assert!(reg.registration_room(DYNAMIC_ENDPOINTS_MAX).is_ok());
+        assert_eq!(reg.dynamic_endpoints_max, DYNAMIC_ENDPOINTS_MAX, "the daemon's bound");
+
+        // Through `register` itself, at a bound of 3: the third is made, the fourth
+        // refused, and nothing of it is stored.
+        let state = Arc::new(StateDb::open(dir.path().join("t.redb")).unwrap());
+        let reg = Arc::new(
+            EndpointRegistry::load(state.clone(), vec!["default".into()], vec![static_endpoint(1)])
+                .unwrap()
+                .with_dynamic_endpoints_max(3),
+        );
+        let first = reg.register("default".into(), bearer(), None, None, 10).await.unwrap();
+        reg.revoke(first.id, 11).await.unwrap();
+        for _ in 0..2 {
+            reg.register("default".into(), bearer(), None, None, 12).await.unwrap();
+        }
+        match reg.register("default".into(), bearer(), None, None, 13).await {
+            Err(EndpointError::TooMany(3)) => {}
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(state.load_endpoints().unwrap().len(), 3, "the refused registration was stored");
     }
 
     #[tokio::test]
