@@ -336,6 +336,13 @@ impl Writer {
             zeros_to = self.active.file.len().map_or(zeros_to, |len| len.clamp(end, zeros_to));
         }
         self.buf.clear();
+        // A group is at most `group_max_bytes` plus one batch plus the zeros written
+        // ahead: keep that much, not the largest batch there ever was for the rest of
+        // the run.
+        let keep = self.group_max_bytes.saturating_add(self.preallocate_bytes as usize);
+        if self.buf.capacity() > keep.saturating_mul(2) {
+            self.buf.shrink_to(keep);
+        }
         if let Err(e) = result {
             // Only this group's write failed: what was written before it stays (under
             // `Interval` that is appends already answered), the group's offsets are
