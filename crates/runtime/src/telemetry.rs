@@ -153,7 +153,7 @@ pub fn catalog() -> Vec<Metric> {
             "iggy_connector_partition_key_invalid_total",
             Counter,
             &[],
-            "Records whose stored partition key Iggy cannot take (sent balanced)",
+            "Sends (every try) of records whose stored partition key Iggy cannot take (sent balanced)",
         ),
         m(
             "iggy_connector_messages_routed_total",
@@ -173,7 +173,12 @@ pub fn catalog() -> Vec<Metric> {
             &["connector_key", "reason"],
             "Failed sends to Iggy, by failure class (every one is retried)",
         ),
-        m("iggy_connector_headers_dropped_total", Counter, &[], "Message headers Iggy cannot take, left out"),
+        m(
+            "iggy_connector_headers_dropped_total",
+            Counter,
+            &[],
+            "Message headers Iggy cannot take, left out, each time a record is prepared (again for a dead-letter topic)",
+        ),
         m("iggy_connector_destinations_active", Gauge, &[], "Lanes: (source, destination) pairs the router knows"),
         m("iggy_connector_destination_circuit_open", Gauge, &[], "Destinations whose circuit breaker is open now"),
         m("iggy_connector_held_bytes", Gauge, &[], "Payload bytes routed and not yet acknowledged by Iggy"),
