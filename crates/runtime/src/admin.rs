@@ -138,22 +138,26 @@ async fn status(State(s): State<Arc<Shared>>) -> Response {
     .into_response()
 }
 
-/// `GET /connectors/{key}`: one source's door status and its delivery status.
+/// `GET /connectors/{key}`: one source's door status and its delivery status. A source
+/// removed from the configuration whose records are still in the log has no door
+/// (`configured: false`, `door: null`) but its delivery, as `/destinations` shows it.
 async fn connector(State(s): State<Arc<Shared>>, key: Result<Path<String>, PathRejection>) -> Response {
     let key = match path_param(key, "connector") {
         Ok(k) => k,
         Err(e) => return e.into_response(),
     };
-    let Some(door) = s.status.get(&key) else {
-        return ApiError::not_found("no such connector").into_response();
-    };
+    let door = s.status.get(&key);
     let destinations = s.delivery.destinations_of(&key);
+    if door.is_none() && destinations.is_empty() {
+        return ApiError::not_found("no such connector").into_response();
+    }
     let held_records: u64 = destinations.iter().map(|d| d.held_records).sum();
     let held_bytes: u64 = destinations.iter().map(|d| d.held_bytes).sum();
     Json(json!({
         "connector": key,
+        "configured": door.is_some(),
         "state": s.health.state().as_str(),
-        "door": serde_json::to_value(door.view()).unwrap_or_default(),
+        "door": door.map(|d| serde_json::to_value(d.view()).unwrap_or_default()),
         "delivery": {
             "status": crate::delivery::connector_delivery_status(&s.delivery, &key),
             "destinations": destinations.len(),

@@ -239,6 +239,13 @@ async fn the_destinations_of_a_source_removed_from_the_configuration_are_still_s
     }
     assert_eq!((lanes[0]["stream"].as_str(), lanes[0]["held_records"].as_u64()), (Some("legacy"), Some(3)), "{lanes}");
     assert_eq!(request(d.admin, "GET", "/connectors/never/destinations", &[], "").await.status, 404);
+    // The connector itself answers too, without a door, with what its lanes hold.
+    let c = request(d.admin, "GET", "/connectors/old", &[], "").await;
+    assert_eq!(c.status, 200, "{:?}", String::from_utf8_lossy(&c.body));
+    let c = c.json();
+    assert_eq!((c["configured"].as_bool(), c["door"].is_null()), (Some(false), true), "{c}");
+    assert_eq!((c["delivery"]["destinations"].as_u64(), c["delivery"]["held_records"].as_u64()), (Some(1), Some(3)));
+    assert_eq!(request(d.admin, "GET", "/connectors/never", &[], "").await.status, 404);
     // `wal inspect --admin` shows them too, with the daemon's figures: the source is not
     // in `/status`, but its records in the log are.
     let (wal_dir, admin) = (d.wal_dir(), format!("http://{}", d.admin));
