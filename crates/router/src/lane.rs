@@ -954,6 +954,16 @@ async fn deliver<S: Sink, C>(
                 lock(&lane.info).topic = None;
                 continue;
             }
+            // The server just answered for the destination (`asked`): whatever failed
+            // before, these records are out of range, which is never a breaker failure.
+            // A breaker left half-open (or a count of failures) through a hold that can
+            // last hours would say "open", and "failing", of a destination that answers.
+            if breaker.state() != BreakerState::Closed {
+                tracing::info!(destination = %lane.key, "circuit breaker closed: the destination answers; its records are out of range");
+                close_breaker(lane, breaker);
+            }
+            failures = 0;
+            lock(&lane.info).consecutive_failures = 0;
             match out_of_range(lane, ctx, &batch[i..end], p, topic, &mut shutdown).await {
                 Delivery::Done => {
                     i = end;

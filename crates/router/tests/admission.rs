@@ -240,6 +240,44 @@ async fn lanes_holding_out_of_range_records_ask_their_topics_within_the_send_slo
     router.shutdown().await;
 }
 
+/// A destination whose sends failed until its breaker opened, and that then answers with
+/// fewer partitions than its records name: the records are held (out of range, never a
+/// breaker failure), and the breaker is closed and the failures forgotten for the hold,
+/// so neither the gauge nor the lane says the destination fails.
+#[test]
+fn a_hold_for_out_of_range_records_closes_a_breaker_that_failures_opened() {
+    with_metrics(false, |snap| async move {
+        let sim = SimStorage::new();
+        let wal = open_wal(&sim);
+        let sink = FaultySink::new();
+        let d = key("p", "gone");
+        sink.fault(&d, Some(Fault::Fail(SendErrorKind::Destination)));
+        wal.append(vec![record(&d, 0, Partitioning::PartitionId(2))]).await.unwrap();
+        let mut p = policy(OnAdmissionFailure::Error);
+        p.breaker.failure_threshold = 2;
+        p.breaker.cool_down = Duration::from_millis(300);
+        let router =
+            Router::start(wal, sink.clone(), Arc::new(MemoryCursorStore::new()), Policies::uniform(p)).unwrap();
+        let lane = || router.destinations().into_iter().find(|s| s.destination == d);
+        eventually(Duration::from_secs(10), "breaker open", || {
+            gauge(&snap, "iggy_connector_destination_circuit_open") == 1.0
+        })
+        .await;
+        // The topic is back, with one partition.
+        sink.set_partitions(&d, 1);
+        sink.fault(&d, None);
+        eventually(Duration::from_secs(10), "held as out of range", || {
+            lane().is_some_and(|l| l.status_reason.contains("partition id 2 is beyond"))
+        })
+        .await;
+        let l = lane().unwrap();
+        assert_eq!((l.breaker, l.consecutive_failures, l.status), ("closed", 0, Status::Degraded), "{l:?}");
+        assert_eq!(gauge(&snap, "iggy_connector_destination_circuit_open"), 0.0);
+        assert!(sink.ids(&d).is_empty());
+        router.shutdown().await;
+    });
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_partition_id_out_of_range_with_error_is_held_until_the_topic_grows() {
     let (sink, router) = out_of_range(OnAdmissionFailure::Error).await;
