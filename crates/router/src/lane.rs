@@ -703,7 +703,13 @@ async fn next_batch<S, C>(
             if let Some(routed) = own_record(lane, rec) {
                 let len = routed.envelope.payload.len();
                 if !batch.is_empty() && bytes + len > max_bytes {
-                    *reader = ctx.wal.reader(offset)?;
+                    // Given back to the reader, read again first next time. It is the
+                    // last record the read returned (a read asks for no more than the
+                    // room left, so only its first record can pass it); a new reader
+                    // would walk the segment from its start to find it.
+                    if !reader.unread_last() || reader.position() != offset {
+                        *reader = ctx.wal.reader(offset)?;
+                    }
                     break 'read;
                 }
                 bytes += len;

@@ -753,6 +753,40 @@ async fn a_lane_catching_up_on_a_long_backlog_lets_the_other_tasks_run() {
     router.shutdown().await;
 }
 
+/// A lane catching up in batches bounded by bytes reads the backlog about once: the
+/// record that does not fit a batch is given back to the reader, not found again by a
+/// new reader walking its segment from the start (with 4 MiB segments, a walk of half a
+/// segment per batch, hundreds of times the backlog).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lane_catching_up_in_batches_bounded_by_bytes_reads_the_backlog_about_once() {
+    let storage = CountingReads::new(&SimStorage::new());
+    let wal = storage.open_wal_with_segments_of(4 << 20);
+    let sink = FaultySink::new();
+    let d = key("s", "bytes");
+    sink.fault(&d, Some(Fault::Fail(SendErrorKind::Destination)));
+    let mut policy = fast_policy();
+    policy.lane_queue_max_records = 4;
+    policy.batch.batch_max_bytes = 100; // about ten of these records' payloads
+    policy.batch.backoff_max = Duration::from_millis(200);
+    let router = start_router(&wal, &sink, policy);
+    const N: u64 = 10_000;
+    for chunk in 0..N / 1000 {
+        let first = chunk * 1000;
+        wal.append((first..first + 1000).map(|n| record(&d, n, Partitioning::Balanced)).collect()).await.unwrap();
+    }
+    eventually(Duration::from_secs(30), "the lane overflowed", || {
+        router.destinations().iter().any(|l| l.destination == d && l.overflowed)
+    })
+    .await;
+    let log_bytes = wal.stats().used_bytes;
+    let before = storage.bytes_read();
+    sink.fault(&d, None);
+    eventually(Duration::from_secs(120), "delivered", || sink.ids(&d).len() == N as usize).await;
+    let read = storage.bytes_read() - before;
+    assert!(read <= 4 * log_bytes, "catching up on a {log_bytes}-byte log read {read} bytes");
+    router.shutdown().await;
+}
+
 /// A record this build cannot decode (a newer build wrote it, say, before a rollback)
 /// names no destination, so it may be any lane's: no lane's stored cursor passes it.
 /// Else the build that can read it, once back, would find it below its lane's cursor

@@ -57,6 +57,9 @@ pub struct Reader {
     next: u64,
     cursor: Option<Cursor>,
     durable: watch::Receiver<u64>,
+    /// Where the last record returned was: its offset, its segment's base and its
+    /// frame's byte position ([`Reader::unread_last`]).
+    last: Option<(u64, u64, u64)>,
 }
 
 impl std::fmt::Debug for Reader {
@@ -72,7 +75,7 @@ impl Reader {
         if from > end {
             return Err(WalError::BeyondEnd { offset: from, end });
         }
-        let r = Reader { shared, next: from, cursor: None, durable };
+        let r = Reader { shared, next: from, cursor: None, durable, last: None };
         r.check_retained()?;
         Ok(r)
     }
@@ -118,6 +121,34 @@ impl Reader {
             }
         }
         Ok(out)
+    }
+
+    /// Steps back over the last record returned, so that the next read returns it again;
+    /// `false` (and nothing changes) if there is none to step back over (none read yet,
+    /// or it was stepped back over already). A caller that read one record too many
+    /// gives it back this way without a new reader, which would find its position by
+    /// walking its segment from the start.
+    pub fn unread_last(&mut self) -> bool {
+        let Some((offset, seg_base, pos)) = self.last.take() else { return false };
+        if offset.checked_add(1) != Some(self.next) {
+            return false;
+        }
+        match self.cursor.as_mut() {
+            Some(c) if c.seg.base == seg_base => {
+                c.pos = pos;
+            }
+            _ => {
+                // The cursor crossed into the next segment after that record.
+                let Some(seg) = self.shared.segment_for(offset).filter(|s| s.base == seg_base) else {
+                    return false;
+                };
+                let mut c = Cursor::at_start_of(seg);
+                c.pos = pos;
+                self.cursor = Some(c);
+            }
+        }
+        self.next = offset;
+        true
     }
 
     /// Like [`Reader::try_read`], but waits for at least one record. Fails with
@@ -214,6 +245,7 @@ impl Reader {
         let payload_pos = c.pos + FRAME_HEADER_LEN;
         let payload = Bytes::copy_from_slice(bytes_at(c, payload_pos, h.payload_len as usize)?);
         h.check_payload(&payload).map_err(|p| corrupt(c, p))?;
+        self.last = Some((expected, c.seg.base, c.pos));
         c.pos += h.frame_len();
         self.next += 1;
         Ok(Some(Record { offset: expected, payload }))

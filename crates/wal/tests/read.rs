@@ -27,6 +27,37 @@ fn a_reader_starts_at_any_retained_offset_and_crosses_segments() {
     assert!(matches!(wal.reader(301), Err(WalError::BeyondEnd { offset: 301, end: 300 })));
 }
 
+/// A record read one too many is given back with `unread_last` and read again next, at
+/// every position: inside a segment, and for a segment's last record, after which the
+/// reader has already crossed the seal into the next segment. Only the last record read
+/// can be given back, once.
+#[test]
+fn the_last_record_read_can_be_given_back_and_is_read_again_next() {
+    let sim = SimStorage::new();
+    let wal = open(&sim, small_options());
+    append_tagged(&wal, 0..300, 90);
+    assert!(wal.segment_paths().len() > 5);
+    let mut r = wal.reader(0).unwrap();
+    assert!(!r.unread_last(), "nothing read yet");
+    let mut seen = Vec::new();
+    // Reads of two or three records, bounded by bytes: each ends by looking at the next
+    // record's length, which crosses a seal when the last record read ends a segment.
+    let mut bytes = [181, 271].into_iter().cycle();
+    while r.position() < 300 {
+        let got = r.try_read(usize::MAX, bytes.next().unwrap()).unwrap();
+        let last = got.last().unwrap().offset;
+        // Give the last back: it comes first in the next read.
+        assert!(r.unread_last(), "at {last}");
+        assert_eq!(r.position(), last);
+        assert!(!r.unread_last(), "given back twice at {last}");
+        seen.extend(got.iter().filter(|rec| rec.offset != last).map(|rec| tag_of(&rec.payload)));
+        let again = r.try_read(1, usize::MAX).unwrap();
+        assert_eq!((again[0].offset, tag_of(&again[0].payload)), (last, last));
+        seen.push(last);
+    }
+    assert_eq!(seen, (0..300).collect::<Vec<u64>>());
+}
+
 /// The offsets a salvage skipped (between the segment it sealed at the last kept offset
 /// and the next one, flagged `GAP_BEFORE`) name no record: a reader asked to start among
 /// them starts at the next segment's base, as a reader crossing the gap does, instead of

@@ -362,7 +362,12 @@ impl CountingReads {
 
     /// The log of [`open_wal`] on this storage.
     pub fn open_wal(&self) -> Arc<Wal> {
-        let opts = WalOptions { segment_max_bytes: 16 * 1024, max_bytes: 64 << 20, ..WalOptions::default() };
+        self.open_wal_with_segments_of(16 * 1024)
+    }
+
+    /// The same with segments of `segment_max_bytes`.
+    pub fn open_wal_with_segments_of(&self, segment_max_bytes: u64) -> Arc<Wal> {
+        let opts = WalOptions { segment_max_bytes, max_bytes: 64 << 20, ..WalOptions::default() };
         Arc::new(Wal::open_with(Arc::new(self.clone()) as Arc<dyn Storage>, &PathBuf::from("/sim/log"), opts).unwrap())
     }
 }
