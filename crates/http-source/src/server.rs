@@ -16,6 +16,10 @@
 //!   a connection still open then is cut (its task aborted, its socket closed) before
 //!   `serve` returns, so no request of it is answered after the daemon moved on to
 //!   closing the log.
+//! - `iggy_ingest_http_connections{listener}` counts the connections open now (taken
+//!   back when a connection's task ends, aborted or not), and
+//!   `iggy_ingest_http_connection_waits_total{listener}` the accepts that had to wait
+//!   for a slot: a listener at its cap shows, though its clients wait in the kernel.
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -62,6 +66,8 @@ pub async fn serve(
     listener_name: &'static str,
 ) -> Drained {
     let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
+    let open = metrics::gauge!("iggy_ingest_http_connections", "listener" => listener_name);
+    let waits = metrics::counter!("iggy_ingest_http_connection_waits_total", "listener" => listener_name);
     let graceful = GracefulShutdown::new();
     let mut builder = hyper::server::conn::http1::Builder::new();
     builder.timer(TokioTimer::new()).header_read_timeout(limits.header_read_timeout).keep_alive(true);
@@ -70,12 +76,19 @@ pub async fn serve(
     loop {
         // Reap finished connections so the set holds only live ones.
         while connections.try_join_next().is_some() {}
-        let permit = tokio::select! {
-            _ = &mut shutdown => break,
-            p = slots.clone().acquire_owned() => match p {
-                Ok(p) => p,
-                Err(_) => break,
-            },
+        let permit = match slots.clone().try_acquire_owned() {
+            Ok(p) => p,
+            Err(_) => {
+                // Every slot is taken: the next client waits in the kernel's backlog.
+                waits.increment(1);
+                tokio::select! {
+                    _ = &mut shutdown => break,
+                    p = slots.clone().acquire_owned() => match p {
+                        Ok(p) => p,
+                        Err(_) => break,
+                    },
+                }
+            }
         };
         let (stream, peer) = tokio::select! {
             _ = &mut shutdown => break,
@@ -100,11 +113,12 @@ pub async fn serve(
         let stream = WriteDeadline::new(stream, limits.write_timeout);
         let conn = builder.serve_connection(TokioIo::new(stream), service);
         let watched = graceful.watch(conn);
+        let slot = OpenConnection::new(permit, open.clone());
         connections.spawn(async move {
             if let Err(e) = watched.await {
                 tracing::debug!(error = %e, peer = %peer, "connection ended with an error");
             }
-            drop(permit);
+            drop(slot);
         });
     }
     drop(listener);
@@ -120,6 +134,26 @@ pub async fn serve(
     connections.abort_all();
     while connections.join_next().await.is_some() {}
     Drained { complete }
+}
+
+/// A connection's slot, counted in the open-connections gauge while it is held: dropped
+/// when the connection's task ends, also when the task is aborted at the end of a drain.
+struct OpenConnection {
+    _permit: tokio::sync::OwnedSemaphorePermit,
+    open: metrics::Gauge,
+}
+
+impl OpenConnection {
+    fn new(permit: tokio::sync::OwnedSemaphorePermit, open: metrics::Gauge) -> OpenConnection {
+        open.increment(1.0);
+        OpenConnection { _permit: permit, open }
+    }
+}
+
+impl Drop for OpenConnection {
+    fn drop(&mut self) {
+        self.open.decrement(1.0);
+    }
 }
 
 /// A connection's socket whose writes may stay refused for at most `limit`: the clock

@@ -83,6 +83,14 @@ pub fn catalog() -> Vec<Metric> {
             &[],
             "1 while the log cannot create its next segment and takes no append (health 503 log_unavailable)",
         ),
+        // The listeners.
+        m("iggy_ingest_http_connections", Gauge, &["listener"], "Connections open now, by listener (webhook, admin)"),
+        m(
+            "iggy_ingest_http_connection_waits_total",
+            Counter,
+            &["listener"],
+            "Accepts that waited for a free slot: the listener was at its connection cap (http.max_connections)",
+        ),
         // The door.
         m(
             "iggy_ingest_http_requests_total",
@@ -385,6 +393,10 @@ pub fn register_all<'a>(sources: impl IntoIterator<Item = &'a str> + Clone) {
         "iggy_connector_destinations_rejected_total",
         [("connector_key", "unknown".into()), ("reason", "malformed".into())],
     );
+    for listener in ["webhook", "admin"] {
+        drop(metrics::gauge!("iggy_ingest_http_connections", "listener" => listener));
+        drop(metrics::counter!("iggy_ingest_http_connection_waits_total", "listener" => listener));
+    }
     // Requests no source is resolved for count under source "-": unknown paths or ids,
     // endpoints already expired, methods a path does not take.
     counter("iggy_ingest_http_requests_total", [("source", "-".into()), ("status_class", "4xx".into())]);

@@ -84,6 +84,45 @@ fn value(samples: &[Sample], name: &str, labels: &[(&str, &str)]) -> Option<f64>
         .map(|s| s.value)
 }
 
+/// A webhook listener at its connection cap shows it: the open connections, and the
+/// accepts that had to wait for a slot (the waiting clients sit in the kernel's backlog,
+/// where nothing else sees them). Closed connections are taken back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_listener_at_its_connection_cap_shows_it_in_its_metrics() {
+    let broker = TestBroker::start(TestBrokerConfig::default()).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let d = Daemon::start(dir.path(), "max_connections = 2", &sources(broker.addr()));
+    let connections = || async {
+        let samples = parse_scrape(&scrape(d.admin, &[]).await);
+        let open = value(&samples, "iggy_ingest_http_connections", &[("listener", "webhook")]);
+        let waits = value(&samples, "iggy_ingest_http_connection_waits_total", &[("listener", "webhook")]);
+        (open.unwrap_or(-1.0), waits.unwrap_or(-1.0))
+    };
+    assert_eq!(connections().await, (0.0, 0.0));
+    // Two idle connections take both slots; a third waits in the backlog.
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        held.push(tokio::net::TcpStream::connect(d.http).await.unwrap());
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while connections().await.0 != 2.0 {
+        assert!(std::time::Instant::now() < deadline, "{:?}", connections().await);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let waiting = tokio::net::TcpStream::connect(d.http).await.unwrap();
+    while connections().await.1 < 1.0 {
+        assert!(std::time::Instant::now() < deadline, "{:?}", connections().await);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    drop(held);
+    drop(waiting);
+    while connections().await.0 != 0.0 {
+        assert!(std::time::Instant::now() < deadline, "{:?}", connections().await);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(d.stop().success());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_first_scrape_describes_every_metric_the_daemon_exports() {
     let broker = TestBroker::start(TestBrokerConfig::default()).await.unwrap();
