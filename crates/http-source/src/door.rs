@@ -35,6 +35,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use bytes::Bytes;
 use http_body_util::BodyExt;
+use ingest::log_limit::LogLimit;
 use ingest::{IngestError, Ingestor, MetadataValue, Submission};
 use serde_json::json;
 
@@ -330,7 +331,10 @@ async fn receive_inner(
         parts.headers.remove(signature);
     }
     if let Err(failure) = verified {
-        tracing::warn!(source = %source.key, reason = failure.reason(), peer = ?peer.map(|p| p.addr), "request failed authentication");
+        static LOG: LogLimit = LogLimit::every(LOG_INTERVAL);
+        if let Some(suppressed) = LOG.admit() {
+            tracing::warn!(source = %source.key, reason = failure.reason(), peer = ?peer.map(|p| p.addr), suppressed, "request failed authentication");
+        }
         metrics::counter!("iggy_ingest_auth_failures_total", "source" => source.key.clone(), "reason" => failure.reason())
             .increment(1);
         return Err(ApiError::unauthorized());
@@ -682,10 +686,22 @@ fn forward_headers(source: &SourceSpec, headers: &HeaderMap) -> Vec<(String, Vec
     out
 }
 
+/// How often a line that requests can repeat at will is written at most (per call site;
+/// the counters count every request).
+const LOG_INTERVAL: Duration = Duration::from_secs(1);
+
 fn ingest_error(e: IngestError, retry_after_secs: u64) -> ApiError {
+    static FULL: LogLimit = LogLimit::every(LOG_INTERVAL);
+    static DISK_FULL: LogLimit = LogLimit::every(LOG_INTERVAL);
+    static STATE: LogLimit = LogLimit::every(LOG_INTERVAL);
+    static UNAVAILABLE: LogLimit = LogLimit::every(LOG_INTERVAL);
+    static STOPPED: LogLimit = LogLimit::every(LOG_INTERVAL);
+    static TOO_LATE: LogLimit = LogLimit::every(LOG_INTERVAL);
     match e {
         IngestError::Full { .. } => {
-            tracing::warn!(error = %e, "log full: answering 503");
+            if let Some(suppressed) = FULL.admit() {
+                tracing::warn!(error = %e, suppressed, "log full: answering 503");
+            }
             ApiError::unavailable("log_full", "the log is full; retry later", retry_after_secs)
         }
         IngestError::InFlight => ApiError {
@@ -710,11 +726,15 @@ fn ingest_error(e: IngestError, retry_after_secs: u64) -> ApiError {
         ),
         IngestError::Empty => ApiError::new(StatusCode::BAD_REQUEST, "no_events", "body holds no events"),
         IngestError::DiskFull(ref m) => {
-            tracing::warn!(error = %m, "the disk holding the log is full: answering 503 until space returns");
+            if let Some(suppressed) = DISK_FULL.admit() {
+                tracing::warn!(error = %m, suppressed, "the disk holding the log is full: answering 503 until space returns");
+            }
             ApiError::unavailable("disk_full", "the disk holding the log is full; retry later", retry_after_secs)
         }
         IngestError::StateUnavailable(ref m) => {
-            tracing::error!(error = %m, "the state database cannot be read: answering 503");
+            if let Some(suppressed) = STATE.admit() {
+                tracing::error!(error = %m, suppressed, "the state database cannot be read: answering 503");
+            }
             ApiError::unavailable(
                 "state_unavailable",
                 "the daemon's state cannot be read now; retry later",
@@ -722,15 +742,25 @@ fn ingest_error(e: IngestError, retry_after_secs: u64) -> ApiError {
             )
         }
         IngestError::Unavailable(ref m) => {
-            tracing::error!(error = %m, "log append failed");
+            if let Some(suppressed) = UNAVAILABLE.admit() {
+                tracing::error!(error = %m, suppressed, "log append failed");
+            }
             ApiError::unavailable("log_unavailable", "the log cannot take events now", retry_after_secs)
         }
         IngestError::Stopped(ref m) => {
-            tracing::error!(error = %m, "the log stopped taking appends; /health now answers 503");
+            if let Some(suppressed) = STOPPED.admit() {
+                tracing::error!(error = %m, suppressed, "the log stopped taking appends; /health now answers 503");
+            }
             ApiError::unavailable("log_unavailable", "the log cannot take events now", retry_after_secs)
         }
         IngestError::LookupTooLate { waited_ms, .. } => {
-            tracing::warn!(waited_ms, "a request with a delivery id took too long to reach its lookup: answering 503");
+            if let Some(suppressed) = TOO_LATE.admit() {
+                tracing::warn!(
+                    waited_ms,
+                    suppressed,
+                    "a request with a delivery id took too long to reach its lookup: answering 503"
+                );
+            }
             ApiError::unavailable(
                 "lookup_too_late",
                 "the request took too long between its head and its delivery-id check; retry",

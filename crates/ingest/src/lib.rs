@@ -20,6 +20,7 @@ pub mod endpoints;
 pub mod envelope;
 pub mod idempotency;
 pub mod ingestor;
+pub mod log_limit;
 pub mod state;
 pub mod state_storage;
 pub mod time;

@@ -349,7 +349,11 @@ impl<S: Sink, C: CursorStore> Dispatcher<S, C> {
             OnAdmissionFailure::Drop => {
                 metrics::counter!("iggy_connector_messages_dropped_total", "connector_key" => connector, "reason" => "cap")
                     .increment(1);
-                tracing::warn!(offset, source = %key.source, "destination cap reached: record dropped, as configured");
+                static LOG: ingest::log_limit::LogLimit =
+                    ingest::log_limit::LogLimit::every(std::time::Duration::from_secs(1));
+                if let Some(suppressed) = LOG.admit() {
+                    tracing::warn!(offset, source = %key.source, suppressed, "destination cap reached: record dropped, as configured");
+                }
             }
             OnAdmissionFailure::DeadLetter => match (dead_letter_lane, &policy.dead_letter) {
                 (Some(dl), _) => {
