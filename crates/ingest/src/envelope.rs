@@ -172,6 +172,25 @@ impl EnvelopeHeaderRef<'_> {
 }
 
 impl EnvelopeHeader {
+    /// The bytes this decoded header holds on the heap: its strings and lists (each
+    /// list's elements counted at their size).
+    pub fn heap_bytes(&self) -> usize {
+        let pair = std::mem::size_of::<(String, String)>();
+        let d = &self.destination;
+        let partition_key = match &d.partitioning {
+            Partitioning::Key(k) => k.len(),
+            _ => 0,
+        };
+        self.source_key.len()
+            + self.content_type.as_ref().map_or(0, String::len)
+            + self.metadata.iter().map(|(n, v)| pair + n.len() + v.len()).sum::<usize>()
+            + self.headers.iter().map(|(n, v)| pair + n.len() + v.len()).sum::<usize>()
+            + self.idempotency_key.as_ref().map_or(0, String::len)
+            + d.stream.len()
+            + d.topic.len()
+            + partition_key
+    }
+
     /// This header, borrowed.
     pub fn as_ref(&self) -> EnvelopeHeaderRef<'_> {
         EnvelopeHeaderRef {

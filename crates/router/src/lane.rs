@@ -95,10 +95,13 @@ pub(crate) struct Gate {
     /// room left in the batch while the lane lingers (so a filling batch costs one
     /// wake-up, not one per record), never more than the queue can hold.
     wake_at_queued: usize,
-    /// Payload bytes in `queue`.
+    /// What the records in `queue` hold ([`queued_size`]): bounded by
+    /// `lane_queue_max_bytes`.
     queued_bytes: usize,
-    /// While the lane lingers, the payload bytes left in the batch: queued bytes that
-    /// reach it fill the batch, and wake the lane as well (0: not lingering).
+    /// The payload bytes of the records in `queue`: what fills a batch.
+    queued_payload_bytes: usize,
+    /// While the lane lingers, the payload bytes left in the batch: queued payload bytes
+    /// that reach it fill the batch, and wake the lane as well (0: not lingering).
     wake_at_bytes: usize,
 }
 
@@ -344,9 +347,10 @@ impl Lane {
         if self.delivered_before(r.offset, &d.stream, &d.topic) {
             return Ok(());
         }
-        // Full by records, or by payload bytes (a queue holding any record takes no more
-        // once it holds `lane_queue_max_bytes`: what a stuck lane keeps in memory is
-        // bounded by bytes too, not only by a count of events of up to a megabyte each).
+        // Full by records, or by bytes held (a queue holding any record takes no more
+        // once it holds `lane_queue_max_bytes`, `queued_size` each: what a stuck lane
+        // keeps in memory is bounded by bytes too, not only by a count of events of up to
+        // a megabyte each, and records of tiny payloads count their headers).
         let max_bytes = self.policy.lane_queue_max_bytes;
         let mut g = self.gate();
         if g.queue.len() <= queue_max / 2 && g.queued_bytes <= max_bytes / 2 {
@@ -371,9 +375,13 @@ impl Lane {
             g.full_since = None;
             true
         } else {
-            g.queued_bytes += r.envelope.payload.len();
+            g.queued_bytes += queued_size(&r);
+            g.queued_payload_bytes += r.envelope.payload.len();
             g.queue.push_back(r);
-            g.queue.len() >= g.wake_at_queued.max(1) || (g.wake_at_bytes > 0 && g.queued_bytes >= g.wake_at_bytes)
+            // A lingering lane is woken once its batch could fill, or once its queue is
+            // full by bytes held (it takes no more then, so waiting would gain nothing).
+            g.queue.len() >= g.wake_at_queued.max(1)
+                || (g.wake_at_bytes > 0 && (g.queued_payload_bytes >= g.wake_at_bytes || g.queued_bytes >= max_bytes))
         };
         drop(g);
         if wake {
@@ -768,6 +776,15 @@ fn own_record(lane: &Lane, rec: Record) -> Option<Routed> {
     Some(Routed { offset: rec.offset, envelope, dead_letter_reason: reason })
 }
 
+/// What a queued record holds in memory, as `lane_queue_max_bytes` counts it: its
+/// record's bytes (the payload and the encoded header its payload is a slice of), the
+/// decoded header's strings, and the `Routed` itself. A lane stuck with records of tiny
+/// payloads and long headers holds their headers, not only their payloads.
+fn queued_size(r: &Routed) -> usize {
+    let header = r.envelope.header.heap_bytes();
+    r.envelope.payload.len() + 2 * header + std::mem::size_of::<Routed>()
+}
+
 fn take_from_queue(g: &mut Gate, max_records: usize, max_bytes: usize) -> Vec<Routed> {
     let mut batch = Vec::new();
     let mut bytes = 0usize;
@@ -778,7 +795,8 @@ fn take_from_queue(g: &mut Gate, max_records: usize, max_bytes: usize) -> Vec<Ro
         }
         bytes += len;
         if let Some(r) = g.queue.pop_front() {
-            g.queued_bytes -= len;
+            g.queued_bytes -= queued_size(&r);
+            g.queued_payload_bytes -= len;
             batch.push(r);
         }
     }
@@ -843,7 +861,8 @@ fn top_up(lane: &Lane, batch: &mut Vec<Routed>, lingering: bool) -> TopUp {
             break;
         }
         if let Some(r) = g.queue.pop_front() {
-            g.queued_bytes -= len;
+            g.queued_bytes -= queued_size(&r);
+            g.queued_payload_bytes -= len;
             bytes += len;
             batch.push(r);
             moved = true;
@@ -1534,5 +1553,57 @@ mod tests {
         top_up(&lane, &mut batch, true);
         let g = lane.gate();
         assert_eq!((g.wake_at_queued, g.wake_at_bytes), (10, 100));
+    }
+
+    /// A queue's byte bound counts what its records hold, headers included: records of
+    /// ten-byte payloads under long headers fill a 64 KiB queue after a few dozen, not
+    /// after six thousand (by payload alone, the record count would be the only bound).
+    #[test]
+    fn a_queue_full_by_bytes_counts_what_its_records_hold_not_their_payloads() {
+        let policy = RouterPolicy {
+            lane_queue_max_bytes: 64 * 1024,
+            lane_queue_max_records: 100_000,
+            ..RouterPolicy::default()
+        };
+        let belongs: Arc<BelongsFn> = Arc::new(|_: &LaneKey, _: &EnvelopeSummary<'_>| None);
+        let share = SourceShare {
+            policy: Arc::new(policy),
+            send_slots: Arc::new(SendSlots::new(1)),
+            belongs,
+            dead_letter_given_up: false,
+        };
+        let d = DestinationKey::new("a", "b");
+        let lane = Lane::new(LaneKey { source: "s".into(), destination: d.clone() }, 0, &share);
+        let long = "h".repeat(255);
+        let header = ingest::EnvelopeHeader {
+            message_id: 1,
+            received_at_unix_ms: 0,
+            source_key: "s".into(),
+            endpoint_id: None,
+            content_type: Some(long.clone()),
+            metadata: vec![],
+            headers: vec![("x-a".into(), long.clone().into_bytes()), ("x-b".into(), long.clone().into_bytes())],
+            idempotency_key: Some(long.clone()),
+            batch_index: 0,
+            batch_len: 1,
+            destination: ingest::envelope::Destination {
+                stream: d.stream.clone(),
+                topic: d.topic.clone(),
+                partitioning: ingest::envelope::Partitioning::Balanced,
+            },
+        };
+        let record = Envelope::encode(&header, b"0123456789");
+        let mut queued = 0u64;
+        loop {
+            let r = Routed { offset: queued, envelope: Envelope::decode(&record).unwrap(), dead_letter_reason: None };
+            lane.offer(r, 100_000, Duration::from_secs(3600), false).unwrap();
+            if lane.is_overflowed() {
+                break;
+            }
+            queued += 1;
+            assert!(queued < 1000, "the queue took {queued} records of 10-byte payloads and was not full");
+        }
+        let g = lane.gate();
+        assert!(g.queued_bytes >= 64 * 1024 && g.queued_payload_bytes == 10 * queued as usize, "{g:?}");
     }
 }

@@ -122,8 +122,9 @@ pub struct RouterPolicy {
     /// Records a destination may hold in memory before it re-reads from the log
     /// instead. 4096.
     pub lane_queue_max_records: usize,
-    /// Payload bytes a destination may hold in memory before it re-reads from the log
-    /// instead (a queue may pass it by the one record that reached it). 8 MiB: with the
+    /// Bytes a destination may hold in memory before it re-reads from the log instead (a
+    /// queue may pass it by the one record that reached it), each record counted with
+    /// its envelope and decoded header, not by its payload alone. 8 MiB: with the
     /// record count alone, a lane stuck on a failing destination kept up to 4096 events
     /// of up to `http.max_body_bytes` each in memory for the whole outage.
     pub lane_queue_max_bytes: usize,
