@@ -1235,10 +1235,14 @@ async fn attempt<S: Sink, C>(
                     i.topic = Some(t);
                 }
             }
-            progressed(lane, ctx, "send succeeded");
             match info {
+                // A destination that exists has not taken anything yet: the status
+                // waits for a send (a lane is `starting` until its first).
                 Some(t) => Attempt::Ensured(t),
-                None => Attempt::Sent,
+                None => {
+                    progressed(lane, ctx, "send succeeded");
+                    Attempt::Sent
+                }
             }
         }
         Err(e) => {

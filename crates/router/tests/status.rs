@@ -366,15 +366,22 @@ fn released_space_that_cannot_be_freed_degrades_the_router_until_it_can() {
 }
 
 /// A destination is `starting` until its first send succeeds: one whose sends fail is
-/// never shown running, before it turns degraded.
+/// never shown running, before it turns degraded, whether its topic cannot be made or
+/// exists and refuses the sends.
 #[test]
 fn a_destination_is_starting_until_a_send_succeeds() {
+    for fault in [Fault::Fail(SendErrorKind::Destination), Fault::FailSends(SendErrorKind::Destination)] {
+        starting_until_a_send_succeeds(fault);
+    }
+}
+
+fn starting_until_a_send_succeeds(fault: Fault) {
     with_metrics(false, |snap| async move {
         let sim = SimStorage::new();
         let wal = open_wal(&sim);
         let sink = FaultySink::new();
         let a = key("s", "a");
-        sink.fault(&a, Some(Fault::Fail(SendErrorKind::Destination)));
+        sink.fault(&a, Some(fault));
         fill(&wal, std::slice::from_ref(&a), 0, 2).await;
         // Tries half a second apart at least: the look after the first is not raced by
         // the third, which degrades the lane.
@@ -382,8 +389,10 @@ fn a_destination_is_starting_until_a_send_succeeds() {
         policy.batch.backoff_base = Duration::from_millis(500);
         let router = start_router(&wal, &sink, policy);
         let status_of_a = || router.destinations().iter().find(|l| l.destination == a).map(|l| l.status);
-        eventually(Duration::from_secs(30), "a try", || sink.ensured(&a) >= 1).await;
-        assert_eq!(status_of_a(), Some(Status::Starting), "a failure, nothing sent yet");
+        // A failed try: the ensure (its topic cannot be made), or the send after it.
+        let failed_try = || sink.ensured(&a) >= 1 && (matches!(fault, Fault::Fail(_)) || sink.calls(&a) >= 1);
+        eventually(Duration::from_secs(30), "a failed try", failed_try).await;
+        assert_eq!(status_of_a(), Some(Status::Starting), "{fault:?}: a failure, nothing sent yet");
         assert_eq!(gauge(&snap, "iggy_connector_destinations_starting"), 1.0);
         eventually(Duration::from_secs(30), "degraded", || status_of_a() == Some(Status::Degraded)).await;
         sink.fault(&a, None);

@@ -22,6 +22,8 @@ use wal::{Wal, WalOptions};
 pub enum Fault {
     /// Fails every call with this kind.
     Fail(SendErrorKind),
+    /// Fails every send with this kind; the destination exists (its ensure answers).
+    FailSends(SendErrorKind),
     /// Never answers (the router's result timeout decides).
     BlackHole,
     /// Panics in the call, as a defect of the sink would: the lane's task ends.
@@ -111,6 +113,15 @@ impl FaultySink {
         }
     }
     fn check(&self, dest: &DestinationKey) -> Result<(), Option<SendError>> {
+        self.check_call(dest, false)
+    }
+
+    /// `check` for a send: also fails under [`Fault::FailSends`].
+    fn check_send(&self, dest: &DestinationKey) -> Result<(), Option<SendError>> {
+        self.check_call(dest, true)
+    }
+
+    fn check_call(&self, dest: &DestinationKey, send: bool) -> Result<(), Option<SendError>> {
         // The state's lock is let go before a panic, so other destinations' calls go on.
         let (client_fault, fault) = {
             let st = self.st();
@@ -121,6 +132,8 @@ impl FaultySink {
         }
         match fault {
             Some(Fault::Fail(k)) => Err(Some(SendError::new(k, "injected destination fault"))),
+            Some(Fault::FailSends(k)) if send => Err(Some(SendError::new(k, "injected send fault"))),
+            Some(Fault::FailSends(_)) => Ok(()),
             Some(Fault::BlackHole) => Err(None),
             Some(Fault::Panic) => panic!("injected panic in a call for {dest}"),
             Some(Fault::Slow(_)) | None => Ok(()),
@@ -177,7 +190,7 @@ impl Sink for FaultySink {
             let bytes = messages.iter().map(|m| m.payload.len()).sum();
             st.sizes.entry(dest.clone()).or_default().push((messages.len(), bytes));
         }
-        match self.check(dest) {
+        match self.check_send(dest) {
             Ok(()) => {}
             Err(Some(e)) => return Err(e),
             Err(None) => std::future::pending::<()>().await,
