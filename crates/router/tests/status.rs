@@ -298,6 +298,26 @@ async fn a_cursor_ahead_of_the_log_that_cannot_be_lowered_refuses_the_start() {
     router.shutdown().await;
 }
 
+/// A cursor the log's start has passed that the store cannot delete does not stop the
+/// start: forgetting it is housekeeping, and it stays until a later start can.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_passed_cursor_that_cannot_be_forgotten_does_not_stop_the_start() {
+    let sim = SimStorage::new();
+    let wal = open_wal(&sim);
+    let lane = router::LaneKey { source: "test".into(), destination: key("c", "passed") };
+    let cursors = Arc::new(FailingCursorStore::default());
+    router::CursorStore::store(&*cursors, vec![(lane.clone(), 0)]).await.unwrap();
+    cursors.failing.store(true, std::sync::atomic::Ordering::Release);
+    let router =
+        Router::start(wal.clone(), FaultySink::new(), cursors.clone(), Policies::uniform(fast_policy())).unwrap();
+    assert_eq!(cursors.inner.get(&lane), Some(0), "kept, as the store refused");
+    router.shutdown().await;
+    cursors.failing.store(false, std::sync::atomic::Ordering::Release);
+    let router = Router::start(wal, FaultySink::new(), cursors.clone(), Policies::uniform(fast_policy())).unwrap();
+    assert_eq!(cursors.inner.get(&lane), None, "forgotten at the next start");
+    router.shutdown().await;
+}
+
 /// Cursors that cannot be stored pin the log although every send succeeds: the router
 /// says so (Degraded, with the error, and counted) until a store succeeds again.
 #[test]
