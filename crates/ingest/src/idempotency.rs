@@ -161,7 +161,7 @@ pub struct IdempotencyIndex {
     durable_through: Arc<AtomicU64>,
     /// Why the last checkpoint failed, while no checkpoint has succeeded since: the
     /// durable checkpoint, and with it the log's release, stands still meanwhile.
-    checkpoint_failure: Mutex<Option<String>>,
+    checkpoint_failure: Mutex<Option<CheckpointFailure>>,
     /// The first offset of the earliest record whose key could not be recorded since
     /// the last rebuild: the checkpoint stays below it until a rebuild restored it.
     first_unrecorded: Mutex<Option<u64>>,
@@ -358,15 +358,22 @@ impl IdempotencyIndex {
     /// succeeds.
     pub async fn checkpoint(&self, wal: &Wal, now_unix_ms: u64) -> Result<u64, StateError> {
         let result = self.checkpoint_once(wal, now_unix_ms).await;
-        *self.checkpoint_failure.lock().unwrap_or_else(|p| p.into_inner()) =
-            result.as_ref().err().map(|e| e.to_string());
+        let mut failure = self.checkpoint_failure.lock().unwrap_or_else(|p| p.into_inner());
+        *failure = match &result {
+            Ok(_) => None,
+            Err(e) => Some(CheckpointFailure {
+                in_a_row: failure.as_ref().map_or(1, |f| f.in_a_row.saturating_add(1)),
+                error: e.to_string(),
+            }),
+        };
         result
     }
 
-    /// Why the last checkpoint failed, if none succeeded since. The durable checkpoint
+    /// The checkpoints that failed in a row since the last that succeeded, and the last
+    /// one's error; `None` if the last succeeded. The durable checkpoint
     /// ([`IdempotencyIndex::durable_through`]) does not move meanwhile, so the log is not
     /// released past it: an operator must hear of it before the log fills.
-    pub fn checkpoint_failure(&self) -> Option<String> {
+    pub fn checkpoint_failure(&self) -> Option<CheckpointFailure> {
         self.checkpoint_failure.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
@@ -689,6 +696,13 @@ fn missing_ranges_fingerprint(ranges: &[std::ops::Range<u64>]) -> u64 {
     u64::from_le_bytes(first)
 }
 
+/// Checkpoints failing in a row ([`IdempotencyIndex::checkpoint_failure`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CheckpointFailure {
+    pub in_a_row: u32,
+    pub error: String,
+}
+
 /// The most expired keys one checkpoint sweeps. A checkpoint's write transaction holds
 /// redb's writer, which the recorder of every keyed request waits for, and its expired
 /// keys are gathered in memory first: after a downtime longer than the retention window
@@ -912,7 +926,10 @@ mod tests {
         assert_eq!(index.checkpoint_failure(), None);
         fail.store(true, Ordering::SeqCst);
         let failed = index.checkpoint(&wal, now).await.unwrap_err().to_string();
-        assert_eq!(index.checkpoint_failure().as_deref(), Some(failed.as_str()), "the failure is kept");
+        let kept = index.checkpoint_failure().expect("the failure is kept");
+        assert_eq!((kept.in_a_row, kept.error.as_str()), (1, failed.as_str()));
+        assert!(index.checkpoint(&wal, now).await.is_err());
+        assert_eq!(index.checkpoint_failure().map(|f| f.in_a_row), Some(2), "counted in a row");
         fail.store(false, Ordering::SeqCst);
         assert_eq!(index.checkpoint(&wal, now).await.unwrap(), 0, "reopened and restored");
         assert_eq!(index.checkpoint_failure(), None, "a checkpoint that succeeds clears it");

@@ -175,6 +175,10 @@ impl CursorStore for MemoryCursorStore {
     }
 }
 
+/// Checkpoints failing in a row before the daemon's store says they hold the log's
+/// release (the router is then Degraded, if the ceiling is what holds it).
+pub const CHECKPOINT_FAILURES_HOLDING: u32 = 3;
+
 /// Cursors in the daemon's state database: one durable redb transaction per store.
 pub struct StateCursorStore {
     state: Arc<StateDb>,
@@ -242,7 +246,9 @@ impl CursorStore for StateCursorStore {
 
     fn release_held_by(&self) -> Option<String> {
         let failure = self.idempotency.as_ref()?.checkpoint_failure()?;
-        Some(format!("idempotency checkpoints fail: {failure}"))
+        // One failure is a checkpoint late by an interval; three in a row hold the log.
+        (failure.in_a_row >= CHECKPOINT_FAILURES_HOLDING)
+            .then(|| format!("idempotency checkpoints fail ({} in a row): {}", failure.in_a_row, failure.error))
     }
 }
 

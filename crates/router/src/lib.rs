@@ -244,11 +244,11 @@ impl RouterHealth {
 
     /// What the cursor store says holds its release ceiling back (`None`: nothing).
     pub(crate) fn release_held_by(&self, why: Option<String>) {
-        if let Some(e) = &why {
-            self.cell.record_error(e);
-        }
         self.update(|t| {
             let changed = t.release_held != why;
+            if changed && let Some(e) = &why {
+                self.cell.record_error(e);
+            }
             t.release_held = why;
             changed
         });
@@ -640,9 +640,10 @@ async fn release_loop<C: CursorStore>(
         // Nor past what the cursor store's owner still needs of the log (the daemon: a
         // record whose delivery id is not yet durably checkpointed).
         let ceiling = cursors.release_ceiling();
-        health.release_held_by(
-            cursors.release_held_by().map(|why| format!("the log is not released past offset {ceiling}: {why}")),
-        );
+        // Said only while the ceiling is what holds the log: below what delivery alone
+        // would free.
+        let held = cursors.release_held_by().filter(|_| ceiling < low);
+        health.release_held_by(held.map(|why| format!("the log is not released past offset {ceiling}: {why}")));
         low = low.min(ceiling);
         if low > released_below.load(Ordering::Acquire) {
             match wal.release_below(low).await {
