@@ -603,6 +603,7 @@ impl Writer {
     /// one (whole segments only: one whose successor begins at or below the start). A
     /// failure is counted as a storage error: space the log cannot free fills it.
     fn delete_released(&mut self) -> Result<Released> {
+        let used_before = self.shared.used_bytes.load(Ordering::Acquire);
         let deleted = self.try_delete_released();
         if deleted.is_err() {
             metrics::counter!("iggy_ingest_wal_storage_errors_total").increment(1);
@@ -611,7 +612,9 @@ impl Writer {
         // is gone, and the gauges say so.
         metrics::gauge!("iggy_ingest_wal_segments").set(self.shared.segments().len() as f64);
         metrics::gauge!("iggy_ingest_wal_used_bytes").set(self.shared.used_bytes.load(Ordering::Relaxed) as f64);
-        if deleted.as_ref().is_ok_and(|r| r.bytes_freed > 0) {
+        // Space freed, also by a removal that failed part of the way: the log may take
+        // what it refused.
+        if self.shared.used_bytes.load(Ordering::Acquire) < used_before {
             self.set_full(false);
         }
         deleted
