@@ -714,7 +714,7 @@ pub struct CheckpointFailure {
 /// sweeps in transactions of at most this many, letting the recorder in between, for at
 /// most [`SWEEP_TIME_BUDGET`]; the next checkpoints take the rest, and lookups ignore
 /// expired keys meanwhile.
-pub(crate) const SWEEP_MAX_KEYS_PER_CHECKPOINT: usize = 10_000;
+pub(crate) const SWEEP_MAX_KEYS_PER_TRANSACTION: usize = 10_000;
 
 /// How long one checkpoint goes on sweeping a backlog of expired keys: half the default
 /// checkpoint interval. At tens of thousands of keys per transaction-second this keeps
@@ -723,11 +723,11 @@ pub(crate) const SWEEP_MAX_KEYS_PER_CHECKPOINT: usize = 10_000;
 pub(crate) const SWEEP_TIME_BUDGET: std::time::Duration = std::time::Duration::from_millis(500);
 
 /// After a checkpoint that swept `swept` keys: while its transaction was full, sweeps on,
-/// a transaction of at most [`SWEEP_MAX_KEYS_PER_CHECKPOINT`] keys at a time (not
+/// a transaction of at most [`SWEEP_MAX_KEYS_PER_TRANSACTION`] keys at a time (not
 /// durable: a sweep a crash undoes is done again), within [`SWEEP_TIME_BUDGET`].
 fn sweep_the_rest(state: &StateDb, cutoff_unix_ms: u64, mut swept: usize) -> Result<(), StateError> {
     let started = std::time::Instant::now();
-    while swept == SWEEP_MAX_KEYS_PER_CHECKPOINT && started.elapsed() < SWEEP_TIME_BUDGET {
+    while swept == SWEEP_MAX_KEYS_PER_TRANSACTION && started.elapsed() < SWEEP_TIME_BUDGET {
         let db = state.db()?;
         let mut txn = db.begin_write().map_err(storage_err)?;
         txn.set_durability(Durability::None).map_err(|e| StateError::Storage(e.to_string()))?;
@@ -737,14 +737,14 @@ fn sweep_the_rest(state: &StateDb, cutoff_unix_ms: u64, mut swept: usize) -> Res
     Ok(())
 }
 
-/// Removes the oldest expired keys, at most [`SWEEP_MAX_KEYS_PER_CHECKPOINT`], in `txn`;
+/// Removes the oldest expired keys, at most [`SWEEP_MAX_KEYS_PER_TRANSACTION`], in `txn`;
 /// returns how many.
 fn sweep_expired(txn: &redb::WriteTransaction, cutoff_unix_ms: u64) -> Result<usize, StateError> {
     let mut table = txn.open_table(IDEMPOTENCY).map_err(storage_err)?;
     let mut by_time = txn.open_table(IDEMPOTENCY_BY_TIME).map_err(storage_err)?;
     let mut expired: Vec<(u64, Vec<u8>)> = Vec::new();
     let range = by_time.range::<(u64, &[u8])>(..(cutoff_unix_ms, &[][..])).map_err(storage_err)?;
-    for entry in range.take(SWEEP_MAX_KEYS_PER_CHECKPOINT) {
+    for entry in range.take(SWEEP_MAX_KEYS_PER_TRANSACTION) {
         let (k, _) = entry.map_err(storage_err)?;
         let (at, key) = k.value();
         expired.push((at, key.to_vec()));
@@ -1295,14 +1295,14 @@ mod tests {
     }
 
     /// After a downtime longer than the window, more keys expire at once than one
-    /// transaction sweeps: the checkpoint's own sweeps at most SWEEP_MAX_KEYS_PER_CHECKPOINT
+    /// transaction sweeps: the checkpoint's own sweeps at most SWEEP_MAX_KEYS_PER_TRANSACTION
     /// (the real limit), oldest first; the checkpoint then sweeps the rest in more
     /// transactions; a key still in the window stays.
     #[tokio::test]
     async fn a_checkpoint_sweeps_expired_keys_in_bounded_transactions() {
         let state = Arc::new(StateDb::open_in_memory().unwrap());
         let index = Arc::new(IdempotencyIndex::new(state.clone(), 1_000));
-        let expired = SWEEP_MAX_KEYS_PER_CHECKPOINT + 2_500;
+        let expired = SWEEP_MAX_KEYS_PER_TRANSACTION + 2_500;
         {
             let db = state.db().unwrap();
             let txn = db.begin_write().unwrap();
@@ -1327,7 +1327,7 @@ mod tests {
         let wal = Wal::open(wal_dir.path(), wal::WalOptions::default()).unwrap();
         let now = 1_000_000 + SWEEP_GRACE_MS;
         let cutoff = now - 1_000 - SWEEP_GRACE_MS;
-        assert_eq!(commit_checkpoint(&state, 0, cutoff).unwrap(), SWEEP_MAX_KEYS_PER_CHECKPOINT);
+        assert_eq!(commit_checkpoint(&state, 0, cutoff).unwrap(), SWEEP_MAX_KEYS_PER_TRANSACTION);
         assert_eq!(count("keys"), 2_501, "one transaction swept more or less than its share");
         assert_eq!(count("by_time"), 2_501);
         assert_eq!(index.lookup(&key("old-0"), now).unwrap(), None, "the oldest go first");
