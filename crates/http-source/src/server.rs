@@ -18,8 +18,9 @@
 //!   closing the log.
 //! - `iggy_ingest_http_connections{listener}` counts the connections open now (taken
 //!   back when a connection's task ends, aborted or not), and
-//!   `iggy_ingest_http_connection_waits_total{listener}` the accepts that had to wait
-//!   for a slot: a listener at its cap shows, though its clients wait in the kernel.
+//!   `iggy_ingest_http_connection_waits_total{listener}` the clients that waited in the
+//!   backlog for a slot (one found there the moment a slot freed): a listener at its
+//!   cap shows, though its clients wait in the kernel.
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -76,31 +77,41 @@ pub async fn serve(
     loop {
         // Reap finished connections so the set holds only live ones.
         while connections.try_join_next().is_some() {}
+        // A client found in the backlog the moment a slot freed: it waited for the slot.
+        let mut waited: Option<std::io::Result<(TcpStream, SocketAddr)>> = None;
         let permit = match slots.clone().try_acquire_owned() {
             Ok(p) => p,
             Err(_) => {
-                // Every slot is taken: the next client waits in the kernel's backlog.
-                waits.increment(1);
-                tokio::select! {
+                // Every slot is taken: further clients wait in the kernel's backlog.
+                let p = tokio::select! {
                     _ = &mut shutdown => break,
                     p = slots.clone().acquire_owned() => match p {
                         Ok(p) => p,
                         Err(_) => break,
                     },
+                };
+                if let Poll::Ready(accepted) = std::future::poll_fn(|cx| Poll::Ready(listener.poll_accept(cx))).await {
+                    waits.increment(1);
+                    waited = Some(accepted);
                 }
+                p
             }
         };
-        let (stream, peer) = tokio::select! {
-            _ = &mut shutdown => break,
-            accepted = listener.accept() => match accepted {
-                Ok(a) => a,
-                Err(e) => {
-                    // Typically EMFILE/ENFILE: back off instead of spinning.
-                    tracing::warn!(listener = listener_name, error = %e, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
+        let accepted = match waited {
+            Some(accepted) => accepted,
+            None => tokio::select! {
+                _ = &mut shutdown => break,
+                accepted = listener.accept() => accepted,
             },
+        };
+        let (stream, peer) = match accepted {
+            Ok(a) => a,
+            Err(e) => {
+                // Typically EMFILE/ENFILE: back off instead of spinning.
+                tracing::warn!(listener = listener_name, error = %e, "accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
         };
         fail_points::fail_point!("listener.accept");
         let _ = stream.set_nodelay(true);

@@ -89,7 +89,7 @@ pub fn catalog() -> Vec<Metric> {
             "iggy_ingest_http_connection_waits_total",
             Counter,
             &["listener"],
-            "Accepts that waited for a free slot: the listener was at its connection cap (http.max_connections)",
+            "Clients that waited in the backlog for a free slot (found there when one freed): the listener was at its connection cap (http.max_connections)",
         ),
         // The door.
         m(

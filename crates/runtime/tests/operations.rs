@@ -98,28 +98,36 @@ async fn a_listener_at_its_connection_cap_shows_it_in_its_metrics() {
         let waits = value(&samples, "iggy_ingest_http_connection_waits_total", &[("listener", "webhook")]);
         (open.unwrap_or(-1.0), waits.unwrap_or(-1.0))
     };
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let until = |want: (f64, f64)| {
+        let connections = &connections;
+        async move {
+            while connections().await != want {
+                assert!(std::time::Instant::now() < deadline, "want {want:?}, have {:?}", connections().await);
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    };
     assert_eq!(connections().await, (0.0, 0.0));
-    // Two idle connections take both slots; a third waits in the backlog.
+    // Two idle connections take both slots. One closing with nobody waiting is no wait.
     let mut held = Vec::new();
     for _ in 0..2 {
         held.push(tokio::net::TcpStream::connect(d.http).await.unwrap());
     }
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while connections().await.0 != 2.0 {
-        assert!(std::time::Instant::now() < deadline, "{:?}", connections().await);
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    until((2.0, 0.0)).await;
+    held.pop();
+    until((1.0, 0.0)).await;
+    held.push(tokio::net::TcpStream::connect(d.http).await.unwrap());
+    until((2.0, 0.0)).await;
+    // A third waits in the backlog: counted as it gets the slot one of the two frees.
     let waiting = tokio::net::TcpStream::connect(d.http).await.unwrap();
-    while connections().await.1 < 1.0 {
-        assert!(std::time::Instant::now() < deadline, "{:?}", connections().await);
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(connections().await, (2.0, 0.0), "the third waits, not yet counted");
+    held.pop();
+    until((2.0, 1.0)).await;
     drop(held);
     drop(waiting);
-    while connections().await.0 != 0.0 {
-        assert!(std::time::Instant::now() < deadline, "{:?}", connections().await);
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    until((0.0, 1.0)).await;
     assert!(d.stop().success());
 }
 
