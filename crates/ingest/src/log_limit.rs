@@ -6,7 +6,9 @@
 //!
 //! Invariants:
 //! - The first event is always written; after that at most one line per interval.
-//! - No event is lost from the count: each line carries the number left out before it.
+//! - No event is lost from the count: each line carries the number left out before it,
+//!   and, where events are numbered ([`LogLimit::admit_numbered`], a record's offset),
+//!   the first and the last of them.
 
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -22,12 +24,25 @@ pub struct LogLimit {
 struct LimitState {
     last_written: Option<Instant>,
     suppressed: u64,
+    /// The numbers of the first and the last event left out since the last line.
+    suppressed_span: Option<(u64, u64)>,
+}
+
+/// What was left out since the last line written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Suppressed {
+    pub count: u64,
+    /// The first and the last number of those left out ([`LogLimit::admit_numbered`]).
+    pub span: Option<(u64, u64)>,
 }
 
 impl LogLimit {
     /// At most one line per `interval`.
     pub const fn every(interval: Duration) -> LogLimit {
-        LogLimit { interval, state: Mutex::new(LimitState { last_written: None, suppressed: 0 }) }
+        LogLimit {
+            interval,
+            state: Mutex::new(LimitState { last_written: None, suppressed: 0, suppressed_span: None }),
+        }
     }
 
     /// `Some(n)` if this event's line is to be written, `n` being the events left out
@@ -37,13 +52,26 @@ impl LogLimit {
     }
 
     fn admit_at(&self, now: Instant) -> Option<u64> {
+        self.admit_numbered_at(now, None).map(|s| s.count)
+    }
+
+    /// [`LogLimit::admit`] for an event numbered `n` (a record's offset): the line
+    /// written also names the first and the last number left out since the last line.
+    pub fn admit_numbered(&self, n: u64) -> Option<Suppressed> {
+        self.admit_numbered_at(Instant::now(), Some(n))
+    }
+
+    fn admit_numbered_at(&self, now: Instant, n: Option<u64>) -> Option<Suppressed> {
         let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
         let due = s.last_written.is_none_or(|last| now.saturating_duration_since(last) >= self.interval);
         if due {
             s.last_written = Some(now);
-            Some(std::mem::take(&mut s.suppressed))
+            Some(Suppressed { count: std::mem::take(&mut s.suppressed), span: s.suppressed_span.take() })
         } else {
             s.suppressed = s.suppressed.saturating_add(1);
+            if let Some(n) = n {
+                s.suppressed_span = Some(s.suppressed_span.map_or((n, n), |(first, _)| (first, n)));
+            }
             None
         }
     }
@@ -67,5 +95,21 @@ mod tests {
         assert_eq!(limit.admit_at(t0 + Duration::from_secs(3)), Some(1));
         // A clock read out of order (another thread's earlier reading) is not due.
         assert_eq!(limit.admit_at(t0), None);
+    }
+
+    #[test]
+    fn a_numbered_line_names_the_first_and_last_number_left_out() {
+        let limit = LogLimit::every(Duration::from_secs(1));
+        let t0 = Instant::now();
+        assert_eq!(limit.admit_numbered_at(t0, Some(7)), Some(Suppressed { count: 0, span: None }));
+        for offset in 8..=20 {
+            assert_eq!(limit.admit_numbered_at(t0 + Duration::from_millis(offset), Some(offset)), None);
+        }
+        let line = limit.admit_numbered_at(t0 + Duration::from_secs(1), Some(21));
+        assert_eq!(line, Some(Suppressed { count: 13, span: Some((8, 20)) }));
+        assert_eq!(
+            limit.admit_numbered_at(t0 + Duration::from_secs(2), Some(22)),
+            Some(Suppressed { count: 0, span: None })
+        );
     }
 }

@@ -351,8 +351,18 @@ impl<S: Sink, C: CursorStore> Dispatcher<S, C> {
                     .increment(1);
                 static LOG: ingest::log_limit::LogLimit =
                     ingest::log_limit::LogLimit::every(std::time::Duration::from_secs(1));
-                if let Some(suppressed) = LOG.admit() {
-                    tracing::warn!(offset, source = %key.source, suppressed, "destination cap reached: record dropped, as configured");
+                // Every drop is logged: one a line, the others of the same second by their
+                // count and first and last offset on the next.
+                if let Some(s) = LOG.admit_numbered(offset) {
+                    let (first, last) = s.span.map_or((None, None), |(f, l)| (Some(f), Some(l)));
+                    tracing::warn!(
+                        offset,
+                        source = %key.source,
+                        dropped_before = s.count,
+                        dropped_before_first_offset = first,
+                        dropped_before_last_offset = last,
+                        "destination cap reached: record dropped, as configured"
+                    );
                 }
             }
             OnAdmissionFailure::DeadLetter => match (dead_letter_lane, &policy.dead_letter) {
