@@ -83,12 +83,15 @@ fn is_json(essence: &str) -> bool {
     essence == "application/json" || (essence.starts_with("application/") && essence.ends_with("+json"))
 }
 
-/// The most events a body of `body_bytes` under `content_type` can become (before it is
-/// decoded): one, unless it is NDJSON, whose every event is a line of at least one byte
-/// ended by a newline (the last may lack it), and at most `max_events`.
-pub fn events_at_most(content_type: Option<&str>, body_bytes: usize, max_events: usize) -> usize {
+/// The most events `body` under `content_type` can become (before it is decoded): one,
+/// unless it is NDJSON, whose every event is a line (its lines are its newlines and one
+/// more), and at most `max_events`.
+pub fn events_at_most(content_type: Option<&str>, body: &[u8], max_events: usize) -> usize {
     match content_type.map(essence) {
-        Some(e) if is_ndjson(&e) => body_bytes.div_ceil(2).clamp(1, max_events.max(1)),
+        Some(e) if is_ndjson(&e) => {
+            let lines = body.iter().filter(|&&b| b == b'\n').count() + 1;
+            lines.clamp(1, max_events.max(1))
+        }
         _ => 1,
     }
 }
@@ -204,10 +207,13 @@ mod tests {
         let body = Bytes::from_static(b"1\n2\n3");
         let decoded = decode(nd, body.clone(), Accept::Any).unwrap();
         assert_eq!(decoded.events.len(), 3);
-        assert_eq!(events_at_most(nd, body.len(), 100), 3);
-        assert_eq!(events_at_most(nd, 20_000, 100), 100, "capped by max_events");
-        assert_eq!(events_at_most(Some("application/json"), 20_000, 100), 1);
-        assert_eq!(events_at_most(None, 20_000, 100), 1);
+        assert_eq!(events_at_most(nd, &body, 100), 3);
+        // Lines of a hundred bytes: a line each, not one per two bytes.
+        let lines = format!("{}\n", "x".repeat(99)).repeat(200);
+        assert_eq!(events_at_most(nd, lines.as_bytes(), 10_000), 201);
+        assert_eq!(events_at_most(nd, "1\n".repeat(500).as_bytes(), 100), 100, "capped by max_events");
+        assert_eq!(events_at_most(Some("application/json"), lines.as_bytes(), 100), 1);
+        assert_eq!(events_at_most(None, lines.as_bytes(), 100), 1);
     }
     use super::*;
 

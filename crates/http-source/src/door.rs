@@ -310,7 +310,7 @@ async fn receive_inner(
             // What the request will hold once decoded, at most: its body may become many
             // events, each with a record's envelope.
             let content_type = parts.headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok());
-            let events = body::events_at_most(content_type, body.len(), door.limits.max_events_per_request);
+            let events = body::events_at_most(content_type, &body, door.limits.max_events_per_request);
             let bound =
                 ingest::ingestor::footprint_bound(body.len() as u64, events as u64, source.envelope_max_bytes() as u64);
             let room = door.ingestor.room(bound).await.map_err(|e| ingest_error(e, door.limits.retry_after_secs))?;
