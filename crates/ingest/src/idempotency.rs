@@ -357,7 +357,18 @@ impl IdempotencyIndex {
     /// A failure is kept ([`IdempotencyIndex::checkpoint_failure`]) until a checkpoint
     /// succeeds.
     pub async fn checkpoint(&self, wal: &Wal, now_unix_ms: u64) -> Result<u64, StateError> {
-        let result = self.checkpoint_once(wal, now_unix_ms).await;
+        self.checkpoint_sweeping(wal, now_unix_ms, true).await
+    }
+
+    /// [`IdempotencyIndex::checkpoint`] at shutdown: the same durable checkpoint, without
+    /// going on sweeping a backlog of expired keys (a stop waits for it; the next start's
+    /// checkpoints sweep them).
+    pub async fn final_checkpoint(&self, wal: &Wal, now_unix_ms: u64) -> Result<u64, StateError> {
+        self.checkpoint_sweeping(wal, now_unix_ms, false).await
+    }
+
+    async fn checkpoint_sweeping(&self, wal: &Wal, now_unix_ms: u64, sweep_backlog: bool) -> Result<u64, StateError> {
+        let result = self.checkpoint_once(wal, now_unix_ms, sweep_backlog).await;
         let mut failure = self.checkpoint_failure.lock().unwrap_or_else(|p| p.into_inner());
         *failure = match &result {
             Ok(_) => None,
@@ -377,7 +388,7 @@ impl IdempotencyIndex {
         self.checkpoint_failure.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
-    async fn checkpoint_once(&self, wal: &Wal, now_unix_ms: u64) -> Result<u64, StateError> {
+    async fn checkpoint_once(&self, wal: &Wal, now_unix_ms: u64, sweep_backlog: bool) -> Result<u64, StateError> {
         let through = {
             let _exclusive = self.gate.write().await;
             self.recover_locked(wal, now_unix_ms).await?;
@@ -402,13 +413,20 @@ impl IdempotencyIndex {
         };
         let state = self.state.clone();
         let cutoff = now_unix_ms.saturating_sub(self.retention_ms).saturating_sub(SWEEP_GRACE_MS);
+        let durable_through = self.durable_through.clone();
         tokio::task::spawn_blocking(move || {
             let swept = commit_checkpoint(&state, through, cutoff)?;
-            sweep_the_rest(&state, cutoff, swept)
+            // Durable now, whatever the sweep that follows does.
+            durable_through.fetch_max(through, Ordering::AcqRel);
+            if sweep_backlog && let Err(e) = sweep_the_rest(&state, cutoff, swept) {
+                // Housekeeping: the expired keys stay (lookups ignore them) and the next
+                // checkpoint sweeps them; the checkpoint itself is made.
+                tracing::warn!(error = %e, "sweeping expired delivery ids failed; the next checkpoint tries again");
+            }
+            Ok::<(), StateError>(())
         })
         .await
         .map_err(|e| StateError::Storage(format!("checkpoint task failed: {e}")))??;
-        self.durable_through.fetch_max(through, Ordering::AcqRel);
         Ok(through)
     }
 
@@ -722,12 +740,19 @@ pub(crate) const SWEEP_MAX_KEYS_PER_TRANSACTION: usize = 10_000;
 /// performance.md), and clears a backlog of millions within minutes.
 pub(crate) const SWEEP_TIME_BUDGET: std::time::Duration = std::time::Duration::from_millis(500);
 
+/// The pause between two sweeping transactions, in which the recorder takes the writer.
+const SWEEP_PAUSE: std::time::Duration = std::time::Duration::from_millis(2);
+
 /// After a checkpoint that swept `swept` keys: while its transaction was full, sweeps on,
 /// a transaction of at most [`SWEEP_MAX_KEYS_PER_TRANSACTION`] keys at a time (not
 /// durable: a sweep a crash undoes is done again), within [`SWEEP_TIME_BUDGET`].
 fn sweep_the_rest(state: &StateDb, cutoff_unix_ms: u64, mut swept: usize) -> Result<(), StateError> {
     let started = std::time::Instant::now();
     while swept == SWEEP_MAX_KEYS_PER_TRANSACTION && started.elapsed() < SWEEP_TIME_BUDGET {
+        // redb's writer is not handed over fairly: without a pause the recorder of the
+        // keyed requests, woken by the last commit, would lose the writer to this loop
+        // again and wait for the whole budget.
+        std::thread::sleep(SWEEP_PAUSE);
         let db = state.db()?;
         let mut txn = db.begin_write().map_err(storage_err)?;
         txn.set_durability(Durability::None).map_err(|e| StateError::Storage(e.to_string()))?;
@@ -1302,7 +1327,7 @@ mod tests {
     async fn a_checkpoint_sweeps_expired_keys_in_bounded_transactions() {
         let state = Arc::new(StateDb::open_in_memory().unwrap());
         let index = Arc::new(IdempotencyIndex::new(state.clone(), 1_000));
-        let expired = SWEEP_MAX_KEYS_PER_TRANSACTION + 2_500;
+        let expired = 3 * SWEEP_MAX_KEYS_PER_TRANSACTION + 2_500;
         {
             let db = state.db().unwrap();
             let txn = db.begin_write().unwrap();
@@ -1328,10 +1353,15 @@ mod tests {
         let now = 1_000_000 + SWEEP_GRACE_MS;
         let cutoff = now - 1_000 - SWEEP_GRACE_MS;
         assert_eq!(commit_checkpoint(&state, 0, cutoff).unwrap(), SWEEP_MAX_KEYS_PER_TRANSACTION);
-        assert_eq!(count("keys"), 2_501, "one transaction swept more or less than its share");
-        assert_eq!(count("by_time"), 2_501);
+        let left = (2 * SWEEP_MAX_KEYS_PER_TRANSACTION + 2_501) as u64;
+        assert_eq!(count("keys"), left, "one transaction swept more or less than its share");
+        assert_eq!(count("by_time"), left);
         assert_eq!(index.lookup(&key("old-0"), now).unwrap(), None, "the oldest go first");
         assert!(index.lookup(&key(&format!("old-{}", expired - 1)), 1_000).unwrap().is_some(), "the newest stay");
+        // The final checkpoint (at shutdown) sweeps its own transaction's share only.
+        index.final_checkpoint(&wal, now).await.unwrap();
+        assert_eq!(count("keys"), left - SWEEP_MAX_KEYS_PER_TRANSACTION as u64);
+        // A checkpoint sweeps the rest, in more than one transaction.
         index.checkpoint(&wal, now).await.unwrap();
         assert_eq!((count("keys"), count("by_time")), (1, 1), "the checkpoint sweeps the rest");
         assert!(index.lookup(&key("fresh"), 1_000_500).unwrap().is_some());

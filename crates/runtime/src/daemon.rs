@@ -368,7 +368,8 @@ pub async fn start(mut settings: Settings, metrics: Option<PrometheusHandle>) ->
             );
         }
         let wal_closed = wal.close().await.map_err(|e| e.to_string());
-        let checkpoint = idempotency.checkpoint(&wal, ingest::time::now_unix_ms()).await.map_err(|e| e.to_string());
+        let checkpoint =
+            idempotency.final_checkpoint(&wal, ingest::time::now_unix_ms()).await.map_err(|e| e.to_string());
         let _ = admin_stop_tx.send(true);
         let _ = admin_task.await;
         if let Some(t) = upkeep_task {
