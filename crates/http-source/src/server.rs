@@ -91,7 +91,10 @@ pub async fn serve(
                     },
                 };
                 if let Poll::Ready(accepted) = std::future::poll_fn(|cx| Poll::Ready(listener.poll_accept(cx))).await {
-                    waits.increment(1);
+                    // A failed accept (EMFILE, an aborted connection) is no client served.
+                    if accepted.is_ok() {
+                        waits.increment(1);
+                    }
                     waited = Some(accepted);
                 }
                 p

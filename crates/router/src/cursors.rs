@@ -245,11 +245,17 @@ impl CursorStore for StateCursorStore {
     }
 
     fn release_held_by(&self) -> Option<String> {
-        let failure = self.idempotency.as_ref()?.checkpoint_failure()?;
-        // One failure is a checkpoint late by an interval; three in a row hold the log.
-        (failure.in_a_row >= CHECKPOINT_FAILURES_HOLDING)
-            .then(|| format!("idempotency checkpoints fail ({} in a row): {}", failure.in_a_row, failure.error))
+        checkpoints_holding(self.idempotency.as_ref()?.checkpoint_failure())
     }
+}
+
+/// What failing checkpoints say of the release: nothing until
+/// [`CHECKPOINT_FAILURES_HOLDING`] in a row (one failure is a checkpoint late by an
+/// interval), then the last error. The count stays out of the text, which is the
+/// router's status reason: it changes when the error does, not with every failure.
+fn checkpoints_holding(failure: Option<ingest::idempotency::CheckpointFailure>) -> Option<String> {
+    let failure = failure.filter(|f| f.in_a_row >= CHECKPOINT_FAILURES_HOLDING)?;
+    Some(format!("idempotency checkpoints fail: {}", failure.error))
 }
 
 fn rows(cursors: Vec<(LaneKey, u64)>) -> Vec<CursorRow> {
@@ -262,4 +268,21 @@ fn rows(cursors: Vec<(LaneKey, u64)>) -> Vec<CursorRow> {
             delivered_below: below,
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ingest::idempotency::CheckpointFailure;
+
+    #[test]
+    fn checkpoints_hold_the_release_from_the_third_failure_in_a_row_with_a_steady_text() {
+        let failed = |in_a_row| Some(CheckpointFailure { in_a_row, error: "disk I/O error".into() });
+        assert_eq!(checkpoints_holding(None), None);
+        assert_eq!(checkpoints_holding(failed(1)), None);
+        assert_eq!(checkpoints_holding(failed(2)), None);
+        let third = checkpoints_holding(failed(3));
+        assert_eq!(third.as_deref(), Some("idempotency checkpoints fail: disk I/O error"));
+        assert_eq!(checkpoints_holding(failed(40)), third, "the text does not move with the count");
+    }
 }

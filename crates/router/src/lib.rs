@@ -507,7 +507,8 @@ pub fn lower_cursors_ahead_of_the_log<C: CursorStore>(wal: &Wal, cursors: &C) ->
 /// stale cursor that appends made since the open have reached cannot be told apart.)
 ///
 /// A cursor at or below the log's start says nothing of any record the log holds (every
-/// one is at or above it), so it is forgotten, durably: the store does not grow by every
+/// one is at or above it), so it is forgotten, durably (a store that cannot delete it keeps
+/// it, with a warning, until a later start): the store does not grow by every
 /// destination that was ever written to (names a route takes from the payload, run
 /// after run), and a start does not load them all.
 fn cursors_within_the_log<C: CursorStore>(
