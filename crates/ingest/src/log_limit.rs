@@ -61,6 +61,23 @@ impl LogLimit {
         self.admit_numbered_at(Instant::now(), Some(n))
     }
 
+    /// The events left out since the last line, once the interval has passed since it:
+    /// for a caller that writes them on a line of their own when no further event came
+    /// to carry them (the end of a burst). `None` when there are none, or it is too soon.
+    pub fn flush_due(&self) -> Option<Suppressed> {
+        self.flush_due_at(Instant::now())
+    }
+
+    fn flush_due_at(&self, now: Instant) -> Option<Suppressed> {
+        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let due = s.last_written.is_none_or(|last| now.saturating_duration_since(last) >= self.interval);
+        if s.suppressed == 0 || !due {
+            return None;
+        }
+        s.last_written = Some(now);
+        Some(Suppressed { count: std::mem::take(&mut s.suppressed), span: s.suppressed_span.take() })
+    }
+
     fn admit_numbered_at(&self, now: Instant, n: Option<u64>) -> Option<Suppressed> {
         let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
         let due = s.last_written.is_none_or(|last| now.saturating_duration_since(last) >= self.interval);
@@ -111,5 +128,21 @@ mod tests {
             limit.admit_numbered_at(t0 + Duration::from_secs(2), Some(22)),
             Some(Suppressed { count: 0, span: None })
         );
+    }
+
+    /// The end of a burst: what was left out is given to a flush once the interval has
+    /// passed, and only once; a flush with nothing left out gives nothing.
+    #[test]
+    fn a_flush_gives_what_no_later_line_carried() {
+        let limit = LogLimit::every(Duration::from_secs(1));
+        let t0 = Instant::now();
+        assert_eq!(limit.flush_due_at(t0), None);
+        assert!(limit.admit_numbered_at(t0, Some(1)).is_some());
+        assert_eq!(limit.admit_numbered_at(t0 + Duration::from_millis(10), Some(2)), None);
+        assert_eq!(limit.admit_numbered_at(t0 + Duration::from_millis(20), Some(5)), None);
+        assert_eq!(limit.flush_due_at(t0 + Duration::from_millis(500)), None, "too soon");
+        let flushed = limit.flush_due_at(t0 + Duration::from_secs(1));
+        assert_eq!(flushed, Some(Suppressed { count: 2, span: Some((2, 5)) }));
+        assert_eq!(limit.flush_due_at(t0 + Duration::from_secs(5)), None, "given once");
     }
 }

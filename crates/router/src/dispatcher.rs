@@ -41,6 +41,25 @@ use crate::lane::{self, Lane, LaneContext, Routed, SourceShare};
 use crate::policy::{OnAdmissionFailure, Policies};
 use crate::sink::{DestinationKey, LaneKey, Sink};
 
+/// The log line of records dropped for the cap, at most one a second (their count and
+/// offsets on the next line): the destination cap refuses what senders send.
+static CAP_DROP_LOG: ingest::log_limit::LogLimit =
+    ingest::log_limit::LogLimit::every(std::time::Duration::from_secs(1));
+
+/// Writes the records dropped for the cap that no later line carried (the end of a
+/// burst), once their second is over; the router's releaser calls it every round.
+pub(crate) fn log_cap_drops_left_out() {
+    if let Some(s) = CAP_DROP_LOG.flush_due() {
+        let (first, last) = s.span.map_or((None, None), |(f, l)| (Some(f), Some(l)));
+        tracing::warn!(
+            dropped = s.count,
+            first_offset = first,
+            last_offset = last,
+            "destination cap reached: records dropped, as configured (of any source, between these offsets)"
+        );
+    }
+}
+
 /// The destinations a source has lanes for, shared with its lanes' re-read filter.
 #[derive(Debug, Default)]
 pub(crate) struct Admitted {
@@ -349,11 +368,10 @@ impl<S: Sink, C: CursorStore> Dispatcher<S, C> {
             OnAdmissionFailure::Drop => {
                 metrics::counter!("iggy_connector_messages_dropped_total", "connector_key" => connector, "reason" => "cap")
                     .increment(1);
-                static LOG: ingest::log_limit::LogLimit =
-                    ingest::log_limit::LogLimit::every(std::time::Duration::from_secs(1));
                 // Every drop is logged: one a line, the others of the same second by their
-                // count and first and last offset on the next.
-                if let Some(s) = LOG.admit_numbered(offset) {
+                // count and first and last offset on the next (or, at the end of a burst,
+                // on a line of their own: `log_cap_drops_left_out`).
+                if let Some(s) = CAP_DROP_LOG.admit_numbered(offset) {
                     let (first, last) = s.span.map_or((None, None), |(f, l)| (Some(f), Some(l)));
                     tracing::warn!(
                         offset,

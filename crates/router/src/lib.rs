@@ -640,6 +640,7 @@ async fn release_loop<C: CursorStore>(
         metrics::gauge!("iggy_connector_oldest_held_age_seconds").set(oldest_ms.unwrap_or(0) as f64 / 1000.0);
         // Nor past what the cursor store's owner still needs of the log (the daemon: a
         // record whose delivery id is not yet durably checkpointed).
+        dispatcher::log_cap_drops_left_out();
         let ceiling = cursors.release_ceiling();
         // Said only while the ceiling is what holds the log: below what delivery alone
         // would free.
