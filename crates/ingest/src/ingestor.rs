@@ -73,19 +73,7 @@ impl Submission {
         let batch_len = u32::try_from(self.events.len()).unwrap_or(u32::MAX);
         let mut total = 0u64;
         for (i, event) in self.events.iter().enumerate() {
-            let header = EnvelopeHeaderRef {
-                message_id: u128::MAX,
-                received_at_unix_ms: self.received_at_unix_ms,
-                source_key: &self.source_key,
-                endpoint_id: self.endpoint_id,
-                content_type: self.content_type.as_deref(),
-                metadata: MetadataRef::Values(&self.metadata),
-                headers: &self.headers,
-                idempotency_key: self.delivery_key.as_deref(),
-                batch_index: u32::try_from(i).unwrap_or(u32::MAX),
-                batch_len,
-                destination: &event.destination,
-            };
+            let header = self.header_ref(event, u128::MAX, u32::try_from(i).unwrap_or(u32::MAX), batch_len);
             let d = &event.destination;
             let partition_key = match &d.partitioning {
                 crate::envelope::Partitioning::Key(k) => k.len(),
@@ -96,6 +84,32 @@ impl Submission {
             total = total.saturating_add(event_bytes + event.payload.len() as u64 + record_bytes);
         }
         total
+    }
+}
+
+impl Submission {
+    /// The record header of `event` (at `batch_index` of `batch_len`), under `message_id`:
+    /// what the append encodes, and what the footprint counts.
+    pub fn header_ref<'a>(
+        &'a self,
+        event: &'a Event,
+        message_id: u128,
+        batch_index: u32,
+        batch_len: u32,
+    ) -> EnvelopeHeaderRef<'a> {
+        EnvelopeHeaderRef {
+            message_id,
+            received_at_unix_ms: self.received_at_unix_ms,
+            source_key: &self.source_key,
+            endpoint_id: self.endpoint_id,
+            content_type: self.content_type.as_deref(),
+            metadata: MetadataRef::Values(&self.metadata),
+            headers: &self.headers,
+            idempotency_key: self.delivery_key.as_deref(),
+            batch_index,
+            batch_len,
+            destination: &event.destination,
+        }
     }
 }
 
@@ -385,19 +399,7 @@ impl Ingestor {
                 Some(k) => message_id_for_delivery(&s.source_key, s.endpoint_id, k, batch_index),
                 None => random_message_id(),
             };
-            let header = EnvelopeHeaderRef {
-                message_id,
-                received_at_unix_ms: s.received_at_unix_ms,
-                source_key: &s.source_key,
-                endpoint_id: s.endpoint_id,
-                content_type: s.content_type.as_deref(),
-                metadata: MetadataRef::Values(&s.metadata),
-                headers: &s.headers,
-                idempotency_key: s.delivery_key.as_deref(),
-                batch_index,
-                batch_len,
-                destination: &event.destination,
-            };
+            let header = s.header_ref(event, message_id, batch_index, batch_len);
             records.push(Envelope::encode_ref(&header, &event.payload));
         }
         let started = Instant::now();
@@ -509,19 +511,8 @@ mod tests {
             .iter()
             .enumerate()
             .map(|(i, e)| {
-                let header = EnvelopeHeaderRef {
-                    message_id: random_message_id(),
-                    received_at_unix_ms: s.received_at_unix_ms,
-                    source_key: &s.source_key,
-                    endpoint_id: s.endpoint_id,
-                    content_type: s.content_type.as_deref(),
-                    metadata: MetadataRef::Values(&s.metadata),
-                    headers: &s.headers,
-                    idempotency_key: s.delivery_key.as_deref(),
-                    batch_index: i as u32,
-                    batch_len: n as u32,
-                    destination: &e.destination,
-                };
+                // What the append encodes for it.
+                let header = s.header_ref(e, random_message_id(), i as u32, n as u32);
                 Envelope::encode_ref(&header, &e.payload).len() as u64
             })
             .sum();
