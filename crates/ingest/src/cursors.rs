@@ -49,38 +49,32 @@ impl StateDb {
 
     /// Stores several cursors in one durable transaction; a cursor never moves back.
     pub fn store_cursors(&self, rows: &[CursorRow]) -> Result<(), StateError> {
-        self.write_cursors(rows, |current, new| current.is_none_or(|c| c < new))
+        self.change_cursors(rows, |current, new| current.is_none_or(|c| c < new).then_some(CursorChange::Set))
     }
 
     /// Lowers each stored cursor that is above the row's offset to it, in one durable
     /// transaction; a cursor at or below it, or none, is left as it is. For a cursor the
     /// log does not reach: kept, it would pass over records that reuse its offsets.
     pub fn lower_cursors(&self, rows: &[CursorRow]) -> Result<(), StateError> {
-        self.write_cursors(rows, |current, new| current.is_some_and(|c| c > new))
+        self.change_cursors(rows, |current, new| current.is_some_and(|c| c > new).then_some(CursorChange::Set))
     }
 
     /// Deletes each stored cursor at or below its row's offset, in one durable
     /// transaction; one above it, or none, is left as it is. For a cursor the log's start
     /// has passed: it says nothing of any record the log holds.
     pub fn forget_cursors(&self, rows: &[CursorRow]) -> Result<(), StateError> {
-        let db = self.db()?;
-        let txn = db.begin_write().map_err(storage_err)?;
-        {
-            let mut table = txn.open_table(CURSORS).map_err(storage_err)?;
-            for r in rows {
-                let key = (r.source.as_str(), r.stream.as_str(), r.topic.as_str());
-                let current = table.get(key).map_err(storage_err)?.map(|v| v.value());
-                if current.is_some_and(|c| c <= r.delivered_below) {
-                    table.remove(key).map_err(storage_err)?;
-                }
-            }
-        }
-        txn.commit().map_err(storage_err)
+        self.change_cursors(rows, |current, at_most| {
+            current.is_some_and(|c| c <= at_most).then_some(CursorChange::Remove)
+        })
     }
 
-    /// Writes each row whose offset `replaces` the stored one (`None`: no cursor yet),
-    /// in one durable transaction.
-    fn write_cursors(&self, rows: &[CursorRow], replaces: impl Fn(Option<u64>, u64) -> bool) -> Result<(), StateError> {
+    /// Applies to each row's stored cursor what `change` says of it (given the stored
+    /// offset, `None` for no cursor yet, and the row's), in one durable transaction.
+    fn change_cursors(
+        &self,
+        rows: &[CursorRow],
+        change: impl Fn(Option<u64>, u64) -> Option<CursorChange>,
+    ) -> Result<(), StateError> {
         let db = self.db()?;
         let txn = db.begin_write().map_err(storage_err)?;
         {
@@ -88,13 +82,22 @@ impl StateDb {
             for r in rows {
                 let key = (r.source.as_str(), r.stream.as_str(), r.topic.as_str());
                 let current = table.get(key).map_err(storage_err)?.map(|v| v.value());
-                if replaces(current, r.delivered_below) {
-                    table.insert(key, r.delivered_below).map_err(storage_err)?;
+                match change(current, r.delivered_below) {
+                    Some(CursorChange::Set) => drop(table.insert(key, r.delivered_below).map_err(storage_err)?),
+                    Some(CursorChange::Remove) => drop(table.remove(key).map_err(storage_err)?),
+                    None => {}
                 }
             }
         }
         txn.commit().map_err(storage_err)
     }
+}
+
+/// What [`StateDb::change_cursors`] does to one stored cursor.
+enum CursorChange {
+    /// Set it to the row's offset.
+    Set,
+    Remove,
 }
 
 /// What a read-only look at the stored cursors found.
