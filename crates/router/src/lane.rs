@@ -1533,6 +1533,19 @@ mod tests {
         assert_eq!(orders, 924);
     }
 
+    /// A lane of source `s` for `a/b` under `policy`, alone in its source (one send slot,
+    /// no other records of the log its own).
+    fn lane_on_a_b(policy: RouterPolicy) -> Lane {
+        let belongs: Arc<BelongsFn> = Arc::new(|_: &LaneKey, _: &EnvelopeSummary<'_>| None);
+        let share = SourceShare {
+            policy: Arc::new(policy),
+            send_slots: Arc::new(SendSlots::new(1)),
+            belongs,
+            dead_letter_given_up: false,
+        };
+        Lane::new(LaneKey { source: "s".into(), destination: DestinationKey::new("a", "b") }, 0, &share)
+    }
+
     /// A lingering lane is woken once its queue holds what fills the batch, or what the
     /// queue holds at most, by count and by bytes alike. With a queue bounded below a
     /// batch's bytes, waking only at a batch's bytes would never come: the queue fills,
@@ -1544,15 +1557,7 @@ mod tests {
         policy.lane_queue_max_bytes = 100;
         policy.batch.batch_max_records = 500;
         policy.lane_queue_max_records = 10;
-        let belongs: Arc<BelongsFn> = Arc::new(|_: &LaneKey, _: &EnvelopeSummary<'_>| None);
-        let share = SourceShare {
-            policy: Arc::new(policy),
-            send_slots: Arc::new(SendSlots::new(1)),
-            belongs,
-            dead_letter_given_up: false,
-        };
-        let key = LaneKey { source: "s".into(), destination: DestinationKey::new("a", "b") };
-        let lane = Lane::new(key, 0, &share);
+        let lane = lane_on_a_b(policy);
         let mut batch = Vec::new();
         top_up(&lane, &mut batch, true);
         let g = lane.gate();
@@ -1569,15 +1574,8 @@ mod tests {
             lane_queue_max_records: 100_000,
             ..RouterPolicy::default()
         };
-        let belongs: Arc<BelongsFn> = Arc::new(|_: &LaneKey, _: &EnvelopeSummary<'_>| None);
-        let share = SourceShare {
-            policy: Arc::new(policy),
-            send_slots: Arc::new(SendSlots::new(1)),
-            belongs,
-            dead_letter_given_up: false,
-        };
         let d = DestinationKey::new("a", "b");
-        let lane = Lane::new(LaneKey { source: "s".into(), destination: d.clone() }, 0, &share);
+        let lane = lane_on_a_b(policy);
         let long = "h".repeat(255);
         let header = ingest::EnvelopeHeader {
             message_id: 1,
