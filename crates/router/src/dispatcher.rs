@@ -449,6 +449,7 @@ pub(crate) fn new_source_route<S: Sink, C: CursorStore>(
         policy,
         belongs,
         dead_letter_given_up,
+        queue_budget: ctx.queue_budget.clone(),
     };
     let delivered_at_start = Arc::new(DeliveredAtStart::of_source(cursors_at_start, source));
     let dead_letter_lane = dead_letter.map(|destination| {

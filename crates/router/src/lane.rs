@@ -7,6 +7,13 @@
 //! destination that is down for hours holds its records in the log, never in memory.
 //!
 //! Invariants:
+//! - What a lane queues is counted in its router's [`QueueBudget`] by the gate's own
+//!   `push`, `pop_front`, `shed` and `Drop`, nowhere else: all lanes together never
+//!   queue more than `queues_max_bytes`, and a record that does not fit overflows its lane.
+//! - A Degraded lane (failures in a row, its breaker open, or records held out of its
+//!   topic's partitions) queues nothing until it delivers again: its queue is shed to the
+//!   log ([`Gate::shed`]), so memory is held by destinations that deliver, never by an
+//!   outage.
 //! - Records of a destination are sent in log order; a batch is retried until it is
 //!   acknowledged (or disposed of by an explicit admission policy), never skipped.
 //! - A lane's acknowledged records keep pinning the log (`unstored_from`) until the
@@ -103,9 +110,119 @@ pub(crate) struct Gate {
     /// While the lane lingers, the payload bytes left in the batch: queued payload bytes
     /// that reach it fill the batch, and wake the lane as well (0: not lingering).
     wake_at_bytes: usize,
+    /// Set while the lane is Degraded, until it moves records on again: the
+    /// lane cannot send, so it keeps nothing in its queue and the dispatcher's next
+    /// record for it starts a re-read from the log ([`Lane::cannot_send`]).
+    cannot_send: bool,
+    /// What every lane of the router together keeps queued; `queued_bytes` of this
+    /// gate are counted in it while queued.
+    budget: Arc<QueueBudget>,
+}
+
+/// The bytes every lane of a router keeps in its queue, as [`queued_size`] counts them,
+/// against one bound (`Policies::queues_max_bytes`): with each lane bounded alone, a
+/// router with many destinations held their number times `lane_queue_max_bytes`. A
+/// record that does not fit is not queued; its lane re-reads it from the log instead.
+#[derive(Debug)]
+pub(crate) struct QueueBudget {
+    queued_bytes: std::sync::atomic::AtomicUsize,
+    max_bytes: usize,
+}
+
+impl QueueBudget {
+    pub(crate) fn new(max_bytes: usize) -> QueueBudget {
+        QueueBudget { queued_bytes: std::sync::atomic::AtomicUsize::new(0), max_bytes }
+    }
+
+    /// Counts `bytes` in if they fit within the bound; false (nothing counted) if not.
+    fn take(&self, bytes: usize) -> bool {
+        self.queued_bytes
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |q| {
+                q.checked_add(bytes).filter(|&total| total <= self.max_bytes)
+            })
+            .is_ok()
+    }
+
+    fn give_back(&self, bytes: usize) {
+        let before = self.queued_bytes.fetch_sub(bytes, Ordering::AcqRel);
+        debug_assert!(before >= bytes, "queue budget gave back {bytes} of {before}");
+    }
+
+    /// The bytes all lanes keep queued now.
+    pub(crate) fn queued_bytes(&self) -> usize {
+        self.queued_bytes.load(Ordering::Acquire)
+    }
+
+    pub(crate) fn max_bytes(&self) -> usize {
+        self.max_bytes
+    }
+}
+
+/// No bound: for a gate built on its own (the unit tests below). A lane's gate always
+/// takes its router's budget ([`Lane::new`]).
+impl Default for QueueBudget {
+    fn default() -> QueueBudget {
+        QueueBudget::new(usize::MAX)
+    }
+}
+
+/// A lane dropped with records queued (its router stopped) gives their bytes back.
+impl Drop for Gate {
+    fn drop(&mut self) {
+        self.budget.give_back(self.queued_bytes);
+    }
 }
 
 impl Gate {
+    /// A lane's gate: everything below `acked_below` acknowledged, nothing queued.
+    fn new(acked_below: u64, budget: Arc<QueueBudget>) -> Gate {
+        let mut gate = Gate::default();
+        gate.acked_below = acked_below;
+        gate.budget = budget;
+        gate
+    }
+
+    /// Queues `r` if the router's budget has room for it; gives it back if not.
+    // The `Err` is the record handed back, not an error: boxing it would allocate per record.
+    #[allow(clippy::result_large_err)]
+    fn push(&mut self, r: Routed) -> Result<(), Routed> {
+        let size = queued_size(&r);
+        if !self.budget.take(size) {
+            return Err(r);
+        }
+        self.queued_bytes += size;
+        self.queued_payload_bytes += r.envelope.payload.len();
+        self.queue.push_back(r);
+        Ok(())
+    }
+
+    fn pop_front(&mut self) -> Option<Routed> {
+        let r = self.queue.pop_front()?;
+        let size = queued_size(&r);
+        self.queued_bytes -= size;
+        self.queued_payload_bytes -= r.envelope.payload.len();
+        self.budget.give_back(size);
+        Some(r)
+    }
+
+    /// Empties the queue into the log: the lane re-reads its records from the first one
+    /// queued, and the dispatcher's next record for it (if none was queued) starts such
+    /// a re-read too. The records stay held (counted, pinning the log); only memory is
+    /// given back.
+    fn shed(&mut self) {
+        self.cannot_send = true;
+        let (Some(first), Some(last)) = (self.queue.front(), self.queue.back()) else { return };
+        let (first, last) = (first.offset, last.offset);
+        // Queued records lie below any offset skipped since: an overflow stops queueing.
+        self.overflow_from = Some(self.overflow_from.map_or(first, |o| o.min(first)));
+        self.last_skipped = Some(self.last_skipped.map_or(last, |s| s.max(last)));
+        self.full_since = None;
+        self.budget.give_back(self.queued_bytes);
+        self.queue = VecDeque::new();
+        self.queued_bytes = 0;
+        self.queued_payload_bytes = 0;
+    }
+
     /// Counts a record routed here as held (queued, or skipped to be re-read from the log).
     fn hold(&mut self, payload_len: usize, received_at_unix_ms: u64) {
         self.held_records += 1;
@@ -175,6 +292,8 @@ pub struct LaneSnapshot {
     /// of the server.
     pub not_durable_warning: bool,
     pub overflowed: bool,
+    /// What the lane keeps in its queue in memory, as `lane_queue_max_bytes` counts it.
+    pub queued_bytes: usize,
 }
 
 #[derive(Debug, Default)]
@@ -270,6 +389,8 @@ pub(crate) struct SourceShare {
     /// The source's dead-letter destination is given up (`[router.give_up]`): what
     /// would go there is dropped and counted as given up instead.
     pub dead_letter_given_up: bool,
+    /// The router's bound on what all its lanes keep queued.
+    pub queue_budget: Arc<QueueBudget>,
 }
 
 impl Lane {
@@ -283,7 +404,7 @@ impl Lane {
             send_slots: share.send_slots.clone(),
             belongs: share.belongs.clone(),
             dead_letter_given_up: share.dead_letter_given_up,
-            gate: Mutex::new(Gate { acked_below: delivered_below, ..Gate::default() }),
+            gate: Mutex::new(Gate::new(delivered_below, share.queue_budget.clone())),
             wake: Notify::new(),
             space: Notify::new(),
             delivered_below: AtomicU64::new(delivered_below),
@@ -357,8 +478,8 @@ impl Lane {
             g.full_since = None;
         }
         let full = g.overflow_from.is_none()
-            && (g.queue.len() >= queue_max || (!g.queue.is_empty() && g.queued_bytes >= max_bytes));
-        if full && may_refuse && self.is_healthy() {
+            && (g.cannot_send || g.queue.len() >= queue_max || (!g.queue.is_empty() && g.queued_bytes >= max_bytes));
+        if full && may_refuse && !g.cannot_send && self.is_healthy() {
             let now = Instant::now();
             let since = *g.full_since.get_or_insert(now);
             if now.duration_since(since) < overflow_after {
@@ -375,19 +496,42 @@ impl Lane {
             g.full_since = None;
             true
         } else {
-            g.queued_bytes += queued_size(&r);
-            g.queued_payload_bytes += r.envelope.payload.len();
-            g.queue.push_back(r);
-            // A lingering lane is woken once its batch could fill, or once its queue is
-            // full by bytes held (it takes no more then, so waiting would gain nothing).
-            g.queue.len() >= g.wake_at_queued.max(1)
-                || (g.wake_at_bytes > 0 && (g.queued_payload_bytes >= g.wake_at_bytes || g.queued_bytes >= max_bytes))
+            match g.push(r) {
+                // A lingering lane is woken once its batch could fill, or once its queue is
+                // full by bytes held (it takes no more then, so waiting would gain nothing).
+                Ok(()) => {
+                    g.queue.len() >= g.wake_at_queued.max(1)
+                        || (g.wake_at_bytes > 0
+                            && (g.queued_payload_bytes >= g.wake_at_bytes || g.queued_bytes >= max_bytes))
+                }
+                // The router's lanes together hold all the budget allows: this lane
+                // re-reads from this record on.
+                Err(r) => {
+                    g.overflow_from = Some(r.offset);
+                    g.last_skipped = Some(r.offset);
+                    g.full_since = None;
+                    true
+                }
+            }
         };
         drop(g);
         if wake {
             self.wake.notify_one();
         }
         Ok(())
+    }
+
+    /// The lane cannot send (it is Degraded: failures in a row, its breaker open, or
+    /// records held out of its topic's partitions): its queue is emptied into the log, and it queues nothing more until
+    /// it moves records on again ([`Lane::sends_again`]). Memory is held by lanes that
+    /// deliver, never by an outage, however many destinations it hits.
+    fn cannot_send(&self) {
+        self.gate().shed();
+    }
+
+    /// The lane moved records on: its queue takes records again.
+    fn sends_again(&self) {
+        self.gate().cannot_send = false;
     }
 
     /// True while the lane re-reads the log itself rather than taking records from its
@@ -448,6 +592,7 @@ impl Lane {
             partitions_count: i.topic.map(|t| t.partitions_count),
             not_durable_warning: i.topic.is_some_and(|t| !t.durable),
             overflowed: g.overflow_from.is_some(),
+            queued_bytes: g.queued_bytes,
         }
     }
 }
@@ -477,6 +622,8 @@ pub(crate) struct LaneContext<S, C> {
     /// Whether the server answers writes, for telling a silent destination from a
     /// server that stalls every write ([`bounded_write`]).
     pub writes: Arc<crate::write_watch::WriteWatch>,
+    /// The router's bound on what all its lanes keep queued.
+    pub queue_budget: Arc<QueueBudget>,
 }
 
 impl<S, C> Clone for LaneContext<S, C> {
@@ -491,6 +638,7 @@ impl<S, C> Clone for LaneContext<S, C> {
             shutdown: self.shutdown.clone(),
             router_status: self.router_status.clone(),
             writes: self.writes.clone(),
+            queue_budget: self.queue_budget.clone(),
         }
     }
 }
@@ -794,9 +942,7 @@ fn take_from_queue(g: &mut Gate, max_records: usize, max_bytes: usize) -> Vec<Ro
             break;
         }
         bytes += len;
-        if let Some(r) = g.queue.pop_front() {
-            g.queued_bytes -= queued_size(&r);
-            g.queued_payload_bytes -= len;
+        if let Some(r) = g.pop_front() {
             batch.push(r);
         }
     }
@@ -860,9 +1006,7 @@ fn top_up(lane: &Lane, batch: &mut Vec<Routed>, lingering: bool) -> TopUp {
             full = true;
             break;
         }
-        if let Some(r) = g.queue.pop_front() {
-            g.queued_bytes -= queued_size(&r);
-            g.queued_payload_bytes -= len;
+        if let Some(r) = g.pop_front() {
             bytes += len;
             batch.push(r);
             moved = true;
@@ -1445,13 +1589,18 @@ fn failed<S, C>(lane: &Lane, ctx: &LaneContext<S, C>, failures: u32, breaker_ope
     }
 }
 
-/// The lane is retrying without progress: Degraded, and the router told.
+/// The lane is retrying without progress: Degraded, the router told, and its queue shed
+/// to the log. Not before: a lane that sheds re-reads the log from its first queued
+/// record, scanning every record since (all destinations'), so a blip of a few failed
+/// attempts is better held in memory, within the lanes' bounds.
 fn degraded<S, C>(lane: &Lane, ctx: &LaneContext<S, C>, why: &str) {
+    lane.cannot_send();
     ctx.router_status.lane_degraded(&lane.key, &lane.status, why);
 }
 
-/// The lane moved its records on: Running, and the router told.
+/// The lane moved its records on: Running, its queue open again, and the router told.
 fn progressed<S, C>(lane: &Lane, ctx: &LaneContext<S, C>, why: &str) {
+    lane.sends_again();
     ctx.router_status.lane_recovered(&lane.key, &lane.status, why);
 }
 
@@ -1542,6 +1691,7 @@ mod tests {
             send_slots: Arc::new(SendSlots::new(1)),
             belongs,
             dead_letter_given_up: false,
+            queue_budget: Arc::default(),
         };
         Lane::new(LaneKey { source: "s".into(), destination: DestinationKey::new("a", "b") }, 0, &share)
     }
@@ -1607,5 +1757,79 @@ mod tests {
         }
         let g = lane.gate();
         assert!(g.queued_bytes >= 64 * 1024 && g.queued_payload_bytes == 10 * queued as usize, "{g:?}");
+    }
+
+    fn routed_at(offset: u64) -> Routed {
+        let header = ingest::EnvelopeHeader {
+            message_id: u128::from(offset),
+            received_at_unix_ms: 0,
+            source_key: "s".into(),
+            endpoint_id: None,
+            content_type: None,
+            metadata: vec![],
+            headers: vec![],
+            idempotency_key: None,
+            batch_index: 0,
+            batch_len: 1,
+            destination: ingest::envelope::Destination {
+                stream: "a".into(),
+                topic: "b".into(),
+                partitioning: ingest::envelope::Partitioning::Balanced,
+            },
+        };
+        let record = Envelope::encode(&header, b"{}");
+        Routed { offset, envelope: Envelope::decode(&record).unwrap(), dead_letter_reason: None }
+    }
+
+    /// A shed queue is re-read from its first record, past everything queued and skipped
+    /// (an overflow already under way included), and its bytes go back to the budget; a
+    /// shed lane's next record starts a re-read even with room in its queue and budget.
+    #[test]
+    fn a_shed_queue_is_re_read_from_its_first_record_and_its_bytes_given_back() {
+        let budget = Arc::new(QueueBudget::new(1 << 20));
+        for overflow in [None, Some((9, 12))] {
+            let mut g = Gate::new(0, budget.clone());
+            g.push(routed_at(5)).unwrap();
+            g.push(routed_at(6)).unwrap();
+            assert!(budget.queued_bytes() > 0);
+            if let Some((from, skipped)) = overflow {
+                (g.overflow_from, g.last_skipped) = (Some(from), Some(skipped));
+            }
+            g.shed();
+            let want_skipped = overflow.map_or(6, |(_, s)| s);
+            assert_eq!((g.overflow_from, g.last_skipped), (Some(5), Some(want_skipped)), "{overflow:?}");
+            assert_eq!((g.queue.len(), g.queued_bytes, g.queued_payload_bytes), (0, 0, 0));
+            assert_eq!(budget.queued_bytes(), 0);
+            assert_eq!(g.low_water(), Some(5));
+        }
+        let lane = lane_on_a_b(RouterPolicy::default());
+        lane.cannot_send();
+        lane.offer(routed_at(1), 4096, Duration::from_secs(3600), true).unwrap();
+        let g = lane.gate();
+        assert_eq!((g.queue.len(), g.overflow_from, g.last_skipped), (0, Some(1), Some(1)));
+        drop(g);
+        lane.sends_again();
+        lane.offer(routed_at(2), 4096, Duration::from_secs(3600), true).unwrap();
+        assert_eq!(lane.gate().queue.len(), 0, "queued while re-reading");
+    }
+
+    /// The router's budget is all its lanes' together: a record that does not fit is
+    /// not queued, its lane re-reads it; what a gate dropped with records queued held
+    /// is given back.
+    #[test]
+    fn a_record_past_the_routers_budget_overflows_its_lane() {
+        let size = queued_size(&routed_at(0));
+        let budget = Arc::new(QueueBudget::new(3 * size));
+        let mut a = Gate::new(0, budget.clone());
+        let mut b = Gate::new(0, budget.clone());
+        a.push(routed_at(0)).unwrap();
+        a.push(routed_at(1)).unwrap();
+        b.push(routed_at(2)).unwrap();
+        assert_eq!(b.push(routed_at(3)).map_err(|r| r.offset), Err(3));
+        assert_eq!((b.queue.len(), budget.queued_bytes()), (1, 3 * size));
+        drop(a);
+        assert_eq!(budget.queued_bytes(), size);
+        b.pop_front().unwrap();
+        assert_eq!(budget.queued_bytes(), 0);
     }
 }

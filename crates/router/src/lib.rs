@@ -60,7 +60,7 @@ pub use cursors::{CursorStore, MemoryCursorStore, StateCursorStore};
 pub const IGGY_PAYLOAD_MAX_BYTES: u64 = iggy::prelude::MAX_PAYLOAD_SIZE as u64;
 use dispatcher::{Dispatcher, LaneTasks, Lanes};
 pub use lane::LaneSnapshot;
-use lane::{Lane, LaneContext};
+use lane::{Lane, LaneContext, QueueBudget};
 pub use policy::{BatchPolicy, BreakerPolicy, OnAdmissionFailure, Policies, RouterPolicy};
 pub use sink::{DestinationKey, LaneKey, OutMessage, SendError, SendErrorKind, Sink, TopicInfo};
 use status::{Status, StatusCell, StatusSnapshot};
@@ -294,6 +294,7 @@ pub struct Router {
     health: Arc<RouterHealth>,
     released_below: Arc<AtomicU64>,
     held_from: Arc<AtomicU64>,
+    queue_budget: Arc<QueueBudget>,
     shutdown: watch::Sender<bool>,
     /// Taken by the shutdown, which runs behind `&self` so that the router's status
     /// stays readable ("stopping") while it waits for its tasks.
@@ -358,6 +359,7 @@ impl Router {
             ),
             on_panic("cursor flusher"),
         );
+        let queue_budget = Arc::new(QueueBudget::new(policies.queues_max_bytes));
         let ctx = LaneContext {
             wal: wal.clone(),
             sink,
@@ -368,6 +370,7 @@ impl Router {
             shutdown: shutdown_rx.clone(),
             router_status: health.clone(),
             writes: Arc::default(),
+            queue_budget: queue_budget.clone(),
         };
         let held_from = Arc::new(AtomicU64::new(u64::MAX));
         let lane_tasks = LaneTasks::default();
@@ -397,6 +400,7 @@ impl Router {
                 released_below.clone(),
                 delivered,
                 health.clone(),
+                queue_budget.clone(),
                 shutdown_rx,
             ),
             on_panic("releaser"),
@@ -407,6 +411,7 @@ impl Router {
             health,
             released_below,
             held_from,
+            queue_budget,
             shutdown,
             tasks: std::sync::Mutex::new(tasks),
             lane_tasks,
@@ -445,6 +450,12 @@ impl Router {
     /// The log has been released below this offset.
     pub fn released_below(&self) -> u64 {
         self.released_below.load(Ordering::Acquire)
+    }
+
+    /// The bytes all lanes keep queued in memory now, and the most they may
+    /// (`Policies::queues_max_bytes`).
+    pub fn queued_bytes(&self) -> (usize, usize) {
+        (self.queue_budget.queued_bytes(), self.queue_budget.max_bytes())
     }
 
     /// The lowest offset held because it could not be admitted, if any.
@@ -606,10 +617,12 @@ async fn release_loop<C: CursorStore>(
     released_below: Arc<AtomicU64>,
     delivered: Arc<Notify>,
     health: Arc<RouterHealth>,
+    queue_budget: Arc<QueueBudget>,
     mut shutdown: watch::Receiver<bool>,
 ) {
     let _held = OnDrop(|| {
         metrics::gauge!("iggy_connector_held_bytes").set(0.0);
+        metrics::gauge!("iggy_connector_queued_bytes").set(0.0);
         metrics::gauge!("iggy_connector_oldest_held_age_seconds").set(0.0);
     });
     loop {
@@ -637,6 +650,7 @@ async fn release_loop<C: CursorStore>(
             oldest_ms = oldest_ms.max(s.oldest_held_age_ms);
         }
         metrics::gauge!("iggy_connector_held_bytes").set(held_bytes as f64);
+        metrics::gauge!("iggy_connector_queued_bytes").set(queue_budget.queued_bytes() as f64);
         metrics::gauge!("iggy_connector_oldest_held_age_seconds").set(oldest_ms.unwrap_or(0) as f64 / 1000.0);
         // Nor past what the cursor store's owner still needs of the log (the daemon: a
         // record whose delivery id is not yet durably checkpointed).

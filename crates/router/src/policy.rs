@@ -37,6 +37,9 @@ pub const MAX_BATCH_BYTES: usize = 64 * 1024 * 1024;
 pub const MAX_LANE_QUEUE_RECORDS: usize = 1_000_000;
 /// The most payload bytes one lane may keep queued in memory: 1 GiB.
 pub const MAX_LANE_QUEUE_BYTES: usize = 1024 * 1024 * 1024;
+/// The most bytes all lanes of the router together may keep queued: 64 GiB, a bound
+/// for the machine's memory, not for a lane. (On a 32-bit target, `usize::MAX`.)
+pub const MAX_QUEUES_BYTES: usize = if usize::BITS >= 64 { 64 << 30 } else { usize::MAX };
 
 /// The longest duration of any knob: one day. Far above any useful setting, and the
 /// lanes take deadlines (`now + linger`, `now + cool_down`) that would overflow the
@@ -146,6 +149,12 @@ pub struct Policies {
     pub read_batch_max_records: usize,
     /// Bytes the dispatcher reads from the log per step. 4 MiB.
     pub read_batch_max_bytes: usize,
+    /// Bytes every lane of every source together keeps queued in memory, counted as
+    /// `lane_queue_max_bytes` counts them. 256 MiB: each lane's own bound alone let a
+    /// router hold its destinations' number times that (1000 × 8 MiB per source at the
+    /// defaults). A record past it is re-read from the log by its lane instead, and a
+    /// Degraded lane holds none, so what takes it is destinations that deliver.
+    pub queues_max_bytes: usize,
     /// (source, destination) pairs whose records are given up: dropped, counted and
     /// logged instead of delivered, so the log is released past them. An operator's
     /// decision for a destination that can never be delivered; the source need not be
@@ -161,6 +170,7 @@ impl Policies {
             sources: HashMap::new(),
             read_batch_max_records: 4096,
             read_batch_max_bytes: 4 * 1024 * 1024,
+            queues_max_bytes: 256 * 1024 * 1024,
             given_up: Arc::default(),
         }
     }
@@ -182,6 +192,7 @@ impl Policies {
         }
         within("read_batch_max_records", self.read_batch_max_records, MAX_BATCH_RECORDS)?;
         within("read_batch_max_bytes", self.read_batch_max_bytes, MAX_BATCH_BYTES)?;
+        within("queues_max_bytes", self.queues_max_bytes, MAX_QUEUES_BYTES)?;
         Ok(())
     }
 }

@@ -76,7 +76,8 @@ async fn a_black_holed_destination_opens_its_breaker_and_stalls_no_one_else() {
 
 /// What a stuck lane keeps in memory is bounded by payload bytes as well as by records:
 /// past `lane_queue_max_bytes` it re-reads the log instead, however few records that is,
-/// and delivers everything in order once its destination is back.
+/// and delivers everything in order once its destination answers. Stuck, not failing:
+/// its send is in flight (a lane whose send failed keeps nothing queued at all).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stuck_lane_overflows_to_the_log_at_its_byte_bound_before_its_record_bound() {
     for (max_bytes, overflows) in [(100, true), (8 << 20, false)] {
@@ -84,8 +85,9 @@ async fn a_stuck_lane_overflows_to_the_log_at_its_byte_bound_before_its_record_b
         let wal = open_wal(&sim);
         let sink = FaultySink::new();
         let d = key("s", "stuck");
-        sink.fault(&d, Some(Fault::Fail(SendErrorKind::Destination)));
+        sink.fault(&d, Some(Fault::Slow(Duration::from_secs(3))));
         let mut policy = fast_policy();
+        policy.batch.result_timeout = Duration::from_secs(20);
         policy.lane_queue_max_records = 4096;
         policy.lane_queue_max_bytes = max_bytes;
         let router = start_router(&wal, &sink, policy);
@@ -95,12 +97,105 @@ async fn a_stuck_lane_overflows_to_the_log_at_its_byte_bound_before_its_record_b
         })
         .await;
         let lane = router.destinations().into_iter().find(|l| l.destination == d).unwrap();
+        assert_eq!(lane.consecutive_failures, 0, "{lane:?}");
         assert_eq!(lane.overflowed, overflows, "{max_bytes} bytes: {lane:?}");
         sink.fault(&d, None);
         eventually(Duration::from_secs(60), "delivered", || sink.ids(&d).len() >= 300).await;
         assert_eq!(sink.ids(&d), want[&d], "lost, reordered or duplicated records");
         router.shutdown().await;
     }
+}
+
+/// A Degraded lane cannot say when it will send again: it gives what it queued back to
+/// the log and queues nothing more until it delivers, whatever its queue's bounds, so
+/// an outage of many destinations costs disk, not memory. A failure or two before that
+/// (a blip) keeps its queue. Once its destination answers, it re-reads the records and
+/// delivers each once, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_degraded_lane_gives_its_queue_back_to_the_log() {
+    let sim = SimStorage::new();
+    let wal = open_wal(&sim);
+    let sink = FaultySink::new();
+    let d = key("s", "failing");
+    // Answered after the result timeout: records queue behind the send until it fails.
+    sink.fault(&d, Some(Fault::Slow(Duration::from_secs(30))));
+    let mut policy = fast_policy();
+    policy.batch.result_timeout = Duration::from_secs(2);
+    policy.batch.degraded_after_failures = 3;
+    policy.breaker.failure_threshold = 100;
+    let router = start_router(&wal, &sink, policy);
+    let lane = || router.destinations().into_iter().find(|l| l.destination == d).unwrap();
+    let mut want = fill(&wal, std::slice::from_ref(&d), 0, 300).await;
+    eventually(Duration::from_secs(10), "all held", || {
+        router.destinations().iter().any(|l| l.destination == d && l.held_records == 300)
+    })
+    .await;
+    let queued = lane();
+    assert!(queued.queued_bytes > 0 && !queued.overflowed, "nothing queued behind the send: {queued:?}");
+    assert_eq!(router.queued_bytes().0, queued.queued_bytes);
+    eventually(Duration::from_secs(10), "the send failed", || lane().consecutive_failures == 1).await;
+    let blip = lane();
+    assert_eq!((blip.queued_bytes, blip.overflowed), (queued.queued_bytes, false), "{blip:?}");
+    sink.fault(&d, Some(Fault::Fail(SendErrorKind::Destination)));
+    eventually(Duration::from_secs(10), "degraded", || lane().status == Status::Degraded).await;
+    let failed = lane();
+    assert_eq!((failed.queued_bytes, failed.overflowed, failed.held_records), (0, true, 300), "{failed:?}");
+    assert_eq!(router.queued_bytes().0, 0);
+    // Records that arrive while it fails are not queued either.
+    want.get_mut(&d).unwrap().extend(fill(&wal, std::slice::from_ref(&d), 300, 100).await.remove(&d).unwrap());
+    eventually(Duration::from_secs(10), "all held", || lane().held_records == 400).await;
+    assert_eq!(lane().queued_bytes, 0, "{:?}", lane());
+    sink.fault(&d, None);
+    eventually(Duration::from_secs(60), "delivered", || sink.ids(&d).len() >= 400).await;
+    assert_eq!(sink.ids(&d), want[&d], "lost, reordered or duplicated records");
+    // Delivering again, it queues again.
+    want.get_mut(&d).unwrap().extend(fill(&wal, std::slice::from_ref(&d), 400, 100).await.remove(&d).unwrap());
+    eventually(Duration::from_secs(30), "delivered", || sink.ids(&d).len() >= 500).await;
+    assert_eq!(sink.ids(&d), want[&d], "lost, reordered or duplicated records");
+    eventually(Duration::from_secs(10), "queueing again", || !lane().overflowed).await;
+    router.shutdown().await;
+}
+
+/// What all lanes of a router keep queued is bounded as a whole (`queues_max_bytes`),
+/// not only lane by lane: with twenty destinations whose sends are in flight, each
+/// lane's own 8 MiB would let them queue every record; under the router's bound the
+/// rest stays in the log, re-read by each lane, and all of it is delivered in order
+/// once they answer, the budget given back in full.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_lanes_of_a_router_keep_no_more_queued_than_its_bound() {
+    let sim = SimStorage::new();
+    let wal = open_wal(&sim);
+    let sink = FaultySink::new();
+    let dests: Vec<_> = (0..20).map(|i| key("s", &format!("d{i}"))).collect();
+    for d in &dests {
+        sink.fault(d, Some(Fault::Slow(Duration::from_secs(3))));
+    }
+    let mut policy = fast_policy();
+    policy.batch.result_timeout = Duration::from_secs(20);
+    policy.max_concurrent_destinations = 20;
+    let mut policies = Policies::uniform(policy);
+    policies.queues_max_bytes = 32 * 1024;
+    let router = Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), policies).unwrap();
+    let want = fill(&wal, &dests, 0, 4000).await;
+    eventually(Duration::from_secs(30), "all held", || {
+        router.destinations().iter().map(|l| l.held_records).sum::<u64>() == 4000
+    })
+    .await;
+    let lanes = router.destinations();
+    let (queued, max) = router.queued_bytes();
+    assert_eq!(max, 32 * 1024);
+    assert!(queued > 0 && queued <= max, "{queued} bytes queued");
+    assert_eq!(lanes.iter().map(|l| l.queued_bytes).sum::<usize>(), queued, "{lanes:?}");
+    assert!(lanes.iter().any(|l| l.overflowed), "no lane re-reads the log: {lanes:?}");
+    for d in &dests {
+        sink.fault(d, None);
+    }
+    eventually(Duration::from_secs(60), "delivered", || dests.iter().all(|d| sink.ids(d).len() >= 200)).await;
+    for d in &dests {
+        assert_eq!(sink.ids(d), want[d], "{d}: lost, reordered or duplicated records");
+    }
+    eventually(Duration::from_secs(10), "the budget given back", || router.queued_bytes().0 == 0).await;
+    router.shutdown().await;
 }
 
 /// An open breaker sends nothing for its cool-down: the destination is Degraded (and the

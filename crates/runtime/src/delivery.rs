@@ -68,6 +68,9 @@ pub struct RouterSection {
     /// How long the destinations known at start may take to be ensured in the
     /// background (0: not pre-warmed; each is ensured on first use).
     pub prewarm_timeout_ms: u64,
+    /// What every lane of every source together keeps queued in memory (router-wide;
+    /// no per-source override).
+    pub queues_max_bytes: u64,
     pub topic_defaults: TopicDefaultsSection,
     pub sources: BTreeMap<String, PolicyOverrides>,
     /// `[router.give_up]`: by source key, the destinations (`"stream/topic"`) whose records
@@ -98,6 +101,7 @@ impl Default for RouterSection {
             lane_queue_max_bytes: p.lane_queue_max_bytes as u64,
             overflow_after_ms: p.overflow_after.as_millis() as u64,
             prewarm_timeout_ms: 10_000,
+            queues_max_bytes: Policies::uniform(RouterPolicy::default()).queues_max_bytes as u64,
             topic_defaults: TopicDefaultsSection::default(),
             sources: BTreeMap::new(),
             give_up: BTreeMap::new(),
@@ -381,6 +385,7 @@ fn merged(base: &RouterSection, o: &PolicyOverrides) -> RouterSection {
         overflow_after_ms: o.overflow_after_ms.unwrap_or(base.overflow_after_ms),
         enabled: base.enabled,
         prewarm_timeout_ms: base.prewarm_timeout_ms,
+        queues_max_bytes: base.queues_max_bytes,
         topic_defaults: base.topic_defaults.clone(),
         sources: BTreeMap::new(),
         give_up: BTreeMap::new(),
@@ -480,6 +485,14 @@ pub fn check(section: &RouterSection, iggy: &IggyConfig, sources: &[String]) -> 
     let mut policies = Policies::uniform(default);
     policies.sources = per_source;
     policies.given_up = Arc::new(given_up(&section.give_up, &mut problems));
+    policies.queues_max_bytes = to_usize(section.queues_max_bytes);
+    let queues_max_bytes = router::policy::MAX_QUEUES_BYTES as u64;
+    if !(1..=queues_max_bytes).contains(&section.queues_max_bytes) {
+        problems.push((
+            vec!["router".into(), "queues_max_bytes".into()],
+            format!("must be at least 1 and at most {queues_max_bytes}"),
+        ));
+    }
     if section.prewarm_timeout_ms > max_duration_ms() {
         // Its deadline (`now + prewarm_timeout`) would overflow the clock.
         problems.push((
@@ -552,16 +565,18 @@ impl Delivery {
 
     /// The router's status (`stopping` while it stops, `stopped` after), or `disabled`.
     pub fn status_json(&self) -> serde_json::Value {
-        match self.with(|r| (r.status(), r.released_below(), r.held_from())) {
+        match self.with(|r| (r.status(), r.released_below(), r.held_from(), r.queued_bytes())) {
             None if !self.enabled => json!({"status": "disabled"}),
             None => json!({"status": "stopped"}),
-            Some((s, released, held)) => json!({
+            Some((s, released, held, (queued_bytes, queues_max_bytes))) => json!({
                 "status": s.status.as_str(),
                 "since_unix_ms": unix_ms(s.since),
                 "reason": s.reason,
                 "last_error": s.last_error.map(|(e, t)| json!({"message": e, "at_unix_ms": unix_ms(t)})),
                 "log_released_below": released,
                 "held_from_offset": held,
+                "queued_bytes": queued_bytes,
+                "queues_max_bytes": queues_max_bytes,
             }),
         }
     }
@@ -597,6 +612,7 @@ pub fn lane_json(d: &LaneSnapshot) -> serde_json::Value {
             "the topic acknowledges without fsync: its acks may not survive a crash of the server"
         ),
         "reading_from_log": d.overflowed,
+        "queued_bytes": d.queued_bytes,
     })
 }
 
@@ -808,6 +824,8 @@ mod tests {
             (RouterSection { cool_down_ms: u64::MAX, ..RouterSection::default() }, "router.cool_down_ms"),
             (RouterSection { overflow_after_ms: u64::MAX, ..RouterSection::default() }, "router.overflow_after_ms"),
             (RouterSection { prewarm_timeout_ms: u64::MAX, ..RouterSection::default() }, "router.prewarm_timeout_ms"),
+            (RouterSection { queues_max_bytes: 0, ..RouterSection::default() }, "router.queues_max_bytes"),
+            (RouterSection { queues_max_bytes: (64 << 30) + 1, ..RouterSection::default() }, "router.queues_max_bytes"),
             (
                 RouterSection {
                     topic_defaults: TopicDefaultsSection {
@@ -841,6 +859,7 @@ mod tests {
             max_concurrent_destinations: 4096,
             cool_down_ms: max_duration_ms(),
             prewarm_timeout_ms: max_duration_ms(),
+            queues_max_bytes: 64 << 30,
             ..RouterSection::default()
         };
         let (_, problems) = check(&section, &iggy(), &[]);

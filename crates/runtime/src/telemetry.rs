@@ -191,6 +191,12 @@ pub fn catalog() -> Vec<Metric> {
         m("iggy_connector_destination_circuit_open", Gauge, &[], "Destinations whose circuit breaker is open now"),
         m("iggy_connector_held_bytes", Gauge, &[], "Payload bytes routed and not yet acknowledged by Iggy"),
         m(
+            "iggy_connector_queued_bytes",
+            Gauge,
+            &[],
+            "Bytes every destination's queue keeps in memory, against router.queues_max_bytes",
+        ),
+        m(
             "iggy_connector_oldest_held_age_seconds",
             Gauge,
             &[],
