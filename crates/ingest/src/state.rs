@@ -87,6 +87,8 @@ impl ReadOnlyView {
             Err(redb::DatabaseError::RepairAborted) => {
                 let io = |e: std::io::Error| redb::DatabaseError::Storage(redb::StorageError::Io(e));
                 let dir = tempfile::Builder::new().prefix("iggy-ingest-state-").tempdir().map_err(io)?;
+                let size = std::fs::metadata(path).map_err(io)?.len();
+                room_for_copy(dir.path(), size).map_err(io)?;
                 let copy = dir.path().join("state.redb");
                 std::fs::copy(path, &copy).map_err(io)?;
                 let db = Database::open(&copy)?;
@@ -106,6 +108,43 @@ impl ReadOnlyView {
     pub(crate) fn is_repaired_copy(&self) -> bool {
         matches!(self, ReadOnlyView::RepairedCopy { .. })
     }
+}
+
+/// Room the copy of a database being repaired leaves free in its directory, besides its
+/// own size (redb's repair writes a little more than it reads; the rest is what other
+/// users of a shared `$TMPDIR` need).
+const COPY_SPARE_BYTES: u64 = 64 * 1024 * 1024;
+
+/// Whether `dir` (the copy's own temporary directory) has room for a copy of `bytes`
+/// bytes and [`COPY_SPARE_BYTES`] more; an error naming both sizes and the directory it
+/// was made in (`$TMPDIR`) if not. `$TMPDIR` is often memory (tmpfs),
+/// and the copy is as large as the database, which the idempotency window can make
+/// gigabytes: filling it would take the machine's memory, and fail only at the end.
+fn room_for_copy(dir: &Path, bytes: u64) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let d = std::fs::File::open(dir)?;
+    // SAFETY: all-zero is a valid `statvfs` (a plain C struct); `fstatvfs` fills it in
+    // from a descriptor this function owns, and reads no memory of ours.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    let rc = unsafe { libc::fstatvfs(d.as_raw_fd(), &mut st) };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // Both are `u64` on 64-bit Linux, narrower on some other targets.
+    #[allow(clippy::useless_conversion)]
+    let free = u64::from(st.f_bavail).saturating_mul(u64::from(st.f_frsize));
+    let needed = bytes.saturating_add(COPY_SPARE_BYTES);
+    if free < needed {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::StorageFull,
+            format!(
+                "repairing a copy of the state database needs {needed} bytes free in {} and it has {free}; \
+                 set TMPDIR to a directory with room (the copy is removed afterwards)",
+                dir.parent().unwrap_or(dir).display()
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// What a tool says of a database read from a repaired copy.
@@ -499,6 +538,22 @@ fn reset_with(path: &Path, before_unlink: impl FnOnce()) -> Result<StateInventor
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A copy that does not fit in its directory (with the spare room) is refused with
+    /// an error naming the directory and both sizes, before any byte is copied; one that
+    /// fits passes.
+    #[test]
+    fn a_repaired_copy_larger_than_the_room_in_its_directory_is_refused_first() {
+        let dir = tempfile::tempdir().unwrap();
+        room_for_copy(dir.path(), 1).unwrap();
+        let e = room_for_copy(dir.path(), u64::MAX / 2).unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::StorageFull);
+        let text = e.to_string();
+        let parent = dir.path().parent().unwrap().display().to_string();
+        assert!(text.contains(&format!("free in {parent} and")) && text.contains("TMPDIR"), "{text}");
+        assert!(text.contains(&(u64::MAX / 2 + COPY_SPARE_BYTES).to_string()), "{text}");
+        assert!(std::fs::read_dir(dir.path()).unwrap().next().is_none(), "something was written");
+    }
 
     /// `migrate` moves version 1 forward once, dropping the facts an older build could
     /// have made untrue; it leaves a current database alone, and refuses a version it has
