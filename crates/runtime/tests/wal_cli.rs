@@ -566,6 +566,69 @@ fn an_empty_log_is_clean_and_shows_nothing() {
     assert_eq!(v["destinations"]["cursors_from"], "unavailable");
 }
 
+/// A log with more distinct destinations than `wal inspect` lists (100 000, the router's
+/// own largest cap): the first 100 000 are listed, and the records of the rest are
+/// counted together, none lost from the figures; a listed destination's later records
+/// still count as its own.
+#[test]
+fn inspect_lists_at_most_100_000_destinations_and_counts_the_rest_together() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path().join("wal");
+    let opts = WalOptions { max_bytes: 1 << 28, ..WalOptions::default() };
+    let topic_of = |i: u64| match i {
+        0..100_000 => format!("t{i}"),
+        100_000 | 100_001 => "late-a".to_string(),
+        100_002 => "late-b".to_string(),
+        _ => "t0".to_string(),
+    };
+    let record = |i: u64| {
+        let header = EnvelopeHeader {
+            message_id: u128::from(i),
+            received_at_unix_ms: T0 + i,
+            source_key: "github".into(),
+            endpoint_id: None,
+            content_type: None,
+            metadata: vec![],
+            headers: vec![],
+            idempotency_key: None,
+            batch_index: 0,
+            batch_len: 1,
+            destination: Destination {
+                stream: "events".into(),
+                topic: topic_of(i),
+                partitioning: Partitioning::Balanced,
+            },
+        };
+        Envelope::encode(&header, b"{}")
+    };
+    let wal = Wal::open(&dir, opts).unwrap();
+    rt().block_on(async {
+        for first in (0..100_004u64).step_by(1000) {
+            wal.append((first..(first + 1000).min(100_004)).map(record).collect()).await.unwrap();
+        }
+        wal.close().await.unwrap();
+    });
+    drop(wal);
+    // An empty state database: no cursors, so every record is held.
+    drop(StateDb::open(root.path().join("state.redb")).unwrap());
+    let v = json(&cli_in(&["inspect", "--json"], &dir));
+    let lanes = v["destinations"]["lanes"].as_array().unwrap();
+    assert_eq!(lanes.len(), 100_000);
+    assert!(lanes.iter().all(|l| l["topic"].as_str().unwrap().starts_with('t')));
+    let t0 = lanes.iter().find(|l| l["topic"] == "t0").unwrap();
+    assert_eq!(t0["records_in_log"].as_u64(), Some(2));
+    let left_out = &v["destinations"]["left_out"];
+    assert_eq!(left_out["listed_max"].as_u64(), Some(100_000));
+    assert_eq!((left_out["records_in_log"].as_u64(), left_out["held_records"].as_u64()), (Some(3), Some(3)));
+    assert_eq!(left_out["held_bytes"].as_u64(), Some(6));
+    let text = stdout(&cli_in(&["inspect"], &dir));
+    assert!(
+        text.contains("left out  destinations past the first 100000 listed: 3 record(s) in the log, 3 held"),
+        "{}",
+        &text[text.len().saturating_sub(600)..]
+    );
+}
+
 #[test]
 fn something_that_is_not_a_log_is_said_in_one_line_with_exit_2() {
     let root = tempfile::tempdir().unwrap();

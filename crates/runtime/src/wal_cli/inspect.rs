@@ -15,6 +15,10 @@
 //! - One read-only view of the log serves the whole report (segments and records agree).
 //! - Nothing is written anywhere; the state database is never opened for writing.
 //! - A figure that cannot be known is shown as unknown (`-`, `null`), never guessed.
+//! - At most [`DESTINATIONS_MAX`] destinations are kept, one entry each: the records of
+//!   any further destination are counted together (`left_out`), never dropped from the
+//!   figures, so a log a runaway route filled with distinct topics cannot make the tool
+//!   hold memory in proportion to the log.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::Write;
@@ -66,6 +70,12 @@ struct Lane {
 }
 
 type LaneKey = (String, String, String);
+
+/// The most destinations `wal inspect` lists (and keeps an entry for, about a hundred
+/// bytes each and their names). The router keeps at most `max_destinations` per source
+/// (1000 by default, at most 100 000), but the log also holds the records of
+/// destinations it refused for that cap.
+const DESTINATIONS_MAX: usize = 100_000;
 type AdminLane = (LaneKey, Lane);
 
 pub(crate) fn run(a: InspectArgs) -> CliResult {
@@ -130,6 +140,9 @@ pub(crate) fn run(a: InspectArgs) -> CliResult {
     let mut first_time: BTreeMap<u64, u64> = BTreeMap::new();
     let mut last_time: BTreeMap<u64, u64> = BTreeMap::new();
     let mut undecodable = 0u64;
+    // Records of destinations past `DESTINATIONS_MAX`, counted together; such a
+    // destination has no stored cursor (those are all listed), so all its records are held.
+    let mut left_out = Lane::default();
     if !a.quick {
         let count_held = cursor_source == "state";
         let mut seg_iter = segments.iter().peekable();
@@ -150,7 +163,11 @@ pub(crate) fn run(a: InspectArgs) -> CliResult {
             }
             let d = &e.header.destination;
             let key = (e.header.source_key.clone(), d.stream.clone(), d.topic.clone());
-            let lane = lanes.entry(key).or_default();
+            let lane = if lanes.len() < DESTINATIONS_MAX || lanes.contains_key(&key) {
+                lanes.entry(key).or_default()
+            } else {
+                &mut left_out
+            };
             lane.records_in_log += 1;
             if count_held && lane.cursor.is_none_or(|c| r.offset >= c) {
                 *lane.held_records.get_or_insert(0) += 1;
@@ -161,7 +178,7 @@ pub(crate) fn run(a: InspectArgs) -> CliResult {
             }
         }
         if count_held {
-            for l in lanes.values_mut() {
+            for l in lanes.values_mut().chain((left_out.records_in_log > 0).then_some(&mut left_out)) {
                 l.held_records.get_or_insert(0);
                 l.held_bytes.get_or_insert(0);
             }
@@ -247,7 +264,18 @@ pub(crate) fn run(a: InspectArgs) -> CliResult {
                 "capacity_used": max_bytes.map(|m| stats.used_bytes as f64 / m.max(1) as f64),
                 "segments": segs,
                 "undecodable_records": if a.quick { None } else { Some(undecodable) },
-                "destinations": {"cursors_from": cursor_source, "note": cursor_note, "lanes": lane_json},
+                "destinations": {
+                    "cursors_from": cursor_source,
+                    "note": cursor_note,
+                    "lanes": lane_json,
+                    "left_out": (left_out.records_in_log > 0).then(|| json!({
+                        "listed_max": DESTINATIONS_MAX,
+                        "records_in_log": left_out.records_in_log,
+                        "held_records": left_out.held_records,
+                        "held_bytes": left_out.held_bytes,
+                        "oldest_held_age_ms": left_out.oldest_held_age_ms,
+                    })),
+                },
             }),
         )?;
         out.flush()?;
@@ -335,6 +363,17 @@ pub(crate) fn run(a: InspectArgs) -> CliResult {
                 l.oldest_held_age_ms.map_or("-".to_string(), human_age)
             )?;
         }
+    }
+    if left_out.records_in_log > 0 {
+        writeln!(
+            out,
+            "left out  destinations past the first {DESTINATIONS_MAX} listed: {} record(s) in the log{}",
+            left_out.records_in_log,
+            match (left_out.held_records, left_out.held_bytes) {
+                (Some(r), Some(b)) => format!(", {r} held ({}), none with a cursor", human_bytes(b)),
+                _ => String::new(),
+            }
+        )?;
     }
     if cursor_source == "state" && lanes.values().any(|l| l.cursor.is_none()) {
         writeln!(
