@@ -13,7 +13,8 @@
 //!   checksum, no metrics, no router. What a durable 200 costs on this machine before
 //!   any of the daemon's own work; not a log (it wraps around its file), a measure;
 //! - **daemon**: the release `iggy-ingest` binary with `wal.sync = "always"`, i.e. every
-//!   200 waited for `fdatasync`;
+//!   200 waited for `fdatasync`, its router on and Iggy unreachable (`127.0.0.1:1`, unless
+//!   `LOAD_DAEMON_EXTRA` gives an `[iggy]` address): the records are held, not delivered;
 //!
 //! in rounds (bare, daemon, floor, `LOAD_ROUNDS` times), and prints events/s, p50/p99
 //! latency, non-2xx answers and each round's ratio to the bare server as a Markdown
@@ -215,17 +216,26 @@ impl Drop for DaemonProcess {
     }
 }
 
+/// The Iggy address the daemon is given unless `LOAD_DAEMON_EXTRA` names one: a port
+/// nothing listens on, so the router runs (its lanes failing, the records held) and
+/// delivers nothing. With the built-in default (127.0.0.1:8090), a server left running
+/// there would take the records and its own share of the two cores, and the figures
+/// would measure something else.
+const UNREACHABLE_IGGY: &str = "127.0.0.1:1";
+
 fn start_daemon(dir: &Path) -> (DaemonProcess, SocketAddr, SocketAddr) {
     let cfg = dir.join("config.toml");
     let ready = dir.join("ready.json");
+    // LOAD_DAEMON_EXTRA: more TOML, e.g. "[router]\nenabled = false" to measure the door
+    // alone, or an [iggy] address to deliver while accepting.
+    let extra = std::env::var("LOAD_DAEMON_EXTRA").unwrap_or_default().replace("\\n", "\n");
+    let iggy =
+        if extra.contains("[iggy]") { String::new() } else { format!("[iggy]\naddress = \"{UNREACHABLE_IGGY}\"\n") };
     std::fs::write(
         &cfg,
         format!(
-            "[http]\nlisten = \"127.0.0.1:0\"\n[admin]\nlisten = \"127.0.0.1:0\"\n[logging]\nlevel = \"warn\"\n[storage]\ndata_dir = \"{}\"\n[wal]\nsync = \"always\"\n[sources.default]\ndestination = {{ stream = \"ingest\", topic = \"events\" }}\n{}",
+            "[http]\nlisten = \"127.0.0.1:0\"\n[admin]\nlisten = \"127.0.0.1:0\"\n[logging]\nlevel = \"warn\"\n[storage]\ndata_dir = \"{}\"\n[wal]\nsync = \"always\"\n{iggy}[sources.default]\ndestination = {{ stream = \"ingest\", topic = \"events\" }}\n{extra}",
             dir.join("data").display(),
-            // LOAD_DAEMON_EXTRA: more TOML, e.g. "[router]\nenabled = false" to measure
-            // the door alone, or an [iggy] address to deliver while accepting.
-            std::env::var("LOAD_DAEMON_EXTRA").unwrap_or_default().replace("\\n", "\n")
         ),
     )
     .unwrap();
@@ -372,8 +382,13 @@ fn main() {
     }
     println!(
         "{secs} s per run, {connections} keep-alive connections, {threads} wrk threads, 1 KiB JSON events; \
-         the daemon's log took {records} records for {requests} requests wrk completed{}",
-        if socket_errors.is_empty() { String::new() } else { format!(" ({})", socket_errors.join("; ")) }
+         the daemon's log took {records} records for {requests} requests wrk completed{}; {}",
+        if socket_errors.is_empty() { String::new() } else { format!(" ({})", socket_errors.join("; ")) },
+        if std::env::var("LOAD_DAEMON_EXTRA").unwrap_or_default().contains("[iggy]") {
+            "Iggy as LOAD_DAEMON_EXTRA gives it".to_string()
+        } else {
+            format!("router on, Iggy unreachable ({UNREACHABLE_IGGY})")
+        }
     );
     assert!(records >= requests - non_2xx, "fewer records in the log than 2xx answers");
 }
