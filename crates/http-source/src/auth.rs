@@ -100,10 +100,31 @@ pub const STANDARD_WEBHOOKS_MIN_KEY_BYTES: usize = 24;
 /// (an invalid one would be looked up in vain and every request would get 401).
 fn header_name(header: &str) -> Result<String, (&'static str, String)> {
     let header = header.to_ascii_lowercase();
-    match axum::http::HeaderName::from_bytes(header.as_bytes()) {
-        Ok(_) => Ok(header),
-        Err(_) => Err(("header", format!("{header:?} is not a valid header name"))),
+    if axum::http::HeaderName::from_bytes(header.as_bytes()).is_err() {
+        return Err(("header", format!("{header:?} is not a valid header name")));
     }
+    // Headers the door itself reads for the request's framing and type: a signature
+    // there is a mistake, and since a signature header is never kept with the event,
+    // one named content-type would leave every event without its type (a JSON-only
+    // source would answer 415 to every request).
+    if matches!(header.as_str(), "content-type" | "content-length" | "transfer-encoding" | "host") {
+        return Err(("header", format!("{header:?} carries the request's framing or type, not a signature")));
+    }
+    Ok(header)
+}
+
+/// Refuses an hmac `prefix` no signature header could start with: the header's value is
+/// read as visible ASCII (and spaces) with the surrounding whitespace trimmed, so a
+/// prefix with another character, or one that starts with a space, never matches and
+/// every request would get 401.
+fn signature_prefix(prefix: &str) -> Result<String, (&'static str, String)> {
+    if !prefix.bytes().all(|b| (0x20..=0x7e).contains(&b)) || prefix.starts_with(' ') {
+        return Err((
+            "prefix",
+            format!("{prefix:?} can never start a signature header (visible ASCII and spaces, not leading ones)"),
+        ));
+    }
+    Ok(prefix.to_string())
 }
 
 /// The default tolerance of timestamped schemes (Standard Webhooks and Stripe both use
@@ -216,7 +237,7 @@ impl AuthScheme {
                     algorithm,
                     secret: need_secret()?.as_bytes().to_vec(),
                     header,
-                    prefix: prefix.unwrap_or(default_prefix).to_string(),
+                    prefix: signature_prefix(prefix.unwrap_or(default_prefix))?,
                     encoding: SignatureEncoding::Hex,
                 }
             }
@@ -229,7 +250,7 @@ impl AuthScheme {
                     algorithm: HmacAlgorithm::Sha256,
                     secret: need_secret()?.as_bytes().to_vec(),
                     header,
-                    prefix: prefix.unwrap_or("").to_string(),
+                    prefix: signature_prefix(prefix.unwrap_or(""))?,
                     encoding: SignatureEncoding::Base64,
                 }
             }
@@ -688,6 +709,30 @@ mod tests {
         }
         let ok = AuthScheme::from_parts("hmac-sha256-base64", Some("k"), Some("X-Shopify-Hmac-Sha256"), None, None);
         assert!(matches!(ok, Ok(AuthScheme::Hmac { ref header, .. }) if header == "x-shopify-hmac-sha256"));
+    }
+
+    /// An hmac setting no request could satisfy is refused, naming its parameter: a
+    /// signature in a header the door reads for the request's type or framing, and a
+    /// prefix no trimmed visible-ASCII header value can start with. A prefix ending in a
+    /// space can match (the signature follows it), and is kept.
+    #[test]
+    fn an_hmac_header_or_prefix_no_request_could_satisfy_is_refused() {
+        for header in ["Content-Type", "content-length", "Transfer-Encoding", "host"] {
+            let e = AuthScheme::from_parts("hmac-sha256", Some("k"), Some(header), None, None).unwrap_err();
+            assert_eq!(e.0, "header", "{header}: {e:?}");
+        }
+        for prefix in [" sha256=", "\tsha256=", "sha256=\n", "sha256\u{e9}=", " "] {
+            let e = AuthScheme::from_parts("hmac-sha256", Some("k"), None, Some(prefix), None).unwrap_err();
+            assert_eq!(e.0, "prefix", "{prefix:?}: {e:?}");
+            assert!(e.1.contains("can never start a signature header"), "{prefix:?}: {}", e.1);
+        }
+        let body = b"payload";
+        let sig = hex::encode(mac256(b"k", &[body]).finalize().into_bytes());
+        let s = AuthScheme::from_parts("hmac-sha256", Some("k"), None, Some("sha256= "), None).unwrap();
+        let mut headers = HeaderMap::new();
+        headers.insert("x-hub-signature-256", format!("sha256= {sig}").parse().unwrap());
+        assert!(s.verify(&headers, body, 0).is_ok());
+        assert!(AuthScheme::from_parts("hmac-sha256-base64", Some("k"), Some("x-sig"), None, None).is_ok());
     }
 
     /// The name a scheme is listed under is the name it is configured by: an operator

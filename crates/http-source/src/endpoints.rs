@@ -119,14 +119,16 @@ fn check_new_secret(scheme: &str, secret: Option<&str>) -> Result<(), EndpointEr
 pub const HANDSHAKE_PARAM_MAX_BYTES: usize = 64;
 
 /// Refuses a `handshake_param` no GET handshake could carry (every one would answer 400
-/// `missing_challenge`), for a registration and for a static endpoint alike.
+/// `missing_challenge`), for a registration and for a static endpoint alike. The query
+/// is form-decoded before the name is looked up (`+` is a space, `%41` is `A`), so a
+/// name holding `+` or `%` would match only a sender that encodes it, which none does.
 pub fn check_handshake_param(p: &str) -> Result<(), String> {
     if p.is_empty()
         || p.len() > HANDSHAKE_PARAM_MAX_BYTES
-        || !p.bytes().all(|b| b.is_ascii_graphic() && !matches!(b, b'&' | b'=' | b'#' | b'?'))
+        || !p.bytes().all(|b| b.is_ascii_graphic() && !matches!(b, b'&' | b'=' | b'#' | b'?' | b'+' | b'%'))
     {
         return Err(format!(
-            "{p:?} is not a query parameter name (1 to {HANDSHAKE_PARAM_MAX_BYTES} visible ASCII characters, none of & = # ?)"
+            "{p:?} is not a query parameter name (1 to {HANDSHAKE_PARAM_MAX_BYTES} visible ASCII characters, none of & = # ? + %)"
         ));
     }
     Ok(())
@@ -801,11 +803,13 @@ mod tests {
         let reg = Arc::new(EndpointRegistry::load(state, vec!["default".into()], vec![]).unwrap());
         let now = 1_767_225_600_000;
         let with_secret = |s: &str| StoredAuth { secret: Some(s.into()), ..bearer() };
-        let refusals: [(StoredAuth, Option<&str>, Option<u64>, &str); 6] = [
+        let refusals: [(StoredAuth, Option<&str>, Option<u64>, &str); 8] = [
             (bearer(), None, Some(1_767_225_600), "expires_at_unix_ms: 1767225600 is not in the future"),
             (bearer(), None, Some(now), "expires_at_unix_ms"),
             (bearer(), Some(""), None, "handshake_param"),
             (bearer(), Some("a&b"), None, "handshake_param"),
+            (bearer(), Some("hub+challenge"), None, "handshake_param"),
+            (bearer(), Some("hub%2Echallenge"), None, "handshake_param"),
             (with_secret("tok "), None, None, "secret: a bearer token is visible ASCII"),
             (with_secret("tök"), None, None, "secret: a bearer token is visible ASCII"),
         ];

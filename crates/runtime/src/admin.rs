@@ -260,9 +260,19 @@ const MANAGEMENT_BODY_MAX_BYTES: usize = 64 * 1024;
 /// most [`MANAGEMENT_BODY_MAX_BYTES`], within `http.body_read_timeout_ms`, so no client
 /// can hold an admin connection by sending a body slowly.
 async fn management_body(s: &Shared, body: axum::body::Body) -> Result<axum::body::Bytes, Response> {
-    http_source::door::read_body(body, MANAGEMENT_BODY_MAX_BYTES, s.body_read_timeout)
-        .await
-        .map_err(IntoResponse::into_response)
+    http_source::door::read_body(body, MANAGEMENT_BODY_MAX_BYTES, s.body_read_timeout).await.map_err(|e| {
+        // Named by this limit, not the door's `max_body_bytes` the shared reader names.
+        if e.status == StatusCode::PAYLOAD_TOO_LARGE {
+            ApiError::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "body_too_large",
+                format!("a management request body is at most {MANAGEMENT_BODY_MAX_BYTES} bytes"),
+            )
+            .into_response()
+        } else {
+            e.into_response()
+        }
+    })
 }
 
 async fn register(State(s): State<Arc<Shared>>, headers: HeaderMap, body: axum::body::Body) -> Response {

@@ -995,6 +995,17 @@ async fn bad_input_the_admin_api_answers_wrong_methods_and_undecodable_paths_in_
     let a = request(d.admin, "DELETE", "/v1/endpoints/%FF", &[("authorization", READER)], "").await;
     json_error(&a, 401, "unauthorized", "DELETE /v1/endpoints/%FF with the reader token");
 
+    // A management body past its own 64 KiB limit is refused naming that limit, not the
+    // door's max_body_bytes; nothing is registered.
+    let big = format!("{{\"source\":\"open\",\"auth_type\":\"none\",\"pad\":\"{}\"}}", "x".repeat(64 * 1024));
+    let a = request(d.admin, "POST", "/v1/endpoints", &[("authorization", &manager)], big).await;
+    json_error(&a, 413, "body_too_large", "a 64 KiB registration");
+    assert!(
+        a.json()["message"].as_str().is_some_and(|m| m.contains("management request body is at most 65536")),
+        "{}",
+        a.json()
+    );
+
     // The static endpoint is untouched and the daemon still serves.
     let a = request(d.admin, "GET", "/v1/endpoints", &[("authorization", &manager)], "").await;
     assert_eq!(a.status, 200);
