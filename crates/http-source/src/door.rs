@@ -640,6 +640,15 @@ fn delivery_key(source: &SourceSpec, auth: &AuthScheme, headers: &HeaderMap) -> 
         }
     };
     if let Some((name, v)) = found {
+        // Which of two ids would be the delivery's? The first is what a signature covers
+        // and the last what a forwarded header keeps: neither reading is safe to guess.
+        if headers.get_all(name).iter().nth(1).is_some() {
+            return Err(ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "invalid_delivery_id",
+                format!("header {name} is sent more than once"),
+            ));
+        }
         let v = v.to_str().map_err(|_| {
             ApiError::new(StatusCode::BAD_REQUEST, "invalid_delivery_id", format!("header {name} is not valid ASCII"))
         })?;

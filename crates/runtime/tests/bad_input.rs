@@ -319,6 +319,16 @@ async fn bad_input_malformed_bodies_and_content_types_get_400_or_415_and_append_
         (long_content_type, 400, "invalid_content_type"),
         (b"content-type: application/json\r\nidempotency-key: d\xe9j\xe0\r\n".to_vec(), 400, "invalid_delivery_id"),
         (b"content-type: application/json\r\nidempotency-key:  \r\n".to_vec(), 400, "invalid_delivery_id"),
+        (
+            b"content-type: application/json\r\nidempotency-key: a\r\nidempotency-key: b\r\n".to_vec(),
+            400,
+            "invalid_delivery_id",
+        ),
+        (
+            b"content-type: application/json\r\nx-github-delivery: a\r\nX-GitHub-Delivery: a\r\n".to_vec(),
+            400,
+            "invalid_delivery_id",
+        ),
     ];
     for (header, status, code) in cases {
         let mut req =
