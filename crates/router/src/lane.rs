@@ -114,9 +114,11 @@ pub(crate) struct Gate {
     /// lane cannot send, so it keeps nothing in its queue and the dispatcher's next
     /// record for it starts a re-read from the log ([`Lane::cannot_send`]).
     cannot_send: bool,
-    /// What every lane of the router together keeps queued; `queued_bytes` of this
-    /// gate are counted in it while queued.
+    /// What every lane of the router together keeps queued; `budgeted_bytes` of this
+    /// gate are counted in it: `queued_bytes`, and what left the queue since the last
+    /// [`Gate::settle`].
     budget: Arc<QueueBudget>,
+    budgeted_bytes: usize,
 }
 
 /// The bytes every lane of a router keeps in its queue, as [`queued_size`] counts them,
@@ -144,7 +146,12 @@ impl QueueBudget {
     }
 
     fn give_back(&self, bytes: usize) {
-        let before = self.queued_bytes.fetch_sub(bytes, Ordering::AcqRel);
+        // Saturating: a miscount must not wrap the total to near `usize::MAX`, which would
+        // refuse every record of every lane for good (each re-read from the log).
+        let before = self
+            .queued_bytes
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |q| Some(q.saturating_sub(bytes)))
+            .unwrap_or_else(|q| q);
         debug_assert!(before >= bytes, "queue budget gave back {bytes} of {before}");
     }
 
@@ -169,7 +176,7 @@ impl Default for QueueBudget {
 /// A lane dropped with records queued (its router stopped) gives their bytes back.
 impl Drop for Gate {
     fn drop(&mut self) {
-        self.budget.give_back(self.queued_bytes);
+        self.budget.give_back(self.budgeted_bytes);
     }
 }
 
@@ -190,37 +197,51 @@ impl Gate {
         if !self.budget.take(size) {
             return Err(r);
         }
+        self.budgeted_bytes += size;
         self.queued_bytes += size;
         self.queued_payload_bytes += r.envelope.payload.len();
         self.queue.push_back(r);
         Ok(())
     }
 
+    /// Takes the front record. Its bytes stay counted in the budget until
+    /// [`Gate::settle`] (a batch taken record by record gives them back at once, not one
+    /// shared atomic operation per record).
     fn pop_front(&mut self) -> Option<Routed> {
         let r = self.queue.pop_front()?;
-        let size = queued_size(&r);
-        self.queued_bytes -= size;
+        self.queued_bytes -= queued_size(&r);
         self.queued_payload_bytes -= r.envelope.payload.len();
-        self.budget.give_back(size);
         Some(r)
+    }
+
+    /// Gives the budget back what left the queue since the last settle.
+    fn settle(&mut self) {
+        let left = self.budgeted_bytes - self.queued_bytes;
+        if left > 0 {
+            self.budget.give_back(left);
+            self.budgeted_bytes = self.queued_bytes;
+        }
     }
 
     /// Empties the queue into the log: the lane re-reads its records from the first one
     /// queued, and the dispatcher's next record for it (if none was queued) starts such
     /// a re-read too. The records stay held (counted, pinning the log); only memory is
-    /// given back.
-    fn shed(&mut self) {
+    /// given back. Returns the records, to be dropped once the gate's lock is let go: a
+    /// queue of up to `lane_queue_max_records` freed under it would stall the log's
+    /// reader, which offers every destination's records through such locks.
+    #[must_use = "the shed records are dropped by the caller, outside the gate's lock"]
+    fn shed(&mut self) -> VecDeque<Routed> {
         self.cannot_send = true;
-        let (Some(first), Some(last)) = (self.queue.front(), self.queue.back()) else { return };
+        let (Some(first), Some(last)) = (self.queue.front(), self.queue.back()) else { return VecDeque::new() };
         let (first, last) = (first.offset, last.offset);
         // Queued records lie below any offset skipped since: an overflow stops queueing.
         self.overflow_from = Some(self.overflow_from.map_or(first, |o| o.min(first)));
         self.last_skipped = Some(self.last_skipped.map_or(last, |s| s.max(last)));
         self.full_since = None;
-        self.budget.give_back(self.queued_bytes);
-        self.queue = VecDeque::new();
         self.queued_bytes = 0;
         self.queued_payload_bytes = 0;
+        self.settle();
+        std::mem::take(&mut self.queue)
     }
 
     /// Counts a record routed here as held (queued, or skipped to be re-read from the log).
@@ -526,7 +547,10 @@ impl Lane {
     /// it moves records on again ([`Lane::sends_again`]). Memory is held by lanes that
     /// deliver, never by an outage, however many destinations it hits.
     fn cannot_send(&self) {
-        self.gate().shed();
+        let shed = self.gate().shed();
+        drop(shed);
+        // The log's reader may be waiting for room in this queue: there is, now.
+        self.space.notify_waiters();
     }
 
     /// The lane moved records on: its queue takes records again.
@@ -946,6 +970,7 @@ fn take_from_queue(g: &mut Gate, max_records: usize, max_bytes: usize) -> Vec<Ro
             batch.push(r);
         }
     }
+    g.settle();
     if let Some(first) = batch.first() {
         g.in_flight_first = Some(g.in_flight_first.map_or(first.offset, |f| f.min(first.offset)));
     }
@@ -1013,6 +1038,7 @@ fn top_up(lane: &Lane, batch: &mut Vec<Routed>, lingering: bool) -> TopUp {
         }
         full = batch.len() >= max_records || bytes >= max_bytes;
     }
+    g.settle();
     let lingers = lingering && !full;
     // Woken once the queue holds what fills the batch, by count or by bytes; a batch
     // larger than the queue is woken when the queue is full, and tops up again.
@@ -1795,7 +1821,7 @@ mod tests {
             if let Some((from, skipped)) = overflow {
                 (g.overflow_from, g.last_skipped) = (Some(from), Some(skipped));
             }
-            g.shed();
+            drop(g.shed());
             let want_skipped = overflow.map_or(6, |(_, s)| s);
             assert_eq!((g.overflow_from, g.last_skipped), (Some(5), Some(want_skipped)), "{overflow:?}");
             assert_eq!((g.queue.len(), g.queued_bytes, g.queued_payload_bytes), (0, 0, 0));
@@ -1830,6 +1856,25 @@ mod tests {
         drop(a);
         assert_eq!(budget.queued_bytes(), size);
         b.pop_front().unwrap();
+        assert_eq!(budget.queued_bytes(), size, "given back before the batch is settled");
+        b.settle();
         assert_eq!(budget.queued_bytes(), 0);
+    }
+
+    /// The log's reader waiting for room in a lane's full queue is woken when the lane
+    /// sheds it: it would otherwise sleep out `overflow_after` (up to a day) for a queue
+    /// already empty.
+    #[tokio::test]
+    async fn a_shed_wakes_the_reader_waiting_for_room() {
+        let lane = Arc::new(lane_on_a_b(RouterPolicy::default()));
+        lane.offer(routed_at(0), 1, Duration::from_secs(3600), false).unwrap();
+        let waiting = {
+            let lane = lane.clone();
+            tokio::spawn(async move { lane.space.notified().await })
+        };
+        tokio::task::yield_now().await;
+        lane.cannot_send();
+        tokio::time::timeout(Duration::from_secs(5), waiting).await.expect("not woken by the shed").unwrap();
+        assert_eq!(lane.gate().queue.len(), 0);
     }
 }

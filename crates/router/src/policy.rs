@@ -193,6 +193,16 @@ impl Policies {
         within("read_batch_max_records", self.read_batch_max_records, MAX_BATCH_RECORDS)?;
         within("read_batch_max_bytes", self.read_batch_max_bytes, MAX_BATCH_BYTES)?;
         within("queues_max_bytes", self.queues_max_bytes, MAX_QUEUES_BYTES)?;
+        for (source, p) in
+            std::iter::once(("default policy", &self.default)).chain(self.sources.iter().map(|(k, p)| (k.as_str(), p)))
+        {
+            if p.lane_queue_max_bytes > self.queues_max_bytes {
+                return Err(format!(
+                    "lane_queue_max_bytes of {source} ({}) is above queues_max_bytes ({}), which bounds every lane together",
+                    p.lane_queue_max_bytes, self.queues_max_bytes
+                ));
+            }
+        }
         Ok(())
     }
 }
@@ -364,6 +374,16 @@ mod tests {
         let mut policies = Policies::uniform(RouterPolicy::default());
         policies.read_batch_max_bytes = MAX_BATCH_BYTES + 1;
         assert!(policies.validate().unwrap_err().starts_with("read_batch_max_bytes"));
+        // One lane's queue bound above every lane's together, by default or per source.
+        let mut policies = Policies::uniform(RouterPolicy::default());
+        policies.queues_max_bytes = 1 << 20;
+        assert!(policies.validate().unwrap_err().contains("lane_queue_max_bytes of default policy"));
+        let small = RouterPolicy { lane_queue_max_bytes: 1 << 20, ..RouterPolicy::default() };
+        let mut policies = Policies::uniform(small.clone());
+        policies.queues_max_bytes = 1 << 20;
+        assert_eq!(policies.validate(), Ok(()));
+        policies.sources.insert("s".into(), Arc::new(RouterPolicy::default()));
+        assert!(policies.validate().unwrap_err().contains("lane_queue_max_bytes of s"));
     }
 
     #[test]

@@ -158,7 +158,8 @@ async fn a_degraded_lane_gives_its_queue_back_to_the_log() {
 
 /// What all lanes of a router keep queued is bounded as a whole (`queues_max_bytes`),
 /// not only lane by lane: with twenty destinations whose sends are in flight, each
-/// lane's own 8 MiB would let them queue every record; under the router's bound the
+/// lane's own 32 KiB would let them queue twenty times the router's 32 KiB (every
+/// record of this test, which needs over 1 MB queued); under the router's bound the
 /// rest stays in the log, re-read by each lane, and all of it is delivered in order
 /// once they answer, the budget given back in full.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -173,6 +174,7 @@ async fn the_lanes_of_a_router_keep_no_more_queued_than_its_bound() {
     let mut policy = fast_policy();
     policy.batch.result_timeout = Duration::from_secs(20);
     policy.max_concurrent_destinations = 20;
+    policy.lane_queue_max_bytes = 32 * 1024;
     let mut policies = Policies::uniform(policy);
     policies.queues_max_bytes = 32 * 1024;
     let router = Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), policies).unwrap();

@@ -313,6 +313,22 @@ fn policy_from(s: &RouterSection, prefix: &[&str], problems: &mut Vec<Problem>) 
         problems.push((at("backoff_max_ms"), format!("must be at least backoff_base_ms ({})", s.backoff_base_ms)));
         durations_ok = false;
     }
+    // One lane's bound above all lanes' together: a merely busy lane would fill the
+    // router's budget and re-read its records at once, never waiting for room
+    // (`overflow_after_ms`), and leave none to the others.
+    // (Each value beyond its own bound is named once, under its own key.)
+    let own_bounds = s.lane_queue_max_bytes <= router::policy::MAX_LANE_QUEUE_BYTES as u64
+        && (1..=router::policy::MAX_QUEUES_BYTES as u64).contains(&s.queues_max_bytes);
+    if own_bounds && s.lane_queue_max_bytes > s.queues_max_bytes {
+        problems.push((
+            at("lane_queue_max_bytes"),
+            format!(
+                "{} is above router.queues_max_bytes ({}), which bounds every lane's queue together: lower this \
+                 or raise that",
+                s.lane_queue_max_bytes, s.queues_max_bytes
+            ),
+        ));
+    }
     if !durations_ok {
         return policy;
     }
@@ -825,6 +841,10 @@ mod tests {
             (RouterSection { overflow_after_ms: u64::MAX, ..RouterSection::default() }, "router.overflow_after_ms"),
             (RouterSection { prewarm_timeout_ms: u64::MAX, ..RouterSection::default() }, "router.prewarm_timeout_ms"),
             (RouterSection { queues_max_bytes: 0, ..RouterSection::default() }, "router.queues_max_bytes"),
+            (
+                RouterSection { lane_queue_max_bytes: 300 << 20, ..RouterSection::default() },
+                "router.lane_queue_max_bytes",
+            ),
             (RouterSection { queues_max_bytes: (64 << 30) + 1, ..RouterSection::default() }, "router.queues_max_bytes"),
             (
                 RouterSection {
