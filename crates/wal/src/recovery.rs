@@ -38,7 +38,7 @@ use crate::scan::{find_proof_of_durable_damage, read_seal, scan_segment};
 use crate::shared::{SegmentRef, Shared};
 use crate::storage::{OpenMode, Storage, StorageFile, create_dir_all_durably, read_exact_at};
 use crate::watermark::{self, Bound};
-use crate::writer::{Writer, create_segment, create_segment_with, write_file_atomically};
+use crate::writer::{Writer, copy_file_atomically, create_segment, create_segment_copying};
 use crate::{CLEAN_MARKER_FILE, DAMAGED_DIR, LOCK_FILE};
 
 /// What opening found and did.
@@ -636,15 +636,16 @@ fn salvage(
     // still opens (and reads), and appends then fail with `OffsetsExhausted`.
     // Never below what was kept, though: a kept record's offset is never reused.
     let resume = resume.min(crate::format::OFFSET_MAX).max(kept_until);
-    // The valid prefix, read while the damaged file is still in place.
+    // The valid prefix: its length in the damaged file, and the seal to close it with
+    // if it has none. Copied from the damaged file while its name still holds it (the
+    // copy is renamed over it last), in chunks: never a whole segment in memory.
     let prefix_bytes = match &prefix {
         Some(out) if out.next_offset > bad.base => {
-            let mut bytes = vec![0u8; out.valid_end as usize];
-            read_exact_at(&*bad.file, &mut bytes, 0).map_err(io_err(&bad.path))?;
-            if out.sealed.is_none() {
-                bytes.extend_from_slice(&FrameHeader::seal(out.next_offset, out.valid_end).encode());
-            }
-            Some(bytes)
+            let seal = match out.sealed {
+                Some(_) => Vec::new(),
+                None => FrameHeader::seal(out.next_offset, out.valid_end).encode().to_vec(),
+            };
+            Some((out.valid_end, seal))
         }
         _ => None,
     };
@@ -667,21 +668,19 @@ fn salvage(
     }
     if !named_as_tail(bad) {
         match &prefix_bytes {
-            Some(bytes) => {
+            Some((valid_end, seal)) => {
                 // A copy, so that the damaged file's name goes straight from the damaged
                 // bytes to the valid prefix: a rename first would leave a moment with
                 // neither.
                 let name = damaged_name(&mut existing, bad);
-                let mut original = vec![0u8; bad.len as usize];
-                read_exact_at(&*bad.file, &mut original, 0).map_err(io_err(&bad.path))?;
-                write_file_atomically(storage, &damaged_dir, &name, &original)?;
+                copy_file_atomically(storage, &damaged_dir, &name, &*bad.file, &bad.path, bad.len, &[])?;
                 moved.push(damaged_dir.join(name));
-                let seg = create_segment_with(storage, dir, bad.base, bytes)?;
+                let seg = create_segment_copying(storage, dir, bad.base, &*bad.file, &bad.path, *valid_end, seal)?;
                 loaded.push(Loaded {
                     base: bad.base,
                     path: seg.path.clone(),
                     file: seg.file.clone(),
-                    len: bytes.len() as u64,
+                    len: valid_end + seal.len() as u64,
                     header: bad.header,
                 });
             }

@@ -66,7 +66,7 @@ use crate::format::{
 };
 use crate::options::SyncPolicy;
 use crate::shared::{SegmentRef, Shared};
-use crate::storage::{OpenMode, Storage};
+use crate::storage::{OpenMode, Storage, StorageFile};
 use crate::{Appended, CLEAN_MARKER_FILE, Released};
 
 /// How often the writer tries again to create a sealed segment's successor while no
@@ -726,6 +726,69 @@ pub(crate) fn create_segment_with(
 /// Writes `bytes` as the file `name` in `dir` so that after a crash the name either does
 /// not exist or holds exactly `bytes`.
 pub(crate) fn write_file_atomically(storage: &dyn Storage, dir: &Path, name: &str, bytes: &[u8]) -> Result<()> {
+    write_file_atomically_with(storage, dir, name, &mut |f: &dyn StorageFile, tmp: &Path| {
+        f.write_all_at(bytes, 0).map_err(|e| WalError::io(tmp, e))
+    })
+}
+
+/// Bytes copied per read and write by [`copy_file_atomically`]: what a copy holds in
+/// memory, whatever the size of the file it copies.
+const COPY_CHUNK_BYTES: usize = 1024 * 1024;
+
+/// Writes the first `len` bytes of `src` (at `src_path`), then `trailer`, as the file
+/// `name` in `dir`, as [`write_file_atomically`] does, in chunks of
+/// [`COPY_CHUNK_BYTES`]: a salvage copies whole segments (of up to
+/// `segment_max_bytes`), and must not hold one in memory. Returns the bytes written.
+pub(crate) fn copy_file_atomically(
+    storage: &dyn Storage,
+    dir: &Path,
+    name: &str,
+    src: &dyn StorageFile,
+    src_path: &Path,
+    len: u64,
+    trailer: &[u8],
+) -> Result<u64> {
+    let mut chunk = vec![0u8; COPY_CHUNK_BYTES.min(usize::try_from(len).unwrap_or(usize::MAX))];
+    write_file_atomically_with(storage, dir, name, &mut |f: &dyn StorageFile, tmp: &Path| {
+        let mut pos = 0u64;
+        while pos < len {
+            let n = chunk.len().min(usize::try_from(len - pos).unwrap_or(usize::MAX));
+            crate::storage::read_exact_at(src, &mut chunk[..n], pos).map_err(|e| WalError::io(src_path, e))?;
+            f.write_all_at(&chunk[..n], pos).map_err(|e| WalError::io(tmp, e))?;
+            pos += n as u64;
+        }
+        f.write_all_at(trailer, len).map_err(|e| WalError::io(tmp, e))
+    })?;
+    Ok(len + trailer.len() as u64)
+}
+
+/// Creates a durable segment file holding the first `len` bytes of `src` then `trailer`
+/// (a header and whole frames, then a seal if the copy needs one), copied in chunks.
+pub(crate) fn create_segment_copying(
+    storage: &dyn Storage,
+    dir: &Path,
+    base: u64,
+    src: &dyn StorageFile,
+    src_path: &Path,
+    len: u64,
+    trailer: &[u8],
+) -> Result<Arc<SegmentRef>> {
+    let name = segment_file_name(base);
+    let path = dir.join(&name);
+    let written = copy_file_atomically(storage, dir, &name, src, src_path, len, trailer)?;
+    let file = storage.open(&path, OpenMode::ReadWrite).map_err(|e| WalError::io(&path, e))?;
+    Ok(Arc::new(SegmentRef { base, path, file, durable_len: written.into(), sealed: false.into() }))
+}
+
+/// Creates the file `name` in `dir` through a temporary file that `write` fills, synced,
+/// renamed into place and the directory synced: after a crash the name either does not
+/// exist or holds all that `write` wrote.
+fn write_file_atomically_with(
+    storage: &dyn Storage,
+    dir: &Path,
+    name: &str,
+    write: &mut dyn FnMut(&dyn StorageFile, &Path) -> Result<()>,
+) -> Result<()> {
     let tmp: PathBuf = dir.join(format!("{name}.tmp"));
     let path = dir.join(name);
     let s = storage;
@@ -742,7 +805,7 @@ pub(crate) fn write_file_atomically(storage: &dyn Storage, dir: &Path, name: &st
             Err(e) => return Err(WalError::io(&tmp, e)),
         }
         let f = s.open(&tmp, OpenMode::CreateNew).map_err(io(&tmp))?;
-        f.write_all_at(bytes, 0).map_err(io(&tmp))?;
+        write(&*f, &tmp)?;
         f.sync_data().map_err(io(&tmp))?;
         s.rename(&tmp, &path).map_err(io(&path))?;
         let d = dir.to_path_buf();

@@ -1,23 +1,32 @@
-//! Memory the log keeps after an append: the writer's group buffer must not stay at the
-//! size of the largest batch it ever wrote. Counted with this test binary's own
-//! allocator, on the real file system (the simulated disk keeps its files in memory).
+//! Memory the log holds: the writer's group buffer must not stay at the size of the
+//! largest batch it ever wrote, and a salvage must not hold a segment it copies.
+//! Counted with this test binary's own allocator, on the real file system (the simulated
+//! disk keeps its files in memory). The tests take turns: each counts every thread's
+//! allocations.
 
 use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use bytes::Bytes;
-use wal::{Wal, WalOptions};
+use wal::{RecoveryMode, Wal, WalOptions};
 
-/// The system allocator, counting the bytes live now.
+/// The system allocator, counting the bytes live now and the most live since the last
+/// reset of `PEAK`.
 struct Counting;
 
 static LIVE: AtomicUsize = AtomicUsize::new(0);
+static PEAK: AtomicUsize = AtomicUsize::new(0);
+
+/// Held by each test for its whole run.
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         let p = unsafe { System.alloc(layout) };
         if !p.is_null() {
-            LIVE.fetch_add(layout.size(), Ordering::Relaxed);
+            let live = LIVE.fetch_add(layout.size(), Ordering::Relaxed) + layout.size();
+            PEAK.fetch_max(live, Ordering::Relaxed);
         }
         p
     }
@@ -37,6 +46,7 @@ const MIB: usize = 1024 * 1024;
 /// about a group's buffer, not the batch's.
 #[test]
 fn the_writer_does_not_keep_a_buffer_the_size_of_its_largest_batch() {
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
     let dir = tempfile::tempdir().unwrap();
     let options = WalOptions::default();
     let keep = options.group_max_bytes + options.preallocate_bytes as usize;
@@ -54,4 +64,52 @@ fn the_writer_does_not_keep_a_buffer_the_size_of_its_largest_batch() {
     let kept = after.saturating_sub(before);
     assert!(kept <= keep * 2, "the log keeps {} MiB after a 96 MiB batch (a group is {} MiB)", kept / MIB, keep / MIB);
     rt.block_on(wal.close()).unwrap();
+}
+
+/// A salvage copies the damaged segment into `damaged/` and its valid prefix into place:
+/// here 40 MiB of records with the damage at about 30 MiB. It copies in chunks, so it
+/// holds a few MiB at most, not the segment twice (70 MiB); and the copies are exact, the
+/// kept records read back and the original's bytes are all in `damaged/`.
+#[test]
+fn a_salvage_copies_a_large_segment_without_holding_it() {
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("wal");
+    let options = WalOptions::default();
+    let record = |i: usize| Bytes::from(vec![i as u8; MIB - 64]);
+    {
+        let wal = Wal::open(&log, options.clone()).unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        for i in 0..40 {
+            rt.block_on(wal.append(vec![record(i)])).unwrap();
+        }
+        rt.block_on(wal.close()).unwrap();
+    }
+    let segment = log.join(wal::format::segment_file_name(0));
+    let mut bytes = std::fs::read(&segment).unwrap();
+    let original = bytes.clone();
+    // Inside record 30's payload: its checksum fails, and valid frames follow.
+    bytes[30 * MIB + MIB / 2] ^= 0xff;
+    std::fs::write(&segment, &bytes).unwrap();
+    drop(bytes);
+
+    let before = LIVE.load(Ordering::Relaxed);
+    PEAK.store(before, Ordering::Relaxed);
+    let wal = Wal::open(&log, WalOptions { recovery: RecoveryMode::Salvage, ..options }).unwrap();
+    let held = PEAK.load(Ordering::Relaxed).saturating_sub(before);
+    let report = wal.open_report().salvage.clone().expect("a salvage");
+    assert!(held < 8 * MIB, "the salvage held {} MiB for a 40 MiB segment", held / MIB);
+
+    let kept = report.kept_until_offset;
+    assert!((29..=30).contains(&kept), "{report:?}");
+    let mut reader = wal.reader(0).unwrap();
+    let read = reader.try_read(100, usize::MAX).unwrap();
+    assert_eq!(read.len() as u64, kept);
+    for r in &read {
+        assert_eq!(r.payload, record(r.offset as usize), "record {}", r.offset);
+    }
+    let moved = std::fs::read(log.join(wal::DAMAGED_DIR).join(wal::format::segment_file_name(0))).unwrap();
+    assert_eq!(moved.len(), original.len());
+    let differing = moved.iter().zip(&original).filter(|(a, b)| a != b).count();
+    assert_eq!(differing, 1, "the damaged copy is not the damaged file");
 }
