@@ -620,9 +620,12 @@ async fn release_loop<C: CursorStore>(
     queue_budget: Arc<QueueBudget>,
     mut shutdown: watch::Receiver<bool>,
 ) {
+    metrics::gauge!("iggy_connector_queued_bytes").set(0.0);
+    metrics::gauge!("iggy_connector_queues_max_bytes").set(queue_budget.max_bytes() as f64);
     let _held = OnDrop(|| {
         metrics::gauge!("iggy_connector_held_bytes").set(0.0);
         metrics::gauge!("iggy_connector_queued_bytes").set(0.0);
+        metrics::gauge!("iggy_connector_queues_max_bytes").set(0.0);
         metrics::gauge!("iggy_connector_oldest_held_age_seconds").set(0.0);
     });
     loop {

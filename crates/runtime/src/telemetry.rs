@@ -197,6 +197,12 @@ pub fn catalog() -> Vec<Metric> {
             "Bytes every destination's queue keeps in memory, against router.queues_max_bytes",
         ),
         m(
+            "iggy_connector_queues_max_bytes",
+            Gauge,
+            &[],
+            "router.queues_max_bytes: the most bytes all destinations' queues keep in memory (0 while the router is stopped)",
+        ),
+        m(
             "iggy_connector_oldest_held_age_seconds",
             Gauge,
             &[],
