@@ -305,6 +305,11 @@ impl IdempotencyIndex {
         Some(Claim { index: self.clone(), key: k, _gate: gate })
     }
 
+    /// Whether a request holds `key` now (its acceptance is under way).
+    pub fn is_claimed(&self, key: &IdempotencyKey) -> bool {
+        self.in_flight.lock().unwrap_or_else(|p| p.into_inner()).contains(&key.table_key())
+    }
+
     /// The earlier acceptance of `key`, if it is within the retention window at `now`.
     pub fn lookup(&self, key: &IdempotencyKey, now_unix_ms: u64) -> Result<Option<PriorAcceptance>, StateError> {
         let db = self.state.db()?;

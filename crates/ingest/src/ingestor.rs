@@ -299,8 +299,15 @@ impl Ingestor {
     /// `SWEEP_GRACE_MS` after it is `LookupTooLate`, as in [`Ingestor::accept`] (a
     /// checkpoint may have swept the key, and "none" would turn the refusal of a
     /// delivery the log holds into the answer).
+    /// A delivery another request is accepting right now is `InFlight` (409), as for
+    /// [`Ingestor::accept`]: it may be a replay in a moment, so the refusal is not yet
+    /// the answer either. (Asked before the lookup: its claim is let go only after its
+    /// key is recorded.)
     pub fn replay_of(&self, key: &IdempotencyKey, received_at_unix_ms: u64) -> Result<Option<Accepted>, IngestError> {
         lookup_in_time(received_at_unix_ms)?;
+        if self.idempotency.is_claimed(key) {
+            return Err(IngestError::InFlight);
+        }
         match self.prior(key, received_at_unix_ms)? {
             Some(prior) => self.replay(key, prior).map(Some),
             None => Ok(None),
@@ -682,8 +689,11 @@ mod tests {
         let key = IdempotencyKey { source_key: "default".into(), endpoint_id: None, delivery_key: "d1".into() };
         let claim = ing.idempotency().claim(&key).await.unwrap();
         assert!(matches!(ing.accept(submission(Some("d1"), &["a"])).await, Err(IngestError::InFlight)));
+        // A twin whose body the door refuses asks for a replay instead: in flight too.
+        assert!(matches!(ing.replay_of(&key, crate::time::now_unix_ms()), Err(IngestError::InFlight)));
         assert_eq!(wal.next_offset(), 0);
         drop(claim);
+        assert!(matches!(ing.replay_of(&key, crate::time::now_unix_ms()), Ok(None)));
         assert!(!ing.accept(submission(Some("d1"), &["a"])).await.unwrap().replayed);
         assert_eq!(wal.next_offset(), 1);
     }
