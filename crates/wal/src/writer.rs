@@ -717,10 +717,16 @@ pub(crate) fn create_segment_with(
     bytes: &[u8],
 ) -> Result<Arc<SegmentRef>> {
     let name = segment_file_name(base);
-    let path = dir.join(&name);
     write_file_atomically(storage, dir, &name, bytes)?;
+    open_created_segment(storage, dir, base, bytes.len() as u64)
+}
+
+/// Opens the segment starting at `base` that was just made durable in `dir`, holding
+/// `durable_len` bytes, for the writer.
+fn open_created_segment(storage: &dyn Storage, dir: &Path, base: u64, durable_len: u64) -> Result<Arc<SegmentRef>> {
+    let path = dir.join(segment_file_name(base));
     let file = storage.open(&path, OpenMode::ReadWrite).map_err(|e| WalError::io(&path, e))?;
-    Ok(Arc::new(SegmentRef { base, path, file, durable_len: (bytes.len() as u64).into(), sealed: false.into() }))
+    Ok(Arc::new(SegmentRef { base, path, file, durable_len: durable_len.into(), sealed: false.into() }))
 }
 
 /// Writes `bytes` as the file `name` in `dir` so that after a crash the name either does
@@ -773,11 +779,8 @@ pub(crate) fn create_segment_copying(
     len: u64,
     trailer: &[u8],
 ) -> Result<Arc<SegmentRef>> {
-    let name = segment_file_name(base);
-    let path = dir.join(&name);
-    let written = copy_file_atomically(storage, dir, &name, src, src_path, len, trailer)?;
-    let file = storage.open(&path, OpenMode::ReadWrite).map_err(|e| WalError::io(&path, e))?;
-    Ok(Arc::new(SegmentRef { base, path, file, durable_len: written.into(), sealed: false.into() }))
+    let written = copy_file_atomically(storage, dir, &segment_file_name(base), src, src_path, len, trailer)?;
+    open_created_segment(storage, dir, base, written)
 }
 
 /// Creates the file `name` in `dir` through a temporary file that `write` fills, synced,
