@@ -566,6 +566,40 @@ fn an_empty_log_is_clean_and_shows_nothing() {
     assert_eq!(v["destinations"]["cursors_from"], "unavailable");
 }
 
+/// A log directory whose name is not UTF-8 (a Linux path is bytes): each `--json` answer
+/// names it with U+FFFD in place of the bytes that are not, and exits as for any other
+/// name; `salvage` included, whose copy is made before its answer is written.
+#[test]
+fn json_answers_name_a_directory_whose_name_is_not_utf8() {
+    use std::ffi::OsStr;
+    use std::os::unix::ffi::OsStrExt;
+    let root = tempfile::tempdir().unwrap();
+    let made = make_log(root.path(), 20, small());
+    let dir = root.path().join(OsStr::from_bytes(b"w\xffal"));
+    std::fs::rename(&made, &dir).unwrap();
+    let out = root.path().join(OsStr::from_bytes(b"copy\xfe"));
+    let run = |args: &[&OsStr]| {
+        Command::new(env!("CARGO_BIN_EXE_iggy-ingest")).arg("wal").args(args).output().expect("run iggy-ingest")
+    };
+    let shown = |name: &str| format!("{}/{name}", root.path().display());
+    let (json_flag, dir_arg) = (OsStr::new("--json"), dir.as_os_str());
+    for sub in ["verify", "inspect"] {
+        let o = run(&[OsStr::new(sub), dir_arg, json_flag]);
+        assert_eq!(code(&o), 0, "{sub}: {}", stderr(&o));
+        let v = json(&o);
+        assert_eq!(v["dir"], shown("w\u{fffd}al"), "{sub}");
+        if sub == "inspect" {
+            let file = v["segments"][0]["file"].as_str().unwrap();
+            assert!(file.starts_with(&shown("w\u{fffd}al/")), "{file}");
+        }
+    }
+    let o = run(&[OsStr::new("salvage"), dir_arg, OsStr::new("--out"), out.as_os_str(), json_flag]);
+    assert_eq!(code(&o), 0, "salvage: {}", stderr(&o));
+    let v = json(&o);
+    assert_eq!((v["out"].as_str(), v["records"].as_u64()), (Some(shown("copy\u{fffd}").as_str()), Some(20)));
+    assert_eq!(code(&run(&[OsStr::new("verify"), out.as_os_str()])), 0, "the copy is a log");
+}
+
 /// A log with more distinct destinations than `wal inspect` lists (100 000, the router's
 /// own largest cap): the first 100 000 are listed, and the records of the rest are
 /// counted together, none lost from the figures; a listed destination's later records

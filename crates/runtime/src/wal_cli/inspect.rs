@@ -31,8 +31,8 @@ use ingest::{CursorsSnapshot, Envelope};
 use serde_json::{Value, json};
 
 use super::{
-    CliError, CliResult, default_state_path, human_age, human_bytes, open_log, rfc3339_ms, stdout, wal_error,
-    write_json_line, writer_running,
+    CliError, CliResult, default_state_path, human_age, human_bytes, open_log, path_json, rfc3339_ms, stdout,
+    wal_error, write_json_line, writer_running,
 };
 
 #[derive(Debug, Args)]
@@ -221,7 +221,7 @@ pub(crate) fn run(a: InspectArgs) -> CliResult {
             .iter()
             .map(|s| {
                 json!({
-                    "file": s.path,
+                    "file": path_json(&s.path),
                     "first_offset": s.base_offset,
                     "last_offset": (s.records > 0).then(|| s.next_offset - 1),
                     "next_offset": s.next_offset,
@@ -251,10 +251,10 @@ pub(crate) fn run(a: InspectArgs) -> CliResult {
         write_json_line(
             &mut out,
             &json!({
-                "dir": a.dir,
+                "dir": path_json(&a.dir),
                 "writer_running": running,
                 "clean_shutdown": if running { None } else { Some(report.clean_shutdown) },
-                "torn_tail": report.torn_at.as_ref().map(|t| json!({"file": t.file, "position": t.position, "zeros_only": report.torn_tail_zeros_only})),
+                "torn_tail": report.torn_at.as_ref().map(|t| json!({"file": path_json(&t.file), "position": t.position, "zeros_only": report.torn_tail_zeros_only})),
                 "start_offset": stats.start_offset,
                 "next_offset": stats.next_offset,
                 "records": records,

@@ -213,6 +213,14 @@ pub(crate) fn stdout() -> io::BufWriter<io::StdoutLock<'static>> {
     io::BufWriter::with_capacity(64 * 1024, io::stdout().lock())
 }
 
+/// A path as a JSON string. Paths are bytes on Linux and JSON strings are UTF-8: a path
+/// that is not UTF-8 (an operator may name a directory anything) is shown with each
+/// invalid sequence replaced by U+FFFD, as `Path::display` does for the text output,
+/// instead of failing the whole answer.
+pub(crate) fn path_json(p: &Path) -> serde_json::Value {
+    serde_json::Value::String(p.to_string_lossy().into_owned())
+}
+
 pub(crate) fn write_json_line(out: &mut impl Write, v: &serde_json::Value) -> io::Result<()> {
     serde_json::to_writer(&mut *out, v).map_err(io::Error::from)?;
     out.write_all(b"\n")

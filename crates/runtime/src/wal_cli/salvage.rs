@@ -30,7 +30,7 @@ use clap::Args;
 use serde_json::json;
 use wal::storage::FsStorage;
 
-use super::{CliError, CliResult, human_bytes, not_a_log, stdout, wal_error, write_json_line};
+use super::{CliError, CliResult, human_bytes, not_a_log, path_json, stdout, wal_error, write_json_line};
 
 #[derive(Debug, Args)]
 pub struct SalvageArgs {
@@ -81,8 +81,8 @@ pub(crate) fn run(a: SalvageArgs) -> CliResult {
         write_json_line(
             &mut out,
             &json!({
-                "dir": a.dir,
-                "out": a.out,
+                "dir": path_json(&a.dir),
+                "out": path_json(&a.out),
                 "records": report.records,
                 "payload_bytes": report.payload_bytes,
                 "segments_written": report.segments_written,
@@ -91,7 +91,7 @@ pub(crate) fn run(a: SalvageArgs) -> CliResult {
                 "end_offset": report.end_offset,
                 "missing_offsets": report.missing_offsets.iter().map(|(a, b)| json!({"first": a, "last": b})).collect::<Vec<_>>(),
                 "reserved_offsets": report.reserved_offsets.map(|(a, b)| json!({"first": a, "last": b})),
-                "skipped": report.skipped.iter().map(|s| json!({"file": s.file, "from": s.from, "to": s.to, "records": s.records, "why": s.why})).collect::<Vec<_>>(),
+                "skipped": report.skipped.iter().map(|s| json!({"file": path_json(&s.file), "from": s.from, "to": s.to, "records": s.records, "why": s.why})).collect::<Vec<_>>(),
                 "partial_batch_records": report.partial_batch_records(),
             }),
         )?;

@@ -17,7 +17,7 @@ use clap::Args;
 use serde_json::json;
 use wal::storage::FsStorage;
 
-use super::{CliError, CliResult, human_bytes, not_a_log, stdout, wal_error, write_json_line};
+use super::{CliError, CliResult, human_bytes, not_a_log, path_json, stdout, wal_error, write_json_line};
 
 #[derive(Debug, Args)]
 pub struct VerifyArgs {
@@ -57,18 +57,18 @@ pub(crate) fn run(a: VerifyArgs) -> CliResult {
         let problems: Vec<serde_json::Value> = report
             .problems
             .iter()
-            .map(|p| json!({"file": p.location.file, "position": p.location.position, "problem": p.what}))
+            .map(|p| json!({"file": path_json(&p.location.file), "position": p.location.position, "problem": p.what}))
             .collect();
         write_json_line(
             &mut out,
             &json!({
-                "dir": a.dir,
+                "dir": path_json(&a.dir),
                 "clean": report.is_clean(),
                 "segments": report.segments,
                 "records": report.records,
                 "bytes": report.bytes,
                 "problems": problems,
-                "torn_tail": report.torn_tail.as_ref().map(|t| json!({"file": t.file, "position": t.position, "zeros_only": report.torn_tail_zeros_only})),
+                "torn_tail": report.torn_tail.as_ref().map(|t| json!({"file": path_json(&t.file), "position": t.position, "zeros_only": report.torn_tail_zeros_only})),
                 "seconds": seconds,
             }),
         )?;
