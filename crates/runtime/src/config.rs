@@ -1055,6 +1055,10 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
         let sp = sources_path.key(key);
         if key.is_empty() || !key.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.')) {
             c.err(&sp, "a source key may only hold letters, digits, '-', '_' and '.'");
+        } else if key.bytes().all(|b| b == b'.') {
+            // `/v1/sources/..` is a dot segment: clients resolve it away (RFC 3986, 5.2.4)
+            // before they send, so the source's named path could never be reached.
+            c.err(&sp, "a source key may not be made of dots alone ('.' and '..' are path segments clients remove)");
         } else if key.len() > IGGY_HEADER_FIELD_MAX_BYTES {
             // Every record carries it, and every message as the iggy-ingest-source header.
             c.err(
@@ -1090,6 +1094,8 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
                 c.err(&hp, format!("{h:?} is listed twice"));
             } else if is_credential_header(h) {
                 c.err(&hp, format!("{h:?} carries credentials and may not be forwarded into the log"));
+            } else if let Some(why) = set_by_the_daemon(h) {
+                c.err(&hp, format!("{h:?} {why}; a sender's value would replace it in every message"));
             } else {
                 forward_headers.push(h.to_ascii_lowercase());
             }
@@ -1292,6 +1298,24 @@ fn usable_token(c: &mut Checker<'_>, path: &KeyPath, from: &str, token: &str) ->
         return false;
     }
     true
+}
+
+/// Why a header name may not be forwarded, if it is one the daemon itself sets on every
+/// message it sends (delivery.md, "Messages"): a message holds one value per header name,
+/// the forwarded headers come after the daemon's, and the last value is the one Iggy
+/// keeps, so a sender could otherwise forge the source key, the peer address or the
+/// receive time downstream.
+fn set_by_the_daemon(name: &str) -> Option<&'static str> {
+    let n = name.to_ascii_lowercase();
+    if n.starts_with("iggy-ingest-") {
+        Some("is in the daemon's own header namespace (iggy-ingest-*)")
+    } else if n == "content-type" {
+        Some("is already carried: every message has the request's content-type")
+    } else if n == http_source::source::METADATA_PEER_ADDR || n == http_source::source::METADATA_RECEIVED_AT {
+        Some("names a metadata field the daemon sets (`metadata`)")
+    } else {
+        None
+    }
 }
 
 /// A source's destination, route, partitioning and admission (see docs/routing.md for
@@ -2251,6 +2275,43 @@ auth_secret = "never checked"
         let e = errors(text);
         assert_eq!(e[0].path, "sources.a.forward_headers[1]");
         assert_eq!(e[0].line, Some(3));
+    }
+
+    /// The headers the daemon sets on every message (its own `iggy-ingest-*`, the
+    /// content type, the metadata fields) cannot be forwarded: the forwarded value comes
+    /// last and is the one Iggy keeps, so a sender would forge them downstream. Other
+    /// names forward as before.
+    #[test]
+    fn headers_the_daemon_sets_on_every_message_cannot_be_forwarded() {
+        for name in
+            ["iggy-ingest-source", "Iggy-Ingest-Destination", "content-type", "peer_addr", "received_at_unix_ms"]
+        {
+            let text = format!(
+                "[sources.a]\ndestination = {{ stream = \"s\", topic = \"t\" }}\nforward_headers = [\"x-a\", \"{name}\"]\n"
+            );
+            let e = errors(&text);
+            assert_eq!(e.len(), 1, "{name}: {e:?}");
+            assert_eq!((e[0].path.as_str(), e[0].line), ("sources.a.forward_headers[1]", Some(3)), "{name}");
+            assert!(e[0].message.contains("would replace it"), "{name}: {}", e[0].message);
+        }
+        let text = "[sources.a]\ndestination = { stream = \"s\", topic = \"t\" }\nforward_headers = [\"x-iggy-ingest-source\", \"x-peer_addr\", \"content-language\"]\n";
+        let settings = validate(&parse(text, None).unwrap(), Some(text), None).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(settings.sources[0].forward_headers.len(), 3);
+    }
+
+    /// `.` and `..` are dot segments that clients remove from a URL before sending it,
+    /// so a source keyed so could never be reached at its named path.
+    #[test]
+    fn a_source_key_of_dots_alone_is_refused() {
+        for key in [".", "..", "..."] {
+            let text = format!("[sources.\"{key}\"]\ndestination = {{ stream = \"s\", topic = \"t\" }}\n");
+            let e = errors(&text);
+            assert_eq!(e.len(), 1, "{key}: {e:?}");
+            assert_eq!(e[0].path, format!("sources.\"{key}\""), "{key}");
+            assert!(e[0].message.contains("dots alone"), "{key}: {}", e[0].message);
+        }
+        let text = "[sources.\"v1.a\"]\ndestination = { stream = \"s\", topic = \"t\" }\n";
+        assert!(validate(&parse(text, None).unwrap(), Some(text), None).is_ok());
     }
 
     /// A configured signature header passes the check by name (Shopify's
