@@ -800,6 +800,38 @@ mod tests {
         assert_eq!(accepted.load(Ordering::SeqCst), 2, "the interval passed, and no connect was made");
     }
 
+    /// The worst a configured source can put on one message: the daemon's own headers,
+    /// the four of a dead letter, and `FORWARD_HEADERS_MAX` forwarded ones, every name
+    /// and value 255 bytes, is sendable; 200 forwarded headers (which the config refuses)
+    /// would not be, and the destination would hold at that message for good.
+    #[test]
+    fn the_most_headers_a_source_can_forward_fit_in_one_message() {
+        let payload = Bytes::from_static(b"{}");
+        let value = vec![b'v'; 255];
+        let names: Vec<String> = (0..200).map(|i| format!("{i:0>255}")).collect();
+        let message = |forwarded: usize| {
+            let mut headers: Vec<(&str, Cow<'_, [u8]>)> = [
+                "iggy-ingest-source",
+                "content-type",
+                "peer_addr",
+                "received_at_unix_ms",
+                "iggy-ingest-rejected-reason",
+                "iggy-ingest-destination-stream",
+                "iggy-ingest-destination-topic",
+                "iggy-ingest-destination",
+            ]
+            .into_iter()
+            .map(|n| (n, Cow::Borrowed(&value[..])))
+            .collect();
+            headers.extend(names[..forwarded].iter().map(|n| (n.as_str(), Cow::Borrowed(&value[..]))));
+            OutMessage { id: 1, payload: &payload, headers }
+        };
+        let sent = to_iggy(&[message(crate::FORWARD_HEADERS_MAX)]).expect("the most a source forwards is sendable");
+        let len = sent[0].user_headers.as_ref().map_or(0, |h| h.len());
+        assert!(len < crate::IGGY_USER_HEADERS_MAX_BYTES as usize / 2, "{len} bytes of headers");
+        assert!(to_iggy(&[message(200)]).is_err(), "200 forwarded headers are over Iggy's limit");
+    }
+
     #[test]
     fn a_batch_is_built_byte_for_byte_as_the_crates_builder_builds_it() {
         let payloads = [Bytes::from_static(b"{\"a\":1}"), Bytes::from_static(b"x"), Bytes::from(vec![7u8; 3000])];

@@ -58,6 +58,18 @@ pub use cursors::{CursorStore, MemoryCursorStore, StateCursorStore};
 /// 1000 bytes, not 64 MiB). An event larger than this could be accepted into the log and
 /// never delivered.
 pub const IGGY_PAYLOAD_MAX_BYTES: u64 = iggy::prelude::MAX_PAYLOAD_SIZE as u64;
+/// Iggy's limit on the encoded user headers of one message: a message over it cannot be
+/// sent at all.
+pub const IGGY_USER_HEADERS_MAX_BYTES: u64 = iggy::prelude::MAX_USER_HEADERS_SIZE as u64;
+
+/// The most request headers a source may forward into its messages. Each message carries
+/// them beside the daemon's own (source, content type, two metadata fields, four
+/// dead-letter headers), every name and value at most 255 bytes (the door clamps values;
+/// the config refuses longer names): 72 headers, at most about 37 KB encoded, well
+/// inside [`IGGY_USER_HEADERS_MAX_BYTES`] (`iggy_sink`'s tests encode that worst case).
+/// Over Iggy's limit a message could not be sent at all, and its destination would hold
+/// at it for good.
+pub const FORWARD_HEADERS_MAX: usize = 64;
 use dispatcher::{Dispatcher, LaneTasks, Lanes};
 pub use lane::LaneSnapshot;
 use lane::{Lane, LaneContext, QueueBudget};

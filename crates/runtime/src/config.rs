@@ -1081,6 +1081,17 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
             tolerance_within_retention(&mut c, &sp, &auth, s.auth().auth_tolerance_secs.is_some(), retention_secs);
         }
         let mut forward_headers = Vec::new();
+        if s.forward_headers.len() > router::FORWARD_HEADERS_MAX {
+            c.err(
+                &sp.key("forward_headers"),
+                format!(
+                    "{} names; at most {}, so that a message's headers stay within Iggy's limit of {} bytes",
+                    s.forward_headers.len(),
+                    router::FORWARD_HEADERS_MAX,
+                    router::IGGY_USER_HEADERS_MAX_BYTES
+                ),
+            );
+        }
         for (i, h) in s.forward_headers.iter().enumerate() {
             let hp = sp.key("forward_headers").index(i);
             if axum::http::HeaderName::from_bytes(h.as_bytes()).is_err() {
@@ -2297,6 +2308,25 @@ auth_secret = "never checked"
         let text = "[sources.a]\ndestination = { stream = \"s\", topic = \"t\" }\nforward_headers = [\"x-iggy-ingest-source\", \"x-peer_addr\", \"content-language\"]\n";
         let settings = validate(&parse(text, None).unwrap(), Some(text), None).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(settings.sources[0].forward_headers.len(), 3);
+    }
+
+    /// More forwarded headers than a message can carry within Iggy's limit are refused;
+    /// the largest number allowed loads.
+    #[test]
+    fn more_forwarded_headers_than_a_message_can_carry_are_refused() {
+        let text = |n: usize| {
+            let names: Vec<String> = (0..n).map(|i| format!("\"x-h{i}\"")).collect();
+            format!(
+                "[sources.a]\ndestination = {{ stream = \"s\", topic = \"t\" }}\nforward_headers = [{}]\n",
+                names.join(", ")
+            )
+        };
+        let at_max = text(router::FORWARD_HEADERS_MAX);
+        assert!(validate(&parse(&at_max, None).unwrap(), Some(&at_max), None).is_ok());
+        let e = errors(&text(router::FORWARD_HEADERS_MAX + 1));
+        assert_eq!(e.len(), 1, "{e:?}");
+        assert_eq!((e[0].path.as_str(), e[0].line), ("sources.a.forward_headers", Some(3)));
+        assert!(e[0].message.contains("at most 64"), "{}", e[0].message);
     }
 
     /// `.` and `..` are dot segments that clients remove from a URL before sending it,
