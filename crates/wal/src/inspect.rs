@@ -178,7 +178,7 @@ fn verify_bounded(
         }
     }
     let mut files = Vec::with_capacity(bases.len());
-    let mut total = 0;
+    let mut total: u64 = 0;
     for &b in &bases {
         let path = dir.join(segment_file_name(b));
         let file = storage.open(&path, OpenMode::Read).map_err(|e| match e.kind() {
@@ -197,7 +197,7 @@ fn verify_bounded(
             }
             len = w.durable_len;
         }
-        total += len;
+        total = total.saturating_add(len);
         files.push((b, path, file, len));
     }
     // After a clean close the whole tail was durable: damage in it is damage, not a tear.
@@ -264,8 +264,8 @@ fn verify_bounded(
             return Err(crate::watermark::unsettled(dir, "the durable watermark and its segment disagree"));
         }
         report.records += out.records;
-        report.bytes += len;
-        done += len;
+        report.bytes = report.bytes.saturating_add(*len);
+        done = done.saturating_add(*len);
         expected_base = out.sealed;
         let why = if bound.is_some() { "in bytes the running writer synced" } else { "in a tail closed cleanly" };
         match out.stop {

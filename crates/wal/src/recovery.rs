@@ -44,7 +44,9 @@ use crate::{CLEAN_MARKER_FILE, DAMAGED_DIR, LOCK_FILE};
 /// What opening found and did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct OpenReport {
-    /// The last writer closed the log cleanly and the tail scan was skipped.
+    /// The last writer closed the log cleanly: a marker named the tail's base and length.
+    /// The tail is scanned all the same; the marker only makes damage in the bytes it
+    /// names count as damage rather than a torn write.
     pub clean_shutdown: bool,
     pub segments: usize,
     pub start_offset: u64,
@@ -488,7 +490,9 @@ fn finish(
     lock: Option<Box<dyn Send + Sync>>,
     mut report: OpenReport,
 ) -> Opened {
-    let used: u64 = segs.iter().map(|s| s.durable_len.load(std::sync::atomic::Ordering::Relaxed)).sum();
+    // Saturating: lengths come from the file system (a crafted one could name huge files).
+    let used: u64 =
+        segs.iter().map(|s| s.durable_len.load(std::sync::atomic::Ordering::Relaxed)).fold(0, u64::saturating_add);
     let active = segs.last().cloned();
     let shared = Arc::new(Shared::new(dir, storage, segs, next_offset, used, opts.max_bytes, opts.record_max_bytes));
     report.segments = shared.segments().len();
