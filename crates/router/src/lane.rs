@@ -694,6 +694,8 @@ async fn run<S: Sink, C: CursorStore>(lane: Arc<Lane>, mut ctx: LaneContext<S, C
     let mut ahead: Option<(Vec<Routed>, Prepared<S::Message>)> = None;
     // The previous batch, freed while the next one is in flight.
     let mut done: Option<(Vec<Routed>, Prepared<S::Message>)> = None;
+    // The status a failed log read put the lane in Error from, to return to.
+    let mut before_read_error: Option<Status> = None;
     loop {
         if *ctx.shutdown.borrow() {
             break;
@@ -702,16 +704,20 @@ async fn run<S: Sink, C: CursorStore>(lane: Arc<Lane>, mut ctx: LaneContext<S, C
             Some(next) => next,
             None => match next_batch(&lane, &mut ctx, &mut catchup).await {
                 Ok(Some(b)) => {
-                    reads_again(&lane, &ctx);
+                    reads_again(&lane, &ctx, &mut before_read_error);
                     let prepared = prepare(&*ctx.sink, &b);
                     (b, prepared)
                 }
                 Ok(None) => {
-                    reads_again(&lane, &ctx);
+                    reads_again(&lane, &ctx, &mut before_read_error);
                     continue;
                 }
                 Err(e) => {
                     // The log could not be read (damage): say so and keep trying, slowly.
+                    let now = lane.status.get();
+                    if now != Status::Error {
+                        before_read_error = Some(now);
+                    }
                     lane.status.record_error(&e.to_string());
                     ctx.router_status.lane_failed(&lane.key, &lane.status, "cannot read the log");
                     tracing::error!(destination = %lane.key, error = %e, "lane cannot read the log");
@@ -1594,12 +1600,19 @@ async fn dead_letter<S: Sink, C>(
     }
 }
 
-/// A lane in Error because it could not read the log has read it again: Running (a
-/// failing send moves it on from there as usual), and the router told.
-fn reads_again<S, C>(lane: &Lane, ctx: &LaneContext<S, C>) {
-    if lane.status.get() == Status::Error {
-        progressed(lane, ctx, "the log reads again");
+/// A lane in Error because it could not read the log has read it again: back to the
+/// status it had before (`before`), and the router told. Reading is not delivering: a
+/// lane that never had a send acknowledged is Starting again, and a Degraded one stays
+/// Degraded (its queue still given back) until a send succeeds.
+fn reads_again<S, C>(lane: &Lane, ctx: &LaneContext<S, C>, before: &mut Option<Status>) {
+    if lane.status.get() != Status::Error {
+        return;
     }
+    let to = match before.take() {
+        Some(s @ (Status::Starting | Status::Degraded)) => s,
+        _ => Status::Running,
+    };
+    ctx.router_status.lane_reads_again(&lane.key, &lane.status, to, "the log reads again");
 }
 
 /// The `failures`th failure in a row: shown (snapshot and status), and the lane Degraded

@@ -221,6 +221,19 @@ impl RouterHealth {
         lane.set(Status::Error, why);
     }
 
+    /// The lane `key` (status `lane`), in Error for a failed log read, reads the log again:
+    /// `to`, the status it had before (Starting, Running or Degraded).
+    pub(crate) fn lane_reads_again(&self, key: &LaneKey, lane: &StatusCell, to: Status, why: &str) {
+        if to == Status::Degraded {
+            // Still not progressing: the router's troubles change before the lane's own.
+            self.update(|t| t.failed.remove(key) | t.degraded.insert(key.clone()));
+            lane.set(to, why);
+        } else {
+            lane.set(to, why);
+            self.update(|t| t.failed.remove(key));
+        }
+    }
+
     /// The lane `key` (status `lane`) moved its records on: Running.
     pub(crate) fn lane_recovered(&self, key: &LaneKey, lane: &StatusCell, why: &str) {
         lane.set(Status::Running, why);
