@@ -85,6 +85,13 @@ pub(crate) struct SourceRoute {
 
 pub(crate) type Lanes = Arc<RwLock<HashMap<LaneKey, Arc<Lane>>>>;
 
+/// How routing a record ended.
+enum Routing {
+    Done,
+    /// The router began to stop while the record waited for its lane's room.
+    Stopped,
+}
+
 pub(crate) struct Dispatcher<S, C> {
     pub wal: Arc<Wal>,
     pub policies: Arc<Policies>,
@@ -165,7 +172,9 @@ impl<S: Sink, C: CursorStore> Dispatcher<S, C> {
             };
             for rec in batch {
                 let offset = rec.offset;
-                self.route(rec).await;
+                if let Routing::Stopped = self.route(rec, &mut shutdown).await {
+                    return;
+                }
                 self.ctx.processed_below.store(offset + 1, Ordering::Release);
             }
             self.ctx.delivered.notify_one();
@@ -188,12 +197,16 @@ impl<S: Sink, C: CursorStore> Dispatcher<S, C> {
         }
     }
 
-    async fn route(&mut self, rec: Record) {
+    /// Routes one record; [`Routing::Stopped`] if the router began to stop while it
+    /// waited for a lane's room (the record is then not routed: it is not counted as
+    /// processed, and pins the log for the next start).
+    async fn route(&mut self, rec: Record, shutdown: &mut watch::Receiver<bool>) -> Routing {
         if !self.policies.given_up.is_empty()
             && let Ok(s) = Envelope::summarize(&rec.payload)
             && self.policies.is_given_up(s.source_key, s.stream, s.topic)
         {
-            return self.give_up(rec.offset, s.source_key, s.stream, s.topic);
+            self.give_up(rec.offset, s.source_key, s.stream, s.topic);
+            return Routing::Done;
         }
         // While the lane of the previous record re-reads the log itself (its destination
         // down, or far behind), most records are only skipped: read just the summary
@@ -203,17 +216,23 @@ impl<S: Sink, C: CursorStore> Dispatcher<S, C> {
         if skipping {
             let summary = match Envelope::summarize(&rec.payload) {
                 Ok(s) => s,
-                Err(e) => return self.hold_undecodable(rec.offset, &e),
+                Err(e) => {
+                    self.hold_undecodable(rec.offset, &e);
+                    return Routing::Done;
+                }
             };
             if let Some((lane, _, _)) = self.lane_of(summary.source_key, summary.stream, summary.topic)
                 && lane.skip_if_overflowed(&summary, rec.offset)
             {
-                return;
+                return Routing::Done;
             }
         }
         let envelope = match Envelope::decode(&rec.payload) {
             Ok(e) => e,
-            Err(e) => return self.hold_undecodable(rec.offset, &e),
+            Err(e) => {
+                self.hold_undecodable(rec.offset, &e);
+                return Routing::Done;
+            }
         };
         let h = &envelope.header;
         let Some((lane, queue_max, wait)) = self.lane_of(&h.source_key, &h.destination.stream, &h.destination.topic)
@@ -223,20 +242,25 @@ impl<S: Sink, C: CursorStore> Dispatcher<S, C> {
                 destination: DestinationKey::new(h.destination.stream.clone(), h.destination.topic.clone()),
             };
             self.reject_for_cap(&key, rec.offset, envelope);
-            return;
+            return Routing::Done;
         };
         let routed = Routed { offset: rec.offset, envelope, dead_letter_reason: None };
         let space = lane.space.notified();
         tokio::pin!(space);
         space.as_mut().enable();
-        if let Err(routed) = lane.offer(routed, queue_max, wait, true) {
-            // A healthy lane with a full queue: give it a moment before it overflows.
+        if let Err((routed, left)) = lane.offer(routed, queue_max, wait, true) {
+            // A healthy lane with a full queue: give it a moment before it overflows, no
+            // longer than what is left of `overflow_after` since the queue was first found
+            // full, and none at all once the router stops (the lane may have ended, and
+            // nothing would make room then).
             tokio::select! {
                 _ = space => {}
-                _ = tokio::time::sleep(wait) => {}
+                _ = tokio::time::sleep(left) => {}
+                _ = shutdown.changed() => return Routing::Stopped,
             }
             let _ = lane.offer(routed, queue_max, wait, false);
         }
+        Routing::Done
     }
 
     /// The lane of (source, stream, topic), created within the source's cap; `None` when

@@ -475,7 +475,8 @@ impl Lane {
     /// log), unless the queue has not been below half full for `overflow_after` since an
     /// offer first found it full: a lane that slow would pace the log's single reader, and
     /// with it every other destination, one short wait at a time. Otherwise a full queue
-    /// overflows.
+    /// overflows. A refusal hands the record back with what is left of `overflow_after`,
+    /// the longest the dispatcher is to wait before offering it again.
     // The `Err` is the record handed back, not an error: boxing it would allocate per record.
     #[allow(clippy::result_large_err)]
     pub(crate) fn offer(
@@ -484,7 +485,7 @@ impl Lane {
         queue_max: usize,
         overflow_after: Duration,
         may_refuse: bool,
-    ) -> Result<(), Routed> {
+    ) -> Result<(), (Routed, Duration)> {
         let d = &r.envelope.header.destination;
         if self.delivered_before(r.offset, &d.stream, &d.topic) {
             return Ok(());
@@ -503,8 +504,9 @@ impl Lane {
         if full && may_refuse && !g.cannot_send && self.is_healthy() {
             let now = Instant::now();
             let since = *g.full_since.get_or_insert(now);
-            if now.duration_since(since) < overflow_after {
-                return Err(r);
+            let full_for = now.duration_since(since);
+            if full_for < overflow_after {
+                return Err((r, overflow_after - full_for));
             }
         }
         g.hold(r.envelope.payload.len(), r.envelope.header.received_at_unix_ms);

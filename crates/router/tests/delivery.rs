@@ -324,6 +324,41 @@ async fn a_slow_but_healthy_destination_does_not_pace_the_others() {
     router.shutdown().await;
 }
 
+/// The log's reader waiting for room in a slow lane's full queue (`overflow_after` may be
+/// up to a day) stops waiting when the router stops: the lane ends and would never make
+/// room, and the router's stop, which waits for the reader, would outlast any grace
+/// period. A new router delivers every record from the start, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_router_stops_at_once_while_its_reader_waits_for_room_in_a_lane() {
+    let sim = SimStorage::new();
+    let wal = open_wal(&sim);
+    let sink = FaultySink::new();
+    let d = key("wait", "slow");
+    sink.fault(&d, Some(Fault::Slow(Duration::from_millis(200))));
+    let mut policy = fast_policy();
+    policy.batch.batch_max_records = 1;
+    policy.lane_queue_max_records = 2;
+    policy.overflow_after = Duration::from_secs(3600);
+    let want = fill(&wal, std::slice::from_ref(&d), 0, 50).await;
+    let router = start_router(&wal, &sink, policy.clone());
+    // The queue is full and the reader waits on it: the lane takes a record every 200 ms.
+    eventually(Duration::from_secs(10), "two delivered", || sink.ids(&d).len() >= 2).await;
+    let stop = tokio::time::timeout(Duration::from_secs(20), router.shutdown()).await;
+    assert!(stop.is_ok(), "the router did not stop while its reader waited for a full lane");
+    let delivered = sink.ids(&d).len();
+    assert!(delivered < 50, "every record was delivered before the stop ({delivered}): nothing waited");
+    sink.fault(&d, None);
+    let router = start_router(&wal, &sink, policy);
+    // It delivers from the log's start (what the first released, it had delivered).
+    eventually(Duration::from_secs(20), "the rest delivered", || sink.ids(&d).last() == want[&d].last()).await;
+    let ids = sink.ids(&d);
+    assert!(want[&d].iter().all(|id| ids.contains(id)), "a record was lost: {ids:?}");
+    let again = &ids[delivered..];
+    let from = want[&d].iter().position(|id| *id == again[0]).expect("a record of the log");
+    assert_eq!(again, &want[&d][from..], "the new router's deliveries, in order, once each");
+    router.shutdown().await;
+}
+
 /// A destination that can never be delivered pins the log at its first record, however
 /// well the others go. Given up by the operator, its records are dropped, no send is
 /// made for them, and the log is released past them; the others are delivered as ever.
