@@ -174,6 +174,12 @@ pub enum LoadError {
          never works again: give that endpoint a new id in the configuration file"
     )]
     RevokedStatic(String),
+    #[error(
+        "the static endpoint whose id starts {0} has a stored record under the same id that does not \
+         decode, and may have been a revocation: give that endpoint a new id in the configuration file \
+         (start without it to list or revoke the stored one)"
+    )]
+    UnreadableStatic(String),
 }
 
 /// Parses a 32-hex-digit endpoint id.
@@ -255,7 +261,20 @@ impl EndpointRegistry {
             Arc::new(EndpointVersion { endpoint, version, gate: Arc::new(AsyncRwLock::new(version)) })
         };
         let mut map: HashMap<u128, Arc<EndpointVersion>> = HashMap::new();
-        for record in state.load_endpoints()? {
+        for stored in state.load_endpoints()? {
+            let record = match stored {
+                Ok(record) => record,
+                Err(unreadable) => {
+                    tracing::error!(
+                        endpoint = %id_prefix(unreadable.id),
+                        error = %unreadable.error,
+                        "a stored endpoint record does not decode; it answers 404 until revoked through the admin API"
+                    );
+                    let endpoint = unreadable_endpoint(&unreadable);
+                    map.insert(endpoint.id, first_version(endpoint));
+                    continue;
+                }
+            };
             let endpoint = match scheme_from_stored(&record.auth) {
                 Ok(auth) => endpoint_from_record(record, auth),
                 // A tombstone's auth is never checked, and must stay whatever it holds: a
@@ -292,6 +311,9 @@ impl EndpointRegistry {
             if let Some(dynamic) = map.get(&s.id) {
                 if dynamic.endpoint.revoked_at_unix_ms.is_some() {
                     return Err(LoadError::RevokedStatic(id_prefix(s.id)));
+                }
+                if dynamic.endpoint.record.as_ref().is_some_and(|r| r.auth.scheme == UNREADABLE_SCHEME) {
+                    return Err(LoadError::UnreadableStatic(id_prefix(s.id)));
                 }
                 // The configuration now owns the id: the stored record is removed, so
                 // that taking the static endpoint out of the configuration ends the id
@@ -607,6 +629,34 @@ fn endpoint_from_record(record: EndpointRecord, auth: AuthScheme) -> Endpoint {
     }
 }
 
+/// The scheme name a record stands in with for a stored record that does not decode. A
+/// revocation writes it into the tombstone, which then loads as revoked.
+const UNREADABLE_SCHEME: &str = "unreadable";
+
+/// A stored record that does not decode: unusable under its id, with a stand-in record
+/// (no source, no secret, the [`UNREADABLE_SCHEME`]) that a revocation turns into a
+/// tombstone written over the bytes. Never a request's endpoint: [`check_active`] refuses
+/// an unusable one first.
+fn unreadable_endpoint(u: &ingest::UnreadableEndpoint) -> Endpoint {
+    let record = EndpointRecord {
+        id: u.id,
+        source_key: String::new(),
+        auth: StoredAuth {
+            scheme: UNREADABLE_SCHEME.into(),
+            secret: None,
+            header: None,
+            prefix: None,
+            tolerance_secs: None,
+        },
+        handshake_param: None,
+        created_at_unix_ms: 0,
+        expires_at_unix_ms: None,
+        revoked_at_unix_ms: None,
+        rotated_at_unix_ms: None,
+    };
+    unusable_from_record(record, format!("its stored record does not decode ({})", u.error))
+}
+
 /// A live stored endpoint whose auth does not read (`why`): it takes no request. Its
 /// auth is the never-checked placeholder; [`check_active`] refuses it first.
 fn unusable_from_record(record: EndpointRecord, why: String) -> Endpoint {
@@ -912,6 +962,47 @@ mod tests {
         let again = EndpointRegistry::load(state, vec!["a".into(), "b".into()], vec![]).unwrap();
         assert!(again.lookup(id, 4).is_ok());
         assert_eq!(again.list(4)[0].state, "active");
+    }
+
+    /// A stored record that does not decode at all (damage the database's own checks did
+    /// not catch) does not keep the daemon from starting: it is listed as unusable under
+    /// its id, takes nothing, can be revoked (a tombstone written over its bytes), and the
+    /// revocation holds across a restart. A static endpoint of its id is refused: the
+    /// record may have been a revocation.
+    #[tokio::test]
+    async fn a_stored_record_that_does_not_decode_takes_nothing_but_can_be_revoked() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s.redb");
+        drop(StateDb::open(&path).unwrap());
+        let id = 0x00bb_0000_0000_0000_0000_0000_0000_0001u128;
+        {
+            let db = redb::Database::open(&path).unwrap();
+            let txn = db.begin_write().unwrap();
+            {
+                let mut table = txn.open_table(redb::TableDefinition::<u128, &[u8]>::new("endpoints")).unwrap();
+                table.insert(id, &[0xff_u8, 0xff, 0xff][..]).unwrap();
+            }
+            txn.commit().unwrap();
+        }
+        let state = Arc::new(StateDb::open(&path).unwrap());
+        let sources = || vec!["default".to_string()];
+        let refused = EndpointRegistry::load(state.clone(), sources(), vec![static_endpoint(id)]);
+        assert!(matches!(refused, Err(LoadError::UnreadableStatic(_))), "{:?}", refused.err());
+        let reg = Arc::new(EndpointRegistry::load(state.clone(), sources(), vec![static_endpoint(1)]).unwrap());
+        assert_eq!(reg.lookup(id, 2).err(), Some(Refusal::Unusable));
+        assert!(reg.lookup(1, 2).is_ok(), "the other endpoints work");
+        let listed: Vec<_> = reg.list(2).into_iter().filter(|v| v.id == format_id(id)).collect();
+        assert_eq!((listed[0].state, listed[0].auth_type.as_str()), ("unusable", "unreadable"));
+        assert!(matches!(reg.rotate(id, None, 3).await, Err(EndpointError::Unusable(..))));
+        assert_eq!(reg.revoke(id, 4).await.unwrap().revoked_at_unix_ms, Some(4));
+        assert_eq!(reg.lookup(id, 5).err(), Some(Refusal::Revoked));
+        drop(reg);
+        let again = EndpointRegistry::load(state.clone(), sources(), vec![]).unwrap();
+        assert_eq!(again.lookup(id, 6).err(), Some(Refusal::Revoked));
+        assert!(matches!(state.load_endpoints().unwrap()[0], Ok(EndpointRecord { revoked_at_unix_ms: Some(4), .. })));
+        drop(again);
+        let refused = EndpointRegistry::load(state, sources(), vec![static_endpoint(id)]);
+        assert!(matches!(refused, Err(LoadError::RevokedStatic(_))), "{:?}", refused.err());
     }
 
     /// A live stored record whose auth this build cannot read takes no request, but is

@@ -40,6 +40,13 @@ pub struct EndpointRecord {
     pub rotated_at_unix_ms: Option<u64>,
 }
 
+/// A stored endpoint record that does not decode: its id (the table's key) and why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UnreadableEndpoint {
+    pub id: u128,
+    pub error: String,
+}
+
 impl StateDb {
     /// Writes (inserts or replaces) an endpoint record durably.
     pub fn put_endpoint(&self, record: &EndpointRecord) -> Result<(), StateError> {
@@ -87,15 +94,26 @@ impl StateDb {
         }
     }
 
-    /// Every stored endpoint, tombstones included, in id order.
-    pub fn load_endpoints(&self) -> Result<Vec<EndpointRecord>, StateError> {
+    /// Every stored endpoint, tombstones included, in id order. A record that does not
+    /// decode (damage the database's own checks did not catch, or a defect) is returned
+    /// as [`UnreadableEndpoint`] under its table key, not as an error: one such record
+    /// must not keep the daemon from starting, where the operator can revoke it.
+    pub fn load_endpoints(&self) -> Result<Vec<Result<EndpointRecord, UnreadableEndpoint>>, StateError> {
         let db = self.db()?;
         let txn = db.begin_read().map_err(storage_err)?;
         let table = txn.open_table(ENDPOINTS).map_err(storage_err)?;
         let mut out = Vec::new();
         for entry in table.iter().map_err(storage_err)? {
-            let (_, v) = entry.map_err(storage_err)?;
-            out.push(postcard::from_bytes(v.value()).map_err(|e| StateError::Malformed(e.to_string()))?);
+            let (k, v) = entry.map_err(storage_err)?;
+            out.push(
+                postcard::from_bytes::<EndpointRecord>(v.value())
+                    .map_err(|e| e.to_string())
+                    .and_then(|r| match r.id == k.value() {
+                        true => Ok(r),
+                        false => Err(format!("it names the id {:032x}", r.id)),
+                    })
+                    .map_err(|error| UnreadableEndpoint { id: k.value(), error }),
+            );
         }
         Ok(out)
     }
@@ -132,7 +150,7 @@ mod tests {
             db.put_endpoint(&rec).unwrap();
         }
         let db = StateDb::open(&p).unwrap();
-        assert_eq!(db.load_endpoints().unwrap(), vec![rec.clone()]);
+        assert_eq!(db.load_endpoints().unwrap(), vec![Ok(rec.clone())]);
         assert_eq!(db.get_endpoint(42).unwrap(), Some(rec.clone()));
         assert_eq!(db.get_endpoint(43).unwrap(), None);
         // A tombstone is never removed; a live record is, durably.
@@ -145,5 +163,40 @@ mod tests {
         let db = StateDb::open(&p).unwrap();
         assert_eq!(db.get_endpoint(44).unwrap(), None);
         assert_eq!(db.load_endpoints().unwrap().len(), 1);
+    }
+
+    /// Bytes that do not decode, or a record stored under another id than its own, come
+    /// back as unreadable under their key, beside the records that read.
+    #[test]
+    fn a_record_that_does_not_decode_is_returned_as_unreadable_by_its_key() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = StateDb::open(dir.path().join("s.redb")).unwrap();
+        let rec = EndpointRecord {
+            id: 7,
+            source_key: "default".into(),
+            auth: StoredAuth { scheme: "none".into(), secret: None, header: None, prefix: None, tolerance_secs: None },
+            handshake_param: None,
+            created_at_unix_ms: 1,
+            expires_at_unix_ms: None,
+            revoked_at_unix_ms: None,
+            rotated_at_unix_ms: None,
+        };
+        db.put_endpoint(&rec).unwrap();
+        let misplaced = postcard::to_stdvec(&EndpointRecord { id: 8, ..rec.clone() }).unwrap();
+        let txn = db.db().unwrap().begin_write().unwrap();
+        {
+            let mut table = txn.open_table(ENDPOINTS).unwrap();
+            table.insert(5u128, &[0xff_u8, 0xff, 0xff][..]).unwrap();
+            table.insert(9u128, misplaced.as_slice()).unwrap();
+        }
+        txn.commit().unwrap();
+        let loaded = db.load_endpoints().unwrap();
+        assert_eq!(loaded.len(), 3, "{loaded:?}");
+        assert!(matches!(&loaded[0], Err(UnreadableEndpoint { id: 5, .. })), "{loaded:?}");
+        assert_eq!(loaded[1], Ok(rec));
+        assert!(
+            matches!(&loaded[2], Err(UnreadableEndpoint { id: 9, error }) if error.contains("names the id")),
+            "{loaded:?}"
+        );
     }
 }
