@@ -360,10 +360,10 @@ async fn receive_inner(
     let endpoint_id = endpoint.as_ref().map(|e| e.endpoint.id);
     // A state database that cannot say answers 503, not the refusal: the delivery may be
     // one the log holds.
-    let replay = || -> Result<Option<Response>, ApiError> {
+    let replay = async || -> Result<Option<Response>, ApiError> {
         let Some(delivery_key) = delivery_key.clone() else { return Ok(None) };
         let key = ingest::IdempotencyKey { source_key: source.key.clone(), endpoint_id, delivery_key };
-        let accepted = door.ingestor.replay_of(&key, received_at_unix_ms);
+        let accepted = door.ingestor.replay_of(&key, received_at_unix_ms).await;
         let Some(accepted) = accepted.map_err(|e| ingest_error(e, door.limits.retry_after_secs))? else {
             return Ok(None);
         };
@@ -385,7 +385,7 @@ async fn receive_inner(
                 BodyError::TooManyEvents { .. } => StatusCode::PAYLOAD_TOO_LARGE,
                 _ => StatusCode::BAD_REQUEST,
             };
-            return replay()?.ok_or_else(|| ApiError::new(status, e.reason(), e.to_string()));
+            return replay().await?.ok_or_else(|| ApiError::new(status, e.reason(), e.to_string()));
         }
     };
 
@@ -393,7 +393,7 @@ async fn receive_inner(
     let resolution = match resolve(source, &parts.headers, decoded.events, decoded.lines.as_deref(), decoded.values) {
         Ok(r) => r,
         Err(r) => {
-            if let Some(replayed) = replay()? {
+            if let Some(replayed) = replay().await? {
                 return Ok(replayed);
             }
             if let Some(m) = routing {
@@ -403,7 +403,7 @@ async fn receive_inner(
         }
     };
     if resolution.events.is_empty() {
-        if let Some(replayed) = replay()? {
+        if let Some(replayed) = replay().await? {
             return Ok(replayed);
         }
         // Every event was dropped by the route: nothing to append, and the sender is

@@ -305,6 +305,21 @@ impl IdempotencyIndex {
         Some(Claim { index: self.clone(), key: k, _gate: gate })
     }
 
+    /// Holds the gate shared, as a claim does, until the guard is dropped: no checkpoint
+    /// or recovery (which restores keys a reopen dropped) runs meanwhile, and one running
+    /// now is waited for.
+    pub async fn hold_shared(&self) -> OwnedRwLockReadGuard<()> {
+        self.gate.clone().read_owned().await
+    }
+
+    /// The first offset from which a record's key may be missing from the database (it
+    /// could not be recorded, or a reopen dropped it) until a checkpoint restores it from
+    /// the log; `None` when no key is owed. A lookup that finds nothing while keys are
+    /// owed does not show that the delivery is new.
+    pub fn keys_owed_from(&self) -> Option<u64> {
+        *self.first_unrecorded.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     /// Whether a request holds `key` now (its acceptance is under way).
     pub fn is_claimed(&self, key: &IdempotencyKey) -> bool {
         self.in_flight.lock().unwrap_or_else(|p| p.into_inner()).contains(&key.table_key())
@@ -1143,6 +1158,49 @@ mod tests {
         let retry = ingestor.accept(submission(Some("d-1"))).await.unwrap();
         assert_eq!((retry.first_offset, retry.replayed), (1, true));
         assert_eq!(wal.next_offset(), 2, "the retry appended nothing");
+    }
+
+    /// A retry the door would refuse asks `replay_of`. While its key is owed (the recorder
+    /// could not take it, and no checkpoint has restored it from the log yet), "no replay"
+    /// is not known, and the door would send the refusal for a delivery the log holds:
+    /// `StateUnavailable`. Once a checkpoint restored it, the replay. And while a recovery
+    /// holds the gate (restoring keys a reopen dropped), the lookup waits for it.
+    #[tokio::test]
+    async fn a_replay_asked_while_keys_are_owed_is_unavailable_and_waits_for_a_recovery() {
+        use crate::{IngestError, Ingestor};
+        let state = Arc::new(StateDb::open_in_memory().unwrap());
+        let sim = wal::storage::SimStorage::new();
+        let wal =
+            Arc::new(Wal::open_with(Arc::new(sim), std::path::Path::new("/wal"), wal::WalOptions::default()).unwrap());
+        let now = crate::time::now_unix_ms();
+        let index = Arc::new(IdempotencyIndex::new(state, 86_400_000));
+        index.rebuild(&wal, now).unwrap();
+        let ingestor = Arc::new(Ingestor::new(wal.clone(), index.clone()));
+        ingestor.accept(one_event(Some("d-0"), now)).await.unwrap();
+        assert!(ingestor.replay_of(&key("d-0"), now).await.unwrap().is_some_and(|a| a.replayed));
+        assert_eq!(ingestor.replay_of(&key("new"), now).await.unwrap(), None, "nothing owed: none is the answer");
+
+        *index.recorder.lock().unwrap() = None;
+        ingestor.accept(one_event(Some("d-1"), now)).await.unwrap();
+        assert_eq!(index.keys_owed_from(), Some(1));
+        match ingestor.replay_of(&key("d-1"), now).await {
+            Err(IngestError::StateUnavailable(why)) => assert!(why.contains("offset 1"), "{why}"),
+            other => panic!("a lookup while d-1 is owed: {other:?}"),
+        }
+        index.checkpoint(&wal, now).await.unwrap();
+        assert_eq!(index.keys_owed_from(), None);
+        let replayed = ingestor.replay_of(&key("d-1"), now).await.unwrap();
+        assert!(replayed.is_some_and(|a| a.replayed && a.first_offset == 1));
+
+        let exclusive = index.gate.clone().write_owned().await;
+        let asking = tokio::spawn({
+            let ingestor = ingestor.clone();
+            async move { ingestor.replay_of(&key("d-1"), now).await }
+        });
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        assert!(!asking.is_finished(), "the lookup did not wait for the recovery holding the gate");
+        drop(exclusive);
+        assert!(asking.await.unwrap().unwrap().is_some_and(|a| a.replayed));
     }
 
     #[tokio::test]

@@ -303,10 +303,25 @@ impl Ingestor {
     /// [`Ingestor::accept`]: it may be a replay in a moment, so the refusal is not yet
     /// the answer either. (Asked before the lookup: its claim is let go only after its
     /// key is recorded.)
-    pub fn replay_of(&self, key: &IdempotencyKey, received_at_unix_ms: u64) -> Result<Option<Accepted>, IngestError> {
+    /// The lookup holds the idempotency gate shared, as an acceptance does: while a
+    /// recovery restores the keys a reopen of the state database dropped, it waits for the
+    /// restore. While keys are owed (a key could not be recorded, and no checkpoint has
+    /// restored it from the log yet), "none" is not known to be true: `StateUnavailable`.
+    pub async fn replay_of(
+        &self,
+        key: &IdempotencyKey,
+        received_at_unix_ms: u64,
+    ) -> Result<Option<Accepted>, IngestError> {
+        lookup_in_time(received_at_unix_ms)?;
+        let _shared = self.idempotency.hold_shared().await;
         lookup_in_time(received_at_unix_ms)?;
         if self.idempotency.is_claimed(key) {
             return Err(IngestError::InFlight);
+        }
+        if let Some(from) = self.idempotency.keys_owed_from() {
+            return Err(IngestError::StateUnavailable(format!(
+                "delivery ids of records from offset {from} on are being restored from the log"
+            )));
         }
         match self.prior(key, received_at_unix_ms)? {
             Some(prior) => self.replay(key, prior).map(Some),
@@ -575,16 +590,16 @@ mod tests {
         let s = submission(Some("d"), &["x"]);
         let now = s.received_at_unix_ms;
         let key = IdempotencyKey { source_key: "default".into(), endpoint_id: None, delivery_key: "d".into() };
-        assert_eq!(ing.replay_of(&key, now).unwrap(), None);
+        assert_eq!(ing.replay_of(&key, now).await.unwrap(), None);
         ing.accept(s).await.unwrap();
-        assert!(ing.replay_of(&key, now).unwrap().is_some_and(|a| a.replayed && a.first_offset == 0));
+        assert!(ing.replay_of(&key, now).await.unwrap().is_some_and(|a| a.replayed && a.first_offset == 0));
         // The disk fails a write, and the reopen that follows fails too (its file is
         // gone): until one succeeds, the database cannot answer.
         sim.fail_nth(FaultOp::Write, 1, std::io::ErrorKind::Other);
         assert!(state.force_schema_version(crate::state::SCHEMA_VERSION).is_err());
         sim.remove_file(std::path::Path::new("/sim/state.redb")).unwrap();
         assert!(state.reopen_if_failed().is_err());
-        match ing.replay_of(&key, now) {
+        match ing.replay_of(&key, now).await {
             Err(IngestError::StateUnavailable(_)) => {}
             other => panic!("{other:?}"),
         }
@@ -617,8 +632,8 @@ mod tests {
         // for a delivery the log holds.
         let key = IdempotencyKey { source_key: "default".into(), endpoint_id: None, delivery_key: "d".into() };
         let head = crate::time::now_unix_ms();
-        assert!(ing.replay_of(&key, head).unwrap().is_some_and(|r| r.replayed && r.first_offset == 0));
-        match ing.replay_of(&key, head - SWEEP_GRACE_MS - 1_000) {
+        assert!(ing.replay_of(&key, head).await.unwrap().is_some_and(|r| r.replayed && r.first_offset == 0));
+        match ing.replay_of(&key, head - SWEEP_GRACE_MS - 1_000).await {
             Err(e @ IngestError::LookupTooLate { .. }) => assert_eq!(e.reason(), "lookup_too_late"),
             other => panic!("{other:?}"),
         }
@@ -690,10 +705,10 @@ mod tests {
         let claim = ing.idempotency().claim(&key).await.unwrap();
         assert!(matches!(ing.accept(submission(Some("d1"), &["a"])).await, Err(IngestError::InFlight)));
         // A twin whose body the door refuses asks for a replay instead: in flight too.
-        assert!(matches!(ing.replay_of(&key, crate::time::now_unix_ms()), Err(IngestError::InFlight)));
+        assert!(matches!(ing.replay_of(&key, crate::time::now_unix_ms()).await, Err(IngestError::InFlight)));
         assert_eq!(wal.next_offset(), 0);
         drop(claim);
-        assert!(matches!(ing.replay_of(&key, crate::time::now_unix_ms()), Ok(None)));
+        assert!(matches!(ing.replay_of(&key, crate::time::now_unix_ms()).await, Ok(None)));
         assert!(!ing.accept(submission(Some("d1"), &["a"])).await.unwrap().replayed);
         assert_eq!(wal.next_offset(), 1);
     }
