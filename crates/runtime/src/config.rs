@@ -1166,7 +1166,13 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
             let expires_at_unix_ms = match &e.expires_at {
                 None => None,
                 Some(t) => match humantime::parse_rfc3339_weak(t) {
-                    Ok(st) => Some(st.duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)),
+                    Ok(st) => match st.duration_since(std::time::UNIX_EPOCH) {
+                        Ok(d) => Some(u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
+                        Err(_) => {
+                            c.err(&ep.key("expires_at"), format!("{t:?} is before 1970"));
+                            None
+                        }
+                    },
                     Err(_) => {
                         c.err(
                             &ep.key("expires_at"),
@@ -2327,6 +2333,23 @@ auth_secret = "never checked"
         assert_eq!(e.len(), 1, "{e:?}");
         assert_eq!((e[0].path.as_str(), e[0].line), ("sources.a.forward_headers", Some(3)));
         assert!(e[0].message.contains("at most 64"), "{}", e[0].message);
+    }
+
+    /// A static endpoint's `expires_at` before 1970 is refused, naming the key; one in the
+    /// past loads (an endpoint retired by its time: a restart must not fail).
+    #[test]
+    fn a_static_endpoint_expiring_before_1970_is_refused_and_one_in_the_past_loads() {
+        let text = |t: &str| {
+            format!(
+                "[sources.a]\ndestination = {{ stream = \"s\", topic = \"t\" }}\n[[sources.a.endpoints]]\nid = \"0123456789abcdef0123456789abcdef\"\nauth_type = \"none\"\nexpires_at = \"{t}\"\n"
+            )
+        };
+        let e = errors(&text("1969-12-31T23:59:59Z"));
+        assert_eq!(e.len(), 1, "{e:?}");
+        assert_eq!((e[0].path.as_str(), e[0].line), ("sources.a.endpoints[0].expires_at", Some(6)));
+        let past = text("2001-01-01T00:00:00Z");
+        let settings = validate(&parse(&past, None).unwrap(), Some(&past), None).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(settings.endpoints[0].expires_at_unix_ms, Some(978_307_200_000));
     }
 
     /// `.` and `..` are dot segments that clients remove from a URL before sending it,

@@ -200,6 +200,16 @@ pub async fn start(mut settings: Settings, metrics: Option<PrometheusHandle>) ->
     tracing::info!(?rebuilt, "idempotency keys rebuilt from the log");
 
     let source_keys: Vec<String> = settings.sources.iter().map(|s| s.key.clone()).collect();
+    // A static endpoint past its `expires_at` is how an operator retires one (410 from
+    // then on), and a restart after that time must not fail: said, not refused.
+    let now_unix_ms = ingest::time::now_unix_ms();
+    for e in settings.endpoints.iter().filter(|e| e.expires_at_unix_ms.is_some_and(|t| t <= now_unix_ms)) {
+        tracing::warn!(
+            endpoint = %http_source::endpoints::id_prefix(e.id),
+            source = %e.source_key,
+            "a static endpoint is past its expires_at: it answers 410 to every request"
+        );
+    }
     let endpoints = Arc::new(
         EndpointRegistry::load(state.clone(), source_keys.clone(), settings.endpoints.clone())?
             .with_tolerance_secs_max(
