@@ -563,8 +563,23 @@ impl Sink for IggySink {
         Ok(info)
     }
 
+    /// Unreachable since a failure, or a connect in flight: a call cut short while it
+    /// waited for a new connection (every idle one taken) failed for the whole client,
+    /// even when the server answered on other connections meanwhile (a server slow to take
+    /// or sign in new connections), and no breaker may count it. The connect task runs on
+    /// after its waiters gave up, so it is still in flight when their timeouts are judged.
+    /// A call on an existing connection that times out meanwhile is taken for the
+    /// client's too: a breaker then counts a silent destination a little later, never a
+    /// healthy one.
     fn connecting(&self) -> bool {
-        self.unreachable.load(Ordering::Acquire)
+        if self.unreachable.load(Ordering::Acquire) {
+            return true;
+        }
+        match self.connecting.try_lock() {
+            Ok(task) => task.as_ref().is_some_and(|t| !t.is_finished()),
+            // Held: a caller is in `connect`, waiting on a connect or about to start one.
+            Err(_) => true,
+        }
     }
 
     fn answered_since(&self, since: std::time::Instant) -> bool {
@@ -716,6 +731,22 @@ mod tests {
     /// A server that takes connections and closes them at once, counting them.
     fn closing_server() -> (String, Arc<std::sync::atomic::AtomicUsize>) {
         closing_server_after(Duration::ZERO)
+    }
+
+    /// A call cut short while it waited for a new connection is the client's, not its
+    /// destination's, even though the server answered on other connections a moment ago
+    /// (here: takes the connection and never signs it in). Before, the answers on other
+    /// connections made it a `Timeout` that the destination's breaker counted.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_call_cut_short_while_a_connect_is_in_flight_is_the_clients() {
+        let (address, _accepted) = closing_server_after(Duration::from_secs(30));
+        let config = IggySinkConfig { address, connect_timeout: Duration::from_secs(20), ..Default::default() };
+        let sink = IggySink::new(&config).unwrap();
+        sink.answered();
+        assert!(!sink.connecting(), "the server answered");
+        assert!(tokio::time::timeout(Duration::from_millis(200), sink.take()).await.is_err(), "no connection yet");
+        sink.answered();
+        assert!(sink.connecting(), "a connect in flight, yet a call cut short would be the destination's");
     }
 
     /// A connect whose every waiter gave up (their result timeouts) fails later: the next

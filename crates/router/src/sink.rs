@@ -135,7 +135,8 @@ pub trait Sink: Send + Sync + 'static {
     fn ensure(&self, dest: &DestinationKey) -> impl Future<Output = Result<TopicInfo, SendError>> + Send;
 
     /// True while the sink waits for a connection to the server (no call can be answered
-    /// before it is made). A call cut short then failed for every destination alike.
+    /// before it is made), or makes a new one for a call that found none idle. A call cut
+    /// short then failed for every destination alike.
     fn connecting(&self) -> bool {
         false
     }
