@@ -78,6 +78,12 @@ pub fn catalog() -> Vec<Metric> {
             "Failed writes, syncs or segment creations of the log (the appends they carried failed)",
         ),
         m(
+            "iggy_ingest_wal_stopped",
+            Gauge,
+            &[],
+            "1 while the log takes no append until a restart (a write or sync it could not undo; health 503 log_stopped)",
+        ),
+        m(
             "iggy_ingest_wal_awaiting_segment",
             Gauge,
             &[],

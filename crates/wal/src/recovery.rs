@@ -410,6 +410,10 @@ fn open_bounded(
         }
     }
     let mut opened = finish(storage, dir, opts, segs, next_offset, lock, report);
+    if opened.writer.is_some() {
+        // A writer that takes appends (a reopen is what ends a stopped log).
+        metrics::gauge!("iggy_ingest_wal_stopped").set(0.0);
+    }
     if let (Some(e), Some(writer)) = (successor_failed, opened.writer.as_mut()) {
         writer.await_segment(&e);
     }

@@ -370,7 +370,7 @@ impl Writer {
         metrics::counter!("iggy_ingest_wal_records_total").increment(records);
         metrics::counter!("iggy_ingest_wal_bytes_written_total").increment(n);
         metrics::histogram!("iggy_ingest_wal_group_commit_appends").record(pending.len() as f64);
-        metrics::gauge!("iggy_ingest_wal_used_bytes").set(self.shared.used_bytes.load(Ordering::Relaxed) as f64);
+        publish_used_bytes(&self.shared);
         for p in pending.drain(..) {
             let _ = p.reply.send(Ok(p.appended));
         }
@@ -488,6 +488,7 @@ impl Writer {
         }
         // The bytes are undone: account for it even if the sync below fails.
         self.shared.used_bytes.fetch_sub(self.written_len - keep_len, Ordering::AcqRel);
+        publish_used_bytes(&self.shared);
         self.written_len = keep_len;
         self.next_offset = next;
         self.sync_active().map_err(|e| std::io::Error::new(e.kind(), format!("syncing the undo: {e}")))
@@ -513,6 +514,10 @@ impl Writer {
     fn set_poisoned(&mut self, why: String) {
         self.poisoned = Some(why);
         self.shared.poisoned.store(true, Ordering::Release);
+        // Refused appends are not counted one by one: this says the log is stopped for as
+        // long as it is (an alert on a counter's increase would clear after its window).
+        metrics::gauge!("iggy_ingest_wal_stopped").set(1.0);
+        publish_used_bytes(&self.shared);
     }
 
     /// Seals the active segment (if not sealed yet) and starts its successor.
@@ -561,6 +566,7 @@ impl Writer {
         self.shared.used_bytes.fetch_add(SEGMENT_HEADER_LEN, Ordering::AcqRel);
         self.shared.segments_mut().push(seg.clone());
         metrics::gauge!("iggy_ingest_wal_segments").set(self.shared.segments().len() as f64);
+        publish_used_bytes(&self.shared);
         self.active = seg;
         self.written_len = SEGMENT_HEADER_LEN;
         self.durable_len = SEGMENT_HEADER_LEN;
@@ -611,7 +617,7 @@ impl Writer {
         // Also after a removal that failed part of the way: what was removed before it
         // is gone, and the gauges say so.
         metrics::gauge!("iggy_ingest_wal_segments").set(self.shared.segments().len() as f64);
-        metrics::gauge!("iggy_ingest_wal_used_bytes").set(self.shared.used_bytes.load(Ordering::Relaxed) as f64);
+        publish_used_bytes(&self.shared);
         // Space freed, also by a removal that failed part of the way: the log may take
         // what it refused.
         if self.shared.used_bytes.load(Ordering::Acquire) < used_before {
@@ -695,6 +701,12 @@ fn command_bytes(c: &Command) -> u64 {
         Command::Append { frame_bytes, .. } => *frame_bytes,
         _ => 0,
     }
+}
+
+/// Publishes the log's used bytes: after every change of them that has no write after
+/// it to publish them (an undo, a rotation, a log that stopped), as well as after writes.
+fn publish_used_bytes(shared: &Shared) {
+    metrics::gauge!("iggy_ingest_wal_used_bytes").set(shared.used_bytes.load(Ordering::Relaxed) as f64);
 }
 
 /// Bytes a batch occupies on disk.

@@ -67,4 +67,24 @@ fn waiting_for_a_segment_counts_one_storage_error_and_is_a_gauge_and_a_failed_re
     let released = rt().block_on(wal.release_below(below)).unwrap();
     assert!(released.segments_deleted > 0);
     assert_eq!(value(&handle.render(), "iggy_ingest_wal_storage_errors_total"), 2.0);
+    assert_eq!(value(&handle.render(), "iggy_ingest_wal_used_bytes"), wal.stats().used_bytes as f64);
+
+    // A log that stops (a write failed, and both ways of undoing it did too) says so for
+    // as long as it is stopped, not only by the one storage error that stopped it; its
+    // used bytes are those after the undo. A reopen takes appends again, and says so.
+    assert_eq!(value(&handle.render(), "iggy_ingest_wal_stopped"), 0.0);
+    sim.fail_nth(FaultOp::Write, 1, ErrorKind::Other);
+    sim.fail_nth(FaultOp::Metadata, 1, ErrorKind::Other);
+    sim.fail_nth(FaultOp::Write, 2, ErrorKind::Other);
+    assert!(rt().block_on(wal.append(vec![payload(99, 1000)])).is_err());
+    assert!(!wal.accepts_appends());
+    let r = handle.render();
+    assert_eq!(value(&r, "iggy_ingest_wal_stopped"), 1.0, "{r}");
+    assert_eq!(value(&r, "iggy_ingest_wal_used_bytes"), wal.stats().used_bytes as f64, "{r}");
+    assert!(rt().block_on(wal.append(vec![payload(100, 1000)])).is_err());
+    assert_eq!(value(&handle.render(), "iggy_ingest_wal_stopped"), 1.0, "still stopped");
+    drop(wal);
+    let wal = open(&sim, WalOptions { preallocate_bytes: 0, ..small_options() });
+    assert!(wal.accepts_appends());
+    assert_eq!(value(&handle.render(), "iggy_ingest_wal_stopped"), 0.0);
 }
