@@ -1055,6 +1055,13 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
         let sp = sources_path.key(key);
         if key.is_empty() || !key.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.')) {
             c.err(&sp, "a source key may only hold letters, digits, '-', '_' and '.'");
+        } else if RESERVED_SOURCE_KEYS.contains(&key.as_str()) {
+            c.err(
+                &sp,
+                format!(
+                    "{key:?} is reserved: the metrics count requests that name no source, and records of none, under it"
+                ),
+            );
         } else if key.bytes().all(|b| b == b'.') {
             // `/v1/sources/..` is a dot segment: clients resolve it away (RFC 3986, 5.2.4)
             // before they send, so the source's named path could never be reached.
@@ -1316,6 +1323,11 @@ fn usable_token(c: &mut Checker<'_>, path: &KeyPath, from: &str, token: &str) ->
     }
     true
 }
+
+/// Source keys the metrics use for what belongs to no source: `-` for requests whose
+/// path names no source (an unknown path or endpoint id), `unknown` for records the
+/// router cannot decode. A source keyed so would share their series.
+const RESERVED_SOURCE_KEYS: [&str; 2] = ["-", "unknown"];
 
 /// Why a header name may not be forwarded, if it is one the daemon itself sets on every
 /// message it sends (delivery.md, "Messages"): a message holds one value per header name,
@@ -2353,15 +2365,23 @@ auth_secret = "never checked"
     }
 
     /// `.` and `..` are dot segments that clients remove from a URL before sending it,
-    /// so a source keyed so could never be reached at its named path.
+    /// so a source keyed so could never be reached at its named path; `-` and `unknown`
+    /// are what the metrics count requests and records of no source under.
     #[test]
-    fn a_source_key_of_dots_alone_is_refused() {
-        for key in [".", "..", "..."] {
+    fn a_source_key_of_dots_alone_or_reserved_by_the_metrics_is_refused() {
+        for key in [".", "..", "...", "-", "unknown"] {
             let text = format!("[sources.\"{key}\"]\ndestination = {{ stream = \"s\", topic = \"t\" }}\n");
             let e = errors(&text);
             assert_eq!(e.len(), 1, "{key}: {e:?}");
-            assert_eq!(e[0].path, format!("sources.\"{key}\""), "{key}");
-            assert!(e[0].message.contains("dots alone"), "{key}: {}", e[0].message);
+            // A key TOML would take bare is named bare.
+            let bare = key.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-');
+            let path = if bare { format!("sources.{key}") } else { format!("sources.\"{key}\"") };
+            assert_eq!(e[0].path, path, "{key}");
+            assert!(
+                e[0].message.contains("dots alone") || e[0].message.contains("reserved"),
+                "{key}: {}",
+                e[0].message
+            );
         }
         let text = "[sources.\"v1.a\"]\ndestination = { stream = \"s\", topic = \"t\" }\n";
         assert!(validate(&parse(text, None).unwrap(), Some(text), None).is_ok());

@@ -256,7 +256,9 @@ fn router_status_help(s: Status) -> &'static str {
     match s {
         Status::Starting => "1 while the router is starting",
         Status::Running => "1 while the router delivers normally",
-        Status::Degraded => "1 while any destination is Degraded (retrying, not progressing)",
+        Status::Degraded => {
+            "1 while any destination is Degraded (retrying, not progressing), or delivered log space cannot be freed (cursors not stored, segments not removed, idempotency checkpoints failing)"
+        }
         Status::Error => "1 while the router is in Error",
         Status::Stopping => "1 while the router is stopping",
         Status::Stopped => "1 once the router stopped",
