@@ -517,6 +517,7 @@ impl Router {
         for lane in lanes {
             lane.status.set(Status::Stopped, "router stopped");
         }
+        clear_held_gauges();
         self.health.set_own(Status::Stopped, "shutdown complete");
     }
 }
@@ -632,6 +633,14 @@ impl Drop for OnDrop {
     }
 }
 
+/// The router's gauges of what it holds, at zero: a router that stopped holds nothing.
+fn clear_held_gauges() {
+    metrics::gauge!("iggy_connector_held_bytes").set(0.0);
+    metrics::gauge!("iggy_connector_queued_bytes").set(0.0);
+    metrics::gauge!("iggy_connector_queues_max_bytes").set(0.0);
+    metrics::gauge!("iggy_connector_oldest_held_age_seconds").set(0.0);
+}
+
 #[allow(clippy::too_many_arguments)]
 async fn release_loop<C: CursorStore>(
     wal: Arc<Wal>,
@@ -647,17 +656,18 @@ async fn release_loop<C: CursorStore>(
 ) {
     metrics::gauge!("iggy_connector_queued_bytes").set(0.0);
     metrics::gauge!("iggy_connector_queues_max_bytes").set(queue_budget.max_bytes() as f64);
-    let _held = OnDrop(|| {
-        metrics::gauge!("iggy_connector_held_bytes").set(0.0);
-        metrics::gauge!("iggy_connector_queued_bytes").set(0.0);
-        metrics::gauge!("iggy_connector_queues_max_bytes").set(0.0);
-        metrics::gauge!("iggy_connector_oldest_held_age_seconds").set(0.0);
-    });
+    // Aborted (the router dropped without a stop), nothing is held by it any more. On a
+    // stop the lanes still hold and send until they end: `Router::shutdown` clears these
+    // once they have.
+    let held = OnDrop(clear_held_gauges);
     loop {
         tokio::select! {
             _ = delivered.notified() => {}
             _ = tokio::time::sleep(std::time::Duration::from_secs(1)) => {}
-            _ = shutdown.changed() => return,
+            _ = shutdown.changed() => {
+                std::mem::forget(held);
+                return;
+            }
         }
         // `processed_below` first: every record below it is in a lane by now.
         let mut low = processed_below.load(Ordering::Acquire).min(held_from.load(Ordering::Acquire));

@@ -121,6 +121,36 @@ fn a_stopped_router_leaves_no_lane_active_no_breaker_open_and_nothing_held() {
     });
 }
 
+/// While a stop waits for its lanes (one in a slow send), the router still holds their
+/// records and says so; the gauges go to zero once the lanes have ended, not when the
+/// stop begins.
+#[test]
+fn held_records_are_shown_until_the_lanes_have_stopped() {
+    with_metrics(false, |snap| async move {
+        let sim = SimStorage::new();
+        let wal = open_wal(&sim);
+        let sink = FaultySink::new();
+        let d = key("s", "slow");
+        sink.fault(&d, Some(Fault::Slow(Duration::from_secs(3))));
+        fill(&wal, std::slice::from_ref(&d), 0, 5).await;
+        let router = Arc::new(start_router(&wal, &sink, fast_policy()));
+        eventually(Duration::from_secs(10), "held", || gauge(&snap, "iggy_connector_held_bytes") > 0.0).await;
+        eventually(Duration::from_secs(10), "a send in flight", || sink.calls(&d) > 0).await;
+        let stopping = tokio::spawn({
+            let router = router.clone();
+            async move { router.shutdown().await }
+        });
+        eventually(Duration::from_secs(10), "stopping", || router.status().status == Status::Stopping).await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(!stopping.is_finished(), "the stop did not wait for the lane's send");
+        assert!(gauge(&snap, "iggy_connector_held_bytes") > 0.0, "nothing held while the lane still sends");
+        assert!(gauge(&snap, "iggy_connector_queues_max_bytes") > 0.0);
+        stopping.await.unwrap();
+        assert_eq!(gauge(&snap, "iggy_connector_held_bytes"), 0.0, "held after the router stopped");
+        assert_eq!(gauge(&snap, "iggy_connector_queues_max_bytes"), 0.0);
+    });
+}
+
 /// A lane that overflows to the log after two records and retries within half a
 /// second: the setup of the tests whose log reads fail.
 fn overflowing_policy() -> router::RouterPolicy {
