@@ -62,6 +62,13 @@ pub const IGGY_PAYLOAD_MAX_BYTES: u64 = iggy::prelude::MAX_PAYLOAD_SIZE as u64;
 /// sent at all.
 pub const IGGY_USER_HEADERS_MAX_BYTES: u64 = iggy::prelude::MAX_USER_HEADERS_SIZE as u64;
 
+/// The lengths in bytes of an Iggy username and password the client sends at all: it
+/// refuses others before they reach the server, so a connect with them never signs in.
+pub const IGGY_USERNAME_BYTES: std::ops::RangeInclusive<usize> =
+    iggy::prelude::defaults::MIN_USERNAME_LENGTH..=iggy::prelude::defaults::MAX_USERNAME_LENGTH;
+pub const IGGY_PASSWORD_BYTES: std::ops::RangeInclusive<usize> =
+    iggy::prelude::defaults::MIN_PASSWORD_LENGTH..=iggy::prelude::defaults::MAX_PASSWORD_LENGTH;
+
 /// The most request headers a source may forward into its messages. Each message carries
 /// them beside the daemon's own (source, content type, two metadata fields, four
 /// dead-letter headers), every name and value at most 255 bytes (the door clamps values;

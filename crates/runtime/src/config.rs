@@ -1017,6 +1017,19 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
     if config.iggy.tls_domain.is_some() && !config.iggy.tls {
         c.err(&iggy.key("tls_domain"), "is not used unless iggy.tls = true");
     }
+    // The client refuses other lengths before it sends the sign-in: the daemon would
+    // start, accept, and never deliver. (The password's length only, never its text.)
+    for (key, len, range) in [
+        ("username", config.iggy.username.len(), router::IGGY_USERNAME_BYTES),
+        ("password", config.iggy.password.len(), router::IGGY_PASSWORD_BYTES),
+    ] {
+        if !range.contains(&len) {
+            c.err(
+                &iggy.key(key),
+                format!("is {len} bytes long; Iggy signs in only with {} to {} bytes", range.start(), range.end()),
+            );
+        }
+    }
     if let Some(ca) = &config.iggy.tls_ca_file {
         // The client reads it only when it connects, and a failed connect only holds the
         // records: a wrong path would pass every check and never deliver.
@@ -2362,6 +2375,39 @@ auth_secret = "never checked"
         let past = text("2001-01-01T00:00:00Z");
         let settings = validate(&parse(&past, None).unwrap(), Some(&past), None).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(settings.endpoints[0].expires_at_unix_ms, Some(978_307_200_000));
+    }
+
+    /// An Iggy username or password of a length the client never sends, and dead-letter
+    /// names no policy uses, are refused naming their keys (never the password's text).
+    #[test]
+    fn iggy_credentials_that_cannot_sign_in_and_unused_dead_letter_names_are_refused() {
+        let src = "[sources.a]\ndestination = { stream = \"s\", topic = \"t\" }\n";
+        let long = "p".repeat(101);
+        for (iggy, path) in [
+            ("username = \"ab\"".to_string(), "iggy.username"),
+            ("password = \"\"".to_string(), "iggy.password"),
+            (format!("password = \"{long}\""), "iggy.password"),
+        ] {
+            let e = errors(&format!("[iggy]\n{iggy}\n{src}"));
+            assert_eq!((e.len(), e[0].path.as_str(), e[0].line), (1, path, Some(2)), "{e:?}");
+            assert!(e[0].message.contains("Iggy signs in only with"), "{}", e[0].message);
+            assert!(!e[0].to_string().contains(&long), "{}", e[0]);
+        }
+        let ok = format!("[iggy]\nusername = \"{}\"\npassword = \"{}\"\n{src}", "u".repeat(50), "p".repeat(100));
+        assert!(validate(&parse(&ok, None).unwrap(), Some(&ok), None).is_ok());
+
+        let dlq = "dead_letter_stream = \"dlq\"\ndead_letter_topic = \"rejected\"\n";
+        let e = errors(&format!("[router]\n{dlq}{src}"));
+        assert_eq!((e.len(), e[0].path.as_str()), (1, "router.dead_letter_stream"), "{e:?}");
+        let e = errors(&format!("{src}[router.sources.a]\n{dlq}"));
+        assert_eq!((e.len(), e[0].path.as_str()), (1, "router.sources.a.dead_letter_stream"), "{e:?}");
+        // Used: by [router]'s own policy, or by an override that inherits the names.
+        for text in [
+            format!("[router]\non_admission_failure = \"dead_letter\"\n{dlq}{src}"),
+            format!("[router]\n{dlq}{src}[router.sources.a]\non_admission_failure = \"dead_letter\"\n"),
+        ] {
+            validate(&parse(&text, None).unwrap(), Some(&text), None).unwrap_or_else(|e| panic!("{text}: {e}"));
+        }
     }
 
     /// `.` and `..` are dot segments that clients remove from a URL before sending it,

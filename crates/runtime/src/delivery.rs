@@ -439,6 +439,36 @@ pub fn check(section: &RouterSection, iggy: &IggyConfig, sources: &[String]) -> 
         problems.extend(own);
         per_source.insert(key.clone(), Arc::new(p));
     }
+    // Dead-letter names no policy uses would be ignored, and an operator would believe a
+    // dead-letter path is in place. [router]'s are used by its own policy, and by every
+    // source override that inherits them; an override's own only by its policy.
+    let dead_letters = |p: &RouterPolicy| p.on_admission_failure == OnAdmissionFailure::DeadLetter;
+    let names_set = |stream: &Option<String>, topic: &Option<String>| {
+        if stream.is_some() { Some("dead_letter_stream") } else { topic.is_some().then_some("dead_letter_topic") }
+    };
+    if let Some(k) = names_set(&section.dead_letter_stream, &section.dead_letter_topic) {
+        let inherited_and_used = section.sources.iter().any(|(key, o)| {
+            o.dead_letter_stream.is_none()
+                && o.dead_letter_topic.is_none()
+                && per_source.get(key).is_some_and(|p| dead_letters(p))
+        });
+        if !dead_letters(&default) && !inherited_and_used {
+            problems.push((
+                vec!["router".into(), k.into()],
+                "is not used unless on_admission_failure = \"dead_letter\" (here, or in a [router.sources.KEY] that inherits it)".into(),
+            ));
+        }
+    }
+    for (key, o) in &section.sources {
+        if let Some(k) = names_set(&o.dead_letter_stream, &o.dead_letter_topic)
+            && per_source.get(key).is_some_and(|p| !dead_letters(p))
+        {
+            problems.push((
+                vec!["router".into(), "sources".into(), key.clone(), k.into()],
+                "is not used unless this source's on_admission_failure = \"dead_letter\"".into(),
+            ));
+        }
+    }
     let t = &section.topic_defaults;
     let at = |k: &str| vec!["router".to_string(), "topic_defaults".to_string(), k.to_string()];
     if t.partitions_count == 0 || t.partitions_count > u64::from(TOPIC_PARTITIONS_MAX) {
@@ -752,6 +782,7 @@ mod tests {
             ),
             (
                 RouterSection {
+                    on_admission_failure: "dead_letter".into(),
                     dead_letter_stream: Some("dlq".into()),
                     dead_letter_topic: Some(String::new()),
                     ..RouterSection::default()
