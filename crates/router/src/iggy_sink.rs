@@ -58,7 +58,9 @@ use crate::sink::{DestinationKey, OutMessage, SendError, SendErrorKind, Sink, To
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TopicDefaults {
     pub partitions_count: u32,
-    /// Message expiry; `None` keeps messages until the topic's size limit.
+    /// Message expiry; `None` keeps messages until the topic's size limit (the topic is
+    /// created with "never expire", not the server's default, which its configuration may
+    /// set to delete them).
     pub message_expiry: Option<Duration>,
     pub max_topic_size_bytes: Option<u64>,
     pub segment_size_bytes: Option<u64>,
@@ -399,7 +401,9 @@ impl IggySink {
         let d = &self.defaults;
         TopicCreateOptions {
             partitions_count: Some(d.partitions_count),
-            message_expiry: d.message_expiry.map(|e| IggyExpiry::ExpireDuration(IggyDuration::from(e))),
+            message_expiry: Some(
+                d.message_expiry.map_or(IggyExpiry::NeverExpire, |e| IggyExpiry::ExpireDuration(IggyDuration::from(e))),
+            ),
             max_topic_size: d.max_topic_size_bytes.map(|b| MaxTopicSize::Custom(IggyByteSize::from(b))),
             segment_size: d.segment_size_bytes.map(IggyByteSize::from),
             enforce_fsync: Some(d.enforce_fsync),
@@ -731,6 +735,18 @@ mod tests {
     /// A server that takes connections and closes them at once, counting them.
     fn closing_server() -> (String, Arc<std::sync::atomic::AtomicUsize>) {
         closing_server_after(Duration::ZERO)
+    }
+
+    /// A topic created with no expiry configured never expires, as the configuration
+    /// says (0: never), rather than taking the server's default, which may delete.
+    #[test]
+    fn a_topic_without_an_expiry_is_created_never_to_expire() {
+        let sink = IggySink::new(&IggySinkConfig::default()).unwrap();
+        assert_eq!(sink.create_options().message_expiry, Some(IggyExpiry::NeverExpire));
+        let defaults = TopicDefaults { message_expiry: Some(Duration::from_secs(60)), ..TopicDefaults::default() };
+        let sink = IggySink::new(&IggySinkConfig { topic_defaults: defaults, ..IggySinkConfig::default() }).unwrap();
+        let sixty = IggyExpiry::ExpireDuration(IggyDuration::from(Duration::from_secs(60)));
+        assert_eq!(sink.create_options().message_expiry, Some(sixty));
     }
 
     /// A call cut short while it waited for a new connection is the client's, not its
