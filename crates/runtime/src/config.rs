@@ -598,8 +598,19 @@ pub fn parse(text: &str, file: Option<PathBuf>) -> Result<Config, ConfigErrors> 
         }
     };
     serde_path_to_error::deserialize::<_, Config>(de).map_err(|e| {
-        let path = e.path().to_string();
-        let path = if path == "." { String::new() } else { path };
+        // Written as validation writes key paths (a key that is not bare quoted, as in
+        // `sources."shop.v2".accept`): the crate's own joins segments with dots unquoted.
+        use serde_path_to_error::Segment;
+        let path = e
+            .path()
+            .iter()
+            .fold(KeyPath::default(), |p, seg| match seg {
+                Segment::Seq { index } => p.index(*index),
+                Segment::Map { key } => p.key(key),
+                Segment::Enum { variant } => p.key(variant),
+                Segment::Unknown => p.key("?"),
+            })
+            .to_string();
         let inner = e.into_inner();
         let line = inner.span().map(|s| line_of(text, s.start));
         // serde quotes the value it refused ("invalid type: integer `12345678`"): at a
@@ -2408,6 +2419,19 @@ auth_secret = "never checked"
         ] {
             validate(&parse(&text, None).unwrap(), Some(&text), None).unwrap_or_else(|e| panic!("{text}: {e}"));
         }
+    }
+
+    /// An error found while reading the file names its key as validation does: a key
+    /// that is not bare is quoted, so `sources."shop.v2".accept` is not read as a table
+    /// `v2` in a source `shop`.
+    #[test]
+    fn a_type_error_names_a_dotted_key_quoted_as_validation_does() {
+        let text = "[sources.\"shop.v2\"]\ndestination = { stream = \"s\", topic = \"t\" }\naccept = 5\n";
+        let e = parse(text, None).unwrap_err();
+        assert_eq!((e.errors[0].path.as_str(), e.errors[0].line), ("sources.\"shop.v2\".accept", Some(3)), "{e}");
+        let text = "[sources.a]\ndestination = { stream = \"s\", topic = \"t\" }\nforward_headers = [\"x\", 5]\n";
+        let e = parse(text, None).unwrap_err();
+        assert_eq!(e.errors[0].path, "sources.a.forward_headers[1]", "{e}");
     }
 
     /// `.` and `..` are dot segments that clients remove from a URL before sending it,
