@@ -172,6 +172,7 @@ async fn connector(State(s): State<Arc<Shared>>, key: Result<Path<String>, PathR
 async fn metrics(State(s): State<Arc<Shared>>) -> Response {
     match &s.metrics {
         Some(handle) => {
+            crate::delivery::publish_connector_statuses(&s.delivery, s.status.sources.keys());
             ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], handle.render()).into_response()
         }
         None => ApiError::not_found("metrics are not installed in this process").into_response(),

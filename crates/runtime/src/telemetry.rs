@@ -234,6 +234,12 @@ pub fn catalog() -> Vec<Metric> {
             &[],
             "Cursor commits that failed (retried; the log stays pinned below them meanwhile)",
         ),
+        m(
+            "iggy_connector_delivery_status",
+            Gauge,
+            &["connector_key", "status"],
+            "1 for a connector's delivery status (as /status says it), 0 for the others",
+        ),
     ];
     for s in Status::ALL {
         v.push(Metric {
@@ -406,6 +412,10 @@ pub fn register_all<'a>(sources: impl IntoIterator<Item = &'a str> + Clone) {
         counter("iggy_connector_messages_dropped_total", [("connector_key", s()), ("reason", "given_up".into())]);
         for kind in SEND_FAILURES {
             counter("iggy_connector_send_failures_total", [("connector_key", s()), ("reason", kind.as_str().into())]);
+        }
+        // Set for real at each scrape (`delivery::publish_connector_statuses`).
+        for status in crate::delivery::CONNECTOR_DELIVERY_STATUSES {
+            drop(metrics::gauge!("iggy_connector_delivery_status", "connector_key" => s(), "status" => status));
         }
     }
     // A record the router cannot decode has no source it can name.
