@@ -232,9 +232,8 @@ impl RouterHealth {
     /// `to`, the status it had before (Starting, Running or Degraded).
     pub(crate) fn lane_reads_again(&self, key: &LaneKey, lane: &StatusCell, to: Status, why: &str) {
         if to == Status::Degraded {
-            // Still not progressing: the router's troubles change before the lane's own.
-            self.update(|t| t.failed.remove(key) | t.degraded.insert(key.clone()));
-            lane.set(to, why);
+            // Still not progressing.
+            self.lane_degraded(key, lane, why);
         } else {
             lane.set(to, why);
             self.update(|t| t.failed.remove(key));

@@ -675,9 +675,10 @@ pub fn connector_delivery_status(delivery: &Delivery, source: &str) -> &'static 
 }
 
 /// What [`connector_delivery_status`] answers, each: the `status` label values of
-/// `iggy_connector_delivery_status`.
-pub const CONNECTOR_DELIVERY_STATUSES: [&str; 7] =
-    ["starting", "running", "degraded", "error", "stopping", "stopped", "disabled"];
+/// `iggy_connector_delivery_status` (the router's statuses, and `disabled`).
+pub fn connector_delivery_statuses() -> impl Iterator<Item = &'static str> {
+    Status::ALL.into_iter().map(Status::as_str).chain(["disabled"])
+}
 
 /// Sets `iggy_connector_delivery_status{connector_key, status}` for each of `sources`: 1
 /// for its delivery status, 0 for the others. Called at each scrape, with the function
@@ -686,7 +687,7 @@ pub const CONNECTOR_DELIVERY_STATUSES: [&str; 7] =
 pub fn publish_connector_statuses<'a>(delivery: &Delivery, sources: impl Iterator<Item = &'a String>) {
     for key in sources {
         let now = connector_delivery_status(delivery, key);
-        for status in CONNECTOR_DELIVERY_STATUSES {
+        for status in connector_delivery_statuses() {
             let value = if status == now { 1.0 } else { 0.0 };
             metrics::gauge!("iggy_connector_delivery_status", "connector_key" => key.clone(), "status" => status)
                 .set(value);

@@ -414,7 +414,7 @@ pub fn register_all<'a>(sources: impl IntoIterator<Item = &'a str> + Clone) {
             counter("iggy_connector_send_failures_total", [("connector_key", s()), ("reason", kind.as_str().into())]);
         }
         // Set for real at each scrape (`delivery::publish_connector_statuses`).
-        for status in crate::delivery::CONNECTOR_DELIVERY_STATUSES {
+        for status in crate::delivery::connector_delivery_statuses() {
             drop(metrics::gauge!("iggy_connector_delivery_status", "connector_key" => s(), "status" => status));
         }
     }

@@ -517,7 +517,6 @@ impl Writer {
         // Refused appends are not counted one by one: this says the log is stopped for as
         // long as it is (an alert on a counter's increase would clear after its window).
         metrics::gauge!("iggy_ingest_wal_stopped").set(1.0);
-        publish_used_bytes(&self.shared);
     }
 
     /// Seals the active segment (if not sealed yet) and starts its successor.
@@ -703,8 +702,8 @@ fn command_bytes(c: &Command) -> u64 {
     }
 }
 
-/// Publishes the log's used bytes: after every change of them that has no write after
-/// it to publish them (an undo, a rotation, a log that stopped), as well as after writes.
+/// Publishes the log's used bytes: after writes, and after every other change of them
+/// that no write may follow (an undo, which a stopped log ends with; a rotation).
 fn publish_used_bytes(shared: &Shared) {
     metrics::gauge!("iggy_ingest_wal_used_bytes").set(shared.used_bytes.load(Ordering::Relaxed) as f64);
 }
