@@ -1126,13 +1126,9 @@ mod tests {
         assert_eq!(index.lookup(&key("d-1"), now).unwrap().map(|p| p.first_offset), Some(1), "d-1 was never restored");
     }
 
-    /// A key whose record failed (here: the recorder thread is gone) must not be passed
-    /// over by a checkpoint, or neither a restart nor the log (released below the
-    /// checkpoint) could restore it: the checkpoint restores it from the log first, and
-    /// the log's release ceiling (`durable_through`) follows the checkpoint.
-    #[tokio::test]
-    async fn a_key_the_recorder_could_not_take_is_restored_from_the_log_before_a_checkpoint_passes_it() {
-        use crate::Ingestor;
+    /// A log on the simulated disk (`sync = always`), an index rebuilt from it over an
+    /// in-memory database, and the ingestor over both, serving; and now.
+    fn serving_under_always() -> (Arc<Wal>, Arc<IdempotencyIndex>, Arc<crate::Ingestor>, u64) {
         let state = Arc::new(StateDb::open_in_memory().unwrap());
         let sim = wal::storage::SimStorage::new();
         let wal =
@@ -1140,7 +1136,17 @@ mod tests {
         let now = crate::time::now_unix_ms();
         let index = Arc::new(IdempotencyIndex::new(state, 86_400_000));
         index.rebuild(&wal, now).unwrap();
-        let ingestor = Ingestor::new(wal.clone(), index.clone());
+        let ingestor = Arc::new(crate::Ingestor::new(wal.clone(), index.clone()));
+        (wal, index, ingestor, now)
+    }
+
+    /// A key whose record failed (here: the recorder thread is gone) must not be passed
+    /// over by a checkpoint, or neither a restart nor the log (released below the
+    /// checkpoint) could restore it: the checkpoint restores it from the log first, and
+    /// the log's release ceiling (`durable_through`) follows the checkpoint.
+    #[tokio::test]
+    async fn a_key_the_recorder_could_not_take_is_restored_from_the_log_before_a_checkpoint_passes_it() {
+        let (wal, index, ingestor, now) = serving_under_always();
         let submission = |delivery_key: Option<&str>| one_event(delivery_key, now);
         ingestor.accept(submission(None)).await.unwrap();
         assert_eq!(index.checkpoint(&wal, now).await.unwrap(), 1);
@@ -1167,15 +1173,8 @@ mod tests {
     /// holds the gate (restoring keys a reopen dropped), the lookup waits for it.
     #[tokio::test]
     async fn a_replay_asked_while_keys_are_owed_is_unavailable_and_waits_for_a_recovery() {
-        use crate::{IngestError, Ingestor};
-        let state = Arc::new(StateDb::open_in_memory().unwrap());
-        let sim = wal::storage::SimStorage::new();
-        let wal =
-            Arc::new(Wal::open_with(Arc::new(sim), std::path::Path::new("/wal"), wal::WalOptions::default()).unwrap());
-        let now = crate::time::now_unix_ms();
-        let index = Arc::new(IdempotencyIndex::new(state, 86_400_000));
-        index.rebuild(&wal, now).unwrap();
-        let ingestor = Arc::new(Ingestor::new(wal.clone(), index.clone()));
+        use crate::IngestError;
+        let (wal, index, ingestor, now) = serving_under_always();
         ingestor.accept(one_event(Some("d-0"), now)).await.unwrap();
         assert!(ingestor.replay_of(&key("d-0"), now).await.unwrap().is_some_and(|a| a.replayed));
         assert_eq!(ingestor.replay_of(&key("new"), now).await.unwrap(), None, "nothing owed: none is the answer");

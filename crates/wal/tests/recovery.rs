@@ -392,6 +392,16 @@ fn salvage_keeps_the_valid_prefix_moves_the_rest_and_never_reuses_an_offset() {
     assert_eq!(wal.open_report().missing_ranges, vec![second_base + 2..s.resumed_at_offset], "after a reopen");
 }
 
+/// Opens the log with `opts`, the power lost at its `k`th mutation (in `mode`); whether
+/// the power was lost (false once the open makes fewer than `k` mutations). The fault is
+/// disarmed either way.
+fn opened_losing_power_at(sim: &SimStorage, opts: &WalOptions, k: u64, mode: CrashMode) -> bool {
+    sim.crash_at_nth(FaultOp::AnyMutation, k, mode);
+    drop(try_open(sim, opts.clone()));
+    sim.disarm();
+    sim.crashes() > 0
+}
+
 /// A power loss at any step of a salvage in place: opening again (strictly or with
 /// salvage) never resumes below an offset the damaged log held, and a salvage then keeps
 /// exactly the valid prefix. The salvage moves files and rewrites the damaged segment's
@@ -409,12 +419,7 @@ fn a_power_loss_at_any_step_of_a_salvage_loses_no_kept_record_and_reuses_no_offs
         let pos = SEGMENT_HEADER_LEN + 2 * (FRAME_HEADER_LEN + 100) + FRAME_HEADER_LEN + 5;
         flip(&sim, &dir().join(&names[1]), pos as usize);
 
-        sim.crash_at_nth(FaultOp::AnyMutation, k, CrashMode::LoseUnsynced);
-        let first = try_open(&sim, salvage.clone());
-        let crashed = sim.crashes() > 0;
-        drop(first);
-        sim.disarm();
-        if !crashed {
+        if !opened_losing_power_at(&sim, &salvage, k, CrashMode::LoseUnsynced) {
             break;
         }
         crash_points += 1;
@@ -867,12 +872,7 @@ fn a_power_loss_inside_a_multi_chunk_salvage_copy_loses_no_kept_record() {
     for mode in modes {
         for k in 1.. {
             let sim = damaged_log();
-            sim.crash_at_nth(FaultOp::AnyMutation, k, mode);
-            let first = try_open(&sim, salvage.clone());
-            let crashed = sim.crashes() > 0;
-            drop(first);
-            sim.disarm();
-            if !crashed {
+            if !opened_losing_power_at(&sim, &salvage, k, mode) {
                 break;
             }
             crash_points += 1;
