@@ -662,6 +662,10 @@ pub struct Settings {
     pub sources: Vec<SourceSpec>,
     pub endpoints: Vec<Endpoint>,
     pub delivery: crate::delivery::DeliverySettings,
+    /// Settings that are valid but look unintended (`Checker::warn`): printed by `config
+    /// check`, logged at start. Never a reason to refuse: what they depend on (a topic's
+    /// partitions on the server, which destinations a sender names) is outside the file.
+    pub warnings: ConfigErrors,
 }
 
 /// The log's directory under `storage.data_dir`. Its lock (`wal::LOCK_FILE`) is the
@@ -765,12 +769,20 @@ pub const MAX_WORKER_THREADS: u64 = 1024;
 struct Checker<'a> {
     text: Option<&'a str>,
     errors: Vec<ConfigError>,
+    warnings: Vec<ConfigError>,
 }
 
 impl Checker<'_> {
     fn err(&mut self, path: &KeyPath, message: impl Into<String>) {
         let line = locate(self.text, path);
         self.errors.push(ConfigError { path: path.to_string(), line, message: message.into() });
+    }
+
+    /// A setting that is valid but, as far as this file can tell, will not do what its
+    /// operator wants: `config check` prints it and the daemon logs it at start.
+    fn warn(&mut self, path: &KeyPath, message: impl Into<String>) {
+        let line = locate(self.text, path);
+        self.warnings.push(ConfigError { path: path.to_string(), line, message: message.into() });
     }
 
     fn addr(&mut self, path: &KeyPath, s: &str) -> SocketAddr {
@@ -807,7 +819,7 @@ const SHUTDOWN_MS_MAX: u64 = 3_600_000;
 
 /// Validates a parsed configuration. `text` is the file's text, for line numbers.
 pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> Result<Settings, ConfigErrors> {
-    let mut c = Checker { text, errors: Vec::new() };
+    let mut c = Checker { text, errors: Vec::new(), warnings: Vec::new() };
     let root = KeyPath::default();
 
     let http = root.key("http");
@@ -1260,6 +1272,7 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
                 ),
             );
         }
+        unreachable_by_default(&mut c, &sp, s, &spec, &delivery);
         sources.push(spec);
     }
 
@@ -1290,7 +1303,54 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
         sources,
         endpoints,
         delivery,
+        warnings: ConfigErrors { file, errors: c.warnings },
     })
+}
+
+/// Warnings for a source whose settings pass every check but name more than the daemon's
+/// own defaults can deliver: a fixed partition id that a topic the daemon creates lacks
+/// (its records held, or handled as `on_admission_failure` says, as
+/// `partition_id_out_of_range`), and more destinations known from the file than the
+/// source's `max_destinations` (those the cap does not admit held likewise, as `cap`).
+/// Warnings, not errors: the topic may exist with more partitions, and the cap counts the
+/// destinations a source's records name, which need not be all the file allows.
+fn unreachable_by_default(
+    c: &mut Checker<'_>,
+    sp: &KeyPath,
+    s: &SourceConfig,
+    spec: &SourceSpec,
+    delivery: &crate::delivery::DeliverySettings,
+) {
+    let partitions_count = delivery.sink.topic_defaults.partitions_count;
+    if let PartitionRule::Fixed(Partitioning::PartitionId(id)) = spec.partitioning
+        && id >= partitions_count
+    {
+        let at = match &s.destination {
+            Some(d) if d.partition_id.is_some() => sp.key("destination").key("partition_id"),
+            _ => sp.key("partitioning").key("partition_id"),
+        };
+        c.warn(
+            &at,
+            format!(
+                "partition {id} is not in a topic the daemon creates (router.topic_defaults.partitions_count = \
+                 {partitions_count}: ids 0 to {}); unless the topic exists with more partitions, its events are \
+                 refused as partition_id_out_of_range and held, dropped or dead-lettered as on_admission_failure says",
+                partitions_count.saturating_sub(1)
+            ),
+        );
+    }
+    let max_destinations = delivery.policies.for_source(&spec.key).max_destinations;
+    let known = spec.destinations_known_at_start().len();
+    if known > max_destinations {
+        c.warn(
+            &sp.key("admission").key("allowlist"),
+            format!(
+                "names {known} destinations (with the source's default), more than its max_destinations \
+                 ({max_destinations}): events to those the cap does not admit are refused as cap and held, dropped or \
+                 dead-lettered as on_admission_failure says"
+            ),
+        );
+    }
 }
 
 /// `admin.token` / `admin.token_env`: the bearer token of the admin routes.
@@ -1814,13 +1874,78 @@ mod tests {
         assert!(settings.sources.len() >= 2);
         assert!(!settings.endpoints.is_empty());
         // Partition ids start at 0: a fixed one must exist in the topics the daemon
-        // creates, or a copied example holds its events for good.
-        let partitions = config.router.topic_defaults.partitions_count;
-        for source in &settings.sources {
-            if let PartitionRule::Fixed(Partitioning::PartitionId(id)) = source.partitioning {
-                assert!(u64::from(id) < partitions, "{}: partition_id {id} of {partitions} partitions", source.key);
-            }
-        }
+        // creates, or a copied example holds its events for good (a warning says so).
+        assert!(
+            settings
+                .sources
+                .iter()
+                .any(|s| matches!(s.partitioning, PartitionRule::Fixed(Partitioning::PartitionId(_)))),
+            "the example shows a fixed partition id"
+        );
+        assert_eq!(settings.warnings.errors, vec![], "the example warns");
+        assert_eq!(
+            validate(&Config::builtin(), None, None).unwrap().warnings.errors,
+            vec![],
+            "the built-in default warns"
+        );
+    }
+
+    /// Valid settings the daemon's own defaults cannot deliver are warned of, by key path
+    /// and line, and refuse nothing: a fixed partition id past the partitions of a topic
+    /// the daemon creates (set in either place), and more destinations known from the
+    /// file than the source's cap admits.
+    #[test]
+    fn settings_the_defaults_cannot_deliver_are_warned_of_not_refused() {
+        let text = r#"
+[sources.a]
+destination = { stream = "s", topic = "t", partition_id = 2 }
+
+[sources.b]
+destination = { stream = "s", topic = "u" }
+partitioning = { partition_id = 1 }
+
+[sources.c]
+destination = { stream = "s", topic = "v" }
+admission = { mode = "allowlist", allowlist = [{ stream = "s", topic = "v" }, { stream = "s", topic = "w" }, { stream = "x", topic = "*" }] }
+
+[sources.d]
+destination = { stream = "s", topic = "v", partition_id = 1 }
+admission = { mode = "allowlist", allowlist = [{ stream = "s", topic = "v" }, { stream = "s", topic = "w" }] }
+
+[router.topic_defaults]
+partitions_count = 2
+
+[router.sources.c]
+max_destinations = 1
+"#;
+        let settings = validate(&parse(text, None).unwrap(), Some(text), None).unwrap_or_else(|e| panic!("{e}"));
+        let warned: Vec<(&str, Option<usize>)> =
+            settings.warnings.errors.iter().map(|w| (w.path.as_str(), w.line)).collect();
+        // a's id 2 of 2 partitions; b's 1 and d's 1 exist; d's two destinations are
+        // within the default cap.
+        assert_eq!(
+            warned,
+            vec![("sources.a.destination.partition_id", Some(3)), ("sources.c.admission.allowlist", Some(11))]
+        );
+        assert!(
+            settings.warnings.errors[0].message.contains("partitions_count = 2: ids 0 to 1"),
+            "{:?}",
+            settings.warnings
+        );
+        assert!(settings.warnings.errors[1].message.contains("names 2 destinations"), "{:?}", settings.warnings);
+
+        let one_partition = text.replace("partitions_count = 2", "partitions_count = 1");
+        let settings = validate(&parse(&one_partition, None).unwrap(), Some(&one_partition), None).unwrap();
+        let warned: Vec<&str> = settings.warnings.errors.iter().map(|w| w.path.as_str()).collect();
+        assert_eq!(
+            warned,
+            vec![
+                "sources.a.destination.partition_id",
+                "sources.b.partitioning.partition_id",
+                "sources.c.admission.allowlist",
+                "sources.d.destination.partition_id"
+            ]
+        );
     }
 
     #[test]

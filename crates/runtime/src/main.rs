@@ -98,6 +98,11 @@ fn main() -> ExitCode {
     match cli.command {
         Command::Config { command: ConfigCommand::Check { file } } => match config::load(&file) {
             Ok(s) => {
+                // Valid, but likely not what was meant: on stderr, so `ok` stays the
+                // one line a script reads from stdout.
+                for w in &s.warnings.errors {
+                    eprintln!("{}: warning: {w}", file.display());
+                }
                 println!(
                     "{}: ok ({} source(s), {} static endpoint(s))",
                     file.display(),

@@ -20,6 +20,9 @@ use crate::{daemon, logging};
 /// start or an unclean stop.
 pub fn run(settings: Settings, ready_file: Option<PathBuf>) -> ExitCode {
     logging::init(&settings.log_level, settings.log_json);
+    for w in &settings.warnings.errors {
+        tracing::warn!(setting = %w.path, line = w.line, "configuration: {}", w.message);
+    }
     let metrics = match crate::telemetry::install() {
         Ok(h) => Some(h),
         Err(e) => {

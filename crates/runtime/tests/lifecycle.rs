@@ -765,6 +765,19 @@ fn config_check_names_the_key_path_and_line_and_exits_non_zero() {
         .output()
         .unwrap();
     assert!(ok.status.success(), "{}", String::from_utf8_lossy(&ok.stderr));
+    assert_eq!(String::from_utf8_lossy(&ok.stderr), "", "the example warns");
+
+    // Valid but not deliverable with the daemon's defaults: a warning, exit 0.
+    let odd = dir.path().join("odd.toml");
+    std::fs::write(&odd, "[sources.a]\ndestination = { stream = \"s\", topic = \"t\", partition_id = 1 }\n").unwrap();
+    let warned = Command::new(env!("CARGO_BIN_EXE_iggy-ingest")).args(["config", "check"]).arg(&odd).output().unwrap();
+    assert!(warned.status.success(), "{}", String::from_utf8_lossy(&warned.stderr));
+    assert!(String::from_utf8_lossy(&warned.stdout).ends_with(": ok (1 source(s), 0 static endpoint(s))\n"));
+    let err = String::from_utf8_lossy(&warned.stderr);
+    assert!(
+        err.contains("warning: line 2: sources.a.destination.partition_id: partition 1 is not in a topic"),
+        "{err}"
+    );
 }
 
 /// A stop signal that comes while the daemon is still starting (here: re-reading a long
