@@ -141,7 +141,9 @@ impl<S: Sink, C: CursorStore> Dispatcher<S, C> {
         };
         let (max_records, max_bytes) = (self.policies.read_batch_max_records, self.policies.read_batch_max_bytes);
         loop {
-            let batch = if failing {
+            let batch = if let Err(e) = crate::walk_to_position(&mut reader).await {
+                Err(e)
+            } else if failing {
                 reader.try_read(max_records, max_bytes)
             } else {
                 tokio::select! {

@@ -866,6 +866,7 @@ async fn next_batch<S, C>(
         Some(r) if r.position() == from => r,
         _ => catchup.insert(ctx.wal.reader(from)?),
     };
+    crate::walk_to_position(reader).await?;
     // The same limits as a batch taken from the queue: at most `max_records`, and payload
     // bytes within `max_bytes` unless a single record is larger (it goes alone). Reads
     // ask for no more than the room left, and a record past the byte room is read again

@@ -594,6 +594,24 @@ fn cursors_within_the_log<C: CursorStore>(
     Ok(loaded)
 }
 
+/// Bytes of frames a new log reader walks, finding its position from the start of its
+/// segment, before it lets the runtime's other tasks run. A segment is up to
+/// `segment_max_bytes` (64 MiB by default), which one walk would read (from the disk,
+/// past the page cache the writer gave back) while holding a worker that the door and
+/// every lane share, the only one on a 2-core host. 256 KiB (the reader's read size)
+/// is a fraction of a millisecond from the page cache; a yield costs about a
+/// microsecond, so a whole segment's walk is 256 turns.
+pub(crate) const READER_WALK_BYTES_PER_TURN: u64 = 256 << 10;
+
+/// Walks `reader` to its position in steps of [`READER_WALK_BYTES_PER_TURN`], letting the
+/// runtime's other tasks run between them.
+pub(crate) async fn walk_to_position(reader: &mut wal::Reader) -> wal::Result<()> {
+    while !reader.position_some(READER_WALK_BYTES_PER_TURN)? {
+        tokio::task::yield_now().await;
+    }
+    Ok(())
+}
+
 /// Spawns a task that must not end unnoticed: one of the router's, and the daemon's own
 /// listeners and loops. If it ends by a panic, `on_panic` runs as it unwinds: the task is
 /// gone and what it did is not done until a restart, so its owner must say so instead of

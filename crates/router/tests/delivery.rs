@@ -885,6 +885,62 @@ async fn a_lane_catching_up_on_a_long_backlog_lets_the_other_tasks_run() {
     router.shutdown().await;
 }
 
+/// A lane whose re-read starts deep inside a large segment finds its position in bounded
+/// steps too: a new reader walks the segment's frames from its start (up to 64 MiB with
+/// the default segments), and one walk in a single call would hold the worker the door
+/// and every other lane share for all of it. Here the rare lane's first record not kept
+/// in memory lies behind about 6 MiB of another destination's records in one 64 MiB
+/// segment; measured as in the test above.
+#[tokio::test]
+async fn a_lane_re_reading_from_deep_inside_a_large_segment_lets_the_other_tasks_run() {
+    let storage = CountingReads::new(&SimStorage::new());
+    let wal = storage.open_wal_with_segments_of(64 << 20);
+    let sink = FaultySink::new();
+    let (rare, busy) = (key("s", "rare"), key("s", "busy"));
+    sink.fault(&rare, Some(Fault::Fail(SendErrorKind::Destination)));
+    let mut policy = fast_policy();
+    policy.lane_queue_max_records = 4;
+    policy.batch.batch_max_records = 2;
+    policy.batch.backoff_max = Duration::from_millis(200);
+    let router = start_router(&wal, &sink, policy);
+    const BUSY: u64 = 60_000;
+    for chunk in 0..BUSY / 1000 {
+        let first = chunk * 1000;
+        wal.append((first..first + 1000).map(|n| record(&busy, n, Partitioning::Balanced)).collect()).await.unwrap();
+    }
+    wal.append((BUSY..BUSY + 100).map(|n| record(&rare, n, Partitioning::Balanced)).collect()).await.unwrap();
+    eventually(Duration::from_secs(120), "the busy destination delivered", || sink.ids(&busy).len() == BUSY as usize)
+        .await;
+    eventually(Duration::from_secs(60), "the rare lane overflowed", || {
+        router.destinations().iter().any(|l| l.destination == rare && l.overflowed)
+    })
+    .await;
+    assert_eq!(wal.stats().segments, 1, "the test needs every record in one segment");
+
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let watcher = {
+        let (storage, stop) = (storage.clone(), stop.clone());
+        tokio::spawn(async move {
+            let (mut last, mut most) = (storage.bytes_read(), 0u64);
+            let start = last;
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                let now = storage.bytes_read();
+                most = most.max(now - last);
+                last = now;
+                tokio::task::yield_now().await;
+            }
+            (most, last - start)
+        })
+    };
+    sink.fault(&rare, None);
+    eventually(Duration::from_secs(120), "the rare destination delivered", || sink.ids(&rare).len() == 100).await;
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let (most, total) = watcher.await.unwrap();
+    assert!(total > 4 << 20, "the re-read walked only {total} bytes: the test no longer starts deep in a segment");
+    assert!(most < 2 << 20, "{most} bytes were read between two turns of another task (of {total} in all)");
+    router.shutdown().await;
+}
+
 /// A lane catching up in batches bounded by bytes reads the backlog about once: the
 /// record that does not fit a batch is given back to the reader, not found again by a
 /// new reader walking its segment from the start (with 4 MiB segments, a walk of half a

@@ -60,6 +60,10 @@ pub struct Reader {
     /// Where the last record returned was: its offset, its segment's base and its
     /// frame's byte position ([`Reader::unread_last`]).
     last: Option<(u64, u64, u64)>,
+    /// How far a walk to `next` from its segment's start has got, while `cursor` is
+    /// `None`: the cursor and the offset of the frame at its position
+    /// ([`Reader::position_some`]).
+    walk: Option<(Cursor, u64)>,
 }
 
 impl std::fmt::Debug for Reader {
@@ -75,7 +79,7 @@ impl Reader {
         if from > end {
             return Err(WalError::BeyondEnd { offset: from, end });
         }
-        let r = Reader { shared, next: from, cursor: None, durable, last: None };
+        let r = Reader { shared, next: from, cursor: None, durable, last: None, walk: None };
         r.check_retained()?;
         Ok(r)
     }
@@ -169,42 +173,76 @@ impl Reader {
         }
     }
 
+    /// Walks at most about `max_bytes` of frames towards the reader's position and says
+    /// whether it is there. A new reader finds its position by walking its segment's
+    /// frames from the start (up to `segment_max_bytes`, 64 MiB by default): a caller
+    /// that shares its thread with others (an async task) walks in steps and lets them
+    /// run in between. [`Reader::try_read`] walks the rest of the way itself.
+    pub fn position_some(&mut self, max_bytes: u64) -> Result<bool> {
+        if self.cursor.is_some() {
+            return Ok(true);
+        }
+        self.check_retained()?;
+        self.walk_to_next(max_bytes)
+    }
+
+    /// Continues the walk to the frame holding `self.next` for at most about `max_bytes`
+    /// (at least one frame) and sets the cursor there once reached: true if it was. A
+    /// failed read ends the walk; the next call starts it again.
+    fn walk_to_next(&mut self, max_bytes: u64) -> Result<bool> {
+        let (mut c, mut offset) = match self.walk.take() {
+            Some(w) => w,
+            None => {
+                let seg = self
+                    .shared
+                    .segment_for(self.next)
+                    .ok_or(WalError::Released { offset: self.next, start: self.shared.start() })?;
+                let c = Cursor::at_start_of(seg);
+                let base = c.seg.base;
+                (c, base)
+            }
+        };
+        let mut walked = 0u64;
+        while offset < self.next {
+            if walked > 0 && walked >= max_bytes {
+                self.walk = Some((c, offset));
+                return Ok(false);
+            }
+            let h = frame_header(&mut c)?;
+            if h.is_seal() {
+                if h.offset != offset {
+                    return Err(corrupt(&c, FrameProblem::UnexpectedOffset { expected: offset, found: h.offset }));
+                }
+                // `self.next` lies in a salvage gap: past this seal, below the next
+                // segment's base (the open checked that only a `GAP_BEFORE` segment
+                // may start past its predecessor's seal).
+                let next = self.shared.segment_after(c.seg.base).ok_or_else(|| WalError::MissingSuccessor {
+                    location: Location { file: c.seg.path.clone(), position: c.pos },
+                    next_offset: h.offset,
+                })?;
+                offset = next.base;
+                self.next = self.next.max(next.base);
+                c = Cursor::at_start_of(next);
+                walked += FRAME_HEADER_LEN;
+                continue;
+            }
+            if h.offset != offset {
+                return Err(corrupt(&c, FrameProblem::UnexpectedOffset { expected: offset, found: h.offset }));
+            }
+            c.pos += h.frame_len();
+            walked += h.frame_len();
+            offset += 1;
+        }
+        self.cursor = Some(c);
+        Ok(true)
+    }
+
     /// Positions the cursor on the frame holding `self.next`, crossing seals (and, after
     /// a salvage, the offset gap a seal may be followed by). A reader that starts inside
     /// such a gap starts at the base of the segment after it: those offsets name no record.
     fn position_cursor(&mut self) -> Result<&mut Cursor> {
         if self.cursor.is_none() {
-            let seg = self
-                .shared
-                .segment_for(self.next)
-                .ok_or(WalError::Released { offset: self.next, start: self.shared.start() })?;
-            let mut c = Cursor::at_start_of(seg);
-            let mut offset = c.seg.base;
-            while offset < self.next {
-                let h = frame_header(&mut c)?;
-                if h.is_seal() {
-                    if h.offset != offset {
-                        return Err(corrupt(&c, FrameProblem::UnexpectedOffset { expected: offset, found: h.offset }));
-                    }
-                    // `self.next` lies in a salvage gap: past this seal, below the next
-                    // segment's base (the open checked that only a `GAP_BEFORE` segment
-                    // may start past its predecessor's seal).
-                    let next = self.shared.segment_after(c.seg.base).ok_or_else(|| WalError::MissingSuccessor {
-                        location: Location { file: c.seg.path.clone(), position: c.pos },
-                        next_offset: h.offset,
-                    })?;
-                    offset = next.base;
-                    self.next = self.next.max(next.base);
-                    c = Cursor::at_start_of(next);
-                    continue;
-                }
-                if h.offset != offset {
-                    return Err(corrupt(&c, FrameProblem::UnexpectedOffset { expected: offset, found: h.offset }));
-                }
-                c.pos += h.frame_len();
-                offset += 1;
-            }
-            self.cursor = Some(c);
+            self.walk_to_next(u64::MAX)?;
         }
         loop {
             let c = self.cursor.as_mut().ok_or(WalError::Closed)?;

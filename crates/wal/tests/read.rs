@@ -27,6 +27,90 @@ fn a_reader_starts_at_any_retained_offset_and_crosses_segments() {
     assert!(matches!(wal.reader(301), Err(WalError::BeyondEnd { offset: 301, end: 300 })));
 }
 
+/// A reader finds its position by walking its segment's frames from the start; with
+/// `position_some` a caller walks in steps of about the bytes it asks for (at least one
+/// frame each), and the reader then reads exactly what a reader positioned in one go
+/// reads: from every kind of position (a segment's first record, inside one, its last,
+/// the log's end), in steps smaller than a frame, of a few frames, and larger than a
+/// segment.
+#[test]
+fn a_reader_walks_to_its_position_in_steps_and_reads_the_same_records() {
+    let sim = SimStorage::new();
+    let wal = open(&sim, small_options());
+    append_tagged(&wal, 0..300, 90);
+    assert!(wal.segment_paths().len() > 5);
+    let frame = FRAME_HEADER_LEN + 90;
+    let bases: Vec<u64> = wal
+        .segment_paths()
+        .iter()
+        .map(|p| wal::format::parse_segment_file_name(p.file_name().unwrap().to_str().unwrap()).unwrap())
+        .collect();
+    let mut walked_in_steps = 0;
+    for from in [0u64, 1, 37, 38, 39, 150, 298, 299, 300] {
+        let want = read_all(&wal, from);
+        for step in [0, 1, 3 * frame, 1 << 20] {
+            let mut r = wal.reader(from).unwrap();
+            let mut steps = 1u64;
+            while !r.position_some(step).unwrap() {
+                steps += 1;
+                assert!(steps <= 300, "from {from} in steps of {step}: no progress");
+            }
+            assert!(r.position_some(step).unwrap(), "positioned stays positioned");
+            if step == 3 * frame && steps > 1 {
+                walked_in_steps += 1;
+                // About `step` bytes of frames per call: the frames before `from` in its
+                // segment, three at a time.
+                let base = bases.iter().copied().filter(|b| *b <= from).max().unwrap();
+                assert_eq!(steps, (from - base).div_ceil(3).max(1), "from {from}");
+            }
+            assert_eq!(r.position(), from);
+            let mut got = Vec::new();
+            loop {
+                let batch = r.try_read(usize::MAX, usize::MAX).unwrap();
+                if batch.is_empty() {
+                    break;
+                }
+                got.extend(batch);
+            }
+            assert_eq!(got, want, "from {from} in steps of {step}");
+        }
+    }
+    assert!(walked_in_steps >= 3, "too few positions needed more than one step");
+}
+
+/// A read that fails during a walk in steps is reported, and the walk starts again: the
+/// reader then reads the records of a reader that never failed.
+#[test]
+fn a_failed_read_during_a_walk_in_steps_starts_the_walk_again() {
+    let sim = SimStorage::new();
+    // 2 MB of records in one segment: the walk reads several chunks.
+    let wal = open(&sim, WalOptions { segment_max_bytes: 4 << 20, max_bytes: 16 << 20, ..WalOptions::default() });
+    append_tagged(&wal, 0..1000, 2000);
+    assert_eq!(wal.segment_paths().len(), 1);
+    let from = 990;
+    let want = read_all(&wal, from);
+    let mut r = wal.reader(from).unwrap();
+    assert!(!r.position_some(1).unwrap(), "one frame walked");
+    sim.fail_nth(FaultOp::Read, 1, std::io::ErrorKind::Other);
+    // Small steps, so that a step needs a new read chunk well before the walk ends.
+    let mut failed = false;
+    let mut steps = 0;
+    loop {
+        steps += 1;
+        assert!(steps < 100_000, "no progress");
+        match r.position_some(4096) {
+            Ok(true) => break,
+            Ok(false) => {}
+            Err(e) => {
+                assert!(!failed, "failed twice: {e}");
+                failed = true;
+            }
+        }
+    }
+    assert!(failed, "the injected read failure was never met");
+    assert_eq!(r.try_read(usize::MAX, usize::MAX).unwrap(), want);
+}
+
 /// A record read one too many is given back with `unread_last` and read again next, at
 /// every position: inside a segment, and for a segment's last record, after which the
 /// reader has already crossed the seal into the next segment. Only the last record read

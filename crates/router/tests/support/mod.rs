@@ -380,7 +380,8 @@ impl CountingReads {
 
     /// The same with segments of `segment_max_bytes`.
     pub fn open_wal_with_segments_of(&self, segment_max_bytes: u64) -> Arc<Wal> {
-        let opts = WalOptions { segment_max_bytes, max_bytes: 64 << 20, ..WalOptions::default() };
+        let opts =
+            WalOptions { segment_max_bytes, max_bytes: (64 << 20).max(2 * segment_max_bytes), ..WalOptions::default() };
         Arc::new(Wal::open_with(Arc::new(self.clone()) as Arc<dyn Storage>, &PathBuf::from("/sim/log"), opts).unwrap())
     }
 }
