@@ -593,3 +593,48 @@ async fn keyed_records_reach_a_topic_whose_partitions_were_deleted() {
     assert!(broker.messages("p", "t")[1..].iter().all(|m| m.partition_id == 0));
     router.shutdown().await;
 }
+
+/// Records with many forwarded headers are sent in batches Iggy takes: the batch's byte
+/// bound counts payloads, and 2,400 such records of 100-byte payloads (about 80 MB of
+/// messages, under 1 MiB of payload), held while their topic failed, would otherwise go
+/// out as one request over the 64 MiB the server (and the test broker) take in one,
+/// which closes the connection: the lane would send it again for good, each time taken
+/// for a lost connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn records_with_many_headers_are_sent_in_requests_the_server_takes() {
+    let broker = TestBroker::start(TestBrokerConfig::default()).await.unwrap();
+    let mut policy = policy();
+    policy.batch.batch_max_records = 10_000;
+    policy.batch.batch_max_bytes = router::policy::MAX_BATCH_BYTES;
+    let (wal, router) = start_warm_with(&broker, "heavy", "headers", policy).await;
+    broker.fail_topic("heavy", "headers", Some(iggy::prelude::IggyError::Error));
+    const N: u64 = 2400;
+    let name = |i: usize| format!("x-{i:0>253}");
+    for chunk in 0..N / 100 {
+        let records = (0..100u64)
+            .map(|k| {
+                let n = 1 + chunk * 100 + k;
+                let mut header =
+                    ingest::envelope::Envelope::decode(&record("heavy", "headers", n, Partitioning::Balanced))
+                        .expect("decodes")
+                        .header;
+                header.headers = (0..router::FORWARD_HEADERS_MAX).map(|i| (name(i), vec![b'v'; 255])).collect();
+                ingest::envelope::Envelope::encode(&header, &[b'p'; 100])
+            })
+            .collect();
+        wal.append(records).await.unwrap();
+    }
+    eventually(Duration::from_secs(30), "held", || async {
+        router.destinations().iter().any(|l| l.held_records == N && l.status == Status::Degraded)
+    })
+    .await;
+    broker.fail_topic("heavy", "headers", None);
+    eventually(Duration::from_secs(60), "delivered", || async {
+        ids(&broker, "heavy", "headers").len() == 1 + N as usize
+    })
+    .await;
+    assert_eq!(ids(&broker, "heavy", "headers"), (0..=N).map(|n| u128::from(n) + 1).collect::<Vec<_>>());
+    let m = &broker.messages("heavy", "headers")[1];
+    assert_eq!(m.headers.iter().filter(|(k, _)| k.as_bytes().starts_with(b"x-0")).count(), router::FORWARD_HEADERS_MAX);
+    router.shutdown().await;
+}

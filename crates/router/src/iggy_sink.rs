@@ -483,7 +483,7 @@ pub(crate) const HEADER_FIELD_MAX_BYTES: usize = 255;
 /// by name, and a repeated name keeps its last value, as the builder's map does.
 /// Headers the server could not take (empty, longer than 255 bytes) are left out and
 /// counted; the door clamps what it forwards, so this is a last guard, not the rule.
-fn to_iggy(messages: &[OutMessage<'_>]) -> Result<Vec<IggyMessage>, SendError> {
+pub(crate) fn to_iggy(messages: &[OutMessage<'_>]) -> Result<Vec<IggyMessage>, SendError> {
     let (name_kind, value_kind) = (HeaderKind::String.as_code(), HeaderKind::Raw.as_code());
     let block_max: usize =
         messages.iter().map(|m| m.headers.iter().map(|(k, v)| 10 + k.len() + v.len()).sum::<usize>()).sum();

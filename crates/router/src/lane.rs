@@ -781,11 +781,11 @@ fn take_full_batch(lane: &Lane) -> Option<Vec<Routed>> {
         let full = g.queue.len() >= max_records
             || g.queue
                 .iter()
-                .scan(0usize, |b, r| {
-                    *b += r.envelope.payload.len();
+                .scan(BatchBytes::default(), |b, r| {
+                    b.add(r);
                     Some(*b)
                 })
-                .any(|b| b >= max_bytes);
+                .any(|b| b.full(max_bytes));
         if !full {
             return None;
         }
@@ -872,9 +872,9 @@ async fn next_batch<S, C>(
     // ask for no more than the room left, and a record past the byte room is read again
     // first next time.
     let mut batch = Vec::new();
-    let mut bytes = 0usize;
+    let mut bytes = BatchBytes::default();
     let mut scanned_since_yield = 0usize;
-    'read: while reader.position() < limit && batch.len() < max_records && bytes < max_bytes {
+    'read: while reader.position() < limit && batch.len() < max_records && !bytes.full(max_bytes) {
         if scanned_since_yield >= CATCHUP_SCAN_RECORDS_PER_YIELD {
             tokio::task::yield_now().await;
             scanned_since_yield = 0;
@@ -882,7 +882,7 @@ async fn next_batch<S, C>(
         let want = ((limit - reader.position()) as usize)
             .min(max_records - batch.len())
             .min(CATCHUP_SCAN_RECORDS_PER_YIELD - scanned_since_yield);
-        let records = reader.try_read(want, max_bytes - bytes)?;
+        let records = reader.try_read(want, max_bytes - bytes.payload)?;
         if records.is_empty() {
             break;
         }
@@ -890,8 +890,7 @@ async fn next_batch<S, C>(
         for rec in records {
             let offset = rec.offset;
             if let Some(routed) = own_record(lane, rec) {
-                let len = routed.envelope.payload.len();
-                if !batch.is_empty() && bytes + len > max_bytes {
+                if !batch.is_empty() && bytes.would_pass(&routed, max_bytes) {
                     // Given back to the reader, read again first next time. It is the
                     // last record the read returned (a read asks for no more than the
                     // room left, so only its first record can pass it); a new reader
@@ -901,7 +900,7 @@ async fn next_batch<S, C>(
                     }
                     break 'read;
                 }
-                bytes += len;
+                bytes.add(&routed);
                 batch.push(routed);
             }
         }
@@ -966,15 +965,64 @@ fn queued_size(r: &Routed) -> usize {
     r.envelope.payload.len() + 2 * header + std::mem::size_of::<Routed>()
 }
 
+/// The bytes `r`'s message takes in a send, at most: Iggy's 64-byte message header and
+/// 16-byte index entry, its payload, and each user header as the protocol encodes it
+/// (a kind and a length beside the name and the value: 10 bytes more), the dead-letter
+/// headers as the most they can be. [`out_message`] builds the headers counted here.
+fn send_bytes(r: &Routed) -> usize {
+    const MESSAGE_OVERHEAD_BYTES: usize = 64 + 16;
+    let header = |name: usize, value: usize| 10 + name + value;
+    let h = &r.envelope.header;
+    let mut bytes =
+        MESSAGE_OVERHEAD_BYTES + r.envelope.payload.len() + header("iggy-ingest-source".len(), h.source_key.len());
+    if let Some(ct) = &h.content_type {
+        bytes += header("content-type".len(), ct.len());
+    }
+    bytes += h.metadata.iter().map(|(k, v)| header(k.len(), v.len())).sum::<usize>();
+    bytes += h.headers.iter().map(|(k, v)| header(k.len(), v.len())).sum::<usize>();
+    if r.dead_letter_reason.is_some() {
+        // Four headers: the reason, the stream, the topic and both (names under 32
+        // bytes, values at most 255).
+        bytes += 4 * header(32, crate::iggy_sink::HEADER_FIELD_MAX_BYTES);
+    }
+    bytes
+}
+
+/// A batch's size by both of its byte bounds: the payload bytes `batch_max_bytes` counts,
+/// and the bytes its messages take in the send, which [`crate::SEND_MESSAGES_MAX_BYTES`]
+/// bounds whatever the payloads are.
+#[derive(Debug, Clone, Copy, Default)]
+struct BatchBytes {
+    payload: usize,
+    send: usize,
+}
+
+impl BatchBytes {
+    fn add(&mut self, r: &Routed) {
+        self.payload += r.envelope.payload.len();
+        self.send += send_bytes(r);
+    }
+
+    /// Whether adding `r` would pass either bound (a batch's first record is taken
+    /// whatever its size: it goes alone).
+    fn would_pass(&self, r: &Routed, max_payload_bytes: usize) -> bool {
+        self.payload + r.envelope.payload.len() > max_payload_bytes
+            || self.send + send_bytes(r) > crate::SEND_MESSAGES_MAX_BYTES
+    }
+
+    fn full(&self, max_payload_bytes: usize) -> bool {
+        self.payload >= max_payload_bytes || self.send >= crate::SEND_MESSAGES_MAX_BYTES
+    }
+}
+
 fn take_from_queue(g: &mut Gate, max_records: usize, max_bytes: usize) -> Vec<Routed> {
     let mut batch = Vec::new();
-    let mut bytes = 0usize;
+    let mut bytes = BatchBytes::default();
     while let Some(front) = g.queue.front() {
-        let len = front.envelope.payload.len();
-        if !batch.is_empty() && (batch.len() >= max_records || bytes + len > max_bytes) {
+        if !batch.is_empty() && (batch.len() >= max_records || bytes.would_pass(front, max_bytes)) {
             break;
         }
-        bytes += len;
+        bytes.add(front);
         if let Some(r) = g.pop_front() {
             batch.push(r);
         }
@@ -1030,22 +1078,24 @@ enum TopUp {
 /// batch, not one per record); otherwise, as normally, by any record.
 fn top_up(lane: &Lane, batch: &mut Vec<Routed>, lingering: bool) -> TopUp {
     let (max_records, max_bytes) = (lane.policy.batch.batch_max_records, lane.policy.batch.batch_max_bytes);
-    let mut bytes: usize = batch.iter().map(|r| r.envelope.payload.len()).sum();
+    let mut bytes = batch.iter().fold(BatchBytes::default(), |mut b, r| {
+        b.add(r);
+        b
+    });
     let mut g = lane.gate();
     let mut moved = false;
-    let mut full = batch.len() >= max_records || bytes >= max_bytes;
+    let mut full = batch.len() >= max_records || bytes.full(max_bytes);
     while !full && let Some(front) = g.queue.front() {
-        let len = front.envelope.payload.len();
-        if bytes + len > max_bytes {
+        if bytes.would_pass(front, max_bytes) {
             full = true;
             break;
         }
+        bytes.add(front);
         if let Some(r) = g.pop_front() {
-            bytes += len;
             batch.push(r);
             moved = true;
         }
-        full = batch.len() >= max_records || bytes >= max_bytes;
+        full = batch.len() >= max_records || bytes.full(max_bytes);
     }
     g.settle();
     let lingers = lingering && !full;
@@ -1054,7 +1104,7 @@ fn top_up(lane: &Lane, batch: &mut Vec<Routed>, lingering: bool) -> TopUp {
     g.wake_at_queued = if lingers { (max_records - batch.len()).min(lane.policy.lane_queue_max_records) } else { 0 };
     // Never more than the queue holds by bytes either, or a lingering lane whose queue
     // filled by bytes would never be woken (and its offers refused meanwhile).
-    g.wake_at_bytes = if lingers { (max_bytes - bytes).min(lane.policy.lane_queue_max_bytes) } else { 0 };
+    g.wake_at_bytes = if lingers { (max_bytes - bytes.payload).min(lane.policy.lane_queue_max_bytes) } else { 0 };
     drop(g);
     if moved {
         lane.space.notify_waiters();
@@ -1875,6 +1925,80 @@ mod tests {
         assert_eq!(budget.queued_bytes(), size, "given back before the batch is settled");
         b.settle();
         assert_eq!(budget.queued_bytes(), 0);
+    }
+
+    /// A record of `payload_bytes` with `forwarded` headers of names and values of 255
+    /// bytes, the content type and metadata a door writes, bound to a destination of
+    /// 255-byte names, on the dead-letter lane with `dead_letter`.
+    fn heavy_routed(offset: u64, payload_bytes: usize, forwarded: usize, dead_letter: bool) -> Routed {
+        let long = |c: char| std::iter::repeat_n(c, 255).collect::<String>();
+        let header = ingest::EnvelopeHeader {
+            message_id: u128::from(offset) + 1,
+            received_at_unix_ms: 0,
+            source_key: "shop".into(),
+            endpoint_id: None,
+            content_type: Some(long('c')),
+            metadata: vec![("peer_addr".into(), "127.0.0.1:5000".into()), ("received_at_unix_ms".into(), "0".into())],
+            headers: (0..forwarded).map(|i| (format!("x-{i:0>253}"), vec![b'v'; 255])).collect(),
+            idempotency_key: None,
+            batch_index: 0,
+            batch_len: 1,
+            destination: ingest::envelope::Destination {
+                stream: long('s'),
+                topic: long('t'),
+                partitioning: ingest::envelope::Partitioning::Balanced,
+            },
+        };
+        let record = Envelope::encode(&header, &vec![b'p'; payload_bytes]);
+        Routed {
+            offset,
+            envelope: Envelope::decode(&record).unwrap(),
+            dead_letter_reason: dead_letter.then_some("cap"),
+        }
+    }
+
+    /// `send_bytes` is what a message takes in a send as the sink encodes it (its
+    /// 64-byte header, 16-byte index entry, headers and payload), exactly for a
+    /// destination's record, at least for a dead-lettered one (whose headers it bounds).
+    #[test]
+    fn send_bytes_is_what_a_message_takes_in_a_send() {
+        for (forwarded, dead_letter) in
+            [(0, false), (3, false), (crate::FORWARD_HEADERS_MAX, false), (0, true), (64, true)]
+        {
+            let r = heavy_routed(0, 1000, forwarded, dead_letter);
+            let sent = crate::iggy_sink::to_iggy(&[out_message(&r)]).unwrap();
+            let headers = sent[0].user_headers.as_ref().map_or(0, |h| h.len());
+            let taken = 64 + 16 + sent[0].payload.len() + headers;
+            if dead_letter {
+                assert!(send_bytes(&r) >= taken, "{forwarded} forwarded: {} < {taken}", send_bytes(&r));
+            } else {
+                assert_eq!(send_bytes(&r), taken, "{forwarded} forwarded");
+            }
+        }
+    }
+
+    /// A batch stops at `SEND_MESSAGES_MAX_BYTES` of messages even when its payloads are
+    /// far within `batch_max_bytes`: records with many headers would otherwise make one
+    /// request larger than Iggy takes. A first record larger than the bound goes alone.
+    #[test]
+    fn a_batch_stops_at_the_bytes_one_send_may_carry() {
+        let budget = Arc::new(QueueBudget::new(usize::MAX));
+        let mut g = Gate::new(0, budget);
+        let each = send_bytes(&heavy_routed(0, 100, crate::FORWARD_HEADERS_MAX, false));
+        let fit = crate::SEND_MESSAGES_MAX_BYTES / each;
+        for i in 0..2 * fit as u64 {
+            g.push(heavy_routed(i, 100, crate::FORWARD_HEADERS_MAX, false)).unwrap();
+        }
+        let batch = take_from_queue(&mut g, 100_000, crate::policy::MAX_BATCH_BYTES);
+        assert_eq!(batch.len(), fit, "{each} bytes each");
+        let payloads: usize = batch.iter().map(|r| r.envelope.payload.len()).sum();
+        assert!(payloads < crate::policy::MAX_BATCH_BYTES / 100, "stopped by the payloads");
+
+        let mut g = Gate::new(0, Arc::new(QueueBudget::new(usize::MAX)));
+        g.push(heavy_routed(0, crate::SEND_MESSAGES_MAX_BYTES, 0, false)).unwrap();
+        g.push(heavy_routed(1, 10, 0, false)).unwrap();
+        let alone = take_from_queue(&mut g, 100_000, crate::policy::MAX_BATCH_BYTES);
+        assert_eq!(alone.iter().map(|r| r.offset).collect::<Vec<_>>(), vec![0]);
     }
 
     /// The log's reader waiting for room in a lane's full queue is woken when the lane

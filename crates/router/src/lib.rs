@@ -69,6 +69,16 @@ pub const IGGY_USERNAME_BYTES: std::ops::RangeInclusive<usize> =
 pub const IGGY_PASSWORD_BYTES: std::ops::RangeInclusive<usize> =
     iggy::prelude::defaults::MIN_PASSWORD_LENGTH..=iggy::prelude::defaults::MAX_PASSWORD_LENGTH;
 
+/// The most bytes of messages one send carries, whatever `batch_max_bytes` (which counts
+/// payloads) allows: half the 64 MiB Iggy takes in one request (the server's
+/// `max_message_size`), which closes the connection over it. Without it, a batch of
+/// records with many forwarded headers could pass the limit, and its lane would send it
+/// again for good, each time taken for a lost connection to the whole server. Half leaves
+/// ample room for the request's own fields (names, partitioning, counts). A single
+/// record larger than this is sent alone, and fits: at most [`IGGY_PAYLOAD_MAX_BYTES`]
+/// of payload and [`IGGY_USER_HEADERS_MAX_BYTES`] of headers.
+pub const SEND_MESSAGES_MAX_BYTES: usize = 32 * 1024 * 1024;
+
 /// The most request headers a source may forward into its messages. Each message carries
 /// them beside the daemon's own (source, content type, two metadata fields, four
 /// dead-letter headers), every name and value at most 255 bytes (the door clamps values;
