@@ -38,6 +38,9 @@ const TOPIC_PARTITIONS_MAX: u32 = 1000;
 const TOPIC_SEGMENT_BYTES_MIN: u64 = 1024 * 1024;
 const TOPIC_SEGMENT_BYTES_MAX: u64 = 1024 * 1024 * 1024;
 const TOPIC_SEGMENT_BYTES_MULTIPLE: u64 = 512;
+/// The segment size Iggy gives a topic created without one (`DEFAULT_SEGMENT_SIZE`), and
+/// checks a topic's size limit against.
+const TOPIC_SEGMENT_BYTES_DEFAULT: u64 = 1024 * 1024 * 1024;
 
 /// The most `messages_required_to_save` Iggy admits (`MAX_MESSAGES_REQUIRED_TO_SAVE`).
 const MESSAGES_REQUIRED_TO_SAVE_MAX: u64 = 16 * 1024 * 1024;
@@ -492,6 +495,18 @@ pub fn check(section: &RouterSection, iggy: &IggyConfig, sources: &[String]) -> 
             ),
         ));
     }
+    // Iggy refuses a topic whose size limit is below one segment (it could never be
+    // kept): against segment_size_bytes, or with 0 the server's fixed default of 1 GiB.
+    let segment_bytes = if t.segment_size_bytes == 0 { TOPIC_SEGMENT_BYTES_DEFAULT } else { t.segment_size_bytes };
+    if t.max_topic_size_bytes != 0 && t.max_topic_size_bytes < segment_bytes {
+        problems.push((
+            at("max_topic_size_bytes"),
+            format!(
+                "must be 0 (the server's limit) or at least one segment, {segment_bytes} bytes (segment_size_bytes, or \
+                 Iggy's default of {TOPIC_SEGMENT_BYTES_DEFAULT} when 0): Iggy refuses to create a topic with a smaller limit"
+            ),
+        ));
+    }
     if t.message_expiry_secs > MESSAGE_EXPIRY_SECS_MAX {
         problems.push((
             at("message_expiry_secs"),
@@ -825,7 +840,16 @@ mod tests {
             messages_required_to_save,
             ..TopicDefaultsSection::default()
         };
+        let size = |max_topic_size_bytes, segment_size_bytes| TopicDefaultsSection {
+            max_topic_size_bytes,
+            segment_size_bytes,
+            ..TopicDefaultsSection::default()
+        };
         let refused = [
+            // A size limit below one segment: the explicit one, or Iggy's default.
+            (size(500_000_000, 0), "max_topic_size_bytes"),
+            (size(TOPIC_SEGMENT_BYTES_DEFAULT - 1, 0), "max_topic_size_bytes"),
+            (size(TOPIC_SEGMENT_BYTES_MIN * 4 - 1, TOPIC_SEGMENT_BYTES_MIN * 4), "max_topic_size_bytes"),
             (segment(1000), "segment_size_bytes"),
             (segment(TOPIC_SEGMENT_BYTES_MIN - 512), "segment_size_bytes"),
             (segment(TOPIC_SEGMENT_BYTES_MIN + 1), "segment_size_bytes"),
@@ -839,6 +863,9 @@ mod tests {
             assert_eq!(paths, vec![format!("router.topic_defaults.{key}")], "{problems:?}");
         }
         for topic_defaults in [
+            size(TOPIC_SEGMENT_BYTES_DEFAULT, 0),
+            size(TOPIC_SEGMENT_BYTES_MIN * 4, TOPIC_SEGMENT_BYTES_MIN * 4),
+            size(0, TOPIC_SEGMENT_BYTES_MIN),
             segment(0),
             segment(TOPIC_SEGMENT_BYTES_MIN),
             segment(TOPIC_SEGMENT_BYTES_MAX),

@@ -230,6 +230,16 @@ fn create_topic(shared: &Shared, header: &RequestHeader, body: &[u8]) -> Result<
     // Admission: unknown keys and bad values are refused before anything is
     // created, as the server does.
     let options = TopicCreateOptions::parse(&request.options)?;
+    // A size limit below one segment could never be kept: the server refuses it
+    // (`validate_topic_size_floor`), against the topic's segment size or, without one,
+    // its fixed default (1 GiB, whatever the server's own configuration says).
+    let segment_bytes = options.segment_size.map_or(iggy_common::DEFAULT_SEGMENT_SIZE, |s| s.as_bytes_u64());
+    if let Some(max) = options.max_topic_size
+        && !matches!(max, MaxTopicSize::ServerDefault)
+        && max.as_bytes_u64() < segment_bytes
+    {
+        return Err(IggyError::InvalidTopicSize(max, iggy_common::IggyByteSize::from(segment_bytes)));
+    }
     let mut store = shared.store();
     // A black-holed destination's creation is a write like its sends: never answered.
     if let Some(stream) = store.stream(&request.stream_id)

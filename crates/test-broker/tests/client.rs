@@ -124,10 +124,33 @@ async fn streams_and_topics_are_created_once_with_their_options() {
     assert!(matches!(again, IggyError::TopicNameAlreadyExists(..)), "{again:?}");
     let missing = client.create_topic(&id("nowhere"), TOPIC, &options).await.expect_err("no stream");
     assert!(matches!(missing, IggyError::StreamIdNotFound(_)), "{missing:?}");
+    // A size limit below one segment (given, or the default 1 GiB) is refused, as the
+    // server does; one of a segment or more is taken.
+    for (max_bytes, segment_bytes, taken) in [
+        (500_000_000u64, None, false),
+        ((4 << 20) - 1, Some(4u64 << 20), false),
+        (4 << 20, Some(4 << 20), true),
+        (1 << 30, None, true),
+    ] {
+        let name = format!("sized-{max_bytes}");
+        let options = TopicCreateOptions {
+            max_topic_size: Some(MaxTopicSize::Custom(IggyByteSize::from(max_bytes))),
+            segment_size: segment_bytes.map(IggyByteSize::from),
+            ..TopicCreateOptions::default()
+        };
+        let created = client.create_topic(&id(STREAM), &name, &options).await;
+        match created {
+            Ok(_) => assert!(taken, "{max_bytes} of {segment_bytes:?} taken"),
+            Err(e) => {
+                assert!(!taken, "{max_bytes} of {segment_bytes:?}: {e:?}");
+                assert!(matches!(e, IggyError::InvalidTopicSize(..)), "{e:?}");
+            }
+        }
+    }
 
     let stream = client.get_stream(&id(STREAM)).await.expect("get").expect("stream");
     assert_eq!(stream.name, STREAM);
-    assert_eq!(stream.topics_count, 1);
+    assert_eq!(stream.topics_count, 3);
     let topic = client.get_topic(&id(STREAM), &id(TOPIC)).await.expect("get").expect("topic");
     assert_eq!(topic.partitions_count, 3);
     assert_eq!(topic.partitions.iter().map(|p| p.id).collect::<Vec<_>>(), vec![0, 1, 2]);
