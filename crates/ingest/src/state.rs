@@ -49,7 +49,7 @@ pub(crate) const META_SCHEMA_VERSION: &str = "schema_version";
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum StateError {
     #[error(
-        "state database {path} has schema version {found}, this build expects {expected}; refusing to start (nothing was changed)"
+        "state database {path} has schema version {found}, this build expects {expected}; refusing to start (the database was not changed)"
     )]
     SchemaMismatch { path: PathBuf, found: u64, expected: u64 },
     #[error("cannot open state database {path}: {detail}")]

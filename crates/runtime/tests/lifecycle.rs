@@ -611,7 +611,9 @@ async fn connections_are_capped_and_idle_ones_are_closed() {
 #[test]
 fn a_state_database_of_another_schema_version_refuses_to_start_until_reset() {
     let dir = tempfile::tempdir().unwrap();
-    std::fs::create_dir_all(dir.path().join("data")).unwrap();
+    // A log and a state database a clean stop left, the database then of another version.
+    let d = Daemon::start(dir.path(), "", SOURCES);
+    assert!(d.stop().success());
     ingest::StateDb::open(dir.path().join("data/state.redb")).unwrap().force_schema_version(7).unwrap();
     let cfg = dir.path().join("config.toml");
     std::fs::write(&cfg, config_text(dir.path(), "", SOURCES)).unwrap();
@@ -626,6 +628,11 @@ fn a_state_database_of_another_schema_version_refuses_to_start_until_reset() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("schema version 7") && err.contains(&format!("expects {}", ingest::SCHEMA_VERSION)), "{err}");
     assert!(!err.contains("state migrate"), "no step leads from version 7: {err}");
+    // The refused start opened the log (removing its clean-shutdown marker) and closed it
+    // again: it is as the clean stop left it.
+    let log = wal::Wal::open(&dir.path().join("data/wal"), wal::WalOptions::default()).unwrap();
+    assert!(log.open_report().clean_shutdown, "a refused start left the log not cleanly shut down");
+    drop(log);
 
     // The explicit way out: show, a dry-run reset that changes nothing, then the reset.
     let data = dir.path().join("data");
