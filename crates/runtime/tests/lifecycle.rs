@@ -630,7 +630,7 @@ fn a_state_database_of_another_schema_version_refuses_to_start_until_reset() {
     assert!(!err.contains("state migrate"), "no step leads from version 7: {err}");
     // The refused start opened the log (removing its clean-shutdown marker) and closed it
     // again: it is as the clean stop left it.
-    let log = wal::Wal::open(&dir.path().join("data/wal"), wal::WalOptions::default()).unwrap();
+    let log = wal::Wal::open(dir.path().join("data/wal"), wal::WalOptions::default()).unwrap();
     assert!(log.open_report().clean_shutdown, "a refused start left the log not cleanly shut down");
     drop(log);
 
