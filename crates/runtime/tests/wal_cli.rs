@@ -1077,3 +1077,25 @@ async fn the_tools_read_the_state_database_a_kill_9_left() {
     let i = json(&o);
     assert!(!i["destinations"]["note"].as_str().unwrap().contains("repaired copy"), "{i}");
 }
+
+/// A log whose writer's lock is held while no durable watermark can be read (a daemon
+/// recovering its log at start, or `state migrate`/`state reset --yes`, which take the
+/// lock and write none) is busy, not damaged: `verify` says so and exits 3 after trying
+/// for a while, so that a script taking 1 for damage does not send it to salvage.
+#[test]
+fn a_log_held_by_a_writer_whose_state_cannot_be_read_is_busy_not_damaged() {
+    use wal::storage::{FsStorage, Storage};
+    let root = tempfile::tempdir().unwrap();
+    let dir = make_log(root.path(), 20, small());
+    let _ = std::fs::remove_file(dir.join(wal::WATERMARK_FILE));
+    let lock = FsStorage.try_lock(&dir.join(wal::LOCK_FILE)).unwrap();
+    for args in [&["verify"][..], &["verify", "--json"][..], &["inspect"][..]] {
+        let o = cli(&[args, &[dir.to_str().unwrap()]].concat());
+        assert_eq!(code(&o), 3, "{args:?}: {}{}", stdout(&o), stderr(&o));
+        assert!(stderr(&o).contains("a running writer holds this log"), "{args:?}: {}", stderr(&o));
+        assert!(stderr(&o).contains("run it again"), "{args:?}: {}", stderr(&o));
+    }
+    drop(lock);
+    let o = cli(&["verify", dir.to_str().unwrap()]);
+    assert_eq!(code(&o), 0, "{}{}", stdout(&o), stderr(&o));
+}

@@ -64,9 +64,11 @@ pub enum WalCommand {
     Tail(TailArgs),
     /// Checks every segment header, record checksum and the offset sequence.
     #[command(after_help = "Exit status: 0 clean (a torn tail is reported but is not damage), 1 damaged \
-        (each problem named by file and byte), 2 unusable arguments or not a log.\n\nExamples:\n  \
+        (each problem named by file and byte), 2 unusable arguments or not a log, 3 busy: a daemon holds \
+        the log and its durable state could not be read (it is starting, or a state command runs); run \
+        it again.\n\nExamples:\n  \
         iggy-ingest wal verify ./data/wal\n  \
-        iggy-ingest wal verify ./data/wal --json > report.json || echo damaged")]
+        iggy-ingest wal verify ./data/wal --json > report.json; [ $? -eq 1 ] && echo damaged")]
     Verify(VerifyArgs),
     /// Copies every whole batch that still checks into a new log, keeping offsets.
     #[command(after_help = "The source is only read. Stop the daemon, salvage into a new directory \
@@ -97,6 +99,10 @@ pub fn run(cmd: WalCommand) -> ExitCode {
             eprintln!("iggy-ingest: {m}");
             ExitCode::from(1)
         }
+        Err(CliError::Busy(m)) => {
+            eprintln!("iggy-ingest: {m}; run it again");
+            ExitCode::from(3)
+        }
     }
 }
 
@@ -109,6 +115,11 @@ pub(crate) enum CliError {
     Usage(String),
     /// Something failed while working (exit 1).
     Failed(String),
+    /// A writer holds the log and its durable state could not be read consistently for
+    /// a while (it is recovering the log, or a state command holds its lock): not damage,
+    /// and not a failure of this run's doing (exit 3, so that a script that takes 1 for
+    /// damage runs it again instead of salvaging).
+    Busy(String),
 }
 
 impl From<io::Error> for CliError {
@@ -137,6 +148,7 @@ pub(crate) fn wal_error(dir: &Path, e: WalError) -> CliError {
         WalError::NotALog(_) => not_a_log(dir),
         WalError::Io { ref source, .. } if source.kind() == io::ErrorKind::NotFound && !dir.exists() => not_a_log(dir),
         WalError::Released { .. } | WalError::BeyondEnd { .. } => CliError::Usage(e.to_string()),
+        WalError::Unsettled { .. } => CliError::Busy(e.to_string()),
         e if e.is_corruption() => CliError::Failed(format!(
             "{e}\n`iggy-ingest wal verify {}` lists every problem; `wal salvage` copies what still checks",
             dir.display()
