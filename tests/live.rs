@@ -65,6 +65,7 @@ async fn live_three_topics_ids_order_and_headers() {
         assert_eq!(first.headers.get("iggy-ingest-source").map(|v| v.to_vec()), Some(b"e2e".to_vec()));
         assert_eq!(&first.payload[..], format!("{{\"n\":{k}}}").as_bytes());
     }
+    assert_eq!(router.destinations().len(), topics.len(), "a lane is missing from the snapshot");
     for d in router.destinations() {
         assert!(!d.not_durable_warning, "{}: the daemon created a topic without fsync", d.destination);
     }

@@ -65,15 +65,21 @@ async fn start_warm_with(
 }
 
 /// Watches every destination's breaker for `hold`, failing the test the moment one is
-/// not closed: `cause` (the server's fault) opened it.
-async fn no_breaker_opens_for(router: &Router, hold: Duration, cause: &str) {
+/// not closed: `cause` (the server's fault) opened it. A router with no lane has no
+/// breaker to watch: that fails it too. Returns the most consecutive failures a lane
+/// had meanwhile, so a caller can check that the fault was met at all.
+async fn no_breaker_opens_for(router: &Router, hold: Duration, cause: &str) -> u32 {
     let until = std::time::Instant::now() + hold;
+    let mut most_failures = 0;
     while std::time::Instant::now() < until {
+        assert!(!router.destinations().is_empty(), "no lane to watch while {cause}");
         for d in router.destinations() {
             assert_eq!(d.breaker, "closed", "{}: {cause} opened a breaker", d.destination);
+            most_failures = most_failures.max(d.consecutive_failures);
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    most_failures
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -445,7 +451,9 @@ async fn a_server_that_answers_pings_but_no_write_opens_no_breaker() {
         wal.append(vec![record("w", if n % 2 == 0 { "a" } else { "b" }, n, Partitioning::Balanced)]).await.unwrap();
     }
     // Several result timeouts (3 s each) and breaker thresholds (3) long.
-    no_breaker_opens_for(&router, Duration::from_secs(16), "a server that writes nothing").await;
+    let failures = no_breaker_opens_for(&router, Duration::from_secs(16), "a server that writes nothing").await;
+    // The timeouts happened, as many in a row as would open a breaker that counted them.
+    assert!(failures >= 3, "{failures} consecutive failures: the sends were never cut short");
     broker.black_hole_topic("w", "a", false);
     broker.black_hole_topic("w", "b", false);
     let unique = |t: &str| ids(&broker, "w", t).into_iter().collect::<BTreeSet<u128>>();

@@ -240,6 +240,7 @@ async fn a_client_wide_outage_holds_everything_and_opens_no_breaker() {
     eventually(Duration::from_secs(30), "degraded", || router.status().status == Status::Degraded).await;
     // Hold for a while: retries continue, nothing is dropped, no breaker opens.
     tokio::time::sleep(Duration::from_secs(5)).await;
+    assert_eq!(router.destinations().len(), dests.len(), "a lane is missing from the snapshot");
     for d in router.destinations() {
         assert_eq!(d.breaker, "closed", "{}", d.destination);
         assert_eq!(d.held_records, 200);

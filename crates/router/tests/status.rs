@@ -51,6 +51,7 @@ fn a_ten_minute_outage_is_held_and_then_delivered_in_order_with_truthful_status(
             assert_eq!(router.status().status, Status::Degraded);
             assert_gauges_agree(&snap, &router);
         }
+        assert_eq!(router.destinations().len(), dests.len(), "a lane is missing from the snapshot");
         for d in router.destinations() {
             assert_eq!(d.breaker, "closed", "a client-wide outage opened a breaker");
             assert_eq!(d.held_records, 500);
