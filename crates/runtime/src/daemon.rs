@@ -398,7 +398,18 @@ pub async fn start(mut settings: Settings, metrics: Option<PrometheusHandle>) ->
         let checkpoint =
             idempotency.final_checkpoint(&wal, ingest::time::now_unix_ms()).await.map_err(|e| e.to_string());
         let _ = admin_stop_tx.send(true);
-        let _ = admin_task.await;
+        // What is left of the grace period, and at least a moment for a scrape in flight:
+        // a client holding an admin connection open (a half-sent request needs no token)
+        // does not hold the exit past it. Nothing is at stake: the log is closed.
+        let mut admin_task = admin_task;
+        let admin_ends = grace_ends.max(tokio::time::Instant::now() + ADMIN_STOP_MIN);
+        if tokio::time::timeout_at(admin_ends, &mut admin_task).await.is_err() {
+            admin_task.abort();
+            tracing::warn!(
+                grace_ms = grace.as_millis() as u64,
+                "admin connections still open at the end of the grace period: cut"
+            );
+        }
         if let Some(t) = upkeep_task {
             t.abort();
         }
@@ -435,6 +446,11 @@ const WRITER_WATCH_INTERVAL: Duration = Duration::from_millis(200);
 /// end idle lanes and store the acknowledged cursors (a few milliseconds), never long
 /// enough to matter to a service manager's stop timeout.
 const ROUTER_STOP_MIN: Duration = Duration::from_secs(1);
+
+/// The least time the admin listener is given to finish its requests at the end of a
+/// stop, even past the grace period: a scrape or a `/status` in flight is answered in
+/// milliseconds.
+const ADMIN_STOP_MIN: Duration = Duration::from_millis(200);
 
 async fn stopped(mut rx: watch::Receiver<bool>) {
     // A dropped sender also means stop.

@@ -1008,3 +1008,38 @@ async fn the_daemon_raises_its_open_file_limit_and_warns_when_the_hard_limit_is_
     assert!(warning.contains("http.max_connections") && warning.contains("WARN"), "{warning}");
     assert!(!log.contains('\u{1b}'), "terminal colours in a log written to a file: {warning:?}");
 }
+
+/// A client holding an admin connection open with a half-sent request (no token needed
+/// for that) does not hold the exit past the grace period: the admin listener gets what
+/// is left of it, as every other part of the drain does. Before, it had five seconds of
+/// its own after the log was closed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_half_sent_admin_request_does_not_hold_the_exit_past_the_grace_period() {
+    use tokio::io::AsyncWriteExt;
+    let dir = tempfile::tempdir().unwrap();
+    let text = config_text_with_shutdown(dir.path(), "", "drain_delay_ms = 0", SOURCES)
+        .replace("grace_period_ms = 20000", "grace_period_ms = 1000");
+    let mut d = Daemon::start_text(dir.path(), &text);
+    let mut held = tokio::net::TcpStream::connect(d.admin).await.unwrap();
+    held.write_all(b"GET /status HTTP/1.1\r\nHost: x\r\n").await.unwrap();
+    // The connection is open before the stop (the admin listener counts it).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let metrics = String::from_utf8(request(d.admin, "GET", "/metrics", &[], "").await.body.to_vec()).unwrap();
+        if metrics.lines().any(|l| l.starts_with("iggy_ingest_http_connections{listener=\"admin\"} 2")) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the held admin connection was never counted: {metrics}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let signalled = Instant::now();
+    d.signal(libc::SIGTERM);
+    let status = d.wait_exit(Duration::from_secs(30));
+    let took = signalled.elapsed();
+    assert!(status.success(), "{status}");
+    // The grace period (1 s) and the router's least stop time (1 s), with room for a busy
+    // machine; the admin listener's own five seconds came on top before.
+    assert!(took < Duration::from_millis(4500), "the stop took {took:?} with a grace period of 1 s");
+    assert!(dir.path().join("data/wal").join(wal::CLEAN_MARKER_FILE).exists(), "clean-shutdown marker");
+    drop(held);
+}
