@@ -72,6 +72,24 @@ pub struct Shared {
     pub body_read_timeout: std::time::Duration,
 }
 
+impl StartError {
+    /// The exit status of a start refused with this error: 2 for a refusal only an
+    /// operator can end, as for an invalid configuration (a state database of another
+    /// schema version; a static endpoint whose id the store holds as revoked, or in a
+    /// record that does not decode), which a supervisor that restarts on failure would
+    /// only meet again (the systemd unit: `RestartPreventExitStatus=2`); 1 for the rest,
+    /// which a restart may end (a port still taken, a log still locked, a mapping not
+    /// reachable yet, an I/O error).
+    pub fn exit_code(&self) -> u8 {
+        use http_source::endpoints::LoadError;
+        match self {
+            StartError::State(StateError::SchemaMismatch { .. })
+            | StartError::Endpoints(LoadError::RevokedStatic(_) | LoadError::UnreadableStatic(_)) => 2,
+            _ => 1,
+        }
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
     #[error("cannot create (or make durable) data directory {path}: {source}")]

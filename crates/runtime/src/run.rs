@@ -59,24 +59,26 @@ pub fn run(settings: Settings, ready_file: Option<PathBuf>) -> ExitCode {
         // starts, or right after it said it is ready, is then a clean stop, not the
         // default action's sudden death (no clean-shutdown marker, exit by signal).
         let mut signals = StopSignals::install();
+        let data_dir = settings.data_dir.clone();
         let running = match daemon::start(settings, metrics).await {
             Ok(r) => r,
             Err(e) => {
                 tracing::error!(error = %e, "start failed");
                 eprintln!("iggy-ingest: {e}");
                 if let daemon::StartError::State(ingest::StateError::SchemaMismatch { found, .. }) = e {
+                    let dir = data_dir.display();
                     if found > 0 && found < ingest::SCHEMA_VERSION {
                         eprintln!(
-                            "iggy-ingest: `iggy-ingest state migrate --data-dir DIR` moves it to this build's version, \
-                             saying what it discards"
+                            "iggy-ingest: `iggy-ingest state migrate --data-dir {dir}` moves it to this build's \
+                             version, saying what it discards"
                         );
                     }
                     eprintln!(
-                        "iggy-ingest: `iggy-ingest state show --data-dir DIR` shows what the database holds; \
-                         `iggy-ingest state reset --data-dir DIR --yes` discards it (the log is kept)"
+                        "iggy-ingest: `iggy-ingest state show --data-dir {dir}` shows what the database holds; \
+                         `iggy-ingest state reset --data-dir {dir} --yes` discards it (the log is kept)"
                     );
                 }
-                return ExitCode::FAILURE;
+                return ExitCode::from(e.exit_code());
             }
         };
         if let Some(path) = ready_file

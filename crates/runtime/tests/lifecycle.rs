@@ -156,7 +156,8 @@ async fn an_endpoint_without_auth_has_no_secret_to_set_or_rotate_and_its_revoked
         .stderr(Stdio::piped())
         .output()
         .unwrap();
-    assert_eq!(out.status.code(), Some(1));
+    // 2: only an operator can end it (a supervisor restarting on failure would not).
+    assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("was revoked") && err.contains(&id[..8]) && !err.contains(&id), "{err}");
     assert_eq!(log_len(&dir.path().join("data/wal")), 1);
@@ -624,7 +625,7 @@ fn a_state_database_of_another_schema_version_refuses_to_start_until_reset() {
         .stderr(Stdio::piped())
         .output()
         .unwrap();
-    assert!(!out.status.success());
+    assert_eq!(out.status.code(), Some(2), "a refusal only an operator can end");
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("schema version 7") && err.contains(&format!("expects {}", ingest::SCHEMA_VERSION)), "{err}");
     assert!(!err.contains("state migrate"), "no step leads from version 7: {err}");
@@ -723,9 +724,10 @@ async fn a_state_database_of_an_older_schema_version_is_migrated_explicitly_and_
 
     let cfg = dir.path().join("config.toml");
     let out = Command::new(env!("CARGO_BIN_EXE_iggy-ingest")).args(["run", "--config"]).arg(&cfg).output().unwrap();
-    assert!(!out.status.success());
+    assert_eq!(out.status.code(), Some(2), "a refusal only an operator can end");
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("schema version 1") && err.contains("state migrate --data-dir"), "{err}");
+    let migrate = format!("state migrate --data-dir {}", data.display());
+    assert!(err.contains("schema version 1") && err.contains(&migrate), "{err}");
 
     let cli = |args: &[&str]| {
         Command::new(env!("CARGO_BIN_EXE_iggy-ingest")).args(args).arg("--data-dir").arg(&data).output().unwrap()
