@@ -407,14 +407,25 @@ pub struct StateInventory {
     pub tables: Vec<(String, u64)>,
     /// Read from a repaired copy: the database was not closed cleanly.
     pub from_repaired_copy: bool,
+    /// Why the file could not be read as a database (damaged, not a redb file, of a
+    /// file format this build cannot open), when a reset discarded it so: what it held
+    /// is unknown.
+    pub unreadable: Option<String>,
 }
 
 impl StateInventory {
     /// What losing each table means, for an operator about to reset.
     pub fn consequences(&self) -> Vec<String> {
-        self.tables
-            .iter()
-            .map(|(name, n)| {
+        let unreadable = self.unreadable.iter().map(|why| {
+            format!(
+                "unreadable ({why}): whatever it held is discarded: delivery ids (rebuilt from the log on the next \
+                 start, within the retention window), dynamic endpoints with their secrets and revocation tombstones \
+                 (their URLs answer 404), delivery cursors (records still in the log are delivered again, same \
+                 message ids)"
+            )
+        });
+        unreadable
+            .chain(self.tables.iter().map(|(name, n)| {
                 let what = match name.as_str() {
                     "idempotency" | "idempotency_by_time" => {
                         "delivery ids; rebuilt from the log on the next start (within the retention window)"
@@ -427,7 +438,7 @@ impl StateInventory {
                     _ => "unknown to this build",
                 };
                 format!("{name}: {n} entries ({what})")
-            })
+            }))
             .collect()
     }
 }
@@ -455,7 +466,7 @@ fn inventory_of(txn: redb::ReadTransaction) -> Result<StateInventory, StateError
         tables.push((name, table.len().map_err(storage_err)?));
     }
     tables.sort();
-    Ok(StateInventory { schema_version, tables, from_repaired_copy: false })
+    Ok(StateInventory { schema_version, tables, from_repaired_copy: false, unreadable: None })
 }
 
 /// What [`migrate`] did.
@@ -525,14 +536,45 @@ pub fn reset(path: &Path) -> Result<StateInventory, StateError> {
 /// [`reset`], running `before_unlink` while the lock is held and the file not yet
 /// removed (where a concurrent start is tested).
 fn reset_with(path: &Path, before_unlink: impl FnOnce()) -> Result<StateInventory, StateError> {
-    let db = Database::open(path).map_err(|e| open_err(path, e))?;
-    let inventory = inventory_of(db.begin_read().map_err(storage_err)?)?;
+    let (db, inventory) = match Database::open(path) {
+        Ok(db) => {
+            let inventory = inventory_of(db.begin_read().map_err(storage_err)?)?;
+            (Some(db), inventory)
+        }
+        // A file that is not a database this build can read (damaged, not a redb file,
+        // an old file format) is discarded as it is: otherwise nothing but a removal by
+        // hand, outside the daemon's lock, would get a daemon started again. An error
+        // that says nothing of the file (held open, I/O) refuses.
+        Err(e) if unreadable_as_a_database(&e) => (
+            None,
+            StateInventory {
+                schema_version: None,
+                tables: Vec::new(),
+                from_repaired_copy: false,
+                unreadable: Some(e.to_string()),
+            },
+        ),
+        Err(e) => return Err(open_err(path, e)),
+    };
     before_unlink();
     std::fs::remove_file(path).map_err(|e| open_err(path, e))?;
     drop(db);
     let parent = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     std::fs::File::open(parent).and_then(|d| d.sync_all()).map_err(|e| open_err(path, e))?;
     Ok(inventory)
+}
+
+/// Whether `e`, from opening a database file, says the file is not a database this
+/// build can read: its bytes are damaged, not redb's, or of a file format it does not
+/// open. Not so for a database held open elsewhere, or an I/O error.
+fn unreadable_as_a_database(e: &redb::DatabaseError) -> bool {
+    use redb::{DatabaseError, StorageError};
+    match e {
+        DatabaseError::UpgradeRequired(_) => true,
+        DatabaseError::Storage(StorageError::Corrupted(_)) => true,
+        DatabaseError::Storage(StorageError::Io(io)) => io.kind() == std::io::ErrorKind::InvalidData,
+        _ => false,
+    }
 }
 
 #[cfg(test)]

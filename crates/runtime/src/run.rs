@@ -78,6 +78,13 @@ pub fn run(settings: Settings, ready_file: Option<PathBuf>) -> ExitCode {
                          `iggy-ingest state reset --data-dir {dir} --yes` discards it (the log is kept)"
                     );
                 }
+                if let daemon::StartError::State(ingest::StateError::Open { .. }) = e {
+                    eprintln!(
+                        "iggy-ingest: if the database is damaged, `iggy-ingest state reset --data-dir {} --yes` \
+                         discards it (the log is kept; delivery ids are rebuilt from it)",
+                        data_dir.display()
+                    );
+                }
                 return ExitCode::from(e.exit_code());
             }
         };

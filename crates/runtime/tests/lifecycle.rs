@@ -1045,3 +1045,36 @@ async fn a_half_sent_admin_request_does_not_hold_the_exit_past_the_grace_period(
     assert!(dir.path().join("data/wal").join(wal::CLEAN_MARKER_FILE).exists(), "clean-shutdown marker");
     drop(held);
 }
+
+/// A state database that is not one (damaged, or emptied) refuses the start, with the
+/// way out named; `state reset --yes` discards it though it cannot be read, saying what
+/// that loses, and the daemon starts again on the log it kept.
+#[test]
+fn a_damaged_state_database_is_discarded_by_a_reset_and_the_daemon_starts_again() {
+    for bytes in [&b""[..], &b"not a redb database, not at all: damaged bytes"[..]] {
+        let dir = tempfile::tempdir().unwrap();
+        let d = Daemon::start(dir.path(), "", SOURCES);
+        assert!(d.stop().success());
+        let data = dir.path().join("data");
+        std::fs::write(data.join("state.redb"), bytes).unwrap();
+        let cfg = dir.path().join("config.toml");
+        std::fs::write(&cfg, config_text(dir.path(), "", SOURCES)).unwrap();
+        let out = Command::new(env!("CARGO_BIN_EXE_iggy-ingest")).args(["run", "--config"]).arg(&cfg).output().unwrap();
+        assert_eq!(out.status.code(), Some(1), "{}", String::from_utf8_lossy(&out.stderr));
+        let err = String::from_utf8_lossy(&out.stderr);
+        let hint = format!("state reset --data-dir {} --yes", data.display());
+        assert!(err.contains("cannot open state database") && err.contains(&hint), "{err}");
+
+        let reset = Command::new(env!("CARGO_BIN_EXE_iggy-ingest"))
+            .args(["state", "reset", "--yes", "--data-dir"])
+            .arg(&data)
+            .output()
+            .unwrap();
+        assert!(reset.status.success(), "{}", String::from_utf8_lossy(&reset.stderr));
+        let said = String::from_utf8_lossy(&reset.stdout);
+        assert!(said.contains("unreadable (") && said.contains("whatever it held is discarded"), "{said}");
+        assert!(!data.join("state.redb").exists());
+        let d = Daemon::start(dir.path(), "", SOURCES);
+        assert!(d.stop().success());
+    }
+}
