@@ -126,7 +126,9 @@ impl Model {
 }
 
 fn options() -> WalOptions {
-    WalOptions { segment_max_bytes: 4096, max_bytes: 48 * 1024, ..WalOptions::default() }
+    // Zeros written ahead a quarter of a segment at a time: files grow several times per
+    // segment, as with the defaults (64 MiB segments, 1 MiB of zeros).
+    WalOptions { segment_max_bytes: 4096, max_bytes: 48 * 1024, preallocate_bytes: 1024, ..WalOptions::default() }
 }
 
 fn reopen(sim: &SimStorage) -> Result<Arc<Wal>, TestCaseError> {

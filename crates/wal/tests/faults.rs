@@ -14,7 +14,32 @@ use wal::storage::{CrashMode, FaultOp, SimStorage};
 use wal::{Wal, WalOptions};
 
 fn options() -> WalOptions {
-    WalOptions { segment_max_bytes: 2048, max_bytes: 1 << 20, ..WalOptions::default() }
+    // Zeros written ahead a quarter of a segment at a time: a segment's file grows several
+    // times, as one of the default 64 MiB with 1 MiB of zeros does (with the default
+    // zeros, the first write of each small segment would fill it).
+    WalOptions { segment_max_bytes: 2048, max_bytes: 1 << 20, preallocate_bytes: 512, ..WalOptions::default() }
+}
+
+/// The sweeps below cross the writes that grow a segment's file (records and new zeros
+/// past its end), not only writes over zeros written ahead: in the scenario, segment
+/// files grow by steps, each ending short of the segment's size at first.
+#[test]
+fn the_scenario_grows_segment_files_in_steps() {
+    let sim = SimStorage::new();
+    let wal = open(&sim, options());
+    let mut lengths = std::collections::BTreeSet::new();
+    rt().block_on(async {
+        for i in 0..12u64 {
+            wal.append(vec![payload(i, 150)]).await.unwrap();
+            for name in segment_files(&sim, &dir()) {
+                lengths.insert((name.clone(), sim.read_file(&dir().join(&name)).unwrap().len()));
+            }
+        }
+    });
+    let first = segment_files(&sim, &dir()).into_iter().next().unwrap();
+    let grown: Vec<usize> = lengths.iter().filter(|(n, _)| *n == first).map(|(_, l)| *l).collect();
+    assert!(grown.len() >= 3, "the first segment's file grew {} times: {grown:?}", grown.len());
+    assert!(grown[0] < 2048, "its first write filled it: {grown:?}");
 }
 
 /// Runs the scenario; returns offset → tag of every append that resolved Ok, and the
