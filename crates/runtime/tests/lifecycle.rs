@@ -323,7 +323,17 @@ async fn sigterm_drains_health_first_finishes_in_flight_and_closes_the_log() {
         .unwrap();
     let mut keepalive = Conn::open(d.http).await.unwrap();
     assert_eq!(keepalive.send("GET", "/health", &[], "").await.unwrap().status, 200);
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Both connections taken by the daemon before the stop (a fixed wait could lose
+    // that race on a busy machine, and the request would arrive after the drain).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let metrics = String::from_utf8(request(d.admin, "GET", "/metrics", &[], "").await.body.to_vec()).unwrap();
+        if metrics.lines().any(|l| l == "iggy_ingest_http_connections{listener=\"webhook\"} 2") {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the two webhook connections were never counted: {metrics}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 
     d.signal(libc::SIGTERM);
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -1028,7 +1038,7 @@ async fn a_half_sent_admin_request_does_not_hold_the_exit_past_the_grace_period(
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let metrics = String::from_utf8(request(d.admin, "GET", "/metrics", &[], "").await.body.to_vec()).unwrap();
-        if metrics.lines().any(|l| l.starts_with("iggy_ingest_http_connections{listener=\"admin\"} 2")) {
+        if metrics.lines().any(|l| l == "iggy_ingest_http_connections{listener=\"admin\"} 2") {
             break;
         }
         assert!(Instant::now() < deadline, "the held admin connection was never counted: {metrics}");
