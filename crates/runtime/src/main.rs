@@ -147,12 +147,20 @@ fn state_command(command: StateCommand) -> ExitCode {
     let path = data_dir.join("state.redb");
     // An argument that names no database is a command-line error (2), like the log
     // tools' unusable arguments; a database that cannot be read is a failure (1).
-    if !path.is_file() {
-        eprintln!(
-            "iggy-ingest: no state database at {} (is --data-dir the daemon's storage.data_dir?)",
-            path.display()
-        );
-        return ExitCode::from(2);
+    match std::fs::metadata(&path) {
+        Ok(m) if m.is_file() => {}
+        Err(e) if !matches!(e.kind(), std::io::ErrorKind::NotFound | std::io::ErrorKind::NotADirectory) => {
+            // It may well exist: a data directory of mode 0750 seen by another user.
+            eprintln!("iggy-ingest: cannot look at {}: {e} (run as the daemon's user, or as root)", path.display());
+            return ExitCode::FAILURE;
+        }
+        _ => {
+            eprintln!(
+                "iggy-ingest: no state database at {} (is --data-dir the daemon's storage.data_dir?)",
+                path.display()
+            );
+            return ExitCode::from(2);
+        }
     }
     // A command that changes the database first locks out the daemon (and keeps it out
     // until done), so that neither a running one nor one starting meanwhile can meet a

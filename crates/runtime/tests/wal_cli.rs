@@ -1099,3 +1099,34 @@ fn a_log_held_by_a_writer_whose_state_cannot_be_read_is_busy_not_damaged() {
     let o = cli(&["verify", dir.to_str().unwrap()]);
     assert_eq!(code(&o), 0, "{}{}", stdout(&o), stderr(&o));
 }
+
+/// A path that cannot be looked at (here a symbolic link that loops; as another user, a
+/// data directory of mode 0750) is not reported as missing or "not a log" (exit 2,
+/// which a script reads as "nothing there"): it is a failure (exit 1) naming the error.
+/// Truly missing paths stay exit 2.
+#[test]
+fn a_path_that_cannot_be_looked_at_is_a_failure_not_a_missing_log() {
+    let root = tempfile::tempdir().unwrap();
+    let looped = root.path().join("loop");
+    std::os::unix::fs::symlink(&looped, &looped).unwrap();
+    for args in [&["verify"][..], &["inspect"][..], &["dump"][..]] {
+        let o = cli(&[args, &[looped.to_str().unwrap()]].concat());
+        assert_eq!(code(&o), 1, "{args:?}: {}", stderr(&o));
+        assert!(stderr(&o).contains("cannot look at"), "{args:?}: {}", stderr(&o));
+    }
+    let state = Command::new(env!("CARGO_BIN_EXE_iggy-ingest"))
+        .args(["state", "show", "--data-dir"])
+        .arg(&looped)
+        .output()
+        .unwrap();
+    assert_eq!(state.status.code(), Some(1), "{}", stderr(&state));
+    assert!(stderr(&state).contains("cannot look at"), "{}", stderr(&state));
+    let missing = root.path().join("missing");
+    assert_eq!(code(&cli(&["verify", missing.to_str().unwrap()])), 2);
+    let state = Command::new(env!("CARGO_BIN_EXE_iggy-ingest"))
+        .args(["state", "show", "--data-dir"])
+        .arg(&missing)
+        .output()
+        .unwrap();
+    assert_eq!(state.status.code(), Some(2));
+}

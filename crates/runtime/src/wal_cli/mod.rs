@@ -157,11 +157,24 @@ pub(crate) fn wal_error(dir: &Path, e: WalError) -> CliError {
     }
 }
 
+/// Refuses a path that is not a directory (exit 2), and one that cannot be looked at
+/// (exit 1: a data directory of mode 0750 seen by another user exists, and saying it
+/// does not would send a script the wrong way).
+pub(crate) fn a_directory(dir: &Path) -> CliResult<()> {
+    match std::fs::metadata(dir) {
+        Ok(m) if m.is_dir() => Ok(()),
+        Ok(_) => Err(not_a_log(dir)),
+        Err(e) if matches!(e.kind(), io::ErrorKind::NotFound | io::ErrorKind::NotADirectory) => Err(not_a_log(dir)),
+        Err(e) => Err(CliError::Failed(format!(
+            "cannot look at {}: {e} (run as the daemon's user, or as root)",
+            dir.display()
+        ))),
+    }
+}
+
 /// Opens the log in `dir` read-only, refusing a path that is not a log directory.
 pub(crate) fn open_log(dir: &Path) -> CliResult<Wal> {
-    if !dir.is_dir() {
-        return Err(not_a_log(dir));
-    }
+    a_directory(dir)?;
     Wal::open_read_only(dir).map_err(|e| wal_error(dir, e))
 }
 

@@ -30,7 +30,7 @@ use clap::Args;
 use serde_json::json;
 use wal::storage::FsStorage;
 
-use super::{CliError, CliResult, human_bytes, not_a_log, path_json, stdout, wal_error, write_json_line};
+use super::{CliError, CliResult, human_bytes, path_json, stdout, wal_error, write_json_line};
 
 #[derive(Debug, Args)]
 pub struct SalvageArgs {
@@ -45,9 +45,7 @@ pub struct SalvageArgs {
 }
 
 pub(crate) fn run(a: SalvageArgs) -> CliResult {
-    if !a.dir.is_dir() {
-        return Err(not_a_log(&a.dir));
-    }
+    super::a_directory(&a.dir)?;
     check_out(&a.dir, &a.out)?;
     let report = match wal::salvage_copy::salvage_copy(&FsStorage, &a.dir, &a.out) {
         Ok(r) => r,

@@ -17,7 +17,7 @@ use clap::Args;
 use serde_json::json;
 use wal::storage::FsStorage;
 
-use super::{CliError, CliResult, human_bytes, not_a_log, path_json, stdout, wal_error, write_json_line};
+use super::{CliError, CliResult, human_bytes, path_json, stdout, wal_error, write_json_line};
 
 #[derive(Debug, Args)]
 pub struct VerifyArgs {
@@ -29,9 +29,7 @@ pub struct VerifyArgs {
 }
 
 pub(crate) fn run(a: VerifyArgs) -> CliResult {
-    if !a.dir.is_dir() {
-        return Err(not_a_log(&a.dir));
-    }
+    super::a_directory(&a.dir)?;
     let bar = std::io::stderr().is_terminal().then(|| {
         let b = indicatif::ProgressBar::new(0);
         b.set_style(
