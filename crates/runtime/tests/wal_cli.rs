@@ -1130,3 +1130,31 @@ fn a_path_that_cannot_be_looked_at_is_a_failure_not_a_missing_log() {
         .unwrap();
     assert_eq!(state.status.code(), Some(2));
 }
+
+/// A salvage run as root (as after a disk error) gives its copy the owner of the log it
+/// copied (the daemon's user): a copy owned by root, put in the log's place, would
+/// refuse the daemon its own lock at the next start.
+#[test]
+fn a_salvaged_copy_is_owned_as_the_log_it_copies() {
+    use std::os::unix::fs::MetadataExt;
+    if unsafe { libc::geteuid() } != 0 {
+        skip_or_fail("a_salvaged_copy_is_owned_as_the_log_it_copies", "not root: ownership cannot be given");
+        return;
+    }
+    let root = tempfile::tempdir().unwrap();
+    let dir = make_log(root.path(), 40, small());
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        std::os::unix::fs::chown(entry.unwrap().path(), Some(54321), Some(54322)).unwrap();
+    }
+    std::os::unix::fs::chown(&dir, Some(54321), Some(54322)).unwrap();
+    let out = root.path().join("wal.salvaged");
+    let o = cli(&["salvage", dir.to_str().unwrap(), "--out", out.to_str().unwrap()]);
+    assert_eq!(code(&o), 0, "{}{}", stdout(&o), stderr(&o));
+    let mut seen = 0;
+    for path in std::iter::once(out.clone()).chain(std::fs::read_dir(&out).unwrap().map(|e| e.unwrap().path())) {
+        let m = std::fs::symlink_metadata(&path).unwrap();
+        assert_eq!((m.uid(), m.gid()), (54321, 54322), "{}", path.display());
+        seen += 1;
+    }
+    assert!(seen >= 2, "the copy holds {seen} paths");
+}

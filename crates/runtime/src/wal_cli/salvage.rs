@@ -73,6 +73,7 @@ pub(crate) fn run(a: SalvageArgs) -> CliResult {
         )));
     }
     drop(copy);
+    give_the_logs_owner(&a.dir, &a.out);
     let mut out = stdout();
     let skipped_any = !report.skipped.is_empty() || !report.missing_offsets.is_empty();
     if a.json {
@@ -221,4 +222,33 @@ fn resolve(out: &Path) -> io::Result<Resolved> {
         return Ok(Resolved::NotADirectory);
     }
     Ok(Resolved::To(at))
+}
+
+/// Gives the copy in `out`, and everything in it, the owner of the log in `dir` (the
+/// daemon's user), as the state commands do with what they make: salvage is run as root
+/// after a disk error, and a copy owned by root, put in the log's place, would refuse
+/// the daemon its own lock at the next start. Where that cannot be done (not run as
+/// root), says what to run instead; the copy itself is sound either way.
+fn give_the_logs_owner(dir: &Path, out: &Path) {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(owner) = std::fs::metadata(dir) else { return };
+    let (uid, gid) = (owner.uid(), owner.gid());
+    let mut paths = vec![out.to_path_buf()];
+    if let Ok(entries) = std::fs::read_dir(out) {
+        paths.extend(entries.flatten().map(|e| e.path()));
+    }
+    let mut failed = None;
+    for path in &paths {
+        let same = std::fs::symlink_metadata(path).is_ok_and(|m| m.uid() == uid && m.gid() == gid);
+        if !same && let Err(e) = std::os::unix::fs::lchown(path, Some(uid), Some(gid)) {
+            failed.get_or_insert(format!("{}: {e}", path.display()));
+        }
+    }
+    if let Some(why) = failed {
+        eprintln!(
+            "iggy-ingest: the copy is not owned as the log is ({why}): before putting it in the log's place, run \
+             `chown -R {uid}:{gid} {}`",
+            out.display()
+        );
+    }
 }
