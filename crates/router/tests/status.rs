@@ -608,13 +608,14 @@ async fn a_stop_does_not_wait_out_the_cursor_stores_backoff() {
     cursors.failing.store(true, std::sync::atomic::Ordering::Release);
     let router = Router::start(wal.clone(), sink.clone(), cursors.clone(), Policies::uniform(fast_policy())).unwrap();
     wal.append(vec![record(&d, 0, Partitioning::Balanced)]).await.unwrap();
-    // The fourth refusal starts a backoff of 1.6 s.
-    eventually(Duration::from_secs(20), "four stores refused", || {
-        cursors.refused.load(std::sync::atomic::Ordering::Acquire) >= 4
+    // The fifth refusal starts a backoff of 3.2 s.
+    eventually(Duration::from_secs(20), "five stores refused", || {
+        cursors.refused.load(std::sync::atomic::Ordering::Acquire) >= 5
     })
     .await;
     let asked = std::time::Instant::now();
     router.shutdown().await;
-    assert!(asked.elapsed() < Duration::from_millis(800), "the stop took {:?}", asked.elapsed());
+    // Well under the backoff, with room for a busy machine.
+    assert!(asked.elapsed() < Duration::from_secs(2), "the stop took {:?}", asked.elapsed());
     assert_eq!(sink.ids(&d).len(), 1);
 }
