@@ -260,6 +260,35 @@ fn a_tailing_reader_wakes_on_each_append() {
     });
 }
 
+/// In lockstep: a reader waiting in `read` is woken by each append on its own, not by a
+/// later one (above, a wake-up lost for one append is covered by the next). Each append
+/// comes only once the reader is waiting, and its record must come back before the next.
+#[test]
+fn a_waiting_reader_is_woken_by_every_single_append() {
+    let sim = SimStorage::new();
+    let wal = Arc::new(open(&sim, small_options()));
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    runtime.block_on(async {
+        let mut reader = wal.reader(0).unwrap();
+        for i in 0..50u64 {
+            let waiting = tokio::spawn(async move {
+                let got = reader.read(10, 1 << 20).await;
+                (reader, got)
+            });
+            // The reader is parked in `read` (nothing durable past it) before the append.
+            tokio::time::sleep(Duration::from_millis(2)).await;
+            wal.append(vec![payload(i, 30)]).await.unwrap();
+            let (back, got) = tokio::time::timeout(Duration::from_secs(5), waiting)
+                .await
+                .unwrap_or_else(|_| panic!("append {i} did not wake the waiting reader"))
+                .unwrap();
+            let got = got.unwrap();
+            assert_eq!(got.iter().map(|r| r.offset).collect::<Vec<_>>(), vec![i]);
+            reader = back;
+        }
+    });
+}
+
 #[test]
 fn a_tailing_reader_ends_with_closed_after_the_log_closes() {
     let sim = SimStorage::new();
