@@ -3,9 +3,11 @@
 //!
 //! Invariants:
 //! - The ready file is written (atomically: temporary file, rename) only once both
-//!   listeners are bound; a failure to write it stops the daemon.
-//! - A first SIGTERM/SIGINT drains; a second exits with 130 at once, which is safe
-//!   because every event answered 200 is already durable.
+//!   listeners are bound, and never by a daemon asked to stop during its start; a
+//!   failure to write it stops the daemon.
+//! - A first SIGTERM/SIGINT drains (one during the start, as soon as the start is done);
+//!   a second exits with 130 at once, also during the start, which is safe because every
+//!   event answered 200 is already durable.
 //! - A daemon that stopped itself (a task it cannot run without panicked) exits 1.
 
 use std::path::{Path, PathBuf};
@@ -60,7 +62,26 @@ pub fn run(settings: Settings, ready_file: Option<PathBuf>) -> ExitCode {
         // default action's sudden death (no clean-shutdown marker, exit by signal).
         let mut signals = StopSignals::install();
         let data_dir = settings.data_dir.clone();
-        let running = match daemon::start(settings, metrics).await {
+        // A start can take a while (a long log re-read for delivery ids, route mappings
+        // fetched): a first signal meanwhile stops the daemon once it is started, a second
+        // exits at once, as during a drain (safe: nothing was answered 200 yet).
+        let start = daemon::start(settings, metrics);
+        tokio::pin!(start);
+        let mut stop_asked = false;
+        let started = loop {
+            tokio::select! {
+                r = &mut start => break r,
+                _ = signals.recv() => {
+                    if stop_asked {
+                        eprintln!("iggy-ingest: second signal during the start, exiting without finishing it");
+                        return ExitCode::from(130);
+                    }
+                    stop_asked = true;
+                    tracing::info!("stop signal during the start: stopping as soon as it is done");
+                }
+            }
+        };
+        let running = match started {
             Ok(r) => r,
             Err(e) => {
                 tracing::error!(error = %e, "start failed");
@@ -88,7 +109,8 @@ pub fn run(settings: Settings, ready_file: Option<PathBuf>) -> ExitCode {
                 return ExitCode::from(e.exit_code());
             }
         };
-        if let Some(path) = ready_file
+        // A daemon about to stop is not ready: a supervisor would send it traffic.
+        if let Some(path) = ready_file.filter(|_| !stop_asked)
             && let Err(e) = write_ready_file(&path, &running)
         {
             tracing::error!(error = %e, path = %path.display(), "cannot write the ready file");
@@ -97,10 +119,11 @@ pub fn run(settings: Settings, ready_file: Option<PathBuf>) -> ExitCode {
             return ExitCode::FAILURE;
         }
         // A task the daemon cannot run without that panicked stops it too.
-        let signalled = tokio::select! {
-            _ = signals.recv() => true,
-            _ = running.stopping() => false,
-        };
+        let signalled = stop_asked
+            || tokio::select! {
+                _ = signals.recv() => true,
+                _ = running.stopping() => false,
+            };
         running.shutdown();
         // A second signal stops at once. Safe: every event answered 200 is already
         // durable in the log; only requests still in flight are cut (without a 200).

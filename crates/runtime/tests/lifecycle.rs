@@ -806,8 +806,35 @@ fn config_check_names_the_key_path_and_line_and_exits_non_zero() {
 #[test]
 fn a_stop_signal_during_the_start_is_a_clean_stop() {
     let dir = tempfile::tempdir().unwrap();
+    let (mut d, wal_dir) = a_daemon_in_a_long_start(dir.path());
+    d.signal(libc::SIGTERM);
+    let status = d.wait_exit(Duration::from_secs(60));
+    assert!(status.success(), "a stop signal during the start: {status}");
+    assert!(wal_dir.join(wal::CLEAN_MARKER_FILE).exists(), "no clean-shutdown marker");
+    // It stopped as soon as it had started, and was never said to be ready.
+    assert!(!dir.path().join("ready.json").exists(), "a daemon asked to stop wrote its ready file");
+}
+
+/// A second stop signal during a long start exits at once (130), as during a drain,
+/// instead of waiting for the start to finish: nothing was answered yet.
+#[test]
+fn a_second_stop_signal_during_the_start_exits_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut d, _) = a_daemon_in_a_long_start(dir.path());
+    d.signal(libc::SIGTERM);
+    std::thread::sleep(Duration::from_millis(50));
+    d.signal(libc::SIGTERM);
+    let status = d.wait_exit(Duration::from_secs(60));
+    assert_eq!(status.code(), Some(130), "{status}");
+    assert!(!dir.path().join("ready.json").exists(), "the start went on to the end");
+}
+
+/// A daemon spawned on a long log with no state database, caught while its start
+/// re-reads the log (after its signal handlers are installed, before it is ready).
+fn a_daemon_in_a_long_start(root: &std::path::Path) -> (Daemon, std::path::PathBuf) {
+    let dir = root;
     // A long log and no state database: the start re-reads all of it.
-    let wal_dir = dir.path().join("data/wal");
+    let wal_dir = dir.join("data/wal");
     let wal = wal::Wal::open(&wal_dir, wal::WalOptions::default()).unwrap();
     let record = |i: u64| {
         let header = ingest::EnvelopeHeader {
@@ -837,9 +864,9 @@ fn a_stop_signal_during_the_start_is_a_clean_stop() {
         wal.close().await.unwrap();
     });
     drop(wal);
-    let cfg = dir.path().join("config.toml");
-    std::fs::write(&cfg, config_text(dir.path(), "", SOURCES)).unwrap();
-    let mut d = Daemon::spawn(dir.path(), &cfg);
+    let cfg = dir.join("config.toml");
+    std::fs::write(&cfg, config_text(dir, "", SOURCES)).unwrap();
+    let d = Daemon::spawn(dir, &cfg);
     // The log's open takes the clean-shutdown marker away, after the daemon installed
     // its signal handlers and before it is ready (the rest of the start reads the log).
     let marker = wal_dir.join(wal::CLEAN_MARKER_FILE);
@@ -848,14 +875,8 @@ fn a_stop_signal_during_the_start_is_a_clean_stop() {
         assert!(std::time::Instant::now() < deadline, "the daemon never opened the log");
         std::thread::sleep(Duration::from_millis(1));
     }
-    assert!(
-        !dir.path().join("ready.json").exists(),
-        "the daemon was ready before the signal: the test needs a longer log"
-    );
-    d.signal(libc::SIGTERM);
-    let status = d.wait_exit(Duration::from_secs(60));
-    assert!(status.success(), "a stop signal during the start: {status}");
-    assert!(wal_dir.join(wal::CLEAN_MARKER_FILE).exists(), "no clean-shutdown marker");
+    assert!(!dir.join("ready.json").exists(), "the daemon was ready before the signal: the test needs a longer log");
+    (d, wal_dir)
 }
 
 /// A server where Iggy should be that takes connections and never answers a byte.
