@@ -29,6 +29,7 @@ pub const POINTS: &[(&str, &str)] = &[
     ("router.acked", "a destination acknowledged records and their cursor is not yet stored"),
     ("wal.release.removed", "a released segment file was removed and the directory not yet synced"),
     ("listener.accept", "a listener accepted a connection and has not yet served it"),
+    ("listener.drain", "a listener stopped taking connections and has not yet drained its open ones"),
 ];
 
 /// Dies here when the environment armed this point and this is the chosen hit.

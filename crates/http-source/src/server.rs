@@ -136,6 +136,7 @@ pub async fn serve(
         });
     }
     drop(listener);
+    fail_points::fail_point!("listener.drain");
     let complete = tokio::time::timeout(grace, graceful.shutdown()).await.is_ok();
     if !complete {
         tracing::warn!(

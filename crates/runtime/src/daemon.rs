@@ -378,7 +378,7 @@ pub async fn start(mut settings: Settings, metrics: Option<PrometheusHandle>) ->
     let drain_delay = settings.drain_delay;
     let stop_tx = shutdown_tx.clone();
     let task = tokio::spawn(async move {
-        let failed_task = tokio::select! {
+        let mut failed_task = tokio::select! {
             _ = stopped(shutdown_rx) => None,
             Some(name) = failed_rx.recv() => Some(name),
         };
@@ -397,7 +397,17 @@ pub async fn start(mut settings: Settings, metrics: Option<PrometheusHandle>) ->
         // From here the whole drain is bounded by the grace period.
         let grace_ends = tokio::time::Instant::now() + grace;
         let _ = http_stop_tx.send(true);
-        let drained = http_task.await.map(|d| d.complete).unwrap_or(false);
+        // A listener that panics during the drain stopped the daemon as surely as one
+        // that panics before it: said so, and exit 1, not taken for a grace timeout.
+        let drained = match http_task.await {
+            Ok(d) => d.complete,
+            Err(e) => {
+                if e.is_panic() {
+                    failed_task = failed_task.or(Some("the webhook listener"));
+                }
+                false
+            }
+        };
         checkpoint_task.abort();
         // Stop sending and store the last cursors while the log is still open. A send
         // still waiting for Iggy when the grace period ends is abandoned with the
@@ -421,12 +431,16 @@ pub async fn start(mut settings: Settings, metrics: Option<PrometheusHandle>) ->
         // does not hold the exit past it. Nothing is at stake: the log is closed.
         let mut admin_task = admin_task;
         let admin_ends = grace_ends.max(tokio::time::Instant::now() + ADMIN_STOP_MIN);
-        if tokio::time::timeout_at(admin_ends, &mut admin_task).await.is_err() {
-            admin_task.abort();
-            tracing::warn!(
-                grace_ms = grace.as_millis() as u64,
-                "admin connections still open at the end of the grace period: cut"
-            );
+        match tokio::time::timeout_at(admin_ends, &mut admin_task).await {
+            Ok(Err(e)) if e.is_panic() => failed_task = failed_task.or(Some("the admin listener")),
+            Ok(_) => {}
+            Err(_) => {
+                admin_task.abort();
+                tracing::warn!(
+                    grace_ms = grace.as_millis() as u64,
+                    "admin connections still open at the end of the grace period: cut"
+                );
+            }
         }
         if let Some(t) = upkeep_task {
             t.abort();
