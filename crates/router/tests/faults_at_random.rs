@@ -4,7 +4,10 @@
 //! and the router's queue budget small enough that lanes overflow, shed and re-read
 //! all the time, every record is delivered once, in order, once the faults end; the
 //! budget never goes past its bound and is all given back; the log is released to its
-//! end. Seeds are fixed: a failure names its seed, and runs again with it.
+//! end. Seeds are fixed and a failure names its seed, which fixes the faults, their
+//! order and the waits between them; the interleaving with the router's tasks still
+//! follows real time on a multi-threaded runtime, so a seed that failed once may need
+//! several runs to fail again.
 
 mod support;
 
