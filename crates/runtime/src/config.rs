@@ -484,6 +484,8 @@ impl std::fmt::Display for ConfigError {
         let path = if self.path.is_empty() { "(document)" } else { self.path.as_str() };
         match self.line {
             Some(l) => write!(f, "line {l}: {path}: {}", self.message),
+            // Of the file, not of a key in it (it could not be read).
+            None if self.path.is_empty() => write!(f, "{}", self.message),
             None => write!(f, "{path}: {}", self.message),
         }
     }
@@ -1865,6 +1867,15 @@ mod tests {
     fn config_default_toml_is_exactly_the_builtin_default() {
         let parsed = parse(DEFAULT_TOML, None).unwrap();
         assert_eq!(parsed, Config::builtin());
+    }
+
+    /// A file that cannot be read is named with the reason, not as a key path.
+    #[test]
+    fn a_file_that_cannot_be_read_is_named_not_a_key() {
+        let dir = tempfile::tempdir().unwrap();
+        let missing = dir.path().join("missing.toml");
+        let e = load(&missing).unwrap_err().to_string();
+        assert_eq!(e, format!("{}: cannot read: No such file or directory (os error 2)", missing.display()));
     }
 
     #[test]

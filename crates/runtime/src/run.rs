@@ -110,8 +110,9 @@ pub fn run(settings: Settings, ready_file: Option<PathBuf>) -> ExitCode {
             }
         };
         // A daemon about to stop is not ready: a supervisor would send it traffic.
-        if let Some(path) = ready_file.filter(|_| !stop_asked)
-            && let Err(e) = write_ready_file(&path, &running)
+        let ready_file = ready_file.filter(|_| !stop_asked);
+        if let Some(path) = &ready_file
+            && let Err(e) = write_ready_file(path, &running)
         {
             tracing::error!(error = %e, path = %path.display(), "cannot write the ready file");
             running.shutdown();
@@ -138,6 +139,14 @@ pub fn run(settings: Settings, ready_file: Option<PathBuf>) -> ExitCode {
             std::process::exit(130);
         });
         let report = running.wait().await;
+        // The ready file names this process's ports: gone with it (a supervisor reading
+        // it after the stop would take a dead daemon for a ready one).
+        if let Some(path) = &ready_file
+            && let Err(e) = std::fs::remove_file(path)
+            && e.kind() != std::io::ErrorKind::NotFound
+        {
+            tracing::warn!(error = %e, path = %path.display(), "cannot remove the ready file");
+        }
         // Connections still open after the grace period were cut without a 200, so
         // nothing they carried was acknowledged: that alone is not a failure.
         if !report.drained {

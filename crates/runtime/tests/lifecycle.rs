@@ -362,6 +362,7 @@ async fn sigterm_drains_health_first_finishes_in_flight_and_closes_the_log() {
     let status = d.wait_exit(Duration::from_secs(60));
     assert!(status.success(), "{status}");
     assert!(dir.path().join("data/wal").join(wal::CLEAN_MARKER_FILE).exists(), "clean-shutdown marker");
+    assert!(!dir.path().join("ready.json").exists(), "the ready file of a stopped daemon");
     let log = read_log(&dir.path().join("data/wal"));
     assert_eq!(log.len(), 1);
     assert_eq!(&log[0].1.payload[..], b"0123456789");

@@ -1123,6 +1123,11 @@ fn a_path_that_cannot_be_looked_at_is_a_failure_not_a_missing_log() {
     assert!(stderr(&state).contains("cannot look at"), "{}", stderr(&state));
     let missing = root.path().join("missing");
     assert_eq!(code(&cli(&["verify", missing.to_str().unwrap()])), 2);
+    // The data directory instead of the log under it: named, with the log's path.
+    let log = make_log(root.path(), 3, small());
+    let o = cli(&["verify", root.path().to_str().unwrap()]);
+    assert_eq!(code(&o), 2, "{}", stderr(&o));
+    assert!(stderr(&o).contains(&format!("did you mean {}?", log.display())), "{}", stderr(&o));
     let state = Command::new(env!("CARGO_BIN_EXE_iggy-ingest"))
         .args(["state", "show", "--data-dir"])
         .arg(&missing)

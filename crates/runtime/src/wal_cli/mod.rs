@@ -136,6 +136,13 @@ pub(crate) fn not_a_log(dir: &Path) -> CliError {
         "does not exist"
     } else if !dir.is_dir() {
         "is not a directory, so not a log"
+    } else if dir.join(crate::config::WAL_DIR_NAME).is_dir() {
+        // The daemon's data directory: its log is the directory under it.
+        return CliError::Usage(format!(
+            "{} is not a log (no segment files); did you mean {}?",
+            dir.display(),
+            dir.join(crate::config::WAL_DIR_NAME).display()
+        ));
     } else {
         "is not a log (no segment files)"
     };
