@@ -646,3 +646,40 @@ async fn records_with_many_headers_are_sent_in_requests_the_server_takes() {
     assert_eq!(m.headers.iter().filter(|(k, _)| k.as_bytes().starts_with(b"x-0")).count(), router::FORWARD_HEADERS_MAX);
     router.shutdown().await;
 }
+
+/// A topic the server refuses to create for the daemon's user (`Unauthorized`: a user
+/// allowed to send but not to create) holds only its own records: its lane fails and
+/// is Degraded, a destination beside it flows, and once the topic can be created every
+/// held record arrives, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_topic_the_user_may_not_create_holds_only_its_own_records() {
+    let broker = TestBroker::start(TestBrokerConfig::default()).await.unwrap();
+    let (wal, router) = start_warm(&broker, "perm", "ok").await;
+    broker.refuse_create_topic("perm", "denied", Some(iggy::prelude::IggyError::Unauthorized));
+    for n in 1..41u64 {
+        wal.append(vec![record("perm", if n % 2 == 0 { "ok" } else { "denied" }, n, Partitioning::Balanced)])
+            .await
+            .unwrap();
+    }
+    eventually(Duration::from_secs(30), "the allowed topic delivered", || async {
+        ids(&broker, "perm", "ok").len() == 21
+    })
+    .await;
+    eventually(Duration::from_secs(30), "the refused topic's lane degraded", || async {
+        router.destinations().iter().any(|l| {
+            l.destination.topic == "denied"
+                && l.status == Status::Degraded
+                && l.held_records == 20
+                && l.last_error.as_deref().is_some_and(|e| e.to_lowercase().contains("unauthorized"))
+        })
+    })
+    .await;
+    assert!(broker.topic_options("perm", "denied").is_none(), "the refused topic was created");
+    broker.refuse_create_topic("perm", "denied", None);
+    let want: Vec<u128> = (1..41u64).filter(|n| n % 2 == 1).map(|n| u128::from(n) + 1).collect();
+    eventually(Duration::from_secs(60), "the refused topic delivered once creatable", || async {
+        ids(&broker, "perm", "denied") == want
+    })
+    .await;
+    router.shutdown().await;
+}

@@ -6,7 +6,9 @@
 //! - topic faults are keyed by (stream name, topic name), so they apply to a
 //!   destination whether or not it exists yet, and are matched only against
 //!   `SendMessages`;
-//! - a black hole wins over a failing topic when both are set.
+//! - a black hole wins over a failing topic when both are set;
+//! - a refused creation applies to `CreateTopic` only: a topic that exists is sent to
+//!   as ever.
 
 use crate::kind::RequestKind;
 use std::collections::{HashMap, HashSet};
@@ -39,6 +41,9 @@ pub(crate) struct Faults {
     pub drop_next: Option<(RequestKind, DropPoint)>,
     pub failing: HashMap<(String, String), u32>,
     pub black_holes: HashSet<(String, String)>,
+    /// `CreateTopic` of (stream, topic) refused with this code, as the server commits
+    /// a refusal (a user without the permission to create it: `Unauthorized`).
+    pub create_refused: HashMap<(String, String), u32>,
 }
 
 impl Faults {

@@ -242,10 +242,14 @@ fn create_topic(shared: &Shared, header: &RequestHeader, body: &[u8]) -> Result<
     }
     let mut store = shared.store();
     // A black-holed destination's creation is a write like its sends: never answered.
-    if let Some(stream) = store.stream(&request.stream_id)
-        && shared.faults().topic_fault(&stream.name, request.name.as_str()) == Some(TopicFault::BlackHole)
-    {
-        return Ok(Action::Silence);
+    if let Some(stream) = store.stream(&request.stream_id) {
+        let faults = shared.faults();
+        if faults.topic_fault(&stream.name, request.name.as_str()) == Some(TopicFault::BlackHole) {
+            return Ok(Action::Silence);
+        }
+        if let Some(code) = faults.create_refused.get(&(stream.name.clone(), request.name.to_string())) {
+            return Ok(ok(header, &result_framed_err(*code)));
+        }
     }
     let reply = match store.create_topic(
         &request.stream_id,

@@ -157,6 +157,18 @@ impl TestBroker {
         };
     }
 
+    /// `Some(error)`: every `CreateTopic` of `stream`/`topic` is refused with `error`'s
+    /// code, as the server refuses a user without the permission to create it
+    /// (`Unauthorized`); nothing is created. `None`: it is created again.
+    pub fn refuse_create_topic(&self, stream: &str, topic: &str, error: Option<IggyError>) {
+        let key = (stream.to_owned(), topic.to_owned());
+        let mut faults = self.shared.faults();
+        match error {
+            Some(error) => faults.create_refused.insert(key, error.as_code()),
+            None => faults.create_refused.remove(&key),
+        };
+    }
+
     /// `true`: every `SendMessages` to `stream`/`topic`, and every `CreateTopic`
     /// of it, is read and never answered (nothing is stored or created). `false`:
     /// they are answered again.
