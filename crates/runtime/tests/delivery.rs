@@ -214,8 +214,15 @@ max_destinations = 2
     for (s, t) in known {
         let o = broker.topic_options(s, t).unwrap();
         assert_eq!((o.enforce_fsync, o.messages_required_to_save), (Some(true), Some(1)), "{s}/{t} durable");
-        assert!(broker.messages(s, t).is_empty(), "{s}/{t}: created, nothing sent");
     }
+    // Each created once, before any event; the first event then goes to the topic
+    // already there, not created again.
+    let created = broker.request_count(test_broker::RequestKind::CreateTopic);
+    assert_eq!(created, known.len() as u64, "creations before any event");
+    post_numbered(daemon.http, 0..1).await;
+    wait_until("the first event delivered", Duration::from_secs(30), || broker.messages("ingest", "events").len() == 1)
+        .await;
+    assert_eq!(broker.request_count(test_broker::RequestKind::CreateTopic), created, "created again at first use");
     // The shop source's cap admits two destinations: a third literal entry would never
     // be created by a record, so it is not pre-warmed either.
     tokio::time::sleep(Duration::from_millis(500)).await;
