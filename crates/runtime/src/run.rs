@@ -74,7 +74,9 @@ pub fn run(settings: Settings, ready_file: Option<PathBuf>) -> ExitCode {
                 _ = signals.recv() => {
                     if stop_asked {
                         eprintln!("iggy-ingest: second signal during the start, exiting without finishing it");
-                        return ExitCode::from(130);
+                        // At once: returning would drop the runtime, which waits for the
+                        // start's blocking tasks (the state open, the log re-read).
+                        std::process::exit(130);
                     }
                     stop_asked = true;
                     tracing::info!("stop signal during the start: stopping as soon as it is done");

@@ -809,11 +809,27 @@ fn a_stop_signal_during_the_start_is_a_clean_stop() {
     let dir = tempfile::tempdir().unwrap();
     let (mut d, wal_dir) = a_daemon_in_a_long_start(dir.path());
     d.signal(libc::SIGTERM);
-    let status = d.wait_exit(Duration::from_secs(60));
+    let (status, ready_seen) = wait_exit_watching(&mut d, &dir.path().join("ready.json"));
     assert!(status.success(), "a stop signal during the start: {status}");
     assert!(wal_dir.join(wal::CLEAN_MARKER_FILE).exists(), "no clean-shutdown marker");
-    // It stopped as soon as it had started, and was never said to be ready.
-    assert!(!dir.path().join("ready.json").exists(), "a daemon asked to stop wrote its ready file");
+    // It stopped as soon as it had started, and was never said to be ready (watched
+    // while it ran: a stopping daemon removes its ready file).
+    assert!(!ready_seen, "a daemon asked to stop wrote its ready file");
+}
+
+/// Waits up to a minute for `d` to exit, looking for `ready` meanwhile: the exit status,
+/// and whether the file was ever there.
+fn wait_exit_watching(d: &mut Daemon, ready: &std::path::Path) -> (std::process::ExitStatus, bool) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut seen = false;
+    loop {
+        seen |= ready.exists();
+        if let Some(s) = d.child.try_wait().unwrap() {
+            return (s, seen);
+        }
+        assert!(Instant::now() < deadline, "the daemon did not exit");
+        std::thread::sleep(Duration::from_millis(1));
+    }
 }
 
 /// A second stop signal during a long start exits at once (130), as during a drain,
@@ -824,10 +840,14 @@ fn a_second_stop_signal_during_the_start_exits_at_once() {
     let (mut d, _) = a_daemon_in_a_long_start(dir.path());
     d.signal(libc::SIGTERM);
     std::thread::sleep(Duration::from_millis(50));
+    let second = Instant::now();
     d.signal(libc::SIGTERM);
-    let status = d.wait_exit(Duration::from_secs(60));
+    let (status, ready_seen) = wait_exit_watching(&mut d, &dir.path().join("ready.json"));
+    let took = second.elapsed();
     assert_eq!(status.code(), Some(130), "{status}");
-    assert!(!dir.path().join("ready.json").exists(), "the start went on to the end");
+    assert!(!ready_seen, "the start went on to the end");
+    // At once, not once the start's blocking work (the log re-read) is done.
+    assert!(took < Duration::from_secs(2), "the exit took {took:?} after the second signal");
 }
 
 /// A daemon spawned on a long log with no state database, caught while its start
