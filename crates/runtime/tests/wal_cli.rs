@@ -1162,4 +1162,27 @@ fn a_salvaged_copy_is_owned_as_the_log_it_copies() {
         seen += 1;
     }
     assert!(seen >= 2, "the copy holds {seen} paths");
+
+    // Into a directory that existed, with a file of its own: only what salvage wrote
+    // changes owner; the directory and the file are left, and the line says so.
+    let existing = root.path().join("existing");
+    std::fs::create_dir(&existing).unwrap();
+    std::fs::write(existing.join("notes.txt"), b"mine").unwrap();
+    let o = cli(&["salvage", dir.to_str().unwrap(), "--out", existing.to_str().unwrap()]);
+    assert_eq!(code(&o), 0, "{}{}", stdout(&o), stderr(&o));
+    for (path, want) in [(existing.clone(), (0, 0)), (existing.join("notes.txt"), (0, 0))] {
+        let m = std::fs::metadata(&path).unwrap();
+        assert_eq!((m.uid(), m.gid()), want, "{} changed owner", path.display());
+    }
+    let copied: Vec<PathBuf> = std::fs::read_dir(&existing)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.file_name().unwrap() != "notes.txt")
+        .collect();
+    assert!(!copied.is_empty());
+    for path in copied {
+        let m = std::fs::symlink_metadata(&path).unwrap();
+        assert_eq!((m.uid(), m.gid()), (54321, 54322), "{}", path.display());
+    }
+    assert!(stderr(&o).contains("existed with another owner"), "{}", stderr(&o));
 }

@@ -46,14 +46,20 @@ pub struct SalvageArgs {
 
 pub(crate) fn run(a: SalvageArgs) -> CliResult {
     super::a_directory(&a.dir)?;
-    check_out(&a.dir, &a.out)?;
+    let target = check_out(&a.dir, &a.out)?;
+    // What `--out` held before (`None`: salvage makes it), so that only what salvage
+    // writes is given the log's owner.
+    let held_before: Option<std::collections::HashSet<std::ffi::OsString>> =
+        std::fs::read_dir(&target).ok().map(|entries| entries.flatten().map(|e| e.file_name()).collect());
     let report = match wal::salvage_copy::salvage_copy(&FsStorage, &a.dir, &a.out) {
         Ok(r) => r,
         Err(wal::WalError::InvalidOptions(m)) => return Err(CliError::Usage(m)),
         Err(e) => {
             let unfinished = a.out.join(wal::SALVAGE_INCOMPLETE_FILE).exists();
+            // Busy too: a run again into the same directory is refused, it holds the
+            // unfinished copy.
             return Err(match wal_error(&a.dir, e) {
-                CliError::Failed(m) if unfinished => CliError::Failed(format!(
+                CliError::Failed(m) | CliError::Busy(m) if unfinished => CliError::Failed(format!(
                     "{m}\nthe copy in {} did not finish: every open refuses it; remove the directory and salvage again",
                     a.out.display()
                 )),
@@ -73,7 +79,7 @@ pub(crate) fn run(a: SalvageArgs) -> CliResult {
         )));
     }
     drop(copy);
-    give_the_logs_owner(&a.dir, &a.out);
+    give_the_logs_owner(&a.dir, &target, held_before.as_ref());
     let mut out = stdout();
     let skipped_any = !report.skipped.is_empty() || !report.missing_offsets.is_empty();
     if a.json {
@@ -146,7 +152,8 @@ pub(crate) fn run(a: SalvageArgs) -> CliResult {
 /// Refuses an `--out` the copy cannot usefully go to: the log directory itself, a
 /// directory inside it or one holding it, or a path that exists (or runs through
 /// something that exists) and is not a directory.
-fn check_out(dir: &Path, out: &Path) -> CliResult<()> {
+/// Checks `--out`; returns where it leads, symlinks resolved.
+fn check_out(dir: &Path, out: &Path) -> CliResult<PathBuf> {
     let failed = |p: &Path, e: io::Error| CliError::Failed(format!("{}: {e}", p.display()));
     let log = dir.canonicalize().map_err(|e| failed(dir, e))?;
     let usage = |why: String| CliError::Usage(format!("--out {} {why}", out.display()));
@@ -167,7 +174,7 @@ fn check_out(dir: &Path, out: &Path) -> CliResult<()> {
     } else if log.starts_with(&target) {
         Err(usage(format!("holds the log directory {}; {beside}", log.display())))
     } else {
-        Ok(())
+        Ok(target)
     }
 }
 
@@ -224,25 +231,38 @@ fn resolve(out: &Path) -> io::Result<Resolved> {
     Ok(Resolved::To(at))
 }
 
-/// Gives the copy in `out`, and everything in it, the owner of the log in `dir` (the
-/// daemon's user), as the state commands do with what they make: salvage is run as root
-/// after a disk error, and a copy owned by root, put in the log's place, would refuse
-/// the daemon its own lock at the next start. Where that cannot be done (not run as
-/// root), says what to run instead; the copy itself is sound either way.
-fn give_the_logs_owner(dir: &Path, out: &Path) {
+/// Gives what salvage wrote into `out` (the directory itself when salvage made it, and
+/// the entries it added; never what was there before) the owner of the log in `dir`
+/// (the daemon's user), as the state commands do with what they make: salvage is run
+/// as root after a disk error, and a copy owned by root, put in the log's place, would
+/// refuse the daemon its own lock at the next start. `out` is the resolved path, so a
+/// symlink given as `--out` is not what changes owner. Where that cannot be done (not
+/// run as root), or `out` existed with another owner, says what to run instead; the
+/// copy itself is sound either way.
+fn give_the_logs_owner(dir: &Path, out: &Path, held_before: Option<&std::collections::HashSet<std::ffi::OsString>>) {
     use std::os::unix::fs::MetadataExt;
     let Ok(owner) = std::fs::metadata(dir) else { return };
     let (uid, gid) = (owner.uid(), owner.gid());
-    let mut paths = vec![out.to_path_buf()];
+    let owned_so = |p: &Path| std::fs::symlink_metadata(p).is_ok_and(|m| m.uid() == uid && m.gid() == gid);
+    let mut made: Vec<PathBuf> = Vec::new();
+    if held_before.is_none() {
+        made.push(out.to_path_buf());
+    }
     if let Ok(entries) = std::fs::read_dir(out) {
-        paths.extend(entries.flatten().map(|e| e.path()));
+        made.extend(
+            entries.flatten().filter(|e| held_before.is_none_or(|h| !h.contains(&e.file_name()))).map(|e| e.path()),
+        );
     }
     let mut failed = None;
-    for path in &paths {
-        let same = std::fs::symlink_metadata(path).is_ok_and(|m| m.uid() == uid && m.gid() == gid);
-        if !same && let Err(e) = std::os::unix::fs::lchown(path, Some(uid), Some(gid)) {
+    for path in &made {
+        if !owned_so(path)
+            && let Err(e) = std::os::unix::fs::lchown(path, Some(uid), Some(gid))
+        {
             failed.get_or_insert(format!("{}: {e}", path.display()));
         }
+    }
+    if failed.is_none() && !owned_so(out) {
+        failed = Some(format!("{} existed with another owner and was left so", out.display()));
     }
     if let Some(why) = failed {
         eprintln!(
