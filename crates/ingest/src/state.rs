@@ -564,14 +564,16 @@ fn reset_with(path: &Path, before_unlink: impl FnOnce()) -> Result<StateInventor
     Ok(inventory)
 }
 
-/// Whether `e`, from opening a database file, says the file is not a database this
-/// build can read: its bytes are damaged, not redb's, or of a file format it does not
-/// open. Not so for a database held open elsewhere, or an I/O error.
+/// Whether `e`, from opening a database file, says the file is not a database at all
+/// or is damaged: not redb's bytes, emptied, or failing redb's checks. Not so for a
+/// database held open elsewhere, an I/O error, or a sound database of another redb
+/// file format (an older one, `UpgradeRequired`; a newer one, which redb reports as
+/// corrupted, "Expected file format version"): written by another build, it may be
+/// whole, and that build can still read it.
 fn unreadable_as_a_database(e: &redb::DatabaseError) -> bool {
     use redb::{DatabaseError, StorageError};
     match e {
-        DatabaseError::UpgradeRequired(_) => true,
-        DatabaseError::Storage(StorageError::Corrupted(_)) => true,
+        DatabaseError::Storage(StorageError::Corrupted(why)) => !why.starts_with("Expected file format version"),
         DatabaseError::Storage(StorageError::Io(io)) => io.kind() == std::io::ErrorKind::InvalidData,
         _ => false,
     }
@@ -580,6 +582,31 @@ fn unreadable_as_a_database(e: &redb::DatabaseError) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A reset discards a file that is not a database, and refuses one of another redb
+    /// file format, a newer one included (which redb reports as corrupted): written by
+    /// another build, it may be whole.
+    #[test]
+    fn a_reset_discards_garbage_but_not_a_database_of_another_file_format() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("state.redb");
+        drop(StateDb::open(&path).unwrap());
+        let sound = std::fs::read(&path).unwrap();
+        // The file format version is the first byte of each of the two commit slots,
+        // after the 64-byte header.
+        for version in [1u8, 4] {
+            let mut other = sound.clone();
+            other[64] = version;
+            other[64 + 128] = version;
+            std::fs::write(&path, &other).unwrap();
+            assert!(reset(&path).is_err(), "version {version}: discarded");
+            assert_eq!(std::fs::read(&path).unwrap(), other, "version {version}: changed");
+        }
+        std::fs::write(&path, b"not a database").unwrap();
+        let discarded = reset(&path).unwrap();
+        assert!(discarded.unreadable.is_some());
+        assert!(!path.exists());
+    }
 
     /// A copy that does not fit in its directory (with the spare room) is refused with
     /// an error naming the directory and both sizes, before any byte is copied; one that
