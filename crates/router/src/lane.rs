@@ -891,11 +891,12 @@ async fn next_batch<S, C>(
             let offset = rec.offset;
             if let Some(routed) = own_record(lane, rec) {
                 if !batch.is_empty() && bytes.would_pass(&routed, max_bytes) {
-                    // Given back to the reader, read again first next time. It is the
-                    // last record the read returned (a read asks for no more than the
-                    // room left, so only its first record can pass it); a new reader
-                    // would walk the segment from its start to find it.
-                    if !reader.unread_last() || reader.position() != offset {
+                    // Given back to the reader with those read after it, read again
+                    // first next time: a new reader would walk the segment from its
+                    // start to find it. By payload bytes it is the last record the read
+                    // returned (the read asks for no more than that room); by the
+                    // bytes a send may carry it can be any of them.
+                    if !reader.unread_from(offset) || reader.position() != offset {
                         *reader = ctx.wal.reader(offset)?;
                     }
                     break 'read;

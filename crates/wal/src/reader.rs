@@ -57,9 +57,10 @@ pub struct Reader {
     next: u64,
     cursor: Option<Cursor>,
     durable: watch::Receiver<u64>,
-    /// Where the last record returned was: its offset, its segment's base and its
-    /// frame's byte position ([`Reader::unread_last`]).
-    last: Option<(u64, u64, u64)>,
+    /// Where each record the last read returned was: its offset, its segment's base and
+    /// its frame's byte position ([`Reader::unread_from`]). Kept from read to read so
+    /// that it holds no allocation of its own per read.
+    returned: Vec<(u64, u64, u64)>,
     /// How far a walk to `next` from its segment's start has got, while `cursor` is
     /// `None`: the cursor and the offset of the frame at its position
     /// ([`Reader::position_some`]).
@@ -79,7 +80,7 @@ impl Reader {
         if from > end {
             return Err(WalError::BeyondEnd { offset: from, end });
         }
-        let r = Reader { shared, next: from, cursor: None, durable, last: None, walk: None };
+        let r = Reader { shared, next: from, cursor: None, durable, returned: Vec::new(), walk: None };
         r.check_retained()?;
         Ok(r)
     }
@@ -101,6 +102,7 @@ impl Reader {
     /// none), and moves past them.
     pub fn try_read(&mut self, max_records: usize, max_bytes: usize) -> Result<Vec<Record>> {
         self.check_retained()?;
+        self.returned.clear();
         let end = *self.durable.borrow_and_update();
         let mut out = Vec::new();
         let mut bytes = 0usize;
@@ -127,16 +129,14 @@ impl Reader {
         Ok(out)
     }
 
-    /// Steps back over the last record returned, so that the next read returns it again;
-    /// `false` (and nothing changes) if there is none to step back over (none read yet,
-    /// or it was stepped back over already). A caller that read one record too many
-    /// gives it back this way without a new reader, which would find its position by
-    /// walking its segment from the start.
-    pub fn unread_last(&mut self) -> bool {
-        let Some((offset, seg_base, pos)) = self.last.take() else { return false };
-        if offset.checked_add(1) != Some(self.next) {
-            return false;
-        }
+    /// Steps back to `offset`, one of the records the last read returned, so that the
+    /// next read returns it and those after it again; `false` (and nothing changes) if the
+    /// last read returned no such record, or it was stepped back over already. A caller
+    /// that read more records than it could take gives them back this way without a new
+    /// reader, which would find its position by walking its segment from the start.
+    pub fn unread_from(&mut self, offset: u64) -> bool {
+        let Some(i) = self.returned.iter().position(|r| r.0 == offset) else { return false };
+        let (_, seg_base, pos) = self.returned[i];
         match self.cursor.as_mut() {
             Some(c) if c.seg.base == seg_base => {
                 c.pos = pos;
@@ -152,6 +152,7 @@ impl Reader {
             }
         }
         self.next = offset;
+        self.returned.clear();
         true
     }
 
@@ -283,7 +284,7 @@ impl Reader {
         let payload_pos = c.pos + FRAME_HEADER_LEN;
         let payload = Bytes::copy_from_slice(bytes_at(c, payload_pos, h.payload_len as usize)?);
         h.check_payload(&payload).map_err(|p| corrupt(c, p))?;
-        self.last = Some((expected, c.seg.base, c.pos));
+        self.returned.push((expected, c.seg.base, c.pos));
         c.pos += h.frame_len();
         self.next += 1;
         Ok(Some(Record { offset: expected, payload }))

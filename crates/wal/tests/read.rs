@@ -111,7 +111,35 @@ fn a_failed_read_during_a_walk_in_steps_starts_the_walk_again() {
     assert_eq!(r.try_read(usize::MAX, usize::MAX).unwrap(), want);
 }
 
-/// A record read one too many is given back with `unread_last` and read again next, at
+/// Any record the last read returned is given back with those after it, with
+/// `unread_from`, and read again next: inside a segment and across a seal. A record of
+/// an earlier read, or one given back already, is not.
+#[test]
+fn records_read_too_many_are_given_back_from_any_of_them() {
+    let sim = SimStorage::new();
+    let wal = open(&sim, small_options());
+    append_tagged(&wal, 0..300, 90);
+    assert!(wal.segment_paths().len() > 5);
+    let mut r = wal.reader(0).unwrap();
+    let mut seen = Vec::new();
+    while r.position() < 300 {
+        let got = r.try_read(12, usize::MAX).unwrap();
+        let keep = (got.len() / 2).max(1);
+        let back = got.get(keep).map(|rec| rec.offset);
+        seen.extend(got.iter().take(keep).map(|rec| tag_of(&rec.payload)));
+        if let Some(back) = back {
+            assert!(r.unread_from(back), "at {back}");
+            assert_eq!(r.position(), back);
+            assert!(!r.unread_from(back), "given back twice at {back}");
+        }
+    }
+    assert_eq!(seen, (0..300).collect::<Vec<u64>>());
+    let earlier = r.try_read(1, usize::MAX).unwrap();
+    assert!(earlier.is_empty());
+    assert!(!r.unread_from(0), "a record of an earlier read");
+}
+
+/// A record read one too many is given back with `unread_from` and read again next, at
 /// every position: inside a segment, and for a segment's last record, after which the
 /// reader has already crossed the seal into the next segment. Only the last record read
 /// can be given back, once.
@@ -122,7 +150,7 @@ fn the_last_record_read_can_be_given_back_and_is_read_again_next() {
     append_tagged(&wal, 0..300, 90);
     assert!(wal.segment_paths().len() > 5);
     let mut r = wal.reader(0).unwrap();
-    assert!(!r.unread_last(), "nothing read yet");
+    assert!(!r.unread_from(0), "nothing read yet");
     let mut seen = Vec::new();
     // Reads of two or three records, bounded by bytes: each ends by looking at the next
     // record's length, which crosses a seal when the last record read ends a segment.
@@ -131,9 +159,9 @@ fn the_last_record_read_can_be_given_back_and_is_read_again_next() {
         let got = r.try_read(usize::MAX, bytes.next().unwrap()).unwrap();
         let last = got.last().unwrap().offset;
         // Give the last back: it comes first in the next read.
-        assert!(r.unread_last(), "at {last}");
+        assert!(r.unread_from(last), "at {last}");
         assert_eq!(r.position(), last);
-        assert!(!r.unread_last(), "given back twice at {last}");
+        assert!(!r.unread_from(last), "given back twice at {last}");
         seen.extend(got.iter().filter(|rec| rec.offset != last).map(|rec| tag_of(&rec.payload)));
         let again = r.try_read(1, usize::MAX).unwrap();
         assert_eq!((again[0].offset, tag_of(&again[0].payload)), (last, last));
