@@ -824,6 +824,38 @@ async fn a_limit_of_sends_in_flight_beyond_the_bound_refuses_the_start() {
     router.shutdown().await;
 }
 
+/// A task that runs each time the runtime lets it, noting how many bytes the log's files
+/// were read since its last turn: what one task read while holding the worker.
+struct ReadsBetweenTurns {
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    task: tokio::task::JoinHandle<(u64, u64)>,
+}
+
+impl ReadsBetweenTurns {
+    fn watch(storage: &CountingReads) -> ReadsBetweenTurns {
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (storage, stopped) = (storage.clone(), stop.clone());
+        let task = tokio::spawn(async move {
+            let (mut last, mut most) = (storage.bytes_read(), 0u64);
+            let start = last;
+            while !stopped.load(std::sync::atomic::Ordering::SeqCst) {
+                let now = storage.bytes_read();
+                most = most.max(now - last);
+                last = now;
+                tokio::task::yield_now().await;
+            }
+            (most, last - start)
+        });
+        ReadsBetweenTurns { stop, task }
+    }
+
+    /// The most bytes read between two turns, and the bytes read in all.
+    async fn stop(self) -> (u64, u64) {
+        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        self.task.await.unwrap()
+    }
+}
+
 /// A lane catching up on a long backlog in which it has few records scans it in bounded
 /// steps and lets the other tasks run between them: one unbounded call would scan the
 /// whole backlog without yielding and hold the worker that the door and every other lane
@@ -858,29 +890,14 @@ async fn a_lane_catching_up_on_a_long_backlog_lets_the_other_tasks_run() {
         "the rare destination's lane did not overflow: {lanes:?}"
     );
 
-    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let watcher = {
-        let (storage, stop) = (storage.clone(), stop.clone());
-        tokio::spawn(async move {
-            let (mut last, mut most) = (storage.bytes_read(), 0u64);
-            let start = last;
-            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
-                let now = storage.bytes_read();
-                most = most.max(now - last);
-                last = now;
-                tokio::task::yield_now().await;
-            }
-            (most, last - start)
-        })
-    };
+    let watcher = ReadsBetweenTurns::watch(&storage);
     sink.fault(&rare, None);
     eventually(Duration::from_secs(120), "the rare destination delivered", || sink.ids(&rare).len() == 100).await;
     eventually(Duration::from_secs(120), "the rare lane caught up", || {
         router.destinations().iter().any(|l| l.destination == rare && !l.overflowed)
     })
     .await;
-    stop.store(true, std::sync::atomic::Ordering::SeqCst);
-    let (most, total) = watcher.await.unwrap();
+    let (most, total) = watcher.stop().await;
     assert!(total > 3 << 20, "the catch-up read only {total} bytes: the test no longer scans a long backlog");
     assert!(most < 2 << 20, "{most} bytes were read between two turns of another task (of {total} in all)");
     router.shutdown().await;
@@ -918,25 +935,10 @@ async fn a_lane_re_reading_from_deep_inside_a_large_segment_lets_the_other_tasks
     .await;
     assert_eq!(wal.stats().segments, 1, "the test needs every record in one segment");
 
-    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let watcher = {
-        let (storage, stop) = (storage.clone(), stop.clone());
-        tokio::spawn(async move {
-            let (mut last, mut most) = (storage.bytes_read(), 0u64);
-            let start = last;
-            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
-                let now = storage.bytes_read();
-                most = most.max(now - last);
-                last = now;
-                tokio::task::yield_now().await;
-            }
-            (most, last - start)
-        })
-    };
+    let watcher = ReadsBetweenTurns::watch(&storage);
     sink.fault(&rare, None);
     eventually(Duration::from_secs(120), "the rare destination delivered", || sink.ids(&rare).len() == 100).await;
-    stop.store(true, std::sync::atomic::Ordering::SeqCst);
-    let (most, total) = watcher.await.unwrap();
+    let (most, total) = watcher.stop().await;
     assert!(total > 4 << 20, "the re-read walked only {total} bytes: the test no longer starts deep in a segment");
     assert!(most < 2 << 20, "{most} bytes were read between two turns of another task (of {total} in all)");
     router.shutdown().await;
