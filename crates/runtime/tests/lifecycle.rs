@@ -309,6 +309,22 @@ async fn a_request_in_flight_across_a_rotate_with_the_old_secret_is_refused_401_
     assert_eq!(&log[0].1.payload[..], b"0123456789");
 }
 
+/// Waits until `listener` counts `open` connections (`iggy_ingest_http_connections`), as
+/// scraped from the admin listener at `admin`: a client's connection taken by the
+/// daemon, which no fixed wait makes sure of on a busy machine.
+async fn connections_counted(admin: std::net::SocketAddr, listener: &str, open: u32) {
+    let want = format!("iggy_ingest_http_connections{{listener=\"{listener}\"}} {open}");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let metrics = String::from_utf8(request(admin, "GET", "/metrics", &[], "").await.body.to_vec()).unwrap();
+        if metrics.lines().any(|l| l == want) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "never counted: {want}: {metrics}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_drains_health_first_finishes_in_flight_and_closes_the_log() {
     let dir = tempfile::tempdir().unwrap();
@@ -325,15 +341,7 @@ async fn sigterm_drains_health_first_finishes_in_flight_and_closes_the_log() {
     assert_eq!(keepalive.send("GET", "/health", &[], "").await.unwrap().status, 200);
     // Both connections taken by the daemon before the stop (a fixed wait could lose
     // that race on a busy machine, and the request would arrive after the drain).
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let metrics = String::from_utf8(request(d.admin, "GET", "/metrics", &[], "").await.body.to_vec()).unwrap();
-        if metrics.lines().any(|l| l == "iggy_ingest_http_connections{listener=\"webhook\"} 2") {
-            break;
-        }
-        assert!(Instant::now() < deadline, "the two webhook connections were never counted: {metrics}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    connections_counted(d.admin, "webhook", 2).await;
 
     d.signal(libc::SIGTERM);
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -1077,15 +1085,8 @@ async fn a_half_sent_admin_request_does_not_hold_the_exit_past_the_grace_period(
     let mut held = tokio::net::TcpStream::connect(d.admin).await.unwrap();
     held.write_all(b"GET /status HTTP/1.1\r\nHost: x\r\n").await.unwrap();
     // The connection is open before the stop (the admin listener counts it).
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let metrics = String::from_utf8(request(d.admin, "GET", "/metrics", &[], "").await.body.to_vec()).unwrap();
-        if metrics.lines().any(|l| l == "iggy_ingest_http_connections{listener=\"admin\"} 2") {
-            break;
-        }
-        assert!(Instant::now() < deadline, "the held admin connection was never counted: {metrics}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    // (The scrape's own connection is the second.)
+    connections_counted(d.admin, "admin", 2).await;
     let signalled = Instant::now();
     d.signal(libc::SIGTERM);
     let status = d.wait_exit(Duration::from_secs(30));
