@@ -149,24 +149,14 @@ impl TestBroker {
     /// `Some(error)`: every `SendMessages` to `stream`/`topic` is answered with
     /// `error`'s code and stores nothing. `None`: sends succeed again.
     pub fn fail_topic(&self, stream: &str, topic: &str, error: Option<IggyError>) {
-        let key = (stream.to_owned(), topic.to_owned());
-        let mut faults = self.shared.faults();
-        match error {
-            Some(error) => faults.failing.insert(key, error.as_code()),
-            None => faults.failing.remove(&key),
-        };
+        set_code(&mut self.shared.faults().failing, stream, topic, error);
     }
 
     /// `Some(error)`: every `CreateTopic` of `stream`/`topic` is refused with `error`'s
     /// code, as the server refuses a user without the permission to create it
     /// (`Unauthorized`); nothing is created. `None`: it is created again.
     pub fn refuse_create_topic(&self, stream: &str, topic: &str, error: Option<IggyError>) {
-        let key = (stream.to_owned(), topic.to_owned());
-        let mut faults = self.shared.faults();
-        match error {
-            Some(error) => faults.create_refused.insert(key, error.as_code()),
-            None => faults.create_refused.remove(&key),
-        };
+        set_code(&mut self.shared.faults().create_refused, stream, topic, error);
     }
 
     /// `true`: every `SendMessages` to `stream`/`topic`, and every `CreateTopic`
@@ -232,4 +222,18 @@ impl Drop for TestBroker {
     fn drop(&mut self) {
         self.shared.abort_all();
     }
+}
+
+/// Sets (`Some`) or clears (`None`) the error code a fault map holds for `stream`/`topic`.
+fn set_code(
+    codes: &mut std::collections::HashMap<(String, String), u32>,
+    stream: &str,
+    topic: &str,
+    error: Option<IggyError>,
+) {
+    let key = (stream.to_owned(), topic.to_owned());
+    match error {
+        Some(error) => codes.insert(key, error.as_code()),
+        None => codes.remove(&key),
+    };
 }
