@@ -193,83 +193,7 @@ pub async fn start(mut settings: Settings, metrics: Option<PrometheusHandle>) ->
     // refused after it closes the log again, so that it is as a clean stop leaves it, not
     // taken for a crash by the next start, the log tools and an operator, and the next
     // open still tells damage in the last batch from a torn write.
-    let started = async {
-        let state_path = settings.state_path();
-        let state = {
-            // Created whole (or not at all) and its name made durable (`StateDb::open`).
-            let p = state_path.clone();
-            tokio::task::spawn_blocking(move || StateDb::open(p))
-                .await
-                .map_err(|e| StateError::Storage(format!("open task failed: {e}")))??
-        };
-        let state = Arc::new(state);
-        let idempotency = Arc::new(IdempotencyIndex::new(state.clone(), settings.idempotency_retention.as_millis() as u64));
-        let rebuilt = {
-            let (idem, wal) = (idempotency.clone(), wal.clone());
-            tokio::task::spawn_blocking(move || {
-                // Before the rebuild, which restores the keys it re-reads in their scoped form.
-                let forgotten = idem.forget_unscoped_keys_once()?;
-                if forgotten > 0 {
-                    tracing::warn!(
-                        forgotten,
-                        "delivery ids recorded before they were scoped by endpoint were forgotten; a retry of one of those deliveries is appended again"
-                    );
-                }
-                idem.rebuild(&wal, ingest::time::now_unix_ms())
-            })
-            .await
-            .map_err(|e| StateError::Storage(format!("rebuild task failed: {e}")))??
-        };
-        tracing::info!(?rebuilt, "idempotency keys rebuilt from the log");
-
-        let source_keys: Vec<String> = settings.sources.iter().map(|s| s.key.clone()).collect();
-        // A static endpoint past its `expires_at` is how an operator retires one (410 from
-        // then on), and a restart after that time must not fail: said, not refused.
-        let now_unix_ms = ingest::time::now_unix_ms();
-        for e in settings.endpoints.iter().filter(|e| e.expires_at_unix_ms.is_some_and(|t| t <= now_unix_ms)) {
-            tracing::warn!(
-                endpoint = %http_source::endpoints::id_prefix(e.id),
-                source = %e.source_key,
-                "a static endpoint is past its expires_at: it answers 410 to every request"
-            );
-        }
-        let endpoints = Arc::new(
-            EndpointRegistry::load(state.clone(), source_keys.clone(), settings.endpoints.clone())?
-                .with_tolerance_secs_max(
-                    settings.idempotency_retention.as_secs() / 2,
-                    settings.sources.iter().filter(|s| s.idempotency).map(|s| s.key.clone()).collect(),
-                ),
-        );
-        let status = Arc::new(StatusBoard::new(source_keys));
-        let health = Arc::new(Health::default());
-        health.watch_log(wal.clone());
-
-        // Delivery never waits for Iggy: the daemon accepts and holds while it is away.
-        // Pre-warmed: what a source's records can name, no more than its cap would admit.
-        let mut known_at_start: Vec<router::DestinationKey> = Vec::new();
-        for source in &settings.sources {
-            let max = settings.delivery.policies.for_source(&source.key).max_destinations;
-            for (stream, topic) in source.destinations_known_at_start().into_iter().take(max) {
-                let d = router::DestinationKey::new(stream, topic);
-                if !known_at_start.contains(&d) {
-                    known_at_start.push(d);
-                }
-            }
-        }
-        let delivery = Arc::new(
-            crate::delivery::Delivery::start(
-                &settings.delivery,
-                wal.clone(),
-                state.clone(),
-                idempotency.clone(),
-                known_at_start,
-            )
-            .map_err(StartError::Delivery)?,
-        );
-        Ok((state, idempotency, endpoints, status, health, delivery))
-    }
-    .await;
-    let (state, idempotency, endpoints, status, health, delivery) = match started {
+    let OnLog { state, idempotency, endpoints, status, health, delivery } = match open_on_log(&settings, &wal).await {
         Ok(parts) => parts,
         Err(e) => {
             if let Err(close) = wal.close().await {
@@ -451,6 +375,94 @@ pub async fn start(mut settings: Settings, metrics: Option<PrometheusHandle>) ->
         report
     });
     Ok(RunningDaemon { http_addr, admin_addr, shared, shutdown_tx, task })
+}
+
+/// What the start builds on the open log, each step of which may refuse the start.
+struct OnLog {
+    state: Arc<StateDb>,
+    idempotency: Arc<IdempotencyIndex>,
+    endpoints: Arc<EndpointRegistry>,
+    status: Arc<StatusBoard>,
+    health: Arc<Health>,
+    delivery: Arc<crate::delivery::Delivery>,
+}
+
+/// The start's steps after the log is open: the state database, the idempotency
+/// rebuild, the endpoints, delivery. [`start`] closes the log again if one fails.
+async fn open_on_log(settings: &Settings, wal: &Arc<Wal>) -> Result<OnLog, StartError> {
+    let state_path = settings.state_path();
+    let state = {
+        // Created whole (or not at all) and its name made durable (`StateDb::open`).
+        let p = state_path.clone();
+        tokio::task::spawn_blocking(move || StateDb::open(p))
+            .await
+            .map_err(|e| StateError::Storage(format!("open task failed: {e}")))??
+    };
+    let state = Arc::new(state);
+    let idempotency = Arc::new(IdempotencyIndex::new(state.clone(), settings.idempotency_retention.as_millis() as u64));
+    let rebuilt = {
+        let (idem, wal) = (idempotency.clone(), wal.clone());
+        tokio::task::spawn_blocking(move || {
+            // Before the rebuild, which restores the keys it re-reads in their scoped form.
+            let forgotten = idem.forget_unscoped_keys_once()?;
+            if forgotten > 0 {
+                tracing::warn!(
+                    forgotten,
+                    "delivery ids recorded before they were scoped by endpoint were forgotten; a retry of one of those deliveries is appended again"
+                );
+            }
+            idem.rebuild(&wal, ingest::time::now_unix_ms())
+        })
+        .await
+        .map_err(|e| StateError::Storage(format!("rebuild task failed: {e}")))??
+    };
+    tracing::info!(?rebuilt, "idempotency keys rebuilt from the log");
+
+    let source_keys: Vec<String> = settings.sources.iter().map(|s| s.key.clone()).collect();
+    // A static endpoint past its `expires_at` is how an operator retires one (410 from
+    // then on), and a restart after that time must not fail: said, not refused.
+    let now_unix_ms = ingest::time::now_unix_ms();
+    for e in settings.endpoints.iter().filter(|e| e.expires_at_unix_ms.is_some_and(|t| t <= now_unix_ms)) {
+        tracing::warn!(
+            endpoint = %http_source::endpoints::id_prefix(e.id),
+            source = %e.source_key,
+            "a static endpoint is past its expires_at: it answers 410 to every request"
+        );
+    }
+    let endpoints = Arc::new(
+        EndpointRegistry::load(state.clone(), source_keys.clone(), settings.endpoints.clone())?
+            .with_tolerance_secs_max(
+                settings.idempotency_retention.as_secs() / 2,
+                settings.sources.iter().filter(|s| s.idempotency).map(|s| s.key.clone()).collect(),
+            ),
+    );
+    let status = Arc::new(StatusBoard::new(source_keys));
+    let health = Arc::new(Health::default());
+    health.watch_log(wal.clone());
+
+    // Delivery never waits for Iggy: the daemon accepts and holds while it is away.
+    // Pre-warmed: what a source's records can name, no more than its cap would admit.
+    let mut known_at_start: Vec<router::DestinationKey> = Vec::new();
+    for source in &settings.sources {
+        let max = settings.delivery.policies.for_source(&source.key).max_destinations;
+        for (stream, topic) in source.destinations_known_at_start().into_iter().take(max) {
+            let d = router::DestinationKey::new(stream, topic);
+            if !known_at_start.contains(&d) {
+                known_at_start.push(d);
+            }
+        }
+    }
+    let delivery = Arc::new(
+        crate::delivery::Delivery::start(
+            &settings.delivery,
+            wal.clone(),
+            state.clone(),
+            idempotency.clone(),
+            known_at_start,
+        )
+        .map_err(StartError::Delivery)?,
+    );
+    Ok(OnLog { state, idempotency, endpoints, status, health, delivery })
 }
 
 /// Spawns a task the daemon cannot run without. Should it panic, `name` goes to `failed`
