@@ -149,9 +149,9 @@ fn state_command(command: StateCommand) -> ExitCode {
     // tools' unusable arguments; a database that cannot be read is a failure (1).
     match std::fs::metadata(&path) {
         Ok(m) if m.is_file() => {}
-        Err(e) if !matches!(e.kind(), std::io::ErrorKind::NotFound | std::io::ErrorKind::NotADirectory) => {
+        Err(e) if !iggy_ingest::wal_cli::is_not_there(&e) => {
             // It may well exist: a data directory of mode 0750 seen by another user.
-            eprintln!("iggy-ingest: cannot look at {}: {e} (run as the daemon's user, or as root)", path.display());
+            eprintln!("iggy-ingest: {}", iggy_ingest::wal_cli::cannot_look_at(&path, &e));
             return ExitCode::FAILURE;
         }
         _ => {

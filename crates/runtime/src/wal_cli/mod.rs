@@ -171,12 +171,21 @@ pub(crate) fn a_directory(dir: &Path) -> CliResult<()> {
     match std::fs::metadata(dir) {
         Ok(m) if m.is_dir() => Ok(()),
         Ok(_) => Err(not_a_log(dir)),
-        Err(e) if matches!(e.kind(), io::ErrorKind::NotFound | io::ErrorKind::NotADirectory) => Err(not_a_log(dir)),
-        Err(e) => Err(CliError::Failed(format!(
-            "cannot look at {}: {e} (run as the daemon's user, or as root)",
-            dir.display()
-        ))),
+        Err(e) if is_not_there(&e) => Err(not_a_log(dir)),
+        Err(e) => Err(CliError::Failed(cannot_look_at(dir, &e))),
     }
+}
+
+/// Whether looking at a path failed because nothing is there (the path, or a directory
+/// on its way): an argument error. Anything else (permission denied, a loop of links)
+/// says nothing of whether it exists.
+pub fn is_not_there(e: &io::Error) -> bool {
+    matches!(e.kind(), io::ErrorKind::NotFound | io::ErrorKind::NotADirectory)
+}
+
+/// The one line said of a path that cannot be looked at.
+pub fn cannot_look_at(path: &Path, e: &io::Error) -> String {
+    format!("cannot look at {}: {e} (run as the daemon's user, or as root)", path.display())
 }
 
 /// Opens the log in `dir` read-only, refusing a path that is not a log directory.
