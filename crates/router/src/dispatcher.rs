@@ -246,7 +246,7 @@ impl<S: Sink, C: CursorStore> Dispatcher<S, C> {
             self.reject_for_cap(&key, rec.offset, envelope);
             return Routing::Done;
         };
-        let routed = Routed { offset: rec.offset, envelope, dead_letter_reason: None };
+        let routed = Routed::new(rec.offset, envelope, None);
         let space = lane.space.notified();
         tokio::pin!(space);
         space.as_mut().enable();
@@ -411,7 +411,7 @@ impl<S: Sink, C: CursorStore> Dispatcher<S, C> {
             }
             OnAdmissionFailure::DeadLetter => match (dead_letter_lane, &policy.dead_letter) {
                 (Some(dl), _) => {
-                    let routed = Routed { offset, envelope, dead_letter_reason: Some("cap") };
+                    let routed = Routed::new(offset, envelope, Some("cap"));
                     let _ = dl.offer(routed, policy.lane_queue_max_records, policy.overflow_after, false);
                 }
                 (None, Some(dlq)) if route.share.dead_letter_given_up => {

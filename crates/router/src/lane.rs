@@ -71,6 +71,17 @@ pub(crate) struct Routed {
     pub envelope: Envelope,
     /// Why this record is on the dead-letter lane, if it is.
     pub dead_letter_reason: Option<&'static str>,
+    /// The bytes its message takes in a send, at most ([`send_bytes`]): computed once,
+    /// looked at by every batch bound it meets.
+    send_bytes: usize,
+}
+
+impl Routed {
+    pub(crate) fn new(offset: u64, envelope: Envelope, dead_letter_reason: Option<&'static str>) -> Routed {
+        let mut r = Routed { offset, envelope, dead_letter_reason, send_bytes: 0 };
+        r.send_bytes = send_bytes(&r);
+        r
+    }
 }
 
 /// What the dispatcher and the lane share, under one lock.
@@ -954,7 +965,7 @@ fn own_record(lane: &Lane, rec: Record) -> Option<Routed> {
     }
     let reason = (lane.belongs)(&lane.key, &summary)?;
     let envelope = Envelope::decode(&rec.payload).ok()?;
-    Some(Routed { offset: rec.offset, envelope, dead_letter_reason: reason })
+    Some(Routed::new(rec.offset, envelope, reason))
 }
 
 /// What a queued record holds in memory, as `lane_queue_max_bytes` counts it: its
@@ -1001,14 +1012,14 @@ struct BatchBytes {
 impl BatchBytes {
     fn add(&mut self, r: &Routed) {
         self.payload += r.envelope.payload.len();
-        self.send += send_bytes(r);
+        self.send += r.send_bytes;
     }
 
     /// Whether adding `r` would pass either bound (a batch's first record is taken
     /// whatever its size: it goes alone).
     fn would_pass(&self, r: &Routed, max_payload_bytes: usize) -> bool {
         self.payload + r.envelope.payload.len() > max_payload_bytes
-            || self.send + send_bytes(r) > crate::SEND_MESSAGES_MAX_BYTES
+            || self.send + r.send_bytes > crate::SEND_MESSAGES_MAX_BYTES
     }
 
     fn full(&self, max_payload_bytes: usize) -> bool {
@@ -1840,7 +1851,7 @@ mod tests {
         let record = Envelope::encode(&header, b"0123456789");
         let mut queued = 0u64;
         loop {
-            let r = Routed { offset: queued, envelope: Envelope::decode(&record).unwrap(), dead_letter_reason: None };
+            let r = Routed::new(queued, Envelope::decode(&record).unwrap(), None);
             lane.offer(r, 100_000, Duration::from_secs(3600), false).unwrap();
             if lane.is_overflowed() {
                 break;
@@ -1871,7 +1882,7 @@ mod tests {
             },
         };
         let record = Envelope::encode(&header, b"{}");
-        Routed { offset, envelope: Envelope::decode(&record).unwrap(), dead_letter_reason: None }
+        Routed::new(offset, Envelope::decode(&record).unwrap(), None)
     }
 
     /// A shed queue is re-read from its first record, past everything queued and skipped
@@ -1951,11 +1962,7 @@ mod tests {
             },
         };
         let record = Envelope::encode(&header, &vec![b'p'; payload_bytes]);
-        Routed {
-            offset,
-            envelope: Envelope::decode(&record).unwrap(),
-            dead_letter_reason: dead_letter.then_some("cap"),
-        }
+        Routed::new(offset, Envelope::decode(&record).unwrap(), dead_letter.then_some("cap"))
     }
 
     /// `send_bytes` is what a message takes in a send as the sink encodes it (its
@@ -1971,9 +1978,9 @@ mod tests {
             let headers = sent[0].user_headers.as_ref().map_or(0, |h| h.len());
             let taken = 64 + 16 + sent[0].payload.len() + headers;
             if dead_letter {
-                assert!(send_bytes(&r) >= taken, "{forwarded} forwarded: {} < {taken}", send_bytes(&r));
+                assert!(r.send_bytes >= taken, "{forwarded} forwarded: {} < {taken}", r.send_bytes);
             } else {
-                assert_eq!(send_bytes(&r), taken, "{forwarded} forwarded");
+                assert_eq!(r.send_bytes, taken, "{forwarded} forwarded");
             }
         }
     }
@@ -1985,7 +1992,7 @@ mod tests {
     fn a_batch_stops_at_the_bytes_one_send_may_carry() {
         let budget = Arc::new(QueueBudget::new(usize::MAX));
         let mut g = Gate::new(0, budget);
-        let each = send_bytes(&heavy_routed(0, 100, crate::FORWARD_HEADERS_MAX, false));
+        let each = heavy_routed(0, 100, crate::FORWARD_HEADERS_MAX, false).send_bytes;
         let fit = crate::SEND_MESSAGES_MAX_BYTES / each;
         for i in 0..2 * fit as u64 {
             g.push(heavy_routed(i, 100, crate::FORWARD_HEADERS_MAX, false)).unwrap();
