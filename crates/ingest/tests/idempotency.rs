@@ -224,79 +224,31 @@ async fn keys_of_records_a_salvage_skipped_are_forgotten_and_their_retries_appen
     assert_eq!((again.first_offset, again.replayed), (retry.first_offset, true));
 }
 
-/// A storage double: the simulated disk, whose syncs wait while `hold` is set, so a test
+/// Hooks for the simulated disk under which syncs wait while `hold` is set, so a test
 /// can keep an append in flight for as long as it needs.
-#[derive(Debug, Clone)]
-struct HeldSyncs {
-    sim: SimStorage,
-    gate: Arc<(std::sync::Mutex<bool>, std::sync::Condvar)>,
+#[derive(Debug, Default)]
+struct HoldSyncs {
+    held: std::sync::Mutex<bool>,
+    released: std::sync::Condvar,
 }
 
-impl HeldSyncs {
-    fn hold(&self, on: bool) {
-        *self.gate.0.lock().unwrap() = on;
-        self.gate.1.notify_all();
-    }
-}
-
-#[derive(Debug)]
-struct HeldFile {
-    file: Arc<dyn wal::storage::StorageFile>,
-    gate: Arc<(std::sync::Mutex<bool>, std::sync::Condvar)>,
-}
-
-impl wal::storage::Storage for HeldSyncs {
-    fn create_dir_all(&self, dir: &Path) -> std::io::Result<Vec<std::path::PathBuf>> {
-        self.sim.create_dir_all(dir)
-    }
-    fn list_dir(&self, dir: &Path) -> std::io::Result<Vec<String>> {
-        self.sim.list_dir(dir)
-    }
-    fn open(&self, path: &Path, mode: wal::storage::OpenMode) -> std::io::Result<Arc<dyn wal::storage::StorageFile>> {
-        Ok(Arc::new(HeldFile { file: self.sim.open(path, mode)?, gate: self.gate.clone() }))
-    }
-    fn rename(&self, from: &Path, to: &Path) -> std::io::Result<()> {
-        self.sim.rename(from, to)
-    }
-    fn remove_file(&self, path: &Path) -> std::io::Result<()> {
-        self.sim.remove_file(path)
-    }
-    fn sync_dir(&self, dir: &Path) -> std::io::Result<()> {
-        self.sim.sync_dir(dir)
-    }
-    fn try_lock(&self, path: &Path) -> std::io::Result<Box<dyn Send + Sync>> {
-        self.sim.try_lock(path)
-    }
-    fn is_locked(&self, path: &Path) -> std::io::Result<bool> {
-        self.sim.is_locked(path)
-    }
-}
-
-impl wal::storage::StorageFile for HeldFile {
-    fn read_at(&self, buf: &mut [u8], pos: u64) -> std::io::Result<usize> {
-        self.file.read_at(buf, pos)
-    }
-    fn write_all_at(&self, buf: &[u8], pos: u64) -> std::io::Result<()> {
-        self.file.write_all_at(buf, pos)
-    }
-    fn sync_data(&self) -> std::io::Result<()> {
-        let (held, released) = &*self.gate;
-        let mut h = held.lock().unwrap();
+impl wal::storage::Hooks for HoldSyncs {
+    fn sync_data(&self, file: &dyn wal::storage::StorageFile) -> std::io::Result<()> {
+        let mut h = self.held.lock().unwrap();
         while *h {
-            h = released.wait(h).unwrap();
+            h = self.released.wait(h).unwrap();
         }
         drop(h);
-        self.file.sync_data()
+        file.sync_data()
     }
-    fn len(&self) -> std::io::Result<u64> {
-        self.file.len()
-    }
-    fn set_len(&self, len: u64) -> std::io::Result<()> {
-        self.file.set_len(len)
-    }
-    fn drop_cached(&self) -> std::io::Result<()> {
-        self.file.drop_cached()
-    }
+}
+
+/// A storage double: the simulated disk, whose syncs can be held ([`HoldSyncs`]).
+type HeldSyncs = wal::storage::HookedStorage<HoldSyncs>;
+
+fn hold(storage: &HeldSyncs, on: bool) {
+    *storage.hooks().held.lock().unwrap() = on;
+    storage.hooks().released.notify_all();
 }
 
 /// Two requests with one delivery id at once: while the first is being appended (its
@@ -306,20 +258,20 @@ impl wal::storage::StorageFile for HeldFile {
 async fn a_twin_arriving_while_its_delivery_is_appended_is_refused_and_appends_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let state = Arc::new(StateDb::open(dir.path().join("state.redb")).unwrap());
-    let storage = HeldSyncs { sim: SimStorage::new(), gate: Arc::default() };
+    let storage = HeldSyncs::new(Arc::new(SimStorage::new()), HoldSyncs::default());
     let wal = Arc::new(Wal::open_with(Arc::new(storage.clone()), Path::new("/wal"), WalOptions::default()).unwrap());
     let now = ingest::time::now_unix_ms();
     let (ingestor, _) = start(&state, &wal, now);
     let ingestor = Arc::new(ingestor);
     ingestor.accept(submission(Some("d-0"), now)).await.unwrap();
 
-    storage.hold(true);
+    hold(&storage, true);
     // Released however the test ends: the log's writer, waiting in a held sync, would
     // otherwise keep a failing test from dropping its log.
     struct Release(HeldSyncs);
     impl Drop for Release {
         fn drop(&mut self) {
-            self.0.hold(false);
+            hold(&self.0, false);
         }
     }
     let _release = Release(storage.clone());
@@ -342,7 +294,7 @@ async fn a_twin_arriving_while_its_delivery_is_appended_is_refused_and_appends_n
     let replay = tokio::time::timeout(Duration::from_secs(5), ingestor.replay_of(&key, now)).await;
     assert!(matches!(replay, Ok(Err(ingest::IngestError::InFlight))), "{replay:?}");
 
-    storage.hold(false);
+    hold(&storage, false);
     let accepted = first.await.unwrap().unwrap();
     assert_eq!((accepted.first_offset, accepted.replayed), (1, false));
     let retry = ingestor.accept(submission(Some("d-1"), now)).await.unwrap();

@@ -8,7 +8,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use common::*;
 use wal::format::segment_file_name;
-use wal::storage::{CrashMode, FaultOp, SimStorage};
+use wal::storage::{CrashMode, FaultOp, HookedStorage, SimStorage};
 use wal::{SyncPolicy, WalError, WalOptions};
 
 #[test]
@@ -156,7 +156,7 @@ fn interval_policy_resolves_before_sync_but_readers_wait_for_the_sync() {
 #[test]
 fn interval_policy_syncs_on_time_under_steady_load() {
     let sim = SimStorage::new();
-    let storage = Arc::new(SlowWrites { sim, write_delay: Duration::from_millis(2) });
+    let storage = Arc::new(HookedStorage::new(Arc::new(sim), SlowWrites { write_delay: Duration::from_millis(2) }));
     let opts = WalOptions {
         sync: SyncPolicy::Interval(Duration::from_millis(1)),
         group_max_bytes: 1,

@@ -349,46 +349,25 @@ fn a_writer_without_a_watermark_yet_is_waited_for() {
     assert_eq!(copied(&sim), vec![(0, 0), (1, 1), (2, 2)]);
 }
 
-/// The simulated disk, but the first open of `released` finds it gone: the live
-/// writer released it between the copy's listing and its open.
+/// Hooks for the simulated disk under which the first open of `released` finds it gone:
+/// the live writer released it between the copy's listing and its open.
 #[derive(Debug)]
 struct ReleasedBeforeOpen {
-    sim: SimStorage,
     released: PathBuf,
     done: std::sync::atomic::AtomicBool,
 }
 
-impl Storage for ReleasedBeforeOpen {
-    fn create_dir_all(&self, dir: &std::path::Path) -> std::io::Result<Vec<PathBuf>> {
-        self.sim.create_dir_all(dir)
-    }
-    fn list_dir(&self, dir: &std::path::Path) -> std::io::Result<Vec<String>> {
-        self.sim.list_dir(dir)
-    }
+impl wal::storage::Hooks for ReleasedBeforeOpen {
     fn open(
         &self,
+        inner: &dyn Storage,
         path: &std::path::Path,
         mode: wal::storage::OpenMode,
     ) -> std::io::Result<Arc<dyn wal::storage::StorageFile>> {
         if path == self.released && !self.done.swap(true, std::sync::atomic::Ordering::SeqCst) {
             return Err(std::io::Error::from(std::io::ErrorKind::NotFound));
         }
-        self.sim.open(path, mode)
-    }
-    fn rename(&self, from: &std::path::Path, to: &std::path::Path) -> std::io::Result<()> {
-        self.sim.rename(from, to)
-    }
-    fn remove_file(&self, path: &std::path::Path) -> std::io::Result<()> {
-        self.sim.remove_file(path)
-    }
-    fn sync_dir(&self, dir: &std::path::Path) -> std::io::Result<()> {
-        self.sim.sync_dir(dir)
-    }
-    fn try_lock(&self, path: &std::path::Path) -> std::io::Result<Box<dyn Send + Sync>> {
-        self.sim.try_lock(path)
-    }
-    fn is_locked(&self, path: &std::path::Path) -> std::io::Result<bool> {
-        self.sim.is_locked(path)
+        inner.open(path, mode)
     }
 }
 
@@ -401,11 +380,10 @@ fn a_segment_released_under_a_copy_beside_a_live_writer_makes_it_unsettled() {
     append_tagged(&wal, 0..40, 300);
     let bases = segment_files(&sim, &dir());
     assert!(bases.len() >= 3, "{bases:?}");
-    let storage = ReleasedBeforeOpen {
-        sim: sim.clone(),
-        released: dir().join(&bases[0]),
-        done: std::sync::atomic::AtomicBool::new(false),
-    };
+    let storage = wal::storage::HookedStorage::new(
+        Arc::new(sim.clone()),
+        ReleasedBeforeOpen { released: dir().join(&bases[0]), done: std::sync::atomic::AtomicBool::new(false) },
+    );
     match salvage_copy(&storage, &dir(), &out_dir()) {
         Err(e @ wal::WalError::Unsettled { .. }) => assert!(e.to_string().contains("released"), "{e}"),
         other => panic!("{other:?}"),

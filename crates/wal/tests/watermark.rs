@@ -135,7 +135,7 @@ fn a_release_right_after_a_rotation_leaves_read_only_opens_working() {
     drop(wal);
 }
 
-/// A storage double: the simulated disk, on which a writer starts (it takes the log's
+/// Hooks for the simulated disk `sim` under which a writer starts (it takes the log's
 /// lock and removes the previous writer's watermark, as a starting daemon does) the first
 /// time a reader opens a segment file, or, `at_marker`, the clean-shutdown marker (and
 /// then the writer's recovery takes the marker away before the reader can open it).
@@ -151,15 +151,10 @@ impl std::fmt::Debug for WriterStartsDuringRead {
     }
 }
 
-impl Storage for WriterStartsDuringRead {
-    fn create_dir_all(&self, dir: &std::path::Path) -> std::io::Result<Vec<std::path::PathBuf>> {
-        self.sim.create_dir_all(dir)
-    }
-    fn list_dir(&self, dir: &std::path::Path) -> std::io::Result<Vec<String>> {
-        self.sim.list_dir(dir)
-    }
+impl wal::storage::Hooks for WriterStartsDuringRead {
     fn open(
         &self,
+        inner: &dyn Storage,
         path: &std::path::Path,
         mode: wal::storage::OpenMode,
     ) -> std::io::Result<Arc<dyn wal::storage::StorageFile>> {
@@ -179,22 +174,7 @@ impl Storage for WriterStartsDuringRead {
             }
         }
         drop(taken);
-        self.sim.open(path, mode)
-    }
-    fn rename(&self, from: &std::path::Path, to: &std::path::Path) -> std::io::Result<()> {
-        self.sim.rename(from, to)
-    }
-    fn remove_file(&self, path: &std::path::Path) -> std::io::Result<()> {
-        self.sim.remove_file(path)
-    }
-    fn sync_dir(&self, dir: &std::path::Path) -> std::io::Result<()> {
-        self.sim.sync_dir(dir)
-    }
-    fn try_lock(&self, path: &std::path::Path) -> std::io::Result<Box<dyn Send + Sync>> {
-        self.sim.try_lock(path)
-    }
-    fn is_locked(&self, path: &std::path::Path) -> std::io::Result<bool> {
-        self.sim.is_locked(path)
+        inner.open(path, mode)
     }
 }
 
@@ -215,7 +195,10 @@ fn a_writer_that_starts_during_a_read_only_read_makes_it_read_again_or_report_un
         let racing = || {
             // Each reader finds the log as the clean close left it.
             sim.write_file_durably(&marker_path, &marker).unwrap();
-            Arc::new(WriterStartsDuringRead { sim: sim.clone(), taken: std::sync::Mutex::new(None), at_marker })
+            Arc::new(wal::storage::HookedStorage::new(
+                Arc::new(sim.clone()),
+                WriterStartsDuringRead { sim: sim.clone(), taken: std::sync::Mutex::new(None), at_marker },
+            ))
         };
         reads_again_or_report_unsettled(racing, &std::path::PathBuf::from(format!("/sim/copy-{at_marker}")));
     }
@@ -224,25 +207,28 @@ fn a_writer_that_starts_during_a_read_only_read_makes_it_read_again_or_report_un
 /// A read-only open, a verify and a salvage copy, each on a fresh `racing()` storage,
 /// report the log unsettled (the double's writer never publishes a watermark): not an
 /// error of the log, as a file the starting writer removed under the read would be.
-fn reads_again_or_report_unsettled(racing: impl Fn() -> Arc<WriterStartsDuringRead>, copy: &std::path::Path) {
+fn reads_again_or_report_unsettled(
+    racing: impl Fn() -> Arc<wal::storage::HookedStorage<WriterStartsDuringRead>>,
+    copy: &std::path::Path,
+) {
     // Each double's writer lets go of the lock when the double is dropped, at the end of
     // its block: the next reader starts on a log nobody holds.
     {
         let storage = racing();
         let opened = Wal::open_read_only_with(storage.clone() as Arc<dyn Storage>, &dir());
-        assert!(storage.taken.lock().unwrap().is_some(), "the double did not take the lock");
+        assert!(storage.hooks().taken.lock().unwrap().is_some(), "the double did not take the lock");
         assert!(matches!(opened, Err(wal::WalError::Unsettled { .. })), "read-only open: {opened:?}");
     }
     {
         let storage = racing();
         let verified = inspect::verify(&*storage, &dir(), &mut |_| {});
-        assert!(storage.taken.lock().unwrap().is_some(), "the double did not take the lock");
+        assert!(storage.hooks().taken.lock().unwrap().is_some(), "the double did not take the lock");
         assert!(matches!(verified, Err(wal::WalError::Unsettled { .. })), "verify: {verified:?}");
     }
     {
         let storage = racing();
         let copied = wal::salvage_copy::salvage_copy(&*storage, &dir(), copy);
-        assert!(storage.taken.lock().unwrap().is_some(), "the double did not take the lock");
+        assert!(storage.hooks().taken.lock().unwrap().is_some(), "the double did not take the lock");
         assert!(matches!(copied, Err(wal::WalError::Unsettled { .. })), "salvage_copy: {copied:?}");
     }
 }

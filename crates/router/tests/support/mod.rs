@@ -6,7 +6,7 @@
 #![allow(dead_code)]
 
 use std::collections::{BTreeMap, HashMap};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -15,7 +15,7 @@ use bytes::Bytes;
 use ingest::envelope::{Destination, Envelope, EnvelopeHeader, Partitioning};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use router::{DestinationKey, OutMessage, SendError, SendErrorKind, Sink, TopicInfo};
-use wal::storage::{OpenMode, SimStorage, Storage, StorageFile};
+use wal::storage::{HookedStorage, Hooks, SimStorage, Storage, StorageFile};
 use wal::{Wal, WalOptions};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -351,26 +351,33 @@ where
     });
 }
 
+/// Hooks for the simulated disk that count the bytes read from its files.
+#[derive(Debug, Default)]
+pub struct CountReads {
+    bytes_read: AtomicU64,
+}
+
+impl Hooks for CountReads {
+    fn read_at(&self, file: &dyn StorageFile, buf: &mut [u8], pos: u64) -> std::io::Result<usize> {
+        let n = file.read_at(buf, pos)?;
+        self.bytes_read.fetch_add(n as u64, Ordering::SeqCst);
+        Ok(n)
+    }
+}
+
 /// A storage double: the simulated disk, counting the bytes read from its files.
 #[derive(Debug, Clone)]
 pub struct CountingReads {
-    pub sim: SimStorage,
-    pub bytes_read: Arc<AtomicU64>,
-}
-
-#[derive(Debug)]
-struct CountedFile {
-    file: Arc<dyn StorageFile>,
-    bytes_read: Arc<AtomicU64>,
+    storage: HookedStorage<CountReads>,
 }
 
 impl CountingReads {
     pub fn new(sim: &SimStorage) -> CountingReads {
-        CountingReads { sim: sim.clone(), bytes_read: Arc::default() }
+        CountingReads { storage: HookedStorage::new(Arc::new(sim.clone()), CountReads::default()) }
     }
 
     pub fn bytes_read(&self) -> u64 {
-        self.bytes_read.load(Ordering::SeqCst)
+        self.storage.hooks().bytes_read.load(Ordering::SeqCst)
     }
 
     /// The log of [`open_wal`] on this storage.
@@ -382,56 +389,6 @@ impl CountingReads {
     pub fn open_wal_with_segments_of(&self, segment_max_bytes: u64) -> Arc<Wal> {
         let opts =
             WalOptions { segment_max_bytes, max_bytes: (64 << 20).max(2 * segment_max_bytes), ..WalOptions::default() };
-        Arc::new(Wal::open_with(Arc::new(self.clone()) as Arc<dyn Storage>, &PathBuf::from("/sim/log"), opts).unwrap())
-    }
-}
-
-impl Storage for CountingReads {
-    fn create_dir_all(&self, dir: &Path) -> std::io::Result<Vec<PathBuf>> {
-        self.sim.create_dir_all(dir)
-    }
-    fn list_dir(&self, dir: &Path) -> std::io::Result<Vec<String>> {
-        self.sim.list_dir(dir)
-    }
-    fn open(&self, path: &Path, mode: OpenMode) -> std::io::Result<Arc<dyn StorageFile>> {
-        Ok(Arc::new(CountedFile { file: self.sim.open(path, mode)?, bytes_read: self.bytes_read.clone() }))
-    }
-    fn rename(&self, from: &Path, to: &Path) -> std::io::Result<()> {
-        self.sim.rename(from, to)
-    }
-    fn remove_file(&self, path: &Path) -> std::io::Result<()> {
-        self.sim.remove_file(path)
-    }
-    fn sync_dir(&self, dir: &Path) -> std::io::Result<()> {
-        self.sim.sync_dir(dir)
-    }
-    fn try_lock(&self, path: &Path) -> std::io::Result<Box<dyn Send + Sync>> {
-        self.sim.try_lock(path)
-    }
-    fn is_locked(&self, path: &Path) -> std::io::Result<bool> {
-        self.sim.is_locked(path)
-    }
-}
-
-impl StorageFile for CountedFile {
-    fn read_at(&self, buf: &mut [u8], pos: u64) -> std::io::Result<usize> {
-        let n = self.file.read_at(buf, pos)?;
-        self.bytes_read.fetch_add(n as u64, Ordering::SeqCst);
-        Ok(n)
-    }
-    fn write_all_at(&self, buf: &[u8], pos: u64) -> std::io::Result<()> {
-        self.file.write_all_at(buf, pos)
-    }
-    fn sync_data(&self) -> std::io::Result<()> {
-        self.file.sync_data()
-    }
-    fn len(&self) -> std::io::Result<u64> {
-        self.file.len()
-    }
-    fn set_len(&self, len: u64) -> std::io::Result<()> {
-        self.file.set_len(len)
-    }
-    fn drop_cached(&self) -> std::io::Result<()> {
-        self.file.drop_cached()
+        Arc::new(Wal::open_with(Arc::new(self.storage.clone()), &PathBuf::from("/sim/log"), opts).unwrap())
     }
 }

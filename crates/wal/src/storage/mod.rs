@@ -5,6 +5,8 @@
 //! was written and what was made durable, and can lose power, tear unsynced writes and
 //! fail any chosen operation. The log is written against the trait only, so every crash
 //! and fault the simulation can produce is one the log has been tested against.
+//! [`HookedStorage`] (same feature) wraps either with a test's own change to some calls
+//! (a slow write, a held sync, a counted read).
 //!
 //! The contract the log relies on (and that the simulation enforces, see `sim.rs`):
 //! - `StorageFile::sync_data` makes the file's written bytes and length durable. Until
@@ -19,6 +21,8 @@
 
 mod fs;
 #[cfg(any(test, feature = "sim"))]
+pub mod hooked;
+#[cfg(any(test, feature = "sim"))]
 pub mod sim;
 
 use std::fmt::Debug;
@@ -27,6 +31,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 pub use fs::FsStorage;
+#[cfg(any(test, feature = "sim"))]
+pub use hooked::{HookedStorage, Hooks};
 #[cfg(any(test, feature = "sim"))]
 pub use sim::{CrashMode, FaultOp, SimStorage};
 

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use wal::storage::{OpenMode, SimStorage, Storage, StorageFile};
+use wal::storage::{Hooks, SimStorage, Storage, StorageFile};
 use wal::{Record, Wal, WalOptions};
 
 pub fn dir() -> PathBuf {
@@ -72,65 +72,17 @@ pub fn segment_files(sim: &SimStorage, dir: &Path) -> Vec<String> {
     v
 }
 
-/// The simulated disk, but every file write takes at least `write_delay` (a busy disk, or
-/// the kernel throttling dirty pages: what a log under steady load meets).
+/// Hooks for the simulated disk under which every file write takes at least
+/// `write_delay` (a busy disk, or the kernel throttling dirty pages: what a log under
+/// steady load meets).
 #[derive(Debug)]
 pub struct SlowWrites {
-    pub sim: SimStorage,
     pub write_delay: Duration,
 }
 
-#[derive(Debug)]
-struct SlowFile {
-    file: Arc<dyn StorageFile>,
-    write_delay: Duration,
-}
-
-impl Storage for SlowWrites {
-    fn create_dir_all(&self, dir: &Path) -> io::Result<Vec<PathBuf>> {
-        self.sim.create_dir_all(dir)
-    }
-    fn list_dir(&self, dir: &Path) -> io::Result<Vec<String>> {
-        self.sim.list_dir(dir)
-    }
-    fn open(&self, path: &Path, mode: OpenMode) -> io::Result<Arc<dyn StorageFile>> {
-        Ok(Arc::new(SlowFile { file: self.sim.open(path, mode)?, write_delay: self.write_delay }))
-    }
-    fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
-        self.sim.rename(from, to)
-    }
-    fn remove_file(&self, path: &Path) -> io::Result<()> {
-        self.sim.remove_file(path)
-    }
-    fn sync_dir(&self, dir: &Path) -> io::Result<()> {
-        self.sim.sync_dir(dir)
-    }
-    fn try_lock(&self, path: &Path) -> io::Result<Box<dyn Send + Sync>> {
-        self.sim.try_lock(path)
-    }
-    fn is_locked(&self, path: &Path) -> io::Result<bool> {
-        self.sim.is_locked(path)
-    }
-}
-
-impl StorageFile for SlowFile {
-    fn read_at(&self, buf: &mut [u8], pos: u64) -> io::Result<usize> {
-        self.file.read_at(buf, pos)
-    }
-    fn write_all_at(&self, buf: &[u8], pos: u64) -> io::Result<()> {
+impl Hooks for SlowWrites {
+    fn write_all_at(&self, file: &dyn StorageFile, buf: &[u8], pos: u64) -> io::Result<()> {
         std::thread::sleep(self.write_delay);
-        self.file.write_all_at(buf, pos)
-    }
-    fn sync_data(&self) -> io::Result<()> {
-        self.file.sync_data()
-    }
-    fn len(&self) -> io::Result<u64> {
-        self.file.len()
-    }
-    fn set_len(&self, len: u64) -> io::Result<()> {
-        self.file.set_len(len)
-    }
-    fn drop_cached(&self) -> io::Result<()> {
-        self.file.drop_cached()
+        file.write_all_at(buf, pos)
     }
 }
