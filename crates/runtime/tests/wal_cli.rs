@@ -714,6 +714,61 @@ fn dump_stops_cleanly_when_its_reader_goes_away() {
     assert!(err.is_empty(), "{err}");
 }
 
+/// What a shell command run on a terminal (a pseudo-terminal from `script`, for standard
+/// output and error unless the command redirects them) wrote there.
+fn on_a_terminal(command: &str) -> String {
+    let o = Command::new("script").args(["-qec", command, "/dev/null"]).stdin(Stdio::null()).output().unwrap();
+    assert!(o.status.success(), "{command}: {o:?}");
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+/// The scans of a whole log (`inspect`, `verify`, and `dump` into a file) show a progress
+/// bar when standard error is a terminal, and clear it; `dump` whose lines go to the
+/// terminal itself, or through a pipe to another program that shows them there, draws
+/// none, so no bar tears them.
+#[test]
+fn long_scans_show_a_progress_bar_on_a_terminal_but_never_across_their_own_lines() {
+    const TEST: &str = "long_scans_show_a_progress_bar_on_a_terminal_but_never_across_their_own_lines";
+    if Command::new("script").arg("--version").output().is_err() {
+        skip_or_fail(TEST, "`script` (util-linux) is not installed");
+        return;
+    }
+    let root = tempfile::tempdir().unwrap();
+    let dir = make_log(root.path(), 300, WalOptions { segment_max_bytes: 1 << 20, ..small() });
+    let (bin, d) = (env!("CARGO_BIN_EXE_iggy-ingest"), dir.display());
+    let out = root.path().join("dump.txt");
+    const CLEAR_LINE: &str = "\u{1b}[2K";
+
+    for (what, command) in [
+        ("inspect", format!("'{bin}' wal inspect '{d}' > /dev/null")),
+        ("inspect --json", format!("'{bin}' wal inspect '{d}' --json | cat > /dev/null")),
+        ("dump > FILE", format!("'{bin}' wal dump '{d}' > '{}'", out.display())),
+    ] {
+        let screen = on_a_terminal(&command);
+        assert!(screen.contains("/300 records"), "{what}: no bar on the terminal: {screen:?}");
+        assert!(screen.trim_end().ends_with(CLEAR_LINE), "{what}: the bar was left on the screen: {screen:?}");
+    }
+    assert_eq!(std::fs::read_to_string(&out).unwrap().lines().filter(|l| l.starts_with('#')).count(), 300);
+
+    let screen = on_a_terminal(&format!("'{bin}' wal verify '{d}' > /dev/null"));
+    assert!(screen.contains(" eta "), "verify: no bar on the terminal: {screen:?}");
+
+    for (what, command) in
+        [("dump", format!("'{bin}' wal dump '{d}'")), ("dump | cat", format!("'{bin}' wal dump '{d}' --json | cat"))]
+    {
+        let screen = on_a_terminal(&command);
+        assert_eq!(
+            screen.lines().filter(|l| l.starts_with("#0 ") || l.contains("\"offset\":0,")).count(),
+            1,
+            "{what}: {screen:?}"
+        );
+        assert!(
+            !screen.contains(" records ") && !screen.contains(CLEAR_LINE),
+            "{what}: a bar across the lines: {screen:?}"
+        );
+    }
+}
+
 /// `tail -n N` with a filter starts with the last N records that match, however far back
 /// they are, not with the matches among the last N records.
 #[test]

@@ -256,8 +256,10 @@ pub(crate) fn run(a: DumpArgs) -> CliResult {
     if a.limit == Some(0) {
         return Ok(ExitCode::SUCCESS);
     }
+    let progress = super::ScanProgress::new(from, wal.next_offset(), !super::stdout_is_a_file());
     for r in records {
         let r = r.map_err(|e| wal_error(&a.dir, e))?;
+        progress.at(r.offset);
         let envelope = Envelope::decode(&r.payload);
         if !filter.matches(envelope.as_ref().ok()) {
             continue;

@@ -147,8 +147,10 @@ pub(crate) fn run(a: InspectArgs) -> CliResult {
         let count_held = cursor_source == "state";
         let mut seg_iter = segments.iter().peekable();
         let records = wal::inspect::Records::new(&wal, wal.start_offset()).map_err(|e| wal_error(&a.dir, e))?;
+        let progress = super::ScanProgress::new(wal.start_offset(), wal.next_offset(), false);
         for r in records {
             let r = r.map_err(|e| wal_error(&a.dir, e))?;
+            progress.at(r.offset);
             while seg_iter.peek().is_some_and(|s| r.offset >= s.next_offset) {
                 seg_iter.next();
             }

@@ -21,6 +21,8 @@
 //! - Output is streamed and a closed pipe (`| head`) ends the command quietly with 0.
 //! - No record's bytes are trusted: a record that is not an envelope is shown as such
 //!   (base64), never a reason to stop.
+//! - A progress bar is drawn on standard error only while it is a terminal and nothing
+//!   the command writes meanwhile could reach the same screen ([`ScanProgress`]).
 
 mod dump;
 mod inspect;
@@ -247,6 +249,51 @@ pub(crate) fn human_age(ms: u64) -> String {
         120..=7199 => format!("{}m{:02}s", s / 60, s % 60),
         _ => format!("{}h{:02}m", s / 3600, (s % 3600) / 60),
     }
+}
+
+/// A progress bar over a scan of the records `from..end`, in records, drawn on standard
+/// error only while it is a terminal and `output_while_scanning` is false: lines the
+/// scan writes meanwhile (to the terminal, or through a pipe to `jq`, `head` or `less`
+/// that shows them there) would tear the bar and be torn by it. Cleared when dropped.
+pub(crate) struct ScanProgress {
+    bar: Option<indicatif::ProgressBar>,
+    from: u64,
+}
+
+impl ScanProgress {
+    pub(crate) fn new(from: u64, end: u64, output_while_scanning: bool) -> ScanProgress {
+        let bar = (std::io::IsTerminal::is_terminal(&io::stderr()) && !output_while_scanning).then(|| {
+            let b = indicatif::ProgressBar::new(end.saturating_sub(from));
+            b.set_style(
+                indicatif::ProgressStyle::with_template("{bar:40} {human_pos}/{human_len} records, eta {eta}")
+                    .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+            );
+            b
+        });
+        ScanProgress { bar, from }
+    }
+
+    /// The scan has reached `offset`. Cheap enough for every record: one atomic store,
+    /// and a redraw at most a few times a second (indicatif's own limit).
+    pub(crate) fn at(&self, offset: u64) {
+        if let Some(b) = &self.bar {
+            b.set_position(offset.saturating_sub(self.from));
+        }
+    }
+}
+
+impl Drop for ScanProgress {
+    fn drop(&mut self) {
+        if let Some(b) = &self.bar {
+            b.finish_and_clear();
+        }
+    }
+}
+
+/// Whether standard output is a regular file (`> FILE`): what is written there is seen
+/// by no one until the command ends.
+pub(crate) fn stdout_is_a_file() -> bool {
+    std::fs::metadata("/proc/self/fd/1").is_ok_and(|m| m.is_file())
 }
 
 /// Standard output, buffered; `flush` at the end or at each followed record.
