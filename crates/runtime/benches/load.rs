@@ -17,7 +17,9 @@
 //!   `LOAD_DAEMON_EXTRA` gives an `[iggy]` address): the records are held, not delivered;
 //!
 //! in rounds (bare, daemon, floor, `LOAD_ROUNDS` times), and prints events/s, p50/p99
-//! latency, non-2xx answers and each round's ratio to the bare server as a Markdown
+//! latency, non-2xx answers, the CPU time the server's process spent per request (user
+//! and system, from `/proc`: what each design costs the machine, steadier than a rate
+//! the other tenants move) and each round's ratio to the bare server as a Markdown
 //! table, then the median ratios: the daemon's against bare (the figure the target is
 //! set on), the floor's against bare, and the daemon's against the floor (what the
 //! daemon's own work costs beside the durable write). `LOAD_FLOOR=0` leaves the floor
@@ -47,6 +49,9 @@ struct WrkResult {
     p99_ms: f64,
     non_2xx: u64,
     socket_errors: String,
+    /// CPU time the server's process spent per completed request (set by
+    /// [`run_wrk_measured`]), in microseconds.
+    cpu_us_per_request: f64,
 }
 
 fn to_ms(s: &str) -> f64 {
@@ -87,6 +92,37 @@ fn parse_wrk(out: &str) -> WrkResult {
 fn spread(mut ratios: Vec<f64>) -> (f64, f64, f64) {
     ratios.sort_by(f64::total_cmp);
     (ratios[ratios.len() / 2], ratios[0], ratios[ratios.len() - 1])
+}
+
+/// CPU time (user and system) a process has used so far, in microseconds: `None` for
+/// this one (the bench, whose only busy threads during a run are the server's under
+/// load), or a child's pid. From `/proc/PID/stat` (`utime`, `stime`, in clock ticks).
+fn cpu_us(pid: Option<u32>) -> u64 {
+    let path = pid.map_or_else(|| "/proc/self/stat".to_string(), |p| format!("/proc/{p}/stat"));
+    let stat = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
+    // The command name, field 2, is in parentheses and may hold spaces: count from after it.
+    let after_name = &stat[stat.rfind(')').expect("a stat line") + 2..];
+    let fields: Vec<&str> = after_name.split_whitespace().collect();
+    let ticks: u64 = fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap();
+    // SAFETY: sysconf reads a constant of the system.
+    let per_second = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as u64;
+    ticks * 1_000_000 / per_second
+}
+
+/// A run of wrk (see [`run_wrk`]) and the CPU the server's process (`pid`, as for
+/// [`cpu_us`]) spent per completed request meanwhile, in microseconds.
+fn run_wrk_measured(
+    url: &str,
+    script: &Path,
+    secs: u64,
+    connections: u64,
+    threads: u64,
+    pid: Option<u32>,
+) -> (WrkResult, String) {
+    let before = cpu_us(pid);
+    let (mut result, raw) = run_wrk(url, script, secs, connections, threads);
+    result.cpu_us_per_request = (cpu_us(pid) - before) as f64 / result.requests.max(1) as f64;
+    (result, raw)
 }
 
 fn run_wrk(url: &str, script: &Path, secs: u64, connections: u64, threads: u64) -> (WrkResult, String) {
@@ -299,16 +335,34 @@ fn main() {
     let mut rounds: Vec<(WrkResult, WrkResult)> = Vec::new();
     let mut floors: Vec<WrkResult> = Vec::new();
     for round in 1..=rounds_wanted {
-        let (bare, bare_raw) =
-            run_wrk(&format!("http://{bare_addr}/v1/sources/default"), &script, secs, connections, threads);
+        let (bare, bare_raw) = run_wrk_measured(
+            &format!("http://{bare_addr}/v1/sources/default"),
+            &script,
+            secs,
+            connections,
+            threads,
+            None,
+        );
         eprintln!("--- round {round}, wrk, bare server ---\n{bare_raw}");
-        let (durable, durable_raw) =
-            run_wrk(&format!("http://{http}/v1/sources/default"), &script, secs, connections, threads);
+        let (durable, durable_raw) = run_wrk_measured(
+            &format!("http://{http}/v1/sources/default"),
+            &script,
+            secs,
+            connections,
+            threads,
+            Some(daemon.0.id()),
+        );
         eprintln!("--- round {round}, wrk, daemon ---\n{durable_raw}");
         rounds.push((bare, durable));
         if let Some(addr) = floor_addr {
-            let (floor, floor_raw) =
-                run_wrk(&format!("http://{addr}/v1/sources/default"), &script, secs, connections, threads);
+            let (floor, floor_raw) = run_wrk_measured(
+                &format!("http://{addr}/v1/sources/default"),
+                &script,
+                secs,
+                connections,
+                threads,
+                None,
+            );
             eprintln!("--- round {round}, wrk, durable floor ---\n{floor_raw}");
             floors.push(floor);
         }
@@ -324,38 +378,41 @@ fn main() {
     let wal = wal::Wal::open_read_only(dir.path().join("data/wal")).unwrap();
     let records = wal.next_offset();
 
-    println!("\n| round | server | events/s | p50 | p99 | non-2xx | vs bare |");
-    println!("| ---: | --- | ---: | ---: | ---: | ---: | ---: |");
+    println!("\n| round | server | events/s | p50 | p99 | non-2xx | CPU per request | vs bare |");
+    println!("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |");
     let mut ratios = Vec::new();
     for (i, (bare, durable)) in rounds.iter().enumerate() {
         let ratio = durable.requests_per_sec / bare.requests_per_sec;
         ratios.push(ratio);
         println!(
-            "| {} | bare axum (200, nothing done) | {:.0} | {:.2} ms | {:.2} ms | {} | 1.00 |",
+            "| {} | bare axum (200, nothing done) | {:.0} | {:.2} ms | {:.2} ms | {} | {:.1} µs | 1.00 |",
             i + 1,
             bare.requests_per_sec,
             bare.p50_ms,
             bare.p99_ms,
-            bare.non_2xx
+            bare.non_2xx,
+            bare.cpu_us_per_request
         );
         if let Some(floor) = floors.get(i) {
             println!(
-                "| {} | durable floor (group commit + fdatasync, nothing else) | {:.0} | {:.2} ms | {:.2} ms | {} | {:.2} |",
+                "| {} | durable floor (group commit + fdatasync, nothing else) | {:.0} | {:.2} ms | {:.2} ms | {} | {:.1} µs | {:.2} |",
                 i + 1,
                 floor.requests_per_sec,
                 floor.p50_ms,
                 floor.p99_ms,
                 floor.non_2xx,
+                floor.cpu_us_per_request,
                 floor.requests_per_sec / bare.requests_per_sec
             );
         }
         println!(
-            "| {} | iggy-ingest, sync = always | {:.0} | {:.2} ms | {:.2} ms | {} | {ratio:.2} |",
+            "| {} | iggy-ingest, sync = always | {:.0} | {:.2} ms | {:.2} ms | {} | {:.1} µs | {ratio:.2} |",
             i + 1,
             durable.requests_per_sec,
             durable.p50_ms,
             durable.p99_ms,
-            durable.non_2xx
+            durable.non_2xx,
+            durable.cpu_us_per_request
         );
     }
     let (median, lowest, highest) = spread(ratios);
@@ -380,6 +437,14 @@ fn main() {
             "daemon against the durable floor: median ratio {median:.2} (lowest {lowest:.2}, highest {highest:.2})"
         );
     }
+    let median_cpu = |runs: Vec<f64>| spread(runs).0;
+    let cpu_bare = median_cpu(rounds.iter().map(|(b, _)| b.cpu_us_per_request).collect());
+    let cpu_daemon = median_cpu(rounds.iter().map(|(_, d)| d.cpu_us_per_request).collect());
+    let cpu_floor = (!floors.is_empty()).then(|| median_cpu(floors.iter().map(|f| f.cpu_us_per_request).collect()));
+    println!(
+        "CPU per request (the server's process, user and system; medians): bare {cpu_bare:.1} µs, {}daemon {cpu_daemon:.1} µs",
+        cpu_floor.map_or(String::new(), |f| format!("durable floor {f:.1} µs, ")),
+    );
     println!(
         "{secs} s per run, {connections} keep-alive connections, {threads} wrk threads, 1 KiB JSON events; \
          the daemon's log took {records} records for {requests} requests wrk completed{}; {}",
