@@ -683,3 +683,55 @@ async fn a_topic_the_user_may_not_create_holds_only_its_own_records() {
     .await;
     router.shutdown().await;
 }
+
+/// A topic the server answers "not now" (`TransientNotAccepted`: a topic not yet served
+/// on this node, a server catching up) for longer than the result timeout is, to the
+/// router, a destination that does not answer: the `iggy` client replays that answer on
+/// its own, every 50 ms for up to 30 s, so the call is cut short by the result timeout
+/// while the server answers the other topic's sends. Its breaker counts those timeouts
+/// and opens, only its own records are held, the topic beside it flows, and once the
+/// server takes the topic every record arrives, first copies in order (a replay the
+/// client was still making when the router gave up may store a record twice, with its
+/// id).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_topic_answered_not_now_past_the_result_timeout_holds_only_itself_and_is_delivered_after() {
+    let broker = TestBroker::start(TestBrokerConfig::default()).await.unwrap();
+    let mut p = policy();
+    p.batch.result_timeout = Duration::from_millis(500);
+    let (wal, router) = start_warm_with(&broker, "tr", "ok", p).await;
+    broker.fail_topic("tr", "fresh", Some(iggy::prelude::IggyError::TransientNotAccepted));
+    for n in 1..41u64 {
+        wal.append(vec![record("tr", if n % 2 == 0 { "ok" } else { "fresh" }, n, Partitioning::Balanced)])
+            .await
+            .unwrap();
+    }
+    eventually(Duration::from_secs(30), "the other topic delivered", || async { ids(&broker, "tr", "ok").len() == 21 })
+        .await;
+    eventually(Duration::from_secs(30), "the answered topic's breaker open", || async {
+        router.destinations().iter().any(|l| {
+            l.destination.topic == "fresh"
+                && l.breaker == "open"
+                && l.status == Status::Degraded
+                && l.held_records == 20
+                && l.last_error.as_deref().is_some_and(|e| e.contains("timeout"))
+        })
+    })
+    .await;
+    assert!(ids(&broker, "tr", "fresh").is_empty());
+    let ok = router.destinations().into_iter().find(|l| l.destination.topic == "ok").unwrap();
+    assert_eq!((ok.breaker, ok.status), ("closed", Status::Running), "{ok:?}");
+
+    broker.fail_topic("tr", "fresh", None);
+    let want: Vec<u128> = (1..41u64).filter(|n| n % 2 == 1).map(|n| u128::from(n) + 1).collect();
+    eventually(Duration::from_secs(30), "the answered topic delivered", || async {
+        let mut seen = std::collections::HashSet::new();
+        let firsts: Vec<u128> = ids(&broker, "tr", "fresh").into_iter().filter(|id| seen.insert(*id)).collect();
+        firsts == want
+    })
+    .await;
+    eventually(Duration::from_secs(30), "its lane running again", || async {
+        router.destinations().iter().any(|l| l.destination.topic == "fresh" && l.status == Status::Running)
+    })
+    .await;
+    router.shutdown().await;
+}
