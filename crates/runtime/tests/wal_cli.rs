@@ -1144,15 +1144,23 @@ fn a_log_held_by_a_writer_whose_state_cannot_be_read_is_busy_not_damaged() {
     let dir = make_log(root.path(), 20, small());
     let _ = std::fs::remove_file(dir.join(wal::WATERMARK_FILE));
     let lock = FsStorage.try_lock(&dir.join(wal::LOCK_FILE)).unwrap();
-    for args in [&["verify"][..], &["verify", "--json"][..], &["inspect"][..]] {
-        let o = cli(&[args, &[dir.to_str().unwrap()]].concat());
+    let out = root.path().join("wal.salvaged");
+    let salvage = ["salvage", dir.to_str().unwrap(), "--out", out.to_str().unwrap()];
+    for args in [&["verify"][..], &["verify", "--json"][..], &["inspect"][..], &["dump"][..], &salvage[..1]] {
+        let all = if args[0] == "salvage" { salvage.to_vec() } else { [args, &[dir.to_str().unwrap()]].concat() };
+        let o = cli(&all);
         assert_eq!(code(&o), 3, "{args:?}: {}{}", stdout(&o), stderr(&o));
         assert!(stderr(&o).contains("a running writer holds this log"), "{args:?}: {}", stderr(&o));
         assert!(stderr(&o).contains("run it again"), "{args:?}: {}", stderr(&o));
     }
+    // The busy salvage wrote nothing, so running it again into the same place works.
+    assert!(std::fs::read_dir(&out).map_or(true, |mut d| d.next().is_none()), "{:?}", tree(&out));
     drop(lock);
     let o = cli(&["verify", dir.to_str().unwrap()]);
     assert_eq!(code(&o), 0, "{}{}", stdout(&o), stderr(&o));
+    let o = cli(&salvage);
+    assert_eq!(code(&o), 0, "{}{}", stdout(&o), stderr(&o));
+    assert_eq!(code(&cli(&["verify", out.to_str().unwrap()])), 0);
 }
 
 /// A path that cannot be looked at (here a symbolic link that loops; as another user, a
