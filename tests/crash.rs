@@ -267,29 +267,37 @@ async fn a_log_writer_that_panics_stops_the_daemon_with_status_1_and_loses_nothi
 
 /// A listener that panics while the daemon drains after SIGTERM stopped it as surely as
 /// one that panics before: exit status 1, naming it, not exit 0 with the panic taken for
-/// connections cut at the end of the grace period.
+/// connections cut at the end of the grace period. The webhook listener drains first
+/// (the point's first hit), the admin listener after the log is closed (its second).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_webhook_listener_that_panics_during_the_drain_makes_the_exit_status_1() {
+async fn a_listener_that_panics_during_the_drain_makes_the_exit_status_1() {
     let dest = Destination::broker().await;
-    let stream = unique("drain-panic");
-    let dir = test_dir(&stream);
-    let config = config_text(dir.path(), &dest.daemon_address(), &rest(&stream, 65536));
-    // The webhook listener drains first (the admin listener after the log is closed).
-    let env = [
-        ("IGGY_INGEST_FAIL_POINT", "listener.drain".to_string()),
-        ("IGGY_INGEST_FAIL_POINT_HIT", "1".to_string()),
-        ("IGGY_INGEST_FAIL_POINT_ACTION", "panic".to_string()),
-    ];
-    let mut daemon = Daemon::start(dir.path(), &config, &env).await;
-    // SAFETY: kill(2) with the pid of our own child process.
-    assert_eq!(unsafe { libc::kill(daemon.child.id() as i32, libc::SIGTERM) }, 0);
-    let Some(status) = daemon.wait_exit(Duration::from_secs(60)).await else {
-        panic!("the daemon did not exit after SIGTERM: {}", daemon.stderr());
-    };
-    let stderr = daemon.stderr();
-    assert!(stderr.contains("fail point listener.drain: hit 1, panicking"), "not the fail point's panic: {stderr}");
-    assert_eq!(status.code(), Some(1), "exit status after the panic: {status}: {stderr}");
-    assert!(stderr.contains("the webhook listener panicked"), "the exit does not name the task: {stderr}");
+    for (hit, listener) in [(1, "webhook"), (2, "admin")] {
+        let stream = unique(&format!("drain-panic-{listener}"));
+        let dir = test_dir(&stream);
+        let config = config_text(dir.path(), &dest.daemon_address(), &rest(&stream, 65536));
+        let env = [
+            ("IGGY_INGEST_FAIL_POINT", "listener.drain".to_string()),
+            ("IGGY_INGEST_FAIL_POINT_HIT", hit.to_string()),
+            ("IGGY_INGEST_FAIL_POINT_ACTION", "panic".to_string()),
+        ];
+        let mut daemon = Daemon::start(dir.path(), &config, &env).await;
+        // SAFETY: kill(2) with the pid of our own child process.
+        assert_eq!(unsafe { libc::kill(daemon.child.id() as i32, libc::SIGTERM) }, 0);
+        let Some(status) = daemon.wait_exit(Duration::from_secs(60)).await else {
+            panic!("the daemon did not exit after SIGTERM: {}", daemon.stderr());
+        };
+        let stderr = daemon.stderr();
+        assert!(
+            stderr.contains(&format!("fail point listener.drain: hit {hit}, panicking")),
+            "{listener}: not the fail point's panic: {stderr}"
+        );
+        assert_eq!(status.code(), Some(1), "{listener}: exit status after the panic: {status}: {stderr}");
+        assert!(
+            stderr.contains(&format!("the {listener} listener panicked")),
+            "{listener}: the exit does not name the task: {stderr}"
+        );
+    }
 }
 
 /// A listener that panics takes the daemon down with exit status 1 instead of leaving a
