@@ -38,7 +38,8 @@ pub const MAX_PAYLOAD_BYTES: usize = 512 * 1024;
 /// "Unbounded" capacity: far above anything an input can write.
 const UNBOUNDED_MAX_BYTES: u64 = 1 << 30;
 
-/// The log's options, as three bytes of input.
+/// The log's options, as three bytes of input (the capacity's byte also picks the zeros
+/// written ahead of the tail).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Setup {
     pub segment: u8,
@@ -61,7 +62,15 @@ impl Setup {
             2 => OFFSET_MAX - u64::from(self.initial % 64),
             _ => u64::from(u32::MAX) - 8 + u64::from(self.initial % 16),
         };
-        WalOptions { segment_max_bytes, max_bytes, initial_offset, ..WalOptions::default() }
+        // The zeros written ahead of the tail: the default (which fills a segment this
+        // small at its first write), a quarter segment (so that later writes grow the
+        // file, and a crash can cut a growth), or none.
+        let preallocate_bytes = match (self.capacity / 8) % 3 {
+            0 => WalOptions::default().preallocate_bytes,
+            1 => segment_max_bytes / 4,
+            _ => 0,
+        };
+        WalOptions { segment_max_bytes, max_bytes, initial_offset, preallocate_bytes, ..WalOptions::default() }
     }
 }
 
