@@ -159,6 +159,16 @@ fn ops_vs_model() {
     }
     save(t, "crash-at-nth-during-rotation", &ops::encode(Setup { segment: 2, ..plain }, &crash_at));
 
+    // Zeros ahead of a quarter segment (the capacity byte's choice 1): appends grow the
+    // segment's file, and power is lost at writes and syncs among them.
+    let mut growing = Vec::new();
+    for n in [1u8, 4, 9] {
+        growing.extend((0..5).map(|i| append(&[60 + i, 40])));
+        growing.push(Op::CrashAtNth { op: n % 2, n, seed: n });
+    }
+    growing.push(Op::Read { from: 0, max_records: 64, max_bytes: 20_000 });
+    save(t, "crash-while-zeros-ahead-grow-the-file", &ops::encode(Setup { capacity: 8, ..plain }, &growing));
+
     let exhaust: Vec<Op> = (0..10).map(|i| append(&[20 + i, 30])).collect();
     save(t, "offsets-near-max", &ops::encode(Setup { initial: 2, ..plain }, &exhaust));
 
