@@ -1,11 +1,12 @@
 //! The `iggy-ingest` command line: `run`, `config check`, `config default`,
 //! `state show`, `state migrate`, `state reset`, and the read-only log tools `wal inspect|dump|tail|verify|salvage`
 //! (`src/wal_cli/`, whose exit codes are its own: 0 done, 1 damage found, 2 unusable
-//! arguments).
+//! arguments, 3 busy).
 //!
 //! Exit codes: 0 after a clean run or a valid config; 1 for a failed start or an
-//! unclean shutdown; 2 for an invalid configuration or command line (clap's own);
-//! 130 when a second SIGTERM/SIGINT cut the drain short.
+//! unclean shutdown; 2 for an invalid configuration or command line (clap's own), or a
+//! start refusal only an operator can end; 130 when a second SIGTERM/SIGINT cut the
+//! start or the drain short.
 
 use std::path::PathBuf;
 

@@ -17,7 +17,8 @@
 //!   read; while the daemon holds it, `inspect` says so instead of waiting or guessing.
 //! - Exit codes: 0 done (verify: clean); 1 damage found (verify, salvage) or a failure
 //!   while reading; 2 unusable arguments, including a path that holds no log, which is
-//!   said in one line.
+//!   said in one line; 3 busy: a writer holds the log and its durable state could not
+//!   be read (it is starting, or a state command runs), nothing was written, run it again.
 //! - Output is streamed and a closed pipe (`| head`) ends the command quietly with 0.
 //! - No record's bytes are trusted: a record that is not an envelope is shown as such
 //!   (base64), never a reason to stop.
@@ -77,7 +78,8 @@ pub enum WalCommand {
         beside the log directory (never inside it), check the copy with `wal verify`, then put the \
         copy in place of the log directory.\n\nExit status: 0 everything \
         copied, 1 copied with something skipped (damage, or records of an unfinished batch; listed), 2 \
-        unusable arguments.\n\nExamples:\n  \
+        unusable arguments, 3 busy: a daemon holds the log and its durable state could not be read (it is \
+        starting, or a state command runs); nothing was written, run it again.\n\nExamples:\n  \
         iggy-ingest wal salvage ./data/wal --out ./data/wal.salvaged")]
     Salvage(SalvageArgs),
 }
