@@ -316,14 +316,16 @@ impl<S: Sink, C: CursorStore> Dispatcher<S, C> {
         metrics::counter!("iggy_connector_destinations_rejected_total", "connector_key" => "unknown", "reason" => "malformed")
             .increment(1);
         self.undecodable_from.fetch_min(offset, Ordering::AcqRel);
-        self.hold_from(offset);
+        self.hold_from(offset, None, &format!("a record this build cannot decode ({e})"));
     }
 
-    /// Holds the log from `offset` on: a record admission refused (or could not decode)
-    /// under a policy that keeps it. Until a restart nothing below it is released; the
-    /// gauge says so, since no lane counts such a record as held.
-    fn hold_from(&self, offset: u64) -> u64 {
+    /// Holds the log from `offset` on: a record of `source` (`None`: one that names
+    /// none) admission refused (or could not decode) under a policy that keeps it, for
+    /// `why`. Until a restart nothing at or above it is released; the gauge and the
+    /// router's status say so, since no lane counts such a record as held.
+    fn hold_from(&self, offset: u64, source: Option<&str>, why: &str) -> u64 {
         metrics::gauge!("iggy_connector_admission_held").set(1.0);
+        self.ctx.router_status.held_by_admission(offset, source, why);
         self.held_from.fetch_min(offset, Ordering::AcqRel)
     }
 
@@ -386,7 +388,10 @@ impl<S: Sink, C: CursorStore> Dispatcher<S, C> {
             .increment(1);
         match policy.on_admission_failure {
             OnAdmissionFailure::Error => {
-                let before = self.hold_from(offset);
+                let why = format!(
+                    "source {connector} reached its destination cap (max_destinations = {max}), and on_admission_failure = \"error\" keeps the records refused"
+                );
+                let before = self.hold_from(offset, Some(&connector), &why);
                 if before == u64::MAX {
                     tracing::error!(offset, source = %key.source, max_destinations = max, "destination cap reached: records held in the log");
                 }
@@ -422,7 +427,10 @@ impl<S: Sink, C: CursorStore> Dispatcher<S, C> {
                     self.count_given_up(offset, key);
                 }
                 (None, _) => {
-                    self.hold_from(offset);
+                    let why = format!(
+                        "source {connector} reached its destination cap (max_destinations = {max}), and it has no dead-letter destination for the records refused"
+                    );
+                    self.hold_from(offset, Some(&connector), &why);
                 }
             },
         }

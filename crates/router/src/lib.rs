@@ -44,7 +44,7 @@ pub mod sink;
 pub mod status;
 mod write_watch;
 
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -133,6 +133,12 @@ struct Troubles {
     tasks_ended: BTreeSet<&'static str>,
     /// Lanes whose task ended by a panic: their records are held until a restart.
     lanes_ended: HashSet<LaneKey>,
+    /// Records the dispatcher holds in the log until a restart (refused by admission
+    /// under a policy that keeps them, or undecodable): per source (`None`: a record
+    /// that names none, so every source's), the lowest such offset and why. Nothing at
+    /// or above the lowest is released, so the log fills though every destination
+    /// delivers, and no lane counts these records as held.
+    held_by_admission: BTreeMap<Option<String>, (u64, String)>,
 }
 
 impl Troubles {
@@ -169,6 +175,18 @@ impl Troubles {
         }
         if let Some(e) = &self.release_held {
             return Some((Status::Degraded, format!("delivered records are not released (the log fills): {e}")));
+        }
+        if let Some((offset, why)) = self
+            .held_by_admission
+            .iter()
+            .filter(|(of, _)| source.is_none() || of.is_none() || of.as_deref() == source)
+            .map(|(_, held)| held)
+            .min()
+        {
+            return Some((
+                Status::Degraded,
+                format!("the log is held from offset {offset} until a restart (nothing above it is released): {why}"),
+            ));
         }
         if let Some(k) = self.degraded.iter().filter(of_source).min() {
             return Some((Status::Degraded, format!("destination {k} is degraded")));
@@ -259,6 +277,20 @@ impl RouterHealth {
     pub(crate) fn dispatcher_failed(&self, e: &str) {
         self.cell.record_error(e);
         self.update(|t| t.dispatcher.replace(e.to_string()).as_deref() != Some(e));
+    }
+
+    /// The dispatcher holds the log from `offset` until a restart: a record of `source`
+    /// (`None`: one that names no source) that admission refused under a policy that
+    /// keeps it, or that this build cannot decode. Degraded: the log fills from there.
+    pub(crate) fn held_by_admission(&self, offset: u64, source: Option<&str>, why: &str) {
+        self.update(|t| {
+            let held = t.held_by_admission.entry(source.map(str::to_string)).or_insert((u64::MAX, String::new()));
+            if offset >= held.0 {
+                return false;
+            }
+            *held = (offset, why.to_string());
+            true
+        });
     }
 
     pub(crate) fn dispatcher_reading(&self) {

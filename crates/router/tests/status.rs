@@ -530,24 +530,46 @@ fn a_release_ceiling_held_by_a_failure_degrades_the_router_until_it_moves() {
 /// A record the destination cap refuses under `error` holds the log; no lane counts it as
 /// held, so the admission gauge is what says so. Under `drop` nothing is held.
 #[test]
-fn a_record_held_by_admission_shows_in_its_gauge() {
+fn a_record_held_by_admission_shows_in_its_gauge_and_the_status() {
     for (on, held) in [(router::OnAdmissionFailure::Error, 1.0), (router::OnAdmissionFailure::Drop, 0.0)] {
         with_metrics(false, |snap| async move {
             let sim = SimStorage::new();
             let wal = open_wal(&sim);
             let sink = FaultySink::new();
+            // Source "test" (`fill`'s): one destination admitted, the other refused.
             let dests = [key("a", "1"), key("a", "2")];
+            let other = key("b", "1");
             fill(&wal, &dests, 0, 4).await;
+            wal.append(vec![record_from("b", &other, 100, Partitioning::Balanced)]).await.unwrap();
             let mut policy = fast_policy();
             policy.max_destinations = 1;
             policy.on_admission_failure = on;
             let router =
                 Router::start(wal, sink.clone(), Arc::new(MemoryCursorStore::new()), Policies::uniform(policy))
                     .unwrap();
-            eventually(Duration::from_secs(30), "admitted delivered", || sink.ids(&dests[0]).len() == 2).await;
+            eventually(Duration::from_secs(30), "admitted delivered", || {
+                sink.ids(&dests[0]).len() == 2 && sink.ids(&other).len() == 1
+            })
+            .await;
             tokio::time::sleep(Duration::from_millis(100)).await;
             assert_eq!(gauge(&snap, "iggy_connector_admission_held"), held, "{on:?}");
             assert_eq!(router.held_from().is_some(), held == 1.0, "{on:?}");
+            // Held, the log fills from there though every destination delivers: the
+            // router and the refused records' source say so, naming the offset; the
+            // other source is not held up by it. Dropped, nothing is held.
+            let status = router.status();
+            if held == 1.0 {
+                assert_eq!(status.status, Status::Degraded, "{on:?}: {status:?}");
+                let offset = router.held_from().unwrap();
+                assert!(status.reason.contains(&format!("held from offset {offset}")), "{status:?}");
+                assert!(status.reason.contains("max_destinations = 1"), "{status:?}");
+                assert_eq!(router.connector_status("test"), Status::Degraded);
+            } else {
+                assert_eq!(status.status, Status::Running, "{on:?}: {status:?}");
+                assert_eq!(router.connector_status("test"), Status::Running);
+            }
+            assert_eq!(router.connector_status("b"), Status::Running, "{on:?}");
+            assert_gauges_agree(&snap, &router);
             router.shutdown().await;
         });
     }
