@@ -131,6 +131,7 @@ async fn status(State(s): State<Arc<Shared>>) -> Response {
             "used_bytes": stats.used_bytes,
             "max_bytes": stats.max_bytes,
             "full": s.wal.is_full(),
+            "disk_full": s.wal.is_disk_full(),
         },
         "sources": sources,
         "router": s.delivery.status_json(),

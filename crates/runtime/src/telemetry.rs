@@ -72,6 +72,12 @@ pub fn catalog() -> Vec<Metric> {
             "1 from an append refused because the log was full until an append fits or space is freed",
         ),
         m(
+            "iggy_ingest_wal_disk_full",
+            Gauge,
+            &[],
+            "1 from a write, sync or segment creation of the log the file system refused for want of space until one succeeds",
+        ),
+        m(
             "iggy_ingest_wal_storage_errors_total",
             Counter,
             &[],

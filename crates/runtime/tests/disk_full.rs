@@ -167,6 +167,28 @@ async fn disk_full_answers_503_loses_nothing_and_resumes_when_space_returns() {
     assert_eq!(st["log"]["next_offset"], acked.len() as u64, "refused requests appended nothing: {st}");
     let m = String::from_utf8_lossy(&request(d.admin, "GET", "/metrics", &[], "").await.body).into_owned();
     assert!(m.contains(r#"iggy_ingest_http_rejected_total{source="default",reason="disk_full"}"#), "{m}");
+    // Right after a refusal for space (nothing writes to the log in between), the log
+    // says the disk is full, in /status and its gauge; health stays 200 (only a write
+    // can tell that space came back: docs/http.md).
+    for tries in 0.. {
+        assert!(tries < 200, "no refusal for space in 200 requests on the full disk");
+        let (a, body, key) = send(n).await;
+        n += 1;
+        if a.status == 200 {
+            let offset = a.json()["offsets"][0].as_u64().unwrap();
+            assert!(acked.insert(offset, body).is_none(), "offset {offset} acknowledged twice");
+            if let Some(k) = key {
+                keyed.push((k, offset));
+            }
+        } else if a.json()["error"] == "disk_full" {
+            break;
+        }
+    }
+    let st = request(d.admin, "GET", "/status", &[], "").await.json();
+    assert_eq!(st["log"]["disk_full"], true, "{st}");
+    assert_eq!(st["log"]["full"], false, "the log itself is not full: {st}");
+    assert_eq!(metric(d.admin, "iggy_ingest_wal_disk_full").await, 1.0);
+    assert_eq!(request(h, "GET", "/health", &[], "").await.status, 200);
 
     // Space returns. Without a restart, every request without a delivery id is accepted
     // at once. Keyed ones too, unless the state database (on the same disk) latched an
@@ -200,6 +222,9 @@ async fn disk_full_answers_503_loses_nothing_and_resumes_when_space_returns() {
             }
         }
     }
+    let st = request(d.admin, "GET", "/status", &[], "").await.json();
+    assert_eq!(st["log"]["disk_full"], false, "events are written again: {st}");
+    assert_eq!(metric(d.admin, "iggy_ingest_wal_disk_full").await, 0.0);
     // A retry of a delivery accepted before the disk filled is still recognized.
     let (first_key, first_offset) = keyed[0].clone();
     let first_n: u64 = first_key.trim_start_matches("delivery-").parse().unwrap();

@@ -298,6 +298,14 @@ impl Wal {
         self.shared.full.load(Ordering::Acquire)
     }
 
+    /// True from a write, sync or segment creation the file system refused for want of
+    /// space (ENOSPC, EDQUOT) until a write or a segment creation succeeds: what the
+    /// last try found, since only a try tells (space freed elsewhere shows at the next
+    /// append). Health does not turn 503 for it either (`docs/http.md`).
+    pub fn is_disk_full(&self) -> bool {
+        self.shared.disk_full.load(Ordering::Acquire)
+    }
+
     /// The first offset readers may ask for.
     pub fn start_offset(&self) -> u64 {
         self.shared.start()

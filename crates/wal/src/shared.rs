@@ -55,6 +55,9 @@ pub(crate) struct Shared {
     /// Set when an append was refused as `Full`, cleared when an append fits again or a
     /// release frees space: the log is full for what it is being given.
     pub full: AtomicBool,
+    /// Set when a write, sync or segment creation failed for want of space on the file
+    /// system (ENOSPC, EDQUOT), cleared when a write or a segment creation succeeds.
+    pub disk_full: AtomicBool,
 }
 
 impl Shared {
@@ -82,6 +85,7 @@ impl Shared {
             writer_panicked: AtomicBool::new(false),
             awaits_segment: AtomicBool::new(false),
             full: AtomicBool::new(false),
+            disk_full: AtomicBool::new(false),
         }
     }
 

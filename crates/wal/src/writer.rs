@@ -328,7 +328,7 @@ impl Writer {
         // the zeros again).
         if let Err(e) = &result
             && zeros_to > end
-            && matches!(e.kind(), std::io::ErrorKind::StorageFull | std::io::ErrorKind::QuotaExceeded)
+            && is_out_of_space(e)
         {
             result = self.active.file.write_all_at(&self.buf[..n as usize], self.written_len);
             // The failed write may have grown the file part of the way: what it holds
@@ -352,6 +352,7 @@ impl Writer {
             return;
         }
         fail_points::fail_point!("wal.append.written");
+        self.set_disk_full(false);
         self.allocated_len = self.allocated_len.max(zeros_to);
         self.written_len += n;
         self.shared.used_bytes.fetch_add(n, Ordering::AcqRel);
@@ -433,6 +434,9 @@ impl Writer {
     /// recovers exactly what is durable, as after a power loss.
     fn fail_to(&mut self, pending: &mut Vec<Pending>, e: std::io::Error, what: &str, keep_len: u64, next: u64) {
         metrics::counter!("iggy_ingest_wal_storage_errors_total").increment(1);
+        if is_out_of_space(&e) {
+            self.set_disk_full(true);
+        }
         tracing::error!(error = %e, segment = %self.active.path.display(), "log {what} failed");
         // Offsets answered `Ok` that no sync covered yet: under `Interval`, the appends
         // answered since the last sync; under `Always`, none.
@@ -557,6 +561,7 @@ impl Writer {
                 return Err(e);
             }
         };
+        self.set_disk_full(false);
         if self.shared.awaits_segment.swap(false, Ordering::AcqRel) {
             metrics::gauge!("iggy_ingest_wal_awaiting_segment").set(0.0);
             tracing::info!(segment = %seg.path.display(), "created the next log segment; appends are taken again");
@@ -582,6 +587,11 @@ impl Writer {
     /// the tries after it (every second, and for every append) only at debug level, the
     /// waiting itself being in health and in `iggy_ingest_wal_awaiting_segment`.
     pub(crate) fn await_segment(&mut self, e: &WalError) {
+        if let WalError::Io { source, .. } = e
+            && is_out_of_space(source)
+        {
+            self.set_disk_full(true);
+        }
         if !self.shared.awaits_segment.swap(true, Ordering::AcqRel) {
             metrics::counter!("iggy_ingest_wal_storage_errors_total").increment(1);
             metrics::gauge!("iggy_ingest_wal_awaiting_segment").set(1.0);
@@ -631,6 +641,16 @@ impl Writer {
         if self.shared.full.load(Ordering::Relaxed) != full {
             self.shared.full.store(full, Ordering::Release);
             metrics::gauge!("iggy_ingest_wal_full").set(if full { 1.0 } else { 0.0 });
+        }
+    }
+
+    /// Says whether the file system refused the last write, sync or segment creation
+    /// for want of space ([`crate::Wal::is_disk_full`]), in the flag and its gauge
+    /// together.
+    fn set_disk_full(&self, disk_full: bool) {
+        if self.shared.disk_full.load(Ordering::Relaxed) != disk_full {
+            self.shared.disk_full.store(disk_full, Ordering::Release);
+            metrics::gauge!("iggy_ingest_wal_disk_full").set(if disk_full { 1.0 } else { 0.0 });
         }
     }
 
@@ -829,4 +849,9 @@ fn write_file_atomically_with(
         let _ = s.remove_file(&tmp);
     }
     result
+}
+
+/// ENOSPC or EDQUOT: the file system, not the log, is out of room.
+fn is_out_of_space(e: &std::io::Error) -> bool {
+    matches!(e.kind(), std::io::ErrorKind::StorageFull | std::io::ErrorKind::QuotaExceeded)
 }

@@ -260,8 +260,11 @@ fn storage_full_fails_the_append_and_the_log_continues_when_space_returns() {
         sim.set_space_limit(Some(sim.used_bytes() + 50));
         let e = wal.append(vec![payload(2, 100)]).await.unwrap_err();
         assert!(matches!(&e, WalError::Io { source, .. } if source.kind() == std::io::ErrorKind::StorageFull), "{e}");
+        assert!(wal.is_disk_full() && !wal.is_full(), "the file system is full, not the log");
         sim.set_space_limit(None);
+        assert!(wal.is_disk_full(), "only a write tells that space came back");
         let a = wal.append(vec![payload(3, 100)]).await.unwrap();
+        assert!(!wal.is_disk_full());
         assert_eq!(a.first_offset, 1, "the failed append's offset was not given back");
         let tags: Vec<u64> = read_all(&wal, 0).iter().map(|r| tag_of(&r.payload)).collect();
         assert_eq!(tags, vec![1, 3]);

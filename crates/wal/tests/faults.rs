@@ -676,6 +676,7 @@ fn a_log_whose_sealed_tail_cannot_get_its_successor_opens_and_waits_for_it() {
     // The rotation seals the tail (synced), then fails to create the successor.
     assert!(rt().block_on(wal.append(vec![payload(3, 1000)])).is_err());
     assert!(wal.awaits_segment());
+    assert!(!wal.is_disk_full(), "refused for permission, not space");
     sim.crash(CrashMode::LoseUnsynced);
     drop(wal);
     sim.disarm();
@@ -683,6 +684,7 @@ fn a_log_whose_sealed_tail_cannot_get_its_successor_opens_and_waits_for_it() {
     sim.set_space_limit(Some(sim.used_bytes()));
     let wal = try_open(&sim, opts.clone()).unwrap_or_else(|e| panic!("a full disk kept the log from opening: {e}"));
     assert!(wal.awaits_segment());
+    assert!(wal.is_disk_full(), "the successor was refused for space");
     assert_eq!(segment_files(&sim, &dir()).len(), 1);
     let tags: Vec<u64> = read_all(&wal, 0).iter().map(|r| tag_of(&r.payload)).collect();
     assert_eq!(tags, vec![0, 1, 2], "what the log held is readable (and deliverable) meanwhile");
@@ -695,5 +697,6 @@ fn a_log_whose_sealed_tail_cannot_get_its_successor_opens_and_waits_for_it() {
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
     assert!(!wal.awaits_segment(), "the successor was never created");
+    assert!(!wal.is_disk_full(), "the successor's creation found space");
     assert_eq!(rt().block_on(wal.append(vec![payload(5, 100)])).unwrap().first_offset, 3);
 }
