@@ -212,12 +212,21 @@ async fn get_handshake(
         Err(e) => return e.into_response(),
     };
     let endpoint = &endpoint.endpoint;
+    // A refusal is the source's, in its status as in its counters, as for a POST.
+    let refused = |e: ApiError| {
+        count(&endpoint.source_key, "4xx", e.code);
+        if let Some(s) = door.status.get(&endpoint.source_key) {
+            s.rejected(e.code, &e.message, ingest::time::now_unix_ms());
+        }
+        e.into_response()
+    };
     let Some(param) = endpoint.handshake_param.as_deref() else {
-        count(&endpoint.source_key, "4xx", "method_not_allowed");
         // A 405 names the methods the resource takes (RFC 9110, 15.5.6), as axum's own do.
-        let mut refused =
-            ApiError::new(StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed", "this endpoint has no GET handshake")
-                .into_response();
+        let mut refused = refused(ApiError::new(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "method_not_allowed",
+            "this endpoint has no GET handshake",
+        ));
         refused.headers_mut().insert(header::ALLOW, HeaderValue::from_static("POST"));
         return refused;
     };
@@ -231,15 +240,11 @@ async fn get_handshake(
             )
                 .into_response()
         }
-        None => {
-            count(&endpoint.source_key, "4xx", "missing_challenge");
-            ApiError::new(
-                StatusCode::BAD_REQUEST,
-                "missing_challenge",
-                format!("query parameter {param:?} is required"),
-            )
-            .into_response()
-        }
+        None => refused(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "missing_challenge",
+            format!("query parameter {param:?} is required"),
+        )),
     }
 }
 

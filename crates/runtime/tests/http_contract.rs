@@ -173,7 +173,13 @@ async fn status_codes_bodies_and_records() {
     let a = request(h, "GET", "/v1/e/0123456789abcdef0123456789abcdef?challenge=abc123", &[], "").await;
     assert_eq!((a.status, &a.body[..]), (200, &b"abc123"[..]));
     assert_eq!(a.header("x-content-type-options"), Some("nosniff"));
+    let hidden = |st: &serde_json::Value| st["sources"]["hidden"].clone();
+    let before = hidden(&request(d.admin, "GET", "/status", &[], "").await.json());
     assert_error(&request(h, "GET", "/v1/e/0123456789abcdef0123456789abcdef", &[], "").await, 400, "missing_challenge");
+    // A refused handshake is the source's refusal, in its status as in its counters.
+    let after = hidden(&request(d.admin, "GET", "/status", &[], "").await.json());
+    assert_eq!(after["last_error"]["code"], "missing_challenge", "{after}");
+    assert_eq!(after["rejected_requests"], before["rejected_requests"].as_u64().unwrap() + 1, "{before} {after}");
     let a = post_json(h, "/v1/e/0123456789abcdef0123456789abcdef", r#"{"via":"endpoint"}"#).await;
     assert_eq!(a.status, 200);
     appended += 1;
@@ -377,6 +383,8 @@ async fn delivery_ids_are_scoped_per_endpoint_so_two_tenants_never_replay_each_o
     let a = request(d.http, "GET", &tenants[0].0, &[], "").await;
     assert_error(&a, 405, "method_not_allowed");
     assert_eq!(a.header("allow"), Some("POST"));
+    let st = request(d.admin, "GET", "/status", &[], "").await.json();
+    assert_eq!(st["sources"]["default"]["last_error"]["code"], "method_not_allowed", "{st}");
     // Two tenants of one source, and the source's named path, each send the same
     // Idempotency-Key with their own event: three deliveries, three records.
     let send = |http: std::net::SocketAddr, path: String, token: Option<String>, body: String| async move {
