@@ -360,6 +360,9 @@ impl Drop for StoppedOnPanic {
             tracing::error!("the log's writer thread panicked: the log takes no more appends until it is reopened");
             self.0.writer_panicked.store(true, Ordering::Release);
             self.0.poisoned.store(true, Ordering::Release);
+            // Stopped until a reopen, as a write it could not undo leaves it, and said
+            // the same way (`/health` says `log_stopped` from `accepts_appends`).
+            metrics::gauge!("iggy_ingest_wal_stopped").set(1.0);
             self.0.mark_closed();
         }
     }
