@@ -73,6 +73,20 @@ async fn metric(admin: std::net::SocketAddr, name: &str) -> f64 {
         .unwrap_or(0.0)
 }
 
+/// Notes an event answered 200 (`a`): its body under its offset, which no earlier 200
+/// may have named, and its delivery id under that offset when it had one (true then).
+fn note_accepted(
+    acked: &mut BTreeMap<u64, String>,
+    keyed: &mut Vec<(String, u64)>,
+    a: &Answer,
+    body: String,
+    key: Option<String>,
+) -> bool {
+    let offset = a.json()["offsets"][0].as_u64().unwrap();
+    assert!(acked.insert(offset, body).is_none(), "offset {offset} acknowledged twice");
+    key.map(|k| keyed.push((k, offset))).is_some()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn disk_full_answers_503_loses_nothing_and_resumes_when_space_returns() {
     let dir = tempfile::tempdir().unwrap();
@@ -117,11 +131,7 @@ async fn disk_full_answers_503_loses_nothing_and_resumes_when_space_returns() {
         match a.status {
             200 => {
                 refusals = 0;
-                let offset = a.json()["offsets"][0].as_u64().unwrap();
-                assert!(acked.insert(offset, body).is_none(), "offset {offset} acknowledged twice");
-                if let Some(k) = key {
-                    keyed.push((k, offset));
-                }
+                note_accepted(&mut acked, &mut keyed, &a, body, key);
             }
             503 => {
                 refusals += 1;
@@ -149,11 +159,7 @@ async fn disk_full_answers_503_loses_nothing_and_resumes_when_space_returns() {
         let (a, body, key) = send(n).await;
         n += 1;
         if a.status == 200 {
-            let offset = a.json()["offsets"][0].as_u64().unwrap();
-            assert!(acked.insert(offset, body).is_none(), "offset {offset} acknowledged twice");
-            if let Some(k) = key {
-                keyed.push((k, offset));
-            }
+            note_accepted(&mut acked, &mut keyed, &a, body, key);
         } else {
             assert_eq!(a.status, 503, "still full: {:?}", String::from_utf8_lossy(&a.body));
             assert!(a.header("retry-after").is_some());
@@ -175,11 +181,7 @@ async fn disk_full_answers_503_loses_nothing_and_resumes_when_space_returns() {
         let (a, body, key) = send(n).await;
         n += 1;
         if a.status == 200 {
-            let offset = a.json()["offsets"][0].as_u64().unwrap();
-            assert!(acked.insert(offset, body).is_none(), "offset {offset} acknowledged twice");
-            if let Some(k) = key {
-                keyed.push((k, offset));
-            }
+            note_accepted(&mut acked, &mut keyed, &a, body, key);
         } else if a.json()["error"] == "disk_full" {
             break;
         }
@@ -213,13 +215,10 @@ async fn disk_full_answers_503_loses_nothing_and_resumes_when_space_returns() {
             continue;
         }
         assert_eq!(a.status, 200, "after space returned: {:?}", String::from_utf8_lossy(&a.body));
-        let offset = a.json()["offsets"][0].as_u64().unwrap();
-        assert!(acked.insert(offset, body).is_none(), "offset {offset} acknowledged twice");
-        if let Some(k) = key {
-            keyed.push((k, offset));
-            if metric(d.admin, "iggy_ingest_idempotency_record_failures_total").await == failures {
-                keyed_accepted_after += 1;
-            }
+        if note_accepted(&mut acked, &mut keyed, &a, body, key)
+            && metric(d.admin, "iggy_ingest_idempotency_record_failures_total").await == failures
+        {
+            keyed_accepted_after += 1;
         }
     }
     let st = request(d.admin, "GET", "/status", &[], "").await.json();
