@@ -64,6 +64,15 @@ async fn start_warm_with(
     (wal, router)
 }
 
+/// Appends the records numbered `numbers` to `stream`, one an append, balanced: an even
+/// number's to topic `topics.0`, an odd one's to `topics.1`.
+async fn append_alternating(wal: &wal::Wal, stream: &str, topics: (&str, &str), numbers: std::ops::Range<u64>) {
+    for n in numbers {
+        let topic = if n % 2 == 0 { topics.0 } else { topics.1 };
+        wal.append(vec![record(stream, topic, n, Partitioning::Balanced)]).await.unwrap();
+    }
+}
+
 /// Watches every destination's breaker for `hold`, failing the test the moment one is
 /// not closed: `cause` (the server's fault) opened it. A router with no lane has no
 /// breaker to watch: that fails it too. Returns the most consecutive failures a lane
@@ -200,9 +209,7 @@ async fn a_broker_outage_is_held_and_everything_arrives_after_it() {
     let broker = TestBroker::start(TestBrokerConfig::default()).await.unwrap();
     let (wal, router) = start_warm(&broker, "o", "a").await;
     broker.stop().await;
-    for n in 1..500u64 {
-        wal.append(vec![record("o", if n % 2 == 0 { "a" } else { "b" }, n, Partitioning::Balanced)]).await.unwrap();
-    }
+    append_alternating(&wal, "o", ("a", "b"), 1..500).await;
     eventually(Duration::from_secs(30), "degraded", || async { router.status().status == Status::Degraded }).await;
     tokio::time::sleep(Duration::from_secs(2)).await;
     assert_eq!(router.released_below(), 1, "log released during the outage");
@@ -234,11 +241,7 @@ async fn a_failing_topic_opens_its_breaker_while_the_others_flow() {
     let broker = TestBroker::start(TestBrokerConfig::default()).await.unwrap();
     let (wal, router) = start_warm(&broker, "f", "bad").await;
     broker.fail_topic("f", "bad", Some(iggy::prelude::IggyError::Error));
-    for n in 1..401u64 {
-        wal.append(vec![record("f", if n % 2 == 0 { "bad" } else { "good" }, n, Partitioning::Balanced)])
-            .await
-            .unwrap();
-    }
+    append_alternating(&wal, "f", ("bad", "good"), 1..401).await;
     eventually(Duration::from_secs(30), "good delivered", || async { ids(&broker, "f", "good").len() == 200 }).await;
     eventually(Duration::from_secs(30), "breaker open", || async {
         router.destinations().iter().any(|d| d.destination.topic == "bad" && d.breaker == "open")
@@ -384,11 +387,7 @@ async fn a_destination_that_never_answers_holds_only_itself() {
     let broker = TestBroker::start(TestBrokerConfig::default()).await.unwrap();
     let (wal, router) = start_warm(&broker, "h", "bad").await;
     broker.black_hole_topic("h", "bad", true);
-    for n in 1..201u64 {
-        wal.append(vec![record("h", if n % 2 == 0 { "bad" } else { "good" }, n, Partitioning::Balanced)])
-            .await
-            .unwrap();
-    }
+    append_alternating(&wal, "h", ("bad", "good"), 1..201).await;
     let good_breaker =
         || router.destinations().iter().find(|d| d.destination.topic == "good").map_or("none", |d| d.breaker);
     let deadline = std::time::Instant::now() + Duration::from_secs(8);
@@ -447,9 +446,7 @@ async fn a_server_that_answers_pings_but_no_write_opens_no_breaker() {
     eventually(Duration::from_secs(20), "b warm", || async { ids(&broker, "w", "b").len() == 1 }).await;
     broker.black_hole_topic("w", "a", true);
     broker.black_hole_topic("w", "b", true);
-    for n in 2..42u64 {
-        wal.append(vec![record("w", if n % 2 == 0 { "a" } else { "b" }, n, Partitioning::Balanced)]).await.unwrap();
-    }
+    append_alternating(&wal, "w", ("a", "b"), 2..42).await;
     // Several result timeouts (3 s each) and breaker thresholds (3) long.
     let failures = no_breaker_opens_for(&router, Duration::from_secs(16), "a server that writes nothing").await;
     // The timeouts happened, as many in a row as would open a breaker that counted them.
@@ -476,9 +473,7 @@ async fn a_server_that_stalls_every_write_creates_no_topic_and_opens_no_breaker(
     let creations_before = broker.request_count(RequestKind::CreateTopic);
     broker.black_hole_topic("k", "a", true);
     broker.black_hole_topic("k", "new", true);
-    for n in 1..41u64 {
-        wal.append(vec![record("k", if n % 2 == 0 { "a" } else { "new" }, n, Partitioning::Balanced)]).await.unwrap();
-    }
+    append_alternating(&wal, "k", ("a", "new"), 1..41).await;
     // Several result timeouts (3 s each) and breaker thresholds (3) long.
     no_breaker_opens_for(&router, Duration::from_secs(16), "a server that writes nothing").await;
     assert!(broker.topic_options("k", "new").is_none(), "a creation the server never answered made the topic");
@@ -511,9 +506,7 @@ async fn a_refused_destination_does_not_end_a_stall_of_every_write() {
     broker.black_hole_topic("v", "b", true);
     broker.fail_topic("v", "c", Some(iggy::prelude::IggyError::Error));
     wal.append(vec![record("v", "c", 3, Partitioning::Balanced)]).await.unwrap();
-    for n in 4..44u64 {
-        wal.append(vec![record("v", if n % 2 == 0 { "a" } else { "b" }, n, Partitioning::Balanced)]).await.unwrap();
-    }
+    append_alternating(&wal, "v", ("a", "b"), 4..44).await;
     // Several result timeouts (3 s each), breaker thresholds (3) and cool-downs (1 s) of
     // the refused destination long.
     let until = std::time::Instant::now() + Duration::from_secs(16);
@@ -552,9 +545,7 @@ async fn a_server_that_stops_answering_opens_no_breaker_and_is_reconnected() {
     eventually(Duration::from_secs(20), "b warm", || async { ids(&broker, "q", "b").len() == 1 }).await;
     let connections_before = broker.accepted_connections();
     broker.set_delay(Duration::from_secs(20));
-    for n in 2..42u64 {
-        wal.append(vec![record("q", if n % 2 == 0 { "a" } else { "b" }, n, Partitioning::Balanced)]).await.unwrap();
-    }
+    append_alternating(&wal, "q", ("a", "b"), 2..42).await;
     // Several result timeouts (3 s each) and breaker thresholds (3) long.
     no_breaker_opens_for(&router, Duration::from_secs(14), "a hung server").await;
     assert!(broker.accepted_connections() > connections_before, "timed-out connections were not replaced");
@@ -656,11 +647,7 @@ async fn a_topic_the_user_may_not_create_holds_only_its_own_records() {
     let broker = TestBroker::start(TestBrokerConfig::default()).await.unwrap();
     let (wal, router) = start_warm(&broker, "perm", "ok").await;
     broker.refuse_create_topic("perm", "denied", Some(iggy::prelude::IggyError::Unauthorized));
-    for n in 1..41u64 {
-        wal.append(vec![record("perm", if n % 2 == 0 { "ok" } else { "denied" }, n, Partitioning::Balanced)])
-            .await
-            .unwrap();
-    }
+    append_alternating(&wal, "perm", ("ok", "denied"), 1..41).await;
     eventually(Duration::from_secs(30), "the allowed topic delivered", || async {
         ids(&broker, "perm", "ok").len() == 21
     })
@@ -700,11 +687,7 @@ async fn a_topic_answered_not_now_past_the_result_timeout_holds_only_itself_and_
     p.batch.result_timeout = Duration::from_millis(500);
     let (wal, router) = start_warm_with(&broker, "tr", "ok", p).await;
     broker.fail_topic("tr", "fresh", Some(iggy::prelude::IggyError::TransientNotAccepted));
-    for n in 1..41u64 {
-        wal.append(vec![record("tr", if n % 2 == 0 { "ok" } else { "fresh" }, n, Partitioning::Balanced)])
-            .await
-            .unwrap();
-    }
+    append_alternating(&wal, "tr", ("ok", "fresh"), 1..41).await;
     eventually(Duration::from_secs(30), "the other topic delivered", || async { ids(&broker, "tr", "ok").len() == 21 })
         .await;
     eventually(Duration::from_secs(30), "the answered topic's breaker open", || async {
