@@ -443,17 +443,12 @@ impl Ingestor {
             Err(e @ (WalError::Poisoned(_) | WalError::Closed | WalError::ReadOnly)) => {
                 Err(IngestError::Stopped(e.to_string()))
             }
-            Err(WalError::Io { path, source }) if is_out_of_space(&source) => {
+            Err(WalError::Io { path, source }) if wal::error::is_out_of_space(&source) => {
                 Err(IngestError::DiskFull(format!("{}: {source}", path.display())))
             }
             Err(e) => Err(IngestError::Unavailable(e.to_string())),
         }
     }
-}
-
-/// ENOSPC or EDQUOT: the file system, not the log, is out of room.
-fn is_out_of_space(e: &std::io::Error) -> bool {
-    matches!(e.kind(), std::io::ErrorKind::StorageFull | std::io::ErrorKind::QuotaExceeded)
 }
 
 /// The lookup of a delivery id is made at its head's arrival time, but a checkpoint

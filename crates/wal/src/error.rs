@@ -105,6 +105,11 @@ pub enum WalError {
     InvalidOptions(String),
 }
 
+/// ENOSPC or EDQUOT: the file system, not the log, is out of room.
+pub fn is_out_of_space(e: &io::Error) -> bool {
+    matches!(e.kind(), io::ErrorKind::StorageFull | io::ErrorKind::QuotaExceeded)
+}
+
 impl WalError {
     pub(crate) fn io(path: impl Into<PathBuf>, source: io::Error) -> WalError {
         WalError::Io { path: path.into(), source }

@@ -59,7 +59,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use tokio::sync::{OwnedSemaphorePermit, oneshot};
 
-use crate::error::{Result, WalError};
+use crate::error::{Result, WalError, is_out_of_space};
 use crate::format::{
     CleanMarker, FLAG_END_OF_BATCH, FRAME_HEADER_LEN, FrameHeader, OFFSET_MAX, SEAL_LEN, SEGMENT_HEADER_LEN,
     SegmentHeader, segment_file_name,
@@ -638,20 +638,14 @@ impl Writer {
     /// Says whether the log is full for what it is being given ([`crate::Wal::is_full`]),
     /// in the flag and its gauge together.
     fn set_full(&self, full: bool) {
-        if self.shared.full.load(Ordering::Relaxed) != full {
-            self.shared.full.store(full, Ordering::Release);
-            metrics::gauge!("iggy_ingest_wal_full").set(if full { 1.0 } else { 0.0 });
-        }
+        set_flag(&self.shared.full, "iggy_ingest_wal_full", full);
     }
 
     /// Says whether the file system refused the last write, sync or segment creation
     /// for want of space ([`crate::Wal::is_disk_full`]), in the flag and its gauge
     /// together.
     fn set_disk_full(&self, disk_full: bool) {
-        if self.shared.disk_full.load(Ordering::Relaxed) != disk_full {
-            self.shared.disk_full.store(disk_full, Ordering::Release);
-            metrics::gauge!("iggy_ingest_wal_disk_full").set(if disk_full { 1.0 } else { 0.0 });
-        }
+        set_flag(&self.shared.disk_full, "iggy_ingest_wal_disk_full", disk_full);
     }
 
     fn try_delete_released(&mut self) -> Result<Released> {
@@ -851,7 +845,11 @@ fn write_file_atomically_with(
     result
 }
 
-/// ENOSPC or EDQUOT: the file system, not the log, is out of room.
-fn is_out_of_space(e: &std::io::Error) -> bool {
-    matches!(e.kind(), std::io::ErrorKind::StorageFull | std::io::ErrorKind::QuotaExceeded)
+/// Sets `flag` to `on` and the gauge named `gauge` to 1 or 0 with it, when it changes:
+/// only the writer thread sets them, so the two never disagree for long.
+fn set_flag(flag: &std::sync::atomic::AtomicBool, gauge: &'static str, on: bool) {
+    if flag.load(Ordering::Relaxed) != on {
+        flag.store(on, Ordering::Release);
+        metrics::gauge!(gauge).set(if on { 1.0 } else { 0.0 });
+    }
 }
