@@ -212,14 +212,7 @@ async fn get_handshake(
         Err(e) => return e.into_response(),
     };
     let endpoint = &endpoint.endpoint;
-    // A refusal is the source's, in its status as in its counters, as for a POST.
-    let refused = |e: ApiError| {
-        count(&endpoint.source_key, "4xx", e.code);
-        if let Some(s) = door.status.get(&endpoint.source_key) {
-            s.rejected(e.code, &e.message, ingest::time::now_unix_ms());
-        }
-        e.into_response()
-    };
+    let refused = |e: ApiError| refused(&door, &endpoint.source_key, e);
     let Some(param) = endpoint.handshake_param.as_deref() else {
         // A 405 names the methods the resource takes (RFC 9110, 15.5.6), as axum's own do.
         let mut refused = refused(ApiError::new(
@@ -268,15 +261,19 @@ async fn receive(door: &Door, source: Arc<SourceSpec>, entrance: Entrance, req: 
     }
     match result {
         Ok(resp) => resp,
-        Err(e) => {
-            let class = if e.status.is_server_error() { "5xx" } else { "4xx" };
-            count(&source.key, class, e.code);
-            if let Some(s) = status {
-                s.rejected(e.code, &e.message, ingest::time::now_unix_ms());
-            }
-            e.into_response()
-        }
+        Err(e) => refused(door, &source.key, e),
     }
+}
+
+/// The answer to a request of `source` refused with `e` (a POST's or a handshake's):
+/// counted under its code, and in the source's status as the last request it refused.
+fn refused(door: &Door, source: &str, e: ApiError) -> Response {
+    let class = if e.status.is_server_error() { "5xx" } else { "4xx" };
+    count(source, class, e.code);
+    if let Some(s) = door.status.get(source) {
+        s.rejected(e.code, &e.message, ingest::time::now_unix_ms());
+    }
+    e.into_response()
 }
 
 async fn receive_inner(
