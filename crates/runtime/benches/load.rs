@@ -49,8 +49,7 @@ struct WrkResult {
     p99_ms: f64,
     non_2xx: u64,
     socket_errors: String,
-    /// CPU time the server's process spent per completed request (set by
-    /// [`run_wrk_measured`]), in microseconds.
+    /// CPU time the server's process spent per completed request, in microseconds.
     cpu_us_per_request: f64,
 }
 
@@ -109,9 +108,9 @@ fn cpu_us(pid: Option<u32>) -> u64 {
     ticks * 1_000_000 / per_second
 }
 
-/// A run of wrk (see [`run_wrk`]) and the CPU the server's process (`pid`, as for
-/// [`cpu_us`]) spent per completed request meanwhile, in microseconds.
-fn run_wrk_measured(
+/// A run of wrk against `url`, and the CPU the server's process (`pid`, as for
+/// [`cpu_us`]) spent per completed request meanwhile.
+fn run_wrk(
     url: &str,
     script: &Path,
     secs: u64,
@@ -119,13 +118,7 @@ fn run_wrk_measured(
     threads: u64,
     pid: Option<u32>,
 ) -> (WrkResult, String) {
-    let before = cpu_us(pid);
-    let (mut result, raw) = run_wrk(url, script, secs, connections, threads);
-    result.cpu_us_per_request = (cpu_us(pid) - before) as f64 / result.requests.max(1) as f64;
-    (result, raw)
-}
-
-fn run_wrk(url: &str, script: &Path, secs: u64, connections: u64, threads: u64) -> (WrkResult, String) {
+    let cpu_before = cpu_us(pid);
     let out = Command::new("wrk")
         .args([
             "-t",
@@ -143,7 +136,9 @@ fn run_wrk(url: &str, script: &Path, secs: u64, connections: u64, threads: u64) 
         .unwrap_or_else(|e| panic!("cannot run wrk ({e}); run crates/runtime/benches/load.sh, which installs it"));
     let text = String::from_utf8_lossy(&out.stdout).to_string();
     assert!(out.status.success(), "wrk failed: {}\n{text}", String::from_utf8_lossy(&out.stderr));
-    (parse_wrk(&text), text)
+    let mut result = parse_wrk(&text);
+    result.cpu_us_per_request = (cpu_us(pid) - cpu_before) as f64 / result.requests.max(1) as f64;
+    (result, text)
 }
 
 fn start_bare_server() -> SocketAddr {
@@ -334,35 +329,18 @@ fn main() {
     let (daemon, http, _admin) = start_daemon(dir.path());
     let mut rounds: Vec<(WrkResult, WrkResult)> = Vec::new();
     let mut floors: Vec<WrkResult> = Vec::new();
+    // One wrk run against the server at `addr`, whose process is `pid` (`None`: this one).
+    let wrk = |addr: SocketAddr, pid: Option<u32>| {
+        run_wrk(&format!("http://{addr}/v1/sources/default"), &script, secs, connections, threads, pid)
+    };
     for round in 1..=rounds_wanted {
-        let (bare, bare_raw) = run_wrk_measured(
-            &format!("http://{bare_addr}/v1/sources/default"),
-            &script,
-            secs,
-            connections,
-            threads,
-            None,
-        );
+        let (bare, bare_raw) = wrk(bare_addr, None);
         eprintln!("--- round {round}, wrk, bare server ---\n{bare_raw}");
-        let (durable, durable_raw) = run_wrk_measured(
-            &format!("http://{http}/v1/sources/default"),
-            &script,
-            secs,
-            connections,
-            threads,
-            Some(daemon.0.id()),
-        );
+        let (durable, durable_raw) = wrk(http, Some(daemon.0.id()));
         eprintln!("--- round {round}, wrk, daemon ---\n{durable_raw}");
         rounds.push((bare, durable));
         if let Some(addr) = floor_addr {
-            let (floor, floor_raw) = run_wrk_measured(
-                &format!("http://{addr}/v1/sources/default"),
-                &script,
-                secs,
-                connections,
-                threads,
-                None,
-            );
+            let (floor, floor_raw) = wrk(addr, None);
             eprintln!("--- round {round}, wrk, durable floor ---\n{floor_raw}");
             floors.push(floor);
         }
