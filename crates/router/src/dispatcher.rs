@@ -114,6 +114,10 @@ pub(crate) struct Dispatcher<S, C> {
     pub last_lane: Option<(Arc<Lane>, usize, std::time::Duration)>,
     /// The given-up destinations whose first record of this run was logged.
     pub given_up_logged: HashSet<LaneKey>,
+    /// The sources (`None`: records that name none) a hold was reported for, in this
+    /// run. Records are routed in offset order, so a source's first hold is its lowest:
+    /// the router's status is told once per source, not for every record held.
+    pub holds_reported: HashSet<Option<String>>,
 }
 
 pub(crate) type LaneTasks = Arc<std::sync::Mutex<Vec<tokio::task::JoinHandle<()>>>>;
@@ -311,21 +315,23 @@ impl<S: Sink, C: CursorStore> Dispatcher<S, C> {
     }
 
     /// Not a record this build can route: hold it (and the log below it) and say so.
-    fn hold_undecodable(&self, offset: u64, e: &ingest::envelope::EnvelopeError) {
+    fn hold_undecodable(&mut self, offset: u64, e: &ingest::envelope::EnvelopeError) {
         tracing::error!(offset, error = %e, "undecodable record held in the log");
         metrics::counter!("iggy_connector_destinations_rejected_total", "connector_key" => "unknown", "reason" => "malformed")
             .increment(1);
         self.undecodable_from.fetch_min(offset, Ordering::AcqRel);
-        self.hold_from(offset, None, &format!("a record this build cannot decode ({e})"));
+        self.hold_from(offset, None, || format!("a record this build cannot decode ({e})"));
     }
 
     /// Holds the log from `offset` on: a record of `source` (`None`: one that names
     /// none) admission refused (or could not decode) under a policy that keeps it, for
     /// `why`. Until a restart nothing at or above it is released; the gauge and the
     /// router's status say so, since no lane counts such a record as held.
-    fn hold_from(&self, offset: u64, source: Option<&str>, why: &str) -> u64 {
+    fn hold_from(&mut self, offset: u64, source: Option<&str>, why: impl FnOnce() -> String) -> u64 {
         metrics::gauge!("iggy_connector_admission_held").set(1.0);
-        self.ctx.router_status.held_by_admission(offset, source, why);
+        if self.holds_reported.insert(source.map(str::to_string)) {
+            self.ctx.router_status.held_by_admission(offset, source, &why());
+        }
         self.held_from.fetch_min(offset, Ordering::AcqRel)
     }
 
@@ -388,10 +394,12 @@ impl<S: Sink, C: CursorStore> Dispatcher<S, C> {
             .increment(1);
         match policy.on_admission_failure {
             OnAdmissionFailure::Error => {
-                let why = format!(
-                    "source {connector} reached its destination cap (max_destinations = {max}), and on_admission_failure = \"error\" keeps the records refused"
-                );
-                let before = self.hold_from(offset, Some(&connector), &why);
+                let why = || {
+                    format!(
+                        "source {connector} reached its destination cap (max_destinations = {max}), and on_admission_failure = \"error\" keeps the records refused"
+                    )
+                };
+                let before = self.hold_from(offset, Some(&connector), why);
                 if before == u64::MAX {
                     tracing::error!(offset, source = %key.source, max_destinations = max, "destination cap reached: records held in the log");
                 }
@@ -427,10 +435,12 @@ impl<S: Sink, C: CursorStore> Dispatcher<S, C> {
                     self.count_given_up(offset, key);
                 }
                 (None, _) => {
-                    let why = format!(
-                        "source {connector} reached its destination cap (max_destinations = {max}), and it has no dead-letter destination for the records refused"
-                    );
-                    self.hold_from(offset, Some(&connector), &why);
+                    let why = || {
+                        format!(
+                            "source {connector} reached its destination cap (max_destinations = {max}), and it has no dead-letter destination for the records refused"
+                        )
+                    };
+                    self.hold_from(offset, Some(&connector), why);
                 }
             },
         }

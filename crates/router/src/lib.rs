@@ -459,6 +459,7 @@ impl Router {
             undecodable_from,
             last_lane: None,
             given_up_logged: HashSet::new(),
+            holds_reported: HashSet::new(),
         };
         let start = wal.start_offset();
         let mut tasks = vec![spawn_task(dispatcher.run(start, shutdown_rx.clone()), on_panic("log reader"))];
