@@ -135,12 +135,11 @@ fn a_release_right_after_a_rotation_leaves_read_only_opens_working() {
     drop(wal);
 }
 
-/// Hooks for the simulated disk `sim` under which a writer starts (it takes the log's
+/// Hooks for the simulated disk under which a writer starts (it takes the log's
 /// lock and removes the previous writer's watermark, as a starting daemon does) the first
 /// time a reader opens a segment file, or, `at_marker`, the clean-shutdown marker (and
 /// then the writer's recovery takes the marker away before the reader can open it).
 struct WriterStartsDuringRead {
-    sim: SimStorage,
     taken: std::sync::Mutex<Option<Box<dyn Send + Sync>>>,
     at_marker: bool,
 }
@@ -164,13 +163,13 @@ impl wal::storage::Hooks for WriterStartsDuringRead {
             true => path.file_name().is_some_and(|n| n == wal::CLEAN_MARKER_FILE),
         };
         if taken.is_none() && trigger {
-            *taken = Some(self.sim.try_lock(&dir().join(wal::LOCK_FILE))?);
-            match self.sim.remove_file(&dir().join(wal::WATERMARK_FILE)) {
+            *taken = Some(inner.try_lock(&dir().join(wal::LOCK_FILE))?);
+            match inner.remove_file(&dir().join(wal::WATERMARK_FILE)) {
                 Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
                 _ => {}
             }
             if self.at_marker {
-                self.sim.remove_file(path)?;
+                inner.remove_file(path)?;
             }
         }
         drop(taken);
@@ -197,7 +196,7 @@ fn a_writer_that_starts_during_a_read_only_read_makes_it_read_again_or_report_un
             sim.write_file_durably(&marker_path, &marker).unwrap();
             Arc::new(wal::storage::HookedStorage::new(
                 Arc::new(sim.clone()),
-                WriterStartsDuringRead { sim: sim.clone(), taken: std::sync::Mutex::new(None), at_marker },
+                WriterStartsDuringRead { taken: std::sync::Mutex::new(None), at_marker },
             ))
         };
         reads_again_or_report_unsettled(racing, &std::path::PathBuf::from(format!("/sim/copy-{at_marker}")));
