@@ -638,14 +638,14 @@ impl Writer {
     /// Says whether the log is full for what it is being given ([`crate::Wal::is_full`]),
     /// in the flag and its gauge together.
     fn set_full(&self, full: bool) {
-        set_flag(&self.shared.full, "iggy_ingest_wal_full", full);
+        set_flag(&self.shared.full, full, || metrics::gauge!("iggy_ingest_wal_full"));
     }
 
     /// Says whether the file system refused the last write, sync or segment creation
     /// for want of space ([`crate::Wal::is_disk_full`]), in the flag and its gauge
     /// together.
     fn set_disk_full(&self, disk_full: bool) {
-        set_flag(&self.shared.disk_full, "iggy_ingest_wal_disk_full", disk_full);
+        set_flag(&self.shared.disk_full, disk_full, || metrics::gauge!("iggy_ingest_wal_disk_full"));
     }
 
     fn try_delete_released(&mut self) -> Result<Released> {
@@ -845,11 +845,12 @@ fn write_file_atomically_with(
     result
 }
 
-/// Sets `flag` to `on` and the gauge named `gauge` to 1 or 0 with it, when it changes:
-/// only the writer thread sets them, so the two never disagree for long.
-fn set_flag(flag: &std::sync::atomic::AtomicBool, gauge: &'static str, on: bool) {
+/// Sets `flag` to `on` and its gauge to 1 or 0 with it, when it changes: only the
+/// writer thread sets them, so the two never disagree for long. (The gauge is named
+/// where it is called: the daemon's metric catalog test reads literal names.)
+fn set_flag(flag: &std::sync::atomic::AtomicBool, on: bool, gauge: impl FnOnce() -> metrics::Gauge) {
     if flag.load(Ordering::Relaxed) != on {
         flag.store(on, Ordering::Release);
-        metrics::gauge!(gauge).set(if on { 1.0 } else { 0.0 });
+        gauge().set(if on { 1.0 } else { 0.0 });
     }
 }
