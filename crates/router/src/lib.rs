@@ -42,6 +42,8 @@ pub mod policy;
 pub mod prewarm;
 pub mod sink;
 pub mod status;
+#[cfg(feature = "test-doubles")]
+pub mod test_doubles;
 mod write_watch;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
@@ -53,7 +55,7 @@ use tokio::sync::{Notify, watch};
 use tokio::task::JoinHandle;
 use wal::Wal;
 
-pub use cursors::{CursorStore, MemoryCursorStore, StateCursorStore};
+pub use cursors::{CursorStore, StateCursorStore};
 /// The largest payload Iggy stores in one message (`iggy::MAX_PAYLOAD_SIZE`: 64 * 1000 *
 /// 1000 bytes, not 64 MiB). An event larger than this could be accepted into the log and
 /// never delivered.

@@ -8,7 +8,8 @@ use std::time::Duration;
 
 use ingest::envelope::Partitioning;
 use router::status::Status;
-use router::{MemoryCursorStore, OnAdmissionFailure, Policies, Router, RouterPolicy, SendErrorKind};
+use router::test_doubles::MemoryCursorStore;
+use router::{OnAdmissionFailure, Policies, Router, RouterPolicy, SendErrorKind};
 use support::*;
 use wal::storage::SimStorage;
 

@@ -8,7 +8,8 @@ use std::time::Duration;
 
 use ingest::envelope::Partitioning;
 use router::status::Status;
-use router::{MemoryCursorStore, Policies, Router, SendErrorKind};
+use router::test_doubles::MemoryCursorStore;
+use router::{Policies, Router, SendErrorKind};
 use support::*;
 use wal::storage::SimStorage;
 

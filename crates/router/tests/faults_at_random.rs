@@ -16,7 +16,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ingest::envelope::Partitioning;
-use router::{MemoryCursorStore, Policies, Router, SendErrorKind};
+use router::test_doubles::MemoryCursorStore;
+use router::{Policies, Router, SendErrorKind};
 use support::*;
 use wal::storage::SimStorage;
 

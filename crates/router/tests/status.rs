@@ -9,7 +9,8 @@ use std::time::Duration;
 use ingest::envelope::Partitioning;
 use metrics_exporter_prometheus::PrometheusHandle;
 use router::status::Status;
-use router::{MemoryCursorStore, Policies, Router, SendErrorKind};
+use router::test_doubles::MemoryCursorStore;
+use router::{Policies, Router, SendErrorKind};
 use support::*;
 use wal::storage::{FaultOp, SimStorage};
 

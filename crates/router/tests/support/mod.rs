@@ -276,7 +276,7 @@ pub fn start_router(wal: &Arc<Wal>, sink: &Arc<FaultySink>, policy: router::Rout
     router::Router::start(
         wal.clone(),
         sink.clone(),
-        Arc::new(router::MemoryCursorStore::new()),
+        Arc::new(router::test_doubles::MemoryCursorStore::new()),
         router::Policies::uniform(policy),
     )
     .unwrap()
