@@ -9,7 +9,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use e2e::{client, eventually, read_back, record, sim_wal};
 use ingest::envelope::Partitioning;
 use router::iggy_sink::{IggySink, IggySinkConfig, TopicDefaults};
-use router::{MemoryCursorStore, Policies, Router, RouterPolicy};
+use router::test_doubles::MemoryCursorStore;
+use router::{Policies, Router, RouterPolicy};
 
 fn live_addr(test: &str) -> Option<String> {
     match std::env::var("IGGY_TEST_ADDR") {

@@ -10,7 +10,8 @@ use e2e::{eventually, record, sim_wal};
 use ingest::envelope::Partitioning;
 use router::iggy_sink::{IggySink, IggySinkConfig, TopicDefaults};
 use router::status::Status;
-use router::{MemoryCursorStore, OnAdmissionFailure, Policies, Router, RouterPolicy};
+use router::test_doubles::MemoryCursorStore;
+use router::{OnAdmissionFailure, Policies, Router, RouterPolicy};
 use test_broker::{RequestKind, TestBroker, TestBrokerConfig};
 
 fn sink(addr: std::net::SocketAddr, partitions: u32) -> Arc<IggySink> {
