@@ -722,7 +722,7 @@ fn on_a_terminal(command: &str) -> String {
     String::from_utf8_lossy(&o.stdout).into_owned()
 }
 
-/// The scans of a whole log (`inspect`, `verify`, and `dump` into a file) show a progress
+/// The scans of a whole log (`inspect`, `verify`, `salvage`, and `dump` into a file) show a progress
 /// bar when standard error is a terminal, and clear it; `dump` whose lines go to the
 /// terminal itself, or through a pipe to another program that shows them there, draws
 /// none, so no bar tears them.
@@ -750,8 +750,16 @@ fn long_scans_show_a_progress_bar_on_a_terminal_but_never_across_their_own_lines
     }
     assert_eq!(std::fs::read_to_string(&out).unwrap().lines().filter(|l| l.starts_with('#')).count(), 300);
 
-    let screen = on_a_terminal(&format!("'{bin}' wal verify '{d}' > /dev/null"));
-    assert!(screen.contains(" eta "), "verify: no bar on the terminal: {screen:?}");
+    let copy = root.path().join("salvaged");
+    for (what, command) in [
+        ("verify", format!("'{bin}' wal verify '{d}' > /dev/null")),
+        ("salvage", format!("'{bin}' wal salvage '{d}' --out '{}' > /dev/null", copy.display())),
+    ] {
+        let screen = on_a_terminal(&command);
+        assert!(screen.contains(" eta "), "{what}: no bar on the terminal: {screen:?}");
+        assert!(screen.trim_end().ends_with(CLEAR_LINE), "{what}: the bar was left on the screen: {screen:?}");
+    }
+    assert_eq!(code(&cli(&["verify", copy.to_str().unwrap()])), 0, "the salvaged copy verifies");
 
     for (what, command) in
         [("dump", format!("'{bin}' wal dump '{d}'")), ("dump | cat", format!("'{bin}' wal dump '{d}' --json | cat"))]

@@ -47,6 +47,7 @@ use crate::format::{
     FLAG_END_OF_BATCH, FRAME_HEADER_LEN, FrameHeader, OFFSET_MAX, SEGMENT_FLAG_GAP_BEFORE, SEGMENT_HEADER_LEN,
     SegmentHeader, parse_segment_file_name, segment_file_name,
 };
+use crate::inspect::VerifyProgress;
 use crate::scan::ChunkReader;
 use crate::storage::{OpenMode, Storage};
 use crate::watermark::Bound;
@@ -263,19 +264,42 @@ enum Found {
 /// Beside a writer that has not published its watermark yet (it is recovering) it waits
 /// for one, as the other read-only openers do, up to 5 s, before writing anything.
 pub fn salvage_copy(storage: &dyn Storage, src: &Path, dst: &Path) -> Result<CopyReport> {
+    salvage_copy_with_progress(storage, src, dst, &mut |_| {})
+}
+
+/// [`salvage_copy`], telling `progress` how many of the source's bytes were walked, at
+/// least once per [`PROGRESS_EVERY_BYTES`] and at the end of each segment. The total is
+/// the segments' lengths when the copy began (a segment that cannot be opened then counts
+/// nothing), so `bytes_done` may pass it beside a live writer; a progress bar, not a bound.
+pub fn salvage_copy_with_progress(
+    storage: &dyn Storage,
+    src: &Path,
+    dst: &Path,
+    progress: &mut dyn FnMut(VerifyProgress),
+) -> Result<CopyReport> {
     // Only the bound is waited for: once copying began, `dst` holds a log and a second
     // attempt would refuse it.
     let read = crate::watermark::read_settled(storage, src, Ok)?;
     // A copy that failed is void too if a writer started under it (its recovery removes
     // or changes files the copy reads): unsettled, to be made again.
-    let report =
-        copy_bounded(storage, src, dst, read).map_err(|e| crate::watermark::unsettled_or(storage, src, read, e))?;
+    let report = copy_bounded(storage, src, dst, read, progress)
+        .map_err(|e| crate::watermark::unsettled_or(storage, src, read, e))?;
     crate::watermark::confirm_unbounded(storage, src, read)?;
     crate::recovery::remove_durably(storage, dst, crate::SALVAGE_INCOMPLETE_FILE)?;
     Ok(report)
 }
 
-fn copy_bounded(storage: &dyn Storage, src: &Path, dst: &Path, read: Bound) -> Result<CopyReport> {
+/// How often, in bytes walked, the copy tells its progress: often enough for a bar to
+/// move several times a second at disk speed, rarely enough to cost nothing.
+pub const PROGRESS_EVERY_BYTES: u64 = 1 << 20;
+
+fn copy_bounded(
+    storage: &dyn Storage,
+    src: &Path,
+    dst: &Path,
+    read: Bound,
+    progress: &mut dyn FnMut(VerifyProgress),
+) -> Result<CopyReport> {
     let bound = match read {
         Bound::Watermark(w) => Some(w),
         Bound::None => None,
@@ -337,6 +361,16 @@ fn copy_bounded(storage: &dyn Storage, src: &Path, dst: &Path, read: Bound) -> R
     } else {
         None
     };
+    let bytes_total: u64 = bases
+        .iter()
+        .map(|&base| {
+            let len = storage.open(&src.join(segment_file_name(base)), OpenMode::Read).and_then(|f| f.len());
+            let len = len.unwrap_or(0);
+            bound.filter(|w| w.segment_base == base).map_or(len, |w| len.min(w.durable_len))
+        })
+        .sum();
+    // Bytes of the segments before the one being walked.
+    let mut bytes_before = 0u64;
     let mut last: Option<u64> = None;
     // Past every offset a left-out record or a damaged byte range may have named.
     let mut named_until = bases[0];
@@ -416,7 +450,12 @@ fn copy_bounded(storage: &dyn Storage, src: &Path, dst: &Path, read: Bound) -> R
         // check, at a frame position or among skipped bytes, once per run of zeros (the
         // byte before was not zero), so each byte is looked at a bounded number of times.
         let mut in_zeros = false;
+        let mut told = pos;
         while pos < len {
+            if pos - told >= PROGRESS_EVERY_BYTES {
+                progress(VerifyProgress { bytes_done: bytes_before + pos, bytes_total });
+                told = pos;
+            }
             // A frame must be above the last record copied, and continue the batch the
             // walk is in.
             let floor = batch.as_ref().map_or(last, |b| Some(b.next - 1));
@@ -494,6 +533,8 @@ fn copy_bounded(storage: &dyn Storage, src: &Path, dst: &Path, read: Bound) -> R
             b.leave_out(&mut report, &path, false, &mut named_until);
         }
         close_bad(&mut report, &path, &mut bad, len);
+        bytes_before += len;
+        progress(VerifyProgress { bytes_done: bytes_before, bytes_total });
         if damage_after_last_record
             && let Some(damaged) = report.skipped[skipped_before..].iter().rev().find(|s| s.records == 0)
         {

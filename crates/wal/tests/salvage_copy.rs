@@ -13,7 +13,7 @@ use wal::format::{
     FLAG_END_OF_BATCH, FRAME_HEADER_LEN, FrameHeader, SEGMENT_FLAG_GAP_BEFORE, SEGMENT_HEADER_LEN, SegmentHeader,
     segment_file_name,
 };
-use wal::salvage_copy::salvage_copy;
+use wal::salvage_copy::{PROGRESS_EVERY_BYTES, salvage_copy, salvage_copy_with_progress};
 use wal::storage::{CrashMode, SimStorage, Storage};
 use wal::{SyncPolicy, Wal, WalOptions, inspect};
 
@@ -349,12 +349,11 @@ fn a_writer_without_a_watermark_yet_is_waited_for() {
     assert_eq!(copied(&sim), vec![(0, 0), (1, 1), (2, 2)]);
 }
 
-/// Hooks for the simulated disk under which the first open of `released` finds it gone:
-/// the live writer released it between the copy's listing and its open.
+/// Hooks for the simulated disk under which every open of `released` finds it gone: the
+/// live writer released it between the copy's listing and its opens.
 #[derive(Debug)]
 struct ReleasedBeforeOpen {
     released: PathBuf,
-    done: std::sync::atomic::AtomicBool,
 }
 
 impl wal::storage::Hooks for ReleasedBeforeOpen {
@@ -364,7 +363,7 @@ impl wal::storage::Hooks for ReleasedBeforeOpen {
         path: &std::path::Path,
         mode: wal::storage::OpenMode,
     ) -> std::io::Result<Arc<dyn wal::storage::StorageFile>> {
-        if path == self.released && !self.done.swap(true, std::sync::atomic::Ordering::SeqCst) {
+        if path == self.released {
             return Err(std::io::Error::from(std::io::ErrorKind::NotFound));
         }
         inner.open(path, mode)
@@ -380,10 +379,8 @@ fn a_segment_released_under_a_copy_beside_a_live_writer_makes_it_unsettled() {
     append_tagged(&wal, 0..40, 300);
     let bases = segment_files(&sim, &dir());
     assert!(bases.len() >= 3, "{bases:?}");
-    let storage = wal::storage::HookedStorage::new(
-        Arc::new(sim.clone()),
-        ReleasedBeforeOpen { released: dir().join(&bases[0]), done: std::sync::atomic::AtomicBool::new(false) },
-    );
+    let storage =
+        wal::storage::HookedStorage::new(Arc::new(sim.clone()), ReleasedBeforeOpen { released: dir().join(&bases[0]) });
     match salvage_copy(&storage, &dir(), &out_dir()) {
         Err(e @ wal::WalError::Unsettled { .. }) => assert!(e.to_string().contains("released"), "{e}"),
         other => panic!("{other:?}"),
@@ -504,4 +501,32 @@ fn the_copy_continues_at_the_sources_newest_segment_even_when_it_is_empty() {
     assert_eq!(report.reserved_offsets, Some((3, 9)));
     let copy = Wal::open_read_only_with(Arc::new(sim.clone()) as Arc<dyn Storage>, &out_dir()).unwrap();
     assert_eq!(copy.next_offset(), 10);
+}
+
+/// The copy tells its progress in bytes of the source walked: never backwards, within a
+/// segment at least every `PROGRESS_EVERY_BYTES`, and at the end every byte of every
+/// segment, the total it announced from the start.
+#[test]
+fn the_copy_tells_its_progress_through_every_byte_of_the_source() {
+    let sim = SimStorage::new();
+    let opts = WalOptions { segment_max_bytes: 3 << 20, max_bytes: 64 << 20, ..small_options() };
+    let wal = open(&sim, opts);
+    append_tagged(&wal, 0..700, 10_000);
+    drop(wal);
+    let segments = segment_files(&sim, &dir());
+    assert!(segments.len() >= 2, "{segments:?}");
+    let source_bytes: u64 = segments.iter().map(|n| sim.read_file(&dir().join(n)).unwrap().len() as u64).sum();
+
+    let mut told = Vec::new();
+    let report = salvage_copy_with_progress(&sim, &dir(), &out_dir(), &mut |p| told.push(p)).unwrap();
+    assert_eq!(report.records, 700);
+    assert!(told.iter().all(|p| p.bytes_total == source_bytes), "{told:?}");
+    assert!(told.windows(2).all(|w| w[0].bytes_done <= w[1].bytes_done), "{told:?}");
+    assert_eq!(told.last().map(|p| p.bytes_done), Some(source_bytes));
+    let steps: Vec<u64> = told.windows(2).map(|w| w[1].bytes_done - w[0].bytes_done).collect();
+    // A step is at most a whole frame past the mark (the walk moves a frame at a time),
+    // and the next segment's header with the first step in it.
+    let largest_step = SEGMENT_HEADER_LEN + PROGRESS_EVERY_BYTES + FRAME_HEADER_LEN + 10_000;
+    assert!(steps.iter().all(|&s| s <= largest_step), "{steps:?}");
+    assert!(told.len() as u64 >= source_bytes / largest_step, "{} reports for {source_bytes} bytes", told.len());
 }

@@ -292,6 +292,41 @@ impl Drop for ScanProgress {
     }
 }
 
+/// A progress bar over a walk of the log's bytes (`verify`, `salvage`), drawn on standard
+/// error only while it is a terminal; their reports are written once the walk is over,
+/// so nothing they print can tear it. Cleared when dropped.
+pub(crate) struct BytesProgress(Option<indicatif::ProgressBar>);
+
+impl BytesProgress {
+    pub(crate) fn new() -> BytesProgress {
+        BytesProgress(std::io::IsTerminal::is_terminal(&io::stderr()).then(|| {
+            let b = indicatif::ProgressBar::new(0);
+            b.set_style(
+                indicatif::ProgressStyle::with_template(
+                    "{bar:40} {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta}",
+                )
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+            );
+            b
+        }))
+    }
+
+    pub(crate) fn at(&self, p: wal::inspect::VerifyProgress) {
+        if let Some(b) = &self.0 {
+            b.set_length(p.bytes_total);
+            b.set_position(p.bytes_done);
+        }
+    }
+}
+
+impl Drop for BytesProgress {
+    fn drop(&mut self) {
+        if let Some(b) = &self.0 {
+            b.finish_and_clear();
+        }
+    }
+}
+
 /// Whether standard output is a regular file (`> FILE`): what is written there is seen
 /// by no one until the command ends.
 pub(crate) fn stdout_is_a_file() -> bool {

@@ -21,6 +21,8 @@
 //!   arguments (an `--out` above, or one that exists and is not a directory), each said
 //!   in one line before anything is written. A copy that did not finish is refused by
 //!   every open (`wal::SALVAGE_INCOMPLETE_FILE`), and the error says to remove it.
+//! - The progress bar (bytes of the source walked) is drawn on standard error only when
+//!   it is a terminal, and cleared before anything is printed.
 
 use std::io::{self, Write};
 use std::path::{Component, Path, PathBuf};
@@ -51,7 +53,10 @@ pub(crate) fn run(a: SalvageArgs) -> CliResult {
     // writes is given the log's owner.
     let held_before: Option<std::collections::HashSet<std::ffi::OsString>> =
         std::fs::read_dir(&target).ok().map(|entries| entries.flatten().map(|e| e.file_name()).collect());
-    let report = match wal::salvage_copy::salvage_copy(&FsStorage, &a.dir, &a.out) {
+    let bar = super::BytesProgress::new();
+    let copied = wal::salvage_copy::salvage_copy_with_progress(&FsStorage, &a.dir, &a.out, &mut |p| bar.at(p));
+    drop(bar);
+    let report = match copied {
         Ok(r) => r,
         Err(wal::WalError::InvalidOptions(m)) => return Err(CliError::Usage(m)),
         Err(e) => {

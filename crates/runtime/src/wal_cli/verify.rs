@@ -8,7 +8,7 @@
 //!   arguments (including a path that holds no log).
 //! - The progress bar is drawn on standard error only when it is a terminal.
 
-use std::io::{IsTerminal, Write};
+use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Instant;
@@ -30,24 +30,10 @@ pub struct VerifyArgs {
 
 pub(crate) fn run(a: VerifyArgs) -> CliResult {
     super::a_directory(&a.dir)?;
-    let bar = std::io::stderr().is_terminal().then(|| {
-        let b = indicatif::ProgressBar::new(0);
-        b.set_style(
-            indicatif::ProgressStyle::with_template("{bar:40} {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta}")
-                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-        );
-        b
-    });
+    let bar = super::BytesProgress::new();
     let started = Instant::now();
-    let report = wal::inspect::verify(&FsStorage, &a.dir, &mut |p| {
-        if let Some(b) = &bar {
-            b.set_length(p.bytes_total);
-            b.set_position(p.bytes_done);
-        }
-    });
-    if let Some(b) = &bar {
-        b.finish_and_clear();
-    }
+    let report = wal::inspect::verify(&FsStorage, &a.dir, &mut |p| bar.at(p));
+    drop(bar);
     let report = report.map_err(|e| wal_error(&a.dir, e))?;
     let seconds = started.elapsed().as_secs_f64();
     let mut out = stdout();
