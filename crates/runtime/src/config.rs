@@ -516,10 +516,10 @@ impl std::fmt::Display for ConfigErrors {
 impl std::error::Error for ConfigErrors {}
 
 /// A path into the document, built while validating.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub(crate) struct KeyPath(Vec<Seg>);
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 enum Seg {
     Key(String),
     Index(usize),
@@ -599,31 +599,116 @@ pub fn parse(text: &str, file: Option<PathBuf>) -> Result<Config, ConfigErrors> 
             });
         }
     };
-    serde_path_to_error::deserialize::<_, Config>(de).map_err(|e| {
-        // Written as validation writes key paths (a key that is not bare quoted, as in
-        // `sources."shop.v2".accept`): the crate's own joins segments with dots unquoted.
-        use serde_path_to_error::Segment;
-        let path = e
-            .path()
-            .iter()
-            .fold(KeyPath::default(), |p, seg| match seg {
-                Segment::Seq { index } => p.index(*index),
-                Segment::Map { key } => p.key(key),
-                Segment::Enum { variant } => p.key(variant),
-                Segment::Unknown => p.key("?"),
-            })
-            .to_string();
-        let inner = e.into_inner();
-        let line = inner.span().map(|s| line_of(text, s.start));
-        // serde quotes the value it refused ("invalid type: integer `12345678`"): at a
-        // secret's key that would print the secret to the terminal and the journal.
-        let message = if is_secret_key(&path) {
-            "must be a string (what was given is not repeated here: it is a secret)".to_string()
-        } else {
-            inner.message().to_string()
+    let first = match serde_path_to_error::deserialize::<_, Config>(de) {
+        Ok(config) => return Ok(config),
+        Err(e) => shape_error(text, e),
+    };
+    // serde stops at the first value of the wrong shape; the others are found by reading
+    // the document again without each key refused so far (`more_shape_errors`).
+    let mut errors = vec![first];
+    more_shape_errors(text, &mut errors);
+    let mut errors: Vec<ConfigError> = errors.into_iter().map(|(_, e)| e).collect();
+    // In the order of the file, as a person fixes them.
+    errors.sort_by_key(|e| e.line.unwrap_or(usize::MAX));
+    Err(ConfigErrors { file, errors })
+}
+
+/// The most problems of shape (a value of the wrong type, an unknown key) one reading
+/// reports: a file with more is rarely one a person wrote, and each costs a parse.
+const SHAPE_ERRORS_MAX: usize = 20;
+
+/// One problem of shape, with the key path it was found at.
+fn shape_error(text: &str, e: serde_path_to_error::Error<toml::de::Error>) -> (KeyPath, ConfigError) {
+    // Written as validation writes key paths (a key that is not bare quoted, as in
+    // `sources."shop.v2".accept`): the crate's own joins segments with dots unquoted.
+    use serde_path_to_error::Segment;
+    let key_path = e.path().iter().fold(KeyPath::default(), |p, seg| match seg {
+        Segment::Seq { index } => p.index(*index),
+        Segment::Map { key } => p.key(key),
+        Segment::Enum { variant } => p.key(variant),
+        Segment::Unknown => p.key("?"),
+    });
+    let path = key_path.to_string();
+    let inner = e.into_inner();
+    let line = inner.span().map(|s| line_of(text, s.start)).or_else(|| locate(Some(text), &key_path));
+    // serde quotes the value it refused ("invalid type: integer `12345678`"): at a
+    // secret's key that would print the secret to the terminal and the journal.
+    let message = if is_secret_key(&path) {
+        "must be a string (what was given is not repeated here: it is a secret)".to_string()
+    } else {
+        inner.message().to_string()
+    };
+    (key_path, ConfigError { path, line, message })
+}
+
+/// Adds to `errors` (which holds the first) the problems of shape a reading finds once the
+/// keys already refused are left out of the document, one more per reading, until one
+/// reads (or [`SHAPE_ERRORS_MAX`]). The document left is written out and parsed as text,
+/// as the file was, so that each problem is the one the file would give once the others
+/// were fixed; its line is looked up in the file itself. A required key found missing
+/// then may be one that was left out: it is not reported, and the table that needs it is
+/// left out too; a wrong element of a list leaves out the whole list (removing the
+/// element would renumber the others, and their paths would be wrong).
+fn more_shape_errors(text: &str, errors: &mut Vec<(KeyPath, ConfigError)>) {
+    let Ok(mut doc) = text.parse::<toml::Table>() else { return };
+    let mut leave_out = errors.last().map(|(p, _)| p.clone());
+    // Each reading leaves out one more key or table: bounded by what the file holds,
+    // and by this.
+    for _ in 0..4 * SHAPE_ERRORS_MAX {
+        if errors.len() >= SHAPE_ERRORS_MAX {
+            return;
+        }
+        let Some(path) = leave_out.take() else { return };
+        if !remove_key(&mut doc, &path) {
+            // An element of a list: the whole list is left out (removing the element
+            // would renumber those after it).
+            let Some(list) = path.0.iter().rposition(|s| matches!(s, Seg::Key(_))) else { return };
+            if !remove_key(&mut doc, &KeyPath(path.0[..=list].to_vec())) {
+                return;
+            }
+        }
+        let Ok(rest) = toml::to_string(&doc) else { return };
+        let Ok(de) = toml::de::Deserializer::parse(&rest) else { return };
+        let (path, mut error) = match serde_path_to_error::deserialize::<_, Config>(de) {
+            Ok(_) => return,
+            Err(e) => shape_error(&rest, e),
         };
-        ConfigErrors { file, errors: vec![ConfigError { path, line, message }] }
-    })
+        if errors.iter().any(|(p, _)| *p == path) {
+            return;
+        }
+        leave_out = Some(path.clone());
+        if !error.message.starts_with("missing field") {
+            error.line = locate(Some(text), &path);
+            errors.push((path, error));
+        }
+    }
+}
+
+/// Removes the key at `path` from `doc`; false if `path` does not end at a key there.
+fn remove_key(doc: &mut toml::Table, path: &KeyPath) -> bool {
+    let Some((Seg::Key(last), parents)) = path.0.split_last() else { return false };
+    let mut table = doc;
+    let mut i = 0;
+    while i < parents.len() {
+        let next = match &parents[i] {
+            Seg::Key(k) => table.get_mut(k.as_str()),
+            Seg::Index(_) => None,
+        };
+        // A table, or an element of an array of tables.
+        table = match (next, parents.get(i + 1)) {
+            (Some(toml::Value::Table(t)), _) => t,
+            (Some(toml::Value::Array(a)), Some(Seg::Index(n))) => match a.get_mut(*n) {
+                Some(toml::Value::Table(t)) => {
+                    i += 1;
+                    t
+                }
+                _ => return false,
+            },
+            _ => return false,
+        };
+        i += 1;
+    }
+    table.remove(last.as_str()).is_some()
 }
 
 /// Whether the key at `path` (dotted) holds a secret: its value never appears in a message.
@@ -2308,6 +2393,43 @@ auth_secret = "never checked"
         assert_eq!(e.len(), 1, "{e:?}");
         assert_eq!(e[0].path, "sources.github.endpoints[0].auth_secret");
         assert_eq!(e[0].message, "is not used by auth_type = \"none\" (nothing is checked)");
+    }
+
+    /// serde stops at the first value of the wrong shape; every other one is named too,
+    /// in the order of the file: inside an array of tables, after a secret (not repeated),
+    /// and after a required key of the wrong type, whose absence is not reported as a
+    /// second problem.
+    #[test]
+    fn every_problem_of_shape_is_named_in_the_order_of_the_file() {
+        let text = "[iggy]\npassword = 12345\n[sources.a]\ndestination = { stream = \"s\", topic = 7 }\n\
+            accept = [\"application/json\", 3]\n[[sources.a.endpoints]]\n\
+            id = \"0123456789abcdef0123456789abcdef\"\nauth_type = \"none\"\n[[sources.a.endpoints]]\n\
+            id = 5\nauth_type = \"none\"\n[wal]\nmax_bytes = \"big\"\nmax_byte = 3\n";
+        let e = errors(text);
+        let found: Vec<(&str, Option<usize>)> = e.iter().map(|e| (e.path.as_str(), e.line)).collect();
+        assert_eq!(
+            found,
+            vec![
+                ("iggy.password", Some(2)),
+                ("sources.a.destination.topic", Some(4)),
+                ("sources.a.accept", Some(5)),
+                ("sources.a.endpoints[1].id", Some(10)),
+                ("wal.max_bytes", Some(13)),
+                ("wal.max_byte", Some(14)),
+            ],
+            "{e:?}"
+        );
+        assert!(e.iter().all(|e| !e.message.contains("12345") && !e.message.contains("missing field")), "{e:?}");
+    }
+
+    /// A file of nothing but unknown keys gets a bounded list, not one line per key.
+    #[test]
+    fn problems_of_shape_are_listed_up_to_a_bound() {
+        let text: String = (0..SHAPE_ERRORS_MAX + 10).map(|i| format!("unknown_{i:02} = 1\n")).collect();
+        let e = errors(&text);
+        assert_eq!(e.len(), SHAPE_ERRORS_MAX, "{e:?}");
+        assert_eq!(e[0].path, "unknown_00");
+        assert_eq!(e[0].line, Some(1));
     }
 
     #[test]
