@@ -28,7 +28,9 @@
 //! with [`SimStorage::write_file_durably`].
 //!
 //! A failed `sync_data` behaves like Linux after an `EIO` writeback error: the dirty
-//! pages are marked clean, so a later successful sync does not cover them. Some may have
+//! pages are marked clean, so a later successful sync does not cover them (tracked per
+//! sector: a sync that persists writes made elsewhere in the file, before them or after,
+//! still leaves them as they are on the disk, until they are written again). Some may have
 //! reached the disk before the error, sector by sector (the others read back as what the
 //! disk held before, zeros past its old end, after a crash or once `drop_cached` evicted
 //! them), and a shorter length the sync was to persist may not be durable (a crash can
@@ -88,6 +90,10 @@ struct Inode {
     durable: Vec<u8>,
     /// Lowest position changed since the last successful sync (`usize::MAX`: none).
     dirty_from: usize,
+    /// Sectors a failed sync marked clean without writing them: reads serve `data`'s
+    /// bytes (the page cache), but no later sync writes them (a write into the sector
+    /// dirties it again), and a crash or `drop_cached` brings back `durable`'s.
+    stale: BTreeSet<usize>,
 }
 
 #[derive(Debug, Default)]
@@ -285,6 +291,7 @@ impl State {
             inode.data = image.clone();
             inode.durable = image;
             inode.dirty_from = usize::MAX;
+            inode.stale.clear();
         }
     }
 }
@@ -316,7 +323,9 @@ fn tear(image: &mut Vec<u8>, inode: &Inode, r: &mut Rng, atomic: bool) {
     while s * SECTOR_BYTES < len {
         let a = (s * SECTOR_BYTES).max(pending_from);
         let b = ((s + 1) * SECTOR_BYTES).min(len);
-        match r.below(if atomic { 2 } else { 4 }) {
+        // Clean pages are never written back: a stale sector keeps what the disk holds.
+        let choice = if inode.stale.contains(&s) { 1 } else { r.below(if atomic { 2 } else { 4 }) };
+        match choice {
             0 => {
                 for (i, byte) in image[a..b].iter_mut().enumerate() {
                     // Past a shrink the new image has no bytes: with sizes atomic, the
@@ -468,6 +477,7 @@ impl SimStorage {
         inode.data = bytes.to_vec();
         inode.durable = bytes.to_vec();
         inode.dirty_from = usize::MAX;
+        inode.stale.clear();
         Ok(())
     }
 }
@@ -640,6 +650,8 @@ impl StorageFile for SimFile {
         }
         inode.data[pos..pos + n].copy_from_slice(&buf[..n]);
         inode.dirty_from = inode.dirty_from.min(pos);
+        let sectors = pos / SECTOR_BYTES..(pos + n).div_ceil(SECTOR_BYTES);
+        inode.stale.retain(|s| !sectors.contains(s));
         result
     }
 
@@ -668,8 +680,11 @@ impl StorageFile for SimFile {
                     let b = ((s + 1) * SECTOR_BYTES).min(len).min(inode.data.len());
                     if !nothing && r.below(2) == 0 {
                         image[a..b].copy_from_slice(&inode.data[a..b]);
-                    } else if a >= old_len {
-                        image[a..b].fill(0);
+                    } else {
+                        if a >= old_len {
+                            image[a..b].fill(0);
+                        }
+                        inode.stale.insert(s);
                     }
                     s += 1;
                 }
@@ -681,9 +696,18 @@ impl StorageFile for SimFile {
         let inode = self.live(&mut st)?;
         if inode.dirty_from != usize::MAX || inode.durable.len() != inode.data.len() {
             let from = inode.dirty_from.min(inode.data.len());
-            inode.durable.truncate(from.min(inode.durable.len()));
-            inode.durable.resize(from, 0);
-            inode.durable.extend_from_slice(&inode.data[from..]);
+            let before = std::mem::take(&mut inode.durable);
+            let mut image = before[..from.min(before.len())].to_vec();
+            image.resize(from, 0);
+            image.extend_from_slice(&inode.data[from..]);
+            // Clean pages are not written back, however many syncs follow.
+            for &s in &inode.stale {
+                let (a, b) = ((s * SECTOR_BYTES).max(from), ((s + 1) * SECTOR_BYTES).min(image.len()));
+                for (i, byte) in image.iter_mut().enumerate().take(b).skip(a) {
+                    *byte = before.get(i).copied().unwrap_or(0);
+                }
+            }
+            inode.durable = image;
             inode.dirty_from = usize::MAX;
         }
         Ok(())
@@ -702,6 +726,14 @@ impl StorageFile for SimFile {
         let inode = self.live(&mut st)?;
         let clean = inode.dirty_from.min(inode.data.len()).min(inode.durable.len());
         inode.data[..clean].copy_from_slice(&inode.durable[..clean]);
+        // A stale sector holds no change of its own since (a write would have dirtied
+        // it): evicted, it reads what the disk holds.
+        for s in std::mem::take(&mut inode.stale) {
+            let (a, b) = (s * SECTOR_BYTES, ((s + 1) * SECTOR_BYTES).min(inode.data.len()));
+            for i in a..b {
+                inode.data[i] = inode.durable.get(i).copied().unwrap_or(0);
+            }
+        }
         Ok(())
     }
 
@@ -717,6 +749,7 @@ impl StorageFile for SimFile {
         let old = inode.data.len();
         inode.data.resize(len, 0);
         inode.dirty_from = inode.dirty_from.min(len.min(old));
+        inode.stale.retain(|&s| s * SECTOR_BYTES < len);
         Ok(())
     }
 }
@@ -811,6 +844,43 @@ mod tests {
         assert!(f.read_at(&mut [0u8; 4], 0).is_err(), "old handles die with the power");
         assert_eq!(s.read_file(Path::new("/d/a")).unwrap(), b"durable");
         assert!(s.read_file(Path::new("/d/b")).is_err(), "an unsynced directory entry survived");
+    }
+
+    /// The pages a failed sync left clean are never written by a later sync, even one
+    /// that persists writes made below them (redb writes its header at the start of the
+    /// file on every commit): the cache serves them until they are evicted or the power
+    /// goes, and then the disk's bytes are back. A sector written again is dirty again,
+    /// and synced.
+    #[test]
+    fn a_later_sync_never_writes_what_a_failed_sync_left_clean() {
+        let s = SimStorage::new();
+        s.set_failed_syncs_write_nothing(true);
+        let f = file(&s, "/d/a");
+        s.sync_dir(Path::new("/d")).unwrap();
+        let old = vec![1u8; 4 * SECTOR_BYTES];
+        f.write_all_at(&old, 0).unwrap();
+        f.sync_data().unwrap();
+        f.write_all_at(&[2u8; 2 * SECTOR_BYTES], 2 * SECTOR_BYTES as u64).unwrap();
+        s.fail_nth(FaultOp::Sync, 1, io::ErrorKind::Other);
+        assert!(f.sync_data().is_err());
+        // A commit's header at the start, and one of the failed sectors written again.
+        f.write_all_at(&[3u8; 8], 0).unwrap();
+        f.write_all_at(&[4u8; 8], 3 * SECTOR_BYTES as u64).unwrap();
+        f.sync_data().unwrap();
+        let mut cached = vec![0u8; 4 * SECTOR_BYTES];
+        read_exact_at(&*f, &mut cached, 0).unwrap();
+        assert_eq!(cached[2 * SECTOR_BYTES], 2, "the cache serves the failed write");
+
+        let mut want = old.clone();
+        want[..8].fill(3);
+        want[3 * SECTOR_BYTES..4 * SECTOR_BYTES].fill(2);
+        want[3 * SECTOR_BYTES..3 * SECTOR_BYTES + 8].fill(4);
+        f.drop_cached().unwrap();
+        let mut evicted = vec![0u8; 4 * SECTOR_BYTES];
+        read_exact_at(&*f, &mut evicted, 0).unwrap();
+        assert_eq!(evicted, want, "evicted, the failed sector reads the disk; the rewritten one was synced");
+        s.crash(CrashMode::LoseUnsynced);
+        assert_eq!(s.read_file(Path::new("/d/a")).unwrap(), want, "after a power loss, the same");
     }
 
     /// A failed sync's pages are clean but may or may not be on the disk: once evicted
