@@ -16,6 +16,11 @@
 //! - After an I/O error (a full disk, say) redb refuses every operation until the
 //!   database is reopened. [`StateDb::reopen_if_failed`] reopens it in place, which
 //!   redb repairs to its last durable commit; every handle keeps working afterwards.
+//! - Every open reads the file from the disk, not from the page cache
+//!   ([`read_from_disk`]): a commit whose sync failed leaves its pages there, clean but
+//!   not on the disk (Linux after a writeback error), and redb, reading them, would take
+//!   that commit for its last durable one, build the next commits on pages the disk
+//!   never got, and after a power loss find no commit that checks.
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};
@@ -82,6 +87,7 @@ pub(crate) enum ReadOnlyView {
 impl ReadOnlyView {
     /// Opens `path` to be read. `DatabaseAlreadyOpen` while a daemon holds it.
     pub(crate) fn open(path: &Path) -> Result<ReadOnlyView, redb::DatabaseError> {
+        read_from_disk(&wal::storage::FsStorage, path);
         match redb::ReadOnlyDatabase::open(path) {
             Ok(db) => Ok(ReadOnlyView::File(db)),
             Err(redb::DatabaseError::RepairAborted) => {
@@ -145,6 +151,21 @@ fn room_for_copy(dir: &Path, bytes: u64) -> std::io::Result<()> {
         ));
     }
     Ok(())
+}
+
+/// Drops the page cache's clean pages of the database at `path`, so that the open that
+/// follows reads what the disk holds (dirty pages, written and not yet synced, stay: they
+/// are what the file holds). A failure is logged and the open goes on, reading what is
+/// cached: at worst what it did before.
+pub(crate) fn read_from_disk(storage: &dyn Storage, path: &Path) {
+    match storage.open(path, OpenMode::Read).and_then(|f| f.drop_cached()) {
+        Ok(()) => {}
+        // The open that follows says so, or creates it.
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => {
+            tracing::warn!(path = %path.display(), error = %e, "could not drop the state database's cached pages; reading them as cached")
+        }
+    }
 }
 
 /// What a tool says of a database read from a repaired copy.
@@ -215,7 +236,10 @@ impl StateDb {
         // gone from under the daemon fails it (and every operation after it) rather than
         // be replaced by an empty one, which would drop every key and endpoint unsaid.
         let p = path.clone();
-        let open = move || open_at(&p).map_err(|e| open_err(&p, e));
+        let open = move || {
+            read_from_disk(&*storage, &p);
+            open_at(&p).map_err(|e| open_err(&p, e))
+        };
         let db = open()?;
         StateDb::checked(db, path, Some(Box::new(open)))
     }
@@ -491,6 +515,7 @@ pub enum Migration {
 /// offsets (the next start checks every key against the log's end).
 pub fn migrate(path: &Path) -> Result<Migration, StateError> {
     use crate::idempotency::{META_KEYS_BELOW, META_KEYS_SCOPED_BY_ENDPOINT};
+    read_from_disk(&wal::storage::FsStorage, path);
     let db = Database::open(path).map_err(|e| open_err(path, e))?;
     let txn = db.begin_write().map_err(storage_err)?;
     let found = {
@@ -536,6 +561,7 @@ pub fn reset(path: &Path) -> Result<StateInventory, StateError> {
 /// [`reset`], running `before_unlink` while the lock is held and the file not yet
 /// removed (where a concurrent start is tested).
 fn reset_with(path: &Path, before_unlink: impl FnOnce()) -> Result<StateInventory, StateError> {
+    read_from_disk(&wal::storage::FsStorage, path);
     let (db, inventory) = match Database::open(path) {
         Ok(db) => {
             let inventory = inventory_of(db.begin_read().map_err(storage_err)?)?;

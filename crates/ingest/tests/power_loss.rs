@@ -433,3 +433,50 @@ async fn a_power_loss_at_any_write_never_replays_what_the_log_lost_under_interva
     let covered = sweep(3, interval).await | sweep(4, interval).await;
     assert!(covered.released && covered.rotated && covered.revoked, "{covered:?}");
 }
+
+/// A commit whose sync failed leaves its pages in the page cache, clean but not on the
+/// disk. The database opened again after it (in process, or by the next start) must read
+/// the disk, not those pages: a database that adopted the failed commit from the cache
+/// would build the next commits on pages the disk never got, and after a power loss
+/// neither its newest nor its previous commit would check. Here the failed commit stores
+/// a cursor, and the one after the reopen revokes an endpoint, answered 2xx: it leaves
+/// the cursors' table as it found it, so it points at that table's pages. After the
+/// power loss the database opens, the revocation holds, and the cursor is the one
+/// stored before.
+#[test]
+fn a_reopen_after_a_failed_sync_reads_the_disk_not_the_failed_commit_left_in_the_cache() {
+    for reopened_by in ["the running daemon", "the next start"] {
+        let sim = SimStorage::new();
+        sim.set_failed_syncs_write_nothing(true);
+        let storage: Arc<dyn Storage> = Arc::new(sim.clone());
+        sim.write_file_durably(Path::new("/data/keep"), b"").unwrap();
+        let state = StateDb::open_on(storage.clone(), STATE_PATH).unwrap();
+        let first = endpoint(1, "one", 1_000);
+        state.put_endpoint(&first).unwrap();
+        state.store_cursors(&[cursor_row(10)]).unwrap();
+
+        sim.fail_nth(FaultOp::Sync, 1, std::io::ErrorKind::Other);
+        state.store_cursors(&[cursor_row(20)]).expect_err("its sync failed");
+        let state = match reopened_by {
+            "the running daemon" => {
+                assert!(state.reopen_if_failed().unwrap(), "reopened");
+                state
+            }
+            _ => {
+                drop(state);
+                StateDb::open_on(storage.clone(), STATE_PATH).unwrap()
+            }
+        };
+        assert_eq!(state.load_cursors().unwrap(), vec![cursor_row(10)], "{reopened_by}: the disk's cursor");
+        let revoked = EndpointRecord { revoked_at_unix_ms: Some(3_000), ..first.clone() };
+        state.put_endpoint(&revoked).unwrap();
+        drop(state);
+
+        sim.crash(CrashMode::LoseUnsynced);
+        // The process after the power loss has a view of its own.
+        let state = StateDb::open_on(Arc::new(sim.clone()), STATE_PATH)
+            .unwrap_or_else(|e| panic!("{reopened_by}: the database does not open after the power loss: {e}"));
+        assert_eq!(state.get_endpoint(1).unwrap(), Some(revoked), "{reopened_by}: the revocation holds");
+        assert_eq!(state.load_cursors().unwrap(), vec![cursor_row(10)], "{reopened_by}: the cursor stored");
+    }
+}
