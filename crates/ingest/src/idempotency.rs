@@ -165,6 +165,10 @@ pub struct IdempotencyIndex {
     /// The first offset of the earliest record whose key could not be recorded since
     /// the last rebuild: the checkpoint stays below it until a rebuild restored it.
     first_unrecorded: Mutex<Option<u64>>,
+    /// The offset after the last record whose key a request recorded (or tried to):
+    /// above the log's durable end only for appends answered before their sync (under
+    /// `interval`), whose keys a reopen's restore cannot read back yet.
+    recorded_below: AtomicU64,
     /// Set while a reopen of the state database may have happened without its dropped
     /// keys being owed yet: a recovery cancelled at its await (the daemon aborts its
     /// checkpoint task at shutdown) leaves it set, and the next recovery owes them.
@@ -269,6 +273,7 @@ impl IdempotencyIndex {
             durable_through: Arc::new(AtomicU64::new(0)),
             checkpoint_failure: Mutex::new(None),
             first_unrecorded: Mutex::new(None),
+            recorded_below: AtomicU64::new(0),
             reopen_unsettled: AtomicBool::new(false),
             gate: Arc::new(RwLock::new(())),
             in_flight: Mutex::new(HashSet::new()),
@@ -344,6 +349,7 @@ impl IdempotencyIndex {
     /// Resolves once the record is committed (non-durably), so the claim may be dropped.
     pub async fn record(&self, claim: &Claim, prior: PriorAcceptance) -> Result<(), StateError> {
         let recorded = self.record_once(claim, prior).await;
+        self.recorded_below.fetch_max(prior.last_offset.saturating_add(1), Ordering::AcqRel);
         if recorded.is_err() {
             // Still under the claim's shared gate, so a checkpoint cannot run in between.
             let mut first = self.first_unrecorded.lock().unwrap_or_else(|p| p.into_inner());
@@ -481,14 +487,18 @@ impl IdempotencyIndex {
             // The repair kept the last durable commit: keys recorded since (not durably)
             // are gone from the database, and owed until a restore reads their records.
             // Owed from the checkpoint first, in case the restore fails; after it, from
-            // where it stopped: records it could not read yet (answered under
-            // `interval`, not yet synced) have lost their keys. Under `always` it read
-            // every answered record.
+            // where it stopped, if keys were recorded past it: records it could not read
+            // yet (answered under `interval`, not yet synced) have lost their keys. Under
+            // `always` it read every answered record, and nothing is owed: owing from the
+            // log's end would refuse every retry (503) until some append moved the end.
             self.owe_from(self.durable_through.load(Ordering::Acquire));
             self.reopen_unsettled.store(false, Ordering::Release);
             let report = self.restore_from_log(wal, now_unix_ms)?;
             tracing::warn!(?report, "idempotency keys restored from the log after the state database was reopened");
-            self.owe_from(self.durable_through.load(Ordering::Acquire));
+            let restored_through = self.durable_through.load(Ordering::Acquire);
+            if self.recorded_below.load(Ordering::Acquire) > restored_through {
+                self.owe_from(restored_through);
+            }
         } else {
             self.reopen_unsettled.store(false, Ordering::Release);
         }
@@ -1062,6 +1072,39 @@ mod tests {
 
         assert_eq!(index.checkpoint(&wal, now).await.unwrap(), 1);
         assert_eq!(index.lookup(&key("d-0"), now).unwrap().map(|p| p.first_offset), Some(0), "d-0 was never restored");
+    }
+
+    /// Under `always` every answered record is durable, so the restore after a reopen
+    /// reads every one: no key is owed once it is done, and a retry is answered (here
+    /// through `replay_of`, which refuses while keys are owed) as soon as the database
+    /// is back, not only after some later append moved the log's end.
+    #[tokio::test]
+    async fn under_always_a_reopen_leaves_no_key_owed_once_restored() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s.redb");
+        let fail = Arc::new(AtomicBool::new(false));
+        let (p, failing) = (path.clone(), fail.clone());
+        let backend = move || {
+            let file =
+                std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&p).unwrap();
+            FailingFile { inner: redb::backends::FileBackend::new(file).unwrap(), fail: failing.clone() }
+        };
+        let state = Arc::new(StateDb::open_with_backend(&path, backend).unwrap());
+        let sim = Arc::new(wal::storage::SimStorage::new());
+        let wal = Arc::new(Wal::open_with(sim, std::path::Path::new("/wal"), wal::WalOptions::default()).unwrap());
+        let now = crate::time::now_unix_ms();
+        let index = Arc::new(IdempotencyIndex::new(state, 86_400_000));
+        index.rebuild(&wal, now).unwrap();
+        let ingestor = crate::Ingestor::new(wal.clone(), index.clone());
+        ingestor.accept(one_event(Some("d-0"), now)).await.unwrap();
+
+        fail.store(true, Ordering::SeqCst);
+        assert!(index.checkpoint(&wal, now).await.is_err(), "the commit fails, redb latches the error");
+        fail.store(false, Ordering::SeqCst);
+        assert_eq!(index.checkpoint(&wal, now).await.unwrap(), 1, "reopened and restored");
+        assert_eq!(index.keys_owed_from(), None);
+        let replay = ingestor.replay_of(&key("d-0"), now).await.unwrap().expect("the retry is a replay");
+        assert_eq!((replay.first_offset, replay.replayed), (0, true));
     }
 
     /// A restore while serving reads the log from the durable checkpoint on, which after
