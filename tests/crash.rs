@@ -391,11 +391,13 @@ async fn after_a_stop_of_its_own_the_first_signal_lets_the_drain_finish() {
 /// delivery id was recorded: its sender got no answer, yet the event is in the log. After
 /// the restart every retry, that one's included, is answered with the offsets the log
 /// holds for it and appends nothing: the restart restores the delivery ids from the log.
+/// Also a retry of that one whose body the source now refuses (not JSON): it is a
+/// replay (the door asks `replay_of` before refusing), not a 400.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_crash_between_a_keyed_append_and_its_recorded_id_answers_every_retry_from_the_log() {
     const HIT: u64 = 20;
     let dir = test_dir("keyed-append");
-    let rest = "[router]\nenabled = false\n\n[sources.k]\ndestination = { stream = \"s\", topic = \"t\" }\n";
+    let rest = "[router]\nenabled = false\n\n[sources.k]\naccept = \"json\"\ndestination = { stream = \"s\", topic = \"t\" }\n";
     let config = config_text(dir.path(), "127.0.0.1:1", rest);
     let env =
         [("IGGY_INGEST_FAIL_POINT", "ingest.appended".to_string()), ("IGGY_INGEST_FAIL_POINT_HIT", HIT.to_string())];
@@ -424,6 +426,13 @@ async fn a_crash_between_a_keyed_append_and_its_recorded_id_answers_every_retry_
 
     let daemon = Daemon::restart(dir.path(), &[]).await;
     let mut conn = Conn::open(daemon.http).await.expect("connect");
+    let key = format!("delivery-{HIT}");
+    let refused_body = [("idempotency-key", key.as_str()), ("content-type", "application/json")];
+    let a = conn.send("POST", "/v1/sources/k", &refused_body, "not json".to_string()).await.expect("answered");
+    assert_eq!(a.status, 200, "a retry with a refused body: {:?}", String::from_utf8_lossy(&a.body));
+    assert_eq!(a.json()["offsets"], serde_json::json!([HIT - 1, HIT - 1]), "a retry with a refused body");
+    let not_json = conn.send("POST", "/v1/sources/k", &[("content-type", "application/json")], "not json".to_string());
+    assert_eq!(not_json.await.expect("answered").status, 400, "the body is refused without a delivery id");
     for n in 1..=HIT {
         let a = post(&mut conn, n).await.expect("answered");
         assert_eq!(a.status, 200, "retry of delivery-{n}: {:?}", String::from_utf8_lossy(&a.body));

@@ -315,18 +315,29 @@ async fn a_failed_or_malformed_mapping_fetch_refuses_to_start() {
 
 /// A sender's retry of a delivery the log holds is answered as the replay it is, also
 /// after a restart whose configuration would now refuse its route (422) or drop it: it
-/// was answered 200 once, and a 4xx now would tell the sender otherwise.
+/// was answered 200 once, and a 4xx now would tell the sender otherwise. Whether the
+/// daemon that answered it stopped cleanly or was killed (-9) right after its 200.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_retry_of_an_accepted_delivery_is_a_replay_under_a_route_that_would_refuse_it_now() {
+    for killed in [false, true] {
+        retry_under_a_route_that_would_refuse_it_now(killed).await;
+    }
+}
+
+async fn retry_under_a_route_that_would_refuse_it_now(killed: bool) {
     let dir = tempfile::tempdir().unwrap();
     let before = "[router]\nenabled = false\n\n[sources.orders]\naccept = \"json\"\n\
                   route = { topic_field = \"type\", default_stream = \"o\", default_topic = \"other\", mapping = { a = \"alpha\" }, on_missing_destination = \"error\" }\n";
-    let d = Daemon::start(dir.path(), "", before);
+    let mut d = Daemon::start(dir.path(), "", before);
     let json_key = |k: &'static str| [("content-type", "application/json"), ("idempotency-key", k)];
     let first = request(d.http, "POST", "/v1/sources/orders", &json_key("d-1"), r#"{"type":"a"}"#).await;
     assert_eq!(first.status, 200, "{:?}", first.body);
     assert_eq!(first.json()["offsets"], json!([0, 0]));
-    assert!(d.stop().success());
+    if killed {
+        d.kill9();
+    } else {
+        assert!(d.stop().success());
+    }
 
     // "a" is no longer mapped: a new delivery of it is refused, the retry is a replay.
     let refusing = before.replace("mapping = { a = \"alpha\" }", "mapping = { b = \"beta\" }");
