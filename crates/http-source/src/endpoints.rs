@@ -944,6 +944,39 @@ mod tests {
         assert_eq!(again.lookup(2, 14).err(), Some(Refusal::Unknown));
     }
 
+    /// An admin change whose durable commit fails is answered as a failure and changes
+    /// nothing in memory: a revocation that failed leaves the endpoint working (as the
+    /// error said), never revoked in memory while the disk may not hold it. Once the
+    /// database is reopened, the change made again is answered, and a power loss after
+    /// that answer keeps it.
+    #[tokio::test]
+    async fn a_change_whose_commit_fails_changes_nothing_and_its_retry_survives_a_power_loss() {
+        use wal::storage::{CrashMode, FaultOp, SimStorage, Storage};
+        let sim = SimStorage::new();
+        sim.set_failed_syncs_write_nothing(true);
+        sim.write_file_durably(std::path::Path::new("/data/keep"), b"").unwrap();
+        let open = |sim: &SimStorage| {
+            let storage: Arc<dyn Storage> = Arc::new(sim.clone());
+            Arc::new(StateDb::open_on(storage, "/data/state.redb").unwrap())
+        };
+        let state = open(&sim);
+        let reg = Arc::new(EndpointRegistry::load(state.clone(), vec!["default".into()], vec![]).unwrap());
+        let rec = reg.register("default".into(), bearer(), None, None, 10).await.unwrap();
+
+        sim.fail_nth(FaultOp::Sync, 1, std::io::ErrorKind::Other);
+        assert!(matches!(reg.revoke(rec.id, 11).await, Err(EndpointError::State(_))), "the commit failed");
+        assert!(reg.lookup(rec.id, 12).is_ok(), "a revocation answered failed revoked nothing");
+        assert!(matches!(reg.revoke(rec.id, 12).await, Err(EndpointError::State(_))), "until the reopen");
+        assert!(state.reopen_if_failed().unwrap());
+        reg.revoke(rec.id, 13).await.unwrap();
+        assert_eq!(reg.lookup(rec.id, 14).err(), Some(Refusal::Revoked));
+        drop((reg, state));
+
+        sim.crash(CrashMode::LoseUnsynced);
+        let again = EndpointRegistry::load(open(&sim), vec!["default".into()], vec![]).unwrap();
+        assert_eq!(again.lookup(rec.id, 15).err(), Some(Refusal::Revoked), "the revocation answered came back");
+    }
+
     /// A live stored endpoint of a source removed from the configuration takes nothing,
     /// not even a handshake, and is listed as unusable; configured again, it is active.
     #[tokio::test]
