@@ -646,12 +646,15 @@ fn shape_error(text: &str, e: serde_path_to_error::Error<toml::de::Error>) -> (K
 /// reads (or [`SHAPE_ERRORS_MAX`]). The document left is written out and parsed as text,
 /// as the file was, so that each problem is the one the file would give once the others
 /// were fixed; its line is looked up in the file itself. A required key found missing
-/// then may be one that was left out: it is not reported, and the table that needs it is
-/// left out too; a wrong element of a list leaves out the whole list (removing the
+/// then is reported unless it is one that was left out; either way the table that needs
+/// it is left out next; a wrong element of a list leaves out the whole list (removing the
 /// element would renumber the others, and their paths would be wrong).
 fn more_shape_errors(text: &str, errors: &mut Vec<(KeyPath, ConfigError)>) {
     let Ok(mut doc) = text.parse::<toml::Table>() else { return };
     let mut leave_out = errors.last().map(|(p, _)| p.clone());
+    // The keys left out so far: a required one among them missing is not the file's
+    // problem.
+    let mut removed: Vec<KeyPath> = Vec::new();
     // Each reading leaves out one more key or table: bounded by what the file holds,
     // and by this.
     for _ in 0..4 * SHAPE_ERRORS_MAX {
@@ -659,13 +662,17 @@ fn more_shape_errors(text: &str, errors: &mut Vec<(KeyPath, ConfigError)>) {
             return;
         }
         let Some(path) = leave_out.take() else { return };
-        if !remove_key(&mut doc, &path) {
+        if remove_key(&mut doc, &path) {
+            removed.push(path);
+        } else {
             // An element of a list: the whole list is left out (removing the element
             // would renumber those after it).
             let Some(list) = path.0.iter().rposition(|s| matches!(s, Seg::Key(_))) else { return };
-            if !remove_key(&mut doc, &KeyPath(path.0[..=list].to_vec())) {
+            let list = KeyPath(path.0[..=list].to_vec());
+            if !remove_key(&mut doc, &list) {
                 return;
             }
+            removed.push(list);
         }
         let Ok(rest) = toml::to_string(&doc) else { return };
         let Ok(de) = toml::de::Deserializer::parse(&rest) else { return };
@@ -677,7 +684,13 @@ fn more_shape_errors(text: &str, errors: &mut Vec<(KeyPath, ConfigError)>) {
             return;
         }
         leave_out = Some(path.clone());
-        if !error.message.starts_with("missing field") {
+        // serde's words: "missing field `name`".
+        let missing = error.message.strip_prefix("missing field `").and_then(|m| m.split('`').next());
+        let left_out_here = missing.is_some_and(|field| {
+            let key = path.key(field);
+            removed.iter().any(|r| key.0.starts_with(&r.0))
+        });
+        if !left_out_here {
             error.line = locate(Some(text), &path);
             errors.push((path, error));
         }
@@ -2420,6 +2433,19 @@ auth_secret = "never checked"
             "{e:?}"
         );
         assert!(e.iter().all(|e| !e.message.contains("12345") && !e.message.contains("missing field")), "{e:?}");
+    }
+
+    /// A required key the file itself lacks is named too, after a problem of shape
+    /// elsewhere: only the absence of a key left out for its wrong type is not.
+    #[test]
+    fn a_required_key_the_file_lacks_is_named_beside_other_problems_of_shape() {
+        let text = "[http]\nlisten = 5\n[sources.a]\ndestination = { stream = \"s\", topic = \"t\" }\n\
+            [[sources.a.endpoints]]\nid = \"0123456789abcdef0123456789abcdef\"\n";
+        let e = errors(text);
+        let found: Vec<&str> = e.iter().map(|e| e.path.as_str()).collect();
+        assert_eq!(found, vec!["http.listen", "sources.a.endpoints[0]"], "{e:?}");
+        assert!(e[1].message.contains("auth_type"), "{e:?}");
+        assert_eq!(e[1].line, Some(5), "{e:?}");
     }
 
     /// A file of nothing but unknown keys gets a bounded list, not one line per key.
