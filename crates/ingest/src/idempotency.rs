@@ -342,6 +342,14 @@ impl IdempotencyIndex {
         if accepted_at_unix_ms.saturating_add(self.retention_ms) < now_unix_ms {
             return Ok(None);
         }
+        if last_offset < first_offset || last_offset == u64::MAX {
+            // No acceptance is recorded so (a row from elsewhere, or damage redb's
+            // checksums missed): it says nothing true of the delivery, so it is taken
+            // for none, and the retry appended again (a duplicate at worst, never a 200
+            // with made-up offsets).
+            tracing::warn!(first_offset, last_offset, "a recorded delivery id names no range of offsets; ignored");
+            return Ok(None);
+        }
         Ok(Some(PriorAcceptance { first_offset, last_offset, accepted_at_unix_ms }))
     }
 
@@ -1072,6 +1080,29 @@ mod tests {
 
         assert_eq!(index.checkpoint(&wal, now).await.unwrap(), 1);
         assert_eq!(index.lookup(&key("d-0"), now).unwrap().map(|p| p.first_offset), Some(0), "d-0 was never restored");
+    }
+
+    /// A row naming no range of offsets (last before first, or the very last offset) is
+    /// no acceptance: the lookup finds none, never a count made of the difference.
+    #[test]
+    fn a_recorded_row_naming_no_range_of_offsets_is_taken_for_none() {
+        let state = Arc::new(StateDb::open_in_memory().unwrap());
+        let index = IdempotencyIndex::new(state.clone(), 86_400_000);
+        let now = crate::time::now_unix_ms();
+        for (n, (first, last)) in [(5u64, 3u64), (0, u64::MAX), (7, 7)].into_iter().enumerate() {
+            let k = key(&format!("d-{n}"));
+            let db = state.db().unwrap();
+            let txn = db.begin_write().unwrap();
+            insert(
+                &txn,
+                &k.table_key(),
+                PriorAcceptance { first_offset: first, last_offset: last, accepted_at_unix_ms: now },
+            )
+            .unwrap();
+            txn.commit().unwrap();
+            let found = index.lookup(&k, now).unwrap().map(|p| (p.first_offset, p.last_offset));
+            assert_eq!(found, (first <= last && last != u64::MAX).then_some((first, last)), "({first}, {last})");
+        }
     }
 
     /// Under `always` every answered record is durable, so the restore after a reopen

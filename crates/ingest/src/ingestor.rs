@@ -360,7 +360,8 @@ impl Ingestor {
         }
         metrics::counter!("iggy_ingest_idempotent_replays_total", "source" => key.source_key.clone()).increment(1);
         Ok(Accepted {
-            events: prior.last_offset - prior.first_offset + 1,
+            // The index takes no row with `last_offset < first_offset` or at `u64::MAX`.
+            events: prior.last_offset.saturating_sub(prior.first_offset).saturating_add(1),
             first_offset: prior.first_offset,
             last_offset: prior.last_offset,
             replayed: true,
