@@ -99,6 +99,11 @@ pub enum EndpointError {
     )]
     NoSecret(String),
     #[error(
+        "endpoint {0} expired: it answers 410 whatever its secret; register a new endpoint (and revoke this one \
+         to free its slot)"
+    )]
+    Expired(String),
+    #[error(
         "{0} dynamic endpoints are registered, revoked ones included, the most there may be; \
          revoked ones are kept for ever (a revocation never comes back)"
     )]
@@ -530,6 +535,11 @@ impl EndpointRegistry {
         }
         if record.auth.scheme == "none" {
             return Err(EndpointError::NoSecret(format_id(id)));
+        }
+        // As a registration that could only ever answer 410 is refused: a new secret for
+        // an expired endpoint would be committed and shown, and work nowhere.
+        if record.expires_at_unix_ms.is_some_and(|t| t <= now_unix_ms) {
+            return Err(EndpointError::Expired(format_id(id)));
         }
         check_new_secret(&record.auth.scheme, secret.as_deref())?;
         record.auth.secret = Some(secret.unwrap_or_else(|| generate_secret(&record.auth.scheme)));
@@ -975,6 +985,21 @@ mod tests {
         sim.crash(CrashMode::LoseUnsynced);
         let again = EndpointRegistry::load(open(&sim), vec!["default".into()], vec![]).unwrap();
         assert_eq!(again.lookup(rec.id, 15).err(), Some(Refusal::Revoked), "the revocation answered came back");
+    }
+
+    /// An expired endpoint answers 410 whatever its secret: rotating it is refused and
+    /// stores nothing; revoking it works.
+    #[tokio::test]
+    async fn an_expired_endpoint_is_not_rotated_but_can_be_revoked() {
+        let state = Arc::new(StateDb::open_in_memory().unwrap());
+        let reg = Arc::new(EndpointRegistry::load(state.clone(), vec!["default".into()], vec![]).unwrap());
+        let rec = reg.register("default".into(), bearer(), None, Some(20), 10).await.unwrap();
+        assert!(reg.rotate(rec.id, None, 19).await.is_ok(), "before its expiry");
+        let stored = state.get_endpoint(rec.id).unwrap();
+        assert!(matches!(reg.rotate(rec.id, None, 20).await, Err(EndpointError::Expired(_))));
+        assert_eq!(state.get_endpoint(rec.id).unwrap(), stored, "a refused rotation stored a secret");
+        reg.revoke(rec.id, 21).await.unwrap();
+        assert_eq!(reg.lookup(rec.id, 22).err(), Some(Refusal::Revoked));
     }
 
     /// A live stored endpoint of a source removed from the configuration takes nothing,

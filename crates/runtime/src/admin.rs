@@ -200,6 +200,7 @@ fn endpoint_error(e: EndpointError) -> ApiError {
         EndpointError::Unknown(_) | EndpointError::Revoked(_) => ApiError::not_found(e.to_string()),
         EndpointError::Static(_) => ApiError::new(StatusCode::CONFLICT, "static_endpoint", e.to_string()),
         EndpointError::NoSecret(_) => ApiError::new(StatusCode::CONFLICT, "no_secret", e.to_string()),
+        EndpointError::Expired(_) => ApiError::new(StatusCode::CONFLICT, "endpoint_expired", e.to_string()),
         EndpointError::Unusable(..) => ApiError::new(StatusCode::CONFLICT, "endpoint_unusable", e.to_string()),
         EndpointError::TooMany(_) => ApiError::new(StatusCode::CONFLICT, "too_many_endpoints", e.to_string()),
         EndpointError::UnknownSource(_) | EndpointError::InvalidAuth(_) | EndpointError::InvalidField(_) => {
