@@ -117,7 +117,7 @@ pub enum EndpointError {
 
 fn check_new_secret(scheme: &str, secret: Option<&str>) -> Result<(), EndpointError> {
     crate::auth::check_new_secret(scheme, secret)
-        .map_err(|(field, message)| EndpointError::InvalidAuth(format!("{field}: {message}")))
+        .map_err(|(field, message)| EndpointError::InvalidAuth(format!("auth_{field}: {message}")))
 }
 
 /// The longest `handshake_param`: a query parameter's name.
@@ -215,10 +215,12 @@ pub fn scheme_from_stored(a: &StoredAuth) -> Result<AuthScheme, String> {
 
 /// Builds the checker for a new registration: a setting its scheme does not read is an
 /// error, as in the configuration.
+/// A problem is named by the request's field (`auth_header`), as the configuration
+/// names its key.
 pub fn scheme_from_request(a: &StoredAuth) -> Result<AuthScheme, String> {
     AuthScheme::from_parts(&a.scheme, a.secret.as_deref(), a.header.as_deref(), a.prefix.as_deref(), a.tolerance_secs)
         .and_then(|scheme| crate::auth::check_new_tolerance(a.tolerance_secs).map(|()| scheme))
-        .map_err(|(field, msg)| format!("{field}: {msg}"))
+        .map_err(|(field, msg)| format!("auth_{field}: {msg}"))
 }
 
 /// A fresh secret in the form the scheme expects (`whsec_` + base64 for Standard
@@ -490,7 +492,7 @@ impl EndpointRegistry {
             && self.keyed_sources.contains(&source_key)
         {
             return Err(EndpointError::InvalidAuth(format!(
-                "tolerance_secs: {t} is more than {} (half of idempotency.retention_secs): a request replayed late in its tolerance would no longer find its delivery id and be appended again",
+                "auth_tolerance_secs: {t} is more than {} (half of idempotency.retention_secs): a request replayed late in its tolerance would no longer find its delivery id and be appended again",
                 self.tolerance_secs_max
             )));
         }
@@ -710,7 +712,7 @@ mod tests {
         };
         assert!(scheme_from_stored(&stored).is_ok(), "an endpoint registered before would be lost at start");
         let e = scheme_from_request(&stored).unwrap_err();
-        assert!(e.starts_with("header:"), "{e}");
+        assert!(e.starts_with("auth_header:"), "{e}");
     }
 
     /// A static endpoint of source `default` without auth.
@@ -845,7 +847,7 @@ mod tests {
         // Yet not without any bound: past a day a captured request passes for days.
         match reg.register("unkeyed".into(), stripe(Some(86_401)), None, None, 10).await {
             Err(EndpointError::InvalidAuth(m)) => {
-                assert!(m.starts_with("tolerance_secs: 86401 is more than 86400"), "{m}")
+                assert!(m.starts_with("auth_tolerance_secs: 86401 is more than 86400"), "{m}")
             }
             other => panic!("{other:?}"),
         }

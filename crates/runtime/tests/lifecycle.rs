@@ -119,7 +119,20 @@ async fn an_endpoint_without_auth_has_no_secret_to_set_or_rotate_and_its_revoked
     assert_eq!(a.status, 400, "{:?}", a.body);
     let j = a.json();
     assert_eq!(j["error"], "invalid_request", "{j}");
-    assert!(j["message"].as_str().unwrap().contains("not used by auth_type = \"none\""), "{j}");
+    assert!(j["message"].as_str().unwrap().contains("auth_secret: is not used by auth_type = \"none\""), "{j}");
+    // Named by the request's fields, as the configuration names its keys.
+    for (body, field) in [
+        (r#"{"source":"default","auth_type":"digest"}"#, "auth_type: "),
+        (
+            r#"{"source":"default","auth_type":"bearer","auth_header":"x-key","auth_tolerance_secs":60}"#,
+            "auth_header: ",
+        ),
+    ] {
+        let a = request(d.admin, "POST", "/v1/endpoints", &auth, body).await;
+        assert_eq!(a.status, 400, "{:?}", a.body);
+        let m = a.json()["message"].as_str().unwrap().to_string();
+        assert!(m.contains(field), "{body}: {m}");
+    }
 
     let reg = request(d.admin, "POST", "/v1/endpoints", &auth, r#"{"source":"default","auth_type":"none"}"#).await;
     assert_eq!(reg.status, 201, "{:?}", reg.body);
