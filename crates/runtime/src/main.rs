@@ -104,23 +104,19 @@ fn main() -> ExitCode {
                 for w in &s.warnings.errors {
                     eprintln!("{}: warning: {w}", file.display());
                 }
-                println!(
-                    "{}: ok ({} source(s), {} static endpoint(s))",
+                write_out(&format!(
+                    "{}: ok ({} source(s), {} static endpoint(s))\n",
                     file.display(),
                     s.sources.len(),
                     s.endpoints.len()
-                );
-                ExitCode::SUCCESS
+                ))
             }
             Err(e) => {
                 eprintln!("{e}");
                 ExitCode::from(2)
             }
         },
-        Command::Config { command: ConfigCommand::Default } => {
-            print!("{DEFAULT_TOML}");
-            ExitCode::SUCCESS
-        }
+        Command::Config { command: ConfigCommand::Default } => write_out(DEFAULT_TOML),
         Command::State { command } => state_command(command),
         Command::Wal { command } => iggy_ingest::wal_cli::run(command),
         Command::Run { config, ready_file } => {
@@ -186,19 +182,36 @@ fn state_command(command: StateCommand) -> ExitCode {
         }
     };
     let version = inventory.schema_version.map_or("none".to_string(), |v| v.to_string());
-    println!("{}: schema version {version} (this build: {})", path.display(), ingest::SCHEMA_VERSION);
+    let mut out = format!("{}: schema version {version} (this build: {})\n", path.display(), ingest::SCHEMA_VERSION);
     if inventory.from_repaired_copy {
-        println!("  {}", ingest::state::REPAIRED_COPY_NOTE);
+        out += &format!("  {}\n", ingest::state::REPAIRED_COPY_NOTE);
     }
     for line in inventory.consequences() {
-        println!("  {line}");
+        out += &format!("  {line}\n");
     }
     match (reset, yes) {
-        (true, true) => println!("deleted {}; the next start creates a new one", path.display()),
-        (true, false) => println!("nothing changed: pass --yes to discard the above"),
+        (true, true) => out += &format!("deleted {}; the next start creates a new one\n", path.display()),
+        (true, false) => out += "nothing changed: pass --yes to discard the above\n",
         _ => {}
     }
-    ExitCode::SUCCESS
+    write_out(&out)
+}
+
+/// Writes `text` to standard output and says how the command ends: 0, also when the
+/// reader went away (`| head`: what it wanted it has), as the log tools do; 1 if the
+/// output cannot be written otherwise (a full disk behind `> FILE`). Never a panic, which
+/// `println!` is on a closed pipe.
+fn write_out(text: &str) -> ExitCode {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("iggy-ingest: cannot write to standard output: {e}");
+            ExitCode::FAILURE
+        }
+    }
 }
 
 /// Takes the lock of the log in `data_dir`, which the daemon takes at start before it
@@ -239,15 +252,15 @@ fn lock_out_the_daemon(data_dir: &std::path::Path) -> Result<Box<dyn Send + Sync
 fn state_migrate(path: &std::path::Path) -> ExitCode {
     match ingest::state::migrate(path) {
         Ok(ingest::state::Migration::AlreadyCurrent) => {
-            println!("{}: schema version {}; nothing to migrate", path.display(), ingest::SCHEMA_VERSION);
-            ExitCode::SUCCESS
+            write_out(&format!("{}: schema version {}; nothing to migrate\n", path.display(), ingest::SCHEMA_VERSION))
         }
         Ok(ingest::state::Migration::Migrated { from, discarded }) => {
-            println!("{}: migrated from schema version {from} to {}", path.display(), ingest::SCHEMA_VERSION);
+            let mut out =
+                format!("{}: migrated from schema version {from} to {}\n", path.display(), ingest::SCHEMA_VERSION);
             for line in discarded {
-                println!("  discarded: {line}");
+                out += &format!("  discarded: {line}\n");
             }
-            ExitCode::SUCCESS
+            write_out(&out)
         }
         Err(ingest::StateError::SchemaMismatch { found, .. }) => {
             eprintln!(

@@ -714,6 +714,38 @@ fn dump_stops_cleanly_when_its_reader_goes_away() {
     assert!(err.is_empty(), "{err}");
 }
 
+/// The other commands that print (`config check`, `config default`, `state show`) end as
+/// the log tools do when their reader is gone before they write (`| head -0`, a pager
+/// quit at once): exit 0 and nothing on stderr, never a panic.
+#[test]
+fn config_and_state_commands_end_quietly_when_their_reader_is_gone() {
+    use std::os::fd::FromRawFd;
+    let root = tempfile::tempdir().unwrap();
+    drop(StateDb::open(root.path().join("state.redb")).unwrap());
+    let config = root.path().join("config.toml");
+    std::fs::write(&config, "[sources.a]\ndestination = { stream = \"s\", topic = \"t\" }\n").unwrap();
+    let (data_dir, config) = (root.path().to_str().unwrap(), config.to_str().unwrap());
+    for args in
+        [vec!["config", "default"], vec!["config", "check", config], vec!["state", "show", "--data-dir", data_dir]]
+    {
+        let mut fds = [0i32; 2];
+        // SAFETY: pipe(2) fills the two descriptors; the read end is closed at once and
+        // the write end is owned by the child's standard output from here.
+        let write_end = unsafe {
+            assert_eq!(libc::pipe(fds.as_mut_ptr()), 0);
+            libc::close(fds[0]);
+            std::os::fd::OwnedFd::from_raw_fd(fds[1])
+        };
+        let o = Command::new(env!("CARGO_BIN_EXE_iggy-ingest"))
+            .args(&args)
+            .stdout(Stdio::from(write_end))
+            .output()
+            .expect("run iggy-ingest");
+        assert_eq!(code(&o), 0, "{args:?}: {}", stderr(&o));
+        assert!(stderr(&o).is_empty(), "{args:?}: {}", stderr(&o));
+    }
+}
+
 /// What a shell command run on a terminal (a pseudo-terminal from `script`, for standard
 /// output and error unless the command redirects them) wrote there.
 fn on_a_terminal(command: &str) -> String {
