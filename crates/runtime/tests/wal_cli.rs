@@ -90,6 +90,12 @@ fn envelope(i: u64) -> Bytes {
     Envelope::encode(&header, &payload)
 }
 
+/// Appends `record` to `wal` and closes it, from async code.
+async fn rt_append(wal: &Wal, record: Bytes) {
+    wal.append(vec![record]).await.unwrap();
+    wal.close().await.unwrap();
+}
+
 fn small() -> WalOptions {
     WalOptions { segment_max_bytes: 4096, max_bytes: 1 << 24, ..WalOptions::default() }
 }
@@ -1046,6 +1052,30 @@ async fn every_subcommand_works_on_a_running_daemons_log() {
     assert_eq!((lane["source"].as_str(), lane["topic"].as_str()), (Some("default"), Some("events")));
     assert!(lane["held_records"].as_u64().is_some(), "{i}");
     assert!(i["max_bytes"].as_u64().is_some());
+
+    // A source key from the log that is no path segment (a log of another daemon, say)
+    // is asked for escaped: the daemon knows no such connector, and the lane is shown.
+    let odd = tempfile::tempdir().unwrap();
+    let odd_dir = odd.path().join("wal");
+    {
+        let wal = Wal::open(&odd_dir, small()).unwrap();
+        let mut header = Envelope::decode(&envelope(1)).unwrap().header;
+        header.source_key = "a b?c/d".into();
+        rt_append(&wal, Envelope::encode(&header, b"{}")).await;
+    }
+    let admin = format!("http://{}", d.admin);
+    let o = tokio::task::spawn_blocking(move || {
+        Command::new(env!("CARGO_BIN_EXE_iggy-ingest"))
+            .args(["wal", "inspect", odd_dir.to_str().unwrap(), "--json", "--admin", &admin])
+            .env("IGGY_INGEST_ADMIN_TOKEN", ADMIN_TOKEN)
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    let lane = &json(&o)["destinations"]["lanes"][0];
+    assert_eq!(lane["source"], "a b?c/d", "{lane}");
 
     // tail saw every record once, in order, as the daemon synced them.
     let deadline = Instant::now() + Duration::from_secs(30);

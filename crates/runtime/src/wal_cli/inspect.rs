@@ -436,7 +436,10 @@ fn admin_lanes(
 /// connector: a source no longer configured whose lanes the router has not made yet).
 fn admin_destinations(url: &str, address: &str, token: Option<&str>, src: &str) -> CliResult<Vec<AdminLane>> {
     let mut out = Vec::new();
-    if let Some(v) = http_get_json(url, address, &format!("/connectors/{src}/destinations"), token)? {
+    // A source key read from the log is not trusted to be a path segment (a `?`, `/` or
+    // space in it would ask for another resource, or no valid URI at all): escaped.
+    let segment = percent_encoding::utf8_percent_encode(src, percent_encoding::NON_ALPHANUMERIC);
+    if let Some(v) = http_get_json(url, address, &format!("/connectors/{segment}/destinations"), token)? {
         for d in v["destinations"].as_array().into_iter().flatten() {
             let key = (
                 src.to_string(),
