@@ -230,8 +230,16 @@ impl Default for RouterPolicy {
 }
 
 impl RouterPolicy {
-    /// Checks the policy; the error names the field first.
+    /// Checks the policy; the error (the first of [`RouterPolicy::problems`]) names the
+    /// field first.
     pub fn validate(&self) -> Result<(), String> {
+        self.problems().into_iter().next().map_or(Ok(()), Err)
+    }
+
+    /// Every problem of the policy, each naming its field first (a configuration check
+    /// lists them all at once).
+    pub fn problems(&self) -> Vec<String> {
+        let mut problems = Vec::new();
         let counts = [
             ("batch_max_records", self.batch.batch_max_records, MAX_BATCH_RECORDS),
             ("batch_max_bytes", self.batch.batch_max_bytes, MAX_BATCH_BYTES),
@@ -241,7 +249,7 @@ impl RouterPolicy {
             ("lane_queue_max_bytes", self.lane_queue_max_bytes, MAX_LANE_QUEUE_BYTES),
         ];
         for (name, v, max) in counts {
-            within(name, v, max)?;
+            problems.extend(within(name, v, max).err());
         }
         let durations = [
             ("linger", self.batch.linger),
@@ -253,30 +261,30 @@ impl RouterPolicy {
         ];
         for (name, d) in durations {
             if d > MAX_DURATION {
-                return Err(format!("{name} must be at most {} s (one day)", MAX_DURATION.as_secs()));
+                problems.push(format!("{name} must be at most {} s (one day)", MAX_DURATION.as_secs()));
             }
         }
         if self.breaker.failure_threshold == 0 {
-            return Err("failure_threshold must be at least 1".into());
+            problems.push("failure_threshold must be at least 1".into());
         }
         if self.batch.degraded_after_failures == 0 {
-            return Err("degraded_after_failures must be at least 1".into());
+            problems.push("degraded_after_failures must be at least 1".into());
         }
         if self.batch.backoff_base.is_zero() || self.batch.backoff_max < self.batch.backoff_base {
-            return Err("backoff_max must be at least backoff_base, and backoff_base above zero".into());
+            problems.push("backoff_max must be at least backoff_base, and backoff_base above zero".into());
         }
         if self.batch.result_timeout.is_zero() {
-            return Err("result_timeout must be above zero".into());
+            problems.push("result_timeout must be above zero".into());
         }
         // A record held for a partition its topic lacks asks the topic again after each
         // cool-down: with none, that loop would not rest at all.
         if self.breaker.cool_down.is_zero() {
-            return Err("cool_down must be above zero".into());
+            problems.push("cool_down must be above zero".into());
         }
         if self.on_admission_failure == OnAdmissionFailure::DeadLetter && self.dead_letter.is_none() {
-            return Err("dead_letter is required when on_admission_failure = \"dead_letter\"".into());
+            problems.push("dead_letter is required when on_admission_failure = \"dead_letter\"".into());
         }
-        Ok(())
+        problems
     }
 
     /// The delay before retry number `failures` (1 = the first retry).

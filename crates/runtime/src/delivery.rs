@@ -332,10 +332,15 @@ fn policy_from(s: &RouterSection, prefix: &[&str], problems: &mut Vec<Problem>) 
             ),
         ));
     }
-    if !durations_ok {
-        return policy;
-    }
-    if let Err(e) = policy.validate() {
+    // The router's problems of durations are those above, said here under the keys with
+    // their units; once those are all right the router finds none of its own.
+    const DURATIONS: [&str; 6] =
+        ["linger", "result_timeout", "backoff_base", "backoff_max", "cool_down", "overflow_after"];
+    let router_problems = policy
+        .problems()
+        .into_iter()
+        .filter(|e| durations_ok || !DURATIONS.contains(&e.split_whitespace().next().unwrap_or("")));
+    for e in router_problems {
         // The router's own message names the field; put it under this section.
         let field = match e.split_whitespace().next().unwrap_or("").trim_matches('"') {
             // The router's `dead_letter` is the pair of keys here; name the first.
@@ -743,6 +748,25 @@ mod tests {
             let paths: Vec<String> = problems.iter().map(|(p, _)| p.join(".")).collect();
             assert_eq!(paths, vec![want.to_string()], "{problems:?}");
         }
+    }
+
+    /// Every problem of the section is named at once, the router's own checks included,
+    /// also beside a duration out of its bound.
+    #[test]
+    fn every_problem_of_the_router_section_is_named_at_once() {
+        let section = RouterSection {
+            batch_max_records: 0,
+            max_destinations: 0,
+            failure_threshold: 0,
+            linger_ms: u64::MAX,
+            ..RouterSection::default()
+        };
+        let (_, problems) = check(&section, &iggy(), &[]);
+        let mut paths: Vec<String> = problems.iter().map(|(p, _)| p.join(".")).collect();
+        paths.sort();
+        let want =
+            ["router.batch_max_records", "router.failure_threshold", "router.linger_ms", "router.max_destinations"];
+        assert_eq!(paths, want, "{problems:?}");
     }
 
     /// A destination may be given up for a source no longer configured (its records are
