@@ -1015,6 +1015,13 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
             "has no effect with admin.token set (every admin route but /health needs the token); remove it",
         );
     }
+    if !token_configured && config.admin.allow_unauthenticated_remote && admin_listen.ip().is_loopback() {
+        // Valid (a listener moved off loopback later needs it), but it allows nothing now.
+        c.warn(
+            &admin.key("allow_unauthenticated_remote"),
+            format!("has no effect while admin.listen ({admin_listen}) is a loopback address"),
+        );
+    }
     if !token_configured && !config.admin.allow_unauthenticated_remote && !admin_listen.ip().is_loopback() {
         c.err(
             &admin.key("listen"),
@@ -1060,15 +1067,15 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
     }
 
     let w = root.key("wal");
+    // Checked whatever the policy: a value that would refuse the switch to "interval"
+    // later is said now.
+    let ms = config.wal.sync_interval_ms;
+    if ms == 0 || ms > 60_000 {
+        c.err(&w.key("sync_interval_ms"), "must be between 1 and 60000");
+    }
     let sync = match config.wal.sync.as_str() {
         "always" => SyncPolicy::Always,
-        "interval" => {
-            let ms = config.wal.sync_interval_ms;
-            if ms == 0 || ms > 60_000 {
-                c.err(&w.key("sync_interval_ms"), "must be between 1 and 60000");
-            }
-            SyncPolicy::Interval(Duration::from_millis(ms.clamp(1, 60_000)))
-        }
+        "interval" => SyncPolicy::Interval(Duration::from_millis(ms.clamp(1, 60_000))),
         other => {
             c.err(&w.key("sync"), format!("{other:?}: expected \"always\" or \"interval\""));
             SyncPolicy::Always
@@ -2446,6 +2453,20 @@ auth_secret = "never checked"
         assert_eq!(found, vec!["http.listen", "sources.a.endpoints[0]"], "{e:?}");
         assert!(e[1].message.contains("auth_type"), "{e:?}");
         assert_eq!(e[1].line, Some(5), "{e:?}");
+    }
+
+    /// `wal.sync_interval_ms` is checked whatever the sync policy: a value that would refuse
+    /// the switch to "interval" is said at once. And `allow_unauthenticated_remote` on a
+    /// loopback listener allows nothing: a warning, not an error.
+    #[test]
+    fn settings_that_do_nothing_now_are_still_checked_or_warned_of() {
+        let source = "[sources.a]\ndestination = { stream = \"s\", topic = \"t\" }\n";
+        let e = errors(&format!("[wal]\nsync = \"always\"\nsync_interval_ms = 0\n{source}"));
+        assert_eq!(e.iter().map(|e| e.path.as_str()).collect::<Vec<_>>(), vec!["wal.sync_interval_ms"], "{e:?}");
+        let text = format!("[admin]\nallow_unauthenticated_remote = true\n{source}");
+        let settings = validate(&parse(&text, None).unwrap(), Some(&text), None).unwrap();
+        let warned: Vec<&str> = settings.warnings.errors.iter().map(|w| w.path.as_str()).collect();
+        assert_eq!(warned, vec!["admin.allow_unauthenticated_remote"]);
     }
 
     /// A file of nothing but unknown keys gets a bounded list, not one line per key.
