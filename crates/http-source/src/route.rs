@@ -111,6 +111,11 @@ impl Mapping {
     pub fn get(&self, value: &str) -> Option<&Target> {
         self.entries.get(value)
     }
+
+    /// Every entry, in no particular order.
+    pub fn iter(&self) -> impl Iterator<Item = (&String, &Target)> {
+        self.entries.iter()
+    }
 }
 
 fn name_message(what: &str, name: &str) -> String {

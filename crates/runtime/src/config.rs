@@ -1604,6 +1604,28 @@ fn where_events_go(c: &mut Checker<'_>, sp: &KeyPath, s: &SourceConfig) -> (Dest
             format!("refuses the source's own default destination {stream}/{topic}: every event sent there would be answered 422"),
         );
     }
+    // So would a mapping entry whose destination is known here (its own stream, or the
+    // default one when no field routes the stream) and refused by the same admission.
+    if let Destinations::Routed(r) = &destinations
+        && let MappingSource::Table(mapping) = &r.mapping
+    {
+        let mut refused: Vec<(&String, &String, &String)> = mapping
+            .iter()
+            .filter_map(|(value, t)| {
+                let stream = t.stream.as_ref().or(r.stream_field.is_none().then_some(&r.default_stream))?;
+                admission.check(stream, &t.topic).is_err().then_some((value, stream, &t.topic))
+            })
+            .collect();
+        refused.sort();
+        for (value, stream, topic) in refused {
+            c.err(
+                &sp.key("route").key("mapping").key(value),
+                format!(
+                    "{stream}/{topic} is refused by the source's admission: every event routed here would be answered 422"
+                ),
+            );
+        }
+    }
     (destinations, partitioning, admission)
 }
 
@@ -2903,6 +2925,27 @@ mapping_url = "https://example.com/m.json"
         );
         let s = validate(&parse(&ok, None).unwrap(), Some(&ok), None).unwrap();
         assert_eq!(s.sources[0].admission, Admission::Denylist(vec![Rule::parse("*", "audit").unwrap()]));
+    }
+
+    /// A mapping entry whose destination is known at load and refused by the source's own
+    /// admission would answer every event routed there 422: refused at its entry. One
+    /// whose stream comes from a field is judged per event, as before.
+    #[test]
+    fn a_mapping_entry_the_sources_admission_refuses_is_named() {
+        let route = |stream_field: &str| {
+            format!(
+                "[sources.a]\nadmission = {{ mode = \"denylist\", denylist = [{{ stream = \"*\", topic = \"audit\" }}] }}\n\
+                 [sources.a.route]\ntopic_field = \"t\"\n{stream_field}default_stream = \"shop\"\ndefault_topic = \"d\"\n\
+                 mapping = {{ x = \"audit\", y = \"orders\", z = {{ stream = \"other\", topic = \"audit\" }} }}\n"
+            )
+        };
+        let e = errors(&route(""));
+        let found: Vec<&str> = e.iter().map(|e| e.path.as_str()).collect();
+        assert_eq!(found, vec!["sources.a.route.mapping.x", "sources.a.route.mapping.z"], "{e:?}");
+        assert!(e[0].message.contains("shop/audit"), "{e:?}");
+        let e = errors(&route("stream_field = \"s\"\n"));
+        let found: Vec<&str> = e.iter().map(|e| e.path.as_str()).collect();
+        assert_eq!(found, vec!["sources.a.route.mapping.z"], "{e:?}");
     }
 
     const ONE_SOURCE: &str = "[sources.a]\ndestination = { stream = \"s\", topic = \"t\" }\n";
