@@ -1345,6 +1345,13 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
                 unusable: None,
             });
         }
+        if !s.named_path && s.endpoints.is_empty() && management_token.is_none() {
+            c.warn(
+                &sp.key("named_path"),
+                "false, with no static endpoints and no admin.management_token to register dynamic ones: no \
+                 request can reach this source",
+            );
+        }
         let spec = SourceSpec {
             key: key.clone(),
             destinations,
@@ -2489,6 +2496,13 @@ auth_secret = "never checked"
         let settings = validate(&parse(&text, None).unwrap(), Some(&text), None).unwrap();
         let warned: Vec<&str> = settings.warnings.errors.iter().map(|w| w.path.as_str()).collect();
         assert_eq!(warned, vec!["admin.allow_unauthenticated_remote"]);
+        let text = "[sources.a]\nnamed_path = false\ndestination = { stream = \"s\", topic = \"t\" }\n";
+        let settings = validate(&parse(text, None).unwrap(), Some(text), None).unwrap();
+        let warned: Vec<&str> = settings.warnings.errors.iter().map(|w| w.path.as_str()).collect();
+        assert_eq!(warned, vec!["sources.a.named_path"], "a source nothing can reach");
+        let managed = format!("[admin]\nmanagement_token = \"manage-0123456789abcdef\"\n{text}");
+        let settings = validate(&parse(&managed, None).unwrap(), Some(&managed), None).unwrap();
+        assert_eq!(settings.warnings.errors, vec![], "reached through dynamic endpoints");
     }
 
     /// A file of nothing but unknown keys gets a bounded list, not one line per key.
