@@ -28,6 +28,19 @@ pub struct Target {
     pub topic: String,
 }
 
+impl Target {
+    /// Whether its names are ones Iggy takes; the problem, naming the field, if not.
+    pub fn check(&self) -> Result<(), String> {
+        if !is_name(&self.topic) {
+            return Err(name_message("topic", &self.topic));
+        }
+        match &self.stream {
+            Some(s) if !is_name(s) => Err(name_message("stream", s)),
+            _ => Ok(()),
+        }
+    }
+}
+
 /// Field value to target.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Mapping {
@@ -39,13 +52,8 @@ impl Mapping {
     pub fn new(entries: impl IntoIterator<Item = (String, Target)>) -> Result<Mapping, MappingError> {
         let mut map = HashMap::new();
         for (value, target) in entries {
-            if !is_name(&target.topic) {
-                return Err(MappingError::Entry { value, message: name_message("topic", &target.topic) });
-            }
-            if let Some(s) = &target.stream
-                && !is_name(s)
-            {
-                return Err(MappingError::Entry { value, message: name_message("stream", s) });
+            if let Err(message) = target.check() {
+                return Err(MappingError::Entry { value, message });
             }
             map.insert(value, target);
         }

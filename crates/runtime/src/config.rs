@@ -1711,15 +1711,25 @@ fn route(
                 };
                 entries.push((value.clone(), Target { stream, topic }));
             }
-            match Mapping::new(entries) {
-                Ok(m) => MappingSource::Table(m),
-                Err(MappingError::Entry { value, message }) => {
+            // Every entry's problem is named, not only the first one's.
+            let problems: Vec<(String, String)> =
+                entries.iter().filter_map(|(v, t)| t.check().err().map(|m| (v.clone(), m))).collect();
+            if !problems.is_empty() {
+                for (value, message) in problems {
                     c.err(&mp.key(&value), message);
-                    MappingSource::Identity
                 }
-                Err(e) => {
-                    c.err(&mp, format!("{e}; to use the field's value as the topic name, leave mapping out"));
-                    MappingSource::Identity
+                MappingSource::Identity
+            } else {
+                match Mapping::new(entries) {
+                    Ok(m) => MappingSource::Table(m),
+                    Err(MappingError::Entry { value, message }) => {
+                        c.err(&mp.key(&value), message);
+                        MappingSource::Identity
+                    }
+                    Err(e) => {
+                        c.err(&mp, format!("{e}; to use the field's value as the topic name, leave mapping out"));
+                        MappingSource::Identity
+                    }
                 }
             }
         }
@@ -2895,6 +2905,11 @@ mapping_url = "https://example.com/m.json"
                     mapping = { \"order.created\" = \"orders\", refund = { stream = \"s\", topic = \"no/slash\" } }\n";
         let e = errors(text);
         assert_eq!(e[0].path, "sources.a.route.mapping.refund");
+        // Every entry with a problem is named, not only the first.
+        let two = text.replace("\"orders\"", "\"bad topic\"");
+        let mut paths: Vec<String> = errors(&two).into_iter().map(|e| e.path).collect();
+        paths.sort();
+        assert_eq!(paths, ["sources.a.route.mapping.\"order.created\"", "sources.a.route.mapping.refund"]);
         let shape = text.replace("{ stream = \"s\", topic = \"no/slash\" }", "{ queue = \"q\" }");
         let e = errors(&shape);
         assert_eq!(e[0].path, "sources.a.route.mapping.refund");
