@@ -442,6 +442,13 @@ impl Harness {
                     // A fault undone: the log is exactly what it was before the append.
                     assert_eq!(self.wal().next_offset(), expected, "a failed append moved the end of the log");
                 }
+                if !self.wal().accepts_appends() {
+                    // A second fault failed the undo too: the log poisoned itself after it
+                    // answered. The handle is done, here and not at some later append (by
+                    // then a lifted fault would make the poisoning look unprovoked); a new
+                    // process would reopen.
+                    self.reopen();
+                }
             }
             Err(e) => panic!("append failed without an injected fault: {e}"),
         }
