@@ -185,6 +185,43 @@ impl AuthScheme {
         }
     }
 
+    /// The settings given that the scheme does not read, each with why, in the order
+    /// `header`, `prefix`, `tolerance_secs`, `secret`: such a setting would be silently
+    /// ignored (an auth_header on a bearer source still reads Authorization, and every
+    /// request would get 401). None for a scheme this build does not know
+    /// ([`AuthScheme::from_parts`] refuses that).
+    pub fn unused_settings(
+        scheme: &str,
+        secret: Option<&str>,
+        header: Option<&str>,
+        prefix: Option<&str>,
+        tolerance_secs: Option<u64>,
+    ) -> Vec<(&'static str, String)> {
+        let hmac = matches!(scheme, "hmac-sha256" | "hmac-sha1" | "hmac-sha256-base64");
+        let timestamped = matches!(scheme, "standard-webhooks" | "stripe");
+        let known = hmac || timestamped || matches!(scheme, "none" | "bearer");
+        let mut unused = Vec::new();
+        if !known {
+            return unused;
+        }
+        let only = |what: &str| format!("is not used by auth_type = \"{scheme}\" (only by {what})");
+        if header.is_some() && !hmac {
+            unused.push(("header", only("the hmac schemes")));
+        }
+        if prefix.is_some() && !hmac {
+            unused.push(("prefix", only("the hmac schemes")));
+        }
+        if tolerance_secs.is_some() && !timestamped {
+            unused.push(("tolerance_secs", only("standard-webhooks and stripe")));
+        }
+        // A secret nothing checks would let an operator believe the endpoint is guarded
+        // when anyone with its URL can post.
+        if scheme == "none" && secret.is_some_and(|s| !s.is_empty()) {
+            unused.push(("secret", "is not used by auth_type = \"none\" (nothing is checked)".to_string()));
+        }
+        unused
+    }
+
     /// Builds a scheme from its configured name and parameters. The error says what is
     /// wrong with which parameter (`secret`, `header`, ...), for the config error path.
     pub fn from_parts(
@@ -200,27 +237,10 @@ impl AuthScheme {
                 _ => Err(("secret", format!("required when auth_type = \"{scheme}\""))),
             }
         };
-        // A setting the scheme does not read would be silently ignored (an auth_header on a
-        // bearer source still reads Authorization, and every request would get 401).
-        let hmac = matches!(scheme, "hmac-sha256" | "hmac-sha1" | "hmac-sha256-base64");
-        let timestamped = matches!(scheme, "standard-webhooks" | "stripe");
-        let known = hmac || timestamped || matches!(scheme, "none" | "bearer");
-        if known {
-            let only = |what: &str| format!("is not used by auth_type = \"{scheme}\" (only by {what})");
-            if header.is_some() && !hmac {
-                return Err(("header", only("the hmac schemes")));
-            }
-            if prefix.is_some() && !hmac {
-                return Err(("prefix", only("the hmac schemes")));
-            }
-            if tolerance_secs.is_some() && !timestamped {
-                return Err(("tolerance_secs", only("standard-webhooks and stripe")));
-            }
-            // A secret nothing checks would let an operator believe the endpoint is
-            // guarded when anyone with its URL can post.
-            if scheme == "none" && secret.is_some_and(|s| !s.is_empty()) {
-                return Err(("secret", "is not used by auth_type = \"none\" (nothing is checked)".to_string()));
-            }
+        if let Some(first) =
+            AuthScheme::unused_settings(scheme, secret, header, prefix, tolerance_secs).into_iter().next()
+        {
+            return Err(first);
         }
         let tolerance_secs = tolerance_secs.unwrap_or(DEFAULT_TOLERANCE_SECS);
         Ok(match scheme {

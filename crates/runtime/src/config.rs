@@ -1920,6 +1920,15 @@ fn auth_scheme(c: &mut Checker<'_>, path: &KeyPath, a: AuthConfig<'_>) -> AuthSc
         },
         (secret, None) => secret,
     };
+    // Every setting the scheme does not read is named at once; the checks after stop at
+    // their first problem (each depends on the ones before).
+    let unused = AuthScheme::unused_settings(a.auth_type, secret, a.auth_header, a.auth_prefix, a.auth_tolerance_secs);
+    if unused.len() > 1 {
+        for (field, message) in unused {
+            c.err(&path.key(&format!("auth_{field}")), message);
+        }
+        return AuthScheme::None;
+    }
     let scheme = AuthScheme::from_parts(a.auth_type, secret, a.auth_header, a.auth_prefix, a.auth_tolerance_secs)
         .and_then(|s| http_source::auth::check_new_tolerance(a.auth_tolerance_secs).map(|()| s))
         .and_then(|s| http_source::auth::check_new_secret(a.auth_type, secret).map(|()| s));
@@ -2513,6 +2522,21 @@ auth_secret = "never checked"
         let managed = format!("[admin]\nmanagement_token = \"manage-0123456789abcdef\"\n{text}");
         let settings = validate(&parse(&managed, None).unwrap(), Some(&managed), None).unwrap();
         assert_eq!(settings.warnings.errors, vec![], "reached through dynamic endpoints");
+    }
+
+    /// Every auth setting the scheme does not read is named at once, each at its key.
+    #[test]
+    fn every_auth_setting_the_scheme_does_not_read_is_named() {
+        let text = "[sources.a]\ndestination = { stream = \"s\", topic = \"t\" }\nauth_type = \"bearer\"\n\
+                    auth_secret = \"a-token-of-some-length\"\nauth_header = \"x-key\"\nauth_prefix = \"p=\"\n\
+                    auth_tolerance_secs = 60\n";
+        let e = errors(text);
+        let found: Vec<&str> = e.iter().map(|e| e.path.as_str()).collect();
+        assert_eq!(
+            found,
+            vec!["sources.a.auth_header", "sources.a.auth_prefix", "sources.a.auth_tolerance_secs"],
+            "{e:?}"
+        );
     }
 
     /// A file of nothing but unknown keys gets a bounded list, not one line per key.
