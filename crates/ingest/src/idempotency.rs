@@ -881,6 +881,15 @@ mod tests {
             sync: wal::SyncPolicy::Interval(std::time::Duration::from_secs(60)),
             ..wal::WalOptions::default()
         };
+        serving_with(state, options)
+    }
+
+    /// The log on the simulated disk under `options`, the index over `state` rebuilt
+    /// from it, and an ingestor over both.
+    fn serving_with(
+        state: Arc<StateDb>,
+        options: wal::WalOptions,
+    ) -> (Arc<Wal>, Arc<IdempotencyIndex>, crate::Ingestor, u64) {
         let sim = Arc::new(wal::storage::SimStorage::new());
         let wal = Arc::new(Wal::open_with(sim, std::path::Path::new("/wal"), options).unwrap());
         let now = crate::time::now_unix_ms();
@@ -997,6 +1006,19 @@ mod tests {
         }
     }
 
+    /// A state database in `dir` on [`FailingFile`]s, and the switch that fails them.
+    fn failing_state(dir: &std::path::Path) -> (Arc<StateDb>, Arc<AtomicBool>) {
+        let path = dir.join("s.redb");
+        let fail = Arc::new(AtomicBool::new(false));
+        let (p, failing) = (path.clone(), fail.clone());
+        let backend = move || {
+            let file =
+                std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&p).unwrap();
+            FailingFile { inner: redb::backends::FileBackend::new(file).unwrap(), fail: failing.clone() }
+        };
+        (Arc::new(StateDb::open_with_backend(&path, backend).unwrap()), fail)
+    }
+
     /// Under `interval`, a reopen after an I/O error (redb repairs the database to its
     /// last durable commit) loses the keys recorded since for appends answered before
     /// their sync, which the restore that follows cannot read yet: they are owed, and the
@@ -1005,15 +1027,7 @@ mod tests {
     #[tokio::test]
     async fn keys_a_reopen_lost_for_records_not_yet_synced_come_back_once_the_records_are_durable() {
         let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("s.redb");
-        let fail = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let (p, failing) = (path.clone(), fail.clone());
-        let backend = move || {
-            let file =
-                std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&p).unwrap();
-            FailingFile { inner: redb::backends::FileBackend::new(file).unwrap(), fail: failing.clone() }
-        };
-        let state = Arc::new(StateDb::open_with_backend(&path, backend).unwrap());
+        let (state, fail) = failing_state(dir.path());
         let (wal, index, ingestor, now) = serving_under_interval(state);
         let d0 = ingestor.accept(one_event(Some("d-0"), now)).await.unwrap();
         assert_eq!((d0.first_offset, d0.replayed), (0, false));
@@ -1047,15 +1061,7 @@ mod tests {
     #[tokio::test]
     async fn keys_a_reopen_dropped_are_restored_even_when_the_recovery_was_cancelled_after_the_reopen() {
         let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("s.redb");
-        let fail = Arc::new(AtomicBool::new(false));
-        let (p, failing) = (path.clone(), fail.clone());
-        let backend = move || {
-            let file =
-                std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&p).unwrap();
-            FailingFile { inner: redb::backends::FileBackend::new(file).unwrap(), fail: failing.clone() }
-        };
-        let state = Arc::new(StateDb::open_with_backend(&path, backend).unwrap());
+        let (state, fail) = failing_state(dir.path());
         let (wal, index, ingestor, now) = serving_under_interval(state);
         ingestor.accept(one_event(Some("d-0"), now)).await.unwrap();
         wal.close().await.unwrap();
@@ -1112,21 +1118,8 @@ mod tests {
     #[tokio::test]
     async fn under_always_a_reopen_leaves_no_key_owed_once_restored() {
         let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("s.redb");
-        let fail = Arc::new(AtomicBool::new(false));
-        let (p, failing) = (path.clone(), fail.clone());
-        let backend = move || {
-            let file =
-                std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&p).unwrap();
-            FailingFile { inner: redb::backends::FileBackend::new(file).unwrap(), fail: failing.clone() }
-        };
-        let state = Arc::new(StateDb::open_with_backend(&path, backend).unwrap());
-        let sim = Arc::new(wal::storage::SimStorage::new());
-        let wal = Arc::new(Wal::open_with(sim, std::path::Path::new("/wal"), wal::WalOptions::default()).unwrap());
-        let now = crate::time::now_unix_ms();
-        let index = Arc::new(IdempotencyIndex::new(state, 86_400_000));
-        index.rebuild(&wal, now).unwrap();
-        let ingestor = crate::Ingestor::new(wal.clone(), index.clone());
+        let (state, fail) = failing_state(dir.path());
+        let (wal, index, ingestor, now) = serving_with(state, wal::WalOptions::default());
         ingestor.accept(one_event(Some("d-0"), now)).await.unwrap();
 
         fail.store(true, Ordering::SeqCst);
