@@ -1922,27 +1922,25 @@ fn auth_scheme(c: &mut Checker<'_>, path: &KeyPath, a: AuthConfig<'_>) -> AuthSc
     };
     // Every setting the scheme does not read is named at once; the checks after stop at
     // their first problem (each depends on the ones before).
-    let unused = AuthScheme::unused_settings(a.auth_type, secret, a.auth_header, a.auth_prefix, a.auth_tolerance_secs);
-    if unused.len() > 1 {
-        for (field, message) in unused {
-            c.err(&path.key(&format!("auth_{field}")), message);
-        }
-        return AuthScheme::None;
-    }
-    let scheme = AuthScheme::from_parts(a.auth_type, secret, a.auth_header, a.auth_prefix, a.auth_tolerance_secs)
-        .and_then(|s| http_source::auth::check_new_tolerance(a.auth_tolerance_secs).map(|()| s))
-        .and_then(|s| http_source::auth::check_new_secret(a.auth_type, secret).map(|()| s));
-    match scheme {
-        Ok(s) => s,
-        Err((field, message)) => {
-            match (field, a.auth_secret_env) {
-                // A secret read from the environment is named by the key that names it.
-                ("secret", Some(var)) => c.err(&path.key("auth_secret_env"), format!("the value of {var}: {message}")),
-                _ => c.err(&path.key(&format!("auth_{field}")), message),
-            }
-            AuthScheme::None
+    let problems =
+        match AuthScheme::unused_settings(a.auth_type, secret, a.auth_header, a.auth_prefix, a.auth_tolerance_secs) {
+            unused if !unused.is_empty() => unused,
+            _ => match AuthScheme::from_parts(a.auth_type, secret, a.auth_header, a.auth_prefix, a.auth_tolerance_secs)
+                .and_then(|s| http_source::auth::check_new_tolerance(a.auth_tolerance_secs).map(|()| s))
+                .and_then(|s| http_source::auth::check_new_secret(a.auth_type, secret).map(|()| s))
+            {
+                Ok(s) => return s,
+                Err(first) => vec![first],
+            },
+        };
+    for (field, message) in problems {
+        match (field, a.auth_secret_env) {
+            // A secret read from the environment is named by the key that names it.
+            ("secret", Some(var)) => c.err(&path.key("auth_secret_env"), format!("the value of {var}: {message}")),
+            _ => c.err(&path.key(&format!("auth_{field}")), message),
         }
     }
+    AuthScheme::None
 }
 
 /// Reads, parses and validates a configuration file.
