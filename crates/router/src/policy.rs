@@ -229,6 +229,12 @@ impl Default for RouterPolicy {
     }
 }
 
+/// The policy's durations, as [`RouterPolicy::problems`] names them (the first word of
+/// each of its messages about one): a configuration that checks them under its own keys
+/// leaves these out.
+pub const DURATION_FIELDS: [&str; 6] =
+    ["linger", "result_timeout", "backoff_base", "backoff_max", "cool_down", "overflow_after"];
+
 impl RouterPolicy {
     /// Checks the policy; the error (the first of [`RouterPolicy::problems`]) names the
     /// field first.
@@ -252,14 +258,14 @@ impl RouterPolicy {
             problems.extend(within(name, v, max).err());
         }
         let durations = [
-            ("linger", self.batch.linger),
-            ("result_timeout", self.batch.result_timeout),
-            ("backoff_base", self.batch.backoff_base),
-            ("backoff_max", self.batch.backoff_max),
-            ("cool_down", self.breaker.cool_down),
-            ("overflow_after", self.overflow_after),
+            self.batch.linger,
+            self.batch.result_timeout,
+            self.batch.backoff_base,
+            self.batch.backoff_max,
+            self.breaker.cool_down,
+            self.overflow_after,
         ];
-        for (name, d) in durations {
+        for (name, d) in DURATION_FIELDS.into_iter().zip(durations) {
             if d > MAX_DURATION {
                 problems.push(format!("{name} must be at most {} s (one day)", MAX_DURATION.as_secs()));
             }

@@ -334,12 +334,9 @@ fn policy_from(s: &RouterSection, prefix: &[&str], problems: &mut Vec<Problem>) 
     }
     // The router's problems of durations are those above, said here under the keys with
     // their units; once those are all right the router finds none of its own.
-    const DURATIONS: [&str; 6] =
-        ["linger", "result_timeout", "backoff_base", "backoff_max", "cool_down", "overflow_after"];
-    let router_problems = policy
-        .problems()
-        .into_iter()
-        .filter(|e| durations_ok || !DURATIONS.contains(&e.split_whitespace().next().unwrap_or("")));
+    let router_problems = policy.problems().into_iter().filter(|e| {
+        durations_ok || !router::policy::DURATION_FIELDS.contains(&e.split_whitespace().next().unwrap_or(""))
+    });
     for e in router_problems {
         // The router's own message names the field; put it under this section.
         let field = match e.split_whitespace().next().unwrap_or("").trim_matches('"') {
