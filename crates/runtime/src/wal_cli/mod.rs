@@ -253,41 +253,51 @@ pub(crate) fn human_age(ms: u64) -> String {
     }
 }
 
+/// A progress bar on standard error, drawn only while it is a terminal and `draw` holds,
+/// in `template`'s words; cleared when dropped.
+struct TerminalBar(Option<indicatif::ProgressBar>);
+
+impl TerminalBar {
+    fn new(len: u64, template: &str, draw: bool) -> TerminalBar {
+        TerminalBar((std::io::IsTerminal::is_terminal(&io::stderr()) && draw).then(|| {
+            let b = indicatif::ProgressBar::new(len);
+            b.set_style(
+                indicatif::ProgressStyle::with_template(template)
+                    .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+            );
+            b
+        }))
+    }
+}
+
+impl Drop for TerminalBar {
+    fn drop(&mut self) {
+        if let Some(b) = &self.0 {
+            b.finish_and_clear();
+        }
+    }
+}
+
 /// A progress bar over a scan of the records `from..end`, in records, drawn on standard
 /// error only while it is a terminal and `output_while_scanning` is false: lines the
 /// scan writes meanwhile (to the terminal, or through a pipe to `jq`, `head` or `less`
 /// that shows them there) would tear the bar and be torn by it. Cleared when dropped.
 pub(crate) struct ScanProgress {
-    bar: Option<indicatif::ProgressBar>,
+    bar: TerminalBar,
     from: u64,
 }
 
 impl ScanProgress {
     pub(crate) fn new(from: u64, end: u64, output_while_scanning: bool) -> ScanProgress {
-        let bar = (std::io::IsTerminal::is_terminal(&io::stderr()) && !output_while_scanning).then(|| {
-            let b = indicatif::ProgressBar::new(end.saturating_sub(from));
-            b.set_style(
-                indicatif::ProgressStyle::with_template("{bar:40} {human_pos}/{human_len} records, eta {eta}")
-                    .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-            );
-            b
-        });
-        ScanProgress { bar, from }
+        let template = "{bar:40} {human_pos}/{human_len} records, eta {eta}";
+        ScanProgress { bar: TerminalBar::new(end.saturating_sub(from), template, !output_while_scanning), from }
     }
 
     /// The scan has reached `offset`. Cheap enough for every record: one atomic store,
     /// and a redraw at most a few times a second (indicatif's own limit).
     pub(crate) fn at(&self, offset: u64) {
-        if let Some(b) = &self.bar {
+        if let Some(b) = &self.bar.0 {
             b.set_position(offset.saturating_sub(self.from));
-        }
-    }
-}
-
-impl Drop for ScanProgress {
-    fn drop(&mut self) {
-        if let Some(b) = &self.bar {
-            b.finish_and_clear();
         }
     }
 }
@@ -295,34 +305,17 @@ impl Drop for ScanProgress {
 /// A progress bar over a walk of the log's bytes (`verify`, `salvage`), drawn on standard
 /// error only while it is a terminal; their reports are written once the walk is over,
 /// so nothing they print can tear it. Cleared when dropped.
-pub(crate) struct BytesProgress(Option<indicatif::ProgressBar>);
+pub(crate) struct BytesProgress(TerminalBar);
 
 impl BytesProgress {
     pub(crate) fn new() -> BytesProgress {
-        BytesProgress(std::io::IsTerminal::is_terminal(&io::stderr()).then(|| {
-            let b = indicatif::ProgressBar::new(0);
-            b.set_style(
-                indicatif::ProgressStyle::with_template(
-                    "{bar:40} {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta}",
-                )
-                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-            );
-            b
-        }))
+        BytesProgress(TerminalBar::new(0, "{bar:40} {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta}", true))
     }
 
     pub(crate) fn at(&self, p: wal::inspect::VerifyProgress) {
-        if let Some(b) = &self.0 {
+        if let Some(b) = &self.0.0 {
             b.set_length(p.bytes_total);
             b.set_position(p.bytes_done);
-        }
-    }
-}
-
-impl Drop for BytesProgress {
-    fn drop(&mut self) {
-        if let Some(b) = &self.0 {
-            b.finish_and_clear();
         }
     }
 }
