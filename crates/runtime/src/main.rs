@@ -21,6 +21,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use iggy_ingest::config::{self, Config};
+use iggy_ingest::wal_cli::write_out;
 
 #[derive(Debug, Parser)]
 #[command(name = "iggy-ingest", version, about = "Lossless webhook ingestion into Apache Iggy")]
@@ -195,23 +196,6 @@ fn state_command(command: StateCommand) -> ExitCode {
         _ => {}
     }
     write_out(&out)
-}
-
-/// Writes `text` to standard output and says how the command ends: 0, also when the
-/// reader went away (`| head`: what it wanted it has), as the log tools do; 1 if the
-/// output cannot be written otherwise (a full disk behind `> FILE`). Never a panic, which
-/// `println!` is on a closed pipe.
-fn write_out(text: &str) -> ExitCode {
-    use std::io::Write;
-    let mut out = std::io::stdout().lock();
-    match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("iggy-ingest: cannot write to standard output: {e}");
-            ExitCode::FAILURE
-        }
-    }
 }
 
 /// Takes the lock of the log in `data_dir`, which the daemon takes at start before it

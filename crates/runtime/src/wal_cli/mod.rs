@@ -92,6 +92,12 @@ pub fn run(cmd: WalCommand) -> ExitCode {
         WalCommand::Verify(a) => verify::run(a),
         WalCommand::Salvage(a) => salvage::run(a),
     };
+    exit_code(result)
+}
+
+/// How a command ends: its code, 0 for a reader that went away (`| head`), 2 for
+/// unusable arguments, 1 for a failure, 3 when busy; each error said in one line.
+fn exit_code(result: CliResult) -> ExitCode {
     match result {
         Ok(code) => code,
         Err(CliError::ClosedPipe) => ExitCode::SUCCESS,
@@ -124,6 +130,16 @@ pub(crate) enum CliError {
     /// and not a failure of this run's doing (exit 3, so that a script that takes 1 for
     /// damage runs it again instead of salvaging).
     Busy(String),
+}
+
+/// Writes `text` to standard output and ends as the log tools do: 0, also when the
+/// reader went away (what it wanted it has), 1 if the output cannot be written
+/// otherwise. For the other commands that print (`config`, `state`): never the panic
+/// `println!` is on a closed pipe.
+pub fn write_out(text: &str) -> ExitCode {
+    let mut out = stdout();
+    let written = out.write_all(text.as_bytes()).and_then(|()| out.flush());
+    exit_code(written.map(|()| ExitCode::SUCCESS).map_err(CliError::from))
 }
 
 impl From<io::Error> for CliError {
