@@ -190,9 +190,9 @@ impl Policies {
         for (k, p) in &self.sources {
             p.validate().map_err(|e| format!("source {k}: {e}"))?;
         }
-        within("read_batch_max_records", self.read_batch_max_records, MAX_BATCH_RECORDS)?;
-        within("read_batch_max_bytes", self.read_batch_max_bytes, MAX_BATCH_BYTES)?;
-        within("queues_max_bytes", self.queues_max_bytes, MAX_QUEUES_BYTES)?;
+        within("read_batch_max_records", self.read_batch_max_records, MAX_BATCH_RECORDS).map_err(|p| p.to_string())?;
+        within("read_batch_max_bytes", self.read_batch_max_bytes, MAX_BATCH_BYTES).map_err(|p| p.to_string())?;
+        within("queues_max_bytes", self.queues_max_bytes, MAX_QUEUES_BYTES).map_err(|p| p.to_string())?;
         for (source, p) in
             std::iter::once(("default policy", &self.default)).chain(self.sources.iter().map(|(k, p)| (k.as_str(), p)))
         {
@@ -229,22 +229,42 @@ impl Default for RouterPolicy {
     }
 }
 
-/// The policy's durations, as [`RouterPolicy::problems`] names them (the first word of
-/// each of its messages about one): a configuration that checks them under its own keys
-/// leaves these out.
+/// The policy's durations, as [`PolicyProblem::field`] names them: a configuration that
+/// checks them under its own keys leaves these out.
 pub const DURATION_FIELDS: [&str; 6] =
     ["linger", "result_timeout", "backoff_base", "backoff_max", "cool_down", "overflow_after"];
+
+/// One problem of a [`RouterPolicy`]: the field it is about (as the policy names it, for
+/// a configuration to map onto its own key) and what is wrong with it. Shown as the field
+/// then the message: `batch_max_records must be at most 65536`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PolicyProblem {
+    pub field: &'static str,
+    pub message: String,
+}
+
+impl PolicyProblem {
+    fn new(field: &'static str, message: impl Into<String>) -> PolicyProblem {
+        PolicyProblem { field, message: message.into() }
+    }
+}
+
+impl std::fmt::Display for PolicyProblem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} {}", self.field, self.message)
+    }
+}
 
 impl RouterPolicy {
     /// Checks the policy; the error (the first of [`RouterPolicy::problems`]) names the
     /// field first.
     pub fn validate(&self) -> Result<(), String> {
-        self.problems().into_iter().next().map_or(Ok(()), Err)
+        self.problems().into_iter().next().map_or(Ok(()), |p| Err(p.to_string()))
     }
 
-    /// Every problem of the policy, each naming its field first (a configuration check
-    /// lists them all at once).
-    pub fn problems(&self) -> Vec<String> {
+    /// Every problem of the policy, with its field (a configuration check lists them all
+    /// at once, each under its own key).
+    pub fn problems(&self) -> Vec<PolicyProblem> {
         let mut problems = Vec::new();
         let counts = [
             ("batch_max_records", self.batch.batch_max_records, MAX_BATCH_RECORDS),
@@ -267,28 +287,30 @@ impl RouterPolicy {
         ];
         for (name, d) in DURATION_FIELDS.into_iter().zip(durations) {
             if d > MAX_DURATION {
-                problems.push(format!("{name} must be at most {} s (one day)", MAX_DURATION.as_secs()));
+                problems
+                    .push(PolicyProblem::new(name, format!("must be at most {} s (one day)", MAX_DURATION.as_secs())));
             }
         }
         if self.breaker.failure_threshold == 0 {
-            problems.push("failure_threshold must be at least 1".into());
+            problems.push(PolicyProblem::new("failure_threshold", "must be at least 1"));
         }
         if self.batch.degraded_after_failures == 0 {
-            problems.push("degraded_after_failures must be at least 1".into());
+            problems.push(PolicyProblem::new("degraded_after_failures", "must be at least 1"));
         }
         if self.batch.backoff_base.is_zero() || self.batch.backoff_max < self.batch.backoff_base {
-            problems.push("backoff_max must be at least backoff_base, and backoff_base above zero".into());
+            problems
+                .push(PolicyProblem::new("backoff_max", "must be at least backoff_base, and backoff_base above zero"));
         }
         if self.batch.result_timeout.is_zero() {
-            problems.push("result_timeout must be above zero".into());
+            problems.push(PolicyProblem::new("result_timeout", "must be above zero"));
         }
         // A record held for a partition its topic lacks asks the topic again after each
         // cool-down: with none, that loop would not rest at all.
         if self.breaker.cool_down.is_zero() {
-            problems.push("cool_down must be above zero".into());
+            problems.push(PolicyProblem::new("cool_down", "must be above zero"));
         }
         if self.on_admission_failure == OnAdmissionFailure::DeadLetter && self.dead_letter.is_none() {
-            problems.push("dead_letter is required when on_admission_failure = \"dead_letter\"".into());
+            problems.push(PolicyProblem::new("dead_letter", "is required when on_admission_failure = \"dead_letter\""));
         }
         problems
     }
@@ -300,13 +322,13 @@ impl RouterPolicy {
     }
 }
 
-/// `v` within `1..=max`, or an error naming `name` first.
-fn within(name: &str, v: usize, max: usize) -> Result<(), String> {
+/// `v` within `1..=max`, or the problem of the field `name`.
+fn within(name: &'static str, v: usize, max: usize) -> Result<(), PolicyProblem> {
     if v == 0 {
-        return Err(format!("{name} must be at least 1"));
+        return Err(PolicyProblem::new(name, "must be at least 1"));
     }
     if v > max {
-        return Err(format!("{name} must be at most {max}"));
+        return Err(PolicyProblem::new(name, format!("must be at most {max}")));
     }
     Ok(())
 }

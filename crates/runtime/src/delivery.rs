@@ -334,22 +334,13 @@ fn policy_from(s: &RouterSection, prefix: &[&str], problems: &mut Vec<Problem>) 
     }
     // The router's problems of durations are those above, said here under the keys with
     // their units; once those are all right the router finds none of its own.
-    let router_problems = policy.problems().into_iter().filter(|e| {
-        durations_ok || !router::policy::DURATION_FIELDS.contains(&e.split_whitespace().next().unwrap_or(""))
-    });
-    for e in router_problems {
-        // The router's own message names the field; put it under this section.
-        let field = match e.split_whitespace().next().unwrap_or("").trim_matches('"') {
-            // The router's `dead_letter` is the pair of keys here; name the first.
-            "dead_letter" => "dead_letter_stream".to_string(),
-            other => other.to_string(),
-        };
-        let path = if field.chars().all(|c| c.is_ascii_lowercase() || c == '_') && !field.is_empty() {
-            at(&field)
-        } else {
-            prefix.iter().map(|s| s.to_string()).collect()
-        };
-        problems.push((path, e));
+    let router_problems =
+        policy.problems().into_iter().filter(|p| durations_ok || !router::policy::DURATION_FIELDS.contains(&p.field));
+    for p in router_problems {
+        // The router's field is this section's key, but for its `dead_letter`, which is
+        // the pair of keys here: named by the first.
+        let key = if p.field == "dead_letter" { "dead_letter_stream" } else { p.field };
+        problems.push((at(key), p.message));
     }
     policy
 }
@@ -764,6 +755,10 @@ mod tests {
         let want =
             ["router.batch_max_records", "router.failure_threshold", "router.linger_ms", "router.max_destinations"];
         assert_eq!(paths, want, "{problems:?}");
+        // Each message is said of its key, which the path names: not named again in it.
+        for (path, message) in &problems {
+            assert!(message.starts_with("must be "), "{path:?}: {message}");
+        }
     }
 
     /// A destination may be given up for a source no longer configured (its records are
