@@ -1920,19 +1920,22 @@ fn auth_scheme(c: &mut Checker<'_>, path: &KeyPath, a: AuthConfig<'_>) -> AuthSc
         },
         (secret, None) => secret,
     };
-    // Every setting the scheme does not read is named at once; the checks after stop at
-    // their first problem (each depends on the ones before).
-    let problems =
-        match AuthScheme::unused_settings(a.auth_type, secret, a.auth_header, a.auth_prefix, a.auth_tolerance_secs) {
-            unused if !unused.is_empty() => unused,
-            _ => match AuthScheme::from_parts(a.auth_type, secret, a.auth_header, a.auth_prefix, a.auth_tolerance_secs)
-                .and_then(|s| http_source::auth::check_new_tolerance(a.auth_tolerance_secs).map(|()| s))
-                .and_then(|s| http_source::auth::check_new_secret(a.auth_type, secret).map(|()| s))
-            {
-                Ok(s) => return s,
-                Err(first) => vec![first],
-            },
-        };
+    // Every setting the scheme does not read is named at once; and once there is none,
+    // every problem of those it reads (the scheme's own, the tolerance's bounds, the
+    // secret's characters: none of these checks looks at what another refuses).
+    let mut problems =
+        AuthScheme::unused_settings(a.auth_type, secret, a.auth_header, a.auth_prefix, a.auth_tolerance_secs);
+    if problems.is_empty() {
+        let scheme = AuthScheme::from_parts(a.auth_type, secret, a.auth_header, a.auth_prefix, a.auth_tolerance_secs);
+        let tolerance = http_source::auth::check_new_tolerance(a.auth_tolerance_secs);
+        let secret_ok = http_source::auth::check_new_secret(a.auth_type, secret);
+        match (scheme, tolerance, secret_ok) {
+            (Ok(s), Ok(()), Ok(())) => return s,
+            (scheme, tolerance, secret_ok) => {
+                problems.extend([scheme.err(), tolerance.err(), secret_ok.err()].into_iter().flatten())
+            }
+        }
+    }
     for (field, message) in problems {
         match (field, a.auth_secret_env) {
             // A secret read from the environment is named by the key that names it.
@@ -2535,6 +2538,19 @@ auth_secret = "never checked"
             vec!["sources.a.auth_header", "sources.a.auth_prefix", "sources.a.auth_tolerance_secs"],
             "{e:?}"
         );
+    }
+
+    /// The problems of the settings a scheme reads are named together too: a Stripe
+    /// source without a secret and with a tolerance past a day gets both at once.
+    #[test]
+    fn every_problem_of_the_settings_a_scheme_reads_is_named() {
+        let text = "[sources.a]\ndestination = { stream = \"s\", topic = \"t\" }\nauth_type = \"stripe\"\n\
+                    auth_tolerance_secs = 100000\n";
+        let e = errors(text);
+        let found: Vec<&str> = e.iter().map(|e| e.path.as_str()).collect();
+        assert_eq!(found, vec!["sources.a.auth_secret", "sources.a.auth_tolerance_secs"], "{e:?}");
+        assert!(e[0].message.contains("required"), "{e:?}");
+        assert!(e[1].message.contains("more than 86400"), "{e:?}");
     }
 
     /// A file of nothing but unknown keys gets a bounded list, not one line per key.
