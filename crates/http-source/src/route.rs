@@ -17,7 +17,7 @@ use std::collections::HashMap;
 
 use serde_json::Value;
 
-use crate::admission::is_name;
+use crate::admission::{Admission, is_name};
 use crate::field_path::FieldPath;
 
 /// What a mapping entry names: a topic (in the default stream, or the stream read from
@@ -195,7 +195,38 @@ pub enum Routed {
     Unmatched,
 }
 
+/// A mapping entry whose destination is known before any event arrives and refused by
+/// the source's admission: every event routed by it would be answered 422.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct RefusedEntry {
+    /// The field value the entry maps.
+    pub value: String,
+    pub stream: String,
+    pub topic: String,
+}
+
 impl Route {
+    /// The entries of the route's table (none until a `mapping_url` is fetched) whose
+    /// destination is known without an event (the entry names its stream, or no field
+    /// routes the stream, so it is the default) and that `admission` refuses, in the
+    /// order of their values. One whose stream comes from an event is judged per event.
+    pub fn entries_refused_by(&self, admission: &Admission) -> Vec<RefusedEntry> {
+        let MappingSource::Table(mapping) = &self.mapping else { return Vec::new() };
+        let mut refused: Vec<RefusedEntry> = mapping
+            .iter()
+            .filter_map(|(value, t)| {
+                let stream = t.stream.as_ref().or(self.stream_field.is_none().then_some(&self.default_stream))?;
+                admission.check(stream, &t.topic).is_err().then(|| RefusedEntry {
+                    value: value.clone(),
+                    stream: stream.clone(),
+                    topic: t.topic.clone(),
+                })
+            })
+            .collect();
+        refused.sort();
+        refused
+    }
+
     /// Routes one payload (`None` when it is not JSON).
     ///
     /// The topic is the mapping's entry for the `topic_field` value (or the value

@@ -1613,22 +1613,13 @@ fn where_events_go(c: &mut Checker<'_>, sp: &KeyPath, s: &SourceConfig) -> (Dest
     }
     // So would a mapping entry whose destination is known here (its own stream, or the
     // default one when no field routes the stream) and refused by the same admission.
-    if let Destinations::Routed(r) = &destinations
-        && let MappingSource::Table(mapping) = &r.mapping
-    {
-        let mut refused: Vec<(&String, &String, &String)> = mapping
-            .iter()
-            .filter_map(|(value, t)| {
-                let stream = t.stream.as_ref().or(r.stream_field.is_none().then_some(&r.default_stream))?;
-                admission.check(stream, &t.topic).is_err().then_some((value, stream, &t.topic))
-            })
-            .collect();
-        refused.sort();
-        for (value, stream, topic) in refused {
+    if let Destinations::Routed(r) = &destinations {
+        for e in r.entries_refused_by(&admission) {
             c.err(
-                &sp.key("route").key("mapping").key(value),
+                &sp.key("route").key("mapping").key(&e.value),
                 format!(
-                    "{stream}/{topic} is refused by the source's admission: every event routed here would be answered 422"
+                    "{}/{} is refused by the source's admission: every event routed here would be answered 422",
+                    e.stream, e.topic
                 ),
             );
         }

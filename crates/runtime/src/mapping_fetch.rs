@@ -6,7 +6,8 @@
 //!   event of one run is routed by one table).
 //! - Any failure (unreachable, timeout, a status other than 200, a body over
 //!   [`MAPPING_MAX_BYTES`], not a JSON object, an entry outside the grammar, an empty
-//!   object) refuses the start with an error naming the key path: an empty mapping is
+//!   object), or an entry the source's own admission refuses (as an inline table's is at
+//!   load), refuses the start with an error naming the key path: an empty mapping is
 //!   never a fallback.
 //! - Only `http://` URLs: the fetch speaks plain HTTP/1.1 with hyper's client.
 
@@ -100,11 +101,34 @@ pub async fn resolve_all(sources: &mut [SourceSpec]) -> Result<(), String> {
         let MappingSource::Url(url) = &route.mapping else { continue };
         let path = crate::config::KeyPath::default().key("sources").key(&source.key).key("route").key("mapping_url");
         let mapping = fetch(url).await.map_err(|e| format!("{path}: {e}"))?;
-        tracing::info!(source = %source.key, url = %url, entries = mapping.len(), "route mapping fetched");
+        let url = url.clone();
+        let entries = mapping.len();
         route.mapping = MappingSource::Table(mapping);
+        // As an inline table's would be at load: an entry the source's own admission
+        // refuses would answer every event routed by it 422.
+        let refused = route.entries_refused_by(&source.admission);
+        if !refused.is_empty() {
+            let named: Vec<String> = refused
+                .iter()
+                .take(REFUSED_ENTRIES_NAMED_MAX)
+                .map(|e| format!("{:?} to {}/{}", e.value, e.stream, e.topic))
+                .collect();
+            let more = refused.len().saturating_sub(named.len());
+            let more = if more > 0 { format!(" and {more} more") } else { String::new() };
+            return Err(format!(
+                "{path}: the mapping at {url} routes {}{more} to a destination the source's admission refuses: \
+                 every event routed there would be answered 422",
+                named.join(", ")
+            ));
+        }
+        tracing::info!(source = %source.key, url = %url, entries, "route mapping fetched");
     }
     Ok(())
 }
+
+/// The most refused entries of a fetched mapping an error names (a mapping may hold
+/// thousands; the count of the others is said).
+pub const REFUSED_ENTRIES_NAMED_MAX: usize = 10;
 
 #[cfg(test)]
 mod tests {
