@@ -156,6 +156,22 @@ impl Reader {
         true
     }
 
+    /// Frees the memory this reader holds between reads (its read window: a chunk, or
+    /// the largest record it read), keeping its position: the next read reads from the
+    /// same byte on, with no walk of the segment. What the last read returned can no
+    /// longer be given back ([`Reader::unread_from`]). For a reader kept while its owner waits
+    /// (for a destination that does not answer, for hours): a thousand such readers
+    /// would otherwise hold a chunk each.
+    pub fn release_buffer(&mut self) {
+        if let Some(c) = self.cursor.as_mut() {
+            c.buf.release();
+        }
+        if let Some((c, _)) = self.walk.as_mut() {
+            c.buf.release();
+        }
+        self.returned = Vec::new();
+    }
+
     /// Like [`Reader::try_read`], but waits for at least one record. Fails with
     /// [`WalError::Closed`] once the log is closed and everything durable was read.
     pub async fn read(&mut self, max_records: usize, max_bytes: usize) -> Result<Vec<Record>> {

@@ -122,3 +122,32 @@ fn a_salvage_copies_a_large_segment_without_holding_it() {
     let again = wal.reader(0).unwrap().try_read(100, usize::MAX).unwrap();
     assert_eq!(again.iter().map(|r| r.offset).collect::<Vec<_>>(), read.iter().map(|r| r.offset).collect::<Vec<_>>());
 }
+
+/// A reader that read a large record holds a window that size until it is released;
+/// released, it holds next to nothing and reads on from the same record, exactly.
+#[test]
+fn a_released_reader_holds_no_window_and_reads_on_from_its_position() {
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+    let dir = tempfile::tempdir().unwrap();
+    let wal = Wal::open(dir.path().join("wal"), WalOptions::default()).unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let record = |i: usize, len: usize| Bytes::from(vec![i as u8; len]);
+    rt.block_on(wal.append(vec![record(0, 8 * MIB), record(1, 100), record(2, 100)])).unwrap();
+    let mut reader = wal.reader(0).unwrap();
+    let before = LIVE.load(Ordering::Relaxed);
+    let first = reader.try_read(1, usize::MAX).unwrap();
+    assert_eq!(first[0].payload, record(0, 8 * MIB));
+    drop(first);
+    let held = LIVE.load(Ordering::Relaxed).saturating_sub(before);
+    assert!(held >= 8 * MIB, "the window holds the record it read: {held} bytes");
+    reader.release_buffer();
+    let held = LIVE.load(Ordering::Relaxed).saturating_sub(before);
+    assert!(held < 64 * 1024, "released, the reader still holds {held} bytes");
+    assert_eq!(reader.position(), 1);
+    let rest = reader.try_read(10, usize::MAX).unwrap();
+    assert_eq!(
+        rest.iter().map(|r| (r.offset, r.payload.clone())).collect::<Vec<_>>(),
+        vec![(1, record(1, 100)), (2, record(2, 100))]
+    );
+    rt.block_on(wal.close()).unwrap();
+}

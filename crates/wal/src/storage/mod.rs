@@ -156,6 +156,12 @@ impl ReadBuffer {
         ReadBuffer { chunk_bytes, buf: Vec::new(), len: 0, pos: 0 }
     }
 
+    /// Frees the window's memory; the next [`ReadBuffer::get`] reads a chunk again.
+    pub(crate) fn release(&mut self) {
+        self.buf = Vec::new();
+        self.len = 0;
+    }
+
     /// The `n` bytes of `file` at `pos`, reading a chunk (but nothing at or past `end`)
     /// when the window does not hold them; `None` if they do not all lie before `end`,
     /// or the file ends first.
