@@ -745,13 +745,14 @@ async fn run<S: Sink, C: CursorStore>(lane: Arc<Lane>, mut ctx: LaneContext<S, C
         // The send is polled first: it writes its request and waits for the answer,
         // and meanwhile the previous batch is freed and the next full batch (if queued)
         // is taken and prepared.
-        let (delivery, next) = tokio::join!(deliver(&lane, &ctx, &mut breaker, &batch, &mut prepared), async {
-            drop(done.take());
-            take_full_batch(&lane).map(|b| {
-                let prepared = prepare(&*ctx.sink, &b);
-                (b, prepared)
-            })
-        });
+        let (delivery, next) =
+            tokio::join!(deliver(&lane, &ctx, &mut breaker, &batch, &mut prepared, &mut catchup), async {
+                drop(done.take());
+                take_full_batch(&lane).map(|b| {
+                    let prepared = prepare(&*ctx.sink, &b);
+                    (b, prepared)
+                })
+            });
         ahead = next;
         if let Delivery::ShuttingDown = delivery {
             break;
@@ -893,7 +894,7 @@ async fn next_batch<S, C>(
         let want = ((limit - reader.position()) as usize)
             .min(max_records - batch.len())
             .min(CATCHUP_SCAN_RECORDS_PER_YIELD - scanned_since_yield);
-        let records = reader.try_read(want, max_bytes - bytes.payload)?;
+        let records = read_below(reader, &ctx.wal, limit, want, max_bytes - bytes.payload)?;
         if records.is_empty() {
             break;
         }
@@ -955,6 +956,33 @@ async fn next_batch<S, C>(
         }
         None => Ok(Some(batch)),
     }
+}
+
+/// At most `max_records` records (and `max_bytes` of payload, as [`wal::Reader::try_read`]
+/// bounds them) from `reader`'s position, every one below `limit`; the first at or past it
+/// is given back, read again first next time.
+///
+/// A read counts records and `limit` is an offset: across a salvage gap (offsets that
+/// name no record) the read asked for `limit - position` records returns records past
+/// `limit`. The dispatcher has not routed those yet: a record it will refuse or hold must
+/// not be sent, nor acknowledged past, by a lane re-reading the log.
+fn read_below(
+    reader: &mut wal::Reader,
+    wal: &Wal,
+    limit: u64,
+    max_records: usize,
+    max_bytes: usize,
+) -> wal::Result<Vec<Record>> {
+    let mut records = reader.try_read(max_records, max_bytes)?;
+    if let Some(i) = records.iter().position(|r| r.offset >= limit) {
+        let first_past = records[i].offset;
+        records.truncate(i);
+        if !reader.unread_from(first_past) || reader.position() != first_past {
+            *reader = wal.reader(first_past)?;
+        }
+    }
+    debug_assert!(records.iter().all(|r| r.offset < limit));
+    Ok(records)
 }
 
 fn own_record(lane: &Lane, rec: Record) -> Option<Routed> {
@@ -1181,7 +1209,16 @@ async fn deliver<S: Sink, C>(
     breaker: &mut CountedBreaker,
     batch: &[Routed],
     prepared: &mut Prepared<S::Message>,
+    catchup: &mut Option<wal::Reader>,
 ) -> Delivery {
+    // A batch that is not sent at once may wait for hours (an outage, a hold): the
+    // reader re-reading the log keeps its position but not its read window meanwhile.
+    // Memory held outside the queue budget would otherwise grow with the lanes waiting.
+    let mut release_reader = || {
+        if let Some(r) = catchup.as_mut() {
+            r.release_buffer();
+        }
+    };
     let mut shutdown = ctx.shutdown.clone();
     let mut failures: u32 = 0;
     // Set once the topic's partitions were asked of the server for this batch: what it
@@ -1199,7 +1236,10 @@ async fn deliver<S: Sink, C>(
                     asked = true;
                     t
                 }
-                Attempt::Retry => continue,
+                Attempt::Retry => {
+                    release_reader();
+                    continue;
+                }
                 Attempt::Sent | Attempt::ShuttingDown => return Delivery::ShuttingDown,
             },
         };
@@ -1230,6 +1270,7 @@ async fn deliver<S: Sink, C>(
             }
             failures = 0;
             lock(&lane.info).consecutive_failures = 0;
+            release_reader();
             match out_of_range(lane, ctx, &batch[i..end], p, topic, &mut shutdown).await {
                 Delivery::Done => {
                     i = end;
@@ -1250,7 +1291,7 @@ async fn deliver<S: Sink, C>(
                 lock(&lane.info).sent_records += (end - i) as u64;
                 i = end;
             }
-            Attempt::Retry => {}
+            Attempt::Retry => release_reader(),
             Attempt::Ensured(_) => {}
             Attempt::ShuttingDown => return Delivery::ShuttingDown,
         }
@@ -2024,5 +2065,55 @@ mod tests {
         lane.cannot_send();
         tokio::time::timeout(Duration::from_secs(5), waiting).await.expect("not woken by the shed").unwrap();
         assert_eq!(lane.gate().queue.len(), 0);
+    }
+
+    /// A lane re-reading the log takes nothing at or past the offset the dispatcher has
+    /// routed up to, even where a salvage gap makes the records below it fewer than the
+    /// offsets: the dispatcher has not decided those yet (it may refuse one, or hold at
+    /// one it cannot decode), and a lane that sent one and acknowledged past it would
+    /// lose it.
+    #[tokio::test]
+    async fn a_re_read_across_a_salvage_gap_stops_at_what_the_dispatcher_routed() {
+        use wal::format::{FRAME_HEADER_LEN, SEGMENT_HEADER_LEN, segment_file_name};
+        use wal::storage::{SimStorage, Storage};
+        use wal::{RecoveryMode, WalOptions};
+
+        let sim = SimStorage::new();
+        let dir = std::path::Path::new("/sim/log");
+        let opts =
+            WalOptions { segment_max_bytes: 4096, max_bytes: 1 << 20, preallocate_bytes: 0, ..Default::default() };
+        let open = |opts: WalOptions| Wal::open_with(Arc::new(sim.clone()) as Arc<dyn Storage>, dir, opts).unwrap();
+        let payload = |tag: u8| bytes::Bytes::from(vec![tag; 100]);
+        let wal = open(opts.clone());
+        for tag in 0..10 {
+            wal.append(vec![payload(tag)]).await.unwrap();
+        }
+        drop(wal);
+        // Record 3's payload damaged; the records after it prove it was durable.
+        let path = dir.join(segment_file_name(0));
+        let mut b = sim.read_file(&path).unwrap();
+        b[(SEGMENT_HEADER_LEN + 3 * (FRAME_HEADER_LEN + 100) + FRAME_HEADER_LEN + 5) as usize] ^= 0x40;
+        sim.write_file_durably(&path, &b).unwrap();
+        let wal = open(WalOptions { recovery: RecoveryMode::Salvage, ..opts });
+        let s = wal.open_report().salvage.clone().expect("salvaged");
+        let (kept, resumed) = (s.kept_until_offset, s.resumed_at_offset);
+        assert!(resumed > kept + 1, "{s:?}");
+        for tag in 0..5 {
+            wal.append(vec![payload(100 + tag)]).await.unwrap();
+        }
+        // The dispatcher has routed the first record past the gap; the lane is at 0 and
+        // asks for as many records as there are offsets below the limit.
+        let limit = resumed + 1;
+        let mut reader = wal.reader(0).unwrap();
+        let got = read_below(&mut reader, &wal, limit, limit as usize, usize::MAX).unwrap();
+        let offsets: Vec<u64> = got.iter().map(|r| r.offset).collect();
+        let mut want: Vec<u64> = (0..kept).collect();
+        want.push(resumed);
+        assert_eq!(offsets, want);
+        assert_eq!(reader.position(), limit);
+        // What lies past the limit is read next, once the dispatcher has routed it.
+        let next = read_below(&mut reader, &wal, resumed + 5, 10, usize::MAX).unwrap();
+        assert_eq!(next.iter().map(|r| r.offset).collect::<Vec<_>>(), (resumed + 1..resumed + 5).collect::<Vec<_>>());
+        assert_eq!(next[0].payload[0], 101);
     }
 }
