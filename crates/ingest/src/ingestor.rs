@@ -427,7 +427,11 @@ impl Ingestor {
         }
         let started = Instant::now();
         let result = self.wal.append(records).await;
-        self.append_latency.record(started.elapsed().as_secs_f64());
+        // Durable appends only: a refusal (log full, stopped) answers at once and would
+        // pull the histogram towards zero while nothing is written.
+        if result.is_ok() {
+            self.append_latency.record(started.elapsed().as_secs_f64());
+        }
         match result {
             Ok(a) => Ok(Accepted {
                 events: u64::from(batch_len),

@@ -1483,8 +1483,12 @@ async fn attempt<S: Sink, C>(
         Op::Ensure => {
             let started = std::time::Instant::now();
             let r = bounded_write(ctx, lane.dest(), timeout, false, ctx.sink.ensure(lane.dest())).await;
-            metrics::histogram!("iggy_connector_destination_create_latency_seconds")
-                .record(started.elapsed().as_secs_f64());
+            // Timed when it succeeds only: a failure's time is a timeout or a refusal,
+            // counted in `send_failures_total`, and would read as a slow server.
+            if r.is_ok() {
+                metrics::histogram!("iggy_connector_destination_create_latency_seconds")
+                    .record(started.elapsed().as_secs_f64());
+            }
             r.map(Some)
         }
         Op::Send(partitioning, messages) => {
@@ -1492,7 +1496,9 @@ async fn attempt<S: Sink, C>(
             fail_points::fail_point!("router.send");
             let r = bounded_write(ctx, lane.dest(), timeout, true, ctx.sink.send(lane.dest(), partitioning, messages))
                 .await;
-            metrics::histogram!("iggy_connector_send_latency_seconds").record(started.elapsed().as_secs_f64());
+            if r.is_ok() {
+                metrics::histogram!("iggy_connector_send_latency_seconds").record(started.elapsed().as_secs_f64());
+            }
             r.map(|()| None)
         }
     };
@@ -1677,7 +1683,10 @@ async fn dead_letter<S: Sink, C>(
                     let r =
                         bounded_write(ctx, dlq, timeout, true, ctx.sink.send(dlq, &Partitioning::Balanced, messages))
                             .await;
-                    metrics::histogram!("iggy_connector_send_latency_seconds").record(started.elapsed().as_secs_f64());
+                    if r.is_ok() {
+                        metrics::histogram!("iggy_connector_send_latency_seconds")
+                            .record(started.elapsed().as_secs_f64());
+                    }
                     r
                 }
             }

@@ -642,3 +642,37 @@ async fn a_stop_does_not_wait_out_the_cursor_stores_backoff() {
     assert!(asked.elapsed() < Duration::from_secs(2), "the stop took {:?}", asked.elapsed());
     assert_eq!(sink.ids(&d).len(), 1);
 }
+
+/// The latency histograms time calls that succeeded: a failed ensure or send (refused
+/// at once, or timed out) is counted in `send_failures_total` and would read as a fast,
+/// or a slow, server. Calls fail first at the client (the ensure too), then only sends.
+#[test]
+fn failed_calls_are_counted_as_failures_and_not_timed() {
+    with_metrics(false, |snap| async move {
+        let sim = SimStorage::new();
+        let wal = open_wal(&sim);
+        let sink = FaultySink::new();
+        let d = key("t", "1");
+        fill(&wal, std::slice::from_ref(&d), 0, 4).await;
+        let count = |name: &str| metric(&snap, &format!("{name}_count"), "");
+        let (sends, creates) =
+            ("iggy_connector_send_latency_seconds", "iggy_connector_destination_create_latency_seconds");
+        let failures = || metric(&snap, "iggy_connector_send_failures_total", "");
+        sink.client_fault(Some(SendErrorKind::Disconnected));
+        let router = start_router(&wal, &sink, overflowing_policy());
+        eventually(Duration::from_secs(30), "failed ensures", || failures() >= 2.0).await;
+        assert_eq!((count(creates), count(sends)), (0.0, 0.0), "failed ensures timed");
+
+        sink.client_fault(None);
+        sink.fault(&d, Some(Fault::FailSends(SendErrorKind::Disconnected)));
+        let before = failures();
+        eventually(Duration::from_secs(30), "failed sends", || failures() >= before + 2.0).await;
+        assert!(count(creates) >= 1.0, "the ensure that succeeded is timed");
+        assert_eq!(count(sends), 0.0, "failed sends timed");
+
+        sink.fault(&d, None);
+        eventually(Duration::from_secs(30), "delivered", || sink.ids(&d).len() == 4).await;
+        assert!(count(sends) >= 1.0, "the sends that succeeded are timed");
+        router.shutdown().await;
+    });
+}

@@ -131,7 +131,12 @@ pub fn catalog() -> Vec<Metric> {
             "Retried deliveries answered from the idempotency index, nothing appended",
         ),
         m("iggy_ingest_header_values_clamped_total", Counter, &["source"], "Forwarded header values cut to 255 bytes"),
-        m("iggy_ingest_append_latency_seconds", Histogram, &[], "Time from submitting an append to its durability"),
+        m(
+            "iggy_ingest_append_latency_seconds",
+            Histogram,
+            &[],
+            "Time from submitting an append to its durability (durable appends only)",
+        ),
         m(
             "iggy_ingest_idempotency_record_failures_total",
             Counter,
@@ -224,9 +229,14 @@ pub fn catalog() -> Vec<Metric> {
             "iggy_connector_destination_create_latency_seconds",
             Histogram,
             &[],
-            "Time to ensure a destination's stream and topic exist",
+            "Time to ensure a destination's stream and topic exist (calls that succeeded)",
         ),
-        m("iggy_connector_send_latency_seconds", Histogram, &[], "Time of one send, until acknowledged"),
+        m(
+            "iggy_connector_send_latency_seconds",
+            Histogram,
+            &[],
+            "Time of one send, until acknowledged (acknowledged sends only)",
+        ),
         m("iggy_connector_cursor_commit_seconds", Histogram, &[], "Time of one durable commit of the cursors"),
         m(
             "iggy_connector_admission_held",

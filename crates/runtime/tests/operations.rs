@@ -897,7 +897,8 @@ async fn while_iggy_is_away_the_alerted_metrics_show_it() {
 }
 
 /// What the log alerts watch when the log fills: used bytes reach the capacity, and the
-/// refusals are counted as full rejections, as `log_full` and as 5xx answers.
+/// refusals are counted as full rejections, as `log_full` and as 5xx answers. The append
+/// latency times the durable appends only: a refusal answered at once is no append.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_log_shows_in_the_metrics_the_log_alerts_watch() {
     let dir = tempfile::tempdir().unwrap();
@@ -906,10 +907,10 @@ async fn a_full_log_shows_in_the_metrics_the_log_alerts_watch() {
                 [sources.default]\ndestination = { stream = \"ingest\", topic = \"events\" }\n";
     let d = Daemon::start(dir.path(), "max_body_bytes = 8192", rest);
     let body = format!("{{\"data\":\"{}\"}}", "x".repeat(8000));
-    let mut refused = 0;
+    let (mut accepted, mut refused) = (0, 0);
     for _ in 0..100 {
         match post_json(d.http, "/v1/sources/default", &body).await.status {
-            200 => {}
+            200 => accepted += 1,
             503 => refused += 1,
             other => panic!("unexpected {other}"),
         }
@@ -928,5 +929,7 @@ async fn a_full_log_shows_in_the_metrics_the_log_alerts_watch() {
     assert_eq!(value(&samples, "iggy_ingest_http_rejected_total", &full), Some(3.0));
     let server_errors = [("source", "default"), ("status_class", "5xx")];
     assert_eq!(value(&samples, "iggy_ingest_http_requests_total", &server_errors), Some(3.0));
+    assert!(accepted > 0);
+    assert_eq!(value(&samples, "iggy_ingest_append_latency_seconds_count", &[]), Some(f64::from(accepted)));
     assert!(d.stop().success());
 }
