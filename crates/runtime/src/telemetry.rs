@@ -81,7 +81,7 @@ pub fn catalog() -> Vec<Metric> {
             "iggy_ingest_wal_storage_errors_total",
             Counter,
             &[],
-            "Failed writes, syncs or segment creations of the log (the appends they carried failed)",
+            "Failed writes, syncs or segment creations of the log (the appends they carried failed), and failed removals of released segments",
         ),
         m(
             "iggy_ingest_wal_stopped",
@@ -291,7 +291,9 @@ fn destination_status_help(s: Status) -> &'static str {
     match s {
         Status::Starting => "Destinations not yet sent to",
         Status::Running => "Destinations delivering normally",
-        Status::Degraded => "Destinations retrying without progress (failures past degraded_after_failures)",
+        Status::Degraded => {
+            "Destinations retrying without progress (failures past degraded_after_failures, an open breaker, or records out of the topic's partitions held)"
+        }
         Status::Error => "Destinations in Error",
         Status::Stopping => "Destinations stopping",
         Status::Stopped => "Destinations stopped",
