@@ -419,7 +419,7 @@ async fn receive_inner(
         }
         return Ok(AcceptedBody { accepted: 0, offsets: None, dropped: Some(resolution.dropped) }.into_response());
     }
-    let headers = forward_headers(source, &parts.headers);
+    let (headers, clamped) = forward_headers(source, &parts.headers);
     let mut metadata = Vec::with_capacity(2);
     if source.metadata.peer_addr
         && let Some(p) = peer
@@ -447,6 +447,10 @@ async fn receive_inner(
     fail_points::fail_point!("door.append.synced");
     if let Some(s) = status {
         s.accepted(accepted.events, accepted.replayed);
+    }
+    // Counted for what was appended: a refused append or a replay stored nothing cut.
+    if clamped > 0 && !accepted.replayed {
+        metrics::counter!("iggy_ingest_header_values_clamped_total", "source" => source.key.clone()).increment(clamped);
     }
     if let Some(m) = metrics {
         m.requests_2xx.increment(1);
@@ -679,14 +683,15 @@ fn delivery_key(source: &SourceSpec, auth: &AuthScheme, headers: &HeaderMap) -> 
 /// So what a request adds to each of its events' envelopes is bounded by the
 /// configuration (names x 255 bytes), not by how often a client repeats a header.
 /// Never the header the request's hmac signature came in: it is dropped once checked.
-fn forward_headers(source: &SourceSpec, headers: &HeaderMap) -> Vec<(String, Vec<u8>)> {
+/// Also returns how many values were cut to `HEADER_VALUE_MAX_BYTES`.
+fn forward_headers(source: &SourceSpec, headers: &HeaderMap) -> (Vec<(String, Vec<u8>)>, u64) {
     let mut out = Vec::new();
+    let mut clamped = 0;
     for name in &source.forward_headers {
         if let Some(v) = headers.get_all(name.as_str()).iter().next_back() {
             let bytes = v.as_bytes();
             let value = if bytes.len() > HEADER_VALUE_MAX_BYTES {
-                metrics::counter!("iggy_ingest_header_values_clamped_total", "source" => source.key.clone())
-                    .increment(1);
+                clamped += 1;
                 bytes[..HEADER_VALUE_MAX_BYTES].to_vec()
             } else {
                 bytes.to_vec()
@@ -694,7 +699,7 @@ fn forward_headers(source: &SourceSpec, headers: &HeaderMap) -> Vec<(String, Vec
             out.push((name.clone(), value));
         }
     }
-    out
+    (out, clamped)
 }
 
 /// How often a line that requests can repeat at will is written at most (per call site;

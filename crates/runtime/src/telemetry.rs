@@ -130,7 +130,12 @@ pub fn catalog() -> Vec<Metric> {
             &["source"],
             "Retried deliveries answered from the idempotency index, nothing appended",
         ),
-        m("iggy_ingest_header_values_clamped_total", Counter, &["source"], "Forwarded header values cut to 255 bytes"),
+        m(
+            "iggy_ingest_header_values_clamped_total",
+            Counter,
+            &["source"],
+            "Forwarded header values cut to 255 bytes, in requests appended",
+        ),
         m(
             "iggy_ingest_append_latency_seconds",
             Histogram,

@@ -336,13 +336,22 @@ async fn a_retried_delivery_gets_its_original_offsets_even_after_kill_9() {
     let text =
         config_text(dir.path(), "", SOURCES).replace("checkpoint_interval_ms = 200", "checkpoint_interval_ms = 60000");
     let mut d = Daemon::start_text(dir.path(), &text);
-    let key = [("content-type", "application/x-ndjson"), ("idempotency-key", "delivery-1")];
+    let long_kind = "k".repeat(300);
+    let key = [
+        ("content-type", "application/x-ndjson"),
+        ("idempotency-key", "delivery-1"),
+        ("x-event-kind", long_kind.as_str()),
+    ];
     let first = request(d.http, "POST", "/v1/sources/default", &key, "{\"a\":1}\n{\"a\":2}\n").await;
     assert_eq!(first.json(), serde_json::json!({"accepted": 2, "offsets": [0, 1]}));
     assert_eq!(first.header("idempotent-replayed"), None);
     let again = request(d.http, "POST", "/v1/sources/default", &key, "{\"a\":1}\n{\"a\":2}\n").await;
     assert_eq!(again.json(), first.json());
     assert_eq!(again.header("idempotent-replayed"), Some("true"));
+    // The value cut once, for the append: the replay stored nothing.
+    let m = request(d.admin, "GET", "/metrics", &[], "").await;
+    let text = String::from_utf8_lossy(&m.body).to_string();
+    assert!(text.contains(r#"iggy_ingest_header_values_clamped_total{source="default"} 1"#), "{text}");
     // GitHub's delivery header counts as a delivery id too, scoped per source.
     let gh = [("x-github-delivery", "delivery-1"), ("content-type", "application/json")];
     let other = request(d.http, "POST", "/v1/sources/jsononly", &gh, "{}").await;
