@@ -124,9 +124,20 @@ pub(crate) type LaneTasks = Arc<std::sync::Mutex<Vec<tokio::task::JoinHandle<()>
 
 impl<S: Sink, C: CursorStore> Dispatcher<S, C> {
     pub(crate) async fn run(mut self, from: u64, mut shutdown: watch::Receiver<bool>) {
-        // A hold lasts until the dispatcher ends (a restart decides again): then nothing
-        // is held by this router, however the task ended.
-        let _held = crate::OnDrop(|| metrics::gauge!("iggy_connector_admission_held").set(0.0));
+        // A hold lasts until the router stops (a restart decides again). On a stop the
+        // lanes still deliver, and the log stays held, until they end: `Router::shutdown`
+        // lets the hold go, the gauge with it, once every task has, so that the gauge and
+        // `held_from` in the status never disagree. Aborted (the router dropped without a
+        // stop) or ended by a closed log, nothing is held by it. A panic leaves both as
+        // they were: the router is in Error and the log held until a restart.
+        let held = crate::OnDrop(crate::clear_admission_held);
+        self.read_and_route(from, &mut shutdown).await;
+        if *shutdown.borrow() {
+            std::mem::forget(held);
+        }
+    }
+
+    async fn read_and_route(&mut self, from: u64, shutdown: &mut watch::Receiver<bool>) {
         let retry_after = self.policies.default.batch.backoff_max;
         // Set after a failure: the next read does not wait for new records, so that a log
         // that reads again is known to (and the router's Error left) at once.
@@ -137,7 +148,7 @@ impl<S: Sink, C: CursorStore> Dispatcher<S, C> {
                 Err(wal::WalError::Closed) => return,
                 Err(e) => {
                     failing = true;
-                    if self.failed_to_read(&e, retry_after, &mut shutdown).await {
+                    if self.failed_to_read(&e, retry_after, shutdown).await {
                         return;
                     }
                 }
@@ -166,7 +177,7 @@ impl<S: Sink, C: CursorStore> Dispatcher<S, C> {
                 Err(wal::WalError::Closed) => return,
                 Err(e) => {
                     failing = true;
-                    if self.failed_to_read(&e, retry_after, &mut shutdown).await {
+                    if self.failed_to_read(&e, retry_after, shutdown).await {
                         return;
                     }
                     match self.wal.reader(reader.position()) {
@@ -178,7 +189,7 @@ impl<S: Sink, C: CursorStore> Dispatcher<S, C> {
             };
             for rec in batch {
                 let offset = rec.offset;
-                if let Routing::Stopped = self.route(rec, &mut shutdown).await {
+                if let Routing::Stopped = self.route(rec, shutdown).await {
                     return;
                 }
                 self.ctx.processed_below.store(offset + 1, Ordering::Release);

@@ -569,6 +569,10 @@ impl Router {
             lane.status.set(Status::Stopped, "router stopped");
         }
         clear_held_gauges();
+        // Nothing runs that could release the log below a held record any more: the
+        // hold goes with the router, in the status as in its gauge.
+        self.held_from.store(u64::MAX, Ordering::Release);
+        clear_admission_held();
         self.health.set_own(Status::Stopped, "shutdown complete");
     }
 }
@@ -700,6 +704,12 @@ impl Drop for OnDrop {
             (self.0)();
         }
     }
+}
+
+/// No record holds the log for admission: the dispatcher was aborted, or the router
+/// stopped.
+pub(crate) fn clear_admission_held() {
+    metrics::gauge!("iggy_connector_admission_held").set(0.0);
 }
 
 /// The router's gauges of what it holds, at zero: a router that stopped holds nothing.

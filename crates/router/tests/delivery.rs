@@ -997,8 +997,9 @@ async fn no_stored_cursor_passes_a_record_held_as_undecodable() {
     eventually(Duration::from_secs(20), "both records delivered", || sink.ids(&d).len() == 2).await;
     let lane = router::LaneKey { source: "test".into(), destination: d.clone() };
     eventually(Duration::from_secs(20), "a cursor stored", || cursors.get(&lane).is_some()).await;
-    router.shutdown().await;
     assert_eq!(router.held_from(), Some(1));
+    router.shutdown().await;
+    assert_eq!(router.held_from(), None, "a stopped router holds nothing");
     assert_eq!(cursors.get(&lane), Some(1), "the cursor passed the undecodable record");
     assert_eq!(router.released_below(), 1);
 }

@@ -546,7 +546,7 @@ fn a_record_held_by_admission_shows_in_its_gauge_and_the_status() {
             policy.max_destinations = 1;
             policy.on_admission_failure = on;
             let router =
-                Router::start(wal, sink.clone(), Arc::new(MemoryCursorStore::new()), Policies::uniform(policy))
+                Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), Policies::uniform(policy))
                     .unwrap();
             eventually(Duration::from_secs(30), "admitted delivered", || {
                 sink.ids(&dests[0]).len() == 2 && sink.ids(&other).len() == 1
@@ -571,7 +571,21 @@ fn a_record_held_by_admission_shows_in_its_gauge_and_the_status() {
             }
             assert_eq!(router.connector_status("b"), Status::Running, "{on:?}");
             assert_gauges_agree(&snap, &router);
-            router.shutdown().await;
+            // A stop waits for a send in flight (to a destination that never answers,
+            // until the result timeout): meanwhile the gauge and the status agree, and
+            // once the router stopped neither shows a hold.
+            sink.fault(&other, Some(Fault::BlackHole));
+            wal.append(vec![record_from("b", &other, 101, Partitioning::Balanced)]).await.unwrap();
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            let during = async {
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                assert_eq!(router.status().status, Status::Stopping, "{on:?}: the stop waits for the send");
+                (gauge(&snap, "iggy_connector_admission_held"), router.held_from().is_some())
+            };
+            let ((), (gauge_during, held_during)) = tokio::join!(router.shutdown(), during);
+            assert_eq!((gauge_during, held_during), (held, held == 1.0), "{on:?}: while stopping");
+            assert_eq!(gauge(&snap, "iggy_connector_admission_held"), 0.0, "{on:?}: stopped");
+            assert_eq!(router.held_from(), None, "{on:?}: stopped");
         });
     }
 }
