@@ -505,12 +505,14 @@ pub(crate) fn new_source_route<S: Sink, C: CursorStore>(
         belongs,
         dead_letter_given_up,
         queue_budget: ctx.queue_budget.clone(),
+        dead_letter_lane: Arc::default(),
     };
     let delivered_at_start = Arc::new(DeliveredAtStart::of_source(cursors_at_start, source));
     let dead_letter_lane = dead_letter.map(|destination| {
         let key = LaneKey { source: source.to_string(), destination };
         let below = cursors_at_start.get(&key).copied().unwrap_or(0);
         let lane = Arc::new(Lane::new_dead_letter(key.clone(), below, &share, delivered_at_start.clone()));
+        let _first = share.dead_letter_lane.set(Arc::downgrade(&lane));
         // A dead-letter lane is a lane like any other: counted from its start.
         lanes.write().unwrap_or_else(|p| p.into_inner()).insert(key, lane.clone());
         let task = lane::spawn(lane.clone(), ctx.clone());

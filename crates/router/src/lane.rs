@@ -51,7 +51,7 @@
 use std::borrow::Cow;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 
 use ingest::envelope::{Destination, Envelope, EnvelopeSummary, Partitioning};
 use tokio::sync::{Notify, Semaphore, watch};
@@ -382,6 +382,8 @@ pub(crate) struct Lane {
     pub belongs: Arc<BelongsFn>,
     /// See [`SourceShare::dead_letter_given_up`].
     dead_letter_given_up: bool,
+    /// See [`SourceShare::dead_letter_lane`].
+    dead_letter_lane: Arc<OnceLock<Weak<Lane>>>,
     gate: Mutex<Gate>,
     wake: Notify,
     /// Woken when the lane takes records from its queue.
@@ -423,6 +425,11 @@ pub(crate) struct SourceShare {
     pub dead_letter_given_up: bool,
     /// The router's bound on what all its lanes keep queued.
     pub queue_budget: Arc<QueueBudget>,
+    /// The source's dead-letter lane, once it exists: the row in the status that shows
+    /// what its destination took, also what another lane of the source dead-letters
+    /// itself (records beyond its topic's partitions). Weak: the dead-letter lane is
+    /// one of the lanes holding it.
+    pub dead_letter_lane: Arc<OnceLock<Weak<Lane>>>,
 }
 
 impl Lane {
@@ -436,6 +443,7 @@ impl Lane {
             send_slots: share.send_slots.clone(),
             belongs: share.belongs.clone(),
             dead_letter_given_up: share.dead_letter_given_up,
+            dead_letter_lane: share.dead_letter_lane.clone(),
             gate: Mutex::new(Gate::new(delivered_below, share.queue_budget.clone())),
             wake: Notify::new(),
             space: Notify::new(),
@@ -1702,6 +1710,7 @@ async fn dead_letter<S: Sink, C>(
             Ok(()) => {
                 lock(&lane.info).consecutive_failures = 0;
                 progressed(lane, ctx, "records out of the topic's partitions dead-lettered");
+                dead_lettered_here(lane, ctx, records.len() as u64);
                 return Delivery::Done;
             }
             Err(e) => {
@@ -1753,6 +1762,18 @@ fn degraded<S, C>(lane: &Lane, ctx: &LaneContext<S, C>, why: &str) {
 }
 
 /// The lane moved its records on: Running, its queue open again, and the router told.
+/// `lane` dead-lettered `records` records itself, acknowledged by the source's
+/// dead-letter destination: that destination's row counts them, and says `running` if
+/// it was still `starting` (it took records). A row degraded or in error by its own lane's
+/// failures is left so: that lane says when it sends again.
+fn dead_lettered_here<S, C>(lane: &Lane, ctx: &LaneContext<S, C>, records: u64) {
+    let Some(dl) = lane.dead_letter_lane.get().and_then(Weak::upgrade) else { return };
+    lock(&dl.info).sent_records += records;
+    if dl.status.get() == Status::Starting {
+        ctx.router_status.lane_recovered(&dl.key, &dl.status, &format!("records dead-lettered by {}", lane.key));
+    }
+}
+
 fn progressed<S, C>(lane: &Lane, ctx: &LaneContext<S, C>, why: &str) {
     lane.sends_again();
     ctx.router_status.lane_recovered(&lane.key, &lane.status, why);
@@ -1846,6 +1867,7 @@ mod tests {
             belongs,
             dead_letter_given_up: false,
             queue_budget: Arc::default(),
+            dead_letter_lane: Arc::default(),
         };
         Lane::new(LaneKey { source: "s".into(), destination: DestinationKey::new("a", "b") }, 0, &share)
     }

@@ -173,6 +173,13 @@ async fn a_partition_id_out_of_range_with_dead_letter_goes_there() {
             .iter()
             .any(|(k, v)| k == "iggy-ingest-rejected-reason" && &v[..] == b"partition_id_out_of_range")
     );
+    // The dead-letter destination's row shows what it took, though its own lane sent
+    // none of it.
+    let dl = key("dlq", "rejected");
+    eventually(Duration::from_secs(10), "the dead-letter row running", || lane_status(&router, &dl) == Status::Running)
+        .await;
+    let row = router.destinations().into_iter().find(|s| s.destination == dl).unwrap();
+    assert_eq!(row.sent_records, 1, "{row:?}");
     router.shutdown().await;
 }
 
