@@ -411,8 +411,14 @@ fn open_bounded(
     }
     let mut opened = finish(storage, dir, opts, segs, next_offset, lock, report);
     if opened.writer.is_some() {
-        // A writer that takes appends (a reopen is what ends a stopped log).
+        // A writer that takes appends (a reopen is what ends a stopped log). Its flags
+        // start clear, and their gauges move only when a flag changes: gauges a log
+        // opened before in this process left set (full, disk full, waiting for a
+        // segment) are cleared with them, or they would say so of this one for good.
         metrics::gauge!("iggy_ingest_wal_stopped").set(0.0);
+        metrics::gauge!("iggy_ingest_wal_full").set(0.0);
+        metrics::gauge!("iggy_ingest_wal_disk_full").set(0.0);
+        metrics::gauge!("iggy_ingest_wal_awaiting_segment").set(0.0);
     }
     if let (Some(e), Some(writer)) = (successor_failed, opened.writer.as_mut()) {
         writer.await_segment(&e);

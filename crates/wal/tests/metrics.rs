@@ -87,4 +87,35 @@ fn waiting_for_a_segment_counts_one_storage_error_and_is_a_gauge_and_a_failed_re
     let wal = open(&sim, WalOptions { preallocate_bytes: 0, ..small_options() });
     assert!(wal.accepts_appends());
     assert_eq!(value(&handle.render(), "iggy_ingest_wal_stopped"), 0.0);
+
+    // A log full (by its bound) says so; reopened with room it does not (its flags
+    // start clear, and so must their gauges). Likewise a log on a full disk.
+    let small = WalOptions { preallocate_bytes: 0, max_bytes: 16 * 1024, ..small_options() };
+    drop(wal);
+    let wal = open(&sim, small.clone());
+    rt().block_on(async {
+        let mut tag = 200;
+        while !wal.is_full() {
+            let _ = wal.append(vec![payload(tag, 1000)]).await;
+            tag += 1;
+            assert!(tag < 300, "the log never filled: {:?}", wal.stats());
+        }
+    });
+    assert_eq!(value(&handle.render(), "iggy_ingest_wal_full"), 1.0);
+    drop(wal);
+    let roomy = WalOptions { max_bytes: 1 << 20, ..small };
+    let wal = open(&sim, roomy.clone());
+    assert!(wal.accepts_appends() && !wal.is_full());
+    assert_eq!(value(&handle.render(), "iggy_ingest_wal_full"), 0.0, "full after a reopen with room");
+    sim.fail_nth(FaultOp::Write, 1, ErrorKind::StorageFull);
+    assert!(rt().block_on(wal.append(vec![payload(300, 10)])).is_err());
+    assert!(wal.is_disk_full());
+    assert_eq!(value(&handle.render(), "iggy_ingest_wal_disk_full"), 1.0);
+    drop(wal);
+    let wal = open(&sim, roomy);
+    assert!(wal.accepts_appends() && !wal.is_disk_full());
+    let r = handle.render();
+    for gauge in ["iggy_ingest_wal_full", "iggy_ingest_wal_disk_full", "iggy_ingest_wal_awaiting_segment"] {
+        assert_eq!(value(&r, gauge), 0.0, "{gauge} after a reopen: {r}");
+    }
 }
