@@ -9,11 +9,37 @@
 //!   id).
 //! - The auth fields are stored as configured (scheme name and parameters); the HTTP
 //!   source validates them the same way as static endpoints when it loads them.
+//! - A registration made under an idempotency key stores the key (with the id it made
+//!   and the request's fingerprint) in the same transaction as the endpoint: after a
+//!   crash either both are there or neither. A key is removed only with its endpoint's
+//!   record (`remove_live_endpoint`), so there are never more keys than endpoints.
+//! - The `endpoint_registrations` table is created when first written to; a
+//!   database without it (written before it existed, or by a build that never made
+//!   one) has no keys. Builds that do not know the table leave it alone, so it changes
+//!   no schema version.
 
-use redb::{Durability, ReadableDatabase, ReadableTable};
+use redb::{Durability, ReadableDatabase, ReadableTable, TableDefinition};
 use serde::{Deserialize, Serialize};
 
 use crate::state::{ENDPOINTS, StateDb, StateError, storage_err};
+
+/// `idempotency key → (endpoint id, request fingerprint)`: the registrations made under
+/// a key (`Idempotency-Key` on the admin API's register call).
+const ENDPOINT_REGISTRATIONS: TableDefinition<&[u8], (u128, [u8; 32])> = TableDefinition::new("endpoint_registrations");
+
+/// The longest idempotency key a registration may carry, in bytes.
+pub const REGISTRATION_KEY_MAX_BYTES: usize = 255;
+
+/// A registration made under an idempotency key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyedRegistration {
+    pub key: Vec<u8>,
+    /// The endpoint the registration made.
+    pub id: u128,
+    /// SHA-256 of what the registration asked for, so a retry is told from a different
+    /// registration reusing the key.
+    pub fingerprint: [u8; 32],
+}
 
 /// An endpoint's auth, as configured.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -61,6 +87,58 @@ impl StateDb {
         txn.commit().map_err(storage_err)
     }
 
+    /// Writes a new endpoint's record and the idempotency key it was registered under,
+    /// durably, in one transaction.
+    pub fn put_registered_endpoint(
+        &self,
+        record: &EndpointRecord,
+        registration: &KeyedRegistration,
+    ) -> Result<(), StateError> {
+        if registration.id != record.id {
+            return Err(StateError::Malformed(format!(
+                "registration key names endpoint {:032x}, the record is {:032x}",
+                registration.id, record.id
+            )));
+        }
+        if registration.key.is_empty() || registration.key.len() > REGISTRATION_KEY_MAX_BYTES {
+            return Err(StateError::Malformed(format!(
+                "a registration key is 1 to {REGISTRATION_KEY_MAX_BYTES} bytes, not {}",
+                registration.key.len()
+            )));
+        }
+        let bytes = postcard::to_stdvec(record).map_err(|e| StateError::Malformed(e.to_string()))?;
+        let db = self.db()?;
+        let mut txn = db.begin_write().map_err(storage_err)?;
+        txn.set_durability(Durability::Immediate).map_err(|e| StateError::Storage(e.to_string()))?;
+        {
+            let mut table = txn.open_table(ENDPOINTS).map_err(storage_err)?;
+            table.insert(record.id, bytes.as_slice()).map_err(storage_err)?;
+            let mut keys = txn.open_table(ENDPOINT_REGISTRATIONS).map_err(storage_err)?;
+            keys.insert(registration.key.as_slice(), (registration.id, registration.fingerprint))
+                .map_err(storage_err)?;
+        }
+        txn.commit().map_err(storage_err)
+    }
+
+    /// Every registration made under an idempotency key, in key order (none in a
+    /// database without the table).
+    pub fn load_keyed_registrations(&self) -> Result<Vec<KeyedRegistration>, StateError> {
+        let db = self.db()?;
+        let txn = db.begin_read().map_err(storage_err)?;
+        let table = match txn.open_table(ENDPOINT_REGISTRATIONS) {
+            Ok(t) => t,
+            Err(redb::TableError::TableDoesNotExist(_)) => return Ok(Vec::new()),
+            Err(e) => return Err(storage_err(e)),
+        };
+        let mut out = Vec::new();
+        for entry in table.iter().map_err(storage_err)? {
+            let (k, v) = entry.map_err(storage_err)?;
+            let (id, fingerprint) = v.value();
+            out.push(KeyedRegistration { key: k.value().to_vec(), id, fingerprint });
+        }
+        Ok(out)
+    }
+
     /// Removes a live endpoint's record durably (a static endpoint of the same id took
     /// its place). A tombstone is never removed: that would let a revoked id come back.
     pub fn remove_live_endpoint(&self, id: u128) -> Result<(), StateError> {
@@ -80,6 +158,13 @@ impl StateDb {
                 return Err(StateError::Malformed(format!("endpoint {id:032x} is revoked; its tombstone stays")));
             }
             table.remove(id).map_err(storage_err)?;
+            match txn.open_table(ENDPOINT_REGISTRATIONS) {
+                Ok(mut keys) => {
+                    keys.retain(|_, (named, _)| named != id).map_err(storage_err)?;
+                }
+                Err(redb::TableError::TableDoesNotExist(_)) => {}
+                Err(e) => return Err(storage_err(e)),
+            }
         }
         txn.commit().map_err(storage_err)
     }
@@ -163,6 +248,44 @@ mod tests {
         let db = StateDb::open(&p).unwrap();
         assert_eq!(db.get_endpoint(44).unwrap(), None);
         assert_eq!(db.load_endpoints().unwrap().len(), 1);
+    }
+
+    /// A keyed registration's key is stored with its endpoint and survives a reopen; it
+    /// goes only with a live record that is removed; a database without the table has
+    /// no keys; a key naming another id than the record's is refused, writing nothing.
+    #[test]
+    fn a_registration_key_is_kept_with_its_endpoint_and_removed_with_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("s.redb");
+        let rec = |id| EndpointRecord {
+            id,
+            source_key: "default".into(),
+            auth: StoredAuth { scheme: "none".into(), secret: None, header: None, prefix: None, tolerance_secs: None },
+            handshake_param: None,
+            created_at_unix_ms: 1,
+            expires_at_unix_ms: None,
+            revoked_at_unix_ms: None,
+            rotated_at_unix_ms: None,
+        };
+        let key = |k: &str, id| KeyedRegistration { key: k.as_bytes().to_vec(), id, fingerprint: [id as u8; 32] };
+        {
+            let db = StateDb::open(&p).unwrap();
+            assert_eq!(db.load_keyed_registrations().unwrap(), vec![], "no table yet");
+            db.put_registered_endpoint(&rec(1), &key("a", 1)).unwrap();
+            db.put_registered_endpoint(&rec(2), &key("b", 2)).unwrap();
+            assert!(matches!(db.put_registered_endpoint(&rec(3), &key("c", 4)), Err(StateError::Malformed(_))));
+            assert!(db.put_registered_endpoint(&rec(3), &key("", 3)).is_err(), "an empty key");
+            let long = "k".repeat(REGISTRATION_KEY_MAX_BYTES + 1);
+            assert!(db.put_registered_endpoint(&rec(3), &key(&long, 3)).is_err(), "a key over the limit");
+            assert_eq!(db.get_endpoint(3).unwrap(), None, "a refused registration wrote nothing");
+        }
+        let db = StateDb::open(&p).unwrap();
+        assert_eq!(db.load_keyed_registrations().unwrap(), vec![key("a", 1), key("b", 2)]);
+        db.remove_live_endpoint(1).unwrap();
+        drop(db);
+        let db = StateDb::open(&p).unwrap();
+        assert_eq!(db.load_keyed_registrations().unwrap(), vec![key("b", 2)]);
+        assert_eq!(db.load_endpoints().unwrap(), vec![Ok(rec(2))]);
     }
 
     /// Bytes that do not decode, or a record stored under another id than its own, come

@@ -26,7 +26,7 @@ pub mod state_storage;
 pub mod time;
 
 pub use cursors::{CursorRow, CursorsSnapshot, read_cursors_read_only};
-pub use endpoints::{EndpointRecord, StoredAuth, UnreadableEndpoint};
+pub use endpoints::{EndpointRecord, KeyedRegistration, StoredAuth, UnreadableEndpoint};
 pub use envelope::{
     Destination, Envelope, EnvelopeError, EnvelopeHeader, EnvelopeHeaderRef, MetadataRef, MetadataValue, Partitioning,
 };

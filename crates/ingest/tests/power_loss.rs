@@ -1,15 +1,17 @@
 //! One power loss takes the log and the state database together, as on a real machine:
 //! both live on one simulated disk (`SimStorage`, the state database through
 //! `StateDb::open_on`). A seeded script of what the daemon does with them (accepts with
-//! and without a delivery id, retries, idempotency checkpoints, endpoint registrations,
-//! rotations and revocations, cursor stores and releases) runs until the power goes just
+//! and without a delivery id, retries, idempotency checkpoints, endpoint registrations
+//! with and without an idempotency key, rotations and revocations, cursor stores and
+//! releases) runs until the power goes just
 //! before the disk's nth write, sync or metadata change, for every n the script reaches,
 //! under both sync policies, losing exactly what was unsynced or an adversarial mix of
 //! it. Then both are opened again, as a restart does, and checked against what was
 //! answered:
 //!
 //! - every endpoint change that returned is in effect (a revocation never comes back);
-//!   the change in flight at the crash is either in effect or not;
+//!   the change in flight at the crash is either in effect or not; a registration's
+//!   idempotency key is there exactly when its endpoint is;
 //! - the stored cursor is at least the last one stored, and the log was not released
 //!   past it;
 //! - under `always`, every answered event is in the log at the offsets it was given, and
@@ -26,8 +28,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use ingest::{
-    CursorRow, Destination, EndpointRecord, Envelope, Event, IdempotencyIndex, Ingestor, Partitioning, StateDb,
-    StoredAuth, Submission,
+    CursorRow, Destination, EndpointRecord, Envelope, Event, IdempotencyIndex, Ingestor, KeyedRegistration,
+    Partitioning, StateDb, StoredAuth, Submission,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -55,8 +57,10 @@ enum Op {
         delivery_key: String,
     },
     Checkpoint,
+    /// Registers an endpoint, under an idempotency key when `keyed`.
     Register {
         id: u128,
+        keyed: bool,
     },
     /// Rotates (or revokes) the `nth` (modulo how many) endpoint registered so far, if
     /// there is one.
@@ -87,7 +91,7 @@ fn script(seed: u64) -> Vec<Op> {
             35..50 => Op::Accept { delivery_key: None },
             50..58 if keys > 0 => Op::Retry { delivery_key: format!("d-{}", rng.gen_range(1..=keys)) },
             58..66 => Op::Checkpoint,
-            66..74 => Op::Register { id: (seed as u128) << 64 | i as u128 },
+            66..74 => Op::Register { id: (seed as u128) << 64 | i as u128, keyed: i % 2 == 0 },
             74..80 => Op::Rotate { nth: rng.r#gen() },
             80..86 => Op::Revoke { nth: rng.r#gen() },
             86..95 => Op::StoreCursorAndRelease { ahead: rng.gen_range(0..8) },
@@ -150,6 +154,9 @@ struct Answered {
     /// Endpoint id → the record of its last answered change (`None`: its registration
     /// never answered), and the change in flight at the crash.
     endpoints: BTreeMap<u128, (Option<EndpointRecord>, Option<EndpointRecord>)>,
+    /// Endpoint id → whether its registration under an idempotency key answered (`false`:
+    /// in flight at the crash).
+    registration_keys: BTreeMap<u128, bool>,
     /// The last cursor stored, and one in flight at the crash.
     cursor: (u64, Option<u64>),
 }
@@ -243,9 +250,19 @@ async fn run_until_crash(
                     .await
                     .map(|_| ())
                     .map_err(|e| e.to_string()),
-                Op::Register { id } => {
+                Op::Register { id, keyed: false } => {
                     registered.push(*id);
                     put(&daemon.state, &mut answered, endpoint(*id, &format!("secret-{i}"), now))
+                }
+                Op::Register { id, keyed: true } => {
+                    registered.push(*id);
+                    let record = endpoint(*id, &format!("secret-{i}"), now);
+                    answered.endpoints.entry(*id).or_default().1 = Some(record.clone());
+                    answered.registration_keys.insert(*id, false);
+                    daemon.state.put_registered_endpoint(&record, &registration_key(*id)).map_err(|e| e.to_string())?;
+                    answered.endpoints.insert(*id, (Some(record), None));
+                    answered.registration_keys.insert(*id, true);
+                    Ok(())
                 }
                 Op::Rotate { nth } | Op::Revoke { nth } => {
                     let Some(&id) = registered.get(nth % registered.len().max(1)) else { return Ok(()) };
@@ -288,6 +305,11 @@ async fn run_until_crash(
     answered
 }
 
+/// The idempotency key endpoint `id` is registered under, when it is.
+fn registration_key(id: u128) -> KeyedRegistration {
+    KeyedRegistration { key: format!("reg-{id:x}").into_bytes(), id, fingerprint: [id as u8; 32] }
+}
+
 /// Writes an endpoint change durably, noting it in flight first.
 fn put(state: &StateDb, answered: &mut Answered, record: EndpointRecord) -> Result<(), String> {
     let entry = answered.endpoints.entry(record.id).or_default();
@@ -307,6 +329,18 @@ async fn check_after_crash(sim: &SimStorage, answered: &Answered, sync: SyncPoli
         let allowed = found == *done || (found.is_some() && found == *in_flight);
         assert!(allowed, "{case}: endpoint {id:x} is {found:?}, answered {done:?} (in flight {in_flight:?})");
     }
+    // A registration's key is stored with its endpoint: both, or (in flight) neither.
+    let keys = daemon.state.load_keyed_registrations().unwrap();
+    for (&id, &registration_answered) in &answered.registration_keys {
+        let key_found = keys.contains(&registration_key(id));
+        let endpoint_found = daemon.state.get_endpoint(id).unwrap().is_some();
+        assert!(key_found || !registration_answered, "{case}: the key of endpoint {id:x}'s answered registration");
+        assert_eq!(key_found, endpoint_found, "{case}: endpoint {id:x}'s key and record apart");
+    }
+    assert!(
+        keys.iter().all(|k| answered.registration_keys.contains_key(&k.id)),
+        "{case}: a key no registration wrote: {keys:?}"
+    );
 
     let (cursor_done, cursor_in_flight) = answered.cursor;
     let stored = daemon.state.load_cursors().unwrap().first().map_or(0, |r| r.delivered_below);
@@ -375,6 +409,7 @@ struct Covered {
     released: bool,
     rotated: bool,
     revoked: bool,
+    keyed: bool,
 }
 
 impl std::ops::BitOr for Covered {
@@ -384,6 +419,7 @@ impl std::ops::BitOr for Covered {
             released: self.released | o.released,
             rotated: self.rotated | o.rotated,
             revoked: self.revoked | o.revoked,
+            keyed: self.keyed | o.keyed,
         }
     }
 }
@@ -399,6 +435,7 @@ async fn sweep(seed: u64, sync: SyncPolicy) -> Covered {
         released,
         rotated: changes(|e| e.rotated_at_unix_ms.is_some()),
         revoked: changes(|e| e.revoked_at_unix_ms.is_some()),
+        keyed: answered.registration_keys.values().any(|&answered| answered),
     };
     let mutations = clean.ops();
     assert!(mutations > 50, "the script barely wrote: {mutations} mutations");
@@ -424,14 +461,14 @@ async fn sweep(seed: u64, sync: SyncPolicy) -> Covered {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_power_loss_at_any_write_keeps_every_answer_of_the_log_and_the_state_database_under_always() {
     let covered = sweep(1, SyncPolicy::Always).await | sweep(2, SyncPolicy::Always).await;
-    assert!(covered.released && covered.rotated && covered.revoked, "{covered:?}");
+    assert!(covered.released && covered.rotated && covered.revoked && covered.keyed, "{covered:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_power_loss_at_any_write_never_replays_what_the_log_lost_under_interval() {
     let interval = SyncPolicy::Interval(Duration::from_millis(2));
     let covered = sweep(3, interval).await | sweep(4, interval).await;
-    assert!(covered.released && covered.rotated && covered.revoked, "{covered:?}");
+    assert!(covered.released && covered.rotated && covered.revoked && covered.keyed, "{covered:?}");
 }
 
 /// A commit whose sync failed leaves its pages in the page cache, clean but not on the
