@@ -20,10 +20,10 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 
 use base64::Engine;
-use ingest::{EndpointRecord, StateDb, StateError, StoredAuth};
+use ingest::{EndpointRecord, KeyedRegistration, StateDb, StateError, StoredAuth};
 use serde::Serialize;
 use tokio::sync::{OwnedRwLockReadGuard, RwLock as AsyncRwLock};
 
@@ -111,6 +111,13 @@ pub enum EndpointError {
     /// A field of a registration that could never work as given (the message names it).
     #[error("{0}")]
     InvalidField(String),
+    /// The registration's idempotency key was used before for a registration that asked
+    /// for something else (it made the endpoint named).
+    #[error(
+        "this Idempotency-Key was used for a different registration (it made endpoint {0}): \
+         a retry must repeat the request exactly; a new registration needs a new key"
+    )]
+    KeyReused(String),
     #[error(transparent)]
     State(#[from] StateError),
 }
@@ -247,8 +254,73 @@ pub struct EndpointRegistry {
     /// [`DYNAMIC_ENDPOINTS_MAX`] unless [`EndpointRegistry::with_dynamic_endpoints_max`].
     dynamic_endpoints_max: usize,
     endpoints: RwLock<HashMap<u128, Arc<EndpointVersion>>>,
+    /// Registrations made under an idempotency key: key → (the endpoint it made, the
+    /// request's fingerprint). Changed only under `changes`, after the commit that
+    /// stored the key with its endpoint; at most one key per dynamic endpoint.
+    registrations: Mutex<HashMap<Vec<u8>, KeyedEndpoint>>,
     changes: tokio::sync::Mutex<()>,
     next_version: AtomicU64,
+}
+
+/// The endpoint a registration under an idempotency key made, and the fingerprint of
+/// what it asked for.
+type KeyedEndpoint = (u128, [u8; 32]);
+
+/// What a registration did.
+#[derive(Debug, Clone)]
+pub struct Registered {
+    /// The endpoint's record (secret included: shown to the caller).
+    pub record: EndpointRecord,
+    /// The call repeated an earlier registration under the same idempotency key, and
+    /// `record` is the endpoint that registration made, as it is now; nothing was
+    /// written.
+    pub replayed: bool,
+}
+
+/// What a registration asked for, fingerprinted so a retry under the same idempotency
+/// key can be told from a different registration reusing it.
+struct RegistrationRequest<'a> {
+    source_key: &'a str,
+    auth: &'a StoredAuth,
+    handshake_param: Option<&'a str>,
+    expires_at_unix_ms: Option<u64>,
+}
+
+impl RegistrationRequest<'_> {
+    /// SHA-256 over every field, each absent (a 0 byte) or present (a 1 byte, then its
+    /// length and bytes, or its 8 bytes): no two requests share the encoding.
+    fn fingerprint(&self) -> [u8; 32] {
+        use sha2::Digest;
+        fn text(h: &mut sha2::Sha256, t: Option<&str>) {
+            match t {
+                None => h.update([0]),
+                Some(t) => {
+                    h.update([1]);
+                    h.update((t.len() as u64).to_le_bytes());
+                    h.update(t.as_bytes());
+                }
+            }
+        }
+        fn number(h: &mut sha2::Sha256, n: Option<u64>) {
+            match n {
+                None => h.update([0]),
+                Some(n) => {
+                    h.update([1]);
+                    h.update(n.to_le_bytes());
+                }
+            }
+        }
+        let mut h = sha2::Sha256::new();
+        text(&mut h, Some(self.source_key));
+        text(&mut h, Some(&self.auth.scheme));
+        text(&mut h, self.auth.secret.as_deref());
+        text(&mut h, self.auth.header.as_deref());
+        text(&mut h, self.auth.prefix.as_deref());
+        number(&mut h, self.auth.tolerance_secs);
+        text(&mut h, self.handshake_param);
+        number(&mut h, self.expires_at_unix_ms);
+        h.finalize().into()
+    }
 }
 
 impl EndpointRegistry {
@@ -331,6 +403,9 @@ impl EndpointRegistry {
             }
             map.insert(s.id, first_version(s));
         }
+        // Read after the removals above, which take their endpoints' keys with them.
+        let registrations =
+            state.load_keyed_registrations()?.into_iter().map(|r| (r.key, (r.id, r.fingerprint))).collect();
         Ok(EndpointRegistry {
             state,
             sources,
@@ -338,6 +413,7 @@ impl EndpointRegistry {
             keyed_sources: Vec::new(),
             dynamic_endpoints_max: DYNAMIC_ENDPOINTS_MAX,
             endpoints: RwLock::new(map),
+            registrations: Mutex::new(registrations),
             changes: tokio::sync::Mutex::new(()),
             next_version,
         })
@@ -435,9 +511,39 @@ impl EndpointRegistry {
         expires_at_unix_ms: Option<u64>,
         now_unix_ms: u64,
     ) -> Result<EndpointRecord, EndpointError> {
+        let registered =
+            self.register_keyed(source_key, auth, handshake_param, expires_at_unix_ms, None, now_unix_ms).await?;
+        Ok(registered.record)
+    }
+
+    /// [`EndpointRegistry::register`], under an idempotency key when `key` is given
+    /// (1 to [`ingest::endpoints::REGISTRATION_KEY_MAX_BYTES`] bytes): the first call
+    /// with a key registers and stores the key with the endpoint, durably in the same
+    /// step; a later call with the same key and the same request writes nothing and
+    /// returns that endpoint as it is now (`replayed`), across restarts; the same key
+    /// with a different request is [`EndpointError::KeyReused`]. A key whose endpoint's
+    /// id was taken by a static endpoint registers anew.
+    pub async fn register_keyed(
+        self: &Arc<Self>,
+        source_key: String,
+        auth: StoredAuth,
+        handshake_param: Option<String>,
+        expires_at_unix_ms: Option<u64>,
+        key: Option<Vec<u8>>,
+        now_unix_ms: u64,
+    ) -> Result<Registered, EndpointError> {
+        if let Some(k) = &key
+            && (k.is_empty() || k.len() > ingest::endpoints::REGISTRATION_KEY_MAX_BYTES)
+        {
+            return Err(EndpointError::InvalidField(format!(
+                "Idempotency-Key: {} bytes; a key is 1 to {} bytes",
+                k.len(),
+                ingest::endpoints::REGISTRATION_KEY_MAX_BYTES
+            )));
+        }
         let this = self.clone();
         run_to_end(async move {
-            this.register_now(source_key, auth, handshake_param, expires_at_unix_ms, now_unix_ms).await
+            this.register_now(source_key, auth, handshake_param, expires_at_unix_ms, key, now_unix_ms).await
         })
         .await
     }
@@ -467,8 +573,29 @@ impl EndpointRegistry {
         mut auth: StoredAuth,
         handshake_param: Option<String>,
         expires_at_unix_ms: Option<u64>,
+        key: Option<Vec<u8>>,
         now_unix_ms: u64,
-    ) -> Result<EndpointRecord, EndpointError> {
+    ) -> Result<Registered, EndpointError> {
+        // Taken before the key is looked up, so two calls with one key make one endpoint.
+        let _serial = self.changes.lock().await;
+        let keyed = match key {
+            None => None,
+            Some(key) => {
+                let fingerprint = RegistrationRequest {
+                    source_key: &source_key,
+                    auth: &auth,
+                    handshake_param: handshake_param.as_deref(),
+                    expires_at_unix_ms,
+                }
+                .fingerprint();
+                // A retry is answered before the request is checked again: what was
+                // valid when it registered (an expiry then in the future) still names it.
+                if let Some(record) = self.registered_under(&key, fingerprint)? {
+                    return Ok(Registered { record, replayed: true });
+                }
+                Some((key, fingerprint))
+            }
+        };
         if !self.sources.contains(&source_key) {
             return Err(EndpointError::UnknownSource(source_key));
         }
@@ -496,7 +623,6 @@ impl EndpointRegistry {
                 self.tolerance_secs_max
             )));
         }
-        let _serial = self.changes.lock().await;
         self.registration_room(self.dynamic_endpoints_max)?;
         let mut id: u128 = rand::random();
         while self.endpoints.read().unwrap_or_else(|p| p.into_inner()).contains_key(&id) {
@@ -512,9 +638,35 @@ impl EndpointRegistry {
             revoked_at_unix_ms: None,
             rotated_at_unix_ms: None,
         };
-        self.commit(record.clone()).await?;
+        match keyed {
+            None => self.commit(record.clone()).await?,
+            Some((key, fingerprint)) => {
+                let registration = KeyedRegistration { key, id, fingerprint };
+                self.commit_registered(record.clone(), registration.clone()).await?;
+                self.registrations
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .insert(registration.key, (id, fingerprint));
+            }
+        }
         self.install(endpoint_from_record(record.clone(), scheme)).await;
-        Ok(record)
+        Ok(Registered { record, replayed: false })
+    }
+
+    /// The endpoint an earlier registration under `key` made, as it is now, if that
+    /// registration asked for what `fingerprint` says; `KeyReused` if it asked for
+    /// something else; `None` if the key is new (or its endpoint's id was taken by a
+    /// static endpoint since).
+    fn registered_under(&self, key: &[u8], fingerprint: [u8; 32]) -> Result<Option<EndpointRecord>, EndpointError> {
+        let Some((id, stored)) = self.registrations.lock().unwrap_or_else(|p| p.into_inner()).get(key).copied() else {
+            return Ok(None);
+        };
+        let record = self.current(id).filter(|v| v.endpoint.dynamic).and_then(|v| v.endpoint.record.clone());
+        match record {
+            None => Ok(None),
+            Some(_) if stored != fingerprint => Err(EndpointError::KeyReused(id_prefix(id))),
+            Some(record) => Ok(Some(record)),
+        }
     }
 
     /// `Err(TooMany)` when `max` dynamic endpoints (revoked ones included) exist.
@@ -576,6 +728,18 @@ impl EndpointRegistry {
         e.record.clone().ok_or_else(|| EndpointError::Unknown(format_id(id)))
     }
 
+    async fn commit_registered(
+        &self,
+        record: EndpointRecord,
+        registration: KeyedRegistration,
+    ) -> Result<(), EndpointError> {
+        let state = self.state.clone();
+        tokio::task::spawn_blocking(move || state.put_registered_endpoint(&record, &registration))
+            .await
+            .map_err(|e| StateError::Storage(format!("endpoint commit task failed: {e}")))??;
+        Ok(())
+    }
+
     async fn commit(&self, record: EndpointRecord) -> Result<(), EndpointError> {
         let state = self.state.clone();
         tokio::task::spawn_blocking(move || state.put_endpoint(&record))
@@ -605,9 +769,10 @@ impl EndpointRegistry {
 /// Runs a change in its own task and waits for it, so that a caller that stops waiting
 /// (an admin client that disconnected) cannot cut it between the durable commit and the
 /// in-memory install.
-async fn run_to_end<F>(change: F) -> Result<EndpointRecord, EndpointError>
+async fn run_to_end<F, T>(change: F) -> Result<T, EndpointError>
 where
-    F: std::future::Future<Output = Result<EndpointRecord, EndpointError>> + Send + 'static,
+    F: std::future::Future<Output = Result<T, EndpointError>> + Send + 'static,
+    T: Send + 'static,
 {
     tokio::spawn(change)
         .await
@@ -1142,5 +1307,119 @@ mod tests {
         assert_eq!(reg.recheck(&seen, 2_000).await.err(), Some(Refusal::Expired));
         reg.revoke(rec.id, 50).await.unwrap();
         assert_eq!(reg.recheck(&seen, 60).await.err(), Some(Refusal::Revoked));
+    }
+
+    /// A registration repeated under its idempotency key makes no second endpoint: it is
+    /// answered with the endpoint the first made (its generated secret, and after a
+    /// rotation the current one), across a power loss; the same key with a different
+    /// request is refused and writes nothing; a retry whose expiry has passed since is
+    /// still the same registration.
+    #[tokio::test]
+    async fn a_registration_repeated_under_its_key_makes_one_endpoint_across_a_power_loss() {
+        use wal::storage::{CrashMode, SimStorage, Storage};
+        let sim = SimStorage::new();
+        sim.write_file_durably(std::path::Path::new("/data/keep"), b"").unwrap();
+        let open = |sim: &SimStorage| {
+            let storage: Arc<dyn Storage> = Arc::new(sim.clone());
+            let state = Arc::new(StateDb::open_on(storage, "/data/state.redb").unwrap());
+            Arc::new(EndpointRegistry::load(state, vec!["default".into(), "other".into()], vec![]).unwrap())
+        };
+        let reg = open(&sim);
+        let key = || Some(b"deploy-42".to_vec());
+        let register = |reg: Arc<EndpointRegistry>, expires: Option<u64>, now: u64| async move {
+            reg.register_keyed("default".into(), bearer(), None, expires, key(), now).await
+        };
+        let first = register(reg.clone(), Some(1_000), 10).await.unwrap();
+        assert!(!first.replayed);
+        let secret = first.record.auth.secret.clone();
+        assert!(secret.is_some(), "a secret was generated");
+        let again = register(reg.clone(), Some(1_000), 11).await.unwrap();
+        assert!(again.replayed);
+        assert_eq!(again.record, first.record, "the retry is answered with the first registration's endpoint");
+        assert_eq!(reg.list(12).len(), 1, "one endpoint");
+
+        // The same key for another request: refused, nothing written.
+        let other = reg.register_keyed("other".into(), bearer(), None, Some(1_000), key(), 13).await;
+        assert!(matches!(other, Err(EndpointError::KeyReused(_))), "{other:?}");
+        let other = register(reg.clone(), Some(2_000), 13).await;
+        assert!(matches!(other, Err(EndpointError::KeyReused(_))), "another expiry is another request");
+        assert_eq!(reg.list(14).len(), 1, "a reused key made an endpoint");
+
+        // Durable with the endpoint: after a power loss the retry still finds it, even
+        // once the expiry it asked for has passed (it is the same request).
+        drop(reg);
+        sim.crash(CrashMode::LoseUnsynced);
+        let reg = open(&sim);
+        let after = register(reg.clone(), Some(1_000), 2_000).await.unwrap();
+        assert!(after.replayed);
+        assert_eq!(after.record.id, first.record.id);
+        assert_eq!(after.record.auth.secret, secret);
+
+        // A rotation since: the retry shows the endpoint as it is now.
+        let rotated = reg.rotate(first.record.id, None, 500).await.unwrap();
+        let after = register(reg.clone(), Some(1_000), 501).await.unwrap();
+        assert_eq!(after.record.auth.secret, rotated.auth.secret);
+        assert_eq!(reg.list(502).len(), 1);
+
+        // Keys are 1 to 255 bytes; without a key every call registers.
+        let empty = reg.register_keyed("default".into(), bearer(), None, None, Some(vec![]), 600).await;
+        assert!(matches!(empty, Err(EndpointError::InvalidField(_))), "{empty:?}");
+        let long = reg.register_keyed("default".into(), bearer(), None, None, Some(vec![b'k'; 256]), 600).await;
+        assert!(matches!(long, Err(EndpointError::InvalidField(_))), "{long:?}");
+        reg.register("default".into(), bearer(), None, None, 600).await.unwrap();
+        reg.register("default".into(), bearer(), None, None, 600).await.unwrap();
+        assert_eq!(reg.list(601).len(), 3);
+    }
+
+    /// Calls racing with one key make one endpoint: every one is answered with it, and
+    /// exactly one of them registered it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn racing_registrations_under_one_key_make_one_endpoint() {
+        let state = Arc::new(StateDb::open_in_memory().unwrap());
+        let reg = Arc::new(EndpointRegistry::load(state.clone(), vec!["default".into()], vec![]).unwrap());
+        let calls: Vec<_> = (0..8)
+            .map(|_| {
+                let reg = reg.clone();
+                tokio::spawn(async move {
+                    reg.register_keyed("default".into(), bearer(), None, None, Some(b"k".to_vec()), 1).await.unwrap()
+                })
+            })
+            .collect();
+        let mut answers = Vec::new();
+        for c in calls {
+            answers.push(c.await.unwrap());
+        }
+        assert_eq!(answers.iter().filter(|a| !a.replayed).count(), 1, "{answers:?}");
+        assert!(answers.iter().all(|a| a.record == answers[0].record), "{answers:?}");
+        assert_eq!(reg.list(2).len(), 1);
+        assert_eq!(state.load_endpoints().unwrap().len(), 1);
+    }
+
+    /// A key whose endpoint's id a static endpoint took since registers anew; the
+    /// removed record took its key with it.
+    #[tokio::test]
+    async fn a_key_whose_endpoint_a_static_one_replaced_registers_anew() {
+        let dir = tempfile::tempdir().unwrap();
+        let state = Arc::new(StateDb::open(dir.path().join("s.redb")).unwrap());
+        let reg = Arc::new(EndpointRegistry::load(state.clone(), vec!["default".into()], vec![]).unwrap());
+        let first =
+            reg.register_keyed("default".into(), bearer(), None, None, Some(b"k".to_vec()), 1).await.unwrap().record;
+        drop(reg);
+        let taken = Endpoint {
+            id: first.id,
+            source_key: "default".into(),
+            auth: AuthScheme::None,
+            handshake_param: None,
+            expires_at_unix_ms: None,
+            revoked_at_unix_ms: None,
+            dynamic: false,
+            record: None,
+            unusable: None,
+        };
+        let reg = Arc::new(EndpointRegistry::load(state.clone(), vec!["default".into()], vec![taken]).unwrap());
+        assert!(state.load_keyed_registrations().unwrap().is_empty(), "the removed record's key stayed");
+        let again = reg.register_keyed("default".into(), bearer(), None, None, Some(b"k".to_vec()), 2).await.unwrap();
+        assert!(!again.replayed);
+        assert_ne!(again.record.id, first.id);
     }
 }

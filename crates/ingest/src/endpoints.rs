@@ -286,6 +286,14 @@ mod tests {
         let db = StateDb::open(&p).unwrap();
         assert_eq!(db.load_keyed_registrations().unwrap(), vec![key("b", 2)]);
         assert_eq!(db.load_endpoints().unwrap(), vec![Ok(rec(2))]);
+        drop(db);
+        // `state show` and `state reset` say what losing the table means.
+        let said = crate::state::inventory(&p).unwrap().consequences();
+        assert!(
+            said.iter().any(|l| l.starts_with("endpoint_registrations: 1 entries (the idempotency keys")),
+            "{said:?}"
+        );
+        assert!(!said.iter().any(|l| l.contains("unknown to this build")), "{said:?}");
     }
 
     /// Bytes that do not decode, or a record stored under another id than its own, come

@@ -455,6 +455,9 @@ impl StateInventory {
                         "delivery ids; rebuilt from the log on the next start (within the retention window)"
                     }
                     "endpoints" => "dynamic endpoints, their secrets and revocation tombstones; their URLs answer 404",
+                    "endpoint_registrations" => {
+                        "the idempotency keys endpoints were registered under; a retried registration makes a new endpoint"
+                    }
                     "router_cursors" => {
                         "delivery cursors; records still in the log are delivered again (same message ids)"
                     }

@@ -14,8 +14,11 @@
 //!   `iggy_ingest_admin_auth_failures_total`.
 //! - Management calls need `Authorization: Bearer <management_token>`; without a
 //!   configured token they answer 404.
-//! - A 2xx from a management call means the change is committed to redb.
-//! - Secrets appear only in the answers of register and rotate, never in listings.
+//! - A 2xx from a management call means the change is committed to redb; a
+//!   registration repeated under its `Idempotency-Key` commits nothing and answers with
+//!   the endpoint the first one made.
+//! - Secrets appear only in the answers of register (a repeat included, unless the
+//!   endpoint was revoked since) and rotate, never in listings.
 //! - Every answer but a 2xx and `/metrics` is a JSON `ApiError`, as at the webhook
 //!   door: a method a path does not take is a 405 (with `Allow`), and a path parameter
 //!   that does not percent-decode to UTF-8 names nothing (404), never axum's empty or
@@ -35,7 +38,7 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use http_source::door::path_param;
-use http_source::endpoints::{EndpointError, format_id, id_prefix, parse_id};
+use http_source::endpoints::{EndpointError, Registered, format_id, id_prefix, parse_id};
 use http_source::error::ApiError;
 use ingest::{EndpointRecord, StoredAuth};
 use serde::Deserialize;
@@ -203,6 +206,7 @@ fn endpoint_error(e: EndpointError) -> ApiError {
         EndpointError::Expired(_) => ApiError::new(StatusCode::CONFLICT, "endpoint_expired", e.to_string()),
         EndpointError::Unusable(..) => ApiError::new(StatusCode::CONFLICT, "endpoint_unusable", e.to_string()),
         EndpointError::TooMany(_) => ApiError::new(StatusCode::CONFLICT, "too_many_endpoints", e.to_string()),
+        EndpointError::KeyReused(_) => ApiError::new(StatusCode::CONFLICT, "idempotency_key_reused", e.to_string()),
         EndpointError::UnknownSource(_) | EndpointError::InvalidAuth(_) | EndpointError::InvalidField(_) => {
             ApiError::new(StatusCode::BAD_REQUEST, "invalid_request", e.to_string())
         }
@@ -290,6 +294,10 @@ async fn register(State(s): State<Arc<Shared>>, headers: HeaderMap, body: axum::
         Ok(r) => r,
         Err(e) => return e.into_response(),
     };
+    let key = match registration_key(&headers) {
+        Ok(k) => k,
+        Err(e) => return e.into_response(),
+    };
     let auth = StoredAuth {
         scheme: req.auth_type,
         secret: req.auth_secret,
@@ -298,13 +306,47 @@ async fn register(State(s): State<Arc<Shared>>, headers: HeaderMap, body: axum::
         tolerance_secs: req.auth_tolerance_secs,
     };
     let now = ingest::time::now_unix_ms();
-    match s.endpoints.register(req.source, auth, req.handshake_param, req.expires_at_unix_ms, now).await {
-        Ok(r) => {
+    match s.endpoints.register_keyed(req.source, auth, req.handshake_param, req.expires_at_unix_ms, key, now).await {
+        Ok(Registered { record: r, replayed: false }) => {
             tracing::info!(endpoint = %id_prefix(r.id), source = %r.source_key, "endpoint registered");
             (StatusCode::CREATED, Json(record_json(&r, true))).into_response()
         }
+        Ok(Registered { record: r, replayed: true }) => {
+            tracing::info!(endpoint = %id_prefix(r.id), source = %r.source_key, "endpoint registration repeated under its idempotency key; nothing changed");
+            // A revoked endpoint's secret works nowhere: it is not shown again.
+            let with_secret = r.revoked_at_unix_ms.is_none();
+            (StatusCode::CREATED, [(IDEMPOTENT_REPLAYED, "true")], Json(record_json(&r, with_secret))).into_response()
+        }
         Err(e) => endpoint_error(e).into_response(),
     }
+}
+
+/// The answer header that marks a registration repeated under its idempotency key.
+const IDEMPOTENT_REPLAYED: &str = "idempotent-replayed";
+
+/// A registration's `Idempotency-Key` header: `Ok(None)` without one; a 400 naming the
+/// header for one that is not 1 to 255 visible ASCII characters (or appears twice).
+fn registration_key(headers: &HeaderMap) -> Result<Option<Vec<u8>>, ApiError> {
+    let mut values = headers.get_all("idempotency-key").iter();
+    let Some(value) = values.next() else {
+        return Ok(None);
+    };
+    let bad = |why: &str| ApiError::new(StatusCode::BAD_REQUEST, "invalid_request", format!("Idempotency-Key: {why}"));
+    if values.next().is_some() {
+        return Err(bad("given more than once"));
+    }
+    let bytes = value.as_bytes();
+    if bytes.is_empty() || bytes.len() > ingest::endpoints::REGISTRATION_KEY_MAX_BYTES {
+        return Err(bad(&format!(
+            "{} bytes; a key is 1 to {} visible ASCII characters",
+            bytes.len(),
+            ingest::endpoints::REGISTRATION_KEY_MAX_BYTES
+        )));
+    }
+    if !bytes.iter().all(|b| b.is_ascii_graphic()) {
+        return Err(bad("a key is visible ASCII characters only (no spaces or control characters)"));
+    }
+    Ok(Some(bytes.to_vec()))
 }
 
 #[derive(Debug, Default, Deserialize)]

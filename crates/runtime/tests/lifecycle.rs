@@ -88,6 +88,76 @@ async fn dynamic_endpoints_register_rotate_revoke_and_survive_restarts() {
     assert_eq!(log_len(&dir.path().join("data/wal")), 3);
 }
 
+/// A registration retried under its `Idempotency-Key` (its answer lost, the daemon
+/// killed meanwhile) is answered with the endpoint the first call made, secret and all,
+/// marked `Idempotent-Replayed`, and makes no second endpoint; the key with another
+/// request is 409; a key that is not 1 to 255 visible characters is 400 naming the
+/// header; a revoked endpoint's retry shows it revoked, without its secret.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_registration_retried_under_its_idempotency_key_after_kill_9_makes_no_second_endpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut d = Daemon::start(dir.path(), "", SOURCES);
+    let mgmt = bearer(MANAGEMENT_TOKEN);
+    let keyed = |key: &'static str| {
+        [("authorization", mgmt.clone()), ("content-type", "application/json".into()), ("idempotency-key", key.into())]
+    };
+    let register = |admin, key: &'static str, body: &'static str| {
+        let headers = keyed(key);
+        async move {
+            let headers: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
+            request(admin, "POST", "/v1/endpoints", &headers, body).await
+        }
+    };
+    let body = r#"{"source":"default","auth_type":"bearer"}"#;
+    let dynamic = |list: serde_json::Value| {
+        list["endpoints"].as_array().unwrap().iter().filter(|e| e["id"] != "0123456789abcdef0123456789abcdef").count()
+    };
+    let auth = [("authorization", mgmt.as_str())];
+
+    let first = register(d.admin, "setup-github-1", body).await;
+    assert_eq!(first.status, 201, "{:?}", first.body);
+    assert_eq!(first.header("idempotent-replayed"), None);
+    let first = first.json();
+    let (id, secret) = (first["id"].as_str().unwrap().to_string(), first["secret"].as_str().unwrap().to_string());
+
+    d.kill9();
+    let d = Daemon::restart(dir.path());
+    let retry = register(d.admin, "setup-github-1", body).await;
+    assert_eq!(retry.status, 201, "{:?}", retry.body);
+    assert_eq!(retry.header("idempotent-replayed"), Some("true"));
+    assert_eq!(retry.json()["id"], id.as_str());
+    assert_eq!(retry.json()["secret"], secret.as_str(), "the retry's answer carries the secret that works");
+    let path = format!("/v1/e/{id}");
+    let s = bearer(&secret);
+    assert_eq!(request(d.http, "POST", &path, &[("authorization", s.as_str())], "e1").await.status, 200);
+    assert_eq!(dynamic(request(d.admin, "GET", "/v1/endpoints", &auth, "").await.json()), 1);
+
+    // The key with another request: refused, nothing made.
+    let other = register(d.admin, "setup-github-1", r#"{"source":"default","auth_type":"hmac-sha256"}"#).await;
+    assert_eq!(other.status, 409, "{:?}", other.body);
+    assert_eq!(other.json()["error"], "idempotency_key_reused");
+    // Keys that are not 1 to 255 visible ASCII characters: 400 naming the header.
+    let long: &'static str = Box::leak("k".repeat(256).into_boxed_str());
+    for bad in ["two words", long] {
+        let a = register(d.admin, bad, body).await;
+        assert_eq!(a.status, 400, "{bad:?}: {:?}", a.body);
+        assert!(a.json()["message"].as_str().unwrap().starts_with("Idempotency-Key"), "{:?}", a.body);
+    }
+    assert_eq!(dynamic(request(d.admin, "GET", "/v1/endpoints", &auth, "").await.json()), 1, "a refused call made one");
+
+    // Revoked since: the retry shows it so, and no secret.
+    assert_eq!(request(d.admin, "DELETE", &format!("/v1/endpoints/{id}"), &auth, "").await.status, 200);
+    let retry = register(d.admin, "setup-github-1", body).await;
+    assert_eq!(retry.status, 201);
+    let retry = retry.json();
+    assert_eq!((retry["id"].as_str(), retry["secret"].as_str()), (Some(id.as_str()), None), "{retry}");
+    assert!(retry["revoked_at_unix_ms"].is_u64(), "{retry}");
+    // Another key registers another endpoint.
+    assert_eq!(register(d.admin, "setup-github-2", body).await.status, 201);
+    assert_eq!(dynamic(request(d.admin, "GET", "/v1/endpoints", &auth, "").await.json()), 2);
+    assert!(d.stop().success());
+}
+
 /// An endpoint without auth (`auth_type = "none"`, asked for explicitly) has nothing to
 /// rotate: its id is its only secret. A rotate
 /// that answered a secret would let an operator believe a leaked URL was shut, and a
