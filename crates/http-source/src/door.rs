@@ -18,6 +18,10 @@
 //!   (in the append's own task, so a client that disconnects does not release it early).
 //!   So once a rotate or revoke answered, nothing authorised by the old record is
 //!   appended.
+//! - Every request takes its room in the ingest core ([`ingest::ingestor::Ingestor::room`],
+//!   256 MiB in all) once its body was read and before it is decoded, for the most the
+//!   body can become, and holds it until its append resolved: what requests hold is
+//!   bounded in all, not by the number of connections.
 //! - Metrics labels are the source key (from configuration, never from the request),
 //!   status class and fixed reasons: never paths, ids or peer addresses.
 
@@ -302,23 +306,27 @@ async fn receive_inner(
     }
     let body = read_body(body, max, door.limits.body_read_timeout).await?;
 
+    // The room the request's append runs in, for the most it will hold once decoded:
+    // its body may become many events, each with a record's envelope. Taken by every
+    // request, before anything else it holds: what requests hold is bounded in all, not
+    // by the number of connections.
+    let room = {
+        let content_type = parts.headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok());
+        let events = body::events_at_most(content_type, &body, door.limits.max_events_per_request);
+        let bound =
+            ingest::ingestor::footprint_bound(body.len() as u64, events as u64, source.envelope_max_bytes() as u64);
+        door.ingestor.room(bound).await.map_err(|e| ingest_error(e, door.limits.retry_after_secs))?
+    };
     // The endpoint may have been rotated, revoked or expired while the body was read:
-    // decide again, and hold the permit until the append resolved. The room its append
-    // runs in is taken first: waiting for room with the permit held would hold off every
-    // change to the endpoint (and every registration) for as long.
+    // decide again, and hold the permit until the append resolved. The room was taken
+    // first: waiting for room with the permit held would hold off every change to the
+    // endpoint (and every registration) for as long.
     let (endpoint, permit) = match entrance {
         Entrance::SourcePath => (None, None),
         Entrance::Endpoint(seen) => {
-            // What the request will hold once decoded, at most: its body may become many
-            // events, each with a record's envelope.
-            let content_type = parts.headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok());
-            let events = body::events_at_most(content_type, &body, door.limits.max_events_per_request);
-            let bound =
-                ingest::ingestor::footprint_bound(body.len() as u64, events as u64, source.envelope_max_bytes() as u64);
-            let room = door.ingestor.room(bound).await.map_err(|e| ingest_error(e, door.limits.retry_after_secs))?;
             let (current, permit) =
                 door.endpoints.recheck(&seen, ingest::time::now_unix_ms()).await.map_err(refusal_error)?;
-            (Some(current), Some((permit, room)))
+            (Some(current), Some(permit))
         }
     };
     let auth: &AuthScheme = endpoint.as_ref().map_or(&source.auth, |e| &e.endpoint.auth);
@@ -440,8 +448,8 @@ async fn receive_inner(
         received_at_unix_ms,
     };
     let accepted = match permit {
-        None => door.ingestor.accept(submission).await,
-        Some((permit, room)) => door.ingestor.accept_holding(submission, permit, room).await,
+        None => door.ingestor.accept_in(submission, room).await,
+        Some(permit) => door.ingestor.accept_holding(submission, permit, room).await,
     };
     let accepted = accepted.map_err(|e| ingest_error(e, door.limits.retry_after_secs))?;
     fail_points::fail_point!("door.append.synced");

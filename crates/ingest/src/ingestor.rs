@@ -11,9 +11,12 @@
 //!   cannot interrupt it between the append and the key record; so does one accepted
 //!   with a hold ([`Ingestor::accept_holding`]), which is released only after its append
 //!   resolved.
-//! - Such tasks outlive their callers, so what they hold is bounded:
-//!   [`RUNNING_ON_MAX_BYTES`] in all (a submission larger than that waits until none
-//!   runs). A caller takes its [`Room`] before its task starts, before it takes anything
+//! - What submissions hold is bounded: [`RUNNING_ON_MAX_BYTES`] in all, those that run
+//!   in their own tasks (which outlive their callers) and those on their callers' tasks
+//!   alike (a submission larger than that waits until none runs). The bound does not
+//!   depend on the number of connections: ten thousand one-byte events, each encoded with
+//!   the source's forwarded headers, hold megabytes, and a thousand connections would
+//!   otherwise hold gigabytes. A caller takes its [`Room`] before its task starts, before it takes anything
 //!   a change would wait for (the door: before an endpoint's permit), and holds nothing
 //!   else while it waits: clients that send a body and disconnect cannot pile up appends
 //!   in memory faster than the log takes them. A submission's room is what it holds
@@ -208,12 +211,27 @@ pub struct Room {
     _kib: tokio::sync::OwnedSemaphorePermit,
 }
 
+impl Room {
+    /// A room taken for a bound before the body was decoded must cover what the decoded
+    /// submission holds, or the bound on what submissions hold is not one. Checked in
+    /// debug builds (every test), where a bound that falls short fails.
+    fn check_covers(&self, submission: &Submission) {
+        #[cfg(debug_assertions)]
+        {
+            let footprint = submission.footprint_bytes();
+            assert!(footprint <= self.bytes, "a submission holding {footprint} bytes ran in room for {}", self.bytes);
+        }
+        #[cfg(not(debug_assertions))]
+        let _ = submission;
+    }
+}
+
 /// Turns submissions into log records. Cheap to clone.
 #[derive(Clone)]
 pub struct Ingestor {
     wal: Arc<Wal>,
     idempotency: Arc<IdempotencyIndex>,
-    /// [`RUNNING_ON_MAX_BYTES`] in KiB, taken by each submission that runs in its own task.
+    /// [`RUNNING_ON_MAX_BYTES`] in KiB, taken by each submission until its append resolved.
     running_on_kib: Arc<tokio::sync::Semaphore>,
     append_latency: metrics::Histogram,
     /// Set while a recovery of the state database, started by a failed lookup, runs.
@@ -235,15 +253,24 @@ impl Ingestor {
         &self.idempotency
     }
 
-    /// Accepts a submission; see the module invariants.
+    /// Accepts a submission, in room taken for it here; see the module invariants.
     pub async fn accept(&self, submission: Submission) -> Result<Accepted, IngestError> {
-        if submission.delivery_key.is_none() {
-            // Nothing follows the append, so there is no step a dropped future could
-            // skip: run it on the caller's task.
-            return self.accept_inner(submission).await;
-        }
         let room = self.room(submission.footprint_bytes()).await?;
-        self.accept_holding(submission, (), room).await
+        self.accept_in(submission, room).await
+    }
+
+    /// [`Ingestor::accept`] in `room` taken before (for a bound of the submission's
+    /// footprint, before its body was decoded), held until its append resolved.
+    pub async fn accept_in(&self, submission: Submission, room: Room) -> Result<Accepted, IngestError> {
+        if submission.delivery_key.is_some() {
+            return self.accept_holding(submission, (), room).await;
+        }
+        room.check_covers(&submission);
+        // Nothing follows the append, so there is no step a dropped future could skip:
+        // run it on the caller's task, which holds the room as long as the submission.
+        let accepted = self.accept_inner(submission).await;
+        drop(room);
+        accepted
     }
 
     /// Room for a submission that holds `bytes` ([`Submission::footprint_bytes`], or a
@@ -270,14 +297,7 @@ impl Ingestor {
         hold: H,
         room: Room,
     ) -> Result<Accepted, IngestError> {
-        // A room taken for a bound before the body was decoded must cover what the
-        // decoded submission holds, or the bound on what such tasks hold is not one.
-        // Checked in debug builds (every test), where a bound that falls short fails.
-        #[cfg(debug_assertions)]
-        {
-            let footprint = submission.footprint_bytes();
-            assert!(footprint <= room.bytes, "a submission holding {footprint} bytes ran in room for {}", room.bytes);
-        }
+        room.check_covers(&submission);
         let this = self.clone();
         tokio::spawn(async move {
             let accepted = this.accept_inner(submission).await;
@@ -571,6 +591,27 @@ mod tests {
         assert_eq!(wal.next_offset(), 0, "a submission whose caller went away before it had room was appended");
         let a = ing.accept(submission(Some("kept"), &["y"])).await.unwrap();
         assert_eq!((a.first_offset, a.replayed), (0, false));
+        assert_eq!(ing.running_on_kib.available_permits(), all as usize, "room was not given back");
+    }
+
+    /// A submission with no delivery id runs on its caller's task, and takes room all the
+    /// same: what such submissions hold is bounded in all, not by the number of
+    /// connections, and the room is held until its append resolved, then given back.
+    #[tokio::test]
+    async fn a_submission_with_no_delivery_id_waits_for_room_too() {
+        let dir = tempfile::tempdir().unwrap();
+        let (wal, ing) = open(dir.path());
+        let all = (RUNNING_ON_MAX_BYTES / 1024) as u32;
+        let taken = ing.running_on_kib.clone().acquire_many_owned(all).await.unwrap();
+        let ing2 = ing.clone();
+        let mut waiting = tokio::spawn(async move { ing2.accept(submission(None, &["x", "y"])).await });
+        // Time enough for an append to be durable, had it not waited.
+        let early = tokio::time::timeout(std::time::Duration::from_millis(500), &mut waiting).await;
+        assert!(early.is_err(), "a submission with no delivery id ran without room: {early:?}");
+        assert_eq!(wal.next_offset(), 0, "a submission with no delivery id was appended without room");
+        drop(taken);
+        let a = waiting.await.unwrap().unwrap();
+        assert_eq!((a.first_offset, a.last_offset, a.replayed), (0, 1, false));
         assert_eq!(ing.running_on_kib.available_permits(), all as usize, "room was not given back");
     }
 

@@ -329,6 +329,26 @@ async fn a_batch_of_tiny_events_through_an_endpoint_runs_within_its_room() {
     assert!(d.stop().success());
 }
 
+/// The same through a source's named path with no delivery id, each event's record
+/// carrying a forwarded header at its longest: such a request runs on its connection, in
+/// room taken before its body is decoded all the same (a debug build checks that the
+/// room covers the decoded request), and is accepted whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_of_tiny_events_through_a_named_path_runs_within_its_room() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = Daemon::start(dir.path(), "", SOURCES);
+    let kind = "k".repeat(255);
+    let body = "1\n".repeat(5000);
+    let headers = [("content-type", "application/x-ndjson"), ("x-event-kind", kind.as_str())];
+    let a = request(d.http, "POST", "/v1/sources/default", &headers, body).await;
+    assert_eq!(a.status, 200, "{:?}", String::from_utf8_lossy(&a.body));
+    assert_eq!(a.json(), serde_json::json!({"accepted": 5000, "offsets": [0, 4999]}));
+    assert!(d.stop().success());
+    let log = read_log(&dir.path().join("data/wal"));
+    assert_eq!(log.len(), 5000);
+    assert!(log.iter().all(|(_, e)| e.header.headers.iter().any(|(n, v)| n == "x-event-kind" && v.len() == 255)));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_retried_delivery_gets_its_original_offsets_even_after_kill_9() {
     let dir = tempfile::tempdir().unwrap();
