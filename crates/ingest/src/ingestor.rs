@@ -412,7 +412,13 @@ impl Ingestor {
             // The events are durable; the key is restored from the log by the next
             // checkpoint (which does not pass this record before) or a restart.
             metrics::counter!("iggy_ingest_idempotency_record_failures_total").increment(1);
-            tracing::error!(source = %s.source_key, error = %e, "recording a delivery id failed; a retry may duplicate until the state database recovers");
+            // Every keyed request fails so while the state database does: one line a
+            // second, with the count left out.
+            static LOG: crate::log_limit::LogLimit =
+                crate::log_limit::LogLimit::every(std::time::Duration::from_secs(1));
+            if let Some(suppressed) = LOG.admit() {
+                tracing::error!(source = %s.source_key, error = %e, suppressed, "recording a delivery id failed; a retry may duplicate until the state database recovers");
+            }
         }
         drop(claim);
         Ok(accepted)

@@ -40,6 +40,7 @@ use axum::routing::{get, post};
 use http_source::door::path_param;
 use http_source::endpoints::{EndpointError, Registered, format_id, id_prefix, parse_id};
 use http_source::error::ApiError;
+use ingest::log_limit::LogLimit;
 use ingest::{EndpointRecord, StoredAuth};
 use serde::Deserialize;
 use serde_json::json;
@@ -99,7 +100,11 @@ fn token_matches(presented: &str, token: &str) -> bool {
 fn refuse(presented: bool, what: &str) -> Response {
     metrics::counter!("iggy_ingest_admin_auth_failures_total").increment(1);
     let why = if presented { "a wrong token" } else { "no bearer token" };
-    tracing::warn!("{what} with {why}");
+    // Any client can repeat this at will: one line a second, with the count left out.
+    static LOG: LogLimit = LogLimit::every(std::time::Duration::from_secs(1));
+    if let Some(suppressed) = LOG.admit() {
+        tracing::warn!(suppressed, "{what} with {why}");
+    }
     let mut resp = ApiError::unauthorized().into_response();
     resp.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer realm=\"iggy-ingest admin\""));
     resp
