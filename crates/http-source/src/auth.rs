@@ -160,14 +160,48 @@ pub fn check_new_tolerance(tolerance_secs: Option<u64>) -> Result<(), (&'static 
 /// `Authorization` header is trimmed, and holds nothing else), so one outside that
 /// (a value read from a file or the environment with its newline, say) could never match
 /// and every request would get 401. Other schemes' secrets are keys, any bytes.
+/// A secret longer than [`AUTH_SECRET_MAX_BYTES`] is refused too.
 pub fn check_new_secret(scheme: &str, secret: Option<&str>) -> Result<(), (&'static str, String)> {
     match secret {
+        Some(s) if s.len() > AUTH_SECRET_MAX_BYTES => {
+            Err(("secret", format!("is {} bytes long; at most {AUTH_SECRET_MAX_BYTES} are accepted", s.len())))
+        }
         Some(s) if scheme == "bearer" && !s.bytes().all(|b| b.is_ascii_graphic()) => Err((
             "secret",
             "a bearer token is visible ASCII without spaces; no request could present this one".to_string(),
         )),
         _ => Ok(()),
     }
+}
+
+/// The longest secret a new configuration, registration or rotation may set. Every
+/// endpoint's secret is held in memory and read at each start, up to
+/// `DYNAMIC_ENDPOINTS_MAX` of them; providers' secrets are tens of bytes (an HMAC key
+/// longer than the hash's 64-byte block is hashed down to 32 bytes anyway).
+pub const AUTH_SECRET_MAX_BYTES: usize = 1024;
+
+/// The longest `auth_header` a new configuration or registration may name (signature
+/// headers in use are under 40 bytes long).
+pub const AUTH_HEADER_MAX_BYTES: usize = 128;
+
+/// The longest `auth_prefix` a new configuration or registration may set (`sha256=`,
+/// `v0=`: a few bytes).
+pub const AUTH_PREFIX_MAX_BYTES: usize = 64;
+
+/// Refuses an `auth_header` or `auth_prefix` longer than its bound
+/// ([`AUTH_HEADER_MAX_BYTES`], [`AUTH_PREFIX_MAX_BYTES`]), for a new configuration or
+/// registration: each problem, named by its setting. An endpoint stored with a longer
+/// one by an earlier build still loads as it was.
+pub fn check_new_lengths(header: Option<&str>, prefix: Option<&str>) -> Vec<(&'static str, String)> {
+    let too_long = |field: &'static str, value: Option<&str>, max: usize| {
+        value
+            .filter(|v| v.len() > max)
+            .map(|v| (field, format!("is {} bytes long; at most {max} are accepted", v.len())))
+    };
+    [too_long("header", header, AUTH_HEADER_MAX_BYTES), too_long("prefix", prefix, AUTH_PREFIX_MAX_BYTES)]
+        .into_iter()
+        .flatten()
+        .collect()
 }
 
 impl AuthScheme {

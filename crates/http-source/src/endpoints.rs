@@ -610,6 +610,11 @@ impl EndpointRegistry {
             return Err(EndpointError::InvalidField(format!("handshake_param: {message}")));
         }
         check_new_secret(&auth.scheme, auth.secret.as_deref())?;
+        let too_long = crate::auth::check_new_lengths(auth.header.as_deref(), auth.prefix.as_deref());
+        if !too_long.is_empty() {
+            let problems: Vec<String> = too_long.into_iter().map(|(field, m)| format!("auth_{field}: {m}")).collect();
+            return Err(EndpointError::InvalidAuth(problems.join("; ")));
+        }
         if auth.secret.is_none() && auth.scheme != "none" {
             auth.secret = Some(generate_secret(&auth.scheme));
         }
@@ -1030,7 +1035,16 @@ mod tests {
         let reg = Arc::new(EndpointRegistry::load(state, vec!["default".into()], vec![]).unwrap());
         let now = 1_767_225_600_000;
         let with_secret = |s: &str| StoredAuth { secret: Some(s.into()), ..bearer() };
-        let refusals: [(StoredAuth, Option<&str>, Option<u64>, &str); 8] = [
+        let long_secret = "s".repeat(crate::auth::AUTH_SECRET_MAX_BYTES + 1);
+        let hmac = |header: &str, prefix: &str| StoredAuth {
+            scheme: "hmac-sha256".into(),
+            secret: Some("key".into()),
+            header: Some(header.into()),
+            prefix: Some(prefix.into()),
+            tolerance_secs: None,
+        };
+        let (long_header, long_prefix) = ("x".repeat(129), "p".repeat(65));
+        let refusals: [(StoredAuth, Option<&str>, Option<u64>, &str); 12] = [
             (bearer(), None, Some(1_767_225_600), "expires_at_unix_ms: 1767225600 is not in the future"),
             (bearer(), None, Some(now), "expires_at_unix_ms"),
             (bearer(), Some(""), None, "handshake_param"),
@@ -1039,6 +1053,15 @@ mod tests {
             (bearer(), Some("hub%2Echallenge"), None, "handshake_param"),
             (with_secret("tok "), None, None, "secret: a bearer token is visible ASCII"),
             (with_secret("tök"), None, None, "secret: a bearer token is visible ASCII"),
+            (with_secret(&long_secret), None, None, "auth_secret: is 1025 bytes long; at most 1024"),
+            (hmac(&long_header, "sha256="), None, None, "auth_header: is 129 bytes long; at most 128"),
+            (hmac("x-sig", &long_prefix), None, None, "auth_prefix: is 65 bytes long; at most 64"),
+            (
+                hmac(&long_header, &long_prefix),
+                None,
+                None,
+                "auth_header: is 129 bytes long; at most 128 are accepted; auth_prefix: is 65",
+            ),
         ];
         for (auth, param, expires, says) in refusals {
             match reg.register("default".into(), auth, param.map(str::to_string), expires, now).await {
@@ -1055,6 +1078,14 @@ mod tests {
             Err(EndpointError::InvalidAuth(m)) => assert!(m.contains("visible ASCII"), "{m}"),
             other => panic!("{other:?}"),
         }
+        match reg.rotate(fine.id, Some(long_secret.clone()), now).await {
+            Err(EndpointError::InvalidAuth(m)) => assert!(m.contains("at most 1024"), "{m}"),
+            other => panic!("{other:?}"),
+        }
+        // At the bounds, each is taken.
+        let at_bounds = hmac(&"x".repeat(128), &"p".repeat(64));
+        let at_bounds = StoredAuth { secret: Some("k".repeat(1024)), ..at_bounds };
+        reg.register("default".into(), at_bounds, None, None, now).await.unwrap();
     }
 
     /// Registrations are bounded, and tombstones count: they are never removed (a

@@ -1920,10 +1920,12 @@ fn auth_scheme(c: &mut Checker<'_>, path: &KeyPath, a: AuthConfig<'_>) -> AuthSc
         let scheme = AuthScheme::from_parts(a.auth_type, secret, a.auth_header, a.auth_prefix, a.auth_tolerance_secs);
         let tolerance = http_source::auth::check_new_tolerance(a.auth_tolerance_secs);
         let secret_ok = http_source::auth::check_new_secret(a.auth_type, secret);
+        let too_long = http_source::auth::check_new_lengths(a.auth_header, a.auth_prefix);
         match (scheme, tolerance, secret_ok) {
-            (Ok(s), Ok(()), Ok(())) => return s,
+            (Ok(s), Ok(()), Ok(())) if too_long.is_empty() => return s,
             (scheme, tolerance, secret_ok) => {
-                problems.extend([scheme.err(), tolerance.err(), secret_ok.err()].into_iter().flatten())
+                problems.extend([scheme.err(), tolerance.err(), secret_ok.err()].into_iter().flatten());
+                problems.extend(too_long);
             }
         }
     }
@@ -2542,6 +2544,34 @@ auth_secret = "never checked"
         assert_eq!(found, vec!["sources.a.auth_secret", "sources.a.auth_tolerance_secs"], "{e:?}");
         assert!(e[0].message.contains("required"), "{e:?}");
         assert!(e[1].message.contains("more than 86400"), "{e:?}");
+    }
+
+    /// A secret, signature header or prefix past its bound is named at its key, with
+    /// the scheme's other problems; at the bounds each is taken.
+    #[test]
+    fn auth_settings_past_their_bounds_are_named() {
+        let hmac = |secret: usize, header: usize, prefix: usize| {
+            format!(
+                "[sources.a]\ndestination = {{ stream = \"s\", topic = \"t\" }}\nauth_type = \"hmac-sha256\"\n\
+                 auth_secret = \"{}\"\nauth_header = \"{}\"\nauth_prefix = \"{}\"\n",
+                "k".repeat(secret),
+                "x".repeat(header),
+                "p".repeat(prefix)
+            )
+        };
+        let e = errors(&hmac(1025, 129, 65));
+        let found: Vec<(&str, &str)> = e.iter().map(|e| (e.path.as_str(), e.message.as_str())).collect();
+        assert_eq!(
+            found,
+            vec![
+                ("sources.a.auth_secret", "is 1025 bytes long; at most 1024 are accepted"),
+                ("sources.a.auth_header", "is 129 bytes long; at most 128 are accepted"),
+                ("sources.a.auth_prefix", "is 65 bytes long; at most 64 are accepted"),
+            ],
+            "{e:?}"
+        );
+        let text = hmac(1024, 128, 64);
+        validate(&parse(&text, None).unwrap(), Some(&text), None).unwrap();
     }
 
     /// A file of nothing but unknown keys gets a bounded list, not one line per key.
