@@ -59,6 +59,10 @@
 //!   ([`IdempotencyIndex::forget_unscoped_keys_once`]), so none can answer a named-path
 //!   request with another delivery's offsets; a retry of such a delivery is appended
 //!   again (a duplicate, never a loss).
+//! - No transaction gathers more than a bound of keys in memory: sweeps and the bulk
+//!   forgets at start (a log that lost its tail or was replaced, missing ranges, the
+//!   once-only sort) each work in transactions of at most 10,000 keys, so a table of
+//!   millions is never held at once.
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -529,36 +533,24 @@ impl IdempotencyIndex {
     /// Call before [`IdempotencyIndex::rebuild`], which restores the keys of the records
     /// it re-reads in their scoped form. Returns how many keys were forgotten.
     pub fn forget_unscoped_keys_once(&self) -> Result<u64, StateError> {
-        let db = self.state.db()?;
-        let mut txn = db.begin_write().map_err(storage_err)?;
-        txn.set_durability(Durability::Immediate).map_err(|e| StateError::Storage(e.to_string()))?;
-        let forgotten;
         {
-            let mut meta = txn.open_table(META).map_err(storage_err)?;
+            let db = self.state.db()?;
+            let txn = db.begin_read().map_err(storage_err)?;
+            let meta = txn.open_table(META).map_err(storage_err)?;
             if meta.get(META_KEYS_SCOPED_BY_ENDPOINT).map_err(storage_err)?.is_some() {
                 return Ok(0);
             }
-            let mut table = txn.open_table(IDEMPOTENCY).map_err(storage_err)?;
-            let mut by_time = txn.open_table(IDEMPOTENCY_BY_TIME).map_err(storage_err)?;
-            // A named-path key holds one 0x00, an endpoint's two (see
-            // `IdempotencyKey::table_key`).
-            let mut unscoped: Vec<(Vec<u8>, u64)> = Vec::new();
-            for entry in table.iter().map_err(storage_err)? {
-                let (k, v) = entry.map_err(storage_err)?;
-                let key = k.value();
-                if key.iter().filter(|&&b| b == 0).count() == 1 {
-                    unscoped.push((key.to_vec(), v.value().2));
-                }
-            }
-            for (key, accepted_at) in &unscoped {
-                table.remove(key.as_slice()).map_err(storage_err)?;
-                by_time.remove((*accepted_at, key.as_slice())).map_err(storage_err)?;
-            }
-            forgotten = unscoped.len() as u64;
-            meta.insert(META_KEYS_SCOPED_BY_ENDPOINT, 1).map_err(storage_err)?;
         }
+        // A named-path key holds one 0x00, an endpoint's two (see
+        // `IdempotencyKey::table_key`). A crash part way leaves the marker unset, and the
+        // next start forgets the rest.
+        let forgotten = forget_keys_in_chunks(&self.state, |key, _, _| key.iter().filter(|&&b| b == 0).count() == 1)?;
+        let db = self.state.db()?;
+        let mut txn = db.begin_write().map_err(storage_err)?;
+        txn.set_durability(Durability::Immediate).map_err(|e| StateError::Storage(e.to_string()))?;
+        txn.open_table(META).map_err(storage_err)?.insert(META_KEYS_SCOPED_BY_ENDPOINT, 1).map_err(storage_err)?;
         txn.commit().map_err(storage_err)?;
-        Ok(forgotten)
+        Ok(forgotten.keys)
     }
 
     /// Forgets the keys the log does not hold (offsets at or past its next offset, or in
@@ -613,11 +605,13 @@ impl IdempotencyIndex {
             indexed_through.max(stats.start_offset)
         };
         let mut report = RebuildReport { from_offset: from, ..RebuildReport::default() };
-        let db = self.state.db()?;
-        let mut txn = db.begin_write().map_err(storage_err)?;
-        txn.set_durability(Durability::Immediate).map_err(|e| StateError::Storage(e.to_string()))?;
+        // Keys are forgotten in transactions of their own, before the one that restores
+        // keys and writes the bounds (and so makes them durable); a crash between them
+        // leaves fewer keys, never a key the log does not hold, and the next start
+        // forgets the rest.
         if phase == Phase::Start && keys_below.is_none_or(|below| below > stats.next_offset) {
-            report.keys_beyond_log_forgotten = forget_keys_where(&txn, |_, last| last >= stats.next_offset)?;
+            report.keys_beyond_log_forgotten =
+                forget_keys_in_chunks(&self.state, |_, _, last| last >= stats.next_offset)?.keys;
             if report.keys_beyond_log_forgotten > 0 {
                 tracing::warn!(
                     forgotten = report.keys_beyond_log_forgotten,
@@ -632,13 +626,12 @@ impl IdempotencyIndex {
         // record. Below the log's end, only the ranges the log reports missing tell.
         let missing = &wal.open_report().missing_ranges;
         let fingerprint = missing_ranges_fingerprint(missing);
-        if phase == Phase::Start && !missing.is_empty() && missing_reconciled != Some(fingerprint) {
-            report.keys_in_missing_ranges_forgotten =
-                forget_keys_where(&txn, |first, last| missing.iter().any(|r| first < r.end && last >= r.start))?;
-            txn.open_table(META)
-                .map_err(storage_err)?
-                .insert(META_MISSING_RANGES_RECONCILED, fingerprint)
-                .map_err(storage_err)?;
+        let reconcile = phase == Phase::Start && !missing.is_empty() && missing_reconciled != Some(fingerprint);
+        if reconcile {
+            report.keys_in_missing_ranges_forgotten = forget_keys_in_chunks(&self.state, |_, first, last| {
+                missing.iter().any(|r| first < r.end && last >= r.start)
+            })?
+            .keys;
             if report.keys_in_missing_ranges_forgotten > 0 {
                 tracing::warn!(
                     forgotten = report.keys_in_missing_ranges_forgotten,
@@ -646,6 +639,16 @@ impl IdempotencyIndex {
                     "delivery ids recorded at offsets a salvage skipped were forgotten; a retry of one of those deliveries is appended again"
                 );
             }
+        }
+        let db = self.state.db()?;
+        let mut txn = db.begin_write().map_err(storage_err)?;
+        txn.set_durability(Durability::Immediate).map_err(|e| StateError::Storage(e.to_string()))?;
+        if reconcile {
+            // In the durable transaction, after every key in the ranges was forgotten.
+            txn.open_table(META)
+                .map_err(storage_err)?
+                .insert(META_MISSING_RANGES_RECONCILED, fingerprint)
+                .map_err(storage_err)?;
         }
         let records = Records::new(wal, from).map_err(|e| StateError::Storage(format!("reading the log: {e}")))?;
         let mut next = from;
@@ -722,23 +725,66 @@ fn raise_keys_below(txn: &redb::WriteTransaction, below: u64) -> Result<(), Stat
     Ok(())
 }
 
-/// Removes every key whose offsets `(first, last)` match `forget`; returns how many.
-fn forget_keys_where(txn: &redb::WriteTransaction, forget: impl Fn(u64, u64) -> bool) -> Result<u64, StateError> {
-    let mut table = txn.open_table(IDEMPOTENCY).map_err(storage_err)?;
-    let mut by_time = txn.open_table(IDEMPOTENCY_BY_TIME).map_err(storage_err)?;
-    let mut matched: Vec<(Vec<u8>, u64)> = Vec::new();
-    for entry in table.iter().map_err(storage_err)? {
-        let (k, v) = entry.map_err(storage_err)?;
-        let (first_offset, last_offset, accepted_at) = v.value();
-        if forget(first_offset, last_offset) {
-            matched.push((k.value().to_vec(), accepted_at));
+/// The most keys one transaction of a bulk forget removes ([`forget_keys_in_chunks`]):
+/// as for a sweep ([`SWEEP_MAX_KEYS_PER_TRANSACTION`]), the keys of a transaction are
+/// gathered in memory first, and a table of millions (a log directory replaced, every key
+/// to forget) must not be gathered at once.
+pub(crate) const FORGET_MAX_KEYS_PER_TRANSACTION: usize = 10_000;
+
+/// What a bulk forget did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Forgotten {
+    pub keys: u64,
+    pub transactions: u64,
+}
+
+/// Removes every key for which `forget(table key, first offset, last offset)` holds, in
+/// transactions of at most [`FORGET_MAX_KEYS_PER_TRANSACTION`] keys, each taking up the
+/// scan after the last key the one before gathered. Not durable: the caller's next
+/// durable commit makes them so, and a forget a crash undid is done again by whoever
+/// asked for it (it is idempotent).
+fn forget_keys_in_chunks(state: &StateDb, forget: impl Fn(&[u8], u64, u64) -> bool) -> Result<Forgotten, StateError> {
+    let mut done = Forgotten::default();
+    let mut after: Option<Vec<u8>> = None;
+    loop {
+        let db = state.db()?;
+        let mut txn = db.begin_write().map_err(storage_err)?;
+        txn.set_durability(Durability::None).map_err(|e| StateError::Storage(e.to_string()))?;
+        let full = {
+            let mut table = txn.open_table(IDEMPOTENCY).map_err(storage_err)?;
+            let mut by_time = txn.open_table(IDEMPOTENCY_BY_TIME).map_err(storage_err)?;
+            let mut matched: Vec<(Vec<u8>, u64)> = Vec::new();
+            {
+                let range = match after.as_deref() {
+                    None => table.range::<&[u8]>(..),
+                    Some(a) => table.range::<&[u8]>((std::ops::Bound::Excluded(a), std::ops::Bound::Unbounded)),
+                };
+                for entry in range.map_err(storage_err)? {
+                    let (k, v) = entry.map_err(storage_err)?;
+                    let (first_offset, last_offset, accepted_at) = v.value();
+                    if forget(k.value(), first_offset, last_offset) {
+                        matched.push((k.value().to_vec(), accepted_at));
+                        if matched.len() == FORGET_MAX_KEYS_PER_TRANSACTION {
+                            break;
+                        }
+                    }
+                }
+            }
+            for (key, accepted_at) in &matched {
+                table.remove(key.as_slice()).map_err(storage_err)?;
+                by_time.remove((*accepted_at, key.as_slice())).map_err(storage_err)?;
+            }
+            done.keys += matched.len() as u64;
+            let full = matched.len() == FORGET_MAX_KEYS_PER_TRANSACTION;
+            after = matched.pop().map(|(key, _)| key);
+            full
+        };
+        txn.commit().map_err(storage_err)?;
+        done.transactions += 1;
+        if !full {
+            return Ok(done);
         }
     }
-    for (key, accepted_at) in &matched {
-        table.remove(key.as_slice()).map_err(storage_err)?;
-        by_time.remove((*accepted_at, key.as_slice())).map_err(storage_err)?;
-    }
-    Ok(matched.len() as u64)
 }
 
 /// The first 8 bytes of a SHA-256 over the ranges: stable across builds and platforms.
@@ -1352,6 +1398,48 @@ mod tests {
         let index = IdempotencyIndex::new(Arc::new(StateDb::open(&path).unwrap()), 60_000);
         assert_eq!(index.forget_unscoped_keys_once().unwrap(), 1);
         assert_eq!(index.lookup(&named, 10_500).unwrap(), None, "the named path would answer with another delivery");
+    }
+
+    /// A bulk forget of more keys than one transaction takes (here two and a half
+    /// transactions' worth, at the daemon's own bound) forgets every matching key and only
+    /// those, in transactions of at most the bound each, and leaves the time index without
+    /// them too.
+    #[tokio::test]
+    async fn a_bulk_forget_runs_in_bounded_transactions_and_forgets_exactly_the_matching_keys() {
+        let dir = tempfile::tempdir().unwrap();
+        let state = Arc::new(StateDb::open(dir.path().join("s.redb")).unwrap());
+        let n = FORGET_MAX_KEYS_PER_TRANSACTION * 5 / 2;
+        {
+            let db = state.db().unwrap();
+            let txn = db.begin_write().unwrap();
+            // Even keys at offsets a log lost (from 1,000,000 on), odd ones below: the
+            // matching keys are spread through the table, not one run of it.
+            for i in 0..2 * n as u64 {
+                let offset = if i % 2 == 0 { 1_000_000 + i } else { i };
+                let prior =
+                    PriorAcceptance { first_offset: offset, last_offset: offset, accepted_at_unix_ms: 10_000 + i };
+                insert(&txn, &key(&format!("d-{i:06}")).table_key(), prior).unwrap();
+            }
+            txn.commit().unwrap();
+        }
+        use redb::ReadableTableMetadata;
+        let forgotten = forget_keys_in_chunks(&state, |_, _, last| last >= 1_000_000).unwrap();
+        assert_eq!(forgotten, Forgotten { keys: n as u64, transactions: 3 });
+        let db = state.db().unwrap();
+        let txn = db.begin_read().unwrap();
+        let table = txn.open_table(IDEMPOTENCY).unwrap();
+        let by_time = txn.open_table(IDEMPOTENCY_BY_TIME).unwrap();
+        assert_eq!((table.len().unwrap(), by_time.len().unwrap()), (n as u64, n as u64));
+        for entry in table.iter().unwrap() {
+            let (_, v) = entry.unwrap();
+            assert!(v.value().1 < 1_000_000, "a key the forget matched was kept: {:?}", v.value());
+        }
+        drop((table, by_time, txn, db));
+        // Nothing left to match: one transaction that finds none.
+        assert_eq!(
+            forget_keys_in_chunks(&state, |_, _, last| last >= 1_000_000).unwrap(),
+            Forgotten { keys: 0, transactions: 1 }
+        );
     }
 
     fn keys_below(index: &IdempotencyIndex) -> Option<u64> {
