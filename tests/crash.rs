@@ -265,6 +265,48 @@ async fn a_log_writer_that_panics_stops_the_daemon_with_status_1_and_loses_nothi
     assert!(daemon.stop().await.success());
 }
 
+/// A stop whose log never closes (its writer's last sync never returns, as on a failing
+/// disk) still ends, within the bound a service manager's stop timeout is sized by: exit
+/// status 1, saying so, the log not marked clean; and the next start recovers it and
+/// delivers the event answered before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_whose_log_never_closes_exits_1_in_bounded_time_and_loses_nothing() {
+    let dest = Destination::broker().await;
+    let stream = unique("close-hangs");
+    let dir = test_dir(&stream);
+    let grace = Duration::from_secs(1);
+    let config = config_text(dir.path(), &dest.daemon_address(), &rest(&stream, 65536))
+        .replace("grace_period_ms = 20000", "grace_period_ms = 1000\ndrain_delay_ms = 0");
+    let env =
+        [("IGGY_INGEST_FAIL_POINT", "wal.close".to_string()), ("IGGY_INGEST_FAIL_POINT_ACTION", "hang".to_string())];
+    let mut daemon = Daemon::start(dir.path(), &config, &env).await;
+    let event = br#"{"t":"a","n":1}"#.as_slice();
+    {
+        let mut conn = Conn::open(daemon.http).await.expect("connect");
+        let a = conn.send("POST", "/v1/sources/s0", &[("content-type", "application/json")], event).await;
+        assert_eq!(a.expect("answer").status, 200);
+    }
+    // SAFETY: kill(2) with the pid of our own child process.
+    assert_eq!(unsafe { libc::kill(daemon.child.id() as i32, libc::SIGTERM) }, 0);
+    let bound = grace + runtime::daemon::STOP_PAST_GRACE_MAX + Duration::from_secs(5);
+    let Some(status) = daemon.wait_exit(bound).await else {
+        panic!("the stop waited on a log that never closes past {bound:?}: {}", daemon.stderr());
+    };
+    let stderr = daemon.stderr();
+    assert!(stderr.contains("fail point wal.close: hit 1, hanging"), "not the fail point's hang: {stderr}");
+    assert_eq!(status.code(), Some(1), "exit status after a close cut short: {status}: {stderr}");
+    assert!(stderr.contains("the log did not close"), "the exit does not say why: {stderr}");
+    let marker = dir.path().join("data/wal").join(wal::CLEAN_MARKER_FILE);
+    assert!(!marker.exists(), "a log that never closed was marked clean");
+
+    let daemon = Daemon::restart(dir.path(), &[]).await;
+    wait_for(Duration::from_secs(60), "the event answered before the stop delivered", async || {
+        dest.delivered(&stream).await.iter().any(|d| d.payload.as_ref() == event)
+    })
+    .await;
+    assert!(daemon.stop().await.success());
+}
+
 /// A listener that panics while the daemon drains after SIGTERM stopped it as surely as
 /// one that panics before: exit status 1, naming it, not exit 0 with the panic taken for
 /// connections cut at the end of the grace period. The webhook listener drains first

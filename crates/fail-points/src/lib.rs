@@ -7,7 +7,9 @@
 //! feature, the call compares `name` with the point named by the environment and, on the
 //! chosen hit, kills the process with `SIGKILL`, exactly as `kill -9` would: no
 //! destructor, no flush, no clean-shutdown marker. With the `panic` action it panics
-//! instead, on the thread that hit the point: only that task unwinds.
+//! instead, on the thread that hit the point: only that task unwinds. With the `hang`
+//! action that thread never returns from the point (it sleeps for ever), as a thread
+//! whose `fdatasync` a failing disk never answers: the rest of the process goes on.
 //!
 //! The environment, read once per process:
 //!
@@ -15,10 +17,10 @@
 //! |---|---|
 //! | `IGGY_INGEST_FAIL_POINT` | the point to arm (one of [`POINTS`]); unset: nothing is armed |
 //! | `IGGY_INGEST_FAIL_POINT_HIT` | die on this hit of the point (1 = the first, the default) |
-//! | `IGGY_INGEST_FAIL_POINT_ACTION` | `kill` (the default) or `panic` |
+//! | `IGGY_INGEST_FAIL_POINT_ACTION` | `kill` (the default), `panic` or `hang` |
 //!
 //! Before acting the process writes `fail point NAME: hit N, killing the process` (or
-//! `panicking`) to stderr, so a test can tell the death it caused from any other.
+//! `panicking`, or `hanging`) to stderr, so a test can tell the death it caused from any other.
 
 /// Every fail point, with the moment it stands for.
 pub const POINTS: &[(&str, &str)] = &[
@@ -30,6 +32,7 @@ pub const POINTS: &[(&str, &str)] = &[
     ("wal.release.removed", "a released segment file was removed and the directory not yet synced"),
     ("listener.accept", "a listener accepted a connection and has not yet served it"),
     ("listener.drain", "a listener stopped taking connections and has not yet drained its open ones"),
+    ("wal.close", "the log's writer is about to make its last sync and write the clean-shutdown marker"),
 ];
 
 /// Dies here when the environment armed this point and this is the chosen hit.
@@ -56,8 +59,15 @@ mod armed {
     struct Armed {
         name: String,
         nth: u64,
-        panic: bool,
+        action: Action,
         hits: AtomicU64,
+    }
+
+    #[derive(Clone, Copy, PartialEq, Eq)]
+    enum Action {
+        Kill,
+        Panic,
+        Hang,
     }
 
     fn armed() -> Option<&'static Armed> {
@@ -70,15 +80,16 @@ mod armed {
                     return None;
                 }
                 let nth = std::env::var("IGGY_INGEST_FAIL_POINT_HIT").ok().and_then(|v| v.parse::<u64>().ok());
-                let panic = match std::env::var("IGGY_INGEST_FAIL_POINT_ACTION").ok().as_deref() {
-                    None | Some("" | "kill") => false,
-                    Some("panic") => true,
+                let action = match std::env::var("IGGY_INGEST_FAIL_POINT_ACTION").ok().as_deref() {
+                    None | Some("" | "kill") => Action::Kill,
+                    Some("panic") => Action::Panic,
+                    Some("hang") => Action::Hang,
                     Some(other) => {
-                        eprintln!("fail point {name}: no such action {other:?} (kill, panic); nothing is armed");
+                        eprintln!("fail point {name}: no such action {other:?} (kill, panic, hang); nothing is armed");
                         return None;
                     }
                 };
-                Some(Armed { name, nth: nth.unwrap_or(1).max(1), panic, hits: AtomicU64::new(0) })
+                Some(Armed { name, nth: nth.unwrap_or(1).max(1), action, hits: AtomicU64::new(0) })
             })
             .as_ref()
     }
@@ -93,9 +104,18 @@ mod armed {
         if n != a.nth {
             return;
         }
-        if a.panic {
-            eprintln!("fail point {name}: hit {n}, panicking");
-            panic!("fail point {name}: hit {n}");
+        match a.action {
+            Action::Kill => {}
+            Action::Panic => {
+                eprintln!("fail point {name}: hit {n}, panicking");
+                panic!("fail point {name}: hit {n}");
+            }
+            Action::Hang => {
+                eprintln!("fail point {name}: hit {n}, hanging");
+                loop {
+                    std::thread::sleep(std::time::Duration::from_secs(3600));
+                }
+            }
         }
         eprintln!("fail point {name}: hit {n}, killing the process");
         // SAFETY: kill(2) on this process's own pid; SIGKILL cannot be caught.

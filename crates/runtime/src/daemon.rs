@@ -346,9 +346,40 @@ pub async fn start(mut settings: Settings, metrics: Option<PrometheusHandle>) ->
                 "the router did not stop within the grace period: sends in flight abandoned, their records are sent again after the restart"
             );
         }
-        let wal_closed = wal.close().await.map_err(|e| e.to_string());
-        let checkpoint =
-            idempotency.final_checkpoint(&wal, ingest::time::now_unix_ms()).await.map_err(|e| e.to_string());
+        // Closing the log and the last checkpoint are a sync each: bounded too, so that a
+        // disk whose syncs never return cannot hold the exit for ever. Cut short, the log
+        // is not marked clean, and the next start recovers it as after a crash (nothing
+        // answered 200 is at stake: it is durable already).
+        let close_ends = tokio::time::Instant::now() + CLOSE_MAX;
+        let (wal_closed, checkpoint) = match tokio::time::timeout_at(close_ends, wal.close()).await {
+            Ok(closed) => {
+                let checkpoint = idempotency.final_checkpoint(&wal, ingest::time::now_unix_ms());
+                let checkpoint = match tokio::time::timeout_at(close_ends, checkpoint).await {
+                    Ok(c) => c.map_err(|e| e.to_string()),
+                    Err(_) => Err(format!(
+                        "the final checkpoint did not finish within {} ms; the delivery ids since the last one are restored from the log at the next start",
+                        CLOSE_MAX.as_millis()
+                    )),
+                };
+                (closed.map_err(|e| e.to_string()), checkpoint)
+            }
+            Err(_) => {
+                tracing::error!(
+                    close_max_ms = CLOSE_MAX.as_millis() as u64,
+                    "the log did not close in time (a sync the disk does not answer?): not marked clean; the next start recovers it, and every event answered 200 is in it"
+                );
+                // Its writer thread is stuck in the disk: the last handle on the log
+                // must not wait for it as it goes (a drop joins the writer).
+                std::mem::forget(wal.clone());
+                (
+                    Err(format!(
+                        "the log did not close within {} ms: not marked clean, recovered at the next start",
+                        CLOSE_MAX.as_millis()
+                    )),
+                    Err("not run: the log did not close".to_string()),
+                )
+            }
+        };
         let _ = admin_stop_tx.send(true);
         // What is left of the grace period, and at least a moment for a scrape in flight:
         // a client holding an admin connection open (a half-sent request needs no token)
@@ -495,6 +526,24 @@ const ROUTER_STOP_MIN: Duration = Duration::from_secs(1);
 /// stop, even past the grace period: a scrape or a `/status` in flight is answered in
 /// milliseconds.
 const ADMIN_STOP_MIN: Duration = Duration::from_millis(200);
+
+/// The most time closing the log and the final checkpoint may take together, past the
+/// grace period: each is a sync, milliseconds on a healthy disk. Past it the stop goes
+/// on without them (exit 1, the log recovered at the next start as after a crash).
+const CLOSE_MAX: Duration = Duration::from_secs(10);
+
+/// The most time the process takes, at the end of a stop, for blocking work still under
+/// way (a sync the disk does not answer) before it exits without it.
+pub const RUNTIME_STOP_MAX: Duration = Duration::from_secs(1);
+
+/// The most a stop takes past `shutdown.drain_delay_ms` + `shutdown.grace_period_ms`:
+/// what a service manager's stop timeout must leave room for beyond those two.
+pub const STOP_PAST_GRACE_MAX: Duration = Duration::from_millis(
+    ROUTER_STOP_MIN.as_millis() as u64
+        + CLOSE_MAX.as_millis() as u64
+        + ADMIN_STOP_MIN.as_millis() as u64
+        + RUNTIME_STOP_MAX.as_millis() as u64,
+);
 
 async fn stopped(mut rx: watch::Receiver<bool>) {
     // A dropped sender also means stop.

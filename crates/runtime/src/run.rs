@@ -56,7 +56,7 @@ pub fn run(settings: Settings, ready_file: Option<PathBuf>) -> ExitCode {
         eprintln!("iggy-ingest: cannot remove the ready file {} left by an earlier run: {e}", path.display());
         return ExitCode::FAILURE;
     }
-    runtime.block_on(async move {
+    let code = runtime.block_on(async move {
         // Installed before anything else: a stop signal that comes while the daemon
         // starts, or right after it said it is ready, is then a clean stop, not the
         // default action's sudden death (no clean-shutdown marker, exit by signal).
@@ -163,7 +163,11 @@ pub fn run(settings: Settings, ready_file: Option<PathBuf>) -> ExitCode {
             eprintln!("iggy-ingest: unclean shutdown: {report:?}");
             ExitCode::FAILURE
         }
-    })
+    });
+    // Blocking work still under way (a sync the disk does not answer) does not hold the
+    // exit: whatever it was doing, a crash there loses nothing answered 200.
+    runtime.shutdown_timeout(daemon::RUNTIME_STOP_MAX);
+    code
 }
 
 /// Whether the ready file at `path` names a live process of this same program (its

@@ -218,6 +218,7 @@ impl Writer {
                 }
                 Command::Close { reply } => {
                     self.flush(&mut pending);
+                    fail_points::fail_point!("wal.close");
                     let _ = reply.send(self.close());
                     return true;
                 }
