@@ -289,7 +289,7 @@ async fn receive_inner(
     req: Request,
 ) -> Result<Response, ApiError> {
     let received_at_unix_ms = ingest::time::now_unix_ms();
-    if door.health.is_draining() {
+    if door.health.is_refusing() {
         return Err(ApiError::unavailable(
             "shutting_down",
             "the daemon is shutting down",

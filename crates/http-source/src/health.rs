@@ -1,7 +1,11 @@
 //! The daemon's accepting state, shared by both listeners' `/health` and the door.
 //!
 //! Invariants:
-//! - Once draining, always draining (until the process exits).
+//! - Once draining, always draining (until the process exits); once refusing, always
+//!   refusing, and refusing implies draining. A stop first drains (`/health` 503, so a
+//!   load balancer sends new traffic elsewhere, while the requests that still arrive
+//!   are served), and only after `shutdown.drain_delay_ms` refuses new requests (503
+//!   `shutting_down`) as the listener closes.
 //! - Once the log stopped taking appends (closed, or poisoned after a storage failure it
 //!   could not undo or an interval sync that failed), health stays 503: only a restart (which recovers the log) clears
 //!   it, so a load balancer sends traffic elsewhere instead of into 503s. Health asks
@@ -17,6 +21,7 @@ use std::sync::{Arc, OnceLock};
 #[derive(Debug, Default)]
 pub struct Health {
     draining: AtomicBool,
+    refusing: AtomicBool,
     /// The log whose state health reports (none in tests of the door alone).
     log: OnceLock<Arc<wal::Wal>>,
 }
@@ -46,12 +51,24 @@ impl HealthState {
 }
 
 impl Health {
+    /// `/health` answers 503 from now on; event requests are still served.
     pub fn start_draining(&self) {
         self.draining.store(true, Ordering::Release);
     }
 
     pub fn is_draining(&self) -> bool {
         self.draining.load(Ordering::Acquire)
+    }
+
+    /// Event requests are refused (503 `shutting_down`) from now on, and `/health`
+    /// answers 503.
+    pub fn stop_accepting(&self) {
+        self.draining.store(true, Ordering::Release);
+        self.refusing.store(true, Ordering::Release);
+    }
+
+    pub fn is_refusing(&self) -> bool {
+        self.refusing.load(Ordering::Acquire)
     }
 
     /// Health follows `wal` from now on: once it takes no more appends, health is 503.
@@ -68,5 +85,27 @@ impl Health {
             Some(wal) if wal.awaits_segment() => HealthState::LogUnavailable,
             _ => HealthState::Accepting,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A stop drains first: health says so while requests are still served; refusing
+    /// comes after, and implies draining. Neither goes back.
+    #[test]
+    fn a_stop_drains_before_it_refuses_and_neither_goes_back() {
+        let health = Health::default();
+        assert_eq!((health.state(), health.is_refusing()), (HealthState::Accepting, false));
+        health.start_draining();
+        assert_eq!((health.state(), health.is_refusing()), (HealthState::Draining, false));
+        health.stop_accepting();
+        assert_eq!((health.state(), health.is_refusing()), (HealthState::Draining, true));
+        health.start_draining();
+        assert!(health.is_refusing(), "draining again took the refusal back");
+        let refusing_at_once = Health::default();
+        refusing_at_once.stop_accepting();
+        assert_eq!(refusing_at_once.state(), HealthState::Draining, "refusing without draining");
     }
 }

@@ -316,8 +316,11 @@ pub async fn start(mut settings: Settings, metrics: Option<PrometheusHandle>) ->
             let _ = stop_tx.send(true);
         }
         tracing::info!("shutting down: draining");
+        // Health first, so that a load balancer sends new traffic elsewhere; what still
+        // arrives meanwhile is served (each 200 durable as ever), not refused.
         health.start_draining();
         tokio::time::sleep(drain_delay).await;
+        health.stop_accepting();
         // From here the whole drain is bounded by the grace period.
         let grace_ends = tokio::time::Instant::now() + grace;
         let _ = http_stop_tx.send(true);
