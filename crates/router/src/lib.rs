@@ -32,6 +32,10 @@
 //!    delivered; at start a stored cursor above the log's next offset (the log lost its
 //!    tail, or was replaced) is taken as that offset and lowered in the store before the
 //!    router runs, so records that reuse those offsets are delivered before release.
+//! 7. **No task outlives its router's stop.** [`Router::shutdown`] joins every task; a
+//!    stop abandoned part way (its future dropped at the end of the daemon's grace
+//!    period) aborts those not ended, so no send or cursor commit goes on while the log
+//!    closes. What they held is above the stored cursors and is sent again.
 
 pub mod breaker;
 pub mod cursors;
@@ -379,6 +383,52 @@ pub struct Router {
     flusher: std::sync::Mutex<Option<JoinHandle<()>>>,
 }
 
+/// Tasks a stop waits for, aborted if the stop is abandoned before they ended.
+struct AbortUnlessJoined(Vec<JoinHandle<()>>);
+
+impl AbortUnlessJoined {
+    async fn join(&mut self) {
+        for t in self.0.iter_mut() {
+            let _ = t.await;
+        }
+        self.0.clear();
+    }
+}
+
+impl Drop for AbortUnlessJoined {
+    fn drop(&mut self) {
+        for t in &self.0 {
+            t.abort();
+        }
+    }
+}
+
+/// Held by [`Router::shutdown`]: if the stop is abandoned, the tasks it has not taken
+/// yet (the lanes', the flusher) are aborted too, and the status says the stop was cut.
+struct AbortIfAbandoned<'a> {
+    router: &'a Router,
+    joined: bool,
+}
+
+impl Drop for AbortIfAbandoned<'_> {
+    fn drop(&mut self) {
+        if self.joined {
+            return;
+        }
+        let r = self.router;
+        for t in r.lane_tasks.lock().unwrap_or_else(|p| p.into_inner()).drain(..) {
+            t.abort();
+        }
+        if let Some(f) = r.flusher.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            f.abort();
+        }
+        r.health.set_own(
+            Status::Stopped,
+            "stop abandoned: sends in flight cut, their records are sent again after a restart",
+        );
+    }
+}
+
 /// A router dropped without [`Router::shutdown`] (a daemon whose start failed after it
 /// started delivery, say) still stops its tasks: with the stop signals' senders gone
 /// and no value sent, a task waiting on them would wake at once, again and again.
@@ -542,24 +592,27 @@ impl Router {
     /// Stops every task; batches in flight stay in the log and are sent again next time.
     /// The status says `stopping` until every task has stopped, then `stopped`; a second
     /// call finds nothing left to wait for.
+    ///
+    /// A stop abandoned part way (its future dropped: the daemon's grace period ended
+    /// while a send still waited for its destination) aborts every task of the router
+    /// that has not ended, so none outlives the stop (a lane's send, the flusher storing
+    /// cursors while the log closes): what they held stays in the log, above the stored
+    /// cursors, and is sent again after the restart.
     pub async fn shutdown(&self) {
         self.health.set_own(Status::Stopping, "shutdown requested");
         let _ = self.shutdown.send(true);
-        let tasks = std::mem::take(&mut *self.tasks.lock().unwrap_or_else(|p| p.into_inner()));
-        for t in tasks {
-            let _ = t.await;
-        }
+        let mut abandoned = AbortIfAbandoned { router: self, joined: false };
+        let mut tasks = AbortUnlessJoined(std::mem::take(&mut *self.tasks.lock().unwrap_or_else(|p| p.into_inner())));
+        tasks.join().await;
         // The dispatcher has stopped, so no lane is created after this.
-        let lane_tasks = std::mem::take(&mut *self.lane_tasks.lock().unwrap_or_else(|p| p.into_inner()));
-        for t in lane_tasks {
-            let _ = t.await;
-        }
+        let mut lane_tasks =
+            AbortUnlessJoined(std::mem::take(&mut *self.lane_tasks.lock().unwrap_or_else(|p| p.into_inner())));
+        lane_tasks.join().await;
         // Every lane has stopped: store what they acknowledged, then stop the flusher.
         let _ = self.stop_flusher.send(true);
         let flusher = self.flusher.lock().unwrap_or_else(|p| p.into_inner()).take();
-        if let Some(f) = flusher {
-            let _ = f.await;
-        }
+        AbortUnlessJoined(flusher.into_iter().collect()).join().await;
+        abandoned.joined = true;
         // Every lane task has ended: the lanes go (and with them their counts in the
         // gauges, taken back when a lane is dropped), as they did when the router itself
         // was dropped at its shutdown.

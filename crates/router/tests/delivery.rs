@@ -1050,3 +1050,27 @@ async fn a_router_dropped_without_a_shutdown_stops_its_tasks() {
     drop(router);
     eventually(Duration::from_secs(5), "every task let go of the log", || Arc::strong_count(&wal) == 1).await;
 }
+
+/// A stop abandoned part way (the daemon's grace period over while a send still waits
+/// for its destination) leaves no task of the router running: the send in flight is
+/// dropped, not finished behind the daemon's back while its log closes, and the status
+/// says the stop was cut.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_abandoned_stop_leaves_no_send_running() {
+    let sim = SimStorage::new();
+    let wal = open_wal(&sim);
+    let sink = FaultySink::new();
+    let d = key("s", "slow");
+    // Answered within the result timeout (2 s): a stop that waited would see it through.
+    sink.fault(&d, Some(Fault::Slow(Duration::from_millis(1500))));
+    let router = start_router(&wal, &sink, fast_policy());
+    fill(&wal, std::slice::from_ref(&d), 0, 10).await;
+    eventually(Duration::from_secs(10), "a send is out", || sink.calls(&d) >= 1).await;
+    let stop = tokio::time::timeout(Duration::from_millis(100), router.shutdown()).await;
+    assert!(stop.is_err(), "the stop did not wait for the send in flight");
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(sink.ids(&d), Vec::<u128>::new(), "a send went on after its router's stop was abandoned");
+    let status = router.status();
+    assert_eq!(status.status, Status::Stopped, "{status:?}");
+    assert!(status.reason.contains("stop abandoned"), "{status:?}");
+}
