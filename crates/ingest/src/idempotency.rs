@@ -46,7 +46,8 @@
 //! - Two concurrent requests with the same key never both append: the second finds the
 //!   key claimed and is refused (409) until the first finishes.
 //! - Entries older than the retention window are ignored by lookups and swept by
-//!   checkpoints.
+//!   checkpoints; past `idempotency.max_keys` ([`MAX_KEYS_DEFAULT`]) checkpoints also
+//!   forget the oldest before their window ends (a duplicate at worst, never a loss).
 //! - After a rebuild, every key's offsets are below the log's next offset and outside
 //!   every range the log reports missing (`wal::OpenReport::missing_ranges`: offsets a
 //!   salvage skipped, in place or by copy): a key never answers a retry with offsets the
@@ -178,6 +179,8 @@ pub struct IdempotencyIndex {
     /// checkpoint task at shutdown) leaves it set, and the next recovery owes them.
     reopen_unsettled: AtomicBool,
     gate: Arc<RwLock<()>>,
+    /// The most keys the index keeps ([`IdempotencyIndex::with_max_keys`]).
+    max_keys: u64,
     in_flight: Mutex<HashSet<Vec<u8>>>,
     recorder: Mutex<Option<std::sync::mpsc::Sender<RecordJob>>>,
     recorder_thread: Mutex<Option<std::thread::JoinHandle<()>>>,
@@ -280,6 +283,7 @@ impl IdempotencyIndex {
             recorded_below: AtomicU64::new(0),
             reopen_unsettled: AtomicBool::new(false),
             gate: Arc::new(RwLock::new(())),
+            max_keys: MAX_KEYS_DEFAULT,
             in_flight: Mutex::new(HashSet::new()),
             recorder: Mutex::new(recorder),
             recorder_thread: Mutex::new(recorder_thread),
@@ -294,6 +298,13 @@ impl IdempotencyIndex {
 
     pub fn retention_ms(&self) -> u64 {
         self.retention_ms
+    }
+
+    /// Keeps at most `max_keys` keys (at least 1): past it, each checkpoint forgets the
+    /// oldest before their retention ends (see [`MAX_KEYS_DEFAULT`]).
+    pub fn with_max_keys(mut self, max_keys: u64) -> IdempotencyIndex {
+        self.max_keys = max_keys.max(1);
+        self
     }
 
     /// The durable checkpoint, live: the log may be released below it (and not above,
@@ -451,12 +462,13 @@ impl IdempotencyIndex {
         };
         let state = self.state.clone();
         let cutoff = now_unix_ms.saturating_sub(self.retention_ms).saturating_sub(SWEEP_GRACE_MS);
+        let bounds = SweepBounds { cutoff_unix_ms: cutoff, max_keys: self.max_keys };
         let durable_through = self.durable_through.clone();
         tokio::task::spawn_blocking(move || {
-            let swept = commit_checkpoint(&state, through, cutoff)?;
+            let swept = commit_checkpoint(&state, through, bounds)?;
             // Durable now, whatever the sweep that follows does.
             durable_through.fetch_max(through, Ordering::AcqRel);
-            if sweep_backlog && let Err(e) = sweep_the_rest(&state, cutoff, swept) {
+            if sweep_backlog && let Err(e) = sweep_the_rest(&state, bounds, swept) {
                 // Housekeeping: the expired keys stay (lookups ignore them) and the next
                 // checkpoint sweeps them; the checkpoint itself is made.
                 tracing::warn!(error = %e, "sweeping expired delivery ids failed; the next checkpoint tries again");
@@ -827,12 +839,63 @@ pub(crate) const SWEEP_TIME_BUDGET: std::time::Duration = std::time::Duration::f
 /// The pause between two sweeping transactions, in which the recorder takes the writer.
 const SWEEP_PAUSE: std::time::Duration = std::time::Duration::from_millis(2);
 
+/// The default of `idempotency.max_keys`: ten million keys, a few gigabytes of state
+/// database at most (delivery ids of 36 bytes take 180 to 360 bytes a key, both tables
+/// counted, by the order they come in; docs/http.md), a day of 115 keyed requests a second. The keys are bounded by
+/// the request rate times the retention window, which nothing else bounds: past this
+/// many, each checkpoint forgets the oldest keys before their retention ends (a retry of
+/// such a delivery is appended again: a duplicate, never a loss), counted in
+/// `iggy_ingest_idempotency_keys_evicted_total`.
+pub const MAX_KEYS_DEFAULT: u64 = 10_000_000;
+
+/// What a sweep removes: keys accepted before `cutoff_unix_ms`, then the oldest while
+/// more than `max_keys` are kept.
+#[derive(Debug, Clone, Copy)]
+struct SweepBounds {
+    cutoff_unix_ms: u64,
+    max_keys: u64,
+}
+
+/// What one sweeping transaction removed, and the keys it left.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Swept {
+    expired: usize,
+    evicted: usize,
+    keys_left: u64,
+}
+
+impl Swept {
+    /// Whether the transaction took all it may ([`SWEEP_MAX_KEYS_PER_TRANSACTION`]): more
+    /// may be left to sweep.
+    fn was_full(&self) -> bool {
+        self.expired + self.evicted == SWEEP_MAX_KEYS_PER_TRANSACTION
+    }
+
+    /// Counts what was evicted and how many keys are left, once its transaction committed.
+    fn tell(&self, max_keys: u64) {
+        metrics::gauge!("iggy_ingest_idempotency_keys").set(self.keys_left as f64);
+        if self.evicted == 0 {
+            return;
+        }
+        metrics::counter!("iggy_ingest_idempotency_keys_evicted_total").increment(self.evicted as u64);
+        static LOG: crate::log_limit::LogLimit = crate::log_limit::LogLimit::every(std::time::Duration::from_secs(60));
+        if let Some(suppressed) = LOG.admit() {
+            tracing::warn!(
+                evicted = self.evicted,
+                max_keys,
+                suppressed,
+                "the delivery-id index is at idempotency.max_keys: the oldest ids are forgotten before their retention ends (a retry of one is appended again); raise it, or shorten idempotency.retention_secs"
+            );
+        }
+    }
+}
+
 /// After a checkpoint that swept `swept` keys: while its transaction was full, sweeps on,
 /// a transaction of at most [`SWEEP_MAX_KEYS_PER_TRANSACTION`] keys at a time (not
 /// durable: a sweep a crash undoes is done again), within [`SWEEP_TIME_BUDGET`].
-fn sweep_the_rest(state: &StateDb, cutoff_unix_ms: u64, mut swept: usize) -> Result<(), StateError> {
+fn sweep_the_rest(state: &StateDb, bounds: SweepBounds, mut swept: Swept) -> Result<(), StateError> {
     let started = std::time::Instant::now();
-    while swept == SWEEP_MAX_KEYS_PER_TRANSACTION && started.elapsed() < SWEEP_TIME_BUDGET {
+    while swept.was_full() && started.elapsed() < SWEEP_TIME_BUDGET {
         // redb's writer is not handed over fairly: without a pause the recorder of the
         // keyed requests, woken by the last commit, would lose the writer to this loop
         // again and wait for the whole budget.
@@ -840,43 +903,59 @@ fn sweep_the_rest(state: &StateDb, cutoff_unix_ms: u64, mut swept: usize) -> Res
         let db = state.db()?;
         let mut txn = db.begin_write().map_err(storage_err)?;
         txn.set_durability(Durability::None).map_err(|e| StateError::Storage(e.to_string()))?;
-        swept = sweep_expired(&txn, cutoff_unix_ms)?;
+        swept = sweep_expired(&txn, bounds)?;
         txn.commit().map_err(storage_err)?;
+        swept.tell(bounds.max_keys);
     }
     Ok(())
 }
 
-/// Removes the oldest expired keys, at most [`SWEEP_MAX_KEYS_PER_TRANSACTION`], in `txn`;
-/// returns how many.
-fn sweep_expired(txn: &redb::WriteTransaction, cutoff_unix_ms: u64) -> Result<usize, StateError> {
+/// Removes expired keys, oldest first, then (in what is left of the transaction's share)
+/// the oldest keys past `max_keys`: at most [`SWEEP_MAX_KEYS_PER_TRANSACTION`] in all.
+fn sweep_expired(txn: &redb::WriteTransaction, bounds: SweepBounds) -> Result<Swept, StateError> {
+    use redb::ReadableTableMetadata;
     let mut table = txn.open_table(IDEMPOTENCY).map_err(storage_err)?;
     let mut by_time = txn.open_table(IDEMPOTENCY_BY_TIME).map_err(storage_err)?;
-    let mut expired: Vec<(u64, Vec<u8>)> = Vec::new();
-    let range = by_time.range::<(u64, &[u8])>(..(cutoff_unix_ms, &[][..])).map_err(storage_err)?;
+    let mut gone: Vec<(u64, Vec<u8>)> = Vec::new();
+    let range = by_time.range::<(u64, &[u8])>(..(bounds.cutoff_unix_ms, &[][..])).map_err(storage_err)?;
     for entry in range.take(SWEEP_MAX_KEYS_PER_TRANSACTION) {
         let (k, _) = entry.map_err(storage_err)?;
         let (at, key) = k.value();
-        expired.push((at, key.to_vec()));
+        gone.push((at, key.to_vec()));
     }
-    for (at, key) in &expired {
+    let expired = gone.len();
+    let over = table.len().map_err(storage_err)?.saturating_sub(expired as u64).saturating_sub(bounds.max_keys);
+    let evict = usize::try_from(over).unwrap_or(usize::MAX).min(SWEEP_MAX_KEYS_PER_TRANSACTION - expired);
+    if evict > 0 {
+        // The oldest left once the expired ones go: those come first in the same order.
+        let range = by_time.range::<(u64, &[u8])>(..).map_err(storage_err)?;
+        for entry in range.skip(expired).take(evict) {
+            let (k, _) = entry.map_err(storage_err)?;
+            let (at, key) = k.value();
+            gone.push((at, key.to_vec()));
+        }
+    }
+    for (at, key) in &gone {
         by_time.remove((*at, key.as_slice())).map_err(storage_err)?;
         table.remove(key.as_slice()).map_err(storage_err)?;
     }
-    Ok(expired.len())
+    let keys_left = table.len().map_err(storage_err)?;
+    Ok(Swept { expired, evicted: gone.len() - expired, keys_left })
 }
 
 /// Commits the checkpoint `through` durably, with a first sweep of expired keys; returns
 /// how many it swept.
-fn commit_checkpoint(state: &StateDb, through: u64, cutoff_unix_ms: u64) -> Result<usize, StateError> {
+fn commit_checkpoint(state: &StateDb, through: u64, bounds: SweepBounds) -> Result<Swept, StateError> {
     let db = state.db()?;
     let txn = db.begin_write().map_err(storage_err)?;
-    let swept = sweep_expired(&txn, cutoff_unix_ms)?;
+    let swept = sweep_expired(&txn, bounds)?;
     {
         let mut meta = txn.open_table(META).map_err(storage_err)?;
         let current = meta.get(META_INDEXED_THROUGH).map_err(storage_err)?.map(|v| v.value()).unwrap_or(0);
         meta.insert(META_INDEXED_THROUGH, current.max(through)).map_err(storage_err)?;
     }
     txn.commit().map_err(storage_err)?;
+    swept.tell(bounds.max_keys);
     Ok(swept)
 }
 
@@ -1569,7 +1648,9 @@ mod tests {
         let wal = Wal::open(wal_dir.path(), wal::WalOptions::default()).unwrap();
         let now = 1_000_000 + SWEEP_GRACE_MS;
         let cutoff = now - 1_000 - SWEEP_GRACE_MS;
-        assert_eq!(commit_checkpoint(&state, 0, cutoff).unwrap(), SWEEP_MAX_KEYS_PER_TRANSACTION);
+        let bounds = SweepBounds { cutoff_unix_ms: cutoff, max_keys: MAX_KEYS_DEFAULT };
+        let swept = commit_checkpoint(&state, 0, bounds).unwrap();
+        assert_eq!((swept.expired, swept.evicted), (SWEEP_MAX_KEYS_PER_TRANSACTION, 0));
         let left = (2 * SWEEP_MAX_KEYS_PER_TRANSACTION + 2_501) as u64;
         assert_eq!(count("keys"), left, "one transaction swept more or less than its share");
         assert_eq!(count("by_time"), left);
@@ -1582,5 +1663,44 @@ mod tests {
         index.checkpoint(&wal, now).await.unwrap();
         assert_eq!((count("keys"), count("by_time")), (1, 1), "the checkpoint sweeps the rest");
         assert!(index.lookup(&key("fresh"), 1_000_500).unwrap().is_some());
+    }
+
+    /// Past `max_keys`, a checkpoint forgets the oldest keys before their retention ends,
+    /// expired ones first, and counts what it evicted; under the bound it evicts nothing.
+    #[tokio::test]
+    async fn past_max_keys_a_checkpoint_forgets_the_oldest_keys_first() {
+        let state = Arc::new(StateDb::open_in_memory().unwrap());
+        let index = Arc::new(IdempotencyIndex::new(state.clone(), 1_000_000).with_max_keys(3));
+        {
+            let db = state.db().unwrap();
+            let txn = db.begin_write().unwrap();
+            // One expired key (accepted at 1), then six live ones, oldest first.
+            for (name, at) in [("expired", 1), ("k0", 10), ("k1", 20), ("k2", 30), ("k3", 40), ("k4", 50), ("k5", 60)] {
+                let prior = PriorAcceptance { first_offset: 0, last_offset: 0, accepted_at_unix_ms: at };
+                insert(&txn, key(name).table_key().as_slice(), prior).unwrap();
+            }
+            txn.commit().unwrap();
+        }
+        let now = 1_000_000 + SWEEP_GRACE_MS + 5;
+        let bounds = SweepBounds { cutoff_unix_ms: now - 1_000_000 - SWEEP_GRACE_MS, max_keys: 3 };
+        let swept = commit_checkpoint(&state, 0, bounds).unwrap();
+        assert_eq!(swept, Swept { expired: 1, evicted: 3, keys_left: 3 });
+        for (name, kept) in
+            [("expired", false), ("k0", false), ("k1", false), ("k2", false), ("k3", true), ("k4", true), ("k5", true)]
+        {
+            assert_eq!(index.lookup(&key(name), 100).unwrap().is_some(), kept, "{name}");
+        }
+        // At the bound, nothing more goes.
+        let again = commit_checkpoint(&state, 0, bounds).unwrap();
+        assert_eq!(again, Swept { expired: 0, evicted: 0, keys_left: 3 });
+        // Through the index's own checkpoint, with its bound: one more key, one evicted.
+        let c = index.claim(&key("k6")).await.unwrap();
+        index.record(&c, PriorAcceptance { first_offset: 1, last_offset: 1, accepted_at_unix_ms: 70 }).await.unwrap();
+        drop(c);
+        let wal_dir = tempfile::tempdir().unwrap();
+        let wal = Wal::open(wal_dir.path(), wal::WalOptions::default()).unwrap();
+        index.checkpoint(&wal, 100).await.unwrap();
+        assert!(index.lookup(&key("k3"), 100).unwrap().is_none(), "the oldest was kept past the bound");
+        assert!(index.lookup(&key("k6"), 100).unwrap().is_some(), "the newest was evicted");
     }
 }

@@ -115,6 +115,7 @@ pub struct WalConfig {
 pub struct IdempotencyConfig {
     pub retention_secs: u64,
     pub checkpoint_interval_ms: u64,
+    pub max_keys: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -395,7 +396,11 @@ impl Default for WalConfig {
 
 impl Default for IdempotencyConfig {
     fn default() -> Self {
-        IdempotencyConfig { retention_secs: 86_400, checkpoint_interval_ms: 1_000 }
+        IdempotencyConfig {
+            retention_secs: 86_400,
+            checkpoint_interval_ms: 1_000,
+            max_keys: ingest::idempotency::MAX_KEYS_DEFAULT,
+        }
     }
 }
 
@@ -758,6 +763,8 @@ pub struct Settings {
     pub data_dir: PathBuf,
     pub wal: WalOptions,
     pub idempotency_retention: Duration,
+    /// `idempotency.max_keys`.
+    pub idempotency_max_keys: u64,
     pub checkpoint_interval: Duration,
     pub sources: Vec<SourceSpec>,
     pub endpoints: Vec<Endpoint>,
@@ -806,6 +813,10 @@ const WAL_SEGMENTS_MAX: u64 = 16_384;
 
 /// The longest idempotency window: ten years.
 const RETENTION_SECS_MAX: u64 = 10 * 366 * 86_400;
+
+/// The most `idempotency.max_keys` may allow: a billion keys, up to about 360 GB of
+/// state database at 360 bytes a key.
+const MAX_KEYS_MAX: u64 = 1_000_000_000;
 
 /// Two listen addresses one process cannot both bind: the same port (not 0, which picks
 /// a free one) on the same address; or with either on `::`, which takes the port on
@@ -1130,6 +1141,14 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
         );
     }
 
+    let max_keys = c.positive(&idem.key("max_keys"), config.idempotency.max_keys);
+    if max_keys > MAX_KEYS_MAX {
+        c.err(
+            &idem.key("max_keys"),
+            format!("{max_keys} is more than {MAX_KEYS_MAX}: up to about 360 GB of state database"),
+        );
+    }
+
     let iggy = root.key("iggy");
     let address = &config.iggy.address;
     match crate::host_port::check(address) {
@@ -1413,6 +1432,7 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
         data_dir: PathBuf::from(&config.storage.data_dir),
         wal: wal_options,
         idempotency_retention: Duration::from_secs(retention_secs),
+        idempotency_max_keys: max_keys,
         checkpoint_interval: Duration::from_millis(checkpoint_ms),
         sources,
         endpoints,
@@ -2572,6 +2592,23 @@ auth_secret = "never checked"
         );
         let text = hmac(1024, 128, 64);
         validate(&parse(&text, None).unwrap(), Some(&text), None).unwrap();
+    }
+
+    /// `idempotency.max_keys` is at least 1 and at most a billion, named at its key;
+    /// unset, the index keeps the default.
+    #[test]
+    fn max_keys_is_bounded_and_defaults() {
+        let source = "[sources.a]\ndestination = { stream = \"s\", topic = \"t\" }\n";
+        for bad in [0u64, MAX_KEYS_MAX + 1] {
+            let e = errors(&format!("[idempotency]\nmax_keys = {bad}\n{source}"));
+            let found: Vec<(&str, Option<usize>)> = e.iter().map(|e| (e.path.as_str(), e.line)).collect();
+            assert_eq!(found, vec![("idempotency.max_keys", Some(2))], "{bad}: {e:?}");
+        }
+        let text = format!("[idempotency]\nmax_keys = {MAX_KEYS_MAX}\n{source}");
+        let settings = validate(&parse(&text, None).unwrap(), Some(&text), None).unwrap();
+        assert_eq!(settings.idempotency_max_keys, MAX_KEYS_MAX);
+        let settings = validate(&parse(source, None).unwrap(), Some(source), None).unwrap();
+        assert_eq!(settings.idempotency_max_keys, ingest::idempotency::MAX_KEYS_DEFAULT);
     }
 
     /// A file of nothing but unknown keys gets a bounded list, not one line per key.

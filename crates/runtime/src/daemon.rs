@@ -433,7 +433,10 @@ async fn open_on_log(settings: &Settings, wal: &Arc<Wal>) -> Result<OnLog, Start
             .map_err(|e| StateError::Storage(format!("open task failed: {e}")))??
     };
     let state = Arc::new(state);
-    let idempotency = Arc::new(IdempotencyIndex::new(state.clone(), settings.idempotency_retention.as_millis() as u64));
+    let idempotency = Arc::new(
+        IdempotencyIndex::new(state.clone(), settings.idempotency_retention.as_millis() as u64)
+            .with_max_keys(settings.idempotency_max_keys),
+    );
     let rebuilt = {
         let (idem, wal) = (idempotency.clone(), wal.clone());
         tokio::task::spawn_blocking(move || {

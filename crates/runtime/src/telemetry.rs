@@ -149,6 +149,18 @@ pub fn catalog() -> Vec<Metric> {
             "Delivery ids that could not be recorded after their append (rebuilt from the log on start)",
         ),
         m(
+            "iggy_ingest_idempotency_keys",
+            Gauge,
+            &[],
+            "Delivery ids kept in the idempotency index, as of the last checkpoint",
+        ),
+        m(
+            "iggy_ingest_idempotency_keys_evicted_total",
+            Counter,
+            &[],
+            "Delivery ids forgotten before their retention ended: the index was at idempotency.max_keys",
+        ),
+        m(
             "iggy_ingest_idempotency_checkpoint_failures_total",
             Counter,
             &[],
