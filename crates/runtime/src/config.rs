@@ -1229,8 +1229,28 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
     if config.sources.is_empty() {
         c.err(&sources_path, "at least one source is required");
     }
+    if config.sources.len() > SOURCES_MAX {
+        c.err(
+            &sources_path,
+            format!(
+                "{} sources; at most {SOURCES_MAX} (each is a label of every per-source metric): serve many senders of one kind through one source's endpoints",
+                config.sources.len()
+            ),
+        );
+    }
+    let static_endpoints: usize = config.sources.values().map(|s| s.endpoints.len()).sum();
+    if static_endpoints > http_source::endpoints::DYNAMIC_ENDPOINTS_MAX {
+        c.err(
+            &sources_path,
+            format!(
+                "{static_endpoints} static endpoints in all; at most {} (every one is held in memory): register more through the management API",
+                http_source::endpoints::DYNAMIC_ENDPOINTS_MAX
+            ),
+        );
+    }
     let mut sources = Vec::new();
     let mut endpoints: Vec<Endpoint> = Vec::new();
+    let mut endpoint_ids: std::collections::HashSet<u128> = std::collections::HashSet::new();
     for (key, s) in &config.sources {
         let sp = sources_path.key(key);
         if key.is_empty() || !key.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.')) {
@@ -1339,7 +1359,7 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
                 c.err(&ep.key("id"), "must be 32 hex digits (a 128-bit id; e.g. `openssl rand -hex 16`)");
                 continue;
             };
-            if endpoints.iter().any(|x| x.id == id) {
+            if !endpoint_ids.insert(id) {
                 c.err(&ep.key("id"), "is used by another endpoint");
             }
             let auth = auth_scheme(&mut c, &ep, e.auth());
@@ -1562,6 +1582,15 @@ fn usable_token(c: &mut Checker<'_>, path: &KeyPath, from: &str, token: &str) ->
 /// path names no source (an unknown path or endpoint id), `unknown` for records the
 /// router cannot decode. A source keyed so would share their series.
 const RESERVED_SOURCE_KEYS: [&str; 2] = ["-", "unknown"];
+
+/// The most sources one daemon may have: each source key is a label value of every
+/// per-source metric, so sources bound the exporter's series. Many senders of one kind
+/// are one source with an endpoint each (any number, `DYNAMIC_ENDPOINTS_MAX`).
+const SOURCES_MAX: usize = 1024;
+
+/// The most entries an admission allowlist or denylist may hold: every event is checked
+/// against them in turn.
+const ADMISSION_RULES_MAX: usize = 1024;
 
 /// Why a header name may not be forwarded, if it is one the daemon itself sets on every
 /// message it sends (delivery.md, "Messages"): a message holds one value per header name,
@@ -1829,6 +1858,15 @@ fn partition_rule(c: &mut Checker<'_>, pp: &KeyPath, p: &PartitioningConfig) -> 
 fn admission(c: &mut Checker<'_>, ap: &KeyPath, a: &AdmissionConfig) -> Admission {
     let rules = |c: &mut Checker<'_>, list: &'static str, entries: &[RuleConfig]| -> Vec<Rule> {
         let lp = ap.key(list);
+        if entries.len() > ADMISSION_RULES_MAX {
+            c.err(
+                &lp,
+                format!(
+                    "{} entries; at most {ADMISSION_RULES_MAX} (every event is checked against them in turn)",
+                    entries.len()
+                ),
+            );
+        }
         let mut out = Vec::new();
         for (i, e) in entries.iter().enumerate() {
             let ep = lp.index(i);
@@ -2651,6 +2689,50 @@ auth_secret = "never checked"
                 "{i}"
             );
         }
+    }
+
+    /// Sources, static endpoints and admission lists are bounded, each named at its key;
+    /// at the bounds each is taken.
+    #[test]
+    fn sources_endpoints_and_admission_lists_are_bounded() {
+        let sources = |n: usize| -> String {
+            (0..n).map(|i| format!("[sources.s{i}]\ndestination = {{ stream = \"s\", topic = \"t\" }}\n")).collect()
+        };
+        let e = errors(&sources(SOURCES_MAX + 1));
+        let found: Vec<&str> = e.iter().map(|e| e.path.as_str()).collect();
+        assert_eq!(found, vec!["sources"], "{e:?}");
+        assert!(e[0].message.starts_with("1025 sources; at most 1024"), "{e:?}");
+        let text = sources(SOURCES_MAX);
+        validate(&parse(&text, None).unwrap(), Some(&text), None).unwrap();
+
+        let list = |n: usize| -> String {
+            let entries: Vec<String> = (0..n).map(|i| format!("{{ stream = \"s\", topic = \"t{i}\" }}")).collect();
+            format!(
+                "[sources.a]\ndestination = {{ stream = \"s\", topic = \"t0\" }}\n\
+                 admission = {{ mode = \"allowlist\", allowlist = [{}] }}\n",
+                entries.join(", ")
+            )
+        };
+        let e = errors(&list(ADMISSION_RULES_MAX + 1));
+        let found: Vec<&str> = e.iter().map(|e| e.path.as_str()).collect();
+        assert_eq!(found, vec!["sources.a.admission.allowlist"], "{e:?}");
+        let text = list(ADMISSION_RULES_MAX);
+        validate(&parse(&text, None).unwrap(), Some(&text), None).unwrap();
+
+        let endpoints = |n: usize| -> String {
+            let mut text = String::from("[sources.a]\ndestination = { stream = \"s\", topic = \"t\" }\n");
+            for i in 0..n {
+                text.push_str(&format!("[[sources.a.endpoints]]\nid = \"{i:032x}\"\nauth_type = \"none\"\n"));
+            }
+            text
+        };
+        let max = http_source::endpoints::DYNAMIC_ENDPOINTS_MAX;
+        let e = errors(&endpoints(max + 1));
+        let found: Vec<&str> = e.iter().map(|e| e.path.as_str()).collect();
+        assert_eq!(found, vec!["sources"], "{e:?}");
+        assert!(e[0].message.starts_with("100001 static endpoints in all; at most 100000"), "{e:?}");
+        let text = endpoints(max);
+        validate(&parse(&text, None).unwrap(), Some(&text), None).unwrap();
     }
 
     /// A file of nothing but unknown keys gets a bounded list, not one line per key.
