@@ -183,7 +183,19 @@ pub async fn start(mut settings: Settings, metrics: Option<PrometheusHandle>) ->
     let data_dir_absolute = std::fs::canonicalize(&settings.data_dir).unwrap_or_else(|_| settings.data_dir.clone());
     tracing::info!(data_dir = %data_dir_absolute.display(), "data directory");
     let wal_dir = settings.wal_dir();
-    let wal = Wal::open(&wal_dir, settings.wal.clone())
+    // A recovery after a crash reads the log's tail (and more, damaged): off the async
+    // worker, so that the binary's signal wait goes on meanwhile (a second stop signal
+    // exits at once, as during the rest of the start).
+    let opened = {
+        let (dir, options) = (wal_dir.clone(), settings.wal.clone());
+        tokio::task::spawn_blocking(move || Wal::open(&dir, options)).await
+    };
+    let wal = opened
+        .map_err(|e| WalError::Io {
+            path: wal_dir.clone(),
+            source: std::io::Error::other(format!("open task failed: {e}")),
+        })
+        .and_then(|opened| opened)
         .map_err(|source| StartError::Wal { path: wal_dir.clone(), source })?;
     let report = wal.open_report();
     tracing::info!(dir = %wal_dir.display(), report = ?report, "log opened");
