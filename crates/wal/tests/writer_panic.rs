@@ -35,6 +35,13 @@ fn a_writer_thread_that_panics_stops_the_log_and_its_gauge_says_so() {
         assert!(wal.append(vec![payload(2, 100)]).await.is_err(), "the append whose write panicked resolved Ok");
         assert!(wal.append(vec![payload(3, 100)]).await.is_err(), "a stopped log took an append");
     });
+    // The appends' answers are dropped as the writer thread unwinds, before the guard at
+    // the bottom of its stack marks the log: an append can fail a moment before the log
+    // says it stopped. It says so once the thread has unwound.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !wal.writer_panicked() && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
     assert!(wal.writer_panicked() && !wal.accepts_appends());
     assert_eq!(stopped(), 1.0, "the log is stopped and its gauge does not say so");
 }
