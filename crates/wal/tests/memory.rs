@@ -40,6 +40,9 @@ unsafe impl GlobalAlloc for Counting {
 static ALLOCATOR: Counting = Counting;
 
 const MIB: usize = 1024 * 1024;
+/// What other threads may allocate or free while a test counts: far below the megabytes
+/// each test looks for.
+const SLACK_BYTES: usize = 64 * 1024;
 
 /// One batch of 96 MiB (six records at most of the default record size, past the
 /// default 16 MiB group): once it is durable and the caller dropped it, the log holds
@@ -133,21 +136,27 @@ fn a_released_reader_holds_no_window_and_reads_on_from_its_position() {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     let record = |i: usize, len: usize| Bytes::from(vec![i as u8; len]);
     rt.block_on(wal.append(vec![record(0, 8 * MIB), record(1, 100), record(2, 100)])).unwrap();
+    // A second append's answer means the writer has dropped the first batch: the 8 MiB it
+    // held is freed before the count below starts.
+    rt.block_on(wal.append(vec![record(3, 100)])).unwrap();
     let mut reader = wal.reader(0).unwrap();
     let before = LIVE.load(Ordering::Relaxed);
     let first = reader.try_read(1, usize::MAX).unwrap();
     assert_eq!(first[0].payload, record(0, 8 * MIB));
     drop(first);
+    // The count is process-wide: the writer thread may still be freeing its last batch's
+    // bookkeeping (a few hundred bytes) while this reads, so the window is checked to
+    // within the same slack the released reader is allowed.
     let held = LIVE.load(Ordering::Relaxed).saturating_sub(before);
-    assert!(held >= 8 * MIB, "the window holds the record it read: {held} bytes");
+    assert!(held >= 8 * MIB - SLACK_BYTES, "the window holds the record it read: {held} bytes");
     reader.release_buffer();
     let held = LIVE.load(Ordering::Relaxed).saturating_sub(before);
-    assert!(held < 64 * 1024, "released, the reader still holds {held} bytes");
+    assert!(held < SLACK_BYTES, "released, the reader still holds {held} bytes");
     assert_eq!(reader.position(), 1);
     let rest = reader.try_read(10, usize::MAX).unwrap();
     assert_eq!(
         rest.iter().map(|r| (r.offset, r.payload.clone())).collect::<Vec<_>>(),
-        vec![(1, record(1, 100)), (2, record(2, 100))]
+        vec![(1, record(1, 100)), (2, record(2, 100)), (3, record(3, 100))]
     );
     rt.block_on(wal.close()).unwrap();
 }
