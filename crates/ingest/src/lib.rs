@@ -30,6 +30,6 @@ pub use endpoints::{EndpointRecord, KeyedRegistration, StoredAuth, UnreadableEnd
 pub use envelope::{
     Destination, Envelope, EnvelopeError, EnvelopeHeader, EnvelopeHeaderRef, MetadataRef, MetadataValue, Partitioning,
 };
-pub use idempotency::{IdempotencyIndex, IdempotencyKey};
+pub use idempotency::{IdempotencyIndex, IdempotencyKey, RebuildReport};
 pub use ingestor::{Accepted, Event, IngestError, Ingestor, Submission};
 pub use state::{SCHEMA_VERSION, StateDb, StateError};

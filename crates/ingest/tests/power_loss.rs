@@ -20,6 +20,11 @@
 //! - under `interval`, a retry is answered as a replay only of offsets the log holds for
 //!   that very delivery; otherwise it is appended again (never a 200 for an event the
 //!   log does not hold).
+//!
+//! The start after a power loss writes too (the index forgets the delivery ids the log
+//! lost, then commits its bounds), so a second sweep loses power again at each write of
+//! every such start, on a fork of the disk the first loss left, and checks the start
+//! after that the same way.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -29,7 +34,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use ingest::{
     CursorRow, Destination, EndpointRecord, Envelope, Event, IdempotencyIndex, Ingestor, KeyedRegistration,
-    Partitioning, StateDb, StoredAuth, Submission,
+    Partitioning, RebuildReport, StateDb, StoredAuth, Submission,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -166,6 +171,8 @@ struct Opened {
     wal: Arc<Wal>,
     state: Arc<StateDb>,
     ingestor: Ingestor,
+    /// What the index's rebuild at this start did.
+    rebuilt: RebuildReport,
 }
 
 fn open(sim: &SimStorage, sync: SyncPolicy, now: u64) -> Result<Opened, String> {
@@ -175,9 +182,9 @@ fn open(sim: &SimStorage, sync: SyncPolicy, now: u64) -> Result<Opened, String> 
     let wal = Arc::new(wal);
     let state = Arc::new(StateDb::open_on(storage, STATE_PATH).map_err(|e| format!("the state database: {e}"))?);
     let index = Arc::new(IdempotencyIndex::new(state.clone(), RETENTION_MS));
-    index.rebuild(&wal, now).map_err(|e| format!("the idempotency index: {e}"))?;
+    let rebuilt = index.rebuild(&wal, now).map_err(|e| format!("the idempotency index: {e}"))?;
     let ingestor = Ingestor::new(wal.clone(), index);
-    Ok(Opened { wal, state, ingestor })
+    Ok(Opened { wal, state, ingestor, rebuilt })
 }
 
 /// Runs `script` on a fresh disk until its end or the power loss armed at the `crash_at`th
@@ -456,6 +463,110 @@ async fn sweep(seed: u64, sync: SyncPolicy) -> Covered {
     assert!(crashes as u64 > mutations, "only {crashes} of {mutations} crash points were reached");
     eprintln!("seed {seed}, {sync:?}: {crashes} power losses over {mutations} mutations, all consistent; {covered:?}");
     covered
+}
+
+/// What the starts cut short by [`sweep_a_start_cut_short`] found.
+#[derive(Debug, Default)]
+struct CutStarts {
+    /// First power losses after which the start forgot delivery ids.
+    forgetting_starts: u64,
+    /// Power losses during those starts.
+    cuts: u64,
+    /// Cuts after which the next start forgot ids again: the cut came before the start's
+    /// durable commit, and its forgets were lost or never made.
+    forgot_again: u64,
+    /// Cuts after which it had nothing left to forget: the cut came after that commit.
+    forgot_nothing: u64,
+}
+
+/// A start after a power loss writes too: the log makes its recovered tail durable, and
+/// the index forgets the delivery ids the log lost (in transactions of at most 10,000 keys,
+/// not durable on their own), then restores keys and writes its bounds in one durable
+/// commit. For every power loss of the script under `sync` after which the start forgets
+/// ids, the power goes again before each write of that start (on a fork of the disk as
+/// the first loss left it), and the start after that is checked as after any power loss:
+/// an id the log lost must not answer a retry as a replay, whichever of its forgets
+/// survived.
+async fn sweep_a_start_cut_short(seed: u64, sync: SyncPolicy) -> CutStarts {
+    let now = ingest::time::now_unix_ms();
+    let script = script(seed);
+    let clean = SimStorage::new();
+    run_until_crash(&clean, &script, sync, None, now).await;
+    let mutations = clean.ops();
+    let mut found = CutStarts::default();
+    for n in (1..=mutations).step_by(stride() as usize) {
+        for mode in [CrashMode::LoseUnsynced, CrashMode::Reordered { seed: seed ^ n }] {
+            let sim = SimStorage::new();
+            let answered = run_until_crash(&sim, &script, sync, Some((n, mode)), now).await;
+            if sim.crashes() == 0 {
+                continue;
+            }
+            sim.disarm();
+            let probe = sim.fork();
+            let start = open(&probe, SyncPolicy::Always, now + 1)
+                .unwrap_or_else(|e| panic!("seed {seed}, crash before mutation {n}: the start failed: {e}"));
+            let start_mutations = probe.ops();
+            let forgot = start.rebuilt.keys_beyond_log_forgotten;
+            start.wal.close().await.unwrap();
+            if forgot == 0 {
+                continue;
+            }
+            found.forgetting_starts += 1;
+            // The last cut comes once the start returned, its writes all made.
+            for m in 1..=start_mutations + 1 {
+                for cut_mode in [CrashMode::LoseUnsynced, CrashMode::Reordered { seed: seed ^ n ^ (m << 32) }] {
+                    let disk = sim.fork();
+                    if m <= start_mutations {
+                        disk.crash_at_nth(FaultOp::AnyMutation, m, cut_mode);
+                    }
+                    // The start cut short: it fails, or returns just before the power goes.
+                    let started = open(&disk, SyncPolicy::Always, now + 1);
+                    if m > start_mutations {
+                        disk.crash(cut_mode);
+                    }
+                    drop(started);
+                    if disk.crashes() == 0 {
+                        continue;
+                    }
+                    disk.disarm();
+                    found.cuts += 1;
+                    let next = disk.fork();
+                    let again = open(&next, SyncPolicy::Always, now + 1).unwrap_or_else(|e| {
+                        panic!("seed {seed}, crash before mutation {n}, then before the start's {m}th: {e}")
+                    });
+                    if again.rebuilt.keys_beyond_log_forgotten > 0 {
+                        found.forgot_again += 1;
+                    } else {
+                        found.forgot_nothing += 1;
+                    }
+                    again.wal.close().await.unwrap();
+                    let case = format!(
+                        "seed {seed}, {sync:?}, crash before mutation {n} of {mutations} ({mode:?}), then before \
+                         mutation {m} of the start's {start_mutations} ({cut_mode:?})"
+                    );
+                    check_after_crash(&disk, &answered, sync, now, &case).await;
+                }
+            }
+        }
+    }
+    eprintln!("seed {seed}, {sync:?}, starts cut short: {found:?}");
+    found
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_power_loss_during_the_start_that_forgets_lost_delivery_ids_replays_none_of_them() {
+    let interval = SyncPolicy::Interval(Duration::from_millis(2));
+    let mut found = CutStarts::default();
+    for seed in [3, 4] {
+        let one = sweep_a_start_cut_short(seed, interval).await;
+        found.forgetting_starts += one.forgetting_starts;
+        found.cuts += one.cuts;
+        found.forgot_again += one.forgot_again;
+        found.forgot_nothing += one.forgot_nothing;
+    }
+    // The sweep reached starts that forget, and cut them both before and after their
+    // durable commit.
+    assert!(found.forgetting_starts > 0 && found.forgot_again > 0 && found.forgot_nothing > 0, "{found:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
