@@ -10,7 +10,7 @@
 
 use redb::{ReadableDatabase, ReadableTable, TableDefinition};
 
-use crate::state::{StateDb, StateError, storage_err};
+use crate::state::{StateDb, StateError, open_table_if_present, storage_err};
 
 const CURSORS: TableDefinition<(&str, &str, &str), u64> = TableDefinition::new("router_cursors");
 
@@ -23,28 +23,28 @@ pub struct CursorRow {
     pub delivered_below: u64,
 }
 
+/// Every cursor a read transaction sees (none in a database without the table).
+fn cursors_in(txn: &redb::ReadTransaction) -> Result<Vec<CursorRow>, StateError> {
+    let Some(table) = open_table_if_present(txn, CURSORS)? else { return Ok(Vec::new()) };
+    let mut out = Vec::new();
+    for entry in table.iter().map_err(storage_err)? {
+        let (k, v) = entry.map_err(storage_err)?;
+        let (source, stream, topic) = k.value();
+        out.push(CursorRow {
+            source: source.to_string(),
+            stream: stream.to_string(),
+            topic: topic.to_string(),
+            delivered_below: v.value(),
+        });
+    }
+    Ok(out)
+}
+
 impl StateDb {
     /// Every stored cursor.
     pub fn load_cursors(&self) -> Result<Vec<CursorRow>, StateError> {
         let db = self.db()?;
-        let txn = db.begin_read().map_err(storage_err)?;
-        let table = match txn.open_table(CURSORS) {
-            Ok(t) => t,
-            Err(redb::TableError::TableDoesNotExist(_)) => return Ok(Vec::new()),
-            Err(e) => return Err(storage_err(e)),
-        };
-        let mut out = Vec::new();
-        for entry in table.iter().map_err(storage_err)? {
-            let (k, v) = entry.map_err(storage_err)?;
-            let (source, stream, topic) = k.value();
-            out.push(CursorRow {
-                source: source.to_string(),
-                stream: stream.to_string(),
-                topic: topic.to_string(),
-                delivered_below: v.value(),
-            });
-        }
-        Ok(out)
+        cursors_in(&db.begin_read().map_err(storage_err)?)
     }
 
     /// Stores several cursors in one durable transaction; a cursor never moves back.
@@ -118,7 +118,7 @@ pub enum CursorsSnapshot {
 /// the database. Refuses a schema version other than this build's (the cursor layout
 /// could differ).
 pub fn read_cursors_read_only(path: &std::path::Path) -> Result<CursorsSnapshot, StateError> {
-    use crate::state::{META, META_SCHEMA_VERSION, SCHEMA_VERSION};
+    use crate::state::SCHEMA_VERSION;
     if !path.exists() {
         return Ok(CursorsSnapshot::Missing);
     }
@@ -129,35 +129,13 @@ pub fn read_cursors_read_only(path: &std::path::Path) -> Result<CursorsSnapshot,
     };
     let from_repaired_copy = db.is_repaired_copy();
     let txn = db.begin_read().map_err(storage_err)?;
-    let schema_version = match txn.open_table(META) {
-        Ok(t) => t.get(META_SCHEMA_VERSION).map_err(storage_err)?.map(|v| v.value()),
-        Err(redb::TableError::TableDoesNotExist(_)) => None,
-        Err(e) => return Err(storage_err(e)),
-    };
+    let schema_version = crate::state::schema_version_in(&txn)?;
     if let Some(v) = schema_version
         && v != SCHEMA_VERSION
     {
         return Err(StateError::SchemaMismatch { path: path.to_path_buf(), found: v, expected: SCHEMA_VERSION });
     }
-    let table = match txn.open_table(CURSORS) {
-        Ok(t) => t,
-        Err(redb::TableError::TableDoesNotExist(_)) => {
-            return Ok(CursorsSnapshot::Read { schema_version, cursors: Vec::new(), from_repaired_copy });
-        }
-        Err(e) => return Err(storage_err(e)),
-    };
-    let mut cursors = Vec::new();
-    for entry in table.iter().map_err(storage_err)? {
-        let (k, v) = entry.map_err(storage_err)?;
-        let (source, stream, topic) = k.value();
-        cursors.push(CursorRow {
-            source: source.to_string(),
-            stream: stream.to_string(),
-            topic: topic.to_string(),
-            delivered_below: v.value(),
-        });
-    }
-    Ok(CursorsSnapshot::Read { schema_version, cursors, from_repaired_copy })
+    Ok(CursorsSnapshot::Read { schema_version, cursors: cursors_in(&txn)?, from_repaired_copy })
 }
 
 #[cfg(test)]

@@ -21,7 +21,7 @@
 use redb::{Durability, ReadableDatabase, ReadableTable, TableDefinition};
 use serde::{Deserialize, Serialize};
 
-use crate::state::{ENDPOINTS, StateDb, StateError, storage_err};
+use crate::state::{ENDPOINTS, StateDb, StateError, open_table_if_present, storage_err};
 
 /// `idempotency key → (endpoint id, request fingerprint)`: the registrations made under
 /// a key (`Idempotency-Key` on the admin API's register call).
@@ -125,11 +125,7 @@ impl StateDb {
     pub fn load_keyed_registrations(&self) -> Result<Vec<KeyedRegistration>, StateError> {
         let db = self.db()?;
         let txn = db.begin_read().map_err(storage_err)?;
-        let table = match txn.open_table(ENDPOINT_REGISTRATIONS) {
-            Ok(t) => t,
-            Err(redb::TableError::TableDoesNotExist(_)) => return Ok(Vec::new()),
-            Err(e) => return Err(storage_err(e)),
-        };
+        let Some(table) = open_table_if_present(&txn, ENDPOINT_REGISTRATIONS)? else { return Ok(Vec::new()) };
         let mut out = Vec::new();
         for entry in table.iter().map_err(storage_err)? {
             let (k, v) = entry.map_err(storage_err)?;

@@ -73,6 +73,27 @@ pub(crate) fn storage_err<E: Into<redb::Error>>(e: E) -> StateError {
     StateError::Storage(e.into().to_string())
 }
 
+/// `definition`'s table in a read transaction, or `None` in a database that never had it
+/// (a new one, or one written by a build from before the table).
+pub(crate) fn open_table_if_present<K: redb::Key + 'static, V: redb::Value + 'static>(
+    txn: &redb::ReadTransaction,
+    definition: TableDefinition<K, V>,
+) -> Result<Option<redb::ReadOnlyTable<K, V>>, StateError> {
+    match txn.open_table(definition) {
+        Ok(table) => Ok(Some(table)),
+        Err(redb::TableError::TableDoesNotExist(_)) => Ok(None),
+        Err(e) => Err(storage_err(e)),
+    }
+}
+
+/// The schema version a read transaction sees (`None`: none stored yet).
+pub(crate) fn schema_version_in(txn: &redb::ReadTransaction) -> Result<Option<u64>, StateError> {
+    match open_table_if_present(txn, META)? {
+        Some(meta) => Ok(meta.get(META_SCHEMA_VERSION).map_err(storage_err)?.map(|v| v.value())),
+        None => Ok(None),
+    }
+}
+
 /// A state database opened to be read, never written: the read-only tools' view.
 pub(crate) enum ReadOnlyView {
     /// The file itself, through redb's read-only open.
@@ -335,13 +356,7 @@ impl StateDb {
     /// The schema version stored in the database at `path`, without changing anything.
     pub fn stored_schema_version(&self) -> Result<Option<u64>, StateError> {
         let db = self.db()?;
-        let txn = db.begin_read().map_err(storage_err)?;
-        let table = match txn.open_table(META) {
-            Ok(t) => t,
-            Err(redb::TableError::TableDoesNotExist(_)) => return Ok(None),
-            Err(e) => return Err(storage_err(e)),
-        };
-        Ok(table.get(META_SCHEMA_VERSION).map_err(storage_err)?.map(|v| v.value()))
+        schema_version_in(&db.begin_read().map_err(storage_err)?)
     }
 
     fn check_or_init_schema(&self) -> Result<(), StateError> {
@@ -481,11 +496,7 @@ pub fn inventory(path: &Path) -> Result<StateInventory, StateError> {
 
 fn inventory_of(txn: redb::ReadTransaction) -> Result<StateInventory, StateError> {
     use redb::{ReadableTableMetadata, TableHandle};
-    let schema_version = match txn.open_table(META) {
-        Ok(t) => t.get(META_SCHEMA_VERSION).map_err(storage_err)?.map(|v| v.value()),
-        Err(redb::TableError::TableDoesNotExist(_)) => None,
-        Err(e) => return Err(storage_err(e)),
-    };
+    let schema_version = schema_version_in(&txn)?;
     let mut tables = Vec::new();
     for handle in txn.list_tables().map_err(storage_err)? {
         let name = handle.name().to_string();
