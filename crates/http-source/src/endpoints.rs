@@ -14,7 +14,9 @@
 //!   endpoint's gate. A rotate or revoke installs its new version under the gate's
 //!   exclusive hold, so it returns only after every request admitted by an older
 //!   version has finished appending: once it returned, no request authorised by the
-//!   old record (the old secret, or a revoked id) can still be appended.
+//!   old record (the old secret, or a revoked id) can still be appended. It takes that
+//!   hold before the lock that serialises changes, so a slow append through one
+//!   endpoint delays changes to that endpoint only.
 //! - A revoked endpoint stays revoked: the tombstone is kept, lookups answer `Revoked`.
 //! - Static endpoints cannot be rotated or revoked through the API (`Static`).
 
@@ -25,7 +27,7 @@ use std::sync::{Arc, Mutex, RwLock};
 use base64::Engine;
 use ingest::{EndpointRecord, KeyedRegistration, StateDb, StateError, StoredAuth};
 use serde::Serialize;
-use tokio::sync::{OwnedRwLockReadGuard, RwLock as AsyncRwLock};
+use tokio::sync::{OwnedRwLockReadGuard, OwnedRwLockWriteGuard, RwLock as AsyncRwLock};
 
 use crate::auth::AuthScheme;
 
@@ -654,7 +656,7 @@ impl EndpointRegistry {
                     .insert(registration.key, (id, fingerprint));
             }
         }
-        self.install(endpoint_from_record(record.clone(), scheme)).await;
+        self.install_new(endpoint_from_record(record.clone(), scheme));
         Ok(Registered { record, replayed: false })
     }
 
@@ -687,6 +689,7 @@ impl EndpointRegistry {
         secret: Option<String>,
         now_unix_ms: u64,
     ) -> Result<EndpointRecord, EndpointError> {
+        let mut held = self.hold_off_requests(id).await?;
         let _serial = self.changes.lock().await;
         let mut record = self.dynamic_record(id)?;
         if let Some(why) = self.current(id).and_then(|v| v.endpoint.unusable.clone()) {
@@ -705,11 +708,12 @@ impl EndpointRegistry {
         record.rotated_at_unix_ms = Some(now_unix_ms);
         let scheme = scheme_from_stored(&record.auth).map_err(EndpointError::InvalidAuth)?;
         self.commit(record.clone()).await?;
-        self.install(endpoint_from_record(record.clone(), scheme)).await;
+        self.install_held(&mut held, endpoint_from_record(record.clone(), scheme));
         Ok(record)
     }
 
     async fn revoke_now(&self, id: u128, now_unix_ms: u64) -> Result<EndpointRecord, EndpointError> {
+        let mut held = self.hold_off_requests(id).await?;
         let _serial = self.changes.lock().await;
         let mut record = self.dynamic_record(id)?;
         record.revoked_at_unix_ms = Some(now_unix_ms);
@@ -717,7 +721,7 @@ impl EndpointRegistry {
         // reads is revoked all the same (and loads as revoked after a restart).
         let scheme = scheme_from_stored(&record.auth).unwrap_or(AuthScheme::None);
         self.commit(record.clone()).await?;
-        self.install(endpoint_from_record(record.clone(), scheme)).await;
+        self.install_held(&mut held, endpoint_from_record(record.clone(), scheme));
         Ok(record)
     }
 
@@ -753,21 +757,42 @@ impl EndpointRegistry {
         Ok(())
     }
 
-    /// Makes `endpoint` the current version of its id. For an id already known, waits for
-    /// the exclusive hold on its gate first: every request admitted by an older version
-    /// has then finished appending, and every later one re-checks against this version.
-    async fn install(&self, endpoint: Endpoint) {
+    /// The exclusive hold on an existing endpoint's gate, once every request admitted by
+    /// its current version has finished appending; new requests wait at their recheck
+    /// until it is dropped. A rotate or revoke takes it before the serialising lock, so
+    /// that it waits out the requests of its own endpoint while holding nothing else: a
+    /// registration, or a change to another endpoint, never queues behind one endpoint's
+    /// slow append.
+    async fn hold_off_requests(&self, id: u128) -> Result<OwnedRwLockWriteGuard<u64>, EndpointError> {
+        let gate = self.current(id).ok_or_else(|| EndpointError::Unknown(format_id(id)))?.gate.clone();
+        Ok(gate.write_owned().await)
+    }
+
+    /// Makes `endpoint` the current version of its id, under the exclusive hold on its
+    /// gate ([`EndpointRegistry::hold_off_requests`]): every request admitted by an older
+    /// version has finished appending, and every later one re-checks against this one.
+    fn install_held(&self, held: &mut OwnedRwLockWriteGuard<u64>, endpoint: Endpoint) {
         let id = endpoint.id;
         let version = self.next_version.fetch_add(1, Ordering::Relaxed);
-        let Some(gate) = self.current(id).map(|v| v.gate.clone()) else {
-            let fresh = EndpointVersion { endpoint, version, gate: Arc::new(AsyncRwLock::new(version)) };
-            self.endpoints.write().unwrap_or_else(|p| p.into_inner()).insert(id, Arc::new(fresh));
-            return;
-        };
-        let mut exclusive = gate.write().await;
-        let next = EndpointVersion { endpoint, version, gate: gate.clone() };
+        let gate = self.current(id).map(|v| v.gate.clone());
+        debug_assert!(
+            gate.as_ref().is_some_and(|g| std::ptr::eq(Arc::as_ptr(g), OwnedRwLockWriteGuard::rwlock(held).as_ref())),
+            "endpoint {} installed under another gate than its own",
+            format_id(id)
+        );
+        let gate = gate.unwrap_or_else(|| Arc::new(AsyncRwLock::new(version)));
+        let next = EndpointVersion { endpoint, version, gate };
         self.endpoints.write().unwrap_or_else(|p| p.into_inner()).insert(id, Arc::new(next));
-        *exclusive = version;
+        **held = version;
+    }
+
+    /// Makes a newly registered `endpoint` known, with a gate of its own.
+    fn install_new(&self, endpoint: Endpoint) {
+        let id = endpoint.id;
+        let version = self.next_version.fetch_add(1, Ordering::Relaxed);
+        let fresh = EndpointVersion { endpoint, version, gate: Arc::new(AsyncRwLock::new(version)) };
+        let previous = self.endpoints.write().unwrap_or_else(|p| p.into_inner()).insert(id, Arc::new(fresh));
+        debug_assert!(previous.is_none(), "a registration replaced endpoint {}", format_id(id));
     }
 }
 
@@ -1338,6 +1363,37 @@ mod tests {
         assert_eq!(reg.recheck(&seen, 2_000).await.err(), Some(Refusal::Expired));
         reg.revoke(rec.id, 50).await.unwrap();
         assert_eq!(reg.recheck(&seen, 60).await.err(), Some(Refusal::Revoked));
+    }
+
+    /// A rotate waiting for a slow request of its endpoint holds up nothing else: a
+    /// registration, and a rotate and a revoke of another endpoint, complete meanwhile.
+    #[tokio::test]
+    async fn a_change_waiting_for_its_endpoint_s_requests_holds_up_no_other_change() {
+        let dir = tempfile::tempdir().unwrap();
+        let state = Arc::new(StateDb::open(dir.path().join("s.redb")).unwrap());
+        let reg = Arc::new(EndpointRegistry::load(state, vec!["default".into()], vec![]).unwrap());
+        let slow = reg.register("default".into(), bearer(), None, None, 10).await.unwrap();
+        let other = reg.register("default".into(), bearer(), None, None, 10).await.unwrap();
+        let (_, permit) = reg.recheck(&reg.lookup(slow.id, 20).unwrap(), 20).await.unwrap();
+        let rotating = tokio::spawn({
+            let reg = reg.clone();
+            async move { reg.rotate(slow.id, Some("new-secret".into()), 30).await }
+        });
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        assert!(!rotating.is_finished(), "the rotate returned while a request of the old version was appending");
+
+        let limit = std::time::Duration::from_secs(5);
+        let others = async {
+            reg.register("default".into(), bearer(), None, None, 40).await.unwrap();
+            reg.rotate(other.id, Some("other-secret".into()), 41).await.unwrap();
+            reg.revoke(other.id, 42).await.unwrap();
+        };
+        tokio::time::timeout(limit, others).await.expect("changes to other endpoints waited for the slow request");
+        assert!(!rotating.is_finished());
+        drop(permit);
+        let rotated = tokio::time::timeout(limit, rotating).await.expect("the rotate never finished").unwrap().unwrap();
+        assert_eq!(rotated.auth.secret.as_deref(), Some("new-secret"));
+        assert_eq!(reg.list(50).len(), 3);
     }
 
     /// A registration repeated under its idempotency key makes no second endpoint: it is
