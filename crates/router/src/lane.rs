@@ -701,6 +701,9 @@ enum Delivery {
 pub(crate) fn spawn<S: Sink, C: CursorStore>(lane: Arc<Lane>, ctx: LaneContext<S, C>) -> tokio::task::JoinHandle<()> {
     let (watched, health) = (lane.clone(), ctx.router_status.clone());
     crate::spawn_task(run(lane, ctx), move || {
+        // The breaker went with the task (its count in the gauge taken back as it was
+        // dropped): the status shows none open either.
+        lock(&watched.info).breaker = None;
         health.lane_panicked(&watched.key, &watched.status);
     })
 }

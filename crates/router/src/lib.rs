@@ -422,6 +422,9 @@ impl Drop for AbortIfAbandoned<'_> {
         if let Some(f) = r.flusher.lock().unwrap_or_else(|p| p.into_inner()).take() {
             f.abort();
         }
+        // No task of the router runs on: it holds nothing, in the status and the gauges
+        // as after a stop that ended.
+        r.clear_after_stop();
         r.health.set_own(
             Status::Stopped,
             "stop abandoned: sends in flight cut, their records are sent again after a restart",
@@ -613,20 +616,25 @@ impl Router {
         let flusher = self.flusher.lock().unwrap_or_else(|p| p.into_inner()).take();
         AbortUnlessJoined(flusher.into_iter().collect()).join().await;
         abandoned.joined = true;
-        // Every lane task has ended: the lanes go (and with them their counts in the
-        // gauges, taken back when a lane is dropped), as they did when the router itself
-        // was dropped at its shutdown.
+        self.clear_after_stop();
+        self.health.set_own(Status::Stopped, "shutdown complete");
+    }
+
+    /// Once no task of the router runs (every one joined, or aborted by a stop cut
+    /// short): the lanes go (and with them their counts in the gauges, taken back when a
+    /// lane is dropped), as they did when the router itself was dropped at its shutdown;
+    /// the gauges of what it held go to zero; and, as nothing runs that could release the
+    /// log below a held record any more, the hold goes with the router, in the status as
+    /// in its gauge.
+    fn clear_after_stop(&self) {
         let lanes: Vec<Arc<Lane>> =
             self.lanes.write().unwrap_or_else(|p| p.into_inner()).drain().map(|(_, lane)| lane).collect();
         for lane in lanes {
             lane.status.set(Status::Stopped, "router stopped");
         }
         clear_held_gauges();
-        // Nothing runs that could release the log below a held record any more: the
-        // hold goes with the router, in the status as in its gauge.
         self.held_from.store(u64::MAX, Ordering::Release);
         clear_admission_held();
-        self.health.set_own(Status::Stopped, "shutdown complete");
     }
 }
 

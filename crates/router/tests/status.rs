@@ -153,6 +153,44 @@ fn held_records_are_shown_until_the_lanes_have_stopped() {
     });
 }
 
+/// A stop cut short (its future dropped at the end of the daemon's grace period, a send
+/// still in flight) leaves the status and the gauges as a stop that ended: stopped, no
+/// lane, nothing held or queued, no hold.
+#[test]
+fn a_stop_cut_short_leaves_nothing_held_in_the_status_or_the_gauges() {
+    with_metrics(false, |snap| async move {
+        let sim = SimStorage::new();
+        let wal = open_wal(&sim);
+        let sink = FaultySink::new();
+        let d = key("s", "slow");
+        sink.fault(&d, Some(Fault::Slow(Duration::from_secs(3600))));
+        fill(&wal, std::slice::from_ref(&d), 0, 5).await;
+        let router = start_router(&wal, &sink, fast_policy());
+        eventually(Duration::from_secs(10), "held", || gauge(&snap, "iggy_connector_held_bytes") > 0.0).await;
+        eventually(Duration::from_secs(10), "a send in flight", || sink.calls(&d) > 0).await;
+        assert_eq!(router.destinations().len(), 1);
+        assert!(tokio::time::timeout(Duration::from_millis(300), router.shutdown()).await.is_err(), "the stop ended");
+        assert_eq!(router.status().status, Status::Stopped);
+        assert!(router.destinations().is_empty(), "lanes listed after the stop: {:?}", router.destinations());
+        assert_eq!(router.held_from(), None);
+        for name in [
+            "iggy_connector_held_bytes",
+            "iggy_connector_queued_bytes",
+            "iggy_connector_queues_max_bytes",
+            "iggy_connector_oldest_held_age_seconds",
+            "iggy_connector_admission_held",
+        ] {
+            assert_eq!(gauge(&snap, name), 0.0, "{name} after the stop");
+        }
+        // The lanes' counts are taken back as their aborted tasks let go of them.
+        eventually(Duration::from_secs(10), "no lane counted", || {
+            Status::ALL.iter().all(|s| gauge(&snap, &format!("iggy_connector_destinations_{}", s.as_str())) == 0.0)
+        })
+        .await;
+        assert_gauges_agree(&snap, &router);
+    });
+}
+
 /// A lane that overflows to the log after two records and retries within half a
 /// second: the setup of the tests whose log reads fail.
 fn overflowing_policy() -> router::RouterPolicy {
@@ -628,6 +666,37 @@ fn a_router_task_that_panics_puts_the_router_in_error() {
         assert!(last_error.as_deref().is_some_and(|e| e.contains("cursor flusher")), "{:?}", router.status());
         assert_eq!(router.status().status, Status::Error);
         assert_gauges_agree(&snap, &router);
+        router.shutdown().await;
+    });
+}
+
+/// A lane whose task panics while its breaker is open or half-open takes its breaker with
+/// it: the destination's breaker in the status agrees with the gauge of open breakers.
+#[test]
+fn a_lane_that_panics_with_its_breaker_open_shows_the_breaker_as_the_gauge_counts_it() {
+    with_metrics(false, |snap| async move {
+        let sim = SimStorage::new();
+        let wal = open_wal(&sim);
+        let sink = FaultySink::new();
+        let d = key("p", "1");
+        sink.fault(&d, Some(Fault::Fail(SendErrorKind::Destination)));
+        fill(&wal, std::slice::from_ref(&d), 0, 3).await;
+        let router = Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), {
+            Policies::uniform(fast_policy())
+        })
+        .unwrap();
+        let breaker = |router: &Router| router.destinations().first().map(|l| l.breaker);
+        eventually(Duration::from_secs(10), "the breaker open", || breaker(&router) == Some("open")).await;
+        assert_eq!(gauge(&snap, "iggy_connector_destination_circuit_open"), 1.0);
+        // Its probe, once the cool-down ends, panics.
+        sink.fault(&d, Some(Fault::Panic));
+        eventually(Duration::from_secs(30), "the lane in error", || {
+            router.destinations().first().is_some_and(|l| l.status == Status::Error)
+        })
+        .await;
+        let open = gauge(&snap, "iggy_connector_destination_circuit_open");
+        assert_eq!(open, 0.0, "a breaker counted open with no lane to hold it");
+        assert_eq!(breaker(&router), Some("closed"), "the status shows a breaker the gauge does not count");
         router.shutdown().await;
     });
 }
