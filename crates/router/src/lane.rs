@@ -1494,12 +1494,7 @@ async fn attempt<S: Sink, C>(
         Op::Ensure => {
             let started = std::time::Instant::now();
             let r = bounded_write(ctx, lane.dest(), timeout, false, ctx.sink.ensure(lane.dest())).await;
-            // Timed when it succeeds only: a failure's time is a timeout or a refusal,
-            // counted in `send_failures_total`, and would read as a slow server.
-            if r.is_ok() {
-                metrics::histogram!("iggy_connector_destination_create_latency_seconds")
-                    .record(started.elapsed().as_secs_f64());
-            }
+            time_ensure(started, &r);
             r.map(Some)
         }
         Op::Send(partitioning, messages) => {
@@ -1644,8 +1639,10 @@ async fn hold_until_partitions_exist<S: Sink, C>(
         let Some(slot) = slot_or_shutdown(lane, true, shutdown).await else {
             return Delivery::ShuttingDown;
         };
+        let started = std::time::Instant::now();
         let asked = bounded(&*ctx.sink, lane.policy.batch.result_timeout, ctx.sink.ensure(lane.dest())).await;
         drop(slot);
+        time_ensure(started, &asked);
         match asked {
             Ok(t) => {
                 lock(&lane.info).topic = Some(t);
@@ -1654,8 +1651,23 @@ async fn hold_until_partitions_exist<S: Sink, C>(
                 }
                 why = format!("partition id {partition} is beyond the topic's {} partitions", t.partitions_count);
             }
-            Err(e) => lane.status.record_error(&e.to_string()),
+            Err(e) => {
+                // Counted as every failed call of a lane is: an outage while a record is
+                // held here shows in the counter as it would for a send.
+                metrics::counter!("iggy_connector_send_failures_total", "connector_key" => lane.key.source.clone(), "reason" => e.kind.as_str()).increment(1);
+                lane.status.record_error(&e.to_string());
+            }
         }
+    }
+}
+
+/// Times an ensure (a stream and topic made to exist) that succeeded, wherever it is made:
+/// a failure's time is a timeout or a refusal, counted in `send_failures_total` by a lane
+/// (or logged by the pre-warm), and would read as a slow server.
+pub(crate) fn time_ensure<T, E>(started: std::time::Instant, result: &Result<T, E>) {
+    if result.is_ok() {
+        metrics::histogram!("iggy_connector_destination_create_latency_seconds")
+            .record(started.elapsed().as_secs_f64());
     }
 }
 
@@ -1686,7 +1698,10 @@ async fn dead_letter<S: Sink, C>(
             let Some(_slot) = slot_or_shutdown(lane, failures > 0, shutdown).await else {
                 return Delivery::ShuttingDown;
             };
-            match (bounded(&*ctx.sink, timeout, ctx.sink.ensure(dlq)).await, &mut prepared) {
+            let started = std::time::Instant::now();
+            let ensured = bounded(&*ctx.sink, timeout, ctx.sink.ensure(dlq)).await;
+            time_ensure(started, &ensured);
+            match (ensured, &mut prepared) {
                 (Err(e), _) => Err(e),
                 (Ok(_), Err(e)) => Err(e.clone()),
                 (Ok(_), Ok(messages)) => {

@@ -698,3 +698,38 @@ fn a_given_up_dead_letter_destination_takes_nothing_and_pins_nothing() {
         router.shutdown().await;
     });
 }
+
+/// A lane holding a record for a partition its topic lacks asks the topic again every
+/// cool-down: those calls are counted as a send's are, so an outage while it holds shows
+/// in `send_failures_total`, and the ones answered are timed.
+#[test]
+fn a_lane_holding_an_out_of_range_record_counts_and_times_its_calls() {
+    with_metrics(false, |snap| async move {
+        let sim = SimStorage::new();
+        let wal = open_wal(&sim);
+        let sink = FaultySink::new();
+        let d = key("p", "few");
+        sink.set_partitions(&d, 3);
+        wal.append(vec![record(&d, 0, Partitioning::PartitionId(7))]).await.unwrap();
+        let mut p = policy(OnAdmissionFailure::Error);
+        p.breaker.cool_down = Duration::from_millis(50);
+        let router =
+            Router::start(wal, sink.clone(), Arc::new(MemoryCursorStore::new()), Policies::uniform(p)).unwrap();
+        eventually(Duration::from_secs(10), "the lane holds", || lane_status(&router, &d) == Status::Degraded).await;
+        let timed = || metric(&snap, "iggy_connector_destination_create_latency_seconds_count", "");
+        let asked = sink.ensured(&d);
+        let timed_before = timed();
+        eventually(Duration::from_secs(10), "asked again", || sink.ensured(&d) >= asked + 3).await;
+        assert!(
+            timed() >= timed_before + 2.0,
+            "the hold's answered calls are not timed: {} then {}",
+            timed_before,
+            timed()
+        );
+        let unavailable = || metric(&snap, "iggy_connector_send_failures_total", "reason=\"unavailable\"");
+        assert_eq!(unavailable(), 0.0);
+        sink.fault(&d, Some(Fault::Fail(SendErrorKind::Unavailable)));
+        eventually(Duration::from_secs(10), "the hold's failed calls counted", || unavailable() >= 2.0).await;
+        router.shutdown().await;
+    });
+}
