@@ -1788,7 +1788,8 @@ fn dead_lettered_here<S, C>(lane: &Lane, ctx: &LaneContext<S, C>, records: u64) 
     let Some(dl) = lane.dead_letter_lane.get().and_then(Weak::upgrade) else { return };
     lock(&dl.info).sent_records += records;
     if dl.status.get() == Status::Starting {
-        ctx.router_status.lane_recovered(&dl.key, &dl.status, &format!("records dead-lettered by {}", lane.key));
+        let why = format!("records dead-lettered by {}", lane.key);
+        ctx.router_status.lane_took_records_while_starting(&dl.key, &dl.status, &why);
     }
 }
 

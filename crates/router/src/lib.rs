@@ -280,6 +280,19 @@ impl RouterHealth {
         self.update(|t| t.degraded.remove(key) | t.failed.remove(key));
     }
 
+    /// The lane `key` (status `lane`) took records another lane sent it (a dead-letter
+    /// topic): Running if it is still Starting and not failing itself. Decided under the
+    /// troubles' lock: a lane that worsens tells the router first, so a lane whose key is
+    /// in the troubles is on its way to Degraded or Error, and made Running here, then
+    /// Degraded by its own task, it would leave the router Running over it.
+    pub(crate) fn lane_took_records_while_starting(&self, key: &LaneKey, lane: &StatusCell, why: &str) {
+        let t = self.troubles();
+        if lane.get() == Status::Starting && !t.degraded.contains(key) && !t.failed.contains(key) {
+            // Not in the troubles: the router's status does not change.
+            lane.set(Status::Running, why);
+        }
+    }
+
     pub(crate) fn dispatcher_failed(&self, e: &str) {
         self.cell.record_error(e);
         self.update(|t| t.dispatcher.replace(e.to_string()).as_deref() != Some(e));
@@ -1020,5 +1033,33 @@ mod tests {
             drop(guard);
             recovering.join().unwrap();
         }
+    }
+
+    /// A dead-letter lane that worsens while another lane sends it records: the other
+    /// lane's word that it took them comes between the router's update and the lane's
+    /// own status (the interleaving a race can give), and must not make it Running, or
+    /// the router would say Running over a Degraded lane.
+    #[test]
+    fn a_dead_letter_lane_on_its_way_to_degraded_is_not_made_running_by_another_lane() {
+        let health = RouterHealth::new();
+        health.started();
+        health.cell.set(Status::Running, "every destination is delivering");
+        let key = LaneKey { source: "s".into(), destination: DestinationKey::new("dlq", "rejected") };
+        let lane = StatusCell::new("destinations", "s/dlq/rejected");
+        assert_eq!(lane.get(), Status::Starting);
+        // The first half of `lane_degraded`: the router is told.
+        health.update(|t| t.degraded.insert(key.clone()));
+        health.lane_took_records_while_starting(&key, &lane, "records dead-lettered by s -> a/b");
+        assert_eq!(lane.get(), Status::Starting, "made Running on its way to Degraded");
+        // Its second half.
+        lane.set(Status::Degraded, "failing");
+        assert_eq!((lane.get(), health.cell.get()), (Status::Degraded, Status::Degraded));
+
+        // Not failing: made Running, and the router stays as it is.
+        let other = LaneKey { source: "s".into(), destination: DestinationKey::new("dlq", "other") };
+        let other_lane = StatusCell::new("destinations", "s/dlq/other");
+        health.lane_took_records_while_starting(&other, &other_lane, "records dead-lettered by s -> a/b");
+        assert_eq!(other_lane.get(), Status::Running);
+        assert_eq!(health.cell.get(), Status::Degraded);
     }
 }
