@@ -15,7 +15,9 @@
 //!   log ([`Gate::shed`]), so memory is held by destinations that deliver, never by an
 //!   outage.
 //! - Records of a destination are sent in log order; a batch is retried until it is
-//!   acknowledged (or disposed of by an explicit admission policy), never skipped.
+//!   acknowledged (or disposed of by an explicit admission policy), never skipped. A
+//!   send cut short by the result timeout halves what the next sends carry
+//!   ([`SendCap`]), so a batch too slow to be answered whole is not sent whole again.
 //! - A lane's acknowledged records keep pinning the log (`unstored_from`) until the
 //!   cursor flusher has stored a cursor past them; only then does `low_water` move.
 //!   An acknowledgement and the flusher's settling of a stored cursor are each one step
@@ -337,6 +339,57 @@ struct Info {
     consecutive_failures: u32,
     /// First offset of the out-of-range run already counted as rejected.
     out_of_range_counted: Option<u64>,
+    /// The most records one send carries, after sends cut short by the result timeout
+    /// ([`SendCap`]); `None`: no cap beyond the batch.
+    send_records_max: Option<usize>,
+    /// Sends acknowledged in a row under that cap.
+    sends_acknowledged_under_cap: u32,
+}
+
+/// Acknowledged sends in a row under a [`SendCap`] before it doubles: growing at every
+/// acknowledgement would, on a server that stays slow, cut every other send short (each
+/// of those copies perhaps stored), where this is one in seventeen at most.
+const SEND_CAP_GROWS_AFTER_ACKNOWLEDGED: u32 = 16;
+
+/// What a send cut short by the result timeout does to the next ones. Its outcome is
+/// unknown: the server may store it after all. Sent again whole, a batch too large to be
+/// answered within the timeout (a slow link, a slow sync on the server) would be cut
+/// short again and again, stored again each time, and the lane would never move on. So
+/// each such cut halves the most records a send carries, down to one, and every
+/// [`SEND_CAP_GROWS_AFTER_ACKNOWLEDGED`] sends acknowledged in a row double it back,
+/// until it reaches `batch_max_records` and the cap goes. Copies are then bounded: each
+/// halving's at most once, not one batch per retry for as long as the server is slow.
+struct SendCap;
+
+impl SendCap {
+    /// The end of the next send from `i`, `end` at most.
+    fn end(lane: &Lane, i: usize, end: usize) -> usize {
+        lock(&lane.info).send_records_max.map_or(end, |max| end.min(i + max))
+    }
+
+    /// A send of `records` was cut short by the result timeout.
+    fn cut_short(lane: &Lane, records: usize) {
+        let max = (records / 2).max(1);
+        let mut info = lock(&lane.info);
+        info.sends_acknowledged_under_cap = 0;
+        if info.send_records_max.is_none_or(|m| max < m) {
+            info.send_records_max = Some(max);
+            drop(info);
+            tracing::warn!(destination = %lane.key, records, send_records_max = max, "a send was cut short by the result timeout (it may still be stored); sends to this destination carry fewer records until they are answered in time");
+        }
+    }
+
+    /// A send was acknowledged.
+    fn acknowledged(lane: &Lane) {
+        let mut info = lock(&lane.info);
+        let Some(max) = info.send_records_max else { return };
+        info.sends_acknowledged_under_cap += 1;
+        if info.sends_acknowledged_under_cap >= SEND_CAP_GROWS_AFTER_ACKNOWLEDGED {
+            info.sends_acknowledged_under_cap = 0;
+            let doubled = max.saturating_mul(2);
+            info.send_records_max = (doubled < lane.policy.batch.batch_max_records).then_some(doubled);
+        }
+    }
 }
 
 /// A source's sends in flight: at most `max_concurrent_destinations`, of which lanes
@@ -1259,6 +1312,7 @@ async fn deliver<S: Sink, C>(
         while end < batch.len() && send_partitioning(&batch[end]) == partitioning {
             end += 1;
         }
+        let end = SendCap::end(lane, i, end);
         if let Partitioning::PartitionId(p) = partitioning
             && p >= topic.partitions_count
         {
@@ -1499,11 +1553,17 @@ async fn attempt<S: Sink, C>(
         }
         Op::Send(partitioning, messages) => {
             let started = std::time::Instant::now();
+            // The runtime's clock: the one the result timeout runs on.
+            let timed_from = tokio::time::Instant::now();
+            let records = messages.len();
             fail_points::fail_point!("router.send");
             let r = bounded_write(ctx, lane.dest(), timeout, true, ctx.sink.send(lane.dest(), partitioning, messages))
                 .await;
             if r.is_ok() {
                 metrics::histogram!("iggy_connector_send_latency_seconds").record(started.elapsed().as_secs_f64());
+                SendCap::acknowledged(lane);
+            } else if timed_from.elapsed() >= timeout {
+                SendCap::cut_short(lane, records);
             }
             r.map(|()| None)
         }

@@ -1074,3 +1074,28 @@ async fn an_abandoned_stop_leaves_no_send_running() {
     assert_eq!(status.status, Status::Stopped, "{status:?}");
     assert!(status.reason.contains("stop abandoned"), "{status:?}");
 }
+
+/// A batch the destination cannot take within the result timeout whole (a slow link, a
+/// server slow to store: here 60 ms a record, 40 records, a 500 ms timeout) is sent in
+/// halves until a send is answered in time, and the lane moves on: sent again whole at
+/// every retry, it was cut short for ever (and on a real server perhaps stored each time).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_too_slow_to_send_whole_is_sent_in_halves_and_the_lane_moves_on() {
+    let sim = SimStorage::new();
+    let wal = open_wal(&sim);
+    let sink = FaultySink::new();
+    let d = key("s", "slow-link");
+    let want = fill(&wal, std::slice::from_ref(&d), 0, 40).await;
+    sink.fault(&d, Some(Fault::SlowPerMessage(Duration::from_millis(60))));
+    let mut policy = fast_policy();
+    policy.batch.result_timeout = Duration::from_millis(500);
+    policy.batch.batch_max_records = 40;
+    policy.breaker.failure_threshold = 100;
+    let router = start_router(&wal, &sink, policy);
+    eventually(Duration::from_secs(30), "delivered", || sink.ids(&d).len() >= 40).await;
+    assert_eq!(sink.ids(&d), want[&d], "lost, reordered or duplicated records");
+    let sizes: Vec<usize> = sink.send_sizes(&d).iter().map(|(n, _)| *n).collect();
+    assert_eq!(&sizes[..4], &[40, 20, 10, 5], "sends: {sizes:?}");
+    assert!(sizes[3..].iter().all(|&n| n <= 5), "a send past the cap before 16 were answered: {sizes:?}");
+    router.shutdown().await;
+}

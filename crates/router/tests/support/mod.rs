@@ -30,6 +30,9 @@ pub enum Fault {
     Panic,
     /// Answers every send, successfully, after this long: a healthy but slow server.
     Slow(Duration),
+    /// Answers every send, successfully, after this long for each of its messages: a
+    /// slow link, or a server slow to store.
+    SlowPerMessage(Duration),
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -112,6 +115,12 @@ impl FaultySink {
             _ => None,
         }
     }
+    fn slow_per_message(&self, dest: &DestinationKey) -> Option<Duration> {
+        match self.st().faults.get(dest) {
+            Some(Fault::SlowPerMessage(d)) => Some(*d),
+            _ => None,
+        }
+    }
     fn check(&self, dest: &DestinationKey) -> Result<(), Option<SendError>> {
         self.check_call(dest, false)
     }
@@ -136,7 +145,7 @@ impl FaultySink {
             Some(Fault::FailSends(_)) => Ok(()),
             Some(Fault::BlackHole) => Err(None),
             Some(Fault::Panic) => panic!("injected panic in a call for {dest}"),
-            Some(Fault::Slow(_)) | None => Ok(()),
+            Some(Fault::Slow(_) | Fault::SlowPerMessage(_)) | None => Ok(()),
         }
     }
 }
@@ -197,6 +206,9 @@ impl Sink for FaultySink {
         }
         if let Some(d) = self.slow(dest) {
             tokio::time::sleep(d).await;
+        }
+        if let Some(d) = self.slow_per_message(dest) {
+            tokio::time::sleep(d * messages.len() as u32).await;
         }
         let mut st = self.st();
         // As Iggy does: a partition id the topic does not have fails the send.
