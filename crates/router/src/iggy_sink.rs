@@ -14,7 +14,10 @@
 //!   drops every idle connection too: they are as dead as the one that failed. Two
 //!   failures do not say so: a connection that knew it was not connected (closed while
 //!   idle; nothing was sent) drops only itself, and a "not now" answer (busy, catching
-//!   up) keeps its connection, the server having answered on it.
+//!   up) keeps its connection, the server having answered on it. An idle connection is
+//!   taken only while signed in: one its heartbeat found closed is dropped alone, before
+//!   any call is made on it (the client, its own reconnection off, would answer such a
+//!   call "disconnected", which says the server is gone).
 //! - The daemon starts and holds while the server is unreachable: connecting is retried
 //!   by the next call, never required at start. One connect runs at a time, in a task of
 //!   its own; a caller's timeout may stop waiting for it, never stop it half-way (the
@@ -221,8 +224,14 @@ impl IggySink {
     /// `Unavailable` instead, and the retry takes the parked connection with a whole
     /// result timeout of its own.
     async fn take(&self) -> Result<Taken, SendError> {
-        if let Some(client) = self.idle().pop() {
-            return Ok(Taken { client });
+        loop {
+            let Some(client) = self.idle().pop() else { break };
+            if signed_in(&client).await {
+                return Ok(Taken { client });
+            }
+            // Closed while it was idle (its heartbeat failed): that connection's trouble
+            // alone. The others, and connects, are left as they are.
+            tracing::debug!("an idle connection to iggy was closed; dropped");
         }
         let started = std::time::Instant::now();
         self.connect().await?;
@@ -440,6 +449,20 @@ fn build_client(config: &IggySinkConfig) -> Result<IggyClient, IggyError> {
     };
     let tcp = TcpClient::create(Arc::new(tcp))?;
     Ok(IggyClient::create(ClientWrapper::Tcp(tcp), None, None))
+}
+
+/// Whether `client`'s connection is signed in, as far as it knows: a connection its
+/// heartbeat found closed says `Disconnected`.
+async fn signed_in(client: &IggyClient) -> bool {
+    use iggy_common::locking::IggyRwLockFn;
+    use iggy_common::{BinaryTransport, ClientState};
+    let wrapper = client.client();
+    let wrapper = wrapper.read().await;
+    match &*wrapper {
+        ClientWrapper::Tcp(tcp) => tcp.get_state().await == ClientState::Authenticated,
+        // The sink builds TCP clients only.
+        _ => true,
+    }
 }
 
 /// Which failures are whose. Server errors arrive as codes, so this matches variants.
@@ -696,6 +719,31 @@ mod tests {
         assert_eq!(sink.idle().len(), 2, "the other connections were dropped too");
         assert!(!sink.connecting(), "taken for the whole server");
         assert!(sink.connect_wait().is_none(), "connects paced");
+    }
+
+    /// An idle connection closed while it was idle (its heartbeat found it so) is
+    /// dropped alone when taken: the call goes out on another, the rest of the pool stays,
+    /// and connects are not paced. Made on it, the call failed "disconnected" (the
+    /// client's own reconnection is off), which was taken for the whole server: every
+    /// idle connection dropped, connects paced, and the call failed.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_connection_closed_while_idle_is_dropped_alone_and_the_call_goes_out_on_another() {
+        let broker = test_broker::TestBroker::start(test_broker::TestBrokerConfig::default()).await.unwrap();
+        let config = IggySinkConfig { address: broker.addr().to_string(), ..IggySinkConfig::default() };
+        let sink = IggySink::new(&config).unwrap();
+        let mut taken = Vec::new();
+        for _ in 0..3 {
+            taken.push(sink.take().await.expect("a connection"));
+        }
+        // The last given back is the first taken: it is the one closed.
+        taken[2].client.disconnect().await.unwrap();
+        for t in taken {
+            assert!(sink.settle(t, Ok(()), false).is_ok());
+        }
+        sink.ensure(&DestinationKey::new("s", "t")).await.expect("the call went out on a closed connection");
+        assert_eq!(sink.idle().len(), 2, "the live connections were dropped, or the closed one kept");
+        assert!(sink.connect_wait().is_none(), "connects paced");
+        assert!(!sink.connecting(), "taken for the whole server");
     }
 
     /// A server that answers "not now" is there, and so is its connection.
