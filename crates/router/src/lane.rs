@@ -351,7 +351,8 @@ struct Info {
 /// of those copies perhaps stored), where this is one in seventeen at most.
 const SEND_CAP_GROWS_AFTER_ACKNOWLEDGED: u32 = 16;
 
-/// What a send cut short by the result timeout does to the next ones. Its outcome is
+/// What a send cut short by the result timeout, while the server answered other calls
+/// (`SendErrorKind::Timeout`), does to the next ones. Its outcome is
 /// unknown: the server may store it after all. Sent again whole, a batch too large to be
 /// answered within the timeout (a slow link, a slow sync on the server) would be cut
 /// short again and again, stored again each time, and the lane would never move on. So
@@ -1553,17 +1554,21 @@ async fn attempt<S: Sink, C>(
         }
         Op::Send(partitioning, messages) => {
             let started = std::time::Instant::now();
-            // The runtime's clock: the one the result timeout runs on.
-            let timed_from = tokio::time::Instant::now();
             let records = messages.len();
             fail_points::fail_point!("router.send");
             let r = bounded_write(ctx, lane.dest(), timeout, true, ctx.sink.send(lane.dest(), partitioning, messages))
                 .await;
-            if r.is_ok() {
-                metrics::histogram!("iggy_connector_send_latency_seconds").record(started.elapsed().as_secs_f64());
-                SendCap::acknowledged(lane);
-            } else if timed_from.elapsed() >= timeout {
-                SendCap::cut_short(lane, records);
+            match &r {
+                Ok(()) => {
+                    metrics::histogram!("iggy_connector_send_latency_seconds").record(started.elapsed().as_secs_f64());
+                    SendCap::acknowledged(lane);
+                }
+                // Cut short while the server answered other calls: this send is what it
+                // did not answer in time. Cut short with the server answering nothing, or
+                // still connecting, the send may not even have been written, and its size
+                // is not what failed.
+                Err(e) if e.kind == SendErrorKind::Timeout => SendCap::cut_short(lane, records),
+                Err(_) => {}
             }
             r.map(|()| None)
         }
