@@ -328,6 +328,9 @@ pub struct LaneSnapshot {
     pub overflowed: bool,
     /// What the lane keeps in its queue in memory, as `lane_queue_max_bytes` counts it.
     pub queued_bytes: usize,
+    /// The most records one send carries after sends cut short by the destination's
+    /// timeout ([`SendCap`]); `None`: no cap beyond `batch_max_records`.
+    pub send_records_max: Option<usize>,
 }
 
 #[derive(Debug, Default)]
@@ -692,6 +695,7 @@ impl Lane {
             not_durable_warning: i.topic.is_some_and(|t| !t.durable),
             overflowed: g.overflow_from.is_some(),
             queued_bytes: g.queued_bytes,
+            send_records_max: i.send_records_max,
         }
     }
 }

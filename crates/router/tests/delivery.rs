@@ -1094,6 +1094,8 @@ async fn a_batch_too_slow_to_send_whole_is_sent_in_halves_and_the_lane_moves_on(
     let router = start_router(&wal, &sink, policy);
     eventually(Duration::from_secs(30), "delivered", || sink.ids(&d).len() >= 40).await;
     assert_eq!(sink.ids(&d), want[&d], "lost, reordered or duplicated records");
+    let lane = router.destinations().into_iter().find(|l| l.destination == d).unwrap();
+    assert_eq!(lane.send_records_max, Some(5), "the status does not show the cap: {lane:?}");
     let sizes: Vec<usize> = sink.send_sizes(&d).iter().map(|(n, _)| *n).collect();
     assert_eq!(&sizes[..4], &[40, 20, 10, 5], "sends: {sizes:?}");
     assert!(sizes[3..].iter().all(|&n| n <= 5), "a send past the cap before 16 were answered: {sizes:?}");
