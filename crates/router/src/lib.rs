@@ -595,9 +595,11 @@ impl Router {
     }
 
     /// The bytes all lanes keep queued in memory now, and the most they may
-    /// (`Policies::queues_max_bytes`).
+    /// (`Policies::queues_max_bytes`; 0 once the router stopped, as in its gauge: a
+    /// stopped router queues nothing).
     pub fn queued_bytes(&self) -> (usize, usize) {
-        (self.queue_budget.queued_bytes(), self.queue_budget.max_bytes())
+        let max_bytes = if self.status().status == Status::Stopped { 0 } else { self.queue_budget.max_bytes() };
+        (self.queue_budget.queued_bytes(), max_bytes)
     }
 
     /// The lowest offset held because it could not be admitted, if any.

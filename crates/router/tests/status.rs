@@ -173,6 +173,7 @@ fn a_stop_cut_short_leaves_nothing_held_in_the_status_or_the_gauges() {
         assert_eq!(router.status().status, Status::Stopped);
         assert!(router.destinations().is_empty(), "lanes listed after the stop: {:?}", router.destinations());
         assert_eq!(router.held_from(), None);
+        assert_eq!(router.queued_bytes(), (0, 0), "the status's queue bound after the stop");
         for name in [
             "iggy_connector_held_bytes",
             "iggy_connector_queued_bytes",
