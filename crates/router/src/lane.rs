@@ -1762,7 +1762,12 @@ async fn dead_letter<S: Sink, C>(
     let mut prepared = ctx.sink.prepare(&messages);
     let timeout = lane.policy.batch.result_timeout;
     let mut failures = 0u32;
+    // Sent from `from` in sends of at most `send_max` records: halved at each send cut
+    // short by the dead-letter topic's timeout, as a lane's own sends are (`SendCap`),
+    // so a run too slow to be answered whole is not sent whole again at every retry.
+    let (mut from, mut send_max) = (0, records.len());
     loop {
+        let end = records.len().min(from + send_max);
         let sent = {
             let Some(_slot) = slot_or_shutdown(lane, failures > 0, shutdown).await else {
                 return Delivery::ShuttingDown;
@@ -1775,9 +1780,8 @@ async fn dead_letter<S: Sink, C>(
                 (Ok(_), Err(e)) => Err(e.clone()),
                 (Ok(_), Ok(messages)) => {
                     let started = std::time::Instant::now();
-                    let r =
-                        bounded_write(ctx, dlq, timeout, true, ctx.sink.send(dlq, &Partitioning::Balanced, messages))
-                            .await;
+                    let send = ctx.sink.send(dlq, &Partitioning::Balanced, &mut messages[from..end]);
+                    let r = bounded_write(ctx, dlq, timeout, true, send).await;
                     if r.is_ok() {
                         metrics::histogram!("iggy_connector_send_latency_seconds")
                             .record(started.elapsed().as_secs_f64());
@@ -1789,7 +1793,7 @@ async fn dead_letter<S: Sink, C>(
         // Counted as every send is (the dead-letter lane's, for the cap, included).
         match &sent {
             Ok(()) => metrics::counter!("iggy_connector_messages_routed_total", "connector_key" => lane.key.source.clone())
-                .increment(records.len() as u64),
+                .increment((end - from) as u64),
             Err(e) => metrics::counter!("iggy_connector_send_failures_total", "connector_key" => lane.key.source.clone(), "reason" => e.kind.as_str())
                 .increment(1),
         }
@@ -1797,10 +1801,17 @@ async fn dead_letter<S: Sink, C>(
             Ok(()) => {
                 lock(&lane.info).consecutive_failures = 0;
                 progressed(lane, ctx, "records out of the topic's partitions dead-lettered");
-                dead_lettered_here(lane, ctx, records.len() as u64);
-                return Delivery::Done;
+                dead_lettered_here(lane, ctx, (end - from) as u64);
+                failures = 0;
+                from = end;
+                if from == records.len() {
+                    return Delivery::Done;
+                }
             }
             Err(e) => {
+                if e.kind == SendErrorKind::Timeout {
+                    send_max = ((end - from) / 2).max(1);
+                }
                 failures = failures.saturating_add(1);
                 failed(lane, ctx, failures, false, &format!("dead-letter send failed: {e}"));
                 if sleep_or_shutdown(shutdown, lane.policy.backoff(failures)).await {

@@ -733,3 +733,29 @@ fn a_lane_holding_an_out_of_range_record_counts_and_times_its_calls() {
         router.shutdown().await;
     });
 }
+
+/// A run of records beyond their topic's partitions too slow to be dead-lettered whole
+/// (here 60 ms a record, 40 records, a 500 ms timeout) is sent there in halves until a
+/// send is answered in time: sent whole at every retry, it was cut short for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_too_slow_to_dead_letter_whole_is_sent_in_halves() {
+    let sim = SimStorage::new();
+    let wal = open_wal(&sim);
+    let sink = FaultySink::new();
+    let d = key("p", "few");
+    let dlq = key("dlq", "rejected");
+    sink.set_partitions(&d, 3);
+    sink.fault(&dlq, Some(Fault::SlowPerMessage(Duration::from_millis(60))));
+    let records: Vec<_> = (0..40u64).map(|i| record(&d, i, Partitioning::PartitionId(7))).collect();
+    wal.append(records).await.unwrap();
+    let mut p = policy(OnAdmissionFailure::DeadLetter);
+    p.batch.result_timeout = Duration::from_millis(500);
+    p.batch.batch_max_records = 40;
+    let router = Router::start(wal, sink.clone(), Arc::new(MemoryCursorStore::new()), Policies::uniform(p)).unwrap();
+    eventually(Duration::from_secs(30), "dead-lettered", || sink.ids(&dlq).len() >= 40).await;
+    let want: Vec<u128> = (0..40u64).map(|i| u128::from(i) + 1).collect();
+    assert_eq!(sink.ids(&dlq), want, "lost, reordered or duplicated records");
+    let sizes: Vec<usize> = sink.send_sizes(&dlq).iter().map(|(n, _)| *n).collect();
+    assert_eq!(&sizes[..4], &[40, 20, 10, 5], "sends: {sizes:?}");
+    router.shutdown().await;
+}
