@@ -774,13 +774,8 @@ impl EndpointRegistry {
     fn install_held(&self, held: &mut OwnedRwLockWriteGuard<u64>, endpoint: Endpoint) {
         let id = endpoint.id;
         let version = self.next_version.fetch_add(1, Ordering::Relaxed);
-        let gate = self.current(id).map(|v| v.gate.clone());
-        debug_assert!(
-            gate.as_ref().is_some_and(|g| std::ptr::eq(Arc::as_ptr(g), OwnedRwLockWriteGuard::rwlock(held).as_ref())),
-            "endpoint {} installed under another gate than its own",
-            format_id(id)
-        );
-        let gate = gate.unwrap_or_else(|| Arc::new(AsyncRwLock::new(version)));
+        // The hold is on the gate every version of the id shares: the new one takes it.
+        let gate = OwnedRwLockWriteGuard::rwlock(held).clone();
         let next = EndpointVersion { endpoint, version, gate };
         self.endpoints.write().unwrap_or_else(|p| p.into_inner()).insert(id, Arc::new(next));
         **held = version;
