@@ -22,9 +22,9 @@
 //!   log does not hold).
 //!
 //! The start after a power loss writes too (the index forgets the delivery ids the log
-//! lost, then commits its bounds), so a second sweep loses power again at each write of
-//! every such start, on a fork of the disk the first loss left, and checks the start
-//! after that the same way.
+//! lost, then commits its bounds), so after each power loss whose start forgets ids the
+//! sweep loses power again at each write of that start, on forks of the disk the first
+//! loss left, and checks the start after that the same way.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -417,6 +417,11 @@ struct Covered {
     rotated: bool,
     revoked: bool,
     keyed: bool,
+    /// A start after a power loss forgot delivery ids ([`cut_the_start_after`]), and was
+    /// cut before its durable commit (the next start forgot again) and after it.
+    start_forgot: bool,
+    start_cut_before_commit: bool,
+    start_cut_after_commit: bool,
 }
 
 impl std::ops::BitOr for Covered {
@@ -427,6 +432,9 @@ impl std::ops::BitOr for Covered {
             rotated: self.rotated | o.rotated,
             revoked: self.revoked | o.revoked,
             keyed: self.keyed | o.keyed,
+            start_forgot: self.start_forgot | o.start_forgot,
+            start_cut_before_commit: self.start_cut_before_commit | o.start_cut_before_commit,
+            start_cut_after_commit: self.start_cut_after_commit | o.start_cut_after_commit,
         }
     }
 }
@@ -438,12 +446,14 @@ async fn sweep(seed: u64, sync: SyncPolicy) -> Covered {
     let answered = run_until_crash(&clean, &script, sync, None, now).await;
     let released = Wal::open_read_only_with(Arc::new(clean.clone()), Path::new(WAL_DIR)).unwrap().start_offset() > 0;
     let changes = |f: fn(&EndpointRecord) -> bool| answered.endpoints.values().flat_map(|(done, _)| done).any(f);
-    let covered = Covered {
+    let mut covered = Covered {
         released,
         rotated: changes(|e| e.rotated_at_unix_ms.is_some()),
         revoked: changes(|e| e.revoked_at_unix_ms.is_some()),
         keyed: answered.registration_keys.values().any(|&answered| answered),
+        ..Covered::default()
     };
+    let mut cut = CutStarts::default();
     let mutations = clean.ops();
     assert!(mutations > 50, "the script barely wrote: {mutations} mutations");
     let mut crashes = 0;
@@ -457,15 +467,22 @@ async fn sweep(seed: u64, sync: SyncPolicy) -> Covered {
             crashes += 1;
             sim.disarm();
             let case = format!("seed {seed}, {sync:?}, crash before mutation {n} of {mutations}, {mode:?}");
+            cut_the_start_after(&sim, &answered, sync, now, &case, &mut cut).await;
             check_after_crash(&sim, &answered, sync, now, &case).await;
         }
     }
     assert!(crashes as u64 > mutations, "only {crashes} of {mutations} crash points were reached");
-    eprintln!("seed {seed}, {sync:?}: {crashes} power losses over {mutations} mutations, all consistent; {covered:?}");
+    covered.start_forgot = cut.forgetting_starts > 0;
+    covered.start_cut_before_commit = cut.forgot_again > 0;
+    covered.start_cut_after_commit = cut.forgot_nothing > 0;
+    eprintln!(
+        "seed {seed}, {sync:?}: {crashes} power losses over {mutations} mutations, all consistent; starts cut short: \
+         {cut:?}; {covered:?}"
+    );
     covered
 }
 
-/// What the starts cut short by [`sweep_a_start_cut_short`] found.
+/// What the starts cut short by [`cut_the_start_after`] found.
 #[derive(Debug, Default)]
 struct CutStarts {
     /// First power losses after which the start forgot delivery ids.
@@ -480,93 +497,60 @@ struct CutStarts {
 }
 
 /// A start after a power loss writes too: the log makes its recovered tail durable, and
-/// the index forgets the delivery ids the log lost (in transactions of at most 10,000 keys,
-/// not durable on their own), then restores keys and writes its bounds in one durable
-/// commit. For every power loss of the script under `sync` after which the start forgets
-/// ids, the power goes again before each write of that start (on a fork of the disk as
-/// the first loss left it), and the start after that is checked as after any power loss:
-/// an id the log lost must not answer a retry as a replay, whichever of its forgets
-/// survived.
-async fn sweep_a_start_cut_short(seed: u64, sync: SyncPolicy) -> CutStarts {
-    let now = ingest::time::now_unix_ms();
-    let script = script(seed);
-    let clean = SimStorage::new();
-    run_until_crash(&clean, &script, sync, None, now).await;
-    let mutations = clean.ops();
-    let mut found = CutStarts::default();
-    for n in (1..=mutations).step_by(stride() as usize) {
-        for mode in [CrashMode::LoseUnsynced, CrashMode::Reordered { seed: seed ^ n }] {
-            let sim = SimStorage::new();
-            let answered = run_until_crash(&sim, &script, sync, Some((n, mode)), now).await;
-            if sim.crashes() == 0 {
+/// the index forgets the delivery ids the log lost (in transactions of at most 10,000
+/// keys, not durable on their own), then restores keys and writes its bounds in one
+/// durable commit. If the start after the power loss `sim` went through forgets ids, the
+/// power goes again before each write of that start, and once just after it returned (on
+/// forks of the disk as the first loss left it), and the start after that is checked as
+/// after any power loss: an id the log lost must not answer a retry as a replay,
+/// whichever of its forgets survived.
+async fn cut_the_start_after(
+    sim: &SimStorage,
+    answered: &Answered,
+    sync: SyncPolicy,
+    now: u64,
+    case: &str,
+    found: &mut CutStarts,
+) {
+    let probe = sim.fork();
+    let start = open(&probe, SyncPolicy::Always, now + 1).unwrap_or_else(|e| panic!("{case}: the start failed: {e}"));
+    let start_mutations = probe.ops();
+    let forgot = start.rebuilt.keys_beyond_log_forgotten;
+    start.wal.close().await.unwrap();
+    if forgot == 0 {
+        return;
+    }
+    found.forgetting_starts += 1;
+    for m in 1..=start_mutations + 1 {
+        let seed = m << 32 ^ start_mutations;
+        for cut_mode in [CrashMode::LoseUnsynced, CrashMode::Reordered { seed }] {
+            let disk = sim.fork();
+            if m <= start_mutations {
+                disk.crash_at_nth(FaultOp::AnyMutation, m, cut_mode);
+            }
+            // The start cut short: it fails, or returns just before the power goes.
+            let started = open(&disk, SyncPolicy::Always, now + 1);
+            if m > start_mutations {
+                disk.crash(cut_mode);
+            }
+            drop(started);
+            if disk.crashes() == 0 {
                 continue;
             }
-            sim.disarm();
-            let probe = sim.fork();
-            let start = open(&probe, SyncPolicy::Always, now + 1)
-                .unwrap_or_else(|e| panic!("seed {seed}, crash before mutation {n}: the start failed: {e}"));
-            let start_mutations = probe.ops();
-            let forgot = start.rebuilt.keys_beyond_log_forgotten;
-            start.wal.close().await.unwrap();
-            if forgot == 0 {
-                continue;
+            disk.disarm();
+            found.cuts += 1;
+            let case = format!("{case}, then before mutation {m} of the start's {start_mutations} ({cut_mode:?})");
+            let next = disk.fork();
+            let again = open(&next, SyncPolicy::Always, now + 1).unwrap_or_else(|e| panic!("{case}: {e}"));
+            if again.rebuilt.keys_beyond_log_forgotten > 0 {
+                found.forgot_again += 1;
+            } else {
+                found.forgot_nothing += 1;
             }
-            found.forgetting_starts += 1;
-            // The last cut comes once the start returned, its writes all made.
-            for m in 1..=start_mutations + 1 {
-                for cut_mode in [CrashMode::LoseUnsynced, CrashMode::Reordered { seed: seed ^ n ^ (m << 32) }] {
-                    let disk = sim.fork();
-                    if m <= start_mutations {
-                        disk.crash_at_nth(FaultOp::AnyMutation, m, cut_mode);
-                    }
-                    // The start cut short: it fails, or returns just before the power goes.
-                    let started = open(&disk, SyncPolicy::Always, now + 1);
-                    if m > start_mutations {
-                        disk.crash(cut_mode);
-                    }
-                    drop(started);
-                    if disk.crashes() == 0 {
-                        continue;
-                    }
-                    disk.disarm();
-                    found.cuts += 1;
-                    let next = disk.fork();
-                    let again = open(&next, SyncPolicy::Always, now + 1).unwrap_or_else(|e| {
-                        panic!("seed {seed}, crash before mutation {n}, then before the start's {m}th: {e}")
-                    });
-                    if again.rebuilt.keys_beyond_log_forgotten > 0 {
-                        found.forgot_again += 1;
-                    } else {
-                        found.forgot_nothing += 1;
-                    }
-                    again.wal.close().await.unwrap();
-                    let case = format!(
-                        "seed {seed}, {sync:?}, crash before mutation {n} of {mutations} ({mode:?}), then before \
-                         mutation {m} of the start's {start_mutations} ({cut_mode:?})"
-                    );
-                    check_after_crash(&disk, &answered, sync, now, &case).await;
-                }
-            }
+            again.wal.close().await.unwrap();
+            check_after_crash(&disk, answered, sync, now, &case).await;
         }
     }
-    eprintln!("seed {seed}, {sync:?}, starts cut short: {found:?}");
-    found
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_power_loss_during_the_start_that_forgets_lost_delivery_ids_replays_none_of_them() {
-    let interval = SyncPolicy::Interval(Duration::from_millis(2));
-    let mut found = CutStarts::default();
-    for seed in [3, 4] {
-        let one = sweep_a_start_cut_short(seed, interval).await;
-        found.forgetting_starts += one.forgetting_starts;
-        found.cuts += one.cuts;
-        found.forgot_again += one.forgot_again;
-        found.forgot_nothing += one.forgot_nothing;
-    }
-    // The sweep reached starts that forget, and cut them both before and after their
-    // durable commit.
-    assert!(found.forgetting_starts > 0 && found.forgot_again > 0 && found.forgot_nothing > 0, "{found:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -580,6 +564,9 @@ async fn a_power_loss_at_any_write_never_replays_what_the_log_lost_under_interva
     let interval = SyncPolicy::Interval(Duration::from_millis(2));
     let covered = sweep(3, interval).await | sweep(4, interval).await;
     assert!(covered.released && covered.rotated && covered.revoked && covered.keyed, "{covered:?}");
+    // The sweep reached starts that forget, and cut them both before and after their
+    // durable commit.
+    assert!(covered.start_forgot && covered.start_cut_before_commit && covered.start_cut_after_commit, "{covered:?}");
 }
 
 /// A commit whose sync failed leaves its pages in the page cache, clean but not on the
