@@ -342,11 +342,8 @@ struct Info {
     consecutive_failures: u32,
     /// First offset of the out-of-range run already counted as rejected.
     out_of_range_counted: Option<u64>,
-    /// The most records one send carries, after sends cut short by the result timeout
-    /// ([`SendCap`]); `None`: no cap beyond the batch.
-    send_records_max: Option<usize>,
-    /// Sends acknowledged in a row under that cap.
-    sends_acknowledged_under_cap: u32,
+    /// What sends cut short by the destination's timeout left of a send's records.
+    send_cap: SendCap,
 }
 
 /// Acknowledged sends in a row under a [`SendCap`] before it doubles: growing at every
@@ -355,45 +352,70 @@ struct Info {
 const SEND_CAP_GROWS_AFTER_ACKNOWLEDGED: u32 = 16;
 
 /// What a send cut short by the result timeout, while the server answered other calls
-/// (`SendErrorKind::Timeout`), does to the next ones. Its outcome is
-/// unknown: the server may store it after all. Sent again whole, a batch too large to be
-/// answered within the timeout (a slow link, a slow sync on the server) would be cut
-/// short again and again, stored again each time, and the lane would never move on. So
-/// each such cut halves the most records a send carries, down to one, and every
+/// (`SendErrorKind::Timeout`), does to the next ones. Its outcome is unknown: the server
+/// may store it after all. Sent again whole, a batch too large to be answered within the
+/// timeout (a slow link, a slow sync on the server) would be cut short again and again,
+/// stored again each time, and the lane would never move on. So each such cut halves the
+/// most records a send carries, down to one, and every
 /// [`SEND_CAP_GROWS_AFTER_ACKNOWLEDGED`] sends acknowledged in a row double it back,
 /// until it reaches `batch_max_records` and the cap goes. Copies are then bounded: each
 /// halving's at most once, not one batch per retry for as long as the server is slow.
-struct SendCap;
+/// A lane keeps one for its destination; a dead-letter send keeps one for its run.
+#[derive(Debug, Default)]
+struct SendCap {
+    /// `None`: no cap beyond the batch.
+    records_max: Option<usize>,
+    acknowledged_in_a_row: u32,
+}
 
 impl SendCap {
-    /// The end of the next send from `i`, `end` at most.
-    fn end(lane: &Lane, i: usize, end: usize) -> usize {
-        lock(&lane.info).send_records_max.map_or(end, |max| end.min(i + max))
+    /// The end of the next send from `from`, `end` at most.
+    fn end(&self, from: usize, end: usize) -> usize {
+        self.records_max.map_or(end, |max| end.min(from + max))
     }
 
-    /// A send of `records` was cut short by the result timeout.
-    fn cut_short(lane: &Lane, records: usize) {
+    /// A send of `records` was cut short by the destination's timeout; the new cap if it
+    /// was lowered.
+    fn cut_short(&mut self, records: usize) -> Option<usize> {
         let max = (records / 2).max(1);
-        let mut info = lock(&lane.info);
-        info.sends_acknowledged_under_cap = 0;
-        if info.send_records_max.is_none_or(|m| max < m) {
-            info.send_records_max = Some(max);
-            drop(info);
-            tracing::warn!(destination = %lane.key, records, send_records_max = max, "a send was cut short by the result timeout (it may still be stored); sends to this destination carry fewer records until they are answered in time");
+        self.acknowledged_in_a_row = 0;
+        let lowered = self.records_max.is_none_or(|m| max < m);
+        if lowered {
+            self.records_max = Some(max);
         }
+        lowered.then_some(max)
     }
 
-    /// A send was acknowledged.
-    fn acknowledged(lane: &Lane) {
-        let mut info = lock(&lane.info);
-        let Some(max) = info.send_records_max else { return };
-        info.sends_acknowledged_under_cap += 1;
-        if info.sends_acknowledged_under_cap >= SEND_CAP_GROWS_AFTER_ACKNOWLEDGED {
-            info.sends_acknowledged_under_cap = 0;
+    /// A send was acknowledged; the cap goes once doubled to `batch_max_records`.
+    fn acknowledged(&mut self, batch_max_records: usize) {
+        let Some(max) = self.records_max else { return };
+        self.acknowledged_in_a_row += 1;
+        if self.acknowledged_in_a_row >= SEND_CAP_GROWS_AFTER_ACKNOWLEDGED {
+            self.acknowledged_in_a_row = 0;
             let doubled = max.saturating_mul(2);
-            info.send_records_max = (doubled < lane.policy.batch.batch_max_records).then_some(doubled);
+            self.records_max = (doubled < batch_max_records).then_some(doubled);
         }
     }
+}
+
+/// Counts a lane's failed call (a send, or an ensure) in `send_failures_total`.
+fn count_failure(lane: &Lane, e: &SendError) {
+    metrics::counter!("iggy_connector_send_failures_total", "connector_key" => lane.key.source.clone(), "reason" => e.kind.as_str()).increment(1);
+}
+
+/// `dest` ensured (its stream and topic made to exist), the calls that succeed timed,
+/// wherever they are made (a lane, the pre-warm, a dead-letter send): a failure's time is
+/// a timeout or a refusal, counted in `send_failures_total` by a lane (or logged by the
+/// pre-warm), and would read as a slow server. A call cut short by its caller is not
+/// timed either.
+pub(crate) async fn ensure_timed<S: Sink>(sink: &S, dest: &DestinationKey) -> Result<TopicInfo, SendError> {
+    let started = std::time::Instant::now();
+    let ensured = sink.ensure(dest).await;
+    if ensured.is_ok() {
+        metrics::histogram!("iggy_connector_destination_create_latency_seconds")
+            .record(started.elapsed().as_secs_f64());
+    }
+    ensured
 }
 
 /// A source's sends in flight: at most `max_concurrent_destinations`, of which lanes
@@ -695,7 +717,7 @@ impl Lane {
             not_durable_warning: i.topic.is_some_and(|t| !t.durable),
             overflowed: g.overflow_from.is_some(),
             queued_bytes: g.queued_bytes,
-            send_records_max: i.send_records_max,
+            send_records_max: i.send_cap.records_max,
         }
     }
 }
@@ -1317,7 +1339,6 @@ async fn deliver<S: Sink, C>(
         while end < batch.len() && send_partitioning(&batch[end]) == partitioning {
             end += 1;
         }
-        let end = SendCap::end(lane, i, end);
         if let Partitioning::PartitionId(p) = partitioning
             && p >= topic.partitions_count
         {
@@ -1350,6 +1371,9 @@ async fn deliver<S: Sink, C>(
                 Delivery::ShuttingDown => return Delivery::ShuttingDown,
             }
         }
+        // Disposing of out-of-range records sends nothing to this destination: only what
+        // is sent here is capped.
+        let end = lock(&lane.info).send_cap.end(i, end);
         let op = match prepared {
             Ok(messages) => Op::Send(&partitioning, &mut messages[i..end]),
             Err(e) => Op::Unsendable(e.clone()),
@@ -1551,10 +1575,7 @@ async fn attempt<S: Sink, C>(
     let result: Result<Option<TopicInfo>, SendError> = match op {
         Op::Unsendable(e) => Err(e),
         Op::Ensure => {
-            let started = std::time::Instant::now();
-            let r = bounded_write(ctx, lane.dest(), timeout, false, ctx.sink.ensure(lane.dest())).await;
-            time_ensure(started, &r);
-            r.map(Some)
+            bounded_write(ctx, lane.dest(), timeout, false, ensure_timed(&*ctx.sink, lane.dest())).await.map(Some)
         }
         Op::Send(partitioning, messages) => {
             let started = std::time::Instant::now();
@@ -1565,13 +1586,18 @@ async fn attempt<S: Sink, C>(
             match &r {
                 Ok(()) => {
                     metrics::histogram!("iggy_connector_send_latency_seconds").record(started.elapsed().as_secs_f64());
-                    SendCap::acknowledged(lane);
+                    lock(&lane.info).send_cap.acknowledged(lane.policy.batch.batch_max_records);
                 }
                 // Cut short while the server answered other calls: this send is what it
                 // did not answer in time. Cut short with the server answering nothing, or
                 // still connecting, the send may not even have been written, and its size
                 // is not what failed.
-                Err(e) if e.kind == SendErrorKind::Timeout => SendCap::cut_short(lane, records),
+                Err(e) if e.kind == SendErrorKind::Timeout => {
+                    let lowered = lock(&lane.info).send_cap.cut_short(records);
+                    if let Some(max) = lowered {
+                        tracing::warn!(destination = %lane.key, records, send_records_max = max, "a send was cut short by the result timeout (it may still be stored); sends to this destination carry fewer records until they are answered in time");
+                    }
+                }
                 Err(_) => {}
             }
             r.map(|()| None)
@@ -1622,7 +1648,7 @@ async fn attempt<S: Sink, C>(
                 // The topic may be gone: ensure it again before the next send.
                 lock(&lane.info).topic = None;
             }
-            metrics::counter!("iggy_connector_send_failures_total", "connector_key" => lane.key.source.clone(), "reason" => e.kind.as_str()).increment(1);
+            count_failure(lane, &e);
             failed(lane, ctx, *failures, is_open, &e.to_string());
             // Shown after the status: a reader who sees the breaker open sees the lane
             // Degraded.
@@ -1708,10 +1734,8 @@ async fn hold_until_partitions_exist<S: Sink, C>(
         let Some(slot) = slot_or_shutdown(lane, true, shutdown).await else {
             return Delivery::ShuttingDown;
         };
-        let started = std::time::Instant::now();
-        let asked = bounded(&*ctx.sink, lane.policy.batch.result_timeout, ctx.sink.ensure(lane.dest())).await;
+        let asked = bounded(&*ctx.sink, lane.policy.batch.result_timeout, ensure_timed(&*ctx.sink, lane.dest())).await;
         drop(slot);
-        time_ensure(started, &asked);
         match asked {
             Ok(t) => {
                 lock(&lane.info).topic = Some(t);
@@ -1723,20 +1747,10 @@ async fn hold_until_partitions_exist<S: Sink, C>(
             Err(e) => {
                 // Counted as every failed call of a lane is: an outage while a record is
                 // held here shows in the counter as it would for a send.
-                metrics::counter!("iggy_connector_send_failures_total", "connector_key" => lane.key.source.clone(), "reason" => e.kind.as_str()).increment(1);
+                count_failure(lane, &e);
                 lane.status.record_error(&e.to_string());
             }
         }
-    }
-}
-
-/// Times an ensure (a stream and topic made to exist) that succeeded, wherever it is made:
-/// a failure's time is a timeout or a refusal, counted in `send_failures_total` by a lane
-/// (or logged by the pre-warm), and would read as a slow server.
-pub(crate) fn time_ensure<T, E>(started: std::time::Instant, result: &Result<T, E>) {
-    if result.is_ok() {
-        metrics::histogram!("iggy_connector_destination_create_latency_seconds")
-            .record(started.elapsed().as_secs_f64());
     }
 }
 
@@ -1762,20 +1776,16 @@ async fn dead_letter<S: Sink, C>(
     let mut prepared = ctx.sink.prepare(&messages);
     let timeout = lane.policy.batch.result_timeout;
     let mut failures = 0u32;
-    // Sent from `from` in sends of at most `send_max` records: halved at each send cut
-    // short by the dead-letter topic's timeout, as a lane's own sends are (`SendCap`),
-    // so a run too slow to be answered whole is not sent whole again at every retry.
-    let (mut from, mut send_max) = (0, records.len());
+    // Sent from `from`, under a cap of its own, as a lane's sends are: a run too slow to
+    // be answered whole is not sent whole again at every retry.
+    let (mut from, mut cap) = (0, SendCap::default());
     loop {
-        let end = records.len().min(from + send_max);
+        let end = cap.end(from, records.len());
         let sent = {
             let Some(_slot) = slot_or_shutdown(lane, failures > 0, shutdown).await else {
                 return Delivery::ShuttingDown;
             };
-            let started = std::time::Instant::now();
-            let ensured = bounded(&*ctx.sink, timeout, ctx.sink.ensure(dlq)).await;
-            time_ensure(started, &ensured);
-            match (ensured, &mut prepared) {
+            match (bounded(&*ctx.sink, timeout, ensure_timed(&*ctx.sink, dlq)).await, &mut prepared) {
                 (Err(e), _) => Err(e),
                 (Ok(_), Err(e)) => Err(e.clone()),
                 (Ok(_), Ok(messages)) => {
@@ -1792,16 +1802,18 @@ async fn dead_letter<S: Sink, C>(
         };
         // Counted as every send is (the dead-letter lane's, for the cap, included).
         match &sent {
-            Ok(()) => metrics::counter!("iggy_connector_messages_routed_total", "connector_key" => lane.key.source.clone())
-                .increment((end - from) as u64),
-            Err(e) => metrics::counter!("iggy_connector_send_failures_total", "connector_key" => lane.key.source.clone(), "reason" => e.kind.as_str())
-                .increment(1),
+            Ok(()) => {
+                metrics::counter!("iggy_connector_messages_routed_total", "connector_key" => lane.key.source.clone())
+                    .increment((end - from) as u64)
+            }
+            Err(e) => count_failure(lane, e),
         }
         match sent {
             Ok(()) => {
                 lock(&lane.info).consecutive_failures = 0;
                 progressed(lane, ctx, "records out of the topic's partitions dead-lettered");
                 dead_lettered_here(lane, ctx, (end - from) as u64);
+                cap.acknowledged(records.len());
                 failures = 0;
                 from = end;
                 if from == records.len() {
@@ -1810,7 +1822,7 @@ async fn dead_letter<S: Sink, C>(
             }
             Err(e) => {
                 if e.kind == SendErrorKind::Timeout {
-                    send_max = ((end - from) / 2).max(1);
+                    cap.cut_short(end - from);
                 }
                 failures = failures.saturating_add(1);
                 failed(lane, ctx, failures, false, &format!("dead-letter send failed: {e}"));

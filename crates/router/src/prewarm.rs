@@ -90,12 +90,10 @@ async fn ensure_until<S: Sink>(sink: &S, dest: &DestinationKey, deadline: Instan
     let mut backoff = BACKOFF_FIRST;
     let mut last_error = "no answer before the deadline".to_string();
     while Instant::now() < deadline {
-        let started = std::time::Instant::now();
-        match tokio::time::timeout_at(deadline.min(Instant::now() + ATTEMPT_MAX), sink.ensure(dest)).await {
-            Ok(ensured @ Ok(_)) => {
-                crate::lane::time_ensure(started, &ensured);
-                return Ok(());
-            }
+        match tokio::time::timeout_at(deadline.min(Instant::now() + ATTEMPT_MAX), crate::lane::ensure_timed(sink, dest))
+            .await
+        {
+            Ok(Ok(_)) => return Ok(()),
             Ok(Err(e)) => last_error = e.to_string(),
             Err(_) if Instant::now() >= deadline => break,
             Err(_) => last_error = format!("no answer within {} s", ATTEMPT_MAX.as_secs()),
