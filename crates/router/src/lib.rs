@@ -598,7 +598,7 @@ impl Router {
     /// (`Policies::queues_max_bytes`; 0 once the router stopped, as in its gauge: a
     /// stopped router queues nothing).
     pub fn queued_bytes(&self) -> (usize, usize) {
-        let max_bytes = if self.status().status == Status::Stopped { 0 } else { self.queue_budget.max_bytes() };
+        let max_bytes = if self.health.cell.get() == Status::Stopped { 0 } else { self.queue_budget.max_bytes() };
         (self.queue_budget.queued_bytes(), max_bytes)
     }
 
