@@ -25,6 +25,7 @@ pub mod route;
 pub mod server;
 pub mod source;
 pub mod status;
+pub mod tls;
 
 pub use auth::AuthScheme;
 pub use body::Accept;

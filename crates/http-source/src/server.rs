@@ -7,6 +7,11 @@
 //!   a keep-alive connection may sit idle between requests (hyper starts the same timer
 //!   when it starts waiting for the next head), so slow or idle clients cannot hold
 //!   connection slots.
+//! - With TLS (`tls.rs`), the handshake runs in the connection's own task, bounded by
+//!   `header_read_timeout` and cut when the drain starts: the accept loop never waits for
+//!   a client, and a client that never finishes its handshake holds its slot no longer
+//!   than one that never sends a head. Handshakes that fail or time out are counted in
+//!   `iggy_ingest_tls_handshake_failures_total{listener, reason}`.
 //! - `write_timeout` bounds how long an answer may wait for its client to take it: from
 //!   the first write the socket's buffer refuses until the whole answer is handed to the
 //!   kernel. A client that sends requests and never reads the answers (or reads them a
@@ -40,6 +45,7 @@ use tokio::time::Sleep;
 use tower::ServiceExt;
 
 use crate::door::PeerAddr;
+use crate::tls::ListenerTls;
 
 #[derive(Debug, Clone)]
 pub struct ConnectionLimits {
@@ -57,9 +63,11 @@ pub struct Drained {
     pub complete: bool,
 }
 
-/// Serves `router` on `listener` until `shutdown` resolves, then drains within `grace`.
+/// Serves `router` on `listener` (over TLS with `tls`) until `shutdown` resolves, then
+/// drains within `grace`.
 pub async fn serve(
     listener: TcpListener,
+    tls: Option<ListenerTls>,
     router: Router,
     limits: ConnectionLimits,
     shutdown: impl Future<Output = ()>,
@@ -70,6 +78,8 @@ pub async fn serve(
     let open = metrics::gauge!("iggy_ingest_http_connections", "listener" => listener_name);
     let waits = metrics::counter!("iggy_ingest_http_connection_waits_total", "listener" => listener_name);
     let graceful = GracefulShutdown::new();
+    // Set when the drain starts: handshakes still under way give up.
+    let (draining_tx, draining) = tokio::sync::watch::channel(false);
     let mut builder = hyper::server::conn::http1::Builder::new();
     builder.timer(TokioTimer::new()).header_read_timeout(limits.header_read_timeout).keep_alive(true);
     tokio::pin!(shutdown);
@@ -125,17 +135,41 @@ pub async fn serve(
             router.clone().oneshot(req.map(axum::body::Body::new))
         });
         let stream = WriteDeadline::new(stream, limits.write_timeout);
-        let conn = builder.serve_connection(TokioIo::new(stream), service);
-        let watched = graceful.watch(conn);
         let slot = OpenConnection::new(permit, open.clone());
-        connections.spawn(async move {
-            if let Err(e) = watched.await {
-                tracing::debug!(error = %e, peer = %peer, "connection ended with an error");
+        match &tls {
+            None => {
+                let watched = graceful.watch(builder.serve_connection(TokioIo::new(stream), service));
+                connections.spawn(async move {
+                    if let Err(e) = watched.await {
+                        tracing::debug!(error = %e, peer = %peer, "connection ended with an error");
+                    }
+                    drop(slot);
+                });
             }
-            drop(slot);
-        });
+            Some(tls) => {
+                let handshake = Handshake {
+                    tls: tls.clone(),
+                    timeout: limits.header_read_timeout,
+                    draining: draining.clone(),
+                    listener: listener_name,
+                };
+                // Subscribed now: a drain that starts during the handshake waits for it
+                // (cut short by `draining`) and closes the connection it yields.
+                let watcher = graceful.watcher();
+                let builder = builder.clone();
+                connections.spawn(async move {
+                    if let Some(stream) = handshake.run(stream, peer).await
+                        && let Err(e) = watcher.watch(builder.serve_connection(TokioIo::new(stream), service)).await
+                    {
+                        tracing::debug!(error = %e, peer = %peer, "connection ended with an error");
+                    }
+                    drop(slot);
+                });
+            }
+        }
     }
     drop(listener);
+    let _ = draining_tx.send(true);
     fail_points::fail_point!("listener.drain");
     let complete = tokio::time::timeout(grace, graceful.shutdown()).await.is_ok();
     if !complete {
@@ -149,6 +183,47 @@ pub async fn serve(
     connections.abort_all();
     while connections.join_next().await.is_some() {}
     Drained { complete }
+}
+
+/// A TLS handshake on an accepted connection, with its bounds.
+struct Handshake {
+    tls: ListenerTls,
+    timeout: Duration,
+    draining: tokio::sync::watch::Receiver<bool>,
+    listener: &'static str,
+}
+
+impl Handshake {
+    /// The connection's TLS stream, or `None` when the handshake failed, outlasted the
+    /// timeout or was under way when the drain started (counted, logged at debug: a
+    /// port scanner or a client with no common protocol is no operator's error).
+    async fn run(
+        mut self,
+        stream: WriteDeadline,
+        peer: SocketAddr,
+    ) -> Option<tokio_rustls::server::TlsStream<WriteDeadline>> {
+        let failed = |reason: &'static str| {
+            metrics::counter!("iggy_ingest_tls_handshake_failures_total", "listener" => self.listener, "reason" => reason)
+                .increment(1);
+        };
+        let accept = self.tls.acceptor().accept(stream);
+        tokio::select! {
+            done = tokio::time::timeout(self.timeout, accept) => match done {
+                Ok(Ok(stream)) => Some(stream),
+                Ok(Err(e)) => {
+                    failed("refused");
+                    tracing::debug!(listener = self.listener, peer = %peer, error = %e, "TLS handshake failed");
+                    None
+                }
+                Err(_) => {
+                    failed("timed_out");
+                    tracing::debug!(listener = self.listener, peer = %peer, "TLS handshake outlasted the header read timeout");
+                    None
+                }
+            },
+            _ = self.draining.wait_for(|d| *d) => None,
+        }
+    }
 }
 
 /// A connection's slot, counted in the open-connections gauge while it is held: dropped
@@ -279,6 +354,7 @@ mod tests {
         };
         let server = tokio::spawn(serve(
             listener,
+            None,
             router,
             limits,
             async {
@@ -328,7 +404,15 @@ mod tests {
             header_read_timeout: Duration::from_secs(30),
             write_timeout: Duration::from_millis(500),
         };
-        tokio::spawn(serve(listener, router, limits, std::future::pending::<()>(), Duration::from_secs(1), "test"));
+        tokio::spawn(serve(
+            listener,
+            None,
+            router,
+            limits,
+            std::future::pending::<()>(),
+            Duration::from_secs(1),
+            "test",
+        ));
         // Client A: a small receive buffer, 200 pipelined requests for 64 KiB answers,
         // and never a read.
         let socket = tokio::net::TcpSocket::new_v4().unwrap();
@@ -362,5 +446,75 @@ mod tests {
         assert!(read.is_ok(), "client B was not served while A held the only slot: {read:?}");
         assert!(answer.starts_with("HTTP/1.1 200") && answer.ends_with("small"), "{answer}");
         assert!(started.elapsed() < Duration::from_secs(4), "B waited {:?}", started.elapsed());
+    }
+
+    /// A TLS listener on an ephemeral port with one slot, serving `GET /small`.
+    async fn tls_listener(
+        header_read_timeout: Duration,
+    ) -> (SocketAddr, crate::tls::testing::TestPair, tempfile::TempDir) {
+        let dir = tempfile::tempdir().unwrap();
+        let pair = crate::tls::testing::pair();
+        let tls = ListenerTls::new(crate::tls::testing::write(dir.path(), &pair), "test").unwrap();
+        let router = Router::new().route("/small", axum::routing::get(|| async { "small" }));
+        let listener = bind("127.0.0.1:0".parse().unwrap()).await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let limits =
+            ConnectionLimits { max_connections: 1, header_read_timeout, write_timeout: Duration::from_secs(5) };
+        tokio::spawn(serve(
+            listener,
+            Some(tls),
+            router,
+            limits,
+            std::future::pending::<()>(),
+            Duration::from_secs(1),
+            "test",
+        ));
+        (addr, pair, dir)
+    }
+
+    /// `GET /small` over TLS on a new connection: the whole answer.
+    async fn get_small_over_tls(addr: SocketAddr, pair: &crate::tls::testing::TestPair) -> std::io::Result<String> {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let tcp = tokio::net::TcpStream::connect(addr).await?;
+        let mut tls = crate::tls::testing::client(&[pair], &[]).connect(crate::tls::testing::localhost(), tcp).await?;
+        tls.write_all(b"GET /small HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n").await?;
+        let mut answer = Vec::new();
+        tls.read_to_end(&mut answer).await?;
+        Ok(String::from_utf8_lossy(&answer).into_owned())
+    }
+
+    /// A client that connects and never starts its handshake holds the only slot no
+    /// longer than the header-read timeout: the next client is served after it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_tls_handshake_never_finished_frees_its_slot_after_the_header_read_timeout() {
+        let (addr, pair, _dir) = tls_listener(Duration::from_millis(300)).await;
+        let _silent = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let started = Instant::now();
+        let answer = tokio::time::timeout(Duration::from_secs(10), get_small_over_tls(addr, &pair))
+            .await
+            .expect("the second client was never served")
+            .unwrap();
+        assert!(answer.starts_with("HTTP/1.1 200") && answer.ends_with("small"), "{answer}");
+        let waited = started.elapsed();
+        assert!(
+            waited >= Duration::from_millis(250),
+            "served before the silent client's slot could be free: {waited:?}"
+        );
+    }
+
+    /// Plain HTTP sent to a TLS listener is answered with no HTTP at all (its handshake
+    /// fails), and the slot it held serves the next client at once.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn plain_http_to_a_tls_listener_gets_no_http_answer_and_frees_its_slot() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let (addr, pair, _dir) = tls_listener(Duration::from_secs(30)).await;
+        let mut plain = tokio::net::TcpStream::connect(addr).await.unwrap();
+        plain.write_all(b"GET /small HTTP/1.1\r\nhost: x\r\n\r\n").await.unwrap();
+        let mut answer = Vec::new();
+        let _ = tokio::time::timeout(Duration::from_secs(5), plain.read_to_end(&mut answer)).await.unwrap();
+        assert!(!String::from_utf8_lossy(&answer).contains("HTTP/1.1"), "{answer:?}");
+        let answer =
+            tokio::time::timeout(Duration::from_secs(5), get_small_over_tls(addr, &pair)).await.unwrap().unwrap();
+        assert!(answer.starts_with("HTTP/1.1 200") && answer.ends_with("small"), "{answer}");
     }
 }

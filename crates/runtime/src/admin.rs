@@ -143,6 +143,7 @@ async fn status(State(s): State<Arc<Shared>>) -> Response {
         },
         "sources": sources,
         "router": s.delivery.status_json(),
+        "tls": s.tls.iter().map(|t| (t.listener().to_string(), json!(t.view()))).collect::<serde_json::Map<_, _>>(),
     }))
     .into_response()
 }

@@ -22,6 +22,7 @@ use http_source::field_path::FieldPath;
 use http_source::partition::{KeyEncoding, KeySource, PartitionRule};
 use http_source::route::{Mapping, MappingError, MappingSource, OnMissing, Route, Target};
 use http_source::source::is_credential_header;
+use http_source::tls::TlsFiles;
 use http_source::{Accept, Destinations, MetadataFields, SourceSpec};
 use ingest::Partitioning;
 use serde::Deserialize;
@@ -55,6 +56,17 @@ pub struct HttpConfig {
     pub max_connections: u64,
     pub retry_after_secs: u64,
     pub max_events_per_request: u64,
+    /// `[http.tls]`: serve the webhook listener over TLS.
+    pub tls: Option<TlsConfig>,
+}
+
+/// `[http.tls]` and `[admin.tls]`: a listener's certificate chain and private key, PEM
+/// files read at start and again on SIGHUP (`docs/http.md`, "TLS").
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TlsConfig {
+    pub cert_file: String,
+    pub key_file: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -68,6 +80,8 @@ pub struct AdminConfig {
     pub allow_unauthenticated_remote: bool,
     pub management_token: Option<String>,
     pub management_token_env: Option<String>,
+    /// `[admin.tls]`: serve the admin listener over TLS.
+    pub tls: Option<TlsConfig>,
 }
 
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -345,6 +359,7 @@ impl Default for HttpConfig {
             max_connections: 1024,
             retry_after_secs: 5,
             max_events_per_request: http_source::body::MAX_EVENTS_PER_REQUEST_DEFAULT as u64,
+            tls: None,
         }
     }
 }
@@ -358,6 +373,7 @@ impl Default for AdminConfig {
             allow_unauthenticated_remote: false,
             management_token: None,
             management_token_env: None,
+            tls: None,
         }
     }
 }
@@ -759,6 +775,10 @@ pub struct Settings {
     pub write_timeout: Duration,
     pub max_connections: usize,
     pub retry_after_secs: u64,
+    /// `[http.tls]`, loaded once at validation (so `config check` reads the files too).
+    pub http_tls: Option<TlsFiles>,
+    /// `[admin.tls]`, as `http_tls`.
+    pub admin_tls: Option<TlsFiles>,
     /// Guards every admin route but `/health`; `None` leaves them open (loopback only,
     /// unless `admin.allow_unauthenticated_remote`).
     pub admin_token: Option<String>,
@@ -946,6 +966,30 @@ const CLIENT_TIMEOUT_MS_MAX: u64 = 120_000;
 /// past any supervisor's stop timeout (systemd's default is 90 s).
 const SHUTDOWN_MS_MAX: u64 = 3_600_000;
 
+/// A listener's `tls` table as the files it names, each read and checked as the listener
+/// will at start: a problem names the key of the file it is in.
+fn tls_files(c: &mut Checker<'_>, path: &KeyPath, tls: Option<&TlsConfig>) -> Option<TlsFiles> {
+    let tls = tls?;
+    let mut empty = false;
+    for (key, value) in [("cert_file", &tls.cert_file), ("key_file", &tls.key_file)] {
+        if value.is_empty() {
+            c.err(&path.key(key), "must name a PEM file");
+            empty = true;
+        }
+    }
+    if empty {
+        return None;
+    }
+    let files = TlsFiles { cert_file: PathBuf::from(&tls.cert_file), key_file: PathBuf::from(&tls.key_file) };
+    match http_source::tls::load(&files) {
+        Ok(_) => Some(files),
+        Err(e) => {
+            c.err(&path.key(e.file.key()), e.message);
+            None
+        }
+    }
+}
+
 /// Validates a parsed configuration. `text` is the file's text, for line numbers.
 pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> Result<Settings, ConfigErrors> {
     let mut c = Checker { text, document: std::cell::OnceCell::new(), errors: Vec::new(), warnings: Vec::new() };
@@ -1007,8 +1051,11 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
         );
     }
 
+    let http_tls = tls_files(&mut c, &http.key("tls"), config.http.tls.as_ref());
+
     let admin = root.key("admin");
     let admin_listen = c.addr(&admin.key("listen"), &config.admin.listen);
+    let admin_tls = tls_files(&mut c, &admin.key("tls"), config.admin.tls.as_ref());
     if listeners_collide(http_listen, admin_listen) {
         c.err(
             &admin.key("listen"),
@@ -1460,6 +1507,8 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
         write_timeout: Duration::from_millis(write_timeout_ms),
         max_connections: max_connections as usize,
         retry_after_secs,
+        http_tls,
+        admin_tls,
         admin_token,
         management_token,
         grace_period: Duration::from_millis(config.shutdown.grace_period_ms),

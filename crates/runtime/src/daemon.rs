@@ -46,6 +46,7 @@ use http_source::endpoints::EndpointRegistry;
 use http_source::health::Health;
 use http_source::server::{self, ConnectionLimits};
 use http_source::status::StatusBoard;
+use http_source::tls::ListenerTls;
 use ingest::{IdempotencyIndex, Ingestor, StateDb, StateError};
 use metrics_exporter_prometheus::PrometheusHandle;
 use tokio::sync::watch;
@@ -70,6 +71,9 @@ pub struct Shared {
     pub delivery: Arc<crate::delivery::Delivery>,
     /// `http.body_read_timeout_ms`, applied to admin request bodies too.
     pub body_read_timeout: std::time::Duration,
+    /// The listeners served over TLS (`[http.tls]`, `[admin.tls]`), for reloads and the
+    /// status API.
+    pub tls: Vec<ListenerTls>,
 }
 
 impl StartError {
@@ -106,6 +110,8 @@ pub enum StartError {
     Endpoints(#[from] http_source::endpoints::LoadError),
     #[error("cannot bind the {listener} listener: {source}")]
     Bind { listener: &'static str, source: std::io::Error },
+    #[error("cannot load the {listener} listener's TLS certificate ({section}.tls.{error})")]
+    Tls { listener: &'static str, section: &'static str, error: http_source::tls::TlsError },
 }
 
 /// A started daemon.
@@ -167,6 +173,15 @@ pub async fn start(mut settings: Settings, metrics: Option<PrometheusHandle>) ->
     // Every metric at zero from the first scrape on (a no-op without a recorder).
     crate::telemetry::register_all(settings.sources.iter().map(|s| s.key.as_str()));
     crate::mapping_fetch::resolve_all(&mut settings.sources).await.map_err(StartError::Mapping)?;
+    // Read again here (validation read them too): the files may have changed since.
+    let tls_of = |files: &Option<http_source::tls::TlsFiles>, listener: &'static str, section: &'static str| {
+        files
+            .clone()
+            .map(|f| ListenerTls::new(f, listener).map_err(|error| StartError::Tls { listener, section, error }))
+            .transpose()
+    };
+    let http_tls = tls_of(&settings.http_tls, "webhook", "http")?;
+    let admin_tls = tls_of(&settings.admin_tls, "admin", "admin")?;
     // Bound first, served last: a port that is taken (an old process still stopping)
     // fails the start before the log is opened (which would mark it not cleanly shut
     // down) and before delivery begins. Until served, a connection waits in the backlog.
@@ -227,6 +242,7 @@ pub async fn start(mut settings: Settings, metrics: Option<PrometheusHandle>) ->
         metrics,
         delivery: delivery.clone(),
         body_read_timeout: settings.body_read_timeout,
+        tls: http_tls.iter().chain(admin_tls.iter()).cloned().collect(),
     });
     let door = Arc::new(Door {
         sources: settings.sources.iter().map(|s| (s.key.clone(), Arc::new(s.clone()))).collect::<HashMap<_, _>>(),
@@ -258,6 +274,7 @@ pub async fn start(mut settings: Settings, metrics: Option<PrometheusHandle>) ->
         "the webhook listener",
         server::serve(
             http_listener,
+            http_tls,
             http_source::router(door),
             limits.clone(),
             stopped(http_stop_rx),
@@ -270,6 +287,7 @@ pub async fn start(mut settings: Settings, metrics: Option<PrometheusHandle>) ->
         "the admin listener",
         server::serve(
             admin_listener,
+            admin_tls,
             crate::admin::router(shared.clone()),
             ConnectionLimits { max_connections: 64, ..limits.clone() },
             stopped(admin_stop_rx),

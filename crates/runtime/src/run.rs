@@ -61,6 +61,10 @@ pub fn run(settings: Settings, ready_file: Option<PathBuf>) -> ExitCode {
         // starts, or right after it said it is ready, is then a clean stop, not the
         // default action's sudden death (no clean-shutdown marker, exit by signal).
         let mut signals = StopSignals::install();
+        // SIGHUP's default action would end the process without a drain; from here on
+        // it reloads the listeners' TLS certificates instead (once the daemon started:
+        // one sent during the start is kept for then).
+        let hangups = install_hangup();
         let data_dir = settings.data_dir.clone();
         // A start can take a while (a long log re-read for delivery ids, route mappings
         // fetched): a first signal meanwhile stops the daemon once it is started, a second
@@ -120,6 +124,9 @@ pub fn run(settings: Settings, ready_file: Option<PathBuf>) -> ExitCode {
             running.shutdown();
             running.wait().await;
             return ExitCode::FAILURE;
+        }
+        if let Some(hangups) = hangups {
+            tokio::spawn(reload_tls_on_hangup(hangups, running.shared.tls.clone()));
         }
         // A task the daemon cannot run without that panicked stops it too.
         let signalled = stop_asked
@@ -195,6 +202,42 @@ fn write_ready_file(path: &Path, running: &daemon::RunningDaemon) -> std::io::Re
     let tmp = path.with_file_name(tmp_name);
     std::fs::write(&tmp, body.to_string())?;
     std::fs::rename(&tmp, path)
+}
+
+fn install_hangup() -> Option<tokio::signal::unix::Signal> {
+    use tokio::signal::unix::{SignalKind, signal};
+    match signal(SignalKind::hangup()) {
+        Ok(s) => Some(s),
+        Err(e) => {
+            tracing::error!(error = %e, "cannot install the SIGHUP handler; TLS certificates reload only on restart");
+            None
+        }
+    }
+}
+
+/// Reloads every TLS listener's certificate and key at each SIGHUP: a pair that does
+/// not load is logged and the one served before stays (`http_source::tls`).
+async fn reload_tls_on_hangup(mut hangups: tokio::signal::unix::Signal, tls: Vec<http_source::tls::ListenerTls>) {
+    while hangups.recv().await.is_some() {
+        if tls.is_empty() {
+            tracing::info!("SIGHUP received: no listener serves TLS, nothing to reload");
+        }
+        for t in &tls {
+            let files = t.files();
+            match t.reload() {
+                Ok(()) => tracing::info!(
+                    listener = t.listener(),
+                    cert_file = %files.cert_file.display(),
+                    "SIGHUP received: TLS certificate reloaded"
+                ),
+                Err(e) => tracing::error!(
+                    listener = t.listener(),
+                    error = %e,
+                    "SIGHUP received: the TLS certificate did not load; the one loaded before is still served"
+                ),
+            }
+        }
+    }
 }
 
 /// SIGTERM and SIGINT, listened to from the moment they are installed: a signal that

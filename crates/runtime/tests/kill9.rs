@@ -4,7 +4,8 @@
 //! restarted; every event that got a 200 must be in the log (read back through the wal
 //! crate) at the offsets the 200 named, in per-connection order, every NDJSON batch must
 //! be whole or absent, and the retry of every answered delivery must be answered with its
-//! offsets, appending nothing.
+//! offsets, appending nothing. The last round serves the webhook listener over TLS, so
+//! the 200s given there are covered too.
 
 mod common;
 
@@ -50,8 +51,16 @@ fn route(conn_id: u64, seq: u64) -> (&'static str, Vec<(&'static str, String)>) 
     (path, headers)
 }
 
-async fn client(addr: std::net::SocketAddr, conn_id: u64, acked: Acked) {
-    let Ok(mut conn) = Conn::open(addr).await else { return };
+/// A connection to the webhook listener: over TLS when the round serves it so.
+async fn open(addr: std::net::SocketAddr, tls: Option<&TlsPair>) -> std::io::Result<Conn> {
+    match tls {
+        None => Conn::open(addr).await,
+        Some(pair) => Ok(Conn::open_tls(addr, &[pair]).await?.0),
+    }
+}
+
+async fn client(addr: std::net::SocketAddr, conn_id: u64, acked: Acked, tls: Option<Arc<TlsPair>>) {
+    let Ok(mut conn) = open(addr, tls.as_deref()).await else { return };
     for seq in 0.. {
         // Every fifth request is an NDJSON batch.
         let (ct, body) = if seq % 5 == 4 {
@@ -84,9 +93,15 @@ async fn every_acknowledged_event_survives_kill_9_in_per_connection_order() {
     let mut rng = rand::thread_rng();
     for round in 0..ROUNDS {
         let dir = tempfile::tempdir().unwrap();
-        let mut d = Daemon::start(dir.path(), "", SOURCES);
+        let tls = (round == ROUNDS - 1).then(|| Arc::new(TlsPair::new()));
+        let http_extra = tls.as_ref().map_or(String::new(), |pair| {
+            let (cert, key) = pair.write(&dir.path().join("tls"));
+            format!("[http.tls]\ncert_file = {cert:?}\nkey_file = {key:?}\n")
+        });
+        let mut d = Daemon::start(dir.path(), &http_extra, SOURCES);
         let acked: Acked = Arc::default();
-        let clients: Vec<_> = (0..CONNECTIONS).map(|c| tokio::spawn(client(d.http, c, acked.clone()))).collect();
+        let clients: Vec<_> =
+            (0..CONNECTIONS).map(|c| tokio::spawn(client(d.http, c, acked.clone(), tls.clone()))).collect();
         // Wait until traffic flows (a loaded machine may be slow to start), then kill at
         // a random moment.
         let flowing = std::time::Instant::now();
@@ -108,13 +123,16 @@ async fn every_acknowledged_event_survives_kill_9_in_per_connection_order() {
         for (&(c, s), &(first, last)) in acked_now.iter().filter(|((_, s), _)| s.is_multiple_of(3)) {
             let (path, headers) = route(c, s);
             let headers: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
-            let again = request(d.http, "POST", path, &headers, r#"{"retry":true}"#).await;
+            let mut conn = open(d.http, tls.as_deref()).await.unwrap();
+            let again = conn.send("POST", path, &headers, r#"{"retry":true}"#).await.unwrap();
             assert_eq!(again.status, 200, "round {round}: retry of ({c},{s}): {:?}", again.body);
             assert_eq!(again.header("idempotent-replayed"), Some("true"), "round {round}: ({c},{s}) appended again");
             assert_eq!(again.json()["offsets"], serde_json::json!([first, last]), "round {round}: ({c},{s})");
             retried += 1;
         }
-        let after = post_json(d.http, "/v1/sources/default", r#"{"after":"restart"}"#).await;
+        let mut conn = open(d.http, tls.as_deref()).await.unwrap();
+        let json = [("content-type", "application/json")];
+        let after = conn.send("POST", "/v1/sources/default", &json, r#"{"after":"restart"}"#).await.unwrap();
         assert_eq!(after.status, 200);
         assert!(d.stop().success());
 
@@ -157,7 +175,8 @@ async fn every_acknowledged_event_survives_kill_9_in_per_connection_order() {
             assert!(seqs.windows(2).all(|w| w[0].1 < w[1].1), "round {round}: connection {c} out of order: {seqs:?}");
         }
         eprintln!(
-            "kill -9 round {round}: killed {kill_after:?} after traffic started, {} requests acknowledged ({retried} with a delivery id, each replayed), {} records in the log, all present",
+            "kill -9 round {round}{}: killed {kill_after:?} after traffic started, {} requests acknowledged ({retried} with a delivery id, each replayed), {} records in the log, all present",
+            if tls.is_some() { " (over TLS)" } else { "" },
             acked.len(),
             log.len()
         );

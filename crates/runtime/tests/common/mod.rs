@@ -166,6 +166,33 @@ impl Drop for Daemon {
     }
 }
 
+/// A self-signed certificate for `localhost` and its key.
+pub struct TlsPair {
+    pub cert_pem: String,
+    pub key_pem: String,
+    pub cert_der: rustls::pki_types::CertificateDer<'static>,
+}
+
+impl TlsPair {
+    pub fn new() -> TlsPair {
+        let made = rcgen::generate_simple_self_signed(vec!["localhost".to_string()]).unwrap();
+        TlsPair {
+            cert_pem: made.cert.pem(),
+            key_pem: made.signing_key.serialize_pem(),
+            cert_der: made.cert.der().clone(),
+        }
+    }
+
+    /// Writes the pair as `cert.pem` and `key.pem` in `dir`: the two paths.
+    pub fn write(&self, dir: &Path) -> (PathBuf, PathBuf) {
+        std::fs::create_dir_all(dir).unwrap();
+        let (cert, key) = (dir.join("cert.pem"), dir.join("key.pem"));
+        std::fs::write(&cert, &self.cert_pem).unwrap();
+        std::fs::write(&key, &self.key_pem).unwrap();
+        (cert, key)
+    }
+}
+
 /// One answer.
 #[derive(Debug)]
 pub struct Answer {
@@ -192,8 +219,43 @@ pub struct Conn {
 impl Conn {
     pub async fn open(addr: SocketAddr) -> std::io::Result<Conn> {
         let stream = tokio::net::TcpStream::connect(addr).await?;
+        Conn::over(stream).await
+    }
+
+    /// A connection over TLS to `addr` as `localhost`, trusting `trusted` alone; with
+    /// the leaf certificate the listener showed.
+    pub async fn open_tls(
+        addr: SocketAddr,
+        trusted: &[&TlsPair],
+    ) -> std::io::Result<(Conn, rustls::pki_types::CertificateDer<'static>)> {
+        let mut roots = rustls::RootCertStore::empty();
+        for p in trusted {
+            roots.add(p.cert_der.clone()).map_err(std::io::Error::other)?;
+        }
+        let config =
+            rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(rustls::crypto::ring::default_provider()))
+                .with_safe_default_protocol_versions()
+                .map_err(std::io::Error::other)?
+                .with_root_certificates(roots)
+                .with_no_client_auth();
+        let tcp = tokio::net::TcpStream::connect(addr).await?;
+        let name = rustls::pki_types::ServerName::try_from("localhost").map_err(std::io::Error::other)?;
+        let tls = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config)).connect(name, tcp).await?;
+        let leaf = tls
+            .get_ref()
+            .1
+            .peer_certificates()
+            .and_then(|c| c.first().cloned())
+            .ok_or_else(|| std::io::Error::other("the listener showed no certificate"))?;
+        Ok((Conn::over(tls).await?, leaf))
+    }
+
+    async fn over<IO>(io: IO) -> std::io::Result<Conn>
+    where
+        IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    {
         let (sender, conn) =
-            hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.map_err(std::io::Error::other)?;
+            hyper::client::conn::http1::handshake(TokioIo::new(io)).await.map_err(std::io::Error::other)?;
         tokio::spawn(async move {
             let _ = conn.await;
         });

@@ -1,0 +1,457 @@
+//! TLS on a listener: a certificate chain and its private key, read from PEM files and
+//! served through a resolver that a reload replaces whole.
+//!
+//! Invariants:
+//! - What a listener serves is always a pair that loaded whole: every certificate of the
+//!   chain parsed, the key parsed, and the key is the one of the chain's first (leaf)
+//!   certificate. A load that fails in any way changes nothing and says why, naming the
+//!   file ([`TlsError::file`]).
+//! - A reload replaces the pair for handshakes that start after it; connections already
+//!   open keep theirs.
+//! - TLS 1.2 and 1.3 only, and ALPN offers `http/1.1` alone (the listeners speak
+//!   HTTP/1.1): a client that offers only other protocols fails its handshake.
+//! - The handshake is bounded by the listener's header-read timeout (`server.rs`), so a
+//!   client that connects and never finishes its handshake cannot hold a slot.
+//! - `iggy_ingest_tls_reloads_total{listener, outcome}` counts reloads (`loaded`,
+//!   `failed`) and `iggy_ingest_tls_reload_failed{listener}` is 1 from a failed reload
+//!   until the next one that loads: while it is 1, the files on disk are not what the
+//!   listener serves.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, PoisonError, RwLock};
+
+use rustls::crypto::CryptoProvider;
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use rustls::server::{ClientHello, ResolvesServerCert};
+use rustls::sign::CertifiedKey;
+use tokio_rustls::TlsAcceptor;
+
+/// The two files a listener's TLS is read from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TlsFiles {
+    /// PEM: the certificate chain, the listener's own (leaf) certificate first.
+    pub cert_file: PathBuf,
+    /// PEM: the leaf certificate's private key (PKCS#8, PKCS#1 or SEC1).
+    pub key_file: PathBuf,
+}
+
+/// Which of the two files a load failed on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TlsFile {
+    Cert,
+    Key,
+}
+
+impl TlsFile {
+    /// The configuration key that names the file.
+    pub fn key(self) -> &'static str {
+        match self {
+            TlsFile::Cert => "cert_file",
+            TlsFile::Key => "key_file",
+        }
+    }
+}
+
+/// Why a certificate and key could not be loaded.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{}: {message}", file.key())]
+pub struct TlsError {
+    pub file: TlsFile,
+    pub message: String,
+}
+
+impl TlsError {
+    fn new(file: TlsFile, message: impl Into<String>) -> TlsError {
+        TlsError { file, message: message.into() }
+    }
+}
+
+/// The crypto provider every listener uses, named rather than left to the process-wide
+/// default (the `iggy` client's dependencies build more than one into the binary, and
+/// rustls refuses to pick between them).
+fn provider() -> CryptoProvider {
+    rustls::crypto::ring::default_provider()
+}
+
+/// Reads `files` into the pair a listener serves, checking everything the invariants
+/// name.
+pub fn load(files: &TlsFiles) -> Result<Arc<CertifiedKey>, TlsError> {
+    let chain = read_chain(&files.cert_file)?;
+    let key = read_key(&files.key_file)?;
+    let provider = provider();
+    let signing_key = provider.key_provider.load_private_key(key).map_err(|e| {
+        TlsError::new(
+            TlsFile::Key,
+            format!("{} holds a private key this server cannot use: {e}", show(&files.key_file)),
+        )
+    })?;
+    let pair = CertifiedKey::new(chain, signing_key);
+    match pair.keys_match() {
+        Ok(()) => Ok(Arc::new(pair)),
+        Err(rustls::Error::InconsistentKeys(rustls::InconsistentKeys::KeyMismatch)) => Err(TlsError::new(
+            TlsFile::Key,
+            format!(
+                "{} is not the private key of the first certificate in {} (the chain must start with the listener's own certificate)",
+                show(&files.key_file),
+                show(&files.cert_file)
+            ),
+        )),
+        // Every key the provider loads can tell its public half; should one not, the
+        // handshake's own signature check is what remains, and a client would refuse a
+        // wrong pair there.
+        Err(rustls::Error::InconsistentKeys(rustls::InconsistentKeys::Unknown)) => Ok(Arc::new(pair)),
+        Err(e) => Err(TlsError::new(
+            TlsFile::Cert,
+            format!("the first certificate in {} cannot be used: {e}", show(&files.cert_file)),
+        )),
+    }
+}
+
+fn show(path: &Path) -> String {
+    format!("{:?}", path.display().to_string())
+}
+
+fn read_chain(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+    let unreadable = |e: rustls::pki_types::pem::Error| {
+        TlsError::new(TlsFile::Cert, format!("{} cannot be read as PEM: {e}", show(path)))
+    };
+    let chain =
+        CertificateDer::pem_file_iter(path).map_err(unreadable)?.collect::<Result<Vec<_>, _>>().map_err(unreadable)?;
+    if chain.is_empty() {
+        return Err(TlsError::new(
+            TlsFile::Cert,
+            format!("{} holds no certificate (a PEM \"BEGIN CERTIFICATE\" block)", show(path)),
+        ));
+    }
+    Ok(chain)
+}
+
+fn read_key(path: &Path) -> Result<PrivateKeyDer<'static>, TlsError> {
+    PrivateKeyDer::from_pem_file(path).map_err(|e| match e {
+        rustls::pki_types::pem::Error::NoItemsFound => TlsError::new(
+            TlsFile::Key,
+            format!("{} holds no private key (a PEM \"BEGIN PRIVATE KEY\", \"BEGIN RSA PRIVATE KEY\" or \"BEGIN EC PRIVATE KEY\" block)", show(path)),
+        ),
+        e => TlsError::new(TlsFile::Key, format!("{} cannot be read as PEM: {e}", show(path))),
+    })
+}
+
+/// The pair handshakes are answered with; a reload replaces it.
+#[derive(Debug)]
+struct Served(RwLock<Arc<CertifiedKey>>);
+
+impl ResolvesServerCert for Served {
+    fn resolve(&self, _hello: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
+        Some(self.0.read().unwrap_or_else(PoisonError::into_inner).clone())
+    }
+}
+
+/// One listener's TLS: its files, the pair it serves, and the acceptor built on them.
+/// Cloning shares all three, so a reload through any clone is what every clone serves.
+#[derive(Clone)]
+pub struct ListenerTls {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    files: TlsFiles,
+    served: Arc<Served>,
+    acceptor: TlsAcceptor,
+    listener: &'static str,
+    reloads: std::sync::Mutex<TlsView>,
+}
+
+/// What a listener's TLS serves, for the status API: when the pair served was loaded,
+/// and the last reload that failed since (cleared by one that loads).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct TlsView {
+    pub cert_file: String,
+    pub key_file: String,
+    pub loaded_at_unix_ms: u64,
+    /// The last reload's failure, while the pair served is older than the files.
+    pub reload_failed: Option<ReloadFailure>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct ReloadFailure {
+    pub at_unix_ms: u64,
+    pub error: String,
+}
+
+impl std::fmt::Debug for ListenerTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ListenerTls").field("files", &self.inner.files).field("listener", &self.inner.listener).finish()
+    }
+}
+
+impl ListenerTls {
+    /// Loads `files` for the listener named `listener` (a metric label).
+    pub fn new(files: TlsFiles, listener: &'static str) -> Result<ListenerTls, TlsError> {
+        let served = Arc::new(Served(RwLock::new(load(&files)?)));
+        let mut config = rustls::ServerConfig::builder_with_provider(Arc::new(provider()))
+            .with_safe_default_protocol_versions()
+            .map_err(|e| TlsError::new(TlsFile::Cert, format!("no TLS version to serve: {e}")))?
+            .with_no_client_auth()
+            .with_cert_resolver(served.clone());
+        config.alpn_protocols = vec![b"http/1.1".to_vec()];
+        let acceptor = TlsAcceptor::from(Arc::new(config));
+        metrics::gauge!("iggy_ingest_tls_reload_failed", "listener" => listener).set(0.0);
+        let view = TlsView {
+            cert_file: files.cert_file.display().to_string(),
+            key_file: files.key_file.display().to_string(),
+            loaded_at_unix_ms: ingest::time::now_unix_ms(),
+            reload_failed: None,
+        };
+        let reloads = std::sync::Mutex::new(view);
+        Ok(ListenerTls { inner: Arc::new(Inner { files, served, acceptor, listener, reloads }) })
+    }
+
+    /// Reads the files again and serves what they hold from the next handshake on; on
+    /// any failure the pair served before stays, and the error says why.
+    pub fn reload(&self) -> Result<(), TlsError> {
+        let listener = self.inner.listener;
+        let failed = metrics::gauge!("iggy_ingest_tls_reload_failed", "listener" => listener);
+        // Held across the swap: two reloads at once leave the view saying what is served.
+        let mut view = self.inner.reloads.lock().unwrap_or_else(PoisonError::into_inner);
+        match load(&self.inner.files) {
+            Ok(pair) => {
+                *self.inner.served.0.write().unwrap_or_else(PoisonError::into_inner) = pair;
+                view.loaded_at_unix_ms = ingest::time::now_unix_ms();
+                view.reload_failed = None;
+                metrics::counter!("iggy_ingest_tls_reloads_total", "listener" => listener, "outcome" => "loaded")
+                    .increment(1);
+                failed.set(0.0);
+                Ok(())
+            }
+            Err(e) => {
+                metrics::counter!("iggy_ingest_tls_reloads_total", "listener" => listener, "outcome" => "failed")
+                    .increment(1);
+                failed.set(1.0);
+                view.reload_failed =
+                    Some(ReloadFailure { at_unix_ms: ingest::time::now_unix_ms(), error: e.to_string() });
+                Err(e)
+            }
+        }
+    }
+
+    /// The listener's name, as its metrics label it.
+    pub fn listener(&self) -> &'static str {
+        self.inner.listener
+    }
+
+    pub fn view(&self) -> TlsView {
+        self.inner.reloads.lock().unwrap_or_else(PoisonError::into_inner).clone()
+    }
+
+    pub fn files(&self) -> &TlsFiles {
+        &self.inner.files
+    }
+
+    pub(crate) fn acceptor(&self) -> &TlsAcceptor {
+        &self.inner.acceptor
+    }
+}
+
+/// Test certificates and a client that trusts them (shared with `server.rs`'s tests).
+#[cfg(test)]
+pub(crate) mod testing {
+    use std::path::Path;
+    use std::sync::Arc;
+
+    use rustls::pki_types::{CertificateDer, ServerName};
+    use tokio_rustls::TlsConnector;
+
+    use super::TlsFiles;
+
+    /// A self-signed certificate for `localhost` and its key, as PEM and the
+    /// certificate's DER.
+    pub struct TestPair {
+        pub cert_pem: String,
+        pub key_pem: String,
+        pub cert_der: CertificateDer<'static>,
+    }
+
+    pub fn pair() -> TestPair {
+        let made = rcgen::generate_simple_self_signed(vec!["localhost".to_string()]).unwrap();
+        TestPair {
+            cert_pem: made.cert.pem(),
+            key_pem: made.signing_key.serialize_pem(),
+            cert_der: made.cert.der().clone(),
+        }
+    }
+
+    /// Writes `pair` as `cert.pem` and `key.pem` in `dir`.
+    pub fn write(dir: &Path, pair: &TestPair) -> TlsFiles {
+        let files = TlsFiles { cert_file: dir.join("cert.pem"), key_file: dir.join("key.pem") };
+        std::fs::write(&files.cert_file, &pair.cert_pem).unwrap();
+        std::fs::write(&files.key_file, &pair.key_pem).unwrap();
+        files
+    }
+
+    /// A client that trusts `trusted` and offers ALPN `alpn` (none when empty).
+    pub fn client(trusted: &[&TestPair], alpn: &[&[u8]]) -> TlsConnector {
+        let mut roots = rustls::RootCertStore::empty();
+        for p in trusted {
+            roots.add(p.cert_der.clone()).unwrap();
+        }
+        let mut config =
+            rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+                .with_safe_default_protocol_versions()
+                .unwrap()
+                .with_root_certificates(roots)
+                .with_no_client_auth();
+        config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+        TlsConnector::from(Arc::new(config))
+    }
+
+    pub fn localhost() -> ServerName<'static> {
+        ServerName::try_from("localhost").unwrap()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    use super::testing::{TestPair, client, localhost, pair, write};
+    use super::*;
+
+    /// One handshake against `tls` over an in-memory pipe: the leaf certificate the
+    /// client was shown, and both ends (to exchange bytes after), or the error.
+    async fn handshake(
+        tls: &ListenerTls,
+        trusted: &[&TestPair],
+        alpn: &[&[u8]],
+    ) -> Result<
+        (
+            CertificateDer<'static>,
+            tokio_rustls::client::TlsStream<tokio::io::DuplexStream>,
+            tokio_rustls::server::TlsStream<tokio::io::DuplexStream>,
+        ),
+        String,
+    > {
+        let (near, far) = tokio::io::duplex(64 * 1024);
+        let acceptor = tls.acceptor().clone();
+        let server = tokio::spawn(async move { acceptor.accept(far).await });
+        let client = client(trusted, alpn).connect(localhost(), near).await.map_err(|e| e.to_string());
+        let server = server.await.unwrap().map_err(|e| e.to_string());
+        let (client, server) = (client?, server?);
+        let leaf = client.get_ref().1.peer_certificates().unwrap()[0].clone();
+        Ok((leaf, client, server))
+    }
+
+    #[tokio::test]
+    async fn a_reload_serves_the_new_pair_from_the_next_handshake_and_open_connections_keep_theirs() {
+        let dir = tempfile::tempdir().unwrap();
+        let (a, b) = (pair(), pair());
+        let tls = ListenerTls::new(write(dir.path(), &a), "test").unwrap();
+        let (leaf, mut client, mut server) = handshake(&tls, &[&a, &b], &[]).await.unwrap();
+        assert_eq!(leaf, a.cert_der);
+        let loaded_before = tls.view().loaded_at_unix_ms;
+
+        write(dir.path(), &b);
+        tls.reload().unwrap();
+        let (leaf, ..) = handshake(&tls, &[&a, &b], &[]).await.unwrap();
+        assert_eq!(leaf, b.cert_der, "the handshake after the reload was shown the old certificate");
+        let view = tls.view();
+        assert!(view.loaded_at_unix_ms >= loaded_before && view.reload_failed.is_none(), "{view:?}");
+        // A client that trusts only the old certificate now fails.
+        assert!(handshake(&tls, &[&a], &[]).await.is_err());
+
+        // The connection made before the reload still carries bytes.
+        client.write_all(b"ping").await.unwrap();
+        client.flush().await.unwrap();
+        let mut got = [0u8; 4];
+        server.read_exact(&mut got).await.unwrap();
+        assert_eq!(&got, b"ping");
+    }
+
+    #[tokio::test]
+    async fn a_reload_that_fails_keeps_the_pair_served_before_and_says_why_until_one_loads() {
+        let dir = tempfile::tempdir().unwrap();
+        let (a, b) = (pair(), pair());
+        let files = write(dir.path(), &a);
+        let tls = ListenerTls::new(files.clone(), "test").unwrap();
+
+        // b's certificate with a's key: half a rotation, as a copy interrupted leaves it.
+        std::fs::write(&files.cert_file, &b.cert_pem).unwrap();
+        let e = tls.reload().unwrap_err();
+        assert_eq!(e.file, TlsFile::Key, "{e}");
+        assert!(e.message.contains("is not the private key of the first certificate"), "{e}");
+        let (leaf, ..) = handshake(&tls, &[&a, &b], &[]).await.unwrap();
+        assert_eq!(leaf, a.cert_der, "a failed reload changed what is served");
+        let failure = tls.view().reload_failed.expect("the status does not say the reload failed");
+        assert!(failure.error.starts_with("key_file: "), "{failure:?}");
+
+        // The rest of the rotation: the next reload loads, and the failure is cleared.
+        std::fs::write(&files.key_file, &b.key_pem).unwrap();
+        tls.reload().unwrap();
+        assert_eq!(handshake(&tls, &[&a, &b], &[]).await.unwrap().0, b.cert_der);
+        assert_eq!(tls.view().reload_failed, None);
+    }
+
+    #[test]
+    fn a_load_that_fails_names_the_file_at_fault() {
+        let dir = tempfile::tempdir().unwrap();
+        let (a, b) = (pair(), pair());
+        let good = write(dir.path(), &a);
+        let other = |name: &str, text: &str| {
+            let p = dir.path().join(name);
+            std::fs::write(&p, text).unwrap();
+            p
+        };
+        let cases: Vec<(TlsFiles, TlsFile, &str)> = vec![
+            (
+                TlsFiles { cert_file: dir.path().join("absent.pem"), ..good.clone() },
+                TlsFile::Cert,
+                "cannot be read as PEM",
+            ),
+            (TlsFiles { cert_file: other("empty.pem", ""), ..good.clone() }, TlsFile::Cert, "holds no certificate"),
+            // The key file given as the certificate: PEM, but no certificate in it.
+            (TlsFiles { cert_file: good.key_file.clone(), ..good.clone() }, TlsFile::Cert, "holds no certificate"),
+            (
+                TlsFiles {
+                    cert_file: other(
+                        "garbage.pem",
+                        "-----BEGIN CERTIFICATE-----\nAAECAwQFBgcICQ==\n-----END CERTIFICATE-----\n",
+                    ),
+                    ..good.clone()
+                },
+                TlsFile::Cert,
+                "cannot be used",
+            ),
+            (TlsFiles { key_file: good.cert_file.clone(), ..good.clone() }, TlsFile::Key, "holds no private key"),
+            (
+                TlsFiles { key_file: dir.path().join("absent-key.pem"), ..good.clone() },
+                TlsFile::Key,
+                "cannot be read as PEM",
+            ),
+            (
+                TlsFiles { key_file: other("b-key.pem", &b.key_pem), ..good.clone() },
+                TlsFile::Key,
+                "is not the private key",
+            ),
+        ];
+        for (files, file, says) in cases {
+            let e = load(&files).expect_err(&format!("{files:?} loaded"));
+            assert_eq!(e.file, file, "{files:?}: {e}");
+            assert!(e.message.contains(says), "{files:?}: {e}");
+        }
+        assert!(load(&good).is_ok());
+    }
+
+    /// The listeners speak HTTP/1.1 alone: a client that offers only HTTP/2 is refused at
+    /// the handshake rather than sent HTTP/1.1 it cannot read; one that offers both, or
+    /// none, is served.
+    #[tokio::test]
+    async fn alpn_offers_http_1_1_alone() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = pair();
+        let tls = ListenerTls::new(write(dir.path(), &a), "test").unwrap();
+        assert!(handshake(&tls, &[&a], &[b"h2"]).await.is_err());
+        let (_, client, _) = handshake(&tls, &[&a], &[b"h2", b"http/1.1"]).await.unwrap();
+        assert_eq!(client.get_ref().1.alpn_protocol(), Some(&b"http/1.1"[..]));
+        assert!(handshake(&tls, &[&a], &[]).await.is_ok());
+    }
+}

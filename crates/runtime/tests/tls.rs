@@ -1,0 +1,152 @@
+//! TLS on the listeners, against the real binary: webhooks answered 200 over TLS are in
+//! the log; plain HTTP sent to a TLS listener is not served and appends nothing; SIGHUP
+//! reloads the certificates for new connections while open ones go on; a reload that
+//! fails keeps the certificate served before and says so in `/status` and `/metrics`;
+//! `config check` names the key of a file that does not load.
+
+mod common;
+
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::*;
+
+/// One source, no delivery (nothing here is about Iggy), and both listeners on TLS.
+fn tls_config(webhook: (&Path, &Path), admin: (&Path, &Path)) -> (String, String) {
+    let http_extra = format!("[http.tls]\ncert_file = {:?}\nkey_file = {:?}\n", webhook.0, webhook.1);
+    let rest = format!(
+        "[admin.tls]\ncert_file = {:?}\nkey_file = {:?}\n\n[router]\nenabled = false\n\n\
+         [sources.hooks]\ndestination = {{ stream = \"s\", topic = \"t\" }}\n",
+        admin.0, admin.1
+    );
+    (http_extra, rest)
+}
+
+async fn post_over(conn: &mut Conn, n: u32) -> u16 {
+    let body = format!("{{\"n\":{n}}}");
+    conn.send("POST", "/v1/sources/hooks", &[("content-type", "application/json")], body).await.unwrap().status
+}
+
+/// `GET path` on the admin listener over TLS.
+async fn admin_get(daemon: &Daemon, admin: &TlsPair, path: &str) -> Answer {
+    let (mut conn, _) = Conn::open_tls(daemon.admin, &[admin]).await.unwrap();
+    conn.send("GET", path, &[], "").await.unwrap()
+}
+
+/// Waits until `/status` says what `done` looks for in the webhook listener's TLS.
+async fn wait_for_tls_status(daemon: &Daemon, admin: &TlsPair, what: &str, done: impl Fn(&serde_json::Value) -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let status = admin_get(daemon, admin, "/status").await.json();
+        if done(&status["tls"]["webhook"]) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting for {what}: {status}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn webhooks_over_tls_are_logged_and_a_sighup_serves_the_new_certificate_or_keeps_the_old_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b, admin) = (TlsPair::new(), TlsPair::new(), TlsPair::new());
+    let webhook_files = a.write(&dir.path().join("webhook-tls"));
+    let admin_files = admin.write(&dir.path().join("admin-tls"));
+    let (http_extra, rest) = tls_config((&webhook_files.0, &webhook_files.1), (&admin_files.0, &admin_files.1));
+    let daemon = Daemon::start(dir.path(), &http_extra, &rest);
+
+    // Over TLS: served, with the configured certificate.
+    let (mut first, leaf) = Conn::open_tls(daemon.http, &[&a, &b]).await.unwrap();
+    assert_eq!(leaf, a.cert_der);
+    assert_eq!(post_over(&mut first, 1).await, 200);
+
+    // Plain HTTP to the TLS listener: no answer at all, nothing appended.
+    let mut plain = Conn::open(daemon.http).await.unwrap();
+    let answered = plain.send("POST", "/v1/sources/hooks", &[("content-type", "application/json")], "{\"n\":0}").await;
+    assert!(answered.is_err(), "plain HTTP was answered on the TLS listener: {answered:?}");
+
+    // The admin listener is on TLS too, and says what the webhook listener serves.
+    let status = admin_get(&daemon, &admin, "/status").await.json();
+    assert_eq!(status["log"]["next_offset"], 1, "{status}");
+    let webhook = &status["tls"]["webhook"];
+    assert_eq!(webhook["cert_file"], webhook_files.0.display().to_string(), "{status}");
+    assert!(webhook["reload_failed"].is_null() && status["tls"]["admin"].is_object(), "{status}");
+    let loaded_at = webhook["loaded_at_unix_ms"].as_u64().unwrap();
+
+    // A rotation: new files, then SIGHUP. New connections get the new certificate; the
+    // one opened before goes on.
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    b.write(&dir.path().join("webhook-tls"));
+    daemon.signal(libc::SIGHUP);
+    wait_for_tls_status(&daemon, &admin, "the reload", |t| t["loaded_at_unix_ms"].as_u64() > Some(loaded_at)).await;
+    let (mut second, leaf) = Conn::open_tls(daemon.http, &[&a, &b]).await.unwrap();
+    assert_eq!(leaf, b.cert_der, "a connection after the reload was shown the old certificate");
+    assert_eq!(post_over(&mut second, 2).await, 200);
+    assert_eq!(post_over(&mut first, 3).await, 200, "the connection opened before the reload was cut");
+    assert!(Conn::open_tls(daemon.http, &[&a]).await.is_err(), "the old certificate is still served");
+
+    // Half a rotation (a's certificate beside b's key): the reload fails, b stays served,
+    // and the status and the metrics say the files are not what is served.
+    std::fs::write(&webhook_files.0, &a.cert_pem).unwrap();
+    daemon.signal(libc::SIGHUP);
+    wait_for_tls_status(&daemon, &admin, "the failed reload", |t| !t["reload_failed"].is_null()).await;
+    let status = admin_get(&daemon, &admin, "/status").await.json();
+    let error = status["tls"]["webhook"]["reload_failed"]["error"].as_str().unwrap().to_string();
+    assert!(error.starts_with("key_file: ") && error.contains("is not the private key"), "{error}");
+    let metrics = String::from_utf8_lossy(&admin_get(&daemon, &admin, "/metrics").await.body).into_owned();
+    for line in [
+        "iggy_ingest_tls_reload_failed{listener=\"webhook\"} 1",
+        "iggy_ingest_tls_reload_failed{listener=\"admin\"} 0",
+        "iggy_ingest_tls_reloads_total{listener=\"webhook\",outcome=\"failed\"} 1",
+        "iggy_ingest_tls_reloads_total{listener=\"webhook\",outcome=\"loaded\"} 1",
+        "iggy_ingest_tls_handshake_failures_total{listener=\"webhook\",reason=\"refused\"}",
+    ] {
+        assert!(metrics.contains(line), "no {line:?} in /metrics:\n{metrics}");
+    }
+    let (mut third, leaf) = Conn::open_tls(daemon.http, &[&a, &b]).await.unwrap();
+    assert_eq!(leaf, b.cert_der, "a failed reload changed the certificate served");
+    assert_eq!(post_over(&mut third, 4).await, 200);
+
+    drop((first, second, third, plain));
+    let mut daemon = daemon;
+    daemon.signal(libc::SIGTERM);
+    assert!(daemon.wait_exit(Duration::from_secs(60)).success());
+    let logged: Vec<serde_json::Value> =
+        read_log(&daemon.wal_dir()).iter().map(|(_, e)| serde_json::from_slice(&e.payload).unwrap()).collect();
+    let numbers: Vec<u64> = logged.iter().map(|v| v["n"].as_u64().unwrap()).collect();
+    assert_eq!(numbers, vec![1, 2, 3, 4], "the log holds what was answered 200, and nothing else");
+}
+
+#[test]
+fn a_tls_file_that_does_not_load_is_named_by_its_key_and_line_and_the_daemon_does_not_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b) = (TlsPair::new(), TlsPair::new());
+    let (cert, _) = a.write(&dir.path().join("a"));
+    let (_, other_key) = b.write(&dir.path().join("b"));
+    let file = dir.path().join("bad.toml");
+    std::fs::write(
+        &file,
+        format!("[http]\nlisten = \"127.0.0.1:0\"\n\n[http.tls]\ncert_file = {cert:?}\nkey_file = {other_key:?}\n"),
+    )
+    .unwrap();
+    let check = Command::new(env!("CARGO_BIN_EXE_iggy-ingest")).args(["config", "check"]).arg(&file).output().unwrap();
+    assert_eq!(check.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&check.stderr);
+    assert!(err.contains("line 6: http.tls.key_file: ") && err.contains("is not the private key"), "{err}");
+
+    std::fs::write(&file, format!("[admin.tls]\ncert_file = {cert:?}\n")).unwrap();
+    let check = Command::new(env!("CARGO_BIN_EXE_iggy-ingest")).args(["config", "check"]).arg(&file).output().unwrap();
+    assert_eq!(check.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&check.stderr);
+    assert!(err.contains("admin.tls") && err.contains("key_file"), "{err}");
+
+    let run = Command::new(env!("CARGO_BIN_EXE_iggy-ingest"))
+        .args(["run", "--config"])
+        .arg(&file)
+        .current_dir(dir.path())
+        .output()
+        .unwrap();
+    assert_eq!(run.status.code(), Some(2), "{}", String::from_utf8_lossy(&run.stderr));
+    assert!(!dir.path().join("data").exists(), "a refused start created the data directory");
+}
