@@ -1122,10 +1122,20 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
 
     let logging = root.key("logging");
     let log_level = config.logging.level.clone();
-    if tracing_subscriber::EnvFilter::try_new(&log_level).is_err() {
+    if crate::logging::normalized(&log_level).is_empty() {
+        c.err(&logging.key("level"), "must name a level or filter (e.g. \"info\", \"warn,iggy_ingest=debug\")");
+    } else if crate::logging::parse(&log_level).is_err() {
         c.err(
             &logging.key("level"),
             format!("{log_level:?} is not a level or filter (e.g. \"info\", \"iggy_ingest=debug\")"),
+        );
+    } else if !crate::logging::sets_default_level(&log_level) {
+        c.warn(
+            &logging.key("level"),
+            format!(
+                "{log_level:?} sets no level for every target, so only the targets it names log (errors of the rest \
+                 included; a misspelt level is a target name to it): add one, e.g. \"warn,iggy_ingest=debug\""
+            ),
         );
     }
     let log_json = match config.logging.format.as_str() {
@@ -2408,6 +2418,31 @@ max_destinations = 1
         assert_eq!(e[0].path, "runtime.worker_threads");
         assert_eq!(e[0].line, Some(2));
         assert!(e[0].message.contains("1024"), "{}", e[0].message);
+    }
+
+    /// A level the logging crate's parser panics on or refuses as written is checked as
+    /// the daemon will use it, and a level that silences every target but the ones it
+    /// names (a misspelt level is one) is warned of.
+    #[test]
+    fn a_logging_level_is_checked_as_the_daemon_uses_it() {
+        let src = "[sources.a]\ndestination = { stream = \"s\", topic = \"t\" }\n";
+        let settings = |level: &str| {
+            let text = format!("[logging]\nlevel = {level:?}\n{src}");
+            validate(&parse(&text, None).unwrap(), Some(&text), None)
+        };
+        for fine in ["info, iggy_ingest=debug", "info, é=debug", "warn"] {
+            let s = settings(fine).unwrap_or_else(|e| panic!("{fine:?}: {e:?}"));
+            assert_eq!(s.warnings.errors, vec![], "{fine:?}");
+        }
+        for silent in ["inof", "iggy_ingest=debug"] {
+            let w = settings(silent).unwrap().warnings.errors;
+            assert_eq!((w.len(), w[0].path.as_str(), w[0].line), (1, "logging.level", Some(2)), "{silent:?}");
+            assert!(w[0].message.contains("sets no level for every target"), "{}", w[0].message);
+        }
+        for refused in ["info,=x=", "", " , "] {
+            let e = settings(refused).unwrap_err().errors;
+            assert_eq!((e.len(), e[0].path.as_str(), e[0].line), (1, "logging.level", Some(2)), "{refused:?}: {e:?}");
+        }
     }
 
     fn errors(text: &str) -> Vec<ConfigError> {

@@ -16,9 +16,33 @@ use tracing_subscriber::EnvFilter;
 /// silence this daemon's `iggy_ingest` targets.
 const CLIENT_TARGETS: [&str; 3] = ["iggy::", "iggy_common", "iggy_binary_protocol"];
 
+/// `filter` as `tracing-subscriber` 0.3 parses it without fault: each comma-separated
+/// directive trimmed, empty ones left out. Its directive parser trims a directive for one
+/// step and indexes the untrimmed text in the next, so a space after a comma refuses an
+/// ordinary filter (`"info, iggy_ingest=debug"`) and, before a character of more than one
+/// byte, panics. (It splits on every comma too, so this changes no directive's meaning.)
+pub fn normalized(filter: &str) -> String {
+    filter.split(',').map(str::trim).filter(|d| !d.is_empty()).collect::<Vec<_>>().join(",")
+}
+
+/// `filter`, normalized, as a filter; the parser's own words when it is none.
+pub fn parse(filter: &str) -> Result<EnvFilter, String> {
+    EnvFilter::try_new(normalized(filter)).map_err(|e| e.to_string())
+}
+
+/// Whether `filter` sets a level for every target (a directive that is a level alone,
+/// as in `"warn,iggy_ingest=debug"`). Without one, only the targets it names log at all,
+/// errors of every other included: a misspelt level (`"inof"`) is such a target name.
+pub fn sets_default_level(filter: &str) -> bool {
+    // An empty directive is a level to `LevelFilter` (error), but no directive to a filter.
+    normalized(filter).split(',').any(|d| !d.is_empty() && d.parse::<tracing_subscriber::filter::LevelFilter>().is_ok())
+}
+
 /// The filter for a configured level: the level itself, with the client's messages off
 /// unless the level names them.
 pub fn filter_for(level: &str) -> String {
+    let level = normalized(level);
+    let level = level.as_str();
     let names_client = level.split(',').any(|directive| {
         let target = directive.split(['=', '[']).next().unwrap_or("");
         target == "iggy" || CLIENT_TARGETS.iter().any(|t| target.starts_with(t))
@@ -34,18 +58,51 @@ pub fn filter_for(level: &str) -> String {
 pub fn init(level: &str, json: bool) {
     // RUST_LOG, when set and valid, takes the configured level's place: through the same
     // filter, so the client stays quiet there too unless it is named.
-    let from_env = std::env::var(EnvFilter::DEFAULT_ENV).ok().filter(|v| EnvFilter::try_new(v).is_ok());
-    let filter = EnvFilter::try_new(filter_for(from_env.as_deref().unwrap_or(level)))
+    let env = std::env::var(EnvFilter::DEFAULT_ENV).ok();
+    let refused = env.as_deref().and_then(|v| parse(v).err());
+    let from_env = env.as_deref().filter(|_| refused.is_none());
+    let filter = EnvFilter::try_new(filter_for(from_env.unwrap_or(level)))
         .unwrap_or_else(|_| EnvFilter::new(filter_for("info")));
     // Colours only for a terminal: a journal, a file or a log shipper gets plain text.
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(ansi);
     let _ = if json { builder.json().try_init() } else { builder.try_init() };
+    if let (Some(value), Some(why)) = (&env, refused) {
+        tracing::warn!(rust_log = %value, error = %why, level, "RUST_LOG is not a filter: the configured level is used");
+    } else if let Some(value) = from_env
+        && !sets_default_level(value)
+    {
+        tracing::warn!(rust_log = %value, "RUST_LOG sets no level for every target: only the targets it names log");
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `tracing-subscriber`'s parser refuses the first and panics on the second as they
+    /// are; normalized, both are filters, the second with its target named as written.
+    #[test]
+    fn spaces_after_commas_are_taken_as_the_filter_means_them_and_never_panic() {
+        for (given, target) in
+            [("info, iggy_ingest=debug", "iggy_ingest"), ("info, é=debug", "é"), (" warn ,, x=info ", "x")]
+        {
+            let filter = parse(given).unwrap_or_else(|e| panic!("{given:?}: {e}"));
+            assert!(filter.to_string().contains(target), "{given:?} became {filter}");
+        }
+        assert!(parse("info,=x=").is_err());
+    }
+
+    #[test]
+    fn a_filter_without_a_level_for_every_target_is_told_apart() {
+        for given in ["info", "warn,iggy_ingest=debug", "iggy_ingest=debug, error", "off"] {
+            assert!(sets_default_level(given), "{given:?}");
+        }
+        // A typo is a target name to the parser: everything else would be silent.
+        for given in ["inof", "iggy_ingest=debug", "", " , "] {
+            assert!(!sets_default_level(given), "{given:?}");
+        }
+    }
 
     use std::sync::{Arc, Mutex};
 
