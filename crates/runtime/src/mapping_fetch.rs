@@ -44,8 +44,24 @@ fn parse(url: &str) -> Result<Target, String> {
     let Some(authority) = uri.authority() else {
         return Err(format!("{url:?} has no host"));
     };
+    // The `http` crate takes any digits (or none) as a port, and credentials in the
+    // authority, which this client would send as part of the Host header and print in
+    // its log lines, never as credentials.
+    if authority.as_str().contains('@') {
+        return Err(format!("{url:?}: credentials in the URL are not supported (they would be logged, never sent)"));
+    }
     let host = authority.host();
-    let port = authority.port_u16().unwrap_or(80);
+    // After the host (an IPv6 one in brackets holds colons of its own), as written:
+    // `Authority::port` says nothing of a port that is not a `u16`.
+    let raw = authority.as_str();
+    let after_host = if raw.starts_with('[') { raw.find(']').map_or("", |i| &raw[i + 1..]) } else { raw };
+    let port = match after_host.rfind(':').map(|i| &after_host[i + 1..]) {
+        None => 80,
+        Some(p) => match p.parse::<u16>() {
+            Ok(n) if n > 0 => n,
+            _ => return Err(format!("{url:?}: port {p:?} is not a port from 1 to 65535")),
+        },
+    };
     let authority = if host.contains(':') && !host.starts_with('[') {
         format!("[{host}]:{port}")
     } else {
@@ -138,7 +154,17 @@ mod tests {
     fn only_plain_http_urls_with_a_host_are_accepted() {
         assert!(check_url("http://127.0.0.1:8000/mapping.json").is_ok());
         assert!(check_url("http://mappings.internal/m").is_ok());
-        for bad in ["https://x/m", "ftp://x/m", "/relative", "not a url", ""] {
+        for bad in [
+            "https://x/m",
+            "ftp://x/m",
+            "/relative",
+            "not a url",
+            "",
+            "http://h:99999/m",
+            "http://h:0/m",
+            "http://h:/m",
+            "http://u:p@h/m",
+        ] {
             assert!(check_url(bad).is_err(), "{bad:?}");
         }
         assert_eq!(parse("http://h/m").unwrap().authority, "h:80");
