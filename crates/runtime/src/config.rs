@@ -1238,8 +1238,17 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
         ),
         Ok(()) => {}
     }
-    if config.iggy.tls_domain.is_some() && !config.iggy.tls {
-        c.err(&iggy.key("tls_domain"), "is not used unless iggy.tls = true");
+    if let Some(domain) = &config.iggy.tls_domain {
+        if !config.iggy.tls {
+            c.err(&iggy.key("tls_domain"), "is not used unless iggy.tls = true");
+        } else if rustls::pki_types::ServerName::try_from(domain.as_str()).is_err() {
+            // The client checks it only when it connects, and a failed connect only holds
+            // the records: every connect would fail, and nothing would be delivered.
+            c.err(
+                &iggy.key("tls_domain"),
+                format!("{domain:?} is not a DNS name or IP address to check the server's certificate against"),
+            );
+        }
     }
     // The client refuses other lengths before it sends the sign-in: the daemon would
     // start, accept, and never deliver. (The password's length only, never its text.)
@@ -2151,6 +2160,31 @@ mod tests {
         assert_eq!(parsed, Config::builtin());
     }
 
+    /// The default spells out every setting the example sets (a key the default left
+    /// out would still parse to the built-in value, so the comparison above cannot see
+    /// it), but for what only a source has.
+    #[test]
+    fn config_default_toml_spells_out_every_setting_the_example_sets() {
+        fn keys(table: &toml::Table, prefix: &str, out: &mut Vec<String>) {
+            for (k, v) in table {
+                let path = format!("{prefix}{k}");
+                match v {
+                    toml::Value::Table(t) => keys(t, &format!("{path}."), out),
+                    _ => out.push(path),
+                }
+            }
+        }
+        let (mut example, mut default) = (Vec::new(), Vec::new());
+        keys(&EXAMPLE_TOML.parse::<toml::Table>().unwrap(), "", &mut example);
+        keys(&DEFAULT_TOML.parse::<toml::Table>().unwrap(), "", &mut default);
+        let missing: Vec<&String> = example
+            .iter()
+            .filter(|k| !k.starts_with("sources.") && !k.starts_with("router.sources."))
+            .filter(|k| !default.contains(k))
+            .collect();
+        assert!(missing.is_empty(), "config/default.toml leaves out {missing:?}");
+    }
+
     /// A file that cannot be read is named with the reason, not as a key path.
     #[test]
     fn a_file_that_cannot_be_read_is_named_not_a_key() {
@@ -2296,6 +2330,13 @@ max_destinations = 1
             ),
             (format!("[http]\nwrite_timeout_ms = 3600000\n{src}"), "http.write_timeout_ms", 2, "at most 120000"),
             (format!("[iggy]\ntls_domain = \"iggy.internal\"\n{src}"), "iggy.tls_domain", 2, "iggy.tls = true"),
+            (format!("[iggy]\ntls = true\ntls_domain = \"\"\n{src}"), "iggy.tls_domain", 3, "is not a DNS name"),
+            (
+                format!("[iggy]\ntls = true\naddress = \"[::1]:8090\"\ntls_domain = \"iggy internal\"\n{src}"),
+                "iggy.tls_domain",
+                4,
+                "is not a DNS name",
+            ),
             (
                 format!("{src}idempotency = false\nidempotency_header = \"x-delivery\"\n"),
                 "sources.a.idempotency_header",
