@@ -21,7 +21,11 @@
 //! - Every request takes its room in the ingest core ([`ingest::ingestor::Ingestor::room`],
 //!   256 MiB in all) once its body was read and before it is decoded, for the most the
 //!   body can become, and holds it until its append resolved: what requests hold is
-//!   bounded in all, not by the number of connections.
+//!   bounded in all, not by the number of connections. It is authenticated first
+//!   (against the source, or the endpoint version that admitted its head, unless a
+//!   rotate installed another since): the room is taken in order and sized by the
+//!   request's own headers and body, so one that cannot authenticate never waits for
+//!   it, and never holds up those behind.
 //! - Metrics labels are the source key (from configuration, never from the request),
 //!   status class and fixed reasons: never paths, ids or peer addresses.
 
@@ -269,6 +273,18 @@ async fn receive(door: &Door, source: Arc<SourceSpec>, entrance: Entrance, req: 
     }
 }
 
+/// A request that failed authentication: logged (at most once per interval), counted by
+/// reason, and answered 401 with no detail.
+fn auth_refused(source: &SourceSpec, failure: crate::auth::AuthFailure, peer: Option<&PeerAddr>) -> ApiError {
+    static LOG: LogLimit = LogLimit::every(LOG_INTERVAL);
+    if let Some(suppressed) = LOG.admit() {
+        tracing::warn!(source = %source.key, reason = failure.reason(), peer = ?peer.map(|p| p.addr), suppressed, "request failed authentication");
+    }
+    metrics::counter!("iggy_ingest_auth_failures_total", "source" => source.key.clone(), "reason" => failure.reason())
+        .increment(1);
+    ApiError::unauthorized()
+}
+
 /// The answer to a request of `source` refused with `e` (a POST's or a handshake's):
 /// counted under its code, and in the source's status as the last request it refused.
 fn refused(door: &Door, source: &str, e: ApiError) -> Response {
@@ -306,6 +322,30 @@ async fn receive_inner(
     }
     let body = read_body(body, max, door.limits.body_read_timeout).await?;
 
+    // Authenticated before the room is taken, against the source's scheme or the
+    // endpoint version that admitted the head: the room a request asks for is sized by
+    // its own headers and body (an NDJSON body of newlines can ask for all of it), and
+    // one that waits for room makes every request after it wait (the room is taken in
+    // order), so a sender that cannot authenticate must not get that far.
+    let admitted_by: &AuthScheme = match &entrance {
+        Entrance::SourcePath => &source.auth,
+        Entrance::Endpoint(seen) => &seen.endpoint.auth,
+    };
+    if let Err(failure) = admitted_by.verify(&parts.headers, &body, received_at_unix_ms) {
+        // Unless a rotate installed another version while the body was read, and the
+        // sender already signs with its secret: the check after the room decides then.
+        let rotated_since = match &entrance {
+            Entrance::SourcePath => false,
+            Entrance::Endpoint(seen) => door
+                .endpoints
+                .lookup(seen.endpoint.id, ingest::time::now_unix_ms())
+                .is_ok_and(|current| !Arc::ptr_eq(&current, seen)),
+        };
+        if !rotated_since {
+            return Err(auth_refused(source, failure, peer));
+        }
+    }
+
     // The room the request's append runs in, for the most it will hold once decoded:
     // its body may become many events, each with a record's envelope. Taken by every
     // request, before anything else it holds: what requests hold is bounded in all, not
@@ -321,33 +361,32 @@ async fn receive_inner(
     // decide again, and hold the permit until the append resolved. The room was taken
     // first: waiting for room with the permit held would hold off every change to the
     // endpoint (and every registration) for as long.
-    let (endpoint, permit) = match entrance {
+    let (endpoint, permit) = match &entrance {
         Entrance::SourcePath => (None, None),
         Entrance::Endpoint(seen) => {
             let (current, permit) =
-                door.endpoints.recheck(&seen, ingest::time::now_unix_ms()).await.map_err(refusal_error)?;
+                door.endpoints.recheck(seen, ingest::time::now_unix_ms()).await.map_err(refusal_error)?;
+            // A rotate installed another version while the body was read: its secret
+            // decides (the version that admitted the head may no longer).
+            if !Arc::ptr_eq(seen, &current)
+                && let Err(failure) = current.endpoint.auth.verify(&parts.headers, &body, received_at_unix_ms)
+            {
+                return Err(auth_refused(source, failure, peer));
+            }
             (Some(current), Some(permit))
         }
     };
     let auth: &AuthScheme = endpoint.as_ref().map_or(&source.auth, |e| &e.endpoint.auth);
-    let verified = auth.verify(&parts.headers, &body, received_at_unix_ms);
     // Checked, the signature is done with: a header a configured name chose to carry it
     // (an hmac scheme's `auth_header`, which no name-based credential check knows) is
     // dropped here, so nothing after (forwarded headers, a partition key, a delivery id)
     // can copy into the log a signature with no timestamp in it, that any consumer could
     // post again. The configuration refuses naming it for a source and its static
     // endpoints; a dynamic endpoint's registration can choose any name.
-    if let Some(signature) = auth.configured_signature_header() {
-        parts.headers.remove(signature);
-    }
-    if let Err(failure) = verified {
-        static LOG: LogLimit = LogLimit::every(LOG_INTERVAL);
-        if let Some(suppressed) = LOG.admit() {
-            tracing::warn!(source = %source.key, reason = failure.reason(), peer = ?peer.map(|p| p.addr), suppressed, "request failed authentication");
+    for scheme in [admitted_by, auth] {
+        if let Some(signature) = scheme.configured_signature_header() {
+            parts.headers.remove(signature);
         }
-        metrics::counter!("iggy_ingest_auth_failures_total", "source" => source.key.clone(), "reason" => failure.reason())
-            .increment(1);
-        return Err(ApiError::unauthorized());
     }
 
     let content_type = match parts.headers.get(header::CONTENT_TYPE) {
@@ -807,6 +846,100 @@ mod tests {
     use hyper::body::Frame;
 
     use super::*;
+
+    const SOURCE_TOKEN: &str = "source-token-0123456789";
+    const ENDPOINT_TOKEN: &str = "endpoint-token-0123456789";
+    const ENDPOINT_ID: u128 = 0x42;
+
+    /// A door on a new log and state database in `dir`: source `hooks` (bearer
+    /// [`SOURCE_TOKEN`]) with one static endpoint ([`ENDPOINT_ID`], bearer
+    /// [`ENDPOINT_TOKEN`]), and room for NDJSON batches of up to a million events.
+    fn door_in(dir: &std::path::Path) -> Arc<Door> {
+        let wal = Arc::new(wal::Wal::open(dir.join("wal"), wal::WalOptions::default()).unwrap());
+        let state = Arc::new(ingest::StateDb::open(dir.join("state.redb")).unwrap());
+        let idempotency = Arc::new(ingest::IdempotencyIndex::new(state.clone(), 86_400_000));
+        let source = SourceSpec {
+            key: "hooks".into(),
+            destinations: crate::Destinations::Fixed { stream: "s".into(), topic: "t".into() },
+            partitioning: crate::partition::PartitionRule::Fixed(ingest::Partitioning::Balanced),
+            admission: crate::admission::Admission::Open,
+            accept: crate::Accept::Any,
+            named_path: true,
+            auth: AuthScheme::Bearer { token: SOURCE_TOKEN.as_bytes().to_vec() },
+            forward_headers: Vec::new(),
+            metadata: crate::MetadataFields::default(),
+            idempotency_header: None,
+            idempotency: true,
+        };
+        let endpoint = crate::Endpoint {
+            id: ENDPOINT_ID,
+            source_key: "hooks".into(),
+            auth: AuthScheme::Bearer { token: ENDPOINT_TOKEN.as_bytes().to_vec() },
+            handshake_param: None,
+            expires_at_unix_ms: None,
+            revoked_at_unix_ms: None,
+            dynamic: false,
+            record: None,
+            unusable: None,
+        };
+        let endpoints = Arc::new(crate::EndpointRegistry::load(state, vec!["hooks".into()], vec![endpoint]).unwrap());
+        Arc::new(Door {
+            sources: HashMap::from([("hooks".to_string(), Arc::new(source))]),
+            endpoints,
+            ingestor: ingest::Ingestor::new(wal, idempotency),
+            limits: DoorLimits {
+                max_body_bytes: 4 * 1024 * 1024,
+                max_events_per_request: 1_000_000,
+                body_read_timeout: Duration::from_secs(10),
+                retry_after_secs: 1,
+            },
+            health: Arc::default(),
+            status: Arc::new(crate::status::StatusBoard::new(["hooks".to_string()])),
+            metrics: crate::metrics::DoorMetrics::new(["hooks"]),
+        })
+    }
+
+    /// POST `body` as NDJSON to `path` with `token`, through the door's router.
+    async fn post(door: &Arc<Door>, path: &str, token: &str, body: String) -> StatusCode {
+        use tower::ServiceExt;
+        let req = Request::builder()
+            .method("POST")
+            .uri(path)
+            .header(header::CONTENT_TYPE, "application/x-ndjson")
+            .header(header::AUTHORIZATION, format!("Bearer {token}"))
+            .body(Body::from(body))
+            .unwrap();
+        router(door.clone()).oneshot(req).await.unwrap().status()
+    }
+
+    /// A request that cannot authenticate is answered 401 without waiting for room, also
+    /// when the room it would ask for (a body of newlines, each line an event) is all of
+    /// it and others hold it: the room is taken in order, so waiting for it would hold up
+    /// every request behind. One that authenticates waits for its room.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_request_that_cannot_authenticate_is_refused_without_waiting_for_room() {
+        let dir = tempfile::tempdir().unwrap();
+        let door = door_in(dir.path());
+        // Everything: any request that waits for room waits here.
+        let held = door.ingestor.room(ingest::ingestor::RUNNING_ON_MAX_BYTES).await.unwrap();
+        let newlines = "\n".repeat(1024 * 1024);
+        let endpoint = format!("/v1/e/{}", crate::endpoints::format_id(ENDPOINT_ID));
+        for path in ["/v1/sources/hooks", endpoint.as_str()] {
+            let answer =
+                tokio::time::timeout(Duration::from_secs(5), post(&door, path, "wrong-token", newlines.clone()));
+            assert_eq!(answer.await.expect("an unauthenticated request waited for room"), StatusCode::UNAUTHORIZED);
+        }
+
+        let (path, token) = ("/v1/sources/hooks".to_string(), SOURCE_TOKEN);
+        let waiting = tokio::spawn({
+            let door = door.clone();
+            async move { post(&door, &path, token, "{\"a\":1}\n".repeat(1000)).await }
+        });
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(!waiting.is_finished(), "a request ran in room another held");
+        drop(held);
+        assert_eq!(tokio::time::timeout(Duration::from_secs(10), waiting).await.unwrap().unwrap(), StatusCode::OK);
+    }
 
     #[tokio::test]
     async fn the_200_body_is_what_serde_json_writes() {

@@ -2,7 +2,7 @@
 //!
 //! ```text
 //!  TCP ─▶ server (connection cap, header/idle timeout, graceful drain)
-//!        ─▶ door (route ─▶ size/timeout ─▶ endpoint re-check ─▶ auth ─▶ content type ─▶ delivery id ─▶ decode ─▶ resolve destinations)
+//!        ─▶ door (route ─▶ size/timeout ─▶ auth ─▶ room ─▶ endpoint re-check (auth again if rotated) ─▶ content type ─▶ delivery id ─▶ decode ─▶ resolve destinations)
 //!        ─▶ ingest::Ingestor
 //! ```
 //!
