@@ -85,6 +85,24 @@ mod tests {
         assert_eq!(path("top").lookup(&v).as_deref(), Some("x"));
     }
 
+    /// What docs/routing.md says a number's value is, as the door reads it (through the
+    /// routed decoder, which keeps what the paths reach).
+    #[test]
+    fn a_numbers_value_is_its_shortest_decimal_text() {
+        let p = path("n");
+        for (written, read) in [
+            ("42", "42"),
+            ("-7", "-7"),
+            ("1.50", "1.5"),
+            ("1e3", "1000.0"),
+            ("7.0", "7.0"),
+            ("18446744073709551616", "1.8446744073709552e+19"),
+        ] {
+            let values = crate::json_fields::parse(&format!("{{\"n\":{written}}}"), &[&p]).unwrap();
+            assert_eq!(p.lookup(&values).as_deref(), Some(read), "{written}");
+        }
+    }
+
     #[test]
     fn arrays_non_objects_and_other_leaves_are_missing() {
         let v = json!({
