@@ -26,9 +26,13 @@
 //!   before the first record copied: the copy's first segment is flagged when the source's
 //!   first offset was not copied, or the source's first segment was itself flagged (or
 //!   its header does not check, and so cannot say it was not).
-//! - After damage the walk resynchronises byte by byte on the next frame that checks;
-//!   every skipped byte range (a bad segment header included) is reported with its file
-//!   and position. Zeros to the end of a file are the zeros the writer writes ahead of
+//! - A frame whose header checks where the walk arrived by following lengths, but whose
+//!   payload (or offset) does not, is skipped whole, as recovery skips it: its payload
+//!   is a sender's bytes, and is never read as frames. After damage to a header the walk
+//!   resynchronises byte by byte on the next frame that checks and claims an offset its
+//!   position can hold (offsets are dense, and each record takes a frame header at
+//!   least); every skipped byte range (a bad segment header included) is reported with
+//!   its file and position. Zeros to the end of a file are the zeros the writer writes ahead of
 //!   its records, not damage: wherever the walk meets them (at a frame position, or
 //!   among bytes it is skipping, which then end where the zeros begin) they end the
 //!   file's walk unreported.
@@ -250,10 +254,12 @@ enum Found {
     Record(FrameHeader),
     /// Bytes that do not hold a frame that checks. `batch_after`: the frame's header
     /// checked and ends a batch (only its payload did not), so a batch begins where it
-    /// ends.
+    /// ends. `frame_end`: the frame's header checked (its payload, or its offset, did
+    /// not), so its extent is known: where it ends.
     Bad {
         why: String,
         batch_after: Option<u64>,
+        frame_end: Option<u64>,
     },
 }
 
@@ -459,7 +465,7 @@ fn copy_bounded(
             // A frame must be above the last record copied, and continue the batch the
             // walk is in.
             let floor = batch.as_ref().map_or(last, |b| Some(b.next - 1));
-            let found = find(&mut r, &path, pos, floor)?;
+            let found = find(&mut r, &path, base, pos, floor)?;
             match found {
                 Found::Seal => {
                     // A seal carries no record, and the writer seals only between batches.
@@ -508,7 +514,7 @@ fn copy_bounded(
                         }
                     }
                 }
-                Found::Bad { why, batch_after } => {
+                Found::Bad { why, batch_after, frame_end } => {
                     if let Some(b) = batch.take() {
                         b.leave_out(&mut report, &path, false, &mut named_until);
                     }
@@ -523,8 +529,17 @@ fn copy_bounded(
                     }
                     in_zeros = zero;
                     damage_after_last_record = true;
+                    // A frame the walk reached by following lengths, whose header checks:
+                    // skipped whole, as recovery skips it. Its payload is a sender's bytes,
+                    // and frames a sender wrote into it would check. Only while already
+                    // skipping bytes (a header that checks may then be such a frame
+                    // itself) does the walk go on byte by byte.
+                    let next = match frame_end {
+                        Some(end) if bad.is_none() => end,
+                        _ => pos + 1,
+                    };
                     bad.get_or_insert((pos, why));
-                    pos += 1;
+                    pos = next;
                 }
             }
         }
@@ -572,11 +587,11 @@ fn copy_bounded(
     Ok(report)
 }
 
-/// What stands at `pos`: a seal, a record that checks and whose offset is above `floor`,
-/// or bytes to skip.
-fn find(r: &mut ChunkReader<'_>, path: &Path, pos: u64, floor: Option<u64>) -> Result<Found> {
+/// What stands at `pos` of the segment based at `base`: a seal, a record that checks and
+/// whose offset is above `floor` and within what its position can hold, or bytes to skip.
+fn find(r: &mut ChunkReader<'_>, path: &Path, base: u64, pos: u64, floor: Option<u64>) -> Result<Found> {
     let io = |e| WalError::io(path, e);
-    let bad = |why: String| Ok(Found::Bad { why, batch_after: None });
+    let bad = |why: String| Ok(Found::Bad { why, batch_after: None, frame_end: None });
     let h = match r.get(pos, FRAME_HEADER_LEN as usize).map_err(io)? {
         None => return bad("truncated frame header".to_string()),
         Some(b) => match FrameHeader::decode(b) {
@@ -587,14 +602,35 @@ fn find(r: &mut ChunkReader<'_>, path: &Path, pos: u64, floor: Option<u64>) -> R
     if h.is_seal() {
         return Ok(Found::Seal);
     }
+    let frame_end = Some(pos + h.frame_len());
     if h.offset > OFFSET_MAX || floor.is_some_and(|l| h.offset <= l) {
-        return bad(format!("frame claims offset {} out of order", h.offset));
+        return Ok(Found::Bad {
+            why: format!("frame claims offset {} out of order", h.offset),
+            batch_after: None,
+            frame_end,
+        });
+    }
+    // Offsets are dense and every record takes a frame header at least: a record at
+    // `pos` holds an offset no higher than this. A frame that claims more was never
+    // written here by the writer (a sender's bytes inside a payload, found while
+    // skipping damage), and copied, it would push the records after it out of order.
+    let highest = base.saturating_add((pos.saturating_sub(SEGMENT_HEADER_LEN)) / FRAME_HEADER_LEN);
+    if h.offset > highest {
+        return Ok(Found::Bad {
+            why: format!("frame claims offset {}, past the {highest} its position can hold", h.offset),
+            batch_after: None,
+            frame_end,
+        });
     }
     match r.get(pos + FRAME_HEADER_LEN, h.payload_len as usize).map_err(io)? {
-        None => bad("truncated payload".to_string()),
+        None => Ok(Found::Bad { why: "truncated payload".to_string(), batch_after: None, frame_end }),
         Some(p) => match h.check_payload(p) {
             Ok(()) => Ok(Found::Record(h)),
-            Err(e) => Ok(Found::Bad { why: e.to_string(), batch_after: h.ends_batch().then(|| pos + h.frame_len()) }),
+            Err(e) => Ok(Found::Bad {
+                why: e.to_string(),
+                batch_after: h.ends_batch().then(|| pos + h.frame_len()),
+                frame_end,
+            }),
         },
     }
 }

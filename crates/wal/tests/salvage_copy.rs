@@ -530,3 +530,80 @@ fn the_copy_tells_its_progress_through_every_byte_of_the_source() {
     assert!(steps.iter().all(|&s| s <= largest_step), "{steps:?}");
     assert!(told.len() as u64 >= source_bytes / largest_step, "{} reports for {source_bytes} bytes", told.len());
 }
+
+/// A record frame with `payload`, written by hand (its checksums hold).
+fn frame_with(offset: u64, ends_batch: bool, synced_len: u64, payload: &[u8]) -> Vec<u8> {
+    let h = FrameHeader {
+        payload_len: payload.len() as u32,
+        offset,
+        synced_len,
+        flags: if ends_batch { FLAG_END_OF_BATCH } else { 0 },
+        payload_crc: crc32fast::hash(payload),
+    };
+    let mut b = h.encode().to_vec();
+    b.extend_from_slice(payload);
+    b
+}
+
+/// A record whose header checks and whose payload was damaged is skipped whole, as
+/// recovery skips it: frames a sender wrote into its payload (they check, as the writer's
+/// would) are never copied, never take the place of a record, and never push the records
+/// after them out of order. Forged at the next offset, they would replace record 2; at a
+/// far one, every record after them would be skipped as out of order.
+#[test]
+fn frames_a_sender_wrote_inside_a_damaged_payload_are_never_copied() {
+    const FORGED_TAG: u64 = 777;
+    for forged_offset in [2, 1_000_000] {
+        let sim = SimStorage::new();
+        let mut b = SegmentHeader { base_offset: 0, flags: 0 }.encode().to_vec();
+        b.extend(frame(0, true, SEGMENT_HEADER_LEN));
+        let damaged_at = b.len() as u64;
+        let mut inside = vec![0x55u8; 8];
+        inside.extend(frame_with(forged_offset, true, 0, &payload(FORGED_TAG, 50)));
+        inside.extend(frame_with(forged_offset + 1, true, 0, &payload(FORGED_TAG, 50)));
+        b.extend(frame_with(1, true, damaged_at, &inside));
+        let batch_at = b.len() as u64;
+        // One bit of the filler before the forged frames.
+        b[(damaged_at + FRAME_HEADER_LEN + 2) as usize] ^= 0x01;
+        b.extend(frame(2, false, batch_at));
+        b.extend(frame(3, true, batch_at));
+        write_source(&sim, &b);
+
+        let report = salvage_copy(&sim, &dir(), &out_dir()).unwrap();
+        assert_eq!(copied(&sim), vec![(0, 0), (2, 2), (3, 3)], "forged at {forged_offset}: {report:?}");
+        assert_eq!(report.missing_offsets, vec![(1, 1)], "forged at {forged_offset}");
+        assert!(
+            report.end_offset < 1_000_000,
+            "forged at {forged_offset}: the copy continues at {}",
+            report.end_offset
+        );
+        let ranges: Vec<(u64, u64)> = report.skipped.iter().map(|s| (s.from, s.to)).collect();
+        assert_eq!(ranges, vec![(damaged_at, batch_at)], "forged at {forged_offset}");
+    }
+}
+
+/// While skipping damage to a header, a frame that checks but claims an offset past what
+/// its position can hold (a sender's bytes, the next real header lost) is passed over:
+/// it reserves no offsets, and does not vouch for where the next batch begins (record 2,
+/// right after the damage, may have lost the start of its batch, and is left out).
+#[test]
+fn a_frame_found_after_damage_claiming_an_offset_its_position_cannot_hold_is_passed_over() {
+    let sim = SimStorage::new();
+    let mut b = SegmentHeader { base_offset: 0, flags: 0 }.encode().to_vec();
+    b.extend(frame(0, true, SEGMENT_HEADER_LEN));
+    let damaged_at = b.len() as u64;
+    let mut inside = vec![0x55u8; 8];
+    inside.extend(frame_with(1_000_000, true, 0, &payload(777, 50)));
+    b.extend(frame_with(1, true, damaged_at, &inside));
+    let batch_at = b.len() as u64;
+    // The header of record 1 is damaged: the walk skips byte by byte through its payload.
+    b[(damaged_at + 10) as usize] ^= 0x01;
+    b.extend(frame(2, true, batch_at));
+    let next_batch_at = b.len() as u64;
+    b.extend(frame(3, true, next_batch_at));
+    write_source(&sim, &b);
+
+    let report = salvage_copy(&sim, &dir(), &out_dir()).unwrap();
+    assert_eq!(copied(&sim), vec![(0, 0), (3, 3)], "{report:?}");
+    assert!(report.end_offset < 1_000_000, "the copy continues at {}", report.end_offset);
+}
