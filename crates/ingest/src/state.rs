@@ -453,6 +453,16 @@ pub struct StateInventory {
 }
 
 impl StateInventory {
+    /// A file that could not be read as a database, for the reason `e` gives.
+    fn unreadable(e: &redb::DatabaseError) -> StateInventory {
+        StateInventory {
+            schema_version: None,
+            tables: Vec::new(),
+            from_repaired_copy: false,
+            unreadable: Some(e.to_string()),
+        }
+    }
+
     /// What losing each table means, for an operator about to reset.
     pub fn consequences(&self) -> Vec<String> {
         let unreadable = self.unreadable.iter().map(|why| {
@@ -490,8 +500,24 @@ impl StateInventory {
 /// one not closed cleanly is read from a repaired copy). Fails if a running daemon holds it.
 pub fn inventory(path: &Path) -> Result<StateInventory, StateError> {
     let view = ReadOnlyView::open(path).map_err(|e| open_err(path, e))?;
+    inventory_of_view(&view)
+}
+
+fn inventory_of_view(view: &ReadOnlyView) -> Result<StateInventory, StateError> {
     let txn = view.begin_read().map_err(storage_err)?;
     Ok(StateInventory { from_repaired_copy: view.is_repaired_copy(), ..inventory_of(txn)? })
+}
+
+/// What [`reset`] would discard from the database at `path`, read as [`inventory`]
+/// reads it, the file not written: for a file that is not a database this build can
+/// read, that it is unreadable (a reset deletes such a file as it is), where
+/// [`inventory`] fails.
+pub fn reset_preview(path: &Path) -> Result<StateInventory, StateError> {
+    match ReadOnlyView::open(path) {
+        Ok(view) => inventory_of_view(&view),
+        Err(e) if unreadable_as_a_database(&e) => Ok(StateInventory::unreadable(&e)),
+        Err(e) => Err(open_err(path, e)),
+    }
 }
 
 fn inventory_of(txn: redb::ReadTransaction) -> Result<StateInventory, StateError> {
@@ -585,15 +611,7 @@ fn reset_with(path: &Path, before_unlink: impl FnOnce()) -> Result<StateInventor
         // an old file format) is discarded as it is: otherwise nothing but a removal by
         // hand, outside the daemon's lock, would get a daemon started again. An error
         // that says nothing of the file (held open, I/O) refuses.
-        Err(e) if unreadable_as_a_database(&e) => (
-            None,
-            StateInventory {
-                schema_version: None,
-                tables: Vec::new(),
-                from_repaired_copy: false,
-                unreadable: Some(e.to_string()),
-            },
-        ),
+        Err(e) if unreadable_as_a_database(&e) => (None, StateInventory::unreadable(&e)),
         Err(e) => return Err(open_err(path, e)),
     };
     before_unlink();

@@ -174,7 +174,13 @@ fn state_command(command: StateCommand) -> ExitCode {
     if let StateCommand::Migrate { .. } = command {
         return state_migrate(&path);
     }
-    let result = if reset && yes { ingest::state::reset(&path) } else { ingest::state::inventory(&path) };
+    let result = match (reset, yes) {
+        (true, true) => ingest::state::reset(&path),
+        // What the reset would discard, as it would see it: a file it deletes as
+        // unreadable is said to be so, not a failure to look.
+        (true, false) => ingest::state::reset_preview(&path),
+        _ => ingest::state::inventory(&path),
+    };
     let inventory = match result {
         Ok(i) => i,
         Err(e) => {

@@ -1203,6 +1203,18 @@ fn a_damaged_state_database_is_discarded_by_a_reset_and_the_daemon_starts_again(
         let hint = format!("state reset --data-dir {} --yes", data.display());
         assert!(err.contains("cannot open state database") && err.contains(&hint), "{err}");
 
+        // Without --yes: what the reset would do, said as the reset will say it, and
+        // nothing changed.
+        let dry = Command::new(env!("CARGO_BIN_EXE_iggy-ingest"))
+            .args(["state", "reset", "--data-dir"])
+            .arg(&data)
+            .output()
+            .unwrap();
+        assert!(dry.status.success(), "{}", String::from_utf8_lossy(&dry.stderr));
+        let said = String::from_utf8_lossy(&dry.stdout);
+        assert!(said.contains("unreadable (") && said.contains("nothing changed: pass --yes"), "{said}");
+        assert_eq!(std::fs::read(data.join("state.redb")).unwrap(), bytes, "a reset without --yes changed the file");
+
         let reset = Command::new(env!("CARGO_BIN_EXE_iggy-ingest"))
             .args(["state", "reset", "--yes", "--data-dir"])
             .arg(&data)
