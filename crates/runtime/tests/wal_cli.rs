@@ -1319,3 +1319,16 @@ fn a_salvaged_copy_is_owned_as_the_log_it_copies() {
     }
     assert!(stderr(&o).contains("existed with another owner"), "{}", stderr(&o));
 }
+
+/// `--interval-ms` is bounded: an hour's worth of digits too many would make `tail` look
+/// for new records never again, and it says so instead of waiting.
+#[test]
+fn tail_refuses_an_interval_outside_its_bounds() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = make_log(dir.path(), 1, small());
+    for ms in ["100000000000", "0", "9"] {
+        let o = cli_in(&["tail", "--interval-ms", ms], &log);
+        assert_eq!(code(&o), 2, "{ms}: {}", stderr(&o));
+        assert!(stderr(&o).contains("--interval-ms"), "{ms}: {}", stderr(&o));
+    }
+}

@@ -465,6 +465,9 @@ fn admin_destinations(url: &str, address: &str, token: Option<&str>, src: &str) 
 /// `GET path` from the admin API at `address` (checked by [`admin_address`]; `base` is
 /// the URL, for messages) with hyper (one connection, on a runtime of its own: the CLI
 /// has none), JSON body expected; 10 s for the whole exchange. `None` for a 404.
+/// The most of an admin API answer `--admin` reads.
+const ADMIN_ANSWER_MAX_BYTES: usize = 16 * 1024 * 1024;
+
 fn http_get_json(base: &str, host: &str, path: &str, token: Option<&str>) -> CliResult<Option<Value>> {
     use http_body_util::{BodyExt, Empty};
     let usage = |m: String| CliError::Usage(format!("--admin {base}: {m}"));
@@ -484,7 +487,12 @@ fn http_get_json(base: &str, host: &str, path: &str, token: Option<&str>) -> Cli
         tokio::spawn(conn);
         let answer = sender.send_request(request).await.map_err(|e| failed(e.to_string()))?;
         let code = answer.status();
-        let body = answer.into_body().collect().await.map_err(|e| failed(e.to_string()))?.to_bytes();
+        // Bounded: the daemon's largest answer (a thousand destinations) is far below.
+        let body = http_body_util::Limited::new(answer.into_body(), ADMIN_ANSWER_MAX_BYTES)
+            .collect()
+            .await
+            .map_err(|e| failed(format!("{e} (at most {ADMIN_ANSWER_MAX_BYTES} bytes are read)")))?
+            .to_bytes();
         Ok::<_, CliError>((code, body))
     };
     let (code, body) = runtime

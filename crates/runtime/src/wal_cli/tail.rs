@@ -39,8 +39,8 @@ pub struct TailArgs {
     /// Start at this offset instead.
     #[arg(long, value_name = "N", conflicts_with = "lines")]
     pub from: Option<u64>,
-    /// How often to look for new records.
-    #[arg(long, value_name = "MS", default_value_t = 200)]
+    /// How often to look for new records: 10 to 60000 (a minute).
+    #[arg(long, value_name = "MS", default_value_t = 200, value_parser = clap::value_parser!(u64).range(10..=60_000))]
     pub interval_ms: u64,
     #[command(flatten)]
     pub filter: FilterArgs,
@@ -107,7 +107,7 @@ fn look(dir: &Path) -> Option<Look> {
 pub(crate) fn run(a: TailArgs) -> CliResult {
     let filter = Filter::parse(&a.filter)?;
     let format = Format::of(&a.format);
-    let interval = Duration::from_millis(a.interval_ms.max(10));
+    let interval = Duration::from_millis(a.interval_ms);
     // Look first, then open: a sync between the two is then seen as a change and read
     // by the next reopen, never skipped.
     let mut last_look = look(&a.dir);
