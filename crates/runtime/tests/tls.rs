@@ -108,6 +108,31 @@ async fn webhooks_over_tls_are_logged_and_a_sighup_serves_the_new_certificate_or
     assert_eq!(leaf, b.cert_der, "a failed reload changed the certificate served");
     assert_eq!(post_over(&mut third, 4).await, 200);
 
+    // `wal inspect --admin` reads the running daemon over TLS, trusting the admin
+    // listener's certificate; an https:// URL without a certificate to trust is refused
+    // before any connection.
+    let (wal_dir, admin_url, admin_ca) =
+        (daemon.wal_dir(), format!("https://localhost:{}", daemon.admin.port()), admin_files.0.clone());
+    let (inspected, untrusting) = tokio::task::spawn_blocking(move || {
+        let inspect = |extra: &[&std::ffi::OsStr]| {
+            Command::new(env!("CARGO_BIN_EXE_iggy-ingest"))
+                .args(["wal", "inspect"])
+                .arg(&wal_dir)
+                .args(["--json", "--admin", &admin_url])
+                .args(extra)
+                .output()
+                .unwrap()
+        };
+        (inspect(&["--admin-ca".as_ref(), admin_ca.as_os_str()]), inspect(&[]))
+    })
+    .await
+    .unwrap();
+    assert!(inspected.status.success(), "{}", String::from_utf8_lossy(&inspected.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&inspected.stdout).unwrap();
+    assert_eq!(report["destinations"]["cursors_from"], "admin", "{report}");
+    assert_eq!(untrusting.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&untrusting.stderr).contains("needs --admin-ca"));
+
     drop((first, second, third, plain));
     let mut daemon = daemon;
     daemon.signal(libc::SIGTERM);

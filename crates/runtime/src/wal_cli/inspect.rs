@@ -45,9 +45,14 @@ pub struct InspectArgs {
     /// The state database (default: state.redb beside the log directory).
     #[arg(long, value_name = "FILE")]
     pub state: Option<PathBuf>,
-    /// Read cursors and held figures from the running daemon's admin API (http://HOST:PORT).
+    /// Read cursors and held figures from the running daemon's admin API
+    /// (http://HOST:PORT, or https://HOST:PORT with --admin-ca).
     #[arg(long, value_name = "URL")]
     pub admin: Option<String>,
+    /// PEM certificates to trust for an https:// --admin: the admin listener's own
+    /// certificate, or the CA it chains to.
+    #[arg(long, value_name = "FILE", requires = "admin")]
+    pub admin_ca: Option<PathBuf>,
     /// Bearer token for the admin API (default: $IGGY_INGEST_ADMIN_TOKEN).
     #[arg(long, value_name = "TOKEN")]
     pub admin_token: Option<String>,
@@ -79,7 +84,7 @@ const DESTINATIONS_MAX: usize = 100_000;
 type AdminLane = (LaneKey, Lane);
 
 pub(crate) fn run(a: InspectArgs) -> CliResult {
-    let admin = a.admin.as_deref().map(admin_address).transpose()?;
+    let admin = a.admin.as_deref().map(|url| admin_target(url, a.admin_ca.as_deref())).transpose()?;
     let wal = open_log(&a.dir)?;
     let running = writer_running(&a.dir);
     let segments = wal::inspect::segments_of(&wal).map_err(|e| wal_error(&a.dir, e))?;
@@ -91,14 +96,14 @@ pub(crate) fn run(a: InspectArgs) -> CliResult {
     let mut max_bytes: Option<u64> = None;
     let mut asked_sources = BTreeSet::new();
     let token = a.admin_token.clone().or_else(|| std::env::var("IGGY_INGEST_ADMIN_TOKEN").ok());
-    let (cursor_source, cursor_note) = if let Some((url, address)) = admin {
-        let (rows, log_max, sources) = admin_lanes(url, address, token.as_deref())?;
+    let (cursor_source, cursor_note) = if let Some(target) = &admin {
+        let (rows, log_max, sources) = admin_lanes(target, token.as_deref())?;
         max_bytes = log_max;
         asked_sources = sources;
         for (k, l) in rows {
             lanes.insert(k, l);
         }
-        ("admin", format!("cursors and held figures from the running daemon at {url}"))
+        ("admin", format!("cursors and held figures from the running daemon at {}", target.url))
     } else {
         let path = a.state.clone().or_else(|| default_state_path(&a.dir));
         match path.as_deref().map(ingest::read_cursors_read_only) {
@@ -188,11 +193,11 @@ pub(crate) fn run(a: InspectArgs) -> CliResult {
         // A source no longer configured is not in the daemon's `/status`, but its records
         // in the log still have lanes there (that pin the log, which is what an operator
         // runs this to find): asked for by name.
-        if let Some((url, address)) = admin {
+        if let Some(target) = &admin {
             let unasked: BTreeSet<String> =
                 lanes.keys().map(|k| k.0.clone()).filter(|s| !asked_sources.contains(s)).collect();
             for src in unasked {
-                for (k, l) in admin_destinations(url, address, token.as_deref(), &src)? {
+                for (k, l) in admin_destinations(target, token.as_deref(), &src)? {
                     let lane = lanes.entry(k).or_default();
                     *lane = Lane { records_in_log: lane.records_in_log, ..l };
                 }
@@ -393,53 +398,108 @@ fn config_max_bytes(path: &std::path::Path) -> CliResult<u64> {
     crate::config::load_wal_max_bytes(path).map_err(|e| CliError::Usage(format!("--config {}: {e}", path.display())))
 }
 
-/// The `HOST:PORT` of an `--admin http://HOST:PORT[/]` URL, checked as the connection
-/// will take it; anything else is an unusable argument.
-fn admin_address(url: &str) -> CliResult<(&str, &str)> {
-    let usage = |why: String| CliError::Usage(format!("--admin {url}: {why}; expected http://HOST:PORT"));
-    let Some(rest) = url.strip_prefix("http://") else {
-        return Err(usage("not an http:// URL".into()));
+/// Where `--admin` points: the URL (for messages), its `HOST:PORT`, and for an https://
+/// URL the TLS client that trusts `--admin-ca` and the name the certificate must carry.
+struct AdminTarget<'a> {
+    url: &'a str,
+    address: &'a str,
+    tls: Option<(tokio_rustls::TlsConnector, rustls::pki_types::ServerName<'static>)>,
+}
+
+/// An `--admin http://HOST:PORT[/]` or `https://HOST:PORT[/]` URL, checked as the
+/// connection will take it (an https:// one with the certificates of `ca` to trust);
+/// anything else is an unusable argument.
+fn admin_target<'a>(url: &'a str, ca: Option<&std::path::Path>) -> CliResult<AdminTarget<'a>> {
+    let usage =
+        |why: String| CliError::Usage(format!("--admin {url}: {why}; expected http://HOST:PORT or https://HOST:PORT"));
+    let (rest, https) = match (url.strip_prefix("http://"), url.strip_prefix("https://")) {
+        (Some(rest), _) => (rest, false),
+        (_, Some(rest)) => (rest, true),
+        _ => return Err(usage("not an http:// or https:// URL".into())),
     };
     let address = rest.strip_suffix('/').unwrap_or(rest);
     if address.contains('/') {
         return Err(usage("has a path".into()));
     }
-    match crate::host_port::problem(address) {
-        Some(why) => Err(usage(format!("{address:?} {why}"))),
-        None => Ok((url, address)),
+    if let Some(why) = crate::host_port::problem(address) {
+        return Err(usage(format!("{address:?} {why}")));
     }
+    let tls = match (https, ca) {
+        (false, None) => None,
+        (false, Some(_)) => return Err(usage("--admin-ca is for an https:// URL".into())),
+        (true, None) => {
+            return Err(usage(
+                "an https:// URL needs --admin-ca FILE (the admin listener's certificate, or the CA it chains to)"
+                    .into(),
+            ));
+        }
+        (true, Some(ca)) => Some(admin_tls(address, ca)?),
+    };
+    Ok(AdminTarget { url, address, tls })
+}
+
+/// A TLS client trusting the PEM certificates in `ca`, and the server name of `address`
+/// (its host: a DNS name, or an IP address, brackets left off).
+fn admin_tls(
+    address: &str,
+    ca: &std::path::Path,
+) -> CliResult<(tokio_rustls::TlsConnector, rustls::pki_types::ServerName<'static>)> {
+    use rustls::pki_types::CertificateDer;
+    use rustls::pki_types::pem::PemObject;
+    let usage = |why: String| CliError::Usage(format!("--admin-ca {}: {why}", ca.display()));
+    let mut roots = rustls::RootCertStore::empty();
+    let certs = CertificateDer::pem_file_iter(ca).map_err(|e| usage(format!("cannot be read as PEM: {e}")))?;
+    for cert in certs {
+        let cert = cert.map_err(|e| usage(format!("cannot be read as PEM: {e}")))?;
+        roots.add(cert).map_err(|e| usage(format!("holds a certificate that cannot be trusted: {e}")))?;
+    }
+    if roots.is_empty() {
+        return Err(usage("holds no certificate (a PEM \"BEGIN CERTIFICATE\" block)".into()));
+    }
+    let host = address.rsplit_once(':').map_or(address, |(host, _)| host);
+    let host = host.strip_prefix('[').and_then(|h| h.strip_suffix(']')).unwrap_or(host);
+    let name = rustls::pki_types::ServerName::try_from(host.to_string()).map_err(|e| {
+        CliError::Usage(format!("--admin {address}: {host:?} is not a name to check a certificate against: {e}"))
+    })?;
+    let config =
+        rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(rustls::crypto::ring::default_provider()))
+            .with_safe_default_protocol_versions()
+            .map_err(|e| CliError::Failed(format!("TLS: {e}")))?
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+    Ok((tokio_rustls::TlsConnector::from(std::sync::Arc::new(config)), name))
 }
 
 /// Cursors and held figures of every connector's destinations, and the log's capacity,
 /// from a running daemon's admin API.
 /// Also returns the sources asked for (those of `/status`: the configured ones).
 fn admin_lanes(
-    url: &str,
-    address: &str,
+    target: &AdminTarget<'_>,
     token: Option<&str>,
 ) -> CliResult<(Vec<AdminLane>, Option<u64>, BTreeSet<String>)> {
     // A 404 here is not a daemon's admin listener (the webhook listener, say): an error,
     // never an empty answer.
-    let status = http_get_json(url, address, "/status", token)?
+    let url = target.url;
+    let status = http_get_json(target, "/status", token)?
         .ok_or_else(|| CliError::Failed(format!("admin API {url}/status: HTTP 404: not a daemon's admin listener")))?;
     let max = status["log"]["max_bytes"].as_u64();
     let sources: BTreeSet<String> =
         status["sources"].as_object().map(|o| o.keys().cloned().collect()).unwrap_or_default();
     let mut out = Vec::new();
     for src in &sources {
-        out.extend(admin_destinations(url, address, token, src)?);
+        out.extend(admin_destinations(target, token, src)?);
     }
     Ok((out, max, sources))
 }
 
 /// The destinations the running daemon shows for source `src` (none if it knows no such
 /// connector: a source no longer configured whose lanes the router has not made yet).
-fn admin_destinations(url: &str, address: &str, token: Option<&str>, src: &str) -> CliResult<Vec<AdminLane>> {
+fn admin_destinations(target: &AdminTarget<'_>, token: Option<&str>, src: &str) -> CliResult<Vec<AdminLane>> {
     let mut out = Vec::new();
     // A source key read from the log is not trusted to be a path segment (a `?`, `/` or
     // space in it would ask for another resource, or no valid URI at all): escaped.
     let segment = percent_encoding::utf8_percent_encode(src, percent_encoding::NON_ALPHANUMERIC);
-    if let Some(v) = http_get_json(url, address, &format!("/connectors/{segment}/destinations"), token)? {
+    if let Some(v) = http_get_json(target, &format!("/connectors/{segment}/destinations"), token)? {
         for d in v["destinations"].as_array().into_iter().flatten() {
             let key = (
                 src.to_string(),
@@ -462,14 +522,28 @@ fn admin_destinations(url: &str, address: &str, token: Option<&str>, src: &str) 
     Ok(out)
 }
 
-/// `GET path` from the admin API at `address` (checked by [`admin_address`]; `base` is
-/// the URL, for messages) with hyper (one connection, on a runtime of its own: the CLI
-/// has none), JSON body expected; 10 s for the whole exchange. `None` for a 404.
+/// One request on a new HTTP/1.1 connection over `io`.
+async fn send_over<IO>(
+    io: IO,
+    request: hyper::Request<http_body_util::Empty<bytes::Bytes>>,
+) -> Result<hyper::Response<hyper::body::Incoming>, hyper::Error>
+where
+    IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(io)).await?;
+    tokio::spawn(conn);
+    sender.send_request(request).await
+}
+
 /// The most of an admin API answer `--admin` reads.
 const ADMIN_ANSWER_MAX_BYTES: usize = 16 * 1024 * 1024;
 
-fn http_get_json(base: &str, host: &str, path: &str, token: Option<&str>) -> CliResult<Option<Value>> {
+/// `GET path` from the admin API at `target` (checked by [`admin_target`]) with hyper
+/// (one connection, over TLS for an https:// URL, on a runtime of its own: the CLI has
+/// none), JSON body expected; 10 s for the whole exchange. `None` for a 404.
+fn http_get_json(target: &AdminTarget<'_>, path: &str, token: Option<&str>) -> CliResult<Option<Value>> {
     use http_body_util::{BodyExt, Empty};
+    let (base, host) = (target.url, target.address);
     let usage = |m: String| CliError::Usage(format!("--admin {base}: {m}"));
     let failed = |m: String| CliError::Failed(format!("admin API {base}{path}: {m}"));
     let mut request = hyper::Request::get(path).header(hyper::header::HOST, host);
@@ -481,11 +555,14 @@ fn http_get_json(base: &str, host: &str, path: &str, token: Option<&str>) -> Cli
         tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| failed(e.to_string()))?;
     let exchange = async {
         let stream = tokio::net::TcpStream::connect(host).await.map_err(|e| failed(e.to_string()))?;
-        let (mut sender, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
-            .await
-            .map_err(|e| failed(e.to_string()))?;
-        tokio::spawn(conn);
-        let answer = sender.send_request(request).await.map_err(|e| failed(e.to_string()))?;
+        let answer = match &target.tls {
+            None => send_over(stream, request).await,
+            Some((connector, name)) => {
+                let tls = connector.connect(name.clone(), stream).await.map_err(|e| failed(format!("TLS: {e}")))?;
+                send_over(tls, request).await
+            }
+        }
+        .map_err(|e| failed(e.to_string()))?;
         let code = answer.status();
         // Bounded: the daemon's largest answer (a thousand destinations) is far below.
         let body = http_body_util::Limited::new(answer.into_body(), ADMIN_ANSWER_MAX_BYTES)
