@@ -12,9 +12,10 @@
 //! - The writer publishes a watermark only after the sync it describes succeeded, so a
 //!   watermark never names an unsynced byte; it may lag (a failed publish, a torn read),
 //!   never lead.
-//! - A writable open removes any earlier watermark right after taking the lock, and
-//!   publishes its own only once recovery is done: a reader never bounds itself by a
-//!   previous process's state while a new writer recovers.
+//! - A writable open removes any earlier watermark right after taking the lock (voids it
+//!   in place, and later takes the file over, when it cannot be removed), and publishes
+//!   its own only once recovery is done: a reader never bounds itself by a previous
+//!   process's state while a new writer recovers.
 //! - It is advisory. It is never synced and recovery never reads it; a read-only opener
 //!   uses it only while the writer's lock is held (tested without taking it,
 //!   `Storage::is_locked`). A missing, unreadable or torn record with the lock held makes
@@ -37,13 +38,18 @@ pub(crate) struct Publisher {
 }
 
 impl Publisher {
-    /// Creates a fresh watermark file (no earlier one may exist: `invalidate` ran at the
-    /// start of the open). `None`, with a warning, if it cannot be created: the log works
-    /// without it, and readers beside this writer then refuse instead of guessing.
+    /// Creates a fresh watermark file, or takes over one an earlier process left that
+    /// `invalidate` (at the start of the open) could not remove but voided. `None`, with
+    /// a warning, if neither can be done: the log works without it, and readers beside
+    /// this writer then refuse instead of guessing (they find no whole watermark).
     pub(crate) fn create(storage: &dyn Storage, dir: &Path) -> Option<Publisher> {
         let path = dir.join(WATERMARK_FILE);
         invalidate(storage, dir);
-        match storage.open(&path, OpenMode::CreateNew) {
+        let opened = match storage.open(&path, OpenMode::CreateNew) {
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => storage.open(&path, OpenMode::ReadWrite),
+            opened => opened,
+        };
+        match opened {
             Ok(file) => Some(Publisher { file, warned: false }),
             Err(e) => {
                 tracing::warn!(error = %e, path = %path.display(), "cannot create the durable watermark; read-only tools will refuse this log while it runs");
@@ -63,14 +69,29 @@ impl Publisher {
     }
 }
 
-/// Removes an earlier process's watermark (best effort: a watermark left behind is only
-/// ever read while a writer holds the lock, and this writer replaces it before it
-/// publishes anything).
+/// Removes an earlier process's watermark, or, when it cannot be removed, voids it (its
+/// record overwritten with zeros, which never check): a reader beside this writer then
+/// finds no whole watermark until this writer publishes its own, and refuses rather
+/// than bound itself by the earlier process's state. Best effort: a watermark left
+/// whole is only ever read while a writer holds the lock, and never names more than
+/// that earlier writer synced.
 pub(crate) fn invalidate(storage: &dyn Storage, dir: &Path) {
-    match storage.remove_file(&dir.join(WATERMARK_FILE)) {
+    let path = dir.join(WATERMARK_FILE);
+    match storage.remove_file(&path) {
         Ok(()) => {}
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => tracing::warn!(error = %e, "cannot remove an earlier durable watermark"),
+        Err(e) => {
+            let voided = storage.open(&path, OpenMode::ReadWrite).and_then(|f| f.write_all_at(&[0; WATERMARK_LEN], 0));
+            match voided {
+                Ok(()) => tracing::warn!(error = %e, "cannot remove an earlier durable watermark; voided it in place"),
+                Err(v) => tracing::warn!(
+                    error = %e,
+                    void_error = %v,
+                    "cannot remove or void an earlier durable watermark; read-only tools beside this writer may see \
+                     the log as the earlier process left it until this one publishes its own"
+                ),
+            }
+        }
     }
 }
 

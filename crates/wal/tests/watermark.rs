@@ -252,3 +252,39 @@ fn verify_beside_a_writer_refuses_a_watermark_its_segment_disagrees_with() {
     }
     drop(wal);
 }
+
+/// Refuses to remove the watermark file, as a file system can (a permission changed).
+#[derive(Debug)]
+struct WatermarkNotRemovable;
+
+impl wal::storage::Hooks for WatermarkNotRemovable {
+    fn remove_file(&self, inner: &dyn Storage, path: &std::path::Path) -> std::io::Result<()> {
+        if path.ends_with(wal::WATERMARK_FILE) {
+            return Err(std::io::ErrorKind::PermissionDenied.into());
+        }
+        inner.remove_file(path)
+    }
+}
+
+/// A watermark an earlier process left that a writable open cannot remove never bounds
+/// a read-only open beside the new writer by the earlier process's state: the writer
+/// voids it and takes the file over, so what it syncs is what readers see.
+#[test]
+fn a_watermark_left_behind_that_cannot_be_removed_is_taken_over() {
+    let sim = SimStorage::new();
+    {
+        let wal = open(&sim, small_options());
+        rt().block_on(wal.append(vec![payload(7, 100)])).unwrap();
+    }
+    let seg = &segment_files(&sim, &dir())[0];
+    let base: u64 = seg.trim_end_matches(".seg").parse().unwrap();
+    let stale = wal::format::DurableWatermark { segment_base: base, durable_len: 32, next_offset: base };
+    sim.write_file_durably(&dir().join(wal::WATERMARK_FILE), &stale.encode()).unwrap();
+
+    let hooked = wal::storage::HookedStorage::new(Arc::new(sim.clone()), WatermarkNotRemovable);
+    let wal = Wal::open_with(Arc::new(hooked) as Arc<dyn Storage>, &dir(), small_options()).expect("open");
+    assert!(sim.read_file(&dir().join(wal::WATERMARK_FILE)).is_ok(), "the file was removed after all");
+    rt().block_on(wal.append(vec![payload(8, 100)])).unwrap();
+    assert_eq!(tags(&read_only(&sim)), vec![7, 8], "a reader was bounded by the earlier process's watermark");
+    drop(wal);
+}

@@ -23,6 +23,10 @@ pub trait Hooks: Debug + Send + Sync + 'static {
     fn open(&self, inner: &dyn Storage, path: &Path, mode: OpenMode) -> io::Result<Arc<dyn StorageFile>> {
         inner.open(path, mode)
     }
+    /// `remove_file` of `path` on `inner`.
+    fn remove_file(&self, inner: &dyn Storage, path: &Path) -> io::Result<()> {
+        inner.remove_file(path)
+    }
     /// `read_at` on `file`.
     fn read_at(&self, file: &dyn StorageFile, buf: &mut [u8], pos: u64) -> io::Result<usize> {
         file.read_at(buf, pos)
@@ -82,7 +86,7 @@ impl<H: Hooks> Storage for HookedStorage<H> {
         self.inner.rename(from, to)
     }
     fn remove_file(&self, path: &Path) -> io::Result<()> {
-        self.inner.remove_file(path)
+        self.hooks.remove_file(self.inner.as_ref(), path)
     }
     fn sync_dir(&self, dir: &Path) -> io::Result<()> {
         self.inner.sync_dir(dir)
