@@ -137,6 +137,18 @@ fn read_key(path: &Path) -> Result<PrivateKeyDer<'static>, TlsError> {
     })
 }
 
+/// Registers every TLS series of `listener` at zero, so each is there from the first
+/// scrape on (a no-op without an installed recorder).
+pub fn register_metrics(listener: &'static str) {
+    metrics::gauge!("iggy_ingest_tls_reload_failed", "listener" => listener).set(0.0);
+    for outcome in ["loaded", "failed"] {
+        drop(metrics::counter!("iggy_ingest_tls_reloads_total", "listener" => listener, "outcome" => outcome));
+    }
+    for reason in ["refused", "timed_out"] {
+        drop(metrics::counter!("iggy_ingest_tls_handshake_failures_total", "listener" => listener, "reason" => reason));
+    }
+}
+
 /// The pair handshakes are answered with; a reload replaces it.
 #[derive(Debug)]
 struct Served(RwLock<Arc<CertifiedKey>>);
@@ -196,7 +208,7 @@ impl ListenerTls {
             .with_cert_resolver(served.clone());
         config.alpn_protocols = vec![b"http/1.1".to_vec()];
         let acceptor = TlsAcceptor::from(Arc::new(config));
-        metrics::gauge!("iggy_ingest_tls_reload_failed", "listener" => listener).set(0.0);
+        register_metrics(listener);
         let view = TlsView {
             cert_file: files.cert_file.display().to_string(),
             key_file: files.key_file.display().to_string(),

@@ -172,6 +172,25 @@ pub fn catalog() -> Vec<Metric> {
             &[],
             "Admin API calls refused for a missing or wrong token (401)",
         ),
+        // TLS, on the listeners that serve it ([http.tls], [admin.tls]).
+        m(
+            "iggy_ingest_tls_handshake_failures_total",
+            Counter,
+            &["listener", "reason"],
+            "TLS handshakes that failed (refused) or outlasted the header read timeout (timed_out)",
+        ),
+        m(
+            "iggy_ingest_tls_reloads_total",
+            Counter,
+            &["listener", "outcome"],
+            "Certificate reloads on SIGHUP, by outcome (loaded, failed)",
+        ),
+        m(
+            "iggy_ingest_tls_reload_failed",
+            Gauge,
+            &["listener"],
+            "1 from a certificate reload that failed until one that loads: the files are not what the listener serves",
+        ),
         // Routing at the door and delivery.
         m(
             "iggy_connector_routing_unmatched_total",
@@ -402,9 +421,10 @@ pub async fn upkeep_loop(handle: PrometheusHandle, every: std::time::Duration) {
 }
 
 /// Describes every metric and registers its series at zero: label-less ones once,
-/// labelled ones for every source in `sources` and every fixed label value. A no-op
-/// without an installed recorder.
-pub fn register_all<'a>(sources: impl IntoIterator<Item = &'a str> + Clone) {
+/// labelled ones for every source in `sources`, every listener in `tls_listeners` (those
+/// served over TLS: the TLS series of the others would say nothing) and every fixed
+/// label value. A no-op without an installed recorder.
+pub fn register_all<'a>(sources: impl IntoIterator<Item = &'a str> + Clone, tls_listeners: &[&'static str]) {
     for metric in catalog() {
         let (name, help) = (metric.name.clone(), metric.help);
         match metric.kind {
@@ -461,6 +481,9 @@ pub fn register_all<'a>(sources: impl IntoIterator<Item = &'a str> + Clone) {
     for listener in ["webhook", "admin"] {
         drop(metrics::gauge!("iggy_ingest_http_connections", "listener" => listener));
         drop(metrics::counter!("iggy_ingest_http_connection_waits_total", "listener" => listener));
+    }
+    for &listener in tls_listeners {
+        http_source::tls::register_metrics(listener);
     }
     // Requests no source is resolved for count under source "-": unknown paths or ids,
     // endpoints already expired, methods a path does not take.
@@ -562,7 +585,7 @@ mod tests {
     fn every_metric_is_described_and_present_before_any_event() {
         let recorder = exporter().unwrap().build_recorder();
         let handle = recorder.handle();
-        metrics::with_local_recorder(&recorder, || register_all(["github", "shop"]));
+        metrics::with_local_recorder(&recorder, || register_all(["github", "shop"], &["webhook", "admin"]));
         let text = handle.render();
         for metric in catalog() {
             assert!(text.contains(&format!("# HELP {} ", metric.name)), "no help for {}:\n{text}", metric.name);
@@ -611,7 +634,7 @@ mod tests {
         metrics::with_local_recorder(&recorder, || {
             metrics::gauge!("iggy_connector_destination_circuit_open").increment(2.0);
             metrics::counter!("iggy_ingest_events_accepted_total", "source" => "shop").increment(3);
-            register_all(["shop"]);
+            register_all(["shop"], &[]);
         });
         let text = handle.render();
         assert!(text.contains("iggy_connector_destination_circuit_open 2"), "{text}");

@@ -135,7 +135,10 @@ async fn a_listener_at_its_connection_cap_shows_it_in_its_metrics() {
 async fn the_first_scrape_describes_every_metric_the_daemon_exports() {
     let broker = TestBroker::start(TestBrokerConfig::default()).await.unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let d = Daemon::start(dir.path(), "", &sources(broker.addr()));
+    // The webhook listener on TLS, whose series exist only then.
+    let (cert, key) = TlsPair::new().write(&dir.path().join("tls"));
+    let tls = format!("[http.tls]\ncert_file = {cert:?}\nkey_file = {key:?}\n");
+    let d = Daemon::start(dir.path(), &tls, &sources(broker.addr()));
     let text = scrape(d.admin, &[]).await;
     for metric in iggy_ingest::telemetry::catalog() {
         assert!(text.contains(&format!("# HELP {} ", metric.name)), "no HELP for {}:\n{text}", metric.name);
@@ -158,6 +161,9 @@ async fn the_first_scrape_describes_every_metric_the_daemon_exports() {
     }
     // The log's gauges are set by its opening, not left at the registered zero.
     assert_eq!(value(&samples, "iggy_ingest_wal_capacity_bytes", &[]), Some(8_589_934_592.0));
+    // TLS series for the listener that serves it, none for the one that does not.
+    assert_eq!(value(&samples, "iggy_ingest_tls_reload_failed", &[("listener", "webhook")]), Some(0.0));
+    assert_eq!(value(&samples, "iggy_ingest_tls_reload_failed", &[("listener", "admin")]), None);
     assert!(d.stop().success());
 }
 
