@@ -15,7 +15,8 @@
 //! - `iggy_ingest_tls_reloads_total{listener, outcome}` counts reloads (`loaded`,
 //!   `failed`) and `iggy_ingest_tls_reload_failed{listener}` is 1 from a failed reload
 //!   until the next one that loads: while it is 1, the files on disk are not what the
-//!   listener serves.
+//!   listener serves. `iggy_ingest_tls_certificate_expiry_timestamp_seconds{listener}` is
+//!   the served leaf certificate's `notAfter` (0 until one is loaded whose date reads).
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, PoisonError, RwLock};
@@ -108,6 +109,15 @@ pub fn load(files: &TlsFiles) -> Result<Arc<CertifiedKey>, TlsError> {
     }
 }
 
+/// When the leaf certificate of `pair` stops being valid (its `notAfter`), in seconds
+/// since the Unix epoch; `None` if it does not read as X.509 (rustls's own parse, which
+/// the pair passed, is less strict about what it does not use).
+pub fn expiry_unix_secs(pair: &CertifiedKey) -> Option<i64> {
+    let leaf = pair.cert.first()?;
+    let (_, cert) = x509_parser::parse_x509_certificate(leaf.as_ref()).ok()?;
+    Some(cert.validity().not_after.timestamp())
+}
+
 fn show(path: &Path) -> String {
     format!("{:?}", path.display().to_string())
 }
@@ -141,12 +151,30 @@ fn read_key(path: &Path) -> Result<PrivateKeyDer<'static>, TlsError> {
 /// scrape on (a no-op without an installed recorder).
 pub fn register_metrics(listener: &'static str) {
     metrics::gauge!("iggy_ingest_tls_reload_failed", "listener" => listener).set(0.0);
+    drop(metrics::gauge!("iggy_ingest_tls_certificate_expiry_timestamp_seconds", "listener" => listener));
     for outcome in ["loaded", "failed"] {
         drop(metrics::counter!("iggy_ingest_tls_reloads_total", "listener" => listener, "outcome" => outcome));
     }
     for reason in ["refused", "timed_out"] {
         drop(metrics::counter!("iggy_ingest_tls_handshake_failures_total", "listener" => listener, "reason" => reason));
     }
+}
+
+/// The expiry of `pair`, about to be served by `listener`, set in its gauge (0 when it
+/// does not read) and warned of when it is past.
+fn served_expiry(listener: &'static str, pair: &CertifiedKey) -> Option<i64> {
+    let expiry = expiry_unix_secs(pair);
+    metrics::gauge!("iggy_ingest_tls_certificate_expiry_timestamp_seconds", "listener" => listener)
+        .set(expiry.unwrap_or(0) as f64);
+    let now_secs = (ingest::time::now_unix_ms() / 1000) as i64;
+    if let Some(at) = expiry.filter(|&at| at <= now_secs) {
+        tracing::warn!(
+            listener,
+            expired_unix_secs = at,
+            "the TLS certificate served has expired: clients will refuse it"
+        );
+    }
+    expiry
 }
 
 /// The pair handshakes are answered with; a reload replaces it.
@@ -181,6 +209,8 @@ pub struct TlsView {
     pub cert_file: String,
     pub key_file: String,
     pub loaded_at_unix_ms: u64,
+    /// The served leaf certificate's `notAfter`, when it reads.
+    pub expires_at_unix_secs: Option<i64>,
     /// The last reload's failure, while the pair served is older than the files.
     pub reload_failed: Option<ReloadFailure>,
 }
@@ -200,7 +230,9 @@ impl std::fmt::Debug for ListenerTls {
 impl ListenerTls {
     /// Loads `files` for the listener named `listener` (a metric label).
     pub fn new(files: TlsFiles, listener: &'static str) -> Result<ListenerTls, TlsError> {
-        let served = Arc::new(Served(RwLock::new(load(&files)?)));
+        let pair = load(&files)?;
+        let expires_at_unix_secs = served_expiry(listener, &pair);
+        let served = Arc::new(Served(RwLock::new(pair)));
         let mut config = rustls::ServerConfig::builder_with_provider(Arc::new(provider()))
             .with_safe_default_protocol_versions()
             .map_err(|e| TlsError::new(TlsFile::Cert, format!("no TLS version to serve: {e}")))?
@@ -213,6 +245,7 @@ impl ListenerTls {
             cert_file: files.cert_file.display().to_string(),
             key_file: files.key_file.display().to_string(),
             loaded_at_unix_ms: ingest::time::now_unix_ms(),
+            expires_at_unix_secs,
             reload_failed: None,
         };
         let reloads = std::sync::Mutex::new(view);
@@ -228,6 +261,7 @@ impl ListenerTls {
         let mut view = self.inner.reloads.lock().unwrap_or_else(PoisonError::into_inner);
         match load(&self.inner.files) {
             Ok(pair) => {
+                view.expires_at_unix_secs = served_expiry(listener, &pair);
                 *self.inner.served.0.write().unwrap_or_else(PoisonError::into_inner) = pair;
                 view.loaded_at_unix_ms = ingest::time::now_unix_ms();
                 view.reload_failed = None;
@@ -275,6 +309,15 @@ pub(crate) mod testing {
     use tokio_rustls::TlsConnector;
 
     use super::TlsFiles;
+
+    /// A self-signed certificate for `localhost` valid until the start of `year`.
+    pub fn pair_until(year: i32) -> TestPair {
+        let mut params = rcgen::CertificateParams::new(vec!["localhost".to_string()]).unwrap();
+        params.not_after = rcgen::date_time_ymd(year, 1, 1);
+        let key = rcgen::KeyPair::generate().unwrap();
+        let cert = params.self_signed(&key).unwrap();
+        TestPair { cert_pem: cert.pem(), key_pem: key.serialize_pem(), cert_der: cert.der().clone() }
+    }
 
     /// A self-signed certificate for `localhost` and its key, as PEM and the
     /// certificate's DER.
@@ -451,6 +494,19 @@ mod tests {
             assert!(e.message.contains(says), "{files:?}: {e}");
         }
         assert!(load(&good).is_ok());
+    }
+
+    /// The served certificate's expiry is read from it, and a reload reads the new one's.
+    #[test]
+    fn the_served_certificates_expiry_is_read_and_follows_a_reload() {
+        use super::testing::pair_until;
+        let dir = tempfile::tempdir().unwrap();
+        let tls = ListenerTls::new(write(dir.path(), &pair_until(2030)), "test").unwrap();
+        // 2030-01-01T00:00:00Z and 2031-01-01T00:00:00Z.
+        assert_eq!(tls.view().expires_at_unix_secs, Some(1_893_456_000));
+        write(dir.path(), &pair_until(2031));
+        tls.reload().unwrap();
+        assert_eq!(tls.view().expires_at_unix_secs, Some(1_924_992_000));
     }
 
     /// The listeners speak HTTP/1.1 alone: a client that offers only HTTP/2 is refused at

@@ -966,6 +966,10 @@ const CLIENT_TIMEOUT_MS_MAX: u64 = 120_000;
 /// past any supervisor's stop timeout (systemd's default is 90 s).
 const SHUTDOWN_MS_MAX: u64 = 3_600_000;
 
+/// How near its expiry a listener's certificate is warned of: two weeks, the margin of
+/// the alert on `iggy_ingest_tls_certificate_expiry_timestamp_seconds`.
+const TLS_EXPIRY_WARNING_SECS: i64 = 14 * 86_400;
+
 /// A listener's `tls` table as the files it names, each read and checked as the listener
 /// will at start: a problem names the key of the file it is in.
 fn tls_files(c: &mut Checker<'_>, path: &KeyPath, tls: Option<&TlsConfig>) -> Option<TlsFiles> {
@@ -982,7 +986,28 @@ fn tls_files(c: &mut Checker<'_>, path: &KeyPath, tls: Option<&TlsConfig>) -> Op
     }
     let files = TlsFiles { cert_file: PathBuf::from(&tls.cert_file), key_file: PathBuf::from(&tls.key_file) };
     match http_source::tls::load(&files) {
-        Ok(_) => Some(files),
+        Ok(pair) => {
+            // Valid, but clients refuse it (or will soon): said, never a reason to refuse
+            // a start (a renewal may be on its way, and SIGHUP takes it).
+            let now_secs = (ingest::time::now_unix_ms() / 1000) as i64;
+            if let Some(at) = http_source::tls::expiry_unix_secs(&pair)
+                && at - now_secs < TLS_EXPIRY_WARNING_SECS
+            {
+                let when = u64::try_from(at)
+                    .ok()
+                    .map(|s| {
+                        humantime::format_rfc3339_seconds(std::time::UNIX_EPOCH + Duration::from_secs(s)).to_string()
+                    })
+                    .unwrap_or_else(|| format!("{at} s from the Unix epoch"));
+                let message = if at <= now_secs {
+                    format!("the certificate expired at {when}: clients refuse it")
+                } else {
+                    format!("the certificate expires at {when}, in {} days", (at - now_secs) / 86_400)
+                };
+                c.warn(&path.key("cert_file"), message);
+            }
+            Some(files)
+        }
         Err(e) => {
             c.err(&path.key(e.file.key()), e.message);
             None

@@ -191,6 +191,12 @@ pub fn catalog() -> Vec<Metric> {
             &["listener"],
             "1 from a certificate reload that failed until one that loads: the files are not what the listener serves",
         ),
+        m(
+            "iggy_ingest_tls_certificate_expiry_timestamp_seconds",
+            Gauge,
+            &["listener"],
+            "When the certificate the listener serves expires (its notAfter, Unix seconds; 0 if it does not read)",
+        ),
         // Routing at the door and delivery.
         m(
             "iggy_connector_routing_unmatched_total",

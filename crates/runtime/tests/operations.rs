@@ -359,17 +359,26 @@ fn check_expr(expr: &str, samples: &[Sample]) -> Vec<String> {
 async fn the_dashboard_and_the_alerts_use_only_what_the_daemon_exports() {
     let broker = TestBroker::start(TestBrokerConfig::default()).await.unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let d = Daemon::start(dir.path(), "", &sources(broker.addr()));
+    // The webhook listener on TLS: the TLS alerts read series that exist only then.
+    let pair = TlsPair::new();
+    let (cert, key) = pair.write(&dir.path().join("tls"));
+    let tls = format!("[http.tls]\ncert_file = {cert:?}\nkey_file = {key:?}\n");
+    let d = Daemon::start(dir.path(), &tls, &sources(broker.addr()));
 
     // A little traffic: accepted events, a refused auth, a wrong content type.
+    let (mut conn, _) = Conn::open_tls(d.http, &[&pair]).await.unwrap();
+    let mut post = async |path: &str, headers: &[(&str, &str)], body: String| {
+        conn.send("POST", path, headers, body).await.unwrap().status
+    };
+    let json = [("content-type", "application/json")];
     for n in 0..3 {
-        assert_eq!(post_json(d.http, "/v1/sources/default", &format!("{{\"n\":{n}}}")).await.status, 200);
+        assert_eq!(post("/v1/sources/default", &json, format!("{{\"n\":{n}}}")).await, 200);
     }
     let auth = [("content-type", "application/json"), ("authorization", "Bearer shop-secret-token")];
-    assert_eq!(request(d.http, "POST", "/v1/sources/shop", &auth, "{\"order\":1}").await.status, 200);
-    assert_eq!(post_json(d.http, "/v1/sources/shop", "{}").await.status, 401);
+    assert_eq!(post("/v1/sources/shop", &auth, "{\"order\":1}".into()).await, 200);
+    assert_eq!(post("/v1/sources/shop", &json, "{}".into()).await, 401);
     let text_body = [("content-type", "text/plain"), ("authorization", "Bearer shop-secret-token")];
-    assert_eq!(request(d.http, "POST", "/v1/sources/shop", &text_body, "x").await.status, 415);
+    assert_eq!(post("/v1/sources/shop", &text_body, "x".into()).await, 415);
     let deadline = Instant::now() + Duration::from_secs(30);
     let samples = loop {
         let samples = parse_scrape(&scrape(d.admin, &[]).await);

@@ -101,6 +101,7 @@ async fn webhooks_over_tls_are_logged_and_a_sighup_serves_the_new_certificate_or
         "iggy_ingest_tls_reloads_total{listener=\"webhook\",outcome=\"failed\"} 1",
         "iggy_ingest_tls_reloads_total{listener=\"webhook\",outcome=\"loaded\"} 1",
         "iggy_ingest_tls_handshake_failures_total{listener=\"webhook\",reason=\"refused\"}",
+        "iggy_ingest_tls_certificate_expiry_timestamp_seconds{listener=\"webhook\"} ",
     ] {
         assert!(metrics.contains(line), "no {line:?} in /metrics:\n{metrics}");
     }
@@ -165,6 +166,23 @@ fn a_tls_file_that_does_not_load_is_named_by_its_key_and_line_and_the_daemon_doe
     assert_eq!(check.status.code(), Some(2));
     let err = String::from_utf8_lossy(&check.stderr);
     assert!(err.contains("admin.tls") && err.contains("key_file"), "{err}");
+
+    // An expired certificate is valid configuration, warned of: clients refuse it, and a
+    // renewal may be on its way.
+    let (old_cert, old_key) = TlsPair::until(2020).write(&dir.path().join("old"));
+    let old = dir.path().join("old.toml");
+    std::fs::write(
+        &old,
+        format!("[http.tls]\ncert_file = {old_cert:?}\nkey_file = {old_key:?}\n\n[sources.a]\ndestination = {{ stream = \"s\", topic = \"t\" }}\n"),
+    )
+    .unwrap();
+    let check = Command::new(env!("CARGO_BIN_EXE_iggy-ingest")).args(["config", "check"]).arg(&old).output().unwrap();
+    assert!(check.status.success(), "{}", String::from_utf8_lossy(&check.stderr));
+    let err = String::from_utf8_lossy(&check.stderr);
+    assert!(
+        err.contains("warning: line 2: http.tls.cert_file: the certificate expired at 2020-01-01T00:00:00Z"),
+        "{err}"
+    );
 
     let run = Command::new(env!("CARGO_BIN_EXE_iggy-ingest"))
         .args(["run", "--config"])

@@ -183,6 +183,15 @@ impl TlsPair {
         }
     }
 
+    /// A pair whose certificate is valid until the start of `year`.
+    pub fn until(year: i32) -> TlsPair {
+        let mut params = rcgen::CertificateParams::new(vec!["localhost".to_string()]).unwrap();
+        params.not_after = rcgen::date_time_ymd(year, 1, 1);
+        let key = rcgen::KeyPair::generate().unwrap();
+        let cert = params.self_signed(&key).unwrap();
+        TlsPair { cert_pem: cert.pem(), key_pem: key.serialize_pem(), cert_der: cert.der().clone() }
+    }
+
     /// Writes the pair as `cert.pem` and `key.pem` in `dir`: the two paths.
     pub fn write(&self, dir: &Path) -> (PathBuf, PathBuf) {
         std::fs::create_dir_all(dir).unwrap();
