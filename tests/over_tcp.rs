@@ -672,6 +672,44 @@ async fn a_topic_the_user_may_not_create_holds_only_its_own_records() {
     router.shutdown().await;
 }
 
+/// A stream the server refuses to create for the daemon's user (`Unauthorized`: a user
+/// allowed to send to existing streams but not to create one) holds only its own
+/// records, as a refused topic does: its lane is Degraded saying why, a destination in
+/// another stream flows, and once the stream can be created every held record arrives,
+/// in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_the_user_may_not_create_holds_only_its_own_records() {
+    let broker = TestBroker::start(TestBrokerConfig::default()).await.unwrap();
+    let (wal, router) = start_warm(&broker, "open", "t").await;
+    broker.refuse_create_stream("closed", Some(iggy::prelude::IggyError::Unauthorized));
+    for n in 1..41u64 {
+        let stream = if n % 2 == 0 { "open" } else { "closed" };
+        wal.append(vec![record(stream, "t", n, Partitioning::Balanced)]).await.unwrap();
+    }
+    // Its 20, after the record that warmed it.
+    eventually(Duration::from_secs(30), "the other stream delivered", || async {
+        ids(&broker, "open", "t").len() == 21
+    })
+    .await;
+    eventually(Duration::from_secs(30), "the refused stream's lane degraded", || async {
+        router.destinations().iter().any(|l| {
+            l.destination.stream == "closed"
+                && l.status == Status::Degraded
+                && l.held_records == 20
+                && l.last_error.as_deref().is_some_and(|e| e.to_lowercase().contains("unauthorized"))
+        })
+    })
+    .await;
+    assert!(broker.topic_options("closed", "t").is_none(), "the refused stream was created");
+    broker.refuse_create_stream("closed", None);
+    let want: Vec<u128> = (1..41u64).filter(|n| n % 2 == 1).map(|n| u128::from(n) + 1).collect();
+    eventually(Duration::from_secs(60), "the refused stream delivered once creatable", || async {
+        ids(&broker, "closed", "t") == want
+    })
+    .await;
+    router.shutdown().await;
+}
+
 /// A topic the server answers "not now" (`TransientNotAccepted`: a topic not yet served
 /// on this node, a server catching up) for longer than the result timeout is, to the
 /// router, a destination that does not answer: the `iggy` client replays that answer on

@@ -44,6 +44,9 @@ pub(crate) struct Faults {
     /// `CreateTopic` of (stream, topic) refused with this code, as the server commits
     /// a refusal (a user without the permission to create it: `Unauthorized`).
     pub create_refused: HashMap<(String, String), u32>,
+    /// `CreateStream` of a stream refused with this code (a user without the
+    /// permission to create streams: `Unauthorized`).
+    pub stream_create_refused: HashMap<String, u32>,
 }
 
 impl Faults {

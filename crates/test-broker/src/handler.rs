@@ -205,6 +205,9 @@ fn get_stream(shared: &Shared, header: &RequestHeader, body: &[u8]) -> Result<Ac
 
 fn create_stream(shared: &Shared, header: &RequestHeader, body: &[u8]) -> Result<Action, IggyError> {
     let request: CreateStreamRequest = decode(body)?;
+    if let Some(code) = shared.faults().stream_create_refused.get(request.name.as_str()) {
+        return Ok(ok(header, &result_framed_err(*code)));
+    }
     let mut store = shared.store();
     let reply = match store.create_stream(request.name.as_str()) {
         Ok(stream) => result_framed_ok(&stream_response(stream)?.to_bytes()),

@@ -20,7 +20,10 @@
 //!   that carries the next request of a kind, before or after applying it;
 //! - [`TestBroker::fail_topic`]: sends to one destination get an error status;
 //! - [`TestBroker::black_hole_topic`]: sends to one destination, and its
-//!   creation, are read and never answered.
+//!   creation, are read and never answered;
+//! - [`TestBroker::refuse_create_topic`], [`TestBroker::refuse_create_stream`]:
+//!   creating one topic, or one stream, is refused with an error status (a user
+//!   without the permission to create it).
 //!
 //! Which client error each fault produces is recorded in this crate's
 //! `README.md` and checked by `tests/client.rs`.
@@ -157,6 +160,17 @@ impl TestBroker {
     /// (`Unauthorized`); nothing is created. `None`: it is created again.
     pub fn refuse_create_topic(&self, stream: &str, topic: &str, error: Option<IggyError>) {
         set_code(&mut self.shared.faults().create_refused, stream, topic, error);
+    }
+
+    /// `Some(error)`: every `CreateStream` of `stream` is refused with `error`'s code, as
+    /// the server refuses a user without the permission to create streams
+    /// (`Unauthorized`); nothing is created. `None`: it is created again.
+    pub fn refuse_create_stream(&self, stream: &str, error: Option<IggyError>) {
+        let mut faults = self.shared.faults();
+        match error {
+            Some(e) => faults.stream_create_refused.insert(stream.to_owned(), e.as_code()),
+            None => faults.stream_create_refused.remove(stream),
+        };
     }
 
     /// `true`: every `SendMessages` to `stream`/`topic`, and every `CreateTopic`
