@@ -1,6 +1,6 @@
 //! `HOST:PORT`, the address a TCP client connects to: `iggy.address` (the iggy client
-//! hands its text to `tokio::net::TcpStream::connect`) and the admin URL of
-//! `wal inspect --admin` (connected to the same way).
+//! hands its text to `tokio::net::TcpStream::connect`), the admin URL of
+//! `wal inspect --admin` and a route's `mapping_url` (connected to the same way).
 //!
 //! What such a connect takes, and so what is accepted here: an IP address or a host
 //! name, a colon, and a port. An IPv6 address goes in brackets (`[::1]:8090`; a

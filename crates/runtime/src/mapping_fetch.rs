@@ -44,29 +44,20 @@ fn parse(url: &str) -> Result<Target, String> {
     let Some(authority) = uri.authority() else {
         return Err(format!("{url:?} has no host"));
     };
-    // The `http` crate takes any digits (or none) as a port, and credentials in the
-    // authority, which this client would send as part of the Host header and print in
-    // its log lines, never as credentials.
+    // The `http` crate takes credentials in the authority (which this client would send
+    // as part of the Host header and print in its log lines, never as credentials), and
+    // any digits, or none, as a port (`Authority::port` then says nothing).
     if authority.as_str().contains('@') {
         return Err(format!("{url:?}: credentials in the URL are not supported (they would be logged, never sent)"));
     }
-    let host = authority.host();
-    // After the host (an IPv6 one in brackets holds colons of its own), as written:
-    // `Authority::port` says nothing of a port that is not a `u16`.
+    // The address connected to, checked as `iggy.address` is (HTTP's port when none is
+    // written; an IPv6 host, in brackets, holds colons of its own).
     let raw = authority.as_str();
     let after_host = if raw.starts_with('[') { raw.find(']').map_or("", |i| &raw[i + 1..]) } else { raw };
-    let port = match after_host.rfind(':').map(|i| &after_host[i + 1..]) {
-        None => 80,
-        Some(p) => match p.parse::<u16>() {
-            Ok(n) if n > 0 => n,
-            _ => return Err(format!("{url:?}: port {p:?} is not a port from 1 to 65535")),
-        },
-    };
-    let authority = if host.contains(':') && !host.starts_with('[') {
-        format!("[{host}]:{port}")
-    } else {
-        format!("{host}:{port}")
-    };
+    let authority = if after_host.contains(':') { raw.to_string() } else { format!("{raw}:80") };
+    if let Some(why) = crate::host_port::problem(&authority) {
+        return Err(format!("{url:?}: {authority:?} {why}"));
+    }
     Ok(Target { authority, uri })
 }
 
