@@ -68,10 +68,11 @@ impl TlsError {
     }
 }
 
-/// The crypto provider every listener uses, named rather than left to the process-wide
-/// default (the `iggy` client's dependencies build more than one into the binary, and
-/// rustls refuses to pick between them).
-fn provider() -> CryptoProvider {
+/// The crypto provider every listener uses (and the CLI's client of the admin
+/// listener), named rather than left to the process-wide default (the `iggy` client's
+/// dependencies build more than one into the binary, and rustls refuses to pick
+/// between them).
+pub fn provider() -> CryptoProvider {
     rustls::crypto::ring::default_provider()
 }
 

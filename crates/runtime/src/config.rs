@@ -1293,7 +1293,7 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
         // records: a wrong path would pass every check and never deliver.
         if !config.iggy.tls {
             c.err(&iggy.key("tls_ca_file"), "is not used unless iggy.tls = true");
-        } else if let Some(problem) = ca_file_problem(ca) {
+        } else if let Err(problem) = ca_roots(std::path::Path::new(ca)) {
             c.err(&iggy.key("tls_ca_file"), problem);
         }
     }
@@ -2141,35 +2141,28 @@ fn read(path: &std::path::Path) -> Result<String, ConfigErrors> {
     })
 }
 
-/// What is wrong with the CA file at `path`, read as the Iggy client reads it when it
-/// connects (each PEM certificate in it added to an empty set of roots), or `None`. A
-/// file without a certificate passes that read, and every connection would then fail to
-/// verify the server: it is a problem too.
-fn ca_file_problem(path: &str) -> Option<String> {
+/// The roots a TLS client trusts from the CA file at `path`, read as the Iggy client
+/// reads `iggy.tls_ca_file` when it connects (each PEM certificate in it added to an
+/// empty set of roots), or what is wrong with it. A file without a certificate passes
+/// that read, and every connection would then fail to verify the server: it is a
+/// problem too. `wal inspect --admin-ca` reads its file here as well.
+pub fn ca_roots(path: &std::path::Path) -> Result<rustls::RootCertStore, String> {
     use rustls::pki_types::CertificateDer;
     use rustls::pki_types::pem::PemObject;
-    let certs = match CertificateDer::pem_file_iter(path) {
-        Ok(certs) => certs,
-        Err(e) => return Some(format!("{path:?} cannot be read: {e}")),
-    };
+    let shown = path.display().to_string();
+    let certs = CertificateDer::pem_file_iter(path).map_err(|e| format!("{shown:?} cannot be read: {e}"))?;
     let mut roots = rustls::RootCertStore::empty();
     for (i, cert) in certs.enumerate() {
         let n = i + 1;
-        let added = match cert {
-            Ok(cert) => {
-                roots.add(cert).map_err(|e| format!("{path:?}: certificate {n} is not a usable CA certificate: {e}"))
-            }
-            Err(e) => Err(format!("{path:?}: certificate {n} is not valid PEM: {e}")),
-        };
-        if let Err(problem) = added {
-            return Some(problem);
-        }
+        let cert = cert.map_err(|e| format!("{shown:?}: certificate {n} is not valid PEM: {e}"))?;
+        roots.add(cert).map_err(|e| format!("{shown:?}: certificate {n} is not a usable CA certificate: {e}"))?;
     }
-    roots.is_empty().then(|| {
-        format!(
-            "{path:?} holds no PEM certificate (-----BEGIN CERTIFICATE-----): no server could be verified against it"
-        )
-    })
+    if roots.is_empty() {
+        return Err(format!(
+            "{shown:?} holds no PEM certificate (-----BEGIN CERTIFICATE-----): no server could be verified against it"
+        ));
+    }
+    Ok(roots)
 }
 
 #[cfg(test)]

@@ -444,29 +444,17 @@ fn admin_tls(
     address: &str,
     ca: &std::path::Path,
 ) -> CliResult<(tokio_rustls::TlsConnector, rustls::pki_types::ServerName<'static>)> {
-    use rustls::pki_types::CertificateDer;
-    use rustls::pki_types::pem::PemObject;
-    let usage = |why: String| CliError::Usage(format!("--admin-ca {}: {why}", ca.display()));
-    let mut roots = rustls::RootCertStore::empty();
-    let certs = CertificateDer::pem_file_iter(ca).map_err(|e| usage(format!("cannot be read as PEM: {e}")))?;
-    for cert in certs {
-        let cert = cert.map_err(|e| usage(format!("cannot be read as PEM: {e}")))?;
-        roots.add(cert).map_err(|e| usage(format!("holds a certificate that cannot be trusted: {e}")))?;
-    }
-    if roots.is_empty() {
-        return Err(usage("holds no certificate (a PEM \"BEGIN CERTIFICATE\" block)".into()));
-    }
+    let roots = crate::config::ca_roots(ca).map_err(|why| CliError::Usage(format!("--admin-ca: {why}")))?;
     let host = address.rsplit_once(':').map_or(address, |(host, _)| host);
     let host = host.strip_prefix('[').and_then(|h| h.strip_suffix(']')).unwrap_or(host);
     let name = rustls::pki_types::ServerName::try_from(host.to_string()).map_err(|e| {
         CliError::Usage(format!("--admin {address}: {host:?} is not a name to check a certificate against: {e}"))
     })?;
-    let config =
-        rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(rustls::crypto::ring::default_provider()))
-            .with_safe_default_protocol_versions()
-            .map_err(|e| CliError::Failed(format!("TLS: {e}")))?
-            .with_root_certificates(roots)
-            .with_no_client_auth();
+    let config = rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(http_source::tls::provider()))
+        .with_safe_default_protocol_versions()
+        .map_err(|e| CliError::Failed(format!("TLS: {e}")))?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
     Ok((tokio_rustls::TlsConnector::from(std::sync::Arc::new(config)), name))
 }
 
