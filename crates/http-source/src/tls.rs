@@ -17,6 +17,7 @@
 //!   until the next one that loads: while it is 1, the files on disk are not what the
 //!   listener serves. `iggy_ingest_tls_certificate_expiry_timestamp_seconds{listener}` is
 //!   the served leaf certificate's `notAfter` (0 until one is loaded whose date reads).
+//!   Every series of a listener is registered when its `ListenerTls` is made.
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, PoisonError, RwLock};
@@ -162,19 +163,12 @@ pub fn register_metrics(listener: &'static str) {
 }
 
 /// The expiry of `pair`, about to be served by `listener`, set in its gauge (0 when it
-/// does not read) and warned of when it is past.
+/// does not read). How near it is is said by whoever loaded the pair (`config check`
+/// and the start, each reload), by one rule (the runtime's `tls_expiry_warning`).
 fn served_expiry(listener: &'static str, pair: &CertifiedKey) -> Option<i64> {
     let expiry = expiry_unix_secs(pair);
     metrics::gauge!("iggy_ingest_tls_certificate_expiry_timestamp_seconds", "listener" => listener)
         .set(expiry.unwrap_or(0) as f64);
-    let now_secs = (ingest::time::now_unix_ms() / 1000) as i64;
-    if let Some(at) = expiry.filter(|&at| at <= now_secs) {
-        tracing::warn!(
-            listener,
-            expired_unix_secs = at,
-            "the TLS certificate served has expired: clients will refuse it"
-        );
-    }
     expiry
 }
 
@@ -200,7 +194,15 @@ struct Inner {
     served: Arc<Served>,
     acceptor: TlsAcceptor,
     listener: &'static str,
-    reloads: std::sync::Mutex<TlsView>,
+    loads: std::sync::Mutex<Loads>,
+}
+
+/// What the loads of a listener's pair left: the part of [`TlsView`] that changes.
+#[derive(Debug)]
+struct Loads {
+    loaded_at_unix_ms: u64,
+    expires_at_unix_secs: Option<i64>,
+    reload_failed: Option<ReloadFailure>,
 }
 
 /// What a listener's TLS serves, for the status API: when the pair served was loaded,
@@ -232,6 +234,7 @@ impl ListenerTls {
     /// Loads `files` for the listener named `listener` (a metric label).
     pub fn new(files: TlsFiles, listener: &'static str) -> Result<ListenerTls, TlsError> {
         let pair = load(&files)?;
+        register_metrics(listener);
         let expires_at_unix_secs = served_expiry(listener, &pair);
         let served = Arc::new(Served(RwLock::new(pair)));
         let mut config = rustls::ServerConfig::builder_with_provider(Arc::new(provider()))
@@ -241,16 +244,12 @@ impl ListenerTls {
             .with_cert_resolver(served.clone());
         config.alpn_protocols = vec![b"http/1.1".to_vec()];
         let acceptor = TlsAcceptor::from(Arc::new(config));
-        register_metrics(listener);
-        let view = TlsView {
-            cert_file: files.cert_file.display().to_string(),
-            key_file: files.key_file.display().to_string(),
+        let loads = std::sync::Mutex::new(Loads {
             loaded_at_unix_ms: ingest::time::now_unix_ms(),
             expires_at_unix_secs,
             reload_failed: None,
-        };
-        let reloads = std::sync::Mutex::new(view);
-        Ok(ListenerTls { inner: Arc::new(Inner { files, served, acceptor, listener, reloads }) })
+        });
+        Ok(ListenerTls { inner: Arc::new(Inner { files, served, acceptor, listener, loads }) })
     }
 
     /// Reads the files again and serves what they hold from the next handshake on; on
@@ -259,7 +258,7 @@ impl ListenerTls {
         let listener = self.inner.listener;
         let failed = metrics::gauge!("iggy_ingest_tls_reload_failed", "listener" => listener);
         // Held across the swap: two reloads at once leave the view saying what is served.
-        let mut view = self.inner.reloads.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut view = self.inner.loads.lock().unwrap_or_else(PoisonError::into_inner);
         match load(&self.inner.files) {
             Ok(pair) => {
                 view.expires_at_unix_secs = served_expiry(listener, &pair);
@@ -288,7 +287,14 @@ impl ListenerTls {
     }
 
     pub fn view(&self) -> TlsView {
-        self.inner.reloads.lock().unwrap_or_else(PoisonError::into_inner).clone()
+        let loads = self.inner.loads.lock().unwrap_or_else(PoisonError::into_inner);
+        TlsView {
+            cert_file: self.inner.files.cert_file.display().to_string(),
+            key_file: self.inner.files.key_file.display().to_string(),
+            loaded_at_unix_ms: loads.loaded_at_unix_ms,
+            expires_at_unix_secs: loads.expires_at_unix_secs,
+            reload_failed: loads.reload_failed.clone(),
+        }
     }
 
     pub fn files(&self) -> &TlsFiles {

@@ -970,6 +970,28 @@ const SHUTDOWN_MS_MAX: u64 = 3_600_000;
 /// the alert on `iggy_ingest_tls_certificate_expiry_timestamp_seconds`.
 const TLS_EXPIRY_WARNING_SECS: i64 = 14 * 86_400;
 
+/// What to say of a listener's certificate that expires at `expires_at_unix_secs`, if it
+/// is within [`TLS_EXPIRY_WARNING_SECS`] of it or past it: valid, but clients refuse it
+/// (or will soon). Said by `config check` and at start (as a warning of the
+/// configuration) and at each reload; never a reason to refuse one (a renewal may be on
+/// its way, and SIGHUP takes it).
+pub fn tls_expiry_warning(expires_at_unix_secs: i64) -> Option<String> {
+    let at = expires_at_unix_secs;
+    let now_secs = (ingest::time::now_unix_ms() / 1000) as i64;
+    if at - now_secs >= TLS_EXPIRY_WARNING_SECS {
+        return None;
+    }
+    let when = u64::try_from(at)
+        .ok()
+        .map(|s| humantime::format_rfc3339_seconds(std::time::UNIX_EPOCH + Duration::from_secs(s)).to_string())
+        .unwrap_or_else(|| format!("{at} s from the Unix epoch"));
+    Some(if at <= now_secs {
+        format!("the certificate expired at {when}: clients refuse it")
+    } else {
+        format!("the certificate expires at {when}, in {} days", (at - now_secs) / 86_400)
+    })
+}
+
 /// A listener's `tls` table as the files it names, each read and checked as the listener
 /// will at start: a problem names the key of the file it is in.
 fn tls_files(c: &mut Checker<'_>, path: &KeyPath, tls: Option<&TlsConfig>) -> Option<TlsFiles> {
@@ -987,23 +1009,7 @@ fn tls_files(c: &mut Checker<'_>, path: &KeyPath, tls: Option<&TlsConfig>) -> Op
     let files = TlsFiles { cert_file: PathBuf::from(&tls.cert_file), key_file: PathBuf::from(&tls.key_file) };
     match http_source::tls::load(&files) {
         Ok(pair) => {
-            // Valid, but clients refuse it (or will soon): said, never a reason to refuse
-            // a start (a renewal may be on its way, and SIGHUP takes it).
-            let now_secs = (ingest::time::now_unix_ms() / 1000) as i64;
-            if let Some(at) = http_source::tls::expiry_unix_secs(&pair)
-                && at - now_secs < TLS_EXPIRY_WARNING_SECS
-            {
-                let when = u64::try_from(at)
-                    .ok()
-                    .map(|s| {
-                        humantime::format_rfc3339_seconds(std::time::UNIX_EPOCH + Duration::from_secs(s)).to_string()
-                    })
-                    .unwrap_or_else(|| format!("{at} s from the Unix epoch"));
-                let message = if at <= now_secs {
-                    format!("the certificate expired at {when}: clients refuse it")
-                } else {
-                    format!("the certificate expires at {when}, in {} days", (at - now_secs) / 86_400)
-                };
+            if let Some(message) = http_source::tls::expiry_unix_secs(&pair).and_then(tls_expiry_warning) {
                 c.warn(&path.key("cert_file"), message);
             }
             Some(files)

@@ -171,12 +171,7 @@ impl RunningDaemon {
 /// recorder, installed by the binary).
 pub async fn start(mut settings: Settings, metrics: Option<PrometheusHandle>) -> Result<RunningDaemon, StartError> {
     // Every metric at zero from the first scrape on (a no-op without a recorder).
-    let tls_listeners: Vec<&'static str> =
-        [(settings.http_tls.is_some(), "webhook"), (settings.admin_tls.is_some(), "admin")]
-            .into_iter()
-            .filter_map(|(on, listener)| on.then_some(listener))
-            .collect();
-    crate::telemetry::register_all(settings.sources.iter().map(|s| s.key.as_str()), &tls_listeners);
+    crate::telemetry::register_all(settings.sources.iter().map(|s| s.key.as_str()));
     crate::mapping_fetch::resolve_all(&mut settings.sources).await.map_err(StartError::Mapping)?;
     // Read again here (validation read them too): the files may have changed since.
     let tls_of = |files: &Option<http_source::tls::TlsFiles>, listener: &'static str, section: &'static str| {

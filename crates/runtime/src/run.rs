@@ -225,11 +225,16 @@ async fn reload_tls_on_hangup(mut hangups: tokio::signal::unix::Signal, tls: Vec
         for t in &tls {
             let files = t.files();
             match t.reload() {
-                Ok(()) => tracing::info!(
-                    listener = t.listener(),
-                    cert_file = %files.cert_file.display(),
-                    "SIGHUP received: TLS certificate reloaded"
-                ),
+                Ok(()) => {
+                    tracing::info!(
+                        listener = t.listener(),
+                        cert_file = %files.cert_file.display(),
+                        "SIGHUP received: TLS certificate reloaded"
+                    );
+                    if let Some(warning) = t.view().expires_at_unix_secs.and_then(crate::config::tls_expiry_warning) {
+                        tracing::warn!(listener = t.listener(), cert_file = %files.cert_file.display(), "{warning}");
+                    }
+                }
                 Err(e) => tracing::error!(
                     listener = t.listener(),
                     error = %e,

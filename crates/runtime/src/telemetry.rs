@@ -427,10 +427,11 @@ pub async fn upkeep_loop(handle: PrometheusHandle, every: std::time::Duration) {
 }
 
 /// Describes every metric and registers its series at zero: label-less ones once,
-/// labelled ones for every source in `sources`, every listener in `tls_listeners` (those
-/// served over TLS: the TLS series of the others would say nothing) and every fixed
-/// label value. A no-op without an installed recorder.
-pub fn register_all<'a>(sources: impl IntoIterator<Item = &'a str> + Clone, tls_listeners: &[&'static str]) {
+/// labelled ones for every source in `sources` and every fixed label value. A no-op
+/// without an installed recorder. (A listener's TLS series are registered by its
+/// `ListenerTls`, made at start before any listener is served: the TLS series of a
+/// listener without TLS would say nothing.)
+pub fn register_all<'a>(sources: impl IntoIterator<Item = &'a str> + Clone) {
     for metric in catalog() {
         let (name, help) = (metric.name.clone(), metric.help);
         match metric.kind {
@@ -487,9 +488,6 @@ pub fn register_all<'a>(sources: impl IntoIterator<Item = &'a str> + Clone, tls_
     for listener in ["webhook", "admin"] {
         drop(metrics::gauge!("iggy_ingest_http_connections", "listener" => listener));
         drop(metrics::counter!("iggy_ingest_http_connection_waits_total", "listener" => listener));
-    }
-    for &listener in tls_listeners {
-        http_source::tls::register_metrics(listener);
     }
     // Requests no source is resolved for count under source "-": unknown paths or ids,
     // endpoints already expired, methods a path does not take.
@@ -591,7 +589,11 @@ mod tests {
     fn every_metric_is_described_and_present_before_any_event() {
         let recorder = exporter().unwrap().build_recorder();
         let handle = recorder.handle();
-        metrics::with_local_recorder(&recorder, || register_all(["github", "shop"], &["webhook", "admin"]));
+        metrics::with_local_recorder(&recorder, || {
+            register_all(["github", "shop"]);
+            // What a listener served over TLS registers as it is made.
+            http_source::tls::register_metrics("webhook");
+        });
         let text = handle.render();
         for metric in catalog() {
             assert!(text.contains(&format!("# HELP {} ", metric.name)), "no help for {}:\n{text}", metric.name);
@@ -640,7 +642,7 @@ mod tests {
         metrics::with_local_recorder(&recorder, || {
             metrics::gauge!("iggy_connector_destination_circuit_open").increment(2.0);
             metrics::counter!("iggy_ingest_events_accepted_total", "source" => "shop").increment(3);
-            register_all(["shop"], &[]);
+            register_all(["shop"]);
         });
         let text = handle.render();
         assert!(text.contains("iggy_connector_destination_circuit_open 2"), "{text}");
