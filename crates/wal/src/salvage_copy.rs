@@ -602,13 +602,11 @@ fn find(r: &mut ChunkReader<'_>, path: &Path, base: u64, pos: u64, floor: Option
     if h.is_seal() {
         return Ok(Found::Seal);
     }
+    // From here on the header checked: its frame's extent is known.
     let frame_end = Some(pos + h.frame_len());
+    let bad_frame = |why: String| Ok(Found::Bad { why, batch_after: None, frame_end });
     if h.offset > OFFSET_MAX || floor.is_some_and(|l| h.offset <= l) {
-        return Ok(Found::Bad {
-            why: format!("frame claims offset {} out of order", h.offset),
-            batch_after: None,
-            frame_end,
-        });
+        return bad_frame(format!("frame claims offset {} out of order", h.offset));
     }
     // Offsets are dense and every record takes a frame header at least: a record at
     // `pos` holds an offset no higher than this. A frame that claims more was never
@@ -616,21 +614,15 @@ fn find(r: &mut ChunkReader<'_>, path: &Path, base: u64, pos: u64, floor: Option
     // skipping damage), and copied, it would push the records after it out of order.
     let highest = base.saturating_add((pos.saturating_sub(SEGMENT_HEADER_LEN)) / FRAME_HEADER_LEN);
     if h.offset > highest {
-        return Ok(Found::Bad {
-            why: format!("frame claims offset {}, past the {highest} its position can hold", h.offset),
-            batch_after: None,
-            frame_end,
-        });
+        return bad_frame(format!("frame claims offset {}, past the {highest} its position can hold", h.offset));
     }
     match r.get(pos + FRAME_HEADER_LEN, h.payload_len as usize).map_err(io)? {
-        None => Ok(Found::Bad { why: "truncated payload".to_string(), batch_after: None, frame_end }),
+        None => bad_frame("truncated payload".to_string()),
         Some(p) => match h.check_payload(p) {
             Ok(()) => Ok(Found::Record(h)),
-            Err(e) => Ok(Found::Bad {
-                why: e.to_string(),
-                batch_after: h.ends_batch().then(|| pos + h.frame_len()),
-                frame_end,
-            }),
+            Err(e) => {
+                Ok(Found::Bad { why: e.to_string(), batch_after: frame_end.filter(|_| h.ends_batch()), frame_end })
+            }
         },
     }
 }

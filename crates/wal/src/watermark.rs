@@ -39,12 +39,12 @@ pub(crate) struct Publisher {
 
 impl Publisher {
     /// Creates a fresh watermark file, or takes over one an earlier process left that
-    /// `invalidate` (at the start of the open) could not remove but voided. `None`, with
-    /// a warning, if neither can be done: the log works without it, and readers beside
-    /// this writer then refuse instead of guessing (they find no whole watermark).
+    /// [`invalidate`] (run by the open right after taking the lock) could not remove.
+    /// `None`, with a warning, if neither can be done: the log works without it, and
+    /// readers beside this writer then refuse instead of guessing (they find no whole
+    /// watermark).
     pub(crate) fn create(storage: &dyn Storage, dir: &Path) -> Option<Publisher> {
         let path = dir.join(WATERMARK_FILE);
-        invalidate(storage, dir);
         let opened = match storage.open(&path, OpenMode::CreateNew) {
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => storage.open(&path, OpenMode::ReadWrite),
             opened => opened,
