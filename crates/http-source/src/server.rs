@@ -136,37 +136,29 @@ pub async fn serve(
         });
         let stream = WriteDeadline::new(stream, limits.write_timeout);
         let slot = OpenConnection::new(permit, open.clone());
-        match &tls {
-            None => {
-                let watched = graceful.watch(builder.serve_connection(TokioIo::new(stream), service));
-                connections.spawn(async move {
-                    if let Err(e) = watched.await {
-                        tracing::debug!(error = %e, peer = %peer, "connection ended with an error");
-                    }
-                    drop(slot);
-                });
+        let handshake = tls.as_ref().map(|tls| Handshake {
+            tls: tls.clone(),
+            timeout: limits.header_read_timeout,
+            draining: draining.clone(),
+            listener: listener_name,
+        });
+        // Subscribed now: a drain that starts during a TLS handshake waits for it (cut
+        // short by `draining`) and closes the connection it yields.
+        let watcher = graceful.watcher();
+        let builder = builder.clone();
+        connections.spawn(async move {
+            let ended = match handshake {
+                None => watcher.watch(builder.serve_connection(TokioIo::new(stream), service)).await,
+                Some(handshake) => match handshake.run(stream, peer).await {
+                    Some(stream) => watcher.watch(builder.serve_connection(TokioIo::new(stream), service)).await,
+                    None => Ok(()),
+                },
+            };
+            if let Err(e) = ended {
+                tracing::debug!(error = %e, peer = %peer, "connection ended with an error");
             }
-            Some(tls) => {
-                let handshake = Handshake {
-                    tls: tls.clone(),
-                    timeout: limits.header_read_timeout,
-                    draining: draining.clone(),
-                    listener: listener_name,
-                };
-                // Subscribed now: a drain that starts during the handshake waits for it
-                // (cut short by `draining`) and closes the connection it yields.
-                let watcher = graceful.watcher();
-                let builder = builder.clone();
-                connections.spawn(async move {
-                    if let Some(stream) = handshake.run(stream, peer).await
-                        && let Err(e) = watcher.watch(builder.serve_connection(TokioIo::new(stream), service)).await
-                    {
-                        tracing::debug!(error = %e, peer = %peer, "connection ended with an error");
-                    }
-                    drop(slot);
-                });
-            }
-        }
+            drop(slot);
+        });
     }
     drop(listener);
     let _ = draining_tx.send(true);
