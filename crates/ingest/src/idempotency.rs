@@ -4,7 +4,10 @@
 //! Ordering, and why a crash cannot turn into a loss: the log is the source of truth.
 //! A request is appended to the log **first**; only after the append resolved is its key
 //! written to redb, in a cheap non-durable commit shared with the keys of concurrent
-//! requests (a recorder thread group-commits them). Every record carries its delivery key
+//! requests (a recorder thread group-commits them, lingering [`RECORD_LINGER_DEFAULT`]
+//! for more). The request is answered without waiting for that commit: its claim holds
+//! the acceptance until the key is recorded, and a retry meanwhile is answered from the
+//! claim ([`IdempotencyIndex::claim_or_answered`]). Every record carries its delivery key
 //! in its envelope, so the index can always be rebuilt from the log:
 //!
 //! - A periodic checkpoint waits until no keyed request is between "append resolved" and
@@ -44,7 +47,14 @@
 //!   the same key from the envelope's source, endpoint id and delivery id.
 //! - A key is recorded only for a request whose append resolved `Ok`.
 //! - Two concurrent requests with the same key never both append: the second finds the
-//!   key claimed and is refused (409) until the first finishes.
+//!   key claimed and is refused (409) until the first is answered; from then until the
+//!   first's key is recorded (or owed), the claim holds the first's acceptance and the
+//!   second is its replay. A claim is let go only after its key's record was committed or
+//!   marked owed, under the claim's share of the gate: no checkpoint passes a record
+//!   whose key is neither in the database nor owed.
+//! - At most [`RECORDINGS_UNANSWERED_MAX`] acceptances are answered before their record;
+//!   past it the answer waits for the record, so a stalled recorder holds a bounded
+//!   number of claims and paces keyed requests instead of gathering them.
 //! - Entries older than the retention window are ignored by lookups and swept by
 //!   checkpoints; past `idempotency.max_keys` ([`MAX_KEYS_DEFAULT`]) checkpoints also
 //!   forget the oldest before their window ends (a duplicate at worst, never a loss).
@@ -65,12 +75,13 @@
 //!   once-only sort) each work in transactions of at most 10,000 keys, so a table of
 //!   millions is never held at once.
 
-use std::collections::HashSet;
+use std::collections::HashMap;
+use std::collections::hash_map::Entry;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use redb::{Durability, ReadableDatabase, ReadableTable};
-use tokio::sync::{OwnedRwLockReadGuard, RwLock, oneshot};
+use tokio::sync::{OwnedRwLockReadGuard, OwnedSemaphorePermit, RwLock, Semaphore, oneshot};
 use wal::Wal;
 use wal::inspect::Records;
 
@@ -169,7 +180,9 @@ pub struct IdempotencyIndex {
     checkpoint_failure: Mutex<Option<CheckpointFailure>>,
     /// The first offset of the earliest record whose key could not be recorded since
     /// the last rebuild: the checkpoint stays below it until a rebuild restored it.
-    first_unrecorded: Mutex<Option<u64>>,
+    /// Shared with the recorder thread, which sets it before it lets a failed key's
+    /// claim go.
+    first_unrecorded: Arc<Mutex<Option<u64>>>,
     /// The offset after the last record whose key a request recorded (or tried to):
     /// above the log's durable end only for appends answered before their sync (under
     /// `interval`), whose keys a reopen's restore cannot read back yet.
@@ -181,7 +194,14 @@ pub struct IdempotencyIndex {
     gate: Arc<RwLock<()>>,
     /// The most keys the index keeps ([`IdempotencyIndex::with_max_keys`]).
     max_keys: u64,
-    in_flight: Mutex<HashSet<Vec<u8>>>,
+    /// The claimed keys: `None` while the claim's request is being accepted, the
+    /// acceptance once it was answered and its key is being recorded.
+    in_flight: Arc<InFlight>,
+    /// Room for acceptances answered before their key is recorded
+    /// ([`RECORDINGS_UNANSWERED_MAX`]).
+    answered_early: Arc<Semaphore>,
+    /// The recorder's linger, in microseconds ([`RECORD_LINGER_DEFAULT`]).
+    record_linger_us: Arc<AtomicU64>,
     recorder: Mutex<Option<std::sync::mpsc::Sender<RecordJob>>>,
     recorder_thread: Mutex<Option<std::thread::JoinHandle<()>>>,
     /// Run once by the next checkpoint between its restore and its reading of the log's
@@ -198,17 +218,55 @@ pub struct IdempotencyIndex {
     during_restore: Mutex<Option<Box<dyn FnOnce() + Send>>>,
 }
 
-/// One key to record, and where to say it was.
-type RecordJob = (Vec<u8>, PriorAcceptance, oneshot::Sender<Result<(), StateError>>);
+/// The claimed keys (see `IdempotencyIndex::in_flight`).
+type InFlight = Mutex<HashMap<Vec<u8>, Option<PriorAcceptance>>>;
+
+/// One key to record: the claim it was accepted under (let go once the record is
+/// committed, or failed and is owed), the acceptance, its room among the acceptances
+/// answered before their record (`None`: its request waits for the record), and where
+/// to say how it went.
+struct RecordJob {
+    claim: Claim,
+    prior: PriorAcceptance,
+    _answered_early: Option<OwnedSemaphorePermit>,
+    reply: oneshot::Sender<Result<(), StateError>>,
+}
 
 /// The most keys one recorder transaction carries.
 const RECORD_GROUP_MAX: usize = 4096;
 
+/// How long the recorder waits for more keys after one whose request was answered
+/// ([`IdempotencyIndex::with_record_linger`]): a redb commit costs the same for one key
+/// or a hundred, and nobody waits for it. Measured in `docs/performance.md`
+/// ("keyed requests answered before their record").
+pub const RECORD_LINGER_DEFAULT: std::time::Duration = std::time::Duration::from_millis(4);
+
+/// The most acceptances answered before their key is recorded, at once. Past it a
+/// keyed request waits for its record before its answer, as every one did before:
+/// a recorder stuck on its database holds at most this many claims (and their keys in
+/// memory), and the requests behind them are paced by it. One recorder transaction's
+/// worth, so a full group is never split by this bound.
+pub const RECORDINGS_UNANSWERED_MAX: usize = RECORD_GROUP_MAX;
+
 /// The recorder thread: group-commits key records, many requests per redb transaction
 /// (redb serializes write transactions, so one per request would queue them), and
-/// keeps the blocking redb writes off the async runtime's threads.
-fn run_recorder(state: Arc<StateDb>, jobs: std::sync::mpsc::Receiver<RecordJob>) {
+/// keeps the blocking redb writes off the async runtime's threads. It lets each job's
+/// claim go only after its record was committed, or failed and was marked owed in
+/// `first_unrecorded` (under the claim's share of the gate, so no checkpoint runs in
+/// between): a retry meanwhile is answered from the claim's acceptance, never by a
+/// lookup that cannot find it yet.
+fn run_recorder(
+    state: Arc<StateDb>,
+    first_unrecorded: Arc<Mutex<Option<u64>>>,
+    linger_us: Arc<AtomicU64>,
+    jobs: std::sync::mpsc::Receiver<RecordJob>,
+) {
     while let Ok(first) = jobs.recv() {
+        let linger = std::time::Duration::from_micros(linger_us.load(Ordering::Relaxed));
+        if first._answered_early.is_some() && !linger.is_zero() {
+            // Nobody waits for this record: let more gather for the same transaction.
+            std::thread::sleep(linger);
+        }
         let mut group = vec![first];
         while group.len() < RECORD_GROUP_MAX {
             match jobs.try_recv() {
@@ -221,24 +279,86 @@ fn run_recorder(state: Arc<StateDb>, jobs: std::sync::mpsc::Receiver<RecordJob>)
             let mut txn = db.begin_write().map_err(storage_err)?;
             txn.set_durability(Durability::None).map_err(|e| StateError::Storage(e.to_string()))?;
             let mut below = 0u64;
-            for (key, prior, _) in &group {
-                insert(&txn, key, *prior)?;
-                below = below.max(prior.last_offset.saturating_add(1));
+            for job in &group {
+                insert(&txn, &job.claim.key, job.prior)?;
+                below = below.max(job.prior.last_offset.saturating_add(1));
             }
             raise_keys_below(&txn, below)?;
             txn.commit().map_err(storage_err)
         })();
-        for (_, _, reply) in group {
+        if let Err(e) = &result {
+            if let Some(first_offset) = group.iter().map(|job| job.prior.first_offset).min() {
+                let mut first = first_unrecorded.lock().unwrap_or_else(|p| p.into_inner());
+                *first = Some(first.map_or(first_offset, |f| f.min(first_offset)));
+            }
+            report_record_failure(group.len(), e);
+        }
+        for RecordJob { claim, reply, .. } in group {
+            // The claim first: whoever the reply wakes finds the key recorded, not held.
+            drop(claim);
             let _ = reply.send(result.clone());
         }
     }
 }
 
+/// Counts and logs keys that could not be recorded. The events are durable; each key
+/// is restored from the log by the next checkpoint (which does not pass its record
+/// before) or a restart.
+fn report_record_failure(keys: usize, e: &StateError) {
+    metrics::counter!("iggy_ingest_idempotency_record_failures_total").increment(keys as u64);
+    // Every keyed request fails so while the state database does: one line a second,
+    // with the count left out.
+    static LOG: crate::log_limit::LogLimit = crate::log_limit::LogLimit::every(std::time::Duration::from_secs(1));
+    if let Some(suppressed) = LOG.admit() {
+        tracing::error!(keys, error = %e, suppressed, "recording delivery ids failed; a retry may duplicate until the state database recovers");
+    }
+}
+
 /// Held while a keyed request is in progress; dropping it releases the key.
 pub struct Claim {
-    index: Arc<IdempotencyIndex>,
+    in_flight: Arc<InFlight>,
     key: Vec<u8>,
     _gate: OwnedRwLockReadGuard<()>,
+}
+
+/// What [`IdempotencyIndex::claim_or_answered`] found.
+pub enum Claiming {
+    /// The key is this request's now.
+    Claimed(Claim),
+    /// Another request holds it, its acceptance not yet answered.
+    InFlight,
+    /// Another request's acceptance was answered, and its key is being recorded: this
+    /// request is its retry.
+    Answered(PriorAcceptance),
+}
+
+/// A key's record under way ([`IdempotencyIndex::record`]): resolves once the record is
+/// committed (non-durably) or failed. Dropping it changes nothing: the recorder commits
+/// the record and lets the claim go either way.
+pub struct Recording {
+    done: Option<oneshot::Receiver<Result<(), StateError>>>,
+    answered_early: bool,
+}
+
+impl Recording {
+    /// Whether the request may be answered before the record is committed: it had room
+    /// among [`RECORDINGS_UNANSWERED_MAX`]. Retries are answered from the claim meanwhile.
+    pub fn may_answer_now(&self) -> bool {
+        self.answered_early
+    }
+}
+
+impl std::future::Future for Recording {
+    type Output = Result<(), StateError>;
+
+    fn poll(mut self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<Self::Output> {
+        let Some(done) = self.done.as_mut() else {
+            return std::task::Poll::Ready(Err(StateError::Storage("the idempotency recorder is not running".into())));
+        };
+        std::pin::Pin::new(done)
+            .poll(cx)
+            .map(|r| r.unwrap_or_else(|_| Err(StateError::Storage("the idempotency recorder stopped".into()))))
+    }
 }
 
 impl Drop for IdempotencyIndex {
@@ -254,7 +374,7 @@ impl Drop for IdempotencyIndex {
 
 impl Drop for Claim {
     fn drop(&mut self) {
-        self.index.in_flight.lock().unwrap_or_else(|p| p.into_inner()).remove(&self.key);
+        self.in_flight.lock().unwrap_or_else(|p| p.into_inner()).remove(&self.key);
     }
 }
 
@@ -262,9 +382,13 @@ impl IdempotencyIndex {
     pub fn new(state: Arc<StateDb>, retention_ms: u64) -> IdempotencyIndex {
         let (tx, rx) = std::sync::mpsc::channel();
         let recorder_state = state.clone();
+        let first_unrecorded = Arc::new(Mutex::new(None));
+        let recorder_owed = first_unrecorded.clone();
+        let record_linger_us = Arc::new(AtomicU64::new(RECORD_LINGER_DEFAULT.as_micros() as u64));
+        let recorder_linger_us = record_linger_us.clone();
         let (recorder, recorder_thread) = match std::thread::Builder::new()
             .name("idempotency-recorder".into())
-            .spawn(move || run_recorder(recorder_state, rx))
+            .spawn(move || run_recorder(recorder_state, recorder_owed, recorder_linger_us, rx))
         {
             Ok(handle) => (Some(tx), Some(handle)),
             Err(e) => {
@@ -279,12 +403,14 @@ impl IdempotencyIndex {
             retention_ms,
             durable_through: Arc::new(AtomicU64::new(0)),
             checkpoint_failure: Mutex::new(None),
-            first_unrecorded: Mutex::new(None),
+            first_unrecorded,
             recorded_below: AtomicU64::new(0),
             reopen_unsettled: AtomicBool::new(false),
             gate: Arc::new(RwLock::new(())),
             max_keys: MAX_KEYS_DEFAULT,
-            in_flight: Mutex::new(HashSet::new()),
+            in_flight: Arc::new(Mutex::new(HashMap::new())),
+            answered_early: Arc::new(Semaphore::new(RECORDINGS_UNANSWERED_MAX)),
+            record_linger_us,
             recorder: Mutex::new(recorder),
             recorder_thread: Mutex::new(recorder_thread),
             #[cfg(test)]
@@ -294,6 +420,18 @@ impl IdempotencyIndex {
             #[cfg(test)]
             during_restore: Mutex::new(None),
         }
+    }
+
+    #[cfg(test)]
+    pub(crate) fn state_for_tests(&self) -> &StateDb {
+        &self.state
+    }
+
+    /// Sets how long the recorder waits for more keys after one whose request was
+    /// answered before its record (zero: it commits what it has at once).
+    pub fn with_record_linger(self, linger: std::time::Duration) -> IdempotencyIndex {
+        self.record_linger_us.store(u64::try_from(linger.as_micros()).unwrap_or(u64::MAX), Ordering::Relaxed);
+        self
     }
 
     pub fn retention_ms(&self) -> u64 {
@@ -314,15 +452,26 @@ impl IdempotencyIndex {
     }
 
     /// Claims `key` for one request. `None` when another request holds it.
-    pub async fn claim(self: &Arc<Self>, key: &IdempotencyKey) -> Option<Claim> {
-        let gate = self.gate.clone().read_owned().await;
-        let k = key.table_key();
-        let mut set = self.in_flight.lock().unwrap_or_else(|p| p.into_inner());
-        if !set.insert(k.clone()) {
-            return None;
+    pub async fn claim(&self, key: &IdempotencyKey) -> Option<Claim> {
+        match self.claim_or_answered(key).await {
+            Claiming::Claimed(claim) => Some(claim),
+            Claiming::InFlight | Claiming::Answered(_) => None,
         }
-        drop(set);
-        Some(Claim { index: self.clone(), key: k, _gate: gate })
+    }
+
+    /// Claims `key` for one request, or says why not: another request is accepting it,
+    /// or has been answered and its key is being recorded (this request is a retry of it).
+    pub async fn claim_or_answered(&self, key: &IdempotencyKey) -> Claiming {
+        let gate = self.gate.clone().read_owned().await;
+        let mut claims = self.in_flight.lock().unwrap_or_else(|p| p.into_inner());
+        match claims.entry(key.table_key()) {
+            Entry::Occupied(e) => e.get().map_or(Claiming::InFlight, Claiming::Answered),
+            Entry::Vacant(e) => {
+                let k = e.key().clone();
+                e.insert(None);
+                Claiming::Claimed(Claim { in_flight: self.in_flight.clone(), key: k, _gate: gate })
+            }
+        }
     }
 
     /// Holds the gate shared, as a claim does, until the guard is dropped: no checkpoint
@@ -340,9 +489,16 @@ impl IdempotencyIndex {
         *self.first_unrecorded.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Whether a request holds `key` now (its acceptance is under way).
+    /// Whether a request holds `key` now (its acceptance is under way, or answered and
+    /// its key being recorded).
     pub fn is_claimed(&self, key: &IdempotencyKey) -> bool {
-        self.in_flight.lock().unwrap_or_else(|p| p.into_inner()).contains(&key.table_key())
+        self.in_flight.lock().unwrap_or_else(|p| p.into_inner()).contains_key(&key.table_key())
+    }
+
+    /// The acceptance of `key` a request was answered with while its key is being
+    /// recorded; `None` when no request holds `key` or its holder has not been answered.
+    pub fn answered(&self, key: &IdempotencyKey) -> Option<PriorAcceptance> {
+        self.in_flight.lock().unwrap_or_else(|p| p.into_inner()).get(&key.table_key()).copied().flatten()
     }
 
     /// The earlier acceptance of `key`, if it is within the retention window at `now`.
@@ -368,29 +524,36 @@ impl IdempotencyIndex {
         Ok(Some(PriorAcceptance { first_offset, last_offset, accepted_at_unix_ms }))
     }
 
-    /// Records an acceptance (non-durably: see the module doc for why that is safe).
-    /// Resolves once the record is committed (non-durably), so the claim may be dropped.
-    pub async fn record(&self, claim: &Claim, prior: PriorAcceptance) -> Result<(), StateError> {
-        let recorded = self.record_once(claim, prior).await;
+    /// Records the acceptance `prior` of the claimed key (non-durably: see the module doc
+    /// for why that is safe), handing the claim to the recorder, which lets it go once
+    /// the record is committed or failed (a failure is counted, logged, and owed to the
+    /// next checkpoint's restore from the log). From now until then, a retry of the
+    /// delivery finds the acceptance in the claim and is answered as its replay
+    /// ([`IdempotencyIndex::claim_or_answered`]), so the request need not wait for the
+    /// record before its 200 when [`Recording::may_answer_now`] says so.
+    pub fn record(&self, claim: Claim, prior: PriorAcceptance) -> Recording {
         self.recorded_below.fetch_max(prior.last_offset.saturating_add(1), Ordering::AcqRel);
-        if recorded.is_err() {
-            // Still under the claim's shared gate, so a checkpoint cannot run in between.
-            let mut first = self.first_unrecorded.lock().unwrap_or_else(|p| p.into_inner());
-            *first = Some(first.map_or(prior.first_offset, |f| f.min(prior.first_offset)));
-        }
-        recorded
-    }
-
-    async fn record_once(&self, claim: &Claim, prior: PriorAcceptance) -> Result<(), StateError> {
+        self.in_flight.lock().unwrap_or_else(|p| p.into_inner()).insert(claim.key.clone(), Some(prior));
+        let answered_early = self.answered_early.clone().try_acquire_owned().ok();
+        let may_answer_now = answered_early.is_some();
         let (reply, done) = oneshot::channel();
-        let sent = {
+        let job = RecordJob { claim, prior, _answered_early: answered_early, reply };
+        let unsent = {
             let recorder = self.recorder.lock().unwrap_or_else(|p| p.into_inner());
-            recorder.as_ref().is_some_and(|tx| tx.send((claim.key.clone(), prior, reply)).is_ok())
+            match recorder.as_ref() {
+                Some(tx) => tx.send(job).err().map(|e| e.0),
+                None => Some(job),
+            }
         };
-        if !sent {
-            return Err(StateError::Storage("the idempotency recorder is not running".into()));
+        if let Some(job) = unsent {
+            // Still under the claim's share of the gate, so no checkpoint runs in between.
+            self.owe_from(prior.first_offset);
+            let e = StateError::Storage("the idempotency recorder is not running".into());
+            report_record_failure(1, &e);
+            drop(job);
+            return Recording { done: None, answered_early: false };
         }
-        done.await.map_err(|_| StateError::Storage("the idempotency recorder stopped".into()))?
+        Recording { done: Some(done), answered_early: may_answer_now }
     }
 
     /// Makes every key of records below the log's current end durable, and sweeps keys
@@ -1420,7 +1583,7 @@ mod tests {
         let keys = [mixed(None, "d"), mixed(None, "e"), mixed(Some(7), "d"), plain.clone(), neighbour.clone()];
         for key in &keys {
             let c = index.claim(key).await.unwrap();
-            index.record(&c, prior).await.unwrap();
+            index.record(c, prior).await.unwrap();
         }
         assert_eq!(index.forget_unscoped_keys_once().unwrap(), 4);
         assert_eq!(index.lookup(&mixed(None, "d"), 10_500).unwrap(), None);
@@ -1433,8 +1596,7 @@ mod tests {
 
         // Once: keys recorded after the first run are the scoped kind and stay.
         let c = index.claim(&mixed(None, "f")).await.unwrap();
-        index.record(&c, prior).await.unwrap();
-        drop(c);
+        index.record(c, prior).await.unwrap();
         assert_eq!(index.forget_unscoped_keys_once().unwrap(), 0);
         assert_eq!(index.lookup(&mixed(None, "f"), 10_500).unwrap(), Some(prior));
         // The time index lost the forgotten keys too: a sweep of everything passes.
@@ -1566,17 +1728,15 @@ mod tests {
         // Recording raises the bound past the key's last offset, never lowers it.
         let c = index.claim(&key("new")).await.unwrap();
         index
-            .record(&c, PriorAcceptance { first_offset: 7, last_offset: 9, accepted_at_unix_ms: 10_000 })
+            .record(c, PriorAcceptance { first_offset: 7, last_offset: 9, accepted_at_unix_ms: 10_000 })
             .await
             .unwrap();
-        drop(c);
         assert_eq!(keys_below(&index), Some(10));
         let c = index.claim(&key("older")).await.unwrap();
         index
-            .record(&c, PriorAcceptance { first_offset: 5, last_offset: 5, accepted_at_unix_ms: 10_000 })
+            .record(c, PriorAcceptance { first_offset: 5, last_offset: 5, accepted_at_unix_ms: 10_000 })
             .await
             .unwrap();
-        drop(c);
         assert_eq!(keys_below(&index), Some(10));
 
         // The bound is past the log's end (4): the rebuild forgets those two and lowers it.
@@ -1596,8 +1756,7 @@ mod tests {
         let index = Arc::new(IdempotencyIndex::new(state, 1_000));
         let c = index.claim(&key("a")).await.unwrap();
         let prior = PriorAcceptance { first_offset: 3, last_offset: 5, accepted_at_unix_ms: 10_000 };
-        index.record(&c, prior).await.unwrap();
-        drop(c);
+        index.record(c, prior).await.unwrap();
         assert_eq!(index.lookup(&key("a"), 10_500).unwrap(), Some(prior));
         assert_eq!(index.lookup(&key("a"), 11_001).unwrap(), None);
         assert_eq!(index.lookup(&key("b"), 10_500).unwrap(), None);
@@ -1695,8 +1854,7 @@ mod tests {
         assert_eq!(again, Swept { expired: 0, evicted: 0, keys_left: 3 });
         // Through the index's own checkpoint, with its bound: one more key, one evicted.
         let c = index.claim(&key("k6")).await.unwrap();
-        index.record(&c, PriorAcceptance { first_offset: 1, last_offset: 1, accepted_at_unix_ms: 70 }).await.unwrap();
-        drop(c);
+        index.record(c, PriorAcceptance { first_offset: 1, last_offset: 1, accepted_at_unix_ms: 70 }).await.unwrap();
         let wal_dir = tempfile::tempdir().unwrap();
         let wal = Wal::open(wal_dir.path(), wal::WalOptions::default()).unwrap();
         index.checkpoint(&wal, 100).await.unwrap();

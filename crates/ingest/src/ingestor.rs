@@ -8,7 +8,8 @@
 //!   a failure to record the idempotency key is logged and counted, never reported as
 //!   an error (an error would invite a retry, i.e. a duplicate, for a durable event).
 //! - A keyed submission runs in its own task, so a client that disconnects mid-request
-//!   cannot interrupt it between the append and the key record; so does one accepted
+//!   cannot interrupt it between the append and handing its key to the recorder (which
+//!   records it whether or not anyone waits, and lets the claim go after); so does one accepted
 //!   with a hold ([`Ingestor::accept_holding`]), which is released only after its append
 //!   resolved.
 //! - What submissions hold is bounded: [`RUNNING_ON_MAX_BYTES`] in all, those that run
@@ -34,7 +35,7 @@ use wal::{Wal, WalError};
 use crate::envelope::{
     Destination, Envelope, EnvelopeHeaderRef, MetadataRef, MetadataValue, message_id_for_delivery, random_message_id,
 };
-use crate::idempotency::{IdempotencyIndex, IdempotencyKey, PriorAcceptance, SWEEP_GRACE_MS};
+use crate::idempotency::{Claiming, IdempotencyIndex, IdempotencyKey, PriorAcceptance, SWEEP_GRACE_MS};
 use crate::state::StateError;
 
 /// One event of a submission and where it goes (resolved at the door).
@@ -335,6 +336,9 @@ impl Ingestor {
         lookup_in_time(received_at_unix_ms)?;
         let _shared = self.idempotency.hold_shared().await;
         lookup_in_time(received_at_unix_ms)?;
+        if let Some(prior) = self.idempotency.answered(key) {
+            return self.replay(key, prior).map(Some);
+        }
         if self.idempotency.is_claimed(key) {
             return Err(IngestError::InFlight);
         }
@@ -396,7 +400,11 @@ impl Ingestor {
             return self.append(&s).await;
         };
         let key = IdempotencyKey { source_key: s.source_key.clone(), endpoint_id: s.endpoint_id, delivery_key };
-        let claim = self.idempotency.claim(&key).await.ok_or(IngestError::InFlight)?;
+        let claim = match self.idempotency.claim_or_answered(&key).await {
+            Claiming::Claimed(claim) => claim,
+            Claiming::InFlight => return Err(IngestError::InFlight),
+            Claiming::Answered(prior) => return self.replay(&key, prior),
+        };
         lookup_in_time(s.received_at_unix_ms)?;
         if let Some(prior) = self.prior(&key, s.received_at_unix_ms)? {
             return self.replay(&key, prior);
@@ -408,19 +416,14 @@ impl Ingestor {
             last_offset: accepted.last_offset,
             accepted_at_unix_ms: s.received_at_unix_ms,
         };
-        if let Err(e) = self.idempotency.record(&claim, prior).await {
-            // The events are durable; the key is restored from the log by the next
-            // checkpoint (which does not pass this record before) or a restart.
-            metrics::counter!("iggy_ingest_idempotency_record_failures_total").increment(1);
-            // Every keyed request fails so while the state database does: one line a
-            // second, with the count left out.
-            static LOG: crate::log_limit::LogLimit =
-                crate::log_limit::LogLimit::every(std::time::Duration::from_secs(1));
-            if let Some(suppressed) = LOG.admit() {
-                tracing::error!(source = %s.source_key, error = %e, suppressed, "recording a delivery id failed; a retry may duplicate until the state database recovers");
-            }
+        // The events are durable. The key's record is the recorder's from here (it counts
+        // and logs a failure, and owes the key to the next checkpoint's restore from the
+        // log); a retry meanwhile is answered from the claim. Only past the bound on
+        // acceptances answered before their record does the answer wait for it.
+        let recording = self.idempotency.record(claim, prior);
+        if !recording.may_answer_now() {
+            let _ = recording.await;
         }
-        drop(claim);
         Ok(accepted)
     }
 
@@ -521,6 +524,15 @@ mod tests {
                 })
                 .collect(),
             received_at_unix_ms: crate::time::now_unix_ms(),
+        }
+    }
+
+    /// Waits until `key`'s claim was let go: its record is committed or owed.
+    async fn until_recorded(ing: &Ingestor, key: &IdempotencyKey) {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while ing.idempotency().is_claimed(key) {
+            assert!(std::time::Instant::now() < deadline, "the key's record never ended");
+            tokio::time::sleep(std::time::Duration::from_millis(1)).await;
         }
     }
 
@@ -640,6 +652,7 @@ mod tests {
         assert_eq!(ing.replay_of(&key, now).await.unwrap(), None);
         ing.accept(s).await.unwrap();
         assert!(ing.replay_of(&key, now).await.unwrap().is_some_and(|a| a.replayed && a.first_offset == 0));
+        until_recorded(&ing, &key).await;
         // The disk fails a write, and the reopen that follows fails too (its file is
         // gone): until one succeeds, the database cannot answer.
         sim.fail_nth(FaultOp::Write, 1, std::io::ErrorKind::Other);
@@ -742,6 +755,85 @@ mod tests {
             assert_eq!((again.first_offset, again.replayed), (offset, true), "{endpoint_id:?}");
         }
         assert_eq!(wal.next_offset(), 3);
+    }
+
+    /// Holds the state database's write lock (redb takes one write transaction at a
+    /// time), so the recorder cannot commit a key until the guard is dropped.
+    fn stall_the_recorder(ing: &Ingestor) -> redb::WriteTransaction {
+        ing.idempotency().state_for_tests().db().unwrap().begin_write().unwrap()
+    }
+
+    /// A keyed request is answered once its events are durable, without waiting for
+    /// its key's record; until the record is committed a retry is answered from the
+    /// claim as the replay it is (by `accept` and by `replay_of`), appending nothing,
+    /// and afterwards from the database.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_keyed_request_is_answered_before_its_key_is_recorded_and_its_retry_is_a_replay() {
+        let dir = tempfile::tempdir().unwrap();
+        let (wal, ing) = open(dir.path());
+        let key = IdempotencyKey { source_key: "default".into(), endpoint_id: None, delivery_key: "d1".into() };
+        let stalled = stall_the_recorder(&ing);
+        let first =
+            tokio::time::timeout(std::time::Duration::from_secs(5), ing.accept(submission(Some("d1"), &["a", "b"])))
+                .await
+                .expect("the answer waited for the key's record")
+                .unwrap();
+        assert_eq!((first.first_offset, first.last_offset, first.replayed), (0, 1, false));
+        assert!(ing.idempotency().is_claimed(&key), "the key was recorded with the database's write lock held");
+        assert_eq!(ing.idempotency().lookup(&key, crate::time::now_unix_ms()).unwrap(), None);
+        let retry = ing.accept(submission(Some("d1"), &["a", "b"])).await.unwrap();
+        assert_eq!((retry.first_offset, retry.last_offset, retry.replayed), (0, 1, true));
+        let door = ing.replay_of(&key, crate::time::now_unix_ms()).await.unwrap();
+        assert_eq!(door.map(|a| (a.first_offset, a.last_offset, a.replayed)), Some((0, 1, true)));
+        assert_eq!(wal.next_offset(), 2, "a retry was appended");
+
+        drop(stalled);
+        until_recorded(&ing, &key).await;
+        let prior = ing.idempotency().lookup(&key, crate::time::now_unix_ms()).unwrap();
+        assert_eq!(prior.map(|p| (p.first_offset, p.last_offset)), Some((0, 1)));
+        let retry = ing.accept(submission(Some("d1"), &["a", "b"])).await.unwrap();
+        assert_eq!((retry.first_offset, retry.last_offset, retry.replayed), (0, 1, true));
+        assert_eq!(wal.next_offset(), 2);
+    }
+
+    /// At most `RECORDINGS_UNANSWERED_MAX` acceptances are answered before their keys are
+    /// recorded: with the recorder stalled, that many keyed requests are answered, the
+    /// next one waits for its record, and it is answered once the recorder commits.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn past_the_bound_on_unrecorded_answers_a_keyed_request_waits_for_its_record() {
+        use crate::idempotency::RECORDINGS_UNANSWERED_MAX;
+        let dir = tempfile::tempdir().unwrap();
+        let wal = Arc::new(
+            Wal::open(
+                dir.path().join("wal"),
+                wal::WalOptions {
+                    sync: wal::SyncPolicy::Interval(std::time::Duration::from_millis(50)),
+                    ..Default::default()
+                },
+            )
+            .unwrap(),
+        );
+        let state = Arc::new(StateDb::open(dir.path().join("state.redb")).unwrap());
+        let ing = Arc::new(Ingestor::new(wal.clone(), Arc::new(IdempotencyIndex::new(state, 3_600_000))));
+        let stalled = stall_the_recorder(&ing);
+        for i in 0..RECORDINGS_UNANSWERED_MAX {
+            let answered = tokio::time::timeout(
+                std::time::Duration::from_secs(5),
+                ing.accept(submission(Some(&format!("d{i}")), &["x"])),
+            )
+            .await;
+            assert!(matches!(answered, Ok(Ok(_))), "request {i} of {RECORDINGS_UNANSWERED_MAX}: {answered:?}");
+        }
+        let ing2 = ing.clone();
+        let mut past = tokio::spawn(async move { ing2.accept(submission(Some("past"), &["x"])).await });
+        let early = tokio::time::timeout(std::time::Duration::from_millis(300), &mut past).await;
+        assert!(early.is_err(), "a request past the bound was answered before its key was recorded: {early:?}");
+        assert_eq!(wal.next_offset(), RECORDINGS_UNANSWERED_MAX as u64 + 1, "its events are appended meanwhile");
+        drop(stalled);
+        let a = tokio::time::timeout(std::time::Duration::from_secs(10), past).await.unwrap().unwrap().unwrap();
+        assert_eq!((a.first_offset, a.replayed), (RECORDINGS_UNANSWERED_MAX as u64, false));
+        let key = IdempotencyKey { source_key: "default".into(), endpoint_id: None, delivery_key: "past".into() };
+        assert!(ing.idempotency().lookup(&key, crate::time::now_unix_ms()).unwrap().is_some());
     }
 
     #[tokio::test]

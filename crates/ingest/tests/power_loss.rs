@@ -181,10 +181,25 @@ fn open(sim: &SimStorage, sync: SyncPolicy, now: u64) -> Result<Opened, String> 
         Wal::open_with(storage.clone(), Path::new(WAL_DIR), options(sync)).map_err(|e| format!("the log: {e}"))?;
     let wal = Arc::new(wal);
     let state = Arc::new(StateDb::open_on(storage, STATE_PATH).map_err(|e| format!("the state database: {e}"))?);
-    let index = Arc::new(IdempotencyIndex::new(state.clone(), RETENTION_MS));
+    // The recorder commits each key as soon as it has it, and the script waits for the
+    // commit after each keyed acceptance (`until_recorded`): the order of the disk's
+    // mutations is then the same in every run, so a power loss before the nth lands on
+    // the same write each time; and a key is recorded before the log's interval sync
+    // (a linger longer than the interval would never let the sweep reach a key durable
+    // in the database for a record the log lost).
+    let index = Arc::new(IdempotencyIndex::new(state.clone(), RETENTION_MS).with_record_linger(Duration::ZERO));
     let rebuilt = index.rebuild(&wal, now).map_err(|e| format!("the idempotency index: {e}"))?;
     let ingestor = Ingestor::new(wal.clone(), index);
     Ok(Opened { wal, state, ingestor, rebuilt })
+}
+
+/// Waits until the key of `delivery_key`'s acceptance is recorded (or owed): its claim
+/// was let go.
+async fn until_recorded(ingestor: &Ingestor, delivery_key: &str) {
+    let key = ingest::IdempotencyKey { source_key: "s".into(), endpoint_id: None, delivery_key: delivery_key.into() };
+    while ingestor.idempotency().is_claimed(&key) {
+        tokio::time::sleep(Duration::from_micros(200)).await;
+    }
 }
 
 /// Runs `script` on a fresh disk until its end or the power loss armed at the `crash_at`th
@@ -222,6 +237,7 @@ async fn run_until_crash(
                             answered.records.insert(a.first_offset, Bytes::from(payload));
                             if let Some(k) = delivery_key {
                                 answered.keys.insert(k.clone(), (a.first_offset, a.last_offset));
+                                until_recorded(&daemon.ingestor, k).await;
                             }
                             Ok(())
                         }
@@ -245,6 +261,7 @@ async fn run_until_crash(
                             assert!(!answered.keys.contains_key(delivery_key), "op {i}: {delivery_key} appended twice");
                             answered.records.insert(a.first_offset, Bytes::from(payload));
                             answered.keys.insert(delivery_key.clone(), (a.first_offset, a.last_offset));
+                            until_recorded(&daemon.ingestor, delivery_key).await;
                             Ok(())
                         }
                         Err(e) => Err(e.to_string()),
