@@ -28,7 +28,11 @@
 //! Afterwards it checks that the daemon's log took at least as many records (offsets
 //! appended, delivered ones included) as wrk counted 2xx answers.
 //!
-//! Environment: `LOAD_SECS` (default 10), `LOAD_ROUNDS` (3), `LOAD_CONNECTIONS` (64), `LOAD_THREADS` (2), `LOAD_FLOOR` (1),
+//! `LOAD_KEYED=1` gives every request a delivery id of its own (`Idempotency-Key`), as
+//! GitHub, Stripe and Standard Webhooks senders do: the daemon then also looks each one
+//! up and records it in its state database (the other two servers ignore it).
+//!
+//! Environment: `LOAD_SECS` (default 10), `LOAD_ROUNDS` (3), `LOAD_CONNECTIONS` (64), `LOAD_THREADS` (2), `LOAD_FLOOR` (1), `LOAD_KEYED` (0),
 //! `LOAD_BENCH_DIR` (default: Cargo's target tmp dir; put it on the disk you care about:
 //! on tmpfs `fdatasync` is free and the figures mean nothing).
 
@@ -315,11 +319,20 @@ fn main() {
     let event = format!(r#"{{"type":"bench","pad":"{}"}}"#, "x".repeat(pad));
     assert_eq!(event.len(), 1024);
     let script = dir.path().join("post.lua");
-    std::fs::write(
-        &script,
-        format!("wrk.method = \"POST\"\nwrk.headers[\"Content-Type\"] = \"application/json\"\nwrk.body = '{event}'\n"),
-    )
-    .unwrap();
+    let keyed = env_or("LOAD_KEYED", 0) != 0;
+    let mut lua = format!("wrk.method = \"POST\"\nwrk.headers[\"Content-Type\"] = \"application/json\"\nwrk.body = '{event}'\n");
+    if keyed {
+        // One delivery id per request: the wrk thread's number and a counter.
+        lua.push_str(
+            "threads_started = 0\n\
+             setup = function(thread) threads_started = threads_started + 1; thread:set(\"thread_id\", threads_started) end\n\
+             sent = 0\n\
+             request = function()\n  sent = sent + 1\n  \
+             wrk.headers[\"Idempotency-Key\"] = \"bench-\" .. thread_id .. \"-\" .. sent\n  \
+             return wrk.format()\nend\n",
+        );
+    }
+    std::fs::write(&script, lua).unwrap();
 
     // Each round runs bare, then the daemon right after it, then the floor, so that a
     // change in what the machine gives (other tenants of its host, frequency) lands on
@@ -424,8 +437,9 @@ fn main() {
         cpu_floor.map_or(String::new(), |f| format!("durable floor {f:.1} µs, ")),
     );
     println!(
-        "{secs} s per run, {connections} keep-alive connections, {threads} wrk threads, 1 KiB JSON events; \
+        "{secs} s per run, {connections} keep-alive connections, {threads} wrk threads, 1 KiB JSON events{}; \
          the daemon's log took {records} records for {requests} requests wrk completed{}; {}",
+        if keyed { ", each with a delivery id of its own" } else { "" },
         if socket_errors.is_empty() { String::new() } else { format!(" ({})", socket_errors.join("; ")) },
         if std::env::var("LOAD_DAEMON_EXTRA").unwrap_or_default().contains("[iggy]") {
             "Iggy as LOAD_DAEMON_EXTRA gives it".to_string()
