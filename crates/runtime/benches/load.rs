@@ -322,13 +322,15 @@ fn main() {
     let keyed = env_or("LOAD_KEYED", 0) != 0;
     let mut lua = format!("wrk.method = \"POST\"\nwrk.headers[\"Content-Type\"] = \"application/json\"\nwrk.body = '{event}'\n");
     if keyed {
-        // One delivery id per request: the wrk thread's number and a counter.
+        // One delivery id per request: the run's start (each round's wrk is a process of
+        // its own, whose counters start again), the wrk thread's number and a counter.
         lua.push_str(
             "threads_started = 0\n\
-             setup = function(thread) threads_started = threads_started + 1; thread:set(\"thread_id\", threads_started) end\n\
+             setup = function(thread)\n  threads_started = threads_started + 1\n  \
+             thread:set(\"prefix\", \"bench-\" .. os.time() .. \"-\" .. threads_started .. \"-\")\nend\n\
              sent = 0\n\
              request = function()\n  sent = sent + 1\n  \
-             wrk.headers[\"Idempotency-Key\"] = \"bench-\" .. thread_id .. \"-\" .. sent\n  \
+             wrk.headers[\"Idempotency-Key\"] = prefix .. sent\n  \
              return wrk.format()\nend\n",
         );
     }
