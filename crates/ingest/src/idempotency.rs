@@ -226,10 +226,32 @@ type InFlight = Mutex<HashMap<Vec<u8>, Option<PriorAcceptance>>>;
 /// answered before their record (`None`: its request waits for the record), and where
 /// to say how it went.
 struct RecordJob {
+    /// Declared before the claim, so that a job dropped unfinished (never sent, or the
+    /// recorder unwinding) owes its key before its claim, and with it its share of the
+    /// gate, is let go.
+    owed_unless_recorded: OwedUnlessRecorded,
     claim: Claim,
     prior: PriorAcceptance,
     _answered_early: Option<OwnedSemaphorePermit>,
     reply: oneshot::Sender<Result<(), StateError>>,
+}
+
+/// Marks its record's key owed (`first_unrecorded`) when dropped armed: a record that
+/// was not committed, for whatever reason, holds the checkpoint below it until a
+/// restore from the log read it. The recorder disarms it once the record is committed.
+struct OwedUnlessRecorded {
+    first_unrecorded: Arc<Mutex<Option<u64>>>,
+    first_offset: u64,
+    armed: bool,
+}
+
+impl Drop for OwedUnlessRecorded {
+    fn drop(&mut self) {
+        if self.armed {
+            let mut first = self.first_unrecorded.lock().unwrap_or_else(|p| p.into_inner());
+            *first = Some(first.map_or(self.first_offset, |f| f.min(self.first_offset)));
+        }
+    }
 }
 
 /// The most keys one recorder transaction carries.
@@ -255,12 +277,7 @@ pub const RECORDINGS_UNANSWERED_MAX: usize = RECORD_GROUP_MAX;
 /// `first_unrecorded` (under the claim's share of the gate, so no checkpoint runs in
 /// between): a retry meanwhile is answered from the claim's acceptance, never by a
 /// lookup that cannot find it yet.
-fn run_recorder(
-    state: Arc<StateDb>,
-    first_unrecorded: Arc<Mutex<Option<u64>>>,
-    linger_us: Arc<AtomicU64>,
-    jobs: std::sync::mpsc::Receiver<RecordJob>,
-) {
+fn run_recorder(state: Arc<StateDb>, linger_us: Arc<AtomicU64>, jobs: std::sync::mpsc::Receiver<RecordJob>) {
     while let Ok(first) = jobs.recv() {
         let linger = std::time::Duration::from_micros(linger_us.load(Ordering::Relaxed));
         if first._answered_early.is_some() && !linger.is_zero() {
@@ -287,14 +304,13 @@ fn run_recorder(
             txn.commit().map_err(storage_err)
         })();
         if let Err(e) = &result {
-            if let Some(first_offset) = group.iter().map(|job| job.prior.first_offset).min() {
-                let mut first = first_unrecorded.lock().unwrap_or_else(|p| p.into_inner());
-                *first = Some(first.map_or(first_offset, |f| f.min(first_offset)));
-            }
             report_record_failure(group.len(), e);
         }
-        for RecordJob { claim, reply, .. } in group {
-            // The claim first: whoever the reply wakes finds the key recorded, not held.
+        for RecordJob { mut owed_unless_recorded, claim, reply, .. } in group {
+            // Owed first (a failed record), then the claim: whoever the reply wakes finds
+            // the key recorded or owed, not held.
+            owed_unless_recorded.armed = result.is_err();
+            drop(owed_unless_recorded);
             drop(claim);
             let _ = reply.send(result.clone());
         }
@@ -383,12 +399,11 @@ impl IdempotencyIndex {
         let (tx, rx) = std::sync::mpsc::channel();
         let recorder_state = state.clone();
         let first_unrecorded = Arc::new(Mutex::new(None));
-        let recorder_owed = first_unrecorded.clone();
         let record_linger_us = Arc::new(AtomicU64::new(RECORD_LINGER_DEFAULT.as_micros() as u64));
         let recorder_linger_us = record_linger_us.clone();
         let (recorder, recorder_thread) = match std::thread::Builder::new()
             .name("idempotency-recorder".into())
-            .spawn(move || run_recorder(recorder_state, recorder_owed, recorder_linger_us, rx))
+            .spawn(move || run_recorder(recorder_state, recorder_linger_us, rx))
         {
             Ok(handle) => (Some(tx), Some(handle)),
             Err(e) => {
@@ -537,7 +552,12 @@ impl IdempotencyIndex {
         let answered_early = self.answered_early.clone().try_acquire_owned().ok();
         let may_answer_now = answered_early.is_some();
         let (reply, done) = oneshot::channel();
-        let job = RecordJob { claim, prior, _answered_early: answered_early, reply };
+        let owed_unless_recorded = OwedUnlessRecorded {
+            first_unrecorded: self.first_unrecorded.clone(),
+            first_offset: prior.first_offset,
+            armed: true,
+        };
+        let job = RecordJob { owed_unless_recorded, claim, prior, _answered_early: answered_early, reply };
         let unsent = {
             let recorder = self.recorder.lock().unwrap_or_else(|p| p.into_inner());
             match recorder.as_ref() {
@@ -546,11 +566,10 @@ impl IdempotencyIndex {
             }
         };
         if let Some(job) = unsent {
-            // Still under the claim's share of the gate, so no checkpoint runs in between.
-            self.owe_from(prior.first_offset);
+            // Dropping the job owes the key, then lets the claim go.
+            drop(job);
             let e = StateError::Storage("the idempotency recorder is not running".into());
             report_record_failure(1, &e);
-            drop(job);
             return Recording { done: None, answered_early: false };
         }
         Recording { done: Some(done), answered_early: may_answer_now }
@@ -1555,6 +1574,46 @@ mod tests {
         assert!(!asking.is_finished(), "the lookup did not wait for the recovery holding the gate");
         drop(exclusive);
         assert!(asking.await.unwrap().unwrap().is_some_and(|a| a.replayed));
+    }
+
+    /// A key whose record was not committed, however it ended (the recorder unwound with
+    /// its group, or was gone when the key came), is owed to the next checkpoint's
+    /// restore before its claim is let go: no checkpoint passes its record meanwhile.
+    #[tokio::test]
+    async fn a_record_dropped_unfinished_owes_its_key_before_its_claim_is_let_go() {
+        let dir = tempfile::tempdir().unwrap();
+        let state = Arc::new(StateDb::open(dir.path().join("s.redb")).unwrap());
+        let index = Arc::new(IdempotencyIndex::new(state, 60_000));
+
+        // A job the recorder drops unfinished, as an unwinding recorder drops its group.
+        let c = index.claim(&key("a")).await.unwrap();
+        let (reply, done) = oneshot::channel();
+        let job = RecordJob {
+            owed_unless_recorded: OwedUnlessRecorded {
+                first_unrecorded: index.first_unrecorded.clone(),
+                first_offset: 9,
+                armed: true,
+            },
+            claim: c,
+            prior: PriorAcceptance { first_offset: 9, last_offset: 9, accepted_at_unix_ms: 10_000 },
+            _answered_early: None,
+            reply,
+        };
+        drop(job);
+        assert_eq!(index.keys_owed_from(), Some(9));
+        assert!(!index.is_claimed(&key("a")));
+        let recording = Recording { done: Some(done), answered_early: false };
+        assert!(recording.await.is_err(), "a dropped job's request must not be told its key was recorded");
+
+        // The recorder gone: the key is owed from the lower offset, and its request told.
+        index.recorder.lock().unwrap().take();
+        let c = index.claim(&key("b")).await.unwrap();
+        let recording =
+            index.record(c, PriorAcceptance { first_offset: 4, last_offset: 6, accepted_at_unix_ms: 10_000 });
+        assert!(!recording.may_answer_now(), "answered before a record that cannot happen");
+        assert!(recording.await.is_err());
+        assert_eq!(index.keys_owed_from(), Some(4));
+        assert!(!index.is_claimed(&key("b")));
     }
 
     #[tokio::test]

@@ -320,7 +320,8 @@ fn main() {
     assert_eq!(event.len(), 1024);
     let script = dir.path().join("post.lua");
     let keyed = env_or("LOAD_KEYED", 0) != 0;
-    let mut lua = format!("wrk.method = \"POST\"\nwrk.headers[\"Content-Type\"] = \"application/json\"\nwrk.body = '{event}'\n");
+    let mut lua =
+        format!("wrk.method = \"POST\"\nwrk.headers[\"Content-Type\"] = \"application/json\"\nwrk.body = '{event}'\n");
     if keyed {
         // One delivery id per request: the run's start (each round's wrk is a process of
         // its own, whose counters start again), the wrk thread's number and a counter.
