@@ -346,7 +346,11 @@ impl IggySink {
     /// error drops the connection too: the call relied on what the client caches per
     /// connection (a topic's partition count, for balanced and keyed sends, which it
     /// never refreshes), and that may be what is wrong (partitions deleted). A new
-    /// connection asks again.
+    /// connection asks again. `InvalidCommand` drops the connection as well: it is also
+    /// what the client returns for a reply header it cannot parse, after which it keeps
+    /// the connection with the rest of that reply unread, and the connection's next call
+    /// would read the leftover as its own answer (an `Ok` for a send the server refused,
+    /// records freed from the log undelivered; the test broker's `client.rs` shows it).
     fn settle<T>(&self, taken: Taken, result: Result<T, IggyError>, cache_suspect: bool) -> Result<T, SendError> {
         match result {
             Ok(v) => {
@@ -376,7 +380,8 @@ impl IggySink {
                     self.pace_connects();
                 } else {
                     self.answered();
-                    if !cache_suspect {
+                    let out_of_step = matches!(e, IggyError::InvalidCommand);
+                    if !cache_suspect && !out_of_step {
                         self.idle().push(taken.client);
                     }
                 }
@@ -744,6 +749,33 @@ mod tests {
         assert_eq!(sink.idle().len(), 2, "the live connections were dropped, or the closed one kept");
         assert!(sink.connect_wait().is_none(), "connects paced");
         assert!(!sink.connecting(), "taken for the whole server");
+    }
+
+    /// A reply the client could not parse (`InvalidCommand`) leaves its connection out of
+    /// step: the next call on it would read the rest of that reply as its own answer.
+    /// The connection is dropped, so a send the server then refuses fails, and is not
+    /// taken for delivered. Kept, that send returned `Ok` with nothing stored.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_reply_the_client_cannot_parse_drops_its_connection() {
+        let broker = test_broker::TestBroker::start(test_broker::TestBrokerConfig::default()).await.unwrap();
+        let config = IggySinkConfig { address: broker.addr().to_string(), ..IggySinkConfig::default() };
+        let sink = IggySink::new(&config).unwrap();
+        let dest = DestinationKey::new("s", "t");
+        sink.ensure(&dest).await.expect("the destination");
+        let payload = Bytes::from_static(b"{}");
+        let batch = |id| sink.prepare(&[OutMessage { id, payload: &payload, headers: vec![] }]).unwrap();
+        let partition = Partitioning::PartitionId(0);
+
+        broker.malformed_reply_to_next_request(test_broker::RequestKind::SendMessages);
+        let e = sink.send(&dest, &partition, &mut batch(1)).await.expect_err("the malformed reply");
+        assert_eq!(e.kind, SendErrorKind::Destination);
+        assert_eq!(sink.idle().len(), 0, "the connection out of step was given back");
+
+        broker.fail_topic("s", "t", Some(IggyError::Error));
+        let refused = sink.send(&dest, &partition, &mut batch(2)).await;
+        assert!(refused.is_err(), "a send the server refused was taken for delivered: {refused:?}");
+        assert_eq!(broker.messages("s", "t").len(), 1, "only the first send is stored");
+        assert_eq!(broker.accepted_connections(), 2, "the second send went out on the first connection");
     }
 
     /// A server that answers "not now" is there, and so is its connection.

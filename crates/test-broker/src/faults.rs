@@ -47,6 +47,10 @@ pub(crate) struct Faults {
     /// `CreateStream` of a stream refused with this code (a user without the
     /// permission to create streams: `Unauthorized`).
     pub stream_create_refused: HashMap<String, u32>,
+    /// The next request of this kind is applied and answered with a reply header the
+    /// client cannot parse (its size field below a header's), followed by the proper
+    /// reply: a server out of step with its client. One-shot.
+    pub malformed_reply_next: Option<RequestKind>,
 }
 
 impl Faults {
@@ -59,6 +63,15 @@ impl Faults {
             }
             _ => None,
         }
+    }
+
+    /// Takes the pending malformed reply if it is armed for `kind`.
+    pub fn take_malformed_reply(&mut self, kind: RequestKind) -> bool {
+        if self.malformed_reply_next == Some(kind) {
+            self.malformed_reply_next = None;
+            return true;
+        }
+        false
     }
 
     /// The fault set on a destination, if any.

@@ -149,6 +149,13 @@ impl TestBroker {
         self.shared.faults().drop_next = Some((kind, point));
     }
 
+    /// The next request of `kind`, on any connection, is applied and answered with a
+    /// reply header the client cannot parse (`InvalidCommand`), followed by the proper
+    /// reply, which the connection's next call then reads as its own answer. One-shot.
+    pub fn malformed_reply_to_next_request(&self, kind: RequestKind) {
+        self.shared.faults().malformed_reply_next = Some(kind);
+    }
+
     /// `Some(error)`: every `SendMessages` to `stream`/`topic` is answered with
     /// `error`'s code and stores nothing. `None`: sends succeed again.
     pub fn fail_topic(&self, stream: &str, topic: &str, error: Option<IggyError>) {

@@ -171,9 +171,9 @@ async fn serve(shared: std::sync::Weak<Shared>, mut socket: TcpStream) {
         };
         let kind = RequestKind::from_code(request.code());
         *lock(&shared.counters).entry(kind).or_insert(0) += 1;
-        let (delay, drop_point) = {
+        let (delay, drop_point, malformed) = {
             let mut faults = shared.faults();
-            (faults.delay, faults.take_drop(kind))
+            (faults.delay, faults.take_drop(kind), faults.take_malformed_reply(kind))
         };
         if drop_point == Some(DropPoint::BeforeApplying) {
             return;
@@ -188,6 +188,9 @@ async fn serve(shared: std::sync::Weak<Shared>, mut socket: TcpStream) {
         }
         match action {
             Action::Reply(frame) => {
+                if malformed && socket.write_all(&crate::wire::malformed_reply_header()).await.is_err() {
+                    return;
+                }
                 if socket.write_all(&frame).await.is_err() {
                     return;
                 }

@@ -95,6 +95,13 @@ pub fn encode_reply(request: &RequestHeader, status: u32, body: &[u8]) -> Bytes 
     out.freeze()
 }
 
+/// A reply header whose size field is below a header's size: the client refuses it
+/// (`InvalidCommand`) without reading anything after it.
+pub fn malformed_reply_header() -> Bytes {
+    let header = ReplyHeader { command: Command::Reply, size: 1, ..ReplyHeader::default() };
+    Bytes::copy_from_slice(bytemuck::bytes_of(&header))
+}
+
 /// Encodes an eviction frame (a terminal answer to a login or to a request
 /// without a session).
 pub fn encode_eviction(client: u128, reason: EvictionReason) -> Bytes {

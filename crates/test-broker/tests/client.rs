@@ -288,6 +288,28 @@ async fn failing_topic_returns_the_server_error_and_stores_nothing() {
     assert_eq!(broker.messages(STREAM, TOPIC).len(), 1);
 }
 
+/// A reply header the client cannot parse fails the call with `InvalidCommand` and
+/// leaves the rest of the reply in the connection, which the client keeps: its next
+/// call reads that leftover as its own answer, so a send the server refused returns
+/// `Ok`. Whoever gets `InvalidCommand` must not make another call on that connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_malformed_reply_header_is_invalid_command_and_leaves_the_connection_out_of_step() {
+    let broker = start().await;
+    let client = client(&broker);
+    client.connect().await.expect("connect");
+    ensure_destination(&client, 1).await;
+
+    broker.malformed_reply_to_next_request(RequestKind::SendMessages);
+    let error = send(&client, &Partitioning::partition_id(0), &[1]).await.expect_err("fails");
+    assert_eq!(error, IggyError::InvalidCommand);
+    assert_eq!(broker.messages(STREAM, TOPIC).len(), 1, "the request was applied");
+
+    broker.fail_topic(STREAM, TOPIC, Some(IggyError::Error));
+    send(&client, &Partitioning::partition_id(0), &[2]).await.expect("the leftover reply, read as this one's");
+    assert_eq!(broker.messages(STREAM, TOPIC).len(), 1, "the refused send was stored");
+    assert_eq!(broker.accepted_connections(), 1);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn missing_destination_errors_depend_on_partitioning() {
     let broker = start().await;
