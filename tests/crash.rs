@@ -429,6 +429,58 @@ async fn after_a_stop_of_its_own_the_first_signal_lets_the_drain_finish() {
     assert_eq!(status.code(), Some(130), "{status}: {}", daemon.stderr());
 }
 
+/// A crash while the recorder holds delivery ids whose requests were answered 200 (a
+/// keyed request is answered once its events are durable, before its id is recorded):
+/// after the restart, every answered delivery's retry is answered with its first
+/// answer's offsets and appends nothing, and so is the one the crash left unanswered if
+/// its events were appended.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_before_answered_delivery_ids_are_recorded_answers_every_retry_from_the_log() {
+    const HIT: u64 = 5;
+    let dir = test_dir("keyed-record");
+    let rest = "[router]\nenabled = false\n\n[sources.k]\ndestination = { stream = \"s\", topic = \"t\" }\n";
+    let config = config_text(dir.path(), "127.0.0.1:1", rest);
+    let env =
+        [("IGGY_INGEST_FAIL_POINT", "idempotency.record".to_string()), ("IGGY_INGEST_FAIL_POINT_HIT", HIT.to_string())];
+    let mut daemon = Daemon::start(dir.path(), &config, &env).await;
+    let post = async |conn: &mut Conn, n: u64| {
+        let key = format!("delivery-{n}");
+        conn.send("POST", "/v1/sources/k", &[("idempotency-key", key.as_str())], format!("{{\"n\":{n}}}")).await
+    };
+    // One request at a time: the n-th is appended at offset n - 1.
+    let mut conn = Conn::open(daemon.http).await.expect("connect");
+    let mut answered = Vec::new();
+    for n in 1..=10_000u64 {
+        match post(&mut conn, n).await {
+            Ok(a) => {
+                assert_eq!(a.status, 200, "delivery-{n}: {:?}", String::from_utf8_lossy(&a.body));
+                assert_eq!(a.json()["offsets"], serde_json::json!([n - 1, n - 1]), "delivery-{n}");
+                answered.push(n);
+            }
+            Err(_) => break,
+        }
+    }
+    let status = daemon.wait_exit(Duration::from_secs(60)).await.expect("the daemon died at the fail point");
+    assert!(killed_by_sigkill(&status), "ended otherwise: {status}: {}", daemon.stderr());
+    assert!(daemon.stderr().contains(&format!("fail point idempotency.record: hit {HIT}")), "{}", daemon.stderr());
+    let answered = answered.len() as u64;
+    assert!(answered >= HIT, "only {answered} requests were answered before the recorder's {HIT}th commit");
+
+    let daemon = Daemon::restart(dir.path(), &[]).await;
+    let status = e2e::daemon::get(daemon.admin, "/status").await.expect("status").json();
+    let appended = status["log"]["next_offset"].as_u64().expect("next_offset");
+    assert!(appended == answered || appended == answered + 1, "{appended} records for {answered} answers");
+    let mut conn = Conn::open(daemon.http).await.expect("connect");
+    for n in 1..=appended {
+        let a = post(&mut conn, n).await.expect("answered");
+        assert_eq!(a.status, 200, "retry of delivery-{n}: {:?}", String::from_utf8_lossy(&a.body));
+        assert_eq!(a.json()["offsets"], serde_json::json!([n - 1, n - 1]), "retry of delivery-{n}");
+    }
+    let status = e2e::daemon::get(daemon.admin, "/status").await.expect("status").json();
+    assert_eq!(status["log"]["next_offset"], appended, "a retry was appended again: {status}");
+    assert!(daemon.stop().await.success());
+}
+
 /// A crash after a keyed request's events were appended (and synced) and before its
 /// delivery id was recorded: its sender got no answer, yet the event is in the log. After
 /// the restart every retry, that one's included, is answered with the offsets the log

@@ -27,6 +27,10 @@ pub const POINTS: &[(&str, &str)] = &[
     ("wal.append.written", "the log wrote a group of appends and has not synced them"),
     ("door.append.synced", "an append was synced and its 200 not yet answered"),
     ("ingest.appended", "a keyed request's events were appended and its delivery id not yet recorded"),
+    (
+        "idempotency.record",
+        "the recorder is about to commit delivery ids whose requests may already have been answered",
+    ),
     ("router.send", "a batch is about to be handed to the destination's client"),
     ("router.acked", "a destination acknowledged records and their cursor is not yet stored"),
     ("wal.release.removed", "a released segment file was removed and the directory not yet synced"),

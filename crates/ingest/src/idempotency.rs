@@ -291,6 +291,7 @@ fn run_recorder(state: Arc<StateDb>, linger_us: Arc<AtomicU64>, jobs: std::sync:
                 Err(_) => break,
             }
         }
+        fail_points::fail_point!("idempotency.record");
         let result = (|| {
             let db = state.db()?;
             let mut txn = db.begin_write().map_err(storage_err)?;
