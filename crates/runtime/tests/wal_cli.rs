@@ -558,6 +558,40 @@ fn inspect_reads_only_the_log_s_capacity_from_a_config_and_refuses_a_bad_admin_u
     }
 }
 
+/// An admin API that answers without end (a wrong address, a proxy gone astray) is read
+/// up to `--admin`'s bound and refused, exit 1, naming the bound: the CLI never holds
+/// more than that. The answer here is 17 MiB of spaces, then `{}`: JSON once whole, so a
+/// CLI without the bound would take it.
+#[test]
+fn an_admin_answer_past_its_bound_is_refused_naming_the_bound() {
+    use std::io::{Read, Write};
+    let root = tempfile::tempdir().unwrap();
+    let dir = make_log(root.path(), 3, small());
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    std::thread::spawn(move || {
+        for mut conn in listener.incoming().map_while(Result::ok) {
+            let mut head = [0u8; 4096];
+            let _ = conn.read(&mut head);
+            let spaces = 17 * 1024 * 1024;
+            let head =
+                format!("HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n", spaces + 2);
+            let _ = conn.write_all(head.as_bytes());
+            let chunk = vec![b' '; 1 << 20];
+            for _ in 0..17 {
+                if conn.write_all(&chunk).is_err() {
+                    break;
+                }
+            }
+            let _ = conn.write_all(b"{}");
+        }
+    });
+    let o = cli_in(&["inspect", "--json", "--admin", &format!("http://{addr}")], &dir);
+    assert_eq!(code(&o), 1, "{}", stderr(&o));
+    assert!(stderr(&o).contains("at most 16777216 bytes are read"), "{}", stderr(&o));
+    assert!(o.stdout.is_empty(), "{}", stdout(&o));
+}
+
 #[test]
 fn an_empty_log_is_clean_and_shows_nothing() {
     let root = tempfile::tempdir().unwrap();
