@@ -2,7 +2,8 @@
 //! the log; plain HTTP sent to a TLS listener is not served and appends nothing; SIGHUP
 //! reloads the certificates for new connections while open ones go on; a reload that
 //! fails keeps the certificate served before and says so in `/status` and `/metrics`;
-//! `config check` names the key of a file that does not load.
+//! `config check` names the key of a file that does not load; a reload that loads an
+//! expired certificate warns of it.
 
 mod common;
 
@@ -45,6 +46,51 @@ async fn wait_for_tls_status(daemon: &Daemon, admin: &TlsPair, what: &str, done:
         assert!(Instant::now() < deadline, "timed out waiting for {what}: {status}");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+/// A certificate a reload loads is held to the expiry rule the start applies: one past
+/// its end is served (a renewal may be on its way) and warned of in the log, naming the
+/// listener; the start, on a certificate far from its end, warned of nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_that_loads_an_expired_certificate_warns_of_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let (fresh, admin) = (TlsPair::new(), TlsPair::new());
+    let webhook_files = fresh.write(&dir.path().join("webhook-tls"));
+    let admin_files = admin.write(&dir.path().join("admin-tls"));
+    let (http_extra, rest) = tls_config((&webhook_files.0, &webhook_files.1), (&admin_files.0, &admin_files.1));
+    let cfg = dir.path().join("config.toml");
+    let text = config_text(dir.path(), &http_extra, &rest).replace("level = \"error\"", "level = \"warn\"");
+    std::fs::write(&cfg, text).unwrap();
+    let log = dir.path().join("daemon.log");
+    let daemon = Daemon::spawn_logging_to(dir.path(), &cfg, std::fs::File::create(&log).unwrap()).ready();
+    let loaded_at =
+        admin_get(&daemon, &admin, "/status").await.json()["tls"]["webhook"]["loaded_at_unix_ms"].as_u64().unwrap();
+    let warned =
+        || std::fs::read_to_string(&log).unwrap().lines().find(|l| l.contains("expired at")).map(str::to_string);
+    assert_eq!(warned(), None, "a certificate far from its end was warned of");
+
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    let expired = TlsPair::until(2020);
+    expired.write(&dir.path().join("webhook-tls"));
+    daemon.signal(libc::SIGHUP);
+    wait_for_tls_status(&daemon, &admin, "the reload", |t| t["loaded_at_unix_ms"].as_u64() > Some(loaded_at)).await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let line = loop {
+        if let Some(line) = warned() {
+            break line;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no warning of the expired certificate:\n{}",
+            std::fs::read_to_string(&log).unwrap()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(line.contains("WARN") && line.contains("webhook"), "{line}");
+    assert!(line.contains("the certificate expired at 2020-01-01T00:00:00Z"), "{line}");
+    let status = admin_get(&daemon, &admin, "/status").await.json();
+    assert_eq!(status["tls"]["webhook"]["expires_at_unix_secs"], 1_577_836_800, "{status}");
+    assert!(daemon.stop().success());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

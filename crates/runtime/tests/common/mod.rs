@@ -90,6 +90,11 @@ impl Daemon {
     /// Starts the daemon on `cfg` without waiting for it to be ready (its addresses are
     /// unknown until [`Daemon::ready`]); it writes `root/ready.json` once it is.
     pub fn spawn(root: &Path, cfg: &Path) -> Daemon {
+        Daemon::spawn_logging_to(root, cfg, Stdio::inherit())
+    }
+
+    /// [`Daemon::spawn`] with the daemon's log (its stderr) sent to `log`.
+    pub fn spawn_logging_to(root: &Path, cfg: &Path, log: impl Into<Stdio>) -> Daemon {
         let ready = root.join("ready.json");
         let _ = std::fs::remove_file(&ready);
         let child = Command::new(env!("CARGO_BIN_EXE_iggy-ingest"))
@@ -99,7 +104,7 @@ impl Daemon {
             .arg("--ready-file")
             .arg(&ready)
             .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
+            .stderr(log)
             .spawn()
             .unwrap();
         Daemon { child, http: "127.0.0.1:1".parse().unwrap(), admin: "127.0.0.1:1".parse().unwrap(), root: root.into() }
