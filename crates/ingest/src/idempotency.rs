@@ -265,8 +265,9 @@ pub const RECORD_LINGER_DEFAULT: std::time::Duration = std::time::Duration::from
 
 /// The most acceptances answered before their key is recorded, at once. Past it a
 /// keyed request waits for its record before its answer, as every one did before:
-/// a recorder stuck on its database holds at most this many claims (and their keys in
-/// memory), and the requests behind them are paced by it. One recorder transaction's
+/// a recorder stuck on its database holds at most this many claims of answered requests
+/// (and their keys in memory), besides those of requests that wait for their record
+/// (bounded by the submissions' room), and the requests behind them are paced by it. One recorder transaction's
 /// worth, so a full group is never split by this bound.
 pub const RECORDINGS_UNANSWERED_MAX: usize = RECORD_GROUP_MAX;
 
@@ -336,6 +337,9 @@ pub struct Claim {
     in_flight: Arc<InFlight>,
     key: Vec<u8>,
     _gate: OwnedRwLockReadGuard<()>,
+    /// Run first when the claim is dropped (a test looks at what is owed then).
+    #[cfg(test)]
+    on_drop: Option<Box<dyn FnOnce() + Send>>,
 }
 
 /// What [`IdempotencyIndex::claim_or_answered`] found.
@@ -391,6 +395,10 @@ impl Drop for IdempotencyIndex {
 
 impl Drop for Claim {
     fn drop(&mut self) {
+        #[cfg(test)]
+        if let Some(hook) = self.on_drop.take() {
+            hook();
+        }
         self.in_flight.lock().unwrap_or_else(|p| p.into_inner()).remove(&self.key);
     }
 }
@@ -485,7 +493,13 @@ impl IdempotencyIndex {
             Entry::Vacant(e) => {
                 let k = e.key().clone();
                 e.insert(None);
-                Claiming::Claimed(Claim { in_flight: self.in_flight.clone(), key: k, _gate: gate })
+                Claiming::Claimed(Claim {
+                    in_flight: self.in_flight.clone(),
+                    key: k,
+                    _gate: gate,
+                    #[cfg(test)]
+                    on_drop: None,
+                })
             }
         }
     }
@@ -1587,7 +1601,11 @@ mod tests {
         let index = Arc::new(IdempotencyIndex::new(state, 60_000));
 
         // A job the recorder drops unfinished, as an unwinding recorder drops its group.
-        let c = index.claim(&key("a")).await.unwrap();
+        // What is owed is looked at as the claim goes.
+        let mut c = index.claim(&key("a")).await.unwrap();
+        let owed_as_the_claim_went = Arc::new(Mutex::new(None));
+        let (seen, owed) = (owed_as_the_claim_went.clone(), index.first_unrecorded.clone());
+        c.on_drop = Some(Box::new(move || *seen.lock().unwrap() = Some(*owed.lock().unwrap())));
         let (reply, done) = oneshot::channel();
         let job = RecordJob {
             owed_unless_recorded: OwedUnlessRecorded {
@@ -1601,6 +1619,7 @@ mod tests {
             reply,
         };
         drop(job);
+        assert_eq!(*owed_as_the_claim_went.lock().unwrap(), Some(Some(9)), "the claim went before the key was owed");
         assert_eq!(index.keys_owed_from(), Some(9));
         assert!(!index.is_claimed(&key("a")));
         let recording = Recording { done: Some(done), answered_early: false };

@@ -288,7 +288,7 @@ impl Ingestor {
     }
 
     /// [`Ingestor::accept`], keeping `hold` until the submission's append resolved (and
-    /// its key was recorded), even if the caller stops waiting: the submission runs in
+    /// its key was handed to the recorder), even if the caller stops waiting: the submission runs in
     /// its own task, which owns `hold` and `room` (taken first, see [`Ingestor::room`]).
     /// For a guard that must outlive every append made under it (the door's endpoint
     /// permit).
