@@ -307,6 +307,47 @@ async fn a_stop_whose_log_never_closes_exits_1_in_bounded_time_and_loses_nothing
     assert!(daemon.stop().await.success());
 }
 
+/// A stop whose idempotency recorder never finishes (stuck in the state database's
+/// disk, with the id of a request already answered 200) still ends within the same
+/// bound: the final checkpoint gives up, exit status 1, and the exit does not wait for the
+/// recorder. The next start restores the id from the log: the retry is a replay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_whose_recorder_never_finishes_exits_1_in_bounded_time_and_loses_nothing() {
+    let dir = test_dir("recorder-hangs");
+    let grace = Duration::from_secs(1);
+    let rest = "[router]\nenabled = false\n\n[sources.k]\ndestination = { stream = \"s\", topic = \"t\" }\n";
+    let config = config_text(dir.path(), "127.0.0.1:1", rest)
+        .replace("grace_period_ms = 20000", "grace_period_ms = 1000\ndrain_delay_ms = 0");
+    let env = [
+        ("IGGY_INGEST_FAIL_POINT", "idempotency.record".to_string()),
+        ("IGGY_INGEST_FAIL_POINT_ACTION", "hang".to_string()),
+    ];
+    let mut daemon = Daemon::start(dir.path(), &config, &env).await;
+    let keyed = [("idempotency-key", "delivery-1")];
+    let mut conn = Conn::open(daemon.http).await.expect("connect");
+    let a = conn.send("POST", "/v1/sources/k", &keyed, "{}").await.expect("answer");
+    assert_eq!((a.status, a.json()["offsets"].clone()), (200, serde_json::json!([0, 0])));
+    drop(conn);
+    // SAFETY: kill(2) with the pid of our own child process.
+    assert_eq!(unsafe { libc::kill(daemon.child.id() as i32, libc::SIGTERM) }, 0);
+    let bound = grace + runtime::daemon::STOP_PAST_GRACE_MAX + Duration::from_secs(5);
+    let Some(status) = daemon.wait_exit(bound).await else {
+        panic!("the stop waited on a recorder that never finishes past {bound:?}: {}", daemon.stderr());
+    };
+    let stderr = daemon.stderr();
+    assert!(stderr.contains("fail point idempotency.record: hit 1, hanging"), "not the fail point's hang: {stderr}");
+    assert_eq!(status.code(), Some(1), "exit status after a checkpoint cut short: {status}: {stderr}");
+    assert!(stderr.contains("the final checkpoint did not finish"), "the exit does not say why: {stderr}");
+
+    let daemon = Daemon::restart(dir.path(), &[]).await;
+    let mut conn = Conn::open(daemon.http).await.expect("connect");
+    let a = conn.send("POST", "/v1/sources/k", &keyed, "{}").await.expect("answer");
+    assert_eq!((a.status, a.json()["offsets"].clone()), (200, serde_json::json!([0, 0])), "the retry");
+    let status = e2e::daemon::get(daemon.admin, "/status").await.expect("status").json();
+    assert_eq!(status["log"]["next_offset"], 1, "the retry was appended again: {status}");
+    assert!(daemon.stop().await.success());
+}
+
 /// A listener that panics while the daemon drains after SIGTERM stopped it as surely as
 /// one that panics before: exit status 1, naming it, not exit 0 with the panic taken for
 /// connections cut at the end of the grace period. The webhook listener drains first

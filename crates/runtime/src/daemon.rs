@@ -389,10 +389,17 @@ pub async fn start(mut settings: Settings, metrics: Option<PrometheusHandle>) ->
                 let checkpoint = idempotency.final_checkpoint(&wal, ingest::time::now_unix_ms());
                 let checkpoint = match tokio::time::timeout_at(close_ends, checkpoint).await {
                     Ok(c) => c.map_err(|e| e.to_string()),
-                    Err(_) => Err(format!(
-                        "the final checkpoint did not finish within {} ms; the delivery ids since the last one are restored from the log at the next start",
-                        CLOSE_MAX.as_millis()
-                    )),
+                    Err(_) => {
+                        // It waits for the idempotency recorder's pending ids, so the
+                        // recorder may be stuck in the state database's disk: the last
+                        // handle on the index must not wait for it as it goes (a drop
+                        // joins the recorder).
+                        std::mem::forget(idempotency.clone());
+                        Err(format!(
+                            "the final checkpoint did not finish within {} ms; the delivery ids since the last one are restored from the log at the next start",
+                            CLOSE_MAX.as_millis()
+                        ))
+                    }
                 };
                 (closed.map_err(|e| e.to_string()), checkpoint)
             }
@@ -402,8 +409,11 @@ pub async fn start(mut settings: Settings, metrics: Option<PrometheusHandle>) ->
                     "the log did not close in time (a sync the disk does not answer?): not marked clean; the next start recovers it, and every event answered 200 is in it"
                 );
                 // Its writer thread is stuck in the disk: the last handle on the log
-                // must not wait for it as it goes (a drop joins the writer).
+                // must not wait for it as it goes (a drop joins the writer). Nor on the
+                // idempotency index, whose recorder writes beside the log, likely on the
+                // same disk.
                 std::mem::forget(wal.clone());
+                std::mem::forget(idempotency.clone());
                 (
                     Err(format!(
                         "the log did not close within {} ms: not marked clean, recovered at the next start",
