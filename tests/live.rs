@@ -94,3 +94,49 @@ async fn live_partition_ids_and_keys() {
     assert_eq!(keyed.len(), 1, "one key spread over partitions {keyed:?}");
     router.shutdown().await;
 }
+
+/// Partitions an operator adds while the daemon runs get balanced messages once the
+/// connections that learnt the old count reach `connection_max_age`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn live_partitions_added_while_running_get_balanced_messages() {
+    use iggy::prelude::{Identifier, PartitionClient};
+    let Some(addr) = live_addr("live_partitions_added_while_running_get_balanced_messages") else { return };
+    let stream = unique("ingest-live-grow");
+    let max_age = Duration::from_secs(1);
+    let config = IggySinkConfig {
+        address: addr.clone(),
+        connection_max_age: max_age,
+        topic_defaults: TopicDefaults { partitions_count: 1, ..TopicDefaults::default() },
+        ..IggySinkConfig::default()
+    };
+    let sink = Arc::new(IggySink::new(&config).expect("sink"));
+    let mut policy = RouterPolicy::default();
+    policy.batch.linger = Duration::from_millis(2);
+    let wal = sim_wal();
+    let router = Router::start(wal.clone(), sink, Arc::new(MemoryCursorStore::new()), Policies::uniform(policy))
+        .expect("router");
+    let c = client(&addr).await;
+    for n in 0..10u64 {
+        wal.append(vec![record(&stream, "t", n, Partitioning::Balanced)]).await.unwrap();
+    }
+    eventually(Duration::from_secs(60), "the first ten", || async { read_back(&c, &stream, "t").await.len() >= 10 })
+        .await;
+    let (s, t) = (Identifier::named(&stream).unwrap(), Identifier::named("t").unwrap());
+    c.create_partitions(&s, &t, 2).await.expect("two partitions added");
+    tokio::time::sleep(max_age + Duration::from_millis(200)).await;
+    // One send each (a balanced send is placed whole), so that the sends spread.
+    for n in 10..40u64 {
+        wal.append(vec![record(&stream, "t", n, Partitioning::Balanced)]).await.unwrap();
+        let want = n as usize + 1;
+        eventually(Duration::from_secs(60), "delivered one by one", || async {
+            read_back(&c, &stream, "t").await.len() >= want
+        })
+        .await;
+    }
+    let got = read_back(&c, &stream, "t").await;
+    assert_eq!(got.len(), 40);
+    assert!(got.iter().filter(|m| m.id <= 10).all(|m| m.partition_id == 0), "before: one partition");
+    let used: BTreeSet<u32> = got.iter().filter(|m| m.id > 10).map(|m| m.partition_id).collect();
+    assert_eq!(used, BTreeSet::from([0, 1, 2]), "the partitions added were not used");
+    router.shutdown().await;
+}

@@ -205,6 +205,48 @@ async fn a_partition_added_since_the_count_was_learnt_is_delivered_not_dropped()
     router.shutdown().await;
 }
 
+/// Balanced records use partitions an operator added while the daemon runs, once the
+/// connections that learnt the old count reach `connection_max_age`: the `iggy` client
+/// places balanced (and keyed) messages itself against the partition count it asked
+/// once per connection and never again. Without the age, every later record went on
+/// landing in the one partition the topic had when the first connection asked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn balanced_records_reach_partitions_added_since_once_connections_reach_their_age() {
+    let broker = TestBroker::start(TestBrokerConfig::default()).await.unwrap();
+    let max_age = Duration::from_secs(1);
+    let config = IggySinkConfig {
+        address: broker.addr().to_string(),
+        reconnection_interval: Duration::from_millis(100),
+        connection_max_age: max_age,
+        ..IggySinkConfig::default()
+    };
+    let sink = Arc::new(IggySink::new(&config).expect("sink"));
+    let wal = sim_wal();
+    let router =
+        Router::start(wal.clone(), sink, Arc::new(MemoryCursorStore::new()), Policies::uniform(policy())).unwrap();
+    for n in 0..10u64 {
+        wal.append(vec![record("a", "t", n, Partitioning::Balanced)]).await.unwrap();
+    }
+    eventually(Duration::from_secs(20), "the first ten delivered", || async { ids(&broker, "a", "t").len() == 10 })
+        .await;
+    assert!(broker.messages("a", "t").iter().all(|m| m.partition_id == 0), "a topic of one partition");
+    assert!(broker.grow_partitions("a", "t", 3));
+    tokio::time::sleep(max_age + Duration::from_millis(200)).await;
+    // One send each (a balanced send is placed whole), so that the sends spread.
+    for n in 10..40u64 {
+        wal.append(vec![record("a", "t", n, Partitioning::Balanced)]).await.unwrap();
+        let delivered = ids(&broker, "a", "t").len();
+        eventually(Duration::from_secs(20), "delivered one by one", || async {
+            ids(&broker, "a", "t").len() > delivered
+        })
+        .await;
+    }
+    assert_eq!(ids(&broker, "a", "t").len(), 40);
+    let used: BTreeSet<u32> = broker.messages("a", "t")[10..].iter().map(|m| m.partition_id).collect();
+    assert_eq!(used, BTreeSet::from([0, 1, 2]), "the partitions added were not used");
+    router.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_broker_outage_is_held_and_everything_arrives_after_it() {
     let broker = TestBroker::start(TestBrokerConfig::default()).await.unwrap();

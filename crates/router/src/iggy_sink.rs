@@ -39,6 +39,13 @@
 //!   crash of the server; an existing topic that is not durable is reported, not changed.
 //! - Messages carry the stable id from the log; a resend after an unknown outcome sends
 //!   the same id.
+//! - A connection is retired once it is `connection_max_age` old: what the client learnt
+//!   on it and never asks again (a topic's partition count, against which it places
+//!   balanced and keyed messages) is learnt afresh on its successor, so partitions added
+//!   while the daemon runs are used within that age. Retiring never fails a call: an old
+//!   connection is given up only when another one can take the call (an idle one, or a
+//!   connect that succeeds within [`FRESH_CONNECTION_USABLE_FOR`]); otherwise the call
+//!   goes out on it, and it is retired at a later take.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -109,6 +116,11 @@ pub struct IggySinkConfig {
     /// packets lasts until the kernel gives up (about two minutes on Linux), with every
     /// caller joined to it. 30 s by default.
     pub connect_timeout: Duration,
+    /// A connection this old is retired at its next take (see the module's invariants):
+    /// the longest a partition added to a topic goes without balanced and keyed
+    /// messages. Five minutes by default, the age at which Kafka's producers refresh
+    /// the same knowledge (`metadata.max.age.ms`).
+    pub connection_max_age: Duration,
     pub topic_defaults: TopicDefaults,
 }
 
@@ -124,17 +136,21 @@ impl Default for IggySinkConfig {
             reconnection_max_retries: 1,
             reconnection_interval: Duration::from_millis(500),
             connect_timeout: CLIENT_REPLY_TIMEOUT,
+            connection_max_age: CONNECTION_MAX_AGE_DEFAULT,
             topic_defaults: TopicDefaults::default(),
         }
     }
 }
 
+/// [`IggySinkConfig::connection_max_age`] unless configured.
+pub const CONNECTION_MAX_AGE_DEFAULT: Duration = Duration::from_secs(300);
+
 /// Delivers to an Iggy server.
 pub struct IggySink {
     config: IggySinkConfig,
     defaults: TopicDefaults,
-    /// Connected clients no call is using.
-    idle: Arc<std::sync::Mutex<Vec<Arc<IggyClient>>>>,
+    /// Connections no call is using.
+    idle: Arc<std::sync::Mutex<Vec<Connection>>>,
     /// Set while no connection is known to work: at start, after a failed connect and
     /// after a failure that says the server is gone; cleared by a connect that succeeds.
     unreachable: AtomicBool,
@@ -185,10 +201,28 @@ impl std::fmt::Display for ConnectFailure {
     }
 }
 
+/// A connected client and when it connected.
+struct Connection {
+    client: Arc<IggyClient>,
+    connected_at: std::time::Instant,
+}
+
+impl Connection {
+    fn is_older_than(&self, max_age: Duration) -> bool {
+        self.connected_at.elapsed() >= max_age
+    }
+}
+
 /// A connection taken by one call. Given back by [`IggySink::settle`] once the call was
 /// answered; dropped otherwise (a call cut short, a dead connection), never reused.
 struct Taken {
-    client: Arc<IggyClient>,
+    connection: Connection,
+}
+
+impl Taken {
+    fn client(&self) -> &IggyClient {
+        &self.connection.client
+    }
 }
 
 impl std::fmt::Debug for IggySink {
@@ -213,7 +247,7 @@ impl IggySink {
         })
     }
 
-    fn idle(&self) -> std::sync::MutexGuard<'_, Vec<Arc<IggyClient>>> {
+    fn idle(&self) -> std::sync::MutexGuard<'_, Vec<Connection>> {
         self.idle.lock().unwrap_or_else(|p| p.into_inner())
     }
 
@@ -222,23 +256,42 @@ impl IggySink {
     /// waited, and a call cut short costs its connection, so with a connect slower than
     /// what is left, every try would connect again and never send. It fails
     /// `Unavailable` instead, and the retry takes the parked connection with a whole
-    /// result timeout of its own.
+    /// result timeout of its own. An idle connection past `connection_max_age` is
+    /// retired when another can take the call, and taken otherwise.
     async fn take(&self) -> Result<Taken, SendError> {
         loop {
-            let Some(client) = self.idle().pop() else { break };
-            if signed_in(&client).await {
-                return Ok(Taken { client });
+            let Some(connection) = self.idle().pop() else { break };
+            if !signed_in(&connection.client).await {
+                // Closed while it was idle (its heartbeat failed): that connection's
+                // trouble alone. The others, and connects, are left as they are.
+                tracing::debug!("an idle connection to iggy was closed; dropped");
+                continue;
             }
-            // Closed while it was idle (its heartbeat failed): that connection's trouble
-            // alone. The others, and connects, are left as they are.
-            tracing::debug!("an idle connection to iggy was closed; dropped");
+            if !connection.is_older_than(self.config.connection_max_age) || !self.replacement_ready().await {
+                return Ok(Taken { connection });
+            }
+            drop(connection);
+            metrics::counter!("iggy_connector_connections_retired_total").increment(1);
+            tracing::debug!("a connection to iggy reached connection_max_age; retired");
         }
         let started = std::time::Instant::now();
         self.connect().await?;
-        let client = (started.elapsed() < FRESH_CONNECTION_USABLE_FOR).then(|| self.idle().pop()).flatten();
-        client.map(|client| Taken { client }).ok_or_else(|| {
+        let connection = (started.elapsed() < FRESH_CONNECTION_USABLE_FOR).then(|| self.idle().pop()).flatten();
+        connection.map(|connection| Taken { connection }).ok_or_else(|| {
             SendError::new(SendErrorKind::Unavailable, "connected to the server; the call goes out on the next try")
         })
+    }
+
+    /// Whether another connection is idle for a call whose connection is past its age:
+    /// one already there, or one a connect made within [`FRESH_CONNECTION_USABLE_FOR`]
+    /// (a connect still running then parks its connection for a later call). Never
+    /// waits out a pacing of connects.
+    async fn replacement_ready(&self) -> bool {
+        if !self.idle().is_empty() {
+            return true;
+        }
+        let connected = tokio::time::timeout(FRESH_CONNECTION_USABLE_FOR, self.connect()).await;
+        matches!(connected, Ok(Ok(()))) && !self.idle().is_empty()
     }
 
     /// Makes one more idle connection, unless one is there: one connect at a time, in a
@@ -290,7 +343,9 @@ impl IggySink {
                 .and_then(|r| r.map_err(ConnectFailure::Client));
                 match connected {
                     Ok(client) => {
-                        idle.lock().unwrap_or_else(|p| p.into_inner()).push(Arc::new(client));
+                        let connection =
+                            Connection { client: Arc::new(client), connected_at: std::time::Instant::now() };
+                        idle.lock().unwrap_or_else(|p| p.into_inner()).push(connection);
                         Ok(())
                     }
                     Err(e) => {
@@ -355,7 +410,7 @@ impl IggySink {
         match result {
             Ok(v) => {
                 self.answered();
-                self.idle().push(taken.client);
+                self.idle().push(taken.connection);
                 Ok(v)
             }
             Err(e) => {
@@ -365,7 +420,7 @@ impl IggySink {
                     // connection: it is there, and so is the connection. No destination's
                     // fault either (the kind says so), and nothing to reconnect.
                     self.answered();
-                    self.idle().push(taken.client);
+                    self.idle().push(taken.connection);
                 } else if matches!(e, IggyError::NotConnected) {
                     // This connection alone knew it was not connected (its heartbeat
                     // failed: closed while idle, by the server or something between), so
@@ -382,7 +437,7 @@ impl IggySink {
                     self.answered();
                     let out_of_step = matches!(e, IggyError::InvalidCommand);
                     if !cache_suspect && !out_of_step {
-                        self.idle().push(taken.client);
+                        self.idle().push(taken.connection);
                     }
                 }
                 Err(SendError::new(kind, e.to_string()))
@@ -587,7 +642,7 @@ impl Sink for IggySink {
 
     async fn ensure(&self, dest: &DestinationKey) -> Result<TopicInfo, SendError> {
         let taken = self.take().await?;
-        let result = ensure_on(&taken.client, dest, &self.create_options()).await;
+        let result = ensure_on(taken.client(), dest, &self.create_options()).await;
         let info = self.settle(taken, result, false)?;
         if !info.durable {
             tracing::warn!(destination = %dest, "topic does not sync every message: its acks may not survive a crash of the server");
@@ -623,7 +678,7 @@ impl Sink for IggySink {
         // A connect that succeeded but took too long for a call to go out on it (`take`)
         // still showed the server answering.
         let Ok(taken) = self.take().await else { return self.answered_since(asked) };
-        let pinged = taken.client.ping().await;
+        let pinged = taken.client().ping().await;
         self.settle(taken, pinged, false).is_ok()
     }
 
@@ -638,7 +693,7 @@ impl Sink for IggySink {
         let topic =
             Identifier::named(&dest.topic).map_err(|e| SendError::new(SendErrorKind::Destination, e.to_string()))?;
         let taken = self.take().await?;
-        let result = taken.client.send_messages(&stream, &topic, &partitioning(p), messages).await;
+        let result = taken.client().send_messages(&stream, &topic, &partitioning(p), messages).await;
         let client_resolves_partition = !matches!(p, Partitioning::PartitionId(_));
         self.settle(taken, result, client_resolves_partition).map(|_| ())
     }
@@ -695,6 +750,62 @@ mod tests {
         if headers.is_empty() { b.build() } else { b.user_headers(headers).build() }.expect("the builder takes it")
     }
 
+    /// A connection taken by a call, made now and never connected.
+    fn unconnected_taken() -> Taken {
+        let client = Arc::new(build_client(&IggySinkConfig::default()).unwrap());
+        Taken { connection: Connection { client, connected_at: std::time::Instant::now() } }
+    }
+
+    /// A connection past `connection_max_age` is retired at its next take, and the call
+    /// goes out on a new connection (whose client learns afresh what the old one had
+    /// cached, such as a topic's partition count); a connection younger than the age is
+    /// kept. Without the age, the first connection served every call for good.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_connection_past_its_age_is_retired_and_the_call_goes_out_on_a_new_one() {
+        let broker = test_broker::TestBroker::start(test_broker::TestBrokerConfig::default()).await.unwrap();
+        let max_age = Duration::from_millis(400);
+        let config =
+            IggySinkConfig { address: broker.addr().to_string(), connection_max_age: max_age, ..Default::default() };
+        let sink = IggySink::new(&config).unwrap();
+        let dest = DestinationKey::new("s", "t");
+        sink.ensure(&dest).await.expect("the destination");
+        sink.ensure(&dest).await.expect("a second call");
+        assert_eq!(broker.accepted_connections(), 1, "a connection younger than its age was not kept");
+        tokio::time::sleep(max_age + Duration::from_millis(100)).await;
+        sink.ensure(&dest).await.expect("the call after the age");
+        assert_eq!(broker.accepted_connections(), 2, "the old connection was not retired");
+        assert_eq!(sink.idle().len(), 1, "the old connection was kept beside the new one");
+        assert!(!sink.connecting(), "retiring a connection took the server for unreachable");
+    }
+
+    /// Retiring never fails a call: a connection past its age while no new one can be
+    /// made (connects paced after a failure) still takes the call, and is retired at a
+    /// take after the pacing passed.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_connection_past_its_age_takes_the_call_while_no_new_one_can_be_made() {
+        let broker = test_broker::TestBroker::start(test_broker::TestBrokerConfig::default()).await.unwrap();
+        let max_age = Duration::from_millis(300);
+        let interval = Duration::from_secs(2);
+        let config = IggySinkConfig {
+            address: broker.addr().to_string(),
+            connection_max_age: max_age,
+            reconnection_interval: interval,
+            ..Default::default()
+        };
+        let sink = IggySink::new(&config).unwrap();
+        let dest = DestinationKey::new("s", "t");
+        sink.ensure(&dest).await.expect("the destination");
+        tokio::time::sleep(max_age + Duration::from_millis(100)).await;
+        sink.pace_connects();
+        sink.ensure(&dest).await.expect("the call on the old connection");
+        assert_eq!(broker.accepted_connections(), 1, "a connect was made while connects were paced");
+        assert_eq!(sink.idle().len(), 1, "the old connection was not given back");
+        tokio::time::sleep(interval).await;
+        sink.ensure(&dest).await.expect("the call after the pacing");
+        assert_eq!(broker.accepted_connections(), 2, "the old connection was not retired once it could be");
+        assert_eq!(sink.idle().len(), 1);
+    }
+
     /// A connection that failed for the whole client (disconnected) marks the server
     /// unreachable; a call answered on another connection afterwards shows it is not.
     /// Left standing, the mark made every timed-out call count as the whole server's,
@@ -703,7 +814,7 @@ mod tests {
     #[test]
     fn a_call_answered_after_a_client_wide_failure_takes_the_failure_back() {
         let sink = IggySink::new(&IggySinkConfig::default()).unwrap();
-        let taken = || Taken { client: Arc::new(build_client(&IggySinkConfig::default()).unwrap()) };
+        let taken = unconnected_taken;
         assert!(sink.settle::<()>(taken(), Err(IggyError::Disconnected), false).is_err());
         assert!(sink.connecting(), "a disconnection is the whole client's");
         assert!(sink.settle(taken(), Ok(()), false).is_ok());
@@ -716,7 +827,7 @@ mod tests {
     #[test]
     fn a_pooled_connection_found_not_connected_drops_only_itself() {
         let sink = IggySink::new(&IggySinkConfig::default()).unwrap();
-        let taken = || Taken { client: Arc::new(build_client(&IggySinkConfig::default()).unwrap()) };
+        let taken = unconnected_taken;
         assert!(sink.settle(taken(), Ok(()), false).is_ok());
         assert!(sink.settle(taken(), Ok(()), false).is_ok());
         let e = sink.settle::<()>(taken(), Err(IggyError::NotConnected), false).unwrap_err();
@@ -741,7 +852,7 @@ mod tests {
             taken.push(sink.take().await.expect("a connection"));
         }
         // The last given back is the first taken: it is the one closed.
-        taken[2].client.disconnect().await.unwrap();
+        taken[2].client().disconnect().await.unwrap();
         for t in taken {
             assert!(sink.settle(t, Ok(()), false).is_ok());
         }
@@ -782,7 +893,7 @@ mod tests {
     #[test]
     fn a_transient_answer_keeps_the_connection_and_the_pool() {
         let sink = IggySink::new(&IggySinkConfig::default()).unwrap();
-        let taken = || Taken { client: Arc::new(build_client(&IggySinkConfig::default()).unwrap()) };
+        let taken = unconnected_taken;
         assert!(sink.settle(taken(), Ok(()), false).is_ok());
         let before = std::time::Instant::now();
         for transient in [IggyError::TransientNotAccepted, IggyError::TransientNotCommitted] {

@@ -142,6 +142,7 @@ pub struct IggyConfig {
     pub tls_domain: Option<String>,
     pub tls_ca_file: Option<String>,
     pub reconnection_interval_ms: u64,
+    pub connection_max_age_ms: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -432,6 +433,7 @@ impl Default for IggyConfig {
             tls_domain: sink.tls_domain,
             tls_ca_file: sink.tls_ca_file,
             reconnection_interval_ms: sink.reconnection_interval.as_millis() as u64,
+            connection_max_age_ms: sink.connection_max_age.as_millis() as u64,
         }
     }
 }

@@ -45,6 +45,10 @@ const TOPIC_SEGMENT_BYTES_DEFAULT: u64 = 1024 * 1024 * 1024;
 /// The most `messages_required_to_save` Iggy admits (`MAX_MESSAGES_REQUIRED_TO_SAVE`).
 const MESSAGES_REQUIRED_TO_SAVE_MAX: u64 = 16 * 1024 * 1024;
 
+/// The youngest `iggy.connection_max_age_ms`: each retirement costs a connect and a
+/// sign-in, so an age far below the time a send takes would make one per send.
+const CONNECTION_MAX_AGE_MIN_MS: u64 = 1000;
+
 /// `[router]`: defaults for every source, `[router.sources.<key>]` overrides per source.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -517,6 +521,13 @@ pub fn check(section: &RouterSection, iggy: &IggyConfig, sources: &[String]) -> 
             format!("must be 1 to {} (one day)", max_duration_ms()),
         ));
     }
+    // At least a second: each retirement is a connect and a sign-in.
+    if !(CONNECTION_MAX_AGE_MIN_MS..=max_duration_ms()).contains(&iggy.connection_max_age_ms) {
+        problems.push((
+            vec!["iggy".into(), "connection_max_age_ms".into()],
+            format!("must be {CONNECTION_MAX_AGE_MIN_MS} to {} (one second to one day)", max_duration_ms()),
+        ));
+    }
     let sink = IggySinkConfig {
         address: iggy.address.clone(),
         username: iggy.username.clone(),
@@ -527,6 +538,7 @@ pub fn check(section: &RouterSection, iggy: &IggyConfig, sources: &[String]) -> 
         reconnection_max_retries: 1,
         reconnection_interval: Duration::from_millis(iggy.reconnection_interval_ms.max(1)),
         connect_timeout: router::iggy_sink::CLIENT_REPLY_TIMEOUT,
+        connection_max_age: Duration::from_millis(iggy.connection_max_age_ms.max(CONNECTION_MAX_AGE_MIN_MS)),
         topic_defaults: TopicDefaults {
             partitions_count,
             message_expiry: (t.message_expiry_secs > 0).then(|| Duration::from_secs(t.message_expiry_secs)),
@@ -969,6 +981,19 @@ mod tests {
             let (_, problems) = check(&RouterSection::default(), &iggy, &[]);
             let paths: Vec<String> = problems.iter().map(|(p, _)| p.join(".")).collect();
             assert_eq!(paths, vec!["iggy.reconnection_interval_ms"], "{problems:?}");
+        }
+        // A connection's age: a second to a day, each end taken.
+        for connection_max_age_ms in [0, CONNECTION_MAX_AGE_MIN_MS - 1, max_duration_ms() + 1] {
+            let iggy = IggyConfig { connection_max_age_ms, ..iggy() };
+            let (_, problems) = check(&RouterSection::default(), &iggy, &[]);
+            let paths: Vec<String> = problems.iter().map(|(p, _)| p.join(".")).collect();
+            assert_eq!(paths, vec!["iggy.connection_max_age_ms"], "{problems:?}");
+        }
+        for connection_max_age_ms in [CONNECTION_MAX_AGE_MIN_MS, max_duration_ms()] {
+            let iggy = IggyConfig { connection_max_age_ms, ..iggy() };
+            let (settings, problems) = check(&RouterSection::default(), &iggy, &[]);
+            assert!(problems.is_empty(), "{problems:?}");
+            assert_eq!(settings.sink.connection_max_age, Duration::from_millis(connection_max_age_ms));
         }
         // The bounds themselves pass.
         let section = RouterSection {

@@ -223,6 +223,12 @@ pub fn catalog() -> Vec<Metric> {
             "Sends (every try) of records whose stored partition key Iggy cannot take (sent balanced)",
         ),
         m(
+            "iggy_connector_connections_retired_total",
+            Counter,
+            &[],
+            "Connections to Iggy replaced for reaching iggy.connection_max_age_ms",
+        ),
+        m(
             "iggy_connector_messages_routed_total",
             Counter,
             &["connector_key"],
