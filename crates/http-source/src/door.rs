@@ -331,20 +331,26 @@ async fn receive_inner(
         Entrance::SourcePath => &source.auth,
         Entrance::Endpoint(seen) => &seen.endpoint.auth,
     };
-    if let Err(failure) = admitted_by.verify(&parts.headers, &body, received_at_unix_ms) {
-        // Unless a rotate installed another version while the body was read, and the
-        // sender already signs with its secret: the check after the room decides then.
-        let rotated_since = match &entrance {
-            Entrance::SourcePath => false,
-            Entrance::Endpoint(seen) => door
-                .endpoints
-                .lookup(seen.endpoint.id, ingest::time::now_unix_ms())
-                .is_ok_and(|current| !Arc::ptr_eq(&current, seen)),
-        };
-        if !rotated_since {
-            return Err(auth_refused(source, failure, peer));
+    let authenticated = match admitted_by.verify(&parts.headers, &body, received_at_unix_ms) {
+        Ok(()) => true,
+        Err(failure) => {
+            // Unless a rotate installed another version while the body was read, and the
+            // sender already signs with its secret: the check after the room decides
+            // then. An endpoint revoked or expired meanwhile answers as the check after
+            // the body promises (404, 410), whatever the credentials.
+            let rotated_since = match &entrance {
+                Entrance::SourcePath => false,
+                Entrance::Endpoint(seen) => {
+                    let current = door.endpoints.lookup(seen.endpoint.id, ingest::time::now_unix_ms());
+                    !Arc::ptr_eq(&current.map_err(refusal_error)?, seen)
+                }
+            };
+            if !rotated_since {
+                return Err(auth_refused(source, failure, peer));
+            }
+            false
         }
-    }
+    };
 
     // The room the request's append runs in, for the most it will hold once decoded:
     // its body may become many events, each with a record's envelope. Taken by every
@@ -367,8 +373,10 @@ async fn receive_inner(
             let (current, permit) =
                 door.endpoints.recheck(seen, ingest::time::now_unix_ms()).await.map_err(refusal_error)?;
             // A rotate installed another version while the body was read: its secret
-            // decides (the version that admitted the head may no longer).
-            if !Arc::ptr_eq(seen, &current)
+            // decides (the version that admitted the head may no longer). A request the
+            // first check refused is checked again whatever the versions: that refusal
+            // stands unless the version current now takes it.
+            if (!authenticated || !Arc::ptr_eq(seen, &current))
                 && let Err(failure) = current.endpoint.auth.verify(&parts.headers, &body, received_at_unix_ms)
             {
                 return Err(auth_refused(source, failure, peer));

@@ -347,16 +347,51 @@ async fn a_request_in_flight_across_a_revoke_is_refused_404_and_appends_nothing(
     let before = log_next_offset(d.admin).await;
 
     // The head arrives while the endpoint is active; the revoke answers while the body is
-    // half sent (it does not wait for a body still being read).
+    // half sent (it does not wait for a body still being read). A request with a wrong
+    // token in flight across it gets the same 404 (it got 401 before).
     let in_flight = half_sent(d.http, &path, &token).await;
+    let wrong_token = half_sent(d.http, &path, &bearer("not-the-endpoint-secret-0123456789")).await;
     let id = reg["id"].as_str().unwrap();
     let revoked = request(d.admin, "DELETE", &format!("/v1/endpoints/{id}"), &auth, "").await;
     assert_eq!(revoked.status, 200);
     let (status, body) = finish(in_flight).await;
     assert_eq!((status, body["error"].as_str()), (404, Some("not_found")), "{body}");
+    let (status, body) = finish(wrong_token).await;
+    assert_eq!((status, body["error"].as_str()), (404, Some("not_found")), "{body}");
     assert_eq!(log_next_offset(d.admin).await, before, "a request of a revoked endpoint was appended");
     assert!(d.stop().success());
     assert_eq!(log_len(&dir.path().join("data/wal")), 0);
+}
+
+/// An endpoint that expires while a request's body is read answers 410 once the body
+/// was read, as the contract says, also to a request whose credentials are wrong (it got
+/// 401 before), and appends nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_in_flight_across_an_expiry_is_refused_410_whatever_its_credentials() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = Daemon::start(dir.path(), "", SOURCES);
+    let mgmt = bearer(MANAGEMENT_TOKEN);
+    let auth = [("authorization", mgmt.as_str()), ("content-type", "application/json")];
+    let now_ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64;
+    let expires_at = now_ms + 3000;
+    let body = format!(r#"{{"source":"default","auth_type":"bearer","expires_at_unix_ms":{expires_at}}}"#);
+    let reg = request(d.admin, "POST", "/v1/endpoints", &auth, body).await;
+    assert_eq!(reg.status, 201, "{:?}", reg.body);
+    let reg = reg.json();
+    let path = reg["path"].as_str().unwrap().to_string();
+    let before = log_next_offset(d.admin).await;
+
+    // Both heads are taken while the endpoint is active (each got its 100 Continue).
+    let right = half_sent(d.http, &path, &bearer(reg["secret"].as_str().unwrap())).await;
+    let wrong = half_sent(d.http, &path, &bearer("not-the-endpoint-secret-0123456789")).await;
+    let past = std::time::UNIX_EPOCH + Duration::from_millis(expires_at + 200);
+    tokio::time::sleep(past.duration_since(std::time::SystemTime::now()).unwrap_or_default()).await;
+    for in_flight in [right, wrong] {
+        let (status, body) = finish(in_flight).await;
+        assert_eq!((status, body["error"].as_str()), (410, Some("endpoint_expired")), "{body}");
+    }
+    assert_eq!(log_next_offset(d.admin).await, before, "a request of an expired endpoint was appended");
+    assert!(d.stop().success());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
