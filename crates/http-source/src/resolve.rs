@@ -19,7 +19,7 @@ use serde_json::Value;
 
 use crate::admission::{Refusal, is_name};
 use crate::partition::KeyMiss;
-use crate::route::{OnMissing, Routed};
+use crate::route::{OnMissing, Routed, Unmatched, shorten};
 use crate::source::{Destinations, SourceSpec};
 
 /// The events to append, and what was counted on the way.
@@ -119,7 +119,7 @@ pub fn resolve(
                     }
                     (stream, topic)
                 }
-                Routed::Unmatched => match route.on_missing {
+                Routed::Unmatched(which) => match route.on_missing {
                     OnMissing::Default => {
                         out.defaulted += 1;
                         (route.default_stream.clone(), route.default_topic.clone())
@@ -129,13 +129,11 @@ pub fn resolve(
                         continue;
                     }
                     OnMissing::Error => {
-                        return Err(reject(
-                            RefusalKind::Unknown,
-                            format!(
-                                "no destination for this event ({} is missing or not in the mapping)",
-                                route.topic_field.as_dotted()
-                            ),
-                        ));
+                        let why = match (which, &route.stream_field) {
+                            (Unmatched::Stream, Some(field)) => format!("{} is missing", field.as_dotted()),
+                            _ => format!("{} is missing or not in the mapping", route.topic_field.as_dotted()),
+                        };
+                        return Err(reject(RefusalKind::Unknown, format!("no destination for this event ({why})")));
                     }
                 },
             },
@@ -154,11 +152,6 @@ pub fn resolve(
         out.events.push(Event { destination: Destination { stream, topic, partitioning }, payload });
     }
     Ok(out)
-}
-
-/// A name as quoted in an answer: at most 64 characters of it.
-fn shorten(name: &str) -> String {
-    name.chars().take(64).collect()
 }
 
 #[cfg(test)]
@@ -254,6 +247,24 @@ mod tests {
                 .unwrap_err();
         assert_eq!((e.kind, e.line), (RefusalKind::Unknown, Some(2)));
         assert!(e.message.starts_with("line 2: "), "{}", e.message);
+    }
+
+    /// The refusal of an event with no destination names the routed field that left it
+    /// without one: the stream field when the topic was found (it named the topic
+    /// field, present and mapped, before).
+    #[test]
+    fn a_refusal_for_no_destination_names_the_field_that_is_missing() {
+        let strict = spec(OnMissing::Error, Admission::Open, PartitionRule::default());
+        let refusal = |line: &str| resolve(&strict, &HeaderMap::new(), events(&[line]), None, None).unwrap_err();
+        let e = refusal(r#"{"type":"a"}"#);
+        assert_eq!(e.message, "no destination for this event (tenant is missing)");
+        for unmapped in [r#"{"type":"zzz","tenant":"t1"}"#, r#"{"tenant":"t1"}"#, "not json"] {
+            let e = refusal(unmapped);
+            assert_eq!(
+                e.message, "no destination for this event (type is missing or not in the mapping)",
+                "{unmapped}"
+            );
+        }
     }
 
     #[test]

@@ -52,10 +52,17 @@ impl Mapping {
     pub fn new(entries: impl IntoIterator<Item = (String, Target)>) -> Result<Mapping, MappingError> {
         let mut map = HashMap::new();
         for (value, target) in entries {
+            if value.is_empty() {
+                // A field's empty value counts as missing (`FieldPath::lookup`): never looked up.
+                let message = "an empty value never matches: an event whose field is empty counts as missing it";
+                return Err(MappingError::Entry { value, message: message.into() });
+            }
             if let Err(message) = target.check() {
                 return Err(MappingError::Entry { value, message });
             }
-            map.insert(value, target);
+            if map.insert(value.clone(), target).is_some() {
+                return Err(MappingError::Entry { value, message: "appears twice".into() });
+            }
         }
         if map.is_empty() {
             return Err(MappingError::Empty);
@@ -64,31 +71,33 @@ impl Mapping {
     }
 
     /// Parses a fetched mapping: a JSON object of value to `"topic"` or
-    /// `{"stream": "...", "topic": "..."}` (no other keys).
+    /// `{"stream": "...", "topic": "..."}` (no other keys). A key given twice, at either
+    /// level, is refused: JSON parsers disagree on which of the two counts.
     pub fn from_json(bytes: &[u8]) -> Result<Mapping, MappingError> {
-        let value: Value = serde_json::from_slice(bytes).map_err(|e| MappingError::Malformed(e.to_string()))?;
-        let Value::Object(object) = value else {
-            return Err(MappingError::Malformed("not a JSON object".into()));
-        };
-        let mut entries = Vec::with_capacity(object.len());
-        for (value, target) in object {
+        let document: Pairs = serde_json::from_slice(bytes).map_err(|e| MappingError::Malformed(e.to_string()))?;
+        let mut entries = Vec::with_capacity(document.0.len());
+        for (value, target) in document.0 {
             let target = match target {
-                Value::String(topic) => Target { stream: None, topic },
-                Value::Object(o) => {
+                Pair::Value(Value::String(topic)) => Target { stream: None, topic },
+                Pair::Object(fields) => {
                     let mut stream = None;
                     let mut topic = None;
-                    for (k, v) in o {
-                        match (k.as_str(), v) {
-                            ("stream", Value::String(s)) => stream = Some(s),
-                            ("topic", Value::String(t)) => topic = Some(t),
+                    for (k, v) in fields {
+                        let slot = match (k.as_str(), v) {
+                            ("stream", Pair::Value(Value::String(s))) => (&mut stream, s),
+                            ("topic", Pair::Value(Value::String(t))) => (&mut topic, t),
                             (other, _) => {
                                 return Err(MappingError::Entry {
                                     value,
                                     message: format!(
-                                        "unexpected key {other:?} or non-string value (expected \"stream\" and \"topic\" strings)"
+                                        "unexpected key {:?} or non-string value (expected \"stream\" and \"topic\" strings)",
+                                        shorten(other)
                                     ),
                                 });
                             }
+                        };
+                        if slot.0.replace(slot.1).is_some() {
+                            return Err(MappingError::Entry { value, message: format!("{k:?} appears twice") });
                         }
                     }
                     let Some(topic) = topic else {
@@ -96,7 +105,7 @@ impl Mapping {
                     };
                     Target { stream, topic }
                 }
-                _ => {
+                Pair::Value(_) => {
                     return Err(MappingError::Entry {
                         value,
                         message: "expected a topic name or {\"stream\", \"topic\"}".into(),
@@ -127,8 +136,22 @@ impl Mapping {
 }
 
 fn name_message(what: &str, name: &str) -> String {
-    format!("{what} {name:?} is not a name of the grammar [a-zA-Z0-9._-] (1 to 255 bytes)")
+    format!("{what} {:?} is not a name of the grammar [a-zA-Z0-9._-] (1 to 255 bytes)", shorten(name))
 }
+
+/// A value or name as quoted in a message: at most [`QUOTED_MAX_CHARS`] characters of
+/// it, and `…` when it is longer (a fetched mapping may hold keys of megabytes).
+pub fn shorten(text: &str) -> String {
+    let mut chars = text.chars();
+    let mut quoted: String = chars.by_ref().take(QUOTED_MAX_CHARS).collect();
+    if chars.next().is_some() {
+        quoted.push('…');
+    }
+    quoted
+}
+
+/// The most characters of a value or name a message quotes.
+pub const QUOTED_MAX_CHARS: usize = 64;
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum MappingError {
@@ -136,8 +159,55 @@ pub enum MappingError {
     Empty,
     #[error("not a mapping: {0}")]
     Malformed(String),
-    #[error("entry {value:?}: {message}")]
+    #[error("entry {:?}: {message}", shorten(value))]
     Entry { value: String, message: String },
+}
+
+/// A JSON object's members in document order, duplicates kept, objects within kept
+/// the same way one level down (a mapping's entries and their targets).
+struct Pairs(Vec<(String, Pair)>);
+
+enum Pair {
+    Value(Value),
+    Object(Vec<(String, Pair)>),
+}
+
+impl<'de> serde::Deserialize<'de> for Pairs {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visit;
+        impl<'de> serde::de::Visitor<'de> for Visit {
+            type Value = Pairs;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Pairs, A::Error> {
+                let mut pairs = Vec::new();
+                while let Some((k, v)) = map.next_entry::<String, Pair>()? {
+                    pairs.push((k, v));
+                }
+                Ok(Pairs(pairs))
+            }
+        }
+        d.deserialize_map(Visit)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for Pair {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        // An object is kept member by member (its duplicates with it), at any depth;
+        // anything else is a value.
+        match PairOrValue::deserialize(d)? {
+            PairOrValue::Object(Pairs(pairs)) => Ok(Pair::Object(pairs)),
+            PairOrValue::Value(v) => Ok(Pair::Value(v)),
+        }
+    }
+}
+
+#[derive(serde::Deserialize)]
+#[serde(untagged)]
+enum PairOrValue {
+    Object(Pairs),
+    Value(Value),
 }
 
 /// Where a route's table comes from.
@@ -191,8 +261,18 @@ pub enum Routed {
         stream: String,
         topic: String,
     },
-    /// A routed field is missing, or its value is not in the mapping.
-    Unmatched,
+    /// A routed field is missing, or its value is not in the mapping: which one.
+    Unmatched(Unmatched),
+}
+
+/// Which routed field left an event without a destination.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Unmatched {
+    /// The topic field is missing (or the payload is not JSON), or its value is not in
+    /// the mapping.
+    Topic,
+    /// The topic was found and the stream field is missing.
+    Stream,
 }
 
 /// A mapping entry whose destination is known before any event arrives and refused by
@@ -233,21 +313,21 @@ impl Route {
     /// itself without a mapping). The stream is the entry's stream if it names one,
     /// else the `stream_field` value if that field is routed, else the default stream.
     pub fn resolve(&self, payload: Option<&Value>) -> Routed {
-        let Some(payload) = payload else { return Routed::Unmatched };
-        let Some(value) = self.topic_field.lookup(payload) else { return Routed::Unmatched };
+        let Some(payload) = payload else { return Routed::Unmatched(Unmatched::Topic) };
+        let Some(value) = self.topic_field.lookup(payload) else { return Routed::Unmatched(Unmatched::Topic) };
         let (entry_stream, topic) = match &self.mapping {
             MappingSource::Identity => (None, value),
             MappingSource::Table(m) => match m.get(&value) {
                 Some(t) => (t.stream.clone(), t.topic.clone()),
-                None => return Routed::Unmatched,
+                None => return Routed::Unmatched(Unmatched::Topic),
             },
-            MappingSource::Url(_) => return Routed::Unmatched,
+            MappingSource::Url(_) => return Routed::Unmatched(Unmatched::Topic),
         };
         let stream = match (entry_stream, &self.stream_field) {
             (Some(s), _) => s,
             (None, Some(field)) => match field.lookup(payload) {
                 Some(s) => s,
-                None => return Routed::Unmatched,
+                None => return Routed::Unmatched(Unmatched::Stream),
             },
             (None, None) => self.default_stream.clone(),
         };
@@ -292,9 +372,9 @@ mod tests {
         assert_eq!(r.resolve(Some(&ev(json!("order.created")))), found("shop", "orders"));
         assert_eq!(r.resolve(Some(&ev(json!("user.signup")))), found("users", "signups"));
         assert_eq!(r.resolve(Some(&ev(json!(7)))), found("shop", "sevens"));
-        assert_eq!(r.resolve(Some(&ev(json!("refund")))), Routed::Unmatched);
-        assert_eq!(r.resolve(Some(&json!({"event": "order.created"}))), Routed::Unmatched);
-        assert_eq!(r.resolve(None), Routed::Unmatched);
+        assert_eq!(r.resolve(Some(&ev(json!("refund")))), Routed::Unmatched(Unmatched::Topic));
+        assert_eq!(r.resolve(Some(&json!({"event": "order.created"}))), Routed::Unmatched(Unmatched::Topic));
+        assert_eq!(r.resolve(None), Routed::Unmatched(Unmatched::Topic));
     }
 
     #[test]
@@ -304,7 +384,11 @@ mod tests {
         let r = route(MappingSource::Table(m), Some("tenant"));
         assert_eq!(r.resolve(Some(&json!({"tenant": "acme", "event": {"type": "a"}}))), found("acme", "ta"));
         assert_eq!(r.resolve(Some(&json!({"tenant": "acme", "event": {"type": "b"}}))), found("fixed", "tb"));
-        assert_eq!(r.resolve(Some(&json!({"event": {"type": "a"}}))), Routed::Unmatched, "stream field missing");
+        assert_eq!(
+            r.resolve(Some(&json!({"event": {"type": "a"}}))),
+            Routed::Unmatched(Unmatched::Stream),
+            "stream field missing"
+        );
     }
 
     #[test]
@@ -312,7 +396,7 @@ mod tests {
         let r = route(MappingSource::Identity, None);
         assert_eq!(r.resolve(Some(&json!({"event": {"type": "pushes"}}))), found("shop", "pushes"));
         let url = route(MappingSource::Url("http://x/".into()), None);
-        assert_eq!(url.resolve(Some(&json!({"event": {"type": "pushes"}}))), Routed::Unmatched);
+        assert_eq!(url.resolve(Some(&json!({"event": {"type": "pushes"}}))), Routed::Unmatched(Unmatched::Topic));
     }
 
     #[test]
@@ -343,8 +427,51 @@ mod tests {
             br#"{"a": {"stream": "s"}}"#,
             br#"{"a": {"topic": "t", "extra": "x"}}"#,
             br#"{"a": "no spaces"}"#,
+            br#"{"a": {"topic": {"nested": "t"}}}"#,
         ] {
             assert!(Mapping::from_json(bad).is_err(), "{:?}", String::from_utf8_lossy(bad));
         }
+    }
+
+    /// A key given twice is refused at either level, where serde_json's own map kept
+    /// the last one silently (and an inline TOML table refuses it at load).
+    #[test]
+    fn a_fetched_mapping_with_a_key_given_twice_is_refused() {
+        let twice = |json: &[u8]| match Mapping::from_json(json) {
+            Err(MappingError::Entry { value, message }) => (value, message),
+            other => panic!("{:?}: {other:?}", String::from_utf8_lossy(json)),
+        };
+        assert_eq!(twice(br#"{"a": "x", "b": "y", "a": "z"}"#), ("a".into(), "appears twice".into()));
+        assert_eq!(twice(br#"{"a": {"topic": "x", "topic": "y"}}"#), ("a".into(), "\"topic\" appears twice".into()));
+        assert_eq!(
+            twice(br#"{"a": {"stream": "s", "topic": "x", "stream": "s"}}"#),
+            ("a".into(), "\"stream\" appears twice".into())
+        );
+        assert_eq!(Mapping::from_json(br#"{"a": "x", "b": "x"}"#).map(|m| m.len()), Ok(2), "two keys, one topic");
+    }
+
+    /// An entry for the empty value is refused: an empty field counts as missing, so
+    /// it could never match.
+    #[test]
+    fn an_entry_for_the_empty_value_is_refused() {
+        for built in [Mapping::new([("".to_string(), target(None, "t"))]), Mapping::from_json(br#"{"": "t"}"#)] {
+            assert!(matches!(built, Err(MappingError::Entry { ref value, .. }) if value.is_empty()), "{built:?}");
+        }
+    }
+
+    /// What a refusal quotes of a value or a name is at most 64 characters: a fetched
+    /// mapping may hold keys of megabytes, and the message goes into the start's error
+    /// and the log.
+    #[test]
+    fn a_refusal_quotes_at_most_64_characters_of_a_value_or_name() {
+        let long = "k".repeat(1 << 20);
+        let json = format!(r#"{{"{long}": "bad topic", "{long}x": {{"{long}": "t"}}}}"#);
+        let e = Mapping::from_json(json.as_bytes()).unwrap_err().to_string();
+        assert!(e.len() < 400, "{} bytes: {}", e.len(), &e[..400.min(e.len())]);
+        assert!(e.contains(&format!("\"{}…\"", "k".repeat(64))), "{e}");
+        let topic = "t".repeat(1 << 20);
+        let e = Mapping::from_json(format!(r#"{{"a": "{topic}"}}"#).as_bytes()).unwrap_err().to_string();
+        assert!(e.len() < 400, "{} bytes", e.len());
+        assert_eq!(shorten("short"), "short");
     }
 }

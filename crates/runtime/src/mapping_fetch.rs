@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Empty, Limited};
-use http_source::route::{Mapping, MappingSource};
+use http_source::route::{Mapping, MappingSource, shorten};
 use http_source::source::SourceSpec;
 use hyper::Uri;
 use hyper_util::rt::TokioIo;
@@ -118,7 +118,7 @@ pub async fn resolve_all(sources: &mut [SourceSpec]) -> Result<(), String> {
             let named: Vec<String> = refused
                 .iter()
                 .take(REFUSED_ENTRIES_NAMED_MAX)
-                .map(|e| format!("{:?} to {}/{}", e.value, e.stream, e.topic))
+                .map(|e| format!("{:?} to {}/{}", shorten(&e.value), e.stream, e.topic))
                 .collect();
             let more = refused.len().saturating_sub(named.len());
             let more = if more > 0 { format!(" and {more} more") } else { String::new() };

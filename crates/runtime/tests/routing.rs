@@ -115,8 +115,9 @@ async fn refused_destinations_are_422_with_the_reason_and_append_nothing() {
         "not_allowlisted",
     );
     assert!(m.contains("evil/orders"), "{m}");
+    // The topic field is there and mapped: the stream field is what is missing.
     let m = assert_refused(&post_json(h, "/v1/sources/strict", r#"{"type":"orders"}"#).await, "unknown_destination");
-    assert!(m.contains("type"), "{m}");
+    assert!(m.contains("tenant is missing"), "{m}");
     assert_refused(
         &post_json(h, "/v1/sources/strict", r#"{"tenant":"acme","type":"no spaces"}"#).await,
         "invalid_destination",
@@ -310,7 +311,7 @@ async fn a_mapping_fetched_from_a_url_routes_events() {
 async fn a_failed_or_malformed_mapping_fetch_refuses_to_start() {
     let cases = [
         (serve_mapping(500, "oops").await, "500"),
-        (serve_mapping(200, r#"["not", "an", "object"]"#).await, "not a JSON object"),
+        (serve_mapping(200, r#"["not", "an", "object"]"#).await, "expected a JSON object"),
         (serve_mapping(200, "{}").await, "empty"),
         (serve_mapping(200, r#"{"a": "no spaces allowed"}"#).await, "entry \"a\""),
         (serve_mapping(404, "").await, "404"),
