@@ -141,6 +141,16 @@ mod tests {
             u32_rule.partitioning(&headers(&[("x-tenant", "4294967296")]), None),
             (Partitioning::Balanced, Some(KeyMiss::NotU32))
         );
+        // As docs/routing.md says: surrounding blanks, a leading `+` and leading zeros
+        // are taken; a sign of minus, a fraction or an exponent is not.
+        for seven in ["7", " 7 ", "+7", "007", "+0007"] {
+            let h = headers(&[("x-tenant", seven)]);
+            assert_eq!(u32_rule.partitioning(&h, None), (Partitioning::Key(vec![7, 0, 0, 0]), None), "{seven:?}");
+        }
+        for not_u32 in ["-7", "7.0", "7e0", "0x7", "7 7"] {
+            let h = headers(&[("x-tenant", not_u32)]);
+            assert_eq!(u32_rule.partitioning(&h, None), (Partitioning::Balanced, Some(KeyMiss::NotU32)), "{not_u32:?}");
+        }
     }
 
     #[test]
