@@ -356,11 +356,17 @@ async fn receive_inner(
     // its body may become many events, each with a record's envelope. Taken by every
     // request, before anything else it holds: what requests hold is bounded in all, not
     // by the number of connections.
+    // Routing's fields are kept for every event while the request is decoded and
+    // resolved: the objects along their paths, and the strings at their ends (copies of
+    // parts of the body).
+    let fields = source.fields_read();
     let room = {
         let content_type = parts.headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok());
         let events = body::events_at_most(content_type, &body, door.limits.max_events_per_request);
-        let bound =
-            ingest::ingestor::footprint_bound(body.len() as u64, events as u64, source.envelope_max_bytes() as u64);
+        let kept_leaves_bytes = if fields.is_empty() { 0 } else { body.len() };
+        let per_event_bytes = source.envelope_max_bytes() + crate::json_fields::kept_bytes_max(&fields);
+        let bound = ingest::ingestor::footprint_bound(body.len() as u64, events as u64, per_event_bytes as u64)
+            .saturating_add(kept_leaves_bytes as u64);
         door.ingestor.room(bound).await.map_err(|e| ingest_error(e, door.limits.retry_after_secs))?
     };
     // The endpoint may have been rotated, revoked or expired while the body was read:
@@ -432,7 +438,6 @@ async fn receive_inner(
         }
         Ok(Some(accepted_response(&accepted, 0)))
     };
-    let fields = source.fields_read();
     let max_events = door.limits.max_events_per_request;
     let decoded = match body::decode_with(content_type, body, source.accept, &fields, max_events) {
         Ok(d) => d,

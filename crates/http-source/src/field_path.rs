@@ -43,6 +43,11 @@ impl FieldPath {
         self.keys.len()
     }
 
+    /// The bytes of its keys' text, dots not counted.
+    pub fn keys_bytes(&self) -> usize {
+        self.keys.iter().map(String::len).sum()
+    }
+
     /// The key at `depth` (0: the event's top-level key).
     pub fn key(&self, depth: usize) -> Option<&str> {
         self.keys.get(depth).map(String::as_str)

@@ -22,6 +22,9 @@
 //!   at any path (routing takes every field as missing).
 //! - What it keeps is bounded by the paths, not by the event: the objects along them
 //!   (each with only the keys on a path) and the string or number at a path's end.
+//!   [`kept_bytes_max`] bounds the objects per event (the door's room counts it); the
+//!   strings at the paths' ends are copies of parts of the body, at most its length in
+//!   all.
 
 use std::borrow::Cow;
 use std::fmt;
@@ -30,6 +33,20 @@ use serde::de::{DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess,
 use serde_json::{Map, Value};
 
 use crate::field_path::FieldPath;
+
+/// The most bytes one object [`parse`] keeps allocates, its key's text aside: a
+/// `serde_json::Map` of at most one key per path, one node of its B-tree (632 bytes on
+/// 64-bit targets), with room for an allocator's rounding. `tests/route_memory.rs`
+/// measures it.
+pub const KEPT_OBJECT_MAX_BYTES: usize = 768;
+
+/// A bound of the bytes [`parse`] keeps for one event besides the strings at the paths'
+/// ends: an object for each key of each path (`a.b.c` walks three objects: the event,
+/// `a`, `a.b`), with its key's text. Paths that share keys share objects; each is
+/// counted anyway.
+pub fn kept_bytes_max(paths: &[&FieldPath]) -> usize {
+    paths.iter().map(|p| p.key_count() * KEPT_OBJECT_MAX_BYTES + p.keys_bytes()).sum()
+}
 
 /// Parses `text` as one JSON value, keeping only what `paths` can reach.
 pub fn parse(text: &str, paths: &[&FieldPath]) -> Result<Value, serde_json::Error> {

@@ -1,5 +1,6 @@
 //! Memory a routed request costs at the door: reading the fields routing needs must not
-//! build the whole event in memory. Counted with this test binary's own allocator.
+//! build the whole event in memory. Counted with this test binary's own allocator; the
+//! tests take turns, as each counts every thread's allocations.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -13,6 +14,9 @@ struct Counting;
 
 static LIVE: AtomicUsize = AtomicUsize::new(0);
 static PEAK: AtomicUsize = AtomicUsize::new(0);
+
+/// Held by each test for its whole run.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
@@ -44,6 +48,7 @@ fn peak_above_start(f: impl FnOnce()) -> usize {
 /// fully parsed value, 16 MiB and more of nodes), single and as an NDJSON batch.
 #[test]
 fn reading_a_routed_events_fields_costs_memory_by_the_fields_not_by_the_event() {
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
     let numbers = "0,".repeat(512 * 1024);
     let event = format!(r#"{{"event": {{"type": "order.created"}}, "pad": [{numbers}0]}}"#);
     let body_len = event.len();
@@ -60,4 +65,40 @@ fn reading_a_routed_events_fields_costs_memory_by_the_fields_not_by_the_event() 
         // adds is a few small allocations.
         assert!(peak < body_len / 16, "{content_type}: decoding a {body_len}-byte event took {peak} bytes at its peak");
     }
+}
+
+/// What reading the routed fields keeps per event is within
+/// `json_fields::kept_bytes_max` (which the door's room counts) and the body's length
+/// for the strings at the paths' ends, at the deepest paths a route allows: an NDJSON
+/// batch of events nested 32 objects deep on two paths that part at the top. Each kept
+/// object is a `serde_json::Map`'s B-tree node: counted at less, as the room counted it
+/// before, a batch of such events held many times the room it took.
+#[test]
+fn what_routing_keeps_per_event_is_within_the_bound_the_room_counts() {
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+    use http_source::field_path::FIELD_PATH_MAX_SEGMENTS;
+    use http_source::json_fields::kept_bytes_max;
+    let depth = FIELD_PATH_MAX_SEGMENTS;
+    let nested = |key: &str, leaf: &str| {
+        let open: String = (0..depth - 1).map(|_| format!(r#"{{"{key}":"#)).collect();
+        format!(r#"{open}"{leaf}"{}"#, "}".repeat(depth - 1))
+    };
+    let event = format!(r#"{{"a":{},"b":{}}}"#, nested("a", "orders"), nested("b", "k1"));
+    let topic = FieldPath::parse(&vec!["a"; depth].join(".")).unwrap();
+    let key = FieldPath::parse(&vec!["b"; depth].join(".")).unwrap();
+    let events = 1000;
+    let body = Bytes::from(format!("{event}\n").repeat(events));
+    let body_len = body.len();
+    let decoded = decode_with(Some("application/x-ndjson"), body, Accept::Json, &[&topic, &key], events).unwrap();
+    let values = decoded.values.expect("the fields were kept");
+    assert_eq!(topic.lookup(&values[events - 1]).as_deref(), Some("orders"));
+    assert_eq!(key.lookup(&values[0]).as_deref(), Some("k1"));
+    let before = LIVE.load(Ordering::Relaxed);
+    drop(values);
+    let held = before - LIVE.load(Ordering::Relaxed);
+    let bound = events * kept_bytes_max(&[&topic, &key]) + body_len;
+    assert!(held <= bound, "{events} events kept {held} bytes; the room counts {bound}");
+    // The bound is not slack enough to hide a miscount: half an object per key is not.
+    let objects = events * 2 * depth;
+    assert!(held > objects * http_source::json_fields::KEPT_OBJECT_MAX_BYTES / 2, "{held} bytes for {objects} objects");
 }
