@@ -41,8 +41,9 @@ pub struct KeyedRegistration {
     pub fingerprint: [u8; 32],
 }
 
-/// An endpoint's auth, as configured.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+/// An endpoint's auth, as configured. Its `Debug` leaves the secret out, so that no
+/// log line or panic message made of a record (or an endpoint holding one) carries it.
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct StoredAuth {
     /// `none`, `bearer`, `hmac-sha256`, `hmac-sha1`, `standard-webhooks`, `stripe`.
     pub scheme: String,
@@ -50,6 +51,18 @@ pub struct StoredAuth {
     pub header: Option<String>,
     pub prefix: Option<String>,
     pub tolerance_secs: Option<u64>,
+}
+
+impl std::fmt::Debug for StoredAuth {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StoredAuth")
+            .field("scheme", &self.scheme)
+            .field("secret", &self.secret.as_ref().map(|_| "<redacted>"))
+            .field("header", &self.header)
+            .field("prefix", &self.prefix)
+            .field("tolerance_secs", &self.tolerance_secs)
+            .finish()
+    }
 }
 
 /// A dynamic endpoint, live or revoked.
@@ -203,6 +216,35 @@ impl StateDb {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A record's `Debug` (what a log line or a panic message would carry) names the
+    /// scheme and whether there is a secret, never the secret.
+    #[test]
+    fn a_records_debug_leaves_its_secret_out() {
+        let auth = StoredAuth {
+            scheme: "hmac-sha256".into(),
+            secret: Some("the-secret-0123456789".into()),
+            header: Some("x-signature".into()),
+            prefix: None,
+            tolerance_secs: None,
+        };
+        let record = EndpointRecord {
+            id: 7,
+            source_key: "default".into(),
+            auth,
+            handshake_param: None,
+            created_at_unix_ms: 1,
+            expires_at_unix_ms: None,
+            revoked_at_unix_ms: None,
+            rotated_at_unix_ms: None,
+        };
+        let shown = format!("{record:?} {record:#?}");
+        assert!(!shown.contains("the-secret-0123456789"), "{shown}");
+        assert!(
+            shown.contains("hmac-sha256") && shown.contains("<redacted>") && shown.contains("x-signature"),
+            "{shown}"
+        );
+    }
 
     #[test]
     fn endpoints_survive_reopen_with_their_tombstones() {
