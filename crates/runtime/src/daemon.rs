@@ -518,17 +518,7 @@ async fn open_on_log(settings: &Settings, wal: &Arc<Wal>) -> Result<OnLog, Start
     health.watch_log(wal.clone());
 
     // Delivery never waits for Iggy: the daemon accepts and holds while it is away.
-    // Pre-warmed: what a source's records can name, no more than its cap would admit.
-    let mut known_at_start: Vec<router::DestinationKey> = Vec::new();
-    for source in &settings.sources {
-        let max = settings.delivery.policies.for_source(&source.key).max_destinations;
-        for (stream, topic) in source.destinations_known_at_start().into_iter().take(max) {
-            let d = router::DestinationKey::new(stream, topic);
-            if !known_at_start.contains(&d) {
-                known_at_start.push(d);
-            }
-        }
-    }
+    let known_at_start = crate::delivery::destinations_to_prewarm(&settings.sources, &settings.delivery.policies);
     let delivery = Arc::new(
         crate::delivery::Delivery::start(
             &settings.delivery,

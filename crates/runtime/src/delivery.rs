@@ -583,6 +583,30 @@ impl std::fmt::Debug for Delivery {
     }
 }
 
+/// The destinations pre-warmed at start: what each source's records can be seen to name
+/// before any arrives ([`SourceSpec::destinations_known_at_start`]), no more than its cap
+/// would admit, each once, and none given up for that source (`[router.give_up]`: no
+/// lane and no send, so no stream or topic made again either; nor does one take a place
+/// under the cap).
+pub fn destinations_to_prewarm(
+    sources: &[http_source::source::SourceSpec],
+    policies: &Policies,
+) -> Vec<DestinationKey> {
+    let mut out: Vec<DestinationKey> = Vec::new();
+    for source in sources {
+        let max = policies.for_source(&source.key).max_destinations;
+        let named = source.destinations_known_at_start().into_iter();
+        let wanted = named.filter(|(stream, topic)| !policies.is_given_up(&source.key, stream, topic));
+        for (stream, topic) in wanted.take(max) {
+            let d = DestinationKey::new(stream, topic);
+            if !out.contains(&d) {
+                out.push(d);
+            }
+        }
+    }
+    out
+}
+
 impl Delivery {
     /// Starts the router over `wal` (unless disabled), and pre-warms `known_at_start` in
     /// the background. Never waits for Iggy. The log is released only below
@@ -772,6 +796,37 @@ mod tests {
         for (path, message) in &problems {
             assert!(message.starts_with("must be "), "{path:?}: {message}");
         }
+    }
+
+    /// What is pre-warmed at start leaves out each source's given-up destinations (a
+    /// stream or topic deleted on purpose was made again at every start), and one left
+    /// out takes no place under the source's cap; the same destination named by another
+    /// source that did not give it up is still pre-warmed.
+    #[test]
+    fn prewarm_leaves_out_the_destinations_a_source_gave_up() {
+        let text = r#"
+[sources.a]
+destination = { stream = "s", topic = "gone" }
+[sources.b]
+destination = { stream = "s", topic = "kept" }
+[sources.c]
+destination = { stream = "s", topic = "gone" }
+[sources.d]
+destination = { stream = "d", topic = "first" }
+[sources.d.admission]
+mode = "allowlist"
+allowlist = [{ stream = "d", topic = "first" }, { stream = "d", topic = "second" }]
+[router.sources.d]
+max_destinations = 1
+[router.give_up]
+a = ["s/gone"]
+d = ["d/first"]
+"#;
+        let config = crate::config::parse(text, None).unwrap();
+        let settings = crate::config::validate(&config, Some(text), None).unwrap_or_else(|e| panic!("{e}"));
+        let prewarmed = destinations_to_prewarm(&settings.sources, &settings.delivery.policies);
+        let names: Vec<String> = prewarmed.iter().map(|d| format!("{}/{}", d.stream, d.topic)).collect();
+        assert_eq!(names, ["s/kept", "s/gone", "d/second"]);
     }
 
     /// A destination may be given up for a source no longer configured (its records are
