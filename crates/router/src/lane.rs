@@ -1112,11 +1112,28 @@ fn send_bytes(r: &Routed) -> usize {
     bytes += h.metadata.iter().map(|(k, v)| header(k.len(), v.len())).sum::<usize>();
     bytes += h.headers.iter().map(|(k, v)| header(k.len(), v.len())).sum::<usize>();
     if r.dead_letter_reason.is_some() {
-        // Four headers: the reason, the stream, the topic and both (names under 32
-        // bytes, values at most 255).
-        bytes += 4 * header(32, crate::iggy_sink::HEADER_FIELD_MAX_BYTES);
+        bytes += DEAD_LETTER_HEADERS_MAX_BYTES;
     }
     bytes
+}
+
+/// The most bytes the headers a dead-lettered message gains take in a send: four (the
+/// reason, the stream, the topic and both), names under 32 bytes, values at most 255,
+/// each with the kind and length the protocol adds (10 bytes).
+const DEAD_LETTER_HEADERS_MAX_BYTES: usize = 4 * (10 + 32 + crate::iggy_sink::HEADER_FIELD_MAX_BYTES);
+
+/// Where a send of `records[from..end]` must stop (at most `end`, at least one record
+/// past `from`) for its messages to take at most [`crate::SEND_MESSAGES_MAX_BYTES`],
+/// each `extra_each` bytes more than [`send_bytes`] counted when its batch was made.
+fn end_within_send_bytes(records: &[Routed], from: usize, end: usize, extra_each: usize) -> usize {
+    let mut bytes = 0usize;
+    for (i, r) in records[from..end].iter().enumerate() {
+        bytes = bytes.saturating_add(r.send_bytes.saturating_add(extra_each));
+        if i > 0 && bytes > crate::SEND_MESSAGES_MAX_BYTES {
+            return from + i;
+        }
+    }
+    end
 }
 
 /// A batch's size by both of its byte bounds: the payload bytes `batch_max_bytes` counts,
@@ -1780,7 +1797,9 @@ async fn dead_letter<S: Sink, C>(
     // be answered whole is not sent whole again at every retry.
     let (mut from, mut cap) = (0, SendCap::default());
     loop {
-        let end = cap.end(from, records.len());
+        // The batch was bounded without the dead-letter headers these messages gain
+        // (they are the destination's own records): bounded again with them.
+        let end = end_within_send_bytes(records, from, cap.end(from, records.len()), DEAD_LETTER_HEADERS_MAX_BYTES);
         let sent = {
             let Some(_slot) = slot_or_shutdown(lane, failures > 0, shutdown).await else {
                 return Delivery::ShuttingDown;

@@ -759,3 +759,38 @@ async fn a_run_too_slow_to_dead_letter_whole_is_sent_in_halves() {
     assert_eq!(&sizes[..4], &[40, 20, 10, 5], "sends: {sizes:?}");
     router.shutdown().await;
 }
+
+/// Records beyond their topic's partitions are dead-lettered in sends Iggy takes: their
+/// batch was bounded by the bytes of their own messages, and each gains the dead-letter
+/// headers (with names of 255 bytes, about 600 bytes more), so a batch of 50,000 small
+/// records went out as one send of 41.5 MB, past the 32 MiB a send carries (past 64 MiB
+/// the server closes the connection, and the same send went out again for good, each
+/// time taken for a lost connection). Now: two sends of 20.4 MB and a short one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn records_out_of_range_are_dead_lettered_in_sends_within_the_send_bound() {
+    let sim = SimStorage::new();
+    let wal = open_wal(&sim);
+    let sink = FaultySink::new();
+    let d = key(&"s".repeat(255), &"t".repeat(255));
+    let dlq = key("dlq", "rejected");
+    sink.set_partitions(&d, 1);
+    const N: u64 = 50_000;
+    for chunk in 0..N / 1000 {
+        let records = (0..1000u64).map(|k| record(&d, chunk * 1000 + k, Partitioning::PartitionId(5))).collect();
+        wal.append(records).await.unwrap();
+    }
+    let mut p = policy(OnAdmissionFailure::DeadLetter);
+    p.batch.batch_max_records = N as usize;
+    p.batch.batch_max_bytes = router::policy::MAX_BATCH_BYTES;
+    // The whole run in one batch: queued whole (the linger waits for it).
+    p.batch.linger = Duration::from_secs(10);
+    p.lane_queue_max_records = N as usize;
+    p.lane_queue_max_bytes = 128 << 20;
+    let router = Router::start(wal, sink.clone(), Arc::new(MemoryCursorStore::new()), Policies::uniform(p)).unwrap();
+    eventually(Duration::from_secs(60), "dead-lettered", || sink.ids(&dlq).len() >= N as usize).await;
+    assert_eq!(sink.ids(&dlq), (1..=u128::from(N)).collect::<Vec<_>>(), "lost, reordered or duplicated records");
+    let wire = sink.wire_sizes(&dlq);
+    assert!(wire.len() >= 2, "one send carried them all: {wire:?}");
+    assert!(wire.iter().all(|&w| w <= router::SEND_MESSAGES_MAX_BYTES), "sends of {wire:?} bytes");
+    router.shutdown().await;
+}

@@ -52,6 +52,9 @@ struct State {
     calls: HashMap<DestinationKey, u64>,
     /// Every send's message count and payload bytes, answered or not.
     sizes: HashMap<DestinationKey, Vec<(usize, usize)>>,
+    /// Every send's bytes as Iggy encodes its messages (header, index, payload, user
+    /// headers), answered or not.
+    wire_sizes: HashMap<DestinationKey, Vec<usize>>,
     ensured: HashMap<DestinationKey, u64>,
     /// How long every `ensure` takes from now on.
     ensure_delay: Option<Duration>,
@@ -108,6 +111,11 @@ impl FaultySink {
     /// Each send's (messages, payload bytes), in order.
     pub fn send_sizes(&self, dest: &DestinationKey) -> Vec<(usize, usize)> {
         self.st().sizes.get(dest).cloned().unwrap_or_default()
+    }
+    /// Each send's bytes as Iggy encodes its messages: 64 bytes of header and 16 of
+    /// index each, the payload, and each user header with its kind and length.
+    pub fn wire_sizes(&self, dest: &DestinationKey) -> Vec<usize> {
+        self.st().wire_sizes.get(dest).cloned().unwrap_or_default()
     }
     fn slow(&self, dest: &DestinationKey) -> Option<Duration> {
         match self.st().faults.get(dest) {
@@ -198,6 +206,11 @@ impl Sink for FaultySink {
             *st.calls.entry(dest.clone()).or_default() += 1;
             let bytes = messages.iter().map(|m| m.payload.len()).sum();
             st.sizes.entry(dest.clone()).or_default().push((messages.len(), bytes));
+            let wire = messages
+                .iter()
+                .map(|m| 80 + m.payload.len() + m.headers.iter().map(|(k, v)| 10 + k.len() + v.len()).sum::<usize>())
+                .sum();
+            st.wire_sizes.entry(dest.clone()).or_default().push(wire);
         }
         match self.check_send(dest) {
             Ok(()) => {}
