@@ -46,8 +46,15 @@ use crate::sink::{DestinationKey, LaneKey, Sink};
 static CAP_DROP_LOG: ingest::log_limit::LogLimit =
     ingest::log_limit::LogLimit::every(std::time::Duration::from_secs(1));
 
-/// Writes the records dropped for the cap that no later line carried (the end of a
-/// burst), once their second is over; the router's releaser calls it every round.
+/// The log line of records held as undecodable, at most one a second (their count and
+/// offsets on the next): a log written by a newer build can hold millions of them, and
+/// each start meets them all again.
+static UNDECODABLE_LOG: ingest::log_limit::LogLimit =
+    ingest::log_limit::LogLimit::every(std::time::Duration::from_secs(1));
+
+/// Writes the records dropped for the cap, and those held as undecodable, that no later
+/// line carried (the end of a burst), once their second is over; the router's releaser
+/// calls it every round.
 pub(crate) fn log_cap_drops_left_out() {
     if let Some(s) = CAP_DROP_LOG.flush_due() {
         let (first, last) = s.span.map_or((None, None), |(f, l)| (Some(f), Some(l)));
@@ -56,6 +63,15 @@ pub(crate) fn log_cap_drops_left_out() {
             first_offset = first,
             last_offset = last,
             "destination cap reached: records dropped, as configured (of any source, between these offsets)"
+        );
+    }
+    if let Some(s) = UNDECODABLE_LOG.flush_due() {
+        let (first, last) = s.span.map_or((None, None), |(f, l)| (Some(f), Some(l)));
+        tracing::error!(
+            held = s.count,
+            first_offset = first,
+            last_offset = last,
+            "undecodable records held in the log (between these offsets)"
         );
     }
 }
@@ -327,7 +343,19 @@ impl<S: Sink, C: CursorStore> Dispatcher<S, C> {
 
     /// Not a record this build can route: hold it (and the log below it) and say so.
     fn hold_undecodable(&mut self, offset: u64, e: &ingest::envelope::EnvelopeError) {
-        tracing::error!(offset, error = %e, "undecodable record held in the log");
+        // One a line, the others of the same second by their count and first and last
+        // offset on the next (or on a line of their own: `log_cap_drops_left_out`).
+        if let Some(s) = UNDECODABLE_LOG.admit_numbered(offset) {
+            let (first, last) = s.span.map_or((None, None), |(f, l)| (Some(f), Some(l)));
+            tracing::error!(
+                offset,
+                error = %e,
+                held_before = s.count,
+                held_before_first_offset = first,
+                held_before_last_offset = last,
+                "undecodable record held in the log"
+            );
+        }
         metrics::counter!("iggy_connector_destinations_rejected_total", "connector_key" => "unknown", "reason" => "malformed")
             .increment(1);
         self.undecodable_from.fetch_min(offset, Ordering::AcqRel);

@@ -869,7 +869,13 @@ async fn release_loop<C: CursorStore>(
                     }
                 }
                 Err(e) => {
-                    tracing::error!(error = %e, "releasing log space failed; will retry");
+                    // Each round tries again (rounds follow deliveries, not a clock): one
+                    // line a minute, with how many failed since the last.
+                    static RELEASE_FAILED_LOG: ingest::log_limit::LogLimit =
+                        ingest::log_limit::LogLimit::every(std::time::Duration::from_secs(60));
+                    if let Some(failed_before) = RELEASE_FAILED_LOG.admit() {
+                        tracing::error!(error = %e, failed_before, "releasing log space failed; will retry");
+                    }
                     health.release_failed(&format!("releasing the log below {low} failed: {e}"));
                 }
             }

@@ -322,3 +322,47 @@ async fn events_accepted_with_delivery_disabled_over_a_replaced_log_are_all_deli
     assert_eq!(broker.messages("ingest", "events").len(), 10, "an event was sent twice");
     assert!(daemon.stop().success());
 }
+
+/// A log holding many records this build cannot decode (a rollback over a newer
+/// build's log) is held at the first of them, every one counted, in a few log lines: one
+/// line a second, the next saying how many were held since and their offsets. It was
+/// one line per record, at every start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_log_of_many_undecodable_records_is_held_in_a_few_log_lines() {
+    const RECORDS: u64 = 5000;
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let wal = wal::Wal::open(dir.path().join("data/wal"), wal::WalOptions::default()).unwrap();
+        // An envelope version no build wrote.
+        let records = (0..RECORDS).map(|i| bytes::Bytes::from(vec![0xEE, i as u8])).collect();
+        wal.append(records).await.unwrap();
+        wal.close().await.unwrap();
+    }
+    let cfg = dir.path().join("config.toml");
+    let rest = "[iggy]\naddress = \"127.0.0.1:1\"\n[sources.default]\ndestination = { stream = \"ingest\", topic = \"events\" }\n";
+    std::fs::write(&cfg, config_text(dir.path(), "", rest)).unwrap();
+    let log = dir.path().join("daemon.log");
+    let daemon = Daemon::spawn_logging_to(dir.path(), &cfg, std::fs::File::create(&log).unwrap()).ready();
+    let counted = format!(
+        "iggy_connector_destinations_rejected_total{{connector_key=\"unknown\",reason=\"malformed\"}} {RECORDS}"
+    );
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let metrics = String::from_utf8(request(daemon.admin, "GET", "/metrics", &[], "").await.body.to_vec()).unwrap();
+        if metrics.lines().any(|l| l == counted) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "never counted: {counted}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let held = admin_json(daemon.admin, "/status").await;
+    assert_eq!(held["router"]["held_from_offset"], 0, "{held}");
+    assert!(daemon.stop().success());
+    let text = std::fs::read_to_string(&log).unwrap();
+    let lines = text.lines().filter(|l| l.contains("undecodable record")).count();
+    assert!(
+        (1..=4).contains(&lines),
+        "{lines} lines for {RECORDS} undecodable records:\n{}",
+        &text[..text.len().min(2000)]
+    );
+}
