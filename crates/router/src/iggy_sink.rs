@@ -42,10 +42,13 @@
 //! - A connection is retired once it is `connection_max_age` old: what the client learnt
 //!   on it and never asks again (a topic's partition count, against which it places
 //!   balanced and keyed messages) is learnt afresh on its successor, so partitions added
-//!   while the daemon runs are used within that age. Retiring never fails a call: an old
-//!   connection is given up only when another one can take the call (an idle one, or a
-//!   connect that succeeds within [`FRESH_CONNECTION_USABLE_FOR`]); otherwise the call
-//!   goes out on it, and it is retired at a later take.
+//!   while the daemon runs are used within that age. Retiring never fails, delays or
+//!   re-classifies a call, and never shrinks the pool: an old connection taken is
+//!   swapped for an idle one within its age if there is one (at most one retired per
+//!   take); if not, the call goes out on it while one replacement is made in the
+//!   background (one at a time, none while connects are paced; it is not a connect
+//!   [`Sink::connecting`] reports, and its failure paces nothing), and the old one is
+//!   swapped at a later take.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -162,6 +165,8 @@ pub struct IggySink {
     /// its task, when it fails, whether or not anybody still waits for it) and by a
     /// failure that says the server is gone.
     connect_not_before: Arc<std::sync::Mutex<Option<std::time::Instant>>>,
+    /// Set while a replacement for a connection past its age is being made.
+    replacing: Arc<AtomicBool>,
 }
 
 /// How long the `iggy` client waits for a reply (its `RESPONSE_READ_TIMEOUT`, fixed and
@@ -244,6 +249,7 @@ impl IggySink {
             connecting: tokio::sync::Mutex::new(None),
             last_answer: std::sync::Mutex::new(None),
             connect_not_before: Arc::default(),
+            replacing: Arc::default(),
         })
     }
 
@@ -257,7 +263,8 @@ impl IggySink {
     /// what is left, every try would connect again and never send. It fails
     /// `Unavailable` instead, and the retry takes the parked connection with a whole
     /// result timeout of its own. An idle connection past `connection_max_age` is
-    /// retired when another can take the call, and taken otherwise.
+    /// swapped for one within it, or taken while a replacement is made (see the
+    /// module's invariants).
     async fn take(&self) -> Result<Taken, SendError> {
         loop {
             let Some(connection) = self.idle().pop() else { break };
@@ -267,12 +274,10 @@ impl IggySink {
                 tracing::debug!("an idle connection to iggy was closed; dropped");
                 continue;
             }
-            if !connection.is_older_than(self.config.connection_max_age) || !self.replacement_ready().await {
+            if !connection.is_older_than(self.config.connection_max_age) {
                 return Ok(Taken { connection });
             }
-            drop(connection);
-            metrics::counter!("iggy_connector_connections_retired_total").increment(1);
-            tracing::debug!("a connection to iggy reached connection_max_age; retired");
+            return Ok(Taken { connection: self.swap_or_replace(connection).await });
         }
         let started = std::time::Instant::now();
         self.connect().await?;
@@ -282,16 +287,46 @@ impl IggySink {
         })
     }
 
-    /// Whether another connection is idle for a call whose connection is past its age:
-    /// one already there, or one a connect made within [`FRESH_CONNECTION_USABLE_FOR`]
-    /// (a connect still running then parks its connection for a later call). Never
-    /// waits out a pacing of connects.
-    async fn replacement_ready(&self) -> bool {
-        if !self.idle().is_empty() {
-            return true;
+    /// For `old`, a signed-in connection past its age: an idle connection within its
+    /// age, `old` retired, if the pool holds one; else `old` itself, with a replacement
+    /// started in the background (unless one is being made, or connects are paced).
+    async fn swap_or_replace(&self, old: Connection) -> Connection {
+        let max_age = self.config.connection_max_age;
+        let young = {
+            let mut idle = self.idle();
+            let at = idle.iter().rposition(|c| !c.is_older_than(max_age));
+            at.map(|i| idle.remove(i))
+        };
+        if let Some(young) = young {
+            if signed_in(&young.client).await {
+                drop(old);
+                metrics::counter!("iggy_connector_connections_retired_total").increment(1);
+                tracing::debug!("a connection to iggy reached connection_max_age; retired");
+                return young;
+            }
+            tracing::debug!("an idle connection to iggy was closed; dropped");
         }
-        let connected = tokio::time::timeout(FRESH_CONNECTION_USABLE_FOR, self.connect()).await;
-        matches!(connected, Ok(Ok(()))) && !self.idle().is_empty()
+        self.replace_in_background();
+        old
+    }
+
+    /// Starts making one more idle connection, to replace one past its age: at most one
+    /// at a time, none while connects are paced. Not the connect `connect` makes and
+    /// [`Sink::connecting`] reports: the server answers on the old connection, and a
+    /// replacement that fails says nothing of it, paces nothing and is tried again at
+    /// the next take of an old connection.
+    fn replace_in_background(&self) {
+        if self.connect_wait().is_some() || self.replacing.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let (config, idle, replacing) = (self.config.clone(), self.idle.clone(), self.replacing.clone());
+        tokio::spawn(async move {
+            match open_connection(&config).await {
+                Ok(connection) => idle.lock().unwrap_or_else(|p| p.into_inner()).push(connection),
+                Err(e) => tracing::debug!(error = %e, "a replacement connection to iggy failed"),
+            }
+            replacing.store(false, Ordering::Release);
+        });
     }
 
     /// Makes one more idle connection, unless one is there: one connect at a time, in a
@@ -323,28 +358,8 @@ impl IggySink {
         let task = connecting.get_or_insert_with(|| {
             let (config, idle, not_before) = (self.config.clone(), self.idle.clone(), self.connect_not_before.clone());
             tokio::spawn(async move {
-                let connected = tokio::time::timeout(config.connect_timeout, async {
-                    let client = build_client(&config)?;
-                    client.connect().await?;
-                    // The client's heartbeat pings at once on connecting, from a task of
-                    // its own, and the connection takes one request at a time: parked
-                    // before that ping was answered, the first call would wait behind it
-                    // (on a slow server, long enough to miss its result timeout, drop the
-                    // connection, and start over). The heartbeat's task may not have run
-                    // yet when this task pings, so it pings twice: by the time the first
-                    // was answered (a round trip), the heartbeat's ping is queued, and the
-                    // second waits for it. Both prove the signed-in connection answers.
-                    client.ping().await?;
-                    client.ping().await?;
-                    Ok(client)
-                })
-                .await
-                .map_err(|_| ConnectFailure::TimedOut(config.connect_timeout))
-                .and_then(|r| r.map_err(ConnectFailure::Client));
-                match connected {
-                    Ok(client) => {
-                        let connection =
-                            Connection { client: Arc::new(client), connected_at: std::time::Instant::now() };
+                match open_connection(&config).await {
+                    Ok(connection) => {
                         idle.lock().unwrap_or_else(|p| p.into_inner()).push(connection);
                         Ok(())
                     }
@@ -480,6 +495,29 @@ impl IggySink {
             ..TopicCreateOptions::default()
         }
     }
+}
+
+/// A new connection to the server in `config`: connected, signed in and answering, or
+/// why not within `connect_timeout`.
+async fn open_connection(config: &IggySinkConfig) -> Result<Connection, ConnectFailure> {
+    let client = tokio::time::timeout(config.connect_timeout, async {
+        let client = build_client(config)?;
+        client.connect().await?;
+        // The client's heartbeat pings at once on connecting, from a task of its own, and
+        // the connection takes one request at a time: parked before that ping was
+        // answered, the first call would wait behind it (on a slow server, long enough to
+        // miss its result timeout, drop the connection, and start over). The heartbeat's
+        // task may not have run yet when this task pings, so it pings twice: by the time
+        // the first was answered (a round trip), the heartbeat's ping is queued, and the
+        // second waits for it. Both prove the signed-in connection answers.
+        client.ping().await?;
+        client.ping().await?;
+        Ok(client)
+    })
+    .await
+    .map_err(|_| ConnectFailure::TimedOut(config.connect_timeout))
+    .and_then(|r| r.map_err(ConnectFailure::Client))?;
+    Ok(Connection { client: Arc::new(client), connected_at: std::time::Instant::now() })
 }
 
 /// No connect before `interval` from now.
@@ -756,14 +794,29 @@ mod tests {
         Taken { connection: Connection { client, connected_at: std::time::Instant::now() } }
     }
 
-    /// A connection past `connection_max_age` is retired at its next take, and the call
-    /// goes out on a new connection (whose client learns afresh what the old one had
-    /// cached, such as a topic's partition count); a connection younger than the age is
-    /// kept. Without the age, the first connection served every call for good.
+    /// Waits until the broker has accepted `n` connections and the sink holds `idle`
+    /// idle ones (a replacement is made in the background).
+    async fn connections_settle(sink: &IggySink, broker: &test_broker::TestBroker, n: u64, idle: usize) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        while broker.accepted_connections() != n || sink.idle().len() != idle {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{} connections accepted, {} idle; wanted {n} and {idle}",
+                broker.accepted_connections(),
+                sink.idle().len()
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    /// A connection past `connection_max_age` still takes the call it was taken for
+    /// (no wait for a connect, no failure) while a replacement is made in the
+    /// background; taken again, it is swapped for the replacement and retired. Without
+    /// the age, the first connection served every call for good.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_connection_past_its_age_is_retired_and_the_call_goes_out_on_a_new_one() {
+    async fn a_connection_past_its_age_is_swapped_for_a_replacement_made_meanwhile() {
         let broker = test_broker::TestBroker::start(test_broker::TestBrokerConfig::default()).await.unwrap();
-        let max_age = Duration::from_millis(400);
+        let max_age = Duration::from_secs(1);
         let config =
             IggySinkConfig { address: broker.addr().to_string(), connection_max_age: max_age, ..Default::default() };
         let sink = IggySink::new(&config).unwrap();
@@ -772,38 +825,61 @@ mod tests {
         sink.ensure(&dest).await.expect("a second call");
         assert_eq!(broker.accepted_connections(), 1, "a connection younger than its age was not kept");
         tokio::time::sleep(max_age + Duration::from_millis(100)).await;
-        sink.ensure(&dest).await.expect("the call after the age");
-        assert_eq!(broker.accepted_connections(), 2, "the old connection was not retired");
-        assert_eq!(sink.idle().len(), 1, "the old connection was kept beside the new one");
-        assert!(!sink.connecting(), "retiring a connection took the server for unreachable");
+
+        // Taken past its age: it is the old one, and a replacement is under way.
+        let old = sink.take().await.expect("the old connection");
+        assert!(old.connection.is_older_than(max_age));
+        connections_settle(&sink, &broker, 2, 1).await;
+        assert!(sink.settle(old, Ok(()), false).is_ok());
+        // Taken again: swapped for the replacement, and retired.
+        let taken = sink.take().await.expect("a connection");
+        assert!(!taken.connection.is_older_than(max_age), "the old connection was taken again");
+        assert_eq!(sink.idle().len(), 0, "the old connection was kept beside the new one");
+        assert_eq!(broker.accepted_connections(), 2);
+        assert!(sink.settle(taken, Ok(()), false).is_ok());
+        assert!(!sink.connecting(), "a replacement was taken for the server being unreachable");
     }
 
-    /// Retiring never fails a call: a connection past its age while no new one can be
-    /// made (connects paced after a failure) still takes the call, and is retired at a
-    /// take after the pacing passed.
+    /// Retiring never fails a call nor shrinks the pool: of three connections past their
+    /// age, a take retires at most one (the one it swaps for a replacement); a take
+    /// while connects are paced (no replacement can be made) takes an old one.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_connection_past_its_age_takes_the_call_while_no_new_one_can_be_made() {
+    async fn retiring_fails_no_call_and_leaves_the_pool_its_size() {
         let broker = test_broker::TestBroker::start(test_broker::TestBrokerConfig::default()).await.unwrap();
-        let max_age = Duration::from_millis(300);
-        let interval = Duration::from_secs(2);
+        let max_age = Duration::from_secs(1);
         let config = IggySinkConfig {
             address: broker.addr().to_string(),
             connection_max_age: max_age,
-            reconnection_interval: interval,
+            reconnection_interval: Duration::from_secs(3),
             ..Default::default()
         };
         let sink = IggySink::new(&config).unwrap();
-        let dest = DestinationKey::new("s", "t");
-        sink.ensure(&dest).await.expect("the destination");
+        let mut three = Vec::new();
+        for _ in 0..3 {
+            three.push(sink.take().await.expect("a connection"));
+        }
+        for t in three {
+            assert!(sink.settle(t, Ok(()), false).is_ok());
+        }
+        assert_eq!(broker.accepted_connections(), 3);
         tokio::time::sleep(max_age + Duration::from_millis(100)).await;
+
+        // No connect may be made: the call goes out on an old connection, at once.
         sink.pace_connects();
-        sink.ensure(&dest).await.expect("the call on the old connection");
-        assert_eq!(broker.accepted_connections(), 1, "a connect was made while connects were paced");
-        assert_eq!(sink.idle().len(), 1, "the old connection was not given back");
-        tokio::time::sleep(interval).await;
-        sink.ensure(&dest).await.expect("the call after the pacing");
-        assert_eq!(broker.accepted_connections(), 2, "the old connection was not retired once it could be");
-        assert_eq!(sink.idle().len(), 1);
+        sink.ensure(&DestinationKey::new("s", "t")).await.expect("a call while connects are paced");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert_eq!((broker.accepted_connections(), sink.idle().len()), (3, 3), "a connect while paced");
+
+        // Once connects may be made: one replacement, one old connection retired for it.
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let old = sink.take().await.expect("an old connection");
+        connections_settle(&sink, &broker, 4, 3).await;
+        assert!(sink.settle(old, Ok(()), false).is_ok());
+        let young = sink.take().await.expect("the replacement");
+        assert!(!young.connection.is_older_than(max_age));
+        assert_eq!(sink.idle().len(), 2, "more than the one swapped were retired");
+        assert!(sink.settle(young, Ok(()), false).is_ok());
+        assert_eq!((broker.accepted_connections(), sink.idle().len()), (4, 3), "the pool shrank");
     }
 
     /// A connection that failed for the whole client (disconnected) marks the server
