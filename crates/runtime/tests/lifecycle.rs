@@ -373,7 +373,8 @@ async fn a_request_in_flight_across_an_expiry_is_refused_410_whatever_its_creden
     let mgmt = bearer(MANAGEMENT_TOKEN);
     let auth = [("authorization", mgmt.as_str()), ("content-type", "application/json")];
     let now_ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64;
-    let expires_at = now_ms + 3000;
+    // Far enough ahead for the registration and both heads on a busy machine.
+    let expires_at = now_ms + 6000;
     let body = format!(r#"{{"source":"default","auth_type":"bearer","expires_at_unix_ms":{expires_at}}}"#);
     let reg = request(d.admin, "POST", "/v1/endpoints", &auth, body).await;
     assert_eq!(reg.status, 201, "{:?}", reg.body);
