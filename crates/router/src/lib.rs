@@ -34,8 +34,12 @@
 //!    router runs, so records that reuse those offsets are delivered before release.
 //! 7. **No task outlives its router's stop.** [`Router::shutdown`] joins every task; a
 //!    stop abandoned part way (its future dropped at the end of the daemon's grace
-//!    period) aborts those not ended, so no send or cursor commit goes on while the log
-//!    closes. What they held is above the stored cursors and is sent again.
+//!    period) aborts those not ended, so no send goes on while the log closes, and no
+//!    cursor commit starts. One already running on its blocking thread
+//!    ([`StateCursorStore`]) cannot be aborted and finishes: it stores only cursors of
+//!    acknowledged records, so what it stores is true, and the state database's final
+//!    checkpoint, a write transaction too, waits for it. What the aborted tasks held is
+//!    above the stored cursors and is sent again.
 
 pub mod breaker;
 pub mod cursors;
