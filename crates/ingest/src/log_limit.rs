@@ -36,6 +36,14 @@ pub struct Suppressed {
     pub span: Option<(u64, u64)>,
 }
 
+impl Suppressed {
+    /// The first and the last number left out, each `None` when none was numbered: the
+    /// two fields a log line carries.
+    pub fn first_last(&self) -> (Option<u64>, Option<u64>) {
+        self.span.map_or((None, None), |(f, l)| (Some(f), Some(l)))
+    }
+}
+
 impl LogLimit {
     /// At most one line per `interval`.
     pub const fn every(interval: Duration) -> LogLimit {

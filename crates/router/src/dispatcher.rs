@@ -57,7 +57,7 @@ static UNDECODABLE_LOG: ingest::log_limit::LogLimit =
 /// calls it every round.
 pub(crate) fn log_cap_drops_left_out() {
     if let Some(s) = CAP_DROP_LOG.flush_due() {
-        let (first, last) = s.span.map_or((None, None), |(f, l)| (Some(f), Some(l)));
+        let (first, last) = s.first_last();
         tracing::warn!(
             dropped = s.count,
             first_offset = first,
@@ -66,7 +66,7 @@ pub(crate) fn log_cap_drops_left_out() {
         );
     }
     if let Some(s) = UNDECODABLE_LOG.flush_due() {
-        let (first, last) = s.span.map_or((None, None), |(f, l)| (Some(f), Some(l)));
+        let (first, last) = s.first_last();
         tracing::error!(
             held = s.count,
             first_offset = first,
@@ -346,7 +346,7 @@ impl<S: Sink, C: CursorStore> Dispatcher<S, C> {
         // One a line, the others of the same second by their count and first and last
         // offset on the next (or on a line of their own: `log_cap_drops_left_out`).
         if let Some(s) = UNDECODABLE_LOG.admit_numbered(offset) {
-            let (first, last) = s.span.map_or((None, None), |(f, l)| (Some(f), Some(l)));
+            let (first, last) = s.first_last();
             tracing::error!(
                 offset,
                 error = %e,
@@ -450,7 +450,7 @@ impl<S: Sink, C: CursorStore> Dispatcher<S, C> {
                 // count and first and last offset on the next (or, at the end of a burst,
                 // on a line of their own: `log_cap_drops_left_out`).
                 if let Some(s) = CAP_DROP_LOG.admit_numbered(offset) {
-                    let (first, last) = s.span.map_or((None, None), |(f, l)| (Some(f), Some(l)));
+                    let (first, last) = s.first_last();
                     tracing::warn!(
                         offset,
                         source = %key.source,
