@@ -71,7 +71,7 @@ use tokio::sync::{Semaphore, oneshot};
 
 pub use error::{Location, Result, WalError};
 pub use options::{RecoveryMode, SyncPolicy, WalOptions};
-pub use reader::{Reader, Record};
+pub use reader::{Reader, Record, RecordPlace};
 pub use recovery::{OpenReport, SalvageReport};
 use shared::Shared;
 use storage::{FsStorage, Storage};
@@ -255,6 +255,13 @@ impl Wal {
     /// A reader positioned at `from`.
     pub fn reader(&self, from: u64) -> Result<Reader> {
         Reader::new(self.shared.clone(), from)
+    }
+
+    /// The record at `offset`, read again from its `place` (as a reader returned it):
+    /// no walk of its segment, no scan of the records around it. Checked as a reader
+    /// checks it (both checksums, and the frame's offset against `offset`).
+    pub fn read_placed(&self, offset: u64, place: RecordPlace) -> Result<Record> {
+        reader::read_placed(&self.shared, offset, place)
     }
 
     pub fn stats(&self) -> WalStats {

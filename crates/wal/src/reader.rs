@@ -26,11 +26,25 @@ use crate::storage::ReadBuffer;
 
 const READ_CHUNK_BYTES: usize = 256 * 1024;
 
-/// One record and its offset.
+/// One record, its offset and its place in the log.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Record {
     pub offset: u64,
     pub payload: Bytes,
+    /// Where the record lies: [`crate::Wal::read_placed`] reads it again from there,
+    /// without a reader's walk or scan.
+    pub place: RecordPlace,
+}
+
+/// Where a record lies in the log: its segment (by base offset) and its frame's byte
+/// position in that segment's file. The bytes of a durable frame never change while
+/// its segment is retained, so a place stays true until the record is released. 16
+/// bytes: what a caller keeps instead of a record it gave up (a batch waiting out a
+/// destination's outage), to read it again later at the cost of one record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct RecordPlace {
+    segment_base: u64,
+    frame_pos: u64,
 }
 
 struct Cursor {
@@ -301,9 +315,10 @@ impl Reader {
         let payload = Bytes::copy_from_slice(bytes_at(c, payload_pos, h.payload_len as usize)?);
         h.check_payload(&payload).map_err(|p| corrupt(c, p))?;
         self.returned.push((expected, c.seg.base, c.pos));
+        let place = RecordPlace { segment_base: c.seg.base, frame_pos: c.pos };
         c.pos += h.frame_len();
         self.next += 1;
-        Ok(Some(Record { offset: expected, payload }))
+        Ok(Some(Record { offset: expected, payload, place }))
     }
 
     /// The payload length of the next record, if it is durable already.
@@ -318,6 +333,52 @@ impl Reader {
         let c = self.cursor.as_mut().ok_or(WalError::Closed)?;
         Ok(Some(frame_header(c)?.payload_len as usize))
     }
+}
+
+/// The record at `offset`, read from `place` (where a reader found it): one header and
+/// one payload read, both checksums checked, and the frame's offset checked against
+/// `offset`, so a place that is not this record's is [`WalError::Corrupt`], never
+/// another record. [`WalError::Released`] once the record is released,
+/// [`WalError::BeyondEnd`] for an offset not yet durable.
+pub(crate) fn read_placed(shared: &Shared, offset: u64, place: RecordPlace) -> Result<Record> {
+    let start = shared.start();
+    if offset < start {
+        return Err(WalError::Released { offset, start });
+    }
+    let end = shared.durable_next();
+    if offset >= end {
+        return Err(WalError::BeyondEnd { offset, end });
+    }
+    let seg = shared.segment_for(offset).ok_or(WalError::Released { offset, start: shared.start() })?;
+    let at = |position: u64, problem: FrameProblem| WalError::Corrupt {
+        location: Location { file: seg.path.clone(), position },
+        problem,
+    };
+    if seg.base != place.segment_base || place.frame_pos < SEGMENT_HEADER_LEN {
+        return Err(at(
+            place.frame_pos,
+            FrameProblem::UnexpectedOffset { expected: offset, found: place.segment_base },
+        ));
+    }
+    // Bytes below the durable length were synced before it was published: final.
+    let durable = seg.durable_len.load(Ordering::Acquire);
+    let payload_pos = place.frame_pos + FRAME_HEADER_LEN;
+    if payload_pos > durable {
+        return Err(at(place.frame_pos, FrameProblem::Truncated));
+    }
+    let mut header = [0u8; FRAME_HEADER_LEN as usize];
+    crate::storage::read_exact_at(&*seg.file, &mut header, place.frame_pos).map_err(|e| WalError::io(&seg.path, e))?;
+    let h = FrameHeader::decode(&header).map_err(|p| at(place.frame_pos, p))?;
+    if h.is_seal() || h.offset != offset {
+        return Err(at(place.frame_pos, FrameProblem::UnexpectedOffset { expected: offset, found: h.offset }));
+    }
+    if payload_pos + u64::from(h.payload_len) > durable {
+        return Err(at(place.frame_pos, FrameProblem::Truncated));
+    }
+    let mut payload = vec![0u8; h.payload_len as usize];
+    crate::storage::read_exact_at(&*seg.file, &mut payload, payload_pos).map_err(|e| WalError::io(&seg.path, e))?;
+    h.check_payload(&payload).map_err(|p| at(place.frame_pos, p))?;
+    Ok(Record { offset, payload: Bytes::from(payload), place })
 }
 
 fn corrupt(c: &Cursor, problem: FrameProblem) -> WalError {

@@ -398,3 +398,37 @@ fn a_marker_that_cannot_be_read_is_an_error_not_an_absent_marker() {
     assert!(matches!(err, WalError::Io { ref path, .. } if path.ends_with(wal::CLEAN_MARKER_FILE)), "{err}");
     assert!(open(&sim, small_options()).open_report().clean_shutdown, "the marker is intact once the disk reads");
 }
+
+/// A record read again from the place a reader found it is the record read then, in
+/// any segment; a place asked for another offset, a damaged payload, a released record
+/// and one not yet durable are each a clear error, never another record's bytes.
+#[test]
+fn a_record_is_read_again_from_its_place_and_checked_as_a_reader_checks_it() {
+    let sim = SimStorage::new();
+    let wal = open(&sim, small_options());
+    append_tagged(&wal, 0..300, 90);
+    assert!(wal.segment_paths().len() > 5);
+    let all = read_all(&wal, 0);
+    for r in &all {
+        assert_eq!(&wal.read_placed(r.offset, r.place).expect("read placed"), r);
+    }
+    // The place of record 40 asked for as 41 (same segment), and as 200 (another).
+    let forty = all[40].place;
+    assert!(matches!(
+        wal.read_placed(41, forty),
+        Err(WalError::Corrupt { problem: wal::format::FrameProblem::UnexpectedOffset { expected: 41, found: 40 }, .. })
+    ));
+    assert!(matches!(wal.read_placed(200, forty), Err(WalError::Corrupt { .. })));
+    assert!(matches!(wal.read_placed(40, wal::RecordPlace::default()), Err(WalError::Corrupt { .. })));
+    // A byte of record 2's payload flipped under the open log.
+    let path = dir().join(segment_file_name(0));
+    let mut b = sim.read_file(&path).unwrap();
+    b[(SEGMENT_HEADER_LEN + 2 * (FRAME_HEADER_LEN + 90) + FRAME_HEADER_LEN + 20) as usize] ^= 0x01;
+    sim.write_file_durably(&path, &b).unwrap();
+    assert!(matches!(wal.read_placed(2, all[2].place), Err(WalError::Corrupt { .. })));
+    assert_eq!(wal.read_placed(1, all[1].place).unwrap(), all[1]);
+    assert!(matches!(wal.read_placed(300, all[299].place), Err(WalError::BeyondEnd { offset: 300, end: 300 })));
+    rt().block_on(wal.release_below(150)).unwrap();
+    assert!(matches!(wal.read_placed(40, forty), Err(WalError::Released { offset: 40, .. })));
+    assert_eq!(wal.read_placed(299, all[299].place).unwrap(), all[299]);
+}
