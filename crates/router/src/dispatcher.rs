@@ -274,10 +274,10 @@ impl<S: Sink, C: CursorStore> Dispatcher<S, C> {
                 source: h.source_key.clone(),
                 destination: DestinationKey::new(h.destination.stream.clone(), h.destination.topic.clone()),
             };
-            self.reject_for_cap(&key, rec.offset, envelope);
+            self.reject_for_cap(&key, rec.offset, rec.place, envelope);
             return Routing::Done;
         };
-        let routed = Routed::new(rec.offset, envelope, None);
+        let routed = Routed::new(rec.offset, rec.place, envelope, None);
         let space = lane.space.notified();
         tokio::pin!(space);
         space.as_mut().enable();
@@ -418,7 +418,7 @@ impl<S: Sink, C: CursorStore> Dispatcher<S, C> {
         Some((lane, queue_max, wait))
     }
 
-    fn reject_for_cap(&mut self, key: &LaneKey, offset: u64, envelope: Envelope) {
+    fn reject_for_cap(&mut self, key: &LaneKey, offset: u64, place: wal::RecordPlace, envelope: Envelope) {
         let route = self.source(&key.source);
         if route.delivered_at_start.delivered(offset, &key.destination.stream, &key.destination.topic) {
             // Delivered before the restart, when the cap admitted its destination: there
@@ -463,7 +463,7 @@ impl<S: Sink, C: CursorStore> Dispatcher<S, C> {
             }
             OnAdmissionFailure::DeadLetter => match (dead_letter_lane, &policy.dead_letter) {
                 (Some(dl), _) => {
-                    let routed = Routed::new(offset, envelope, Some("cap"));
+                    let routed = Routed::new(offset, place, envelope, Some("cap"));
                     let _ = dl.offer(routed, policy.lane_queue_max_records, policy.overflow_after, false);
                 }
                 (None, Some(dlq)) if route.share.dead_letter_given_up => {

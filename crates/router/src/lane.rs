@@ -12,8 +12,11 @@
 //!   queue more than `queues_max_bytes`, and a record that does not fit overflows its lane.
 //! - A Degraded lane (failures in a row, its breaker open, or records held out of its
 //!   topic's partitions) queues nothing until it delivers again: its queue is shed to the
-//!   log ([`Gate::shed`]), so memory is held by destinations that deliver, never by an
-//!   outage.
+//!   log ([`Gate::shed`]), and between tries its batch waits in the log too, the lane
+//!   keeping only each record's place ([`Parked`]), so memory is held by destinations
+//!   that deliver, never by an outage. A parked batch pins the log from its first record
+//!   as a batch in flight does, and what it delivered before it was parked is
+//!   acknowledged then, never sent again.
 //! - Records of a destination are sent in log order; a batch is retried until it is
 //!   acknowledged (or disposed of by an explicit admission policy), never skipped. A
 //!   send cut short by the result timeout halves what the next sends carry
@@ -52,13 +55,13 @@
 
 use std::borrow::Cow;
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 
 use ingest::envelope::{Destination, Envelope, EnvelopeSummary, Partitioning};
 use tokio::sync::{Notify, Semaphore, watch};
 use tokio::time::{Duration, Instant};
-use wal::{Record, Wal};
+use wal::{Record, RecordPlace, Wal};
 
 use crate::breaker::{Breaker, BreakerState};
 use crate::cursors::{CursorStore, DeliveredAtStart};
@@ -70,6 +73,9 @@ use crate::status::{Status, StatusCell};
 #[derive(Debug, Clone)]
 pub(crate) struct Routed {
     pub offset: u64,
+    /// Where the record lies in the log: a batch given back to the log while its lane
+    /// waits out an outage keeps this, not the record ([`Parked`]).
+    pub place: RecordPlace,
     pub envelope: Envelope,
     /// Why this record is on the dead-letter lane, if it is.
     pub dead_letter_reason: Option<&'static str>,
@@ -79,8 +85,13 @@ pub(crate) struct Routed {
 }
 
 impl Routed {
-    pub(crate) fn new(offset: u64, envelope: Envelope, dead_letter_reason: Option<&'static str>) -> Routed {
-        let mut r = Routed { offset, envelope, dead_letter_reason, send_bytes: 0 };
+    pub(crate) fn new(
+        offset: u64,
+        place: RecordPlace,
+        envelope: Envelope,
+        dead_letter_reason: Option<&'static str>,
+    ) -> Routed {
+        let mut r = Routed { offset, place, envelope, dead_letter_reason, send_bytes: 0 };
         r.send_bytes = send_bytes(&r);
         r
     }
@@ -328,6 +339,10 @@ pub struct LaneSnapshot {
     pub overflowed: bool,
     /// What the lane keeps in its queue in memory, as `lane_queue_max_bytes` counts it.
     pub queued_bytes: usize,
+    /// What its batch being delivered (and the next one, prepared ahead) keep in memory,
+    /// counted the same way: 0 while it is Degraded and waits to try again (the batch
+    /// waits in the log).
+    pub batch_bytes: usize,
     /// The most records one send carries after sends cut short by the destination's
     /// timeout ([`SendCap`]); `None`: no cap beyond `batch_max_records`.
     pub send_records_max: Option<usize>,
@@ -473,6 +488,9 @@ pub(crate) struct Lane {
     cursors_at_start: Option<Arc<DeliveredAtStart>>,
     /// `delivered_below` at start.
     delivered_below_at_start: u64,
+    /// What the batch being delivered and the one prepared after it keep in memory, as
+    /// [`queued_size`] counts a record: 0 while the lane is parked ([`Parked`]).
+    batch_bytes: AtomicUsize,
     pub status: StatusCell,
     info: Mutex<Info>,
 }
@@ -529,6 +547,7 @@ impl Lane {
             delivered_below: AtomicU64::new(delivered_below),
             cursors_at_start: None,
             delivered_below_at_start: delivered_below,
+            batch_bytes: AtomicUsize::new(0),
             status,
             info: Mutex::new(Info::default()),
         }
@@ -717,6 +736,7 @@ impl Lane {
             not_durable_warning: i.topic.is_some_and(|t| !t.durable),
             overflowed: g.overflow_from.is_some(),
             queued_bytes: g.queued_bytes,
+            batch_bytes: self.batch_bytes.load(Ordering::Relaxed),
             send_records_max: i.send_cap.records_max,
         }
     }
@@ -774,7 +794,20 @@ enum Delivery {
     /// Try the same range again (the destination is re-ensured first).
     Retry,
     ShuttingDown,
+    /// The lane is Degraded and must wait `wait` before its next try: the records of
+    /// the batch from index `from` on wait in the log, not in memory ([`Parked`]).
+    Park {
+        from: usize,
+        wait: Duration,
+    },
 }
+
+/// A batch given back to the log while its lane, Degraded, waits out an outage: the
+/// offset, place and dead-letter reason of each record not yet delivered (40 bytes a
+/// record, at most `batch_max_records` of them), where the batch held every record's
+/// payload, envelope and prepared message. Read back at the next try ([`unpark`]), each
+/// record from its place: no walk of a segment, no scan of other destinations' records.
+type Parked = Vec<(u64, RecordPlace, Option<&'static str>)>;
 
 /// Spawns the delivery task of `lane`. If it ends by a panic, the lane is in Error, and
 /// its connector and the router with it, until a restart: its records stay held.
@@ -798,6 +831,8 @@ async fn run<S: Sink, C: CursorStore>(lane: Arc<Lane>, mut ctx: LaneContext<S, C
     let mut ahead: Option<(Vec<Routed>, Prepared<S::Message>)> = None;
     // The previous batch, freed while the next one is in flight.
     let mut done: Option<(Vec<Routed>, Prepared<S::Message>)> = None;
+    // The batch given back to the log while the lane waits to try it again.
+    let mut parked: Option<Parked> = None;
     // The status a failed log read put the lane in Error from, to return to.
     let mut before_read_error: Option<Status> = None;
     loop {
@@ -806,33 +841,47 @@ async fn run<S: Sink, C: CursorStore>(lane: Arc<Lane>, mut ctx: LaneContext<S, C
         }
         let (batch, mut prepared) = match ahead.take() {
             Some(next) => next,
-            None => match next_batch(&lane, &mut ctx, &mut catchup).await {
-                Ok(Some(b)) => {
-                    reads_again(&lane, &ctx, &mut before_read_error);
-                    let prepared = prepare(&*ctx.sink, &b);
-                    (b, prepared)
-                }
-                Ok(None) => {
-                    reads_again(&lane, &ctx, &mut before_read_error);
-                    continue;
-                }
-                Err(e) => {
-                    // The log could not be read (damage): say so and keep trying, slowly.
-                    let now = lane.status.get();
-                    if now != Status::Error {
-                        before_read_error = Some(now);
+            None => {
+                let read = match parked.take() {
+                    // Records read before, each once: they were all this lane's.
+                    Some(places) => match unpark(&ctx.wal, &places) {
+                        Ok(batch) => Ok(Some(batch)),
+                        Err(e) => {
+                            parked = Some(places);
+                            Err(e)
+                        }
+                    },
+                    None => next_batch(&lane, &mut ctx, &mut catchup).await.map_err(|e| e.to_string()),
+                };
+                match read {
+                    Ok(Some(b)) => {
+                        reads_again(&lane, &ctx, &mut before_read_error);
+                        let prepared = prepare(&*ctx.sink, &b);
+                        (b, prepared)
                     }
-                    lane.status.record_error(&e.to_string());
-                    ctx.router_status.lane_failed(&lane.key, &lane.status, "cannot read the log");
-                    tracing::error!(destination = %lane.key, error = %e, "lane cannot read the log");
-                    if sleep_or_shutdown(&mut ctx.shutdown, lane.policy.batch.backoff_max).await {
-                        break;
+                    Ok(None) => {
+                        reads_again(&lane, &ctx, &mut before_read_error);
+                        continue;
                     }
-                    continue;
+                    Err(e) => {
+                        // The log could not be read (damage): say so and keep trying, slowly.
+                        let now = lane.status.get();
+                        if now != Status::Error {
+                            before_read_error = Some(now);
+                        }
+                        lane.status.record_error(&e);
+                        ctx.router_status.lane_failed(&lane.key, &lane.status, "cannot read the log");
+                        tracing::error!(destination = %lane.key, error = %e, "lane cannot read the log");
+                        if sleep_or_shutdown(&mut ctx.shutdown, lane.policy.batch.backoff_max).await {
+                            break;
+                        }
+                        continue;
+                    }
                 }
-            },
+            }
         };
         let Some(last) = batch.last().map(|r| r.offset) else { continue };
+        lane.batch_bytes.store(batch.iter().map(queued_size).sum(), Ordering::Relaxed);
         // The send is polled first: it writes its request and waits for the answer,
         // and meanwhile the previous batch is freed and the next full batch (if queued)
         // is taken and prepared.
@@ -845,35 +894,99 @@ async fn run<S: Sink, C: CursorStore>(lane: Arc<Lane>, mut ctx: LaneContext<S, C
                 })
             });
         ahead = next;
-        if let Delivery::ShuttingDown = delivery {
-            break;
+        match delivery {
+            Delivery::ShuttingDown => break,
+            Delivery::Park { from, wait } => {
+                // Degraded: the wait may last as long as the outage. What it delivered of
+                // the batch is acknowledged; the rest, and the batch prepared after it,
+                // wait in the log.
+                assert!(from < batch.len(), "a batch is parked from a record it has not delivered");
+                if from > 0 {
+                    acknowledge(&lane, &batch[..from], batch[from].offset, Some(&batch[from]));
+                    ctx.cursor_dirty.notify_one();
+                }
+                parked = Some(park(&lane, &batch[from..], ahead.take()));
+                drop((batch, prepared, done.take()));
+                lane.batch_bytes.store(0, Ordering::Relaxed);
+                // A breaker opened by this failure cools down for longer than the backoff:
+                // no try (and no read of the batch) before it may send.
+                let wait = wait.max(breaker.wait(Instant::now()));
+                if sleep_or_shutdown(&mut ctx.shutdown, wait).await {
+                    break;
+                }
+                continue;
+            }
+            Delivery::Done | Delivery::Retry => {}
         }
         // Acknowledged: the cursor flusher stores it; until then the records pin the log.
-        {
-            let mut g = lane.gate();
-            g.acknowledged(last + 1, lane.delivered_below.load(Ordering::Acquire));
-            let next_first = ahead.as_ref().and_then(|(b, _)| b.first());
-            g.in_flight_first = next_first.map(|r| r.offset);
-            g.held_records = g.held_records.saturating_sub(batch.len() as u64);
-            let bytes: u64 = batch.iter().map(|r| r.envelope.payload.len() as u64).sum();
-            g.held_bytes = g.held_bytes.saturating_sub(bytes);
-            // The oldest record still held: the next batch's first, else the queue's
-            // front, else (re-reading the log, nothing read yet) one received no earlier
-            // than the last record just delivered.
-            g.oldest_held_ms = if g.held_records == 0 {
-                None
-            } else {
-                next_first
-                    .or(g.queue.front())
-                    .or(batch.last())
-                    .map(|r| r.envelope.header.received_at_unix_ms)
-                    .or(g.oldest_held_ms)
-            };
-        }
+        acknowledge(&lane, &batch, last + 1, ahead.as_ref().and_then(|(b, _)| b.first()));
+        lane.batch_bytes.store(ahead.as_ref().map_or(0, |(b, _)| b.iter().map(queued_size).sum()), Ordering::Relaxed);
         ctx.cursor_dirty.notify_one();
         done = Some((batch, prepared));
     }
+    lane.batch_bytes.store(0, Ordering::Relaxed);
     lane.status.set(Status::Stopped, "shutdown");
+}
+
+/// The destination acknowledged `delivered` (or the policy disposed of it): every record
+/// of the lane below `below` is delivered, `next_first` is the first record it holds in
+/// memory after them (the next batch's, or the parked batch's), if any. The cursor
+/// flusher stores the new cursor; until then the records pin the log.
+fn acknowledge(lane: &Lane, delivered: &[Routed], below: u64, next_first: Option<&Routed>) {
+    let mut g = lane.gate();
+    g.acknowledged(below, lane.delivered_below.load(Ordering::Acquire));
+    g.in_flight_first = next_first.map(|r| r.offset);
+    g.held_records = g.held_records.saturating_sub(delivered.len() as u64);
+    let bytes: u64 = delivered.iter().map(|r| r.envelope.payload.len() as u64).sum();
+    g.held_bytes = g.held_bytes.saturating_sub(bytes);
+    // The oldest record still held: the next batch's first, else the queue's front,
+    // else (re-reading the log, nothing read yet) one received no earlier than the last
+    // record just delivered.
+    g.oldest_held_ms = if g.held_records == 0 {
+        None
+    } else {
+        next_first
+            .or(g.queue.front())
+            .or(delivered.last())
+            .map(|r| r.envelope.header.received_at_unix_ms)
+            .or(g.oldest_held_ms)
+    };
+}
+
+/// Gives `undelivered` (the rest of a batch, in log order, never empty) and `ahead`
+/// (the batch prepared after it) back to the log: the first pins the log as a batch in
+/// flight does until it is read back and delivered, the second is re-read with the
+/// lane's other records (it lies below anything queued or skipped since). Returns the
+/// places to read `undelivered` back from. Both are dropped outside the gate's lock.
+fn park<M>(lane: &Lane, undelivered: &[Routed], ahead: Option<(Vec<Routed>, M)>) -> Parked {
+    let parked: Parked = undelivered.iter().map(|r| (r.offset, r.place, r.dead_letter_reason)).collect();
+    {
+        let mut g = lane.gate();
+        g.in_flight_first = undelivered.first().map(|r| r.offset);
+        if let Some((b, _)) = &ahead
+            && let (Some(first), Some(last)) = (b.first(), b.last())
+        {
+            let (first, last) = (first.offset, last.offset);
+            g.overflow_from = Some(g.overflow_from.map_or(first, |o| o.min(first)));
+            g.last_skipped = Some(g.last_skipped.map_or(last, |s| s.max(last)));
+        }
+    }
+    drop(ahead);
+    parked
+}
+
+/// A parked batch read back from the log, each record from its place, checked as any
+/// read is.
+fn unpark(wal: &Wal, parked: &Parked) -> Result<Vec<Routed>, String> {
+    parked
+        .iter()
+        .map(|&(offset, place, reason)| {
+            let rec = wal.read_placed(offset, place).map_err(|e| e.to_string())?;
+            let envelope = Envelope::decode(&rec.payload)
+                .map_err(|e| format!("record {offset}, read again, cannot be decoded: {e}"))?;
+            Ok(Routed::new(offset, place, envelope, reason))
+        })
+        .collect()
 }
 
 /// Takes a full batch from the queue, if one is queued; never waits.
@@ -1084,7 +1197,7 @@ fn own_record(lane: &Lane, rec: Record) -> Option<Routed> {
     }
     let reason = (lane.belongs)(&lane.key, &summary)?;
     let envelope = Envelope::decode(&rec.payload).ok()?;
-    Some(Routed::new(rec.offset, envelope, reason))
+    Some(Routed::new(rec.offset, rec.place, envelope, reason))
 }
 
 /// What a queued record holds in memory, as `lane_queue_max_bytes` counts it: its
@@ -1328,7 +1441,9 @@ async fn deliver<S: Sink, C>(
         }
     };
     let mut shutdown = ctx.shutdown.clone();
-    let mut failures: u32 = 0;
+    // A batch read back after a park goes on counting the failures before it (0 for any
+    // other: a batch starts after its predecessor was delivered).
+    let mut failures: u32 = lock(&lane.info).consecutive_failures;
     // Set once the topic's partitions were asked of the server for this batch: what it
     // answered decides every run of the batch. Before that, the count is what the lane
     // learnt earlier, and an operator may have added partitions since.
@@ -1347,6 +1462,10 @@ async fn deliver<S: Sink, C>(
                 Attempt::Retry => {
                     release_reader();
                     continue;
+                }
+                Attempt::Park(wait) => {
+                    release_reader();
+                    return Delivery::Park { from: i, wait };
                 }
                 Attempt::Sent | Attempt::ShuttingDown => return Delivery::ShuttingDown,
             },
@@ -1385,7 +1504,7 @@ async fn deliver<S: Sink, C>(
                     continue;
                 }
                 Delivery::Retry => continue,
-                Delivery::ShuttingDown => return Delivery::ShuttingDown,
+                d @ (Delivery::ShuttingDown | Delivery::Park { .. }) => return d,
             }
         }
         // Disposing of out-of-range records sends nothing to this destination: only what
@@ -1403,6 +1522,10 @@ async fn deliver<S: Sink, C>(
                 i = end;
             }
             Attempt::Retry => release_reader(),
+            Attempt::Park(wait) => {
+                release_reader();
+                return Delivery::Park { from: i, wait };
+            }
             Attempt::Ensured(_) => {}
             Attempt::ShuttingDown => return Delivery::ShuttingDown,
         }
@@ -1566,6 +1689,9 @@ enum Attempt {
     Ensured(TopicInfo),
     Retry,
     ShuttingDown,
+    /// Failed, and the lane is Degraded: wait this long before the next try, the batch
+    /// in the log meanwhile ([`Delivery::Park`]).
+    Park(Duration),
 }
 
 /// One try of an ensure or a send, with breaker, backoff and status.
@@ -1671,7 +1797,14 @@ async fn attempt<S: Sink, C>(
             // Degraded.
             lock(&lane.info).breaker = Some(breaker.state());
             tracing::debug!(destination = %lane.key, error = %e, failures = *failures, "send failed; holding and retrying");
-            if sleep_or_shutdown(shutdown, lane.policy.backoff(*failures)).await {
+            let backoff = lane.policy.backoff(*failures);
+            // Degraded now (as `failed` decided): the wait can last as long as the outage,
+            // for every destination it hits, so the batch waits in the log. A blip before
+            // that is waited out with the batch in memory.
+            if *failures >= lane.policy.batch.degraded_after_failures || is_open {
+                return Attempt::Park(backoff);
+            }
+            if sleep_or_shutdown(shutdown, backoff).await {
                 return Attempt::ShuttingDown;
             }
             Attempt::Retry
@@ -2053,7 +2186,7 @@ mod tests {
         let record = Envelope::encode(&header, b"0123456789");
         let mut queued = 0u64;
         loop {
-            let r = Routed::new(queued, Envelope::decode(&record).unwrap(), None);
+            let r = Routed::new(queued, RecordPlace::default(), Envelope::decode(&record).unwrap(), None);
             lane.offer(r, 100_000, Duration::from_secs(3600), false).unwrap();
             if lane.is_overflowed() {
                 break;
@@ -2084,7 +2217,7 @@ mod tests {
             },
         };
         let record = Envelope::encode(&header, b"{}");
-        Routed::new(offset, Envelope::decode(&record).unwrap(), None)
+        Routed::new(offset, RecordPlace::default(), Envelope::decode(&record).unwrap(), None)
     }
 
     /// A shed queue is re-read from its first record, past everything queued and skipped
@@ -2164,7 +2297,7 @@ mod tests {
             },
         };
         let record = Envelope::encode(&header, &vec![b'p'; payload_bytes]);
-        Routed::new(offset, Envelope::decode(&record).unwrap(), dead_letter.then_some("cap"))
+        Routed::new(offset, RecordPlace::default(), Envelope::decode(&record).unwrap(), dead_letter.then_some("cap"))
     }
 
     /// `send_bytes` is what a message takes in a send as the sink encodes it (its

@@ -256,6 +256,97 @@ async fn a_client_wide_outage_holds_everything_and_opens_no_breaker() {
     router.shutdown().await;
 }
 
+/// An outage keeps no batch in memory once its lanes are Degraded, however many
+/// destinations it hits: each lane's batch (and the one prepared after it) waits in the
+/// log, 40 bytes a record kept to read it back from its place at the next try. Every
+/// try still sends (the batch read back each time), and once the outage ends every
+/// record is delivered in log order, each once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outage_keeps_the_batches_of_degraded_lanes_in_the_log_not_in_memory() {
+    let sim = SimStorage::new();
+    let wal = open_wal(&sim);
+    let sink = FaultySink::new();
+    let dests: Vec<_> = (0..24).map(|i| key("s", &format!("d{i}"))).collect();
+    let mut policy = fast_policy();
+    policy.batch.batch_max_records = 40;
+    policy.batch.backoff_max = Duration::from_millis(400);
+    let router = start_router(&wal, &sink, policy);
+    // Records queue behind a first send that is slow to fail: every lane has a batch
+    // in flight, full ones queued after it.
+    sink.client_fault(Some(SendErrorKind::Unavailable));
+    let want = fill(&wal, &dests, 0, 24 * 100).await;
+    let lanes = || router.destinations();
+    eventually(Duration::from_secs(30), "every lane degraded", || {
+        let l = lanes();
+        l.len() == dests.len() && l.iter().all(|l| l.status == Status::Degraded && l.held_records == 100)
+    })
+    .await;
+    eventually(Duration::from_secs(10), "no batch in memory", || {
+        lanes().iter().all(|l| l.batch_bytes == 0 && l.queued_bytes == 0)
+    })
+    .await;
+    // The tries go on, each batch read back from the log for its try, and given back
+    // again: sampled while they do, no lane keeps a batch.
+    let tries = || dests.iter().map(|d| sink.calls(d) + sink.ensured(d)).sum::<u64>();
+    let calls = tries();
+    let mut kept = Vec::new();
+    for _ in 0..20 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        kept.extend(lanes().into_iter().filter(|l| l.batch_bytes > 0 || l.queued_bytes > 0).map(|l| l.destination));
+    }
+    let later = tries();
+    assert!(later >= calls + dests.len() as u64, "tries stopped while parked: {calls} then {later} calls");
+    // A lane is seen with its batch only for the moment of a try.
+    assert!(kept.len() <= dests.len(), "batches kept in memory between tries: {kept:?}");
+    assert_eq!(router.queued_bytes().0, 0);
+    sink.client_fault(None);
+    eventually(Duration::from_secs(30), "all delivered", || dests.iter().all(|d| sink.ids(d).len() >= 100)).await;
+    for d in &dests {
+        assert_eq!(sink.ids(d), want[d], "lost, reordered or duplicated records of {d}");
+    }
+    eventually(Duration::from_secs(10), "log released", || router.released_below() == 2400).await;
+    for l in lanes() {
+        assert_eq!((l.held_records, l.batch_bytes, l.queued_bytes), (0, 0, 0), "{l:?}");
+    }
+    router.shutdown().await;
+}
+
+/// A batch whose first run of messages was acknowledged and whose next one fails until
+/// the lane is Degraded is parked from the failing run: what was acknowledged counts as
+/// delivered (the cursor moves past it, the lane holds only the rest), and it is not
+/// sent again when the rest goes out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_parked_halfway_counts_its_acknowledged_run_delivered_and_sends_it_once() {
+    let sim = SimStorage::new();
+    let wal = open_wal(&sim);
+    let sink = FaultySink::new();
+    let d = key("s", "two-partitions");
+    let mut policy = fast_policy();
+    policy.batch.linger = Duration::from_millis(200);
+    let router = start_router(&wal, &sink, policy);
+    sink.fault(&d, Some(Fault::FailSendsToPartition(1, SendErrorKind::Unavailable)));
+    // One batch: ten records for partition 0, then ten for partition 1.
+    let mut want = Vec::new();
+    for n in 0..20u64 {
+        let p = Partitioning::PartitionId(if n < 10 { 0 } else { 1 });
+        wal.append(vec![record(&d, n, p)]).await.unwrap();
+        want.push(u128::from(n) + 1);
+    }
+    let lane = || router.destinations().into_iter().find(|l| l.destination == d).unwrap();
+    eventually(Duration::from_secs(30), "parked from the failing run", || {
+        let l = lane();
+        l.status == Status::Degraded && l.held_records == 10 && l.batch_bytes == 0 && l.delivered_below == 10
+    })
+    .await;
+    assert_eq!(sink.ids(&d), want[..10], "the acknowledged run");
+    assert_eq!(sink.send_sizes(&d)[0].0, 10, "one batch, its first run sent alone");
+    sink.fault(&d, None);
+    eventually(Duration::from_secs(30), "all delivered", || sink.ids(&d).len() >= 20).await;
+    assert_eq!(sink.ids(&d), want, "the first run sent again, or a record lost");
+    eventually(Duration::from_secs(10), "log released", || router.released_below() == 20).await;
+    router.shutdown().await;
+}
+
 /// Destinations that never answer cannot take every send slot of their source: while
 /// they fail, they hold at most half of them, so a healthy destination of the same
 /// source is never queued behind their result timeouts.

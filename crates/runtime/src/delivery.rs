@@ -703,6 +703,7 @@ pub fn lane_json(d: &LaneSnapshot) -> serde_json::Value {
         ),
         "reading_from_log": d.overflowed,
         "queued_bytes": d.queued_bytes,
+        "batch_bytes": d.batch_bytes,
         "send_records_max": d.send_records_max,
     })
 }

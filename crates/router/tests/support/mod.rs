@@ -33,6 +33,8 @@ pub enum Fault {
     /// Answers every send, successfully, after this long for each of its messages: a
     /// slow link, or a server slow to store.
     SlowPerMessage(Duration),
+    /// Fails every send to this partition id with this kind; the others are answered.
+    FailSendsToPartition(u32, SendErrorKind),
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -153,7 +155,7 @@ impl FaultySink {
             Some(Fault::FailSends(_)) => Ok(()),
             Some(Fault::BlackHole) => Err(None),
             Some(Fault::Panic) => panic!("injected panic in a call for {dest}"),
-            Some(Fault::Slow(_) | Fault::SlowPerMessage(_)) | None => Ok(()),
+            Some(Fault::Slow(_) | Fault::SlowPerMessage(_) | Fault::FailSendsToPartition(..)) | None => Ok(()),
         }
     }
 }
@@ -216,6 +218,12 @@ impl Sink for FaultySink {
             Ok(()) => {}
             Err(Some(e)) => return Err(e),
             Err(None) => std::future::pending::<()>().await,
+        }
+        if let (Some(Fault::FailSendsToPartition(id, kind)), Partitioning::PartitionId(p)) =
+            (self.st().faults.get(dest).copied(), p)
+            && id == *p
+        {
+            return Err(SendError::new(kind, "injected fault of one partition's sends"));
         }
         if let Some(d) = self.slow(dest) {
             tokio::time::sleep(d).await;
