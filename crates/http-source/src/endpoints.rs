@@ -496,11 +496,21 @@ impl EndpointRegistry {
         self.endpoints.read().unwrap_or_else(|p| p.into_inner()).get(&id).cloned()
     }
 
+    /// Every endpoint, by id.
     pub fn list(&self, now_unix_ms: u64) -> Vec<EndpointView> {
+        self.list_page(now_unix_ms, None, usize::MAX).0
+    }
+
+    /// At most `limit` endpoints, by id, those after `after` (all from the first with
+    /// `None`), and whether more follow the last one returned. Only the page is built:
+    /// a listing of 200,000 endpoints (both kinds at their bounds) is never one answer.
+    pub fn list_page(&self, now_unix_ms: u64, after: Option<u128>, limit: usize) -> (Vec<EndpointView>, bool) {
         let map = self.endpoints.read().unwrap_or_else(|p| p.into_inner());
-        let mut out: Vec<_> = map.values().map(|e| view(&e.endpoint, now_unix_ms)).collect();
-        out.sort_by(|a, b| a.id.cmp(&b.id));
-        out
+        let mut ids: Vec<u128> = map.keys().copied().filter(|id| after.is_none_or(|a| *id > a)).collect();
+        ids.sort_unstable();
+        let more = ids.len() > limit;
+        let page = ids.iter().take(limit).filter_map(|id| map.get(id)).map(|e| view(&e.endpoint, now_unix_ms));
+        (page.collect(), more)
     }
 
     /// Registers a new dynamic endpoint. A missing secret (for a scheme that needs one)

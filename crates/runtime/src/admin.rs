@@ -32,7 +32,7 @@ use std::sync::Arc;
 use axum::Json;
 use axum::Router;
 use axum::extract::rejection::PathRejection;
-use axum::extract::{Path, Request, State};
+use axum::extract::{Path, RawQuery, Request, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
@@ -40,6 +40,7 @@ use axum::routing::{get, post};
 use http_source::door::path_param;
 use http_source::endpoints::{EndpointError, Registered, format_id, id_prefix, parse_id};
 use http_source::error::ApiError;
+use http_source::route::shorten;
 use ingest::log_limit::LogLimit;
 use ingest::{EndpointRecord, StoredAuth};
 use serde::Deserialize;
@@ -239,11 +240,53 @@ fn record_json(r: &EndpointRecord, with_secret: bool) -> serde_json::Value {
     v
 }
 
-async fn list(State(s): State<Arc<Shared>>, headers: HeaderMap) -> Response {
+/// Endpoints one listing returns when the request names no `limit`.
+const LIST_LIMIT_DEFAULT: usize = 1000;
+/// The most endpoints one listing returns: a page of at most a few megabytes.
+const LIST_LIMIT_MAX: usize = 10_000;
+
+/// `GET /v1/endpoints?limit=N&after=ID`: a page of endpoints by id, and the id to ask
+/// after for the next page (`next_after`, `null` on the last).
+async fn list(State(s): State<Arc<Shared>>, headers: HeaderMap, RawQuery(query): RawQuery) -> Response {
     if let Some(refused) = refuse_management(&s, &headers) {
         return refused;
     }
-    Json(json!({"endpoints": s.endpoints.list(ingest::time::now_unix_ms())})).into_response()
+    let (after, limit) = match list_query(query.as_deref().unwrap_or("")) {
+        Ok(q) => q,
+        Err(e) => return e.into_response(),
+    };
+    let (page, more) = s.endpoints.list_page(ingest::time::now_unix_ms(), after, limit);
+    let next_after = if more { page.last().map(|e| e.id.clone()) } else { None };
+    Json(json!({"endpoints": page, "next_after": next_after})).into_response()
+}
+
+/// The `after` and `limit` of a listing's query; any other parameter, a value given
+/// twice or one that does not read is a 400 naming it.
+fn list_query(query: &str) -> Result<(Option<u128>, usize), ApiError> {
+    let bad = |detail: String| ApiError::new(StatusCode::BAD_REQUEST, "invalid_query", detail);
+    let (mut after, mut limit) = (None, None);
+    for pair in query.split('&').filter(|p| !p.is_empty()) {
+        let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
+        match name {
+            "after" if after.is_none() => {
+                after = Some(parse_id(value).ok_or_else(|| {
+                    bad(format!("after: must be an endpoint id (32 hex digits), got {:?}", shorten(value)))
+                })?);
+            }
+            "limit" if limit.is_none() => {
+                let n = value.parse::<usize>().ok().filter(|n| (1..=LIST_LIMIT_MAX).contains(n));
+                limit =
+                    Some(n.ok_or_else(|| {
+                        bad(format!("limit: must be 1 to {LIST_LIMIT_MAX}, got {:?}", shorten(value)))
+                    })?);
+            }
+            "after" | "limit" => return Err(bad(format!("{name}: given more than once"))),
+            other => {
+                return Err(bad(format!("{:?}: not a parameter of this listing (after, limit)", shorten(other))));
+            }
+        }
+    }
+    Ok((after, limit.unwrap_or(LIST_LIMIT_DEFAULT)))
 }
 
 #[derive(Debug, Deserialize)]

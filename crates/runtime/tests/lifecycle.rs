@@ -1264,3 +1264,70 @@ fn a_damaged_state_database_is_discarded_by_a_reset_and_the_daemon_starts_again(
         assert!(d.stop().success());
     }
 }
+
+/// Endpoints are listed a page at a time, by id: `limit` of them (1,000 unless asked),
+/// after the id `after` names, with `next_after` naming the last one while more follow.
+/// Walking the pages lists every endpoint once, static and dynamic; a query that does
+/// not read is a 400 naming its parameter.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn endpoints_are_listed_a_page_at_a_time_by_id() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = Daemon::start(dir.path(), "", SOURCES);
+    let mgmt = bearer(MANAGEMENT_TOKEN);
+    let auth = [("authorization", mgmt.as_str()), ("content-type", "application/json")];
+    for _ in 0..6 {
+        let reg =
+            request(d.admin, "POST", "/v1/endpoints", &auth, r#"{"source":"default","auth_type":"bearer"}"#).await;
+        assert_eq!(reg.status, 201, "{:?}", reg.body);
+    }
+    let whole = request(d.admin, "GET", "/v1/endpoints", &auth, "").await.json();
+    let ids = |page: &serde_json::Value| -> Vec<String> {
+        page["endpoints"].as_array().unwrap().iter().map(|e| e["id"].as_str().unwrap().to_string()).collect()
+    };
+    let all = ids(&whole);
+    assert_eq!(all.len(), 7, "six registered and the static one: {whole}");
+    assert!(all.windows(2).all(|w| w[0] < w[1]), "listed by id: {all:?}");
+    assert_eq!(whole["next_after"], serde_json::Value::Null);
+
+    let mut walked = Vec::new();
+    let mut path = "/v1/endpoints?limit=3".to_string();
+    loop {
+        let page = request(d.admin, "GET", &path, &auth, "").await;
+        assert_eq!(page.status, 200, "{path}: {:?}", page.body);
+        let page = page.json();
+        let got = ids(&page);
+        assert!(got.len() <= 3, "{page}");
+        walked.extend(got.clone());
+        match page["next_after"].as_str() {
+            Some(after) => {
+                assert_eq!(Some(after), got.last().map(String::as_str), "next_after names the page's last id");
+                path = format!("/v1/endpoints?after={after}&limit=3");
+            }
+            None => break,
+        }
+    }
+    assert_eq!(walked, all, "the pages list every endpoint once, in order");
+    // After the last id: an empty last page.
+    let tail = request(d.admin, "GET", &format!("/v1/endpoints?after={}", all[6]), &auth, "").await.json();
+    assert_eq!((ids(&tail).len(), tail["next_after"].clone()), (0, serde_json::Value::Null));
+    // A page of exactly what is left says nothing follows.
+    let last = request(d.admin, "GET", &format!("/v1/endpoints?after={}&limit=2", all[4]), &auth, "").await.json();
+    assert_eq!((ids(&last), last["next_after"].clone()), (all[5..].to_vec(), serde_json::Value::Null));
+
+    for (query, named) in [
+        ("limit=0", "limit"),
+        ("limit=10001", "limit"),
+        ("limit=ten", "limit"),
+        ("limit=2&limit=3", "limit"),
+        ("after=0123", "after"),
+        ("after=", "after"),
+        ("sort=id", "\"sort\""),
+    ] {
+        let a = request(d.admin, "GET", &format!("/v1/endpoints?{query}"), &auth, "").await;
+        assert_eq!(a.status, 400, "{query}: {:?}", a.body);
+        let body = a.json();
+        assert_eq!(body["error"], "invalid_query", "{query}: {body}");
+        assert!(body["message"].as_str().is_some_and(|m| m.starts_with(named)), "{query}: {body}");
+    }
+    assert!(d.stop().success());
+}
