@@ -443,6 +443,9 @@ pub(crate) async fn ensure_timed<S: Sink>(sink: &S, dest: &DestinationKey) -> Re
 pub(crate) struct SendSlots {
     all: Semaphore,
     failing: Semaphore,
+    /// Parked batches of the source read back at once ([`SendSlots::read_back`]): as
+    /// many as its failing lanes may have sends in flight.
+    read_back: Arc<Semaphore>,
 }
 
 /// A send slot, held for one attempt.
@@ -454,7 +457,21 @@ pub(crate) struct SendSlot<'a> {
 impl SendSlots {
     /// `max` is within tokio's `Semaphore::MAX_PERMITS`: `RouterPolicy::validate` bounds it.
     pub(crate) fn new(max: usize) -> SendSlots {
-        SendSlots { all: Semaphore::new(max), failing: Semaphore::new((max / 2).max(1)) }
+        let failing = (max / 2).max(1);
+        SendSlots {
+            all: Semaphore::new(max),
+            failing: Semaphore::new(failing),
+            read_back: Arc::new(Semaphore::new(failing)),
+        }
+    }
+
+    /// Leave to read a parked batch back into memory, held until its try ends. The
+    /// source's failing lanes send one at a time per failing slot, and a try through a
+    /// server that does not answer takes a whole result timeout: read back before their
+    /// turn, a thousand parked batches would wait for it all in memory again. `None`
+    /// once the slots are closed.
+    pub(crate) async fn read_back(&self) -> Option<tokio::sync::OwnedSemaphorePermit> {
+        self.read_back.clone().acquire_owned().await.ok()
     }
 
     /// Waits for a slot; a lane whose last attempt failed (`failing`) first waits for one
@@ -831,8 +848,10 @@ async fn run<S: Sink, C: CursorStore>(lane: Arc<Lane>, mut ctx: LaneContext<S, C
     let mut ahead: Option<(Vec<Routed>, Prepared<S::Message>)> = None;
     // The previous batch, freed while the next one is in flight.
     let mut done: Option<(Vec<Routed>, Prepared<S::Message>)> = None;
-    // The batch given back to the log while the lane waits to try it again.
+    // The batch given back to the log while the lane waits to try it again, and the
+    // leave its try holds once it is read back.
     let mut parked: Option<Parked> = None;
+    let mut read_back: Option<tokio::sync::OwnedSemaphorePermit> = None;
     // The status a failed log read put the lane in Error from, to return to.
     let mut before_read_error: Option<Status> = None;
     loop {
@@ -843,14 +862,36 @@ async fn run<S: Sink, C: CursorStore>(lane: Arc<Lane>, mut ctx: LaneContext<S, C
             Some(next) => next,
             None => {
                 let read = match parked.take() {
-                    // Records read before, each once: they were all this lane's.
-                    Some(places) => match unpark(&ctx.wal, &places) {
-                        Ok(batch) => Ok(Some(batch)),
-                        Err(e) => {
-                            parked = Some(places);
-                            Err(e)
+                    // Records read before, each once: they were all this lane's. Read on a
+                    // blocking thread: after a long outage they may be out of the page
+                    // cache, scattered through the log.
+                    Some(places) => {
+                        let permit = tokio::select! {
+                            p = lane.send_slots.read_back() => p,
+                            _ = ctx.shutdown.changed() => None,
+                        };
+                        let Some(permit) = permit else { break };
+                        let wal = ctx.wal.clone();
+                        let read = tokio::task::spawn_blocking(move || {
+                            let batch = unpark(&wal, &places);
+                            (places, batch)
+                        })
+                        .await;
+                        match read {
+                            Ok((_, Ok(batch))) => {
+                                read_back = Some(permit);
+                                Ok(Some(batch))
+                            }
+                            Ok((places, Err(e))) => {
+                                parked = Some(places);
+                                Err(e)
+                            }
+                            // A defect: the lane's task ends in Error, as for any panic.
+                            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+                            // The blocking pool is shutting down with the runtime.
+                            Err(_) => break,
                         }
-                    },
+                    }
                     None => next_batch(&lane, &mut ctx, &mut catchup).await.map_err(|e| e.to_string()),
                 };
                 match read {
@@ -889,11 +930,14 @@ async fn run<S: Sink, C: CursorStore>(lane: Arc<Lane>, mut ctx: LaneContext<S, C
             tokio::join!(deliver(&lane, &ctx, &mut breaker, &batch, &mut prepared, &mut catchup), async {
                 drop(done.take());
                 take_full_batch(&lane).map(|b| {
+                    lane.batch_bytes.fetch_add(b.iter().map(queued_size).sum(), Ordering::Relaxed);
                     let prepared = prepare(&*ctx.sink, &b);
                     (b, prepared)
                 })
             });
         ahead = next;
+        // The try is over: another parked batch of the source may be read back.
+        drop(read_back.take());
         match delivery {
             Delivery::ShuttingDown => break,
             Delivery::Park { from, wait } => {
@@ -1798,10 +1842,11 @@ async fn attempt<S: Sink, C>(
             lock(&lane.info).breaker = Some(breaker.state());
             tracing::debug!(destination = %lane.key, error = %e, failures = *failures, "send failed; holding and retrying");
             let backoff = lane.policy.backoff(*failures);
-            // Degraded now (as `failed` decided): the wait can last as long as the outage,
+            // Degraded (now, as `failed` decided, or still: records held out of the topic's
+            // partitions, then a failure): the wait can last as long as the outage,
             // for every destination it hits, so the batch waits in the log. A blip before
             // that is waited out with the batch in memory.
-            if *failures >= lane.policy.batch.degraded_after_failures || is_open {
+            if lane.status.get() == Status::Degraded {
                 return Attempt::Park(backoff);
             }
             if sleep_or_shutdown(shutdown, backoff).await {

@@ -311,6 +311,48 @@ async fn an_outage_keeps_the_batches_of_degraded_lanes_in_the_log_not_in_memory(
     router.shutdown().await;
 }
 
+/// Parked batches are read back no faster than their tries can go out: a source's
+/// failing lanes send one at a time per failing slot (here one), and through a server
+/// that does not answer each try takes a whole result timeout. Read back at the end of
+/// each backoff, every lane would wait its turn with its batch in memory again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn parked_batches_are_read_back_only_as_fast_as_their_tries_go_out() {
+    let sim = SimStorage::new();
+    let wal = open_wal(&sim);
+    let sink = FaultySink::new();
+    let dests: Vec<_> = (0..12).map(|i| key("s", &format!("silent{i}"))).collect();
+    let mut policy = fast_policy();
+    policy.max_concurrent_destinations = 2;
+    policy.batch.result_timeout = Duration::from_millis(300);
+    policy.batch.backoff_max = Duration::from_millis(200);
+    policy.breaker.failure_threshold = 1000;
+    let router = start_router(&wal, &sink, policy);
+    for d in &dests {
+        sink.fault(d, Some(Fault::BlackHole));
+    }
+    let want = fill(&wal, &dests, 0, 12 * 30).await;
+    eventually(Duration::from_secs(60), "every lane degraded", || {
+        let l = router.destinations();
+        l.len() == dests.len() && l.iter().all(|l| l.status == Status::Degraded)
+    })
+    .await;
+    let mut most_in_memory = 0;
+    for _ in 0..40 {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let in_memory = router.destinations().iter().filter(|l| l.batch_bytes > 0).count();
+        most_in_memory = most_in_memory.max(in_memory);
+    }
+    assert!(most_in_memory <= 1, "{most_in_memory} batches in memory with one failing slot");
+    for d in &dests {
+        sink.fault(d, None);
+    }
+    eventually(Duration::from_secs(60), "all delivered", || dests.iter().all(|d| sink.ids(d).len() >= 30)).await;
+    for d in &dests {
+        assert_eq!(sink.ids(d), want[d], "lost, reordered or duplicated records of {d}");
+    }
+    router.shutdown().await;
+}
+
 /// A batch whose first run of messages was acknowledged and whose next one fails until
 /// the lane is Degraded is parked from the failing run: what was acknowledged counts as
 /// delivered (the cursor moves past it, the lane holds only the rest), and it is not
