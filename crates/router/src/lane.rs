@@ -808,8 +808,6 @@ impl<S, C> Clone for LaneContext<S, C> {
 /// Outcome of delivering a batch, or a range of it.
 enum Delivery {
     Done,
-    /// Try the same range again (the destination is re-ensured first).
-    Retry,
     ShuttingDown,
     /// The lane is Degraded and must wait `wait` before its next try: the records of
     /// the batch from index `from` on wait in the log, not in memory ([`Parked`]).
@@ -960,7 +958,7 @@ async fn run<S: Sink, C: CursorStore>(lane: Arc<Lane>, mut ctx: LaneContext<S, C
                 }
                 continue;
             }
-            Delivery::Done | Delivery::Retry => {}
+            Delivery::Done => {}
         }
         // Acknowledged: the cursor flusher stores it; until then the records pin the log.
         acknowledge(&lane, &batch, last + 1, ahead.as_ref().and_then(|(b, _)| b.first()));
@@ -1547,8 +1545,9 @@ async fn deliver<S: Sink, C>(
                     i = end;
                     continue;
                 }
-                Delivery::Retry => continue,
-                d @ (Delivery::ShuttingDown | Delivery::Park { .. }) => return d,
+                Delivery::ShuttingDown => return Delivery::ShuttingDown,
+                // Held until the topic has the partition: parked from the run on.
+                Delivery::Park { from, wait } => return Delivery::Park { from: i + from, wait },
             }
         }
         // Disposing of out-of-range records sends nothing to this destination: only what
@@ -1902,51 +1901,22 @@ async fn out_of_range<S: Sink, C>(
             // Validation refuses `dead_letter` without a destination; were one to slip
             // through, the records are held, never counted delivered unsent.
             let Some(dlq) = lane.policy.dead_letter.clone() else {
-                return hold_until_partitions_exist(lane, ctx, partition, why, shutdown).await;
+                return hold_until_partitions_exist(lane, ctx, &why);
             };
             dead_letter(lane, ctx, &dlq, records, shutdown).await
         }
-        OnAdmissionFailure::Error => hold_until_partitions_exist(lane, ctx, partition, why, shutdown).await,
+        OnAdmissionFailure::Error => hold_until_partitions_exist(lane, ctx, &why),
     }
 }
 
 /// Holds records whose partition id the topic lacks: the lane is Degraded (and the
-/// router with it) for as long as it holds them, and asks the destination again after
-/// each cool-down, since the topic may gain partitions. `Retry` once it has them.
-async fn hold_until_partitions_exist<S: Sink, C>(
-    lane: &Lane,
-    ctx: &LaneContext<S, C>,
-    partition: u32,
-    mut why: String,
-    shutdown: &mut watch::Receiver<bool>,
-) -> Delivery {
-    loop {
-        degraded(lane, ctx, &why);
-        if sleep_or_shutdown(shutdown, lane.policy.breaker.cool_down).await {
-            return Delivery::ShuttingDown;
-        }
-        // A call like any send: within the source's send slots.
-        let Some(slot) = slot_or_shutdown(lane, true, shutdown).await else {
-            return Delivery::ShuttingDown;
-        };
-        let asked = bounded(&*ctx.sink, lane.policy.batch.result_timeout, ensure_timed(&*ctx.sink, lane.dest())).await;
-        drop(slot);
-        match asked {
-            Ok(t) => {
-                lock(&lane.info).topic = Some(t);
-                if partition < t.partitions_count {
-                    return Delivery::Retry;
-                }
-                why = format!("partition id {partition} is beyond the topic's {} partitions", t.partitions_count);
-            }
-            Err(e) => {
-                // Counted as every failed call of a lane is: an outage while a record is
-                // held here shows in the counter as it would for a send.
-                count_failure(lane, &e);
-                lane.status.record_error(&e.to_string());
-            }
-        }
-    }
+/// router with it) for as long as it holds them. They are parked ([`Delivery::Park`]) for
+/// a cool-down; the next try reads them back and asks the destination again (the topic
+/// may have gained partitions): sent if it has, parked again if not. Memory is not held
+/// for a hold that can last as long as the operator takes to add partitions.
+fn hold_until_partitions_exist<S: Sink, C>(lane: &Lane, ctx: &LaneContext<S, C>, why: &str) -> Delivery {
+    degraded(lane, ctx, why);
+    Delivery::Park { from: 0, wait: lane.policy.breaker.cool_down }
 }
 
 /// Sends refused records to the dead-letter topic, balanced, until it acknowledged them.

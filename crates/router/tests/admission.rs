@@ -301,12 +301,16 @@ async fn a_partition_id_out_of_range_with_error_is_held_until_the_topic_grows() 
     assert!(snap.last_error_at.is_some(), "{snap:?}");
     assert!(snap.status_reason.contains("beyond the topic's 3 partitions"), "{snap:?}");
     // Held across several cool-downs (each asks the topic again): Degraded throughout,
-    // the router too, and counted once.
+    // the router too, and counted once; the held records wait in the log, not in memory.
     for _ in 0..4 {
         assert_eq!(lane_status(&router, &d), Status::Degraded);
         assert_eq!(router.status().status, Status::Degraded);
         tokio::time::sleep(Duration::from_millis(300)).await;
     }
+    eventually(Duration::from_secs(10), "held records parked", || {
+        router.destinations().iter().any(|s| s.destination == d && s.batch_bytes == 0 && s.held_records == 2)
+    })
+    .await;
     assert!(sink.ensured(&d) >= 3, "the topic was not asked again: {}", sink.ensured(&d));
     let snap = router.destinations().into_iter().find(|s| s.destination == d).unwrap();
     assert_eq!(snap.rejected_records, 1);
