@@ -355,8 +355,15 @@ struct Info {
     sent_records: u64,
     rejected_records: u64,
     consecutive_failures: u32,
-    /// First offset of the out-of-range run already counted as rejected.
-    out_of_range_counted: Option<u64>,
+    /// The last offset of the out-of-range runs already counted as rejected: a run read
+    /// back after a park (the same records, or the part of them not dead-lettered yet)
+    /// is not counted again. A lane's records come in log order, so a new run ends past it.
+    out_of_range_counted_through: Option<u64>,
+    /// Failed dead-letter sends in a row, and the cap on what a dead-letter send
+    /// carries: a run parked while the dead-letter destination fails (or answers too
+    /// slowly) goes on from both after it is read back.
+    dead_letter_failures: u32,
+    dead_letter_cap: SendCap,
     /// What sends cut short by the destination's timeout left of a send's records.
     send_cap: SendCap,
 }
@@ -1803,6 +1810,12 @@ async fn attempt<S: Sink, C>(
             {
                 let mut i = lock(&lane.info);
                 i.consecutive_failures = 0;
+                if info.is_none() && i.dead_letter_failures > 0 {
+                    // A send went out: a run parked while it was dead-lettered went out
+                    // here after all (the topic gained the partition). Its count and cap go.
+                    i.dead_letter_failures = 0;
+                    i.dead_letter_cap = SendCap::default();
+                }
                 if let Some(t) = info {
                     if !t.durable && i.topic.is_none() {
                         tracing::warn!(destination = %lane.key, "topic acknowledges without fsync: its acks may not survive a crash of the server");
@@ -1867,8 +1880,13 @@ async fn out_of_range<S: Sink, C>(
     shutdown: &mut watch::Receiver<bool>,
 ) -> Delivery {
     let n = records.len() as u64;
-    let first = records.first().map(|r| r.offset);
-    let counted_before = std::mem::replace(&mut lock(&lane.info).out_of_range_counted, first) == first;
+    let last = records.last().map(|r| r.offset);
+    let counted_before = {
+        let mut info = lock(&lane.info);
+        let before = info.out_of_range_counted_through.is_some_and(|through| last.is_some_and(|l| l <= through));
+        info.out_of_range_counted_through = info.out_of_range_counted_through.max(last);
+        before
+    };
     let why = format!("partition id {partition} is beyond the topic's {} partitions", topic.partitions_count);
     if !counted_before {
         metrics::counter!("iggy_connector_destinations_rejected_total", "connector_key" => lane.key.source.clone(), "reason" => "partition_id_out_of_range")
@@ -1940,10 +1958,10 @@ async fn dead_letter<S: Sink, C>(
         .collect();
     let mut prepared = ctx.sink.prepare(&messages);
     let timeout = lane.policy.batch.result_timeout;
-    let mut failures = 0u32;
+    let mut failures = lock(&lane.info).dead_letter_failures;
     // Sent from `from`, under a cap of its own, as a lane's sends are: a run too slow to
     // be answered whole is not sent whole again at every retry.
-    let (mut from, mut cap) = (0, SendCap::default());
+    let (mut from, mut cap) = (0, std::mem::take(&mut lock(&lane.info).dead_letter_cap));
     loop {
         // The batch was bounded without the dead-letter headers these messages gain
         // (they are the destination's own records): bounded again with them.
@@ -1977,7 +1995,11 @@ async fn dead_letter<S: Sink, C>(
         }
         match sent {
             Ok(()) => {
-                lock(&lane.info).consecutive_failures = 0;
+                {
+                    let mut info = lock(&lane.info);
+                    info.consecutive_failures = 0;
+                    info.dead_letter_failures = 0;
+                }
                 progressed(lane, ctx, "records out of the topic's partitions dead-lettered");
                 dead_lettered_here(lane, ctx, (end - from) as u64);
                 cap.acknowledged(records.len());
@@ -1992,8 +2014,17 @@ async fn dead_letter<S: Sink, C>(
                     cap.cut_short(end - from);
                 }
                 failures = failures.saturating_add(1);
+                lock(&lane.info).dead_letter_failures = failures;
                 failed(lane, ctx, failures, false, &format!("dead-letter send failed: {e}"));
-                if sleep_or_shutdown(shutdown, lane.policy.backoff(failures)).await {
+                let backoff = lane.policy.backoff(failures);
+                // Degraded: the rest of the run waits in the log, as a Degraded lane's
+                // batch does (what went out is acknowledged with the batch's records
+                // before it).
+                if lane.status.get() == Status::Degraded {
+                    lock(&lane.info).dead_letter_cap = cap;
+                    return Delivery::Park { from, wait: backoff };
+                }
+                if sleep_or_shutdown(shutdown, backoff).await {
                     return Delivery::ShuttingDown;
                 }
             }

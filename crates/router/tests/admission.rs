@@ -558,6 +558,16 @@ async fn a_failing_dead_letter_topic_degrades_the_lane_until_it_takes_the_record
     let snap = router.destinations().into_iter().find(|s| s.destination == d).unwrap();
     assert!(snap.last_error.as_deref().is_some_and(|e| e.contains("result timeout")), "{:?}", snap.last_error);
     assert_eq!(router.released_below(), 0);
+    // The record waits in the log between tries, and is counted rejected once however
+    // often it is read back.
+    eventually(Duration::from_secs(10), "parked", || {
+        router.destinations().iter().any(|s| s.destination == d && s.batch_bytes == 0 && s.held_records == 1)
+    })
+    .await;
+    let tries = sink.ensured(&key("dlq", "rejected"));
+    eventually(Duration::from_secs(10), "tried again", || sink.ensured(&key("dlq", "rejected")) >= tries + 2).await;
+    let snap = router.destinations().into_iter().find(|s| s.destination == d).unwrap();
+    assert_eq!(snap.rejected_records, 1, "{snap:?}");
     sink.fault(&key("dlq", "rejected"), None);
     eventually(Duration::from_secs(10), "dead-lettered", || sink.ids(&key("dlq", "rejected")) == vec![1]).await;
     eventually(Duration::from_secs(30), "running", || lane_status(&router, &d) == Status::Running).await;
