@@ -364,6 +364,9 @@ struct Info {
     /// slowly) goes on from both after it is read back.
     dead_letter_failures: u32,
     dead_letter_cap: SendCap,
+    /// The last offset of a run parked while it was dead-lettered: read back, its rest
+    /// goes to the dead-letter destination too, never to its own topic.
+    dead_lettering_through: Option<u64>,
     /// What sends cut short by the destination's timeout left of a send's records.
     send_cap: SendCap,
 }
@@ -1499,6 +1502,22 @@ async fn deliver<S: Sink, C>(
     let mut asked = false;
     let mut i = 0;
     while i < batch.len() {
+        // The rest of a run parked while it was dead-lettered goes where the rest went,
+        // whatever the topic has since: a send to the dead-letter topic cut short by the
+        // timeout may have stored records there, and a record is in one destination.
+        let dead_lettering = lock(&lane.info).dead_lettering_through.filter(|&t| batch[i].offset <= t);
+        if let (Some(through), Some(dlq)) = (dead_lettering, lane.policy.dead_letter.as_ref()) {
+            let end = batch[i..].iter().position(|r| r.offset > through).map_or(batch.len(), |k| i + k);
+            release_reader();
+            match dead_letter(lane, ctx, dlq, &batch[i..end], &mut shutdown).await {
+                Delivery::Done => {
+                    i = end;
+                    continue;
+                }
+                Delivery::ShuttingDown => return Delivery::ShuttingDown,
+                Delivery::Park { from, wait } => return Delivery::Park { from: i + from, wait },
+            }
+        }
         // Make sure the destination exists and its partitions are known.
         let cached = lock(&lane.info).topic;
         let topic = match cached {
@@ -1553,7 +1572,9 @@ async fn deliver<S: Sink, C>(
                     continue;
                 }
                 Delivery::ShuttingDown => return Delivery::ShuttingDown,
-                // Held until the topic has the partition: parked from the run on.
+                // Held until the topic has the partition (parked from the run on), or
+                // dead-lettered while that destination fails (parked from the first
+                // record not yet there).
                 Delivery::Park { from, wait } => return Delivery::Park { from: i + from, wait },
             }
         }
@@ -1930,17 +1951,22 @@ async fn out_of_range<S: Sink, C>(
 /// Holds records whose partition id the topic lacks: the lane is Degraded (and the
 /// router with it) for as long as it holds them. They are parked ([`Delivery::Park`]) for
 /// a cool-down; the next try reads them back and asks the destination again (the topic
-/// may have gained partitions): sent if it has, parked again if not. Memory is not held
+/// may have gained partitions): sent if it has, parked again if not. An ask that fails
+/// is a failed try like any other (counted, the breaker told, retried after the
+/// backoff). Memory is not held
 /// for a hold that can last as long as the operator takes to add partitions.
 fn hold_until_partitions_exist<S: Sink, C>(lane: &Lane, ctx: &LaneContext<S, C>, why: &str) -> Delivery {
     degraded(lane, ctx, why);
     Delivery::Park { from: 0, wait: lane.policy.breaker.cool_down }
 }
 
-/// Sends refused records to the dead-letter topic, balanced, until it acknowledged them.
-/// Bounded like any send (the result timeout, the source's send slots); the lane is
-/// Degraded (and the router with it) after `degraded_after_failures` failures in a row,
-/// and Running again once the records are delivered there.
+/// Sends refused records to the dead-letter topic, balanced, until it acknowledged them
+/// or the lane is Degraded: then `Park` from the first record not yet there, the rest
+/// of the run sent there (never to its own topic) after its read-back, with the failure
+/// count and the send cap where they were. Bounded like any send (the result timeout,
+/// the source's send slots); the lane is Degraded (and the router with it) after
+/// `degraded_after_failures` failures in a row, and Running again once the records are
+/// delivered there.
 async fn dead_letter<S: Sink, C>(
     lane: &Lane,
     ctx: &LaneContext<S, C>,
@@ -2006,6 +2032,7 @@ async fn dead_letter<S: Sink, C>(
                 failures = 0;
                 from = end;
                 if from == records.len() {
+                    lock(&lane.info).dead_lettering_through = None;
                     return Delivery::Done;
                 }
             }
@@ -2021,7 +2048,9 @@ async fn dead_letter<S: Sink, C>(
                 // batch does (what went out is acknowledged with the batch's records
                 // before it).
                 if lane.status.get() == Status::Degraded {
-                    lock(&lane.info).dead_letter_cap = cap;
+                    let mut info = lock(&lane.info);
+                    info.dead_letter_cap = cap;
+                    info.dead_lettering_through = records.last().map(|r| r.offset);
                     return Delivery::Park { from, wait: backoff };
                 }
                 if sleep_or_shutdown(shutdown, backoff).await {
