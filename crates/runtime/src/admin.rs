@@ -240,9 +240,10 @@ fn record_json(r: &EndpointRecord, with_secret: bool) -> serde_json::Value {
     v
 }
 
-/// Endpoints one listing returns when the request names no `limit`.
+/// Entries one listing (endpoints, a connector's destinations) returns when the request
+/// names no `limit`.
 const LIST_LIMIT_DEFAULT: usize = 1000;
-/// The most endpoints one listing returns: a page of at most a few megabytes.
+/// The most entries one listing returns: a page of at most a few megabytes.
 const LIST_LIMIT_MAX: usize = 10_000;
 
 /// `GET /v1/endpoints?limit=N&after=ID`: a page of endpoints by id, and the id to ask
@@ -251,7 +252,7 @@ async fn list(State(s): State<Arc<Shared>>, headers: HeaderMap, RawQuery(query):
     if let Some(refused) = refuse_management(&s, &headers) {
         return refused;
     }
-    let (after, limit) = match list_query(query.as_deref().unwrap_or("")) {
+    let (after, limit) = match page_query(query.as_deref(), "an endpoint id (32 hex digits)", parse_id) {
         Ok(q) => q,
         Err(e) => return e.into_response(),
     };
@@ -260,18 +261,23 @@ async fn list(State(s): State<Arc<Shared>>, headers: HeaderMap, RawQuery(query):
     Json(json!({"endpoints": page, "next_after": next_after})).into_response()
 }
 
-/// The `after` and `limit` of a listing's query; any other parameter, a value given
-/// twice or one that does not read is a 400 naming it.
-fn list_query(query: &str) -> Result<(Option<u128>, usize), ApiError> {
+/// The `after` and `limit` of a listing's query (`after` read by `parse_after`, which
+/// `after_is` describes); any other parameter, a value given twice or one that does not
+/// read is a 400 `invalid_query` whose message starts with the parameter's name.
+pub(crate) fn page_query<T>(
+    query: Option<&str>,
+    after_is: &str,
+    parse_after: impl Fn(&str) -> Option<T>,
+) -> Result<(Option<T>, usize), ApiError> {
     let bad = |detail: String| ApiError::new(StatusCode::BAD_REQUEST, "invalid_query", detail);
     let (mut after, mut limit) = (None, None);
-    for pair in query.split('&').filter(|p| !p.is_empty()) {
+    for pair in query.unwrap_or("").split('&').filter(|p| !p.is_empty()) {
         let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
         match name {
             "after" if after.is_none() => {
-                after = Some(parse_id(value).ok_or_else(|| {
-                    bad(format!("after: must be an endpoint id (32 hex digits), got {:?}", shorten(value)))
-                })?);
+                let parsed = parse_after(value);
+                after =
+                    Some(parsed.ok_or_else(|| bad(format!("after: must be {after_is}, got {:?}", shorten(value))))?);
             }
             "limit" if limit.is_none() => {
                 let n = value.parse::<usize>().ok().filter(|n| (1..=LIST_LIMIT_MAX).contains(n));

@@ -742,21 +742,41 @@ pub fn publish_connector_statuses<'a>(delivery: &Delivery, sources: impl Iterato
 }
 
 /// `GET /connectors/{key}/destinations`.
+/// `GET /connectors/{key}/destinations?limit=N&after=STREAM/TOPIC`: a page of the
+/// connector's destinations by stream and topic, and where the next page starts
+/// (`next_after`, `null` on the last). A source may route to 100,000 destinations.
 pub async fn destinations(
     State(s): State<Arc<crate::daemon::Shared>>,
     key: Result<Path<String>, axum::extract::rejection::PathRejection>,
+    axum::extract::RawQuery(query): axum::extract::RawQuery,
 ) -> Response {
     let key = match http_source::door::path_param(key, "connector") {
         Ok(k) => k,
         Err(e) => return e.into_response(),
     };
+    // Names are [a-zA-Z0-9._-]: a slash parts the stream from the topic unambiguously.
+    let parse_after = |v: &str| v.split_once('/').map(|(s, t)| (s.to_string(), t.to_string()));
+    let (after, limit) = match crate::admin::page_query(query.as_deref(), "STREAM/TOPIC", parse_after) {
+        Ok(q) => q,
+        Err(e) => return e.into_response(),
+    };
     // A source removed from the configuration may still have records in the log, and
     // lanes delivering (or holding) them: those are shown, as they pin the log as well.
-    let lanes: Vec<serde_json::Value> = s.delivery.destinations_of(&key).iter().map(lane_json).collect();
+    let mut lanes = s.delivery.destinations_of(&key);
     if s.status.get(&key).is_none() && lanes.is_empty() {
         return http_source::error::ApiError::not_found("no such connector").into_response();
     }
-    Json(json!({"connector": key, "destinations": lanes})).into_response()
+    fn name(l: &LaneSnapshot) -> (&str, &str) {
+        (l.destination.stream.as_str(), l.destination.topic.as_str())
+    }
+    lanes.retain(|l| after.as_ref().is_none_or(|(s, t)| name(l) > (s.as_str(), t.as_str())));
+    lanes.sort_unstable_by(|a, b| name(a).cmp(&name(b)));
+    let more = lanes.len() > limit;
+    lanes.truncate(limit);
+    let next_after =
+        if more { lanes.last().map(|l| format!("{}/{}", l.destination.stream, l.destination.topic)) } else { None };
+    let page: Vec<serde_json::Value> = lanes.iter().map(lane_json).collect();
+    Json(json!({"connector": key, "destinations": page, "next_after": next_after})).into_response()
 }
 
 #[cfg(test)]

@@ -366,3 +366,64 @@ async fn a_log_of_many_undecodable_records_is_held_in_a_few_log_lines() {
         &text[..text.len().min(2000)]
     );
 }
+
+/// A connector's destinations are listed a page at a time, by stream and topic:
+/// `limit` of them (1,000 unless asked) after `after` (`STREAM/TOPIC`), `next_after`
+/// naming the last while more follow; the pages together list each destination once. A
+/// query that does not read is a 400 naming its parameter.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connectors_destinations_are_listed_a_page_at_a_time() {
+    let dir = tempfile::tempdir().unwrap();
+    let unreachable = "127.0.0.1:1".parse().unwrap();
+    let routed =
+        "\n[sources.r]\nroute = { topic_field = \"type\", default_stream = \"g\", default_topic = \"misc\" }\n";
+    let d = Daemon::start(dir.path(), "", &format!("{}{routed}", rest(unreachable)));
+    for t in ["t3", "t0", "t4", "t1", "t2"] {
+        assert_eq!(post_json(d.http, "/v1/sources/r", &format!("{{\"type\":\"{t}\"}}")).await.status, 200);
+    }
+    let names = |page: &serde_json::Value| -> Vec<String> {
+        page["destinations"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|l| format!("{}/{}", l["stream"].as_str().unwrap(), l["topic"].as_str().unwrap()))
+            .collect()
+    };
+    let want: Vec<String> = (0..5).map(|i| format!("g/t{i}")).collect();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let all = admin_json(d.admin, "/connectors/r/destinations").await;
+        if names(&all) == want {
+            assert_eq!(all["next_after"], serde_json::Value::Null, "{all}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "every destination, by name: {all}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let mut walked = Vec::new();
+    let mut path = "/connectors/r/destinations?limit=2".to_string();
+    loop {
+        let page = admin_json(d.admin, &path).await;
+        let got = names(&page);
+        assert!(got.len() <= 2, "{page}");
+        walked.extend(got.clone());
+        match page["next_after"].as_str() {
+            Some(after) => {
+                assert_eq!(Some(after), got.last().map(String::as_str), "{page}");
+                path = format!("/connectors/r/destinations?after={after}&limit=2");
+            }
+            None => break,
+        }
+    }
+    assert_eq!(walked, want, "the pages list each destination once, in order");
+    for (query, named) in
+        [("limit=0", "limit"), ("after=g", "after"), ("after=g/t1&after=g/t2", "after"), ("x=1", "\"x\"")]
+    {
+        let a = request(d.admin, "GET", &format!("/connectors/r/destinations?{query}"), &[], "").await;
+        assert_eq!(a.status, 400, "{query}: {:?}", a.body);
+        let body = a.json();
+        assert_eq!(body["error"], "invalid_query", "{query}: {body}");
+        assert!(body["message"].as_str().is_some_and(|m| m.starts_with(named)), "{query}: {body}");
+    }
+    assert!(d.stop().success());
+}
