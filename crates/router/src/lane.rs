@@ -456,6 +456,9 @@ pub(crate) struct SendSlots {
     /// Parked batches of the source read back at once ([`SendSlots::read_back`]): as
     /// many as its failing lanes may have sends in flight.
     read_back: Arc<Semaphore>,
+    /// Batches of the source re-read from the log at once ([`SendSlots::catch_up`]): as
+    /// many as it may have sends in flight.
+    catch_up: Arc<Semaphore>,
 }
 
 /// A send slot, held for one attempt.
@@ -472,7 +475,16 @@ impl SendSlots {
             all: Semaphore::new(max),
             failing: Semaphore::new(failing),
             read_back: Arc::new(Semaphore::new(failing)),
+            catch_up: Arc::new(Semaphore::new(max)),
         }
+    }
+
+    /// Leave to re-read a batch from the log, held until its try ends. A batch re-read
+    /// waits in memory for its send slot: after an outage a thousand lanes catching up
+    /// would each read one (a megabyte at the defaults) and wait for one of the source's
+    /// slots with it. `None` once the slots are closed.
+    pub(crate) async fn catch_up(&self) -> Option<tokio::sync::OwnedSemaphorePermit> {
+        self.catch_up.clone().acquire_owned().await.ok()
     }
 
     /// Leave to read a parked batch back into memory, held until its try ends. The
@@ -859,7 +871,9 @@ async fn run<S: Sink, C: CursorStore>(lane: Arc<Lane>, mut ctx: LaneContext<S, C
     // The batch given back to the log while the lane waits to try it again, and the
     // leave its try holds once it is read back.
     let mut parked: Option<Parked> = None;
-    let mut read_back: Option<tokio::sync::OwnedSemaphorePermit> = None;
+    // The leave a batch read from the log (re-read, or read back) holds until its try
+    // ends ([`SendSlots::catch_up`], [`SendSlots::read_back`]).
+    let mut leave: Option<tokio::sync::OwnedSemaphorePermit> = None;
     // The status a failed log read put the lane in Error from, to return to.
     let mut before_read_error: Option<Status> = None;
     loop {
@@ -887,7 +901,7 @@ async fn run<S: Sink, C: CursorStore>(lane: Arc<Lane>, mut ctx: LaneContext<S, C
                         .await;
                         match read {
                             Ok((_, Ok(batch))) => {
-                                read_back = Some(permit);
+                                leave = Some(permit);
                                 Ok(Some(batch))
                             }
                             Ok((places, Err(e))) => {
@@ -900,7 +914,15 @@ async fn run<S: Sink, C: CursorStore>(lane: Arc<Lane>, mut ctx: LaneContext<S, C
                             Err(_) => break,
                         }
                     }
-                    None => next_batch(&lane, &mut ctx, &mut catchup).await.map_err(|e| e.to_string()),
+                    None => {
+                        let read = next_batch(&lane, &mut ctx, &mut catchup, &mut leave).await;
+                        if !matches!(read, Ok(Some(_))) {
+                            // Nothing to send: the leave goes (a wait for records, or after
+                            // a failed read, holds none).
+                            leave = None;
+                        }
+                        read.map_err(|e| e.to_string())
+                    }
                 };
                 match read {
                     Ok(Some(b)) => {
@@ -935,7 +957,7 @@ async fn run<S: Sink, C: CursorStore>(lane: Arc<Lane>, mut ctx: LaneContext<S, C
         // and meanwhile the previous batch is freed and the next full batch (if queued)
         // is taken and prepared.
         let (delivery, next) =
-            tokio::join!(deliver(&lane, &ctx, &mut breaker, &batch, &mut prepared, &mut catchup), async {
+            tokio::join!(deliver(&lane, &ctx, &mut breaker, &batch, &mut prepared, &mut catchup, &mut leave), async {
                 drop(done.take());
                 take_full_batch(&lane).map(|b| {
                     lane.batch_bytes.fetch_add(b.iter().map(queued_size).sum(), Ordering::Relaxed);
@@ -944,8 +966,8 @@ async fn run<S: Sink, C: CursorStore>(lane: Arc<Lane>, mut ctx: LaneContext<S, C
                 })
             });
         ahead = next;
-        // The try is over: another parked batch of the source may be read back.
-        drop(read_back.take());
+        // The try is over: another batch of the source may be read from the log.
+        drop(leave.take());
         match delivery {
             Delivery::ShuttingDown => break,
             Delivery::Park { from, wait } => {
@@ -1107,6 +1129,7 @@ async fn next_batch<S, C>(
     lane: &Arc<Lane>,
     ctx: &mut LaneContext<S, C>,
     catchup: &mut Option<wal::Reader>,
+    leave: &mut Option<tokio::sync::OwnedSemaphorePermit>,
 ) -> wal::Result<Option<Vec<Routed>>> {
     let max_records = lane.policy.batch.batch_max_records;
     let max_bytes = lane.policy.batch.batch_max_bytes;
@@ -1128,6 +1151,16 @@ async fn next_batch<S, C>(
         }
         return Ok(None);
     };
+    // A batch re-read from the log waits for its send slot in memory: read only with
+    // leave ([`SendSlots::catch_up`]), kept (by the caller) until its try ends.
+    if leave.is_none() {
+        let permit = tokio::select! {
+            p = lane.send_slots.catch_up() => p,
+            _ = ctx.shutdown.changed() => None,
+        };
+        let Some(permit) = permit else { return Ok(None) };
+        *leave = Some(permit);
+    }
     // Re-read this lane's records from the log, up to what the dispatcher has routed.
     let limit = ctx.processed_below.load(Ordering::Acquire);
     let reader = match catchup {
@@ -1483,15 +1516,8 @@ async fn deliver<S: Sink, C>(
     batch: &[Routed],
     prepared: &mut Prepared<S::Message>,
     catchup: &mut Option<wal::Reader>,
+    leave: &mut Option<tokio::sync::OwnedSemaphorePermit>,
 ) -> Delivery {
-    // A batch that is not sent at once may wait for hours (an outage, a hold): the
-    // reader re-reading the log keeps its position but not its read window meanwhile.
-    // Memory held outside the queue budget would otherwise grow with the lanes waiting.
-    let mut release_reader = || {
-        if let Some(r) = catchup.as_mut() {
-            r.release_buffer();
-        }
-    };
     let mut shutdown = ctx.shutdown.clone();
     // A batch read back after a park goes on counting the failures before it (0 for any
     // other: a batch starts after its predecessor was delivered).
@@ -1508,8 +1534,8 @@ async fn deliver<S: Sink, C>(
         let dead_lettering = lock(&lane.info).dead_lettering_through.filter(|&t| batch[i].offset <= t);
         if let (Some(through), Some(dlq)) = (dead_lettering, lane.policy.dead_letter.as_ref()) {
             let end = batch[i..].iter().position(|r| r.offset > through).map_or(batch.len(), |k| i + k);
-            release_reader();
-            match dead_letter(lane, ctx, dlq, &batch[i..end], &mut shutdown).await {
+            waiting(catchup, leave);
+            match dead_letter(lane, ctx, dlq, &batch[i..end], leave, &mut shutdown).await {
                 Delivery::Done => {
                     i = end;
                     continue;
@@ -1528,11 +1554,11 @@ async fn deliver<S: Sink, C>(
                     t
                 }
                 Attempt::Retry => {
-                    release_reader();
+                    waiting(catchup, leave);
                     continue;
                 }
                 Attempt::Park(wait) => {
-                    release_reader();
+                    waiting(catchup, leave);
                     return Delivery::Park { from: i, wait };
                 }
                 Attempt::Sent | Attempt::ShuttingDown => return Delivery::ShuttingDown,
@@ -1565,8 +1591,8 @@ async fn deliver<S: Sink, C>(
             }
             failures = 0;
             lock(&lane.info).consecutive_failures = 0;
-            release_reader();
-            match out_of_range(lane, ctx, &batch[i..end], p, topic, &mut shutdown).await {
+            waiting(catchup, leave);
+            match out_of_range(lane, ctx, &batch[i..end], p, topic, leave, &mut shutdown).await {
                 Delivery::Done => {
                     i = end;
                     continue;
@@ -1592,9 +1618,9 @@ async fn deliver<S: Sink, C>(
                 lock(&lane.info).sent_records += (end - i) as u64;
                 i = end;
             }
-            Attempt::Retry => release_reader(),
+            Attempt::Retry => waiting(catchup, leave),
             Attempt::Park(wait) => {
-                release_reader();
+                waiting(catchup, leave);
                 return Delivery::Park { from: i, wait };
             }
             Attempt::Ensured(_) => {}
@@ -1611,6 +1637,18 @@ async fn deliver<S: Sink, C>(
         close_breaker(lane, breaker);
     }
     Delivery::Done
+}
+
+/// A try failed (or holds): the batch waits. A wait may last hours (an outage, a hold),
+/// so what only a try needs goes: the reader re-reading the log keeps its position but
+/// not its read window (memory outside the queue budget would otherwise grow with the
+/// lanes waiting), and the leave to read a batch from the log goes back to the source
+/// (a failing lane must not hold its healthy lanes' catch-up reads for its retries).
+fn waiting(catchup: &mut Option<wal::Reader>, leave: &mut Option<tokio::sync::OwnedSemaphorePermit>) {
+    if let Some(r) = catchup.as_mut() {
+        r.release_buffer();
+    }
+    drop(leave.take());
 }
 
 /// Closes `breaker` and publishes it (status; the open-breakers gauge follows the state).
@@ -1898,6 +1936,7 @@ async fn out_of_range<S: Sink, C>(
     records: &[Routed],
     partition: u32,
     topic: TopicInfo,
+    leave: &mut Option<tokio::sync::OwnedSemaphorePermit>,
     shutdown: &mut watch::Receiver<bool>,
 ) -> Delivery {
     let n = records.len() as u64;
@@ -1942,7 +1981,7 @@ async fn out_of_range<S: Sink, C>(
             let Some(dlq) = lane.policy.dead_letter.clone() else {
                 return hold_until_partitions_exist(lane, ctx, &why);
             };
-            dead_letter(lane, ctx, &dlq, records, shutdown).await
+            dead_letter(lane, ctx, &dlq, records, leave, shutdown).await
         }
         OnAdmissionFailure::Error => hold_until_partitions_exist(lane, ctx, &why),
     }
@@ -1972,6 +2011,7 @@ async fn dead_letter<S: Sink, C>(
     ctx: &LaneContext<S, C>,
     dlq: &DestinationKey,
     records: &[Routed],
+    leave: &mut Option<tokio::sync::OwnedSemaphorePermit>,
     shutdown: &mut watch::Receiver<bool>,
 ) -> Delivery {
     let messages: Vec<OutMessage<'_>> = records
@@ -2041,6 +2081,7 @@ async fn dead_letter<S: Sink, C>(
                     cap.cut_short(end - from);
                 }
                 failures = failures.saturating_add(1);
+                drop(leave.take());
                 lock(&lane.info).dead_letter_failures = failures;
                 failed(lane, ctx, failures, false, &format!("dead-letter send failed: {e}"));
                 let backoff = lane.policy.backoff(failures);

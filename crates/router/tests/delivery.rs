@@ -353,6 +353,43 @@ async fn parked_batches_are_read_back_only_as_fast_as_their_tries_go_out() {
     router.shutdown().await;
 }
 
+/// Lanes re-reading the log read their batches no faster than their source's send
+/// slots take them: after an outage, a thousand lanes catching up would otherwise each
+/// read a batch and wait for a slot with it in memory. Here every record goes to the
+/// log (a router budget of one byte queues none), twelve destinations answer slowly,
+/// and their source has two send slots.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lanes_catching_up_read_their_batches_only_as_fast_as_the_send_slots_take_them() {
+    let sim = SimStorage::new();
+    let wal = open_wal(&sim);
+    let sink = FaultySink::new();
+    let dests: Vec<_> = (0..12).map(|i| key("s", &format!("slow{i}"))).collect();
+    for d in &dests {
+        sink.fault(d, Some(Fault::Slow(Duration::from_millis(150))));
+    }
+    let mut policy = fast_policy();
+    policy.max_concurrent_destinations = 2;
+    policy.batch.batch_max_records = 10;
+    policy.lane_queue_max_bytes = 1;
+    let mut policies = Policies::uniform(policy);
+    policies.queues_max_bytes = 1;
+    let router = Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), policies).unwrap();
+    let want = fill(&wal, &dests, 0, 12 * 40).await;
+    let mut most_in_memory = 0;
+    while !dests.iter().all(|d| sink.ids(d).len() >= 40) {
+        let lanes = router.destinations();
+        assert!(lanes.iter().all(|l| l.queued_bytes == 0), "{lanes:?}");
+        most_in_memory = most_in_memory.max(lanes.iter().filter(|l| l.batch_bytes > 0).count());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(most_in_memory >= 1, "no batch was ever seen");
+    assert!(most_in_memory <= 2, "{most_in_memory} batches in memory with two send slots");
+    for d in &dests {
+        assert_eq!(sink.ids(d), want[d], "lost, reordered or duplicated records of {d}");
+    }
+    router.shutdown().await;
+}
+
 /// A batch whose first run of messages was acknowledged and whose next one fails until
 /// the lane is Degraded is parked from the failing run: what was acknowledged counts as
 /// delivered (the cursor moves past it, the lane holds only the rest), and it is not
@@ -394,6 +431,18 @@ async fn a_batch_parked_halfway_counts_its_acknowledged_run_delivered_and_sends_
 /// source is never queued behind their result timeouts.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failing_destinations_leave_a_healthy_one_of_their_source_a_send_slot() {
+    a_healthy_destination_waits_for_no_failing_one(false).await;
+}
+
+/// The same with every record re-read from the log (a router budget of one byte queues
+/// none): a failing lane gives back its leave to read from the log at its first failure,
+/// so failing lanes waiting out their retries never hold a healthy lane's read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failing_destinations_re_reading_the_log_leave_a_healthy_one_its_reads() {
+    a_healthy_destination_waits_for_no_failing_one(true).await;
+}
+
+async fn a_healthy_destination_waits_for_no_failing_one(all_in_log: bool) {
     let sim = SimStorage::new();
     let wal = open_wal(&sim);
     let sink = FaultySink::new();
@@ -407,10 +456,19 @@ async fn failing_destinations_leave_a_healthy_one_of_their_source_a_send_slot() 
     policy.batch.result_timeout = Duration::from_secs(2);
     policy.batch.backoff_base = Duration::from_millis(10);
     policy.batch.backoff_max = Duration::from_millis(50);
-    // The bad ones keep retrying instead of resting behind an open breaker.
+    // The bad ones keep retrying in memory, not degraded, instead of resting behind an
+    // open breaker or parked.
     policy.breaker.failure_threshold = 1_000;
+    policy.batch.degraded_after_failures = 1_000;
+    if all_in_log {
+        policy.lane_queue_max_bytes = 1;
+    }
+    let mut policies = Policies::uniform(policy);
+    if all_in_log {
+        policies.queues_max_bytes = 1;
+    }
     fill(&wal, &bad, 0, 4).await;
-    let router = start_router(&wal, &sink, policy);
+    let router = Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), policies).unwrap();
     // Every bad destination has timed out at least once (its second call has begun).
     eventually(Duration::from_secs(60), "every bad destination failed once", || {
         bad.iter().all(|d| sink.calls(d) + sink.ensured(d) >= 2)
