@@ -400,21 +400,8 @@ async fn a_connectors_destinations_are_listed_a_page_at_a_time() {
         assert!(Instant::now() < deadline, "every destination, by name: {all}");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let mut walked = Vec::new();
-    let mut path = "/connectors/r/destinations?limit=2".to_string();
-    loop {
-        let page = admin_json(d.admin, &path).await;
-        let got = names(&page);
-        assert!(got.len() <= 2, "{page}");
-        walked.extend(got.clone());
-        match page["next_after"].as_str() {
-            Some(after) => {
-                assert_eq!(Some(after), got.last().map(String::as_str), "{page}");
-                path = format!("/connectors/r/destinations?after={after}&limit=2");
-            }
-            None => break,
-        }
-    }
+    let name = |l: &serde_json::Value| format!("{}/{}", l["stream"].as_str().unwrap(), l["topic"].as_str().unwrap());
+    let walked = walk_pages(d.admin, &[], "/connectors/r/destinations?limit=2", 2, "destinations", name).await;
     assert_eq!(walked, want, "the pages list each destination once, in order");
     for (query, named) in
         [("limit=0", "limit"), ("after=g", "after"), ("after=g/t1&after=g/t2", "after"), ("x=1", "\"x\"")]

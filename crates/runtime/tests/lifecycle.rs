@@ -1289,23 +1289,8 @@ async fn endpoints_are_listed_a_page_at_a_time_by_id() {
     assert!(all.windows(2).all(|w| w[0] < w[1]), "listed by id: {all:?}");
     assert_eq!(whole["next_after"], serde_json::Value::Null);
 
-    let mut walked = Vec::new();
-    let mut path = "/v1/endpoints?limit=3".to_string();
-    loop {
-        let page = request(d.admin, "GET", &path, &auth, "").await;
-        assert_eq!(page.status, 200, "{path}: {:?}", page.body);
-        let page = page.json();
-        let got = ids(&page);
-        assert!(got.len() <= 3, "{page}");
-        walked.extend(got.clone());
-        match page["next_after"].as_str() {
-            Some(after) => {
-                assert_eq!(Some(after), got.last().map(String::as_str), "next_after names the page's last id");
-                path = format!("/v1/endpoints?after={after}&limit=3");
-            }
-            None => break,
-        }
-    }
+    let id = |e: &serde_json::Value| e["id"].as_str().unwrap().to_string();
+    let walked = walk_pages(d.admin, &auth, "/v1/endpoints?limit=3", 3, "endpoints", id).await;
     assert_eq!(walked, all, "the pages list every endpoint once, in order");
     // After the last id: an empty last page.
     let tail = request(d.admin, "GET", &format!("/v1/endpoints?after={}", all[6]), &auth, "").await.json();

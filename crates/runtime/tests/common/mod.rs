@@ -356,3 +356,35 @@ pub fn hmac_hex(key: &[u8], msg: &[u8]) -> String {
     m.update(msg);
     hex::encode(m.finalize().into_bytes())
 }
+
+/// Every entry of a paged admin listing, walked from `path` (whose query names a
+/// `limit` of at most `limit`) by following `next_after`, each entry named by `name`.
+/// Checks every page: 200, at most `limit` entries under `list`, and a `next_after` that
+/// names the page's last entry while more follow.
+pub async fn walk_pages(
+    admin: SocketAddr,
+    headers: &[(&str, &str)],
+    path: &str,
+    limit: usize,
+    list: &str,
+    name: impl Fn(&serde_json::Value) -> String,
+) -> Vec<String> {
+    let mut walked = Vec::new();
+    let mut next = path.to_string();
+    loop {
+        let page = request(admin, "GET", &next, headers, "").await;
+        assert_eq!(page.status, 200, "{next}: {:?}", page.body);
+        let page = page.json();
+        let got: Vec<String> = page[list].as_array().unwrap().iter().map(&name).collect();
+        assert!(got.len() <= limit, "{page}");
+        walked.extend(got.clone());
+        match page["next_after"].as_str() {
+            Some(after) => {
+                assert_eq!(Some(after), got.last().map(String::as_str), "next_after names the page's last entry");
+                let base = path.split('?').next().unwrap_or(path);
+                next = format!("{base}?after={after}&limit={limit}");
+            }
+            None => return walked,
+        }
+    }
+}
