@@ -14,7 +14,9 @@
 //!   topic's partitions) queues nothing until it delivers again: its queue is shed to the
 //!   log ([`Gate::shed`]), and between tries its batch waits in the log too, the lane
 //!   keeping only each record's place ([`Parked`]), so memory is held by destinations
-//!   that deliver, never by an outage. A parked batch pins the log from its first record
+//!   that deliver, never by an outage. A batch read from the log waits there from its
+//!   first failed try, and is filled only with one of its source's catch-up leaves
+//!   ([`SendSlots::catch_up`]): lanes catching up hold at most that many batches. A parked batch pins the log from its first record
 //!   as a batch in flight does, and what it delivered before it was parked is
 //!   acknowledged then, never sent again.
 //! - Records of a destination are sent in log order; a batch is retried until it is
@@ -456,8 +458,9 @@ pub(crate) struct SendSlots {
     /// Parked batches of the source read back at once ([`SendSlots::read_back`]): as
     /// many as its failing lanes may have sends in flight.
     read_back: Arc<Semaphore>,
-    /// Batches of the source re-read from the log at once ([`SendSlots::catch_up`]): as
-    /// many as it may have sends in flight.
+    /// Batches of the source re-read from the log at once ([`SendSlots::catch_up`]): twice
+    /// as many as it may have sends in flight, so that a batch is read while another's
+    /// send is in flight and no slot waits for a read.
     catch_up: Arc<Semaphore>,
 }
 
@@ -475,7 +478,7 @@ impl SendSlots {
             all: Semaphore::new(max),
             failing: Semaphore::new(failing),
             read_back: Arc::new(Semaphore::new(failing)),
-            catch_up: Arc::new(Semaphore::new(max)),
+            catch_up: Arc::new(Semaphore::new(max.saturating_mul(2))),
         }
     }
 
@@ -956,15 +959,17 @@ async fn run<S: Sink, C: CursorStore>(lane: Arc<Lane>, mut ctx: LaneContext<S, C
         // The send is polled first: it writes its request and waits for the answer,
         // and meanwhile the previous batch is freed and the next full batch (if queued)
         // is taken and prepared.
-        let (delivery, next) =
-            tokio::join!(deliver(&lane, &ctx, &mut breaker, &batch, &mut prepared, &mut catchup, &mut leave), async {
+        let (delivery, next) = tokio::join!(
+            deliver(&lane, &ctx, &mut breaker, &batch, &mut prepared, &mut catchup, leave.is_some()),
+            async {
                 drop(done.take());
                 take_full_batch(&lane).map(|b| {
                     lane.batch_bytes.fetch_add(b.iter().map(queued_size).sum(), Ordering::Relaxed);
                     let prepared = prepare(&*ctx.sink, &b);
                     (b, prepared)
                 })
-            });
+            }
+        );
         ahead = next;
         // The try is over: another batch of the source may be read from the log.
         drop(leave.take());
@@ -1151,16 +1156,6 @@ async fn next_batch<S, C>(
         }
         return Ok(None);
     };
-    // A batch re-read from the log waits for its send slot in memory: read only with
-    // leave ([`SendSlots::catch_up`]), kept (by the caller) until its try ends.
-    if leave.is_none() {
-        let permit = tokio::select! {
-            p = lane.send_slots.catch_up() => p,
-            _ = ctx.shutdown.changed() => None,
-        };
-        let Some(permit) = permit else { return Ok(None) };
-        *leave = Some(permit);
-    }
     // Re-read this lane's records from the log, up to what the dispatcher has routed.
     let limit = ctx.processed_below.load(Ordering::Acquire);
     let reader = match catchup {
@@ -1191,6 +1186,18 @@ async fn next_batch<S, C>(
         for rec in records {
             let offset = rec.offset;
             if let Some(routed) = own_record(lane, rec) {
+                // A batch re-read from the log waits for its send slot in memory: it is
+                // filled only with leave ([`SendSlots::catch_up`]), taken at its first
+                // record (the scan to it holds none) and kept by the caller until its try
+                // ends. Stopping meanwhile, nothing was taken: the next start reads again.
+                if leave.is_none() {
+                    let permit = tokio::select! {
+                        p = lane.send_slots.catch_up() => p,
+                        _ = ctx.shutdown.changed() => None,
+                    };
+                    let Some(permit) = permit else { return Ok(None) };
+                    *leave = Some(permit);
+                }
                 if !batch.is_empty() && bytes.would_pass(&routed, max_bytes) {
                     // Given back to the reader with those read after it, read again
                     // first next time: a new reader would walk the segment from its
@@ -1516,7 +1523,7 @@ async fn deliver<S: Sink, C>(
     batch: &[Routed],
     prepared: &mut Prepared<S::Message>,
     catchup: &mut Option<wal::Reader>,
-    leave: &mut Option<tokio::sync::OwnedSemaphorePermit>,
+    from_log: bool,
 ) -> Delivery {
     let mut shutdown = ctx.shutdown.clone();
     // A batch read back after a park goes on counting the failures before it (0 for any
@@ -1534,8 +1541,8 @@ async fn deliver<S: Sink, C>(
         let dead_lettering = lock(&lane.info).dead_lettering_through.filter(|&t| batch[i].offset <= t);
         if let (Some(through), Some(dlq)) = (dead_lettering, lane.policy.dead_letter.as_ref()) {
             let end = batch[i..].iter().position(|r| r.offset > through).map_or(batch.len(), |k| i + k);
-            waiting(catchup, leave);
-            match dead_letter(lane, ctx, dlq, &batch[i..end], leave, &mut shutdown).await {
+            release_reader(catchup);
+            match dead_letter(lane, ctx, dlq, &batch[i..end], from_log, &mut shutdown).await {
                 Delivery::Done => {
                     i = end;
                     continue;
@@ -1548,17 +1555,17 @@ async fn deliver<S: Sink, C>(
         let cached = lock(&lane.info).topic;
         let topic = match cached {
             Some(t) => t,
-            None => match attempt(lane, ctx, breaker, &mut failures, Op::Ensure, &mut shutdown).await {
+            None => match attempt(lane, ctx, breaker, &mut failures, Op::Ensure, from_log, &mut shutdown).await {
                 Attempt::Ensured(t) => {
                     asked = true;
                     t
                 }
                 Attempt::Retry => {
-                    waiting(catchup, leave);
+                    release_reader(catchup);
                     continue;
                 }
                 Attempt::Park(wait) => {
-                    waiting(catchup, leave);
+                    release_reader(catchup);
                     return Delivery::Park { from: i, wait };
                 }
                 Attempt::Sent | Attempt::ShuttingDown => return Delivery::ShuttingDown,
@@ -1591,8 +1598,8 @@ async fn deliver<S: Sink, C>(
             }
             failures = 0;
             lock(&lane.info).consecutive_failures = 0;
-            waiting(catchup, leave);
-            match out_of_range(lane, ctx, &batch[i..end], p, topic, leave, &mut shutdown).await {
+            release_reader(catchup);
+            match out_of_range(lane, ctx, &batch[i..end], p, topic, from_log, &mut shutdown).await {
                 Delivery::Done => {
                     i = end;
                     continue;
@@ -1611,16 +1618,16 @@ async fn deliver<S: Sink, C>(
             Ok(messages) => Op::Send(&partitioning, &mut messages[i..end]),
             Err(e) => Op::Unsendable(e.clone()),
         };
-        match attempt(lane, ctx, breaker, &mut failures, op, &mut shutdown).await {
+        match attempt(lane, ctx, breaker, &mut failures, op, from_log, &mut shutdown).await {
             Attempt::Sent => {
                 metrics::counter!("iggy_connector_messages_routed_total", "connector_key" => lane.key.source.clone())
                     .increment((end - i) as u64);
                 lock(&lane.info).sent_records += (end - i) as u64;
                 i = end;
             }
-            Attempt::Retry => waiting(catchup, leave),
+            Attempt::Retry => release_reader(catchup),
             Attempt::Park(wait) => {
-                waiting(catchup, leave);
+                release_reader(catchup);
                 return Delivery::Park { from: i, wait };
             }
             Attempt::Ensured(_) => {}
@@ -1639,16 +1646,13 @@ async fn deliver<S: Sink, C>(
     Delivery::Done
 }
 
-/// A try failed (or holds): the batch waits. A wait may last hours (an outage, a hold),
-/// so what only a try needs goes: the reader re-reading the log keeps its position but
-/// not its read window (memory outside the queue budget would otherwise grow with the
-/// lanes waiting), and the leave to read a batch from the log goes back to the source
-/// (a failing lane must not hold its healthy lanes' catch-up reads for its retries).
-fn waiting(catchup: &mut Option<wal::Reader>, leave: &mut Option<tokio::sync::OwnedSemaphorePermit>) {
+/// A try failed (or holds): the batch waits, perhaps for hours (an outage, a hold). The
+/// reader re-reading the log keeps its position but not its read window meanwhile:
+/// memory outside the queue budget would otherwise grow with the lanes waiting.
+fn release_reader(catchup: &mut Option<wal::Reader>) {
     if let Some(r) = catchup.as_mut() {
         r.release_buffer();
     }
-    drop(leave.take());
 }
 
 /// Closes `breaker` and publishes it (status; the open-breakers gauge follows the state).
@@ -1810,6 +1814,7 @@ async fn attempt<S: Sink, C>(
     breaker: &mut CountedBreaker,
     failures: &mut u32,
     op: Op<'_, S::Message>,
+    from_log: bool,
     shutdown: &mut watch::Receiver<bool>,
 ) -> Attempt {
     let wait = breaker.wait(Instant::now());
@@ -1913,11 +1918,14 @@ async fn attempt<S: Sink, C>(
             lock(&lane.info).breaker = Some(breaker.state());
             tracing::debug!(destination = %lane.key, error = %e, failures = *failures, "send failed; holding and retrying");
             let backoff = lane.policy.backoff(*failures);
-            // Degraded (now, as `failed` decided, or still: records held out of the topic's
-            // partitions, then a failure): the wait can last as long as the outage,
+            // A batch read from the log (re-read, or read back) is there already: it waits
+            // there, at no cost of memory and none of a scan to read it back. Any other
+            // waits there once the lane is Degraded (now, as `failed` decided, or still:
+            // records held out of the topic's partitions, then a failure): the wait can
+            // last as long as the outage,
             // for every destination it hits, so the batch waits in the log. A blip before
             // that is waited out with the batch in memory.
-            if lane.status.get() == Status::Degraded {
+            if from_log || lane.status.get() == Status::Degraded {
                 return Attempt::Park(backoff);
             }
             if sleep_or_shutdown(shutdown, backoff).await {
@@ -1936,7 +1944,7 @@ async fn out_of_range<S: Sink, C>(
     records: &[Routed],
     partition: u32,
     topic: TopicInfo,
-    leave: &mut Option<tokio::sync::OwnedSemaphorePermit>,
+    from_log: bool,
     shutdown: &mut watch::Receiver<bool>,
 ) -> Delivery {
     let n = records.len() as u64;
@@ -1981,7 +1989,7 @@ async fn out_of_range<S: Sink, C>(
             let Some(dlq) = lane.policy.dead_letter.clone() else {
                 return hold_until_partitions_exist(lane, ctx, &why);
             };
-            dead_letter(lane, ctx, &dlq, records, leave, shutdown).await
+            dead_letter(lane, ctx, &dlq, records, from_log, shutdown).await
         }
         OnAdmissionFailure::Error => hold_until_partitions_exist(lane, ctx, &why),
     }
@@ -2011,7 +2019,7 @@ async fn dead_letter<S: Sink, C>(
     ctx: &LaneContext<S, C>,
     dlq: &DestinationKey,
     records: &[Routed],
-    leave: &mut Option<tokio::sync::OwnedSemaphorePermit>,
+    from_log: bool,
     shutdown: &mut watch::Receiver<bool>,
 ) -> Delivery {
     let messages: Vec<OutMessage<'_>> = records
@@ -2081,14 +2089,13 @@ async fn dead_letter<S: Sink, C>(
                     cap.cut_short(end - from);
                 }
                 failures = failures.saturating_add(1);
-                drop(leave.take());
                 lock(&lane.info).dead_letter_failures = failures;
                 failed(lane, ctx, failures, false, &format!("dead-letter send failed: {e}"));
                 let backoff = lane.policy.backoff(failures);
-                // Degraded: the rest of the run waits in the log, as a Degraded lane's
-                // batch does (what went out is acknowledged with the batch's records
-                // before it).
-                if lane.status.get() == Status::Degraded {
+                // Degraded, or read from the log: the rest of the run waits in the log, as
+                // such a batch does (what went out is acknowledged with the batch's
+                // records before it).
+                if from_log || lane.status.get() == Status::Degraded {
                     let mut info = lock(&lane.info);
                     info.dead_letter_cap = cap;
                     info.dead_lettering_through = records.last().map(|r| r.offset);
