@@ -258,6 +258,15 @@ impl Gate {
     #[must_use = "the shed records are dropped by the caller, outside the gate's lock"]
     fn shed(&mut self) -> VecDeque<Routed> {
         self.cannot_send = true;
+        self.spill()
+    }
+
+    /// [`Gate::shed`] without its "cannot send": the queue goes to the log (and what the
+    /// dispatcher offers next is re-read with it), but the lane may queue again once its
+    /// re-read caught up. For a batch parked before the lane is Degraded: what it queued
+    /// lies after that batch, and must not be sent before it.
+    #[must_use = "the spilled records are dropped by the caller, outside the gate's lock"]
+    fn spill(&mut self) -> VecDeque<Routed> {
         let (Some(first), Some(last)) = (self.queue.front(), self.queue.back()) else { return VecDeque::new() };
         let (first, last) = (first.offset, last.offset);
         // Queued records lie below any offset skipped since: an overflow stops queueing.
@@ -342,8 +351,8 @@ pub struct LaneSnapshot {
     /// What the lane keeps in its queue in memory, as `lane_queue_max_bytes` counts it.
     pub queued_bytes: usize,
     /// What its batch being delivered (and the next one, prepared ahead) keep in memory,
-    /// counted the same way: 0 while it is Degraded and waits to try again (the batch
-    /// waits in the log).
+    /// counted the same way: 0 while its batch is parked (the lane is Degraded, or the
+    /// batch was read from the log, and waits to try again: it waits in the log).
     pub batch_bytes: usize,
     /// The most records one send carries after sends cut short by the destination's
     /// timeout ([`SendCap`]); `None`: no cap beyond `batch_max_records`.
@@ -490,6 +499,11 @@ impl SendSlots {
         self.catch_up.clone().acquire_owned().await.ok()
     }
 
+    /// [`SendSlots::catch_up`] if one is free now.
+    fn try_catch_up(&self) -> Option<tokio::sync::OwnedSemaphorePermit> {
+        self.catch_up.clone().try_acquire_owned().ok()
+    }
+
     /// Leave to read a parked batch back into memory, held until its try ends. The
     /// source's failing lanes send one at a time per failing slot, and a try through a
     /// server that does not answer takes a whole result timeout: read back before their
@@ -531,7 +545,8 @@ pub(crate) struct Lane {
     /// `delivered_below` at start.
     delivered_below_at_start: u64,
     /// What the batch being delivered and the one prepared after it keep in memory, as
-    /// [`queued_size`] counts a record: 0 while the lane is parked ([`Parked`]).
+    /// [`queued_size`] counts a record: 0 while the lane is parked ([`Parked`]) or waits
+    /// for records.
     batch_bytes: AtomicUsize,
     pub status: StatusCell,
     info: Mutex<Info>,
@@ -886,6 +901,9 @@ async fn run<S: Sink, C: CursorStore>(lane: Arc<Lane>, mut ctx: LaneContext<S, C
         let (batch, mut prepared) = match ahead.take() {
             Some(next) => next,
             None => {
+                // The next batch may be long in coming (an idle destination, a wait for
+                // leave): the last one is not kept meanwhile.
+                drop(done.take());
                 let read = match parked.take() {
                     // Records read before, each once: they were all this lane's. Read on a
                     // blocking thread: after a long outage they may be out of the page
@@ -1039,7 +1057,7 @@ fn acknowledge(lane: &Lane, delivered: &[Routed], below: u64, next_first: Option
 /// places to read `undelivered` back from. Both are dropped outside the gate's lock.
 fn park<M>(lane: &Lane, undelivered: &[Routed], ahead: Option<(Vec<Routed>, M)>) -> Parked {
     let parked: Parked = undelivered.iter().map(|r| (r.offset, r.place, r.dead_letter_reason)).collect();
-    {
+    let spilled = {
         let mut g = lane.gate();
         g.in_flight_first = undelivered.first().map(|r| r.offset);
         if let Some((b, _)) = &ahead
@@ -1049,8 +1067,16 @@ fn park<M>(lane: &Lane, undelivered: &[Routed], ahead: Option<(Vec<Routed>, M)>)
             g.overflow_from = Some(g.overflow_from.map_or(first, |o| o.min(first)));
             g.last_skipped = Some(g.last_skipped.map_or(last, |s| s.max(last)));
         }
-    }
+        // A lane parked before it is Degraded still queues: what it queued lies after the
+        // batch prepared ahead, and goes to the log with it, or it would be sent before
+        // that batch is read again (and its acknowledgement would pass over it).
+        g.spill()
+    };
     drop(ahead);
+    if !spilled.is_empty() {
+        drop(spilled);
+        lane.space.notify_waiters();
+    }
     parked
 }
 
@@ -1183,20 +1209,26 @@ async fn next_batch<S, C>(
             break;
         }
         scanned_since_yield += records.len();
+        let mut wait_for_leave = false;
         for rec in records {
             let offset = rec.offset;
             if let Some(routed) = own_record(lane, rec) {
                 // A batch re-read from the log waits for its send slot in memory: it is
                 // filled only with leave ([`SendSlots::catch_up`]), taken at its first
                 // record (the scan to it holds none) and kept by the caller until its try
-                // ends. Stopping meanwhile, nothing was taken: the next start reads again.
+                // ends. With none free, this record and those read after it are given
+                // back to the reader, which waits for one holding nothing read.
                 if leave.is_none() {
-                    let permit = tokio::select! {
-                        p = lane.send_slots.catch_up() => p,
-                        _ = ctx.shutdown.changed() => None,
-                    };
-                    let Some(permit) = permit else { return Ok(None) };
-                    *leave = Some(permit);
+                    match lane.send_slots.try_catch_up() {
+                        Some(permit) => *leave = Some(permit),
+                        None => {
+                            if !reader.unread_from(offset) || reader.position() != offset {
+                                *reader = ctx.wal.reader(offset)?;
+                            }
+                            wait_for_leave = true;
+                            break;
+                        }
+                    }
                 }
                 if !batch.is_empty() && bytes.would_pass(&routed, max_bytes) {
                     // Given back to the reader with those read after it, read again
@@ -1212,6 +1244,16 @@ async fn next_batch<S, C>(
                 bytes.add(&routed);
                 batch.push(routed);
             }
+        }
+        if wait_for_leave {
+            reader.release_buffer();
+            // Stopping meanwhile, nothing was taken: the next start reads again.
+            let permit = tokio::select! {
+                p = lane.send_slots.catch_up() => p,
+                _ = ctx.shutdown.changed() => None,
+            };
+            let Some(permit) = permit else { return Ok(None) };
+            *leave = Some(permit);
         }
     }
     let pos = reader.position();

@@ -426,6 +426,53 @@ async fn a_batch_read_from_the_log_waits_there_from_its_first_failed_try() {
     router.shutdown().await;
 }
 
+/// A batch parked before its lane is Degraded leaves the lane queueing; what it queued
+/// meanwhile lies after the parked batch and after the one prepared ahead of it, and if
+/// that try fails too, both go to the log in that order: nothing queued is sent before
+/// them (its acknowledgement would pass over them, and their re-read skip them).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_a_lane_queues_while_its_batch_is_parked_goes_after_that_batch() {
+    let sim = SimStorage::new();
+    let wal = open_wal(&sim);
+    let sink = FaultySink::new();
+    let d = key("s", "three-partitions");
+    let mut policy = fast_policy();
+    policy.batch.batch_max_records = 20;
+    policy.batch.linger = Duration::from_millis(200);
+    policy.batch.backoff_base = Duration::from_secs(1);
+    policy.batch.backoff_max = Duration::from_secs(2);
+    policy.batch.degraded_after_failures = 3;
+    policy.breaker.failure_threshold = 1_000;
+    let router = start_router(&wal, &sink, policy);
+    let lane = || router.destinations().into_iter().find(|l| l.destination == d);
+    let ids = |range: std::ops::Range<u64>| range.map(|n| u128::from(n) + 1).collect::<Vec<_>>();
+    // One batch, five records for partition 0 then five for partition 1, parked once
+    // the lane is Degraded.
+    sink.fault(&d, Some(Fault::FailSends(SendErrorKind::Unavailable)));
+    let first: Vec<_> =
+        (0..10u64).map(|n| record(&d, n, Partitioning::PartitionId(if n < 5 { 0 } else { 1 }))).collect();
+    wal.append(first).await.unwrap();
+    eventually(Duration::from_secs(20), "parked, degraded", || {
+        lane().is_some_and(|l| l.status == Status::Degraded && l.batch_bytes == 0)
+    })
+    .await;
+    // Read back, its first run goes out (the lane Running again) and its second fails:
+    // parked again, one failure in, not Degraded.
+    sink.fault(&d, Some(Fault::FailSendsToPartition(1, SendErrorKind::Unavailable)));
+    eventually(Duration::from_secs(20), "the first run sent", || sink.ids(&d).len() == 5).await;
+    // Meanwhile the lane queues: more than a batch.
+    let more: Vec<_> = (10..40u64).map(|n| record(&d, n, Partitioning::PartitionId(2))).collect();
+    wal.append(more).await.unwrap();
+    // The next try takes a batch of those ahead, and fails again: parked, not Degraded.
+    eventually(Duration::from_secs(20), "failed again", || lane().is_some_and(|l| l.consecutive_failures >= 2)).await;
+    assert_ne!(lane().map(|l| l.status), Some(Status::Degraded));
+    sink.fault(&d, None);
+    eventually(Duration::from_secs(20), "all delivered", || sink.ids(&d).len() >= 40).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(sink.ids(&d), ids(0..40), "lost, reordered or duplicated records");
+    router.shutdown().await;
+}
+
 /// A batch whose first run of messages was acknowledged and whose next one fails until
 /// the lane is Degraded is parked from the failing run: what was acknowledged counts as
 /// delivered (the cursor moves past it, the lane holds only the rest), and it is not
