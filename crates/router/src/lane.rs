@@ -901,9 +901,6 @@ async fn run<S: Sink, C: CursorStore>(lane: Arc<Lane>, mut ctx: LaneContext<S, C
         let (batch, mut prepared) = match ahead.take() {
             Some(next) => next,
             None => {
-                // The next batch may be long in coming (an idle destination, a wait for
-                // leave): the last one is not kept meanwhile.
-                drop(done.take());
                 let read = match parked.take() {
                     // Records read before, each once: they were all this lane's. Read on a
                     // blocking thread: after a long outage they may be out of the page
@@ -936,7 +933,7 @@ async fn run<S: Sink, C: CursorStore>(lane: Arc<Lane>, mut ctx: LaneContext<S, C
                         }
                     }
                     None => {
-                        let read = next_batch(&lane, &mut ctx, &mut catchup, &mut leave).await;
+                        let read = next_batch(&lane, &mut ctx, &mut catchup, &mut leave, &mut done).await;
                         if !matches!(read, Ok(Some(_))) {
                             // Nothing to send: the leave goes (a wait for records, or after
                             // a failed read, holds none).
@@ -1161,7 +1158,11 @@ async fn next_batch<S, C>(
     ctx: &mut LaneContext<S, C>,
     catchup: &mut Option<wal::Reader>,
     leave: &mut Option<tokio::sync::OwnedSemaphorePermit>,
-) -> wal::Result<Option<Vec<Routed>>> {
+    done: &mut Option<(Vec<Routed>, Prepared<S::Message>)>,
+) -> wal::Result<Option<Vec<Routed>>>
+where
+    S: Sink,
+{
     let max_records = lane.policy.batch.batch_max_records;
     let max_bytes = lane.policy.batch.batch_max_bytes;
     let queued = {
@@ -1176,6 +1177,9 @@ async fn next_batch<S, C>(
         Err(overflow_from) => overflow_from,
     };
     let Some(from) = overflow_from else {
+        // The next batch may be long in coming: the last one is not kept meanwhile (it is
+        // otherwise freed while the next one's send is in flight).
+        drop(done.take());
         tokio::select! {
             _ = lane.wake.notified() => {}
             _ = ctx.shutdown.changed() => {}
@@ -1246,6 +1250,7 @@ async fn next_batch<S, C>(
             }
         }
         if wait_for_leave {
+            drop(done.take());
             reader.release_buffer();
             // Stopping meanwhile, nothing was taken: the next start reads again.
             let permit = tokio::select! {
