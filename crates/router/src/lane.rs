@@ -268,15 +268,20 @@ impl Gate {
     #[must_use = "the spilled records are dropped by the caller, outside the gate's lock"]
     fn spill(&mut self) -> VecDeque<Routed> {
         let (Some(first), Some(last)) = (self.queue.front(), self.queue.back()) else { return VecDeque::new() };
-        let (first, last) = (first.offset, last.offset);
         // Queued records lie below any offset skipped since: an overflow stops queueing.
-        self.overflow_from = Some(self.overflow_from.map_or(first, |o| o.min(first)));
-        self.last_skipped = Some(self.last_skipped.map_or(last, |s| s.max(last)));
+        self.re_read(first.offset, last.offset);
         self.full_since = None;
         self.queued_bytes = 0;
         self.queued_payload_bytes = 0;
         self.settle();
         std::mem::take(&mut self.queue)
+    }
+
+    /// The lane's records `first..=last` (given back from memory) are re-read from the log:
+    /// its re-read starts no later than `first`, and hands back to queueing only past `last`.
+    fn re_read(&mut self, first: u64, last: u64) {
+        self.overflow_from = Some(self.overflow_from.map_or(first, |o| o.min(first)));
+        self.last_skipped = Some(self.last_skipped.map_or(last, |s| s.max(last)));
     }
 
     /// Counts a record routed here as held (queued, or skipped to be re-read from the log).
@@ -496,7 +501,7 @@ impl SendSlots {
     /// would each read one (a megabyte at the defaults) and wait for one of the source's
     /// slots with it. `None` once the slots are closed.
     pub(crate) async fn catch_up(&self) -> Option<tokio::sync::OwnedSemaphorePermit> {
-        self.catch_up.clone().acquire_owned().await.ok()
+        leave(&self.catch_up).await
     }
 
     /// [`SendSlots::catch_up`] if one is free now.
@@ -510,7 +515,7 @@ impl SendSlots {
     /// turn, a thousand parked batches would wait for it all in memory again. `None`
     /// once the slots are closed.
     pub(crate) async fn read_back(&self) -> Option<tokio::sync::OwnedSemaphorePermit> {
-        self.read_back.clone().acquire_owned().await.ok()
+        leave(&self.read_back).await
     }
 
     /// Waits for a slot; a lane whose last attempt failed (`failing`) first waits for one
@@ -520,6 +525,11 @@ impl SendSlots {
         let slot = self.all.acquire().await.ok()?;
         Some(SendSlot { _failing: failing, _slot: slot })
     }
+}
+
+/// A permit of `permits`, held past the borrow of its owner; `None` once it is closed.
+async fn leave(permits: &Arc<Semaphore>) -> Option<tokio::sync::OwnedSemaphorePermit> {
+    permits.clone().acquire_owned().await.ok()
 }
 
 pub(crate) struct Lane {
@@ -1060,9 +1070,7 @@ fn park<M>(lane: &Lane, undelivered: &[Routed], ahead: Option<(Vec<Routed>, M)>)
         if let Some((b, _)) = &ahead
             && let (Some(first), Some(last)) = (b.first(), b.last())
         {
-            let (first, last) = (first.offset, last.offset);
-            g.overflow_from = Some(g.overflow_from.map_or(first, |o| o.min(first)));
-            g.last_skipped = Some(g.last_skipped.map_or(last, |s| s.max(last)));
+            g.re_read(first.offset, last.offset);
         }
         // A lane parked before it is Degraded still queues: what it queued lies after the
         // batch prepared ahead, and goes to the log with it, or it would be sent before
