@@ -2189,6 +2189,12 @@ fn failed<S, C>(lane: &Lane, ctx: &LaneContext<S, C>, failures: u32, breaker_ope
         degraded(lane, ctx, &format!("{failures} consecutive failures, last: {why}"));
     } else if breaker_open {
         degraded(lane, ctx, &format!("circuit breaker open; last failure: {why}"));
+    } else {
+        // Still Starting or Running: the reason says the lane retries, not what held at
+        // its last success.
+        let degraded_after = lane.policy.batch.degraded_after_failures;
+        let reason = format!("retrying: {failures} consecutive failures (degraded at {degraded_after}), last: {why}");
+        lane.status.set_reason_while(&[Status::Starting, Status::Running], &reason);
     }
 }
 

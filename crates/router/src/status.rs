@@ -98,6 +98,16 @@ impl StatusCell {
         s.reason = reason.to_string();
     }
 
+    /// Replaces the reason, keeping the status and its `since`, if the status is one of
+    /// `while_in`: a lane retrying before it is Degraded says so, rather than keeping the
+    /// reason of its last success, and never overwrites a worse status's reason.
+    pub fn set_reason_while(&self, while_in: &[Status], reason: &str) {
+        let mut s = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        if while_in.contains(&s.status) && s.reason != reason {
+            s.reason = reason.to_string();
+        }
+    }
+
     /// Records an error without changing the status.
     pub fn record_error(&self, error: &str) {
         let mut s = self.inner.lock().unwrap_or_else(|p| p.into_inner());

@@ -494,6 +494,45 @@ fn starting_until_a_send_succeeds(fault: Fault) {
     });
 }
 
+/// A running destination that retries, not yet Degraded, says so in its reason (the
+/// count, the threshold and the last failure), not what held at its last success; a
+/// send that succeeds again gives the reason back.
+#[test]
+fn a_destination_retrying_before_it_is_degraded_says_so_in_its_reason() {
+    with_metrics(false, |_snap| async move {
+        let sim = SimStorage::new();
+        let wal = open_wal(&sim);
+        let sink = FaultySink::new();
+        let a = key("s", "a");
+        fill(&wal, std::slice::from_ref(&a), 0, 2).await;
+        let mut policy = fast_policy();
+        policy.batch.degraded_after_failures = 1_000;
+        let router = start_router(&wal, &sink, policy);
+        let lane = || router.destinations().into_iter().find(|l| l.destination == a);
+        eventually(Duration::from_secs(30), "the first sends", || sink.ids(&a).len() == 2).await;
+        eventually(Duration::from_secs(30), "running", || lane().is_some_and(|l| l.status == Status::Running)).await;
+        assert_eq!(lane().map(|l| l.status_reason), Some("send succeeded".to_string()));
+
+        sink.client_fault(Some(SendErrorKind::Disconnected));
+        fill(&wal, std::slice::from_ref(&a), 2, 2).await;
+        eventually(Duration::from_secs(30), "two failed tries", || lane().is_some_and(|l| l.consecutive_failures >= 2))
+            .await;
+        let l = lane().unwrap();
+        assert_eq!(l.status, Status::Running, "{l:?}");
+        assert!(l.status_reason.starts_with("retrying: "), "{l:?}");
+        assert!(l.status_reason.contains("consecutive failures (degraded at 1000)"), "{l:?}");
+        assert!(l.status_reason.contains("disconnected"), "{l:?}");
+
+        sink.client_fault(None);
+        eventually(Duration::from_secs(30), "delivered", || sink.ids(&a).len() == 4).await;
+        eventually(Duration::from_secs(30), "the reason given back", || {
+            lane().is_some_and(|l| l.status_reason == "send succeeded")
+        })
+        .await;
+        router.shutdown().await;
+    });
+}
+
 /// The router's reason is what holds now: with two destinations degraded it names one;
 /// once that one recovers it names the other, though the router stays Degraded.
 #[test]
