@@ -8,8 +8,11 @@
 //!
 //! Invariants:
 //! - What a lane queues is counted in its router's [`QueueBudget`] by the gate's own
-//!   `push`, `pop_front`, `shed` and `Drop`, nowhere else: all lanes together never
+//!   `push`, `count_out`, `spill` and `Drop`, nowhere else: all lanes together never
 //!   queue more than `queues_max_bytes`, and a record that does not fit overflows its lane.
+//!   A batch taken from the queue stays counted until its delivery ends (acknowledged,
+//!   or parked): the batches lanes hold waiting for a send slot, lingering, in flight,
+//!   retried or prepared ahead are within the budget, whatever the number of lanes.
 //! - A Degraded lane (failures in a row, its breaker open, or records held out of its
 //!   topic's partitions) queues nothing until it delivers again: its queue is shed to the
 //!   log ([`Gate::shed`]), and between tries its batch waits in the log too, the lane
@@ -141,8 +144,8 @@ pub(crate) struct Gate {
     /// record for it starts a re-read from the log ([`Lane::cannot_send`]).
     cannot_send: bool,
     /// What every lane of the router together keeps queued; `budgeted_bytes` of this
-    /// gate are counted in it: `queued_bytes`, and what left the queue since the last
-    /// [`Gate::settle`].
+    /// gate are counted in it: `queued_bytes`, and the batches taken from the queue
+    /// whose deliveries have not ended ([`Gate::count_out`]).
     budget: Arc<QueueBudget>,
     budgeted_bytes: usize,
 }
@@ -230,8 +233,8 @@ impl Gate {
         Ok(())
     }
 
-    /// Takes the front record. Its bytes stay counted in the budget until
-    /// [`Gate::settle`] (a batch taken record by record gives them back at once, not one
+    /// Takes the front record into a batch. Its bytes stay counted in the budget until
+    /// that batch's delivery ends ([`Gate::count_out`], once for the batch: not one
     /// shared atomic operation per record).
     fn pop_front(&mut self) -> Option<Routed> {
         let r = self.queue.pop_front()?;
@@ -240,13 +243,16 @@ impl Gate {
         Some(r)
     }
 
-    /// Gives the budget back what left the queue since the last settle.
-    fn settle(&mut self) {
-        let left = self.budgeted_bytes - self.queued_bytes;
-        if left > 0 {
-            self.budget.give_back(left);
-            self.budgeted_bytes = self.queued_bytes;
-        }
+    /// Gives the budget back `bytes` of records taken from the queue into a batch whose
+    /// delivery ended (acknowledged, disposed of, or parked: what is left of it waits in
+    /// the log). Until then they stayed counted, waiting for a send slot, lingering,
+    /// in flight or retried: a thousand lanes waiting behind a source's sixteen slots
+    /// hold their batches within `queues_max_bytes`, not a batch each beside it.
+    fn count_out(&mut self, bytes: usize) {
+        debug_assert!(self.budgeted_bytes >= self.queued_bytes + bytes, "counted out more than was taken");
+        let bytes = bytes.min(self.budgeted_bytes - self.queued_bytes);
+        self.budgeted_bytes -= bytes;
+        self.budget.give_back(bytes);
     }
 
     /// Empties the queue into the log: the lane re-reads its records from the first one
@@ -271,9 +277,12 @@ impl Gate {
         // Queued records lie below any offset skipped since: an overflow stops queueing.
         self.re_read(first.offset, last.offset);
         self.full_since = None;
+        // Only the queue's bytes: those of batches taken from it are counted out as
+        // their deliveries end.
+        self.budgeted_bytes -= self.queued_bytes;
+        self.budget.give_back(self.queued_bytes);
         self.queued_bytes = 0;
         self.queued_payload_bytes = 0;
-        self.settle();
         std::mem::take(&mut self.queue)
     }
 
@@ -980,7 +989,11 @@ async fn run<S: Sink, C: CursorStore>(lane: Arc<Lane>, mut ctx: LaneContext<S, C
             }
         };
         let Some(last) = batch.last().map(|r| r.offset) else { continue };
-        lane.batch_bytes.store(batch.iter().map(queued_size).sum(), Ordering::Relaxed);
+        let batch_size: usize = batch.iter().map(queued_size).sum();
+        lane.batch_bytes.store(batch_size, Ordering::Relaxed);
+        // A batch taken from the queue (not read from the log with leave) stays counted
+        // in the router's budget until its delivery ends.
+        let counted_bytes = if leave.is_none() { batch_size } else { 0 };
         // The send is polled first: it writes its request and waits for the answer,
         // and meanwhile the previous batch is freed and the next full batch (if queued)
         // is taken and prepared.
@@ -1009,7 +1022,7 @@ async fn run<S: Sink, C: CursorStore>(lane: Arc<Lane>, mut ctx: LaneContext<S, C
                     acknowledge(&lane, &batch[..from], batch[from].offset, Some(&batch[from]));
                     ctx.cursor_dirty.notify_one();
                 }
-                parked = Some(park(&lane, &batch[from..], ahead.take()));
+                parked = Some(park(&lane, &batch[from..], counted_bytes, ahead.take()));
                 drop((batch, prepared, done.take()));
                 lane.batch_bytes.store(0, Ordering::Relaxed);
                 // A breaker opened by this failure cools down for longer than the backoff:
@@ -1023,6 +1036,7 @@ async fn run<S: Sink, C: CursorStore>(lane: Arc<Lane>, mut ctx: LaneContext<S, C
             Delivery::Done => {}
         }
         // Acknowledged: the cursor flusher stores it; until then the records pin the log.
+        lane.gate().count_out(counted_bytes);
         acknowledge(&lane, &batch, last + 1, ahead.as_ref().and_then(|(b, _)| b.first()));
         lane.batch_bytes.store(ahead.as_ref().map_or(0, |(b, _)| b.iter().map(queued_size).sum()), Ordering::Relaxed);
         ctx.cursor_dirty.notify_one();
@@ -1061,12 +1075,16 @@ fn acknowledge(lane: &Lane, delivered: &[Routed], below: u64, next_first: Option
 /// (the batch prepared after it) back to the log: the first pins the log as a batch in
 /// flight does until it is read back and delivered, the second is re-read with the
 /// lane's other records (it lies below anything queued or skipped since). Returns the
-/// places to read `undelivered` back from. Both are dropped outside the gate's lock.
-fn park<M>(lane: &Lane, undelivered: &[Routed], ahead: Option<(Vec<Routed>, M)>) -> Parked {
+/// places to read `undelivered` back from. Both are dropped outside the gate's lock, and
+/// counted out of the router's budget: `counted_bytes` of the batch (0 for one read
+/// from the log), and all of `ahead` (taken from the queue).
+fn park<M>(lane: &Lane, undelivered: &[Routed], counted_bytes: usize, ahead: Option<(Vec<Routed>, M)>) -> Parked {
     let parked: Parked = undelivered.iter().map(|r| (r.offset, r.place, r.dead_letter_reason)).collect();
     let spilled = {
         let mut g = lane.gate();
         g.in_flight_first = undelivered.first().map(|r| r.offset);
+        let ahead_bytes: usize = ahead.as_ref().map_or(0, |(b, _)| b.iter().map(queued_size).sum());
+        g.count_out(counted_bytes + ahead_bytes);
         if let Some((b, _)) = &ahead
             && let (Some(first), Some(last)) = (b.first(), b.last())
         {
@@ -1180,6 +1198,9 @@ where
     let overflow_from = match queued {
         Ok(batch) => {
             lane.space.notify_waiters();
+            // The last batch, counted out of the budget as it was delivered, is not kept
+            // through a linger (up to a day) either.
+            drop(done.take());
             return Ok(Some(linger(lane, batch, &mut ctx.shutdown).await));
         }
         Err(overflow_from) => overflow_from,
@@ -1435,7 +1456,8 @@ fn take_from_queue(g: &mut Gate, max_records: usize, max_bytes: usize) -> Vec<Ro
             batch.push(r);
         }
     }
-    g.settle();
+    // The batch's bytes stay counted in the router's budget until its delivery ends
+    // ([`Gate::count_out`]).
     if let Some(first) = batch.first() {
         g.in_flight_first = Some(g.in_flight_first.map_or(first.offset, |f| f.min(first.offset)));
     }
@@ -1505,7 +1527,7 @@ fn top_up(lane: &Lane, batch: &mut Vec<Routed>, lingering: bool) -> TopUp {
         }
         full = batch.len() >= max_records || bytes.full(max_bytes);
     }
-    g.settle();
+    // Counted until the batch's delivery ends, as in `take_from_queue`.
     let lingers = lingering && !full;
     // Woken once the queue holds what fills the batch, by count or by bytes; a batch
     // larger than the queue is woken when the queue is full, and tops up again.
@@ -2453,9 +2475,29 @@ mod tests {
         drop(a);
         assert_eq!(budget.queued_bytes(), size);
         b.pop_front().unwrap();
-        assert_eq!(budget.queued_bytes(), size, "given back before the batch is settled");
-        b.settle();
+        assert_eq!(budget.queued_bytes(), size, "given back before the batch's delivery ended");
+        b.count_out(size);
         assert_eq!(budget.queued_bytes(), 0);
+    }
+
+    /// A shed gives back what the queue held, not what batches taken from it hold:
+    /// those are counted out as their deliveries end, each once.
+    #[test]
+    fn a_shed_gives_back_the_queue_and_leaves_taken_batches_counted() {
+        let size = queued_size(&routed_at(0));
+        let budget = Arc::new(QueueBudget::new(usize::MAX));
+        let mut g = Gate::new(0, budget.clone());
+        for offset in 0..5 {
+            g.push(routed_at(offset)).unwrap();
+        }
+        let batch = take_from_queue(&mut g, 2, crate::policy::MAX_BATCH_BYTES);
+        assert_eq!((batch.len(), budget.queued_bytes()), (2, 5 * size));
+        drop(g.shed());
+        assert_eq!(budget.queued_bytes(), 2 * size, "the taken batch was given back by the shed");
+        g.count_out(2 * size);
+        assert_eq!(budget.queued_bytes(), 0);
+        drop(g);
+        assert_eq!(budget.queued_bytes(), 0, "given back twice");
     }
 
     /// A record of `payload_bytes` with `forwarded` headers of names and values of 255

@@ -598,12 +598,16 @@ impl Router {
         self.released_below.load(Ordering::Acquire)
     }
 
-    /// The bytes all lanes keep queued in memory now, and the most they may
-    /// (`Policies::queues_max_bytes`; 0 once the router stopped, as in its gauge: a
-    /// stopped router queues nothing).
+    /// The bytes all lanes keep queued in memory now (with the batches taken from their
+    /// queues whose deliveries have not ended), and the most they may
+    /// (`Policies::queues_max_bytes`); both 0 once the router stopped, as in its gauges:
+    /// a stopped router queues nothing (a stop cut short leaves a batch in flight
+    /// counted until its aborted lane is dropped, a moment later).
     pub fn queued_bytes(&self) -> (usize, usize) {
-        let max_bytes = if self.health.cell.get() == Status::Stopped { 0 } else { self.queue_budget.max_bytes() };
-        (self.queue_budget.queued_bytes(), max_bytes)
+        if self.health.cell.get() == Status::Stopped {
+            return (0, 0);
+        }
+        (self.queue_budget.queued_bytes(), self.queue_budget.max_bytes())
     }
 
     /// The lowest offset held because it could not be admitted, if any.
