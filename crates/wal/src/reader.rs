@@ -366,20 +366,36 @@ pub(crate) fn read_placed(shared: &Shared, offset: u64, place: RecordPlace) -> R
     if payload_pos > durable {
         return Err(at(place.frame_pos, FrameProblem::Truncated));
     }
-    let mut header = [0u8; FRAME_HEADER_LEN as usize];
-    crate::storage::read_exact_at(&*seg.file, &mut header, place.frame_pos).map_err(|e| WalError::io(&seg.path, e))?;
-    let h = FrameHeader::decode(&header).map_err(|p| at(place.frame_pos, p))?;
+    // The header and what may follow it, within the durable bytes, in one read: a
+    // record that fits (most do) costs one read, a larger one a second for the rest.
+    let first_read = (durable - place.frame_pos).min(PLACED_FIRST_READ_BYTES) as usize;
+    let mut frame = vec![0u8; first_read];
+    crate::storage::read_exact_at(&*seg.file, &mut frame, place.frame_pos).map_err(|e| WalError::io(&seg.path, e))?;
+    let h = FrameHeader::decode(&frame[..FRAME_HEADER_LEN as usize]).map_err(|p| at(place.frame_pos, p))?;
     if h.is_seal() || h.offset != offset {
         return Err(at(place.frame_pos, FrameProblem::UnexpectedOffset { expected: offset, found: h.offset }));
     }
     if payload_pos + u64::from(h.payload_len) > durable {
         return Err(at(place.frame_pos, FrameProblem::Truncated));
     }
-    let mut payload = vec![0u8; h.payload_len as usize];
-    crate::storage::read_exact_at(&*seg.file, &mut payload, payload_pos).map_err(|e| WalError::io(&seg.path, e))?;
+    let frame_len = FRAME_HEADER_LEN as usize + h.payload_len as usize;
+    let payload = if frame_len <= frame.len() {
+        // Copied out: the record kept must not hold the bytes read past it.
+        Bytes::copy_from_slice(&frame[FRAME_HEADER_LEN as usize..frame_len])
+    } else {
+        let read = frame.len();
+        frame.resize(frame_len, 0);
+        crate::storage::read_exact_at(&*seg.file, &mut frame[read..], place.frame_pos + read as u64)
+            .map_err(|e| WalError::io(&seg.path, e))?;
+        Bytes::from(frame).slice(FRAME_HEADER_LEN as usize..)
+    };
     h.check_payload(&payload).map_err(|p| at(place.frame_pos, p))?;
-    Ok(Record { offset, payload: Bytes::from(payload), place })
+    Ok(Record { offset, payload, place })
 }
+
+/// What [`read_placed`] reads of a frame at first: its header and the payload of a
+/// record of up to about 4 KiB.
+const PLACED_FIRST_READ_BYTES: u64 = 4096;
 
 fn corrupt(c: &Cursor, problem: FrameProblem) -> WalError {
     WalError::Corrupt { location: Location { file: c.seg.path.clone(), position: c.pos }, problem }

@@ -432,3 +432,32 @@ fn a_record_is_read_again_from_its_place_and_checked_as_a_reader_checks_it() {
     assert!(matches!(wal.read_placed(40, forty), Err(WalError::Released { offset: 40, .. })));
     assert_eq!(wal.read_placed(299, all[299].place).unwrap(), all[299]);
 }
+
+/// A record is read from its place in one read when its frame fits the first read's
+/// 4 KiB, in two when it does not: records around that bound and one of 100 KB, each
+/// read whole and checked, and a byte flipped past the first read found.
+#[test]
+fn a_placed_record_larger_than_the_first_read_is_read_whole_and_checked() {
+    let sim = SimStorage::new();
+    let wal = open(&sim, WalOptions { segment_max_bytes: 4 << 20, max_bytes: 16 << 20, ..WalOptions::default() });
+    let fits = 4096 - FRAME_HEADER_LEN as usize;
+    let sizes = [8, fits - 1, fits, fits + 1, 100_000, 8];
+    for (tag, &len) in sizes.iter().enumerate() {
+        append_tagged(&wal, tag as u64..tag as u64 + 1, len);
+    }
+    let all = read_all(&wal, 0);
+    assert_eq!(all.iter().map(|r| r.payload.len()).collect::<Vec<_>>(), sizes);
+    for r in &all {
+        assert_eq!(&wal.read_placed(r.offset, r.place).expect("read placed"), r);
+    }
+    // A byte of the 100 KB record's payload, 50 KB in, flipped under the open log.
+    let frame_pos: usize =
+        SEGMENT_HEADER_LEN as usize + sizes[..4].iter().map(|l| FRAME_HEADER_LEN as usize + l).sum::<usize>();
+    let path = dir().join(segment_file_name(0));
+    let mut b = sim.read_file(&path).unwrap();
+    b[frame_pos + FRAME_HEADER_LEN as usize + 50_000] ^= 0x01;
+    sim.write_file_durably(&path, &b).unwrap();
+    assert!(matches!(wal.read_placed(4, all[4].place), Err(WalError::Corrupt { .. })));
+    assert_eq!(wal.read_placed(5, all[5].place).unwrap(), all[5]);
+    assert_eq!(wal.read_placed(3, all[3].place).unwrap(), all[3]);
+}
