@@ -1019,7 +1019,7 @@ async fn run<S: Sink, C: CursorStore>(lane: Arc<Lane>, mut ctx: LaneContext<S, C
                 // wait in the log.
                 assert!(from < batch.len(), "a batch is parked from a record it has not delivered");
                 if from > 0 {
-                    acknowledge(&lane, &batch[..from], batch[from].offset, Some(&batch[from]));
+                    acknowledge(&lane, &batch[..from], batch[from].offset, Some(&batch[from]), 0);
                     ctx.cursor_dirty.notify_one();
                 }
                 parked = Some(park(&lane, &batch[from..], counted_bytes, ahead.take()));
@@ -1036,8 +1036,7 @@ async fn run<S: Sink, C: CursorStore>(lane: Arc<Lane>, mut ctx: LaneContext<S, C
             Delivery::Done => {}
         }
         // Acknowledged: the cursor flusher stores it; until then the records pin the log.
-        lane.gate().count_out(counted_bytes);
-        acknowledge(&lane, &batch, last + 1, ahead.as_ref().and_then(|(b, _)| b.first()));
+        acknowledge(&lane, &batch, last + 1, ahead.as_ref().and_then(|(b, _)| b.first()), counted_bytes);
         lane.batch_bytes.store(ahead.as_ref().map_or(0, |(b, _)| b.iter().map(queued_size).sum()), Ordering::Relaxed);
         ctx.cursor_dirty.notify_one();
         done = Some((batch, prepared));
@@ -1049,9 +1048,13 @@ async fn run<S: Sink, C: CursorStore>(lane: Arc<Lane>, mut ctx: LaneContext<S, C
 /// The destination acknowledged `delivered` (or the policy disposed of it): every record
 /// of the lane below `below` is delivered, `next_first` is the first record it holds in
 /// memory after them (the next batch's, or the parked batch's), if any. The cursor
-/// flusher stores the new cursor; until then the records pin the log.
-fn acknowledge(lane: &Lane, delivered: &[Routed], below: u64, next_first: Option<&Routed>) {
+/// flusher stores the new cursor; until then the records pin the log. `counted_bytes`
+/// of a batch taken from the queue are counted out of the router's budget with it (0
+/// for a batch read from the log, or for a part of a batch that is parked: the park
+/// counts the whole batch out).
+fn acknowledge(lane: &Lane, delivered: &[Routed], below: u64, next_first: Option<&Routed>, counted_bytes: usize) {
     let mut g = lane.gate();
+    g.count_out(counted_bytes);
     g.acknowledged(below, lane.delivered_below.load(Ordering::Acquire));
     g.in_flight_first = next_first.map(|r| r.offset);
     g.held_records = g.held_records.saturating_sub(delivered.len() as u64);
