@@ -181,7 +181,7 @@ async fn the_lanes_of_a_router_keep_no_more_queued_than_its_bound() {
     policy.lane_queue_max_bytes = 32 * 1024;
     let mut policies = Policies::uniform(policy);
     policies.queues_max_bytes = 32 * 1024;
-    let router = Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), policies).unwrap();
+    let router = start_router_with(&wal, &sink, policies);
     let mut most_queued = 0;
     let want = fill(&wal, &dests, 0, 4000).await;
     eventually(Duration::from_secs(30), "all held", || {
@@ -203,9 +203,7 @@ async fn the_lanes_of_a_router_keep_no_more_queued_than_its_bound() {
         sink.fault(d, None);
     }
     eventually(Duration::from_secs(60), "delivered", || dests.iter().all(|d| sink.ids(d).len() >= 200)).await;
-    for d in &dests {
-        assert_eq!(sink.ids(d), want[d], "{d}: lost, reordered or duplicated records");
-    }
+    assert_delivered_in_order(&sink, &dests, &want);
     eventually(Duration::from_secs(10), "the budget given back", || router.queued_bytes().0 == 0).await;
     router.shutdown().await;
 }
@@ -310,9 +308,7 @@ async fn an_outage_keeps_the_batches_of_degraded_lanes_in_the_log_not_in_memory(
     assert_eq!(router.queued_bytes().0, 0);
     sink.client_fault(None);
     eventually(Duration::from_secs(30), "all delivered", || dests.iter().all(|d| sink.ids(d).len() >= 100)).await;
-    for d in &dests {
-        assert_eq!(sink.ids(d), want[d], "lost, reordered or duplicated records of {d}");
-    }
+    assert_delivered_in_order(&sink, &dests, &want);
     eventually(Duration::from_secs(10), "log released", || router.released_below() == 2400).await;
     for l in lanes() {
         assert_eq!((l.held_records, l.batch_bytes, l.queued_bytes), (0, 0, 0), "{l:?}");
@@ -356,9 +352,7 @@ async fn parked_batches_are_read_back_only_as_fast_as_their_tries_go_out() {
         sink.fault(d, None);
     }
     eventually(Duration::from_secs(60), "all delivered", || dests.iter().all(|d| sink.ids(d).len() >= 30)).await;
-    for d in &dests {
-        assert_eq!(sink.ids(d), want[d], "lost, reordered or duplicated records of {d}");
-    }
+    assert_delivered_in_order(&sink, &dests, &want);
     router.shutdown().await;
 }
 
@@ -383,7 +377,7 @@ async fn lanes_catching_up_read_their_batches_only_as_fast_as_the_send_slots_tak
     policy.lane_queue_max_bytes = 1;
     let mut policies = Policies::uniform(policy);
     policies.queues_max_bytes = 1;
-    let router = Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), policies).unwrap();
+    let router = start_router_with(&wal, &sink, policies);
     let want = fill(&wal, &dests, 0, 12 * 40).await;
     let mut most_in_memory = 0;
     while !dests.iter().all(|d| sink.ids(d).len() >= 40) {
@@ -395,9 +389,7 @@ async fn lanes_catching_up_read_their_batches_only_as_fast_as_the_send_slots_tak
     assert!(most_in_memory >= 1, "no batch was ever seen");
     // Twice the slots: a batch is read while another's send is in flight.
     assert!(most_in_memory <= 4, "{most_in_memory} batches in memory with two send slots");
-    for d in &dests {
-        assert_eq!(sink.ids(d), want[d], "lost, reordered or duplicated records of {d}");
-    }
+    assert_delivered_in_order(&sink, &dests, &want);
     router.shutdown().await;
 }
 
@@ -453,7 +445,7 @@ async fn batches_waiting_for_a_send_slot_within_the_budget(batches_per_destinati
     policy.lane_queue_max_bytes = 8 * full_batch_bytes;
     let mut policies = Policies::uniform(policy);
     policies.queues_max_bytes = 8 * full_batch_bytes;
-    let router = Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), policies).unwrap();
+    let router = start_router_with(&wal, &sink, policies);
     // In memory at most: what the budget counts (queued, or in a batch taken from a
     // queue), and the batches of the four lanes holding a catch-up leave; and one more
     // per slot, of a lane whose send just ended and whose figure is not yet updated.
@@ -474,9 +466,7 @@ async fn batches_waiting_for_a_send_slot_within_the_budget(batches_per_destinati
         "{batches_per_destination} batches a destination: {most_in_batches} bytes in batches, {} batches of {full_batch_bytes}; at most {bound}",
         most_in_batches as f64 / full_batch_bytes as f64
     );
-    for d in &dests {
-        assert_eq!(sink.ids(d), want[d], "lost, reordered or duplicated records of {d}");
-    }
+    assert_delivered_in_order(&sink, &dests, &want);
     router.shutdown().await;
 }
 
@@ -539,7 +529,7 @@ async fn a_batch_read_from_the_log_waits_there_from_its_first_failed_try() {
     policy.lane_queue_max_bytes = 1;
     let mut policies = Policies::uniform(policy);
     policies.queues_max_bytes = 1;
-    let router = Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), policies).unwrap();
+    let router = start_router_with(&wal, &sink, policies);
     let want = fill(&wal, std::slice::from_ref(&d), 0, 50).await;
     let lane = || router.destinations().into_iter().find(|l| l.destination == d).unwrap();
     eventually(Duration::from_secs(20), "failing", || lane().consecutive_failures >= 4).await;
@@ -682,7 +672,7 @@ async fn a_healthy_destination_waits_for_no_failing_one(all_in_log: bool) {
         policies.queues_max_bytes = 1;
     }
     fill(&wal, &bad, 0, 4).await;
-    let router = Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), policies).unwrap();
+    let router = start_router_with(&wal, &sink, policies);
     // Every bad destination has timed out at least once (its second call has begun).
     eventually(Duration::from_secs(60), "every bad destination failed once", || {
         bad.iter().all(|d| sink.calls(d) + sink.ensured(d) >= 2)

@@ -12,12 +12,10 @@
 mod support;
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
 use std::time::Duration;
 
 use ingest::envelope::Partitioning;
-use router::test_doubles::MemoryCursorStore;
-use router::{Policies, Router, SendErrorKind};
+use router::{Policies, SendErrorKind};
 use support::*;
 use wal::storage::SimStorage;
 
@@ -78,7 +76,7 @@ async fn run(seed: u64, by_partition: bool) -> Seen {
     let dests: Vec<_> = (0..5).map(|i| key("s", &format!("d{i}"))).collect();
     let mut policies = Policies::uniform(policy());
     policies.queues_max_bytes = QUEUES_MAX_BYTES;
-    let router = Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), policies).unwrap();
+    let router = start_router_with(&wal, &sink, policies);
     let mut want: BTreeMap<_, Vec<u128>> = BTreeMap::new();
     let mut next = 0u64;
     for round in 0..60 {

@@ -61,9 +61,7 @@ fn a_ten_minute_outage_is_held_and_then_delivered_in_order_with_truthful_status(
 
         sink.client_fault(None);
         eventually(Duration::from_secs(120), "drained", || dests.iter().all(|d| sink.ids(d).len() == 505)).await;
-        for d in &dests {
-            assert_eq!(sink.ids(d), want[d], "{d}: lost, reordered or duplicated");
-        }
+        assert_delivered_in_order(&sink, &dests, &want);
         eventually(Duration::from_secs(10), "running", || router.status().status == Status::Running).await;
         assert_gauges_agree(&snap, &router);
         eventually(Duration::from_secs(10), "released", || router.released_below() == 1010).await;

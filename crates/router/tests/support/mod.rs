@@ -306,13 +306,24 @@ pub fn open_wal(sim: &SimStorage) -> Arc<Wal> {
 /// A router over `wal` delivering to `sink`, every source under `policy`, its cursors
 /// kept in memory.
 pub fn start_router(wal: &Arc<Wal>, sink: &Arc<FaultySink>, policy: router::RouterPolicy) -> router::Router {
-    router::Router::start(
-        wal.clone(),
-        sink.clone(),
-        Arc::new(router::test_doubles::MemoryCursorStore::new()),
-        router::Policies::uniform(policy),
-    )
-    .unwrap()
+    start_router_with(wal, sink, router::Policies::uniform(policy))
+}
+
+/// [`start_router`] under `policies` (a router-wide bound, per-source policies).
+pub fn start_router_with(wal: &Arc<Wal>, sink: &Arc<FaultySink>, policies: router::Policies) -> router::Router {
+    router::Router::start(wal.clone(), sink.clone(), Arc::new(router::test_doubles::MemoryCursorStore::new()), policies)
+        .unwrap()
+}
+
+/// Every one of `dests` got exactly its records of `want`, in log order, each once.
+pub fn assert_delivered_in_order(
+    sink: &FaultySink,
+    dests: &[DestinationKey],
+    want: &BTreeMap<DestinationKey, Vec<u128>>,
+) {
+    for d in dests {
+        assert_eq!(sink.ids(d), want[d], "lost, reordered or duplicated records of {d}");
+    }
 }
 
 /// Appends `n` records round-robin over `dests`, one record per append; returns the
