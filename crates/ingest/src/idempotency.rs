@@ -298,9 +298,12 @@ fn run_recorder(state: Arc<StateDb>, linger_us: Arc<AtomicU64>, jobs: std::sync:
             let mut txn = db.begin_write().map_err(storage_err)?;
             txn.set_durability(Durability::None).map_err(|e| StateError::Storage(e.to_string()))?;
             let mut below = 0u64;
-            for job in &group {
-                insert(&txn, &job.claim.key, job.prior)?;
-                below = below.max(job.prior.last_offset.saturating_add(1));
+            {
+                let mut tables = KeyTables::open(&txn)?;
+                for job in &group {
+                    tables.insert(&job.claim.key, job.prior)?;
+                    below = below.max(job.prior.last_offset.saturating_add(1));
+                }
             }
             raise_keys_below(&txn, below)?;
             txn.commit().map_err(storage_err)
@@ -861,6 +864,7 @@ impl IdempotencyIndex {
         }
         let records = Records::new(wal, from).map_err(|e| StateError::Storage(format!("reading the log: {e}")))?;
         let mut next = from;
+        let mut tables = KeyTables::open(&txn)?;
         for record in records {
             let record = record.map_err(|e| StateError::Storage(format!("reading the log: {e}")))?;
             report.records_scanned += 1;
@@ -883,9 +887,10 @@ impl IdempotencyIndex {
                 last_offset: record.offset + u64::from(h.batch_len.max(1)) - 1,
                 accepted_at_unix_ms: h.received_at_unix_ms,
             };
-            insert(&txn, &key, prior)?;
+            tables.insert(&key, prior)?;
             report.keys_restored += 1;
         }
+        drop(tables);
         {
             let mut meta = txn.open_table(META).map_err(storage_err)?;
             meta.insert(META_INDEXED_THROUGH, next.max(from)).map_err(storage_err)?;
@@ -910,18 +915,41 @@ impl IdempotencyIndex {
     }
 }
 
-fn insert(txn: &redb::WriteTransaction, key: &[u8], prior: PriorAcceptance) -> Result<(), StateError> {
-    let mut table = txn.open_table(IDEMPOTENCY).map_err(storage_err)?;
-    let mut by_time = txn.open_table(IDEMPOTENCY_BY_TIME).map_err(storage_err)?;
-    let old = table
-        .insert(key, (prior.first_offset, prior.last_offset, prior.accepted_at_unix_ms))
-        .map_err(storage_err)?
-        .map(|v| v.value().2);
-    if let Some(old_at) = old {
-        by_time.remove((old_at, key)).map_err(storage_err)?;
+/// The two tables a recorded key lives in, opened once for all the keys a transaction
+/// records: opening a table checks its stored definition (type names formatted and
+/// compared), which cost about a sixth of a key's record when it was done per key.
+struct KeyTables<'txn> {
+    keys: redb::Table<'txn, &'static [u8], (u64, u64, u64)>,
+    by_time: redb::Table<'txn, (u64, &'static [u8]), ()>,
+}
+
+impl<'txn> KeyTables<'txn> {
+    fn open(txn: &'txn redb::WriteTransaction) -> Result<KeyTables<'txn>, StateError> {
+        Ok(KeyTables {
+            keys: txn.open_table(IDEMPOTENCY).map_err(storage_err)?,
+            by_time: txn.open_table(IDEMPOTENCY_BY_TIME).map_err(storage_err)?,
+        })
     }
-    by_time.insert((prior.accepted_at_unix_ms, key), ()).map_err(storage_err)?;
-    Ok(())
+
+    /// Records `key`'s acceptance, replacing (in both tables) an earlier one of it.
+    fn insert(&mut self, key: &[u8], prior: PriorAcceptance) -> Result<(), StateError> {
+        let old = self
+            .keys
+            .insert(key, (prior.first_offset, prior.last_offset, prior.accepted_at_unix_ms))
+            .map_err(storage_err)?
+            .map(|v| v.value().2);
+        if let Some(old_at) = old {
+            self.by_time.remove((old_at, key)).map_err(storage_err)?;
+        }
+        self.by_time.insert((prior.accepted_at_unix_ms, key), ()).map_err(storage_err)?;
+        Ok(())
+    }
+}
+
+/// Records one key in its own opening of the tables (tests and one-off writes).
+#[cfg(test)]
+fn insert(txn: &redb::WriteTransaction, key: &[u8], prior: PriorAcceptance) -> Result<(), StateError> {
+    KeyTables::open(txn)?.insert(key, prior)
 }
 
 /// Raises `idempotency_keys_below` to `below` (never lowers it).
