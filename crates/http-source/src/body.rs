@@ -14,6 +14,8 @@
 //!   UTF-8 is refused, even inside a string, where skipping the value alone would not
 //!   look at them.
 
+use std::borrow::Cow;
+
 use bytes::Bytes;
 use serde::de::IgnoredAny;
 use serde_json::Value;
@@ -70,9 +72,15 @@ impl BodyError {
     }
 }
 
-/// The media type without parameters, lower-cased.
-fn essence(content_type: &str) -> String {
-    content_type.split(';').next().unwrap_or("").trim().to_ascii_lowercase()
+/// The media type without parameters, lower-cased (borrowed when it already is, as
+/// senders mostly write it: no allocation on every request).
+fn essence(content_type: &str) -> Cow<'_, str> {
+    let essence = content_type.split(';').next().unwrap_or("").trim();
+    if essence.bytes().any(|b| b.is_ascii_uppercase()) {
+        Cow::Owned(essence.to_ascii_lowercase())
+    } else {
+        Cow::Borrowed(essence)
+    }
 }
 
 fn is_ndjson(essence: &str) -> bool {
@@ -118,7 +126,7 @@ pub fn decode_with(
     // The media type first, as the documented order of checks has it: a source that
     // takes only JSON answers 415 to another type, empty or not.
     if accept == Accept::Json && !ess.as_deref().is_some_and(|e| is_ndjson(e) || is_json(e)) {
-        return Err(BodyError::UnsupportedMediaType(ess.unwrap_or_default()));
+        return Err(BodyError::UnsupportedMediaType(ess.map(Cow::into_owned).unwrap_or_default()));
     }
     // Iggy stores no empty message: an empty body would be accepted and never delivered.
     if body.is_empty() {
@@ -216,6 +224,29 @@ mod tests {
         assert_eq!(events_at_most(None, lines.as_bytes(), 100), 1);
     }
     use super::*;
+
+    #[test]
+    fn media_types_are_told_apart_in_any_case_and_with_parameters() {
+        for json in ["application/json", "Application/JSON; charset=UTF-8", " application/vnd.api+JSON "] {
+            let d = decode(Some(json), Bytes::from_static(b"{\"a\":1}"), Accept::Json).unwrap();
+            assert_eq!(d.events.len(), 1, "{json}");
+            assert_eq!(
+                decode(Some(json), Bytes::from_static(b"{"), Accept::Json).map(|_| ()).map_err(|e| e.reason()),
+                Err("invalid_json"),
+                "{json} is checked as JSON"
+            );
+        }
+        for ndjson in ["application/x-ndjson", "APPLICATION/X-NDJSON;charset=utf-8"] {
+            assert_eq!(decode(Some(ndjson), Bytes::from_static(b"1\n2"), Accept::Json).unwrap().events.len(), 2);
+            assert_eq!(events_at_most(Some(ndjson), b"1\n2", 10), 2, "{ndjson}");
+        }
+        // The refusal names the type as the sender wrote it, lower-cased.
+        assert_eq!(
+            decode(Some("Text/Plain; charset=utf-8"), Bytes::from_static(b"x"), Accept::Json),
+            Err(BodyError::UnsupportedMediaType("text/plain".into()))
+        );
+        assert!(matches!(essence("text/plain"), Cow::Borrowed("text/plain")));
+    }
 
     #[test]
     fn a_batch_may_hold_max_events_and_not_one_more_and_blank_lines_are_not_events() {
