@@ -946,7 +946,7 @@ impl<'txn> KeyTables<'txn> {
     }
 }
 
-/// Records one key in its own opening of the tables (tests and one-off writes).
+/// Records one key in its own opening of the tables, for tests.
 #[cfg(test)]
 fn insert(txn: &redb::WriteTransaction, key: &[u8], prior: PriorAcceptance) -> Result<(), StateError> {
     KeyTables::open(txn)?.insert(key, prior)
