@@ -132,9 +132,7 @@ impl SourceSpec {
     /// ([`ingest::envelope::envelope_max_bytes`] for its key, forwarded headers and
     /// metadata), so `http.max_body_bytes` plus this is its largest record.
     pub fn envelope_max_bytes(&self) -> usize {
-        // Asked for by every request: nothing here allocates for a source that forwards
-        // no header (a `Vec` collected from nothing holds no buffer).
-        let names: Vec<usize> = self.forward_headers.iter().map(String::len).collect();
+        // Asked for by every request: nothing here allocates.
         let mut metadata = [(0, 0); 2];
         let mut fields = 0;
         if self.metadata.peer_addr {
@@ -145,7 +143,11 @@ impl SourceSpec {
             metadata[fields] = (METADATA_RECEIVED_AT.len(), RECEIVED_AT_TEXT_MAX_BYTES);
             fields += 1;
         }
-        ingest::envelope::envelope_max_bytes(self.key.len(), &names, &metadata[..fields])
+        ingest::envelope::envelope_max_bytes(
+            self.key.len(),
+            self.forward_headers.iter().map(String::len),
+            &metadata[..fields],
+        )
     }
 }
 

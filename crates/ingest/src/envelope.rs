@@ -433,10 +433,10 @@ fn decimal_digits(n: u64) -> usize {
 /// fields as (name length, longest value). So `max_body_bytes` plus this is the largest
 /// record a source can write, which the configuration check holds under
 /// `wal.record_max_bytes` (a test encodes a header at every maximum and gets exactly
-/// this).
+/// this). The door asks it of every request's source: nothing here allocates.
 pub fn envelope_max_bytes(
     source_key_bytes: usize,
-    forwarded_name_bytes: &[usize],
+    forwarded_name_bytes: impl ExactSizeIterator<Item = usize>,
     metadata: &[(usize, usize)],
 ) -> usize {
     let field = text_bytes(ENVELOPE_FIELD_MAX_BYTES);
@@ -447,7 +447,7 @@ pub fn envelope_max_bytes(
         + 1 + varint_bytes(u128::MAX) // endpoint_id
         + 1 + field // content_type
         + pairs_bytes(metadata.len(), metadata.iter().copied())
-        + pairs_bytes(forwarded_name_bytes.len(), forwarded_name_bytes.iter().map(|&n| (n, ENVELOPE_FIELD_MAX_BYTES)))
+        + pairs_bytes(forwarded_name_bytes.len(), forwarded_name_bytes.map(|n| (n, ENVELOPE_FIELD_MAX_BYTES)))
         + 1 + field // idempotency_key
         + 2 * varint_bytes(u32::MAX.into()) // batch_index, batch_len
         + 2 * field // stream, topic
@@ -621,7 +621,7 @@ mod tests {
             assert_eq!(1 + header.as_ref().encoded_len(), encoded.len(), "multi-byte varints counted");
             assert_eq!(
                 encoded.len(),
-                envelope_max_bytes(key_bytes, &names, &metadata),
+                envelope_max_bytes(key_bytes, names.iter().copied(), &metadata),
                 "key {key_bytes}, names {names:?}"
             );
         }

@@ -582,7 +582,8 @@ mod tests {
         // The body these events came from (NDJSON, "1\n" each), bounded before decoding
         // with the source's largest envelope.
         let body_bytes = 2 * n as u64;
-        let envelope_max = crate::envelope::envelope_max_bytes(s.source_key.len(), &["x-forwarded".len()], &[(9, 47)]);
+        let envelope_max =
+            crate::envelope::envelope_max_bytes(s.source_key.len(), ["x-forwarded".len()].into_iter(), &[(9, 47)]);
         let bound = footprint_bound(body_bytes, n as u64, envelope_max as u64);
         assert!(bound >= footprint, "{bound} < {footprint}");
     }

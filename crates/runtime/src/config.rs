@@ -2603,7 +2603,7 @@ max_destinations = 1
         assert_eq!(e[0].path, "http.max_body_bytes");
         assert_eq!(e[0].line, Some(2));
         assert!(e[0].message.contains("wal.max_bytes (1048576)"), "{}", e[0].message);
-        let envelope = ingest::envelope::envelope_max_bytes(1, &[], &[(9, 64), (19, 20)]) as u64;
+        let envelope = ingest::envelope::envelope_max_bytes(1, std::iter::empty(), &[(9, 64), (19, 20)]) as u64;
         let smallest = 1_048_576 + envelope + 32 + 96;
         let e = errors(&with_max_bytes(smallest - 1));
         assert_eq!(e[0].path, "http.max_body_bytes", "{e:?}");
@@ -2960,8 +2960,7 @@ auth_secret = "never checked"
         };
         // No forwarded header: the envelope of source "a" with the default metadata.
         let spec_bound = |headers: &[&str]| {
-            let names: Vec<usize> = headers.iter().map(|h| h.len()).collect();
-            ingest::envelope::envelope_max_bytes(1, &names, &[(9, 64), (19, 20)]) as u64
+            ingest::envelope::envelope_max_bytes(1, headers.iter().map(|h| h.len()), &[(9, 64), (19, 20)]) as u64
         };
         let bare = 8192 - spec_bound(&[]);
         assert!(fits(bare, "").is_ok());
