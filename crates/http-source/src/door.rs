@@ -639,6 +639,19 @@ fn joined_capacity(arrived: usize, to_come: Option<u64>, max: usize) -> usize {
     whole.min(max)
 }
 
+/// Makes room in `buf` for `more` bytes, growing it as `Vec` would (at least twice its
+/// capacity) but never past `max`: `Vec`'s own doubling would take a chunked body of
+/// `max` bytes, read in pieces, to a buffer of up to twice `max` before it is shrunk.
+/// The caller has checked that the body, `more` included, is within `max`.
+fn reserve_within(buf: &mut Vec<u8>, more: usize, max: usize) {
+    let needed = buf.len().saturating_add(more);
+    if needed <= buf.capacity() {
+        return;
+    }
+    let grown = buf.capacity().saturating_mul(2).max(needed).min(max.max(needed));
+    buf.reserve_exact(grown - buf.len());
+}
+
 enum BodyReadError {
     TooLarge,
     Failed(String),
@@ -667,7 +680,10 @@ async fn collect_bounded(mut body: Body, max: usize) -> Result<Bytes, BodyReadEr
             continue;
         }
         match (&mut first, &mut copied) {
-            (_, Some(buf)) => buf.extend_from_slice(&data),
+            (_, Some(buf)) => {
+                reserve_within(buf, data.len(), max);
+                buf.extend_from_slice(&data);
+            }
             (None, None) => first = Some(data),
             (Some(_), None) => {
                 // What came plus what the framing says is still to come (hyper's hint is

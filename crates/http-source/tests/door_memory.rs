@@ -1,6 +1,7 @@
-//! Memory a routed request costs at the door: reading the fields routing needs must not
-//! build the whole event in memory. Counted with this test binary's own allocator; the
-//! tests take turns, as each counts every thread's allocations.
+//! Memory a request costs at the door: reading its body must never hold a buffer past
+//! `max_body_bytes`, and reading the fields routing needs must not build the whole event
+//! in memory. Counted with this test binary's own allocator; the tests take turns, as
+//! each counts every thread's allocations.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -14,6 +15,8 @@ struct Counting;
 
 static LIVE: AtomicUsize = AtomicUsize::new(0);
 static PEAK: AtomicUsize = AtomicUsize::new(0);
+/// The largest single allocation since a reset.
+static LARGEST: AtomicUsize = AtomicUsize::new(0);
 
 /// Held by each test for its whole run.
 static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
@@ -24,6 +27,7 @@ unsafe impl GlobalAlloc for Counting {
         if !p.is_null() {
             let live = LIVE.fetch_add(layout.size(), Ordering::Relaxed) + layout.size();
             PEAK.fetch_max(live, Ordering::Relaxed);
+            LARGEST.fetch_max(layout.size(), Ordering::Relaxed);
         }
         p
     }
@@ -101,4 +105,48 @@ fn what_routing_keeps_per_event_is_within_the_bound_the_room_counts() {
     // The bound is not slack enough to hide a miscount: half an object per key is not.
     let objects = events * 2 * depth;
     assert!(held > objects * http_source::json_fields::KEPT_OBJECT_MAX_BYTES / 2, "{held} bytes for {objects} objects");
+}
+
+/// A chunked body (no length announced) of exactly `max` bytes, in pieces as a client
+/// may send it: a few bytes, then 4 KiB at a time.
+struct ChunkedPieces {
+    left: usize,
+    next_len: usize,
+}
+
+impl hyper::body::Body for ChunkedPieces {
+    type Data = Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, Self::Error>>> {
+        if self.left == 0 {
+            return std::task::Poll::Ready(None);
+        }
+        let len = self.next_len.min(self.left);
+        self.left -= len;
+        self.next_len = 4096;
+        std::task::Poll::Ready(Some(Ok(hyper::body::Frame::data(Bytes::from(vec![b'x'; len])))))
+    }
+}
+
+/// A chunked body read in pieces is joined into one buffer that never grows past
+/// `max_body_bytes`. Grown by `Vec`'s own doubling, it could end past the limit, up to
+/// twice it (this test's 1 MiB body, in pieces of 3, 3 and 4,096 bytes: 1,049,344), for
+/// each of the connections the door admits, before any authentication.
+#[tokio::test]
+async fn a_chunked_body_read_in_pieces_is_joined_in_a_buffer_no_larger_than_the_limit() {
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+    for max in [1 << 20, 1_000_003, 64 * 1024 + 1] {
+        let body = axum::body::Body::new(ChunkedPieces { left: max, next_len: 3 });
+        LARGEST.store(0, Ordering::Relaxed);
+        let read = http_source::door::read_body(body, max, std::time::Duration::from_secs(5)).await.unwrap();
+        let largest = LARGEST.load(Ordering::Relaxed);
+        assert_eq!(read.len(), max);
+        assert!(read.iter().all(|&b| b == b'x'));
+        assert!(largest <= max, "a body of {max} bytes was joined in a buffer of {largest} bytes");
+        assert!(largest >= max, "the body is held in one buffer: largest allocation {largest} of {max}");
+    }
 }
