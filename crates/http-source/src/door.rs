@@ -26,6 +26,12 @@
 //!   rotate installed another since): the room is taken in order and sized by the
 //!   request's own headers and body, so one that cannot authenticate never waits for
 //!   it, and never holds up those behind.
+//! - What the log took is counted once the log holds it, whether or not the request
+//!   still waits: a client that disconnects while its events are appended leaves them
+//!   in the log (and delivered), so they are counted as accepted (`events_accepted`,
+//!   the source's status, routing's counts) all the same
+//!   ([`wal::Wal::append_observed`]). Only its answer, which no one received, is not:
+//!   requests are counted by the class of the answer they got.
 //! - Metrics labels are the source key (from configuration, never from the request),
 //!   status class and fixed reasons: never paths, ids or peer addresses.
 
@@ -299,8 +305,8 @@ fn refused(door: &Door, source: &str, e: ApiError) -> Response {
 async fn receive_inner(
     door: &Door,
     source: &SourceSpec,
-    metrics: Option<&SourceMetrics>,
-    status: Option<&SourceStatus>,
+    metrics: Option<&Arc<SourceMetrics>>,
+    status: Option<&Arc<SourceStatus>>,
     entrance: Entrance,
     req: Request,
 ) -> Result<Response, ApiError> {
@@ -499,28 +505,58 @@ async fn receive_inner(
         events: resolution.events,
         received_at_unix_ms,
     };
+    let counted = AcceptanceCount {
+        status: status.cloned(),
+        metrics: metrics.cloned(),
+        clamped: (clamped > 0).then(|| (source.key.clone(), clamped)),
+        defaulted: resolution.defaulted,
+        dropped: resolution.dropped,
+        key_misses: resolution.key_misses,
+    };
+    let on_accepted = move |accepted: &ingest::Accepted| counted.count(accepted);
     let accepted = match permit {
-        None => door.ingestor.accept_in(submission, room).await,
-        Some(permit) => door.ingestor.accept_holding(submission, permit, room).await,
+        None => door.ingestor.accept_in(submission, room, on_accepted).await,
+        Some(permit) => door.ingestor.accept_holding(submission, permit, room, on_accepted).await,
     };
     let accepted = accepted.map_err(|e| ingest_error(e, door.limits.retry_after_secs))?;
     fail_points::fail_point!("door.append.synced");
-    if let Some(s) = status {
-        s.accepted(accepted.events, accepted.replayed);
-    }
-    // Counted for what was appended: a refused append or a replay stored nothing cut.
-    if clamped > 0 && !accepted.replayed {
-        metrics::counter!("iggy_ingest_header_values_clamped_total", "source" => source.key.clone()).increment(clamped);
-    }
     if let Some(m) = metrics {
         m.requests_2xx.increment(1);
-        if !accepted.replayed {
-            m.events_accepted.increment(accepted.events);
-            m.routing.unmatched(resolution.defaulted, resolution.dropped);
-            m.routing.key_misses(&resolution.key_misses);
-        }
     }
     Ok(accepted_response(&accepted, resolution.dropped))
+}
+
+/// What an acceptance is counted by, and what routing decided for its events: counted
+/// when the log holds them (or, for a replay, when found), whether or not the request
+/// still waits (see the module invariants).
+struct AcceptanceCount {
+    status: Option<Arc<SourceStatus>>,
+    metrics: Option<Arc<SourceMetrics>>,
+    /// The source's key and the header values clamped, when any were.
+    clamped: Option<(String, u64)>,
+    defaulted: u64,
+    dropped: u64,
+    key_misses: Vec<crate::partition::KeyMiss>,
+}
+
+impl AcceptanceCount {
+    fn count(self, accepted: &ingest::Accepted) {
+        if let Some(s) = &self.status {
+            s.accepted(accepted.events, accepted.replayed);
+        }
+        // A replay stored nothing: nothing cut, routed or accepted now.
+        if accepted.replayed {
+            return;
+        }
+        if let Some((source, clamped)) = self.clamped {
+            metrics::counter!("iggy_ingest_header_values_clamped_total", "source" => source).increment(clamped);
+        }
+        if let Some(m) = &self.metrics {
+            m.events_accepted.increment(accepted.events);
+            m.routing.unmatched(self.defaulted, self.dropped);
+            m.routing.key_misses(&self.key_misses);
+        }
+    }
 }
 
 /// The 200 for events in the log: appended now, or (`replayed`) earlier.
@@ -884,7 +920,11 @@ mod tests {
     /// [`SOURCE_TOKEN`]) with one static endpoint ([`ENDPOINT_ID`], bearer
     /// [`ENDPOINT_TOKEN`]), and room for NDJSON batches of up to a million events.
     fn door_in(dir: &std::path::Path) -> Arc<Door> {
-        let wal = Arc::new(wal::Wal::open(dir.join("wal"), wal::WalOptions::default()).unwrap());
+        door_on(dir, Arc::new(wal::Wal::open(dir.join("wal"), wal::WalOptions::default()).unwrap()))
+    }
+
+    /// [`door_in`], on the log `wal`.
+    fn door_on(dir: &std::path::Path, wal: Arc<wal::Wal>) -> Arc<Door> {
         let state = Arc::new(ingest::StateDb::open(dir.join("state.redb")).unwrap());
         let idempotency = Arc::new(ingest::IdempotencyIndex::new(state.clone(), 86_400_000));
         let source = SourceSpec {
@@ -968,6 +1008,61 @@ mod tests {
         assert!(!waiting.is_finished(), "a request ran in room another held");
         drop(held);
         assert_eq!(tokio::time::timeout(Duration::from_secs(10), waiting).await.unwrap().unwrap(), StatusCode::OK);
+    }
+
+    /// A client that goes away while its events are appended (hyper drops the request's
+    /// future then) leaves them in the log, and delivered; they are counted as accepted
+    /// all the same, with a delivery id and without: the source's status says what the
+    /// log took, where it said nothing of them.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn events_appended_for_a_client_that_went_away_are_counted_as_accepted() {
+        use tower::ServiceExt;
+        use wal::storage::{HoldSyncs, HookedStorage, SimStorage};
+        let dir = tempfile::tempdir().unwrap();
+        let storage = HookedStorage::new(Arc::new(SimStorage::new()), HoldSyncs::default());
+        let opts = wal::WalOptions::default();
+        let wal = Arc::new(wal::Wal::open_with(Arc::new(storage.clone()), std::path::Path::new("/wal"), opts).unwrap());
+        let door = door_on(dir.path(), wal.clone());
+        // Let go however the test ends: the log's writer, waiting in a held sync, would
+        // otherwise keep a failing test from ending.
+        struct LetGo(HookedStorage<HoldSyncs>);
+        impl Drop for LetGo {
+            fn drop(&mut self) {
+                self.0.hooks().hold(false);
+            }
+        }
+        let _let_go = LetGo(storage.clone());
+        storage.hooks().hold(true);
+        for delivery_id in [None, Some("delivery-1")] {
+            let mut req = Request::builder()
+                .method("POST")
+                .uri("/v1/sources/hooks")
+                .header(header::CONTENT_TYPE, "application/x-ndjson")
+                .header(header::AUTHORIZATION, format!("Bearer {SOURCE_TOKEN}"));
+            if let Some(id) = delivery_id {
+                req = req.header("idempotency-key", id);
+            }
+            let req = req.body(Body::from("{\"a\":1}\n{\"a\":2}\n")).unwrap();
+            let answer = tokio::time::timeout(Duration::from_millis(300), router(door.clone()).oneshot(req)).await;
+            assert!(answer.is_err(), "answered with the log's syncs held: {delivery_id:?}");
+        }
+        let status = door.status.get("hooks").unwrap();
+        assert_eq!(status.view().accepted_events, 0, "counted before the log held them");
+
+        storage.hooks().hold(false);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while wal.next_offset() < 4 || status.view().accepted_events < 4 {
+            assert!(
+                Instant::now() < deadline,
+                "the log holds {} records; the status counts {} events accepted",
+                wal.next_offset(),
+                status.view().accepted_events
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let view = status.view();
+        assert_eq!((wal.next_offset(), view.accepted_events, view.accepted_requests), (4, 4, 2));
     }
 
     #[tokio::test]

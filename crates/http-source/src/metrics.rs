@@ -10,6 +10,7 @@
 //!   the door after installing it); handles made without a recorder are no-ops.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use metrics::{Counter, Histogram};
 
@@ -104,15 +105,19 @@ impl SourceMetrics {
 /// Handles for every configured source.
 #[derive(Clone, Default)]
 pub struct DoorMetrics {
-    per_source: HashMap<String, SourceMetrics>,
+    per_source: HashMap<String, Arc<SourceMetrics>>,
 }
 
 impl DoorMetrics {
     pub fn new<'a>(sources: impl IntoIterator<Item = &'a str>) -> DoorMetrics {
-        DoorMetrics { per_source: sources.into_iter().map(|k| (k.to_string(), SourceMetrics::new(k))).collect() }
+        DoorMetrics {
+            per_source: sources.into_iter().map(|k| (k.to_string(), Arc::new(SourceMetrics::new(k)))).collect(),
+        }
     }
 
-    pub fn source(&self, key: &str) -> Option<&SourceMetrics> {
+    /// The handles of source `key`, shared: an acceptance is counted by them once the
+    /// log holds it, whether or not its request still waits ([`crate::door`]).
+    pub fn source(&self, key: &str) -> Option<&Arc<SourceMetrics>> {
         self.per_source.get(key)
     }
 }

@@ -4,8 +4,8 @@
 //! - Counters only grow; `last_error` is replaced, never cleared, and carries its time.
 
 use std::collections::BTreeMap;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 use serde::Serialize;
 
@@ -65,15 +65,16 @@ impl SourceStatus {
 /// Status of every configured source, by key.
 #[derive(Debug, Default)]
 pub struct StatusBoard {
-    pub sources: BTreeMap<String, SourceStatus>,
+    pub sources: BTreeMap<String, Arc<SourceStatus>>,
 }
 
 impl StatusBoard {
     pub fn new(keys: impl IntoIterator<Item = String>) -> StatusBoard {
-        StatusBoard { sources: keys.into_iter().map(|k| (k, SourceStatus::default())).collect() }
+        StatusBoard { sources: keys.into_iter().map(|k| (k, Arc::default())).collect() }
     }
 
-    pub fn get(&self, key: &str) -> Option<&SourceStatus> {
+    /// Source `key`'s status, shared as [`crate::metrics::DoorMetrics::source`] is.
+    pub fn get(&self, key: &str) -> Option<&Arc<SourceStatus>> {
         self.sources.get(key)
     }
 }

@@ -12,6 +12,11 @@
 //!   records it whether or not anyone waits, and lets the claim go after); so does one accepted
 //!   with a hold ([`Ingestor::accept_holding`]), which is released only after its append
 //!   resolved.
+//! - The caller's `on_accepted` ([`Ingestor::accept_in`]) is called with every `Ok`
+//!   acceptance, and only with those, whether or not the caller still waits: a batch
+//!   queued to the log is written even if its caller goes away, and what it counts (the
+//!   door's accepted events) is then counted on a task of its own
+//!   ([`wal::Wal::append_observed`]).
 //! - What submissions hold is bounded: [`RUNNING_ON_MAX_BYTES`] in all, those that run
 //!   in their own tasks (which outlive their callers) and those on their callers' tasks
 //!   alike (a submission larger than that waits until none runs). The bound does not
@@ -257,19 +262,32 @@ impl Ingestor {
     /// Accepts a submission, in room taken for it here; see the module invariants.
     pub async fn accept(&self, submission: Submission) -> Result<Accepted, IngestError> {
         let room = self.room(submission.footprint_bytes()).await?;
-        self.accept_in(submission, room).await
+        self.accept_in(submission, room, |_| ()).await
     }
 
     /// [`Ingestor::accept`] in `room` taken before (for a bound of the submission's
     /// footprint, before its body was decoded), held until its append resolved.
-    pub async fn accept_in(&self, submission: Submission, room: Room) -> Result<Accepted, IngestError> {
+    /// `on_accepted` is called with the acceptance (an append or a replay, never a
+    /// refusal) whether or not the caller still waits for it: a caller that goes away
+    /// once the batch is queued leaves it to be written all the same, and what the log
+    /// took is counted all the same ([`wal::Wal::append_observed`]).
+    pub async fn accept_in<F>(
+        &self,
+        submission: Submission,
+        room: Room,
+        on_accepted: F,
+    ) -> Result<Accepted, IngestError>
+    where
+        F: FnOnce(&Accepted) + Send + 'static,
+    {
         if submission.delivery_key.is_some() {
-            return self.accept_holding(submission, (), room).await;
+            return self.accept_holding(submission, (), room, on_accepted).await;
         }
         room.check_covers(&submission);
-        // Nothing follows the append, so there is no step a dropped future could skip:
-        // run it on the caller's task, which holds the room as long as the submission.
-        let accepted = self.accept_inner(submission).await;
+        // Nothing follows the append but `on_accepted`, which the log calls whether or
+        // not this future is still polled: run it on the caller's task, which holds the
+        // room as long as the submission.
+        let accepted = self.accept_inner(submission, on_accepted).await;
         drop(room);
         accepted
     }
@@ -292,16 +310,21 @@ impl Ingestor {
     /// its own task, which owns `hold` and `room` (taken first, see [`Ingestor::room`]).
     /// For a guard that must outlive every append made under it (the door's endpoint
     /// permit).
-    pub async fn accept_holding<H: Send + 'static>(
+    /// `on_accepted` as for [`Ingestor::accept_in`].
+    pub async fn accept_holding<H: Send + 'static, F>(
         &self,
         submission: Submission,
         hold: H,
         room: Room,
-    ) -> Result<Accepted, IngestError> {
+        on_accepted: F,
+    ) -> Result<Accepted, IngestError>
+    where
+        F: FnOnce(&Accepted) + Send + 'static,
+    {
         room.check_covers(&submission);
         let this = self.clone();
         tokio::spawn(async move {
-            let accepted = this.accept_inner(submission).await;
+            let accepted = this.accept_inner(submission, on_accepted).await;
             drop((hold, room));
             accepted
         })
@@ -392,24 +415,27 @@ impl Ingestor {
         })
     }
 
-    async fn accept_inner(&self, s: Submission) -> Result<Accepted, IngestError> {
+    async fn accept_inner<F>(&self, s: Submission, on_accepted: F) -> Result<Accepted, IngestError>
+    where
+        F: FnOnce(&Accepted) + Send + 'static,
+    {
         if s.events.is_empty() {
             return Err(IngestError::Empty);
         }
         let Some(delivery_key) = s.delivery_key.clone() else {
-            return self.append(&s).await;
+            return self.append(&s, on_accepted).await;
         };
         let key = IdempotencyKey { source_key: s.source_key.clone(), endpoint_id: s.endpoint_id, delivery_key };
         let claim = match self.idempotency.claim_or_answered(&key).await {
             Claiming::Claimed(claim) => claim,
             Claiming::InFlight => return Err(IngestError::InFlight),
-            Claiming::Answered(prior) => return self.replay(&key, prior),
+            Claiming::Answered(prior) => return self.replay(&key, prior).inspect(on_accepted),
         };
         lookup_in_time(s.received_at_unix_ms)?;
         if let Some(prior) = self.prior(&key, s.received_at_unix_ms)? {
-            return self.replay(&key, prior);
+            return self.replay(&key, prior).inspect(on_accepted);
         }
-        let accepted = self.append(&s).await?;
+        let accepted = self.append(&s, on_accepted).await?;
         fail_points::fail_point!("ingest.appended");
         let prior = PriorAcceptance {
             first_offset: accepted.first_offset,
@@ -441,7 +467,12 @@ impl Ingestor {
         });
     }
 
-    async fn append(&self, s: &Submission) -> Result<Accepted, IngestError> {
+    /// Appends the submission's events as one batch; `on_accepted` is called once it is
+    /// durable, also if this future is dropped first ([`wal::Wal::append_observed`]).
+    async fn append<F>(&self, s: &Submission, on_accepted: F) -> Result<Accepted, IngestError>
+    where
+        F: FnOnce(&Accepted) + Send + 'static,
+    {
         let batch_len =
             u32::try_from(s.events.len()).map_err(|_| IngestError::TooLarge { len: s.events.len(), max: u32::MAX })?;
         let mut records = Vec::with_capacity(s.events.len());
@@ -455,19 +486,25 @@ impl Ingestor {
             records.push(Envelope::encode_ref(&header, &event.payload));
         }
         let started = Instant::now();
-        let result = self.wal.append(records).await;
+        let events = u64::from(batch_len);
+        let result = self
+            .wal
+            .append_observed(records, move |a| {
+                on_accepted(&Accepted {
+                    events,
+                    first_offset: a.first_offset,
+                    last_offset: a.last_offset,
+                    replayed: false,
+                });
+            })
+            .await;
         // Durable appends only: a refusal (log full, stopped) answers at once and would
         // pull the histogram towards zero while nothing is written.
         if result.is_ok() {
             self.append_latency.record(started.elapsed().as_secs_f64());
         }
         match result {
-            Ok(a) => Ok(Accepted {
-                events: u64::from(batch_len),
-                first_offset: a.first_offset,
-                last_offset: a.last_offset,
-                replayed: false,
-            }),
+            Ok(a) => Ok(Accepted { events, first_offset: a.first_offset, last_offset: a.last_offset, replayed: false }),
             Err(WalError::Full { used_bytes, max_bytes, .. }) => Err(IngestError::Full { used_bytes, max_bytes }),
             Err(WalError::RecordTooLarge { len, max }) => Err(IngestError::TooLarge { len, max }),
             Err(WalError::BatchTooLarge { batch_bytes, max_batch_bytes }) => {

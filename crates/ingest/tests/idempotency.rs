@@ -224,31 +224,12 @@ async fn keys_of_records_a_salvage_skipped_are_forgotten_and_their_retries_appen
     assert_eq!((again.first_offset, again.replayed), (retry.first_offset, true));
 }
 
-/// Hooks for the simulated disk under which syncs wait while `hold` is set, so a test
-/// can keep an append in flight for as long as it needs.
-#[derive(Debug, Default)]
-struct HoldSyncs {
-    held: std::sync::Mutex<bool>,
-    released: std::sync::Condvar,
-}
-
-impl wal::storage::Hooks for HoldSyncs {
-    fn sync_data(&self, file: &dyn wal::storage::StorageFile) -> std::io::Result<()> {
-        let mut h = self.held.lock().unwrap();
-        while *h {
-            h = self.released.wait(h).unwrap();
-        }
-        drop(h);
-        file.sync_data()
-    }
-}
-
-/// A storage double: the simulated disk, whose syncs can be held ([`HoldSyncs`]).
-type HeldSyncs = wal::storage::HookedStorage<HoldSyncs>;
+/// A storage double: the simulated disk, whose syncs can be held
+/// ([`wal::storage::HoldSyncs`]).
+type HeldSyncs = wal::storage::HookedStorage<wal::storage::HoldSyncs>;
 
 fn hold(storage: &HeldSyncs, on: bool) {
-    *storage.hooks().held.lock().unwrap() = on;
-    storage.hooks().released.notify_all();
+    storage.hooks().hold(on);
 }
 
 /// Two requests with one delivery id at once: while the first is being appended (its
@@ -258,7 +239,7 @@ fn hold(storage: &HeldSyncs, on: bool) {
 async fn a_twin_arriving_while_its_delivery_is_appended_is_refused_and_appends_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let state = Arc::new(StateDb::open(dir.path().join("state.redb")).unwrap());
-    let storage = HeldSyncs::new(Arc::new(SimStorage::new()), HoldSyncs::default());
+    let storage = HeldSyncs::new(Arc::new(SimStorage::new()), wal::storage::HoldSyncs::default());
     let wal = Arc::new(Wal::open_with(Arc::new(storage.clone()), Path::new("/wal"), WalOptions::default()).unwrap());
     let now = ingest::time::now_unix_ms();
     let (ingestor, _) = start(&state, &wal, now);

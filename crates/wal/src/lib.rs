@@ -50,6 +50,7 @@
 pub mod error;
 pub mod format;
 pub mod inspect;
+mod observed;
 pub mod options;
 mod reader;
 mod recovery;
@@ -70,6 +71,7 @@ use bytes::Bytes;
 use tokio::sync::{Semaphore, oneshot};
 
 pub use error::{Location, Result, WalError};
+pub use observed::Observed;
 pub use options::{RecoveryMode, SyncPolicy, WalOptions};
 pub use reader::{Reader, Record, RecordPlace};
 pub use recovery::{OpenReport, SalvageReport};
@@ -202,6 +204,25 @@ impl Wal {
     /// lacks room now, and with [`WalError::BatchTooLarge`] when it could never have room
     /// (more than [`WalOptions::batch_max_bytes`]), with nothing written.
     pub async fn append(&self, records: Vec<Bytes>) -> Result<Appended> {
+        let answer = self.queue_append(records).await?;
+        answer.await.map_err(|_| WalError::Closed)?
+    }
+
+    /// [`Wal::append`], calling `on_durable` with the batch's offsets once it is durable,
+    /// also when the future returned is dropped after the batch was queued: the batch is
+    /// written all the same, and its outcome is then awaited on a task of the runtime
+    /// that dropped it (see [`Observed`]). Not called for a batch refused or failed.
+    pub async fn append_observed<F>(&self, records: Vec<Bytes>, on_durable: F) -> Result<Appended>
+    where
+        F: FnOnce(&Appended) + Send + 'static,
+    {
+        let answer = self.queue_append(records).await?;
+        Observed::new(answer, on_durable).await
+    }
+
+    /// Checks `records` and queues them to the writer as one batch; the receiver gets
+    /// the batch's answer.
+    async fn queue_append(&self, records: Vec<Bytes>) -> Result<oneshot::Receiver<Result<Appended>>> {
         let writer = self.writer.as_ref().ok_or(WalError::ReadOnly)?;
         if records.is_empty() {
             return Err(WalError::EmptyBatch);
@@ -225,7 +246,7 @@ impl Wal {
         let (reply, rx) = oneshot::channel();
         let cmd = Command::Append { records, crcs, frame_bytes, reply, _permit: (permit, bytes_permit) };
         writer.send(cmd)?;
-        rx.await.map_err(|_| WalError::Closed)?
+        Ok(rx)
     }
 
     /// Declares every record below `offset` delivered. Whole segments below it are

@@ -316,3 +316,56 @@ fn a_failed_sync_fails_its_appends_and_is_never_taken_as_covered() {
     let tags: Vec<u64> = read_all(&wal, 0).iter().map(|r| tag_of(&r.payload)).collect();
     assert_eq!(tags, vec![1, 3]);
 }
+
+/// `append_observed` calls its observer once a batch is durable: before the answer when
+/// the caller waits for it, and on a task of its own when the caller's future was
+/// dropped while the batch waited for its sync (the batch is written all the same, so
+/// what the observer counts is what the log holds); never for a batch that failed.
+#[test]
+fn an_observed_append_is_seen_once_durable_also_when_its_caller_stopped_waiting() {
+    use std::sync::Mutex;
+    use wal::storage::HoldSyncs;
+    let sim = SimStorage::new();
+    let storage = HookedStorage::new(Arc::new(sim.clone()), HoldSyncs::default());
+    let wal = wal::Wal::open_with(Arc::new(storage.clone()), &dir(), small_options()).unwrap();
+    let seen: Arc<Mutex<Vec<(u64, u64)>>> = Arc::default();
+    let observer = || {
+        let seen = seen.clone();
+        move |a: &wal::Appended| seen.lock().unwrap().push((a.first_offset, a.last_offset))
+    };
+    let seen_now = || seen.lock().unwrap().clone();
+    rt().block_on(async {
+        let a = wal.append_observed(vec![payload(1, 100)], observer()).await.unwrap();
+        assert_eq!((a.first_offset, a.last_offset), (0, 0));
+        assert_eq!(seen_now(), [(0, 0)], "seen before the answer");
+
+        // Dropped while its sync is held: seen once the sync is let go.
+        storage.hooks().hold(true);
+        let batch = vec![payload(2, 100), payload(3, 100)];
+        let dropped = tokio::time::timeout(Duration::from_millis(200), wal.append_observed(batch, observer())).await;
+        assert!(dropped.is_err(), "the append resolved with its sync held");
+        assert_eq!(seen_now(), [(0, 0)], "seen before it was durable");
+        storage.hooks().hold(false);
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while seen_now().len() < 2 {
+            assert!(std::time::Instant::now() < deadline, "the dropped append was never seen: {:?}", seen_now());
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(seen_now(), [(0, 0), (1, 2)]);
+
+        // Failed, awaited or dropped: never seen.
+        sim.fail_nth(FaultOp::Sync, 1, std::io::ErrorKind::Other);
+        assert!(wal.append_observed(vec![payload(4, 100)], observer()).await.is_err());
+        storage.hooks().hold(true);
+        sim.fail_nth(FaultOp::Sync, 1, std::io::ErrorKind::Other);
+        let dropped =
+            tokio::time::timeout(Duration::from_millis(200), wal.append_observed(vec![payload(5, 100)], observer()))
+                .await;
+        assert!(dropped.is_err(), "the append resolved with its sync held");
+        storage.hooks().hold(false);
+        let after = wal.append_observed(vec![payload(6, 100)], observer()).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(seen_now(), [(0, 0), (1, 2), (after.first_offset, after.first_offset)]);
+        assert_eq!(after.first_offset, 3, "a failed append took an offset");
+    });
+}

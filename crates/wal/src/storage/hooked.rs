@@ -65,6 +65,34 @@ impl<H: Hooks> HookedStorage<H> {
     }
 }
 
+/// Hooks under which every sync waits while syncs are held ([`HoldSyncs::hold`]), so a
+/// test can keep an append in flight, its batch written and not yet durable, for as
+/// long as it needs.
+#[derive(Debug, Default)]
+pub struct HoldSyncs {
+    held: std::sync::Mutex<bool>,
+    released: std::sync::Condvar,
+}
+
+impl HoldSyncs {
+    /// Holds every sync from now on (`true`), or lets them all go (`false`).
+    pub fn hold(&self, on: bool) {
+        *self.held.lock().unwrap_or_else(|p| p.into_inner()) = on;
+        self.released.notify_all();
+    }
+}
+
+impl Hooks for HoldSyncs {
+    fn sync_data(&self, file: &dyn StorageFile) -> io::Result<()> {
+        let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        while *held {
+            held = self.released.wait(held).unwrap_or_else(|p| p.into_inner());
+        }
+        drop(held);
+        file.sync_data()
+    }
+}
+
 #[derive(Debug)]
 struct HookedFile<H: Hooks> {
     file: Arc<dyn StorageFile>,
