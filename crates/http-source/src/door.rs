@@ -800,7 +800,7 @@ fn forward_headers(source: &SourceSpec, headers: &HeaderMap) -> (Vec<(String, Ve
     let mut out = Vec::new();
     let mut clamped = 0;
     for name in &source.forward_headers {
-        if let Some(v) = headers.get_all(name.as_str()).iter().next_back() {
+        if let Some(v) = crate::partition::last_value(headers, name) {
             let bytes = v.as_bytes();
             let value = if bytes.len() > HEADER_VALUE_MAX_BYTES {
                 clamped += 1;

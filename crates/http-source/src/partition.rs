@@ -89,7 +89,7 @@ impl PartitionRule {
             PartitionRule::Key { source, encoding } => (source, *encoding),
         };
         let raw: Option<Vec<u8>> = match source {
-            KeySource::Header(name) => headers.get(name.as_str()).map(|v| v.as_bytes().to_vec()),
+            KeySource::Header(name) => last_value(headers, name).map(|v| v.as_bytes().to_vec()),
             KeySource::Field(path) => payload.and_then(|p| path.lookup(p)).map(String::into_bytes),
         };
         let raw = match raw {
@@ -104,6 +104,13 @@ impl PartitionRule {
             },
         }
     }
+}
+
+/// The value of header `name`, its last when it was sent more than once: the one a
+/// forwarded header keeps (Iggy holds one value per header name), so that an event's
+/// partition key and the header it carries to Iggy never disagree.
+pub(crate) fn last_value<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a axum::http::HeaderValue> {
+    headers.get_all(name).iter().next_back()
 }
 
 /// A key Iggy takes: itself when short enough, else its SHA-256.
@@ -131,6 +138,11 @@ mod tests {
         let h = headers(&[("x-tenant", "acme")]);
         assert_eq!(rule.partitioning(&h, None), (Partitioning::Key(b"acme".to_vec()), None));
         assert_eq!(rule.partitioning(&HeaderMap::new(), None), (Partitioning::Balanced, Some(KeyMiss::Missing)));
+        // Sent more than once: the last value, the one the header forwarded with the
+        // event keeps.
+        let mut twice = headers(&[("x-tenant", "first")]);
+        twice.append("x-tenant", HeaderValue::from_static("last"));
+        assert_eq!(rule.partitioning(&twice, None), (Partitioning::Key(b"last".to_vec()), None));
         let u32_rule = PartitionRule::Key { source: KeySource::Header("x-tenant".into()), encoding: KeyEncoding::U32 };
         assert_eq!(
             u32_rule.partitioning(&headers(&[("x-tenant", "258")]), None),
