@@ -279,16 +279,22 @@ async fn receive(door: &Door, source: Arc<SourceSpec>, entrance: Entrance, req: 
     }
 }
 
-/// A request that failed authentication: logged (at most once per interval), counted by
-/// reason, and answered 401 with no detail.
-fn auth_refused(source: &SourceSpec, failure: crate::auth::AuthFailure, peer: Option<&PeerAddr>) -> ApiError {
+/// A request that failed authentication against `scheme`: logged (at most once per
+/// interval), counted by reason, and answered 401 with no detail (its challenge names
+/// `scheme`).
+fn auth_refused(
+    source: &SourceSpec,
+    scheme: &AuthScheme,
+    failure: crate::auth::AuthFailure,
+    peer: Option<&PeerAddr>,
+) -> ApiError {
     static LOG: LogLimit = LogLimit::every(LOG_INTERVAL);
     if let Some(suppressed) = LOG.admit() {
         tracing::warn!(source = %source.key, reason = failure.reason(), peer = ?peer.map(|p| p.addr), suppressed, "request failed authentication");
     }
     metrics::counter!("iggy_ingest_auth_failures_total", "source" => source.key.clone(), "reason" => failure.reason())
         .increment(1);
-    ApiError::unauthorized()
+    ApiError::unauthorized(scheme.challenge())
 }
 
 /// The answer to a request of `source` refused with `e` (a POST's or a handshake's):
@@ -352,7 +358,7 @@ async fn receive_inner(
                 }
             };
             if !rotated_since {
-                return Err(auth_refused(source, failure, peer));
+                return Err(auth_refused(source, admitted_by, failure, peer));
             }
             false
         }
@@ -391,7 +397,7 @@ async fn receive_inner(
             if (!authenticated || !Arc::ptr_eq(seen, &current))
                 && let Err(failure) = current.endpoint.auth.verify(&parts.headers, &body, received_at_unix_ms)
             {
-                return Err(auth_refused(source, failure, peer));
+                return Err(auth_refused(source, &current.endpoint.auth, failure, peer));
             }
             (Some(current), Some(permit))
         }

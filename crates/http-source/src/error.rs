@@ -2,7 +2,8 @@
 //!
 //! Invariants:
 //! - Every non-2xx answer of the webhook listener has a JSON body `{"error", "message"}`.
-//! - 401 answers carry no detail: the reason is logged and counted, not sent.
+//! - 401 answers carry no detail: the reason is logged and counted, not sent; their
+//!   `WWW-Authenticate` challenge names the scheme expected, nothing more.
 //! - 503 answers carry `Retry-After`.
 
 use axum::Json;
@@ -17,15 +18,21 @@ pub struct ApiError {
     pub code: &'static str,
     pub message: String,
     pub retry_after_secs: Option<u64>,
+    /// The `WWW-Authenticate` challenge of a 401.
+    pub challenge: Option<&'static str>,
 }
 
 impl ApiError {
     pub fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> ApiError {
-        ApiError { status, code, message: message.into(), retry_after_secs: None }
+        ApiError { status, code, message: message.into(), retry_after_secs: None, challenge: None }
     }
 
-    pub fn unauthorized() -> ApiError {
-        ApiError::new(StatusCode::UNAUTHORIZED, "unauthorized", "authentication failed")
+    /// A 401 with `challenge` (RFC 9110: a 401 names at least one) and no detail.
+    pub fn unauthorized(challenge: &'static str) -> ApiError {
+        ApiError {
+            challenge: Some(challenge),
+            ..ApiError::new(StatusCode::UNAUTHORIZED, "unauthorized", "authentication failed")
+        }
     }
 
     pub fn not_found(message: impl Into<String>) -> ApiError {
@@ -50,6 +57,9 @@ impl IntoResponse for ApiError {
         let mut resp = (self.status, Json(json!({ "error": self.code, "message": self.message }))).into_response();
         if let Some(secs) = self.retry_after_secs {
             resp.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(secs));
+        }
+        if let Some(challenge) = self.challenge {
+            resp.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static(challenge));
         }
         resp
     }

@@ -33,7 +33,7 @@ use axum::Json;
 use axum::Router;
 use axum::extract::rejection::PathRejection;
 use axum::extract::{Path, RawQuery, Request, State};
-use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::http::{HeaderMap, StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -106,9 +106,7 @@ fn refuse(presented: bool, what: &str) -> Response {
     if let Some(suppressed) = LOG.admit() {
         tracing::warn!(suppressed, "{what} with {why}");
     }
-    let mut resp = ApiError::unauthorized().into_response();
-    resp.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer realm=\"iggy-ingest admin\""));
-    resp
+    ApiError::unauthorized("Bearer realm=\"iggy-ingest admin\"").into_response()
 }
 
 async fn health(State(s): State<Arc<Shared>>) -> Response {

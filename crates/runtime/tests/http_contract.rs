@@ -250,6 +250,8 @@ async fn every_auth_scheme_accepts_good_and_refuses_bad_signatures() {
     );
     let bad = request(h, "POST", "/v1/sources/github", &[("x-hub-signature-256", gh)], "Hello, World?").await;
     assert_eq!((bad.status, bad.json()), (401, unauthorized.clone()));
+    // Every 401 carries a challenge (RFC 9110) naming the scheme expected, not the reason.
+    assert_eq!(bad.header("www-authenticate"), Some("hmac-sha256 realm=\"iggy-ingest\""));
 
     // HMAC-SHA1 (vector computed with Python's hmac module).
     let sha1 = "sha1=01dc10d0c83e72ed246219cdd91669667fe2ca59";
@@ -257,10 +259,8 @@ async fn every_auth_scheme_accepts_good_and_refuses_bad_signatures() {
         request(h, "POST", "/v1/sources/legacy", &[("x-hub-signature", sha1)], "Hello, World!").await.status,
         200
     );
-    assert_eq!(
-        request(h, "POST", "/v1/sources/legacy", &[("x-hub-signature", "sha1=00")], "Hello, World!").await.status,
-        401
-    );
+    let bad = request(h, "POST", "/v1/sources/legacy", &[("x-hub-signature", "sha1=00")], "Hello, World!").await;
+    assert_eq!((bad.status, bad.header("www-authenticate")), (401, Some("hmac-sha1 realm=\"iggy-ingest\"")));
 
     // Bearer.
     assert_eq!(
@@ -269,6 +269,7 @@ async fn every_auth_scheme_accepts_good_and_refuses_bad_signatures() {
     );
     let bad = request(h, "POST", "/v1/sources/internal", &[("authorization", "Bearer internal-tokem")], "x").await;
     assert_eq!((bad.status, bad.json()), (401, unauthorized.clone()));
+    assert_eq!(bad.header("www-authenticate"), Some("Bearer realm=\"iggy-ingest\""));
 
     // Standard Webhooks, and the same under Svix's header names: signed now with the
     // spec example's key.
@@ -285,14 +286,19 @@ async fn every_auth_scheme_accepts_good_and_refuses_bad_signatures() {
     let stale_sig = format!("v1,{}", hmac_b64(&key, format!("msg_3.{old_ts}.{body}").as_bytes()));
     let stale =
         [("webhook-id", "msg_3"), ("webhook-timestamp", old_ts.as_str()), ("webhook-signature", stale_sig.as_str())];
-    assert_eq!(request(h, "POST", "/v1/sources/svix", &stale, body).await.json(), unauthorized);
+    let bad = request(h, "POST", "/v1/sources/svix", &stale, body).await;
+    assert_eq!(
+        (bad.json(), bad.header("www-authenticate")),
+        (unauthorized, Some("standard-webhooks realm=\"iggy-ingest\""))
+    );
 
     // Stripe.
     let body = r#"{"id":"evt_1"}"#;
     let st = format!("t={ts},v1={}", hmac_hex(b"whsec_test_secret", format!("{ts}.{body}").as_bytes()));
     assert_eq!(request(h, "POST", "/v1/sources/stripe", &[("stripe-signature", &st)], body).await.status, 200);
     let forged = format!("t={ts},v1={}", hmac_hex(b"whsec_other", format!("{ts}.{body}").as_bytes()));
-    assert_eq!(request(h, "POST", "/v1/sources/stripe", &[("stripe-signature", &forged)], body).await.status, 401);
+    let bad = request(h, "POST", "/v1/sources/stripe", &[("stripe-signature", &forged)], body).await;
+    assert_eq!((bad.status, bad.header("www-authenticate")), (401, Some("stripe realm=\"iggy-ingest\"")));
 
     let m = String::from_utf8_lossy(&request(d.admin, "GET", "/metrics", &[], "").await.body).to_string();
     for line in [
