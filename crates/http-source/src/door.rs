@@ -514,10 +514,10 @@ async fn receive_inner(
     let counted = AcceptanceCount {
         status: status.cloned(),
         metrics: metrics.cloned(),
-        clamped: (clamped > 0).then(|| (source.key.clone(), clamped)),
+        clamped,
         defaulted: resolution.defaulted,
         dropped: resolution.dropped,
-        key_misses: resolution.key_misses,
+        key_misses: crate::metrics::KeyMisses::of(&resolution.key_misses),
     };
     let on_accepted = move |accepted: &ingest::Accepted| counted.count(accepted);
     let accepted = match permit {
@@ -534,15 +534,16 @@ async fn receive_inner(
 
 /// What an acceptance is counted by, and what routing decided for its events: counted
 /// when the log holds them (or, for a replay, when found), whether or not the request
-/// still waits (see the module invariants).
+/// still waits (see the module invariants). Kept to a few words: it is carried in the
+/// request's future, which is moved by value on its way down.
 struct AcceptanceCount {
     status: Option<Arc<SourceStatus>>,
     metrics: Option<Arc<SourceMetrics>>,
-    /// The source's key and the header values clamped, when any were.
-    clamped: Option<(String, u64)>,
+    /// Forwarded header values cut to what Iggy takes.
+    clamped: u64,
     defaulted: u64,
     dropped: u64,
-    key_misses: Vec<crate::partition::KeyMiss>,
+    key_misses: crate::metrics::KeyMisses,
 }
 
 impl AcceptanceCount {
@@ -554,13 +555,13 @@ impl AcceptanceCount {
         if accepted.replayed {
             return;
         }
-        if let Some((source, clamped)) = self.clamped {
-            metrics::counter!("iggy_ingest_header_values_clamped_total", "source" => source).increment(clamped);
-        }
         if let Some(m) = &self.metrics {
             m.events_accepted.increment(accepted.events);
+            if self.clamped > 0 {
+                m.header_values_clamped.increment(self.clamped);
+            }
             m.routing.unmatched(self.defaulted, self.dropped);
-            m.routing.key_misses(&self.key_misses);
+            m.routing.key_misses(self.key_misses);
         }
     }
 }

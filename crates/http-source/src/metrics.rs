@@ -23,8 +23,26 @@ use crate::route::OnMissing;
 pub struct SourceMetrics {
     pub requests_2xx: Counter,
     pub events_accepted: Counter,
+    /// Forwarded header values cut to what Iggy takes, in requests appended.
+    pub header_values_clamped: Counter,
     pub request_duration: Histogram,
     pub routing: RoutingMetrics,
+}
+
+/// How many events of a request had their partition key missing, by reason.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct KeyMisses {
+    pub missing: u64,
+    pub not_u32: u64,
+}
+
+impl KeyMisses {
+    pub fn of(misses: &[KeyMiss]) -> KeyMisses {
+        misses.iter().fold(KeyMisses::default(), |n, m| match m {
+            KeyMiss::Missing => KeyMisses { missing: n.missing + 1, ..n },
+            KeyMiss::NotU32 => KeyMisses { not_u32: n.not_u32 + 1, ..n },
+        })
+    }
 }
 
 /// What routing at the door decided, per source.
@@ -65,12 +83,12 @@ impl RoutingMetrics {
         self.unmatched_drop.increment(dropped);
     }
 
-    pub fn key_misses(&self, misses: &[KeyMiss]) {
-        for m in misses {
-            match m {
-                KeyMiss::Missing => self.key_missing.increment(1),
-                KeyMiss::NotU32 => self.key_not_u32.increment(1),
-            }
+    /// Counts the events of an accepted request whose partition key was missing, or not
+    /// a `u32` where one was asked for ([`KeyMisses`]).
+    pub fn key_misses(&self, misses: KeyMisses) {
+        if misses != KeyMisses::default() {
+            self.key_missing.increment(misses.missing);
+            self.key_not_u32.increment(misses.not_u32);
         }
     }
 
@@ -96,6 +114,7 @@ impl SourceMetrics {
         SourceMetrics {
             requests_2xx: metrics::counter!("iggy_ingest_http_requests_total", "source" => key.clone(), "status_class" => "2xx"),
             events_accepted: metrics::counter!("iggy_ingest_events_accepted_total", "source" => key.clone()),
+            header_values_clamped: metrics::counter!("iggy_ingest_header_values_clamped_total", "source" => key.clone()),
             request_duration: metrics::histogram!("iggy_ingest_http_request_duration_seconds", "source" => key),
             routing: RoutingMetrics::new(source),
         }
