@@ -219,21 +219,14 @@ impl AuthScheme {
         }
     }
 
-    /// The `WWW-Authenticate` challenge of a 401 under this scheme (RFC 9110 requires
-    /// one): the scheme a sender must use, never why its request failed. `Bearer` is
-    /// HTTP's own scheme; the signature schemes have none, so each is named by its
-    /// configuration name (`hmac-sha256`, `standard-webhooks`, `stripe`, ...).
+    /// The scheme a 401's `WWW-Authenticate` challenge names under this one (RFC 9110
+    /// requires a challenge): what a sender must use, never why its request failed.
+    /// `Bearer` is HTTP's own scheme; the signature schemes have none, so each is named
+    /// by its configuration name (`hmac-sha256`, `standard-webhooks`, `stripe`, ...).
     pub fn challenge(&self) -> &'static str {
         match self {
-            AuthScheme::None => "none realm=\"iggy-ingest\"",
-            AuthScheme::Bearer { .. } => "Bearer realm=\"iggy-ingest\"",
-            AuthScheme::Hmac { algorithm: HmacAlgorithm::Sha256, encoding: SignatureEncoding::Base64, .. } => {
-                "hmac-sha256-base64 realm=\"iggy-ingest\""
-            }
-            AuthScheme::Hmac { algorithm: HmacAlgorithm::Sha256, .. } => "hmac-sha256 realm=\"iggy-ingest\"",
-            AuthScheme::Hmac { algorithm: HmacAlgorithm::Sha1, .. } => "hmac-sha1 realm=\"iggy-ingest\"",
-            AuthScheme::StandardWebhooks { .. } => "standard-webhooks realm=\"iggy-ingest\"",
-            AuthScheme::Stripe { .. } => "stripe realm=\"iggy-ingest\"",
+            AuthScheme::Bearer { .. } => "Bearer",
+            other => other.name(),
         }
     }
 

@@ -294,7 +294,7 @@ fn auth_refused(
     }
     metrics::counter!("iggy_ingest_auth_failures_total", "source" => source.key.clone(), "reason" => failure.reason())
         .increment(1);
-    ApiError::unauthorized(scheme.challenge())
+    ApiError::unauthorized(scheme.challenge(), "iggy-ingest")
 }
 
 /// The answer to a request of `source` refused with `e` (a POST's or a handshake's):

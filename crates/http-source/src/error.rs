@@ -18,8 +18,8 @@ pub struct ApiError {
     pub code: &'static str,
     pub message: String,
     pub retry_after_secs: Option<u64>,
-    /// The `WWW-Authenticate` challenge of a 401.
-    pub challenge: Option<&'static str>,
+    /// The `WWW-Authenticate` challenge of a 401: its scheme and realm.
+    pub challenge: Option<(&'static str, &'static str)>,
 }
 
 impl ApiError {
@@ -27,10 +27,11 @@ impl ApiError {
         ApiError { status, code, message: message.into(), retry_after_secs: None, challenge: None }
     }
 
-    /// A 401 with `challenge` (RFC 9110: a 401 names at least one) and no detail.
-    pub fn unauthorized(challenge: &'static str) -> ApiError {
+    /// A 401 with a challenge of `scheme` in `realm` (RFC 9110: a 401 names at least
+    /// one) and no detail.
+    pub fn unauthorized(scheme: &'static str, realm: &'static str) -> ApiError {
         ApiError {
-            challenge: Some(challenge),
+            challenge: Some((scheme, realm)),
             ..ApiError::new(StatusCode::UNAUTHORIZED, "unauthorized", "authentication failed")
         }
     }
@@ -58,8 +59,11 @@ impl IntoResponse for ApiError {
         if let Some(secs) = self.retry_after_secs {
             resp.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(secs));
         }
-        if let Some(challenge) = self.challenge {
-            resp.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static(challenge));
+        // Both parts are the daemon's own names: a valid header value.
+        if let Some((scheme, realm)) = self.challenge
+            && let Ok(v) = HeaderValue::try_from(format!("{scheme} realm=\"{realm}\""))
+        {
+            resp.headers_mut().insert(header::WWW_AUTHENTICATE, v);
         }
         resp
     }

@@ -106,7 +106,7 @@ fn refuse(presented: bool, what: &str) -> Response {
     if let Some(suppressed) = LOG.admit() {
         tracing::warn!(suppressed, "{what} with {why}");
     }
-    ApiError::unauthorized("Bearer realm=\"iggy-ingest admin\"").into_response()
+    ApiError::unauthorized("Bearer", "iggy-ingest admin").into_response()
 }
 
 async fn health(State(s): State<Arc<Shared>>) -> Response {
