@@ -2120,11 +2120,15 @@ async fn dead_letter<S: Sink, C>(
         // The batch was bounded without the dead-letter headers these messages gain
         // (they are the destination's own records): bounded again with them.
         let end = end_within_send_bytes(records, from, cap.end(from, records.len()), DEAD_LETTER_HEADERS_MAX_BYTES);
+        // Only a send cut short says its size failed, as for a lane's own sends: an
+        // ensure of the dead-letter topic cut short sent nothing.
+        let mut send_cut_short = false;
         let sent = {
             let Some(_slot) = slot_or_shutdown(lane, failures > 0, shutdown).await else {
                 return Delivery::ShuttingDown;
             };
-            match (bounded(&*ctx.sink, timeout, ensure_timed(&*ctx.sink, dlq)).await, &mut prepared) {
+            let ensured = bounded_write(ctx, dlq, timeout, false, ensure_timed(&*ctx.sink, dlq)).await;
+            match (ensured, &mut prepared) {
                 (Err(e), _) => Err(e),
                 (Ok(_), Err(e)) => Err(e.clone()),
                 (Ok(_), Ok(messages)) => {
@@ -2135,6 +2139,7 @@ async fn dead_letter<S: Sink, C>(
                         metrics::histogram!("iggy_connector_send_latency_seconds")
                             .record(started.elapsed().as_secs_f64());
                     }
+                    send_cut_short = matches!(&r, Err(e) if e.kind == SendErrorKind::Timeout);
                     r
                 }
             }
@@ -2165,7 +2170,7 @@ async fn dead_letter<S: Sink, C>(
                 }
             }
             Err(e) => {
-                if e.kind == SendErrorKind::Timeout {
+                if send_cut_short {
                     cap.cut_short(end - from);
                 }
                 failures = failures.saturating_add(1);

@@ -183,6 +183,35 @@ async fn a_partition_id_out_of_range_with_dead_letter_goes_there() {
     router.shutdown().await;
 }
 
+/// Only a dead-letter send cut short by the result timeout makes the next ones carry
+/// fewer records, as for a lane's own sends: an ensure of the dead-letter topic that is
+/// not answered in time sent nothing, and its size is not what failed. (It halved the
+/// run's next send, and every one after, until 16 were answered in a row.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_topic_slow_to_ensure_does_not_shrink_the_dead_letter_sends() {
+    let sim = SimStorage::new();
+    let wal = open_wal(&sim);
+    let sink = FaultySink::new();
+    let (d, dlq) = (key("p", "t"), key("dlq", "rejected"));
+    sink.set_partitions(&d, 3);
+    // Its ensure never answers: cut short at the result timeout.
+    sink.fault(&dlq, Some(Fault::BlackHole));
+    let batch = (0..8u64).map(|i| record(&d, i, Partitioning::PartitionId(7))).collect();
+    wal.append(batch).await.unwrap();
+    let mut p = policy(OnAdmissionFailure::DeadLetter);
+    p.batch.result_timeout = Duration::from_millis(200);
+    // The eight records make one batch, and so one run to dead-letter.
+    p.batch.linger = Duration::from_millis(200);
+    let router = Router::start(wal, sink.clone(), Arc::new(MemoryCursorStore::new()), Policies::uniform(p)).unwrap();
+    eventually(Duration::from_secs(10), "the dead-letter topic ensured", || sink.ensured(&dlq) >= 1).await;
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    sink.fault(&dlq, None);
+    eventually(Duration::from_secs(20), "dead-lettered", || sink.delivered(&dlq).len() == 8).await;
+    let sizes: Vec<usize> = sink.send_sizes(&dlq).iter().map(|&(n, _)| n).collect();
+    assert_eq!(sizes, [8], "the dead-letter sends after an ensure cut short");
+    router.shutdown().await;
+}
+
 /// The sends to the dead-letter topic of records beyond the topic's partitions are
 /// counted as every send is: their failures by reason (what the runbook reads to tell a
 /// failing destination from a failing server), and the records once delivered there.
