@@ -36,7 +36,7 @@ use crate::field_path::FieldPath;
 
 /// The most bytes one object [`parse`] keeps allocates, its key's text aside: a
 /// `serde_json::Map` of at most one key per path, one node of its B-tree (632 bytes on
-/// 64-bit targets), with room for an allocator's rounding. `tests/route_memory.rs`
+/// 64-bit targets), with room for an allocator's rounding. `tests/door_memory.rs`
 /// measures it.
 pub const KEPT_OBJECT_MAX_BYTES: usize = 768;
 

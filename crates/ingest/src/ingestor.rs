@@ -16,7 +16,7 @@
 //!   acceptance, and only with those, whether or not the caller still waits: a batch
 //!   queued to the log is written even if its caller goes away, and what it counts (the
 //!   door's accepted events) is then counted on a task of its own
-//!   ([`wal::Wal::append_observed`]).
+//!   ([`wal::Wal::append_observed`]; none runs once the runtime shuts down).
 //! - What submissions hold is bounded: [`RUNNING_ON_MAX_BYTES`] in all, those that run
 //!   in their own tasks (which outlive their callers) and those on their callers' tasks
 //!   alike (a submission larger than that waits until none runs). The bound does not

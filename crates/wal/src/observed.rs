@@ -14,7 +14,8 @@
 //!   counted before the caller answers.
 //! - Dropped before its answer inside a Tokio runtime, the answer is awaited on a task
 //!   of that runtime, which calls `on_durable` if the batch became durable. Dropped
-//!   outside any runtime (nothing left to run it), `on_durable` is dropped uncalled.
+//!   outside any runtime, or while its runtime shuts down (which runs no new task),
+//!   `on_durable` is dropped uncalled: nothing is left to run it.
 
 use std::future::Future;
 use std::pin::Pin;

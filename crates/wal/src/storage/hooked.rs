@@ -72,6 +72,7 @@ impl<H: Hooks> HookedStorage<H> {
 pub struct HoldSyncs {
     held: std::sync::Mutex<bool>,
     released: std::sync::Condvar,
+    waiting: std::sync::atomic::AtomicUsize,
 }
 
 impl HoldSyncs {
@@ -80,13 +81,22 @@ impl HoldSyncs {
         *self.held.lock().unwrap_or_else(|p| p.into_inner()) = on;
         self.released.notify_all();
     }
+
+    /// How many syncs wait now: one waits once the writer took a group to disk.
+    pub fn waiting(&self) -> usize {
+        self.waiting.load(std::sync::atomic::Ordering::SeqCst)
+    }
 }
 
 impl Hooks for HoldSyncs {
     fn sync_data(&self, file: &dyn StorageFile) -> io::Result<()> {
         let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
-        while *held {
-            held = self.released.wait(held).unwrap_or_else(|p| p.into_inner());
+        if *held {
+            self.waiting.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            while *held {
+                held = self.released.wait(held).unwrap_or_else(|p| p.into_inner());
+            }
+            self.waiting.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
         }
         drop(held);
         file.sync_data()
