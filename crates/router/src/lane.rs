@@ -2120,9 +2120,6 @@ async fn dead_letter<S: Sink, C>(
         // The batch was bounded without the dead-letter headers these messages gain
         // (they are the destination's own records): bounded again with them.
         let end = end_within_send_bytes(records, from, cap.end(from, records.len()), DEAD_LETTER_HEADERS_MAX_BYTES);
-        // Only a send cut short says its size failed, as for a lane's own sends: an
-        // ensure of the dead-letter topic cut short sent nothing.
-        let mut send_cut_short = false;
         let sent = {
             let Some(_slot) = slot_or_shutdown(lane, failures > 0, shutdown).await else {
                 return Delivery::ShuttingDown;
@@ -2139,7 +2136,11 @@ async fn dead_letter<S: Sink, C>(
                         metrics::histogram!("iggy_connector_send_latency_seconds")
                             .record(started.elapsed().as_secs_f64());
                     }
-                    send_cut_short = matches!(&r, Err(e) if e.kind == SendErrorKind::Timeout);
+                    // Only a send cut short says its size failed, as for a lane's own
+                    // sends: an ensure of the dead-letter topic cut short sent nothing.
+                    if matches!(&r, Err(e) if e.kind == SendErrorKind::Timeout) {
+                        cap.cut_short(end - from);
+                    }
                     r
                 }
             }
@@ -2170,9 +2171,6 @@ async fn dead_letter<S: Sink, C>(
                 }
             }
             Err(e) => {
-                if send_cut_short {
-                    cap.cut_short(end - from);
-                }
                 failures = failures.saturating_add(1);
                 lock(&lane.info).dead_letter_failures = failures;
                 failed(lane, ctx, failures, false, &format!("dead-letter send failed: {e}"));
