@@ -142,6 +142,13 @@ pub struct Accepted {
     pub replayed: bool,
 }
 
+impl Accepted {
+    /// `events` appended now, where the log put them.
+    fn appended(events: u64, a: &wal::Appended) -> Accepted {
+        Accepted { events, first_offset: a.first_offset, last_offset: a.last_offset, replayed: false }
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum IngestError {
     #[error("log is full: {used_bytes} of {max_bytes} bytes used")]
@@ -271,15 +278,12 @@ impl Ingestor {
     /// refusal) whether or not the caller still waits for it: a caller that goes away
     /// once the batch is queued leaves it to be written all the same, and what the log
     /// took is counted all the same ([`wal::Wal::append_observed`]).
-    pub async fn accept_in<F>(
+    pub async fn accept_in(
         &self,
         submission: Submission,
         room: Room,
-        on_accepted: F,
-    ) -> Result<Accepted, IngestError>
-    where
-        F: FnOnce(&Accepted) + Send + 'static,
-    {
+        on_accepted: impl FnOnce(&Accepted) + Send + 'static,
+    ) -> Result<Accepted, IngestError> {
         if submission.delivery_key.is_some() {
             return self.accept_holding(submission, (), room, on_accepted).await;
         }
@@ -311,16 +315,13 @@ impl Ingestor {
     /// For a guard that must outlive every append made under it (the door's endpoint
     /// permit).
     /// `on_accepted` as for [`Ingestor::accept_in`].
-    pub async fn accept_holding<H: Send + 'static, F>(
+    pub async fn accept_holding(
         &self,
         submission: Submission,
-        hold: H,
+        hold: impl Send + 'static,
         room: Room,
-        on_accepted: F,
-    ) -> Result<Accepted, IngestError>
-    where
-        F: FnOnce(&Accepted) + Send + 'static,
-    {
+        on_accepted: impl FnOnce(&Accepted) + Send + 'static,
+    ) -> Result<Accepted, IngestError> {
         room.check_covers(&submission);
         let this = self.clone();
         tokio::spawn(async move {
@@ -415,10 +416,11 @@ impl Ingestor {
         })
     }
 
-    async fn accept_inner<F>(&self, s: Submission, on_accepted: F) -> Result<Accepted, IngestError>
-    where
-        F: FnOnce(&Accepted) + Send + 'static,
-    {
+    async fn accept_inner(
+        &self,
+        s: Submission,
+        on_accepted: impl FnOnce(&Accepted) + Send + 'static,
+    ) -> Result<Accepted, IngestError> {
         if s.events.is_empty() {
             return Err(IngestError::Empty);
         }
@@ -469,10 +471,11 @@ impl Ingestor {
 
     /// Appends the submission's events as one batch; `on_accepted` is called once it is
     /// durable, also if this future is dropped first ([`wal::Wal::append_observed`]).
-    async fn append<F>(&self, s: &Submission, on_accepted: F) -> Result<Accepted, IngestError>
-    where
-        F: FnOnce(&Accepted) + Send + 'static,
-    {
+    async fn append(
+        &self,
+        s: &Submission,
+        on_accepted: impl FnOnce(&Accepted) + Send + 'static,
+    ) -> Result<Accepted, IngestError> {
         let batch_len =
             u32::try_from(s.events.len()).map_err(|_| IngestError::TooLarge { len: s.events.len(), max: u32::MAX })?;
         let mut records = Vec::with_capacity(s.events.len());
@@ -487,24 +490,14 @@ impl Ingestor {
         }
         let started = Instant::now();
         let events = u64::from(batch_len);
-        let result = self
-            .wal
-            .append_observed(records, move |a| {
-                on_accepted(&Accepted {
-                    events,
-                    first_offset: a.first_offset,
-                    last_offset: a.last_offset,
-                    replayed: false,
-                });
-            })
-            .await;
+        let result = self.wal.append_observed(records, move |a| on_accepted(&Accepted::appended(events, a))).await;
         // Durable appends only: a refusal (log full, stopped) answers at once and would
         // pull the histogram towards zero while nothing is written.
         if result.is_ok() {
             self.append_latency.record(started.elapsed().as_secs_f64());
         }
         match result {
-            Ok(a) => Ok(Accepted { events, first_offset: a.first_offset, last_offset: a.last_offset, replayed: false }),
+            Ok(a) => Ok(Accepted::appended(events, &a)),
             Err(WalError::Full { used_bytes, max_bytes, .. }) => Err(IngestError::Full { used_bytes, max_bytes }),
             Err(WalError::RecordTooLarge { len, max }) => Err(IngestError::TooLarge { len, max }),
             Err(WalError::BatchTooLarge { batch_bytes, max_batch_bytes }) => {
