@@ -520,7 +520,7 @@ async fn receive_inner(
         clamped,
         defaulted: resolution.defaulted,
         dropped: resolution.dropped,
-        key_misses: crate::metrics::KeyMisses::of(&resolution.key_misses),
+        key_misses: resolution.key_misses,
     };
     let on_accepted = move |accepted: &ingest::Accepted| counted.count(accepted);
     let accepted = match permit {
@@ -546,7 +546,7 @@ struct AcceptanceCount {
     clamped: u64,
     defaulted: u64,
     dropped: u64,
-    key_misses: crate::metrics::KeyMisses,
+    key_misses: crate::partition::KeyMisses,
 }
 
 impl AcceptanceCount {

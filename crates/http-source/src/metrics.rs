@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use metrics::{Counter, Histogram};
 
-use crate::partition::KeyMiss;
+use crate::partition::{KeyMiss, KeyMisses};
 use crate::resolve::RefusalKind;
 use crate::route::OnMissing;
 
@@ -27,22 +27,6 @@ pub struct SourceMetrics {
     pub header_values_clamped: Counter,
     pub request_duration: Histogram,
     pub routing: RoutingMetrics,
-}
-
-/// How many events of a request had their partition key missing, by reason.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct KeyMisses {
-    pub missing: u64,
-    pub not_u32: u64,
-}
-
-impl KeyMisses {
-    pub fn of(misses: &[KeyMiss]) -> KeyMisses {
-        misses.iter().fold(KeyMisses::default(), |n, m| match m {
-            KeyMiss::Missing => KeyMisses { missing: n.missing + 1, ..n },
-            KeyMiss::NotU32 => KeyMisses { not_u32: n.not_u32 + 1, ..n },
-        })
-    }
 }
 
 /// What routing at the door decided, per source.

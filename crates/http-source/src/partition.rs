@@ -73,6 +73,23 @@ impl KeyMiss {
     }
 }
 
+/// How many events of a request had their partition key missing, by reason: what
+/// routing counts of a request once it is accepted.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct KeyMisses {
+    pub missing: u64,
+    pub not_u32: u64,
+}
+
+impl KeyMisses {
+    pub fn add(&mut self, miss: KeyMiss) {
+        match miss {
+            KeyMiss::Missing => self.missing += 1,
+            KeyMiss::NotU32 => self.not_u32 += 1,
+        }
+    }
+}
+
 impl PartitionRule {
     /// The payload field a key is read from, if any.
     pub fn field(&self) -> Option<&FieldPath> {

@@ -18,7 +18,7 @@ use ingest::{Destination, Event};
 use serde_json::Value;
 
 use crate::admission::{Refusal, is_name};
-use crate::partition::KeyMiss;
+use crate::partition::KeyMisses;
 use crate::route::{OnMissing, Routed, Unmatched, shorten};
 use crate::source::{Destinations, SourceSpec};
 
@@ -31,7 +31,7 @@ pub struct Resolution {
     /// Events sent to the default destination because their route was missing.
     pub defaulted: u64,
     /// Events sent balanced because their partition key was missing or not a `u32`.
-    pub key_misses: Vec<KeyMiss>,
+    pub key_misses: KeyMisses,
 }
 
 /// Why a request is refused.
@@ -147,7 +147,7 @@ pub fn resolve(
         }
         let (partitioning, miss) = source.partitioning.partitioning(headers, json.as_ref());
         if let Some(m) = miss {
-            out.key_misses.push(m);
+            out.key_misses.add(m);
         }
         out.events.push(Event { destination: Destination { stream, topic, partitioning }, payload });
     }
@@ -308,6 +308,6 @@ mod tests {
         let r = resolve(&spec(OnMissing::Default, Admission::Open, rule), &HeaderMap::new(), body, None, None).unwrap();
         assert_eq!(r.events[0].destination.partitioning, Partitioning::Key(b"c1".to_vec()));
         assert_eq!(r.events[1].destination.partitioning, Partitioning::Balanced);
-        assert_eq!(r.key_misses, [KeyMiss::Missing]);
+        assert_eq!(r.key_misses, KeyMisses { missing: 1, not_u32: 0 });
     }
 }
