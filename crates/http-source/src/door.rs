@@ -1033,19 +1033,10 @@ mod tests {
         let opts = wal::WalOptions::default();
         let wal = Arc::new(wal::Wal::open_with(Arc::new(storage.clone()), std::path::Path::new("/wal"), opts).unwrap());
         let door = door_on(dir.path(), wal.clone());
-        // Let go however the test ends: the log's writer, waiting in a held sync, would
-        // otherwise keep a failing test from ending.
-        struct LetGo(HookedStorage<HoldSyncs>);
-        impl Drop for LetGo {
-            fn drop(&mut self) {
-                self.0.hooks().hold(false);
-            }
-        }
-        let _let_go = LetGo(storage.clone());
         let status = door.status.get("hooks").unwrap();
         for (i, delivery_id) in [None, Some("delivery-1")].into_iter().enumerate() {
             let counted_before = 2 * i as u64;
-            storage.hooks().hold(true);
+            let held = storage.hold_syncs();
             let mut req = Request::builder()
                 .method("POST")
                 .uri("/v1/sources/hooks")
@@ -1068,7 +1059,7 @@ mod tests {
             assert!(request.await.is_err_and(|e| e.is_cancelled()), "{delivery_id:?}");
             assert_eq!(status.view().accepted_events, counted_before, "counted before the log held them");
 
-            storage.hooks().hold(false);
+            drop(held);
             let deadline = Instant::now() + Duration::from_secs(10);
             while wal.next_offset() < counted_before + 2 || status.view().accepted_events < counted_before + 2 {
                 assert!(

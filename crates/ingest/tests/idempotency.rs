@@ -228,10 +228,6 @@ async fn keys_of_records_a_salvage_skipped_are_forgotten_and_their_retries_appen
 /// ([`wal::storage::HoldSyncs`]).
 type HeldSyncs = wal::storage::HookedStorage<wal::storage::HoldSyncs>;
 
-fn hold(storage: &HeldSyncs, on: bool) {
-    storage.hooks().hold(on);
-}
-
 /// Two requests with one delivery id at once: while the first is being appended (its
 /// sync held), its twin is refused as in flight and appends nothing, by `accept` and by
 /// `replay_of`; once the first is durable, a retry is its replay, with its offsets.
@@ -246,16 +242,7 @@ async fn a_twin_arriving_while_its_delivery_is_appended_is_refused_and_appends_n
     let ingestor = Arc::new(ingestor);
     ingestor.accept(submission(Some("d-0"), now)).await.unwrap();
 
-    hold(&storage, true);
-    // Released however the test ends: the log's writer, waiting in a held sync, would
-    // otherwise keep a failing test from dropping its log.
-    struct Release(HeldSyncs);
-    impl Drop for Release {
-        fn drop(&mut self) {
-            hold(&self.0, false);
-        }
-    }
-    let _release = Release(storage.clone());
+    let held = storage.hold_syncs();
     let first = {
         let ingestor = ingestor.clone();
         tokio::spawn(async move { ingestor.accept(submission(Some("d-1"), now)).await })
@@ -275,7 +262,7 @@ async fn a_twin_arriving_while_its_delivery_is_appended_is_refused_and_appends_n
     let replay = tokio::time::timeout(Duration::from_secs(5), ingestor.replay_of(&key, now)).await;
     assert!(matches!(replay, Ok(Err(ingest::IngestError::InFlight))), "{replay:?}");
 
-    hold(&storage, false);
+    drop(held);
     let accepted = first.await.unwrap().unwrap();
     assert_eq!((accepted.first_offset, accepted.replayed), (1, false));
     let retry = ingestor.accept(submission(Some("d-1"), now)).await.unwrap();

@@ -340,12 +340,12 @@ fn an_observed_append_is_seen_once_durable_also_when_its_caller_stopped_waiting(
         assert_eq!(seen_now(), [(0, 0)], "seen before the answer");
 
         // Dropped while its sync is held: seen once the sync is let go.
-        storage.hooks().hold(true);
+        let held = storage.hold_syncs();
         let batch = vec![payload(2, 100), payload(3, 100)];
         let dropped = tokio::time::timeout(Duration::from_millis(200), wal.append_observed(batch, observer())).await;
         assert!(dropped.is_err(), "the append resolved with its sync held");
         assert_eq!(seen_now(), [(0, 0)], "seen before it was durable");
-        storage.hooks().hold(false);
+        drop(held);
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
         while seen_now().len() < 2 {
             assert!(std::time::Instant::now() < deadline, "the dropped append was never seen: {:?}", seen_now());
@@ -356,13 +356,13 @@ fn an_observed_append_is_seen_once_durable_also_when_its_caller_stopped_waiting(
         // Failed, awaited or dropped: never seen.
         sim.fail_nth(FaultOp::Sync, 1, std::io::ErrorKind::Other);
         assert!(wal.append_observed(vec![payload(4, 100)], observer()).await.is_err());
-        storage.hooks().hold(true);
+        let held = storage.hold_syncs();
         sim.fail_nth(FaultOp::Sync, 1, std::io::ErrorKind::Other);
         let dropped =
             tokio::time::timeout(Duration::from_millis(200), wal.append_observed(vec![payload(5, 100)], observer()))
                 .await;
         assert!(dropped.is_err(), "the append resolved with its sync held");
-        storage.hooks().hold(false);
+        drop(held);
         let after = wal.append_observed(vec![payload(6, 100)], observer()).await.unwrap();
         tokio::time::sleep(Duration::from_millis(100)).await;
         assert_eq!(seen_now(), [(0, 0), (1, 2), (after.first_offset, after.first_offset)]);

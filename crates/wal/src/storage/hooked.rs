@@ -65,9 +65,9 @@ impl<H: Hooks> HookedStorage<H> {
     }
 }
 
-/// Hooks under which every sync waits while syncs are held ([`HoldSyncs::hold`]), so a
-/// test can keep an append in flight, its batch written and not yet durable, for as
-/// long as it needs.
+/// Hooks under which every sync waits while syncs are held
+/// ([`HookedStorage::hold_syncs`]), so a test can keep an append in flight, its batch
+/// written and not yet durable, for as long as it needs.
 #[derive(Debug, Default)]
 pub struct HoldSyncs {
     held: std::sync::Mutex<bool>,
@@ -77,7 +77,7 @@ pub struct HoldSyncs {
 
 impl HoldSyncs {
     /// Holds every sync from now on (`true`), or lets them all go (`false`).
-    pub fn hold(&self, on: bool) {
+    fn hold(&self, on: bool) {
         *self.held.lock().unwrap_or_else(|p| p.into_inner()) = on;
         self.released.notify_all();
     }
@@ -100,6 +100,26 @@ impl Hooks for HoldSyncs {
         }
         drop(held);
         file.sync_data()
+    }
+}
+
+impl HookedStorage<HoldSyncs> {
+    /// Holds every sync until the guard returned is dropped, however the test ends: a
+    /// writer left waiting in a held sync would keep a failing test from dropping its
+    /// log.
+    pub fn hold_syncs(&self) -> SyncsHeld {
+        self.hooks.hold(true);
+        SyncsHeld(self.hooks.clone())
+    }
+}
+
+/// Syncs held by [`HookedStorage::hold_syncs`], let go when dropped.
+#[must_use = "syncs are let go as soon as this is dropped"]
+pub struct SyncsHeld(Arc<HoldSyncs>);
+
+impl Drop for SyncsHeld {
+    fn drop(&mut self) {
+        self.0.hold(false);
     }
 }
 

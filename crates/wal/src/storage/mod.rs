@@ -32,7 +32,7 @@ use std::sync::Arc;
 
 pub use fs::FsStorage;
 #[cfg(any(test, feature = "sim"))]
-pub use hooked::{HoldSyncs, HookedStorage, Hooks};
+pub use hooked::{HoldSyncs, HookedStorage, Hooks, SyncsHeld};
 #[cfg(any(test, feature = "sim"))]
 pub use sim::{CrashMode, FaultOp, SimStorage};
 
