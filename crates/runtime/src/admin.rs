@@ -240,7 +240,7 @@ fn record_json(r: &EndpointRecord, with_secret: bool) -> serde_json::Value {
 
 /// Entries one listing (endpoints, a connector's destinations) returns when the request
 /// names no `limit`.
-const LIST_LIMIT_DEFAULT: usize = 1000;
+pub(crate) const LIST_LIMIT_DEFAULT: usize = 1000;
 /// The most entries one listing returns: a page of at most a few megabytes.
 const LIST_LIMIT_MAX: usize = 10_000;
 
@@ -262,15 +262,23 @@ async fn list(State(s): State<Arc<Shared>>, headers: HeaderMap, RawQuery(query):
 /// The `after` and `limit` of a listing's query (`after` read by `parse_after`, which
 /// `after_is` describes); any other parameter, a value given twice or one that does not
 /// read is a 400 `invalid_query` whose message starts with the parameter's name.
+/// Names and values are percent-decoded first, as every HTTP client library encodes a
+/// query (`after=shop%2Forders` is `after=shop/orders`); one that does not decode to
+/// UTF-8 does not read.
 pub(crate) fn page_query<T>(
     query: Option<&str>,
     after_is: &str,
     parse_after: impl Fn(&str) -> Option<T>,
 ) -> Result<(Option<T>, usize), ApiError> {
     let bad = |detail: String| ApiError::new(StatusCode::BAD_REQUEST, "invalid_query", detail);
+    let decode = |raw: &str| percent_encoding::percent_decode_str(raw).decode_utf8().map(|d| d.into_owned());
     let (mut after, mut limit) = (None, None);
     for pair in query.unwrap_or("").split('&').filter(|p| !p.is_empty()) {
-        let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
+        let (raw_name, raw_value) = pair.split_once('=').unwrap_or((pair, ""));
+        let name = decode(raw_name)
+            .map_err(|_| bad(format!("{:?}: not a parameter of this listing (after, limit)", shorten(raw_name))))?;
+        let value = decode(raw_value).map_err(|_| bad(format!("{name}: not UTF-8 once percent-decoded")))?;
+        let (name, value) = (name.as_str(), value.as_str());
         match name {
             "after" if after.is_none() => {
                 let parsed = parse_after(value);

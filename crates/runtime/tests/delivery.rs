@@ -412,5 +412,67 @@ async fn a_connectors_destinations_are_listed_a_page_at_a_time() {
         assert_eq!(body["error"], "invalid_query", "{query}: {body}");
         assert!(body["message"].as_str().is_some_and(|m| m.starts_with(named)), "{query}: {body}");
     }
+    // Every client library percent-encodes a query's values: `next_after` sent back so
+    // reads as sent raw.
+    let raw = admin_json(d.admin, "/connectors/r/destinations?after=g/t1&limit=2").await;
+    let encoded = admin_json(d.admin, "/connectors/r/destinations?after=g%2Ft1&limit=2").await;
+    assert_eq!((names(&raw), &raw["next_after"]), (vec!["g/t2".to_string(), "g/t3".to_string()], &"g/t3".into()));
+    assert_eq!(encoded, raw);
+    let a = request(d.admin, "GET", "/connectors/r/destinations?after=g%FF", &[], "").await;
+    assert_eq!((a.status, a.json()["error"].as_str()), (400, Some("invalid_query")));
+    assert!(d.stop().success());
+}
+
+/// `wal inspect --admin` reads every page of a connector's destinations: a source routed
+/// to more destinations than one page of the listing holds (1,000) shows each with the
+/// daemon's figures, none as unknown.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wal_inspect_with_admin_reads_every_page_of_destinations() {
+    const TOPICS: usize = 1_500;
+    let dir = tempfile::tempdir().unwrap();
+    let unreachable = "127.0.0.1:1".parse().unwrap();
+    let routed =
+        "\n[sources.r]\nroute = { topic_field = \"type\", default_stream = \"g\", default_topic = \"misc\" }\n";
+    let config = format!("{}{routed}", rest(unreachable)).replace("[router]\n", "[router]\nmax_destinations = 2000\n");
+    assert!(config.contains("max_destinations = 2000"), "{config}");
+    let d = Daemon::start(dir.path(), "", &config);
+    let body: String = (0..TOPICS).map(|i| format!("{{\"type\":\"t{i:04}\"}}\n")).collect();
+    let a = request(d.http, "POST", "/v1/sources/r", &[("content-type", "application/x-ndjson")], body).await;
+    assert_eq!(a.status, 200, "{:?}", String::from_utf8_lossy(&a.body));
+    // The router has made a lane for each (each holds its record: the server is down).
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let c = admin_json(d.admin, "/connectors/r").await;
+        if c["delivery"]["destinations"].as_u64() == Some(TOPICS as u64) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "a lane per destination: {c}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let (wal_dir, admin) = (d.wal_dir(), format!("http://{}", d.admin));
+    let o = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(env!("CARGO_BIN_EXE_iggy-ingest"))
+            .args(["wal", "inspect", wal_dir.to_str().unwrap(), "--json", "--admin", &admin])
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let i: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let lanes = i["destinations"]["lanes"].as_array().unwrap();
+    let routed: Vec<&serde_json::Value> = lanes.iter().filter(|l| l["source"] == "r").collect();
+    assert_eq!(routed.len(), TOPICS, "one entry per destination");
+    let unknown: Vec<String> = routed
+        .iter()
+        .filter(|l| !l["status"].is_string() || l["held_records"].as_u64() != Some(1))
+        .map(|l| l["topic"].to_string())
+        .collect();
+    assert!(
+        unknown.is_empty(),
+        "{} destination(s) without the daemon's figures, first {:?}",
+        unknown.len(),
+        unknown.first()
+    );
     assert!(d.stop().success());
 }

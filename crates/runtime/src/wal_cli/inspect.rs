@@ -481,13 +481,26 @@ fn admin_lanes(
 }
 
 /// The destinations the running daemon shows for source `src` (none if it knows no such
-/// connector: a source no longer configured whose lanes the router has not made yet).
+/// connector: a source no longer configured whose lanes the router has not made yet),
+/// every page of them: the listing answers [`ADMIN_PAGE_LIMIT`] at a time, by stream and
+/// topic, and names where the next page starts (`next_after`). At most
+/// [`DESTINATIONS_MAX`] are read, and a page that does not move past the one before is
+/// an error, so a daemon that answers wrongly cannot keep the command walking.
 fn admin_destinations(target: &AdminTarget<'_>, token: Option<&str>, src: &str) -> CliResult<Vec<AdminLane>> {
+    use percent_encoding::{NON_ALPHANUMERIC, utf8_percent_encode};
     let mut out = Vec::new();
     // A source key read from the log is not trusted to be a path segment (a `?`, `/` or
     // space in it would ask for another resource, or no valid URI at all): escaped.
-    let segment = percent_encoding::utf8_percent_encode(src, percent_encoding::NON_ALPHANUMERIC);
-    if let Some(v) = http_get_json(target, &format!("/connectors/{segment}/destinations"), token)? {
+    let segment = utf8_percent_encode(src, NON_ALPHANUMERIC);
+    let mut after: Option<String> = None;
+    loop {
+        let mut path = format!("/connectors/{segment}/destinations?limit={ADMIN_PAGE_LIMIT}");
+        if let Some(a) = &after {
+            path.push_str(&format!("&after={}", utf8_percent_encode(a, NON_ALPHANUMERIC)));
+        }
+        let Some(v) = http_get_json(target, &path, token)? else {
+            return Ok(out);
+        };
         for d in v["destinations"].as_array().into_iter().flatten() {
             let key = (
                 src.to_string(),
@@ -506,9 +519,26 @@ fn admin_destinations(target: &AdminTarget<'_>, token: Option<&str>, src: &str) 
                 },
             ));
         }
+        let Some(next) = v["next_after"].as_str() else {
+            return Ok(out);
+        };
+        let failed = |why: &str| CliError::Failed(format!("admin API {}{path}: {why}", target.url));
+        // Pages are in order of (stream, topic), which is not the order of the joined
+        // text ("a/z" sorts after "a.b/c", its page before it).
+        let by_name = |a: &str| a.split_once('/').map(|(s, t)| (s.to_string(), t.to_string()));
+        if after.as_deref().is_some_and(|a| by_name(next) <= by_name(a)) {
+            return Err(failed(&format!("the next page starts at {next:?}, not past {after:?}")));
+        }
+        if out.len() >= DESTINATIONS_MAX {
+            return Err(failed(&format!("more than {DESTINATIONS_MAX} destinations listed for source {src:?}")));
+        }
+        after = Some(next.to_string());
     }
-    Ok(out)
 }
+
+/// Destinations asked for per request of [`admin_destinations`]: the listing's default
+/// page, well inside [`ADMIN_ANSWER_MAX_BYTES`] (a destination is a few hundred bytes).
+const ADMIN_PAGE_LIMIT: usize = crate::admin::LIST_LIMIT_DEFAULT;
 
 /// One request on a new HTTP/1.1 connection over `io`.
 async fn send_over<IO>(
