@@ -1487,7 +1487,9 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
                 },
             };
             if let Some(signature) = auth.configured_signature_header() {
-                forwarded_signature(&mut c, &sp, s, signature, &format!("endpoint {}", e.id));
+                // Named by its place in the file: a static endpoint's id is its secret path,
+                // and errors are printed, logged and kept by service managers.
+                forwarded_signature(&mut c, &sp, s, signature, &format!("endpoint {ep}"));
             }
             endpoints.push(Endpoint {
                 id,
@@ -3191,7 +3193,8 @@ auth_secret = "never checked"
         let e = errors(endpoint);
         assert_eq!(e.len(), 1, "{e:?}");
         assert_eq!(e[0].path, "sources.a.forward_headers[0]");
-        assert!(e[0].message.contains("endpoint 0123456789abcdef0123456789abcdef"), "{}", e[0].message);
+        assert!(e[0].message.contains("endpoint sources.a.endpoints[0]"), "{}", e[0].message);
+        assert!(!e[0].message.contains("0123456789abcdef"), "an endpoint's id is its secret path: {}", e[0].message);
         // Nor may it become the partition key or the delivery id, both stored in every record.
         let keyed = "[sources.a]\ndestination = { stream = \"s\", topic = \"t\" }\nauth_type = \"hmac-sha256\"\nauth_secret = \"x\"\nauth_header = \"x-sig\"\nidempotency_header = \"X-Sig\"\npartitioning = { key_header = \"x-sig\" }\n";
         let paths: Vec<String> = errors(keyed).into_iter().map(|e| e.path).collect();
