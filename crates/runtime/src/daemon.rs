@@ -9,12 +9,16 @@
 //!
 //! Shutdown order (SIGTERM/SIGINT, [`RunningDaemon::shutdown`], or a task the daemon
 //! cannot run without ending by a panic):
-//! 1. `draining` is set: both `/health` answer 503 and new event requests get 503;
-//! 2. after `drain_delay` the webhook listener closes; in-flight requests finish,
-//!    bounded by `grace_period`;
-//! 3. the log is closed (synced, clean-shutdown marker written);
-//! 4. a final idempotency checkpoint makes every key durable;
-//! 5. the admin listener closes.
+//! 1. `draining` is set: both `/health` answer 503, so a load balancer sends new
+//!    traffic elsewhere; event requests that still arrive are served as before;
+//! 2. after `drain_delay` new event requests get 503 and the webhook listener closes;
+//!    in-flight requests finish, bounded by `grace_period`;
+//! 3. the router stops sending and stores its last cursors (bounded by what is left of
+//!    the grace period, at least `ROUTER_STOP_MIN`);
+//! 4. the log is closed (synced, clean-shutdown marker written);
+//! 5. a final idempotency checkpoint makes every key durable (4 and 5 together bounded
+//!    by `CLOSE_MAX`);
+//! 6. the admin listener closes.
 //!
 //! Invariants:
 //! - The data directory (with any parent the start creates) and the state database's
