@@ -25,7 +25,8 @@
 //!   its release ceiling), so a record leaves the log only once its key is durable;
 //! - a key whose record failed (the database refused it, the recorder thread is gone)
 //!   holds the checkpoint below its record until a rebuild from the log restored it,
-//!   which the next checkpoint runs.
+//!   which the next checkpoint runs (the last one, at a stop, leaves it to the next
+//!   start's rebuild: a stop does not wait for a read of the log).
 //!
 //! The other way round, the log can end below keys the database kept: under
 //! `wal.sync = "interval"` a key is recorded once its append is written, before the sync,
@@ -166,6 +167,13 @@ pub struct RebuildReport {
 enum Phase {
     Start,
     Serving,
+}
+
+/// What a checkpoint is for: one of those made while serving, or the last, at a stop.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum CheckpointAt {
+    Serving,
+    Stop,
 }
 
 /// The index. Share it behind an `Arc`.
@@ -606,18 +614,21 @@ impl IdempotencyIndex {
     /// A failure is kept ([`IdempotencyIndex::checkpoint_failure`]) until a checkpoint
     /// succeeds.
     pub async fn checkpoint(&self, wal: &Wal, now_unix_ms: u64) -> Result<u64, StateError> {
-        self.checkpoint_sweeping(wal, now_unix_ms, true).await
+        self.checkpoint_as(wal, now_unix_ms, CheckpointAt::Serving).await
     }
 
     /// [`IdempotencyIndex::checkpoint`] at shutdown: the same durable checkpoint, without
-    /// going on sweeping a backlog of expired keys (a stop waits for it; the next start's
-    /// checkpoints sweep them).
+    /// the work a stop should not wait for, which the next start does: it does not go on
+    /// sweeping a backlog of expired keys, and it does not restore owed keys from the log
+    /// (a read of every record since the durable checkpoint, as long as the log, which
+    /// runs on its thread to the end: no timeout could cut it short). It stops below the
+    /// first owed key instead, and the next start's rebuild restores them.
     pub async fn final_checkpoint(&self, wal: &Wal, now_unix_ms: u64) -> Result<u64, StateError> {
-        self.checkpoint_sweeping(wal, now_unix_ms, false).await
+        self.checkpoint_as(wal, now_unix_ms, CheckpointAt::Stop).await
     }
 
-    async fn checkpoint_sweeping(&self, wal: &Wal, now_unix_ms: u64, sweep_backlog: bool) -> Result<u64, StateError> {
-        let result = self.checkpoint_once(wal, now_unix_ms, sweep_backlog).await;
+    async fn checkpoint_as(&self, wal: &Wal, now_unix_ms: u64, at: CheckpointAt) -> Result<u64, StateError> {
+        let result = self.checkpoint_once(wal, now_unix_ms, at).await;
         let mut failure = self.checkpoint_failure.lock().unwrap_or_else(|p| p.into_inner());
         *failure = match &result {
             Ok(_) => None,
@@ -637,12 +648,12 @@ impl IdempotencyIndex {
         self.checkpoint_failure.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
-    async fn checkpoint_once(&self, wal: &Wal, now_unix_ms: u64, sweep_backlog: bool) -> Result<u64, StateError> {
+    async fn checkpoint_once(&self, wal: &Wal, now_unix_ms: u64, at: CheckpointAt) -> Result<u64, StateError> {
         let through = {
             let _exclusive = self.gate.write().await;
-            self.recover_locked(wal, now_unix_ms).await?;
+            self.recover_locked(wal, now_unix_ms, at).await?;
             let unrecorded = *self.first_unrecorded.lock().unwrap_or_else(|p| p.into_inner());
-            if unrecorded.is_some() {
+            if unrecorded.is_some() && at == CheckpointAt::Serving {
                 // Keys the recorder did not take: restore them from the log (durably),
                 // as a restart would, before the checkpoint may pass their records.
                 let report = self.restore_from_log(wal, now_unix_ms)?;
@@ -668,7 +679,9 @@ impl IdempotencyIndex {
             let swept = commit_checkpoint(&state, through, bounds)?;
             // Durable now, whatever the sweep that follows does.
             durable_through.fetch_max(through, Ordering::AcqRel);
-            if sweep_backlog && let Err(e) = sweep_the_rest(&state, bounds, swept) {
+            if at == CheckpointAt::Serving
+                && let Err(e) = sweep_the_rest(&state, bounds, swept)
+            {
                 // Housekeeping: the expired keys stay (lookups ignore them) and the next
                 // checkpoint sweeps them; the checkpoint itself is made.
                 tracing::warn!(error = %e, "sweeping expired delivery ids failed; the next checkpoint tries again");
@@ -686,11 +699,12 @@ impl IdempotencyIndex {
     /// fails, so a full disk that got space back does not wait for the next checkpoint.
     pub async fn recover(&self, wal: &Wal, now_unix_ms: u64) -> Result<bool, StateError> {
         let _exclusive = self.gate.write().await;
-        self.recover_locked(wal, now_unix_ms).await
+        self.recover_locked(wal, now_unix_ms, CheckpointAt::Serving).await
     }
 
-    /// [`IdempotencyIndex::recover`] for a caller holding the gate exclusively.
-    async fn recover_locked(&self, wal: &Wal, now_unix_ms: u64) -> Result<bool, StateError> {
+    /// [`IdempotencyIndex::recover`] for a caller holding the gate exclusively. At a stop
+    /// the keys a reopen dropped are owed and left to the next start's rebuild.
+    async fn recover_locked(&self, wal: &Wal, now_unix_ms: u64, at: CheckpointAt) -> Result<bool, StateError> {
         if self.reopen_unsettled.swap(true, Ordering::AcqRel) {
             // An earlier recovery stopped at its await below: its reopen may have run to
             // the end on its blocking thread, its dropped keys owed by no one.
@@ -717,6 +731,9 @@ impl IdempotencyIndex {
             // log's end would refuse every retry (503) until some append moved the end.
             self.owe_from(self.durable_through.load(Ordering::Acquire));
             self.reopen_unsettled.store(false, Ordering::Release);
+            if at == CheckpointAt::Stop {
+                return Ok(true);
+            }
             let report = self.restore_from_log(wal, now_unix_ms)?;
             tracing::warn!(?report, "idempotency keys restored from the log after the state database was reopened");
             let restored_through = self.durable_through.load(Ordering::Acquire);
@@ -1541,6 +1558,36 @@ mod tests {
         assert!(through <= 1, "the checkpoint passed the owed key of offset 1: {through}");
         assert_eq!(index.checkpoint(&wal, now).await.unwrap(), 2);
         assert_eq!(index.lookup(&key("d-1"), now).unwrap().map(|p| p.first_offset), Some(1), "d-1 was never restored");
+    }
+
+    /// The checkpoint at a stop restores no owed key from the log: that read runs on its
+    /// thread to the end, as long as the log since the last checkpoint, and a stop bounded
+    /// by a timeout could not cut it short. It stops below the owed key instead, and the
+    /// next start's rebuild restores it.
+    #[tokio::test]
+    async fn the_checkpoint_at_a_stop_leaves_owed_keys_to_the_next_start() {
+        let state = Arc::new(StateDb::open_in_memory().unwrap());
+        let (wal, index, ingestor, now) = serving_with(state.clone(), wal::WalOptions::default());
+        ingestor.accept(one_event(Some("d-0"), now)).await.unwrap();
+        *index.recorder.lock().unwrap() = None;
+        let d1 = ingestor.accept(one_event(Some("d-1"), now)).await.unwrap();
+        assert_eq!((d1.first_offset, index.keys_owed_from()), (1, Some(1)));
+        let restored = Arc::new(AtomicBool::new(false));
+        let seen = restored.clone();
+        *index.during_restore.lock().unwrap() = Some(Box::new(move || seen.store(true, Ordering::SeqCst)));
+
+        assert_eq!(index.final_checkpoint(&wal, now).await.unwrap(), 1, "stopped below the owed key");
+        assert!(!restored.load(Ordering::SeqCst), "the stop's checkpoint read the log");
+        assert_eq!(index.lookup(&key("d-1"), now).unwrap(), None);
+        wal.close().await.unwrap();
+
+        // The next start.
+        let reopened = IdempotencyIndex::new(state, 86_400_000);
+        reopened.rebuild(&wal, now).unwrap();
+        assert_eq!(reopened.lookup(&key("d-1"), now).unwrap().map(|p| p.first_offset), Some(1), "d-1 not restored");
+        // While serving, a checkpoint restores it itself.
+        assert_eq!(index.checkpoint(&wal, now).await.unwrap(), 2);
+        assert!(restored.load(Ordering::SeqCst));
     }
 
     /// A log on the simulated disk (`sync = always`), an index rebuilt from it over an
