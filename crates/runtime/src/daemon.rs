@@ -87,7 +87,8 @@ impl StartError {
     /// record that does not decode), which a supervisor that restarts on failure would
     /// only meet again (the systemd unit: `RestartPreventExitStatus=2`); 1 for the rest,
     /// which a restart may end (a port still taken, a log still locked, a mapping not
-    /// reachable yet, an I/O error).
+    /// reachable yet or refused: its server's owner may correct it without touching the
+    /// configuration, an I/O error).
     pub fn exit_code(&self) -> u8 {
         use http_source::endpoints::LoadError;
         match self {
