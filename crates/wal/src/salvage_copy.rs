@@ -314,6 +314,11 @@ fn copy_bounded(
         std::io::ErrorKind::NotFound => WalError::NotALog(src.to_path_buf()),
         _ => WalError::io(src, e),
     })?;
+    // A copy cut short holds a prefix of its source: copied again, the marker would be
+    // gone and the prefix taken for the log.
+    if names.iter().any(|n| n == crate::SALVAGE_INCOMPLETE_FILE) {
+        return Err(WalError::UnfinishedSalvage(src.to_path_buf()));
+    }
     let mut bases: Vec<u64> = names.iter().filter_map(|n| parse_segment_file_name(n)).collect();
     bases.sort_unstable();
     if let Some(w) = bound {

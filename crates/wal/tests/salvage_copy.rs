@@ -419,6 +419,12 @@ fn a_copy_that_did_not_finish_is_never_taken_for_a_log() {
         Err(wal::WalError::InvalidOptions(m)) => assert!(m.contains("did not finish"), "{m}"),
         other => panic!("a second copy into the unfinished one: {other:?}"),
     }
+    // Nor is it copied: the copy of a prefix would open as a log.
+    let other = PathBuf::from("/other");
+    let again = salvage_copy(&sim, &out_dir(), &other);
+    assert!(matches!(again, Err(wal::WalError::UnfinishedSalvage(_))), "{again:?}");
+    let written = sim.list_dir(&other).unwrap_or_default();
+    assert!(written.is_empty(), "{written:?}");
 
     // Removed, the copy is made again, whole, and opens.
     for name in sim.list_dir(&out_dir()).unwrap() {

@@ -78,8 +78,9 @@ pub enum WalCommand {
         beside the log directory (never inside it), check the copy with `wal verify`, then put the \
         copy in place of the log directory.\n\nExit status: 0 everything \
         copied, 1 copied with something skipped (damage, or records of an unfinished batch; listed), 2 \
-        unusable arguments, 3 busy: a daemon holds the log and its durable state could not be read (it is \
-        starting, or a state command runs); nothing was written, run it again.\n\nExamples:\n  \
+        unusable arguments, 3 a running daemon holds the log (stop it first: a copy made beside it would \
+        lack every event it accepts after the copy), or busy: its durable state could not be read (a \
+        daemon starting, or a state command runs); nothing was written.\n\nExamples:\n  \
         iggy-ingest wal salvage ./data/wal --out ./data/wal.salvaged")]
     Salvage(SalvageArgs),
 }
@@ -113,6 +114,10 @@ fn exit_code(result: CliResult) -> ExitCode {
             eprintln!("iggy-ingest: {m}; run it again");
             ExitCode::from(3)
         }
+        Err(CliError::HeldByDaemon(m)) => {
+            eprintln!("iggy-ingest: {m}");
+            ExitCode::from(3)
+        }
     }
 }
 
@@ -130,6 +135,9 @@ pub(crate) enum CliError {
     /// and not a failure of this run's doing (exit 3, so that a script that takes 1 for
     /// damage runs it again instead of salvaging).
     Busy(String),
+    /// A running daemon holds the log, and the command is one that must not run beside
+    /// it (exit 3, as busy; stop the daemon first).
+    HeldByDaemon(String),
 }
 
 /// Writes `text` to standard output and ends as the log tools do: 0, also when the

@@ -3,6 +3,8 @@
 //! middle of a log.
 //!
 //! Invariants:
+//! - Refused (exit 3) while a daemon holds the log: the copy replaces the log, and one
+//!   made beside a running daemon would lack what it accepted since.
 //! - The source is only read; nothing is written outside `--out`, which must not hold a
 //!   log already, and must be neither the log directory, nor inside it, nor hold it
 //!   (compared with every symlink and `..` resolved, as the writes would resolve them):
@@ -49,6 +51,16 @@ pub struct SalvageArgs {
 pub(crate) fn run(a: SalvageArgs) -> CliResult {
     super::a_directory(&a.dir)?;
     let target = check_out(&a.dir, &a.out)?;
+    // The copy ends where the log was when it was made, and the daemon goes on accepting
+    // into DIR: put in DIR's place, it would lack every event answered 200 since, and
+    // give their offsets to new ones. A daemon that takes the log during the copy makes
+    // it void (`salvage-incomplete` stays).
+    if super::writer_running(&a.dir) {
+        return Err(CliError::HeldByDaemon(format!(
+            "a running daemon holds the log in {}: stop it first (a copy made beside it would lack every event it accepts after the copy); nothing was written",
+            a.dir.display()
+        )));
+    }
     // What `--out` held before (`None`: salvage makes it), so that only what salvage
     // writes is given the log's owner.
     let held_before: Option<std::collections::HashSet<std::ffi::OsString>> =
