@@ -56,10 +56,10 @@ use std::time::Duration;
 
 use bytes::BytesMut;
 use iggy::prelude::{
-    AutoLogin, Client, ClientWrapper, Credentials, HeaderKind, Identifier, IggyByteSize, IggyClient, IggyDuration,
-    IggyError, IggyExpiry, IggyMessage, IggyMessageHeader, IggyTimestamp, MAX_PAYLOAD_SIZE, MAX_USER_HEADERS_SIZE,
-    MaxTopicSize, MessageClient, Partitioning as IggyPartitioning, StreamClient, SystemClient, TcpClient,
-    TcpClientConfig, TcpClientReconnectionConfig, TopicClient, TopicCreateOptions,
+    AutoLogin, Client, ClientWrapper, ClusterClient, Credentials, HeaderKind, Identifier, IggyByteSize, IggyClient,
+    IggyDuration, IggyError, IggyExpiry, IggyMessage, IggyMessageHeader, IggyTimestamp, MAX_PAYLOAD_SIZE,
+    MAX_USER_HEADERS_SIZE, MaxTopicSize, MessageClient, Partitioning as IggyPartitioning, StreamClient, SystemClient,
+    TcpClient, TcpClientConfig, TcpClientReconnectionConfig, TopicClient, TopicCreateOptions,
 };
 use iggy_binary_protocol::encode_user_headers;
 use ingest::envelope::Partitioning;
@@ -512,6 +512,21 @@ async fn open_connection(config: &IggySinkConfig) -> Result<Connection, ConnectF
         // second waits for it. Both prove the signed-in connection answers.
         client.ping().await?;
         client.ping().await?;
+        // A ping takes any answer. The client's own leader check on connecting ends a
+        // reply it could not parse with a warning, not an error, and the rest of that
+        // reply is then read as the next call's answer: the pings above read it and each
+        // other's, and a send would read the last ping's as its own, and take a refusal
+        // for delivered. So the connection is proven in step by a call whose answer must
+        // decode: on a connection one reply behind it reads a ping's empty answer, which
+        // does not. A server that refuses the call with an error of its own answered it
+        // whole, in step.
+        match client.get_cluster_metadata().await {
+            Err(e @ (IggyError::InvalidFormat | IggyError::InvalidCommand)) => return Err(e),
+            Err(e) if matches!(classify(&e), SendErrorKind::Disconnected | SendErrorKind::Unavailable) => {
+                return Err(e);
+            }
+            Ok(_) | Err(_) => {}
+        }
         Ok(client)
     })
     .await
@@ -963,6 +978,32 @@ mod tests {
         assert!(refused.is_err(), "a send the server refused was taken for delivered: {refused:?}");
         assert_eq!(broker.messages("s", "t").len(), 1, "only the first send is stored");
         assert_eq!(broker.accepted_connections(), 2, "the second send went out on the first connection");
+    }
+
+    /// A reply the client cannot parse while it connects (to its own leader check, which
+    /// it ends with a warning, not an error) leaves the new connection one reply behind:
+    /// a ping takes any answer, so its proving pings read the leftover reply and each
+    /// other's, and its first send would read the last ping's answer as its own. The
+    /// connect ends with a call whose answer must decode, so such a connection is never
+    /// used: a send the server refuses fails. Used, that send returned `Ok` with nothing
+    /// stored.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_connection_left_out_of_step_by_its_connect_is_never_used() {
+        let broker = test_broker::TestBroker::start(test_broker::TestBrokerConfig::default()).await.unwrap();
+        let config = IggySinkConfig { address: broker.addr().to_string(), ..IggySinkConfig::default() };
+        let dest = DestinationKey::new("s", "t");
+        IggySink::new(&config).unwrap().ensure(&dest).await.expect("the destination");
+        broker.malformed_reply_to_next_request(test_broker::RequestKind::ClusterMetadata);
+        broker.fail_topic("s", "t", Some(IggyError::Error));
+
+        let sink = IggySink::new(&config).unwrap();
+        let payload = Bytes::from_static(b"{}");
+        for id in 1..=3 {
+            let mut batch = sink.prepare(&[OutMessage { id, payload: &payload, headers: vec![] }]).unwrap();
+            let sent = sink.send(&dest, &Partitioning::PartitionId(0), &mut batch).await;
+            assert!(sent.is_err(), "try {id}: a send the server refused was taken for delivered");
+        }
+        assert!(broker.messages("s", "t").is_empty());
     }
 
     /// A server that answers "not now" is there, and so is its connection.
