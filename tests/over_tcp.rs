@@ -206,10 +206,9 @@ async fn a_partition_added_since_the_count_was_learnt_is_delivered_not_dropped()
 }
 
 /// Balanced records use partitions an operator added while the daemon runs, once the
-/// connections that learnt the old count reach `connection_max_age`: the `iggy` client
-/// places balanced (and keyed) messages itself against the partition count it asked
-/// once per connection and never again. Without the age, every later record went on
-/// landing in the one partition the topic had when the first connection asked.
+/// partition count the sink places them by reaches `connection_max_age` and is asked
+/// again. Without the age, every later record went on landing in the one partition the
+/// topic had when the count was first learnt.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn balanced_records_reach_partitions_added_since_once_connections_reach_their_age() {
     let broker = TestBroker::start(TestBrokerConfig::default()).await.unwrap();
@@ -601,11 +600,10 @@ async fn a_server_that_stops_answering_opens_no_breaker_and_is_reconnected() {
     router.shutdown().await;
 }
 
-/// Partitions deleted from a topic while the daemon sends to it: the `iggy` client
-/// resolves a partition key against the partition count it cached per connection and
-/// never asks again, so a keyed record would go to a partition that is gone for as long
-/// as that connection lives. The connection is dropped with the failure, and the record
-/// goes out on a new one that knows the new count.
+/// Partitions deleted from a topic while the daemon sends to it: a keyed record is
+/// placed against the partition count the sink learnt, so it would go to a partition
+/// that is gone until that count reaches its age. The count is forgotten with the
+/// failure, and the retry asks the server again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn keyed_records_reach_a_topic_whose_partitions_were_deleted() {
     let broker = TestBroker::start(TestBrokerConfig::default()).await.unwrap();

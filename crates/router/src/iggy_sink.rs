@@ -39,10 +39,18 @@
 //!   crash of the server; an existing topic that is not durable is reported, not changed.
 //! - Messages carry the stable id from the log; a resend after an unknown outcome sends
 //!   the same id.
-//! - A connection is retired once it is `connection_max_age` old: what the client learnt
-//!   on it and never asks again (a topic's partition count, against which it places
-//!   balanced and keyed messages) is learnt afresh on its successor, so partitions added
-//!   while the daemon runs are used within that age. Retiring never fails, delays or
+//! - Balanced and keyed messages are placed by the sink, not by the client: the `iggy`
+//!   client places them against a partition count it asks once per connection, with a
+//!   round-robin turn of its own per connection, so a pool of connections of different
+//!   ages would send one key to two partitions in turn after partitions were added, and
+//!   fresh connections would each start balanced sends at partition 0. The sink keeps one
+//!   count and one turn per destination ([`Placement`]) for every connection, and sends
+//!   every message to an explicit partition: a key's partition changes once, when the
+//!   count does. The count is learnt by each ensure, asked again once it is
+//!   `connection_max_age` old (partitions added while the daemon runs are used within
+//!   that age), and forgotten when a placed send fails at its destination (partitions
+//!   deleted), so the retry asks again. At most [`PLACEMENTS_MAX`] are kept.
+//! - A connection is retired once it is `connection_max_age` old. Retiring never fails, delays or
 //!   re-classifies a call, and never shrinks the pool: an old connection taken is
 //!   swapped for an idle one within its age if there is one (at most one retired per
 //!   take); if not, the call goes out on it while one replacement is made in the
@@ -119,10 +127,11 @@ pub struct IggySinkConfig {
     /// packets lasts until the kernel gives up (about two minutes on Linux), with every
     /// caller joined to it. 30 s by default.
     pub connect_timeout: Duration,
-    /// A connection this old is retired at its next take (see the module's invariants):
-    /// the longest a partition added to a topic goes without balanced and keyed
-    /// messages. Five minutes by default, the age at which Kafka's producers refresh
-    /// the same knowledge (`metadata.max.age.ms`).
+    /// How old a destination's partition count may be before the next balanced or keyed
+    /// send asks the server again, and a connection this old is retired at its next take
+    /// (see the module's invariants): the longest a partition added to a topic goes
+    /// without balanced and keyed messages. Five minutes by default, the age at which
+    /// Kafka's producers refresh the same knowledge (`metadata.max.age.ms`).
     pub connection_max_age: Duration,
     pub topic_defaults: TopicDefaults,
 }
@@ -167,7 +176,23 @@ pub struct IggySink {
     connect_not_before: Arc<std::sync::Mutex<Option<std::time::Instant>>>,
     /// Set while a replacement for a connection past its age is being made.
     replacing: Arc<AtomicBool>,
+    /// Where balanced and keyed messages go, per destination, for every connection.
+    placements: std::sync::Mutex<std::collections::HashMap<DestinationKey, Placement>>,
 }
+
+/// A destination's partition count as last learnt, and its turn for balanced sends.
+#[derive(Debug, Clone, Copy)]
+struct Placement {
+    partitions_count: u32,
+    learnt_at: std::time::Instant,
+    next_balanced: u32,
+}
+
+/// The most destinations whose [`Placement`] is kept: past it, those older than
+/// `connection_max_age` are dropped, and if that leaves too many, all (each is asked
+/// again at its next send: a cache, never the only copy of anything). A source routes to
+/// at most 100,000 destinations.
+pub const PLACEMENTS_MAX: usize = 100_000;
 
 /// How long the `iggy` client waits for a reply (its `RESPONSE_READ_TIMEOUT`, fixed and
 /// not exported): a request unanswered this long fails `Disconnected` and the client
@@ -250,7 +275,76 @@ impl IggySink {
             last_answer: std::sync::Mutex::new(None),
             connect_not_before: Arc::default(),
             replacing: Arc::default(),
+            placements: std::sync::Mutex::default(),
         })
+    }
+
+    fn placements(&self) -> std::sync::MutexGuard<'_, std::collections::HashMap<DestinationKey, Placement>> {
+        self.placements.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// `dest` has `partitions_count` partitions, as the server just said; its balanced
+    /// turn goes on where it was.
+    fn learn_partitions(&self, dest: &DestinationKey, partitions_count: u32) {
+        let now = std::time::Instant::now();
+        let mut placements = self.placements();
+        if placements.len() >= PLACEMENTS_MAX && !placements.contains_key(dest) {
+            let max_age = self.config.connection_max_age;
+            placements.retain(|_, p| now.duration_since(p.learnt_at) < max_age);
+            if placements.len() >= PLACEMENTS_MAX {
+                placements.clear();
+            }
+        }
+        let p =
+            placements.entry(dest.clone()).or_insert(Placement { partitions_count, learnt_at: now, next_balanced: 0 });
+        p.partitions_count = partitions_count;
+        p.learnt_at = now;
+    }
+
+    /// The partition a send with `partitioning` to `dest` goes to, asked of the server
+    /// (on `client`, the send's own connection) when the count is unknown or past its age.
+    async fn place(
+        &self,
+        client: &IggyClient,
+        dest: &DestinationKey,
+        stream: &Identifier,
+        topic: &Identifier,
+        partitioning: &Partitioning,
+    ) -> Result<u32, IggyError> {
+        let known = self.placements().get(dest).map(|p| (p.partitions_count, p.learnt_at));
+        let max_age = self.config.connection_max_age;
+        let fresh = known.filter(|(_, at)| at.elapsed() < max_age).map(|(count, _)| count);
+        let count = match fresh {
+            Some(count) => count,
+            None => {
+                let details = client
+                    .get_topic(stream, topic)
+                    .await?
+                    .ok_or_else(|| IggyError::TopicIdNotFound(topic.clone(), stream.clone()))?;
+                self.learn_partitions(dest, details.partitions_count);
+                details.partitions_count
+            }
+        };
+        if count == 0 {
+            return Err(IggyError::TopicIdNotFound(topic.clone(), stream.clone()));
+        }
+        if let Partitioning::Key(key) = partitioning {
+            // As the client places a key (its `MessagesKey`), so that a key goes where
+            // any other producer of the `iggy` crate sends it.
+            match IggyPartitioning::messages_key(key) {
+                Ok(k) => return Ok(iggy_common::calculate_32(&k.value) % count),
+                Err(_) => metrics::counter!("iggy_connector_partition_key_invalid_total").increment(1),
+            }
+        }
+        let mut placements = self.placements();
+        let p = placements.entry(dest.clone()).or_insert(Placement {
+            partitions_count: count,
+            learnt_at: std::time::Instant::now(),
+            next_balanced: 0,
+        });
+        let partition = p.next_balanced % count;
+        p.next_balanced = p.next_balanced.wrapping_add(1);
+        Ok(partition)
     }
 
     fn idle(&self) -> std::sync::MutexGuard<'_, Vec<Connection>> {
@@ -412,16 +506,13 @@ impl IggySink {
 
     /// The outcome of a call made on `taken`: an answered call gives the connection back
     /// (a destination's error included: the server answered); a failure that says the
-    /// server is gone drops it and every idle one. With `cache_suspect`, a destination's
-    /// error drops the connection too: the call relied on what the client caches per
-    /// connection (a topic's partition count, for balanced and keyed sends, which it
-    /// never refreshes), and that may be what is wrong (partitions deleted). A new
-    /// connection asks again. `InvalidCommand` drops the connection as well: it is also
+    /// server is gone drops it and every idle one. `InvalidCommand` drops the connection
+    /// as well: it is also
     /// what the client returns for a reply header it cannot parse, after which it keeps
     /// the connection with the rest of that reply unread, and the connection's next call
     /// would read the leftover as its own answer (an `Ok` for a send the server refused,
     /// records freed from the log undelivered; the test broker's `client.rs` shows it).
-    fn settle<T>(&self, taken: Taken, result: Result<T, IggyError>, cache_suspect: bool) -> Result<T, SendError> {
+    fn settle<T>(&self, taken: Taken, result: Result<T, IggyError>) -> Result<T, SendError> {
         match result {
             Ok(v) => {
                 self.answered();
@@ -451,7 +542,7 @@ impl IggySink {
                 } else {
                     self.answered();
                     let out_of_step = matches!(e, IggyError::InvalidCommand);
-                    if !cache_suspect && !out_of_step {
+                    if !out_of_step {
                         self.idle().push(taken.connection);
                     }
                 }
@@ -675,17 +766,6 @@ pub(crate) fn to_iggy(messages: &[OutMessage<'_>]) -> Result<Vec<IggyMessage>, S
     Ok(wire)
 }
 
-fn partitioning(p: &Partitioning) -> IggyPartitioning {
-    match p {
-        Partitioning::Balanced => IggyPartitioning::balanced(),
-        Partitioning::PartitionId(id) => IggyPartitioning::partition_id(*id),
-        Partitioning::Key(k) => IggyPartitioning::messages_key(k).unwrap_or_else(|_| {
-            metrics::counter!("iggy_connector_partition_key_invalid_total").increment(1);
-            IggyPartitioning::balanced()
-        }),
-    }
-}
-
 impl Sink for IggySink {
     type Message = IggyMessage;
 
@@ -696,7 +776,8 @@ impl Sink for IggySink {
     async fn ensure(&self, dest: &DestinationKey) -> Result<TopicInfo, SendError> {
         let taken = self.take().await?;
         let result = ensure_on(taken.client(), dest, &self.create_options()).await;
-        let info = self.settle(taken, result, false)?;
+        let info = self.settle(taken, result)?;
+        self.learn_partitions(dest, info.partitions_count);
         if !info.durable {
             tracing::warn!(destination = %dest, "topic does not sync every message: its acks may not survive a crash of the server");
         }
@@ -732,7 +813,7 @@ impl Sink for IggySink {
         // still showed the server answering.
         let Ok(taken) = self.take().await else { return self.answered_since(asked) };
         let pinged = taken.client().ping().await;
-        self.settle(taken, pinged, false).is_ok()
+        self.settle(taken, pinged).is_ok()
     }
 
     async fn send(
@@ -746,9 +827,24 @@ impl Sink for IggySink {
         let topic =
             Identifier::named(&dest.topic).map_err(|e| SendError::new(SendErrorKind::Destination, e.to_string()))?;
         let taken = self.take().await?;
-        let result = taken.client().send_messages(&stream, &topic, &partitioning(p), messages).await;
-        let client_resolves_partition = !matches!(p, Partitioning::PartitionId(_));
-        self.settle(taken, result, client_resolves_partition).map(|_| ())
+        let result = async {
+            let partition = match p {
+                Partitioning::PartitionId(id) => *id,
+                placed => self.place(taken.client(), dest, &stream, &topic, placed).await?,
+            };
+            let partitioning = IggyPartitioning::partition_id(partition);
+            taken.client().send_messages(&stream, &topic, &partitioning, messages).await
+        }
+        .await;
+        if !matches!(p, Partitioning::PartitionId(_))
+            && let Err(e) = &result
+            && classify(e) == SendErrorKind::Destination
+        {
+            // The count it was placed by may be what is wrong (partitions deleted): the
+            // retry asks the server again.
+            self.placements().remove(dest);
+        }
+        self.settle(taken, result).map(|_| ())
     }
 }
 
@@ -845,13 +941,13 @@ mod tests {
         let old = sink.take().await.expect("the old connection");
         assert!(old.connection.is_older_than(max_age));
         connections_settle(&sink, &broker, 2, 1).await;
-        assert!(sink.settle(old, Ok(()), false).is_ok());
+        assert!(sink.settle(old, Ok(())).is_ok());
         // Taken again: swapped for the replacement, and retired.
         let taken = sink.take().await.expect("a connection");
         assert!(!taken.connection.is_older_than(max_age), "the old connection was taken again");
         assert_eq!(sink.idle().len(), 0, "the old connection was kept beside the new one");
         assert_eq!(broker.accepted_connections(), 2);
-        assert!(sink.settle(taken, Ok(()), false).is_ok());
+        assert!(sink.settle(taken, Ok(())).is_ok());
         assert!(!sink.connecting(), "a replacement was taken for the server being unreachable");
     }
 
@@ -874,7 +970,7 @@ mod tests {
             three.push(sink.take().await.expect("a connection"));
         }
         for t in three {
-            assert!(sink.settle(t, Ok(()), false).is_ok());
+            assert!(sink.settle(t, Ok(())).is_ok());
         }
         assert_eq!(broker.accepted_connections(), 3);
         tokio::time::sleep(max_age + Duration::from_millis(100)).await;
@@ -889,11 +985,11 @@ mod tests {
         tokio::time::sleep(Duration::from_secs(3)).await;
         let old = sink.take().await.expect("an old connection");
         connections_settle(&sink, &broker, 4, 3).await;
-        assert!(sink.settle(old, Ok(()), false).is_ok());
+        assert!(sink.settle(old, Ok(())).is_ok());
         let young = sink.take().await.expect("the replacement");
         assert!(!young.connection.is_older_than(max_age));
         assert_eq!(sink.idle().len(), 2, "more than the one swapped were retired");
-        assert!(sink.settle(young, Ok(()), false).is_ok());
+        assert!(sink.settle(young, Ok(())).is_ok());
         assert_eq!((broker.accepted_connections(), sink.idle().len()), (4, 3), "the pool shrank");
     }
 
@@ -906,9 +1002,9 @@ mod tests {
     fn a_call_answered_after_a_client_wide_failure_takes_the_failure_back() {
         let sink = IggySink::new(&IggySinkConfig::default()).unwrap();
         let taken = unconnected_taken;
-        assert!(sink.settle::<()>(taken(), Err(IggyError::Disconnected), false).is_err());
+        assert!(sink.settle::<()>(taken(), Err(IggyError::Disconnected)).is_err());
         assert!(sink.connecting(), "a disconnection is the whole client's");
-        assert!(sink.settle(taken(), Ok(()), false).is_ok());
+        assert!(sink.settle(taken(), Ok(())).is_ok());
         assert!(!sink.connecting(), "the server answered, yet it is still taken for unreachable");
     }
 
@@ -919,9 +1015,9 @@ mod tests {
     fn a_pooled_connection_found_not_connected_drops_only_itself() {
         let sink = IggySink::new(&IggySinkConfig::default()).unwrap();
         let taken = unconnected_taken;
-        assert!(sink.settle(taken(), Ok(()), false).is_ok());
-        assert!(sink.settle(taken(), Ok(()), false).is_ok());
-        let e = sink.settle::<()>(taken(), Err(IggyError::NotConnected), false).unwrap_err();
+        assert!(sink.settle(taken(), Ok(())).is_ok());
+        assert!(sink.settle(taken(), Ok(())).is_ok());
+        let e = sink.settle::<()>(taken(), Err(IggyError::NotConnected)).unwrap_err();
         assert_eq!(e.kind, SendErrorKind::Unavailable, "no breaker counts it");
         assert_eq!(sink.idle().len(), 2, "the other connections were dropped too");
         assert!(!sink.connecting(), "taken for the whole server");
@@ -945,7 +1041,7 @@ mod tests {
         // The last given back is the first taken: it is the one closed.
         taken[2].client().disconnect().await.unwrap();
         for t in taken {
-            assert!(sink.settle(t, Ok(()), false).is_ok());
+            assert!(sink.settle(t, Ok(())).is_ok());
         }
         sink.ensure(&DestinationKey::new("s", "t")).await.expect("the call went out on a closed connection");
         assert_eq!(sink.idle().len(), 2, "the live connections were dropped, or the closed one kept");
@@ -1006,15 +1102,94 @@ mod tests {
         assert!(broker.messages("s", "t").is_empty());
     }
 
+    /// A sink of `partitions` partitions per topic created, on `broker`, with
+    /// `connection_max_age`, and the destination `s/t` made.
+    async fn placing_sink(
+        broker: &test_broker::TestBroker,
+        partitions: u32,
+        max_age: Duration,
+    ) -> (IggySink, DestinationKey) {
+        let config = IggySinkConfig {
+            address: broker.addr().to_string(),
+            connection_max_age: max_age,
+            topic_defaults: TopicDefaults { partitions_count: partitions, ..TopicDefaults::default() },
+            ..IggySinkConfig::default()
+        };
+        let sink = IggySink::new(&config).unwrap();
+        let dest = DestinationKey::new("s", "t");
+        sink.ensure(&dest).await.expect("the destination");
+        (sink, dest)
+    }
+
+    /// One message, `id`, sent to `dest` with `partitioning` on a connection made for it
+    /// (the pool gives back the last connection given: a new one is taken first).
+    async fn send_on_a_new_connection(sink: &IggySink, dest: &DestinationKey, partitioning: &Partitioning, id: u128) {
+        let fresh = open_connection(&sink.config).await.expect("a connection");
+        sink.idle().push(fresh);
+        let payload = Bytes::from_static(b"{}");
+        let mut batch = sink.prepare(&[OutMessage { id, payload: &payload, headers: vec![] }]).unwrap();
+        sink.send(dest, partitioning, &mut batch).await.expect("sent");
+    }
+
+    /// Balanced sends take turns over the topic's partitions whatever connection each
+    /// goes out on. Placed by the client, each new connection began at partition 0: a
+    /// topic sending less often than the pool makes connections filled partition 0 alone.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn balanced_sends_take_turns_over_the_partitions_across_connections() {
+        let broker = test_broker::TestBroker::start(test_broker::TestBrokerConfig::default()).await.unwrap();
+        let (sink, dest) = placing_sink(&broker, 4, Duration::from_secs(300)).await;
+        for id in 1..=8 {
+            send_on_a_new_connection(&sink, &dest, &Partitioning::Balanced, id).await;
+        }
+        let partitions: Vec<u32> = broker.messages("s", "t").iter().map(|m| m.partition_id).collect();
+        assert_eq!(partitions, [0, 1, 2, 3, 0, 1, 2, 3]);
+    }
+
+    /// A key goes to one partition on every connection, and after partitions are added,
+    /// once the count is asked again (at `connection_max_age`), to its new partition on
+    /// every connection, never back. Placed by the client, a connection that learnt the
+    /// count before the change and one made after it sent the key to two partitions in
+    /// turn.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_key_changes_partition_once_when_partitions_are_added() {
+        let broker = test_broker::TestBroker::start(test_broker::TestBrokerConfig::default()).await.unwrap();
+        let max_age = Duration::from_millis(800);
+        let (sink, dest) = placing_sink(&broker, 1, max_age).await;
+        // A key that three partitions place in partition 2.
+        let key = (0u32..).map(|i| format!("k{i}")).find(|k| iggy_common::calculate_32(k.as_bytes()) % 3 == 2).unwrap();
+        let keyed = Partitioning::Key(key.into_bytes());
+        let send = |id: u128| {
+            let (sink, dest, keyed) = (&sink, &dest, &keyed);
+            async move {
+                let payload = Bytes::from_static(b"{}");
+                let mut batch = sink.prepare(&[OutMessage { id, payload: &payload, headers: vec![] }]).unwrap();
+                sink.send(dest, keyed, &mut batch).await.expect("sent");
+            }
+        };
+        // On connection A, which then knows the topic as one partition.
+        send_on_a_new_connection(&sink, &dest, &keyed, 1).await;
+        assert!(broker.grow_partitions("s", "t", 3));
+        // On connection B, made after the change; then on A again, within the age.
+        send_on_a_new_connection(&sink, &dest, &keyed, 2).await;
+        let b = sink.idle().pop().expect("B given back");
+        send(3).await;
+        sink.idle().push(b);
+        tokio::time::sleep(max_age + Duration::from_millis(100)).await;
+        send(4).await;
+        send(5).await;
+        let partitions: Vec<u32> = broker.messages("s", "t").iter().map(|m| m.partition_id).collect();
+        assert_eq!(partitions, [0, 0, 0, 2, 2]);
+    }
+
     /// A server that answers "not now" is there, and so is its connection.
     #[test]
     fn a_transient_answer_keeps_the_connection_and_the_pool() {
         let sink = IggySink::new(&IggySinkConfig::default()).unwrap();
         let taken = unconnected_taken;
-        assert!(sink.settle(taken(), Ok(()), false).is_ok());
+        assert!(sink.settle(taken(), Ok(())).is_ok());
         let before = std::time::Instant::now();
         for transient in [IggyError::TransientNotAccepted, IggyError::TransientNotCommitted] {
-            let e = sink.settle::<()>(taken(), Err(transient), false).unwrap_err();
+            let e = sink.settle::<()>(taken(), Err(transient)).unwrap_err();
             assert_eq!(e.kind, SendErrorKind::Unavailable, "no breaker counts it");
         }
         assert_eq!(sink.idle().len(), 3);
