@@ -178,6 +178,10 @@ pub struct IggySink {
     replacing: Arc<AtomicBool>,
     /// Where balanced and keyed messages go, per destination, for every connection.
     placements: std::sync::Mutex<std::collections::HashMap<DestinationKey, Placement>>,
+    /// Destinations already reported as acknowledging without fsync: the warning is
+    /// logged once per destination, not at every ensure (a dead-letter topic is ensured
+    /// before each of its sends). Cleared once it holds [`PLACEMENTS_MAX`].
+    not_durable_warned: std::sync::Mutex<std::collections::HashSet<DestinationKey>>,
 }
 
 /// A destination's partition count as last learnt, and its turn for balanced sends.
@@ -276,7 +280,18 @@ impl IggySink {
             connect_not_before: Arc::default(),
             replacing: Arc::default(),
             placements: std::sync::Mutex::default(),
+            not_durable_warned: std::sync::Mutex::default(),
         })
+    }
+
+    /// Whether `dest`'s warning of a topic without fsync is yet to be logged (then it is
+    /// taken as logged).
+    fn first_not_durable_warning(&self, dest: &DestinationKey) -> bool {
+        let mut warned = self.not_durable_warned.lock().unwrap_or_else(|p| p.into_inner());
+        if warned.len() >= PLACEMENTS_MAX {
+            warned.clear();
+        }
+        warned.insert(dest.clone())
     }
 
     fn placements(&self) -> std::sync::MutexGuard<'_, std::collections::HashMap<DestinationKey, Placement>> {
@@ -778,8 +793,8 @@ impl Sink for IggySink {
         let result = ensure_on(taken.client(), dest, &self.create_options()).await;
         let info = self.settle(taken, result)?;
         self.learn_partitions(dest, info.partitions_count);
-        if !info.durable {
-            tracing::warn!(destination = %dest, "topic does not sync every message: its acks may not survive a crash of the server");
+        if !info.durable && self.first_not_durable_warning(dest) {
+            tracing::warn!(destination = %dest, "topic acknowledges without fsync: its acks may not survive a crash of the server");
         }
         Ok(info)
     }
@@ -1179,6 +1194,25 @@ mod tests {
         send(5).await;
         let partitions: Vec<u32> = broker.messages("s", "t").iter().map(|m| m.partition_id).collect();
         assert_eq!(partitions, [0, 0, 0, 2, 2]);
+    }
+
+    /// A topic that acknowledges without fsync is said once in the log, not at every
+    /// ensure: a dead-letter topic is ensured before each of its sends.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_topic_without_fsync_is_reported_once() {
+        let broker = test_broker::TestBroker::start(test_broker::TestBrokerConfig::default()).await.unwrap();
+        let config = IggySinkConfig {
+            address: broker.addr().to_string(),
+            topic_defaults: TopicDefaults { enforce_fsync: false, ..TopicDefaults::default() },
+            ..IggySinkConfig::default()
+        };
+        let sink = IggySink::new(&config).unwrap();
+        let dest = DestinationKey::new("s", "t");
+        for _ in 0..3 {
+            assert!(!sink.ensure(&dest).await.expect("the destination").durable);
+        }
+        assert!(!sink.first_not_durable_warning(&dest), "not yet reported after three ensures");
+        assert!(sink.first_not_durable_warning(&DestinationKey::new("s", "other")));
     }
 
     /// A server that answers "not now" is there, and so is its connection.

@@ -1961,9 +1961,8 @@ async fn attempt<S: Sink, C>(
                     i.dead_letter_cap = SendCap::default();
                 }
                 if let Some(t) = info {
-                    if !t.durable && i.topic.is_none() {
-                        tracing::warn!(destination = %lane.key, "topic acknowledges without fsync: its acks may not survive a crash of the server");
-                    }
+                    // A topic without fsync is said in the log by the sink, once per
+                    // destination, and in the lane's status.
                     i.topic = Some(t);
                 }
             }
