@@ -471,6 +471,38 @@ fn the_real_file_system_lock_refuses_a_second_writer() {
     Wal::open(tmp.path(), small_options()).unwrap();
 }
 
+/// A segment moved to another disk and linked back is refused, by name, never passed
+/// over: left out, the tail's records were taken for missing, the previous segment
+/// became the tail, and their offsets were given to new records.
+#[test]
+fn a_segment_that_is_not_a_regular_file_is_refused_by_name() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (dir, elsewhere) = (tmp.path().join("wal"), tmp.path().join("elsewhere"));
+    let wal = Wal::open(&dir, small_options()).unwrap();
+    append_tagged(&wal, 0..30, 500);
+    let next = wal.next_offset();
+    drop(wal);
+    let mut segments: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .filter(|n| n.ends_with(".seg"))
+        .collect();
+    segments.sort();
+    assert!(segments.len() > 2, "{segments:?}");
+    let tail = segments.last().unwrap().clone();
+    std::fs::create_dir(&elsewhere).unwrap();
+    std::fs::rename(dir.join(&tail), elsewhere.join(&tail)).unwrap();
+    std::os::unix::fs::symlink(elsewhere.join(&tail), dir.join(&tail)).unwrap();
+    for e in [Wal::open(&dir, small_options()).unwrap_err(), Wal::open_read_only(&dir).unwrap_err()] {
+        let m = e.to_string();
+        assert!(m.contains(&tail) && m.contains("not a regular file"), "{m}");
+    }
+    // Nothing was changed: put back, the log opens whole.
+    std::fs::remove_file(dir.join(&tail)).unwrap();
+    std::fs::rename(elsewhere.join(&tail), dir.join(&tail)).unwrap();
+    assert_eq!(Wal::open(&dir, small_options()).unwrap().next_offset(), next);
+}
+
 #[test]
 fn read_only_open_of_something_that_is_not_a_log_says_so() {
     let sim = SimStorage::new();

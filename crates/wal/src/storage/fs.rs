@@ -27,10 +27,20 @@ impl Storage for FsStorage {
         let mut names = Vec::new();
         for entry in std::fs::read_dir(dir)? {
             let entry = entry?;
-            if entry.file_type()?.is_file()
-                && let Ok(name) = entry.file_name().into_string()
-            {
+            let Ok(name) = entry.file_name().into_string() else { continue };
+            if entry.file_type()?.is_file() {
                 names.push(name);
+            } else if crate::format::parse_segment_file_name(&name).is_some() {
+                // Left out, a segment moved elsewhere behind a symbolic link would be
+                // taken for missing: a log that starts later, or (the tail) a log whose
+                // newest records are passed over and their offsets given again.
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!(
+                        "{} is named as a segment of the log but is not a regular file (a symbolic link, or a directory): a log's segments must be files of its own directory",
+                        dir.join(&name).display()
+                    ),
+                ));
             }
         }
         Ok(names)

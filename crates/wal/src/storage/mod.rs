@@ -53,7 +53,10 @@ pub trait Storage: Send + Sync + Debug {
     /// outermost first. Each is durable only after `sync_dir` of its parent (see
     /// [`create_dir_all_durably`]).
     fn create_dir_all(&self, dir: &Path) -> io::Result<Vec<PathBuf>>;
-    /// Names (not paths) of the plain files in `dir`, in no particular order.
+    /// Names (not paths) of the plain files in `dir`, in no particular order. An entry
+    /// named as a segment that is not a plain file (a symbolic link, a directory) is an
+    /// error (`InvalidData`), never left out: the log would take that segment for
+    /// missing.
     fn list_dir(&self, dir: &Path) -> io::Result<Vec<String>>;
     fn open(&self, path: &Path, mode: OpenMode) -> io::Result<Arc<dyn StorageFile>>;
     fn rename(&self, from: &Path, to: &Path) -> io::Result<()>;
