@@ -872,6 +872,20 @@ async fn ensure_on(
 ) -> Result<TopicInfo, IggyError> {
     let stream = Identifier::named(&dest.stream)?;
     let topic = Identifier::named(&dest.topic)?;
+    // The topic first: its answer is the topic's own details, where the stream's lists
+    // every topic of the stream (with routing by payload, thousands), which every lane's
+    // start, re-ensure after a failure and dead-letter send would fetch.
+    match client.get_topic(&stream, &topic).await {
+        Ok(Some(d)) => return Ok(topic_info(d.partitions_count, &d.options)),
+        Ok(None)
+        | Err(
+            IggyError::StreamIdNotFound(_)
+            | IggyError::StreamNameNotFound(_)
+            | IggyError::TopicIdNotFound(..)
+            | IggyError::TopicNameNotFound(..),
+        ) => {}
+        Err(e) => return Err(e),
+    }
     if client.get_stream(&stream).await?.is_none() {
         match client.create_stream(&dest.stream).await {
             Ok(_) | Err(IggyError::StreamNameAlreadyExists(_)) => {}
@@ -1194,6 +1208,28 @@ mod tests {
         send(5).await;
         let partitions: Vec<u32> = broker.messages("s", "t").iter().map(|m| m.partition_id).collect();
         assert_eq!(partitions, [0, 0, 0, 2, 2]);
+    }
+
+    /// Ensuring a destination that exists asks for the topic alone, never for its stream,
+    /// whose answer lists every topic of the stream.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn ensuring_an_existing_topic_does_not_fetch_its_stream() {
+        let broker = test_broker::TestBroker::start(test_broker::TestBrokerConfig::default()).await.unwrap();
+        let config = IggySinkConfig { address: broker.addr().to_string(), ..IggySinkConfig::default() };
+        let sink = IggySink::new(&config).unwrap();
+        let dest = DestinationKey::new("s", "t");
+        sink.ensure(&dest).await.expect("created");
+        assert_eq!(broker.topic_options("s", "t").map(|o| o.partitions_count), Some(Some(1)));
+        let streams_asked = broker.request_count(test_broker::RequestKind::GetStream);
+        for _ in 0..3 {
+            assert_eq!(sink.ensure(&dest).await.expect("ensured").partitions_count, 1);
+        }
+        assert_eq!(broker.request_count(test_broker::RequestKind::GetStream), streams_asked);
+        // A topic of an existing stream, and one of a new stream, are still made.
+        for (stream, topic) in [("s", "u"), ("new", "t")] {
+            sink.ensure(&DestinationKey::new(stream, topic)).await.expect("created");
+            assert!(broker.topic_options(stream, topic).is_some(), "{stream}/{topic}");
+        }
     }
 
     /// A topic that acknowledges without fsync is said once in the log, not at every
