@@ -418,6 +418,20 @@ fn salvage_of_a_whole_log_whose_tail_starts_past_its_last_record_skips_nothing()
     assert!(out.contains("; nothing skipped;") && out.contains(&format!("continues at offset {resumed}")), "{out}");
     assert!(!out.contains("missing offsets"), "{out}");
     assert_eq!(Wal::open_read_only(&copy).unwrap().next_offset(), resumed);
+
+    // Once the log goes on past its gap, a salvage of it keeps the gap as the source's
+    // own, and says nothing was lost now: exit 0, no missing offsets.
+    let wal = Wal::open(&dir, small()).unwrap();
+    rt().block_on(wal.append(vec![bytes::Bytes::from_static(b"after the gap")])).unwrap();
+    rt().block_on(wal.close()).unwrap();
+    drop(wal);
+    let again = root.path().join("salvaged-again");
+    let o = cli(&["salvage", dir.to_str().unwrap(), "--out", again.to_str().unwrap(), "--json"]);
+    assert_eq!(code(&o), 0, "{}{}", stdout(&o), stderr(&o));
+    let r = json(&o);
+    assert_eq!(r["missing_offsets"], serde_json::json!([]), "{r}");
+    assert_eq!(r["source_gaps"], serde_json::json!([{"first": 3, "last": resumed - 1}]), "{r}");
+    assert_eq!(r["end_offset"].as_u64(), Some(resumed + 1), "{r}");
 }
 
 /// Every file and directory under `dir`, with each file's length.

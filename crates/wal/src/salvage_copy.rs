@@ -98,6 +98,11 @@ pub struct CopyReport {
     /// counted at the most records they could hold), or none at all (the source's own
     /// newest segment started above them).
     pub reserved_offsets: Option<(u64, u64)>,
+    /// Offsets between two of the source's segments that the source itself does not
+    /// hold, as its later segment's header says (`GAP_BEFORE`: an earlier salvage skipped
+    /// them, and reported them then), where the earlier segment ended clean: nothing is
+    /// lost now. The copy keeps the gap. `(first, last)` inclusive.
+    pub source_gaps: Vec<(u64, u64)>,
     pub skipped: Vec<Skipped>,
 }
 
@@ -121,6 +126,9 @@ struct Out<'a> {
     /// it (its header is flagged `GAP_BEFORE`, or does not check).
     source_first: u64,
     source_gap_before: bool,
+    /// The source's own gap before the segment being walked: from where the segment
+    /// before it ended clean (its last record checked, nothing after it) to its base.
+    source_gap: Option<(u64, u64)>,
 }
 
 impl Out<'_> {
@@ -174,7 +182,11 @@ impl Out<'_> {
         if let Some(l) = *last
             && !contiguous
         {
-            report.missing_offsets.push((l + 1, first - 1));
+            if self.source_gap == Some((l + 1, first - 1)) {
+                report.source_gaps.push((l + 1, first - 1));
+            } else {
+                report.missing_offsets.push((l + 1, first - 1));
+            }
         }
         let mut at = 0;
         for (i, h) in batch.headers.iter().enumerate() {
@@ -364,6 +376,7 @@ fn copy_bounded(
         written: 0,
         source_first: bases[0],
         source_gap_before: false,
+        source_gap: None,
     };
     // With no writer bounding the read, the tail is read from the disk as the open reads
     // it (a failed sync's bytes are not on it), unless a clean shutdown vouches for it.
@@ -385,6 +398,9 @@ fn copy_bounded(
     let mut last: Option<u64> = None;
     // Past every offset a left-out record or a damaged byte range may have named.
     let mut named_until = bases[0];
+    // Where the segment walked before ended, if it ended clean: its last record checked
+    // and no bytes that do not check came after it.
+    let mut previous_clean_end: Option<u64> = None;
     for (i, &base) in bases.iter().enumerate() {
         // The source's log continues at least at its newest segment's base (a tail an
         // in-place salvage started past damaged offsets, say), even with no record in it.
@@ -419,9 +435,12 @@ fn copy_bounded(
             None => Some("segment header cut short".to_string()),
             Some(b) => match SegmentHeader::decode(b) {
                 Ok(h) if h.base_offset == base => {
+                    let gap_before = h.flags & SEGMENT_FLAG_GAP_BEFORE != 0;
                     if base == out.source_first {
-                        out.source_gap_before = h.flags & SEGMENT_FLAG_GAP_BEFORE != 0;
+                        out.source_gap_before = gap_before;
                     }
+                    out.source_gap =
+                        previous_clean_end.filter(|&end| gap_before && end < base).map(|end| (end, base - 1));
                     None
                 }
                 Ok(h) => Some(format!("header says base {}, name says {base}", h.base_offset)),
@@ -437,6 +456,9 @@ fn copy_bounded(
             },
         };
         let header_problem_seen = header_problem.is_some();
+        if header_problem_seen {
+            out.source_gap = None;
+        }
         if let Some(why) = header_problem {
             // A first segment whose header does not check cannot say no offsets are
             // missing below it.
@@ -553,6 +575,7 @@ fn copy_bounded(
             b.leave_out(&mut report, &path, false, &mut named_until);
         }
         close_bad(&mut report, &path, &mut bad, len);
+        previous_clean_end = (!damage_after_last_record).then_some(seen_next);
         bytes_before += len;
         progress(VerifyProgress { bytes_done: bytes_before, bytes_total });
         if damage_after_last_record

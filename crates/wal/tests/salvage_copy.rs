@@ -509,6 +509,51 @@ fn the_copy_continues_at_the_sources_newest_segment_even_when_it_is_empty() {
     assert_eq!(copy.next_offset(), 10);
 }
 
+/// A source salvaged before holds a gap between two segments (the later one's header
+/// says so), and records after it. Nothing is lost now: the gap is the source's own, kept
+/// in the copy and reported apart, not as missing offsets (which the CLI makes exit 1,
+/// "each named a record that is lost"). A gap whose segment before it ended in damage
+/// stays missing: what that damage held is lost now.
+#[test]
+fn a_gap_the_source_already_had_is_kept_and_not_reported_missing() {
+    let source = |damaged_end: bool| {
+        let sim = SimStorage::new();
+        let mut b = SegmentHeader { base_offset: 0, flags: 0 }.encode().to_vec();
+        for offset in 0..3 {
+            let at = b.len() as u64;
+            b.extend_from_slice(&frame(offset, true, at));
+        }
+        if damaged_end {
+            b.extend_from_slice(&[0xA5; 64]);
+        }
+        let at = b.len() as u64;
+        b.extend_from_slice(&FrameHeader::seal(3, at).encode());
+        write_source(&sim, &b);
+        let mut tail = SegmentHeader { base_offset: 10, flags: SEGMENT_FLAG_GAP_BEFORE }.encode().to_vec();
+        for offset in 10..13 {
+            let at = tail.len() as u64;
+            tail.extend_from_slice(&frame(offset, true, at));
+        }
+        sim.write_file_durably(&dir().join(segment_file_name(10)), &tail).unwrap();
+        assert_eq!(source_end(&sim), 13);
+        sim
+    };
+    let sim = source(false);
+    let report = salvage_copy(&sim, &dir(), &out_dir()).unwrap();
+    assert_eq!((report.records, report.end_offset), (6, 13), "{report:?}");
+    assert!(report.missing_offsets.is_empty() && report.skipped.is_empty(), "{report:?}");
+    assert_eq!(report.source_gaps, vec![(3, 9)]);
+    let copy = Wal::open_read_only_with(Arc::new(sim.clone()) as Arc<dyn Storage>, &out_dir()).unwrap();
+    assert_eq!(copy.open_report().missing_ranges, vec![3..10], "the copy keeps the gap");
+    drop(copy);
+    assert_eq!(copied(&sim).iter().map(|(o, _)| *o).collect::<Vec<_>>(), [0, 1, 2, 10, 11, 12]);
+
+    let sim = source(true);
+    let report = salvage_copy(&sim, &dir(), &out_dir()).unwrap();
+    assert_eq!(report.missing_offsets, vec![(3, 9)], "{report:?}");
+    assert!(report.source_gaps.is_empty(), "{report:?}");
+}
+
 /// The copy tells its progress in bytes of the source walked: never backwards, within a
 /// segment at least every `PROGRESS_EVERY_BYTES`, and at the end every byte of every
 /// segment, the total it announced from the start.

@@ -113,6 +113,7 @@ pub(crate) fn run(a: SalvageArgs) -> CliResult {
                 "end_offset": report.end_offset,
                 "missing_offsets": report.missing_offsets.iter().map(|(a, b)| json!({"first": a, "last": b})).collect::<Vec<_>>(),
                 "reserved_offsets": report.reserved_offsets.map(|(a, b)| json!({"first": a, "last": b})),
+                "source_gaps": report.source_gaps.iter().map(|(a, b)| json!({"first": a, "last": b})).collect::<Vec<_>>(),
                 "skipped": report.skipped.iter().map(|s| json!({"file": path_json(&s.file), "from": s.from, "to": s.to, "records": s.records, "why": s.why})).collect::<Vec<_>>(),
                 "partial_batch_records": report.partial_batch_records(),
             }),
@@ -131,6 +132,12 @@ pub(crate) fn run(a: SalvageArgs) -> CliResult {
         }
         for (first, last) in &report.missing_offsets {
             writeln!(out, "missing offsets {first}..={last} ({} record(s))", last - first + 1)?;
+        }
+        for (first, last) in &report.source_gaps {
+            writeln!(
+                out,
+                "gap offsets {first}..={last}: not in DIR since an earlier salvage (reported then), kept as a gap; nothing lost now"
+            )?;
         }
         if let Some((first, last)) = report.reserved_offsets {
             writeln!(
