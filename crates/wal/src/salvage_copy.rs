@@ -554,7 +554,6 @@ fn copy_bounded(
                     if batch_after.is_some() {
                         batch_start = batch_after;
                     }
-                    in_zeros = zero;
                     damage_after_last_record = true;
                     // A frame the walk reached by following lengths, whose header checks:
                     // skipped whole, as recovery skips it. Its payload is a sender's bytes,
@@ -565,6 +564,10 @@ fn copy_bounded(
                         Some(end) if bad.is_none() => end,
                         _ => pos + 1,
                     };
+                    // In a run of zeros only if the next byte looked at follows this one:
+                    // after a frame skipped whole (whose header may begin with a zero
+                    // byte), zeros at its end start a run, and are looked at.
+                    in_zeros = zero && next == pos + 1;
                     bad.get_or_insert((pos, why));
                     pos = next;
                 }

@@ -328,6 +328,45 @@ fn a_skipped_range_ends_where_the_zeros_to_the_end_of_the_file_begin() {
     assert_eq!((report.skipped[0].from, report.skipped[0].to), (last, last + FRAME_HEADER_LEN + 100));
 }
 
+/// A frame skipped whole (its header checks, its payload does not) whose header begins
+/// with a zero byte, followed by zeros to the end of the file: the skipped range ends
+/// where the zeros begin. The walk took the frame's first byte for the start of a run of
+/// zeros and never looked for zeros to the end at the frame's end, so the range ran on
+/// to the end of the file.
+#[test]
+fn zeros_after_a_frame_skipped_whole_that_begins_with_a_zero_byte_are_not_skipped() {
+    let sim = SimStorage::new();
+    let mut b = SegmentHeader { base_offset: 0, flags: 0 }.encode().to_vec();
+    for offset in 0..2 {
+        let at = b.len() as u64;
+        b.extend_from_slice(&frame(offset, true, at));
+    }
+    let damaged_at = b.len() as u64;
+    let payload = payload(2, 50);
+    // A header that checks, with a payload checksum the payload does not have, and a
+    // first byte (the header's own checksum's lowest) of zero.
+    let header = (0u32..)
+        .map(|wrong| FrameHeader {
+            payload_len: payload.len() as u32,
+            offset: 2,
+            synced_len: damaged_at,
+            flags: FLAG_END_OF_BATCH,
+            payload_crc: crc32fast::hash(&payload) ^ (wrong + 1),
+        })
+        .find(|h| h.encode()[0] == 0)
+        .unwrap();
+    b.extend_from_slice(&header.encode());
+    b.extend_from_slice(&payload);
+    let zeros_at = b.len() as u64;
+    b.extend_from_slice(&[0; 4096]);
+    write_source(&sim, &b);
+
+    let report = salvage_copy(&sim, &dir(), &out_dir()).unwrap();
+    assert_eq!(report.records, 2, "{report:?}");
+    assert_eq!(report.skipped.len(), 1, "{:?}", report.skipped);
+    assert_eq!((report.skipped[0].from, report.skipped[0].to), (damaged_at, zeros_at));
+}
+
 /// A writer that holds the lock but has published no watermark yet (it is still
 /// recovering) is waited for, as the other read-only openers wait, not answered at once
 /// with "unsettled": here it goes away after a moment, and the copy is made.
