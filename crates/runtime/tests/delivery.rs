@@ -417,7 +417,7 @@ async fn a_connectors_destinations_are_listed_a_page_at_a_time() {
     let raw = admin_json(d.admin, "/connectors/r/destinations?after=g/t1&limit=2").await;
     let encoded = admin_json(d.admin, "/connectors/r/destinations?after=g%2Ft1&limit=2").await;
     assert_eq!((names(&raw), &raw["next_after"]), (vec!["g/t2".to_string(), "g/t3".to_string()], &"g/t3".into()));
-    assert_eq!(encoded, raw);
+    assert_eq!((names(&encoded), &encoded["next_after"]), (names(&raw), &raw["next_after"]));
     let a = request(d.admin, "GET", "/connectors/r/destinations?after=g%FF", &[], "").await;
     assert_eq!((a.status, a.json()["error"].as_str()), (400, Some("invalid_query")));
     assert!(d.stop().success());
