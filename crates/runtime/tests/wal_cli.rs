@@ -1267,17 +1267,14 @@ fn a_log_held_by_a_writer_whose_state_cannot_be_read_is_busy_not_damaged() {
     let lock = FsStorage.try_lock(&dir.join(wal::LOCK_FILE)).unwrap();
     let out = root.path().join("wal.salvaged");
     let salvage = ["salvage", dir.to_str().unwrap(), "--out", out.to_str().unwrap()];
-    for args in [&["verify"][..], &["verify", "--json"][..], &["inspect"][..], &["dump"][..]] {
-        let o = cli(&[args, &[dir.to_str().unwrap()]].concat());
+    for args in [&["verify"][..], &["verify", "--json"][..], &["inspect"][..], &["dump"][..], &salvage[..1]] {
+        let all = if args[0] == "salvage" { salvage.to_vec() } else { [args, &[dir.to_str().unwrap()]].concat() };
+        let o = cli(&all);
         assert_eq!(code(&o), 3, "{args:?}: {}{}", stdout(&o), stderr(&o));
         assert!(stderr(&o).contains("a running writer holds this log"), "{args:?}: {}", stderr(&o));
         assert!(stderr(&o).contains("run it again"), "{args:?}: {}", stderr(&o));
     }
-    // salvage does not run beside a writer at all (exit 3 too), and writes nothing, so
-    // running it again into the same place once the writer is gone works.
-    let o = cli(&salvage);
-    assert_eq!(code(&o), 3, "{}{}", stdout(&o), stderr(&o));
-    assert!(stderr(&o).contains("a running daemon holds the log"), "{}", stderr(&o));
+    // The busy salvage wrote nothing, so running it again into the same place works.
     assert!(std::fs::read_dir(&out).map_or(true, |mut d| d.next().is_none()), "{:?}", tree(&out));
     drop(lock);
     let o = cli(&["verify", dir.to_str().unwrap()]);

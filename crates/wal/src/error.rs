@@ -60,6 +60,14 @@ pub enum WalError {
     #[error("{0} holds a salvage copy that did not finish, not a log: remove the directory and salvage again")]
     UnfinishedSalvage(PathBuf),
 
+    /// A copy meant to replace the log was asked for while a writer holds it
+    /// ([`crate::salvage_copy::salvage_copy_of_a_stopped_log`]): made now, it would lack
+    /// everything the writer appends after it. Nothing was written.
+    #[error(
+        "a running writer holds the log in {0}: stop it first (a copy made beside it would lack everything it appends after the copy)"
+    )]
+    WriterRunning(PathBuf),
+
     /// A read-only open beside a running writer could not read the writer's durable
     /// watermark consistently (the writer is starting, or kept moving); retrying later
     /// usually succeeds.

@@ -295,9 +295,36 @@ pub fn salvage_copy_with_progress(
     dst: &Path,
     progress: &mut dyn FnMut(VerifyProgress),
 ) -> Result<CopyReport> {
+    copy_checked(storage, src, dst, false, progress)
+}
+
+/// [`salvage_copy_with_progress`] for a copy that is to replace the log: refused with
+/// `Err(WriterRunning)`, before anything is written, when a writer holds the source. The
+/// check is the read of the bound the copy is made to, so a writer that takes the log
+/// just before cannot slip between them; one that takes it while the copy is made voids
+/// the copy (`Err(Unsettled)`), as for [`salvage_copy`].
+pub fn salvage_copy_of_a_stopped_log(
+    storage: &dyn Storage,
+    src: &Path,
+    dst: &Path,
+    progress: &mut dyn FnMut(VerifyProgress),
+) -> Result<CopyReport> {
+    copy_checked(storage, src, dst, true, progress)
+}
+
+fn copy_checked(
+    storage: &dyn Storage,
+    src: &Path,
+    dst: &Path,
+    refuse_a_writer: bool,
+    progress: &mut dyn FnMut(VerifyProgress),
+) -> Result<CopyReport> {
     // Only the bound is waited for: once copying began, `dst` holds a log and a second
     // attempt would refuse it.
     let read = crate::watermark::read_settled(storage, src, Ok)?;
+    if refuse_a_writer && matches!(read, Bound::Watermark(_)) {
+        return Err(WalError::WriterRunning(src.to_path_buf()));
+    }
     // A copy that failed is void too if a writer started under it (its recovery removes
     // or changes files the copy reads): unsettled, to be made again.
     let report = copy_bounded(storage, src, dst, read, progress)

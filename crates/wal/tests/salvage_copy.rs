@@ -13,7 +13,9 @@ use wal::format::{
     FLAG_END_OF_BATCH, FRAME_HEADER_LEN, FrameHeader, SEGMENT_FLAG_GAP_BEFORE, SEGMENT_HEADER_LEN, SegmentHeader,
     segment_file_name,
 };
-use wal::salvage_copy::{PROGRESS_EVERY_BYTES, salvage_copy, salvage_copy_with_progress};
+use wal::salvage_copy::{
+    PROGRESS_EVERY_BYTES, salvage_copy, salvage_copy_of_a_stopped_log, salvage_copy_with_progress,
+};
 use wal::storage::{CrashMode, SimStorage, Storage};
 use wal::{SyncPolicy, Wal, WalOptions, inspect};
 
@@ -276,6 +278,22 @@ fn beside_a_live_writer_only_synced_records_are_copied() {
     assert!(report.skipped.is_empty(), "unsynced bytes are not damage: {report:?}");
     assert_eq!(copied(&sim), vec![(0, 1), (1, 2)]);
     drop(wal);
+}
+
+/// A copy meant to replace the log is refused while a writer holds it, before anything
+/// is written, in the same read as the bound it would be made to: made, it would lack
+/// everything the writer appends after it.
+#[test]
+fn a_copy_of_a_stopped_log_is_refused_beside_a_live_writer() {
+    let sim = SimStorage::new();
+    let wal = open(&sim, small_options());
+    rt().block_on(wal.append(vec![payload(1, 100)])).unwrap();
+    let refused = salvage_copy_of_a_stopped_log(&sim, &dir(), &out_dir(), &mut |_| {});
+    assert!(matches!(refused, Err(wal::WalError::WriterRunning(_))), "{refused:?}");
+    assert!(sim.list_dir(&out_dir()).is_err(), "nothing is written");
+    drop(wal);
+    let report = salvage_copy_of_a_stopped_log(&sim, &dir(), &out_dir(), &mut |_| {}).unwrap();
+    assert_eq!(report.records, 1);
 }
 
 /// The zeros the writer wrote ahead of its records are not damage wherever the walk meets

@@ -51,33 +51,36 @@ pub struct SalvageArgs {
 pub(crate) fn run(a: SalvageArgs) -> CliResult {
     super::a_directory(&a.dir)?;
     let target = check_out(&a.dir, &a.out)?;
-    // The copy ends where the log was when it was made, and the daemon goes on accepting
-    // into DIR: put in DIR's place, it would lack every event answered 200 since, and
-    // give their offsets to new ones. A daemon that takes the log during the copy makes
-    // it void (`salvage-incomplete` stays).
-    if super::writer_running(&a.dir) {
-        return Err(CliError::HeldByDaemon(format!(
-            "a running daemon holds the log in {}: stop it first (a copy made beside it would lack every event it accepts after the copy); nothing was written",
-            a.dir.display()
-        )));
-    }
     // What `--out` held before (`None`: salvage makes it), so that only what salvage
     // writes is given the log's owner.
     let held_before: Option<std::collections::HashSet<std::ffi::OsString>> =
         std::fs::read_dir(&target).ok().map(|entries| entries.flatten().map(|e| e.file_name()).collect());
     let bar = super::BytesProgress::new();
-    let copied = wal::salvage_copy::salvage_copy_with_progress(&FsStorage, &a.dir, &a.out, &mut |p| bar.at(p));
+    // The copy ends where the log was when it was made, and a daemon goes on accepting
+    // into DIR: put in DIR's place, it would lack every event answered 200 since, and
+    // give their offsets to new ones. So a writer holding DIR refuses the copy, in the
+    // same read as the bound it is made to; one that takes DIR during the copy voids it
+    // (`salvage-incomplete` stays).
+    let copied = wal::salvage_copy::salvage_copy_of_a_stopped_log(&FsStorage, &a.dir, &a.out, &mut |p| bar.at(p));
     drop(bar);
     let report = match copied {
         Ok(r) => r,
         Err(wal::WalError::InvalidOptions(m)) => return Err(CliError::Usage(m)),
+        Err(e @ wal::WalError::WriterRunning(_)) => {
+            return Err(CliError::HeldByDaemon(format!("{e}; nothing was written")));
+        }
         Err(e) => {
             let unfinished = a.out.join(wal::SALVAGE_INCOMPLETE_FILE).exists();
             // Busy too: a run again into the same directory is refused, it holds the
             // unfinished copy.
             return Err(match wal_error(&a.dir, e) {
-                CliError::Failed(m) | CliError::Busy(m) if unfinished => CliError::Failed(format!(
+                CliError::Failed(m) if unfinished => CliError::Failed(format!(
                     "{m}\nthe copy in {} did not finish: every open refuses it; remove the directory and salvage again",
+                    a.out.display()
+                )),
+                // A writer took DIR while the copy was made (exit 3, as one found there).
+                CliError::Busy(m) if unfinished => CliError::HeldByDaemon(format!(
+                    "{m}: a writer took the log while it was copied\nthe copy in {} did not finish: every open refuses it; stop the daemon, remove the directory and salvage again",
                     a.out.display()
                 )),
                 other => other,
