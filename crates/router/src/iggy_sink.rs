@@ -121,7 +121,8 @@ pub struct IggySinkConfig {
     /// router retries them with its backoff), so a server that is down or refusing sees
     /// at most one connect per interval, however many destinations retry.
     pub reconnection_interval: Duration,
-    /// How long one connect (TCP, sign-in, the pings that prove the connection answers)
+    /// How long one connect (TCP, sign-in, the pings and the cluster-metadata request
+    /// that prove the connection answers, in step)
     /// may take before it fails. The client bounds each reply by itself
     /// ([`CLIENT_REPLY_TIMEOUT`]) but not the TCP connect, which on a network that drops
     /// packets lasts until the kernel gives up (about two minutes on Linux), with every
@@ -189,13 +190,17 @@ pub struct IggySink {
 struct Placement {
     partitions_count: u32,
     learnt_at: std::time::Instant,
+    /// Set when a send placed by this count failed at its destination: asked again
+    /// before the next.
+    stale: bool,
     next_balanced: u32,
 }
 
 /// The most destinations whose [`Placement`] is kept: past it, those older than
-/// `connection_max_age` are dropped, and if that leaves too many, all (each is asked
-/// again at its next send: a cache, never the only copy of anything). A source routes to
-/// at most 100,000 destinations.
+/// `connection_max_age` (or stale) are dropped, and if that leaves too many, all (each
+/// is asked again at its next send: a cache, never the only copy of anything; a balanced
+/// turn dropped starts again at partition 0, once). The whole daemon's destinations
+/// share it: past this many sent to within one `connection_max_age`, the turns reset.
 pub const PLACEMENTS_MAX: usize = 100_000;
 
 /// How long the `iggy` client waits for a reply (its `RESPONSE_READ_TIMEOUT`, fixed and
@@ -305,15 +310,20 @@ impl IggySink {
         let mut placements = self.placements();
         if placements.len() >= PLACEMENTS_MAX && !placements.contains_key(dest) {
             let max_age = self.config.connection_max_age;
-            placements.retain(|_, p| now.duration_since(p.learnt_at) < max_age);
+            placements.retain(|_, p| !p.stale && now.duration_since(p.learnt_at) < max_age);
             if placements.len() >= PLACEMENTS_MAX {
                 placements.clear();
             }
         }
-        let p =
-            placements.entry(dest.clone()).or_insert(Placement { partitions_count, learnt_at: now, next_balanced: 0 });
+        let p = placements.entry(dest.clone()).or_insert(Placement {
+            partitions_count,
+            learnt_at: now,
+            stale: false,
+            next_balanced: 0,
+        });
         p.partitions_count = partitions_count;
         p.learnt_at = now;
+        p.stale = false;
     }
 
     /// The partition a send with `partitioning` to `dest` goes to, asked of the server
@@ -326,9 +336,12 @@ impl IggySink {
         topic: &Identifier,
         partitioning: &Partitioning,
     ) -> Result<u32, IggyError> {
-        let known = self.placements().get(dest).map(|p| (p.partitions_count, p.learnt_at));
         let max_age = self.config.connection_max_age;
-        let fresh = known.filter(|(_, at)| at.elapsed() < max_age).map(|(count, _)| count);
+        let fresh = self
+            .placements()
+            .get(dest)
+            .filter(|p| !p.stale && p.learnt_at.elapsed() < max_age)
+            .map(|p| p.partitions_count);
         let count = match fresh {
             Some(count) => count,
             None => {
@@ -355,6 +368,7 @@ impl IggySink {
         let p = placements.entry(dest.clone()).or_insert(Placement {
             partitions_count: count,
             learnt_at: std::time::Instant::now(),
+            stale: false,
             next_balanced: 0,
         });
         let partition = p.next_balanced % count;
@@ -510,7 +524,8 @@ impl IggySink {
                 if self.unreachable.load(Ordering::Acquire) {
                     tracing::info!("connected to iggy");
                 }
-                // The new connection signed in and answered two pings: the server answers.
+                // The new connection signed in and answered two pings and a request whose
+                // answer decoded: the server answers.
                 self.answered();
                 Ok(())
             }
@@ -627,7 +642,21 @@ async fn open_connection(config: &IggySinkConfig) -> Result<Connection, ConnectF
         // does not. A server that refuses the call with an error of its own answered it
         // whole, in step.
         match client.get_cluster_metadata().await {
-            Err(e @ (IggyError::InvalidFormat | IggyError::InvalidCommand)) => return Err(e),
+            Err(e @ (IggyError::InvalidFormat | IggyError::InvalidCommand)) => {
+                // Said apart from an outage: on every connect it is a server whose
+                // answers this client cannot read (another protocol version), which no
+                // wait ends.
+                static OUT_OF_STEP_LOG: ingest::log_limit::LogLimit =
+                    ingest::log_limit::LogLimit::every(Duration::from_secs(60));
+                if let Some(failed_before) = OUT_OF_STEP_LOG.admit() {
+                    tracing::error!(
+                        error = %e,
+                        failed_before,
+                        "a new connection to iggy failed its check: the answer to a cluster-metadata request did not decode (a reply the client could not parse, or a server of another protocol version); not used, connecting again"
+                    );
+                }
+                return Err(e);
+            }
             Err(e) if matches!(classify(&e), SendErrorKind::Disconnected | SendErrorKind::Unavailable) => {
                 return Err(e);
             }
@@ -856,8 +885,10 @@ impl Sink for IggySink {
             && classify(e) == SendErrorKind::Destination
         {
             // The count it was placed by may be what is wrong (partitions deleted): the
-            // retry asks the server again.
-            self.placements().remove(dest);
+            // retry asks the server again. The balanced turn goes on where it was.
+            if let Some(p) = self.placements().get_mut(dest) {
+                p.stale = true;
+            }
         }
         self.settle(taken, result).map(|_| ())
     }
@@ -1172,6 +1203,20 @@ mod tests {
         }
         let partitions: Vec<u32> = broker.messages("s", "t").iter().map(|m| m.partition_id).collect();
         assert_eq!(partitions, [0, 1, 2, 3, 0, 1, 2, 3]);
+        // A send refused at the destination has the count asked again, and the turn goes
+        // on where it was (that send took partition 0's turn), not back at partition 0.
+        broker.fail_topic("s", "t", Some(IggyError::Error));
+        let payload = Bytes::from_static(b"{}");
+        let mut batch = sink.prepare(&[OutMessage { id: 9, payload: &payload, headers: vec![] }]).unwrap();
+        assert!(sink.send(&dest, &Partitioning::Balanced, &mut batch).await.is_err());
+        broker.fail_topic("s", "t", None);
+        let topics_asked = broker.request_count(test_broker::RequestKind::GetTopic);
+        for id in 10..=11 {
+            send_on_a_new_connection(&sink, &dest, &Partitioning::Balanced, id).await;
+        }
+        assert_eq!(broker.request_count(test_broker::RequestKind::GetTopic), topics_asked + 1, "asked again, once");
+        let partitions: Vec<u32> = broker.messages("s", "t")[8..].iter().map(|m| m.partition_id).collect();
+        assert_eq!(partitions, [1, 2]);
     }
 
     /// A key goes to one partition on every connection, and after partitions are added,
@@ -1182,7 +1227,8 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_key_changes_partition_once_when_partitions_are_added() {
         let broker = test_broker::TestBroker::start(test_broker::TestBrokerConfig::default()).await.unwrap();
-        let max_age = Duration::from_millis(800);
+        // Long enough for two connects and three sends on a busy machine.
+        let max_age = Duration::from_secs(3);
         let (sink, dest) = placing_sink(&broker, 1, max_age).await;
         // A key that three partitions place in partition 2.
         let key = (0u32..).map(|i| format!("k{i}")).find(|k| iggy_common::calculate_32(k.as_bytes()) % 3 == 2).unwrap();
@@ -1232,10 +1278,35 @@ mod tests {
         }
     }
 
+    /// What a test's subscriber writes: every line logged, kept.
+    #[derive(Clone, Default)]
+    struct LoggedLines(Arc<std::sync::Mutex<Vec<u8>>>);
+
+    impl std::io::Write for LoggedLines {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(b);
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    impl LoggedLines {
+        fn count(&self, text: &str) -> usize {
+            String::from_utf8_lossy(&self.0.lock().unwrap()).lines().filter(|l| l.contains(text)).count()
+        }
+    }
+
     /// A topic that acknowledges without fsync is said once in the log, not at every
-    /// ensure: a dead-letter topic is ensured before each of its sends.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    /// ensure: a dead-letter topic is ensured before each of its sends. (One thread, so
+    /// that the subscriber set for it sees every line the sink's tasks log.)
+    #[tokio::test(flavor = "current_thread")]
     async fn a_topic_without_fsync_is_reported_once() {
+        let logged = LoggedLines::default();
+        let writer = logged.clone();
+        let subscriber = tracing_subscriber::fmt().with_writer(move || writer.clone()).with_ansi(false).finish();
+        let _logging = tracing::subscriber::set_default(subscriber);
         let broker = test_broker::TestBroker::start(test_broker::TestBrokerConfig::default()).await.unwrap();
         let config = IggySinkConfig {
             address: broker.addr().to_string(),
@@ -1247,8 +1318,9 @@ mod tests {
         for _ in 0..3 {
             assert!(!sink.ensure(&dest).await.expect("the destination").durable);
         }
-        assert!(!sink.first_not_durable_warning(&dest), "not yet reported after three ensures");
-        assert!(sink.first_not_durable_warning(&DestinationKey::new("s", "other")));
+        assert_eq!(logged.count("acknowledges without fsync"), 1, "logged once for three ensures");
+        sink.ensure(&DestinationKey::new("s", "other")).await.expect("another destination");
+        assert_eq!(logged.count("acknowledges without fsync"), 2, "and once for another destination");
     }
 
     /// A server that answers "not now" is there, and so is its connection.
