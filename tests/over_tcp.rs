@@ -210,7 +210,7 @@ async fn a_partition_added_since_the_count_was_learnt_is_delivered_not_dropped()
 /// again. Without the age, every later record went on landing in the one partition the
 /// topic had when the count was first learnt.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn balanced_records_reach_partitions_added_since_once_connections_reach_their_age() {
+async fn balanced_records_reach_partitions_added_since_once_the_partition_count_reaches_its_age() {
     let broker = TestBroker::start(TestBrokerConfig::default()).await.unwrap();
     let max_age = Duration::from_secs(1);
     let config = IggySinkConfig {

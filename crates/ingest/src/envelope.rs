@@ -28,7 +28,8 @@ pub const ENVELOPE_VERSION: u8 = 1;
 /// How a message is spread over a topic's partitions.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Partitioning {
-    /// The broker picks (round robin).
+    /// Round robin over the topic's partitions (placed by the router, one turn per
+    /// destination).
     Balanced,
     /// Messages with the same key go to the same partition.
     Key(Vec<u8>),

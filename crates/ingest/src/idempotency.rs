@@ -1423,8 +1423,8 @@ mod tests {
 
     /// A recovery cancelled right after its reopen (the daemon aborts its checkpoint task
     /// at shutdown) has not yet owed the keys redb's repair dropped: the next recovery
-    /// (here the final checkpoint) must owe and restore them, or it would commit its
-    /// checkpoint past their records and a retry would be appended again.
+    /// (here the next checkpoint while serving) must owe and restore them, or it would
+    /// commit its checkpoint past their records and a retry would be appended again.
     #[tokio::test]
     async fn keys_a_reopen_dropped_are_restored_even_when_the_recovery_was_cancelled_after_the_reopen() {
         let dir = tempfile::tempdir().unwrap();

@@ -16,8 +16,9 @@
 //! 3. the router stops sending and stores its last cursors (bounded by what is left of
 //!    the grace period, at least `ROUTER_STOP_MIN`);
 //! 4. the log is closed (synced, clean-shutdown marker written);
-//! 5. a final idempotency checkpoint makes every key durable (4 and 5 together bounded
-//!    by `CLOSE_MAX`);
+//! 5. a final idempotency checkpoint makes every recorded key durable, and stops below
+//!    any key the recorder could not take, which the next start's rebuild restores from
+//!    the log (4 and 5 together bounded by `CLOSE_MAX`);
 //! 6. the admin listener closes.
 //!
 //! Invariants:

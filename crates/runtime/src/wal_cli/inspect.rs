@@ -487,7 +487,10 @@ fn admin_lanes(
 /// [`DESTINATIONS_MAX`] are read, and a page that does not move past the one before is
 /// an error, so a daemon that answers wrongly cannot keep the command walking.
 fn admin_destinations(target: &AdminTarget<'_>, token: Option<&str>, src: &str) -> CliResult<Vec<AdminLane>> {
-    use percent_encoding::{NON_ALPHANUMERIC, utf8_percent_encode};
+    use percent_encoding::{AsciiSet, NON_ALPHANUMERIC, utf8_percent_encode};
+    // Names are [a-zA-Z0-9._-] and a slash parts them: those stay as they are, so that
+    // a daemon that does not percent-decode its query (before this paging) reads them.
+    const QUERY_VALUE: &AsciiSet = &NON_ALPHANUMERIC.remove(b'/').remove(b'.').remove(b'-').remove(b'_');
     let mut out = Vec::new();
     // A source key read from the log is not trusted to be a path segment (a `?`, `/` or
     // space in it would ask for another resource, or no valid URI at all): escaped.
@@ -496,7 +499,7 @@ fn admin_destinations(target: &AdminTarget<'_>, token: Option<&str>, src: &str) 
     loop {
         let mut path = format!("/connectors/{segment}/destinations?limit={ADMIN_PAGE_LIMIT}");
         if let Some(a) = &after {
-            path.push_str(&format!("&after={}", utf8_percent_encode(a, NON_ALPHANUMERIC)));
+            path.push_str(&format!("&after={}", utf8_percent_encode(a, QUERY_VALUE)));
         }
         let Some(v) = http_get_json(target, &path, token)? else {
             return Ok(out);
