@@ -66,6 +66,22 @@ async fn post_numbered(http: SocketAddr, ns: std::ops::Range<u64>) {
 
 /// The default source's first destination as the admin API shows it, once its cursor
 /// reached `cursor` or 30 s passed (the caller asserts what it needs).
+/// `wal inspect --json --admin` of the daemon `d`'s log, through its admin listener:
+/// exit 0, its JSON.
+async fn inspect_with_admin(d: &Daemon) -> serde_json::Value {
+    let (wal_dir, admin) = (d.wal_dir(), format!("http://{}", d.admin));
+    let o = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(env!("CARGO_BIN_EXE_iggy-ingest"))
+            .args(["wal", "inspect", wal_dir.to_str().unwrap(), "--json", "--admin", &admin])
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    serde_json::from_slice(&o.stdout).unwrap()
+}
+
 async fn first_lane_once_its_cursor_reaches(admin: SocketAddr, cursor: u64) -> serde_json::Value {
     let mut lane = serde_json::Value::Null;
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -267,17 +283,7 @@ async fn the_destinations_of_a_source_removed_from_the_configuration_are_still_s
     assert_eq!(request(d.admin, "GET", "/connectors/never", &[], "").await.status, 404);
     // `wal inspect --admin` shows them too, with the daemon's figures: the source is not
     // in `/status`, but its records in the log are.
-    let (wal_dir, admin) = (d.wal_dir(), format!("http://{}", d.admin));
-    let o = tokio::task::spawn_blocking(move || {
-        std::process::Command::new(env!("CARGO_BIN_EXE_iggy-ingest"))
-            .args(["wal", "inspect", wal_dir.to_str().unwrap(), "--json", "--admin", &admin])
-            .output()
-            .unwrap()
-    })
-    .await
-    .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let i: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let i = inspect_with_admin(&d).await;
     let lanes = i["destinations"]["lanes"].as_array().unwrap();
     let old = lanes.iter().find(|l| l["source"] == "old").unwrap_or_else(|| panic!("{i}"));
     assert_eq!((old["stream"].as_str(), old["held_records"].as_u64()), (Some("legacy"), Some(3)), "{i}");
@@ -449,17 +455,7 @@ async fn wal_inspect_with_admin_reads_every_page_of_destinations() {
         assert!(Instant::now() < deadline, "a lane per destination: {c}");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    let (wal_dir, admin) = (d.wal_dir(), format!("http://{}", d.admin));
-    let o = tokio::task::spawn_blocking(move || {
-        std::process::Command::new(env!("CARGO_BIN_EXE_iggy-ingest"))
-            .args(["wal", "inspect", wal_dir.to_str().unwrap(), "--json", "--admin", &admin])
-            .output()
-            .unwrap()
-    })
-    .await
-    .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let i: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let i = inspect_with_admin(&d).await;
     let lanes = i["destinations"]["lanes"].as_array().unwrap();
     let routed: Vec<&serde_json::Value> = lanes.iter().filter(|l| l["source"] == "r").collect();
     assert_eq!(routed.len(), TOPICS, "one entry per destination");
