@@ -448,6 +448,45 @@ async fn a_destination_that_never_answers_holds_only_itself() {
     router.shutdown().await;
 }
 
+/// The server goes silent while a send is waiting, shortly after it answered another
+/// destination's send: the waiting send's timeout is the server's (`Unavailable`, no
+/// breaker counts it), not its destination's. An answer early in the wait says nothing
+/// of the server at its end; only one in the last quarter of the wait, or a ping right
+/// after, does. Judged by any answer since the send began, it was counted against its
+/// destination.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_gone_silent_after_answering_early_in_a_sends_wait_is_not_the_destinations_fault() {
+    let broker = TestBroker::start(TestBrokerConfig::default()).await.unwrap();
+    let mut p = policy();
+    // The last quarter of a's wait begins at 4.5 s: b's answer comes well before it.
+    p.batch.result_timeout = Duration::from_secs(6);
+    let (wal, router) = start_warm_with(&broker, "q", "b", p).await;
+    broker.black_hole_topic("q", "a", true);
+    let lane = |topic: &str| router.destinations().into_iter().find(|d| d.destination.topic == topic);
+    // a's send waits; then b's is answered, at about 0.3 s of a's wait.
+    let a_appended = std::time::Instant::now();
+    wal.append(vec![record("q", "a", 1, Partitioning::Balanced)]).await.unwrap();
+    eventually(Duration::from_secs(10), "a's lane sending", || async { lane("a").is_some() }).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    wal.append(vec![record("q", "b", 2, Partitioning::Balanced)]).await.unwrap();
+    eventually(Duration::from_secs(3), "b's answered", || async { ids(&broker, "q", "b").len() == 2 }).await;
+    assert!(a_appended.elapsed() < Duration::from_secs(4), "b answered too late in a's wait to tell anything");
+    // Then the whole server answers nothing.
+    broker.set_delay(Duration::from_secs(60));
+    eventually(Duration::from_secs(20), "a's send cut short", || async {
+        lane("a").is_some_and(|d| d.last_error.is_some())
+    })
+    .await;
+    let a = lane("a").unwrap();
+    let error = a.last_error.clone().unwrap_or_default();
+    assert!(error.contains("answered nothing"), "taken for the destination's: {error}");
+    assert_eq!(a.breaker, "closed");
+    broker.set_delay(Duration::ZERO);
+    broker.black_hole_topic("q", "a", false);
+    eventually(Duration::from_secs(30), "a delivered", || async { ids(&broker, "q", "a").len() == 1 }).await;
+    router.shutdown().await;
+}
+
 /// A topic that never answers opens its breaker even where a new connection takes long
 /// (here every reply is 150 ms late, so a connect, with its sign-in and pings, takes more
 /// than the 250 ms after which a call does not go out on the connection it waited for).

@@ -30,7 +30,7 @@
 //!   connect that ended while nobody waited is taken in by the next caller, never handed
 //!   to it as its own outcome; one that succeeded counts as the server answering.
 //! - A call's timeout is the destination's only if the server answered some other call
-//!   since it began ([`Sink::answered_since`]) or answers a ping right after
+//!   in the last quarter of its wait ([`Sink::answered_since`]) or answers a ping right after
 //!   ([`Sink::server_answers`]); otherwise the server, not the destination, is what
 //!   stopped answering, and no breaker counts it.
 //! - Destinations are created on first use with the topic defaults; "already exists" is

@@ -1809,11 +1809,18 @@ fn send_partitioning(r: &Routed) -> Partitioning {
 }
 
 /// `call`, cut short after `timeout`. A call cut short failed at its destination
-/// (`Timeout`, which its breaker counts) only if the server answered meanwhile: some
-/// other call since this one began, or else a probe right after (bounded by the same
-/// timeout). While the sink was still connecting, or the server answers nothing, the
-/// server as a whole is what does not answer, which is every destination's:
-/// `Unavailable`, which no breaker counts.
+/// (`Timeout`, which its breaker counts) only if the server answers at its end: some
+/// other call answered in the last quarter of its wait ([`ANSWERED_RECENTLY_SHARE`]), or else a
+/// probe right after (bounded by the same timeout). An answer early in the wait says
+/// nothing of a server that went silent since (an outage's first moments). While the
+/// sink was still connecting, or the server answers nothing, the server as a whole is
+/// what does not answer, which is every destination's: `Unavailable`, which no breaker
+/// counts.
+/// An answer to another call within the last `1 / ANSWERED_RECENTLY_SHARE` of a call's
+/// wait shows the server answering at its end: a quarter (750 ms of a 3 s result
+/// timeout). Earlier, a ping is asked instead.
+const ANSWERED_RECENTLY_SHARE: u32 = 4;
+
 async fn bounded<S: Sink, T>(
     sink: &S,
     timeout: Duration,
@@ -1826,7 +1833,10 @@ async fn bounded<S: Sink, T>(
             Err(SendError::new(SendErrorKind::Unavailable, "not connected within the result timeout"))
         }
         Err(_) => {
-            let answers = sink.answered_since(started)
+            let recently = std::time::Instant::now()
+                .checked_sub(timeout / ANSWERED_RECENTLY_SHARE)
+                .map_or(started, |t| t.max(started));
+            let answers = sink.answered_since(recently)
                 || tokio::time::timeout(timeout, sink.server_answers()).await.unwrap_or(false);
             if answers {
                 Err(SendError::new(SendErrorKind::Timeout, "no answer within the result timeout"))
