@@ -48,8 +48,9 @@
 //!   every message to an explicit partition: a key's partition changes once, when the
 //!   count does. The count is learnt by each ensure, asked again once it is
 //!   `connection_max_age` old (partitions added while the daemon runs are used within
-//!   that age), and forgotten when a placed send fails at its destination (partitions
-//!   deleted), so the retry asks again. At most [`PLACEMENTS_MAX`] are kept.
+//!   that age), and marked stale when a placed send fails at its destination
+//!   (partitions deleted), so the retry asks again; the turn is kept. At most
+//!   [`PLACEMENTS_MAX`] are kept.
 //! - A connection is retired once it is `connection_max_age` old. Retiring never fails, delays or
 //!   re-classifies a call, and never shrinks the pool: an old connection taken is
 //!   swapped for an idle one within its age if there is one (at most one retired per
@@ -177,12 +178,9 @@ pub struct IggySink {
     connect_not_before: Arc<std::sync::Mutex<Option<std::time::Instant>>>,
     /// Set while a replacement for a connection past its age is being made.
     replacing: Arc<AtomicBool>,
-    /// Where balanced and keyed messages go, per destination, for every connection.
+    /// Where balanced and keyed messages go, per destination, for every connection, and
+    /// what the sink has said of each.
     placements: std::sync::Mutex<std::collections::HashMap<DestinationKey, Placement>>,
-    /// Destinations already reported as acknowledging without fsync: the warning is
-    /// logged once per destination, not at every ensure (a dead-letter topic is ensured
-    /// before each of its sends). Cleared once it holds [`PLACEMENTS_MAX`].
-    not_durable_warned: std::sync::Mutex<std::collections::HashSet<DestinationKey>>,
 }
 
 /// A destination's partition count as last learnt, and its turn for balanced sends.
@@ -194,12 +192,23 @@ struct Placement {
     /// before the next.
     stale: bool,
     next_balanced: u32,
+    /// The destination was reported as acknowledging without fsync: the warning is
+    /// logged once per destination, not at every ensure (a dead-letter topic is ensured
+    /// before each of its sends).
+    not_durable_warned: bool,
+}
+
+impl Placement {
+    fn new(partitions_count: u32, learnt_at: std::time::Instant) -> Placement {
+        Placement { partitions_count, learnt_at, stale: false, next_balanced: 0, not_durable_warned: false }
+    }
 }
 
 /// The most destinations whose [`Placement`] is kept: past it, those older than
 /// `connection_max_age` (or stale) are dropped, and if that leaves too many, all (each
 /// is asked again at its next send: a cache, never the only copy of anything; a balanced
-/// turn dropped starts again at partition 0, once). The whole daemon's destinations
+/// turn dropped starts again at partition 0, once, and a topic without fsync is reported
+/// again). The whole daemon's destinations
 /// share it: past this many sent to within one `connection_max_age`, the turns reset.
 pub const PLACEMENTS_MAX: usize = 100_000;
 
@@ -285,27 +294,27 @@ impl IggySink {
             connect_not_before: Arc::default(),
             replacing: Arc::default(),
             placements: std::sync::Mutex::default(),
-            not_durable_warned: std::sync::Mutex::default(),
         })
     }
 
     /// Whether `dest`'s warning of a topic without fsync is yet to be logged (then it is
     /// taken as logged).
-    fn first_not_durable_warning(&self, dest: &DestinationKey) -> bool {
-        let mut warned = self.not_durable_warned.lock().unwrap_or_else(|p| p.into_inner());
-        if warned.len() >= PLACEMENTS_MAX {
-            warned.clear();
-        }
-        warned.insert(dest.clone())
+    fn first_not_durable_warning(&self, dest: &DestinationKey, partitions_count: u32) -> bool {
+        self.with_placement(dest, partitions_count, |p| !std::mem::replace(&mut p.not_durable_warned, true))
     }
 
     fn placements(&self) -> std::sync::MutexGuard<'_, std::collections::HashMap<DestinationKey, Placement>> {
         self.placements.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// `dest` has `partitions_count` partitions, as the server just said; its balanced
-    /// turn goes on where it was.
-    fn learn_partitions(&self, dest: &DestinationKey, partitions_count: u32) {
+    /// `f` on `dest`'s placement, made with `partitions_count` when there is none. Past
+    /// [`PLACEMENTS_MAX`], a new one first drops those past their age or stale, then all.
+    fn with_placement<R>(
+        &self,
+        dest: &DestinationKey,
+        partitions_count: u32,
+        f: impl FnOnce(&mut Placement) -> R,
+    ) -> R {
         let now = std::time::Instant::now();
         let mut placements = self.placements();
         if placements.len() >= PLACEMENTS_MAX && !placements.contains_key(dest) {
@@ -315,15 +324,17 @@ impl IggySink {
                 placements.clear();
             }
         }
-        let p = placements.entry(dest.clone()).or_insert(Placement {
-            partitions_count,
-            learnt_at: now,
-            stale: false,
-            next_balanced: 0,
+        f(placements.entry(dest.clone()).or_insert_with(|| Placement::new(partitions_count, now)))
+    }
+
+    /// `dest` has `partitions_count` partitions, as the server just said; its balanced
+    /// turn goes on where it was.
+    fn learn_partitions(&self, dest: &DestinationKey, partitions_count: u32) {
+        self.with_placement(dest, partitions_count, |p| {
+            p.partitions_count = partitions_count;
+            p.learnt_at = std::time::Instant::now();
+            p.stale = false;
         });
-        p.partitions_count = partitions_count;
-        p.learnt_at = now;
-        p.stale = false;
     }
 
     /// The partition a send with `partitioning` to `dest` goes to, asked of the server
@@ -364,16 +375,11 @@ impl IggySink {
                 Err(_) => metrics::counter!("iggy_connector_partition_key_invalid_total").increment(1),
             }
         }
-        let mut placements = self.placements();
-        let p = placements.entry(dest.clone()).or_insert(Placement {
-            partitions_count: count,
-            learnt_at: std::time::Instant::now(),
-            stale: false,
-            next_balanced: 0,
-        });
-        let partition = p.next_balanced % count;
-        p.next_balanced = p.next_balanced.wrapping_add(1);
-        Ok(partition)
+        Ok(self.with_placement(dest, count, |p| {
+            let partition = p.next_balanced % count;
+            p.next_balanced = p.next_balanced.wrapping_add(1);
+            partition
+        }))
     }
 
     fn idle(&self) -> std::sync::MutexGuard<'_, Vec<Connection>> {
@@ -822,7 +828,7 @@ impl Sink for IggySink {
         let result = ensure_on(taken.client(), dest, &self.create_options()).await;
         let info = self.settle(taken, result)?;
         self.learn_partitions(dest, info.partitions_count);
-        if !info.durable && self.first_not_durable_warning(dest) {
+        if !info.durable && self.first_not_durable_warning(dest, info.partitions_count) {
             tracing::warn!(destination = %dest, "topic acknowledges without fsync: its acks may not survive a crash of the server");
         }
         Ok(info)
