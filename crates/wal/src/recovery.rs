@@ -529,6 +529,7 @@ fn finish(
                 poisoned: None,
                 unsynced_since: None,
                 successor_retry_at: None,
+                deletion_retry_at: None,
                 buf: Vec::new(),
                 removal_unsynced: false,
                 watermark,

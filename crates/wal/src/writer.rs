@@ -49,6 +49,11 @@
 //! - Segments are deleted oldest first, one directory sync each, and never past a
 //!   removal whose directory sync failed until a later one succeeds, so a crash during
 //!   or after a release leaves a contiguous run of segments.
+//! - A failed deletion of released segments is tried again every
+//!   [`DELETION_RETRY_INTERVAL`] until it succeeds, with no release asked: the releaser
+//!   asks again only when delivery moves on, and a segment freed by a rotation (its
+//!   records released while it was active) may be all that stands between a full log
+//!   and the appends that would move delivery on.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -73,6 +78,11 @@ use crate::{Appended, CLEAN_MARKER_FILE, Released};
 /// append arrives to try it (each append tries it too). Once a second: a retry is one
 /// small file created and synced, and a load balancer's health probe is rarely faster.
 pub(crate) const SUCCESSOR_RETRY_INTERVAL: Duration = Duration::from_secs(1);
+
+/// How often the writer tries again to delete released segments after a deletion
+/// failed. Once a second, as for a successor: a try is one `remove_file` and one
+/// directory sync, and until it succeeds the space may be what the door answers 503 for.
+pub(crate) const DELETION_RETRY_INTERVAL: Duration = Duration::from_secs(1);
 
 pub(crate) enum Command {
     Append {
@@ -122,6 +132,8 @@ pub(crate) struct Writer {
     /// Set while the active segment is sealed and creating its successor failed: when
     /// to try again with no append waiting.
     pub successor_retry_at: Option<Instant>,
+    /// Set while deleting released segments last failed: when to try again.
+    pub deletion_retry_at: Option<Instant>,
     pub buf: Vec<u8>,
     /// Set when a segment was removed but the directory sync after it failed: until a
     /// directory sync succeeds, that removal may be undone by a power loss, so no later
@@ -147,10 +159,11 @@ impl Writer {
             if self.successor_retry_at.is_some_and(|at| at <= now) {
                 self.retry_successor();
             }
-            let deadline = match (self.sync_deadline(), self.successor_retry_at) {
-                (Some(a), Some(b)) => Some(a.min(b)),
-                (a, b) => a.or(b),
-            };
+            if self.deletion_retry_at.is_some_and(|at| at <= now) {
+                self.retry_deletion();
+            }
+            let deadline =
+                [self.sync_deadline(), self.successor_retry_at, self.deletion_retry_at].into_iter().flatten().min();
             let first = match deadline {
                 None => match rx.recv() {
                     Ok(c) => c,
@@ -200,7 +213,26 @@ impl Writer {
         if self.rotate().is_ok()
             && let Err(e) = self.delete_released()
         {
-            tracing::warn!(error = %e, "could not delete a released segment after a rotation; the next release tries again");
+            tracing::warn!(error = %e, "could not delete a released segment after a rotation; trying again every second");
+        }
+    }
+
+    /// Deletes released segments again after a deletion failed.
+    fn retry_deletion(&mut self) {
+        self.deletion_retry_at = None;
+        if self.poisoned.is_some() {
+            return;
+        }
+        // A failure sets the next retry, in `delete_released`; the first was logged
+        // where it happened.
+        match self.delete_released() {
+            Ok(released) if released.segments_deleted > 0 => tracing::info!(
+                segments_deleted = released.segments_deleted,
+                bytes_freed = released.bytes_freed,
+                "deleted released log segments that an earlier try could not"
+            ),
+            Ok(_) => {}
+            Err(e) => tracing::debug!(error = %e, "could not delete a released segment yet"),
         }
     }
 
@@ -265,7 +297,7 @@ impl Writer {
             // asks again only when delivery moves on, and until then this append and the
             // next would be refused as `Full` with nothing undelivered in the log.
             if let Err(e) = self.delete_released() {
-                tracing::warn!(error = %e, "could not delete a released segment after a rotation; the next release tries again");
+                tracing::warn!(error = %e, "could not delete a released segment after a rotation; trying again every second");
             }
         }
         // Offsets are taken only now: a failed flush above gives back the offsets it held.
@@ -617,12 +649,16 @@ impl Writer {
 
     /// Deletes, oldest first, every segment below the log's start that is not the active
     /// one (whole segments only: one whose successor begins at or below the start). A
-    /// failure is counted as a storage error: space the log cannot free fills it.
+    /// failure is counted as a storage error (space the log cannot free fills it) and
+    /// sets a retry [`DELETION_RETRY_INTERVAL`] from now; a success clears it.
     fn delete_released(&mut self) -> Result<Released> {
         let used_before = self.shared.used_bytes.load(Ordering::Acquire);
         let deleted = self.try_delete_released();
         if deleted.is_err() {
             metrics::counter!("iggy_ingest_wal_storage_errors_total").increment(1);
+            self.deletion_retry_at = Some(Instant::now() + DELETION_RETRY_INTERVAL);
+        } else {
+            self.deletion_retry_at = None;
         }
         // Also after a removal that failed part of the way: what was removed before it
         // is gone, and the gauges say so.

@@ -169,3 +169,55 @@ fn a_segment_sealed_after_its_release_is_freed_without_another_release() {
     });
     assert_eq!(segment_files(&sim, &dir()), vec![segment_file_name(1)]);
 }
+
+/// Refuses the first removal of a segment file, as a file system can once (an I/O
+/// error, a permission changed and changed back).
+#[derive(Debug, Default)]
+struct FirstSegmentRemovalFails {
+    failed: std::sync::atomic::AtomicBool,
+}
+
+impl wal::storage::Hooks for FirstSegmentRemovalFails {
+    fn remove_file(&self, inner: &dyn wal::storage::Storage, path: &std::path::Path) -> std::io::Result<()> {
+        let segment = path.extension().is_some_and(|e| e == "seg");
+        if segment && !self.failed.swap(true, std::sync::atomic::Ordering::AcqRel) {
+            return Err(std::io::Error::other("removal refused once"));
+        }
+        inner.remove_file(path)
+    }
+}
+
+/// A released segment whose deletion failed after a rotation is deleted again by the
+/// writer, with no release asked: the releaser asks only when delivery moves on, and
+/// with the log full of released records nothing can be appended to move it on.
+#[test]
+fn a_released_segment_whose_deletion_failed_is_deleted_again_without_a_release() {
+    let sim = SimStorage::new();
+    let hooked =
+        wal::storage::HookedStorage::new(std::sync::Arc::new(sim.clone()), FirstSegmentRemovalFails::default());
+    let opts = WalOptions { segment_max_bytes: 4096, max_bytes: 8192, ..small_options() };
+    let wal =
+        wal::Wal::open_with(std::sync::Arc::new(hooked) as std::sync::Arc<dyn wal::storage::Storage>, &dir(), opts)
+            .expect("open");
+    rt().block_on(async {
+        let a = wal.append(vec![payload(0, 3000)]).await.unwrap();
+        let released = wal.release_below(a.last_offset + 1).await.unwrap();
+        assert_eq!(released.segments_deleted, 0, "the active segment is never deleted");
+        // The rotation seals the first segment and its deletion fails: no room.
+        match wal.append(vec![payload(1, 5068)]).await {
+            Err(WalError::Full { .. }) => {}
+            other => panic!("expected the log to be full while the released segment stays: {other:?}"),
+        }
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        loop {
+            match wal.append(vec![payload(1, 5068)]).await {
+                Ok(_) => break,
+                Err(WalError::Full { .. }) if std::time::Instant::now() < deadline => {
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                }
+                other => panic!("the released segment was never deleted: {other:?}"),
+            }
+        }
+    });
+    assert_eq!(segment_files(&sim, &dir()), vec![segment_file_name(1)]);
+}
