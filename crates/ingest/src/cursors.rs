@@ -116,7 +116,7 @@ pub enum CursorsSnapshot {
 /// Reads the stored cursors at `path` without writing anything: redb's read-only open,
 /// which takes a shared lock for the moment of the read and fails while a daemon holds
 /// the database. Refuses a schema version other than this build's (the cursor layout
-/// could differ).
+/// could differ), and a database with tables but no version, as the daemon does.
 pub fn read_cursors_read_only(path: &std::path::Path) -> Result<CursorsSnapshot, StateError> {
     use crate::state::SCHEMA_VERSION;
     if !path.exists() {
@@ -130,7 +130,15 @@ pub fn read_cursors_read_only(path: &std::path::Path) -> Result<CursorsSnapshot,
     let from_repaired_copy = db.is_repaired_copy();
     let txn = db.begin_read().map_err(storage_err)?;
     let schema_version = crate::state::schema_version_in(&txn)?;
-    if let Some(v) = schema_version
+    // A database with tables and no version is version 0, as the daemon's open takes it
+    // (`check_or_init_schema`); one with no table at all is a database not yet
+    // initialised, which holds no cursor.
+    let found = match schema_version {
+        Some(v) => Some(v),
+        None if txn.list_tables().map_err(storage_err)?.next().is_some() => Some(0),
+        None => None,
+    };
+    if let Some(v) = found
         && v != SCHEMA_VERSION
     {
         return Err(StateError::SchemaMismatch { path: path.to_path_buf(), found: v, expected: SCHEMA_VERSION });
@@ -201,6 +209,34 @@ mod tests {
             other => panic!("{other:?}"),
         }
         StateDb::open(&p).expect("the read-only look left the database free");
+    }
+
+    /// A database with tables and no schema version (a file of another program, or of a
+    /// build before versions) is refused by the read-only look as the daemon's open
+    /// refuses it: version 0. One with no table at all is read, and holds no cursor.
+    #[test]
+    fn a_read_only_look_refuses_a_database_with_tables_and_no_version() {
+        let dir = tempfile::tempdir().unwrap();
+        let (unversioned, empty) = (dir.path().join("unversioned.redb"), dir.path().join("empty.redb"));
+        {
+            let db = redb::Database::create(&unversioned).unwrap();
+            let txn = db.begin_write().unwrap();
+            txn.open_table(CURSORS).unwrap().insert(("a", "s", "t"), 10).unwrap();
+            txn.commit().unwrap();
+        }
+        match read_cursors_read_only(&unversioned) {
+            Err(StateError::SchemaMismatch { found: 0, .. }) => {}
+            other => panic!("a database with tables and no version was read: {other:?}"),
+        }
+        assert!(
+            matches!(StateDb::open(&unversioned), Err(StateError::SchemaMismatch { found: 0, .. })),
+            "the daemon's open must refuse it the same way"
+        );
+        drop(redb::Database::create(&empty).unwrap());
+        match read_cursors_read_only(&empty).unwrap() {
+            CursorsSnapshot::Read { schema_version: None, cursors, .. } => assert!(cursors.is_empty()),
+            other => panic!("{other:?}"),
+        }
     }
 
     /// A database not closed cleanly (its image while the daemon had it open, as a crash
