@@ -8,7 +8,8 @@
 //!   allowlisted), the whole request is refused, naming the NDJSON line, and no event
 //!   of it is kept.
 //! - Dropped events (`on_missing_destination = "drop"`) are only counted; the kept
-//!   events keep their request order.
+//!   events keep their request order and their place in the request
+//!   (`Event::request_index`, which a keyed event's message id is derived from).
 //! - Pure: nothing is counted or appended here; the door counts what this returns once
 //!   it knows the request's fate.
 
@@ -149,7 +150,9 @@ pub fn resolve(
         if let Some(m) = miss {
             out.key_misses.add(m);
         }
-        out.events.push(Event { destination: Destination { stream, topic, partitioning }, payload });
+        // Bounded far below `u32::MAX` by the source's event limit.
+        let request_index = u32::try_from(i).unwrap_or(u32::MAX);
+        out.events.push(Event { destination: Destination { stream, topic, partitioning }, payload, request_index });
     }
     Ok(out)
 }
@@ -242,6 +245,8 @@ mod tests {
         assert_eq!(topics(&r), ["t1/ta", "t2/tb"]);
         assert_eq!(&r.events[1].payload[..], br#"{"type":"b","tenant":"t2"}"#);
         assert_eq!((r.defaulted, r.dropped), (0, 1));
+        // Each kept event keeps its place in the request, which its message id follows.
+        assert_eq!(r.events.iter().map(|e| e.request_index).collect::<Vec<_>>(), [0, 2]);
         let e =
             resolve(&spec(OnMissing::Error, Admission::Open, fixed), &HeaderMap::new(), body, Some(&[1, 2, 4]), None)
                 .unwrap_err();

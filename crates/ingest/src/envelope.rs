@@ -369,12 +369,13 @@ impl Envelope {
     }
 }
 
-/// The message id for event `batch_index` of a delivery the sender named `key`, through
+/// The message id for event `request_index` of a delivery the sender named `key` (its
+/// place in the request, counted before routing dropped any), through
 /// `endpoint_id` (`None`: the source's named path): the first 128 bits of SHA-256 over a
 /// domain tag, the endpoint id (for an endpoint, under its own tag), the source key, the
 /// delivery key and the index. Stable across retries and restarts; a named-path id is
 /// what it was before ids were scoped by endpoint.
-pub fn message_id_for_delivery(source_key: &str, endpoint_id: Option<u128>, key: &str, batch_index: u32) -> u128 {
+pub fn message_id_for_delivery(source_key: &str, endpoint_id: Option<u128>, key: &str, request_index: u32) -> u128 {
     let mut h = Sha256::new();
     match endpoint_id {
         None => h.update(b"iggy-ingest/message-id/v1\0"),
@@ -387,7 +388,7 @@ pub fn message_id_for_delivery(source_key: &str, endpoint_id: Option<u128>, key:
     h.update([0]);
     h.update(key.as_bytes());
     h.update([0]);
-    h.update(batch_index.to_be_bytes());
+    h.update(request_index.to_be_bytes());
     let digest = h.finalize();
     let mut first = [0u8; 16];
     first.copy_from_slice(&digest[..16]);

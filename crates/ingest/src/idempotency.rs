@@ -1235,6 +1235,7 @@ mod tests {
                     partitioning: Partitioning::Balanced,
                 },
                 payload: bytes::Bytes::from_static(b"{}"),
+                request_index: 0,
             }],
             received_at_unix_ms: now,
         }

@@ -48,6 +48,10 @@ use crate::state::StateError;
 pub struct Event {
     pub destination: Destination,
     pub payload: Bytes,
+    /// Its place among the request's events (0-based) before routing dropped any: with
+    /// the delivery id, what its message id is derived from, so that a retry numbers
+    /// each event as the first try did, whatever a changed mapping drops or keeps.
+    pub request_index: u32,
 }
 
 /// One request's worth of events, decoded, authenticated and routed.
@@ -482,7 +486,7 @@ impl Ingestor {
         for (i, event) in s.events.iter().enumerate() {
             let batch_index = i as u32;
             let message_id = match &s.delivery_key {
-                Some(k) => message_id_for_delivery(&s.source_key, s.endpoint_id, k, batch_index),
+                Some(k) => message_id_for_delivery(&s.source_key, s.endpoint_id, k, event.request_index),
                 None => random_message_id(),
             };
             let header = s.header_ref(event, message_id, batch_index, batch_len);
@@ -551,6 +555,7 @@ mod tests {
                         partitioning: Partitioning::Balanced,
                     },
                     payload: Bytes::copy_from_slice(e.as_bytes()),
+                    request_index: i as u32,
                 })
                 .collect(),
             received_at_unix_ms: crate::time::now_unix_ms(),
@@ -741,6 +746,41 @@ mod tests {
         assert_eq!(&e1.payload[..], b"{\"n\":2}");
         assert_eq!(e1.header.destination.topic, "events-1", "each event keeps its own destination");
         assert_eq!((e1.header.batch_index, e1.header.batch_len), (1, 2));
+    }
+
+    /// A keyed event's message id follows its place in the request, not in the batch:
+    /// with an event dropped by routing, the batch's second event is the request's third,
+    /// and a retry under a mapping that keeps the dropped one gives every event the id its
+    /// first try gave it (a consumer deduplicating on ids keeps each event once).
+    #[tokio::test]
+    async fn a_keyed_events_message_id_follows_its_place_in_the_request() {
+        let dir = tempfile::tempdir().unwrap();
+        let (wal, ing) = open(dir.path());
+        let mut first_try = submission(Some("d"), &["a", "b", "c"]);
+        first_try.events.remove(1);
+        ing.accept(first_try).await.unwrap();
+        let records: Vec<_> = wal::inspect::Records::new(&wal, 0).unwrap().map(|r| r.unwrap()).collect();
+        let ids = |records: &[wal::Record]| -> Vec<(Vec<u8>, u128, u32)> {
+            records
+                .iter()
+                .map(|r| {
+                    let e = Envelope::decode(&r.payload).unwrap();
+                    (e.payload.to_vec(), e.header.message_id, e.header.batch_index)
+                })
+                .collect()
+        };
+        let id = |i| message_id_for_delivery("default", None, "d", i);
+        assert_eq!(ids(&records), vec![(b"a".to_vec(), id(0), 0), (b"c".to_vec(), id(2), 1)]);
+        // The same delivery whole (its key lost, as after `state reset`): on a new log,
+        // each event takes the id its place gives it, the kept ones as before.
+        let dir = tempfile::tempdir().unwrap();
+        let (wal, ing) = open(dir.path());
+        ing.accept(submission(Some("d"), &["a", "b", "c"])).await.unwrap();
+        let records: Vec<_> = wal::inspect::Records::new(&wal, 0).unwrap().map(|r| r.unwrap()).collect();
+        assert_eq!(
+            ids(&records),
+            vec![(b"a".to_vec(), id(0), 0), (b"b".to_vec(), id(1), 1), (b"c".to_vec(), id(2), 2)]
+        );
     }
 
     #[tokio::test]

@@ -22,6 +22,7 @@ fn submission(delivery_key: Option<&str>, now: u64) -> Submission {
         events: vec![Event {
             destination: Destination { stream: "a".into(), topic: "b".into(), partitioning: Partitioning::Balanced },
             payload: Bytes::from_static(b"{}"),
+            request_index: 0,
         }],
         received_at_unix_ms: now,
     }

@@ -121,6 +121,7 @@ fn submission(delivery_key: Option<&str>, payload: String, now: u64) -> Submissi
         events: vec![Event {
             destination: Destination { stream: "a".into(), topic: "b".into(), partitioning: Partitioning::Balanced },
             payload: Bytes::from(payload),
+            request_index: 0,
         }],
         received_at_unix_ms: now,
     }
