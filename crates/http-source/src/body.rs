@@ -48,8 +48,9 @@ pub struct Decoded {
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum BodyError {
-    #[error("content type {0:?} is not accepted by this source (it accepts JSON or NDJSON)")]
-    UnsupportedMediaType(String),
+    /// The media type sent, `None` when the request had no `Content-Type`.
+    #[error("{}", unsupported_media_type(.0.as_deref()))]
+    UnsupportedMediaType(Option<String>),
     #[error("body is not valid JSON: {0}")]
     InvalidJson(String),
     #[error("line {line}: not valid JSON: {detail}")]
@@ -107,6 +108,15 @@ pub fn events_at_most(content_type: Option<&str>, body: &[u8], max_events: usize
 /// The default of `http.max_events_per_request`: a 1 MiB NDJSON body of 100-byte events.
 pub const MAX_EVENTS_PER_REQUEST_DEFAULT: usize = 10_000;
 
+/// The message of a 415: the type sent, or that none was.
+fn unsupported_media_type(sent: Option<&str>) -> String {
+    const ACCEPTS: &str = "it accepts JSON or NDJSON: application/json, application/x-ndjson";
+    match sent {
+        Some(t) => format!("content type {t:?} is not accepted by this source ({ACCEPTS})"),
+        None => format!("the request has no Content-Type header, and this source needs one ({ACCEPTS})"),
+    }
+}
+
 /// Splits and checks a body, with at most [`MAX_EVENTS_PER_REQUEST_DEFAULT`] events.
 /// `content_type` is the request's `Content-Type`, if any.
 pub fn decode(content_type: Option<&str>, body: Bytes, accept: Accept) -> Result<Decoded, BodyError> {
@@ -126,7 +136,7 @@ pub fn decode_with(
     // The media type first, as the documented order of checks has it: a source that
     // takes only JSON answers 415 to another type, empty or not.
     if accept == Accept::Json && !ess.as_deref().is_some_and(|e| is_ndjson(e) || is_json(e)) {
-        return Err(BodyError::UnsupportedMediaType(ess.map(Cow::into_owned).unwrap_or_default()));
+        return Err(BodyError::UnsupportedMediaType(ess.map(Cow::into_owned)));
     }
     // Iggy stores no empty message: an empty body would be accepted and never delivered.
     if body.is_empty() {
@@ -243,7 +253,7 @@ mod tests {
         // The refusal names the type as the sender wrote it, lower-cased.
         assert_eq!(
             decode(Some("Text/Plain; charset=utf-8"), Bytes::from_static(b"x"), Accept::Json),
-            Err(BodyError::UnsupportedMediaType("text/plain".into()))
+            Err(BodyError::UnsupportedMediaType(Some("text/plain".into())))
         );
         assert!(matches!(essence("text/plain"), Cow::Borrowed("text/plain")));
     }
@@ -353,8 +363,10 @@ mod tests {
     fn a_json_source_refuses_another_media_type_before_looking_at_the_body() {
         for body in [Bytes::new(), Bytes::from_static(b"x")] {
             let e = decode(Some("text/plain"), body.clone(), Accept::Json).unwrap_err();
-            assert!(matches!(e, BodyError::UnsupportedMediaType(ref t) if t == "text/plain"), "{e:?}");
-            assert!(matches!(decode(None, body, Accept::Json), Err(BodyError::UnsupportedMediaType(_))));
+            assert!(matches!(e, BodyError::UnsupportedMediaType(Some(ref t)) if t == "text/plain"), "{e:?}");
+            let e = decode(None, body, Accept::Json).unwrap_err();
+            assert!(matches!(e, BodyError::UnsupportedMediaType(None)), "{e:?}");
+            assert!(e.to_string().contains("no Content-Type header"), "{e}");
         }
         assert!(matches!(decode(Some("application/json"), Bytes::new(), Accept::Json), Err(BodyError::NoEvents)));
     }
@@ -400,7 +412,7 @@ mod tests {
     fn json_only_sources_refuse_other_media_types_and_bad_json() {
         assert!(matches!(
             decode(Some("text/plain"), Bytes::from_static(b"{}"), Accept::Json),
-            Err(BodyError::UnsupportedMediaType(t)) if t == "text/plain"
+            Err(BodyError::UnsupportedMediaType(Some(t))) if t == "text/plain"
         ));
         assert!(matches!(
             decode(None, Bytes::from_static(b"{}"), Accept::Json),

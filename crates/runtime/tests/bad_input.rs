@@ -279,7 +279,7 @@ async fn bad_input_malformed_bodies_and_content_types_get_400_or_415_and_append_
             "http.max_events_per_request",
         ),
         ("/v1/sources/jsononly", Some("text/plain"), b"{}".to_vec(), 415, "unsupported_media_type", "text/plain"),
-        ("/v1/sources/jsononly", None, b"{}".to_vec(), 415, "unsupported_media_type", ""),
+        ("/v1/sources/jsononly", None, b"{}".to_vec(), 415, "unsupported_media_type", "no Content-Type header"),
         ("/v1/sources/jsononly", Some("application/jsonx"), b"{}".to_vec(), 415, "unsupported_media_type", ""),
         ("/v1/sources/jsononly", Some("json"), b"{}".to_vec(), 415, "unsupported_media_type", ""),
         (
