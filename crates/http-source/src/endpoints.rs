@@ -699,9 +699,24 @@ impl EndpointRegistry {
         secret: Option<String>,
         now_unix_ms: u64,
     ) -> Result<EndpointRecord, EndpointError> {
+        // Refused before the endpoint's requests are held off: a rotation that can only
+        // be refused (a static endpoint, one with no secret) never holds its traffic
+        // while it waits for the change lock. Checked again under both.
+        self.rotatable(id, secret.as_deref(), now_unix_ms)?;
         let mut held = self.hold_off_requests(id).await?;
         let _serial = self.changes.lock().await;
-        let mut record = self.dynamic_record(id)?;
+        let mut record = self.rotatable(id, secret.as_deref(), now_unix_ms)?;
+        record.auth.secret = Some(secret.unwrap_or_else(|| generate_secret(&record.auth.scheme)));
+        record.rotated_at_unix_ms = Some(now_unix_ms);
+        let scheme = scheme_from_stored(&record.auth).map_err(EndpointError::InvalidAuth)?;
+        self.commit(record.clone()).await?;
+        self.install_held(&mut held, endpoint_from_record(record.clone(), scheme));
+        Ok(record)
+    }
+
+    /// The stored record of `id` if a rotation to `secret` may be made now, else why not.
+    fn rotatable(&self, id: u128, secret: Option<&str>, now_unix_ms: u64) -> Result<EndpointRecord, EndpointError> {
+        let record = self.dynamic_record(id)?;
         if let Some(why) = self.current(id).and_then(|v| v.endpoint.unusable.clone()) {
             return Err(EndpointError::Unusable(format_id(id), why));
         }
@@ -713,16 +728,13 @@ impl EndpointRegistry {
         if record.expires_at_unix_ms.is_some_and(|t| t <= now_unix_ms) {
             return Err(EndpointError::Expired(format_id(id)));
         }
-        check_new_secret(&record.auth.scheme, secret.as_deref())?;
-        record.auth.secret = Some(secret.unwrap_or_else(|| generate_secret(&record.auth.scheme)));
-        record.rotated_at_unix_ms = Some(now_unix_ms);
-        let scheme = scheme_from_stored(&record.auth).map_err(EndpointError::InvalidAuth)?;
-        self.commit(record.clone()).await?;
-        self.install_held(&mut held, endpoint_from_record(record.clone(), scheme));
+        check_new_secret(&record.auth.scheme, secret)?;
         Ok(record)
     }
 
     async fn revoke_now(&self, id: u128, now_unix_ms: u64) -> Result<EndpointRecord, EndpointError> {
+        // Refused before the endpoint's requests are held off, as a rotation is.
+        self.dynamic_record(id)?;
         let mut held = self.hold_off_requests(id).await?;
         let _serial = self.changes.lock().await;
         let mut record = self.dynamic_record(id)?;
@@ -989,6 +1001,29 @@ mod tests {
             EndpointRegistry::load(state, vec!["default".into()], vec![same_id]),
             Err(LoadError::RevokedStatic(_))
         ));
+    }
+
+    /// A rotation or revocation that can only be refused (a static endpoint) is refused
+    /// at once, without holding off the endpoint's requests: while a request holds its
+    /// permit, the change would wait for it, and every request after it would wait
+    /// behind the change.
+    #[tokio::test]
+    async fn a_change_that_can_only_be_refused_does_not_wait_for_the_endpoints_requests() {
+        let dir = tempfile::tempdir().unwrap();
+        let state = Arc::new(StateDb::open(dir.path().join("s.redb")).unwrap());
+        let id = 0x51u128;
+        let reg = Arc::new(EndpointRegistry::load(state, vec!["default".into()], vec![static_endpoint(id)]).unwrap());
+        let seen = reg.lookup(id, 1).unwrap();
+        let (_, permit) = reg.recheck(&seen, 1).await.unwrap();
+        let soon = std::time::Duration::from_secs(2);
+        let rotated = tokio::time::timeout(soon, reg.rotate(id, None, 1)).await;
+        assert!(matches!(rotated, Ok(Err(EndpointError::Static(_)))), "{rotated:?}");
+        let revoked = tokio::time::timeout(soon, reg.revoke(id, 1)).await;
+        assert!(matches!(revoked, Ok(Err(EndpointError::Static(_)))), "{revoked:?}");
+        // A later request of the endpoint is taken at once too.
+        let next = tokio::time::timeout(soon, reg.recheck(&seen, 1)).await;
+        assert!(next.is_ok_and(|r| r.is_ok()), "a request waited behind a refused change");
+        drop(permit);
     }
 
     /// A static endpoint given the id of a live dynamic one takes it over for good: the
