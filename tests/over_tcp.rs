@@ -487,6 +487,53 @@ async fn a_server_gone_silent_after_answering_early_in_a_sends_wait_is_not_the_d
     router.shutdown().await;
 }
 
+/// The server stops answering writes (it still answers pings) while two destinations'
+/// sends wait, shortly after it acknowledged a third destination's send: their timeouts
+/// are the server's, and at most the first of them is counted by its breaker. A write
+/// answered early in their wait says nothing of the server at its end; judged by any
+/// write answered since a send began, both were counted, and each breaker opened.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_answered_early_in_a_sends_wait_does_not_make_a_stall_every_destinations_fault() {
+    let broker = TestBroker::start(TestBrokerConfig::default()).await.unwrap();
+    let mut p = policy();
+    // The last quarter of the waits begins at 4.5 s: b's acknowledgement comes well before.
+    p.batch.result_timeout = Duration::from_secs(6);
+    p.breaker.failure_threshold = 1;
+    p.breaker.cool_down = Duration::from_secs(60);
+    let (wal, router) = start_warm_with(&broker, "x", "b", p).await;
+    for topic in ["a", "c"] {
+        wal.append(vec![record("x", topic, 0, Partitioning::Balanced)]).await.unwrap();
+    }
+    eventually(Duration::from_secs(20), "a and c warm", || async {
+        ids(&broker, "x", "a").len() == 1 && ids(&broker, "x", "c").len() == 1
+    })
+    .await;
+    broker.black_hole_topic("x", "a", true);
+    broker.black_hole_topic("x", "c", true);
+    let lane = |topic: &str| router.destinations().into_iter().find(|d| d.destination.topic == topic);
+    let waits_began = std::time::Instant::now();
+    wal.append(vec![record("x", "a", 1, Partitioning::Balanced), record("x", "c", 2, Partitioning::Balanced)])
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    wal.append(vec![record("x", "b", 3, Partitioning::Balanced)]).await.unwrap();
+    eventually(Duration::from_secs(3), "b's acknowledged", || async { ids(&broker, "x", "b").len() == 2 }).await;
+    assert!(waits_began.elapsed() < Duration::from_secs(4), "b answered too late in the waits to tell anything");
+    // Then the server writes nothing, anywhere.
+    broker.black_hole_topic("x", "b", true);
+    eventually(Duration::from_secs(20), "a's and c's sends cut short", || async {
+        lane("a").is_some_and(|d| d.last_error.is_some()) && lane("c").is_some_and(|d| d.last_error.is_some())
+    })
+    .await;
+    let open: Vec<String> =
+        ["a", "c"].into_iter().filter(|t| lane(t).is_some_and(|d| d.breaker == "open")).map(str::to_string).collect();
+    assert!(open.len() <= 1, "a stall of every write opened the breakers of {open:?}");
+    for topic in ["a", "b", "c"] {
+        broker.black_hole_topic("x", topic, false);
+    }
+    router.shutdown().await;
+}
+
 /// A topic that never answers opens its breaker even where a new connection takes long
 /// (here every reply is 150 ms late, so a connect, with its sign-in and pings, takes more
 /// than the 250 ms after which a call does not go out on the connection it waited for).

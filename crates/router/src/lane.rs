@@ -1821,6 +1821,12 @@ fn send_partitioning(r: &Routed) -> Partitioning {
 /// timeout). Earlier, a ping is asked instead.
 const ANSWERED_RECENTLY_SHARE: u32 = 4;
 
+/// Where the last part of a wait of `timeout` begun at `started` begins: an answer at or
+/// after it shows the server answering at the wait's end ([`ANSWERED_RECENTLY_SHARE`]).
+fn answered_recently_from(started: std::time::Instant, timeout: Duration) -> std::time::Instant {
+    started + (timeout - timeout / ANSWERED_RECENTLY_SHARE)
+}
+
 async fn bounded<S: Sink, T>(
     sink: &S,
     timeout: Duration,
@@ -1833,9 +1839,7 @@ async fn bounded<S: Sink, T>(
             Err(SendError::new(SendErrorKind::Unavailable, "not connected within the result timeout"))
         }
         Err(_) => {
-            let recently = std::time::Instant::now()
-                .checked_sub(timeout / ANSWERED_RECENTLY_SHARE)
-                .map_or(started, |t| t.max(started));
+            let recently = answered_recently_from(started, timeout);
             let answers = sink.answered_since(recently)
                 || tokio::time::timeout(timeout, sink.server_answers()).await.unwrap_or(false);
             if answers {
@@ -1850,7 +1854,8 @@ async fn bounded<S: Sink, T>(
 /// A call that writes to `dest` (a send, or an ensure that may create the topic), cut
 /// short after `timeout`, as [`bounded`] but telling a server that stalls every write
 /// from a silent destination ([`crate::write_watch`]): a call cut short while no write
-/// was answered since it began, and another destination's went unanswered during it, is
+/// was answered in the last part of its wait (or since), and another destination's went
+/// unanswered meanwhile, is
 /// the server's (`Unavailable`, no breaker counts it), even though the server still
 /// answers pings. Only an acknowledged send (`ok_is_write`) is noted as a write
 /// answered: a refusal may come from the client itself (a name it cannot encode) or from
@@ -1866,7 +1871,10 @@ async fn bounded_write<S: Sink, C, T>(
     let result = bounded(&*ctx.sink, timeout, call).await;
     match &result {
         Ok(_) if ok_is_write => ctx.writes.answered(),
-        Err(e) if e.kind == SendErrorKind::Timeout && ctx.writes.unanswered(dest, started) => {
+        Err(e)
+            if e.kind == SendErrorKind::Timeout
+                && ctx.writes.unanswered(dest, answered_recently_from(started, timeout)) =>
+        {
             return Err(SendError::new(
                 SendErrorKind::Unavailable,
                 "the server answered no write within the result timeout, to this destination or another",

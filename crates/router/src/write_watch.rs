@@ -9,8 +9,12 @@
 //!   topic read or a successful ensure (which may only have read) is not a write; nor is
 //!   a refusal, which the client may make itself (a name it cannot encode) and a server
 //!   that writes nothing may still give (it validates before it replicates).
-//! - A send cut short while some write was answered since it began is its destination's
-//!   (the server writes, only not there): its breaker counts it.
+//! - A send cut short while some write was answered in the last part of its wait (the
+//!   last quarter, as the lane's `bounded` judges any answer) or since is its
+//!   destination's (the server writes, only not there): its breaker counts it. A write
+//!   answered earlier in its wait says nothing of a server that stopped writing since:
+//!   judged by it, every send waiting when the stall began was counted, one breaker
+//!   each.
 //! - Once sends to two different destinations were cut short with no write answered
 //!   in between, the server is taken to stall its writes, until a write is answered:
 //!   meanwhile a send cut short with no write answered since it began is the server's,
@@ -62,13 +66,15 @@ impl WriteWatch {
         self.state().last_answered.is_some_and(|t| t >= since)
     }
 
-    /// A send to `dest`, begun at `started`, was cut short by its result timeout.
+    /// A send to `dest` was cut short by its result timeout; a write answered at or
+    /// after `recently` (the last part of its wait) shows the server writing at its end.
     /// Returns true if the server is taken to stall its writes (see the module doc): the
     /// timeout is then not the destination's.
-    pub(crate) fn unanswered(&self, dest: &DestinationKey, started: Instant) -> bool {
+    pub(crate) fn unanswered(&self, dest: &DestinationKey, recently: Instant) -> bool {
         let mut s = self.state();
-        if s.last_answered.is_some_and(|t| t >= started) {
-            // The server wrote while this send waited: the silence is its destination's.
+        if s.last_answered.is_some_and(|t| t >= recently) {
+            // The server wrote at the end of this send's wait: the silence is its
+            // destination's.
             return false;
         }
         if s.last_unanswered.as_ref().is_some_and(|(_, other)| other != dest) {
@@ -106,6 +112,13 @@ mod tests {
         watch.answered();
         assert!(watch.answered_since(started));
         assert!(!watch.unanswered(&b, started), "the server wrote meanwhile");
+        // A write answered before the last part of a send's wait is not counted.
+        let watch = WriteWatch::default();
+        watch.answered();
+        std::thread::sleep(std::time::Duration::from_millis(2));
+        let recently = Instant::now();
+        assert!(!watch.unanswered(&a, recently), "one destination alone is not told apart");
+        assert!(watch.unanswered(&b, recently), "an early write ended no stall");
         // An answer between two timeouts of different destinations: not a stall.
         let watch = WriteWatch::default();
         assert!(!watch.unanswered(&a, Instant::now()));
