@@ -325,6 +325,13 @@ impl Gate {
         self.unstored_from = (self.acked_below > stored).then_some(stored);
     }
 
+    /// Payload bytes this lane holds, and the receive time of its oldest held record when
+    /// known: what the releaser sums into the held gauges each round, read under the
+    /// lock it takes anyway (a [`Lane::snapshot`] would clone every name and status).
+    pub(crate) fn held(&self) -> (u64, Option<u64>) {
+        (self.held_bytes, self.oldest_held_ms)
+    }
+
     /// The lowest offset of a record this lane has not delivered, if it holds any.
     pub(crate) fn low_water(&self) -> Option<u64> {
         [self.unstored_from, self.in_flight_first, self.queue.front().map(|r| r.offset), self.overflow_from]
@@ -818,7 +825,7 @@ impl Lane {
     }
 }
 
-fn ingest_time_ms() -> u64 {
+pub(crate) fn ingest_time_ms() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
 }
 

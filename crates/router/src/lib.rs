@@ -839,20 +839,20 @@ async fn release_loop<C: CursorStore>(
             l.values().cloned().collect()
         };
         let mut held_bytes = 0u64;
-        let mut oldest_ms: Option<u64> = None;
+        let mut oldest_held_at_ms: Option<u64> = None;
         for lane in &snapshot {
             let g = lane.gate();
             if let Some(lw) = g.low_water() {
                 low = low.min(lw);
             }
-            drop(g);
-            let s = lane.snapshot();
-            held_bytes += s.held_bytes;
-            oldest_ms = oldest_ms.max(s.oldest_held_age_ms);
+            let (bytes, oldest) = g.held();
+            held_bytes += bytes;
+            oldest_held_at_ms = [oldest_held_at_ms, oldest].into_iter().flatten().min();
         }
+        let oldest_ms = oldest_held_at_ms.map_or(0, |t| lane::ingest_time_ms().saturating_sub(t));
         metrics::gauge!("iggy_connector_held_bytes").set(held_bytes as f64);
         metrics::gauge!("iggy_connector_queued_bytes").set(queue_budget.queued_bytes() as f64);
-        metrics::gauge!("iggy_connector_oldest_held_age_seconds").set(oldest_ms.unwrap_or(0) as f64 / 1000.0);
+        metrics::gauge!("iggy_connector_oldest_held_age_seconds").set(oldest_ms as f64 / 1000.0);
         // Nor past what the cursor store's owner still needs of the log (the daemon: a
         // record whose delivery id is not yet durably checkpointed).
         dispatcher::log_cap_drops_left_out();
