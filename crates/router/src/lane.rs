@@ -3,7 +3,10 @@
 //! The dispatcher hands a lane its records through the lane's gate (a bounded queue).
 //! When the queue is full the lane *overflows*: the dispatcher stops queueing (it only
 //! notes the offsets it skipped) and the lane re-reads its records from the log itself,
-//! from where the overflow began, until it has caught up; then queueing resumes. So a
+//! from where the overflow began, until a read reaches what the dispatcher had routed
+//! with nothing skipped past it; then queueing resumes, the batch that read took sent
+//! before anything queued (a destination that keeps receiving need not fall silent for
+//! its lane to hand back). So a
 //! destination that is down for hours holds its records in the log, never in memory.
 //!
 //! Invariants:
@@ -1301,42 +1304,47 @@ where
         }
     }
     let pos = reader.position();
-    let handed_back = {
+    let (caught_up, handed_back) = {
         let mut g = lane.gate();
-        if batch.is_empty() && pos >= limit {
-            // Caught up with the dispatcher: hand back to queueing if nothing it skipped
-            // lies at or beyond our read position.
-            if g.last_skipped.is_none_or(|s| s < pos) {
-                g.overflow_from = None;
-                g.last_skipped = None;
-                Some(true)
-            } else {
-                // Nothing of this lane's below `pos`: the next read starts there (with
-                // this reader), not again at `from`.
-                g.overflow_from = Some(pos);
-                Some(false)
-            }
+        // Caught up with the dispatcher: the read reached what it had routed, and nothing
+        // it skipped for this lane since lies at or beyond the read position. The lane
+        // queues again from here, with or without a batch read: under the gate's lock the
+        // dispatcher's next offer of this lane's records (all at or past `pos`) is queued,
+        // and the batch (below `pos`) is sent before anything queued. Waiting for a read
+        // that finds nothing instead kept a lane whose destination receives a record per
+        // send re-reading the log for as long as that traffic lasted, every other
+        // destination's records summarised again on each read.
+        let caught_up = pos >= limit && g.last_skipped.is_none_or(|s| s < pos);
+        if caught_up {
+            g.overflow_from = None;
+            g.last_skipped = None;
         } else {
+            // Nothing of this lane's below `pos`: the next read starts there (with this
+            // reader), not again at `from`.
             g.overflow_from = Some(pos);
+        }
+        if batch.is_empty() && pos >= limit {
+            (caught_up, true)
+        } else {
             g.in_flight_first = batch.first().map(|r| r.offset);
             // Re-read from the log, this batch's first record is the oldest held.
             if let Some(first) = batch.first() {
                 g.oldest_held_ms = Some(first.envelope.header.received_at_unix_ms);
             }
-            None
+            (caught_up, false)
         }
     };
-    match handed_back {
-        Some(true) => {
-            *catchup = None;
-            Ok(None)
-        }
-        Some(false) => {
+    if caught_up {
+        *catchup = None;
+    }
+    match (handed_back, caught_up) {
+        (true, true) => Ok(None),
+        (true, false) => {
             // The dispatcher is ahead of `limit` by now; read on.
             tokio::task::yield_now().await;
             Ok(None)
         }
-        None => Ok(Some(batch)),
+        (false, _) => Ok(Some(batch)),
     }
 }
 

@@ -160,6 +160,47 @@ async fn a_degraded_lane_gives_its_queue_back_to_the_log() {
     router.shutdown().await;
 }
 
+/// A lane that re-reads the log (here after it was Degraded) queues again once its
+/// re-read caught up with the dispatcher, while its destination goes on receiving: its
+/// traffic need not stop first. Waiting for a re-read that found nothing, a lane whose
+/// sends take longer than its records take to come kept re-reading the log (and
+/// summarising every other destination's records again) for as long as they came.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lane_re_reading_the_log_queues_again_under_steady_traffic() {
+    let sim = SimStorage::new();
+    let wal = open_wal(&sim);
+    let sink = FaultySink::new();
+    let d = key("s", "busy");
+    sink.fault(&d, Some(Fault::Fail(SendErrorKind::Destination)));
+    let mut policy = fast_policy();
+    policy.breaker.failure_threshold = 100;
+    let router = start_router(&wal, &sink, policy);
+    let lane = || router.destinations().into_iter().find(|l| l.destination == d);
+    let mut want = fill(&wal, std::slice::from_ref(&d), 0, 50).await.remove(&d).unwrap();
+    eventually(Duration::from_secs(10), "degraded", || lane().is_some_and(|l| l.status == Status::Degraded)).await;
+    // Records that come while it is Degraded are left in the log, re-read once it sends.
+    want.extend(fill(&wal, std::slice::from_ref(&d), 50, 50).await.remove(&d).unwrap());
+    eventually(Duration::from_secs(10), "re-reading the log", || lane().is_some_and(|l| l.overflowed)).await;
+    // It answers again, each send taking longer than the records take to come.
+    sink.fault(&d, Some(Fault::Slow(Duration::from_millis(20))));
+    let mut next = 100u64;
+    let mut queueing_again_at = None;
+    let until = tokio::time::Instant::now() + Duration::from_secs(8);
+    while tokio::time::Instant::now() < until {
+        want.extend(fill(&wal, std::slice::from_ref(&d), next, 1).await.remove(&d).unwrap());
+        next += 1;
+        if queueing_again_at.is_none() && lane().is_some_and(|l| !l.overflowed && l.status != Status::Degraded) {
+            queueing_again_at = Some(next);
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let at = queueing_again_at;
+    assert!(at.is_some(), "the lane never queued again while records came ({next} appended): {:?}", lane());
+    eventually(Duration::from_secs(30), "delivered", || sink.ids(&d).len() >= want.len()).await;
+    assert_eq!(sink.ids(&d), want, "lost, reordered or duplicated records");
+    router.shutdown().await;
+}
+
 /// What all lanes of a router keep queued is bounded as a whole (`queues_max_bytes`),
 /// not only lane by lane: with twenty destinations whose sends are in flight, each
 /// lane's own 32 KiB would let them queue twenty times the router's 32 KiB (every
