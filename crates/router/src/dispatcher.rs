@@ -144,16 +144,29 @@ impl<S: Sink, C: CursorStore> Dispatcher<S, C> {
         // lanes still deliver, and the log stays held, until they end: `Router::shutdown`
         // lets the hold go, the gauge with it, once every task has, so that the gauge and
         // `held_from` in the status never disagree. Aborted (the router dropped without a
-        // stop) or ended by a closed log, nothing is held by it. A panic leaves both as
+        // stop), nothing is held by it. Ended by a closed log, or by a panic, both stay as
         // they were: the router is in Error and the log held until a restart.
         let held = crate::OnDrop(crate::clear_admission_held);
-        self.read_and_route(from, &mut shutdown).await;
-        if *shutdown.borrow() {
+        let log_closed = self.read_and_route(from, &mut shutdown).await;
+        if *shutdown.borrow() || log_closed {
             std::mem::forget(held);
+        }
+        if log_closed && !*shutdown.borrow() {
+            // The log's writer stopped (a panic of its thread, or a close the router was
+            // not told of): nothing more is routed, which the status says instead of
+            // Running.
+            tracing::error!(
+                "the router's dispatcher stopped: the log is closed; nothing more is delivered until a restart"
+            );
+            self.ctx
+                .router_status
+                .dispatcher_failed("the log is closed (its writer stopped); nothing more is read until a restart");
         }
     }
 
-    async fn read_and_route(&mut self, from: u64, shutdown: &mut watch::Receiver<bool>) {
+    /// Reads and routes from `from` until the router stops or the log is closed; `true`
+    /// for a closed log.
+    async fn read_and_route(&mut self, from: u64, shutdown: &mut watch::Receiver<bool>) -> bool {
         let retry_after = self.policies.default.batch.backoff_max;
         // Set after a failure: the next read does not wait for new records, so that a log
         // that reads again is known to (and the router's Error left) at once.
@@ -161,11 +174,11 @@ impl<S: Sink, C: CursorStore> Dispatcher<S, C> {
         let mut reader = loop {
             match self.wal.reader(from) {
                 Ok(r) => break r,
-                Err(wal::WalError::Closed) => return,
+                Err(wal::WalError::Closed) => return true,
                 Err(e) => {
                     failing = true;
                     if self.failed_to_read(&e, retry_after, shutdown).await {
-                        return;
+                        return false;
                     }
                 }
             }
@@ -179,7 +192,7 @@ impl<S: Sink, C: CursorStore> Dispatcher<S, C> {
             } else {
                 tokio::select! {
                     r = reader.read(max_records, max_bytes) => r,
-                    _ = shutdown.changed() => return,
+                    _ = shutdown.changed() => return false,
                 }
             };
             let batch = match batch {
@@ -190,11 +203,11 @@ impl<S: Sink, C: CursorStore> Dispatcher<S, C> {
                     }
                     b
                 }
-                Err(wal::WalError::Closed) => return,
+                Err(wal::WalError::Closed) => return true,
                 Err(e) => {
                     failing = true;
                     if self.failed_to_read(&e, retry_after, shutdown).await {
-                        return;
+                        return false;
                     }
                     match self.wal.reader(reader.position()) {
                         Ok(r) => reader = r,
@@ -206,7 +219,7 @@ impl<S: Sink, C: CursorStore> Dispatcher<S, C> {
             for rec in batch {
                 let offset = rec.offset;
                 if let Routing::Stopped = self.route(rec, shutdown).await {
-                    return;
+                    return false;
                 }
                 self.ctx.processed_below.store(offset + 1, Ordering::Release);
             }

@@ -666,6 +666,38 @@ fn a_record_held_by_admission_shows_in_its_gauge_and_the_status() {
     }
 }
 
+/// A log closed under a running router (its writer stopped) ends the dispatcher's
+/// reading: the router says so (Error, naming the closed log), and a hold the dispatcher
+/// kept is still shown by its gauge as by the status, which agree.
+#[test]
+fn a_log_closed_under_the_router_puts_it_in_error_and_keeps_its_hold_shown() {
+    with_metrics(false, |snap| async move {
+        let sim = SimStorage::new();
+        let wal = open_wal(&sim);
+        let sink = FaultySink::new();
+        let dests = [key("a", "1"), key("a", "2")];
+        fill(&wal, &dests, 0, 4).await;
+        let mut policy = fast_policy();
+        policy.max_destinations = 1;
+        policy.on_admission_failure = router::OnAdmissionFailure::Error;
+        let router =
+            Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), Policies::uniform(policy))
+                .unwrap();
+        eventually(Duration::from_secs(30), "admitted delivered", || sink.ids(&dests[0]).len() == 2).await;
+        eventually(Duration::from_secs(10), "held", || router.held_from().is_some()).await;
+        assert_eq!(gauge(&snap, "iggy_connector_admission_held"), 1.0);
+        wal.close().await.unwrap();
+        eventually(Duration::from_secs(10), "the router in error", || router.status().status == Status::Error).await;
+        let status = router.status();
+        assert!(status.reason.contains("log is closed"), "{status:?}");
+        assert!(router.held_from().is_some());
+        assert_eq!(gauge(&snap, "iggy_connector_admission_held"), 1.0, "the gauge and the status disagree");
+        assert_gauges_agree(&snap, &router);
+        router.shutdown().await;
+        assert_eq!(gauge(&snap, "iggy_connector_admission_held"), 0.0, "stopped");
+    });
+}
+
 /// A task of the router that ends by a panic is gone until a restart, and the router says
 /// so instead of reporting Running over work nobody does: a lane's panic puts that
 /// destination, its connector and the router in Error (another connector keeps Running);
