@@ -143,9 +143,11 @@ impl<S: Sink, C: CursorStore> Dispatcher<S, C> {
         // A hold lasts until the router stops (a restart decides again). On a stop the
         // lanes still deliver, and the log stays held, until they end: `Router::shutdown`
         // lets the hold go, the gauge with it, once every task has, so that the gauge and
-        // `held_from` in the status never disagree. Aborted (the router dropped without a
-        // stop), nothing is held by it. Ended by a closed log, or by a panic, both stay as
-        // they were: the router is in Error and the log held until a restart.
+        // `held_from` in the status never disagree (a router dropped without a stop is
+        // told to stop as well, but nothing lets its hold go after: the daemon always
+        // stops its router). Aborted (a stop cut short: `Router::shutdown` clears it
+        // after), nothing is held by it. Ended by a closed log, or by a panic, both stay
+        // as they were: the router is in Error and the log held until a restart.
         let held = crate::OnDrop(crate::clear_admission_held);
         let log_closed = self.read_and_route(from, &mut shutdown).await;
         if *shutdown.borrow() || log_closed {

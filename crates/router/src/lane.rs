@@ -1823,6 +1823,11 @@ fn send_partitioning(r: &Routed) -> Partitioning {
     }
 }
 
+/// An answer to another call within the last `1 / ANSWERED_RECENTLY_SHARE` of a call's
+/// wait shows the server answering at its end: a quarter (750 ms of a 3 s result
+/// timeout). Earlier, a ping is asked instead.
+const ANSWERED_RECENTLY_SHARE: u32 = 4;
+
 /// `call`, cut short after `timeout`. A call cut short failed at its destination
 /// (`Timeout`, which its breaker counts) only if the server answers at its end: some
 /// other call answered in the last quarter of its wait ([`ANSWERED_RECENTLY_SHARE`]), or else a
@@ -1831,37 +1836,34 @@ fn send_partitioning(r: &Routed) -> Partitioning {
 /// sink was still connecting, or the server answers nothing, the server as a whole is
 /// what does not answer, which is every destination's: `Unavailable`, which no breaker
 /// counts.
-/// An answer to another call within the last `1 / ANSWERED_RECENTLY_SHARE` of a call's
-/// wait shows the server answering at its end: a quarter (750 ms of a 3 s result
-/// timeout). Earlier, a ping is asked instead.
-const ANSWERED_RECENTLY_SHARE: u32 = 4;
-
-/// Where the last part of a wait of `timeout` begun at `started` begins: an answer at or
-/// after it shows the server answering at the wait's end ([`ANSWERED_RECENTLY_SHARE`]).
-fn answered_recently_from(started: std::time::Instant, timeout: Duration) -> std::time::Instant {
-    started + (timeout - timeout / ANSWERED_RECENTLY_SHARE)
-}
-
+///
+/// Beside the result, for a call cut short after it was made, where the last part of its
+/// wait began, for [`bounded_write`] to judge writes by: taken when the timeout fired,
+/// `timeout / ANSWERED_RECENTLY_SHARE` before then and never before the call began (the
+/// answers are timed by the real clock, which a test's paused one outruns).
 async fn bounded<S: Sink, T>(
     sink: &S,
     timeout: Duration,
     call: impl std::future::Future<Output = Result<T, SendError>>,
-) -> Result<T, SendError> {
+) -> (Result<T, SendError>, Option<std::time::Instant>) {
     let started = std::time::Instant::now();
     match tokio::time::timeout(timeout, call).await {
-        Ok(result) => result,
+        Ok(result) => (result, None),
         Err(_) if sink.connecting() => {
-            Err(SendError::new(SendErrorKind::Unavailable, "not connected within the result timeout"))
+            (Err(SendError::new(SendErrorKind::Unavailable, "not connected within the result timeout")), None)
         }
         Err(_) => {
-            let recently = answered_recently_from(started, timeout);
+            let recently = std::time::Instant::now()
+                .checked_sub(timeout / ANSWERED_RECENTLY_SHARE)
+                .map_or(started, |t| t.max(started));
             let answers = sink.answered_since(recently)
                 || tokio::time::timeout(timeout, sink.server_answers()).await.unwrap_or(false);
-            if answers {
-                Err(SendError::new(SendErrorKind::Timeout, "no answer within the result timeout"))
+            let e = if answers {
+                SendError::new(SendErrorKind::Timeout, "no answer within the result timeout")
             } else {
-                Err(SendError::new(SendErrorKind::Unavailable, "the server answered nothing within the result timeout"))
-            }
+                SendError::new(SendErrorKind::Unavailable, "the server answered nothing within the result timeout")
+            };
+            (Err(e), Some(recently))
         }
     }
 }
@@ -1882,14 +1884,10 @@ async fn bounded_write<S: Sink, C, T>(
     ok_is_write: bool,
     call: impl std::future::Future<Output = Result<T, SendError>>,
 ) -> Result<T, SendError> {
-    let started = std::time::Instant::now();
-    let result = bounded(&*ctx.sink, timeout, call).await;
-    match &result {
-        Ok(_) if ok_is_write => ctx.writes.answered(),
-        Err(e)
-            if e.kind == SendErrorKind::Timeout
-                && ctx.writes.unanswered(dest, answered_recently_from(started, timeout)) =>
-        {
+    let (result, recently) = bounded(&*ctx.sink, timeout, call).await;
+    match (&result, recently) {
+        (Ok(_), _) if ok_is_write => ctx.writes.answered(),
+        (Err(e), Some(recently)) if e.kind == SendErrorKind::Timeout && ctx.writes.unanswered(dest, recently) => {
             return Err(SendError::new(
                 SendErrorKind::Unavailable,
                 "the server answered no write within the result timeout, to this destination or another",

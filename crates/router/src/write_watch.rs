@@ -17,16 +17,20 @@
 //!   each.
 //! - Once sends to two different destinations were cut short with no write answered
 //!   in between, the server is taken to stall its writes, until a write is answered:
-//!   meanwhile a send cut short with no write answered since it began is the server's,
-//!   and no breaker counts it. So a server that stalls every write costs at most the
+//!   meanwhile a send cut short with no write answered in the last part of its wait (or
+//!   since) is the server's, and no breaker counts it. So a server that stalls every write costs at most the
 //!   first of those timeouts to one breaker, while a destination that stalls alone
 //!   beside others being written opens its own. (With one destination sending, the two
 //!   cannot be told apart, and the lane's older check decides: whether the server
 //!   answers at all.)
 //! - Two destinations silent alone on a server that writes, while no other destination
-//!   has anything acknowledged, look exactly like a stall and are taken for one: their
-//!   records are held and retried as in an outage and reported Degraded, only no breaker
-//!   opens. The first acknowledged send of any destination ends it.
+//!   has anything acknowledged in the last part of their waits, look exactly like a
+//!   stall and are taken for one: their records are held and retried as in an outage and
+//!   reported Degraded, only no breaker opens. The first acknowledged send of any
+//!   destination ends it. Beside destinations that are written only now and then (less
+//!   often than a quarter of the result timeout), two silent ones are taken for a stall
+//!   more often than beside busy ones: the price of never counting a real stall against
+//!   every destination waiting when it began.
 //! - The watch holds two instants, a flag and one destination: nothing grows.
 
 use std::sync::Mutex;

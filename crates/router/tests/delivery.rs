@@ -181,8 +181,10 @@ async fn a_lane_re_reading_the_log_queues_again_under_steady_traffic() {
     // Records that come while it is Degraded are left in the log, re-read once it sends.
     want.extend(fill(&wal, std::slice::from_ref(&d), 50, 50).await.remove(&d).unwrap());
     eventually(Duration::from_secs(10), "re-reading the log", || lane().is_some_and(|l| l.overflowed)).await;
-    // It answers again, each send taking longer than the records take to come.
-    sink.fault(&d, Some(Fault::Slow(Duration::from_millis(20))));
+    // It answers again, each send taking far longer than the records take to come (a
+    // record every 5 ms, a send 300 ms): only a stall of the appends longer than a send
+    // would let a re-read find nothing.
+    sink.fault(&d, Some(Fault::Slow(Duration::from_millis(300))));
     let mut next = 100u64;
     let mut queueing_again_at = None;
     let until = tokio::time::Instant::now() + Duration::from_secs(8);
