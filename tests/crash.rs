@@ -378,6 +378,45 @@ async fn a_stop_whose_recorder_never_finishes_exits_1_in_bounded_time_and_loses_
     assert!(daemon.stop().await.success());
 }
 
+/// A retry answered while its delivery's id is not yet recorded (the recorder held: the
+/// answer comes from the claim in memory, not from the state database), then a kill -9:
+/// the retry's 200 named the original offsets and appended nothing, and after the restart
+/// (the id restored from the log) a retry gets the same offsets, the log still holding
+/// one record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_answered_before_its_id_is_recorded_survives_a_kill_9() {
+    let dir = test_dir("replay-unrecorded");
+    let rest = "[router]\nenabled = false\n\n[sources.k]\ndestination = { stream = \"s\", topic = \"t\" }\n";
+    let config = config_text(dir.path(), "127.0.0.1:1", rest);
+    let env = [
+        ("IGGY_INGEST_FAIL_POINT", "idempotency.record".to_string()),
+        ("IGGY_INGEST_FAIL_POINT_ACTION", "hang".to_string()),
+    ];
+    let mut daemon = Daemon::start(dir.path(), &config, &env).await;
+    let keyed = [("idempotency-key", "delivery-1")];
+    let mut conn = Conn::open(daemon.http).await.expect("connect");
+    let first = conn.send("POST", "/v1/sources/k", &keyed, "{}").await.expect("answer");
+    assert_eq!((first.status, first.json()["offsets"].clone()), (200, serde_json::json!([0, 0])));
+    wait_for(Duration::from_secs(30), "the recorder held", async || {
+        daemon.stderr().contains("fail point idempotency.record: hit 1, hanging")
+    })
+    .await;
+    let retry = conn.send("POST", "/v1/sources/k", &keyed, "{}").await.expect("answer");
+    assert_eq!((retry.status, retry.json()["offsets"].clone()), (200, serde_json::json!([0, 0])), "the retry");
+    let status = e2e::daemon::get(daemon.admin, "/status").await.expect("status").json();
+    assert_eq!(status["log"]["next_offset"], 1, "the retry was appended: {status}");
+    drop(conn);
+    daemon.kill9();
+
+    let daemon = Daemon::restart(dir.path(), &[]).await;
+    let mut conn = Conn::open(daemon.http).await.expect("connect");
+    let again = conn.send("POST", "/v1/sources/k", &keyed, "{}").await.expect("answer");
+    assert_eq!((again.status, again.json()["offsets"].clone()), (200, serde_json::json!([0, 0])), "after the restart");
+    let status = e2e::daemon::get(daemon.admin, "/status").await.expect("status").json();
+    assert_eq!(status["log"]["next_offset"], 1, "a retry was appended again after the restart: {status}");
+    assert!(daemon.stop().await.success());
+}
+
 /// A listener that panics while the daemon drains after SIGTERM stopped it as surely as
 /// one that panics before: exit status 1, naming it, not exit 0 with the panic taken for
 /// connections cut at the end of the grace period. The webhook listener drains first
