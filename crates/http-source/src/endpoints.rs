@@ -1250,6 +1250,138 @@ mod tests {
         assert_eq!(again.lookup(rec.id, 15).err(), Some(Refusal::Revoked), "the revocation answered came back");
     }
 
+    /// Registrations (with a key and without), rotations and revocations made through the
+    /// registry, with a power loss before each write of the state database in turn:
+    /// after the restart, every change answered is in effect (a rotated endpoint has its
+    /// new secret, a revoked one is refused as revoked, a registered one exists as
+    /// answered and a keyed one is found again under its key), and the change the loss
+    /// cut short is done or not, nothing else. The state database's own sweep (`ingest/tests/power_loss.rs`) writes
+    /// endpoints directly; this one goes through what the admin API calls.
+    #[tokio::test]
+    async fn every_change_answered_through_the_registry_survives_a_power_loss_before_any_write() {
+        use std::collections::HashMap;
+        use wal::storage::{CrashMode, FaultOp, SimStorage, Storage};
+
+        #[derive(Clone, Copy, Debug)]
+        enum Step {
+            Register,
+            RegisterKeyed,
+            Rotate(usize),
+            Revoke(usize),
+        }
+        // Each `Rotate(i)`/`Revoke(i)` acts on the `i`th endpoint registered.
+        const SCRIPT: [Step; 6] =
+            [Step::Register, Step::Rotate(0), Step::RegisterKeyed, Step::Revoke(0), Step::Rotate(1), Step::Register];
+        let sources = || vec!["default".to_string()];
+        let open = |sim: &SimStorage| -> Result<Arc<EndpointRegistry>, String> {
+            let storage: Arc<dyn Storage> = Arc::new(sim.clone());
+            let state = Arc::new(StateDb::open_on(storage, "/data/state.redb").map_err(|e| e.to_string())?);
+            Ok(Arc::new(EndpointRegistry::load(state, sources(), vec![]).map_err(|e| format!("{e:?}"))?))
+        };
+        // What was answered: the last record of each endpoint, in registration order, and
+        // the step that failed (cut short by the loss), if any.
+        #[derive(Default, Debug)]
+        struct Answered {
+            records: Vec<EndpointRecord>,
+            cut_short: Option<(Step, u64)>,
+        }
+        async fn run(reg: &Arc<EndpointRegistry>) -> Answered {
+            let mut answered = Answered::default();
+            for (i, step) in SCRIPT.iter().enumerate() {
+                let now = 100 + i as u64;
+                let result = match *step {
+                    Step::Register => reg.register("default".into(), bearer(), None, None, now).await,
+                    Step::RegisterKeyed => reg
+                        .register_keyed("default".into(), bearer(), None, None, Some(b"deploy-1".to_vec()), now)
+                        .await
+                        .map(|r| r.record),
+                    Step::Rotate(n) => reg.rotate(answered.records[n].id, None, now).await,
+                    Step::Revoke(n) => reg.revoke(answered.records[n].id, now).await,
+                };
+                match result {
+                    Ok(record) => match answered.records.iter_mut().find(|r| r.id == record.id) {
+                        Some(r) => *r = record,
+                        None => answered.records.push(record),
+                    },
+                    Err(_) => {
+                        answered.cut_short = Some((*step, now));
+                        break;
+                    }
+                }
+            }
+            answered
+        }
+        let new_disk = || {
+            let sim = SimStorage::new();
+            sim.write_file_durably(std::path::Path::new("/data/keep"), b"").unwrap();
+            sim
+        };
+
+        let clean = new_disk();
+        let before = clean.ops();
+        let reg = open(&clean).unwrap();
+        let all = run(&reg).await;
+        assert!(all.cut_short.is_none(), "the script failed with the power on: {all:?}");
+        let mutations = clean.ops() - before;
+        let mut cut = 0;
+        for n in 1..=mutations {
+            for mode in [CrashMode::LoseUnsynced, CrashMode::Reordered { seed: n }] {
+                let sim = new_disk();
+                sim.crash_at_nth(FaultOp::AnyMutation, n, mode);
+                let answered = match open(&sim) {
+                    Ok(reg) => run(&reg).await,
+                    Err(_) => Answered::default(),
+                };
+                if sim.crashes() == 0 {
+                    continue;
+                }
+                cut += 1;
+                sim.disarm();
+                let case = format!("power lost before mutation {n} of {mutations}, {mode:?}: {answered:?}");
+                let reg = open(&sim).unwrap_or_else(|e| panic!("{case}: the restart failed: {e}"));
+                let now = 1_000;
+                // The one change the loss may have cut short: its endpoint may show it.
+                let cut_target = match answered.cut_short {
+                    Some((Step::Rotate(i) | Step::Revoke(i), at)) => answered.records.get(i).map(|r| (r.id, at)),
+                    _ => None,
+                };
+                for want in &answered.records {
+                    let got = match reg.lookup(want.id, now) {
+                        Ok(v) => v.endpoint.record.clone(),
+                        Err(Refusal::Revoked) => {
+                            let stored = reg.state.get_endpoint(want.id).unwrap();
+                            assert!(stored.as_ref().is_some_and(|s| s.revoked_at_unix_ms.is_some()), "{case}");
+                            stored
+                        }
+                        Err(e) => panic!("{case}: endpoint {} answered {e:?} after the restart", format_id(want.id)),
+                    };
+                    let Some(got) = got else { panic!("{case}: endpoint {} has no record", format_id(want.id)) };
+                    if got == *want {
+                        continue;
+                    }
+                    // Not as answered: only the change cut short may have reached it.
+                    let by_cut = cut_target.is_some_and(|(id, at)| {
+                        id == want.id && (got.rotated_at_unix_ms == Some(at) || got.revoked_at_unix_ms == Some(at))
+                    });
+                    assert!(by_cut, "{case}: endpoint {} is {got:?}, answered {want:?}", format_id(want.id));
+                }
+                // At most one endpoint more: a registration cut short.
+                let extra = reg.list(now).len() - answered.records.len();
+                let registering = matches!(answered.cut_short, Some((Step::Register | Step::RegisterKeyed, _)));
+                assert!(extra == 0 || (extra == 1 && registering), "{case}: {extra} endpoints more than answered");
+                // A keyed registration answered is found again under its key.
+                if let Some(keyed) = answered.records.get(1) {
+                    let again = reg
+                        .register_keyed("default".into(), bearer(), None, None, Some(b"deploy-1".to_vec()), now)
+                        .await
+                        .unwrap();
+                    assert!(again.replayed && again.record.id == keyed.id, "{case}: the keyed registration was lost");
+                }
+            }
+        }
+        assert!(cut as u64 > mutations, "only {cut} of {mutations} loss points were reached");
+    }
+
     /// An expired endpoint answers 410 whatever its secret: rotating it is refused and
     /// stores nothing; revoking it works.
     #[tokio::test]
