@@ -1259,7 +1259,6 @@ mod tests {
     /// endpoints directly; this one goes through what the admin API calls.
     #[tokio::test]
     async fn every_change_answered_through_the_registry_survives_a_power_loss_before_any_write() {
-        use std::collections::HashMap;
         use wal::storage::{CrashMode, FaultOp, SimStorage, Storage};
 
         #[derive(Clone, Copy, Debug)]
