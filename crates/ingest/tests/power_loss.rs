@@ -110,20 +110,45 @@ fn options(sync: SyncPolicy) -> WalOptions {
     WalOptions { sync, segment_max_bytes: 1024, max_bytes: 1 << 20, preallocate_bytes: 256, ..WalOptions::default() }
 }
 
+/// The endpoint a delivery came through: every other delivery id of the script through a
+/// secret-path endpoint (its id scoped by the endpoint), the rest by the named path.
+fn endpoint_of(delivery_key: &str) -> Option<u128> {
+    let n: u64 = delivery_key.trim_start_matches("d-").parse().unwrap_or(0);
+    (n % 2 == 1).then_some(0x5eed)
+}
+
+/// A request of one to three events (an NDJSON batch: one append of as many records),
+/// as many for each sending of one delivery id, each event's payload `payload` and its
+/// place in the request.
 fn submission(delivery_key: Option<&str>, payload: String, now: u64) -> Submission {
+    let size = |text: &str| 1 + text.bytes().map(u64::from).sum::<u64>() % 3;
+    let events = delivery_key.map_or_else(|| size(&payload), size);
     Submission {
         source_key: "s".into(),
-        endpoint_id: None,
+        endpoint_id: delivery_key.and_then(endpoint_of),
         content_type: None,
         metadata: vec![],
         headers: vec![],
         delivery_key: delivery_key.map(str::to_string),
-        events: vec![Event {
-            destination: Destination { stream: "a".into(), topic: "b".into(), partitioning: Partitioning::Balanced },
-            payload: Bytes::from(payload),
-            request_index: 0,
-        }],
+        events: (0..events)
+            .map(|j| Event {
+                destination: Destination {
+                    stream: "a".into(),
+                    topic: "b".into(),
+                    partitioning: Partitioning::Balanced,
+                },
+                payload: Bytes::from(format!("{payload}/{j}")),
+                request_index: j as u32,
+            })
+            .collect(),
         received_at_unix_ms: now,
+    }
+}
+
+/// Notes each event of `s`, appended from `first`, as answered at its offset.
+fn note_records(answered: &mut Answered, s: &Submission, first: u64) {
+    for (j, e) in s.events.iter().enumerate() {
+        answered.records.insert(first + j as u64, e.payload.clone());
     }
 }
 
@@ -197,7 +222,11 @@ fn open(sim: &SimStorage, sync: SyncPolicy, now: u64) -> Result<Opened, String> 
 /// Waits until the key of `delivery_key`'s acceptance is recorded (or owed): its claim
 /// was let go.
 async fn until_recorded(ingestor: &Ingestor, delivery_key: &str) {
-    let key = ingest::IdempotencyKey { source_key: "s".into(), endpoint_id: None, delivery_key: delivery_key.into() };
+    let key = ingest::IdempotencyKey {
+        source_key: "s".into(),
+        endpoint_id: endpoint_of(delivery_key),
+        delivery_key: delivery_key.into(),
+    };
     while ingestor.idempotency().is_claimed(&key) {
         tokio::time::sleep(Duration::from_micros(200)).await;
     }
@@ -232,10 +261,11 @@ async fn run_until_crash(
         let step = async {
             match op {
                 Op::Accept { delivery_key } => {
-                    match daemon.ingestor.accept(submission(delivery_key.as_deref(), payload.clone(), now)).await {
+                    let s = submission(delivery_key.as_deref(), payload.clone(), now);
+                    match daemon.ingestor.accept(s.clone()).await {
                         Ok(a) if a.replayed => panic!("op {i}: a new delivery was answered as a replay: {a:?}"),
                         Ok(a) => {
-                            answered.records.insert(a.first_offset, Bytes::from(payload));
+                            note_records(&mut answered, &s, a.first_offset);
                             if let Some(k) = delivery_key {
                                 answered.keys.insert(k.clone(), (a.first_offset, a.last_offset));
                                 until_recorded(&daemon.ingestor, k).await;
@@ -246,7 +276,8 @@ async fn run_until_crash(
                     }
                 }
                 Op::Retry { delivery_key } => {
-                    match daemon.ingestor.accept(submission(Some(delivery_key), payload.clone(), now)).await {
+                    let s = submission(Some(delivery_key), payload.clone(), now);
+                    match daemon.ingestor.accept(s.clone()).await {
                         Ok(a) if a.replayed => {
                             let original = answered.keys.get(delivery_key).copied();
                             assert_eq!(
@@ -260,7 +291,7 @@ async fn run_until_crash(
                             // Its earlier sending was not answered (the script never
                             // answers one without a crash): this one is appended.
                             assert!(!answered.keys.contains_key(delivery_key), "op {i}: {delivery_key} appended twice");
-                            answered.records.insert(a.first_offset, Bytes::from(payload));
+                            note_records(&mut answered, &s, a.first_offset);
                             answered.keys.insert(delivery_key.clone(), (a.first_offset, a.last_offset));
                             until_recorded(&daemon.ingestor, delivery_key).await;
                             Ok(())
