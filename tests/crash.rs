@@ -337,6 +337,29 @@ async fn a_stop_whose_log_never_closes_exits_1_in_bounded_time_and_loses_nothing
     assert!(daemon.stop().await.success());
 }
 
+/// A source `k` whose records are not delivered (the router is off).
+const KEYED_SOURCE: &str =
+    "[router]\nenabled = false\n\n[sources.k]\ndestination = { stream = \"s\", topic = \"t\" }\n";
+
+/// The idempotency recorder held at the first key it records (the fail point's hang),
+/// as when the state database's disk stops answering.
+fn recorder_held() -> [(&'static str, String); 2] {
+    [
+        ("IGGY_INGEST_FAIL_POINT", "idempotency.record".to_string()),
+        ("IGGY_INGEST_FAIL_POINT_ACTION", "hang".to_string()),
+    ]
+}
+
+/// Posts delivery `delivery-1` to source `k` on `conn`: answered 200 at offset 0, the log
+/// holding that one record (a first sending, or a retry that appended nothing).
+async fn post_delivery_1(daemon: &Daemon, conn: &mut Conn, what: &str) {
+    let keyed = [("idempotency-key", "delivery-1")];
+    let a = conn.send("POST", "/v1/sources/k", &keyed, "{}").await.expect("answer");
+    assert_eq!((a.status, a.json()["offsets"].clone()), (200, serde_json::json!([0, 0])), "{what}");
+    let status = e2e::daemon::get(daemon.admin, "/status").await.expect("status").json();
+    assert_eq!(status["log"]["next_offset"], 1, "{what}: appended again: {status}");
+}
+
 /// A stop whose idempotency recorder never finishes (stuck in the state database's
 /// disk, with the id of a request already answered 200) still ends within the same
 /// bound: the final checkpoint gives up, exit status 1, and the exit does not wait for the
@@ -345,18 +368,11 @@ async fn a_stop_whose_log_never_closes_exits_1_in_bounded_time_and_loses_nothing
 async fn a_stop_whose_recorder_never_finishes_exits_1_in_bounded_time_and_loses_nothing() {
     let dir = test_dir("recorder-hangs");
     let grace = Duration::from_secs(1);
-    let rest = "[router]\nenabled = false\n\n[sources.k]\ndestination = { stream = \"s\", topic = \"t\" }\n";
-    let config = config_text(dir.path(), "127.0.0.1:1", rest)
+    let config = config_text(dir.path(), "127.0.0.1:1", KEYED_SOURCE)
         .replace("grace_period_ms = 20000", "grace_period_ms = 1000\ndrain_delay_ms = 0");
-    let env = [
-        ("IGGY_INGEST_FAIL_POINT", "idempotency.record".to_string()),
-        ("IGGY_INGEST_FAIL_POINT_ACTION", "hang".to_string()),
-    ];
-    let mut daemon = Daemon::start(dir.path(), &config, &env).await;
-    let keyed = [("idempotency-key", "delivery-1")];
+    let mut daemon = Daemon::start(dir.path(), &config, &recorder_held()).await;
     let mut conn = Conn::open(daemon.http).await.expect("connect");
-    let a = conn.send("POST", "/v1/sources/k", &keyed, "{}").await.expect("answer");
-    assert_eq!((a.status, a.json()["offsets"].clone()), (200, serde_json::json!([0, 0])));
+    post_delivery_1(&daemon, &mut conn, "the first sending").await;
     drop(conn);
     // SAFETY: kill(2) with the pid of our own child process.
     assert_eq!(unsafe { libc::kill(daemon.child.id() as i32, libc::SIGTERM) }, 0);
@@ -371,10 +387,7 @@ async fn a_stop_whose_recorder_never_finishes_exits_1_in_bounded_time_and_loses_
 
     let daemon = Daemon::restart(dir.path(), &[]).await;
     let mut conn = Conn::open(daemon.http).await.expect("connect");
-    let a = conn.send("POST", "/v1/sources/k", &keyed, "{}").await.expect("answer");
-    assert_eq!((a.status, a.json()["offsets"].clone()), (200, serde_json::json!([0, 0])), "the retry");
-    let status = e2e::daemon::get(daemon.admin, "/status").await.expect("status").json();
-    assert_eq!(status["log"]["next_offset"], 1, "the retry was appended again: {status}");
+    post_delivery_1(&daemon, &mut conn, "the retry after the restart").await;
     assert!(daemon.stop().await.success());
 }
 
@@ -386,34 +399,21 @@ async fn a_stop_whose_recorder_never_finishes_exits_1_in_bounded_time_and_loses_
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_retry_answered_before_its_id_is_recorded_survives_a_kill_9() {
     let dir = test_dir("replay-unrecorded");
-    let rest = "[router]\nenabled = false\n\n[sources.k]\ndestination = { stream = \"s\", topic = \"t\" }\n";
-    let config = config_text(dir.path(), "127.0.0.1:1", rest);
-    let env = [
-        ("IGGY_INGEST_FAIL_POINT", "idempotency.record".to_string()),
-        ("IGGY_INGEST_FAIL_POINT_ACTION", "hang".to_string()),
-    ];
-    let mut daemon = Daemon::start(dir.path(), &config, &env).await;
-    let keyed = [("idempotency-key", "delivery-1")];
+    let config = config_text(dir.path(), "127.0.0.1:1", KEYED_SOURCE);
+    let mut daemon = Daemon::start(dir.path(), &config, &recorder_held()).await;
     let mut conn = Conn::open(daemon.http).await.expect("connect");
-    let first = conn.send("POST", "/v1/sources/k", &keyed, "{}").await.expect("answer");
-    assert_eq!((first.status, first.json()["offsets"].clone()), (200, serde_json::json!([0, 0])));
+    post_delivery_1(&daemon, &mut conn, "the first sending").await;
     wait_for(Duration::from_secs(30), "the recorder held", async || {
         daemon.stderr().contains("fail point idempotency.record: hit 1, hanging")
     })
     .await;
-    let retry = conn.send("POST", "/v1/sources/k", &keyed, "{}").await.expect("answer");
-    assert_eq!((retry.status, retry.json()["offsets"].clone()), (200, serde_json::json!([0, 0])), "the retry");
-    let status = e2e::daemon::get(daemon.admin, "/status").await.expect("status").json();
-    assert_eq!(status["log"]["next_offset"], 1, "the retry was appended: {status}");
+    post_delivery_1(&daemon, &mut conn, "the retry while the recorder is held").await;
     drop(conn);
     daemon.kill9();
 
     let daemon = Daemon::restart(dir.path(), &[]).await;
     let mut conn = Conn::open(daemon.http).await.expect("connect");
-    let again = conn.send("POST", "/v1/sources/k", &keyed, "{}").await.expect("answer");
-    assert_eq!((again.status, again.json()["offsets"].clone()), (200, serde_json::json!([0, 0])), "after the restart");
-    let status = e2e::daemon::get(daemon.admin, "/status").await.expect("status").json();
-    assert_eq!(status["log"]["next_offset"], 1, "a retry was appended again after the restart: {status}");
+    post_delivery_1(&daemon, &mut conn, "the retry after the restart").await;
     assert!(daemon.stop().await.success());
 }
 
