@@ -210,9 +210,18 @@ impl Writer {
             return;
         }
         // A failure is logged and counted, and sets the next retry, in `rotate`.
-        if self.rotate().is_ok()
-            && let Err(e) = self.delete_released()
-        {
+        if self.rotate().is_ok() {
+            self.delete_sealed_if_released();
+        }
+    }
+
+    /// After a rotation: the segment just sealed may hold only released records (they
+    /// were released while it was active, which is never deleted): it is freed now. The
+    /// releaser asks again only when delivery moves on, and until then appends would be
+    /// refused as `Full` with nothing undelivered in the log. A failure is retried every
+    /// [`DELETION_RETRY_INTERVAL`] (`delete_released`).
+    fn delete_sealed_if_released(&mut self) {
+        if let Err(e) = self.delete_released() {
             tracing::warn!(error = %e, "could not delete a released segment after a rotation; trying again every second");
         }
     }
@@ -292,13 +301,7 @@ impl Writer {
                 let _ = reply.send(Err(e));
                 return;
             }
-            // The segment just sealed may hold only released records (they were released
-            // while it was active, which is never deleted): free it now. The releaser
-            // asks again only when delivery moves on, and until then this append and the
-            // next would be refused as `Full` with nothing undelivered in the log.
-            if let Err(e) = self.delete_released() {
-                tracing::warn!(error = %e, "could not delete a released segment after a rotation; trying again every second");
-            }
+            self.delete_sealed_if_released();
         }
         // Offsets are taken only now: a failed flush above gives back the offsets it held.
         let last = self.next_offset.checked_add(count - 1).filter(|&l| l <= OFFSET_MAX);
