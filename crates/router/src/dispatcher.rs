@@ -150,10 +150,11 @@ impl<S: Sink, C: CursorStore> Dispatcher<S, C> {
         // as they were: the router is in Error and the log held until a restart.
         let held = crate::OnDrop(crate::clear_admission_held);
         let log_closed = self.read_and_route(from, &mut shutdown).await;
-        if *shutdown.borrow() || log_closed {
+        let stopping = *shutdown.borrow();
+        if stopping || log_closed {
             std::mem::forget(held);
         }
-        if log_closed && !*shutdown.borrow() {
+        if log_closed && !stopping {
             // The log's writer stopped (a panic of its thread, or a close the router was
             // not told of): nothing more is routed, which the status says instead of
             // Running.
