@@ -1304,7 +1304,7 @@ where
         }
     }
     let pos = reader.position();
-    let (caught_up, handed_back) = {
+    let (caught_up, found_nothing) = {
         let mut g = lane.gate();
         // Caught up with the dispatcher: the read reached what it had routed, and nothing
         // it skipped for this lane since lies at or beyond the read position. The lane
@@ -1319,8 +1319,8 @@ where
             g.overflow_from = None;
             g.last_skipped = None;
         } else {
-            // Nothing of this lane's below `pos`: the next read starts there (with this
-            // reader), not again at `from`.
+            // The next read starts at `pos` (with this reader), not again at `from`:
+            // below it, this lane's records are in the batch, if any.
             g.overflow_from = Some(pos);
         }
         if batch.is_empty() && pos >= limit {
@@ -1337,7 +1337,7 @@ where
     if caught_up {
         *catchup = None;
     }
-    match (handed_back, caught_up) {
+    match (found_nothing, caught_up) {
         (true, true) => Ok(None),
         (true, false) => {
             // The dispatcher is ahead of `limit` by now; read on.
