@@ -228,6 +228,13 @@ fn open_bounded(
         loaded.push(Loaded { base, path, file, len, header });
         bad_headers.push(bad);
     }
+    // A header that could not be read is no damage, in any mode (FORMAT.md: a read that
+    // fails is an error, never damage): the open fails with it and changes nothing, to
+    // be tried again once the disk reads. Taken for damage, a salvage whose own read of
+    // it then succeeded would move every later segment aside, intact records and all.
+    if let Some(e) = bad_headers.iter_mut().find_map(|b| b.take_if(|e| !e.is_corruption() && !is_other_version(e))) {
+        return Err(e);
+    }
     // The first problem in segment order wins: a bad header, or a segment with a
     // successor that is not sealed at the successor's base.
     let mut damage: Option<(usize, WalError)> = None;
@@ -255,9 +262,14 @@ fn open_bounded(
                     })
                 }
             });
-        if let Err(e) = checked {
-            damage = Some((i, e));
-            break;
+        match checked {
+            // As a header's: a failed read of a sealed segment is no damage either.
+            Err(e) if !e.is_corruption() => return Err(e),
+            Err(e) => {
+                damage = Some((i, e));
+                break;
+            }
+            Ok(()) => {}
         }
     }
 
@@ -349,8 +361,6 @@ fn open_bounded(
         // A segment of another format version is not damage: refused, never moved aside,
         // whether it is the first problem or lies past it (a salvage moves every segment
         // from the damage on).
-        let is_other_version =
-            |e: &WalError| matches!(e, WalError::BadSegmentHeader { problem, .. } if problem.is_other_version());
         if read_only || opts.recovery == RecoveryMode::Strict || is_other_version(&e) {
             return Err(e);
         }
@@ -605,6 +615,12 @@ pub(crate) fn remove_durably(storage: &dyn Storage, dir: &Path, name: &str) -> R
     let path = dir.join(name);
     storage.remove_file(&path).map_err(io_err(&path))?;
     storage.sync_dir(dir).map_err(io_err(dir))
+}
+
+/// Whether `e` refuses a segment of another format version (not damage, and never moved
+/// aside).
+fn is_other_version(e: &WalError) -> bool {
+    matches!(e, WalError::BadSegmentHeader { problem, .. } if problem.is_other_version())
 }
 
 /// Keeps segments before `first_bad` and the valid prefix of `first_bad`, moves it and

@@ -941,3 +941,43 @@ fn a_power_loss_inside_a_multi_chunk_salvage_copy_loses_no_kept_record() {
     assert!(crash_points > 3 * 12, "the salvage made only {crash_points} mutations in three modes");
     assert!(damaged_copies_checked > 0, "no crash left a copy in damaged/ to compare");
 }
+
+/// A read that fails while a salvage opens the log is an error, never damage, whichever
+/// read it is (a segment's header, its frames, its seal, the tail): the open fails and
+/// moves nothing aside, and once the disk reads every record is there. Taken for damage,
+/// a failed read of a sealed segment's header or seal had the salvage move every later
+/// segment into `damaged/`, intact records and all.
+#[test]
+fn a_read_that_fails_during_a_salvage_moves_nothing_aside() {
+    let sim = SimStorage::new();
+    fill(&sim, &small_options(), 120, 100);
+    let files = segment_files(&sim, &dir());
+    assert!(files.len() >= 3, "{files:?}");
+    let salvaging = WalOptions { recovery: RecoveryMode::Salvage, ..small_options() };
+    let mut failed = 0;
+    for n in 1.. {
+        sim.fail_nth(FaultOp::Read, n, std::io::ErrorKind::Other);
+        match try_open(&sim, salvaging.clone()) {
+            Err(e) => {
+                assert!(matches!(e, WalError::Io { .. }), "read {n}: {e}");
+                failed += 1;
+            }
+            Ok(wal) => {
+                assert!(wal.open_report().salvage.is_none(), "read {n}: salvaged");
+                rt().block_on(wal.close()).unwrap();
+            }
+        }
+        let fired = sim.armed_faults() == 0;
+        sim.disarm();
+        assert_eq!(segment_files(&sim, &dir()), files, "read {n}: a segment was moved");
+        let moved = sim.list_dir(&dir().join(wal::DAMAGED_DIR)).unwrap_or_default();
+        assert_eq!(moved, Vec::<String>::new(), "read {n}: moved aside");
+        if !fired {
+            break;
+        }
+    }
+    assert!(failed >= files.len(), "only {failed} reads failed the open");
+    let wal = open(&sim, small_options());
+    let tags: Vec<u64> = read_all(&wal, 0).iter().map(|r| tag_of(&r.payload)).collect();
+    assert_eq!(tags, (0..120).collect::<Vec<_>>());
+}
