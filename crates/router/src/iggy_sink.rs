@@ -10,14 +10,16 @@
 //!   it; now it holds only the connection its own call took.
 //! - A call cut short (the lane's result timeout) leaves its connection behind: it is
 //!   dropped, never reused, so a late answer can never be read as another call's.
-//! - A failure that says the server is gone (disconnected, unavailable, signed out)
-//!   drops every idle connection too: they are as dead as the one that failed. Two
-//!   failures do not say so: a connection that knew it was not connected (closed while
-//!   idle; nothing was sent) drops only itself, and a "not now" answer (busy, catching
-//!   up) keeps its connection, the server having answered on it. An idle connection is
-//!   taken only while signed in: one its heartbeat found closed is dropped alone, before
-//!   any call is made on it (the client, its own reconnection off, would answer such a
-//!   call "disconnected", which says the server is gone).
+//! - A call whose connection failed (disconnected, unavailable, signed out) drops that
+//!   connection alone and takes the server for unreachable until a call is answered; it
+//!   paces no connect. The `iggy` client, its own reconnection off, answers every
+//!   connection's failure "disconnected", so one failure cannot tell a server gone from
+//!   one connection closed while idle (by the server, or a proxy's idle timeout) before
+//!   its heartbeat noticed: the other idle connections stay, each dead one fails its own
+//!   call the same way, and a connect that fails paces connects. A "not now" answer
+//!   (busy, catching up) keeps its connection, the server having answered on it. An idle
+//!   connection is taken only while signed in: one its heartbeat found closed is dropped
+//!   alone, before any call is made on it.
 //! - The daemon starts and holds while the server is unreachable: connecting is retried
 //!   by the next call, never required at start. One connect runs at a time, in a task of
 //!   its own; a caller's timeout may stop waiting for it, never stop it half-way (the
@@ -25,8 +27,8 @@
 //!   connect parks its connection as idle, and a call that waited long for it leaves it
 //!   to the retry, which then has a whole result timeout for its request. A client is
 //!   never reconnected in place: every connect builds a new one. A connect fails after
-//!   `connect_timeout`; after a failed one (paced from the moment it failed) or a failure
-//!   that says the server is gone, no connect is made for `reconnection_interval`. A
+//!   `connect_timeout`; after a failed one (paced from the moment it failed), no connect
+//!   is made for `reconnection_interval`. A
 //!   connect that ended while nobody waited is taken in by the next caller, never handed
 //!   to it as its own outcome; one that succeeded counts as the server answering.
 //! - A call's timeout is the destination's only if the server answered some other call
@@ -365,7 +367,9 @@ impl IggySink {
             }
         };
         if count == 0 {
-            return Err(IggyError::TopicIdNotFound(topic.clone(), stream.clone()));
+            // The topic is there (it was just ensured or asked): what to tell the operator
+            // is that it has no partition to place the message in.
+            return Err(IggyError::NoPartitions(topic.clone(), stream.clone()));
         }
         if let Partitioning::Key(key) = partitioning {
             // As the client places a key (its `MessagesKey`), so that a key goes where
@@ -541,8 +545,8 @@ impl IggySink {
     }
 
     /// The outcome of a call made on `taken`: an answered call gives the connection back
-    /// (a destination's error included: the server answered); a failure that says the
-    /// server is gone drops it and every idle one. `InvalidCommand` drops the connection
+    /// (a destination's error included: the server answered); a failure of the
+    /// connection drops it alone (see the module's invariants). `InvalidCommand` drops the connection
     /// as well: it is also
     /// what the client returns for a reply header it cannot parse, after which it keeps
     /// the connection with the rest of that reply unread, and the connection's next call
@@ -557,24 +561,30 @@ impl IggySink {
             }
             Err(e) => {
                 let kind = classify(&e);
-                if matches!(e, IggyError::TransientNotAccepted | IggyError::TransientNotCommitted) {
+                if matches!(
+                    e,
+                    IggyError::TransientNotAccepted
+                        | IggyError::TransientNotCommitted
+                        | IggyError::RequestAlreadyApplied
+                ) {
                     // The server answered "not now" (busy, catching up) on this
                     // connection: it is there, and so is the connection. No destination's
                     // fault either (the kind says so), and nothing to reconnect.
                     self.answered();
                     self.idle().push(taken.connection);
-                } else if matches!(e, IggyError::NotConnected) {
-                    // This connection alone knew it was not connected (its heartbeat
-                    // failed: closed while idle, by the server or something between), so
-                    // nothing was sent. The others may be fine: only it is dropped, and
-                    // the next call takes another or connects anew, unpaced.
                 } else if matches!(
                     kind,
                     SendErrorKind::Disconnected | SendErrorKind::Unavailable | SendErrorKind::Unauthorized
                 ) {
+                    // The connection failed: it is dropped, and the server taken for
+                    // unreachable until some call is answered. One failed connection
+                    // cannot tell a server gone from a connection closed while idle (by
+                    // the server, or a proxy's idle timeout) before its heartbeat noticed:
+                    // the client, its own reconnection off, answers both "disconnected".
+                    // So the other idle connections stay and connects are not paced; a
+                    // dead one fails its own call the same way, and a connect that fails
+                    // paces connects.
                     self.unreachable.store(true, Ordering::Release);
-                    self.idle().clear();
-                    self.pace_connects();
                 } else {
                     self.answered();
                     let out_of_step = matches!(e, IggyError::InvalidCommand);
@@ -587,7 +597,8 @@ impl IggySink {
         }
     }
 
-    /// No new connect for `reconnection_interval` from now.
+    /// No new connect for `reconnection_interval` from now (as a failed connect does).
+    #[cfg(test)]
     fn pace_connects(&self) {
         pace(&self.connect_not_before, self.config.reconnection_interval);
     }
@@ -733,7 +744,10 @@ pub fn classify(e: &IggyError) -> SendErrorKind {
         // The server's own state (not caught up after a restart, a full pipeline), not
         // one destination's; an outcome not committed is unknown, like a disconnect.
         | IggyError::TransientNotCommitted
-        | IggyError::TransientNotAccepted => SendErrorKind::Unavailable,
+        | IggyError::TransientNotAccepted
+        // A call the server applied before, its reply gone: the server's own
+        // bookkeeping (a send so answered is delivered, `IggySink::send`).
+        | IggyError::RequestAlreadyApplied => SendErrorKind::Unavailable,
         // Refused credentials, or a session not signed in: no call can succeed.
         IggyError::InvalidCredentials | IggyError::Unauthenticated => SendErrorKind::Unauthorized,
         // Everything else is one destination's, `Unauthorized` (permission denied)
@@ -883,7 +897,14 @@ impl Sink for IggySink {
                 placed => self.place(taken.client(), dest, &stream, &topic, placed).await?,
             };
             let partitioning = IggyPartitioning::partition_id(partition);
-            taken.client().send_messages(&stream, &topic, &partitioning, messages).await
+            match taken.client().send_messages(&stream, &topic, &partitioning, messages).await {
+                // The server applied this very request (the client replays it under its
+                // id after an answer "not committed yet"; other bytes under the same id
+                // get no answer) and no longer holds its reply: the messages are stored.
+                // Sent again, they would be stored twice.
+                Err(IggyError::RequestAlreadyApplied) => Ok(()),
+                sent => sent.map(|_| ()),
+            }
         }
         .await;
         if !matches!(p, Partitioning::PartitionId(_))
@@ -1074,20 +1095,47 @@ mod tests {
         assert!(!sink.connecting(), "the server answered, yet it is still taken for unreachable");
     }
 
-    /// One pooled connection that knew it was not connected (closed while idle) is that
-    /// connection's trouble, not the server's: the other idle connections stay, connects
-    /// are not paced, and the sink is not taken for unreachable.
-    #[test]
-    fn a_pooled_connection_found_not_connected_drops_only_itself() {
-        let sink = IggySink::new(&IggySinkConfig::default()).unwrap();
-        let taken = unconnected_taken;
-        assert!(sink.settle(taken(), Ok(())).is_ok());
-        assert!(sink.settle(taken(), Ok(())).is_ok());
-        let e = sink.settle::<()>(taken(), Err(IggyError::NotConnected)).unwrap_err();
-        assert_eq!(e.kind, SendErrorKind::Unavailable, "no breaker counts it");
-        assert_eq!(sink.idle().len(), 2, "the other connections were dropped too");
-        assert!(!sink.connecting(), "taken for the whole server");
+    /// A connection the server closes under a call (as a proxy's idle timeout, or the
+    /// server dropping one client, does while the rest are fine) is that connection's
+    /// trouble: the call fails as disconnected and no breaker counts it, the other idle
+    /// connections stay, connects are not paced, and the next call goes out at once on
+    /// another connection. The client answers such a call "disconnected", as it does for
+    /// a server gone; taken for that, every idle connection was dropped and every call
+    /// failed for `reconnection_interval`.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_connection_closed_under_a_call_is_dropped_alone_and_the_next_call_goes_out() {
+        let broker = test_broker::TestBroker::start(test_broker::TestBrokerConfig::default()).await.unwrap();
+        let config = IggySinkConfig { address: broker.addr().to_string(), ..IggySinkConfig::default() };
+        let sink = IggySink::new(&config).unwrap();
+        let dest = DestinationKey::new("s", "t");
+        sink.ensure(&dest).await.expect("the destination");
+        let mut taken = Vec::new();
+        for _ in 0..3 {
+            taken.push(sink.take().await.expect("a connection"));
+        }
+        for t in taken {
+            assert!(sink.settle(t, Ok(())).is_ok());
+        }
+        assert_eq!(broker.accepted_connections(), 3);
+        let payload = Bytes::from_static(b"{}");
+        let batch = |id| sink.prepare(&[OutMessage { id, payload: &payload, headers: vec![] }]).unwrap();
+        let partition = Partitioning::PartitionId(0);
+
+        broker.drop_connection_after_next_request(
+            test_broker::RequestKind::SendMessages,
+            test_broker::DropPoint::BeforeApplying,
+        );
+        let e = sink.send(&dest, &partition, &mut batch(1)).await.expect_err("the connection closed under the call");
+        assert_eq!(e.kind, SendErrorKind::Disconnected, "{e}");
+        assert!(sink.connecting(), "taken for answered before any call was");
+        assert_eq!(sink.idle().len(), 2, "the other connections were dropped, or the closed one kept");
         assert!(sink.connect_wait().is_none(), "connects paced");
+
+        sink.send(&dest, &partition, &mut batch(2)).await.expect("the next call, on another connection");
+        assert!(!sink.connecting(), "the server answered, yet it is taken for unreachable");
+        assert_eq!((broker.accepted_connections(), sink.idle().len()), (3, 2), "a connect was made");
+        let ids: Vec<u128> = broker.messages("s", "t").iter().map(|m| m.id).collect();
+        assert_eq!(ids, vec![2]);
     }
 
     /// An idle connection closed while it was idle (its heartbeat found it so) is
@@ -1113,6 +1161,49 @@ mod tests {
         assert_eq!(sink.idle().len(), 2, "the live connections were dropped, or the closed one kept");
         assert!(sink.connect_wait().is_none(), "connects paced");
         assert!(!sink.connecting(), "taken for the whole server");
+    }
+
+    /// A balanced send to a topic whose partitions were all deleted fails as the
+    /// destination's, saying the topic has no partitions, not that it is missing (which
+    /// sent the operator looking for a topic that exists).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_placed_send_to_a_topic_without_partitions_says_so() {
+        let broker = test_broker::TestBroker::start(test_broker::TestBrokerConfig::default()).await.unwrap();
+        let config = IggySinkConfig { address: broker.addr().to_string(), ..IggySinkConfig::default() };
+        let sink = IggySink::new(&config).unwrap();
+        let dest = DestinationKey::new("s", "t");
+        sink.ensure(&dest).await.expect("the destination");
+        assert!(broker.shrink_partitions("s", "t", 0));
+        let payload = Bytes::from_static(b"{}");
+        let mut batch = sink.prepare(&[OutMessage { id: 1, payload: &payload, headers: vec![] }]).unwrap();
+        // The count learnt by the ensure places the first try; its failure has it asked again.
+        let first = sink.send(&dest, &Partitioning::Balanced, &mut batch).await.expect_err("no partition");
+        assert_eq!(first.kind, SendErrorKind::Destination, "{first}");
+        let e = sink.send(&dest, &Partitioning::Balanced, &mut batch).await.expect_err("no partition");
+        assert_eq!(e.kind, SendErrorKind::Destination, "{e}");
+        assert!(e.detail.contains("has no partitions"), "{e}");
+        assert_eq!(broker.messages("s", "t"), vec![]);
+    }
+
+    /// A send the server answers "already applied" (the same request, replayed by the
+    /// client, applied before and its reply gone) is delivered: the lane frees its
+    /// records and sends nothing again. Taken for the destination's failure, it was sent
+    /// again (stored twice) and counted by the destination's breaker. The connection,
+    /// answered on, stays in the pool.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_send_answered_already_applied_is_delivered() {
+        let broker = test_broker::TestBroker::start(test_broker::TestBrokerConfig::default()).await.unwrap();
+        let config = IggySinkConfig { address: broker.addr().to_string(), ..IggySinkConfig::default() };
+        let sink = IggySink::new(&config).unwrap();
+        let dest = DestinationKey::new("s", "t");
+        sink.ensure(&dest).await.expect("the destination");
+        let payload = Bytes::from_static(b"{}");
+        let mut batch = sink.prepare(&[OutMessage { id: 1, payload: &payload, headers: vec![] }]).unwrap();
+        broker.fail_topic("s", "t", Some(IggyError::RequestAlreadyApplied));
+        sink.send(&dest, &Partitioning::PartitionId(0), &mut batch).await.expect("an applied send");
+        assert_eq!(sink.idle().len(), 1, "the connection answered on was dropped");
+        assert!(!sink.connecting());
+        assert_eq!(classify(&IggyError::RequestAlreadyApplied), SendErrorKind::Unavailable, "a destination's fault");
     }
 
     /// A reply the client could not parse (`InvalidCommand`) leaves its connection out of

@@ -200,8 +200,8 @@ impl TestBroker {
     }
 
     /// Removes partitions from the end of `stream`/`topic` until it has
-    /// `partitions_count`, as an operator deleting partitions would. `false` when it does
-    /// not exist or has at most that many.
+    /// `partitions_count` (0: none), as an operator deleting partitions would. `false`
+    /// when it does not exist or has at most that many.
     pub fn shrink_partitions(&self, stream: &str, topic: &str, partitions_count: u32) -> bool {
         self.shared.store().shrink_partitions(stream, topic, partitions_count)
     }

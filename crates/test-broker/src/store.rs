@@ -198,7 +198,7 @@ impl Store {
     /// at most that many (a topic keeps at least one partition).
     pub fn shrink_partitions(&mut self, stream: &str, topic: &str, partitions_count: u32) -> bool {
         let Some(t) = self.topic_by_names_mut(stream, topic) else { return false };
-        if partitions_count == 0 || partitions_count >= t.partitions_count {
+        if partitions_count >= t.partitions_count {
             return false;
         }
         t.partitions_count = partitions_count;
