@@ -36,19 +36,32 @@ struct Target {
     uri: Uri,
 }
 
+/// The URL as an error shows it: credentials in it (`user:password@`, refused below)
+/// replaced by `***@`, so that a password never reaches a terminal or a log.
+fn shown(url: &str) -> String {
+    let scheme_end = url.find("://").map_or(0, |i| i + 3);
+    let rest = &url[scheme_end..];
+    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    match rest[..authority_end].rfind('@') {
+        Some(at) => format!("{}***{}", &url[..scheme_end], &rest[at..]),
+        None => url.to_string(),
+    }
+}
+
 fn parse(url: &str) -> Result<Target, String> {
-    let uri: Uri = url.parse().map_err(|e| format!("{url:?} is not a URL: {e}"))?;
+    let shown = shown(url);
+    let uri: Uri = url.parse().map_err(|e| format!("{shown:?} is not a URL: {e}"))?;
     if uri.scheme_str() != Some("http") {
-        return Err(format!("{url:?}: only http:// URLs are supported"));
+        return Err(format!("{shown:?}: only http:// URLs are supported"));
     }
     let Some(authority) = uri.authority() else {
-        return Err(format!("{url:?} has no host"));
+        return Err(format!("{shown:?} has no host"));
     };
     // The `http` crate takes credentials in the authority (which this client would send
     // as part of the Host header and print in its log lines, never as credentials), and
     // any digits, or none, as a port (`Authority::port` then says nothing).
     if authority.as_str().contains('@') {
-        return Err(format!("{url:?}: credentials in the URL are not supported (they would be logged, never sent)"));
+        return Err(format!("{shown:?}: credentials in the URL are not supported (they would be logged, never sent)"));
     }
     // The address connected to, checked as `iggy.address` is (HTTP's port when none is
     // written; an IPv6 host, in brackets, holds colons of its own).
@@ -56,7 +69,7 @@ fn parse(url: &str) -> Result<Target, String> {
     let after_host = if raw.starts_with('[') { raw.find(']').map_or("", |i| &raw[i + 1..]) } else { raw };
     let authority = if after_host.contains(':') { raw.to_string() } else { format!("{raw}:80") };
     if let Some(why) = crate::host_port::problem(&authority) {
-        return Err(format!("{url:?}: {authority:?} {why}"));
+        return Err(format!("{shown:?}: {authority:?} {why}"));
     }
     Ok(Target { authority, uri })
 }
@@ -159,6 +172,14 @@ mod tests {
             assert!(check_url(bad).is_err(), "{bad:?}");
         }
         assert_eq!(parse("http://h/m").unwrap().authority, "h:80");
+        // No error repeats a password written in the URL, whichever check refuses it.
+        for with_password in ["http://u:s3cret@h/m", "https://u:s3cret@h/m", "http://u:s3cret@h:99999/m", "u:s3cret@h"]
+        {
+            let e = check_url(with_password).unwrap_err();
+            assert!(!e.contains("s3cret"), "{with_password:?}: {e}");
+        }
+        assert_eq!(shown("http://u:p@h:81/m?q=a@b"), "http://***@h:81/m?q=a@b");
+        assert_eq!(shown("http://h/m@x"), "http://h/m@x");
         assert_eq!(parse("http://[::1]:81/m").unwrap().authority, "[::1]:81");
     }
 
