@@ -70,6 +70,12 @@ impl Mapping {
         Ok(Mapping { entries: map })
     }
 
+    /// Whether an entry names no stream (an event it matches takes its stream from the
+    /// route's `stream_field`, when there is one).
+    pub fn leaves_a_stream_unnamed(&self) -> bool {
+        self.entries.values().any(|t| t.stream.is_none())
+    }
+
     /// Parses a fetched mapping: a JSON object of value to `"topic"` or
     /// `{"stream": "...", "topic": "..."}` (no other keys). A key given twice, at either
     /// level, is refused: JSON parsers disagree on which of the two counts.

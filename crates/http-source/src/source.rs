@@ -14,7 +14,7 @@ use crate::admission::{Admission, Pattern};
 use crate::auth::AuthScheme;
 use crate::body::Accept;
 use crate::partition::PartitionRule;
-use crate::route::Route;
+use crate::route::{MappingSource, Route};
 
 /// The largest header value Iggy accepts; longer forwarded values are cut to this and
 /// the cut is counted. A longer `Content-Type` is refused.
@@ -126,6 +126,29 @@ impl SourceSpec {
         let mut seen = std::collections::HashSet::new();
         out.retain(|(s, t)| self.admission.check(s, t).is_ok() && seen.insert((s.clone(), t.clone())));
         out
+    }
+
+    /// Whether this source's senders choose its destinations' names: its route takes a
+    /// name from the event itself (a topic with no mapping, or a stream from
+    /// `stream_field` where a mapping entry names none) and its admission does not limit
+    /// what gets in to names listed in the file (an allowlist of exact names only).
+    /// Such a source can name more destinations than any cap, whatever its file says.
+    pub fn senders_choose_destinations(&self) -> bool {
+        let Destinations::Routed(route) = &self.destinations else { return false };
+        let named_by_events = match &route.mapping {
+            MappingSource::Identity => true,
+            // A fetched table is not known before the start: any entry may leave the
+            // stream to `stream_field`.
+            MappingSource::Url(_) => route.stream_field.is_some(),
+            MappingSource::Table(m) => route.stream_field.is_some() && m.leaves_a_stream_unnamed(),
+        };
+        let listed_only = match &self.admission {
+            Admission::Allowlist(rules) => {
+                rules.iter().all(|r| matches!((&r.stream, &r.topic), (Pattern::Exact(_), Pattern::Exact(_))))
+            }
+            Admission::Open | Admission::Denylist(_) => false,
+        };
+        named_by_events && !listed_only
     }
 
     /// The most bytes a record of this source holds beside its event

@@ -1614,7 +1614,21 @@ fn unreachable_by_default(
             ),
         );
     }
-    let max_destinations = delivery.policies.for_source(&spec.key).max_destinations;
+    let policy = delivery.policies.for_source(&spec.key);
+    let max_destinations = policy.max_destinations;
+    if spec.senders_choose_destinations() && policy.on_admission_failure == router::OnAdmissionFailure::Error {
+        c.warn(
+            &sp.key("route"),
+            format!(
+                "takes destination names from the events and the source's admission does not limit them to names \
+                 listed here (an allowlist of exact names): a sender can name more destinations than max_destinations \
+                 ({max_destinations}), and with on_admission_failure = \"error\" the records of those past the cap are \
+                 held, keeping the log from being freed for every source until the cap is raised and the daemon \
+                 restarted; list the destinations in an allowlist, or choose on_admission_failure = \"drop\" or \
+                 \"dead_letter\" for this source"
+            ),
+        );
+    }
     let known = spec.destinations_known_at_start().len();
     if known > max_destinations {
         c.warn(
@@ -2243,6 +2257,59 @@ mod tests {
             vec![],
             "the built-in default warns"
         );
+    }
+
+    /// A route whose senders choose the destinations' names (a topic with no mapping, a
+    /// stream from a field), under an admission that does not list them and with the
+    /// records past the cap held, is warned of at the route: any sender could then keep
+    /// the log from being freed for every source. Not where the names are bounded by the
+    /// file, or where the cap's refusals are dropped or dead-lettered.
+    #[test]
+    fn a_route_whose_senders_can_name_destinations_past_the_cap_is_warned_of() {
+        let route = |extra: &str| {
+            format!(
+                "[sources.a]\n\
+                 route = {{ topic_field = \"type\", default_stream = \"s\", default_topic = \"d\"{extra} }}\n"
+            )
+        };
+        let warned = |text: &str| -> Vec<String> {
+            let settings = validate(&parse(text, None).unwrap(), Some(text), None).unwrap_or_else(|e| panic!("{e}"));
+            settings.warnings.errors.iter().map(|w| format!("{}@{:?}", w.path, w.line)).collect()
+        };
+        let open = route("");
+        assert_eq!(warned(&open), vec!["sources.a.route@Some(2)"]);
+        let message = {
+            let settings = validate(&parse(&open, None).unwrap(), Some(&open), None).unwrap();
+            settings.warnings.errors[0].message.clone()
+        };
+        assert!(message.contains("max_destinations (1000)") && message.contains("allowlist"), "{message}");
+        let stream_field =
+            route(", stream_field = \"tenant\", mapping = { x = \"t\", y = { stream = \"s\", topic = \"u\" } }");
+        assert_eq!(warned(&stream_field), vec!["sources.a.route@Some(2)"], "a stream named by the event");
+        let denylist =
+            format!("{open}admission = {{ mode = \"denylist\", denylist = [{{ stream = \"s\", topic = \"x\" }}] }}\n");
+        assert_eq!(warned(&denylist), vec!["sources.a.route@Some(2)"]);
+        let wildcard = format!(
+            "{open}admission = {{ mode = \"allowlist\", allowlist = [{{ stream = \"s\", topic = \"*\" }}] }}\n"
+        );
+        assert_eq!(warned(&wildcard), vec!["sources.a.route@Some(2)"]);
+
+        let listed = format!(
+            "{open}admission = {{ mode = \"allowlist\", allowlist = [{{ stream = \"s\", topic = \"d\" }}, {{ stream = \"s\", topic = \"x\" }}] }}\n"
+        );
+        assert_eq!(warned(&listed), Vec::<String>::new(), "every name listed");
+        let mapped = route(", mapping = { x = \"t\" }");
+        assert_eq!(warned(&mapped), Vec::<String>::new(), "names from the mapping");
+        let mapped_streams = route(", stream_field = \"tenant\", mapping = { x = { stream = \"s\", topic = \"u\" } }");
+        assert_eq!(warned(&mapped_streams), Vec::<String>::new(), "every entry names its stream");
+        for choice in ["drop", "dead_letter"] {
+            let dead_letter =
+                if choice == "dead_letter" { "dead_letter_stream = \"s\"\ndead_letter_topic = \"dl\"\n" } else { "" };
+            let text = format!("{open}\n[router.sources.a]\non_admission_failure = \"{choice}\"\n{dead_letter}");
+            assert_eq!(warned(&text), Vec::<String>::new(), "{choice}");
+        }
+        let everywhere = format!("{open}\n[router]\non_admission_failure = \"drop\"\n");
+        assert_eq!(warned(&everywhere), Vec::<String>::new(), "dropped router-wide");
     }
 
     /// Valid settings the daemon's own defaults cannot deliver are warned of, by key path
