@@ -27,6 +27,25 @@ fn cli_in(args: &[&str], dir: &Path) -> Output {
     cli(&all)
 }
 
+/// `iggy-ingest ARGS` whose standard output is a pipe no one reads (closed before it
+/// writes, as `| grep -q`, `| head -0` or a pager quit at once leave it).
+fn run_into_a_closed_pipe(args: &[&str]) -> Output {
+    use std::os::fd::FromRawFd;
+    let mut fds = [0i32; 2];
+    // SAFETY: pipe(2) fills the two descriptors; the read end is closed at once and the
+    // write end is owned by the child's standard output from here.
+    let write_end = unsafe {
+        assert_eq!(libc::pipe(fds.as_mut_ptr()), 0);
+        libc::close(fds[0]);
+        std::os::fd::OwnedFd::from_raw_fd(fds[1])
+    };
+    Command::new(env!("CARGO_BIN_EXE_iggy-ingest"))
+        .args(args)
+        .stdout(Stdio::from(write_end))
+        .output()
+        .expect("run iggy-ingest")
+}
+
 fn stdout(o: &Output) -> String {
     String::from_utf8_lossy(&o.stdout).into_owned()
 }
@@ -298,6 +317,11 @@ fn damage_in_the_middle_is_named_by_file_and_byte_and_salvage_keeps_what_checks(
     let v = json(&cli_in(&["verify", "--json"], &dir));
     assert_eq!(v["clean"], false);
     assert_eq!(v["problems"][0]["position"].as_u64(), Some(frame as u64));
+    // A reader gone before the report (`| grep -q DAMAGED`) still gets the verdict.
+    for args in [&["wal", "verify", dir.to_str().unwrap()][..], &["wal", "verify", dir.to_str().unwrap(), "--json"]] {
+        let o = run_into_a_closed_pipe(args);
+        assert_eq!(code(&o), 1, "{args:?}: a damaged log verified clean: {}", stderr(&o));
+    }
 
     // dump shows what precedes the damage, then fails naming it.
     let o = cli_in(&["dump", "--json"], &dir);
@@ -305,6 +329,9 @@ fn damage_in_the_middle_is_named_by_file_and_byte_and_salvage_keeps_what_checks(
     assert_eq!(json_lines(&o).len(), 2);
     assert!(stderr(&o).contains(&format!("at byte {frame}")), "{}", stderr(&o));
 
+    let piped = root.path().join("salvaged-into-a-closed-pipe");
+    let o = run_into_a_closed_pipe(&["wal", "salvage", dir.to_str().unwrap(), "--out", piped.to_str().unwrap()]);
+    assert_eq!(code(&o), 1, "a salvage that skipped damage ended 0: {}", stderr(&o));
     let copy = root.path().join("salvaged");
     let o = cli(&["salvage", dir.to_str().unwrap(), "--out", copy.to_str().unwrap(), "--json"]);
     assert_eq!(code(&o), 1, "{}{}", stdout(&o), stderr(&o));
@@ -773,7 +800,6 @@ fn dump_stops_cleanly_when_its_reader_goes_away() {
 /// quit at once): exit 0 and nothing on stderr, never a panic.
 #[test]
 fn config_and_state_commands_end_quietly_when_their_reader_is_gone() {
-    use std::os::fd::FromRawFd;
     let root = tempfile::tempdir().unwrap();
     drop(StateDb::open(root.path().join("state.redb")).unwrap());
     let config = root.path().join("config.toml");
@@ -782,19 +808,7 @@ fn config_and_state_commands_end_quietly_when_their_reader_is_gone() {
     for args in
         [vec!["config", "default"], vec!["config", "check", config], vec!["state", "show", "--data-dir", data_dir]]
     {
-        let mut fds = [0i32; 2];
-        // SAFETY: pipe(2) fills the two descriptors; the read end is closed at once and
-        // the write end is owned by the child's standard output from here.
-        let write_end = unsafe {
-            assert_eq!(libc::pipe(fds.as_mut_ptr()), 0);
-            libc::close(fds[0]);
-            std::os::fd::OwnedFd::from_raw_fd(fds[1])
-        };
-        let o = Command::new(env!("CARGO_BIN_EXE_iggy-ingest"))
-            .args(&args)
-            .stdout(Stdio::from(write_end))
-            .output()
-            .expect("run iggy-ingest");
+        let o = run_into_a_closed_pipe(&args);
         assert_eq!(code(&o), 0, "{args:?}: {}", stderr(&o));
         assert!(stderr(&o).is_empty(), "{args:?}: {}", stderr(&o));
     }

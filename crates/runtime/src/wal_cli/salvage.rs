@@ -100,8 +100,18 @@ pub(crate) fn run(a: SalvageArgs) -> CliResult {
     }
     drop(copy);
     give_the_logs_owner(&a.dir, &target, held_before.as_ref());
-    let mut out = stdout();
     let skipped_any = !report.skipped.is_empty() || !report.missing_offsets.is_empty();
+    let verdict = if skipped_any { ExitCode::from(1) } else { ExitCode::SUCCESS };
+    match print(&a, &report) {
+        // A reader that went away still gets the verdict as the exit: a copy that skipped
+        // something never exits 0.
+        Ok(()) | Err(CliError::ClosedPipe) => Ok(verdict),
+        Err(e) => Err(e),
+    }
+}
+
+fn print(a: &SalvageArgs, report: &wal::salvage_copy::CopyReport) -> CliResult<()> {
+    let mut out = stdout();
     if a.json {
         write_json_line(
             &mut out,
@@ -173,7 +183,7 @@ pub(crate) fn run(a: SalvageArgs) -> CliResult {
         )?;
     }
     out.flush()?;
-    Ok(if skipped_any { ExitCode::from(1) } else { ExitCode::SUCCESS })
+    Ok(())
 }
 
 /// Refuses an `--out` the copy cannot usefully go to: the log directory itself, a

@@ -36,6 +36,16 @@ pub(crate) fn run(a: VerifyArgs) -> CliResult {
     drop(bar);
     let report = report.map_err(|e| wal_error(&a.dir, e))?;
     let seconds = started.elapsed().as_secs_f64();
+    let verdict = if report.is_clean() { ExitCode::SUCCESS } else { ExitCode::from(1) };
+    match print(&a, &report, seconds) {
+        // A reader that went away (`| grep -q DAMAGED`, `| head`) still gets the verdict
+        // as the exit: a damaged log never exits 0.
+        Ok(()) | Err(CliError::ClosedPipe) => Ok(verdict),
+        Err(e) => Err(e),
+    }
+}
+
+fn print(a: &VerifyArgs, report: &wal::inspect::VerifyReport, seconds: f64) -> CliResult<()> {
     let mut out = stdout();
     if a.json {
         let problems: Vec<serde_json::Value> = report
@@ -88,6 +98,5 @@ pub(crate) fn run(a: VerifyArgs) -> CliResult {
             seconds
         )?;
     }
-    out.flush().map_err(CliError::from)?;
-    Ok(if report.is_clean() { ExitCode::SUCCESS } else { ExitCode::from(1) })
+    out.flush().map_err(CliError::from)
 }
