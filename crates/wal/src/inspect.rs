@@ -233,6 +233,14 @@ fn verify_bounded(
                 done += len;
                 continue;
             }
+            // Another format version wrote it (a newer build): not damage, and its
+            // frames are not this version's to check. Refused by name, as the open does.
+            Err(p) if p.is_other_version() => {
+                return Err(WalError::BadSegmentHeader {
+                    location: Location { file: path.clone(), position: 0 },
+                    problem: p,
+                });
+            }
             Err(p) => {
                 report.problems.push(problem(0, format!("bad segment header: {p}")));
                 expected_base = None;

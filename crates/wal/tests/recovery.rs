@@ -303,6 +303,9 @@ fn a_future_format_version_is_refused_by_name() {
     assert_eq!(sim.read_file(&path).unwrap(), b, "the segment was changed");
     let e = wal::salvage_copy::salvage_copy(&sim, &dir(), std::path::Path::new("/sim/copy")).unwrap_err();
     assert!(e.to_string().contains("format version 2"), "{e}");
+    // Nor may `wal verify` call it damaged (and send the operator to salvage it).
+    let e = wal::inspect::verify(&sim, &dir(), &mut |_| {}).unwrap_err();
+    assert!(e.to_string().contains("format version 2") && !e.is_corruption(), "{e}");
 }
 
 /// A salvage moves every segment from the damage on: a later segment of another format
