@@ -1397,3 +1397,24 @@ fn tail_refuses_an_interval_outside_its_bounds() {
         assert!(stderr(&o).contains("--interval-ms"), "{ms}: {}", stderr(&o));
     }
 }
+
+/// Names read from records are shown with their control characters escaped, by `inspect`
+/// as by `dump`: a log written elsewhere (or crafted) cannot move the cursor, clear the
+/// screen or forge a line of the table.
+#[test]
+fn names_read_from_records_cannot_write_to_the_terminal() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path().join("wal");
+    let wal = Wal::open(&dir, small()).unwrap();
+    let mut header = Envelope::decode(&envelope(1)).unwrap().header;
+    header.source_key = "so\u{1b}[2Jurce".into();
+    header.destination.stream = "ev\nents".into();
+    header.destination.topic = "to\u{7}pic".into();
+    rt().block_on(rt_append(&wal, Envelope::encode(&header, b"{}")));
+    for args in [&["inspect"][..], &["dump"]] {
+        let text = stdout(&cli_in(args, &dir));
+        assert!(!text.contains(['\u{1b}', '\u{7}']), "{args:?}: {text:?}");
+        assert!(text.contains("so\\u{1b}[2Jurce"), "{args:?}: {text:?}");
+        assert!(text.contains("ev\\nents") && text.contains("to\\u{7}pic"), "{args:?}: {text:?}");
+    }
+}

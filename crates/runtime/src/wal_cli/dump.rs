@@ -134,7 +134,7 @@ fn partitioning_json(p: &Partitioning) -> serde_json::Value {
 /// `s` with every control character (newlines, escape sequences, carriage returns)
 /// written as its Rust escape (`\n`, `\u{1b}`), so a record cannot move the cursor,
 /// rewrite the terminal or forge the next line of the human format.
-fn terminal_safe(s: &str) -> std::borrow::Cow<'_, str> {
+pub(super) fn terminal_safe(s: &str) -> std::borrow::Cow<'_, str> {
     if !s.chars().any(char::is_control) {
         return s.into();
     }

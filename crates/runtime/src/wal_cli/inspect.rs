@@ -30,6 +30,7 @@ use clap::Args;
 use ingest::{CursorsSnapshot, Envelope};
 use serde_json::{Value, json};
 
+use super::dump::terminal_safe;
 use super::{
     CliError, CliResult, default_state_path, human_age, human_bytes, open_log, path_json, rfc3339_ms, stdout,
     wal_error, write_json_line, writer_running,
@@ -362,8 +363,9 @@ pub(crate) fn run(a: InspectArgs) -> CliResult {
             writeln!(
                 out,
                 "{:<16} {:<32} {:>12} {:>12} {:>12} {:>12}",
-                src,
-                format!("{stream}/{topic}"),
+                // Names read from records: a log written elsewhere may hold anything.
+                terminal_safe(src),
+                format!("{}/{}", terminal_safe(stream), terminal_safe(topic)),
                 opt(l.cursor),
                 opt(l.held_records),
                 l.held_bytes.map_or("-".to_string(), human_bytes),
