@@ -159,7 +159,8 @@ pub fn check_new_tolerance(tolerance_secs: Option<u64>) -> Result<(), (&'static 
 /// registration: a bearer token is visible ASCII without spaces (a request's
 /// `Authorization` header is trimmed, and holds nothing else), so one outside that
 /// (a value read from a file or the environment with its newline, say) could never match
-/// and every request would get 401. Other schemes' secrets are keys, any bytes.
+/// and every request would get 401. Other schemes' secrets are keys, any text but a
+/// control character (that newline again).
 /// A secret longer than [`AUTH_SECRET_MAX_BYTES`] is refused too.
 pub fn check_new_secret(scheme: &str, secret: Option<&str>) -> Result<(), (&'static str, String)> {
     match secret {
@@ -169,6 +170,15 @@ pub fn check_new_secret(scheme: &str, secret: Option<&str>) -> Result<(), (&'sta
         Some(s) if scheme == "bearer" && !s.bytes().all(|b| b.is_ascii_graphic()) => Err((
             "secret",
             "a bearer token is visible ASCII without spaces; no request could present this one".to_string(),
+        )),
+        // A key holding a newline, a carriage return or a tab is a value read from a file
+        // or the environment with its line end: the sender signs with the key without
+        // it, so every request would fail its check.
+        Some(s) if s.chars().any(char::is_control) => Err((
+            "secret",
+            "holds a control character (a newline read with it from a file or the environment?); no sender \
+             signs with such a key"
+                .to_string(),
         )),
         _ => Ok(()),
     }

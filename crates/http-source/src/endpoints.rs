@@ -1109,7 +1109,8 @@ mod tests {
             tolerance_secs: None,
         };
         let (long_header, long_prefix) = ("x".repeat(129), "p".repeat(65));
-        let refusals: [(StoredAuth, Option<&str>, Option<u64>, &str); 12] = [
+        let hmac_key = |key: &str| StoredAuth { secret: Some(key.into()), header: None, prefix: None, ..hmac("", "") };
+        let refusals: [(StoredAuth, Option<&str>, Option<u64>, &str); 13] = [
             (bearer(), None, Some(1_767_225_600), "expires_at_unix_ms: 1767225600 is not in the future"),
             (bearer(), None, Some(now), "expires_at_unix_ms"),
             (bearer(), Some(""), None, "handshake_param"),
@@ -1119,6 +1120,7 @@ mod tests {
             (with_secret("tok "), None, None, "secret: a bearer token is visible ASCII"),
             (with_secret("tök"), None, None, "secret: a bearer token is visible ASCII"),
             (with_secret(&long_secret), None, None, "auth_secret: is 1025 bytes long; at most 1024"),
+            (hmac_key("key\n"), None, None, "secret: holds a control character"),
             (hmac(&long_header, "sha256="), None, None, "auth_header: is 129 bytes long; at most 128"),
             (hmac("x-sig", &long_prefix), None, None, "auth_prefix: is 65 bytes long; at most 64"),
             (

@@ -2451,6 +2451,18 @@ max_destinations = 1
                 "visible ASCII",
             ),
             (
+                endpoint("auth_type = \"hmac-sha256\"\nauth_secret = \"key-read-with-its-newline\\n\"\n"),
+                "sources.a.endpoints[0].auth_secret",
+                6,
+                "control character",
+            ),
+            (
+                endpoint("auth_type = \"stripe\"\nauth_secret = \"whsec_x\\r\\n\"\n"),
+                "sources.a.endpoints[0].auth_secret",
+                6,
+                "control character",
+            ),
+            (
                 endpoint("auth_type = \"none\"\nhandshake_param = \"a=b\"\n"),
                 "sources.a.endpoints[0].handshake_param",
                 6,
@@ -2467,6 +2479,7 @@ max_destinations = 1
             format!("[http]\nheader_read_timeout_ms = 120000\nwrite_timeout_ms = 120000\n{src}"),
             format!("[iggy]\ntls = true\ntls_domain = \"iggy.internal\"\n{src}"),
             endpoint("auth_type = \"stripe\"\nauth_secret = \"whsec_x\"\nauth_tolerance_secs = 1\n"),
+            endpoint("auth_type = \"hmac-sha256\"\nauth_secret = \"It's a Secret to Everybody\"\n"),
             endpoint("auth_type = \"none\"\nhandshake_param = \"crc_token\"\n"),
         ] {
             assert!(validate(&parse(&fine, None).unwrap(), Some(&fine), None).is_ok(), "{fine}");
