@@ -1381,9 +1381,29 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
                 Accept::Any
             }
         };
-        let auth = auth_scheme(&mut c, &sp, s.auth());
+        // The source's own auth guards its named path only: without one, it would guard
+        // nothing, though it reads as if it did (each endpoint has its own).
+        let unused_auth = [
+            ("auth_type", s.auth_type != "none"),
+            ("auth_secret", s.auth_secret.is_some()),
+            ("auth_secret_env", s.auth_secret_env.is_some()),
+            ("auth_header", s.auth_header.is_some()),
+            ("auth_prefix", s.auth_prefix.is_some()),
+            ("auth_tolerance_secs", s.auth_tolerance_secs.is_some()),
+        ];
+        let auth = match unused_auth.iter().find(|(_, set)| *set) {
+            Some((key, _)) if !s.named_path => {
+                c.err(
+                    &sp.key(key),
+                    "is not used: named_path = false, so no request reaches the source's own auth (each of its \
+                     endpoints has an auth_type of its own)",
+                );
+                AuthScheme::None
+            }
+            _ => auth_scheme(&mut c, &sp, s.auth()),
+        };
         // A source that keeps no delivery ids has no replay to answer.
-        if s.idempotency {
+        if s.idempotency && s.named_path {
             tolerance_within_retention(&mut c, &sp, &auth, s.auth().auth_tolerance_secs.is_some(), retention_secs);
         }
         let mut forward_headers = Vec::new();
@@ -1856,10 +1876,8 @@ fn route(
                 check_name(c, &rp.key(&key), o);
                 o.clone()
             }
-            (None, Some(f)) => {
-                check_name(c, &dp.key(name), f);
-                f.clone()
-            }
+            // Checked with the fixed destination (`where_events_go`), once.
+            (None, Some(f)) => f.clone(),
             (None, None) => {
                 c.err(
                     &rp.key(&key),
@@ -2825,6 +2843,45 @@ auth_secret = "never checked"
         let managed = format!("[admin]\nmanagement_token = \"manage-0123456789abcdef\"\n{text}");
         let settings = validate(&parse(&managed, None).unwrap(), Some(&managed), None).unwrap();
         assert_eq!(settings.warnings.errors, vec![], "reached through dynamic endpoints");
+    }
+
+    /// A source without its named path has no use for its own auth settings (each
+    /// endpoint has its own): set, they read as guarding something and guard nothing,
+    /// and are refused at the first one set. Their checks tied to the named path (the
+    /// tolerance against the idempotency window) are not made.
+    #[test]
+    fn a_sources_own_auth_without_its_named_path_is_refused() {
+        let endpoint = "[[sources.a.endpoints]]\nid = \"0123456789abcdef0123456789abcdef\"\nauth_type = \"none\"\n";
+        let source = |auth: &str| {
+            format!(
+                "[sources.a]\nnamed_path = false\ndestination = {{ stream = \"s\", topic = \"t\" }}\n{auth}{endpoint}"
+            )
+        };
+        for (auth, key, line) in [
+            ("auth_type = \"stripe\"\nauth_secret = \"whsec_x\"\n", "sources.a.auth_type", 4),
+            ("auth_secret = \"left-over\"\n", "sources.a.auth_secret", 4),
+            ("auth_tolerance_secs = 86400\n", "sources.a.auth_tolerance_secs", 4),
+        ] {
+            let e = errors(&source(auth));
+            assert_eq!(e.len(), 1, "{auth}: {e:?}");
+            assert_eq!((e[0].path.as_str(), e[0].line), (key, Some(line)), "{auth}");
+            assert!(e[0].message.contains("named_path = false"), "{}", e[0]);
+        }
+        let fine = source("");
+        assert!(validate(&parse(&fine, None).unwrap(), Some(&fine), None).is_ok(), "{fine}");
+        let with_path =
+            source("auth_type = \"stripe\"\nauth_secret = \"whsec_x\"\n").replace("named_path = false\n", "");
+        assert!(validate(&parse(&with_path, None).unwrap(), Some(&with_path), None).is_ok(), "{with_path}");
+    }
+
+    /// A routed source's fixed destination is its route's default: a bad name in it is
+    /// one error, not one for each of the two uses.
+    #[test]
+    fn a_bad_name_in_a_routed_sources_destination_is_named_once() {
+        let text =
+            "[sources.a]\ndestination = { stream = \"s s\", topic = \"t\" }\nroute = { topic_field = \"kind\" }\n";
+        let e = errors(text);
+        assert_eq!(e.iter().map(|e| e.path.as_str()).collect::<Vec<_>>(), vec!["sources.a.destination.stream"]);
     }
 
     /// Every auth setting the scheme does not read is named at once, each at its key.
