@@ -40,7 +40,9 @@
 //!   so an interrupted copy leaves only whole segments and `*.tmp` garbage.
 //! - A copy that did not finish is never taken for a log: a `salvage-incomplete` file
 //!   is made durable in the new directory before its first segment, and removed
-//!   (durably) only once the copy is whole and confirmed (no writer started under it).
+//!   (durably) only once the copy is whole and confirmed: no writer took the log while
+//!   it was copied, whether it still holds it (the lock) or let it go again (what it
+//!   would leave changed, `watermark::footprint`, is the same before and after).
 //!   Every open, `verify` included, refuses a directory holding it
 //!   (`WalError::UnfinishedSalvage`), and so does a second copy into it.
 
@@ -325,11 +327,22 @@ fn copy_checked(
     if refuse_a_writer && matches!(read, Bound::Watermark(_)) {
         return Err(WalError::WriterRunning(src.to_path_buf()));
     }
+    // With no writer, what one that came and went while the copy was made would leave
+    // changed (it may have appended records the copy lacks).
+    let before = match read {
+        Bound::None => Some(crate::watermark::footprint(storage, src)?),
+        Bound::Watermark(_) => None,
+    };
     // A copy that failed is void too if a writer started under it (its recovery removes
     // or changes files the copy reads): unsettled, to be made again.
     let report = copy_bounded(storage, src, dst, read, progress)
         .map_err(|e| crate::watermark::unsettled_or(storage, src, read, e))?;
     crate::watermark::confirm_unbounded(storage, src, read)?;
+    if let Some(before) = before
+        && crate::watermark::footprint(storage, src)? != before
+    {
+        return Err(crate::watermark::unsettled(src, "a writer took the log and let it go again while it was copied"));
+    }
     crate::recovery::remove_durably(storage, dst, crate::SALVAGE_INCOMPLETE_FILE)?;
     Ok(report)
 }

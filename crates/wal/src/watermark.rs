@@ -182,6 +182,50 @@ pub(crate) fn confirm_unbounded(storage: &dyn Storage, dir: &Path, bound: Bound)
     Ok(())
 }
 
+/// What a writer that took the log and let it go again leaves changed, read with no
+/// writer holding it: each segment file's name and length, and the bytes of the
+/// clean-shutdown marker and of the watermark. Every writable open removes the
+/// watermark and makes a new one, which names what it synced; a clean close writes the
+/// marker, which names the tail's length. So a writer that appended between two
+/// footprints (holding the lock at neither, which [`confirm_unbounded`] alone cannot
+/// see) changes one of them; one that appended nothing may change none, and then
+/// nothing a read made between them could have missed.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct Footprint(Vec<(String, Vec<u8>)>);
+
+/// The largest of the two small files a footprint reads whole (the marker and the
+/// watermark are tens of bytes).
+const FOOTPRINT_FILE_MAX_BYTES: usize = 4096;
+
+pub(crate) fn footprint(storage: &dyn Storage, dir: &Path) -> Result<Footprint> {
+    let mut names = storage.list_dir(dir).map_err(|e| WalError::io(dir, e))?;
+    names.sort();
+    let mut out = Vec::new();
+    for name in names {
+        let whole = name == crate::CLEAN_MARKER_FILE || name == WATERMARK_FILE;
+        if !whole && crate::format::parse_segment_file_name(&name).is_none() {
+            continue;
+        }
+        let path = dir.join(&name);
+        let file = match storage.open(&path, OpenMode::Read) {
+            Ok(f) => f,
+            // Removed since the listing: the change shows as the name missing.
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(WalError::io(&path, e)),
+        };
+        let what = if whole {
+            let mut b = vec![0u8; FOOTPRINT_FILE_MAX_BYTES];
+            let got = read_up_to_at(&*file, &mut b, 0).map_err(|e| WalError::io(&path, e))?;
+            b.truncate(got);
+            b
+        } else {
+            file.len().map_err(|e| WalError::io(&path, e))?.to_le_bytes().to_vec()
+        };
+        out.push((name, what));
+    }
+    Ok(Footprint(out))
+}
+
 pub(crate) fn unsettled(dir: &Path, why: &str) -> WalError {
     WalError::Unsettled { dir: dir.to_path_buf(), why: why.to_string() }
 }

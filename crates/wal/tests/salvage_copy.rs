@@ -715,3 +715,40 @@ fn a_frame_found_after_damage_claiming_an_offset_its_position_cannot_hold_is_pas
     assert_eq!(copied(&sim), vec![(0, 0), (3, 3)], "{report:?}");
     assert!(report.end_offset < 1_000_000, "the copy continues at {}", report.end_offset);
 }
+
+/// A writer that takes the log and lets it go again while the copy is made (a daemon
+/// started and stopped: the lock is held neither when the copy begins nor when it ends)
+/// voids the copy: it may have appended records the copy lacks, and a copy swapped in
+/// for the log would lose them. Checked only for the lock at the end, the copy stood,
+/// without the record appended under it.
+#[test]
+fn a_writer_that_came_and_went_during_the_copy_voids_it() {
+    for stop in ["clean", "crash"] {
+        let sim = SimStorage::new();
+        let opts = WalOptions { segment_max_bytes: 3 << 20, max_bytes: 64 << 20, ..small_options() };
+        let wal = open(&sim, opts.clone());
+        append_tagged(&wal, 0..300, 10_000);
+        rt().block_on(wal.close()).unwrap();
+        drop(wal);
+        let out = PathBuf::from(format!("/sim/copy-{stop}"));
+        let mut came = false;
+        let copied = salvage_copy_with_progress(&sim, &dir(), &out, &mut |_| {
+            if std::mem::replace(&mut came, true) {
+                return;
+            }
+            let wal = open(&sim, opts.clone());
+            append_tagged(&wal, 300..301, 100);
+            if stop == "clean" {
+                rt().block_on(wal.close()).unwrap();
+            }
+        });
+        assert!(came, "{stop}: no progress told");
+        match copied {
+            Err(e @ wal::WalError::Unsettled { .. }) => assert!(e.to_string().contains("let it go again"), "{e}"),
+            other => panic!("{stop}: the copy stood: {other:?}"),
+        }
+        // Made again, the copy holds the record.
+        let again = PathBuf::from(format!("/sim/again-{stop}"));
+        assert_eq!(salvage_copy(&sim, &dir(), &again).unwrap().records, 301, "{stop}");
+    }
+}
