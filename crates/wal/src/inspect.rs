@@ -4,8 +4,10 @@
 //! beside a running writer (seeing the log as of the moment it looked).
 //!
 //! Invariants:
-//! - `verify` reads every byte of every segment once and reports every problem it can
-//!   reach, each with a file and byte position; it never stops at the first.
+//! - `verify` reads every segment once and reports every problem it can reach, each
+//!   with a file and byte position: a segment's walk ends at its first frame that does
+//!   not check (what follows cannot be told from a payload), but every other segment is
+//!   walked, and a damaged segment's seal still says where its successor must begin.
 //! - A torn tail (what the next writable open would cut) is reported apart from damage:
 //!   it is the normal trace of a crash, not a loss.
 
@@ -141,7 +143,8 @@ impl VerifyReport {
 }
 
 /// Checks every segment header, every frame checksum and the offset sequence across
-/// segments. Returns `Err` only when the directory cannot be read at all.
+/// segments. Returns `Err` when a read fails (never taken for damage), and for a
+/// segment of another format version (refused by name, as the open does).
 ///
 /// Beside a running writer it checks only what the writer's durable watermark covers
 /// (see `watermark.rs`): bytes written but not yet synced are neither read nor reported.
@@ -275,6 +278,16 @@ fn verify_bounded(
         report.bytes = report.bytes.saturating_add(*len);
         done = done.saturating_add(*len);
         expected_base = out.sealed;
+        if out.stop.is_some() && i < last {
+            // The walk ended at damage before the seal: the seal, at the segment's end,
+            // may still check and say where the successor must begin (a segment missing
+            // after the damaged one is then reported too).
+            expected_base = match crate::scan::read_seal(&**file, path, *base, *len) {
+                Ok(seal) => Some(seal),
+                Err(e) if e.is_corruption() => None,
+                Err(e) => return Err(e),
+            };
+        }
         let why = if bound.is_some() { "in bytes the running writer synced" } else { "in a tail closed cleanly" };
         match out.stop {
             // A frame the writer never writes (a seal not above its segment's base: an

@@ -171,6 +171,27 @@ fn damage_in_a_sealed_segment_is_found_by_readers_and_verify() {
     assert_eq!(report.problems[0].location.file, seg_path(0));
 }
 
+/// Damage in a sealed segment ends the walk of that segment, not the check of what
+/// follows: its seal still says where the successor must begin, so a segment missing
+/// right after it is reported too. Without the seal read, verify said the log had one
+/// problem, and a script that salvaged by it would not know records were gone.
+#[test]
+fn verify_reports_a_segment_missing_after_a_damaged_one() {
+    let sim = SimStorage::new();
+    fill(&sim, &small_options(), 200, 100);
+    let names = segment_files(&sim, &dir());
+    assert!(names.len() >= 4, "{names:?}");
+    flip(&sim, &seg_path(0), 500);
+    sim.remove_file(&dir().join(&names[1])).unwrap();
+    let report = wal::inspect::verify(&sim, &dir(), &mut |_| {}).unwrap();
+    let found: Vec<(&Path, &str)> =
+        report.problems.iter().map(|p| (p.location.file.as_path(), p.what.as_str())).collect();
+    assert_eq!(found.len(), 2, "{found:?}");
+    assert_eq!(found[0].0, seg_path(0));
+    assert_eq!(found[1].0, dir().join(&names[2]));
+    assert!(found[1].1.starts_with("offsets do not continue"), "{found:?}");
+}
+
 /// A seal the writer could not have written (inside a batch whose last record is missing)
 /// is named as such, not as an offset that was expected where it stands.
 #[test]
