@@ -137,7 +137,23 @@ pub struct IggySinkConfig {
     /// without balanced and keyed messages. Five minutes by default, the age at which
     /// Kafka's producers refresh the same knowledge (`metadata.max.age.ms`).
     pub connection_max_age: Duration,
+    /// How long a call may wait for a new connection (its connect, and the connects
+    /// queued ahead of it: one runs at a time) and still go out on it; past it, the call
+    /// fails `Unavailable` and leaves the connection to its retry (see
+    /// [`IggySink::take`]). [`fresh_connection_usable_for`] of the shortest result
+    /// timeout the router is given; [`FRESH_CONNECTION_USABLE_FOR_MIN`] by default.
+    pub fresh_connection_usable_for: Duration,
     pub topic_defaults: TopicDefaults,
+}
+
+/// [`IggySinkConfig::fresh_connection_usable_for`] for a router whose shortest result
+/// timeout is `result_timeout`: a quarter of it, so that a call that waited that long
+/// for its connection still has three quarters of its timeout for its request (with
+/// less, a connect slower than what is left would have every try cut short, its
+/// connection dropped, and a new connect made for the next: never a send), and never
+/// less than [`FRESH_CONNECTION_USABLE_FOR_MIN`].
+pub fn fresh_connection_usable_for(result_timeout: Duration) -> Duration {
+    (result_timeout / 4).max(FRESH_CONNECTION_USABLE_FOR_MIN)
 }
 
 impl Default for IggySinkConfig {
@@ -153,6 +169,7 @@ impl Default for IggySinkConfig {
             reconnection_interval: Duration::from_millis(500),
             connect_timeout: CLIENT_REPLY_TIMEOUT,
             connection_max_age: CONNECTION_MAX_AGE_DEFAULT,
+            fresh_connection_usable_for: fresh_connection_usable_for(Duration::from_secs(10)),
             topic_defaults: TopicDefaults::default(),
         }
     }
@@ -227,10 +244,9 @@ pub const CLIENT_REPLY_TIMEOUT: Duration = Duration::from_secs(30);
 /// a connection, so only lateness can let the client's fire first).
 pub const MAX_RESULT_TIMEOUT: Duration = Duration::from_secs(25);
 
-/// How long a call may wait for a new connection and still go out on it (see
-/// [`IggySink::take`]): far above a connect on a working network, far below any result
-/// timeout worth configuring.
-const FRESH_CONNECTION_USABLE_FOR: Duration = Duration::from_millis(250);
+/// The least [`IggySinkConfig::fresh_connection_usable_for`]: above one connect on a
+/// working network, below any result timeout worth configuring.
+pub const FRESH_CONNECTION_USABLE_FOR_MIN: Duration = Duration::from_millis(250);
 
 /// Why a connect failed.
 #[derive(Debug)]
@@ -414,7 +430,8 @@ impl IggySink {
         }
         let started = std::time::Instant::now();
         self.connect().await?;
-        let connection = (started.elapsed() < FRESH_CONNECTION_USABLE_FOR).then(|| self.idle().pop()).flatten();
+        let usable = started.elapsed() < self.config.fresh_connection_usable_for;
+        let connection = usable.then(|| self.idle().pop()).flatten();
         connection.map(|connection| Taken { connection }).ok_or_else(|| {
             SendError::new(SendErrorKind::Unavailable, "connected to the server; the call goes out on the next try")
         })
@@ -1161,6 +1178,34 @@ mod tests {
         assert_eq!(sink.idle().len(), 2, "the live connections were dropped, or the closed one kept");
         assert!(sink.connect_wait().is_none(), "connects paced");
         assert!(!sink.connecting(), "taken for the whole server");
+    }
+
+    /// Calls that queue behind one another's connects (one connect runs at a time) go
+    /// out on their new connections when they waited less than a quarter of the result
+    /// timeout. With a fixed 250 ms, every call behind connects slower than that failed
+    /// "unavailable" (counted against its lane, which backed off) on a server that
+    /// answered every request.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn calls_queued_behind_slow_connects_go_out_within_a_quarter_of_the_result_timeout() {
+        assert_eq!(fresh_connection_usable_for(Duration::from_secs(10)), Duration::from_millis(2500));
+        assert_eq!(fresh_connection_usable_for(Duration::from_millis(100)), FRESH_CONNECTION_USABLE_FOR_MIN);
+        let broker = test_broker::TestBroker::start(test_broker::TestBrokerConfig::default()).await.unwrap();
+        broker.set_delay(Duration::from_millis(60));
+        let config = IggySinkConfig {
+            address: broker.addr().to_string(),
+            fresh_connection_usable_for: fresh_connection_usable_for(Duration::from_secs(10)),
+            ..IggySinkConfig::default()
+        };
+        let sink = Arc::new(IggySink::new(&config).unwrap());
+        let calls: Vec<_> = (0..3)
+            .map(|i| {
+                let sink = sink.clone();
+                tokio::spawn(async move { sink.ensure(&DestinationKey::new("s", &format!("t{i}"))).await })
+            })
+            .collect();
+        for call in calls {
+            call.await.unwrap().expect("a call failed on a server that answers");
+        }
     }
 
     /// A balanced send to a topic whose partitions were all deleted fails as the

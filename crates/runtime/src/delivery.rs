@@ -528,6 +528,10 @@ pub fn check(section: &RouterSection, iggy: &IggyConfig, sources: &[String]) -> 
             format!("must be {CONNECTION_MAX_AGE_MIN_MS} to {} (one second to one day)", max_duration_ms()),
         ));
     }
+    let shortest_result_timeout = per_source
+        .values()
+        .map(|p: &Arc<RouterPolicy>| p.batch.result_timeout)
+        .fold(default.batch.result_timeout, Duration::min);
     let sink = IggySinkConfig {
         address: iggy.address.clone(),
         username: iggy.username.clone(),
@@ -539,6 +543,7 @@ pub fn check(section: &RouterSection, iggy: &IggyConfig, sources: &[String]) -> 
         reconnection_interval: Duration::from_millis(iggy.reconnection_interval_ms.max(1)),
         connect_timeout: router::iggy_sink::CLIENT_REPLY_TIMEOUT,
         connection_max_age: Duration::from_millis(iggy.connection_max_age_ms.max(CONNECTION_MAX_AGE_MIN_MS)),
+        fresh_connection_usable_for: router::iggy_sink::fresh_connection_usable_for(shortest_result_timeout),
         topic_defaults: TopicDefaults {
             partitions_count,
             message_expiry: (t.message_expiry_secs > 0).then(|| Duration::from_secs(t.message_expiry_secs)),
