@@ -1200,7 +1200,7 @@ mod tests {
         let calls: Vec<_> = (0..3)
             .map(|i| {
                 let sink = sink.clone();
-                tokio::spawn(async move { sink.ensure(&DestinationKey::new("s", &format!("t{i}"))).await })
+                tokio::spawn(async move { sink.ensure(&DestinationKey::new("s", format!("t{i}"))).await })
             })
             .collect();
         for call in calls {
