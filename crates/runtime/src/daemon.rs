@@ -150,7 +150,8 @@ impl ShutdownReport {
 impl RunningDaemon {
     /// Starts the shutdown sequence (idempotent).
     pub fn shutdown(&self) {
-        let _ = self.shutdown_tx.send(true);
+        // Kept whether or not a receiver is there to see it (`send` would drop it).
+        self.shutdown_tx.send_replace(true);
     }
 
     /// Resolves once the shutdown sequence started, whether asked for or because a task
@@ -338,19 +339,7 @@ pub async fn start(mut settings: Settings, metrics: Option<PrometheusHandle>) ->
     let drain_delay = settings.drain_delay;
     let stop_tx = shutdown_tx.clone();
     let task = tokio::spawn(async move {
-        let mut failed_task = tokio::select! {
-            _ = stopped(shutdown_rx) => None,
-            Some(name) = failed_rx.recv() => Some(name),
-        };
-        if let Some(name) = failed_task {
-            tracing::error!(
-                task = name,
-                "a task the daemon cannot run without panicked (its message is above): stopping, exit status 1; \
-                 every event answered 200 is in the log"
-            );
-            // `stopping()` resolves for whoever waits on it (the binary's signal wait).
-            let _ = stop_tx.send(true);
-        }
+        let mut failed_task = until_stop_or_failure(shutdown_rx, &mut failed_rx, &stop_tx).await;
         tracing::info!("shutting down: draining");
         // Health first, so that a load balancer sends new traffic elsewhere; what still
         // arrives meanwhile is served (each 200 durable as ever), not refused.
@@ -587,6 +576,34 @@ pub const STOP_PAST_GRACE_MAX: Duration = Duration::from_millis(
         + RUNTIME_STOP_MAX.as_millis() as u64,
 );
 
+/// Waits until a stop is asked for (`shutdown_rx`) or a task the daemon cannot run
+/// without fails (`failed_rx`), and returns the failed task's name. A failure is
+/// announced on `stop_tx` as a stop, for whoever waits on `stopping()` (the binary's
+/// signal wait) at any time from now: the value is replaced whether or not a receiver is
+/// there. With `send`, a failure before the binary's first wait (between the listeners
+/// starting and its `select!`) left the value false once `shutdown_rx` was dropped here:
+/// the daemon drained and closed everything, and the process stayed up, waiting for a
+/// signal.
+async fn until_stop_or_failure(
+    shutdown_rx: watch::Receiver<bool>,
+    failed_rx: &mut tokio::sync::mpsc::UnboundedReceiver<&'static str>,
+    stop_tx: &watch::Sender<bool>,
+) -> Option<&'static str> {
+    let failed_task = tokio::select! {
+        _ = stopped(shutdown_rx) => None,
+        Some(name) = failed_rx.recv() => Some(name),
+    };
+    if let Some(name) = failed_task {
+        tracing::error!(
+            task = name,
+            "a task the daemon cannot run without panicked (its message is above): stopping, exit status 1; \
+             every event answered 200 is in the log"
+        );
+        stop_tx.send_replace(true);
+    }
+    failed_task
+}
+
 async fn stopped(mut rx: watch::Receiver<bool>) {
     // A dropped sender also means stop.
     let _ = rx.wait_for(|stop| *stop).await;
@@ -601,5 +618,30 @@ async fn checkpoint_loop(idempotency: Arc<IdempotencyIndex>, wal: Arc<Wal>, ever
             metrics::counter!("iggy_ingest_idempotency_checkpoint_failures_total").increment(1);
             tracing::error!(error = %e, "idempotency checkpoint failed (keys since the last one are rebuilt from the log on start)");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A task that fails before anyone waits for the stop (the binary subscribes to
+    /// `stopping()` only once it reaches its signal wait) still makes `stopping()`
+    /// resolve when it is waited for later. Announced with `send`, with no receiver
+    /// left, the stop was lost and the process outlived its own shutdown.
+    #[tokio::test]
+    async fn a_failure_before_anyone_waits_for_the_stop_still_stops_the_wait() {
+        let (stop_tx, shutdown_rx) = watch::channel(false);
+        let (failed_tx, mut failed_rx) = tokio::sync::mpsc::unbounded_channel();
+        failed_tx.send("checkpoint").unwrap();
+        assert_eq!(until_stop_or_failure(shutdown_rx, &mut failed_rx, &stop_tx).await, Some("checkpoint"));
+        let waited = tokio::time::timeout(Duration::from_secs(5), stopped(stop_tx.subscribe())).await;
+        assert!(waited.is_ok(), "the stop a failure announced was lost");
+
+        // A stop asked for is no failure.
+        let (stop_tx, shutdown_rx) = watch::channel(false);
+        let (_failed_tx, mut failed_rx) = tokio::sync::mpsc::unbounded_channel::<&'static str>();
+        stop_tx.send_replace(true);
+        assert_eq!(until_stop_or_failure(shutdown_rx, &mut failed_rx, &stop_tx).await, None);
     }
 }
