@@ -55,24 +55,33 @@ pub fn filter_for(level: &str) -> String {
     }
 }
 
+/// The filter the daemon logs by, from the configured `level` and `RUST_LOG`'s value
+/// (`env`), and why `RUST_LOG` was left out, when it was not a filter. `RUST_LOG`, when it
+/// is a filter, wins for what it names; one that sets no level for every target
+/// (`hyper=debug`) is added to the configured level, which stays the level of every
+/// other target: alone it would silence the daemon's own errors, and the warning that
+/// would say so. An empty one (`RUST_LOG=` in a unit or compose file) counts as unset.
+pub fn effective_filter(level: &str, env: Option<&str>) -> (String, Option<String>) {
+    let Some(value) = env.filter(|v| !normalized(v).is_empty()) else {
+        return (filter_for(level), None);
+    };
+    match parse(value) {
+        Err(why) => (filter_for(level), Some(why)),
+        Ok(_) if sets_default_level(value) => (filter_for(value), None),
+        Ok(_) => (filter_for(&format!("{},{}", normalized(level), normalized(value))), None),
+    }
+}
+
 pub fn init(level: &str, json: bool) {
-    // RUST_LOG, when set and valid, takes the configured level's place: through the same
-    // filter, so the client stays quiet there too unless it is named.
     let env = std::env::var(EnvFilter::DEFAULT_ENV).ok();
-    let refused = env.as_deref().and_then(|v| parse(v).err());
-    let from_env = env.as_deref().filter(|_| refused.is_none());
-    let filter = EnvFilter::try_new(filter_for(from_env.unwrap_or(level)))
-        .unwrap_or_else(|_| EnvFilter::new(filter_for("info")));
+    let (filter, refused) = effective_filter(level, env.as_deref());
+    let filter = EnvFilter::try_new(filter).unwrap_or_else(|_| EnvFilter::new(filter_for("info")));
     // Colours only for a terminal: a journal, a file or a log shipper gets plain text.
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(ansi);
     let _ = if json { builder.json().try_init() } else { builder.try_init() };
     if let (Some(value), Some(why)) = (&env, refused) {
         tracing::warn!(rust_log = %value, error = %why, level, "RUST_LOG is not a filter: the configured level is used");
-    } else if let Some(value) = from_env
-        && !sets_default_level(value)
-    {
-        tracing::warn!(rust_log = %value, "RUST_LOG sets no level for every target: only the targets it names log");
     }
 }
 
@@ -141,6 +150,30 @@ mod tests {
         fn flush(&mut self) -> std::io::Result<()> {
             Ok(())
         }
+    }
+
+    /// `RUST_LOG` wins for what it names; without a level for every target it is added
+    /// to the configured level, and empty it counts as unset: never a filter that
+    /// silences the daemon's own messages. Taken alone, `RUST_LOG=` and
+    /// `RUST_LOG=hyper=debug` left every daemon line, errors included, unwritten.
+    #[test]
+    fn rust_log_never_silences_the_daemon_unless_it_says_so() {
+        let daemon = ["iggy_ingest::daemon", "router::status"];
+        let logs_the_daemon = |env: Option<&str>| {
+            let (filter, refused) = effective_filter("info", env);
+            assert_eq!(refused, None, "{env:?}");
+            let out = written(&filter, &daemon);
+            out.contains("from iggy_ingest::daemon") && out.contains("from router::status")
+        };
+        for env in [None, Some(""), Some(" , "), Some("hyper=debug"), Some("info"), Some("iggy_ingest=debug")] {
+            assert!(logs_the_daemon(env), "{env:?}");
+        }
+        // What RUST_LOG sets for every target, or for a target it names, it sets.
+        assert!(!logs_the_daemon(Some("warn")));
+        assert!(!logs_the_daemon(Some("iggy_ingest=warn,router=warn")));
+        let (filter, refused) = effective_filter("info", Some("info,=x="));
+        assert!(refused.is_some(), "{filter}");
+        assert_eq!(filter, filter_for("info"));
     }
 
     /// The daemon's own messages pass at the configured level; the client's are off
