@@ -11,7 +11,7 @@
 
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use e2e::daemon::{Conn, Daemon, config_text, killed_by_sigkill, test_dir};
+use e2e::daemon::{Conn, Daemon, config_text, get, killed_by_sigkill, metric, test_dir};
 use e2e::destination::Destination;
 use e2e::load::{Figures, Ledger, Load, Target, sources_config};
 use rand::Rng;
@@ -182,6 +182,23 @@ async fn a_crash_between_the_write_and_the_sync_loses_nothing_acknowledged() {
     let held_at = load.ledger.acked();
     tokio::time::sleep(Duration::from_secs(3)).await;
     assert_eq!(load.ledger.acked(), held_at, "requests were answered while the log's writer was held before its sync");
+    // Held for longer, the log is stalled and says so (a disk that stopped answering a
+    // sync records no fsync latency, no error, nothing else): health is 503
+    // `log_stalled`, so a load balancer sends new events elsewhere, and the status and
+    // the metric give how long the writer has been stuck.
+    wait_for(Duration::from_secs(30), "health 503 log_stalled", async || {
+        get(daemon.admin, "/health")
+            .await
+            .is_some_and(|a| a.status == 503 && String::from_utf8_lossy(&a.body).contains("log_stalled"))
+    })
+    .await;
+    let busy = metric(daemon.admin, "iggy_ingest_wal_writer_busy_seconds").await.unwrap_or(0.0);
+    assert!(busy >= 10.0, "the writer held for over 10 s shown busy for {busy} s");
+    let status: serde_json::Value = get(daemon.admin, "/status")
+        .await
+        .and_then(|a| serde_json::from_slice(&a.body).ok())
+        .expect("a /status answer while the log is stalled");
+    assert!(status["log"]["writer_busy_ms"].as_u64().is_some_and(|ms| ms >= 10_000), "{}", status["log"]);
     target.set_down();
     daemon.kill9();
     daemon = Daemon::restart(dir.path(), &[]).await;

@@ -33,7 +33,17 @@ pub enum HealthState {
     Draining,
     LogStopped,
     LogUnavailable,
+    /// The log's writer has been in one write, sync or segment change for
+    /// [`LOG_STALLED_AFTER`] or more: a disk that stopped answering, every append
+    /// waiting behind it.
+    LogStalled,
 }
+
+/// How long the log's writer may be in one piece of work before health calls the log
+/// stalled. A sync takes milliseconds, a group's writes and sync on a busy disk well
+/// under a second: ten seconds is a disk that stopped answering, not a slow one, and
+/// long enough that a load balancer is never told to leave over one slow sync.
+pub const LOG_STALLED_AFTER: std::time::Duration = std::time::Duration::from_secs(10);
 
 impl HealthState {
     pub fn as_str(self) -> &'static str {
@@ -42,6 +52,7 @@ impl HealthState {
             HealthState::Draining => "draining",
             HealthState::LogStopped => "log_stopped",
             HealthState::LogUnavailable => "log_unavailable",
+            HealthState::LogStalled => "log_stalled",
         }
     }
 
@@ -83,6 +94,7 @@ impl Health {
         match self.log.get() {
             Some(wal) if !wal.accepts_appends() => HealthState::LogStopped,
             Some(wal) if wal.awaits_segment() => HealthState::LogUnavailable,
+            Some(wal) if wal.writer_busy_for().is_some_and(|d| d >= LOG_STALLED_AFTER) => HealthState::LogStalled,
             _ => HealthState::Accepting,
         }
     }

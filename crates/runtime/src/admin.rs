@@ -139,6 +139,7 @@ async fn status(State(s): State<Arc<Shared>>) -> Response {
             "max_bytes": stats.max_bytes,
             "full": s.wal.is_full(),
             "disk_full": s.wal.is_disk_full(),
+            "writer_busy_ms": s.wal.writer_busy_for().map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
         },
         "sources": sources,
         "router": s.delivery.status_json(),
@@ -182,6 +183,9 @@ async fn metrics(State(s): State<Arc<Shared>>) -> Response {
     match &s.metrics {
         Some(handle) => {
             crate::delivery::publish_connector_statuses(&s.delivery, s.status.sources.keys());
+            // Measured now: a writer stuck in a sync records nothing else.
+            let busy = s.wal.writer_busy_for().map_or(0.0, |d| d.as_secs_f64());
+            metrics::gauge!("iggy_ingest_wal_writer_busy_seconds").set(busy);
             ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], handle.render()).into_response()
         }
         None => ApiError::not_found("metrics are not installed in this process").into_response(),

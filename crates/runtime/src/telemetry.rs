@@ -90,6 +90,12 @@ pub fn catalog() -> Vec<Metric> {
             "1 while the log takes no append until a restart (a write or sync it could not undo; health 503 log_stopped)",
         ),
         m(
+            "iggy_ingest_wal_writer_busy_seconds",
+            Gauge,
+            &[],
+            "How long the log's writer has been in its current write, sync or segment change, 0 while it waits (measured at each scrape; health 503 log_stalled from 10 s)",
+        ),
+        m(
             "iggy_ingest_wal_awaiting_segment",
             Gauge,
             &[],

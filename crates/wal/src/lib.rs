@@ -310,6 +310,14 @@ impl Wal {
             && !self.shared.poisoned.load(Ordering::Acquire)
     }
 
+    /// How long the writer has been in its current piece of work (a group's writes and
+    /// sync, an interval sync, a segment change or deletion); `None` while it waits for
+    /// appends. A sync takes milliseconds; a figure in seconds that keeps growing is a
+    /// disk that stopped answering, with every append waiting behind it.
+    pub fn writer_busy_for(&self) -> Option<std::time::Duration> {
+        self.shared.writer_busy_for()
+    }
+
     /// True while the active segment is sealed and the writer could not create its
     /// successor (a storage error: a full disk, a directory it cannot write): every
     /// append fails until it can. Unlike [`Wal::accepts_appends`] this clears without a

@@ -58,6 +58,12 @@ pub(crate) struct Shared {
     /// Set when a write, sync or segment creation failed for want of space on the file
     /// system (ENOSPC, EDQUOT), cleared when a write or a segment creation succeeds.
     pub disk_full: AtomicBool,
+    /// When the writer began the work it is in (a group's writes and sync, an interval
+    /// sync, a segment change or deletion), in nanoseconds past `origin` plus one; 0
+    /// while it waits for commands. What tells a disk that stopped answering (a sync
+    /// that never returns) from a quiet log: nothing else moves then.
+    busy_since_nanos: AtomicU64,
+    origin: std::time::Instant,
 }
 
 impl Shared {
@@ -86,7 +92,26 @@ impl Shared {
             awaits_segment: AtomicBool::new(false),
             full: AtomicBool::new(false),
             disk_full: AtomicBool::new(false),
+            busy_since_nanos: AtomicU64::new(0),
+            origin: std::time::Instant::now(),
         }
+    }
+
+    /// The writer begins a piece of work (see `busy_since_nanos`).
+    pub(crate) fn writer_busy(&self) {
+        let since = u64::try_from(self.origin.elapsed().as_nanos()).unwrap_or(u64::MAX - 1);
+        self.busy_since_nanos.store(since.saturating_add(1), Ordering::Release);
+    }
+
+    /// The writer is done with it and waits for commands again.
+    pub(crate) fn writer_idle(&self) {
+        self.busy_since_nanos.store(0, Ordering::Release);
+    }
+
+    /// How long the writer has been in its current piece of work; `None` while it waits.
+    pub(crate) fn writer_busy_for(&self) -> Option<std::time::Duration> {
+        let since = self.busy_since_nanos.load(Ordering::Acquire).checked_sub(1)?;
+        Some(self.origin.elapsed().saturating_sub(std::time::Duration::from_nanos(since)))
     }
 
     pub(crate) fn segments(&self) -> RwLockReadGuard<'_, Vec<Arc<SegmentRef>>> {

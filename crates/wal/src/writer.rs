@@ -153,6 +153,7 @@ impl Writer {
             // empties would otherwise hold a due interval sync off for as long as the
             // load lasts (and with it readers and the power-loss window).
             let now = Instant::now();
+            self.shared.writer_busy();
             if self.sync_deadline().is_some_and(|deadline| deadline <= now) {
                 self.sync_interval_writes();
             }
@@ -162,6 +163,7 @@ impl Writer {
             if self.deletion_retry_at.is_some_and(|at| at <= now) {
                 self.retry_deletion();
             }
+            self.shared.writer_idle();
             let deadline =
                 [self.sync_deadline(), self.successor_retry_at, self.deletion_retry_at].into_iter().flatten().min();
             let first = match deadline {
@@ -186,7 +188,10 @@ impl Writer {
                     Err(_) => break,
                 }
             }
-            if self.handle(group) {
+            self.shared.writer_busy();
+            let closed = self.handle(group);
+            self.shared.writer_idle();
+            if closed {
                 self.shared.mark_closed();
                 return;
             }

@@ -369,3 +369,31 @@ fn an_observed_append_is_seen_once_durable_also_when_its_caller_stopped_waiting(
         assert_eq!(after.first_offset, 3, "a failed append took an offset");
     });
 }
+
+/// The log says how long its writer has been in its current piece of work while it is
+/// in it, and nothing while it waits: a write the disk takes long to finish shows, and
+/// grows, before it returns (a stuck sync records no latency, no error, nothing else).
+#[test]
+fn the_writer_says_how_long_it_has_been_in_a_write_while_it_is_in_it() {
+    let sim = SimStorage::new();
+    let slow = SlowWrites { write_delay: Duration::from_millis(600) };
+    let storage = Arc::new(HookedStorage::new(Arc::new(sim), slow));
+    let wal = Arc::new(wal::Wal::open_with(storage, &dir(), common::small_options()).unwrap());
+    assert_eq!(wal.writer_busy_for(), None, "busy while waiting for appends");
+    let appending = {
+        let wal = wal.clone();
+        std::thread::spawn(move || rt().block_on(wal.append(vec![payload(1, 64)])))
+    };
+    std::thread::sleep(Duration::from_millis(200));
+    let early = wal.writer_busy_for().expect("not busy inside a write");
+    std::thread::sleep(Duration::from_millis(200));
+    let later = wal.writer_busy_for().expect("not busy inside a write");
+    assert!(early >= Duration::from_millis(100) && later >= early + Duration::from_millis(100), "{early:?} {later:?}");
+    appending.join().unwrap().unwrap();
+    // The answer goes out just before the writer is done with its group.
+    let idle_by = std::time::Instant::now() + Duration::from_secs(5);
+    while wal.writer_busy_for().is_some() {
+        assert!(std::time::Instant::now() < idle_by, "still busy after the append was answered");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
