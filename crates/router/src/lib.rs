@@ -205,6 +205,12 @@ impl Troubles {
     }
 }
 
+/// The router's reason while nothing troubles it: running says the router works (it
+/// reads the log, holds and routes), not that anything was delivered. Right after the
+/// start, with no destination yet or with Iggy not yet answered, none is degraded
+/// either; what each destination did is its own status.
+const ROUTER_RUNNING_REASON: &str = "no destination is degraded";
+
 impl RouterHealth {
     fn new() -> RouterHealth {
         RouterHealth { cell: StatusCell::new("router", "router"), troubles: Mutex::default() }
@@ -223,7 +229,7 @@ impl RouterHealth {
             return;
         }
         let (to, why) =
-            t.verdict(None).unwrap_or_else(|| (Status::Running, "every destination is delivering".to_string()));
+            t.verdict(None).unwrap_or_else(|| (Status::Running, ROUTER_RUNNING_REASON.to_string()));
         self.cell.set(to, &why);
     }
 
@@ -991,7 +997,7 @@ mod tests {
         };
         std::thread::sleep(std::time::Duration::from_millis(100));
         // Its second half.
-        health.cell.set(read, "every destination is delivering");
+        health.cell.set(read, ROUTER_RUNNING_REASON);
         drop(guard);
         stopper.join().unwrap();
         assert_eq!(health.cell.get(), Status::Stopping);
@@ -1059,7 +1065,7 @@ mod tests {
     fn a_dead_letter_lane_on_its_way_to_degraded_is_not_made_running_by_another_lane() {
         let health = RouterHealth::new();
         health.started();
-        health.cell.set(Status::Running, "every destination is delivering");
+        health.cell.set(Status::Running, ROUTER_RUNNING_REASON);
         let key = LaneKey { source: "s".into(), destination: DestinationKey::new("dlq", "rejected") };
         let lane = StatusCell::new("destinations", "s/dlq/rejected");
         assert_eq!(lane.get(), Status::Starting);
