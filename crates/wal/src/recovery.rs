@@ -540,6 +540,7 @@ fn finish(
                 unsynced_since: None,
                 successor_retry_at: None,
                 deletion_retry_at: None,
+                deletion_failing: false,
                 buf: Vec::new(),
                 removal_unsynced: false,
                 watermark,

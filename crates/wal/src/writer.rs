@@ -134,6 +134,11 @@ pub(crate) struct Writer {
     pub successor_retry_at: Option<Instant>,
     /// Set while deleting released segments last failed: when to try again.
     pub deletion_retry_at: Option<Instant>,
+    /// The last deletion of released segments failed: a storage error is counted once
+    /// for a run of failures, as for a segment creation, not at every try (each release
+    /// and the retry every second would count one removal that keeps failing many
+    /// times a second).
+    pub deletion_failing: bool,
     pub buf: Vec<u8>,
     /// Set when a segment was removed but the directory sync after it failed: until a
     /// directory sync succeeds, that removal may be undone by a power loss, so no later
@@ -663,9 +668,12 @@ impl Writer {
         let used_before = self.shared.used_bytes.load(Ordering::Acquire);
         let deleted = self.try_delete_released();
         if deleted.is_err() {
-            metrics::counter!("iggy_ingest_wal_storage_errors_total").increment(1);
+            if !std::mem::replace(&mut self.deletion_failing, true) {
+                metrics::counter!("iggy_ingest_wal_storage_errors_total").increment(1);
+            }
             self.deletion_retry_at = Some(Instant::now() + DELETION_RETRY_INTERVAL);
         } else {
+            self.deletion_failing = false;
             self.deletion_retry_at = None;
         }
         // Also after a removal that failed part of the way: what was removed before it

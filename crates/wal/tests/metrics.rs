@@ -57,12 +57,16 @@ fn waiting_for_a_segment_counts_one_storage_error_and_is_a_gauge_and_a_failed_re
     assert_eq!(value(&r, "iggy_ingest_wal_storage_errors_total"), 1.0, "{r}");
 
     // A released segment whose removal fails is a storage error too: space the log
-    // cannot free fills it. The release that succeeds then counts nothing.
+    // cannot free fills it. Once for a run of failures (each release, and the writer's
+    // retry every second, tries again), as for a segment; the release that succeeds
+    // then counts nothing.
     append_tagged(&wal, 6..12, 1000);
     let (segments, below) = (wal.stats().segments, wal.next_offset());
     assert!(segments > 1, "{:?}", wal.stats());
-    sim.fail_nth(FaultOp::Metadata, 1, ErrorKind::PermissionDenied);
-    assert!(rt().block_on(wal.release_below(below)).is_err());
+    for _ in 0..3 {
+        sim.fail_nth(FaultOp::Metadata, 1, ErrorKind::PermissionDenied);
+        assert!(rt().block_on(wal.release_below(below)).is_err());
+    }
     assert_eq!(value(&handle.render(), "iggy_ingest_wal_storage_errors_total"), 2.0);
     let released = rt().block_on(wal.release_below(below)).unwrap();
     assert!(released.segments_deleted > 0);
