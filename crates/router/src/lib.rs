@@ -228,8 +228,7 @@ impl RouterHealth {
         if !settles {
             return;
         }
-        let (to, why) =
-            t.verdict(None).unwrap_or_else(|| (Status::Running, ROUTER_RUNNING_REASON.to_string()));
+        let (to, why) = t.verdict(None).unwrap_or_else(|| (Status::Running, ROUTER_RUNNING_REASON.to_string()));
         self.cell.set(to, &why);
     }
 

@@ -129,7 +129,12 @@ pub fn catalog() -> Vec<Metric> {
             "Time to answer a request to a source, whatever the answer (for a 200: append and sync included)",
         ),
         m("iggy_ingest_auth_failures_total", Counter, &["source", "reason"], "Webhook requests that failed auth"),
-        m("iggy_ingest_events_accepted_total", Counter, &["source"], "Events answered 200 (durable in the log)"),
+        m(
+            "iggy_ingest_events_accepted_total",
+            Counter,
+            &["source"],
+            "Events the log took for the source's requests (answered 200, or durable after their client went away)",
+        ),
         m(
             "iggy_ingest_idempotent_replays_total",
             Counter,
