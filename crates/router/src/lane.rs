@@ -922,7 +922,7 @@ async fn run<S: Sink, C: CursorStore>(lane: Arc<Lane>, mut ctx: LaneContext<S, C
     // ends ([`SendSlots::catch_up`], [`SendSlots::read_back`]).
     let mut leave: Option<tokio::sync::OwnedSemaphorePermit> = None;
     // The status a failed log read put the lane in Error from, to return to.
-    let mut before_read_error: Option<Status> = None;
+    let mut before_read_error: Option<(Status, String)> = None;
     loop {
         if *ctx.shutdown.borrow() {
             break;
@@ -983,9 +983,9 @@ async fn run<S: Sink, C: CursorStore>(lane: Arc<Lane>, mut ctx: LaneContext<S, C
                     }
                     Err(e) => {
                         // The log could not be read (damage): say so and keep trying, slowly.
-                        let now = lane.status.get();
-                        if now != Status::Error {
-                            before_read_error = Some(now);
+                        let now = lane.status.snapshot();
+                        if now.status != Status::Error {
+                            before_read_error = Some((now.status, now.reason));
                         }
                         lane.status.record_error(&e);
                         ctx.router_status.lane_failed(&lane.key, &lane.status, "cannot read the log");
@@ -2226,15 +2226,21 @@ async fn dead_letter<S: Sink, C>(
 /// status it had before (`before`), and the router told. Reading is not delivering: a
 /// lane that never had a send acknowledged is Starting again, and a Degraded one stays
 /// Degraded (its queue still given back) until a send succeeds.
-fn reads_again<S, C>(lane: &Lane, ctx: &LaneContext<S, C>, before: &mut Option<Status>) {
+fn reads_again<S, C>(lane: &Lane, ctx: &LaneContext<S, C>, before: &mut Option<(Status, String)>) {
     if lane.status.get() != Status::Error {
         return;
     }
-    let to = match before.take() {
-        Some(s @ (Status::Starting | Status::Degraded)) => s,
-        _ => Status::Running,
-    };
-    ctx.router_status.lane_reads_again(&lane.key, &lane.status, to, "the log reads again");
+    match before.take() {
+        // Degraded for a reason the read error did not change: that reason again, not
+        // "the log reads again", which says nothing of why it is degraded.
+        Some((Status::Degraded, why)) => {
+            ctx.router_status.lane_reads_again(&lane.key, &lane.status, Status::Degraded, &why)
+        }
+        Some((Status::Starting, _)) => {
+            ctx.router_status.lane_reads_again(&lane.key, &lane.status, Status::Starting, "the log reads again")
+        }
+        _ => ctx.router_status.lane_reads_again(&lane.key, &lane.status, Status::Running, "the log reads again"),
+    }
 }
 
 /// The `failures`th failure in a row: shown (snapshot and status), and the lane Degraded

@@ -251,6 +251,42 @@ fn a_failed_log_read_is_an_error_until_the_log_reads_again() {
     });
 }
 
+/// A Degraded lane whose re-read of the log fails, and then reads again, is Degraded
+/// for the reason it was before, not for "the log reads again", which said nothing of why
+/// its sends fail.
+#[test]
+fn a_degraded_lane_that_reads_the_log_again_keeps_its_reason() {
+    with_metrics(false, |_snap| async move {
+        let sim = SimStorage::new();
+        let wal = open_wal(&sim);
+        let sink = FaultySink::new();
+        let d = key("r", "1");
+        let want = fill(&wal, std::slice::from_ref(&d), 0, 20).await;
+        sink.client_fault(Some(SendErrorKind::Disconnected));
+        let router = start_router(&wal, &sink, overflowing_policy());
+        eventually(Duration::from_secs(10), "degraded and re-reading", || {
+            router.destinations().first().is_some_and(|lane| lane.status == Status::Degraded && lane.overflowed)
+        })
+        .await;
+        let degraded_for = router.destinations()[0].status_reason.clone();
+        assert!(degraded_for.contains("consecutive failures"), "{degraded_for}");
+        // From here a send is never answered: the try after the read waits out its whole
+        // result timeout (2 s), so nothing else sets the reason meanwhile.
+        sink.fault(&d, Some(Fault::BlackHole));
+        sink.client_fault(None);
+        sim.fail_nth(FaultOp::Read, 1, std::io::ErrorKind::Other);
+        eventually(Duration::from_secs(10), "lane error", || router.destinations()[0].status == Status::Error).await;
+        eventually(Duration::from_secs(10), "degraded again", || router.destinations()[0].status == Status::Degraded)
+            .await;
+        let reason = router.destinations()[0].status_reason.clone();
+        assert!(reason.contains("consecutive failures"), "degraded for {reason:?}");
+        sink.fault(&d, None);
+        eventually(Duration::from_secs(10), "drained", || sink.ids(&d).len() == 20).await;
+        assert_eq!(sink.ids(&d), want[&d], "lost, reordered or duplicated");
+        router.shutdown().await;
+    });
+}
+
 /// A connector's delivery status shows the troubles that affect it, never another's: a
 /// lane of connector x that cannot read the log puts the router and x in Error, while y,
 /// whose destination is fine, keeps Running. The dispatcher's own read failure affects
