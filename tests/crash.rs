@@ -11,7 +11,7 @@
 
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use e2e::daemon::{Conn, Daemon, config_text, get, killed_by_sigkill, metric, test_dir};
+use e2e::daemon::{Conn, Daemon, config_text, daemon_bin, get, killed_by_sigkill, metric, test_dir};
 use e2e::destination::Destination;
 use e2e::load::{Figures, Ledger, Load, Target, sources_config};
 use rand::Rng;
@@ -668,4 +668,48 @@ async fn a_crash_between_a_keyed_append_and_its_recorded_id_answers_every_retry_
     let status = e2e::daemon::get(daemon.admin, "/status").await.expect("status").json();
     assert_eq!(status["log"]["next_offset"], HIT, "a retry was appended again: {status}");
     assert!(daemon.stop().await.success());
+}
+
+/// A start refused after the log opened (here, a state database of another schema
+/// version) closes the log again, bounded as a stop's close is: with the disk not
+/// answering that close (the writer held at its last sync), the start still ends, exit 2
+/// within the close's bound (10 s), instead of hanging with its listeners bound and
+/// unserved while its service manager shows it active. The log is then not marked
+/// clean, and the next start recovers it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_start_whose_log_close_hangs_still_ends() {
+    let dest = Destination::broker().await;
+    let stream = unique("refused-start");
+    let dir = test_dir(&stream);
+    let config = config_text(dir.path(), &dest.daemon_address(), &rest(&stream, 65536));
+    let daemon = Daemon::start(dir.path(), &config, &[]).await;
+    assert!(daemon.stop().await.success());
+    ingest::StateDb::open(dir.path().join("data/state.redb")).unwrap().force_schema_version(7).unwrap();
+    let mut child = std::process::Command::new(daemon_bin())
+        .arg("--config")
+        .arg(dir.path().join("config.toml"))
+        .env("IGGY_INGEST_FAIL_POINT", "wal.close")
+        .env("IGGY_INGEST_FAIL_POINT_ACTION", "hang")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn the daemon");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("try_wait") {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("the refused start did not end within 30 s while its log's close hung");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let mut said = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().expect("stderr"), &mut said).unwrap();
+    assert_eq!(status.code(), Some(2), "{said}");
+    assert!(said.contains("fail point wal.close: hit 1, hanging"), "the close was not held: {said}");
+    assert!(said.contains("schema version 7"), "{said}");
 }

@@ -230,8 +230,20 @@ pub async fn start(mut settings: Settings, metrics: Option<PrometheusHandle>) ->
     let OnLog { state, idempotency, endpoints, status, health, delivery } = match open_on_log(&settings, &wal).await {
         Ok(parts) => parts,
         Err(e) => {
-            if let Err(close) = wal.close().await {
-                tracing::warn!(error = %close, "cannot close the log after a refused start");
+            // Bounded as a stop's close is: the refusal may be the disk's (the state
+            // database failing beside the log), and a sync it never answers must not hold
+            // the start for ever, listeners bound and unserved.
+            match tokio::time::timeout(CLOSE_MAX, wal.close()).await {
+                Ok(Ok(())) => {}
+                Ok(Err(close)) => tracing::warn!(error = %close, "cannot close the log after a refused start"),
+                Err(_) => {
+                    tracing::warn!(
+                        close_max_ms = CLOSE_MAX.as_millis() as u64,
+                        "the log did not close in time after a refused start (a sync the disk does not answer?): not marked clean; the next start recovers it"
+                    );
+                    // Its writer is stuck in the disk: dropping the last handle would join it.
+                    std::mem::forget(wal.clone());
+                }
             }
             return Err(e);
         }
