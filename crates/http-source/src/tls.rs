@@ -257,9 +257,12 @@ impl ListenerTls {
     pub fn reload(&self) -> Result<(), TlsError> {
         let listener = self.inner.listener;
         let failed = metrics::gauge!("iggy_ingest_tls_reload_failed", "listener" => listener);
-        // Held across the swap: two reloads at once leave the view saying what is served.
+        // Read before the lock: `view` (what `/status` shows) never waits for a file
+        // read, which a hung mount can make last. Held across the swap: two reloads at
+        // once leave the view saying what is served.
+        let loaded = load(&self.inner.files);
         let mut view = self.inner.loads.lock().unwrap_or_else(PoisonError::into_inner);
-        match load(&self.inner.files) {
+        match loaded {
             Ok(pair) => {
                 view.expires_at_unix_secs = served_expiry(listener, &pair);
                 *self.inner.served.0.write().unwrap_or_else(PoisonError::into_inner) = pair;
@@ -514,6 +517,31 @@ mod tests {
         write(dir.path(), &pair_until(2031));
         tls.reload().unwrap();
         assert_eq!(tls.view().expires_at_unix_secs, Some(1_924_992_000));
+    }
+
+    /// A reload whose file read does not return (a certificate on a mount that hangs;
+    /// here a FIFO no one writes) never holds the status view: `/status` reads it. With
+    /// the read under the view's lock, every `/status` waited for the mount, each on an
+    /// async worker.
+    #[test]
+    fn a_reload_stuck_reading_its_files_does_not_hold_the_status_view() {
+        let dir = tempfile::tempdir().unwrap();
+        let files = write(dir.path(), &pair());
+        let tls = ListenerTls::new(files.clone(), "test").unwrap();
+        std::fs::remove_file(&files.cert_file).unwrap();
+        let status = std::process::Command::new("mkfifo").arg(&files.cert_file).status().expect("mkfifo");
+        assert!(status.success());
+        let reloading = tls.clone();
+        let reload = std::thread::spawn(move || reloading.reload());
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        let (tx, rx) = std::sync::mpsc::channel();
+        let viewing = tls.clone();
+        std::thread::spawn(move || tx.send(viewing.view()).unwrap());
+        let view = rx.recv_timeout(std::time::Duration::from_secs(5));
+        // Let the stuck read end: a writer that opens the FIFO and closes it at once.
+        drop(std::fs::OpenOptions::new().write(true).open(&files.cert_file).unwrap());
+        assert!(reload.join().unwrap().is_err(), "an empty certificate file loaded");
+        assert!(view.is_ok(), "the status view waited for a reload stuck reading its files");
     }
 
     /// The listeners speak HTTP/1.1 alone: a client that offers only HTTP/2 is refused at

@@ -224,7 +224,17 @@ async fn reload_tls_on_hangup(mut hangups: tokio::signal::unix::Signal, tls: Vec
         }
         for t in &tls {
             let files = t.files();
-            match t.reload() {
+            // File reads, on a blocking thread: a certificate on a mount that hangs must
+            // not hold an async worker (and the requests it serves).
+            let reloading = t.clone();
+            let reloaded = match tokio::task::spawn_blocking(move || reloading.reload()).await {
+                Ok(r) => r,
+                Err(e) => {
+                    tracing::error!(listener = t.listener(), error = %e, "SIGHUP received: the TLS reload failed");
+                    continue;
+                }
+            };
+            match reloaded {
                 Ok(()) => {
                     tracing::info!(
                         listener = t.listener(),
