@@ -60,7 +60,15 @@ pub fn run(settings: Settings, ready_file: Option<PathBuf>) -> ExitCode {
         // Installed before anything else: a stop signal that comes while the daemon
         // starts, or right after it said it is ready, is then a clean stop, not the
         // default action's sudden death (no clean-shutdown marker, exit by signal).
-        let mut signals = StopSignals::install();
+        let mut signals = match StopSignals::install() {
+            Ok(s) => s,
+            Err(e) => {
+                // Without them a stop could only kill the process: no drain, no clean
+                // shutdown, what a supervisor's SIGTERM then does. Not started.
+                tracing::error!(error = %e, "cannot install the SIGTERM and SIGINT handlers: not started");
+                return ExitCode::FAILURE;
+            }
+        };
         // SIGHUP's default action would end the process without a drain; from here on
         // it reloads the listeners' TLS certificates instead (once the daemon started:
         // one sent during the start is kept for then).
@@ -257,29 +265,20 @@ async fn reload_tls_on_hangup(mut hangups: tokio::signal::unix::Signal, tls: Vec
 
 /// SIGTERM and SIGINT, listened to from the moment they are installed: a signal that
 /// comes before anything waits for it is kept for the first `recv`.
-struct StopSignals(Option<(tokio::signal::unix::Signal, tokio::signal::unix::Signal)>);
+struct StopSignals(tokio::signal::unix::Signal, tokio::signal::unix::Signal);
 
 impl StopSignals {
-    fn install() -> StopSignals {
+    /// Both handlers, or why not. There is no fallback: `ctrl_c` installs the same SIGINT
+    /// handler, and failing likewise it would resolve at once, taken for a stop asked.
+    fn install() -> std::io::Result<StopSignals> {
         use tokio::signal::unix::{SignalKind, signal};
-        match (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) {
-            (Ok(t), Ok(i)) => StopSignals(Some((t, i))),
-            _ => {
-                tracing::error!("cannot install signal handlers; waiting for Ctrl-C only");
-                StopSignals(None)
-            }
-        }
+        Ok(StopSignals(signal(SignalKind::terminate())?, signal(SignalKind::interrupt())?))
     }
 
     async fn recv(&mut self) {
-        match &mut self.0 {
-            Some((term, int)) => tokio::select! {
-                _ = term.recv() => tracing::info!("SIGTERM received"),
-                _ = int.recv() => tracing::info!("SIGINT received"),
-            },
-            None => {
-                let _ = tokio::signal::ctrl_c().await;
-            }
+        tokio::select! {
+            _ = self.0.recv() => tracing::info!("SIGTERM received"),
+            _ = self.1.recv() => tracing::info!("SIGINT received"),
         }
     }
 }
