@@ -451,6 +451,11 @@ pub async fn start(mut settings: Settings, metrics: Option<PrometheusHandle>) ->
             t.abort();
         }
         writer_watch.abort();
+        // A task the daemon cannot run without that panicked during the drain (after
+        // the stop was asked for) is a failure of this run all the same: exit 1, named.
+        if failed_task.is_none() {
+            failed_task = failed_rx.try_recv().ok();
+        }
         let report = ShutdownReport { drained, wal_closed, checkpoint, failed_task };
         tracing::info!(?report, "shutdown complete");
         report
