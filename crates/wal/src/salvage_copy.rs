@@ -72,6 +72,12 @@ pub struct Skipped {
     /// whole in the source; 0 for bytes that do not check.
     pub records: u64,
     pub why: String,
+    /// At the end of the source's tail, with nothing after it but the zeros written
+    /// ahead, not vouched for by a clean shutdown or a live writer's watermark, and with
+    /// no later frame proving it durable: what a write cut short by a crash leaves, a
+    /// torn tail as recovery calls it (and cuts), whose events were never answered 200.
+    /// Left out all the same, but no damage.
+    pub torn_tail: bool,
 }
 
 /// What a salvage copy did.
@@ -113,6 +119,12 @@ impl CopyReport {
     /// source.
     pub fn partial_batch_records(&self) -> u64 {
         self.skipped.iter().map(|s| s.records).sum()
+    }
+
+    /// Whether anything was left out but a torn tail: damage, records of a batch not
+    /// whole elsewhere than at the tail's end, or offsets missing.
+    pub fn left_out_more_than_a_torn_tail(&self) -> bool {
+        self.skipped.iter().any(|s| !s.torn_tail) || !self.missing_offsets.is_empty()
     }
 }
 
@@ -258,7 +270,8 @@ impl Batch {
         };
         let (first, last) = (self.first, self.next - 1);
         let why = format!("{n} record(s) of a batch {why} (offsets {first}..={last})");
-        report.skipped.push(Skipped { file: path.to_path_buf(), from: self.from, to: self.to, records: n, why });
+        let (from, to) = (self.from, self.to);
+        report.skipped.push(Skipped { file: path.to_path_buf(), from, to, records: n, why, torn_tail: false });
     }
 }
 
@@ -504,7 +517,7 @@ fn copy_bounded(
             // missing below it.
             out.source_gap_before |= base == out.source_first;
             let to = SEGMENT_HEADER_LEN.min(len);
-            report.skipped.push(Skipped { file: path.clone(), from: 0, to, records: 0, why });
+            report.skipped.push(Skipped { file: path.clone(), from: 0, to, records: 0, why, torn_tail: false });
         }
         let mut pos = SEGMENT_HEADER_LEN.min(len);
         // Where the current run of bytes that did not check began, and why.
@@ -618,6 +631,9 @@ fn copy_bounded(
             b.leave_out(&mut report, &path, false, &mut named_until);
         }
         close_bad(&mut report, &path, &mut bad, len);
+        if i + 1 == bases.len() && bound.is_none() && !vouched {
+            mark_torn_tail(&mut report.skipped[skipped_before..], &mut r, &*file, &path, len)?;
+        }
         previous_clean_end = (!damage_after_last_record).then_some(seen_next);
         bytes_before += len;
         progress(VerifyProgress { bytes_done: bytes_before, bytes_total });
@@ -698,8 +714,40 @@ fn find(r: &mut ChunkReader<'_>, path: &Path, base: u64, pos: u64, floor: Option
     }
 }
 
+/// Marks as a torn tail ([`Skipped::torn_tail`]) the ranges skipped at the end of the
+/// source's tail (`skipped`, in file order): the last one and those right before it,
+/// each ending where the next begins, when nothing but zeros follows them and no later
+/// frame proves them durable, as recovery decides before it cuts a torn tail.
+fn mark_torn_tail(
+    skipped: &mut [Skipped],
+    r: &mut ChunkReader<'_>,
+    file: &dyn crate::storage::StorageFile,
+    path: &Path,
+    len: u64,
+) -> Result<()> {
+    let Some(last) = skipped.last() else { return Ok(()) };
+    if !r.zeros_to_end(last.to).map_err(|e| WalError::io(path, e))? {
+        return Ok(());
+    }
+    let mut first = skipped.len() - 1;
+    while first > 0 && skipped[first - 1].to == skipped[first].from && skipped[first - 1].from > 0 {
+        first -= 1;
+    }
+    // A header that does not check (from 0) is never a torn write: segments are created
+    // whole.
+    if skipped[first].from == 0 {
+        return Ok(());
+    }
+    if crate::scan::find_proof_of_durable_damage(file, path, len, skipped[first].from)?.is_none() {
+        for s in &mut skipped[first..] {
+            s.torn_tail = true;
+        }
+    }
+    Ok(())
+}
+
 fn close_bad(report: &mut CopyReport, path: &Path, bad: &mut Option<(u64, String)>, to: u64) {
     if let Some((from, why)) = bad.take() {
-        report.skipped.push(Skipped { file: path.to_path_buf(), from, to, records: 0, why });
+        report.skipped.push(Skipped { file: path.to_path_buf(), from, to, records: 0, why, torn_tail: false });
     }
 }

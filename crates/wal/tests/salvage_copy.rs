@@ -105,6 +105,10 @@ fn a_batch_that_never_closed_is_not_copied() {
             assert_eq!(report.skipped.len(), 2, "{report:?}");
             assert_eq!((report.skipped[1].from, report.skipped[1].to), (batch_end, batch_end + 40));
         }
+        // At the tail's end, nothing proving it durable: a torn tail, as recovery cuts
+        // it, no damage. Called damage, it ended the copy 1 where `verify` says clean.
+        assert!(report.skipped.iter().all(|s| s.torn_tail), "{report:?}");
+        assert!(!report.left_out_more_than_a_torn_tail(), "{report:?}");
         assert!(inspect::verify(&sim, &out_dir(), &mut |_| {}).unwrap().is_clean());
     }
 }
@@ -751,4 +755,33 @@ fn a_writer_that_came_and_went_during_the_copy_voids_it() {
         let again = PathBuf::from(format!("/sim/again-{stop}"));
         assert_eq!(salvage_copy(&sim, &dir(), &again).unwrap().records, 301, "{stop}");
     }
+}
+
+/// Bytes that do not check at the tail's end are a torn tail only when nothing proves
+/// them durable: a later frame written after a sync past them (its synced length beyond
+/// the damage) makes them damage, as recovery judges it, and the copy says so.
+#[test]
+fn damage_a_later_frame_proves_durable_is_no_torn_tail() {
+    let sim = SimStorage::new();
+    let mut b = SegmentHeader { base_offset: 0, flags: 0 }.encode().to_vec();
+    b.extend(frame(0, true, SEGMENT_HEADER_LEN));
+    let damaged_at = b.len();
+    b.extend(frame(1, true, damaged_at as u64));
+    let after = b.len() as u64;
+    b.extend(frame(2, true, after));
+    // Frame 1's payload flipped: its bytes were synced (frame 2 says so), then damaged.
+    b[damaged_at + FRAME_HEADER_LEN as usize + 3] ^= 0x40;
+    write_source(&sim, &b);
+    let report = salvage_copy(&sim, &dir(), &out_dir()).unwrap();
+    assert_eq!(copied(&sim), vec![(0, 0), (2, 2)], "{report:?}");
+    assert_eq!(report.skipped.len(), 1, "{report:?}");
+    assert!(!report.skipped[0].torn_tail, "proven durable, taken for a torn tail: {report:?}");
+    assert!(report.left_out_more_than_a_torn_tail());
+
+    // Without the later frame, the same bytes at the end are a torn write.
+    let sim = SimStorage::new();
+    write_source(&sim, &b[..after as usize]);
+    let report = salvage_copy(&sim, &dir(), &out_dir()).unwrap();
+    assert_eq!(report.skipped.len(), 1, "{report:?}");
+    assert!(report.skipped[0].torn_tail, "{report:?}");
 }

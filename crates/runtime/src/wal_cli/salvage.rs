@@ -100,7 +100,8 @@ pub(crate) fn run(a: SalvageArgs) -> CliResult {
     }
     drop(copy);
     give_the_logs_owner(&a.dir, &target, held_before.as_ref());
-    let skipped_any = !report.skipped.is_empty() || !report.missing_offsets.is_empty();
+    // A torn tail is left out as recovery cuts it, and is no damage: it alone ends 0.
+    let skipped_any = report.left_out_more_than_a_torn_tail();
     let verdict = if skipped_any { ExitCode::from(1) } else { ExitCode::SUCCESS };
     match print(&a, &report) {
         // A reader that went away still gets the verdict as the exit: a copy that skipped
@@ -127,15 +128,20 @@ fn print(a: &SalvageArgs, report: &wal::salvage_copy::CopyReport) -> CliResult<(
                 "missing_offsets": report.missing_offsets.iter().map(|(a, b)| json!({"first": a, "last": b})).collect::<Vec<_>>(),
                 "reserved_offsets": report.reserved_offsets.map(|(a, b)| json!({"first": a, "last": b})),
                 "source_gaps": report.source_gaps.iter().map(|(a, b)| json!({"first": a, "last": b})).collect::<Vec<_>>(),
-                "skipped": report.skipped.iter().map(|s| json!({"file": path_json(&s.file), "from": s.from, "to": s.to, "records": s.records, "why": s.why})).collect::<Vec<_>>(),
+                "skipped": report.skipped.iter().map(|s| json!({"file": path_json(&s.file), "from": s.from, "to": s.to, "records": s.records, "why": s.why, "torn_tail": s.torn_tail})).collect::<Vec<_>>(),
                 "partial_batch_records": report.partial_batch_records(),
             }),
         )?;
     } else {
         for s in &report.skipped {
+            let torn = if s.torn_tail {
+                " (a torn tail: a write a crash cut short, never answered 200; not damage)"
+            } else {
+                ""
+            };
             writeln!(
                 out,
-                "skipped {} bytes {}..{} ({} bytes): {}",
+                "skipped {} bytes {}..{} ({} bytes): {}{torn}",
                 s.file.display(),
                 s.from,
                 s.to,
@@ -161,12 +167,19 @@ fn print(a: &SalvageArgs, report: &wal::salvage_copy::CopyReport) -> CliResult<(
         }
         // Bytes that do not check, or offsets missing, are damage; records of a batch that
         // is not whole alone are the trace of a write that never finished.
-        let damage = report.skipped.iter().any(|s| s.records == 0) || !report.missing_offsets.is_empty();
-        let left_out = match (damage, report.partial_batch_records()) {
+        let damage =
+            report.skipped.iter().any(|s| s.records == 0 && !s.torn_tail) || !report.missing_offsets.is_empty();
+        let partial: u64 = report.skipped.iter().filter(|s| !s.torn_tail).map(|s| s.records).sum();
+        let left_out = match (damage, partial) {
             (false, 0) => "; nothing skipped".to_string(),
             (true, 0) => "; damage skipped, see above".to_string(),
             (false, n) => format!("; {n} record(s) of unfinished batches left out, see above"),
             (true, n) => format!("; damage and {n} record(s) of unfinished batches skipped, see above"),
+        };
+        let left_out = match (report.skipped.iter().any(|s| s.torn_tail), damage || partial > 0) {
+            (false, _) => left_out,
+            (true, false) => "; only a torn tail left out, as recovery cuts it".to_string(),
+            (true, true) => format!("{left_out}; a torn tail left out too, as recovery cuts it"),
         };
         let range = match (report.first_offset, report.next_offset) {
             (Some(f), Some(n)) => format!("offsets {f}..{n}"),
