@@ -1470,6 +1470,16 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
                     &ip,
                     format!("{h:?} is the same for every delivery of a sender: every request after the first would be answered as a replay and never stored"),
                 );
+            } else if s.named_path && matches!(auth, AuthScheme::StandardWebhooks { .. }) {
+                // The signed id wins (an unsigned header beside it could make a captured
+                // request a new delivery): on this path the header is never read.
+                c.warn(
+                    &ip,
+                    format!(
+                        "{h:?} is not read on the named path: a Standard Webhooks request's delivery id is its signed \
+                         webhook-id; it is read only on endpoints of another auth_type"
+                    ),
+                );
             }
         }
         for (i, e) in s.endpoints.iter().enumerate() {
@@ -2843,6 +2853,24 @@ auth_secret = "never checked"
         let managed = format!("[admin]\nmanagement_token = \"manage-0123456789abcdef\"\n{text}");
         let settings = validate(&parse(&managed, None).unwrap(), Some(&managed), None).unwrap();
         assert_eq!(settings.warnings.errors, vec![], "reached through dynamic endpoints");
+    }
+
+    /// A delivery-id header set on a source whose named path checks Standard Webhooks
+    /// signatures is never read there (the signed `webhook-id` is the id): a warning at
+    /// the key, not an error (endpoints of another scheme read it).
+    #[test]
+    fn an_idempotency_header_a_standard_webhooks_path_never_reads_is_warned_of() {
+        let text = "[sources.a]\ndestination = { stream = \"s\", topic = \"t\" }\nauth_type = \"standard-webhooks\"\n\
+                    auth_secret = \"whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw\"\nidempotency_header = \"x-delivery\"\n";
+        let settings = validate(&parse(text, None).unwrap(), Some(text), None).unwrap_or_else(|e| panic!("{e}"));
+        let warned: Vec<(&str, Option<usize>)> =
+            settings.warnings.errors.iter().map(|w| (w.path.as_str(), w.line)).collect();
+        assert_eq!(warned, vec![("sources.a.idempotency_header", Some(5))]);
+        let bearer = text
+            .replace("standard-webhooks", "bearer")
+            .replace("whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw", "a-token-of-some-length");
+        let settings = validate(&parse(&bearer, None).unwrap(), Some(&bearer), None).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(settings.warnings.errors, vec![], "read on a bearer path");
     }
 
     /// A source without its named path has no use for its own auth settings (each
