@@ -119,10 +119,11 @@ pub struct IggySinkConfig {
     /// Kept in the client's configuration, but the client's own reconnection is off:
     /// the sink reconnects, one attempt per retry of the router, which retries forever.
     pub reconnection_max_retries: u32,
-    /// After a failed connect, or a failure that says the server is gone, no new connect
-    /// is made for this long: the calls in between fail `Unavailable` at once (and the
-    /// router retries them with its backoff), so a server that is down or refusing sees
-    /// at most one connect per interval, however many destinations retry.
+    /// After a failed connect no new connect is made for this long: the calls in between
+    /// that need one fail `Unavailable` at once (and the router retries them with its
+    /// backoff), so a server that is down or refusing sees at most one connect per
+    /// interval, however many destinations retry. A call whose connection fails paces
+    /// nothing (see the module's invariants).
     pub reconnection_interval: Duration,
     /// How long one connect (TCP, sign-in, the pings and the cluster-metadata request
     /// that prove the connection answers, in step)
@@ -140,8 +141,9 @@ pub struct IggySinkConfig {
     /// How long a call may wait for a new connection (its connect, and the connects
     /// queued ahead of it: one runs at a time) and still go out on it; past it, the call
     /// fails `Unavailable` and leaves the connection to its retry (see
-    /// [`IggySink::take`]). [`fresh_connection_usable_for`] of the shortest result
-    /// timeout the router is given; [`FRESH_CONNECTION_USABLE_FOR_MIN`] by default.
+    /// [`IggySink::take`]). The daemon sets [`fresh_connection_usable_for`] of the
+    /// shortest result timeout the router is given; [`FRESH_CONNECTION_USABLE_FOR_MIN`]
+    /// by default.
     pub fresh_connection_usable_for: Duration,
     pub topic_defaults: TopicDefaults,
 }
@@ -169,7 +171,7 @@ impl Default for IggySinkConfig {
             reconnection_interval: Duration::from_millis(500),
             connect_timeout: CLIENT_REPLY_TIMEOUT,
             connection_max_age: CONNECTION_MAX_AGE_DEFAULT,
-            fresh_connection_usable_for: fresh_connection_usable_for(Duration::from_secs(10)),
+            fresh_connection_usable_for: FRESH_CONNECTION_USABLE_FOR_MIN,
             topic_defaults: TopicDefaults::default(),
         }
     }
@@ -185,15 +187,15 @@ pub struct IggySink {
     /// Connections no call is using.
     idle: Arc<std::sync::Mutex<Vec<Connection>>>,
     /// Set while no connection is known to work: at start, after a failed connect and
-    /// after a failure that says the server is gone; cleared by a connect that succeeds.
+    /// after a call whose connection failed; cleared by a connect that succeeds and by
+    /// any call the server answers.
     unreachable: AtomicBool,
     /// The connect in progress, if any; its task finishes even when nobody waits for it.
     connecting: tokio::sync::Mutex<Option<JoinHandle<Result<(), ConnectFailure>>>>,
     /// When the server last answered a call (an ack, or an error of its own).
     last_answer: std::sync::Mutex<Option<std::time::Instant>>,
     /// No connect before this: set `reconnection_interval` ahead by a failed connect (by
-    /// its task, when it fails, whether or not anybody still waits for it) and by a
-    /// failure that says the server is gone.
+    /// its task, when it fails, whether or not anybody still waits for it).
     connect_not_before: Arc<std::sync::Mutex<Option<std::time::Instant>>>,
     /// Set while a replacement for a connection past its age is being made.
     replacing: Arc<AtomicBool>,

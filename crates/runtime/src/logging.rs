@@ -1,6 +1,7 @@
 //! Structured logs through `tracing`: text or JSON on stderr, the level from the
-//! configuration unless `RUST_LOG` is set. Text is coloured only when stderr is a
-//! terminal.
+//! configuration unless `RUST_LOG` is set (a `RUST_LOG` with no level for every target
+//! is added to it; an empty one counts as unset: [`effective_filter`]). Text is coloured
+//! only when stderr is a terminal.
 //!
 //! The `iggy` client's own messages are off unless the configured level or `RUST_LOG`
 //! names the `iggy` target: it logs every failed connection attempt at error level,

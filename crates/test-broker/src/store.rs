@@ -195,7 +195,7 @@ impl Store {
     /// Removes partitions from the end of `stream`/`topic` until it has
     /// `partitions_count`, as an operator's `delete_partitions` would (their messages
     /// stay listed for inspection). `false` when the destination does not exist or has
-    /// at most that many (a topic keeps at least one partition).
+    /// at most that many (0 leaves the topic with none, as deleting every partition does).
     pub fn shrink_partitions(&mut self, stream: &str, topic: &str, partitions_count: u32) -> bool {
         let Some(t) = self.topic_by_names_mut(stream, topic) else { return false };
         if partitions_count >= t.partitions_count {
