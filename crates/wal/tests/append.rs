@@ -371,29 +371,54 @@ fn an_observed_append_is_seen_once_durable_also_when_its_caller_stopped_waiting(
 }
 
 /// The log says how long its writer has been in its current piece of work while it is
-/// in it, and nothing while it waits: a write the disk takes long to finish shows, and
-/// grows, before it returns (a stuck sync records no latency, no error, nothing else).
+/// in it, and nothing once it waits again: a write the disk takes long to finish shows,
+/// and grows, before it returns (a stuck sync records no latency, no error, nothing
+/// else). Timed from the moment the write began, as the hook says it.
 #[test]
 fn the_writer_says_how_long_it_has_been_in_a_write_while_it_is_in_it() {
-    let sim = SimStorage::new();
-    let slow = SlowWrites { write_delay: Duration::from_millis(600) };
-    let storage = Arc::new(HookedStorage::new(Arc::new(sim), slow));
-    let wal = Arc::new(wal::Wal::open_with(storage, &dir(), common::small_options()).unwrap());
-    assert_eq!(wal.writer_busy_for(), None, "busy while waiting for appends");
+    /// Every write after `armed` says it began, then takes `delay`.
+    #[derive(Debug)]
+    struct SaysWhenAWriteBegins {
+        armed: std::sync::atomic::AtomicBool,
+        began: std::sync::Mutex<std::sync::mpsc::Sender<()>>,
+        delay: Duration,
+    }
+    impl wal::storage::Hooks for SaysWhenAWriteBegins {
+        fn write_all_at(&self, file: &dyn wal::storage::StorageFile, buf: &[u8], pos: u64) -> std::io::Result<()> {
+            if self.armed.load(std::sync::atomic::Ordering::Acquire) {
+                let _ = self.began.lock().unwrap().send(());
+                std::thread::sleep(self.delay);
+            }
+            file.write_all_at(buf, pos)
+        }
+    }
+    let (began, begun) = std::sync::mpsc::channel();
+    let hooks = SaysWhenAWriteBegins {
+        armed: false.into(),
+        began: std::sync::Mutex::new(began),
+        delay: Duration::from_millis(1500),
+    };
+    let storage = Arc::new(HookedStorage::new(Arc::new(SimStorage::new()), hooks));
+    let wal = Arc::new(wal::Wal::open_with(storage.clone(), &dir(), common::small_options()).unwrap());
+    let idle_by = |what: &str| {
+        let by = std::time::Instant::now() + Duration::from_secs(10);
+        while wal.writer_busy_for().is_some() {
+            assert!(std::time::Instant::now() < by, "busy {what}");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    };
+    idle_by("with no append to write");
+    storage.hooks().armed.store(true, std::sync::atomic::Ordering::Release);
     let appending = {
         let wal = wal.clone();
         std::thread::spawn(move || rt().block_on(wal.append(vec![payload(1, 64)])))
     };
-    std::thread::sleep(Duration::from_millis(200));
+    begun.recv_timeout(Duration::from_secs(10)).expect("the write began");
     let early = wal.writer_busy_for().expect("not busy inside a write");
-    std::thread::sleep(Duration::from_millis(200));
+    std::thread::sleep(Duration::from_millis(300));
     let later = wal.writer_busy_for().expect("not busy inside a write");
-    assert!(early >= Duration::from_millis(100) && later >= early + Duration::from_millis(100), "{early:?} {later:?}");
+    assert!(later >= early + Duration::from_millis(300), "{early:?} then {later:?}");
     appending.join().unwrap().unwrap();
     // The answer goes out just before the writer is done with its group.
-    let idle_by = std::time::Instant::now() + Duration::from_secs(5);
-    while wal.writer_busy_for().is_some() {
-        assert!(std::time::Instant::now() < idle_by, "still busy after the append was answered");
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    idle_by("after the append was answered");
 }
