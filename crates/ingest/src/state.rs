@@ -598,6 +598,58 @@ pub fn reset(path: &Path) -> Result<StateInventory, StateError> {
     reset_with(path, || {})
 }
 
+/// The file `state reset --yes` leaves beside the database it deleted (or found
+/// missing): `state.redb.reset`. A start that finds no database beside a log written
+/// before creates a new one only where this says an empty one is wanted, and removes it
+/// once the new one exists; without it, that start is refused ([`missing_beside_a_log`]):
+/// a database lost or moved aside must not be replaced, silently, by an empty one.
+pub fn reset_marker(path: &Path) -> PathBuf {
+    let mut name = path.file_name().unwrap_or_default().to_os_string();
+    name.push(".reset");
+    path.with_file_name(name)
+}
+
+/// Leaves [`reset_marker`] for `path`, durably (the file, then its directory).
+pub fn mark_reset(path: &Path) -> Result<(), StateError> {
+    let marker = reset_marker(path);
+    let written = std::fs::File::create(&marker).and_then(|mut f| {
+        std::io::Write::write_all(
+            &mut f,
+            b"the state database was discarded by `iggy-ingest state reset --yes`: the next start creates an empty one\n",
+        )?;
+        f.sync_all()
+    });
+    written.map_err(|e| open_err(&marker, e))?;
+    let parent = marker.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    std::fs::File::open(parent).and_then(|d| d.sync_all()).map_err(|e| open_err(&marker, e))
+}
+
+/// Whether a start must refuse rather than create the database at `path`: there is none,
+/// the log beside it was written before (`log_next_offset` above 0: a daemon ran, and
+/// kept its cursors, endpoints and tombstones there), and no reset asked for an empty
+/// one ([`reset_marker`]).
+pub fn missing_beside_a_log(path: &Path, log_next_offset: u64) -> Result<bool, StateError> {
+    let exists = |p: &Path| match std::fs::symlink_metadata(p) {
+        Ok(_) => Ok(true),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+        Err(e) => Err(open_err(p, e)),
+    };
+    Ok(log_next_offset > 0 && !exists(path)? && !exists(&reset_marker(path))?)
+}
+
+/// Removes [`reset_marker`] once a new database exists: best effort, as a marker left
+/// over only lets a later start create a database where it finds none.
+pub fn clear_reset_marker(path: &Path) {
+    match std::fs::remove_file(reset_marker(path)) {
+        Ok(()) => {
+            let parent = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+            let _ = std::fs::File::open(parent).and_then(|d| d.sync_all());
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => tracing::warn!(error = %e, "cannot remove the state reset marker"),
+    }
+}
+
 /// [`reset`], running `before_unlink` while the lock is held and the file not yet
 /// removed (where a concurrent start is tested).
 fn reset_with(path: &Path, before_unlink: impl FnOnce()) -> Result<StateInventory, StateError> {
@@ -615,6 +667,9 @@ fn reset_with(path: &Path, before_unlink: impl FnOnce()) -> Result<StateInventor
         Err(e) => return Err(open_err(path, e)),
     };
     before_unlink();
+    // The marker first: a crash after the unlink must not leave a start refused for a
+    // database the operator asked to discard.
+    mark_reset(path)?;
     std::fs::remove_file(path).map_err(|e| open_err(path, e))?;
     drop(db);
     let parent = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));

@@ -94,6 +94,7 @@ impl StartError {
         use http_source::endpoints::LoadError;
         match self {
             StartError::State(StateError::SchemaMismatch { .. })
+            | StartError::StateMissing { .. }
             | StartError::Endpoints(LoadError::RevokedStatic(_) | LoadError::UnreadableStatic(_)) => 2,
             _ => 1,
         }
@@ -108,6 +109,11 @@ pub enum StartError {
     Wal { path: PathBuf, source: WalError },
     #[error(transparent)]
     State(#[from] StateError),
+    #[error(
+        "there is no state database at {path} while the log beside it was written before (its next offset is \
+         {log_next_offset}): refusing to start with an empty one (nothing was changed)"
+    )]
+    StateMissing { path: PathBuf, log_next_offset: u64 },
     #[error("cannot load a route mapping: {0}")]
     Mapping(String),
     #[error("cannot start delivery: {0}")]
@@ -477,6 +483,12 @@ struct OnLog {
 /// rebuild, the endpoints, delivery. [`start`] closes the log again if one fails.
 async fn open_on_log(settings: &Settings, wal: &Arc<Wal>) -> Result<OnLog, StartError> {
     let state_path = settings.state_path();
+    // Never an empty database in place of one lost or moved aside beside a log written
+    // before: every record in the log would go to Iggy again, every dynamic endpoint
+    // answer 404 and every revocation be forgotten, with nothing said.
+    if ingest::state::missing_beside_a_log(&state_path, wal.next_offset())? {
+        return Err(StartError::StateMissing { path: state_path, log_next_offset: wal.next_offset() });
+    }
     let state = {
         // Created whole (or not at all) and its name made durable (`StateDb::open`).
         let p = state_path.clone();
@@ -484,6 +496,7 @@ async fn open_on_log(settings: &Settings, wal: &Arc<Wal>) -> Result<OnLog, Start
             .await
             .map_err(|e| StateError::Storage(format!("open task failed: {e}")))??
     };
+    ingest::state::clear_reset_marker(&state_path);
     let state = Arc::new(state);
     let idempotency = Arc::new(
         IdempotencyIndex::new(state.clone(), settings.idempotency_retention.as_millis() as u64)

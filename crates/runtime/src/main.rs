@@ -152,6 +152,12 @@ fn state_command(command: StateCommand) -> ExitCode {
             eprintln!("iggy-ingest: {}", iggy_ingest::wal_cli::cannot_look_at(&path, &e));
             return ExitCode::FAILURE;
         }
+        // A reset of a database that is gone says that an empty one is wanted: a start
+        // beside a log written before refuses to create one otherwise.
+        // (Only beside a log: elsewhere --data-dir is more likely mistyped.)
+        _ if reset && data_dir.join(config::WAL_DIR_NAME).is_dir() => {
+            return reset_a_missing_database(data_dir, &path, yes);
+        }
         _ => {
             eprintln!(
                 "iggy-ingest: no state database at {} (is --data-dir the daemon's storage.data_dir?)",
@@ -202,6 +208,32 @@ fn state_command(command: StateCommand) -> ExitCode {
         _ => {}
     }
     write_out(&out)
+}
+
+/// `state reset` where there is no database: with `--yes`, leaves the marker that lets
+/// the next start create an empty one beside a log written before (under the daemon's
+/// lock, as any change); without, says what that would do.
+fn reset_a_missing_database(data_dir: &std::path::Path, path: &std::path::Path, yes: bool) -> ExitCode {
+    let consequences = "the next start creates an empty one: every record still in the log is delivered again, \
+                        dynamic endpoints and their revocations are gone, delivery ids are rebuilt from the log";
+    if !yes {
+        return write_out(&format!(
+            "{}: no state database; with --yes {consequences}\nnothing changed: pass --yes to ask for it\n",
+            path.display()
+        ));
+    }
+    let _daemon_locked_out = match lock_out_the_daemon(data_dir) {
+        Ok(lock) => lock,
+        Err(why) => {
+            eprintln!("iggy-ingest: {why} (nothing was changed)");
+            return ExitCode::FAILURE;
+        }
+    };
+    if let Err(e) = ingest::state::mark_reset(path) {
+        eprintln!("iggy-ingest: {e}");
+        return ExitCode::FAILURE;
+    }
+    write_out(&format!("{}: no state database; {consequences}\n", path.display()))
 }
 
 /// Takes the lock of the log in `data_dir`, which the daemon takes at start before it

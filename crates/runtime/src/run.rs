@@ -113,6 +113,15 @@ pub fn run(settings: Settings, ready_file: Option<PathBuf>) -> ExitCode {
                          `iggy-ingest state reset --data-dir {dir} --yes` discards it (the log is kept)"
                     );
                 }
+                if let daemon::StartError::StateMissing { .. } = e {
+                    eprintln!(
+                        "iggy-ingest: put the database back (moved aside, or from a backup); or `iggy-ingest state \
+                         reset --data-dir {} --yes` to start with an empty one: every record still in the log is \
+                         delivered again, dynamic endpoints and their revocations are gone, delivery ids are rebuilt \
+                         from the log",
+                        data_dir.display()
+                    );
+                }
                 if let daemon::StartError::State(ingest::StateError::Open { .. }) = e {
                     eprintln!(
                         "iggy-ingest: if the database is damaged, `iggy-ingest state reset --data-dir {} --yes` \

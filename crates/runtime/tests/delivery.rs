@@ -344,6 +344,8 @@ async fn a_log_of_many_undecodable_records_is_held_in_a_few_log_lines() {
         wal.append(records).await.unwrap();
         wal.close().await.unwrap();
     }
+    // The log was written by hand: its state database, as a daemon would have left it.
+    drop(ingest::StateDb::open(dir.path().join("data/state.redb")).unwrap());
     let cfg = dir.path().join("config.toml");
     let rest = "[iggy]\naddress = \"127.0.0.1:1\"\n[sources.default]\ndestination = { stream = \"ingest\", topic = \"events\" }\n";
     std::fs::write(&cfg, config_text(dir.path(), "", rest)).unwrap();

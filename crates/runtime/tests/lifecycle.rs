@@ -749,6 +749,66 @@ async fn connections_are_capped_and_idle_ones_are_closed() {
     assert!(d.stop().success());
 }
 
+/// A state database that is gone (moved aside, deleted, lost) beside a log written
+/// before is not replaced by an empty one: the start is refused, exit 2, naming the
+/// way back and the way out, and changes nothing. Created empty, every record in the log
+/// would go to Iggy again and every dynamic endpoint answer 404, with nothing said.
+/// `state reset --yes` says an empty one is wanted; the next start creates it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_state_database_beside_a_written_log_refuses_to_start_until_reset() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = Daemon::start(dir.path(), "", SOURCES);
+    assert_eq!(post_json(d.http, "/v1/sources/default", "{}").await.status, 200);
+    assert!(d.stop().success());
+    let data = dir.path().join("data");
+    std::fs::rename(data.join("state.redb"), dir.path().join("state.redb.aside")).unwrap();
+    let cfg = dir.path().join("config.toml");
+    std::fs::write(&cfg, config_text(dir.path(), "", SOURCES)).unwrap();
+    // The start's exit code and stderr; one still running after 20 s is stopped and
+    // said so (it started, where it had to refuse).
+    let start = || {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_iggy-ingest"))
+            .args(["run", "--config"])
+            .arg(&cfg)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while child.try_wait().unwrap().is_none() {
+            if Instant::now() > deadline {
+                child.kill().unwrap();
+                child.wait().unwrap();
+                panic!("the daemon started beside a written log with no state database");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let out = child.wait_with_output().unwrap();
+        (out.status.code(), String::from_utf8_lossy(&out.stderr).into_owned())
+    };
+    let (code, err) = start();
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("there is no state database at") && err.contains("state reset"), "{err}");
+    assert!(!data.join("state.redb").exists(), "an empty database was created");
+
+    let cli = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_iggy-ingest")).args(args).arg("--data-dir").arg(&data).output().unwrap()
+    };
+    let dry = cli(&["state", "reset"]);
+    assert!(dry.status.success(), "{}", String::from_utf8_lossy(&dry.stderr));
+    assert!(String::from_utf8_lossy(&dry.stdout).contains("nothing changed"));
+    assert_eq!(start().0, Some(2), "a dry run let the start create an empty database");
+    let reset = cli(&["state", "reset", "--yes"]);
+    assert!(reset.status.success(), "{}", String::from_utf8_lossy(&reset.stderr));
+    let d = Daemon::start(dir.path(), "", SOURCES);
+    assert!(d.stop().success());
+    assert!(data.join("state.redb").exists());
+    assert!(!ingest::state::reset_marker(&data.join("state.redb")).exists(), "the reset's marker was left");
+    // Gone again, the start refuses again: the marker served one start.
+    std::fs::remove_file(data.join("state.redb")).unwrap();
+    assert_eq!(start().0, Some(2));
+}
+
 #[test]
 fn a_state_database_of_another_schema_version_refuses_to_start_until_reset() {
     let dir = tempfile::tempdir().unwrap();
@@ -983,7 +1043,8 @@ fn a_second_stop_signal_during_the_start_exits_at_once() {
 /// re-reads the log (after its signal handlers are installed, before it is ready).
 fn a_daemon_in_a_long_start(root: &std::path::Path) -> (Daemon, std::path::PathBuf) {
     let dir = root;
-    // A long log and no state database: the start re-reads all of it.
+    // A long log and an empty state database (no checkpoint): the start re-reads all of
+    // it.
     let wal_dir = dir.join("data/wal");
     let wal = wal::Wal::open(&wal_dir, wal::WalOptions::default()).unwrap();
     let record = |i: u64| {
@@ -1014,6 +1075,7 @@ fn a_daemon_in_a_long_start(root: &std::path::Path) -> (Daemon, std::path::PathB
         wal.close().await.unwrap();
     });
     drop(wal);
+    drop(ingest::StateDb::open(dir.join("data/state.redb")).unwrap());
     let cfg = dir.join("config.toml");
     std::fs::write(&cfg, config_text(dir, "", SOURCES)).unwrap();
     let d = Daemon::spawn(dir, &cfg);
