@@ -1005,6 +1005,24 @@ mod tests {
         if headers.is_empty() { b.build() } else { b.user_headers(headers).build() }.expect("the builder takes it")
     }
 
+    /// A test broker, and a sink on it with `config` (its address set to the broker's).
+    async fn broker_and_sink(config: IggySinkConfig) -> (test_broker::TestBroker, IggySink) {
+        let broker = test_broker::TestBroker::start(test_broker::TestBrokerConfig::default()).await.unwrap();
+        let sink = IggySink::new(&IggySinkConfig { address: broker.addr().to_string(), ..config }).unwrap();
+        (broker, sink)
+    }
+
+    /// `n` connections in the pool: taken at once (each a new one), then given back.
+    async fn fill_pool(sink: &IggySink, n: usize) {
+        let mut taken = Vec::new();
+        for _ in 0..n {
+            taken.push(sink.take().await.expect("a connection"));
+        }
+        for t in taken {
+            assert!(sink.settle(t, Ok(())).is_ok());
+        }
+    }
+
     /// A connection taken by a call, made now and never connected.
     fn unconnected_taken() -> Taken {
         let client = Arc::new(build_client(&IggySinkConfig::default()).unwrap());
@@ -1062,22 +1080,14 @@ mod tests {
     /// while connects are paced (no replacement can be made) takes an old one.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn retiring_fails_no_call_and_leaves_the_pool_its_size() {
-        let broker = test_broker::TestBroker::start(test_broker::TestBrokerConfig::default()).await.unwrap();
         let max_age = Duration::from_secs(1);
         let config = IggySinkConfig {
-            address: broker.addr().to_string(),
             connection_max_age: max_age,
             reconnection_interval: Duration::from_secs(3),
             ..Default::default()
         };
-        let sink = IggySink::new(&config).unwrap();
-        let mut three = Vec::new();
-        for _ in 0..3 {
-            three.push(sink.take().await.expect("a connection"));
-        }
-        for t in three {
-            assert!(sink.settle(t, Ok(())).is_ok());
-        }
+        let (broker, sink) = broker_and_sink(config).await;
+        fill_pool(&sink, 3).await;
         assert_eq!(broker.accepted_connections(), 3);
         tokio::time::sleep(max_age + Duration::from_millis(100)).await;
 
@@ -1123,18 +1133,10 @@ mod tests {
     /// failed for `reconnection_interval`.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_connection_closed_under_a_call_is_dropped_alone_and_the_next_call_goes_out() {
-        let broker = test_broker::TestBroker::start(test_broker::TestBrokerConfig::default()).await.unwrap();
-        let config = IggySinkConfig { address: broker.addr().to_string(), ..IggySinkConfig::default() };
-        let sink = IggySink::new(&config).unwrap();
+        let (broker, sink) = broker_and_sink(IggySinkConfig::default()).await;
         let dest = DestinationKey::new("s", "t");
         sink.ensure(&dest).await.expect("the destination");
-        let mut taken = Vec::new();
-        for _ in 0..3 {
-            taken.push(sink.take().await.expect("a connection"));
-        }
-        for t in taken {
-            assert!(sink.settle(t, Ok(())).is_ok());
-        }
+        fill_pool(&sink, 3).await;
         assert_eq!(broker.accepted_connections(), 3);
         let payload = Bytes::from_static(b"{}");
         let batch = |id| sink.prepare(&[OutMessage { id, payload: &payload, headers: vec![] }]).unwrap();
@@ -1164,9 +1166,7 @@ mod tests {
     /// idle connection dropped, connects paced, and the call failed.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_connection_closed_while_idle_is_dropped_alone_and_the_call_goes_out_on_another() {
-        let broker = test_broker::TestBroker::start(test_broker::TestBrokerConfig::default()).await.unwrap();
-        let config = IggySinkConfig { address: broker.addr().to_string(), ..IggySinkConfig::default() };
-        let sink = IggySink::new(&config).unwrap();
+        let (_broker, sink) = broker_and_sink(IggySinkConfig::default()).await;
         let mut taken = Vec::new();
         for _ in 0..3 {
             taken.push(sink.take().await.expect("a connection"));
@@ -1215,9 +1215,7 @@ mod tests {
     /// sent the operator looking for a topic that exists).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_placed_send_to_a_topic_without_partitions_says_so() {
-        let broker = test_broker::TestBroker::start(test_broker::TestBrokerConfig::default()).await.unwrap();
-        let config = IggySinkConfig { address: broker.addr().to_string(), ..IggySinkConfig::default() };
-        let sink = IggySink::new(&config).unwrap();
+        let (broker, sink) = broker_and_sink(IggySinkConfig::default()).await;
         let dest = DestinationKey::new("s", "t");
         sink.ensure(&dest).await.expect("the destination");
         assert!(broker.shrink_partitions("s", "t", 0));
@@ -1239,9 +1237,7 @@ mod tests {
     /// answered on, stays in the pool.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_send_answered_already_applied_is_delivered() {
-        let broker = test_broker::TestBroker::start(test_broker::TestBrokerConfig::default()).await.unwrap();
-        let config = IggySinkConfig { address: broker.addr().to_string(), ..IggySinkConfig::default() };
-        let sink = IggySink::new(&config).unwrap();
+        let (broker, sink) = broker_and_sink(IggySinkConfig::default()).await;
         let dest = DestinationKey::new("s", "t");
         sink.ensure(&dest).await.expect("the destination");
         let payload = Bytes::from_static(b"{}");
@@ -1259,9 +1255,7 @@ mod tests {
     /// taken for delivered. Kept, that send returned `Ok` with nothing stored.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_reply_the_client_cannot_parse_drops_its_connection() {
-        let broker = test_broker::TestBroker::start(test_broker::TestBrokerConfig::default()).await.unwrap();
-        let config = IggySinkConfig { address: broker.addr().to_string(), ..IggySinkConfig::default() };
-        let sink = IggySink::new(&config).unwrap();
+        let (broker, sink) = broker_and_sink(IggySinkConfig::default()).await;
         let dest = DestinationKey::new("s", "t");
         sink.ensure(&dest).await.expect("the destination");
         let payload = Bytes::from_static(b"{}");
@@ -1404,9 +1398,7 @@ mod tests {
     /// whose answer lists every topic of the stream.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn ensuring_an_existing_topic_does_not_fetch_its_stream() {
-        let broker = test_broker::TestBroker::start(test_broker::TestBrokerConfig::default()).await.unwrap();
-        let config = IggySinkConfig { address: broker.addr().to_string(), ..IggySinkConfig::default() };
-        let sink = IggySink::new(&config).unwrap();
+        let (broker, sink) = broker_and_sink(IggySinkConfig::default()).await;
         let dest = DestinationKey::new("s", "t");
         sink.ensure(&dest).await.expect("created");
         assert_eq!(broker.topic_options("s", "t").map(|o| o.partitions_count), Some(Some(1)));
