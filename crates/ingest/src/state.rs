@@ -57,8 +57,11 @@ pub enum StateError {
         "state database {path} has schema version {found}, this build expects {expected}; refusing to start (the database was not changed)"
     )]
     SchemaMismatch { path: PathBuf, found: u64, expected: u64 },
+    /// `unreadable`: the file is not a database this build can read (damaged, emptied,
+    /// not a redb file), which only an operator can end (`state reset`); otherwise what
+    /// kept it from opening may pass (held open by another process, an I/O error).
     #[error("cannot open state database {path}: {detail}")]
-    Open { path: PathBuf, detail: String },
+    Open { path: PathBuf, detail: String, unreadable: bool },
     #[error("state database: {0}")]
     Storage(String),
     #[error("state database record is malformed: {0}")]
@@ -66,7 +69,13 @@ pub enum StateError {
 }
 
 pub(crate) fn open_err(path: &Path, e: impl std::fmt::Display) -> StateError {
-    StateError::Open { path: path.to_path_buf(), detail: e.to_string() }
+    StateError::Open { path: path.to_path_buf(), detail: e.to_string(), unreadable: false }
+}
+
+/// The database at `path` did not open: whether because the file is no database this
+/// build can read ([`unreadable_as_a_database`]) is kept.
+fn open_failed(path: &Path, e: &redb::DatabaseError) -> StateError {
+    StateError::Open { path: path.to_path_buf(), detail: e.to_string(), unreadable: unreadable_as_a_database(e) }
 }
 
 pub(crate) fn storage_err<E: Into<redb::Error>>(e: E) -> StateError {
@@ -221,7 +230,7 @@ impl StateDb {
             |p| Database::create(p).map_err(|e| e.to_string()),
             // Never `create` at the final name: a file gone from under the daemon (a
             // reset, by hand) must fail the open, not be set up again in place.
-            |p| Database::open(p).map_err(|e| e.to_string()),
+            |p| Database::open(p),
         )
     }
 
@@ -233,12 +242,13 @@ impl StateDb {
         // `ReadWrite` opens an existing file only: a file gone from under the daemon
         // fails the open here too.
         let open_at = move |p: &Path| {
-            let file = files.open(p, OpenMode::ReadWrite).map_err(|e| e.to_string())?;
-            redb::Builder::new()
-                .create_with_backend(crate::state_storage::StorageFileBackend::new(file))
-                .map_err(|e| e.to_string())
+            let file = files
+                .open(p, OpenMode::ReadWrite)
+                .map_err(|e| redb::DatabaseError::Storage(redb::StorageError::Io(e)))?;
+            redb::Builder::new().create_with_backend(crate::state_storage::StorageFileBackend::new(file))
         };
-        let create_at = open_at.clone();
+        let opener = open_at.clone();
+        let create_at = move |p: &Path| opener(p).map_err(|e| e.to_string());
         StateDb::opened(path.as_ref().to_path_buf(), storage, create_at, open_at)
     }
 
@@ -250,7 +260,7 @@ impl StateDb {
         path: PathBuf,
         storage: Arc<dyn Storage>,
         create_at: impl Fn(&Path) -> Result<Database, String> + Send + Sync + 'static,
-        open_at: impl Fn(&Path) -> Result<Database, String> + Send + Sync + 'static,
+        open_at: impl Fn(&Path) -> Result<Database, redb::DatabaseError> + Send + Sync + 'static,
     ) -> Result<StateDb, StateError> {
         create_whole(&*storage, &path, &create_at)?;
         // A reopen (after an I/O error) opens the same file, never a new one: a database
@@ -259,7 +269,7 @@ impl StateDb {
         let p = path.clone();
         let open = move || {
             read_from_disk(&*storage, &p);
-            open_at(&p).map_err(|e| open_err(&p, e))
+            open_at(&p).map_err(|e| open_failed(&p, &e))
         };
         let db = open()?;
         StateDb::checked(db, path, Some(Box::new(open)))

@@ -93,7 +93,7 @@ impl StartError {
     pub fn exit_code(&self) -> u8 {
         use http_source::endpoints::LoadError;
         match self {
-            StartError::State(StateError::SchemaMismatch { .. })
+            StartError::State(StateError::SchemaMismatch { .. } | StateError::Open { unreadable: true, .. })
             | StartError::StateMissing { .. }
             | StartError::Endpoints(LoadError::RevokedStatic(_) | LoadError::UnreadableStatic(_)) => 2,
             _ => 1,

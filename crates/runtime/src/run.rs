@@ -122,12 +122,18 @@ pub fn run(settings: Settings, ready_file: Option<PathBuf>) -> ExitCode {
                         data_dir.display()
                     );
                 }
-                if let daemon::StartError::State(ingest::StateError::Open { .. }) = e {
-                    eprintln!(
-                        "iggy-ingest: if the database is damaged, `iggy-ingest state reset --data-dir {} --yes` \
-                         discards it (the log is kept; delivery ids are rebuilt from it)",
+                match e {
+                    daemon::StartError::State(ingest::StateError::Open { unreadable: true, .. }) => eprintln!(
+                        "iggy-ingest: the file is not a database this build can read (damaged?): `iggy-ingest state \
+                         reset --data-dir {} --yes` discards it (the log is kept; delivery ids are rebuilt from it)",
                         data_dir.display()
-                    );
+                    ),
+                    // What kept it from opening may pass: no reset is called for.
+                    daemon::StartError::State(ingest::StateError::Open { unreadable: false, .. }) => eprintln!(
+                        "iggy-ingest: if another process holds it (`state show`, `wal inspect`), start again once that \
+                         ends; an I/O error is the disk's, to fix first"
+                    ),
+                    _ => {}
                 }
                 return ExitCode::from(e.exit_code());
             }

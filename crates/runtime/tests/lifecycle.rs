@@ -1282,8 +1282,8 @@ async fn a_half_sent_admin_request_does_not_hold_the_exit_past_the_grace_period(
     drop(held);
 }
 
-/// A state database that is not one (damaged, or emptied) refuses the start, with the
-/// way out named; `state reset --yes` discards it though it cannot be read, saying what
+/// A state database that is not one (damaged, or emptied) refuses the start, exit 2, with
+/// the way out named; `state reset --yes` discards it though it cannot be read, saying what
 /// that loses, and the daemon starts again on the log it kept.
 #[test]
 fn a_damaged_state_database_is_discarded_by_a_reset_and_the_daemon_starts_again() {
@@ -1296,10 +1296,13 @@ fn a_damaged_state_database_is_discarded_by_a_reset_and_the_daemon_starts_again(
         let cfg = dir.path().join("config.toml");
         std::fs::write(&cfg, config_text(dir.path(), "", SOURCES)).unwrap();
         let out = Command::new(env!("CARGO_BIN_EXE_iggy-ingest")).args(["run", "--config"]).arg(&cfg).output().unwrap();
-        assert_eq!(out.status.code(), Some(1), "{}", String::from_utf8_lossy(&out.stderr));
+        // A refusal only an operator can end: 2, which the unit keeps from restarting it
+        // (`RestartPreventExitStatus=2`), where 1 restarted it into the same refusal.
+        assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stderr));
         let err = String::from_utf8_lossy(&out.stderr);
         let hint = format!("state reset --data-dir {} --yes", data.display());
         assert!(err.contains("cannot open state database") && err.contains(&hint), "{err}");
+        assert!(err.contains("not a database this build can read"), "{err}");
 
         // Without --yes: what the reset would do, said as the reset will say it, and
         // nothing changed.
