@@ -424,10 +424,7 @@ fn create_whole(
     create_at: &dyn Fn(&Path) -> Result<Database, String>,
 ) -> Result<(), StateError> {
     let io = |e: std::io::Error| open_err(path, e);
-    let parent = match path.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p,
-        _ => Path::new("."),
-    };
+    let parent = parent_dir(path);
     match storage.open(path, OpenMode::Read) {
         Ok(_) => return storage.sync_dir(parent).map_err(io),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
@@ -630,8 +627,17 @@ pub fn mark_reset(path: &Path) -> Result<(), StateError> {
         f.sync_all()
     });
     written.map_err(|e| open_err(&marker, e))?;
-    let parent = marker.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    std::fs::File::open(parent).and_then(|d| d.sync_all()).map_err(|e| open_err(&marker, e))
+    sync_parent(&marker).map_err(|e| open_err(&marker, e))
+}
+
+/// The directory holding `path` (`.` for a bare file name).
+fn parent_dir(path: &Path) -> &Path {
+    path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."))
+}
+
+/// Syncs the directory holding `path`, so that a name created or removed there lasts.
+fn sync_parent(path: &Path) -> std::io::Result<()> {
+    wal::storage::FsStorage.sync_dir(parent_dir(path))
 }
 
 /// Whether a start must refuse rather than create the database at `path`: there is none,
@@ -652,8 +658,7 @@ pub fn missing_beside_a_log(path: &Path, log_next_offset: u64) -> Result<bool, S
 pub fn clear_reset_marker(path: &Path) {
     match std::fs::remove_file(reset_marker(path)) {
         Ok(()) => {
-            let parent = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-            let _ = std::fs::File::open(parent).and_then(|d| d.sync_all());
+            let _ = sync_parent(path);
         }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
         Err(e) => tracing::warn!(error = %e, "cannot remove the state reset marker"),
@@ -682,8 +687,7 @@ fn reset_with(path: &Path, before_unlink: impl FnOnce()) -> Result<StateInventor
     mark_reset(path)?;
     std::fs::remove_file(path).map_err(|e| open_err(path, e))?;
     drop(db);
-    let parent = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    std::fs::File::open(parent).and_then(|d| d.sync_all()).map_err(|e| open_err(path, e))?;
+    sync_parent(path).map_err(|e| open_err(path, e))?;
     Ok(inventory)
 }
 
