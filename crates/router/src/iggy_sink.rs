@@ -616,12 +616,6 @@ impl IggySink {
         }
     }
 
-    /// No new connect for `reconnection_interval` from now (as a failed connect does).
-    #[cfg(test)]
-    fn pace_connects(&self) {
-        pace(&self.connect_not_before, self.config.reconnection_interval);
-    }
-
     /// How long until a connect may be made, if it may not be made now.
     fn connect_wait(&self) -> Option<Duration> {
         let not_before = (*self.connect_not_before.lock().unwrap_or_else(|p| p.into_inner()))?;
@@ -1092,7 +1086,8 @@ mod tests {
         tokio::time::sleep(max_age + Duration::from_millis(100)).await;
 
         // No connect may be made: the call goes out on an old connection, at once.
-        sink.pace_connects();
+        // As a failed connect paces them.
+        pace(&sink.connect_not_before, sink.config.reconnection_interval);
         sink.ensure(&DestinationKey::new("s", "t")).await.expect("a call while connects are paced");
         tokio::time::sleep(Duration::from_millis(200)).await;
         assert_eq!((broker.accepted_connections(), sink.idle().len()), (3, 3), "a connect while paced");
