@@ -1006,6 +1006,12 @@ mod tests {
         (broker, sink)
     }
 
+    /// The wire messages of one `{}` event with message id `id`.
+    fn one_message(id: u128) -> Vec<IggyMessage> {
+        let payload = Bytes::from_static(b"{}");
+        to_iggy(&[OutMessage { id, payload: &payload, headers: vec![] }]).unwrap()
+    }
+
     /// `n` connections in the pool: taken at once (each a new one), then given back.
     async fn fill_pool(sink: &IggySink, n: usize) {
         let mut taken = Vec::new();
@@ -1133,21 +1139,20 @@ mod tests {
         sink.ensure(&dest).await.expect("the destination");
         fill_pool(&sink, 3).await;
         assert_eq!(broker.accepted_connections(), 3);
-        let payload = Bytes::from_static(b"{}");
-        let batch = |id| sink.prepare(&[OutMessage { id, payload: &payload, headers: vec![] }]).unwrap();
         let partition = Partitioning::PartitionId(0);
 
         broker.drop_connection_after_next_request(
             test_broker::RequestKind::SendMessages,
             test_broker::DropPoint::BeforeApplying,
         );
-        let e = sink.send(&dest, &partition, &mut batch(1)).await.expect_err("the connection closed under the call");
+        let e =
+            sink.send(&dest, &partition, &mut one_message(1)).await.expect_err("the connection closed under the call");
         assert_eq!(e.kind, SendErrorKind::Disconnected, "{e}");
         assert!(sink.connecting(), "taken for answered before any call was");
         assert_eq!(sink.idle().len(), 2, "the other connections were dropped, or the closed one kept");
         assert!(sink.connect_wait().is_none(), "connects paced");
 
-        sink.send(&dest, &partition, &mut batch(2)).await.expect("the next call, on another connection");
+        sink.send(&dest, &partition, &mut one_message(2)).await.expect("the next call, on another connection");
         assert!(!sink.connecting(), "the server answered, yet it is taken for unreachable");
         assert_eq!((broker.accepted_connections(), sink.idle().len()), (3, 2), "a connect was made");
         let ids: Vec<u128> = broker.messages("s", "t").iter().map(|m| m.id).collect();
@@ -1214,8 +1219,7 @@ mod tests {
         let dest = DestinationKey::new("s", "t");
         sink.ensure(&dest).await.expect("the destination");
         assert!(broker.shrink_partitions("s", "t", 0));
-        let payload = Bytes::from_static(b"{}");
-        let mut batch = sink.prepare(&[OutMessage { id: 1, payload: &payload, headers: vec![] }]).unwrap();
+        let mut batch = one_message(1);
         // The count learnt by the ensure places the first try; its failure has it asked again.
         let first = sink.send(&dest, &Partitioning::Balanced, &mut batch).await.expect_err("no partition");
         assert_eq!(first.kind, SendErrorKind::Destination, "{first}");
@@ -1235,8 +1239,7 @@ mod tests {
         let (broker, sink) = broker_and_sink(IggySinkConfig::default()).await;
         let dest = DestinationKey::new("s", "t");
         sink.ensure(&dest).await.expect("the destination");
-        let payload = Bytes::from_static(b"{}");
-        let mut batch = sink.prepare(&[OutMessage { id: 1, payload: &payload, headers: vec![] }]).unwrap();
+        let mut batch = one_message(1);
         broker.fail_topic("s", "t", Some(IggyError::RequestAlreadyApplied));
         sink.send(&dest, &Partitioning::PartitionId(0), &mut batch).await.expect("an applied send");
         assert_eq!(sink.idle().len(), 1, "the connection answered on was dropped");
@@ -1253,17 +1256,15 @@ mod tests {
         let (broker, sink) = broker_and_sink(IggySinkConfig::default()).await;
         let dest = DestinationKey::new("s", "t");
         sink.ensure(&dest).await.expect("the destination");
-        let payload = Bytes::from_static(b"{}");
-        let batch = |id| sink.prepare(&[OutMessage { id, payload: &payload, headers: vec![] }]).unwrap();
         let partition = Partitioning::PartitionId(0);
 
         broker.malformed_reply_to_next_request(test_broker::RequestKind::SendMessages);
-        let e = sink.send(&dest, &partition, &mut batch(1)).await.expect_err("the malformed reply");
+        let e = sink.send(&dest, &partition, &mut one_message(1)).await.expect_err("the malformed reply");
         assert_eq!(e.kind, SendErrorKind::Destination);
         assert_eq!(sink.idle().len(), 0, "the connection out of step was given back");
 
         broker.fail_topic("s", "t", Some(IggyError::Error));
-        let refused = sink.send(&dest, &partition, &mut batch(2)).await;
+        let refused = sink.send(&dest, &partition, &mut one_message(2)).await;
         assert!(refused.is_err(), "a send the server refused was taken for delivered: {refused:?}");
         assert_eq!(broker.messages("s", "t").len(), 1, "only the first send is stored");
         assert_eq!(broker.accepted_connections(), 2, "the second send went out on the first connection");
@@ -1319,8 +1320,7 @@ mod tests {
     async fn send_on_a_new_connection(sink: &IggySink, dest: &DestinationKey, partitioning: &Partitioning, id: u128) {
         let fresh = open_connection(&sink.config).await.expect("a connection");
         sink.idle().push(fresh);
-        let payload = Bytes::from_static(b"{}");
-        let mut batch = sink.prepare(&[OutMessage { id, payload: &payload, headers: vec![] }]).unwrap();
+        let mut batch = one_message(id);
         sink.send(dest, partitioning, &mut batch).await.expect("sent");
     }
 
@@ -1339,8 +1339,7 @@ mod tests {
         // A send refused at the destination has the count asked again, and the turn goes
         // on where it was (that send took partition 0's turn), not back at partition 0.
         broker.fail_topic("s", "t", Some(IggyError::Error));
-        let payload = Bytes::from_static(b"{}");
-        let mut batch = sink.prepare(&[OutMessage { id: 9, payload: &payload, headers: vec![] }]).unwrap();
+        let mut batch = one_message(9);
         assert!(sink.send(&dest, &Partitioning::Balanced, &mut batch).await.is_err());
         broker.fail_topic("s", "t", None);
         let topics_asked = broker.request_count(test_broker::RequestKind::GetTopic);
