@@ -232,16 +232,9 @@ async fn an_endpoint_without_auth_has_no_secret_to_set_or_rotate_and_its_revoked
     );
     let cfg = dir.path().join("config.toml");
     std::fs::write(&cfg, text).unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_iggy-ingest"))
-        .args(["run", "--config"])
-        .arg(&cfg)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .output()
-        .unwrap();
+    let (code, err) = refused_start(&cfg);
     // 2: only an operator can end it (a supervisor restarting on failure would not).
-    assert_eq!(out.status.code(), Some(2));
-    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(code, Some(2));
     assert!(err.contains("was revoked") && err.contains(&id[..8]) && !err.contains(&id), "{err}");
     assert_eq!(log_len(&dir.path().join("data/wal")), 1);
 }
@@ -764,28 +757,7 @@ async fn a_missing_state_database_beside_a_written_log_refuses_to_start_until_re
     std::fs::rename(data.join("state.redb"), dir.path().join("state.redb.aside")).unwrap();
     let cfg = dir.path().join("config.toml");
     std::fs::write(&cfg, config_text(dir.path(), "", SOURCES)).unwrap();
-    // The start's exit code and stderr; one still running after 20 s is stopped and
-    // said so (it started, where it had to refuse).
-    let start = || {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_iggy-ingest"))
-            .args(["run", "--config"])
-            .arg(&cfg)
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while child.try_wait().unwrap().is_none() {
-            if Instant::now() > deadline {
-                child.kill().unwrap();
-                child.wait().unwrap();
-                panic!("the daemon started beside a written log with no state database");
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        let out = child.wait_with_output().unwrap();
-        (out.status.code(), String::from_utf8_lossy(&out.stderr).into_owned())
-    };
+    let start = || refused_start(&cfg);
     let (code, err) = start();
     assert_eq!(code, Some(2), "{err}");
     assert!(err.contains("there is no state database at") && err.contains("state reset"), "{err}");
@@ -818,15 +790,8 @@ fn a_state_database_of_another_schema_version_refuses_to_start_until_reset() {
     ingest::StateDb::open(dir.path().join("data/state.redb")).unwrap().force_schema_version(7).unwrap();
     let cfg = dir.path().join("config.toml");
     std::fs::write(&cfg, config_text(dir.path(), "", SOURCES)).unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_iggy-ingest"))
-        .args(["run", "--config"])
-        .arg(&cfg)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(2), "a refusal only an operator can end");
-    let err = String::from_utf8_lossy(&out.stderr);
+    let (code, err) = refused_start(&cfg);
+    assert_eq!(code, Some(2), "a refusal only an operator can end");
     assert!(err.contains("schema version 7") && err.contains(&format!("expects {}", ingest::SCHEMA_VERSION)), "{err}");
     assert!(!err.contains("state migrate"), "no step leads from version 7: {err}");
     // The refused start opened the log (removing its clean-shutdown marker) and closed it
@@ -923,9 +888,8 @@ async fn a_state_database_of_an_older_schema_version_is_migrated_explicitly_and_
     ingest::StateDb::open(data.join("state.redb")).unwrap().force_schema_version(1).unwrap();
 
     let cfg = dir.path().join("config.toml");
-    let out = Command::new(env!("CARGO_BIN_EXE_iggy-ingest")).args(["run", "--config"]).arg(&cfg).output().unwrap();
-    assert_eq!(out.status.code(), Some(2), "a refusal only an operator can end");
-    let err = String::from_utf8_lossy(&out.stderr);
+    let (code, err) = refused_start(&cfg);
+    assert_eq!(code, Some(2), "a refusal only an operator can end");
     let migrate = format!("state migrate --data-dir {}", data.display());
     assert!(err.contains("schema version 1") && err.contains(&migrate), "{err}");
 
@@ -1295,11 +1259,10 @@ fn a_damaged_state_database_is_discarded_by_a_reset_and_the_daemon_starts_again(
         std::fs::write(data.join("state.redb"), bytes).unwrap();
         let cfg = dir.path().join("config.toml");
         std::fs::write(&cfg, config_text(dir.path(), "", SOURCES)).unwrap();
-        let out = Command::new(env!("CARGO_BIN_EXE_iggy-ingest")).args(["run", "--config"]).arg(&cfg).output().unwrap();
+        let (code, err) = refused_start(&cfg);
         // A refusal only an operator can end: 2, which the unit keeps from restarting it
         // (`RestartPreventExitStatus=2`), where 1 restarted it into the same refusal.
-        assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stderr));
-        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(code, Some(2), "{err}");
         let hint = format!("state reset --data-dir {} --yes", data.display());
         assert!(err.contains("cannot open state database") && err.contains(&hint), "{err}");
         assert!(err.contains("not a database this build can read"), "{err}");
@@ -1380,4 +1343,28 @@ async fn endpoints_are_listed_a_page_at_a_time_by_id() {
         assert!(body["message"].as_str().is_some_and(|m| m.starts_with(named)), "{query}: {body}");
     }
     assert!(d.stop().success());
+}
+
+/// `iggy-ingest run --config CFG` that is to refuse to start: its exit code and stderr.
+/// One still running after 20 s is killed and the test fails: it started where it had
+/// to refuse (waited for with `output`, the test would hang instead).
+fn refused_start(cfg: &std::path::Path) -> (Option<i32>, String) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_iggy-ingest"))
+        .args(["run", "--config"])
+        .arg(cfg)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while child.try_wait().unwrap().is_none() {
+        if Instant::now() > deadline {
+            child.kill().unwrap();
+            child.wait().unwrap();
+            panic!("the daemon started where it had to refuse");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let out = child.wait_with_output().unwrap();
+    (out.status.code(), String::from_utf8_lossy(&out.stderr).into_owned())
 }
