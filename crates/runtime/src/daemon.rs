@@ -239,17 +239,10 @@ pub async fn start(mut settings: Settings, metrics: Option<PrometheusHandle>) ->
             // Bounded as a stop's close is: the refusal may be the disk's (the state
             // database failing beside the log), and a sync it never answers must not hold
             // the start for ever, listeners bound and unserved.
-            match tokio::time::timeout(CLOSE_MAX, wal.close()).await {
-                Ok(Ok(())) => {}
-                Ok(Err(close)) => tracing::warn!(error = %close, "cannot close the log after a refused start"),
-                Err(_) => {
-                    tracing::warn!(
-                        close_max_ms = CLOSE_MAX.as_millis() as u64,
-                        "the log did not close in time after a refused start (a sync the disk does not answer?): not marked clean; the next start recovers it"
-                    );
-                    // Its writer is stuck in the disk: dropping the last handle would join it.
-                    std::mem::forget(wal.clone());
-                }
+            match close_log_by(&wal, tokio::time::Instant::now() + CLOSE_MAX).await {
+                Some(Ok(())) => {}
+                Some(Err(close)) => tracing::warn!(error = %close, "cannot close the log after a refused start"),
+                None => tracing::warn!("after a refused start: not marked clean; the next start recovers it"),
             }
             return Err(e);
         }
@@ -397,8 +390,8 @@ pub async fn start(mut settings: Settings, metrics: Option<PrometheusHandle>) ->
         // is not marked clean, and the next start recovers it as after a crash (nothing
         // answered 200 is at stake: it is durable already).
         let close_ends = tokio::time::Instant::now() + CLOSE_MAX;
-        let (wal_closed, checkpoint) = match tokio::time::timeout_at(close_ends, wal.close()).await {
-            Ok(closed) => {
+        let (wal_closed, checkpoint) = match close_log_by(&wal, close_ends).await {
+            Some(closed) => {
                 let checkpoint = idempotency.final_checkpoint(&wal, ingest::time::now_unix_ms());
                 let checkpoint = match tokio::time::timeout_at(close_ends, checkpoint).await {
                     Ok(c) => c.map_err(|e| e.to_string()),
@@ -416,16 +409,10 @@ pub async fn start(mut settings: Settings, metrics: Option<PrometheusHandle>) ->
                 };
                 (closed.map_err(|e| e.to_string()), checkpoint)
             }
-            Err(_) => {
-                tracing::error!(
-                    close_max_ms = CLOSE_MAX.as_millis() as u64,
-                    "the log did not close in time (a sync the disk does not answer?): not marked clean; the next start recovers it, and every event answered 200 is in it"
-                );
-                // Its writer thread is stuck in the disk: the last handle on the log
-                // must not wait for it as it goes (a drop joins the writer). Nor on the
-                // idempotency index, whose recorder writes beside the log, likely on the
-                // same disk.
-                std::mem::forget(wal.clone());
+            None => {
+                // Nor may the last handle on the idempotency index wait as it goes (a
+                // drop joins its recorder, which writes beside the log, likely on the
+                // same disk).
                 std::mem::forget(idempotency.clone());
                 (
                     Err(format!(
@@ -486,17 +473,25 @@ async fn open_on_log(settings: &Settings, wal: &Arc<Wal>) -> Result<OnLog, Start
     // Never an empty database in place of one lost or moved aside beside a log written
     // before: every record in the log would go to Iggy again, every dynamic endpoint
     // answer 404 and every revocation be forgotten, with nothing said.
-    if ingest::state::missing_beside_a_log(&state_path, wal.next_offset())? {
-        return Err(StartError::StateMissing { path: state_path, log_next_offset: wal.next_offset() });
-    }
+    let log_next_offset = wal.next_offset();
     let state = {
-        // Created whole (or not at all) and its name made durable (`StateDb::open`).
+        // Created whole (or not at all) and its name made durable (`StateDb::open`); file
+        // work, on a blocking thread, as the checks around it.
         let p = state_path.clone();
-        tokio::task::spawn_blocking(move || StateDb::open(p))
-            .await
-            .map_err(|e| StateError::Storage(format!("open task failed: {e}")))??
+        tokio::task::spawn_blocking(move || {
+            if ingest::state::missing_beside_a_log(&p, log_next_offset)? {
+                return Ok(None);
+            }
+            let state = StateDb::open(&p)?;
+            ingest::state::clear_reset_marker(&p);
+            Ok::<_, StateError>(Some(state))
+        })
+        .await
+        .map_err(|e| StateError::Storage(format!("open task failed: {e}")))??
     };
-    ingest::state::clear_reset_marker(&state_path);
+    let Some(state) = state else {
+        return Err(StartError::StateMissing { path: state_path, log_next_offset });
+    };
     let state = Arc::new(state);
     let idempotency = Arc::new(
         IdempotencyIndex::new(state.clone(), settings.idempotency_retention.as_millis() as u64)
@@ -605,6 +600,26 @@ pub const STOP_PAST_GRACE_MAX: Duration = Duration::from_millis(
         + ADMIN_STOP_MIN.as_millis() as u64
         + RUNTIME_STOP_MAX.as_millis() as u64,
 );
+
+/// Closes the log (its last sync and the clean-shutdown marker) by `deadline`, the bound
+/// of every close (`CLOSE_MAX`): a disk whose sync does not return by then is failing,
+/// and neither a stop nor a refused start may wait on it for ever. `None` past it: the
+/// log is left unmarked (the next start recovers it, losing nothing answered 200), and
+/// its handle is left too, since dropping the last one would join the writer thread
+/// stuck in the disk.
+async fn close_log_by(wal: &Arc<Wal>, deadline: tokio::time::Instant) -> Option<Result<(), WalError>> {
+    match tokio::time::timeout_at(deadline, wal.close()).await {
+        Ok(closed) => Some(closed),
+        Err(_) => {
+            tracing::error!(
+                close_max_ms = CLOSE_MAX.as_millis() as u64,
+                "the log did not close in time (a sync the disk does not answer?): not marked clean; the next start recovers it, and every event answered 200 is in it"
+            );
+            std::mem::forget(wal.clone());
+            None
+        }
+    }
+}
 
 /// Waits until a stop is asked for (`shutdown_rx`) or a task the daemon cannot run
 /// without fails (`failed_rx`), and returns the failed task's name. A failure is
