@@ -1244,7 +1244,11 @@ mod tests {
         sink.send(&dest, &Partitioning::PartitionId(0), &mut batch).await.expect("an applied send");
         assert_eq!(sink.idle().len(), 1, "the connection answered on was dropped");
         assert!(!sink.connecting());
-        assert_eq!(classify(&IggyError::RequestAlreadyApplied), SendErrorKind::Unavailable, "a destination's fault");
+        assert_eq!(
+            classify(&IggyError::RequestAlreadyApplied),
+            SendErrorKind::Unavailable,
+            "taken for a destination's fault"
+        );
     }
 
     /// A reply the client could not parse (`InvalidCommand`) leaves its connection out of

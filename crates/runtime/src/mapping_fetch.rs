@@ -50,21 +50,22 @@ fn shown(url: &str) -> String {
 }
 
 fn parse(url: &str) -> Result<Target, String> {
-    let shown = shown(url);
     // Refused wherever it stands, before any other check can repeat the URL: an `@`
     // after a password holding `/` is not in the authority as the parser reads it, and
     // the URL would pass, its password then in every log line naming it.
     if url.contains('@') {
         return Err(format!(
-            "{shown:?}: an '@' in the URL is not supported (credentials in a URL would be logged, never sent)"
+            "{:?}: an '@' in the URL is not supported (credentials in a URL would be logged, never sent)",
+            shown(url)
         ));
     }
-    let uri: Uri = url.parse().map_err(|e| format!("{shown:?} is not a URL: {e}"))?;
+    // From here the URL holds no credentials: it is shown as written.
+    let uri: Uri = url.parse().map_err(|e| format!("{url:?} is not a URL: {e}"))?;
     if uri.scheme_str() != Some("http") {
-        return Err(format!("{shown:?}: only http:// URLs are supported"));
+        return Err(format!("{url:?}: only http:// URLs are supported"));
     }
     let Some(authority) = uri.authority() else {
-        return Err(format!("{shown:?} has no host"));
+        return Err(format!("{url:?} has no host"));
     };
     // The `http` crate takes any digits, or none, as a port (`Authority::port` then says
     // nothing); credentials, which it would take in the authority (and this client send
@@ -75,7 +76,7 @@ fn parse(url: &str) -> Result<Target, String> {
     let after_host = if raw.starts_with('[') { raw.find(']').map_or("", |i| &raw[i + 1..]) } else { raw };
     let authority = if after_host.contains(':') { raw.to_string() } else { format!("{raw}:80") };
     if let Some(why) = crate::host_port::problem(&authority) {
-        return Err(format!("{shown:?}: {authority:?} {why}"));
+        return Err(format!("{url:?}: {authority:?} {why}"));
     }
     Ok(Target { authority, uri })
 }
