@@ -280,6 +280,23 @@ struct AuthConfig<'a> {
     auth_tolerance_secs: Option<u64>,
 }
 
+impl AuthConfig<'_> {
+    /// The first auth setting given a value other than its default (`auth_type =
+    /// "none"`, nothing else set), by its key.
+    fn first_set_key(&self) -> Option<&'static str> {
+        [
+            ("auth_type", self.auth_type != "none"),
+            ("auth_secret", self.auth_secret.is_some()),
+            ("auth_secret_env", self.auth_secret_env.is_some()),
+            ("auth_header", self.auth_header.is_some()),
+            ("auth_prefix", self.auth_prefix.is_some()),
+            ("auth_tolerance_secs", self.auth_tolerance_secs.is_some()),
+        ]
+        .into_iter()
+        .find_map(|(key, set)| set.then_some(key))
+    }
+}
+
 impl SourceConfig {
     fn auth(&self) -> AuthConfig<'_> {
         AuthConfig {
@@ -1383,18 +1400,10 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
         };
         // The source's own auth guards its named path only: without one, it would guard
         // nothing, though it reads as if it did (each endpoint has its own).
-        let unused_auth = [
-            ("auth_type", s.auth_type != "none"),
-            ("auth_secret", s.auth_secret.is_some()),
-            ("auth_secret_env", s.auth_secret_env.is_some()),
-            ("auth_header", s.auth_header.is_some()),
-            ("auth_prefix", s.auth_prefix.is_some()),
-            ("auth_tolerance_secs", s.auth_tolerance_secs.is_some()),
-        ];
         // A warning, as for the other settings that do nothing now (kept for a named
         // path turned on later; a file that started before still does).
-        let auth = match unused_auth.iter().find(|(_, set)| *set) {
-            Some((key, _)) if !s.named_path => {
+        let auth = match s.auth().first_set_key() {
+            Some(key) if !s.named_path => {
                 c.warn(
                     &sp.key(key),
                     "is not used: named_path = false, so no request reaches the source's own auth (each of its \
