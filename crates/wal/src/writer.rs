@@ -158,17 +158,23 @@ impl Writer {
             // empties would otherwise hold a due interval sync off for as long as the
             // load lasts (and with it readers and the power-loss window).
             let now = Instant::now();
-            self.shared.writer_busy();
-            if self.sync_deadline().is_some_and(|deadline| deadline <= now) {
-                self.sync_interval_writes();
+            let sync_due = self.sync_deadline().is_some_and(|deadline| deadline <= now);
+            let successor_due = self.successor_retry_at.is_some_and(|at| at <= now);
+            let deletion_due = self.deletion_retry_at.is_some_and(|at| at <= now);
+            // Marked busy only when there is work: a pass with none costs nothing more.
+            if sync_due || successor_due || deletion_due {
+                self.shared.writer_busy();
+                if sync_due {
+                    self.sync_interval_writes();
+                }
+                if successor_due {
+                    self.retry_successor();
+                }
+                if deletion_due {
+                    self.retry_deletion();
+                }
+                self.shared.writer_idle();
             }
-            if self.successor_retry_at.is_some_and(|at| at <= now) {
-                self.retry_successor();
-            }
-            if self.deletion_retry_at.is_some_and(|at| at <= now) {
-                self.retry_deletion();
-            }
-            self.shared.writer_idle();
             let deadline =
                 [self.sync_deadline(), self.successor_retry_at, self.deletion_retry_at].into_iter().flatten().min();
             let first = match deadline {
