@@ -682,8 +682,10 @@ fn reset_with(path: &Path, before_unlink: impl FnOnce()) -> Result<StateInventor
         Err(e) => return Err(open_err(path, e)),
     };
     before_unlink();
-    // The marker first: a crash after the unlink must not leave a start refused for a
-    // database the operator asked to discard.
+    // The marker first, synced, then the unlink: so no moment has the database gone
+    // without the marker that lets the next start create an empty one (the order is
+    // not crash-tested; a start refused for want of it is undone by `state reset --yes`
+    // again).
     mark_reset(path)?;
     std::fs::remove_file(path).map_err(|e| open_err(path, e))?;
     drop(db);
