@@ -47,7 +47,7 @@ enum Command {
         #[command(subcommand)]
         command: ConfigCommand,
     },
-    /// Read-only tools over a log directory (DATA_DIR/wal); safe beside a running daemon.
+    /// Tools over a log directory (DATA_DIR/wal); all but `salvage` are read-only and safe beside a running daemon.
     Wal {
         #[command(subcommand)]
         command: iggy_ingest::wal_cli::WalCommand,
