@@ -759,7 +759,8 @@ pub fn classify(e: &IggyError) -> SendErrorKind {
         | IggyError::TransientNotCommitted
         | IggyError::TransientNotAccepted
         // A call the server applied before, its reply gone: the server's own
-        // bookkeeping (a send so answered is delivered, `IggySink::send`).
+        // bookkeeping, no destination's (a send so answered is sent again,
+        // `IggySink::send`).
         | IggyError::RequestAlreadyApplied => SendErrorKind::Unavailable,
         // Refused credentials, or a session not signed in: no call can succeed.
         IggyError::InvalidCredentials | IggyError::Unauthenticated => SendErrorKind::Unauthorized,
@@ -910,14 +911,13 @@ impl Sink for IggySink {
                 placed => self.place(taken.client(), dest, &stream, &topic, placed).await?,
             };
             let partitioning = IggyPartitioning::partition_id(partition);
-            match taken.client().send_messages(&stream, &topic, &partitioning, messages).await {
-                // The server applied this very request (the client replays it under its
-                // id after an answer "not committed yet"; other bytes under the same id
-                // get no answer) and no longer holds its reply: the messages are stored.
-                // Sent again, they would be stored twice.
-                Err(IggyError::RequestAlreadyApplied) => Ok(()),
-                sent => sent.map(|_| ()),
-            }
+            // Only `Ok` frees records. A send is never answered "already applied" by the
+            // server this client speaks to: its request-id table deduplicates metadata
+            // calls only, and sends are at-least-once (`core/sdk/src/vsr.rs`,
+            // `core/consensus/src/metadata_helpers.rs` in apache/iggy). Any answer but
+            // `Ok`, that one included, leaves the records held and sent again: a
+            // duplicate at worst, never a loss on an answer nothing here can check.
+            taken.client().send_messages(&stream, &topic, &partitioning, messages).await.map(|_| ())
         }
         .await;
         if !matches!(p, Partitioning::PartitionId(_))
@@ -1229,19 +1229,19 @@ mod tests {
         assert_eq!(broker.messages("s", "t"), vec![]);
     }
 
-    /// A send the server answers "already applied" (the same request, replayed by the
-    /// client, applied before and its reply gone) is delivered: the lane frees its
-    /// records and sends nothing again. Taken for the destination's failure, it was sent
-    /// again (stored twice) and counted by the destination's breaker. The connection,
-    /// answered on, stays in the pool.
+    /// A send answered "already applied" (a code the server gives metadata calls only)
+    /// is not taken for delivered: records are freed on `Ok` alone, so the send fails
+    /// and is retried (a duplicate at worst), as the server's, not the destination's,
+    /// and the connection, answered on, stays in the pool.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_send_answered_already_applied_is_delivered() {
+    async fn a_send_answered_already_applied_is_sent_again_not_freed() {
         let (broker, sink) = broker_and_sink(IggySinkConfig::default()).await;
         let dest = DestinationKey::new("s", "t");
         sink.ensure(&dest).await.expect("the destination");
         let mut batch = one_message(1);
         broker.fail_topic("s", "t", Some(IggyError::RequestAlreadyApplied));
-        sink.send(&dest, &Partitioning::PartitionId(0), &mut batch).await.expect("an applied send");
+        let e = sink.send(&dest, &Partitioning::PartitionId(0), &mut batch).await.expect_err("taken for delivered");
+        assert_eq!(e.kind, SendErrorKind::Unavailable, "{e}");
         assert_eq!(sink.idle().len(), 1, "the connection answered on was dropped");
         assert!(!sink.connecting());
         assert_eq!(
