@@ -408,6 +408,38 @@ async fn a_stop_whose_recorder_never_finishes_exits_1_in_bounded_time_and_loses_
     assert!(daemon.stop().await.success());
 }
 
+/// The idempotency recorder is a thread, not a task: should it panic, no delivery id
+/// would be recorded from then on (a retry appended again), with health, status and
+/// exit all saying nothing. The daemon exits 1 naming the recorder, and the next start
+/// restores the id from the log: the retry is a replay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idempotency_recorder_that_panics_stops_the_daemon_with_status_1_and_loses_nothing() {
+    let dir = test_dir("recorder-panics");
+    let config = config_text(dir.path(), "127.0.0.1:1", KEYED_SOURCE);
+    let env = [
+        ("IGGY_INGEST_FAIL_POINT", "idempotency.record".to_string()),
+        ("IGGY_INGEST_FAIL_POINT_ACTION", "panic".to_string()),
+    ];
+    let mut daemon = Daemon::start(dir.path(), &config, &env).await;
+    let mut conn = Conn::open(daemon.http).await.expect("connect");
+    let keyed = [("idempotency-key", "delivery-1")];
+    let a = conn.send("POST", "/v1/sources/k", &keyed, "{}").await.expect("answer");
+    assert_eq!((a.status, a.json()["offsets"].clone()), (200, serde_json::json!([0, 0])), "the first sending");
+    drop(conn);
+    let Some(status) = daemon.wait_exit(Duration::from_secs(60)).await else {
+        panic!("the daemon went on after its idempotency recorder panicked: {}", daemon.stderr());
+    };
+    let stderr = daemon.stderr();
+    assert!(stderr.contains("fail point idempotency.record: hit 1, panicking"), "not the fail point's panic: {stderr}");
+    assert_eq!(status.code(), Some(1), "exit status after the panic: {status}: {stderr}");
+    assert!(stderr.contains("the idempotency recorder panicked"), "the exit does not name the recorder: {stderr}");
+
+    let daemon = Daemon::restart(dir.path(), &[]).await;
+    let mut conn = Conn::open(daemon.http).await.expect("connect");
+    post_delivery_1(&daemon, &mut conn, "the retry after the restart").await;
+    assert!(daemon.stop().await.success());
+}
+
 /// A retry answered while its delivery's id is not yet recorded (the recorder held: the
 /// answer comes from the claim in memory, not from the state database), then a kill -9:
 /// the retry's 200 named the original offsets and appended nothing, and after the restart

@@ -393,6 +393,17 @@ impl std::future::Future for Recording {
     }
 }
 
+impl IdempotencyIndex {
+    /// True once the recorder thread has ended while the index still runs: it ends
+    /// only by a panic (a defect), and from then on no key is recorded at runtime (each
+    /// is owed until a checkpoint restores it from the log, and a retry before then is
+    /// appended again), with nothing else to show it. The daemon watches this as it
+    /// watches the log's writer, and stops.
+    pub fn recorder_stopped(&self) -> bool {
+        self.recorder_thread.lock().unwrap_or_else(|p| p.into_inner()).as_ref().is_some_and(|t| t.is_finished())
+    }
+}
+
 impl Drop for IdempotencyIndex {
     /// Stops the recorder after the records it holds, so the state database is released
     /// when the index is.

@@ -32,7 +32,8 @@
 //! - The router starts before the webhook listener serves, so the log's next offset it
 //!   checks the stored cursors against is the log's end at open (`router::Router::start`).
 //! - A task the daemon cannot do its work without (either listener, the idempotency
-//!   checkpoint, the metrics upkeep, and the log's writer thread) that panics stops the
+//!   checkpoint, the metrics upkeep, the log's writer thread and the idempotency
+//!   recorder thread) that panics stops the
 //!   daemon: a listener gone while
 //!   `/health` still said "accepting" would turn a load balancer's traffic into refused
 //!   connections. The stop takes the usual order, and the report names the task, so the
@@ -326,18 +327,24 @@ pub async fn start(mut settings: Settings, metrics: Option<PrometheusHandle>) ->
             &failed_tx,
         )
     });
-    // The log's writer is a thread of the log, not a task: watched here, so that a panic
-    // in it stops the daemon as one in the tasks above does (the log marks itself
-    // poisoned and closed at once, so `/health` says `log_stopped` meanwhile).
-    let writer_watch = {
+    // The log's writer and the idempotency recorder are threads, not tasks: watched
+    // here, so that a panic in either stops the daemon as one in the tasks above does
+    // (the log marks itself poisoned and closed at once, so `/health` says `log_stopped`
+    // meanwhile; without its recorder, no delivery id would be recorded and nothing
+    // would say so).
+    let thread_watch = {
         let failed = failed_tx.clone();
-        let wal = wal.clone();
+        let (wal, idempotency) = (wal.clone(), idempotency.clone());
         tokio::spawn(async move {
-            let mut tick = tokio::time::interval(WRITER_WATCH_INTERVAL);
+            let mut tick = tokio::time::interval(THREAD_WATCH_INTERVAL);
             loop {
                 tick.tick().await;
                 if wal.writer_panicked() {
                     let _ = failed.send("the log's writer");
+                    return;
+                }
+                if idempotency.recorder_stopped() {
+                    let _ = failed.send("the idempotency recorder");
                     return;
                 }
             }
@@ -443,7 +450,7 @@ pub async fn start(mut settings: Settings, metrics: Option<PrometheusHandle>) ->
         if let Some(t) = upkeep_task {
             t.abort();
         }
-        writer_watch.abort();
+        thread_watch.abort();
         // A task the daemon cannot run without that panicked during the drain (after
         // the stop was asked for) is a failure of this run all the same: exit 1, named.
         if failed_task.is_none() {
@@ -570,8 +577,9 @@ where
     })
 }
 
-/// How often the daemon looks whether the log's writer thread panicked.
-const WRITER_WATCH_INTERVAL: Duration = Duration::from_millis(200);
+/// How often the daemon looks whether the log's writer or the idempotency recorder
+/// thread panicked.
+const THREAD_WATCH_INTERVAL: Duration = Duration::from_millis(200);
 
 /// The least time the router is given to stop, even past the grace period: enough to
 /// end idle lanes and store the acknowledged cursors (a few milliseconds), never long
