@@ -566,6 +566,11 @@ async fn check_one(world: &World, req: &Req) {
     let path_only = req.path.split('?').next().unwrap_or("");
     let content_type = headers.get("content-type").and_then(|v| v.to_str().ok()).unwrap_or("");
 
+    if path_only == format!("/v1/e/{EXPIRED_ENDPOINT}") {
+        // Past its `expires_at`: no event taken and no handshake echoed, whatever the
+        // credentials.
+        assert_ne!(status, 200, "an expired endpoint answered 200: {req:?}");
+    }
     if req.method == Method::HEAD {
         // Answered as GET without a body (axum); only the status and the log can be checked.
         assert!(matches!(status, 200 | 400 | 401 | 404 | 405 | 410), "HEAD answered {status} for {req:?}");

@@ -79,6 +79,9 @@ impl Setup {
 pub enum Op {
     /// One atomic batch; one size code per record (1 to 4 records).
     Append { sizes: Vec<u8> },
+    /// One batch of one record per size code (1 to 4), all in flight at once, so the
+    /// writer groups them into one write and sync (or splits them at a segment's end).
+    AppendConcurrently { sizes: Vec<u8> },
     /// Read from a position between just below the start and just past the end.
     Read { from: u8, max_records: u8, max_bytes: u16 },
     /// Release below a position between the start and just past the end.
@@ -105,8 +108,10 @@ impl Op {
     fn decode(input: &mut Input<'_>) -> Op {
         match input.u8() % OP_KINDS {
             0 => {
-                let n = 1 + (input.u8() % 4) as usize;
-                Op::Append { sizes: (0..n).map(|_| input.u8()).collect() }
+                let code = input.u8();
+                let n = 1 + (code % 4) as usize;
+                let sizes = (0..n).map(|_| input.u8()).collect();
+                if code & 0x80 == 0 { Op::Append { sizes } } else { Op::AppendConcurrently { sizes } }
             }
             1 => Op::Read { from: input.u8(), max_records: input.u8(), max_bytes: input.u16() },
             2 => Op::Release { at: input.u8() },
@@ -125,6 +130,11 @@ impl Op {
             Op::Append { sizes } => {
                 out.push(0);
                 out.push((sizes.len().clamp(1, 4) - 1) as u8);
+                out.extend(sizes.iter().take(4));
+            }
+            Op::AppendConcurrently { sizes } => {
+                out.push(0);
+                out.push((sizes.len().clamp(1, 4) - 1) as u8 | 0x80);
                 out.extend(sizes.iter().take(4));
             }
             Op::Read { from, max_records, max_bytes } => {
@@ -415,17 +425,20 @@ impl Harness {
             }
             Err(WalError::OffsetsExhausted { .. }) => {
                 assert!(expected.saturating_add(n - 1) > OFFSET_MAX, "offsets exhausted at {expected} for {n} records");
+                assert_eq!(self.wal().next_offset(), expected, "a batch refused for its offsets moved the end");
             }
             Err(WalError::Full { .. }) => {
                 assert!(self.options.max_bytes < UNBOUNDED_MAX_BYTES, "a log with room to spare reported Full");
                 let framed: u64 = batch.iter().map(|p| 32 + p.len() as u64).sum();
                 assert!(framed <= self.options.batch_max_bytes(), "a batch no release could make room for got Full");
+                assert_eq!(self.wal().next_offset(), expected, "a batch refused as Full moved the end");
             }
             Err(WalError::BatchTooLarge { batch_bytes, max_batch_bytes }) => {
                 let framed: u64 = batch.iter().map(|p| 32 + p.len() as u64).sum();
                 assert_eq!(batch_bytes, framed, "the refusal names another size than the batch's");
                 assert_eq!(max_batch_bytes, self.options.batch_max_bytes());
                 assert!(batch_bytes > max_batch_bytes, "a batch that fits an empty log was refused as too large");
+                assert_eq!(self.wal().next_offset(), expected, "a batch refused as too large moved the end");
             }
             Err(WalError::Poisoned(_)) => {
                 assert!(self.faults_possible || self.sim.crashes() != self.crashes_seen, "poisoned without a fault");
@@ -451,6 +464,109 @@ impl Harness {
                 }
             }
             Err(e) => panic!("append failed without an injected fault: {e}"),
+        }
+    }
+
+    /// One record per batch, every batch in flight at once (submitted in order on this
+    /// current-thread runtime). Whatever the writer grouped them into, the ones answered
+    /// `Ok` tile the log from its end before, in submission order, with no gap: a failed
+    /// one takes no offset.
+    async fn append_concurrently(&mut self, sizes: &[u8]) {
+        let seg = self.options.segment_max_bytes;
+        let lens: Vec<usize> = sizes.iter().map(|&c| record_size(c, seg)).collect();
+        let total: usize = lens.iter().sum();
+        if self.records + lens.len() as u64 > MAX_RECORDS || self.bytes + total > MAX_PAYLOAD_BYTES {
+            return;
+        }
+        self.records += lens.len() as u64;
+        self.bytes += total;
+        let payloads: Vec<Bytes> = lens
+            .iter()
+            .map(|&len| {
+                let tag = self.next_tag;
+                self.next_tag += 1;
+                let p = payload(tag, len);
+                if len >= 8 {
+                    self.model.attempted.insert(tag, p.clone());
+                } else {
+                    self.model.attempted_short.insert(p.clone());
+                }
+                p
+            })
+            .collect();
+        let expected = self.wal().next_offset();
+        let results = {
+            let wal = self.wal();
+            let mut appends = payloads.iter().map(|p| wal.append(vec![p.clone()]));
+            async fn maybe<F: std::future::Future>(f: Option<F>) -> Option<F::Output> {
+                match f {
+                    Some(f) => Some(f.await),
+                    None => None,
+                }
+            }
+            let (a, b, c, d) = tokio::join!(
+                maybe(appends.next()),
+                maybe(appends.next()),
+                maybe(appends.next()),
+                maybe(appends.next())
+            );
+            [a, b, c, d].into_iter().flatten().collect::<Vec<_>>()
+        };
+        if trace() {
+            eprintln!("    concurrent appends of {lens:?} -> {results:?}");
+        }
+        let faulted = |h: &Self| h.faults_possible || h.sim.crashes() != h.crashes_seen;
+        let (mut at, mut failed_io, mut poisoned) = (expected, false, false);
+        // Appends before this one that failed in their write or sync: staged, they held
+        // their offsets (and room) while later ones were staged, and gave them back only
+        // when they failed.
+        let mut held_then_failed = 0u64;
+        for (p, result) in payloads.iter().zip(results) {
+            match result {
+                Ok(a) => {
+                    assert_eq!(
+                        (a.first_offset, a.last_offset),
+                        (at, at),
+                        "concurrent appends: one landed out of submission order, or past a gap"
+                    );
+                    self.model.acked.insert(at, p.clone());
+                    self.model.observe(at, p);
+                    at += 1;
+                }
+                Err(WalError::OffsetsExhausted { .. }) => {
+                    assert!(at.saturating_add(held_then_failed) > OFFSET_MAX, "offsets exhausted at {at}");
+                }
+                Err(WalError::Full { .. }) => {
+                    assert!(self.options.max_bytes < UNBOUNDED_MAX_BYTES, "a log with room to spare reported Full");
+                }
+                Err(WalError::BatchTooLarge { batch_bytes, max_batch_bytes }) => {
+                    assert!(batch_bytes > max_batch_bytes, "a record that fits an empty log was refused as too large");
+                }
+                Err(WalError::Poisoned(_)) if faulted(self) => {
+                    poisoned = true;
+                    held_then_failed += 1;
+                }
+                Err(WalError::Io { .. }) if faulted(self) => {
+                    failed_io = true;
+                    held_then_failed += 1;
+                }
+                Err(e) => panic!("a concurrent append failed without an injected fault: {e}"),
+            }
+        }
+        if poisoned {
+            self.reopen();
+            return;
+        }
+        if failed_io {
+            // As for one append: wait for the writer's undo before anything else.
+            let _ = self.wal().release_below(0).await;
+            if !self.wal().accepts_appends() {
+                self.reopen();
+                return;
+            }
+        }
+        if self.sim.crashes() == self.crashes_seen {
+            assert_eq!(self.wal().next_offset(), at, "the log's end is not past the appends answered Ok");
         }
     }
 
@@ -541,10 +657,13 @@ impl Harness {
         let below = if at == 255 { next.saturating_add(5) } else { start + (next - start) * u64::from(at) / 254 };
         match wal.release_below(below).await {
             Ok(r) => {
-                assert!(r.start <= next, "released up to {} past the end {next}", r.start);
-                assert!(r.start >= below.min(next), "release below {below} left the start at {}", r.start);
+                // Exactly what was asked (never past the end, never back): a release that
+                // went further would make records nobody released unreadable, and taking
+                // the floor from the log's own answer would excuse it.
+                let asked = start.max(below.min(next));
+                assert_eq!(r.start, asked, "release below {below} (log {start}..{next}) left the start at {}", r.start);
                 assert_eq!(self.wal().start_offset(), r.start, "the start does not match the release");
-                self.model.floor = self.model.floor.max(r.start);
+                self.model.floor = self.model.floor.max(asked);
             }
             Err(WalError::Io { .. }) if self.faults_possible || self.sim.crashes() != self.crashes_seen => {
                 // Part of the release may have happened; the promise is only what was
@@ -579,6 +698,7 @@ impl Harness {
         }
         match op {
             Op::Append { sizes } => self.append(&sizes).await,
+            Op::AppendConcurrently { sizes } => self.append_concurrently(&sizes).await,
             Op::Read { from, max_records, max_bytes } => self.read(from, max_records, max_bytes).await,
             Op::Release { at } => self.release(at).await,
             Op::Crash { seed } => {
