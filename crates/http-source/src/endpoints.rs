@@ -101,8 +101,8 @@ pub enum EndpointError {
     )]
     NoSecret(String),
     #[error(
-        "endpoint {0} expired: it answers 410 whatever its secret; register a new endpoint (and revoke this one \
-         to free its slot)"
+        "endpoint {0} expired: it answers 410 whatever its secret; register a new endpoint (revoking this one \
+         makes it answer 404; its tombstone still counts against the endpoints' bound)"
     )]
     Expired(String),
     #[error(
@@ -708,7 +708,8 @@ impl EndpointRegistry {
         let mut record = self.rotatable(id, secret.as_deref(), now_unix_ms)?;
         record.auth.secret = Some(secret.unwrap_or_else(|| generate_secret(&record.auth.scheme)));
         record.rotated_at_unix_ms = Some(now_unix_ms);
-        let scheme = scheme_from_stored(&record.auth).map_err(EndpointError::InvalidAuth)?;
+        // Named as the request names it (`auth_secret`), as a registration's error is.
+        let scheme = scheme_from_stored(&record.auth).map_err(|e| EndpointError::InvalidAuth(format!("auth_{e}")))?;
         self.commit(record.clone()).await?;
         self.install_held(&mut held, endpoint_from_record(record.clone(), scheme));
         Ok(record)
@@ -960,6 +961,19 @@ mod tests {
         assert_eq!(parse_id("abc"), None);
         assert_eq!(parse_id(&"g".repeat(32)), None);
         assert_eq!(parse_id(&"f".repeat(33)), None);
+    }
+
+    /// A rotation to a secret its scheme cannot take names the request's field
+    /// (`auth_secret`), as a registration does, and changes nothing.
+    #[tokio::test]
+    async fn a_rotation_to_an_unusable_secret_names_auth_secret_and_changes_nothing() {
+        let state = Arc::new(StateDb::open_in_memory().unwrap());
+        let reg = Arc::new(EndpointRegistry::load(state.clone(), vec!["default".into()], vec![]).unwrap());
+        let auth = StoredAuth { scheme: "standard-webhooks".into(), ..bearer() };
+        let rec = reg.register("default".into(), auth, None, None, 10).await.unwrap();
+        let e = reg.rotate(rec.id, Some("whsec_!!".into()), 11).await.expect_err("an undecodable key");
+        assert!(matches!(&e, EndpointError::InvalidAuth(m) if m.starts_with("auth_secret: ")), "{e:?}");
+        assert_eq!(state.get_endpoint(rec.id).unwrap(), Some(rec));
     }
 
     /// A tombstone whose stored auth this build no longer reads (a Standard Webhooks key
