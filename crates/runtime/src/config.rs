@@ -1512,16 +1512,21 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
             }
             let expires_at_unix_ms = match &e.expires_at {
                 None => None,
-                Some(t) => match humantime::parse_rfc3339_weak(t) {
-                    // The parser takes no time before 1970 (refused below, as not RFC 3339).
-                    Ok(st) => st
-                        .duration_since(std::time::UNIX_EPOCH)
-                        .ok()
-                        .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
+                // RFC 3339: a time with its offset (`Z`, `+01:00`). One without an offset
+                // is refused, not read as UTC: an hour off, an endpoint would expire early
+                // or late without a word.
+                Some(t) => match t.parse::<jiff::Timestamp>() {
+                    Ok(ts) if ts.as_millisecond() >= 0 => Some(ts.as_millisecond().unsigned_abs()),
+                    Ok(_) => {
+                        c.err(&ep.key("expires_at"), format!("{t:?} is before 1970"));
+                        None
+                    }
                     Err(_) => {
                         c.err(
                             &ep.key("expires_at"),
-                            format!("{t:?} is not an RFC 3339 time (e.g. \"2027-01-31T00:00:00Z\")"),
+                            format!(
+                                "{t:?} is not an RFC 3339 time with its offset (e.g. \"2027-01-31T00:00:00Z\" or \"2027-01-31T01:00:00+01:00\")"
+                            ),
                         );
                         None
                     }
@@ -3285,6 +3290,27 @@ auth_secret = "never checked"
         let past = text("2001-01-01T00:00:00Z");
         let settings = validate(&parse(&past, None).unwrap(), Some(&past), None).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(settings.endpoints[0].expires_at_unix_ms, Some(978_307_200_000));
+    }
+
+    /// A static endpoint's `expires_at` is RFC 3339 with its offset: one given in another
+    /// zone means that instant, and one without an offset is refused (read as UTC, it
+    /// would expire hours early or late, without a word).
+    #[test]
+    fn a_static_endpoints_expiry_takes_its_offset_and_needs_one() {
+        let text = |t: &str| {
+            format!(
+                "[sources.a]\ndestination = {{ stream = \"s\", topic = \"t\" }}\n[[sources.a.endpoints]]\nid = \"0123456789abcdef0123456789abcdef\"\nauth_type = \"none\"\nexpires_at = \"{t}\"\n"
+            )
+        };
+        let offset = text("2001-01-01T01:00:00+01:00");
+        let settings = validate(&parse(&offset, None).unwrap(), Some(&offset), None).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(settings.endpoints[0].expires_at_unix_ms, Some(978_307_200_000));
+        for local in ["2001-01-01T00:00:00", "2001-01-01 00:00:00", "2001-01-01"] {
+            let e = errors(&text(local));
+            assert_eq!(e.len(), 1, "{local}: {e:?}");
+            assert_eq!(e[0].path, "sources.a.endpoints[0].expires_at", "{local}");
+            assert!(e[0].message.contains("with its offset"), "{local}: {}", e[0].message);
+        }
     }
 
     /// An Iggy username or password of a length the client never sends, and dead-letter
