@@ -251,6 +251,12 @@ impl Reader {
                     location: Location { file: c.seg.path.clone(), position: c.pos },
                     next_offset: h.offset,
                 })?;
+                // Or a release deleted the segments after this one during the walk: its
+                // offsets are `Released`, not a gap to start past.
+                let start = self.shared.start();
+                if next.base > h.offset && self.next < start {
+                    return Err(WalError::Released { offset: self.next, start });
+                }
                 offset = next.base;
                 self.next = self.next.max(next.base);
                 c = Cursor::at_start_of(next);
@@ -291,6 +297,14 @@ impl Reader {
             })?;
             if h.offset != self.next {
                 return Err(corrupt(c, FrameProblem::UnexpectedOffset { expected: self.next, found: h.offset }));
+            }
+            // A successor past the seal's offset is a salvage gap, or a release that
+            // deleted the segments after this one since `try_read` checked the start
+            // (the seal was read through this segment's open file): released offsets
+            // are `Released`, never skipped.
+            let start = self.shared.start();
+            if next.base > self.next && self.next < start {
+                return Err(WalError::Released { offset: self.next, start });
             }
             self.next = next.base;
             *c = Cursor::at_start_of(next);

@@ -461,3 +461,52 @@ fn a_placed_record_larger_than_the_first_read_is_read_whole_and_checked() {
     assert_eq!(wal.read_placed(5, all[5].place).unwrap(), all[5]);
     assert_eq!(wal.read_placed(3, all[3].place).unwrap(), all[3]);
 }
+
+/// Runs an action once, at the next read of any file: a test's way to land a release
+/// between a reader's check of the log's start and its crossing of a seal.
+#[derive(Default)]
+struct ActOnNextRead {
+    action: std::sync::Mutex<Option<Box<dyn FnOnce() + Send>>>,
+}
+
+impl std::fmt::Debug for ActOnNextRead {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ActOnNextRead")
+    }
+}
+
+impl wal::storage::Hooks for ActOnNextRead {
+    fn read_at(&self, file: &dyn wal::storage::StorageFile, buf: &mut [u8], pos: u64) -> std::io::Result<usize> {
+        let act = self.action.lock().unwrap().take();
+        if let Some(act) = act {
+            act();
+        }
+        file.read_at(buf, pos)
+    }
+}
+
+/// A release past a reader's position that lands while the reader crosses a seal (its
+/// start checked, the seal read through its open file, the segments after it deleted)
+/// gives the reader `Released`, never the records after the released ones as if the
+/// offsets between did not exist.
+#[test]
+fn a_release_during_a_seal_crossing_is_released_never_a_silent_gap() {
+    let hooked = Arc::new(wal::storage::HookedStorage::new(Arc::new(SimStorage::new()), ActOnNextRead::default()));
+    let wal = Arc::new(wal::Wal::open_with(hooked.clone(), &dir(), small_options()).unwrap());
+    append_tagged(&wal, 0..300, 90);
+    let segs = wal::inspect::segments_of(&wal).unwrap();
+    let (a, b) = (segs[1].base_offset, segs[2].base_offset);
+    let mut r = wal.reader(a - 1).unwrap();
+    // The byte bound stops it right after the record, before it looks past the seal.
+    let got = r.try_read(1, 1).unwrap();
+    assert_eq!((got[0].offset, r.position()), (a - 1, a));
+    r.release_buffer();
+    let w = wal.clone();
+    *hooked.hooks().action.lock().unwrap() = Some(Box::new(move || {
+        assert_eq!(rt().block_on(w.release_below(b)).unwrap().segments_deleted, 2);
+    }));
+    match r.try_read(10, 1 << 20) {
+        Err(WalError::Released { offset, start }) => assert_eq!((offset, start), (a, b)),
+        other => panic!("expected Released, got {other:?}"),
+    }
+}
