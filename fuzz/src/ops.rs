@@ -378,16 +378,18 @@ impl Harness {
         }
     }
 
-    async fn append(&mut self, sizes: &[u8]) {
+    /// The payloads of records of these size codes, each noted as attempted; `None` past
+    /// the input's bounds on records and bytes.
+    fn attempt(&mut self, sizes: &[u8]) -> Option<(Vec<usize>, Vec<Bytes>)> {
         let seg = self.options.segment_max_bytes;
         let lens: Vec<usize> = sizes.iter().map(|&c| record_size(c, seg)).collect();
         let total: usize = lens.iter().sum();
         if self.records + lens.len() as u64 > MAX_RECORDS || self.bytes + total > MAX_PAYLOAD_BYTES {
-            return;
+            return None;
         }
         self.records += lens.len() as u64;
         self.bytes += total;
-        let batch: Vec<Bytes> = lens
+        let payloads = lens
             .iter()
             .map(|&len| {
                 let tag = self.next_tag;
@@ -401,6 +403,11 @@ impl Harness {
                 p
             })
             .collect();
+        Some((lens, payloads))
+    }
+
+    async fn append(&mut self, sizes: &[u8]) {
+        let Some((lens, batch)) = self.attempt(sizes) else { return };
         let n = batch.len() as u64;
         let expected = self.wal().next_offset();
         let result = self.wal().append(batch.clone()).await;
@@ -472,28 +479,7 @@ impl Harness {
     /// `Ok` tile the log from its end before, in submission order, with no gap: a failed
     /// one takes no offset.
     async fn append_concurrently(&mut self, sizes: &[u8]) {
-        let seg = self.options.segment_max_bytes;
-        let lens: Vec<usize> = sizes.iter().map(|&c| record_size(c, seg)).collect();
-        let total: usize = lens.iter().sum();
-        if self.records + lens.len() as u64 > MAX_RECORDS || self.bytes + total > MAX_PAYLOAD_BYTES {
-            return;
-        }
-        self.records += lens.len() as u64;
-        self.bytes += total;
-        let payloads: Vec<Bytes> = lens
-            .iter()
-            .map(|&len| {
-                let tag = self.next_tag;
-                self.next_tag += 1;
-                let p = payload(tag, len);
-                if len >= 8 {
-                    self.model.attempted.insert(tag, p.clone());
-                } else {
-                    self.model.attempted_short.insert(p.clone());
-                }
-                p
-            })
-            .collect();
+        let Some((lens, payloads)) = self.attempt(sizes) else { return };
         let expected = self.wal().next_offset();
         let results = {
             let wal = self.wal();
