@@ -233,6 +233,10 @@ impl Placement {
 /// share it: past this many sent to within one `connection_max_age`, the turns reset.
 pub const PLACEMENTS_MAX: usize = 100_000;
 
+/// The most topics the server holds in one stream: it refuses to create one more
+/// (`TooManyTopics`, a destination's error like any topic it cannot create).
+pub const TOPICS_PER_STREAM_MAX: usize = iggy_binary_protocol::namespace::MAX_TOPICS;
+
 /// How long the `iggy` client waits for a reply (its `RESPONSE_READ_TIMEOUT`, fixed and
 /// not exported): a request unanswered this long fails `Disconnected` and the client
 /// drops its connection. The sink reads `Disconnected` as the server gone (every idle

@@ -1675,6 +1675,18 @@ fn unreachable_by_default(
             ),
         );
     }
+    let topics_max = router::iggy_sink::TOPICS_PER_STREAM_MAX;
+    if spec.senders_choose_destinations() && max_destinations > topics_max {
+        c.warn(
+            &sp.key("route"),
+            format!(
+                "takes destination names from the events, and max_destinations ({max_destinations}) lets them name \
+                 more than the {topics_max} topics Iggy holds in one stream: the records of a topic the server refuses \
+                 to create are held, as for any destination it cannot create, until it is given up in \
+                 [router.give_up]; keep max_destinations at {topics_max} or below, or name streams from the events too"
+            ),
+        );
+    }
     let known = spec.destinations_known_at_start().len();
     if known > max_destinations {
         c.warn(
@@ -2354,6 +2366,29 @@ mod tests {
         }
         let everywhere = format!("{open}\n[router]\non_admission_failure = \"drop\"\n");
         assert_eq!(warned(&everywhere), Vec::<String>::new(), "dropped router-wide");
+    }
+
+    /// A route whose senders choose topic names, with a cap above the topics Iggy holds
+    /// in one stream, is warned of: the topics past that are never created and their
+    /// records held. Not at the limit, nor where the names are bounded by the file.
+    #[test]
+    fn a_route_whose_senders_can_name_more_topics_than_a_stream_holds_is_warned_of() {
+        let text = |max: usize, extra: &str| {
+            format!(
+                "[sources.a]\n\
+                 route = {{ topic_field = \"type\", default_stream = \"s\", default_topic = \"d\"{extra} }}\n\
+                 [router]\non_admission_failure = \"drop\"\nmax_destinations = {max}\n"
+            )
+        };
+        let warned = |text: &str| -> Vec<String> {
+            let settings = validate(&parse(text, None).unwrap(), Some(text), None).unwrap_or_else(|e| panic!("{e}"));
+            settings.warnings.errors.iter().map(|w| format!("{}: {}", w.path, w.message)).collect()
+        };
+        let past = warned(&text(4097, ""));
+        assert_eq!(past.len(), 1, "{past:?}");
+        assert!(past[0].starts_with("sources.a.route: ") && past[0].contains("4096 topics"), "{past:?}");
+        assert_eq!(warned(&text(4096, "")), Vec::<String>::new(), "at the limit");
+        assert_eq!(warned(&text(5000, ", mapping = { x = \"t\" }")), Vec::<String>::new(), "names from the mapping");
     }
 
     /// Valid settings the daemon's own defaults cannot deliver are warned of, by key path
