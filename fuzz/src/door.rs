@@ -18,7 +18,9 @@
 //! - a 4xx or 5xx appended nothing;
 //! - a 200 appended exactly `accepted` records at the offsets it names (none when it is
 //!   an idempotent replay, which names offsets already in the log), each an envelope of the
-//!   addressed source whose payload is bytes of the request body, numbered as one batch.
+//!   addressed source whose payload is bytes of the request body, numbered as one batch;
+//! - after the requests, a power loss that keeps exactly what was synced: every record a
+//!   200 named is still in the log, byte for byte.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -443,6 +445,10 @@ pub struct World {
     pub router: axum::Router,
     pub wal: Arc<Wal>,
     pub max_events_per_request: usize,
+    /// The simulated disk under the log, and the log's options: to lose power after the
+    /// requests and open the log again.
+    pub sim: SimStorage,
+    pub options: WalOptions,
 }
 
 impl World {
@@ -454,7 +460,8 @@ impl World {
             ..WalOptions::default()
         };
         let wal = Arc::new(
-            Wal::open_with(Arc::new(sim) as Arc<dyn Storage>, &crate::log_dir(), options).expect("a fresh log opens"),
+            Wal::open_with(Arc::new(sim.clone()) as Arc<dyn Storage>, &crate::log_dir(), options.clone())
+                .expect("a fresh log opens"),
         );
         let state = Arc::new(StateDb::open_in_memory().expect("an in-memory state database"));
         let idempotency = Arc::new(IdempotencyIndex::new(state.clone(), 86_400_000));
@@ -492,7 +499,13 @@ impl World {
             status: Arc::new(StatusBoard::new(keys.clone())),
             metrics: DoorMetrics::new(keys.iter().map(String::as_str)),
         };
-        World { router: http_source::router(Arc::new(door)), wal, max_events_per_request: setup.max_events_per_request }
+        World {
+            router: http_source::router(Arc::new(door)),
+            wal,
+            max_events_per_request: setup.max_events_per_request,
+            sim,
+            options,
+        }
     }
 }
 
@@ -531,13 +544,38 @@ pub fn run(data: &[u8]) {
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("a runtime");
     runtime.block_on(async {
         let world = World::new(&setup);
+        let mut answered = Vec::new();
         for req in &requests {
-            check_one(&world, req).await;
+            check_one(&world, req, &mut answered).await;
         }
+        survives_a_power_loss(world, &answered);
     });
 }
 
-async fn check_one(world: &World, req: &Req) {
+/// Every record a 200 named is in the log after a power loss that keeps exactly what was
+/// synced, with the bytes it was read back with before.
+fn survives_a_power_loss(world: World, answered: &[(u64, bytes::Bytes)]) {
+    let World { router, wal, sim, options, .. } = world;
+    sim.crash(wal::storage::CrashMode::LoseUnsynced);
+    drop((router, wal));
+    let wal = Wal::open_with(Arc::new(sim.clone()) as Arc<dyn Storage>, &crate::log_dir(), options)
+        .expect("the log reopens after a power loss");
+    let Some(first) = answered.iter().map(|(o, _)| *o).min() else { return };
+    let held: HashMap<u64, bytes::Bytes> = wal::inspect::Records::new(&wal, first)
+        .expect("a reader at the first offset answered 200")
+        .map(|r| r.expect("a record answered 200 reads back after a power loss"))
+        .map(|r| (r.offset, r.payload))
+        .collect();
+    for (offset, payload) in answered {
+        assert_eq!(
+            held.get(offset),
+            Some(payload),
+            "offset {offset}, answered 200, is not as answered after a power loss"
+        );
+    }
+}
+
+async fn check_one(world: &World, req: &Req, answered: &mut Vec<(u64, bytes::Bytes)>) {
     let now = ingest::time::now_unix_ms() / 1000;
     let mut builder = Request::builder().method(req.method.clone()).uri(req.path.as_str());
     for (n, v) in &req.headers {
@@ -636,6 +674,7 @@ async fn check_one(world: &World, req: &Req) {
         .map(|r| r.expect("an appended record reads back"))
         .collect();
     assert_eq!(records.len() as u64, accepted);
+    answered.extend(records.iter().map(|r| (r.offset, r.payload.clone())));
     let source = req.source.unwrap_or("");
     for (i, r) in records.iter().enumerate() {
         let env = Envelope::decode(&r.payload).expect("an appended record is an envelope");
