@@ -260,9 +260,13 @@ struct Harness {
     /// Records and bytes attempted so far (bounded per input).
     records: u64,
     bytes: usize,
-    /// A fault may still be armed, or a space limit is set: an operation (even an open)
-    /// may fail for that reason alone.
+    /// A fault may still be armed, or a space limit is set, or the log still waits to
+    /// create a segment a fault kept it from creating: an operation (even an open) may
+    /// fail for that reason alone. Cleared after an operation that left none of these,
+    /// so a log that keeps failing once its faults are gone is caught.
     faults_possible: bool,
+    /// A space limit is set.
+    space_limited: bool,
     crashes_seen: u64,
     /// Faults may fail reads too (`ops_with_read_faults`).
     read_faults: bool,
@@ -332,6 +336,7 @@ impl Harness {
     fn lift_faults(&mut self) {
         self.sim.disarm();
         self.sim.set_space_limit(None);
+        self.space_limited = false;
         self.faults_possible = false;
     }
 
@@ -691,12 +696,14 @@ impl Harness {
                 self.sim.crash(CrashMode::Adversarial { seed: u64::from(seed) });
                 self.faults_possible = false;
                 self.sim.set_space_limit(None);
+                self.space_limited = false;
                 self.reopen();
             }
             Op::CrashLoseUnsynced => {
                 self.sim.crash(CrashMode::LoseUnsynced);
                 self.faults_possible = false;
                 self.sim.set_space_limit(None);
+                self.space_limited = false;
                 self.reopen();
             }
             Op::CloseReopen => self.close_and_reopen().await,
@@ -715,14 +722,21 @@ impl Harness {
             Op::SpaceLimit { extra } => {
                 if extra == 0 {
                     self.sim.set_space_limit(None);
+                    self.space_limited = false;
                 } else {
                     let limit = self.sim.used_bytes() + u64::from(extra % 4096) * 16;
                     self.sim.set_space_limit(Some(limit));
+                    self.space_limited = true;
                     self.faults_possible = true;
                 }
             }
         }
         self.reopen_if_crashed();
+        if self.faults_possible && self.sim.armed_faults() == 0 && !self.space_limited && !self.wal().awaits_segment() {
+            // Every fault fired (or was lifted) and nothing is left over from one: the
+            // next operation must succeed as on a healthy disk.
+            self.faults_possible = false;
+        }
     }
 }
 
@@ -761,6 +775,7 @@ fn run_with(data: &[u8], read_faults: bool) {
         records: 0,
         bytes: 0,
         faults_possible: false,
+        space_limited: false,
         crashes_seen: 0,
         read_faults,
     };
