@@ -151,6 +151,20 @@ impl SourceSpec {
         named_by_events && !listed_only
     }
 
+    /// Whether a sender can name topics of its own choosing (a route whose topic is the
+    /// event's field, no table), not limited by the source's admission to topics listed
+    /// here by name: the topics of one stream are then bounded by nothing the file says.
+    pub fn senders_choose_topics(&self) -> bool {
+        let Destinations::Routed(route) = &self.destinations else { return false };
+        if !matches!(route.mapping, MappingSource::Identity) {
+            return false;
+        }
+        match &self.admission {
+            Admission::Allowlist(rules) => !rules.iter().all(|r| matches!(r.topic, Pattern::Exact(_))),
+            Admission::Open | Admission::Denylist(_) => true,
+        }
+    }
+
     /// The most bytes a record of this source holds beside its event
     /// ([`ingest::envelope::envelope_max_bytes`] for its key, forwarded headers and
     /// metadata), so `http.max_body_bytes` plus this is its largest record.

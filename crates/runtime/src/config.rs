@@ -1516,7 +1516,7 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
                 // is refused, not read as UTC: an hour off, an endpoint would expire early
                 // or late without a word.
                 Some(t) => match t.parse::<jiff::Timestamp>() {
-                    Ok(ts) if ts.as_millisecond() >= 0 => Some(ts.as_millisecond().unsigned_abs()),
+                    Ok(ts) if ts >= jiff::Timestamp::UNIX_EPOCH => Some(ts.as_millisecond().unsigned_abs()),
                     Ok(_) => {
                         c.err(&ep.key("expires_at"), format!("{t:?} is before 1970"));
                         None
@@ -1676,14 +1676,15 @@ fn unreachable_by_default(
         );
     }
     let topics_max = router::iggy_sink::TOPICS_PER_STREAM_MAX;
-    if spec.senders_choose_destinations() && max_destinations > topics_max {
+    if spec.senders_choose_topics() && max_destinations > topics_max {
         c.warn(
             &sp.key("route"),
             format!(
                 "takes destination names from the events, and max_destinations ({max_destinations}) lets them name \
                  more than the {topics_max} topics Iggy holds in one stream: the records of a topic the server refuses \
                  to create are held, as for any destination it cannot create, until it is given up in \
-                 [router.give_up]; keep max_destinations at {topics_max} or below, or name streams from the events too"
+                 [router.give_up]; keep max_destinations at {topics_max} or below, or list the topics in an allowlist or \
+                 a mapping"
             ),
         );
     }
@@ -2389,6 +2390,14 @@ mod tests {
         assert!(past[0].starts_with("sources.a.route: ") && past[0].contains("4096 topics"), "{past:?}");
         assert_eq!(warned(&text(4096, "")), Vec::<String>::new(), "at the limit");
         assert_eq!(warned(&text(5000, ", mapping = { x = \"t\" }")), Vec::<String>::new(), "names from the mapping");
+        let streams_only =
+            text(5000, ", stream_field = \"tenant\", mapping = { x = { stream = \"s\", topic = \"u\" }, y = \"v\" }");
+        assert_eq!(warned(&streams_only), Vec::<String>::new(), "senders choose streams, not topics");
+        let listed = "[sources.a]\n\
+                      route = { topic_field = \"type\", default_stream = \"s\", default_topic = \"d\" }\n\
+                      admission = { mode = \"allowlist\", allowlist = [{ stream = \"*\", topic = \"d\" }, { stream = \"*\", topic = \"e\" }] }\n\
+                      [router]\non_admission_failure = \"drop\"\nmax_destinations = 5000\n";
+        assert_eq!(warned(listed), Vec::<String>::new(), "topics listed by name");
     }
 
     /// Valid settings the daemon's own defaults cannot deliver are warned of, by key path
