@@ -480,9 +480,10 @@ impl Harness {
     }
 
     /// One record per batch, every batch in flight at once (submitted in order on this
-    /// current-thread runtime). Whatever the writer grouped them into, the ones answered
-    /// `Ok` tile the log from its end before, in submission order, with no gap: a failed
-    /// one takes no offset.
+    /// current-thread runtime). How the writer groups them depends on when its thread
+    /// wakes, so this operation is the one that is not replayed exactly; whatever the
+    /// grouping, the ones answered `Ok` tile the log from its end before, in submission
+    /// order, with no gap: a failed one takes no offset.
     async fn append_concurrently(&mut self, sizes: &[u8]) {
         let Some((lens, payloads)) = self.attempt(sizes) else { return };
         let expected = self.wal().next_offset();
