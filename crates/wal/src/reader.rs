@@ -105,11 +105,7 @@ impl Reader {
     }
 
     fn check_retained(&self) -> Result<()> {
-        let start = self.shared.start();
-        if self.next < start {
-            return Err(WalError::Released { offset: self.next, start });
-        }
-        Ok(())
+        retained(&self.shared, self.next)
     }
 
     /// Returns the durable records available now from the reader's position (possibly
@@ -251,12 +247,10 @@ impl Reader {
                     location: Location { file: c.seg.path.clone(), position: c.pos },
                     next_offset: h.offset,
                 })?;
-                // Or a release deleted the segments after this one during the walk: its
-                // offsets are `Released`, not a gap to start past.
-                let start = self.shared.start();
-                if next.base > h.offset && self.next < start {
-                    return Err(WalError::Released { offset: self.next, start });
-                }
+                // A release may have deleted the segments after this one during the walk
+                // (this seal read through the segment's open file): the next segment then
+                // starts past the released offsets, which are `Released`, not a gap.
+                self.check_retained()?;
                 offset = next.base;
                 self.next = self.next.max(next.base);
                 c = Cursor::at_start_of(next);
@@ -298,14 +292,8 @@ impl Reader {
             if h.offset != self.next {
                 return Err(corrupt(c, FrameProblem::UnexpectedOffset { expected: self.next, found: h.offset }));
             }
-            // A successor past the seal's offset is a salvage gap, or a release that
-            // deleted the segments after this one since `try_read` checked the start
-            // (the seal was read through this segment's open file): released offsets
-            // are `Released`, never skipped.
-            let start = self.shared.start();
-            if next.base > self.next && self.next < start {
-                return Err(WalError::Released { offset: self.next, start });
-            }
+            // As in the walk: released since `try_read` checked, never skipped.
+            retained(&self.shared, self.next)?;
             self.next = next.base;
             *c = Cursor::at_start_of(next);
         }
@@ -410,6 +398,15 @@ pub(crate) fn read_placed(shared: &Shared, offset: u64, place: RecordPlace) -> R
 /// What [`read_placed`] reads of a frame at first: its header and the payload of a
 /// record of up to about 4 KiB.
 const PLACED_FIRST_READ_BYTES: u64 = 4096;
+
+/// `Released` if `offset` is below the log's start.
+fn retained(shared: &Shared, offset: u64) -> Result<()> {
+    let start = shared.start();
+    if offset < start {
+        return Err(WalError::Released { offset, start });
+    }
+    Ok(())
+}
 
 fn corrupt(c: &Cursor, problem: FrameProblem) -> WalError {
     WalError::Corrupt { location: Location { file: c.seg.path.clone(), position: c.pos }, problem }
