@@ -10,7 +10,7 @@
 //! - `forward_headers` never names a credential header (refused at config load by
 //!   [`is_credential_header`]).
 
-use crate::admission::{Admission, Pattern};
+use crate::admission::{Admission, Pattern, Rule};
 use crate::auth::AuthScheme;
 use crate::body::Accept;
 use crate::partition::PartitionRule;
@@ -142,12 +142,8 @@ impl SourceSpec {
             MappingSource::Url(_) => route.stream_field.is_some(),
             MappingSource::Table(m) => route.stream_field.is_some() && m.leaves_a_stream_unnamed(),
         };
-        let listed_only = match &self.admission {
-            Admission::Allowlist(rules) => {
-                rules.iter().all(|r| matches!((&r.stream, &r.topic), (Pattern::Exact(_), Pattern::Exact(_))))
-            }
-            Admission::Open | Admission::Denylist(_) => false,
-        };
+        let listed_only =
+            self.admitted_only_if(|r| matches!((&r.stream, &r.topic), (Pattern::Exact(_), Pattern::Exact(_))));
         named_by_events && !listed_only
     }
 
@@ -156,12 +152,15 @@ impl SourceSpec {
     /// here by name: the topics of one stream are then bounded by nothing the file says.
     pub fn senders_choose_topics(&self) -> bool {
         let Destinations::Routed(route) = &self.destinations else { return false };
-        if !matches!(route.mapping, MappingSource::Identity) {
-            return false;
-        }
+        matches!(route.mapping, MappingSource::Identity)
+            && !self.admitted_only_if(|r| matches!(r.topic, Pattern::Exact(_)))
+    }
+
+    /// Whether the source's admission is an allowlist whose every rule is `listed`.
+    fn admitted_only_if(&self, listed: impl Fn(&Rule) -> bool) -> bool {
         match &self.admission {
-            Admission::Allowlist(rules) => !rules.iter().all(|r| matches!(r.topic, Pattern::Exact(_))),
-            Admission::Open | Admission::Denylist(_) => true,
+            Admission::Allowlist(rules) => rules.iter().all(listed),
+            Admission::Open | Admission::Denylist(_) => false,
         }
     }
 
