@@ -1000,10 +1000,9 @@ pub fn tls_expiry_warning(expires_at_unix_secs: i64) -> Option<String> {
     if at - now_secs >= TLS_EXPIRY_WARNING_SECS {
         return None;
     }
-    let when = u64::try_from(at)
-        .ok()
-        .map(|s| humantime::format_rfc3339_seconds(std::time::UNIX_EPOCH + Duration::from_secs(s)).to_string())
-        .unwrap_or_else(|| format!("{at} s from the Unix epoch"));
+    let when = jiff::Timestamp::from_second(at)
+        .map(|t| format!("{t:.0}"))
+        .unwrap_or_else(|_| format!("{at} s from the Unix epoch"));
     Some(if at <= now_secs {
         format!("the certificate expired at {when}: clients refuse it")
     } else {
@@ -3319,15 +3318,18 @@ auth_secret = "never checked"
         assert!(e[0].message.contains("at most 64"), "{}", e[0].message);
     }
 
+    /// A source with one static endpoint whose `expires_at` is `t` (on line 6).
+    fn static_endpoint_expiring_at(t: &str) -> String {
+        format!(
+            "[sources.a]\ndestination = {{ stream = \"s\", topic = \"t\" }}\n[[sources.a.endpoints]]\nid = \"0123456789abcdef0123456789abcdef\"\nauth_type = \"none\"\nexpires_at = \"{t}\"\n"
+        )
+    }
+
     /// A static endpoint's `expires_at` before 1970 is refused, naming the key; one in the
     /// past loads (an endpoint retired by its time: a restart must not fail).
     #[test]
     fn a_static_endpoint_expiring_before_1970_is_refused_and_one_in_the_past_loads() {
-        let text = |t: &str| {
-            format!(
-                "[sources.a]\ndestination = {{ stream = \"s\", topic = \"t\" }}\n[[sources.a.endpoints]]\nid = \"0123456789abcdef0123456789abcdef\"\nauth_type = \"none\"\nexpires_at = \"{t}\"\n"
-            )
-        };
+        let text = static_endpoint_expiring_at;
         let e = errors(&text("1969-12-31T23:59:59Z"));
         assert_eq!(e.len(), 1, "{e:?}");
         assert_eq!((e[0].path.as_str(), e[0].line), ("sources.a.endpoints[0].expires_at", Some(6)));
@@ -3341,11 +3343,7 @@ auth_secret = "never checked"
     /// would expire hours early or late, without a word).
     #[test]
     fn a_static_endpoints_expiry_takes_its_offset_and_needs_one() {
-        let text = |t: &str| {
-            format!(
-                "[sources.a]\ndestination = {{ stream = \"s\", topic = \"t\" }}\n[[sources.a.endpoints]]\nid = \"0123456789abcdef0123456789abcdef\"\nauth_type = \"none\"\nexpires_at = \"{t}\"\n"
-            )
-        };
+        let text = static_endpoint_expiring_at;
         let offset = text("2001-01-01T01:00:00+01:00");
         let settings = validate(&parse(&offset, None).unwrap(), Some(&offset), None).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(settings.endpoints[0].expires_at_unix_ms, Some(978_307_200_000));

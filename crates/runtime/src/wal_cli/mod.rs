@@ -243,14 +243,16 @@ const RFC3339_MAX_MS: u64 = 253_402_300_799_999;
 /// (past the year 9999: a record's bytes are never trusted to be sensible) is shown as
 /// its milliseconds instead.
 pub(crate) fn rfc3339_ms(ms: u64) -> String {
-    if ms > RFC3339_MAX_MS {
-        return format!("{ms}ms-after-epoch");
-    }
-    let t = std::time::UNIX_EPOCH + std::time::Duration::from_millis(ms);
-    let mut out = String::new();
-    match std::fmt::Write::write_fmt(&mut out, format_args!("{}", humantime::format_rfc3339_millis(t))) {
-        Ok(()) => out,
-        Err(_) => format!("{ms}ms-after-epoch"),
+    // A civil (UTC) time, not a `jiff::Timestamp`: a timestamp stops a day short of the
+    // year's end at 9999, so that it is a valid time in every offset.
+    let epoch = jiff::civil::date(1970, 1, 1).at(0, 0, 0, 0);
+    let t = i64::try_from(ms)
+        .ok()
+        .filter(|_| ms <= RFC3339_MAX_MS)
+        .map(|ms| epoch.checked_add(jiff::SignedDuration::from_millis(ms)));
+    match t {
+        Some(Ok(t)) => format!("{t:.3}Z"),
+        _ => format!("{ms}ms-after-epoch"),
     }
 }
 
