@@ -100,40 +100,8 @@ pub fn run(settings: Settings, ready_file: Option<PathBuf>) -> ExitCode {
             Err(e) => {
                 tracing::error!(error = %e, "start failed");
                 eprintln!("iggy-ingest: {e}");
-                if let daemon::StartError::State(ingest::StateError::SchemaMismatch { found, .. }) = e {
-                    let dir = data_dir.display();
-                    if found > 0 && found < ingest::SCHEMA_VERSION {
-                        eprintln!(
-                            "iggy-ingest: `iggy-ingest state migrate --data-dir {dir}` moves it to this build's \
-                             version, saying what it discards"
-                        );
-                    }
-                    eprintln!(
-                        "iggy-ingest: `iggy-ingest state show --data-dir {dir}` shows what the database holds; \
-                         `iggy-ingest state reset --data-dir {dir} --yes` discards it (the log is kept)"
-                    );
-                }
-                if let daemon::StartError::StateMissing { .. } = e {
-                    eprintln!(
-                        "iggy-ingest: put the database back (moved aside, or from a backup); or `iggy-ingest state \
-                         reset --data-dir {} --yes` to start with an empty one: every record still in the log is \
-                         delivered again, dynamic endpoints and their revocations are gone, delivery ids are rebuilt \
-                         from the log",
-                        data_dir.display()
-                    );
-                }
-                match e {
-                    daemon::StartError::State(ingest::StateError::Open { unreadable: true, .. }) => eprintln!(
-                        "iggy-ingest: the file is not a database this build can read (damaged?): `iggy-ingest state \
-                         reset --data-dir {} --yes` discards it (the log is kept; delivery ids are rebuilt from it)",
-                        data_dir.display()
-                    ),
-                    // What kept it from opening may pass: no reset is called for.
-                    daemon::StartError::State(ingest::StateError::Open { unreadable: false, .. }) => eprintln!(
-                        "iggy-ingest: if another process holds it (`state show`, `wal inspect`), start again once that \
-                         ends; an I/O error is the disk's, to fix first"
-                    ),
-                    _ => {}
+                if let Some(hint) = start_hint(&e, &data_dir) {
+                    eprintln!("iggy-ingest: {hint}");
                 }
                 return ExitCode::from(e.exit_code());
             }
@@ -198,6 +166,43 @@ pub fn run(settings: Settings, ready_file: Option<PathBuf>) -> ExitCode {
     // exit: whatever it was doing, a crash there loses nothing answered 200.
     runtime.shutdown_timeout(daemon::RUNTIME_STOP_MAX);
     code
+}
+
+/// What an operator can do about a refused start, where the error alone does not say.
+fn start_hint(e: &daemon::StartError, data_dir: &Path) -> Option<String> {
+    use daemon::StartError;
+    use ingest::StateError;
+    let dir = data_dir.display();
+    Some(match e {
+        StartError::State(StateError::SchemaMismatch { found, .. }) => {
+            let migrate = if *found > 0 && *found < ingest::SCHEMA_VERSION {
+                format!(
+                    "`iggy-ingest state migrate --data-dir {dir}` moves it to this build's version, saying what it \
+                     discards\niggy-ingest: "
+                )
+            } else {
+                String::new()
+            };
+            format!(
+                "{migrate}`iggy-ingest state show --data-dir {dir}` shows what the database holds; \
+                 `iggy-ingest state reset --data-dir {dir} --yes` discards it (the log is kept)"
+            )
+        }
+        StartError::StateMissing { .. } => format!(
+            "put the database back (moved aside, or from a backup); or `iggy-ingest state reset --data-dir {dir} \
+             --yes` to start with an empty one: every record still in the log is delivered again, dynamic endpoints \
+             and their revocations are gone, delivery ids are rebuilt from the log"
+        ),
+        StartError::State(StateError::Open { unreadable: true, .. }) => format!(
+            "the file is not a database this build can read (damaged?): `iggy-ingest state reset --data-dir {dir} \
+             --yes` discards it (the log is kept; delivery ids are rebuilt from it)"
+        ),
+        // What kept it from opening may pass: no reset is called for.
+        StartError::State(StateError::Open { unreadable: false, .. }) => "if another process holds it (`state show`, \
+             `wal inspect`), start again once that ends; an I/O error is the disk's, to fix first"
+            .to_string(),
+        _ => return None,
+    })
 }
 
 /// Whether the ready file at `path` names a live process of this same program (its
