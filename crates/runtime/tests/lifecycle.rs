@@ -1344,27 +1344,3 @@ async fn endpoints_are_listed_a_page_at_a_time_by_id() {
     }
     assert!(d.stop().success());
 }
-
-/// `iggy-ingest run --config CFG` that is to refuse to start: its exit code and stderr.
-/// One still running after 20 s is killed and the test fails: it started where it had
-/// to refuse (waited for with `output`, the test would hang instead).
-fn refused_start(cfg: &std::path::Path) -> (Option<i32>, String) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_iggy-ingest"))
-        .args(["run", "--config"])
-        .arg(cfg)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while child.try_wait().unwrap().is_none() {
-        if Instant::now() > deadline {
-            child.kill().unwrap();
-            child.wait().unwrap();
-            panic!("the daemon started where it had to refuse");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let out = child.wait_with_output().unwrap();
-    (out.status.code(), String::from_utf8_lossy(&out.stderr).into_owned())
-}

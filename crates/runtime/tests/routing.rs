@@ -6,7 +6,7 @@
 mod common;
 
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Command;
 
 use common::*;
 use ingest::{Envelope, Partitioning};
@@ -263,30 +263,6 @@ async fn serve_mapping(status: u16, body: &'static str) -> String {
     format!("http://{addr}/mapping.json")
 }
 
-/// Runs the daemon on `cfg` and returns its exit code and stderr once it exits: a start
-/// that should be refused. One still running after 30 s was not refused: it is killed,
-/// and the code is `None`.
-fn run_until_it_exits(cfg: &std::path::Path) -> (Option<i32>, String) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_iggy-ingest"))
-        .args(["run", "--config"])
-        .arg(cfg)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-    while child.try_wait().unwrap().is_none() {
-        if std::time::Instant::now() > deadline {
-            child.kill().unwrap();
-            let out = child.wait_with_output().unwrap();
-            return (None, format!("still running after 30 s: {}", String::from_utf8_lossy(&out.stderr)));
-        }
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
-    let out = child.wait_with_output().unwrap();
-    (out.status.code(), String::from_utf8_lossy(&out.stderr).into_owned())
-}
-
 fn url_source(url: &str) -> String {
     format!(
         "[router]\nenabled = false\n\n[sources.web]\nroute = {{ topic_field = \"kind\", default_stream = \"web\", default_topic = \"misc\", mapping_url = \"{url}\" }}\n"
@@ -320,7 +296,7 @@ async fn a_failed_or_malformed_mapping_fetch_refuses_to_start() {
         let dir = tempfile::tempdir().unwrap();
         let cfg = dir.path().join("config.toml");
         std::fs::write(&cfg, config_text(dir.path(), "", &url_source(&url))).unwrap();
-        let (code, err) = tokio::task::spawn_blocking(move || run_until_it_exits(&cfg)).await.unwrap();
+        let (code, err) = tokio::task::spawn_blocking(move || refused_start(&cfg)).await.unwrap();
         assert_eq!(code, Some(1), "{why}: {err}");
         assert!(err.contains("sources.web.route.mapping_url") && err.contains(why), "{why}: {err}");
         assert!(!dir.path().join("data/wal").exists(), "nothing is opened before the mapping is loaded");
@@ -342,7 +318,7 @@ async fn a_fetched_mapping_entry_the_sources_admission_refuses_refuses_to_start(
         url_source(&url)
     );
     std::fs::write(&cfg, config_text(dir.path(), "", &source)).unwrap();
-    let (code, err) = tokio::task::spawn_blocking(move || run_until_it_exits(&cfg)).await.unwrap();
+    let (code, err) = tokio::task::spawn_blocking(move || refused_start(&cfg)).await.unwrap();
     assert_eq!(code, Some(1), "{err}");
     assert!(err.contains("sources.web.route.mapping_url"), "{err}");
     assert!(err.contains(r#""audit" to web/audit, "buy" to sales/audit"#), "{err}");
