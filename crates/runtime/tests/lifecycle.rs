@@ -763,9 +763,7 @@ async fn a_missing_state_database_beside_a_written_log_refuses_to_start_until_re
     assert!(err.contains("there is no state database at") && err.contains("state reset"), "{err}");
     assert!(!data.join("state.redb").exists(), "an empty database was created");
 
-    let cli = |args: &[&str]| {
-        Command::new(env!("CARGO_BIN_EXE_iggy-ingest")).args(args).arg("--data-dir").arg(&data).output().unwrap()
-    };
+    let cli = |args: &[&str]| data_dir_cli(&data, args);
     let dry = cli(&["state", "reset"]);
     assert!(dry.status.success(), "{}", String::from_utf8_lossy(&dry.stderr));
     assert!(String::from_utf8_lossy(&dry.stdout).contains("nothing changed"));
@@ -779,6 +777,11 @@ async fn a_missing_state_database_beside_a_written_log_refuses_to_start_until_re
     // Gone again, the start refuses again: the marker served one start.
     std::fs::remove_file(data.join("state.redb")).unwrap();
     assert_eq!(start().0, Some(2));
+}
+
+/// `iggy-ingest ARGS --data-dir DATA` run to its end (a `state` command).
+fn data_dir_cli(data: &std::path::Path, args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_iggy-ingest")).args(args).arg("--data-dir").arg(data).output().unwrap()
 }
 
 #[test]
@@ -802,9 +805,7 @@ fn a_state_database_of_another_schema_version_refuses_to_start_until_reset() {
 
     // The explicit way out: show, a dry-run reset that changes nothing, then the reset.
     let data = dir.path().join("data");
-    let cli = |args: &[&str]| {
-        Command::new(env!("CARGO_BIN_EXE_iggy-ingest")).args(args).arg("--data-dir").arg(&data).output().unwrap()
-    };
+    let cli = |args: &[&str]| data_dir_cli(&data, args);
     let show = cli(&["state", "show"]);
     assert!(show.status.success());
     assert!(String::from_utf8_lossy(&show.stdout).contains("schema version 7"));
@@ -835,9 +836,7 @@ fn state_commands_that_change_the_database_refuse_while_a_daemon_holds_the_log()
     std::fs::create_dir_all(&data).unwrap();
     ingest::StateDb::open(data.join("state.redb")).unwrap().force_schema_version(1).unwrap();
     let before = std::fs::read(data.join("state.redb")).unwrap();
-    let cli = |args: &[&str]| {
-        Command::new(env!("CARGO_BIN_EXE_iggy-ingest")).args(args).arg("--data-dir").arg(&data).output().unwrap()
-    };
+    let cli = |args: &[&str]| data_dir_cli(&data, args);
     let held = wal::Wal::open(data.join("wal"), wal::WalOptions::default()).unwrap();
     for args in [&["state", "reset", "--yes"][..], &["state", "migrate"][..]] {
         let out = cli(args);
@@ -893,9 +892,7 @@ async fn a_state_database_of_an_older_schema_version_is_migrated_explicitly_and_
     let migrate = format!("state migrate --data-dir {}", data.display());
     assert!(err.contains("schema version 1") && err.contains(&migrate), "{err}");
 
-    let cli = |args: &[&str]| {
-        Command::new(env!("CARGO_BIN_EXE_iggy-ingest")).args(args).arg("--data-dir").arg(&data).output().unwrap()
-    };
+    let cli = |args: &[&str]| data_dir_cli(&data, args);
     let migrated = cli(&["state", "migrate"]);
     assert!(migrated.status.success(), "{}", String::from_utf8_lossy(&migrated.stderr));
     let said = String::from_utf8_lossy(&migrated.stdout);
