@@ -16,6 +16,9 @@
 //!   the first write the socket's buffer refuses until the whole answer is handed to the
 //!   kernel. A client that sends requests and never reads the answers (or reads them a
 //!   byte at a time) loses its connection then, so it cannot hold a slot either.
+//! - A connection that closes lingers ([`LINGER_MAX_MS`], [`LINGER_MAX_BYTES`]): it
+//!   sends the end of its writes, then discards what its client still sends, so that a
+//!   body left unread (an early 413) does not turn the answer into a reset.
 //! - On shutdown the listener stops accepting at once, in-flight requests are finished,
 //!   idle keep-alive connections are closed, and the whole drain is bounded by `grace`:
 //!   a connection still open then is cut (its task aborted, its socket closed) before
@@ -238,21 +241,66 @@ impl Drop for OpenConnection {
     }
 }
 
+/// How long a closing connection goes on reading (and discarding) what its client
+/// still sends, after its last answer and the end of its writes were sent: the time a
+/// client on a slow link needs to read the answer and stop sending. Without it, a
+/// connection closed with a request body unread (an early 413, a 404 or 401 answered
+/// before the body) is reset by the kernel, and a client still writing its body gets
+/// the reset, often instead of the answer. Bounded so that a client that never stops
+/// cannot hold its slot or the drain (nginx's `lingering_close`, shorter).
+pub const LINGER_MAX_MS: u64 = 2_000;
+
+/// The most a closing connection discards while it lingers: a body several times the
+/// usual `max_body_bytes`, so an oversized delivery still gets its 413; past it the
+/// connection is closed at once (a client sending that much reads its reset).
+pub const LINGER_MAX_BYTES: usize = 32 << 20;
+
 /// A connection's socket whose writes may stay refused for at most `limit`: the clock
 /// starts at the first write the socket does not take at once and stops when hyper
 /// flushes, which it does once its whole buffered answer went to the kernel. Partial
 /// progress does not stop it, so a client reading a byte at a time is cut as well.
 /// Nothing is allocated while the socket takes every write at once.
+///
+/// Its shutdown lingers: it sends the end of the connection's writes, then reads and
+/// discards what the client still sends until the client closes, for at most
+/// [`LINGER_MAX_MS`] and [`LINGER_MAX_BYTES`].
 struct WriteDeadline {
     stream: TcpStream,
     limit: Duration,
     /// Running while a write is waiting for the client to read.
     blocked: Option<Pin<Box<Sleep>>>,
+    /// Set once the end of the writes was sent: how long and how much more to read.
+    lingering: Option<Linger>,
+}
+
+/// The bounds of a closing connection's lingering read, counted from its start.
+struct Linger {
+    until: Pin<Box<Sleep>>,
+    discarded_bytes: usize,
 }
 
 impl WriteDeadline {
     fn new(stream: TcpStream, limit: Duration) -> WriteDeadline {
-        WriteDeadline { stream, limit, blocked: None }
+        WriteDeadline { stream, limit, blocked: None, lingering: None }
+    }
+
+    /// Reads and discards what the client sends until it closes, an error, or a bound:
+    /// ready then, pending while the client may still send.
+    fn poll_linger(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        let Some(linger) = self.lingering.as_mut() else { return Poll::Ready(()) };
+        let mut scratch = [std::mem::MaybeUninit::<u8>::uninit(); 8192];
+        loop {
+            if linger.discarded_bytes >= LINGER_MAX_BYTES || linger.until.as_mut().poll(cx).is_ready() {
+                return Poll::Ready(());
+            }
+            let mut buf = ReadBuf::uninit(&mut scratch);
+            match Pin::new(&mut self.stream).poll_read(cx, &mut buf) {
+                Poll::Ready(Ok(())) if !buf.filled().is_empty() => linger.discarded_bytes += buf.filled().len(),
+                // The client closed (or reset) its side: nothing more can come.
+                Poll::Ready(_) => return Poll::Ready(()),
+                Poll::Pending => return Poll::Pending,
+            }
+        }
     }
 
     /// After a write the socket refused: an error once the clock ran out, else pending.
@@ -303,7 +351,15 @@ impl AsyncWrite for WriteDeadline {
     }
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.stream).poll_shutdown(cx)
+        if self.lingering.is_none() {
+            ready!(Pin::new(&mut self.stream).poll_shutdown(cx))?;
+            self.lingering = Some(Linger {
+                until: Box::pin(tokio::time::sleep(Duration::from_millis(LINGER_MAX_MS))),
+                discarded_bytes: 0,
+            });
+        }
+        ready!(self.poll_linger(cx));
+        Poll::Ready(Ok(()))
     }
 }
 
@@ -379,6 +435,90 @@ mod tests {
         }
         assert!(buf.is_empty(), "an answer came after the grace period: {}", String::from_utf8_lossy(&buf));
         assert!(returned.elapsed() < Duration::from_secs(1));
+    }
+
+    /// A listener with a route that answers 413 at once, never reading the body (as the
+    /// door does when `Content-Length` is over `max_body_bytes`), and one connection slot.
+    async fn refusing_listener() -> SocketAddr {
+        let router = Router::new()
+            .route("/refuse", axum::routing::post(|| async { axum::http::StatusCode::PAYLOAD_TOO_LARGE }))
+            .route("/small", axum::routing::get(|| async { "small" }));
+        let listener = bind("127.0.0.1:0".parse().unwrap()).await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let limits = ConnectionLimits {
+            max_connections: 1,
+            header_read_timeout: Duration::from_secs(30),
+            write_timeout: Duration::from_secs(5),
+        };
+        tokio::spawn(serve(
+            listener,
+            None,
+            router,
+            limits,
+            std::future::pending::<()>(),
+            Duration::from_secs(1),
+            "test",
+        ));
+        addr
+    }
+
+    /// A client that writes its whole (oversized) body before it reads gets the 413, not
+    /// a reset: the connection, closed with the body unread, reads and discards what
+    /// still comes instead of letting the kernel reset it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_client_still_sending_its_body_after_an_early_413_reads_the_413() {
+        let addr = refusing_listener().await;
+        let body_bytes = 4 << 20;
+        let (wrote, answer) = tokio::task::spawn_blocking(move || {
+            let mut c = std::net::TcpStream::connect(addr).unwrap();
+            c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+            c.set_write_timeout(Some(Duration::from_secs(10))).unwrap();
+            c.write_all(format!("POST /refuse HTTP/1.1\r\nhost: x\r\ncontent-length: {body_bytes}\r\n\r\n").as_bytes())
+                .unwrap();
+            // The answer is sent and the connection closing before the body comes.
+            std::thread::sleep(Duration::from_millis(300));
+            let wrote = c.write_all(&vec![b'x'; body_bytes]);
+            let mut answer = Vec::new();
+            let _ = c.read_to_end(&mut answer);
+            (wrote, String::from_utf8_lossy(&answer).into_owned())
+        })
+        .await
+        .unwrap();
+        assert!(wrote.is_ok(), "the body's writes failed: {wrote:?}");
+        assert!(answer.starts_with("HTTP/1.1 413"), "no 413 read: {answer:?}");
+    }
+
+    /// A client that goes on sending after an early 413 holds its slot no longer than
+    /// `LINGER_MAX_MS`, however slowly (or without end) it sends.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_client_that_never_stops_sending_after_a_413_frees_its_slot_after_the_linger() {
+        let addr = refusing_listener().await;
+        std::thread::spawn(move || {
+            let mut a = std::net::TcpStream::connect(addr).unwrap();
+            a.write_all(b"POST /refuse HTTP/1.1\r\nhost: x\r\ncontent-length: 1000000000\r\n\r\n").unwrap();
+            // A byte every 50 ms, for longer than the test.
+            for _ in 0..400 {
+                if a.write_all(b"x").is_err() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        });
+        std::thread::sleep(Duration::from_millis(200));
+        let started = Instant::now();
+        let (read, answer) = tokio::task::spawn_blocking(move || {
+            let mut b = std::net::TcpStream::connect(addr).unwrap();
+            b.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+            b.write_all(b"GET /small HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n").unwrap();
+            let mut answer = Vec::new();
+            (b.read_to_end(&mut answer), String::from_utf8_lossy(&answer).into_owned())
+        })
+        .await
+        .unwrap();
+        assert!(read.is_ok(), "{read:?}");
+        assert!(answer.ends_with("small"), "{answer:?}");
+        let waited = started.elapsed();
+        assert!(waited < Duration::from_millis(LINGER_MAX_MS + 2_000), "the slot was held {waited:?}");
     }
 
     /// A client that sends requests and never reads the answers loses its connection
