@@ -471,7 +471,7 @@ impl World {
         let endpoint = |hex: &str, expires: Option<u64>| Endpoint {
             id: id(hex),
             source_key: "hidden".into(),
-            auth: AuthScheme::Bearer { token: BEARER_TOKEN.as_bytes().to_vec() },
+            auth: AuthScheme::Bearer { token: http_source::auth::TokenDigest::of(BEARER_TOKEN) },
             handshake_param: Some("challenge".into()),
             expires_at_unix_ms: expires,
             revoked_at_unix_ms: None,

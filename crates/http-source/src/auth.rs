@@ -40,9 +40,11 @@ pub enum SignatureEncoding {
 #[derive(Clone)]
 pub enum AuthScheme {
     None,
-    /// `Authorization: Bearer <token>`.
+    /// `Authorization: Bearer <token>`, kept as the token's SHA-256 digest: a request's
+    /// check hashes what it presents and compares two digests, so its time depends on
+    /// nothing of the token's (not even its length).
     Bearer {
-        token: Vec<u8>,
+        token: TokenDigest,
     },
     /// HMAC over the raw body in `header`, after `prefix` (GitHub: `X-Hub-Signature-256`,
     /// `sha256=`).
@@ -300,7 +302,7 @@ impl AuthScheme {
         let tolerance_secs = tolerance_secs.unwrap_or(DEFAULT_TOLERANCE_SECS);
         Ok(match scheme {
             "none" => AuthScheme::None,
-            "bearer" => AuthScheme::Bearer { token: need_secret()?.as_bytes().to_vec() },
+            "bearer" => AuthScheme::Bearer { token: TokenDigest::of(need_secret()?) },
             "hmac-sha256" | "hmac-sha1" => {
                 let algorithm = if scheme == "hmac-sha256" { HmacAlgorithm::Sha256 } else { HmacAlgorithm::Sha1 };
                 let (default_header, default_prefix) = match algorithm {
@@ -362,7 +364,7 @@ impl AuthScheme {
 
     /// The header holding the delivery id this scheme's signature covers, if it covers
     /// one: for Standard Webhooks the message id (`webhook-id`, or `svix-id` when there is
-    /// no usable `webhook-id`), exactly the header [`AuthScheme::verify`] signs over;
+    /// no `webhook-id`), exactly the header [`AuthScheme::verify`] signs over;
     /// `None` for every other scheme.
     pub fn signed_delivery_id_header(&self, headers: &HeaderMap) -> Option<&'static str> {
         match self {
@@ -406,10 +408,11 @@ impl AuthScheme {
         match self {
             AuthScheme::None => Ok(()),
             AuthScheme::Bearer { token } => {
-                let presented = bearer_token(headers)?;
-                let a = Sha256::digest(presented.as_bytes());
-                let b = Sha256::digest(token);
-                if bool::from(a.ct_eq(&b)) { Ok(()) } else { Err(AuthFailure::BadSignature) }
+                if token.matches(bearer_token(headers)?) {
+                    Ok(())
+                } else {
+                    Err(AuthFailure::BadSignature)
+                }
             }
             AuthScheme::Hmac { algorithm, secret, header, prefix, encoding } => {
                 let value = header_str(headers, header)?;
@@ -430,11 +433,12 @@ impl AuthScheme {
             }
             AuthScheme::StandardWebhooks { keys, tolerance_secs } => {
                 let (_, id) = standard_webhooks_id(headers)?;
-                let ts = header_str(headers, "webhook-timestamp").or_else(|_| header_str(headers, "svix-timestamp"))?;
-                let sigs =
-                    header_str(headers, "webhook-signature").or_else(|_| header_str(headers, "svix-signature"))?;
+                let ts = header_str_or(headers, "webhook-timestamp", "svix-timestamp")?;
+                let sigs = header_str_or(headers, "webhook-signature", "svix-signature")?;
                 let ts_secs: u64 = ts.trim().parse().map_err(|_| AuthFailure::Malformed)?;
-                check_tolerance(ts_secs, now_unix_ms, *tolerance_secs)?;
+                // The signature is checked before the timestamp's tolerance, so that
+                // `auth_stale_timestamp` counts signed requests only (a sender's clock,
+                // or a replay of a real delivery), never junk with an old timestamp.
                 // One tag per key, computed once: the header may list any number of
                 // signatures (hyper admits a head of some 400 KB), and a MAC over the
                 // body per listed signature would let one unsigned request hold the
@@ -455,7 +459,7 @@ impl AuthScheme {
                     any_well_formed = true;
                     // The length is not secret; the bytes are compared in constant time.
                     if tags.iter().any(|tag| sig.len() == tag.len() && bool::from(tag.ct_eq(sig.as_slice()))) {
-                        return Ok(());
+                        return check_tolerance(ts_secs, now_unix_ms, *tolerance_secs);
                     }
                 }
                 Err(if any_well_formed { AuthFailure::BadSignature } else { AuthFailure::Malformed })
@@ -481,10 +485,10 @@ impl AuthScheme {
                     return Err(AuthFailure::Malformed);
                 }
                 let ts_secs: u64 = t.parse().map_err(|_| AuthFailure::Malformed)?;
-                check_tolerance(ts_secs, now_unix_ms, *tolerance_secs)?;
+                // Signature first, then tolerance, as for Standard Webhooks.
                 let mac = mac256(secret, &[t.as_bytes(), b".", body]);
                 if v1.iter().any(|sig| mac.clone().verify_slice(sig).is_ok()) {
-                    Ok(())
+                    check_tolerance(ts_secs, now_unix_ms, *tolerance_secs)
                 } else {
                     Err(AuthFailure::BadSignature)
                 }
@@ -508,11 +512,47 @@ fn mac256(key: &[u8], parts: &[&[u8]]) -> HmacSha256 {
 }
 
 /// A Standard Webhooks message id and the header it is in: `webhook-id`, or `svix-id`
-/// when `webhook-id` is missing or not text.
+/// when there is no `webhook-id`. A `webhook-id` that is not text is malformed, as
+/// [`header_str_or`] has it.
 fn standard_webhooks_id(headers: &HeaderMap) -> Result<(&'static str, &str), AuthFailure> {
-    header_str(headers, "webhook-id")
-        .map(|id| ("webhook-id", id))
-        .or_else(|_| header_str(headers, "svix-id").map(|id| ("svix-id", id)))
+    match header_str(headers, "webhook-id") {
+        Err(AuthFailure::MissingHeader) => header_str(headers, "svix-id").map(|id| ("svix-id", id)),
+        found => found.map(|id| ("webhook-id", id)),
+    }
+}
+
+/// The text of header `name`, or of `fallback` when there is no `name` at all: a `name`
+/// that is there but not text is `Malformed` (counted as `auth_malformed`), not taken
+/// for missing.
+fn header_str_or<'a>(headers: &'a HeaderMap, name: &str, fallback: &str) -> Result<&'a str, AuthFailure> {
+    match header_str(headers, name) {
+        Err(AuthFailure::MissingHeader) => header_str(headers, fallback),
+        found => found,
+    }
+}
+
+/// A bearer token, kept as its SHA-256 digest: [`TokenDigest::matches`] hashes what a
+/// request presents and compares two digests in constant time, so the time a check takes
+/// depends on nothing of the token's, not even its length. The webhook door's bearer
+/// scheme and the admin API's tokens.
+#[derive(Clone)]
+pub struct TokenDigest([u8; 32]);
+
+impl TokenDigest {
+    pub fn of(token: &str) -> TokenDigest {
+        TokenDigest(Sha256::digest(token.as_bytes()).into())
+    }
+
+    pub fn matches(&self, presented: &str) -> bool {
+        let presented: [u8; 32] = Sha256::digest(presented.as_bytes()).into();
+        bool::from(presented.ct_eq(&self.0))
+    }
+}
+
+impl std::fmt::Debug for TokenDigest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("TokenDigest(..)")
+    }
 }
 
 /// The token of an `Authorization: Bearer <token>` header, without surrounding blanks.
@@ -684,6 +724,36 @@ mod tests {
         assert_eq!(s.verify(&other_id, SW_BODY, ms(now)), Err(AuthFailure::BadSignature));
         let v2 = headers(&[("webhook-id", SW_ID), ("webhook-timestamp", SW_TS), ("webhook-signature", "v2,abc")]);
         assert_eq!(s.verify(&v2, SW_BODY, ms(now)), Err(AuthFailure::Malformed));
+    }
+
+    /// A timestamp out of tolerance is told only of a request whose signature holds:
+    /// junk with an old timestamp is a bad signature, so `auth_stale_timestamp` stays a
+    /// sign of a sender's clock or a replay.
+    #[test]
+    fn a_stale_timestamp_is_told_only_of_a_signed_request() {
+        let s = AuthScheme::from_parts("standard-webhooks", Some(SW_SECRET), None, None, None).unwrap();
+        let now = 1_614_265_330;
+        let junk = headers(&[("webhook-id", SW_ID), ("webhook-timestamp", SW_TS), ("webhook-signature", "v1,AAAA")]);
+        assert_eq!(s.verify(&junk, SW_BODY, ms(now + 301)), Err(AuthFailure::BadSignature));
+        let stripe = AuthScheme::from_parts("stripe", Some("whsec_test_secret"), None, None, None).unwrap();
+        let junk = format!("t=1700000000,v1={}", "00".repeat(32));
+        assert_eq!(
+            stripe.verify(&headers(&[("stripe-signature", &junk)]), br#"{"id":"evt_1"}"#, ms(1_700_000_301)),
+            Err(AuthFailure::BadSignature)
+        );
+    }
+
+    /// A Standard Webhooks header that is there but not text is malformed, not missing,
+    /// even where the `svix-` header of the same name is absent.
+    #[test]
+    fn a_standard_webhooks_header_that_is_not_text_is_malformed_not_missing() {
+        let s = AuthScheme::from_parts("standard-webhooks", Some(SW_SECRET), None, None, None).unwrap();
+        let now = 1_614_265_330;
+        for name in ["webhook-id", "webhook-timestamp", "webhook-signature"] {
+            let mut h = headers(&[("webhook-id", SW_ID), ("webhook-timestamp", SW_TS), ("webhook-signature", SW_SIG)]);
+            h.insert(name, HeaderValue::from_bytes(b"16142653\xff30").unwrap());
+            assert_eq!(s.verify(&h, SW_BODY, ms(now)), Err(AuthFailure::Malformed), "{name}");
+        }
     }
 
     #[test]

@@ -944,7 +944,7 @@ mod tests {
             admission: crate::admission::Admission::Open,
             accept: crate::Accept::Any,
             named_path: true,
-            auth: AuthScheme::Bearer { token: SOURCE_TOKEN.as_bytes().to_vec() },
+            auth: AuthScheme::Bearer { token: crate::auth::TokenDigest::of(SOURCE_TOKEN) },
             forward_headers: Vec::new(),
             metadata: crate::MetadataFields::default(),
             idempotency_header: None,
@@ -953,7 +953,7 @@ mod tests {
         let endpoint = crate::Endpoint {
             id: ENDPOINT_ID,
             source_key: "hooks".into(),
-            auth: AuthScheme::Bearer { token: ENDPOINT_TOKEN.as_bytes().to_vec() },
+            auth: AuthScheme::Bearer { token: crate::auth::TokenDigest::of(ENDPOINT_TOKEN) },
             handshake_param: None,
             expires_at_unix_ms: None,
             revoked_at_unix_ms: None,

@@ -47,6 +47,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use http_source::auth::TokenDigest;
 use http_source::door::{Door, DoorLimits};
 use http_source::endpoints::EndpointRegistry;
 use http_source::health::Health;
@@ -71,8 +72,8 @@ pub struct Shared {
     pub status: Arc<StatusBoard>,
     pub health: Arc<Health>,
     /// Guards every admin route but `/health` (see `admin.rs`).
-    pub admin_token: Option<String>,
-    pub management_token: Option<String>,
+    pub admin_token: Option<TokenDigest>,
+    pub management_token: Option<TokenDigest>,
     pub metrics: Option<PrometheusHandle>,
     pub delivery: Arc<crate::delivery::Delivery>,
     /// `http.body_read_timeout_ms`, applied to admin request bodies too.
@@ -256,8 +257,8 @@ pub async fn start(mut settings: Settings, metrics: Option<PrometheusHandle>) ->
         idempotency: idempotency.clone(),
         status: status.clone(),
         health: health.clone(),
-        admin_token: settings.admin_token.clone(),
-        management_token: settings.management_token.clone(),
+        admin_token: settings.admin_token.as_deref().map(TokenDigest::of),
+        management_token: settings.management_token.as_deref().map(TokenDigest::of),
         metrics,
         delivery: delivery.clone(),
         body_read_timeout: settings.body_read_timeout,
