@@ -125,6 +125,15 @@ pub enum EndpointError {
 }
 
 fn check_new_secret(scheme: &str, secret: Option<&str>) -> Result<(), EndpointError> {
+    // Stripe makes each endpoint's signing secret and shows it; no receiver can set one.
+    // A secret made here would be answered 401 on every real delivery.
+    if scheme == "stripe" && secret.is_none() {
+        return Err(EndpointError::InvalidAuth(
+            "auth_secret: required for stripe: Stripe makes the endpoint's signing secret (whsec_...) and no \
+             other can be set there; pass the one its dashboard shows"
+                .to_string(),
+        ));
+    }
     crate::auth::check_new_secret(scheme, secret)
         .map_err(|(field, message)| EndpointError::InvalidAuth(format!("auth_{field}: {message}")))
 }
@@ -976,6 +985,31 @@ mod tests {
         assert_eq!(state.get_endpoint(rec.id).unwrap(), Some(rec));
     }
 
+    /// Stripe makes its endpoints' signing secrets, so a Stripe registration or rotation
+    /// with no secret is refused, naming `auth_secret`, and changes nothing: one made
+    /// here could never match a real delivery.
+    #[tokio::test]
+    async fn a_stripe_endpoint_needs_the_secret_stripe_made_at_registration_and_rotation() {
+        let state = Arc::new(StateDb::open_in_memory().unwrap());
+        let reg = Arc::new(EndpointRegistry::load(state.clone(), vec!["default".into()], vec![]).unwrap());
+        let stripe =
+            |secret: Option<&str>| StoredAuth { scheme: "stripe".into(), secret: secret.map(Into::into), ..bearer() };
+        let e = reg.register("default".into(), stripe(None), None, None, 10).await.expect_err("no secret");
+        assert!(
+            matches!(&e, EndpointError::InvalidAuth(m) if m.starts_with("auth_secret: required for stripe")),
+            "{e:?}"
+        );
+        assert!(reg.list(10).is_empty(), "a refused registration was kept");
+        let rec = reg.register("default".into(), stripe(Some("whsec_test_secret")), None, None, 10).await.unwrap();
+        let e = reg.rotate(rec.id, None, 11).await.expect_err("no secret");
+        assert!(
+            matches!(&e, EndpointError::InvalidAuth(m) if m.starts_with("auth_secret: required for stripe")),
+            "{e:?}"
+        );
+        assert_eq!(state.get_endpoint(rec.id).unwrap(), Some(rec.clone()));
+        reg.rotate(rec.id, Some("whsec_rolled".into()), 12).await.unwrap();
+    }
+
     /// A tombstone whose stored auth this build no longer reads (a Standard Webhooks key
     /// shorter than it now requires) stays revoked: its id cannot come back as a static
     /// endpoint, and the listing still shows it, under the scheme it was registered with.
@@ -1074,7 +1108,7 @@ mod tests {
         );
         let stripe = |tolerance_secs| StoredAuth {
             scheme: "stripe".into(),
-            secret: None,
+            secret: Some("whsec_test_secret".into()),
             header: None,
             prefix: None,
             tolerance_secs,
