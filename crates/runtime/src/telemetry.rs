@@ -56,8 +56,18 @@ use Kind::{Counter, Gauge, Histogram};
 pub fn catalog() -> Vec<Metric> {
     let mut v = vec![
         // The log.
-        m("iggy_ingest_wal_appends_total", Counter, &[], "Appends (requests) made durable in the log"),
-        m("iggy_ingest_wal_records_total", Counter, &[], "Records (events) made durable in the log"),
+        m(
+            "iggy_ingest_wal_appends_total",
+            Counter,
+            &[],
+            "Appends (requests) the log took: made durable (wal.sync = always), or written ahead of the next sync (interval)",
+        ),
+        m(
+            "iggy_ingest_wal_records_total",
+            Counter,
+            &[],
+            "Records (events) the log took: made durable (wal.sync = always), or written ahead of the next sync (interval)",
+        ),
         m("iggy_ingest_wal_bytes_written_total", Counter, &[], "Bytes written to the log, frames included"),
         m("iggy_ingest_wal_group_commit_appends", Histogram, &[], "Appends carried by one write and sync"),
         m("iggy_ingest_wal_fsync_seconds", Histogram, &[], "Time of one fdatasync of the log"),
@@ -151,7 +161,7 @@ pub fn catalog() -> Vec<Metric> {
             "iggy_ingest_append_latency_seconds",
             Histogram,
             &[],
-            "Time from submitting an append to its durability (durable appends only)",
+            "Time from submitting an append until it is durable (wal.sync = interval: written); refused appends are not timed",
         ),
         m(
             "iggy_ingest_idempotency_record_failures_total",
