@@ -726,6 +726,32 @@ mod tests {
         assert_eq!(s.verify(&v2, SW_BODY, ms(now)), Err(AuthFailure::Malformed));
     }
 
+    /// What senders put beside a good signature is passed over, not failed: another
+    /// version's entry (`v1a,` asymmetric signatures) before the `v1,` one, a Stripe
+    /// signature in upper-case hex, and an empty body signed as such.
+    #[test]
+    fn other_versions_upper_case_hex_and_an_empty_body_pass_with_a_good_signature() {
+        let s = AuthScheme::from_parts("standard-webhooks", Some(SW_SECRET), None, None, None).unwrap();
+        let now = 1_614_265_330;
+        let mixed = format!("v1a,c2lnbmF0dXJl {SW_SIG}");
+        let h = headers(&[("webhook-id", SW_ID), ("webhook-timestamp", SW_TS), ("webhook-signature", &mixed)]);
+        assert_eq!(s.verify(&h, SW_BODY, ms(now)), Ok(()));
+        let stripe = AuthScheme::from_parts("stripe", Some("whsec_test_secret"), None, None, None).unwrap();
+        let sig = "248a374f50f943a28b0f6ab50faf9a7e7e29b710fa26df9fb1618b9bf8ea9c9a".to_ascii_uppercase();
+        let upper = format!("t=1700000000,v1={sig}");
+        assert_eq!(
+            stripe.verify(&headers(&[("stripe-signature", &upper)]), br#"{"id":"evt_1"}"#, ms(1_700_000_000)),
+            Ok(())
+        );
+        // hmac.new(b"whsec_test_secret", b"1700000000.", hashlib.sha256).hexdigest()
+        let empty = "t=1700000000,v1=316b9ab98c15bfa039d243f3196acee619cf29749a91a634e6a8154e2f7b6727";
+        assert_eq!(stripe.verify(&headers(&[("stripe-signature", empty)]), b"", ms(1_700_000_000)), Ok(()));
+        assert_eq!(
+            stripe.verify(&headers(&[("stripe-signature", empty)]), b" ", ms(1_700_000_000)),
+            Err(AuthFailure::BadSignature)
+        );
+    }
+
     /// A timestamp out of tolerance is told only of a request whose signature holds:
     /// junk with an old timestamp is a bad signature, so `auth_stale_timestamp` stays a
     /// sign of a sender's clock or a replay.
