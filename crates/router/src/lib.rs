@@ -22,8 +22,10 @@
 //!    log, left as soon as it reads again ([`RouterHealth`] settles the router's own).
 //!    The gauges of a router that stopped count no lane, no open breaker and nothing
 //!    held: each count is taken back by a `Drop` of what it counts (a lane, its breaker,
-//!    the task that wrote it; a task that panicked leaves the held counts, which stay true
-//!    while the router is in Error). A task of the router that ends by a
+//!    the task that wrote it). What is held (bytes held and queued, the oldest held
+//!    record's age) is measured from the lanes by the releaser and at every scrape
+//!    ([`Router::publish_held_gauges`]), so it stays true while the releaser waits on a
+//!    stuck log or after it panicked. A task of the router that ends by a
 //!    panic puts it (and a lane's, its destination and connector) in Error until a
 //!    restart: nothing reports Running for work that nobody does ([`spawn_task`]).
 //!    A lane is never seen worse off than its router: a lane that worsens tells the
@@ -403,6 +405,56 @@ pub struct Router {
     lane_tasks: LaneTasks,
     stop_flusher: watch::Sender<bool>,
     flusher: std::sync::Mutex<Option<JoinHandle<()>>>,
+    held_gauges: Arc<HeldGauges>,
+}
+
+/// The one writer of the gauges of what the router holds (`iggy_connector_held_bytes`,
+/// `iggy_connector_queued_bytes`, `iggy_connector_oldest_held_age_seconds`): the
+/// releaser at each round and every scrape ([`Router::publish_held_gauges`]) measure the
+/// lanes and set them, so they stay true while the releaser waits on a log writer stuck
+/// in a sync, or after it panicked. Once the router stopped they are zero, and no
+/// measure taken before the stop can set them again (the flag and the gauges change
+/// under one lock).
+struct HeldGauges {
+    stopped: Mutex<bool>,
+    lanes: Lanes,
+    queue_budget: Arc<QueueBudget>,
+}
+
+impl HeldGauges {
+    /// Measures what the lanes hold now and sets the gauges (nothing once stopped);
+    /// returns the lowest offset a lane still needs.
+    fn publish(&self) -> Option<u64> {
+        let snapshot: Vec<Arc<Lane>> = {
+            let l = self.lanes.read().unwrap_or_else(|p| p.into_inner());
+            l.values().cloned().collect()
+        };
+        let mut low_water: Option<u64> = None;
+        let mut held_bytes = 0u64;
+        let mut oldest_held_at_ms: Option<u64> = None;
+        for lane in &snapshot {
+            let g = lane.gate();
+            low_water = [low_water, g.low_water()].into_iter().flatten().min();
+            let (bytes, oldest) = g.held();
+            held_bytes += bytes;
+            oldest_held_at_ms = [oldest_held_at_ms, oldest].into_iter().flatten().min();
+        }
+        let oldest_ms = oldest_held_at_ms.map_or(0, |t| lane::ingest_time_ms().saturating_sub(t));
+        let stopped = self.stopped.lock().unwrap_or_else(|p| p.into_inner());
+        if !*stopped {
+            metrics::gauge!("iggy_connector_held_bytes").set(held_bytes as f64);
+            metrics::gauge!("iggy_connector_queued_bytes").set(self.queue_budget.queued_bytes() as f64);
+            metrics::gauge!("iggy_connector_oldest_held_age_seconds").set(oldest_ms as f64 / 1000.0);
+        }
+        low_water
+    }
+
+    /// Zero from now on: the router stopped.
+    fn clear(&self) {
+        let mut stopped = self.stopped.lock().unwrap_or_else(|p| p.into_inner());
+        *stopped = true;
+        clear_held_gauges();
+    }
 }
 
 /// Tasks a stop waits for, aborted if the stop is abandoned before they ended.
@@ -541,11 +593,16 @@ impl Router {
         let start = wal.start_offset();
         let mut tasks = vec![spawn_task(dispatcher.run(start, shutdown_rx.clone()), on_panic("log reader"))];
         let released_below = Arc::new(AtomicU64::new(start));
+        let held_gauges = Arc::new(HeldGauges {
+            stopped: Mutex::new(false),
+            lanes: lanes.clone(),
+            queue_budget: queue_budget.clone(),
+        });
         tasks.push(spawn_task(
             release_loop(
                 wal,
                 cursors.clone(),
-                lanes.clone(),
+                held_gauges.clone(),
                 processed_below,
                 held_from.clone(),
                 released_below.clone(),
@@ -568,7 +625,16 @@ impl Router {
             lane_tasks,
             stop_flusher,
             flusher: std::sync::Mutex::new(Some(flusher)),
+            held_gauges,
         })
+    }
+
+    /// Sets the gauges of what the router holds (bytes held and queued, the oldest held
+    /// record's age) from its lanes as they are now; nothing once it stopped. Called at
+    /// each scrape, so that they stay true while the releaser, which sets them too,
+    /// waits on the log or is gone.
+    pub fn publish_held_gauges(&self) {
+        self.held_gauges.publish();
     }
 
     /// Every lane the router delivers through, with its live state, ordered by source
@@ -660,7 +726,7 @@ impl Router {
         for lane in lanes {
             lane.status.set(Status::Stopped, "router stopped");
         }
-        clear_held_gauges();
+        self.held_gauges.clear();
         self.held_from.store(u64::MAX, Ordering::Release);
         clear_admission_held();
     }
@@ -813,7 +879,7 @@ fn clear_held_gauges() {
 async fn release_loop<C: CursorStore>(
     wal: Arc<Wal>,
     cursors: Arc<C>,
-    lanes: Lanes,
+    held_gauges: Arc<HeldGauges>,
     processed_below: Arc<AtomicU64>,
     held_from: Arc<AtomicU64>,
     released_below: Arc<AtomicU64>,
@@ -839,25 +905,9 @@ async fn release_loop<C: CursorStore>(
         }
         // `processed_below` first: every record below it is in a lane by now.
         let mut low = processed_below.load(Ordering::Acquire).min(held_from.load(Ordering::Acquire));
-        let snapshot: Vec<Arc<Lane>> = {
-            let l = lanes.read().unwrap_or_else(|p| p.into_inner());
-            l.values().cloned().collect()
-        };
-        let mut held_bytes = 0u64;
-        let mut oldest_held_at_ms: Option<u64> = None;
-        for lane in &snapshot {
-            let g = lane.gate();
-            if let Some(lw) = g.low_water() {
-                low = low.min(lw);
-            }
-            let (bytes, oldest) = g.held();
-            held_bytes += bytes;
-            oldest_held_at_ms = [oldest_held_at_ms, oldest].into_iter().flatten().min();
+        if let Some(lw) = held_gauges.publish() {
+            low = low.min(lw);
         }
-        let oldest_ms = oldest_held_at_ms.map_or(0, |t| lane::ingest_time_ms().saturating_sub(t));
-        metrics::gauge!("iggy_connector_held_bytes").set(held_bytes as f64);
-        metrics::gauge!("iggy_connector_queued_bytes").set(queue_budget.queued_bytes() as f64);
-        metrics::gauge!("iggy_connector_oldest_held_age_seconds").set(oldest_ms as f64 / 1000.0);
         // Nor past what the cursor store's owner still needs of the log (the daemon: a
         // record whose delivery id is not yet durably checkpointed).
         dispatcher::log_cap_drops_left_out();

@@ -3,6 +3,7 @@
 
 mod support;
 
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -12,7 +13,8 @@ use router::status::Status;
 use router::test_doubles::MemoryCursorStore;
 use router::{Policies, Router, SendErrorKind};
 use support::*;
-use wal::storage::{FaultOp, SimStorage};
+use wal::storage::{FaultOp, HoldSyncs, HookedStorage, SimStorage};
+use wal::{Wal, WalOptions};
 
 /// Every destination's status is counted in exactly its own gauge.
 fn assert_gauges_agree(snap: &PrometheusHandle, router: &Router) {
@@ -118,6 +120,53 @@ fn a_stopped_router_leaves_no_lane_active_no_breaker_open_and_nothing_held() {
         router.shutdown().await;
         let after = gauges(&snap);
         assert!(after.iter().all(|(_, v)| *v == 0.0), "after the router stopped again: {after:?}");
+    });
+}
+
+/// While the log's writer is stuck in a sync (a disk that stopped answering), the
+/// releaser waits on it, and the gauges of what is held are still measured at every
+/// scrape: the oldest held record's age goes on growing, so an alert on it can fire.
+#[test]
+fn the_oldest_held_age_goes_on_growing_while_the_releaser_waits_on_a_stuck_log() {
+    with_metrics(false, |snap| async move {
+        let storage = HookedStorage::new(Arc::new(SimStorage::new()), HoldSyncs::default());
+        let opts = WalOptions { segment_max_bytes: 16 * 1024, max_bytes: 64 << 20, ..WalOptions::default() };
+        let wal = Arc::new(Wal::open_with(Arc::new(storage.clone()), &PathBuf::from("/sim/log"), opts).unwrap());
+        let sink = FaultySink::new();
+        let (a, b) = (key("s", "a"), key("s", "b"));
+        sink.fault(&b, Some(Fault::Fail(SendErrorKind::Destination)));
+        fill(&wal, std::slice::from_ref(&a), 0, 1000).await;
+        fill(&wal, std::slice::from_ref(&b), 1000, 5).await;
+        assert!(wal.segment_paths().len() > 2, "A's records span segments the release would remove");
+        // The writer is stuck in the sync of one more append; a release waits behind it.
+        let held = storage.hold_syncs();
+        let stuck = tokio::spawn({
+            let (wal, b) = (wal.clone(), b.clone());
+            async move { wal.append(vec![record(&b, 1005, Partitioning::Balanced)]).await }
+        });
+        eventually(Duration::from_secs(10), "the writer in a held sync", || storage.hooks().waiting() == 1).await;
+        let router = start_router(&wal, &sink, fast_policy());
+        eventually(Duration::from_secs(10), "A delivered", || sink.ids(&a).len() == 1000).await;
+        eventually(Duration::from_secs(10), "B held", || router.destinations().iter().any(|d| d.held_records > 0))
+            .await;
+        // A releaser round has come and waits for the writer: nothing is released.
+        tokio::time::sleep(Duration::from_millis(1_500)).await;
+        assert_eq!(router.released_below(), 0, "the release went through a stuck writer");
+        router.publish_held_gauges();
+        let first = gauge(&snap, "iggy_connector_oldest_held_age_seconds");
+        tokio::time::sleep(Duration::from_millis(1_200)).await;
+        router.publish_held_gauges();
+        let later = gauge(&snap, "iggy_connector_oldest_held_age_seconds");
+        assert!(later >= first + 1.0, "the oldest held age stood still: {first} then {later}");
+        assert!(gauge(&snap, "iggy_connector_held_bytes") > 0.0);
+        drop(held);
+        stuck.await.unwrap().unwrap();
+        eventually(Duration::from_secs(10), "released once the writer went on", || router.released_below() == 1000)
+            .await;
+        router.shutdown().await;
+        assert_eq!(gauge(&snap, "iggy_connector_oldest_held_age_seconds"), 0.0);
+        router.publish_held_gauges();
+        assert_eq!(gauge(&snap, "iggy_connector_held_bytes"), 0.0, "a stopped router's gauges were set again");
     });
 }
 

@@ -175,6 +175,8 @@ async fn metrics(State(s): State<Arc<Shared>>) -> Response {
     match &s.metrics {
         Some(handle) => {
             crate::delivery::publish_connector_statuses(&s.delivery, s.status.sources.keys());
+            // Measured now too: the releaser that also sets them may be waiting on the log.
+            s.delivery.publish_held_gauges();
             // Measured now: a writer stuck in a sync records nothing else.
             let busy = s.wal.writer_busy_for().map_or(0.0, |d| d.as_secs_f64());
             metrics::gauge!("iggy_ingest_wal_writer_busy_seconds").set(busy);

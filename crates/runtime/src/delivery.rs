@@ -658,6 +658,12 @@ impl Delivery {
         self.router.lock().unwrap_or_else(|p| p.into_inner()).as_deref().map(f)
     }
 
+    /// Sets the router's gauges of what it holds, measured now (see
+    /// [`Router::publish_held_gauges`]); nothing without a router.
+    pub fn publish_held_gauges(&self) {
+        self.with(|r| r.publish_held_gauges());
+    }
+
     /// The router's status (`stopping` while it stops, `stopped` after), or `disabled`.
     pub fn status_json(&self) -> serde_json::Value {
         match self.with(|r| (r.status(), r.released_below(), r.held_from(), r.queued_bytes())) {
