@@ -18,7 +18,9 @@
 //!   byte at a time) loses its connection then, so it cannot hold a slot either.
 //! - A connection that closes lingers ([`LINGER_MAX_MS`], [`LINGER_MAX_BYTES`]): it
 //!   sends the end of its writes, then discards what its client still sends, so that a
-//!   body left unread (an early 413) does not turn the answer into a reset.
+//!   body left unread (an early 413) does not turn the answer into a reset. Not once
+//!   the listener drains: the drain waits for requests, not for clients to close the
+//!   idle connections it ends.
 //! - On shutdown the listener stops accepting at once, in-flight requests are finished,
 //!   idle keep-alive connections are closed, and the whole drain is bounded by `grace`:
 //!   a connection still open then is cut (its task aborted, its socket closed) before
@@ -137,7 +139,7 @@ pub async fn serve(
             req.extensions_mut().insert(peer_addr.clone());
             router.clone().oneshot(req.map(axum::body::Body::new))
         });
-        let stream = WriteDeadline::new(stream, limits.write_timeout);
+        let stream = WriteDeadline::new(stream, limits.write_timeout, draining.clone());
         let slot = OpenConnection::new(permit, open.clone());
         let handshake = tls.as_ref().map(|tls| Handshake {
             tls: tls.clone(),
@@ -263,7 +265,7 @@ pub const LINGER_MAX_BYTES: usize = 32 << 20;
 ///
 /// Its shutdown lingers: it sends the end of the connection's writes, then reads and
 /// discards what the client still sends until the client closes, for at most
-/// [`LINGER_MAX_MS`] and [`LINGER_MAX_BYTES`].
+/// [`LINGER_MAX_MS`] and [`LINGER_MAX_BYTES`]; not once the listener drains.
 struct WriteDeadline {
     stream: TcpStream,
     limit: Duration,
@@ -271,6 +273,9 @@ struct WriteDeadline {
     blocked: Option<Pin<Box<Sleep>>>,
     /// Set once the end of the writes was sent: how long and how much more to read.
     lingering: Option<Linger>,
+    /// True once the listener drains: a connection closed then does not linger, so the
+    /// drain waits for requests, not for clients to close the idle connections it ends.
+    draining: tokio::sync::watch::Receiver<bool>,
 }
 
 /// The bounds of a closing connection's lingering read, counted from its start.
@@ -280,8 +285,8 @@ struct Linger {
 }
 
 impl WriteDeadline {
-    fn new(stream: TcpStream, limit: Duration) -> WriteDeadline {
-        WriteDeadline { stream, limit, blocked: None, lingering: None }
+    fn new(stream: TcpStream, limit: Duration, draining: tokio::sync::watch::Receiver<bool>) -> WriteDeadline {
+        WriteDeadline { stream, limit, blocked: None, lingering: None, draining }
     }
 
     /// Reads and discards what the client sends until it closes, an error, or a bound:
@@ -353,6 +358,9 @@ impl AsyncWrite for WriteDeadline {
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
         if self.lingering.is_none() {
             ready!(Pin::new(&mut self.stream).poll_shutdown(cx))?;
+            if *self.draining.borrow() {
+                return Poll::Ready(Ok(()));
+            }
             self.lingering = Some(Linger {
                 until: Box::pin(tokio::time::sleep(Duration::from_millis(LINGER_MAX_MS))),
                 discarded_bytes: 0,
@@ -519,6 +527,50 @@ mod tests {
         assert!(answer.ends_with("small"), "{answer:?}");
         let waited = started.elapsed();
         assert!(waited < Duration::from_millis(LINGER_MAX_MS + 2_000), "the slot was held {waited:?}");
+    }
+
+    /// A drain ends the idle keep-alive connections without lingering on them: a client
+    /// that keeps its idle connection open after the server closed it holds the drain no
+    /// longer than a client that closes it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_drain_does_not_linger_on_the_idle_connections_it_closes() {
+        let router = Router::new().route("/small", axum::routing::get(|| async { "small" }));
+        let listener = bind("127.0.0.1:0".parse().unwrap()).await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let limits = ConnectionLimits {
+            max_connections: 4,
+            header_read_timeout: Duration::from_secs(30),
+            write_timeout: Duration::from_secs(5),
+        };
+        let server = tokio::spawn(serve(
+            listener,
+            None,
+            router,
+            limits,
+            async {
+                let _ = stopped.await;
+            },
+            Duration::from_millis(1_000),
+            "test",
+        ));
+        // One keep-alive request answered, then the socket held open, never read again.
+        let client = tokio::task::spawn_blocking(move || {
+            let mut c = std::net::TcpStream::connect(addr).unwrap();
+            c.write_all(b"GET /small HTTP/1.1\r\nhost: x\r\n\r\n").unwrap();
+            let mut answer = [0u8; 512];
+            let n = c.read(&mut answer).unwrap();
+            assert!(String::from_utf8_lossy(&answer[..n]).ends_with("small"));
+            c
+        })
+        .await
+        .unwrap();
+        let started = Instant::now();
+        let _ = stop.send(());
+        let drained = tokio::time::timeout(Duration::from_secs(5), server).await.unwrap().unwrap();
+        assert!(drained.complete, "the drain was cut at its grace period");
+        assert!(started.elapsed() < Duration::from_millis(LINGER_MAX_MS / 2), "the drain took {:?}", started.elapsed());
+        drop(client);
     }
 
     /// A client that sends requests and never reads the answers loses its connection
