@@ -87,7 +87,8 @@ impl StartError {
     /// The exit status of a start refused with this error: 2 for a refusal only an
     /// operator can end, as for an invalid configuration (a state database of another
     /// schema version; a static endpoint whose id the store holds as revoked, or in a
-    /// record that does not decode), which a supervisor that restarts on failure would
+    /// record that does not decode; a damaged log, one of another format version, an
+    /// unfinished salvage copy), which a supervisor that restarts on failure would
     /// only meet again (the systemd unit: `RestartPreventExitStatus=2`); 1 for the rest,
     /// which a restart may end (a port still taken, a log still locked, a mapping not
     /// reachable yet or refused: its server's owner may correct it without touching the
@@ -98,6 +99,15 @@ impl StartError {
             StartError::State(StateError::SchemaMismatch { .. } | StateError::Open { unreadable: true, .. })
             | StartError::StateMissing { .. }
             | StartError::Endpoints(LoadError::RevokedStatic(_) | LoadError::UnreadableStatic(_)) => 2,
+            // A log with damage in what was durable, a segment of another format version
+            // (a rollback), or a salvage copy that never finished: the same log again at
+            // every restart, until an operator salvages, upgrades or removes it.
+            StartError::Wal { source, .. }
+                if source.is_corruption()
+                    || matches!(source, WalError::BadSegmentHeader { .. } | WalError::UnfinishedSalvage(_)) =>
+            {
+                2
+            }
             _ => 1,
         }
     }

@@ -201,6 +201,15 @@ fn start_hint(e: &daemon::StartError, data_dir: &Path) -> Option<String> {
         StartError::State(StateError::Open { unreadable: false, .. }) => "if another process holds it (`state show`, \
              `wal inspect`), start again once that ends; an I/O error is the disk's, to fix first"
             .to_string(),
+        StartError::Wal { source, .. }
+            if source.is_corruption() || matches!(source, wal::WalError::UnfinishedSalvage(_)) =>
+        {
+            format!(
+                "`iggy-ingest wal verify {dir}/wal` lists each problem; `iggy-ingest wal salvage {dir}/wal --out \
+                 {dir}/wal.salvaged` copies every record that still checks (docs/operations.md, \"After a crash\": \
+                 if it refuses to start)"
+            )
+        }
         _ => return None,
     })
 }

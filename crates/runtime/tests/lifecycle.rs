@@ -779,6 +779,35 @@ async fn a_missing_state_database_beside_a_written_log_refuses_to_start_until_re
     assert_eq!(start().0, Some(2));
 }
 
+/// A log damaged in what was durable refuses the start with exit 2, naming the damage:
+/// every restart would meet it again, until an operator salvages the log.
+#[test]
+fn a_damaged_log_refuses_to_start_with_exit_2() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = Daemon::start(dir.path(), "", SOURCES);
+    assert!(d.stop().success());
+    // Five records after the daemon's clean stop, then a byte of the first one flipped:
+    // damage with checked records after it, not a torn tail.
+    let wal_dir = dir.path().join("data/wal");
+    let wal = wal::Wal::open(&wal_dir, wal::WalOptions::default()).unwrap();
+    tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(async {
+        for i in 0..5u8 {
+            wal.append(vec![bytes::Bytes::from(vec![i; 64])]).await.unwrap();
+        }
+        wal.close().await.unwrap();
+    });
+    let first = wal_dir.join("00000000000000000000.seg");
+    let mut damaged = std::fs::read(&first).unwrap();
+    damaged[32 + 32 + 5] ^= 0x40;
+    std::fs::write(&first, &damaged).unwrap();
+    let cfg = dir.path().join("config.toml");
+    std::fs::write(&cfg, config_text(dir.path(), "", SOURCES)).unwrap();
+    let (code, err) = refused_start(&cfg);
+    assert_eq!(code, Some(2), "a refusal only an operator can end: {err}");
+    assert!(err.contains("corrupt record"), "{err}");
+    assert!(err.contains("wal salvage"), "no way forward named: {err}");
+}
+
 /// `iggy-ingest ARGS --data-dir DATA` run to its end (a `state` command).
 fn data_dir_cli(data: &std::path::Path, args: &[&str]) -> std::process::Output {
     Command::new(env!("CARGO_BIN_EXE_iggy-ingest")).args(args).arg("--data-dir").arg(data).output().unwrap()
