@@ -226,17 +226,38 @@ fn written_by_a_live_process(path: &Path) -> bool {
     matches!((runs, std::env::current_exe()), (Ok(theirs), Ok(ours)) if theirs == ours)
 }
 
+/// Where the ready file is written first (its name plus `.tmp`, whatever its own
+/// extension), to be renamed over it: a reader never sees half of it.
+fn ready_file_tmp(path: &Path) -> PathBuf {
+    let mut tmp_name = path.file_name().unwrap_or_default().to_os_string();
+    tmp_name.push(".tmp");
+    path.with_file_name(tmp_name)
+}
+
+/// Checks, before anything is opened, that the ready file can be written where `path`
+/// says: a file name, not a directory, in a directory that takes a file. Found only once
+/// the daemon had started, a bad path would stop it with exit 1, which a supervisor
+/// restarts for ever; the caller refuses it as an unusable argument (exit 2).
+pub fn check_ready_file(path: &Path) -> Result<(), String> {
+    if path.file_name().is_none() {
+        return Err("names no file".to_string());
+    }
+    if path.is_dir() {
+        return Err("is a directory".to_string());
+    }
+    let tmp = ready_file_tmp(path);
+    std::fs::write(&tmp, b"")
+        .and_then(|()| std::fs::remove_file(&tmp))
+        .map_err(|e| format!("cannot write a file beside it ({}): {e}", tmp.display()))
+}
+
 fn write_ready_file(path: &Path, running: &daemon::RunningDaemon) -> std::io::Result<()> {
     let body = serde_json::json!({
         "http": running.http_addr.to_string(),
         "admin": running.admin_addr.to_string(),
         "pid": std::process::id(),
     });
-    // Beside it under another name (its name plus `.tmp`, whatever its own extension),
-    // then renamed over it: a reader never sees half of it.
-    let mut tmp_name = path.file_name().unwrap_or_default().to_os_string();
-    tmp_name.push(".tmp");
-    let tmp = path.with_file_name(tmp_name);
+    let tmp = ready_file_tmp(path);
     std::fs::write(&tmp, body.to_string())?;
     std::fs::rename(&tmp, path)
 }

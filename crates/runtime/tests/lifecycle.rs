@@ -779,6 +779,29 @@ async fn a_missing_state_database_beside_a_written_log_refuses_to_start_until_re
     assert_eq!(start().0, Some(2));
 }
 
+/// A ready file that cannot be written where `--ready-file` says (a missing directory,
+/// a directory) is refused before anything is opened, with exit 2 naming the flag: found
+/// once the daemon had started, it stopped it with exit 1, restarted for ever.
+#[test]
+fn a_ready_file_that_cannot_be_written_is_refused_before_the_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("config.toml");
+    std::fs::write(&cfg, config_text(dir.path(), "", SOURCES)).unwrap();
+    for ready in [dir.path().join("missing/ready.json"), dir.path().to_path_buf()] {
+        let out = Command::new(env!("CARGO_BIN_EXE_iggy-ingest"))
+            .args(["run", "--config"])
+            .arg(&cfg)
+            .arg("--ready-file")
+            .arg(&ready)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{}: {err}", ready.display());
+        assert!(err.contains("--ready-file"), "{err}");
+        assert!(!dir.path().join("data").exists(), "the refused start made its data directory");
+    }
+}
+
 /// A log damaged in what was durable refuses the start with exit 2, naming the damage:
 /// every restart would meet it again, until an operator salvages the log.
 #[test]
