@@ -119,7 +119,9 @@ pub enum CursorsSnapshot {
 /// could differ), and a database with tables but no version, as the daemon does.
 pub fn read_cursors_read_only(path: &std::path::Path) -> Result<CursorsSnapshot, StateError> {
     use crate::state::SCHEMA_VERSION;
-    if !path.exists() {
+    // Missing only when the file system says so: a path that cannot be looked at (no
+    // search right on a directory) goes on to the open, which names its error.
+    if std::fs::symlink_metadata(path).is_err_and(|e| e.kind() == std::io::ErrorKind::NotFound) {
         return Ok(CursorsSnapshot::Missing);
     }
     let db = match crate::state::ReadOnlyView::open(path) {

@@ -602,6 +602,20 @@ fn inspect_reads_only_the_log_s_capacity_from_a_config_and_refuses_a_bad_admin_u
         assert!(e.contains(&format!("--admin {url}")) && e.contains("http://HOST:PORT"), "{url}: {e}");
         assert!(o.stdout.is_empty(), "{url}");
     }
+
+    // Arguments refused before any connection is tried or the log is read: a --config
+    // that does not load also beside --admin (which names the capacity itself), a token
+    // that is no header value (named, not echoed), a --state with nothing there.
+    let unreachable = "http://127.0.0.1:9";
+    let o = inspect(&["--admin", unreachable, "--config", root.path().join("missing.toml").to_str().unwrap()]);
+    assert_eq!(code(&o), 2, "{}", stderr(&o));
+    assert!(stderr(&o).contains("--config"), "{}", stderr(&o));
+    let o = inspect(&["--admin", unreachable, "--admin-token", "a\nsecret"]);
+    assert_eq!(code(&o), 2, "{}", stderr(&o));
+    assert!(stderr(&o).contains("--admin-token") && !stderr(&o).contains("secret"), "{}", stderr(&o));
+    let o = inspect(&["--state", root.path().join("nope.redb").to_str().unwrap()]);
+    assert_eq!(code(&o), 2, "{}", stderr(&o));
+    assert!(stderr(&o).contains("--state") && o.stdout.is_empty(), "{}", stderr(&o));
 }
 
 /// An admin API that answers without end (a wrong address, a proxy gone astray) is read

@@ -86,6 +86,20 @@ type AdminLane = (LaneKey, Lane);
 
 pub(crate) fn run(a: InspectArgs) -> CliResult {
     let admin = a.admin.as_deref().map(|url| admin_target(url, a.admin_ca.as_deref())).transpose()?;
+    // Every argument is checked before the log is opened: `--config` also where the
+    // admin API will name the log's capacity, and the admin token as a header value.
+    let max_bytes_from_config = a.config.as_deref().map(config_max_bytes).transpose()?;
+    let token = a.admin_token.clone().or_else(|| std::env::var("IGGY_INGEST_ADMIN_TOKEN").ok());
+    if admin.is_some()
+        && let Some(t) = &token
+        && hyper::header::HeaderValue::try_from(format!("Bearer {t}")).is_err()
+    {
+        return Err(CliError::Usage(
+            "--admin-token (or IGGY_INGEST_ADMIN_TOKEN): not a header value (it holds a control character: a \
+             newline read with it from a file?)"
+                .to_string(),
+        ));
+    }
     let wal = open_log(&a.dir)?;
     let running = writer_running(&a.dir);
     let segments = wal::inspect::segments_of(&wal).map_err(|e| wal_error(&a.dir, e))?;
@@ -96,7 +110,6 @@ pub(crate) fn run(a: InspectArgs) -> CliResult {
     let mut lanes: BTreeMap<LaneKey, Lane> = BTreeMap::new();
     let mut max_bytes: Option<u64> = None;
     let mut asked_sources = BTreeSet::new();
-    let token = a.admin_token.clone().or_else(|| std::env::var("IGGY_INGEST_ADMIN_TOKEN").ok());
     let (cursor_source, cursor_note) = if let Some(target) = &admin {
         let (rows, log_max, sources) = admin_lanes(target, token.as_deref())?;
         max_bytes = log_max;
@@ -121,6 +134,13 @@ pub(crate) fn run(a: InspectArgs) -> CliResult {
                 };
                 ("state", note)
             }
+            // Named by the operator, a path with nothing there is a mistyped argument.
+            Some(Ok(CursorsSnapshot::Missing)) if a.state.is_some() => {
+                return Err(CliError::Usage(format!(
+                    "--state {}: no such file",
+                    path.as_deref().map(|p| p.display().to_string()).unwrap_or_default()
+                )));
+            }
             Some(Ok(CursorsSnapshot::Missing)) => (
                 "unavailable",
                 format!(
@@ -136,10 +156,8 @@ pub(crate) fn run(a: InspectArgs) -> CliResult {
             Some(Err(e)) => ("unavailable", format!("cannot read the state database: {e}")),
         }
     };
-    if max_bytes.is_none()
-        && let Some(cfg) = &a.config
-    {
-        max_bytes = Some(config_max_bytes(cfg)?);
+    if max_bytes.is_none() {
+        max_bytes = max_bytes_from_config;
     }
 
     // One pass over the records: per-segment times, per-destination counts.
