@@ -145,6 +145,9 @@ pub struct RunningDaemon {
     pub shared: Arc<Shared>,
     shutdown_tx: Arc<watch::Sender<bool>>,
     task: JoinHandle<ShutdownReport>,
+    /// Set by [`RunningDaemon::shutdown_before_ready`]: the drain skips
+    /// `shutdown.drain_delay_ms`.
+    skip_drain_delay: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// How a shutdown went.
@@ -170,6 +173,14 @@ impl RunningDaemon {
     pub fn shutdown(&self) {
         // Kept whether or not a receiver is there to see it (`send` would drop it).
         self.shutdown_tx.send_replace(true);
+    }
+
+    /// [`RunningDaemon::shutdown`] of a daemon asked to stop while it started, before it
+    /// said it was ready: no load balancer saw its `/health` answer 200, so none has
+    /// traffic to move away, and the drain does not wait `shutdown.drain_delay_ms`.
+    pub fn shutdown_before_ready(&self) {
+        self.skip_drain_delay.store(true, std::sync::atomic::Ordering::Release);
+        self.shutdown();
     }
 
     /// Resolves once the shutdown sequence started, whether asked for or because a task
@@ -366,6 +377,8 @@ pub async fn start(mut settings: Settings, metrics: Option<PrometheusHandle>) ->
     tracing::info!(webhook = %http_addr, admin = %admin_addr, "listening");
 
     let drain_delay = settings.drain_delay;
+    let skip_drain_delay = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let skip_drain_delay_seen = skip_drain_delay.clone();
     let stop_tx = shutdown_tx.clone();
     let task = tokio::spawn(async move {
         let mut failed_task = until_stop_or_failure(shutdown_rx, &mut failed_rx, &stop_tx).await;
@@ -373,7 +386,9 @@ pub async fn start(mut settings: Settings, metrics: Option<PrometheusHandle>) ->
         // Health first, so that a load balancer sends new traffic elsewhere; what still
         // arrives meanwhile is served (each 200 durable as ever), not refused.
         health.start_draining();
-        tokio::time::sleep(drain_delay).await;
+        if !skip_drain_delay_seen.load(std::sync::atomic::Ordering::Acquire) {
+            tokio::time::sleep(drain_delay).await;
+        }
         health.stop_accepting();
         // From here the whole drain is bounded by the grace period.
         let grace_ends = tokio::time::Instant::now() + grace;
@@ -471,7 +486,7 @@ pub async fn start(mut settings: Settings, metrics: Option<PrometheusHandle>) ->
         tracing::info!(?report, "shutdown complete");
         report
     });
-    Ok(RunningDaemon { http_addr, admin_addr, shared, shutdown_tx, task })
+    Ok(RunningDaemon { http_addr, admin_addr, shared, shutdown_tx, task, skip_drain_delay })
 }
 
 /// What the start builds on the open log, each step of which may refuse the start.

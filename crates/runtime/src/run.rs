@@ -125,7 +125,11 @@ pub fn run(settings: Settings, ready_file: Option<PathBuf>) -> ExitCode {
                 _ = signals.recv() => true,
                 _ = running.stopping() => false,
             };
-        running.shutdown();
+        if stop_asked {
+            running.shutdown_before_ready();
+        } else {
+            running.shutdown();
+        }
         // A second signal stops at once. Safe: every event answered 200 is already
         // durable in the log; only requests still in flight are cut (without a 200).
         // After a stop of the daemon's own, the first signal (a supervisor's ordinary

@@ -1005,7 +1005,8 @@ fn config_check_names_the_key_path_and_line_and_exits_non_zero() {
 /// A stop signal that comes while the daemon is still starting (here: re-reading a long
 /// log for delivery ids, before it is ready) is a clean stop once the start is done, not
 /// the signal's default action: a process killed by it leaves no clean-shutdown marker,
-/// and a service manager sees a death, not a stop.
+/// and a service manager sees a death, not a stop. It does not wait out
+/// `shutdown.drain_delay_ms`: no load balancer ever saw it ready.
 #[test]
 fn a_stop_signal_during_the_start_is_a_clean_stop() {
     let dir = tempfile::tempdir().unwrap();
@@ -1013,6 +1014,7 @@ fn a_stop_signal_during_the_start_is_a_clean_stop() {
     d.signal(libc::SIGTERM);
     let (status, ready_seen) = wait_exit_watching(&mut d, &dir.path().join("ready.json"));
     assert!(status.success(), "a stop signal during the start: {status}");
+    // Without waiting out the drain delay (2 minutes here): no load balancer saw it ready.
     assert!(wal_dir.join(wal::CLEAN_MARKER_FILE).exists(), "no clean-shutdown marker");
     // It stopped as soon as it had started, and was never said to be ready (watched
     // while it ran: a stopping daemon removes its ready file).
@@ -1090,7 +1092,8 @@ fn a_daemon_in_a_long_start(root: &std::path::Path) -> (Daemon, std::path::PathB
     drop(wal);
     drop(ingest::StateDb::open(dir.join("data/state.redb")).unwrap());
     let cfg = dir.join("config.toml");
-    std::fs::write(&cfg, config_text(dir, "", SOURCES)).unwrap();
+    // A drain delay longer than the tests wait: a stop asked for during the start skips it.
+    std::fs::write(&cfg, config_text_with_shutdown(dir, "", "drain_delay_ms = 120000", SOURCES)).unwrap();
     let d = Daemon::spawn(dir, &cfg);
     // The log's open takes the clean-shutdown marker away, after the daemon installed
     // its signal handlers and before it is ready (the rest of the start reads the log).
