@@ -445,19 +445,13 @@ mod tests {
         assert!(returned.elapsed() < Duration::from_secs(1));
     }
 
-    /// A listener with a route that answers 413 at once, never reading the body (as the
-    /// door does when `Content-Length` is over `max_body_bytes`), and one connection slot.
-    async fn refusing_listener() -> SocketAddr {
-        let router = Router::new()
-            .route("/refuse", axum::routing::post(|| async { axum::http::StatusCode::PAYLOAD_TOO_LARGE }))
-            .route("/small", axum::routing::get(|| async { "small" }));
+    /// `router` served on an ephemeral port with one connection slot and `write_timeout`,
+    /// never stopped.
+    async fn one_slot_listener(router: Router, write_timeout: Duration) -> SocketAddr {
         let listener = bind("127.0.0.1:0".parse().unwrap()).await.unwrap();
         let addr = listener.local_addr().unwrap();
-        let limits = ConnectionLimits {
-            max_connections: 1,
-            header_read_timeout: Duration::from_secs(30),
-            write_timeout: Duration::from_secs(5),
-        };
+        let limits =
+            ConnectionLimits { max_connections: 1, header_read_timeout: Duration::from_secs(30), write_timeout };
         tokio::spawn(serve(
             listener,
             None,
@@ -468,6 +462,29 @@ mod tests {
             "test",
         ));
         addr
+    }
+
+    /// `GET /small` on a connection of its own, closed after: how the read ended, and
+    /// the answer.
+    async fn get_small_once(addr: SocketAddr, read_timeout: Duration) -> (std::io::Result<usize>, String) {
+        tokio::task::spawn_blocking(move || {
+            let mut b = std::net::TcpStream::connect(addr).unwrap();
+            b.set_read_timeout(Some(read_timeout)).unwrap();
+            b.write_all(b"GET /small HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n").unwrap();
+            let mut answer = Vec::new();
+            (b.read_to_end(&mut answer), String::from_utf8_lossy(&answer).into_owned())
+        })
+        .await
+        .unwrap()
+    }
+
+    /// A listener with a route that answers 413 at once, never reading the body (as the
+    /// door does when `Content-Length` is over `max_body_bytes`), and one connection slot.
+    async fn refusing_listener() -> SocketAddr {
+        let router = Router::new()
+            .route("/refuse", axum::routing::post(|| async { axum::http::StatusCode::PAYLOAD_TOO_LARGE }))
+            .route("/small", axum::routing::get(|| async { "small" }));
+        one_slot_listener(router, Duration::from_secs(5)).await
     }
 
     /// A client that writes its whole (oversized) body before it reads gets the 413, not
@@ -514,15 +531,7 @@ mod tests {
         });
         std::thread::sleep(Duration::from_millis(200));
         let started = Instant::now();
-        let (read, answer) = tokio::task::spawn_blocking(move || {
-            let mut b = std::net::TcpStream::connect(addr).unwrap();
-            b.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-            b.write_all(b"GET /small HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n").unwrap();
-            let mut answer = Vec::new();
-            (b.read_to_end(&mut answer), String::from_utf8_lossy(&answer).into_owned())
-        })
-        .await
-        .unwrap();
+        let (read, answer) = get_small_once(addr, Duration::from_secs(10)).await;
         assert!(read.is_ok(), "{read:?}");
         assert!(answer.ends_with("small"), "{answer:?}");
         let waited = started.elapsed();
@@ -581,22 +590,7 @@ mod tests {
         let router = Router::new()
             .route("/big", axum::routing::get(move || std::future::ready(big.clone())))
             .route("/small", axum::routing::get(|| async { "small" }));
-        let listener = bind("127.0.0.1:0".parse().unwrap()).await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let limits = ConnectionLimits {
-            max_connections: 1,
-            header_read_timeout: Duration::from_secs(30),
-            write_timeout: Duration::from_millis(500),
-        };
-        tokio::spawn(serve(
-            listener,
-            None,
-            router,
-            limits,
-            std::future::pending::<()>(),
-            Duration::from_secs(1),
-            "test",
-        ));
+        let addr = one_slot_listener(router, Duration::from_millis(500)).await;
         // Client A: a small receive buffer, 200 pipelined requests for 64 KiB answers,
         // and never a read.
         let socket = tokio::net::TcpSocket::new_v4().unwrap();
@@ -618,15 +612,7 @@ mod tests {
         let _ = tokio::task::spawn_blocking(move || a_done.recv_timeout(Duration::from_secs(5))).await;
         // Client B, behind A in the accept backlog: served once A was cut.
         let started = Instant::now();
-        let (read, answer) = tokio::task::spawn_blocking(move || {
-            let mut b = std::net::TcpStream::connect(addr).unwrap();
-            b.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-            b.write_all(b"GET /small HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n").unwrap();
-            let mut answer = Vec::new();
-            (b.read_to_end(&mut answer), String::from_utf8_lossy(&answer).into_owned())
-        })
-        .await
-        .unwrap();
+        let (read, answer) = get_small_once(addr, Duration::from_secs(5)).await;
         assert!(read.is_ok(), "client B was not served while A held the only slot: {read:?}");
         assert!(answer.starts_with("HTTP/1.1 200") && answer.ends_with("small"), "{answer}");
         assert!(started.elapsed() < Duration::from_secs(4), "B waited {:?}", started.elapsed());
