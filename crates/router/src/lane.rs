@@ -901,6 +901,14 @@ pub(crate) fn spawn<S: Sink, C: CursorStore>(lane: Arc<Lane>, ctx: LaneContext<S
         // The breaker went with the task (its count in the gauge taken back as it was
         // dropped): the status shows none open either.
         lock(&watched.info).breaker = None;
+        // So did its batches (the one in flight and the one prepared ahead): their bytes
+        // are no longer kept in memory, nor counted against the router's queue budget.
+        {
+            let mut g = watched.gate();
+            let in_batches = g.budgeted_bytes - g.queued_bytes;
+            g.count_out(in_batches);
+        }
+        watched.batch_bytes.store(0, Ordering::Relaxed);
         health.lane_panicked(&watched.key, &watched.status);
     })
 }

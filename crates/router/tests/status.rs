@@ -856,6 +856,31 @@ fn a_lane_that_panics_with_its_breaker_open_shows_the_breaker_as_the_gauge_count
     });
 }
 
+/// A lane whose task panics in a send lets go of its batches with it: neither its
+/// destination's `batch_bytes` nor the router's queued bytes count memory that was freed.
+#[test]
+fn a_lane_that_panics_in_a_send_keeps_no_batch_bytes_counted() {
+    with_metrics(false, |snap| async move {
+        let sim = SimStorage::new();
+        let wal = open_wal(&sim);
+        let sink = FaultySink::new();
+        let d = key("p", "1");
+        sink.fault(&d, Some(Fault::Panic));
+        fill(&wal, std::slice::from_ref(&d), 0, 3).await;
+        let router = start_router(&wal, &sink, fast_policy());
+        eventually(Duration::from_secs(30), "the lane in error", || {
+            router.destinations().first().is_some_and(|l| l.status == Status::Error)
+        })
+        .await;
+        let lane = router.destinations().remove(0);
+        assert_eq!(lane.batch_bytes, 0, "a batch counted that went with the task");
+        assert_eq!(router.queued_bytes().0, lane.queued_bytes, "the budget counts more than the lane's queue");
+        router.publish_held_gauges();
+        assert_eq!(gauge(&snap, "iggy_connector_queued_bytes"), lane.queued_bytes as f64);
+        router.shutdown().await;
+    });
+}
+
 /// Storing cursors that keeps failing backs off, up to 25.6 s between tries. A stop
 /// does not wait that out (the daemon's grace period would abandon the router): the
 /// flusher tries once more and ends.
