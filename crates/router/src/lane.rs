@@ -169,7 +169,7 @@ impl QueueBudget {
     }
 
     /// Counts `bytes` in if they fit within the bound; false (nothing counted) if not.
-    fn take(&self, bytes: usize) -> bool {
+    pub(crate) fn take(&self, bytes: usize) -> bool {
         self.queued_bytes
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |q| {
                 q.checked_add(bytes).filter(|&total| total <= self.max_bytes)

@@ -408,10 +408,11 @@ pub struct Router {
     held_gauges: Arc<HeldGauges>,
 }
 
-/// The one writer of the gauges of what the router holds (`iggy_connector_held_bytes`,
-/// `iggy_connector_queued_bytes`, `iggy_connector_oldest_held_age_seconds`): the
-/// releaser at each round and every scrape ([`Router::publish_held_gauges`]) measure the
-/// lanes and set them, so they stay true while the releaser waits on a log writer stuck
+/// What measures and sets the gauges of what the router holds
+/// (`iggy_connector_held_bytes`, `iggy_connector_queued_bytes`,
+/// `iggy_connector_oldest_held_age_seconds`; the releaser also zeroes them when it starts
+/// and when it is dropped unstopped): the releaser at each round and every scrape
+/// ([`Router::publish_held_gauges`]) measure the lanes and set them, so they stay true while the releaser waits on a log writer stuck
 /// in a sync, or after it panicked. Once the router stopped they are zero, and no
 /// measure taken before the stop can set them again (the flag and the gauges change
 /// under one lock).
@@ -1029,6 +1030,24 @@ async fn cursor_flush_loop<C: CursorStore>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Once cleared (the router stopped), a measure taken then sets nothing: a scrape
+    /// racing the stop cannot leave the gauges counting what a stopped router held.
+    #[test]
+    fn a_measure_after_the_clear_sets_no_held_gauge() {
+        let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+        let handle = recorder.handle();
+        metrics::with_local_recorder(&recorder, || {
+            let queue_budget = Arc::new(QueueBudget::new(1 << 20));
+            assert!(queue_budget.take(4096));
+            let gauges = HeldGauges { stopped: Mutex::new(false), lanes: Lanes::default(), queue_budget };
+            gauges.publish();
+            assert!(handle.render().lines().any(|l| l == "iggy_connector_queued_bytes 4096"), "{}", handle.render());
+            gauges.clear();
+            gauges.publish();
+            assert!(handle.render().lines().any(|l| l == "iggy_connector_queued_bytes 0"), "{}", handle.render());
+        });
+    }
 
     /// A settle reads the status and then sets it, under the troubles' lock. A stop that
     /// comes between the two must not be overwritten: it waits for the settle to end.

@@ -132,12 +132,6 @@ fn main() -> ExitCode {
                     return ExitCode::from(2);
                 }
             };
-            if let Some(path) = &ready_file
-                && let Err(why) = iggy_ingest::run::check_ready_file(path)
-            {
-                eprintln!("iggy-ingest: --ready-file {}: {why} (nothing was started)", path.display());
-                return ExitCode::from(2);
-            }
             iggy_ingest::run::run(settings, ready_file)
         }
     }

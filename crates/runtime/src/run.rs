@@ -19,8 +19,15 @@ use crate::{daemon, logging};
 /// Runs the daemon on `settings` until SIGTERM/SIGINT, as `iggy-ingest run` does:
 /// logging, the metrics recorder, the open-file limit (`open_files`), `daemon::start`, the ready file, a graceful stop (a
 /// second signal exits at once with 130). Exit: 0 after a clean stop, 1 for a failed
-/// start or an unclean stop.
+/// start or an unclean stop, 2 for a start refusal only an operator can end (a ready
+/// file that cannot be written, [`daemon::StartError::exit_code`]).
 pub fn run(settings: Settings, ready_file: Option<PathBuf>) -> ExitCode {
+    if let Some(path) = &ready_file
+        && let Err(why) = check_ready_file(path)
+    {
+        eprintln!("iggy-ingest: --ready-file {}: {why} (nothing was started)", path.display());
+        return ExitCode::from(2);
+    }
     logging::init(&settings.log_level, settings.log_json);
     for w in &settings.warnings.errors {
         tracing::warn!(setting = %w.path, line = w.line, "configuration: {}", w.message);
@@ -205,9 +212,11 @@ fn start_hint(e: &daemon::StartError, data_dir: &Path) -> Option<String> {
         StartError::State(StateError::Open { unreadable: false, .. }) => "if another process holds it (`state show`, \
              `wal inspect`), start again once that ends; an I/O error is the disk's, to fix first"
             .to_string(),
-        StartError::Wal { source, .. }
-            if source.is_corruption() || matches!(source, wal::WalError::UnfinishedSalvage(_)) =>
-        {
+        StartError::Wal { source: wal::WalError::UnfinishedSalvage(_), .. } => format!(
+            "{dir}/wal is a salvage copy that never finished, not a log: put the original log back, or remove \
+             the copy and run `iggy-ingest wal salvage` again from the original"
+        ),
+        StartError::Wal { source, .. } if source.is_corruption() => {
             format!(
                 "`iggy-ingest wal verify {dir}/wal` lists each problem; `iggy-ingest wal salvage {dir}/wal --out \
                  {dir}/wal.salvaged` copies every record that still checks (docs/operations.md, \"After a crash\": \
@@ -242,17 +251,25 @@ fn ready_file_tmp(path: &Path) -> PathBuf {
 /// says: a file name, not a directory, in a directory that takes a file. Found only once
 /// the daemon had started, a bad path would stop it with exit 1, which a supervisor
 /// restarts for ever; the caller refuses it as an unusable argument (exit 2).
-pub fn check_ready_file(path: &Path) -> Result<(), String> {
+fn check_ready_file(path: &Path) -> Result<(), String> {
     if path.file_name().is_none() {
         return Err("names no file".to_string());
     }
     if path.is_dir() {
         return Err("is a directory".to_string());
     }
-    let tmp = ready_file_tmp(path);
-    std::fs::write(&tmp, b"")
-        .and_then(|()| std::fs::remove_file(&tmp))
-        .map_err(|e| format!("cannot write a file beside it ({}): {e}", tmp.display()))
+    // A probe of a name of its own, created only if absent (never through a link, never
+    // over a file that is there), then removed.
+    let mut probe_name = std::ffi::OsString::from(".");
+    probe_name.push(path.file_name().unwrap_or_default());
+    probe_name.push(format!(".{}.probe", std::process::id()));
+    let probe = path.with_file_name(probe_name);
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&probe)
+        .and_then(|_| std::fs::remove_file(&probe))
+        .map_err(|e| format!("cannot write a file beside it ({}): {e}", probe.display()))
 }
 
 fn write_ready_file(path: &Path, running: &daemon::RunningDaemon) -> std::io::Result<()> {

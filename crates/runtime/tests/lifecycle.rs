@@ -1012,9 +1012,13 @@ fn a_stop_signal_during_the_start_is_a_clean_stop() {
     let dir = tempfile::tempdir().unwrap();
     let (mut d, wal_dir) = a_daemon_in_a_long_start(dir.path());
     d.signal(libc::SIGTERM);
+    let signalled = Instant::now();
     let (status, ready_seen) = wait_exit_watching(&mut d, &dir.path().join("ready.json"));
+    assert!(!ready_seen, "a daemon asked to stop wrote its ready file");
     assert!(status.success(), "a stop signal during the start: {status}");
-    // Without waiting out the drain delay (2 minutes here): no load balancer saw it ready.
+    // Without waiting out the drain delay (40 s here): no load balancer saw it ready.
+    let took = signalled.elapsed();
+    assert!(took < Duration::from_secs(30), "the stop took {took:?}: the drain delay was waited out");
     assert!(wal_dir.join(wal::CLEAN_MARKER_FILE).exists(), "no clean-shutdown marker");
     // It stopped as soon as it had started, and was never said to be ready (watched
     // while it ran: a stopping daemon removes its ready file).
@@ -1092,8 +1096,8 @@ fn a_daemon_in_a_long_start(root: &std::path::Path) -> (Daemon, std::path::PathB
     drop(wal);
     drop(ingest::StateDb::open(dir.join("data/state.redb")).unwrap());
     let cfg = dir.join("config.toml");
-    // A drain delay longer than the tests wait: a stop asked for during the start skips it.
-    std::fs::write(&cfg, config_text_with_shutdown(dir, "", "drain_delay_ms = 120000", SOURCES)).unwrap();
+    // A long drain delay: a stop asked for during the start skips it.
+    std::fs::write(&cfg, config_text_with_shutdown(dir, "", "drain_delay_ms = 40000", SOURCES)).unwrap();
     let d = Daemon::spawn(dir, &cfg);
     // The log's open takes the clean-shutdown marker away, after the daemon installed
     // its signal handlers and before it is ready (the rest of the start reads the log).

@@ -87,8 +87,15 @@ type AdminLane = (LaneKey, Lane);
 pub(crate) fn run(a: InspectArgs) -> CliResult {
     let admin = a.admin.as_deref().map(|url| admin_target(url, a.admin_ca.as_deref())).transpose()?;
     // Every argument is checked before the log is opened: `--config` also where the
-    // admin API will name the log's capacity, and the admin token as a header value.
+    // admin API will name the log's capacity, the admin token as a header value, and a
+    // `--state` that names nothing (named by the operator: a mistyped argument).
     let max_bytes_from_config = a.config.as_deref().map(config_max_bytes).transpose()?;
+    if admin.is_none()
+        && let Some(state) = &a.state
+        && std::fs::symlink_metadata(state).is_err_and(|e| e.kind() == std::io::ErrorKind::NotFound)
+    {
+        return Err(CliError::Usage(format!("--state {}: no such file", state.display())));
+    }
     let token = a.admin_token.clone().or_else(|| std::env::var("IGGY_INGEST_ADMIN_TOKEN").ok());
     if admin.is_some()
         && let Some(t) = &token
@@ -133,13 +140,6 @@ pub(crate) fn run(a: InspectArgs) -> CliResult {
                     format!("cursors from {from}")
                 };
                 ("state", note)
-            }
-            // Named by the operator, a path with nothing there is a mistyped argument.
-            Some(Ok(CursorsSnapshot::Missing)) if a.state.is_some() => {
-                return Err(CliError::Usage(format!(
-                    "--state {}: no such file",
-                    path.as_deref().map(|p| p.display().to_string()).unwrap_or_default()
-                )));
             }
             Some(Ok(CursorsSnapshot::Missing)) => (
                 "unavailable",
