@@ -18,9 +18,9 @@
 //!   byte at a time) loses its connection then, so it cannot hold a slot either.
 //! - A connection that closes lingers ([`LINGER_MAX_MS`], [`LINGER_MAX_BYTES`]): it
 //!   sends the end of its writes, then discards what its client still sends, so that a
-//!   body left unread (an early 413) does not turn the answer into a reset. Not once
-//!   the listener drains: the drain waits for requests, not for clients to close the
-//!   idle connections it ends.
+//!   body left unread (an early 413) does not turn the answer into a reset. Once the
+//!   listener drains, only a connection whose client is found still sending lingers:
+//!   the drain waits for requests, not for clients to close the idle connections it ends.
 //! - On shutdown the listener stops accepting at once, in-flight requests are finished,
 //!   idle keep-alive connections are closed, and the whole drain is bounded by `grace`:
 //!   a connection still open then is cut (its task aborted, its socket closed) before
@@ -265,7 +265,8 @@ pub const LINGER_MAX_BYTES: usize = 32 << 20;
 ///
 /// Its shutdown lingers: it sends the end of the connection's writes, then reads and
 /// discards what the client still sends until the client closes, for at most
-/// [`LINGER_MAX_MS`] and [`LINGER_MAX_BYTES`]; not once the listener drains.
+/// [`LINGER_MAX_MS`] and [`LINGER_MAX_BYTES`]; once the listener drains, only if the
+/// client is found still sending.
 struct WriteDeadline {
     stream: TcpStream,
     limit: Duration,
@@ -273,8 +274,9 @@ struct WriteDeadline {
     blocked: Option<Pin<Box<Sleep>>>,
     /// Set once the end of the writes was sent: how long and how much more to read.
     lingering: Option<Linger>,
-    /// True once the listener drains: a connection closed then does not linger, so the
-    /// drain waits for requests, not for clients to close the idle connections it ends.
+    /// True once the listener drains: a connection closed then lingers only while its
+    /// client is still sending ([`Linger::close_if_quiet`]), so the drain waits for
+    /// requests and bodies, not for clients to close the idle connections it ends.
     draining: tokio::sync::watch::Receiver<bool>,
 }
 
@@ -282,6 +284,10 @@ struct WriteDeadline {
 struct Linger {
     until: Pin<Box<Sleep>>,
     discarded_bytes: usize,
+    /// Set for a connection the drain closes: it lingers only if its client is found
+    /// still sending at the first read (a body the answer left unread), and closes at
+    /// once if nothing is there (an idle keep-alive client).
+    close_if_quiet: bool,
 }
 
 impl WriteDeadline {
@@ -300,9 +306,13 @@ impl WriteDeadline {
             }
             let mut buf = ReadBuf::uninit(&mut scratch);
             match Pin::new(&mut self.stream).poll_read(cx, &mut buf) {
-                Poll::Ready(Ok(())) if !buf.filled().is_empty() => linger.discarded_bytes += buf.filled().len(),
+                Poll::Ready(Ok(())) if !buf.filled().is_empty() => {
+                    linger.discarded_bytes += buf.filled().len();
+                    linger.close_if_quiet = false;
+                }
                 // The client closed (or reset) its side: nothing more can come.
                 Poll::Ready(_) => return Poll::Ready(()),
+                Poll::Pending if linger.close_if_quiet => return Poll::Ready(()),
                 Poll::Pending => return Poll::Pending,
             }
         }
@@ -358,12 +368,11 @@ impl AsyncWrite for WriteDeadline {
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
         if self.lingering.is_none() {
             ready!(Pin::new(&mut self.stream).poll_shutdown(cx))?;
-            if *self.draining.borrow() {
-                return Poll::Ready(Ok(()));
-            }
+            let close_if_quiet = *self.draining.borrow();
             self.lingering = Some(Linger {
                 until: Box::pin(tokio::time::sleep(Duration::from_millis(LINGER_MAX_MS))),
                 discarded_bytes: 0,
+                close_if_quiet,
             });
         }
         ready!(self.poll_linger(cx));
@@ -580,6 +589,74 @@ mod tests {
         assert!(drained.complete, "the drain was cut at its grace period");
         assert!(started.elapsed() < Duration::from_millis(LINGER_MAX_MS / 2), "the drain took {:?}", started.elapsed());
         drop(client);
+    }
+
+    /// A request answered during the drain without its body read (the door's 503
+    /// `shutting_down`) while its client is still sending that body: the connection
+    /// lingers, so the client gets the answer (and its `Retry-After`), not a reset.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_client_still_sending_when_the_drain_answers_it_reads_the_answer() {
+        let started = std::sync::Arc::new(tokio::sync::Notify::new());
+        let release = std::sync::Arc::new(tokio::sync::Notify::new());
+        let router = Router::new().route(
+            "/late",
+            axum::routing::post({
+                let (started, release) = (started.clone(), release.clone());
+                move || async move {
+                    started.notify_one();
+                    release.notified().await;
+                    axum::http::StatusCode::SERVICE_UNAVAILABLE
+                }
+            }),
+        );
+        let listener = bind("127.0.0.1:0".parse().unwrap()).await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let limits = ConnectionLimits {
+            max_connections: 4,
+            header_read_timeout: Duration::from_secs(30),
+            write_timeout: Duration::from_secs(5),
+        };
+        let server = tokio::spawn(serve(
+            listener,
+            None,
+            router,
+            limits,
+            async {
+                let _ = stopped.await;
+            },
+            Duration::from_secs(10),
+            "test",
+        ));
+        let body_bytes = 4usize << 20;
+        let client = tokio::task::spawn_blocking(move || {
+            let mut c = std::net::TcpStream::connect(addr).unwrap();
+            c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+            c.write_all(format!("POST /late HTTP/1.1\r\nhost: x\r\ncontent-length: {body_bytes}\r\n\r\n").as_bytes())
+                .unwrap();
+            // The body, sent steadily for about half a second.
+            let chunk = vec![b'x'; 64 << 10];
+            let mut wrote = Ok(());
+            for _ in 0..body_bytes / chunk.len() {
+                wrote = c.write_all(&chunk);
+                if wrote.is_err() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(8));
+            }
+            let mut answer = Vec::new();
+            let _ = c.read_to_end(&mut answer);
+            (wrote, String::from_utf8_lossy(&answer).into_owned())
+        });
+        tokio::time::timeout(Duration::from_secs(10), started.notified()).await.unwrap();
+        let _ = stop.send(());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        release.notify_one();
+        let (wrote, answer) = client.await.unwrap();
+        assert!(wrote.is_ok(), "the body's writes failed: {wrote:?}");
+        assert!(answer.starts_with("HTTP/1.1 503"), "no 503 read: {answer:?}");
+        let drained = tokio::time::timeout(Duration::from_secs(10), server).await.unwrap().unwrap();
+        assert!(drained.complete);
     }
 
     /// A client that sends requests and never reads the answers loses its connection
