@@ -121,6 +121,14 @@ fn main() -> ExitCode {
         Command::State { command } => state_command(command),
         Command::Wal { command } => iggy_ingest::wal_cli::run(command),
         Command::Run { config, ready_file } => {
+            // SIGHUP's default action ends the process. It reloads the TLS certificates
+            // once `run` installs its handler; until then (the configuration and its
+            // certificate files being read) it is ignored: the start reads the files
+            // again after the handler is in place, so nothing a reload would bring is lost.
+            // SAFETY: setting a signal's disposition to ignore, before any thread exists.
+            unsafe {
+                libc::signal(libc::SIGHUP, libc::SIG_IGN);
+            }
             let settings = match &config {
                 Some(path) => config::load(path),
                 None => config::validate(&Config::builtin(), None, None),

@@ -190,6 +190,46 @@ async fn webhooks_over_tls_are_logged_and_a_sighup_serves_the_new_certificate_or
     assert_eq!(numbers, vec![1, 2, 3, 4], "the log holds what was answered 200, and nothing else");
 }
 
+/// A SIGHUP that comes while `run` still reads its configuration (here: a certificate
+/// file that is a FIFO no one writes to yet), before its handler is installed, does not
+/// end the process as the signal's default action would: a `systemctl reload` right
+/// after a start would stop the daemon, and the unit would not restart it.
+#[test]
+fn a_sighup_while_the_configuration_is_read_does_not_end_the_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_, key) = TlsPair::new().write(&dir.path().join("a"));
+    let fifo = dir.path().join("cert.fifo");
+    let path = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    // SAFETY: mkfifo(3) with a valid C string.
+    assert_eq!(unsafe { libc::mkfifo(path.as_ptr(), 0o600) }, 0);
+    let file = dir.path().join("c.toml");
+    std::fs::write(
+        &file,
+        format!("[http]\nlisten = \"127.0.0.1:0\"\n\n[http.tls]\ncert_file = {fifo:?}\nkey_file = {key:?}\n"),
+    )
+    .unwrap();
+    let child = Command::new(env!("CARGO_BIN_EXE_iggy-ingest"))
+        .args(["run", "--config"])
+        .arg(&file)
+        .current_dir(dir.path())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // The reading of the FIFO waits for a writer: the process is in its configuration.
+    std::thread::sleep(Duration::from_millis(300));
+    // SAFETY: kill(2) of the child's pid.
+    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGHUP) }, 0);
+    std::thread::sleep(Duration::from_millis(100));
+    // A writer that writes nothing: the certificate file holds none. Opened without
+    // waiting: with no reader left (the process ended), the open fails at once.
+    use std::os::unix::fs::OpenOptionsExt;
+    drop(std::fs::OpenOptions::new().write(true).custom_flags(libc::O_NONBLOCK).open(&fifo));
+    let out = child.wait_with_output().unwrap();
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(out.status.signal(), None, "ended by a signal: {:?}", out.status);
+    assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
 #[test]
 fn a_tls_file_that_does_not_load_is_named_by_its_key_and_line_and_the_daemon_does_not_start() {
     let dir = tempfile::tempdir().unwrap();
