@@ -6,7 +6,10 @@
 //!   (there is no escaping) and the path holds at most [`FIELD_PATH_MAX_SEGMENTS`] keys.
 //! - Only objects are walked: an array, or any non-object, on the way is "missing".
 //! - Only a string or a number leaf is a value; `null`, booleans, arrays, objects and
-//!   the empty string are "missing". A number's value is its JSON text (`42`, `1.5`).
+//!   the empty string are "missing". A number's value is an integer's decimal text
+//!   (`42`), or the shortest text that reads back as the 64-bit float nearest to what
+//!   was written (`1.50` is `1.5`: serde_json's `float_roundtrip`, so that equal numbers
+//!   always give equal text), as docs/routing.md says.
 //! - Looking a path up never fails and never allocates for a missing value.
 
 use serde_json::Value;
@@ -103,6 +106,13 @@ mod tests {
             ("1e3", "1000.0"),
             ("7.0", "7.0"),
             ("18446744073709551616", "1.8446744073709552e+19"),
+            // Read to the nearest double, as JSON.stringify and Python write them: the
+            // same value however many trailing zeros, never a neighbour of it.
+            ("26.633056045725954", "26.633056045725954"),
+            ("26.6330560457259540", "26.633056045725954"),
+            ("509.95969090737725", "509.95969090737725"),
+            ("1e-23", "1e-23"),
+            ("10e-24", "1e-23"),
         ] {
             let values = crate::json_fields::parse(&format!("{{\"n\":{written}}}"), &[&p]).unwrap();
             assert_eq!(p.lookup(&values).as_deref(), Some(read), "{written}");
