@@ -14,6 +14,11 @@
 //!   skipped fail at the same place under different names). Like that check, it walks nesting off the
 //!   paths without recursion, so depth is bounded by the body's size alone; on the paths
 //!   it recurses at most [`crate::field_path::FIELD_PATH_MAX_SEGMENTS`] levels.
+//! - A key given twice in an object on a path (the same key text once unescaped) is
+//!   refused ([`FieldsError::DuplicateKey`]): JSON readers disagree on which one counts
+//!   (serde_json and most DOM readers take the last, streaming readers often the
+//!   first), so an event could be routed by one value and read downstream by the other.
+//!   Keys off the paths may repeat, as the unrouted check lets them.
 //! - For every path it was given, [`FieldPath::lookup`] on the result answers what it
 //!   answers on the fully parsed value. A text that is well formed but holds what
 //!   serde_json reads and cannot hold, on a path or in a key beside one (a number past
@@ -27,6 +32,7 @@
 //!   all.
 
 use std::borrow::Cow;
+use std::cell::Cell;
 use std::fmt;
 
 use serde::de::{DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
@@ -48,18 +54,37 @@ pub fn kept_bytes_max(paths: &[&FieldPath]) -> usize {
     paths.iter().map(|p| p.key_count() * KEPT_OBJECT_MAX_BYTES + p.keys_bytes()).sum()
 }
 
+/// Why [`parse`] refused a text.
+#[derive(Debug, thiserror::Error)]
+pub enum FieldsError {
+    /// Not one JSON text (serde_json's error).
+    #[error(transparent)]
+    Json(#[from] serde_json::Error),
+    /// A key on a routed path given twice in one object.
+    #[error(
+        "the key {0:?} is given twice in one object on a routed field's path: JSON readers disagree on which one counts"
+    )]
+    DuplicateKey(String),
+}
+
 /// Parses `text` as one JSON value, keeping only what `paths` can reach.
-pub fn parse(text: &str, paths: &[&FieldPath]) -> Result<Value, serde_json::Error> {
+pub fn parse(text: &str, paths: &[&FieldPath]) -> Result<Value, FieldsError> {
+    let duplicate: Cell<Option<String>> = Cell::new(None);
     let pruned = (|| {
         let mut de = serde_json::Deserializer::from_str(text);
-        let value = Pruned { paths, depth: 0 }.deserialize(&mut de)?;
+        let value = Pruned { paths, depth: 0, duplicate: &duplicate }.deserialize(&mut de)?;
         de.end()?;
         Ok(value)
     })();
-    pruned.or_else(|e| match serde_json::from_str::<IgnoredAny>(text) {
-        // Well formed, but not a value serde_json can hold (see the module's invariants).
-        Ok(_) => Ok(Value::Null),
-        Err(_) => Err(e),
+    pruned.or_else(|e: serde_json::Error| {
+        if let Some(key) = duplicate.take() {
+            return Err(FieldsError::DuplicateKey(key));
+        }
+        match serde_json::from_str::<IgnoredAny>(text) {
+            // Well formed, but not a value serde_json can hold (see the module's invariants).
+            Ok(_) => Ok(Value::Null),
+            Err(_) => Err(FieldsError::Json(e)),
+        }
     })
 }
 
@@ -69,6 +94,8 @@ pub fn parse(text: &str, paths: &[&FieldPath]) -> Result<Value, serde_json::Erro
 struct Pruned<'p> {
     paths: &'p [&'p FieldPath],
     depth: usize,
+    /// Set to the key found twice on a path, as the parse is ended with an error.
+    duplicate: &'p Cell<Option<String>>,
 }
 
 impl Pruned<'_> {
@@ -138,8 +165,12 @@ impl<'de> Visitor<'de> for Pruned<'_> {
                 continue;
             }
             let below: Vec<&FieldPath> = self.paths.iter().filter(on_a_path).copied().collect();
-            let value = map.next_value_seed(Pruned { paths: &below, depth: self.depth + 1 })?;
-            // A repeated key: the last one wins, as in a fully parsed value.
+            let value =
+                map.next_value_seed(Pruned { paths: &below, depth: self.depth + 1, duplicate: self.duplicate })?;
+            if kept.contains_key(key.as_ref()) {
+                self.duplicate.set(Some(key.clone().into_owned()));
+                return Err(serde::de::Error::custom(format!("the key {:?} is given twice", key.as_ref())));
+            }
             kept.insert(key.into_owned(), value);
         }
         Ok(Value::Object(kept))
@@ -180,16 +211,15 @@ mod tests {
     }
 
     /// Texts that exercise every kind of value on and off the paths: nesting, arrays on
-    /// the way, repeated keys, escapes in keys and values, numbers of every form, and
-    /// leaves that are not strings or numbers.
+    /// the way, keys repeated off the paths, escapes in keys and values, numbers of every
+    /// form, and leaves that are not strings or numbers.
     const TEXTS: &[&str] = &[
         r#"{"event": {"type": "order.created", "n": 42, "f": 1.5}, "top": "x"}"#,
         r#"{"event": {"type": 7}, "customer": {"id": -12}}"#,
         r#"{"event": {"type": 1e3}, "customer": {"id": 18446744073709551615}}"#,
         r#"{"event": {"type": 123456789012345678901234567890}, "customer": {"id": 0.1}}"#,
         r#"{"event": [{"type": "a"}], "customer": "id"}"#,
-        r#"{"event": {"type": "first"}, "event": {"type": "second"}}"#,
-        r#"{"event": {"type": "first"}, "event": 5}"#,
+        r#"{"pad": 1, "pad": 2, "event": {"other": 1, "other": 2, "type": "t"}}"#,
         r#"{"ev\u0065nt": {"t\u0079pe": "escaped \"key\" \u00e9"}}"#,
         r#"{"event": {"type": null, "other": {"type": "no"}}, "customer": {"id": true}}"#,
         r#"{"event": {"type": ""}, "customer": {"id": {}}}"#,
@@ -215,6 +245,25 @@ mod tests {
             for p in &paths {
                 let alone = parse(text, &[p]).unwrap();
                 assert_eq!(p.lookup(&alone), p.lookup(&full), "{} alone in {text}", p.as_dotted());
+            }
+        }
+    }
+
+    /// A key on a path given twice in one object, however it is written, is refused:
+    /// the event would be routed by one value and could be read downstream by the other.
+    #[test]
+    fn a_key_given_twice_on_a_path_is_refused() {
+        let paths = [path("event.type"), path("tenant")];
+        let refs: Vec<&FieldPath> = paths.iter().collect();
+        for (text, key) in [
+            (r#"{"event": {"type": "first"}, "event": {"type": "second"}}"#, "event"),
+            (r#"{"event": {"type": "first"}, "event": 5}"#, "event"),
+            (r#"{"event": {"type": "a", "type": "b"}}"#, "type"),
+            (r#"{"tenant": "acme", "x": 1, "tenant": "evil"}"#, "tenant"),
+        ] {
+            match parse(text, &refs) {
+                Err(FieldsError::DuplicateKey(k)) => assert_eq!(k, key, "{text}"),
+                other => panic!("{text}: {other:?}"),
             }
         }
     }

@@ -99,7 +99,15 @@ pub fn resolve(
         let json: Option<Value> = match kept {
             Some(v) => Some(v),
             None if !fields.is_empty() => {
-                simdutf8::basic::from_utf8(&payload).ok().and_then(|text| crate::json_fields::parse(text, &fields).ok())
+                match simdutf8::basic::from_utf8(&payload).map(|text| crate::json_fields::parse(text, &fields)) {
+                    Ok(Ok(v)) => Some(v),
+                    // Routed by one of two values a reader may take: refused, as at the body's check.
+                    Ok(Err(e @ crate::json_fields::FieldsError::DuplicateKey(_))) => {
+                        return Err(reject(RefusalKind::Invalid, e.to_string()));
+                    }
+                    // Not JSON: no field is there (a source that takes any content type).
+                    Ok(Err(crate::json_fields::FieldsError::Json(_))) | Err(_) => None,
+                }
             }
             None => None,
         };

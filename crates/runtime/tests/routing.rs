@@ -123,6 +123,15 @@ async fn refused_destinations_are_422_with_the_reason_and_append_nothing() {
         "invalid_destination",
     );
     assert_refused(&post_json(h, "/v1/sources/guarded", r#"{"type":"secrets"}"#).await, "denylisted");
+    // A routed key given twice (here once escaped): JSON readers disagree on which counts,
+    // so the admission could check one value and a consumer read the other. Refused by
+    // the body's check where the request says it is JSON, and by routing where it does not.
+    let twice = r#"{"tenant":"acme","type":"orders","\u0074enant":"evil"}"#;
+    let a = post_json(h, "/v1/sources/strict", twice).await;
+    assert_eq!((a.status, a.json()["error"].as_str()), (400, Some("invalid_json")), "{:?}", a.json());
+    let plain = ("content-type", "text/plain");
+    let m = assert_refused(&request(h, "POST", "/v1/sources/strict", &[plain], twice).await, "invalid_destination");
+    assert!(m.contains("\"tenant\" is given twice"), "{m}");
     // A refused NDJSON line refuses the whole request, naming the line.
     let body = "{\"type\":\"public\"}\n\n{\"type\":\"secrets\"}\n{\"type\":\"public\"}\n";
     let m = assert_refused(&request(h, "POST", "/v1/sources/guarded", &[NDJSON], body).await, "denylisted");
@@ -135,7 +144,7 @@ async fn refused_destinations_are_422_with_the_reason_and_append_nothing() {
     for series in [
         r#"iggy_connector_destinations_rejected_total{connector_key="strict",reason="not_allowlisted"} 1"#,
         r#"iggy_connector_destinations_rejected_total{connector_key="strict",reason="unknown"} 2"#,
-        r#"iggy_connector_destinations_rejected_total{connector_key="strict",reason="invalid"} 1"#,
+        r#"iggy_connector_destinations_rejected_total{connector_key="strict",reason="invalid"} 2"#,
         r#"iggy_connector_destinations_rejected_total{connector_key="guarded",reason="denylist"} 2"#,
         r#"iggy_connector_routing_unmatched_total{connector_key="strict",action="error"} 2"#,
     ] {
