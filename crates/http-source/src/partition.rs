@@ -115,7 +115,11 @@ impl PartitionRule {
         };
         match encoding {
             KeyEncoding::Bytes => (Partitioning::Key(clamp_key(raw)), None),
-            KeyEncoding::U32 => match std::str::from_utf8(&raw).ok().and_then(|s| s.trim().parse::<u32>().ok()) {
+            // Blanks are spaces and tabs, as in a header's value; not every Unicode space.
+            KeyEncoding::U32 => match std::str::from_utf8(&raw)
+                .ok()
+                .and_then(|s| s.trim_matches(|c| c == ' ' || c == '\t').parse::<u32>().ok())
+            {
                 Some(n) => (Partitioning::Key(n.to_le_bytes().to_vec()), None),
                 None => (Partitioning::Balanced, Some(KeyMiss::NotU32)),
             },
@@ -179,6 +183,22 @@ mod tests {
         for not_u32 in ["-7", "7.0", "7e0", "0x7", "7 7"] {
             let h = headers(&[("x-tenant", not_u32)]);
             assert_eq!(u32_rule.partitioning(&h, None), (Partitioning::Balanced, Some(KeyMiss::NotU32)), "{not_u32:?}");
+        }
+        // Blanks are spaces and tabs: a payload's other Unicode spaces are not taken.
+        let field_rule = PartitionRule::Key {
+            source: KeySource::Field(FieldPath::parse("id").unwrap()),
+            encoding: KeyEncoding::U32,
+        };
+        assert_eq!(
+            field_rule.partitioning(&HeaderMap::new(), Some(&json!({"id": "\t7 "}))),
+            (Partitioning::Key(vec![7, 0, 0, 0]), None)
+        );
+        for other_space in ["\u{a0}7", "7\u{3000}"] {
+            assert_eq!(
+                field_rule.partitioning(&HeaderMap::new(), Some(&json!({ "id": other_space }))),
+                (Partitioning::Balanced, Some(KeyMiss::NotU32)),
+                "{other_space:?}"
+            );
         }
     }
 
