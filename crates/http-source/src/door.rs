@@ -438,7 +438,9 @@ async fn receive_inner(
     let endpoint_id = endpoint.as_ref().map(|e| e.endpoint.id);
     // A state database that cannot say answers 503, not the refusal: the delivery may be
     // one the log holds.
-    let replay = async || -> Result<Option<Response>, ApiError> {
+    // `dropped`: the events the route of now drops from the retry's body (docs/routing.md:
+    // a replay says so, as its first answer did); 0 where the retry would be refused.
+    let replay = async |dropped: u64| -> Result<Option<Response>, ApiError> {
         let Some(delivery_key) = delivery_key.clone() else { return Ok(None) };
         let key = ingest::IdempotencyKey { source_key: source.key.clone(), endpoint_id, delivery_key };
         let accepted = door.ingestor.replay_of(&key, received_at_unix_ms).await;
@@ -451,7 +453,7 @@ async fn receive_inner(
         if let Some(m) = metrics {
             m.requests_2xx.increment(1);
         }
-        Ok(Some(accepted_response(&accepted, 0)))
+        Ok(Some(accepted_response(&accepted, dropped)))
     };
     let max_events = door.limits.max_events_per_request;
     let decoded = match body::decode_with(content_type, body, source.accept, &fields, max_events) {
@@ -462,7 +464,7 @@ async fn receive_inner(
                 BodyError::TooManyEvents { .. } => StatusCode::PAYLOAD_TOO_LARGE,
                 _ => StatusCode::BAD_REQUEST,
             };
-            return replay().await?.ok_or_else(|| ApiError::new(status, e.reason(), e.to_string()));
+            return replay(0).await?.ok_or_else(|| ApiError::new(status, e.reason(), e.to_string()));
         }
     };
 
@@ -470,7 +472,7 @@ async fn receive_inner(
     let resolution = match resolve(source, &parts.headers, decoded.events, decoded.lines.as_deref(), decoded.values) {
         Ok(r) => r,
         Err(r) => {
-            if let Some(replayed) = replay().await? {
+            if let Some(replayed) = replay(0).await? {
                 return Ok(replayed);
             }
             if let Some(m) = routing {
@@ -480,7 +482,7 @@ async fn receive_inner(
         }
     };
     if resolution.events.is_empty() {
-        if let Some(replayed) = replay().await? {
+        if let Some(replayed) = replay(resolution.dropped).await? {
             return Ok(replayed);
         }
         // Every event was dropped by the route: nothing to append, and the sender is

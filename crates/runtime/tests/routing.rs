@@ -373,11 +373,13 @@ async fn retry_under_a_route_that_would_refuse_it_now(killed: bool) {
     );
     assert!(d.stop().success());
 
-    // Now the route drops it: the retry is still a replay, not `{"accepted": 0}`.
+    // Now the route drops it: the retry is still a replay, not `{"accepted": 0}`, and
+    // says what the route of now drops of its body, as a replay whose events are partly
+    // dropped does (docs/routing.md).
     let dropping = refusing.replace("on_missing_destination = \"error\"", "on_missing_destination = \"drop\"");
     let d = Daemon::start(dir.path(), "", &dropping);
     let retry = request(d.http, "POST", "/v1/sources/orders", &json_key("d-1"), r#"{"type":"a"}"#).await;
-    assert_eq!((retry.status, retry.json()), (200, json!({"accepted": 1, "offsets": [0, 0]})));
+    assert_eq!((retry.status, retry.json()), (200, json!({"accepted": 1, "offsets": [0, 0], "dropped": 1})));
     let dropped = request(d.http, "POST", "/v1/sources/orders", &json_key("d-3"), r#"{"type":"a"}"#).await;
     assert_eq!((dropped.status, dropped.json()), (200, json!({"accepted": 0, "dropped": 1})));
     assert!(d.stop().success());
