@@ -124,23 +124,56 @@ fn show(path: &Path) -> String {
     format!("{:?}", path.display().to_string())
 }
 
+/// The most bytes a certificate, key or CA file may hold. A chain of ten 4096-bit
+/// certificates is under 20 KiB; the bound keeps a path pointed at the wrong file
+/// (`/dev/zero`, a log) from filling the daemon's memory at a reload, where the PEM
+/// reader alone bounds neither a line nor the number of blocks.
+pub const TLS_FILE_MAX_BYTES: u64 = 1 << 20;
+
+/// The bytes of the PEM file at `path`, refused past [`TLS_FILE_MAX_BYTES`].
+pub fn read_pem_file(path: &Path) -> std::io::Result<Vec<u8>> {
+    use std::io::Read;
+    let mut bytes = Vec::new();
+    std::fs::File::open(path)?.take(TLS_FILE_MAX_BYTES + 1).read_to_end(&mut bytes)?;
+    if bytes.len() as u64 > TLS_FILE_MAX_BYTES {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("it is larger than {TLS_FILE_MAX_BYTES} bytes, more than any certificate chain or key"),
+        ));
+    }
+    Ok(bytes)
+}
+
 fn read_chain(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+    let bytes =
+        read_pem_file(path).map_err(|e| TlsError::new(TlsFile::Cert, format!("{} cannot be read: {e}", show(path))))?;
     let unreadable = |e: rustls::pki_types::pem::Error| {
         TlsError::new(TlsFile::Cert, format!("{} cannot be read as PEM: {e}", show(path)))
     };
-    let chain =
-        CertificateDer::pem_file_iter(path).map_err(unreadable)?.collect::<Result<Vec<_>, _>>().map_err(unreadable)?;
+    let chain = CertificateDer::pem_slice_iter(&bytes).collect::<Result<Vec<_>, _>>().map_err(unreadable)?;
     if chain.is_empty() {
         return Err(TlsError::new(
             TlsFile::Cert,
             format!("{} holds no certificate (a PEM \"BEGIN CERTIFICATE\" block)", show(path)),
         ));
     }
+    // Every certificate, not the leaf alone: a client parses the whole chain it is sent,
+    // and refuses the handshake over one it cannot.
+    for (i, cert) in chain.iter().enumerate() {
+        if let Err(e) = x509_parser::parse_x509_certificate(cert.as_ref()) {
+            return Err(TlsError::new(
+                TlsFile::Cert,
+                format!("certificate {} in {} does not parse as X.509: {e}", i + 1, show(path)),
+            ));
+        }
+    }
     Ok(chain)
 }
 
 fn read_key(path: &Path) -> Result<PrivateKeyDer<'static>, TlsError> {
-    PrivateKeyDer::from_pem_file(path).map_err(|e| match e {
+    let bytes =
+        read_pem_file(path).map_err(|e| TlsError::new(TlsFile::Key, format!("{} cannot be read: {e}", show(path))))?;
+    PrivateKeyDer::from_pem_slice(&bytes).map_err(|e| match e {
         rustls::pki_types::pem::Error::NoItemsFound => TlsError::new(
             TlsFile::Key,
             format!("{} holds no private key (a PEM \"BEGIN PRIVATE KEY\", \"BEGIN RSA PRIVATE KEY\" or \"BEGIN EC PRIVATE KEY\" block)", show(path)),
@@ -467,11 +500,7 @@ mod tests {
             p
         };
         let cases: Vec<(TlsFiles, TlsFile, &str)> = vec![
-            (
-                TlsFiles { cert_file: dir.path().join("absent.pem"), ..good.clone() },
-                TlsFile::Cert,
-                "cannot be read as PEM",
-            ),
+            (TlsFiles { cert_file: dir.path().join("absent.pem"), ..good.clone() }, TlsFile::Cert, "cannot be read"),
             (TlsFiles { cert_file: other("empty.pem", ""), ..good.clone() }, TlsFile::Cert, "holds no certificate"),
             // The key file given as the certificate: PEM, but no certificate in it.
             (TlsFiles { cert_file: good.key_file.clone(), ..good.clone() }, TlsFile::Cert, "holds no certificate"),
@@ -484,14 +513,37 @@ mod tests {
                     ..good.clone()
                 },
                 TlsFile::Cert,
-                "cannot be used",
+                "certificate 1 in",
+            ),
+            // A good leaf, then a block that is no certificate: a client parses the
+            // whole chain, and would refuse the handshake.
+            (
+                TlsFiles {
+                    cert_file: other(
+                        "broken-chain.pem",
+                        &format!(
+                            "{}-----BEGIN CERTIFICATE-----\nAAECAwQFBgcICQ==\n-----END CERTIFICATE-----\n",
+                            a.cert_pem
+                        ),
+                    ),
+                    ..good.clone()
+                },
+                TlsFile::Cert,
+                "certificate 2 in",
+            ),
+            // The wrong file: bounded, however large (or endless, as /dev/zero).
+            (
+                TlsFiles { cert_file: other("huge.pem", &"A".repeat(2 << 20)), ..good.clone() },
+                TlsFile::Cert,
+                "larger than",
+            ),
+            (
+                TlsFiles { key_file: other("huge-key.pem", &"A".repeat(2 << 20)), ..good.clone() },
+                TlsFile::Key,
+                "larger than",
             ),
             (TlsFiles { key_file: good.cert_file.clone(), ..good.clone() }, TlsFile::Key, "holds no private key"),
-            (
-                TlsFiles { key_file: dir.path().join("absent-key.pem"), ..good.clone() },
-                TlsFile::Key,
-                "cannot be read as PEM",
-            ),
+            (TlsFiles { key_file: dir.path().join("absent-key.pem"), ..good.clone() }, TlsFile::Key, "cannot be read"),
             (
                 TlsFiles { key_file: other("b-key.pem", &b.key_pem), ..good.clone() },
                 TlsFile::Key,

@@ -2230,9 +2230,9 @@ pub fn ca_roots(path: &std::path::Path) -> Result<rustls::RootCertStore, String>
     use rustls::pki_types::CertificateDer;
     use rustls::pki_types::pem::PemObject;
     let shown = path.display().to_string();
-    let certs = CertificateDer::pem_file_iter(path).map_err(|e| format!("{shown:?} cannot be read: {e}"))?;
+    let bytes = http_source::tls::read_pem_file(path).map_err(|e| format!("{shown:?} cannot be read: {e}"))?;
     let mut roots = rustls::RootCertStore::empty();
-    for (i, cert) in certs.enumerate() {
+    for (i, cert) in CertificateDer::pem_slice_iter(&bytes).enumerate() {
         let n = i + 1;
         let cert = cert.map_err(|e| format!("{shown:?}: certificate {n} is not valid PEM: {e}"))?;
         roots.add(cert).map_err(|e| format!("{shown:?}: certificate {n} is not a usable CA certificate: {e}"))?;
