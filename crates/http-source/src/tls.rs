@@ -111,13 +111,28 @@ pub fn load(files: &TlsFiles) -> Result<Arc<CertifiedKey>, TlsError> {
     }
 }
 
-/// When the leaf certificate of `pair` stops being valid (its `notAfter`), in seconds
-/// since the Unix epoch; `None` if it does not read as X.509 (rustls's own parse, which
-/// the pair passed, is less strict about what it does not use).
-pub fn expiry_unix_secs(pair: &CertifiedKey) -> Option<i64> {
+/// When the leaf certificate of a pair is valid, in seconds since the Unix epoch: from
+/// its `notBefore` to its `notAfter`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Validity {
+    pub not_before_unix_secs: i64,
+    pub not_after_unix_secs: i64,
+}
+
+/// When the leaf certificate of `pair` is valid; `None` if it does not read as X.509.
+pub fn validity(pair: &CertifiedKey) -> Option<Validity> {
     let leaf = pair.cert.first()?;
     let (_, cert) = x509_parser::parse_x509_certificate(leaf.as_ref()).ok()?;
-    Some(cert.validity().not_after.timestamp())
+    Some(Validity {
+        not_before_unix_secs: cert.validity().not_before.timestamp(),
+        not_after_unix_secs: cert.validity().not_after.timestamp(),
+    })
+}
+
+/// When the leaf certificate of `pair` stops being valid (its `notAfter`), in seconds
+/// since the Unix epoch; `None` if it does not read as X.509.
+pub fn expiry_unix_secs(pair: &CertifiedKey) -> Option<i64> {
+    validity(pair).map(|v| v.not_after_unix_secs)
 }
 
 fn show(path: &Path) -> String {
@@ -197,7 +212,7 @@ pub fn register_metrics(listener: &'static str) {
 
 /// The expiry of `pair`, about to be served by `listener`, set in its gauge (0 when it
 /// does not read). How near it is is said by whoever loaded the pair (`config check`
-/// and the start, each reload), by one rule (the runtime's `tls_expiry_warning`).
+/// and the start, each reload), by one rule (the runtime's `tls_validity_warning`).
 fn served_expiry(listener: &'static str, pair: &CertifiedKey) -> Option<i64> {
     let expiry = expiry_unix_secs(pair);
     metrics::gauge!("iggy_ingest_tls_certificate_expiry_timestamp_seconds", "listener" => listener)
@@ -337,6 +352,11 @@ impl ListenerTls {
         &self.inner.files
     }
 
+    /// When the certificate served now is valid.
+    pub fn served_validity(&self) -> Option<Validity> {
+        validity(&self.inner.served.0.read().unwrap_or_else(PoisonError::into_inner))
+    }
+
     pub(crate) fn acceptor(&self) -> &TlsAcceptor {
         &self.inner.acceptor
     }
@@ -355,8 +375,15 @@ pub(crate) mod testing {
 
     /// A self-signed certificate for `localhost` valid until the start of `year`.
     pub fn pair_until(year: i32) -> TestPair {
+        pair_valid(1975, year)
+    }
+
+    /// A self-signed certificate for `localhost` valid from the start of `from` to the
+    /// start of `until`.
+    pub fn pair_valid(from: i32, until: i32) -> TestPair {
         let mut params = rcgen::CertificateParams::new(vec!["localhost".to_string()]).unwrap();
-        params.not_after = rcgen::date_time_ymd(year, 1, 1);
+        params.not_before = rcgen::date_time_ymd(from, 1, 1);
+        params.not_after = rcgen::date_time_ymd(until, 1, 1);
         let key = rcgen::KeyPair::generate().unwrap();
         let cert = params.self_signed(&key).unwrap();
         TestPair { cert_pem: cert.pem(), key_pem: key.serialize_pem(), cert_der: cert.der().clone() }
@@ -556,6 +583,19 @@ mod tests {
             assert!(e.message.contains(says), "{files:?}: {e}");
         }
         assert!(load(&good).is_ok());
+    }
+
+    /// A certificate's validity is read from both its ends, the served one's too.
+    #[test]
+    fn a_certificates_validity_is_read_from_both_its_ends() {
+        use super::testing::pair_valid;
+        let dir = tempfile::tempdir().unwrap();
+        let tls = ListenerTls::new(write(dir.path(), &pair_valid(2100, 2101)), "test").unwrap();
+        // 2100-01-01T00:00:00Z and 2101-01-01T00:00:00Z.
+        assert_eq!(
+            tls.served_validity(),
+            Some(Validity { not_before_unix_secs: 4_102_444_800, not_after_unix_secs: 4_133_980_800 })
+        );
     }
 
     /// The served certificate's expiry is read from it, and a reload reads the new one's.

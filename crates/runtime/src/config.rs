@@ -989,20 +989,30 @@ const SHUTDOWN_MS_MAX: u64 = 3_600_000;
 /// the alert on `iggy_ingest_tls_certificate_expiry_timestamp_seconds`.
 const TLS_EXPIRY_WARNING_SECS: i64 = 14 * 86_400;
 
-/// What to say of a listener's certificate that expires at `expires_at_unix_secs`, if it
-/// is within [`TLS_EXPIRY_WARNING_SECS`] of it or past it: valid, but clients refuse it
-/// (or will soon). Said by `config check` and at start (as a warning of the
-/// configuration) and at each reload; never a reason to refuse one (a renewal may be on
-/// its way, and SIGHUP takes it).
-pub fn tls_expiry_warning(expires_at_unix_secs: i64) -> Option<String> {
-    let at = expires_at_unix_secs;
+/// What to say of a listener's certificate valid over `validity`, if it is not valid yet,
+/// or within [`TLS_EXPIRY_WARNING_SECS`] of its expiry or past it: a valid
+/// configuration, but clients refuse the certificate (or will soon). Said by `config
+/// check` and at start (as a warning of the configuration) and at each reload; never a
+/// reason to refuse one (a renewal may be on its way, a clock may be behind, and SIGHUP
+/// takes the next).
+pub fn tls_validity_warning(validity: http_source::tls::Validity) -> Option<String> {
     let now_secs = (ingest::time::now_unix_ms() / 1000) as i64;
+    let show = |at: i64| {
+        jiff::Timestamp::from_second(at)
+            .map(|t| format!("{t:.0}"))
+            .unwrap_or_else(|_| format!("{at} s from the Unix epoch"))
+    };
+    if validity.not_before_unix_secs > now_secs {
+        return Some(format!(
+            "the certificate is not valid until {}: clients refuse it until then",
+            show(validity.not_before_unix_secs)
+        ));
+    }
+    let at = validity.not_after_unix_secs;
     if at - now_secs >= TLS_EXPIRY_WARNING_SECS {
         return None;
     }
-    let when = jiff::Timestamp::from_second(at)
-        .map(|t| format!("{t:.0}"))
-        .unwrap_or_else(|_| format!("{at} s from the Unix epoch"));
+    let when = show(at);
     Some(if at <= now_secs {
         format!("the certificate expired at {when}: clients refuse it")
     } else {
@@ -1027,7 +1037,7 @@ fn tls_files(c: &mut Checker<'_>, path: &KeyPath, tls: Option<&TlsConfig>) -> Op
     let files = TlsFiles { cert_file: PathBuf::from(&tls.cert_file), key_file: PathBuf::from(&tls.key_file) };
     match http_source::tls::load(&files) {
         Ok(pair) => {
-            if let Some(message) = http_source::tls::expiry_unix_secs(&pair).and_then(tls_expiry_warning) {
+            if let Some(message) = http_source::tls::validity(&pair).and_then(tls_validity_warning) {
                 c.warn(&path.key("cert_file"), message);
             }
             Some(files)
@@ -3319,6 +3329,26 @@ auth_secret = "never checked"
     }
 
     /// A source with one static endpoint whose `expires_at` is `t` (on line 6).
+    /// A certificate not valid yet is warned of (clients refuse it until then), as one
+    /// that expired or expires within two weeks; one well inside its validity is not.
+    #[test]
+    fn a_certificate_not_valid_yet_or_near_its_expiry_is_warned_of() {
+        use http_source::tls::Validity;
+        let now = (ingest::time::now_unix_ms() / 1000) as i64;
+        let day = 86_400;
+        let warning = |from: i64, until: i64| {
+            tls_validity_warning(Validity { not_before_unix_secs: from, not_after_unix_secs: until })
+        };
+        let future = warning(now + 30 * day, now + 400 * day).expect("a warning");
+        assert!(
+            future.starts_with("the certificate is not valid until ") && future.ends_with("until then"),
+            "{future}"
+        );
+        assert!(warning(now - day, now - 1).expect("a warning").contains("expired at"));
+        assert!(warning(now - day, now + 3 * day).expect("a warning").contains("expires at"));
+        assert_eq!(warning(now - day, now + 400 * day), None);
+    }
+
     fn static_endpoint_expiring_at(t: &str) -> String {
         format!(
             "[sources.a]\ndestination = {{ stream = \"s\", topic = \"t\" }}\n[[sources.a.endpoints]]\nid = \"0123456789abcdef0123456789abcdef\"\nauth_type = \"none\"\nexpires_at = \"{t}\"\n"

@@ -320,7 +320,7 @@ async fn reload_tls_on_hangup(mut hangups: tokio::signal::unix::Signal, tls: Vec
                         cert_file = %files.cert_file.display(),
                         "SIGHUP received: TLS certificate reloaded"
                     );
-                    if let Some(warning) = t.view().expires_at_unix_secs.and_then(crate::config::tls_expiry_warning) {
+                    if let Some(warning) = t.served_validity().and_then(crate::config::tls_validity_warning) {
                         tracing::warn!(listener = t.listener(), cert_file = %files.cert_file.display(), "{warning}");
                     }
                 }
