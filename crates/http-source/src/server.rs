@@ -392,6 +392,25 @@ mod tests {
 
     use super::*;
 
+    /// `router` served on an ephemeral port with four slots, `header_read_timeout` and a
+    /// write timeout of 5 s, until the sender returned is used (or dropped), then drained
+    /// within `grace`: its address, that sender, and the serve task.
+    async fn stoppable_listener(
+        router: Router,
+        header_read_timeout: Duration,
+        grace: Duration,
+    ) -> (SocketAddr, tokio::sync::oneshot::Sender<()>, tokio::task::JoinHandle<Drained>) {
+        let listener = bind("127.0.0.1:0".parse().unwrap()).await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let limits =
+            ConnectionLimits { max_connections: 4, header_read_timeout, write_timeout: Duration::from_secs(5) };
+        let shutdown = async {
+            let _ = stopped.await;
+        };
+        (addr, stop, tokio::spawn(serve(listener, None, router, limits, shutdown, grace, "test")))
+    }
+
     /// A request still running when the grace period ends is cut before `serve` returns:
     /// its client sees the connection close, and never the answer the handler would give
     /// later (after the daemon moved on to closing the log).
@@ -409,25 +428,7 @@ mod tests {
                 }
             }),
         );
-        let listener = bind("127.0.0.1:0".parse().unwrap()).await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let limits = ConnectionLimits {
-            max_connections: 4,
-            header_read_timeout: Duration::from_secs(5),
-            write_timeout: Duration::from_secs(5),
-        };
-        let server = tokio::spawn(serve(
-            listener,
-            None,
-            router,
-            limits,
-            async {
-                let _ = stopped.await;
-            },
-            Duration::from_millis(200),
-            "test",
-        ));
+        let (addr, stop, server) = stoppable_listener(router, Duration::from_secs(5), Duration::from_millis(200)).await;
         let mut client = std::net::TcpStream::connect(addr).unwrap();
         client.write_all(b"POST /slow HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n").unwrap();
         // The request is in its handler when the stop comes.
@@ -553,25 +554,8 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_drain_does_not_linger_on_the_idle_connections_it_closes() {
         let router = Router::new().route("/small", axum::routing::get(|| async { "small" }));
-        let listener = bind("127.0.0.1:0".parse().unwrap()).await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let limits = ConnectionLimits {
-            max_connections: 4,
-            header_read_timeout: Duration::from_secs(30),
-            write_timeout: Duration::from_secs(5),
-        };
-        let server = tokio::spawn(serve(
-            listener,
-            None,
-            router,
-            limits,
-            async {
-                let _ = stopped.await;
-            },
-            Duration::from_millis(1_000),
-            "test",
-        ));
+        let (addr, stop, server) =
+            stoppable_listener(router, Duration::from_secs(30), Duration::from_millis(1_000)).await;
         // One keep-alive request answered, then the socket held open, never read again.
         let client = tokio::task::spawn_blocking(move || {
             let mut c = std::net::TcpStream::connect(addr).unwrap();
@@ -609,25 +593,7 @@ mod tests {
                 }
             }),
         );
-        let listener = bind("127.0.0.1:0".parse().unwrap()).await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let limits = ConnectionLimits {
-            max_connections: 4,
-            header_read_timeout: Duration::from_secs(30),
-            write_timeout: Duration::from_secs(5),
-        };
-        let server = tokio::spawn(serve(
-            listener,
-            None,
-            router,
-            limits,
-            async {
-                let _ = stopped.await;
-            },
-            Duration::from_secs(10),
-            "test",
-        ));
+        let (addr, stop, server) = stoppable_listener(router, Duration::from_secs(30), Duration::from_secs(10)).await;
         let body_bytes = 4usize << 20;
         let client = tokio::task::spawn_blocking(move || {
             let mut c = std::net::TcpStream::connect(addr).unwrap();
