@@ -129,6 +129,37 @@ pub fn validity(pair: &CertifiedKey) -> Option<Validity> {
     })
 }
 
+/// What to say of a certificate chain that clients may not verify: a certificate that is
+/// not the issuer of the one before it (intermediates out of order, or an old one left
+/// in the file), or a lone certificate that is not self-signed (`cert.pem` where
+/// `fullchain.pem` was meant: a client that does not hold its issuer cannot verify it).
+/// A warning, never a refusal: a certificate signed by a root its clients hold needs
+/// nothing after it. `None` too for a chain that does not read as X.509 (refused before).
+pub fn chain_warning(chain: &[CertificateDer<'_>]) -> Option<String> {
+    let parsed = chain
+        .iter()
+        .map(|c| x509_parser::parse_x509_certificate(c.as_ref()).ok().map(|(_, x)| x))
+        .collect::<Option<Vec<_>>>()?;
+    for (i, pair) in parsed.windows(2).enumerate() {
+        if pair[0].issuer().as_raw() != pair[1].subject().as_raw() {
+            return Some(format!(
+                "certificate {} of the chain is not the issuer of certificate {}: clients may not verify the chain \
+                 (intermediates out of order, or an old one left in the file?)",
+                i + 2,
+                i + 1
+            ));
+        }
+    }
+    match parsed.as_slice() {
+        [only] if only.issuer().as_raw() != only.subject().as_raw() => Some(
+            "the file holds the listener's certificate alone, and it is not self-signed: a client that does not \
+             hold its issuer's certificate cannot verify it (fullchain.pem rather than cert.pem?)"
+                .to_string(),
+        ),
+        _ => None,
+    }
+}
+
 /// When the leaf certificate of `pair` stops being valid (its `notAfter`), in seconds
 /// since the Unix epoch; `None` if it does not read as X.509.
 pub fn expiry_unix_secs(pair: &CertifiedKey) -> Option<i64> {
@@ -357,6 +388,11 @@ impl ListenerTls {
         validity(&self.inner.served.0.read().unwrap_or_else(PoisonError::into_inner))
     }
 
+    /// [`chain_warning`] of the chain served now.
+    pub fn served_chain_warning(&self) -> Option<String> {
+        chain_warning(&self.inner.served.0.read().unwrap_or_else(PoisonError::into_inner).cert)
+    }
+
     pub(crate) fn acceptor(&self) -> &TlsAcceptor {
         &self.inner.acceptor
     }
@@ -583,6 +619,34 @@ mod tests {
             assert!(e.message.contains(says), "{files:?}: {e}");
         }
         assert!(load(&good).is_ok());
+    }
+
+    /// A chain whose certificates do not link, or a lone certificate that is not
+    /// self-signed, is warned of; a self-signed one and a chain in order are not.
+    #[test]
+    fn a_chain_clients_may_not_verify_is_warned_of() {
+        use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
+        let ca = |name: &str| {
+            let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+            params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+            params.distinguished_name.push(DnType::CommonName, name);
+            let key = KeyPair::generate().unwrap();
+            let cert = params.self_signed(&key).unwrap();
+            (params, key, cert)
+        };
+        let (ca_params, ca_key, ca_cert) = ca("test ca");
+        let (_, _, other_ca) = ca("other ca");
+        let leaf = CertificateParams::new(vec!["localhost".to_string()])
+            .unwrap()
+            .signed_by(&KeyPair::generate().unwrap(), &Issuer::from_params(&ca_params, &ca_key))
+            .unwrap();
+        let (leaf, ca_cert, other_ca) = (leaf.der().clone(), ca_cert.der().clone(), other_ca.der().clone());
+        assert_eq!(chain_warning(std::slice::from_ref(&testing::pair().cert_der)), None);
+        assert_eq!(chain_warning(&[leaf.clone(), ca_cert.clone()]), None);
+        let alone = chain_warning(std::slice::from_ref(&leaf)).expect("a warning");
+        assert!(alone.contains("not self-signed"), "{alone}");
+        let unlinked = chain_warning(&[leaf, other_ca]).expect("a warning");
+        assert!(unlinked.starts_with("certificate 2 of the chain is not the issuer of certificate 1"), "{unlinked}");
     }
 
     /// A certificate's validity is read from both its ends, the served one's too.

@@ -1037,7 +1037,8 @@ fn tls_files(c: &mut Checker<'_>, path: &KeyPath, tls: Option<&TlsConfig>) -> Op
     let files = TlsFiles { cert_file: PathBuf::from(&tls.cert_file), key_file: PathBuf::from(&tls.key_file) };
     match http_source::tls::load(&files) {
         Ok(pair) => {
-            if let Some(message) = http_source::tls::validity(&pair).and_then(tls_validity_warning) {
+            let validity = http_source::tls::validity(&pair).and_then(tls_validity_warning);
+            for message in [validity, http_source::tls::chain_warning(&pair.cert)].into_iter().flatten() {
                 c.warn(&path.key("cert_file"), message);
             }
             Some(files)

@@ -320,7 +320,8 @@ async fn reload_tls_on_hangup(mut hangups: tokio::signal::unix::Signal, tls: Vec
                         cert_file = %files.cert_file.display(),
                         "SIGHUP received: TLS certificate reloaded"
                     );
-                    if let Some(warning) = t.served_validity().and_then(crate::config::tls_validity_warning) {
+                    let validity = t.served_validity().and_then(crate::config::tls_validity_warning);
+                    for warning in [validity, t.served_chain_warning()].into_iter().flatten() {
                         tracing::warn!(listener = t.listener(), cert_file = %files.cert_file.display(), "{warning}");
                     }
                 }
