@@ -160,12 +160,6 @@ pub fn chain_warning(chain: &[CertificateDer<'_>]) -> Option<String> {
     }
 }
 
-/// When the leaf certificate of `pair` stops being valid (its `notAfter`), in seconds
-/// since the Unix epoch; `None` if it does not read as X.509.
-pub fn expiry_unix_secs(pair: &CertifiedKey) -> Option<i64> {
-    validity(pair).map(|v| v.not_after_unix_secs)
-}
-
 fn show(path: &Path) -> String {
     format!("{:?}", path.display().to_string())
 }
@@ -245,7 +239,7 @@ pub fn register_metrics(listener: &'static str) {
 /// does not read). How near it is is said by whoever loaded the pair (`config check`
 /// and the start, each reload), by one rule (the runtime's `tls_validity_warning`).
 fn served_expiry(listener: &'static str, pair: &CertifiedKey) -> Option<i64> {
-    let expiry = expiry_unix_secs(pair);
+    let expiry = validity(pair).map(|v| v.not_after_unix_secs);
     metrics::gauge!("iggy_ingest_tls_certificate_expiry_timestamp_seconds", "listener" => listener)
         .set(expiry.unwrap_or(0) as f64);
     expiry
@@ -383,14 +377,9 @@ impl ListenerTls {
         &self.inner.files
     }
 
-    /// When the certificate served now is valid.
-    pub fn served_validity(&self) -> Option<Validity> {
-        validity(&self.inner.served.0.read().unwrap_or_else(PoisonError::into_inner))
-    }
-
-    /// [`chain_warning`] of the chain served now.
-    pub fn served_chain_warning(&self) -> Option<String> {
-        chain_warning(&self.inner.served.0.read().unwrap_or_else(PoisonError::into_inner).cert)
+    /// The pair served now.
+    pub fn served(&self) -> Arc<CertifiedKey> {
+        self.inner.served.0.read().unwrap_or_else(PoisonError::into_inner).clone()
     }
 
     pub(crate) fn acceptor(&self) -> &TlsAcceptor {
@@ -657,7 +646,7 @@ mod tests {
         let tls = ListenerTls::new(write(dir.path(), &pair_valid(2100, 2101)), "test").unwrap();
         // 2100-01-01T00:00:00Z and 2101-01-01T00:00:00Z.
         assert_eq!(
-            tls.served_validity(),
+            validity(&tls.served()),
             Some(Validity { not_before_unix_secs: 4_102_444_800, not_after_unix_secs: 4_133_980_800 })
         );
     }

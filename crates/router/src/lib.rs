@@ -412,8 +412,8 @@ pub struct Router {
 /// (`iggy_connector_held_bytes`, `iggy_connector_queued_bytes`,
 /// `iggy_connector_oldest_held_age_seconds`; the releaser also zeroes them when it starts
 /// and when it is dropped unstopped): the releaser at each round and every scrape
-/// ([`Router::publish_held_gauges`]) measure the lanes and set them, so they stay true while the releaser waits on a log writer stuck
-/// in a sync, or after it panicked. Once the router stopped they are zero, and no
+/// ([`Router::publish_held_gauges`]) measure the lanes and set them, so they stay true
+/// while the releaser waits on a log writer stuck in a sync, or after it panicked. Once the router stopped they are zero, and no
 /// measure taken before the stop can set them again (the flag and the gauges change
 /// under one lock).
 struct HeldGauges {

@@ -1020,6 +1020,14 @@ pub fn tls_validity_warning(validity: http_source::tls::Validity) -> Option<Stri
     })
 }
 
+/// Everything to say of a pair a listener loaded (its validity, its chain), each a
+/// warning: `config check` and the start say them of the configuration, a reload logs
+/// them.
+pub fn tls_warnings(pair: &rustls::sign::CertifiedKey) -> Vec<String> {
+    let validity = http_source::tls::validity(pair).and_then(tls_validity_warning);
+    [validity, http_source::tls::chain_warning(&pair.cert)].into_iter().flatten().collect()
+}
+
 /// A listener's `tls` table as the files it names, each read and checked as the listener
 /// will at start: a problem names the key of the file it is in.
 fn tls_files(c: &mut Checker<'_>, path: &KeyPath, tls: Option<&TlsConfig>) -> Option<TlsFiles> {
@@ -1037,8 +1045,7 @@ fn tls_files(c: &mut Checker<'_>, path: &KeyPath, tls: Option<&TlsConfig>) -> Op
     let files = TlsFiles { cert_file: PathBuf::from(&tls.cert_file), key_file: PathBuf::from(&tls.key_file) };
     match http_source::tls::load(&files) {
         Ok(pair) => {
-            let validity = http_source::tls::validity(&pair).and_then(tls_validity_warning);
-            for message in [validity, http_source::tls::chain_warning(&pair.cert)].into_iter().flatten() {
+            for message in tls_warnings(&pair) {
                 c.warn(&path.key("cert_file"), message);
             }
             Some(files)

@@ -239,14 +239,6 @@ fn written_by_a_live_process(path: &Path) -> bool {
     matches!((runs, std::env::current_exe()), (Ok(theirs), Ok(ours)) if theirs == ours)
 }
 
-/// Where the ready file is written first (its name plus `.tmp`, whatever its own
-/// extension), to be renamed over it: a reader never sees half of it.
-fn ready_file_tmp(path: &Path) -> PathBuf {
-    let mut tmp_name = path.file_name().unwrap_or_default().to_os_string();
-    tmp_name.push(".tmp");
-    path.with_file_name(tmp_name)
-}
-
 /// Checks, before anything is opened, that the ready file can be written where `path`
 /// says: a file name, not a directory, in a directory that takes a file. Found only once
 /// the daemon had started, a bad path would stop it with exit 1, which a supervisor
@@ -278,7 +270,11 @@ fn write_ready_file(path: &Path, running: &daemon::RunningDaemon) -> std::io::Re
         "admin": running.admin_addr.to_string(),
         "pid": std::process::id(),
     });
-    let tmp = ready_file_tmp(path);
+    // Beside it under another name (its name plus `.tmp`, whatever its own extension),
+    // then renamed over it: a reader never sees half of it.
+    let mut tmp_name = path.file_name().unwrap_or_default().to_os_string();
+    tmp_name.push(".tmp");
+    let tmp = path.with_file_name(tmp_name);
     std::fs::write(&tmp, body.to_string())?;
     std::fs::rename(&tmp, path)
 }
@@ -320,8 +316,7 @@ async fn reload_tls_on_hangup(mut hangups: tokio::signal::unix::Signal, tls: Vec
                         cert_file = %files.cert_file.display(),
                         "SIGHUP received: TLS certificate reloaded"
                     );
-                    let validity = t.served_validity().and_then(crate::config::tls_validity_warning);
-                    for warning in [validity, t.served_chain_warning()].into_iter().flatten() {
+                    for warning in crate::config::tls_warnings(&t.served()) {
                         tracing::warn!(listener = t.listener(), cert_file = %files.cert_file.display(), "{warning}");
                     }
                 }
