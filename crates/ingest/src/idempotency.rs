@@ -186,11 +186,10 @@ pub struct IdempotencyIndex {
     /// Why the last checkpoint failed, while no checkpoint has succeeded since: the
     /// durable checkpoint, and with it the log's release, stands still meanwhile.
     checkpoint_failure: Mutex<Option<CheckpointFailure>>,
-    /// The first offset of the earliest record whose key could not be recorded since
-    /// the last rebuild: the checkpoint stays below it until a rebuild restored it.
-    /// Shared with the recorder thread, which sets it before it lets a failed key's
-    /// claim go.
-    first_unrecorded: Arc<Mutex<Option<u64>>>,
+    /// The records whose keys could not be recorded (or a reopen dropped) since the last
+    /// restore read them: the checkpoint stays below them until a restore did. Shared
+    /// with the recorder thread, which widens it before it lets a failed key's claim go.
+    owed: Arc<Mutex<Option<OwedKeys>>>,
     /// The offset after the last record whose key a request recorded (or tried to):
     /// above the log's durable end only for appends answered before their sync (under
     /// `interval`), whose keys a reopen's restore cannot read back yet.
@@ -244,11 +243,36 @@ struct RecordJob {
     reply: oneshot::Sender<Result<(), StateError>>,
 }
 
-/// Marks its record's key owed (`first_unrecorded`) when dropped armed: a record that
-/// was not committed, for whatever reason, holds the checkpoint below it until a
-/// restore from the log read it. The recorder disarms it once the record is committed.
+/// The offsets of records whose keys may be missing from the database, from the first to
+/// the last (some between may be recorded): a restore that reads only part of them (the
+/// rest not yet durable, under `interval`) owes the rest, not nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct OwedKeys {
+    from: u64,
+    /// One past the first offset of the last owed record.
+    below: u64,
+}
+
+impl OwedKeys {
+    /// `owed` widened by the records from `from` to before `below`.
+    fn widen(owed: Option<OwedKeys>, from: u64, below: u64) -> OwedKeys {
+        match owed {
+            None => OwedKeys { from, below },
+            Some(o) => OwedKeys { from: o.from.min(from), below: o.below.max(below) },
+        }
+    }
+
+    /// What is still owed once a restore read every record before `read_below`.
+    fn after_reading_below(self, read_below: u64) -> Option<OwedKeys> {
+        (self.below > read_below).then(|| OwedKeys { from: self.from.max(read_below), below: self.below })
+    }
+}
+
+/// Marks its record's key owed (`owed`) when dropped armed: a record that was not
+/// committed, for whatever reason, holds the checkpoint below it until a restore from the
+/// log read it. The recorder disarms it once the record is committed.
 struct OwedUnlessRecorded {
-    first_unrecorded: Arc<Mutex<Option<u64>>>,
+    owed: Arc<Mutex<Option<OwedKeys>>>,
     first_offset: u64,
     armed: bool,
 }
@@ -256,8 +280,8 @@ struct OwedUnlessRecorded {
 impl Drop for OwedUnlessRecorded {
     fn drop(&mut self) {
         if self.armed {
-            let mut first = self.first_unrecorded.lock().unwrap_or_else(|p| p.into_inner());
-            *first = Some(first.map_or(self.first_offset, |f| f.min(self.first_offset)));
+            let mut owed = self.owed.lock().unwrap_or_else(|p| p.into_inner());
+            *owed = Some(OwedKeys::widen(*owed, self.first_offset, self.first_offset.saturating_add(1)));
         }
     }
 }
@@ -283,7 +307,7 @@ pub const RECORDINGS_UNANSWERED_MAX: usize = RECORD_GROUP_MAX;
 /// (redb serializes write transactions, so one per request would queue them), and
 /// keeps the blocking redb writes off the async runtime's threads. It lets each job's
 /// claim go only after its record was committed, or failed and was marked owed in
-/// `first_unrecorded` (under the claim's share of the gate, so no checkpoint runs in
+/// `owed` (under the claim's share of the gate, so no checkpoint runs in
 /// between): a retry meanwhile is answered from the claim's acceptance, never by a
 /// lookup that cannot find it yet.
 fn run_recorder(state: Arc<StateDb>, linger_us: Arc<AtomicU64>, jobs: std::sync::mpsc::Receiver<RecordJob>) {
@@ -429,7 +453,7 @@ impl IdempotencyIndex {
     pub fn new(state: Arc<StateDb>, retention_ms: u64) -> IdempotencyIndex {
         let (tx, rx) = std::sync::mpsc::channel();
         let recorder_state = state.clone();
-        let first_unrecorded = Arc::new(Mutex::new(None));
+        let owed = Arc::new(Mutex::new(None));
         let record_linger_us = Arc::new(AtomicU64::new(RECORD_LINGER_DEFAULT.as_micros() as u64));
         let recorder_linger_us = record_linger_us.clone();
         let (recorder, recorder_thread) = match std::thread::Builder::new()
@@ -449,7 +473,7 @@ impl IdempotencyIndex {
             retention_ms,
             durable_through: Arc::new(AtomicU64::new(0)),
             checkpoint_failure: Mutex::new(None),
-            first_unrecorded,
+            owed,
             recorded_below: AtomicU64::new(0),
             reopen_unsettled: AtomicBool::new(false),
             gate: Arc::new(RwLock::new(())),
@@ -538,7 +562,7 @@ impl IdempotencyIndex {
     /// the log; `None` when no key is owed. A lookup that finds nothing while keys are
     /// owed does not show that the delivery is new.
     pub fn keys_owed_from(&self) -> Option<u64> {
-        *self.first_unrecorded.lock().unwrap_or_else(|p| p.into_inner())
+        self.owed.lock().unwrap_or_else(|p| p.into_inner()).map(|o| o.from)
     }
 
     /// Whether a request holds `key` now (its acceptance is under way, or answered and
@@ -589,11 +613,8 @@ impl IdempotencyIndex {
         let answered_early = self.answered_early.clone().try_acquire_owned().ok();
         let may_answer_now = answered_early.is_some();
         let (reply, done) = oneshot::channel();
-        let owed_unless_recorded = OwedUnlessRecorded {
-            first_unrecorded: self.first_unrecorded.clone(),
-            first_offset: prior.first_offset,
-            armed: true,
-        };
+        let owed_unless_recorded =
+            OwedUnlessRecorded { owed: self.owed.clone(), first_offset: prior.first_offset, armed: true };
         let job = RecordJob { owed_unless_recorded, claim, prior, _answered_early: answered_early, reply };
         let unsent = {
             let recorder = self.recorder.lock().unwrap_or_else(|p| p.into_inner());
@@ -663,8 +684,8 @@ impl IdempotencyIndex {
         let through = {
             let _exclusive = self.gate.write().await;
             self.recover_locked(wal, now_unix_ms, at).await?;
-            let unrecorded = *self.first_unrecorded.lock().unwrap_or_else(|p| p.into_inner());
-            if unrecorded.is_some() && at == CheckpointAt::Serving {
+            let owed = *self.owed.lock().unwrap_or_else(|p| p.into_inner());
+            if owed.is_some() && at == CheckpointAt::Serving {
                 // Keys the recorder did not take: restore them from the log (durably),
                 // as a restart would, before the checkpoint may pass their records.
                 let report = self.restore_from_log(wal, now_unix_ms)?;
@@ -679,7 +700,7 @@ impl IdempotencyIndex {
                     hook.await;
                 }
             }
-            let owed_from = *self.first_unrecorded.lock().unwrap_or_else(|p| p.into_inner());
+            let owed_from = self.keys_owed_from();
             owed_from.map_or(wal.next_offset(), |owed| owed.min(wal.next_offset()))
         };
         let state = self.state.clone();
@@ -757,10 +778,12 @@ impl IdempotencyIndex {
         Ok(reopened)
     }
 
-    /// Marks the keys of records from `offset` on owed (see `first_unrecorded`).
+    /// Marks the keys of records from `offset` on owed (see `owed`), up to the last key
+    /// recorded (or tried): a reopen may have dropped any of them.
     fn owe_from(&self, offset: u64) {
-        let mut owed = self.first_unrecorded.lock().unwrap_or_else(|p| p.into_inner());
-        *owed = Some(owed.map_or(offset, |first| first.min(offset)));
+        let below = self.recorded_below.load(Ordering::Acquire).max(offset.saturating_add(1));
+        let mut owed = self.owed.lock().unwrap_or_else(|p| p.into_inner());
+        *owed = Some(OwedKeys::widen(*owed, offset, below));
     }
 
     /// Once per database (a durable marker says it was done): forgets every key recorded
@@ -935,10 +958,10 @@ impl IdempotencyIndex {
         txn.commit().map_err(storage_err)?;
         self.durable_through.store(next.max(from), Ordering::Release);
         // Every key of the log from `from` to `next` is in the database now, those whose
-        // record failed included; one of a record not yet durable (under `interval`) is
-        // still owed, and holds the next checkpoint's restore.
-        let mut unrecorded = self.first_unrecorded.lock().unwrap_or_else(|p| p.into_inner());
-        *unrecorded = unrecorded.filter(|&first| first >= next.max(from));
+        // record failed included; those of records not yet durable (under `interval`)
+        // are still owed, and hold the next checkpoint's restore.
+        let mut owed = self.owed.lock().unwrap_or_else(|p| p.into_inner());
+        *owed = owed.and_then(|o| o.after_reading_below(next.max(from)));
         Ok(report)
     }
 }
@@ -1311,6 +1334,52 @@ mod tests {
         assert_eq!(wal.next_offset(), 2);
         assert_eq!(index.checkpoint(&wal, now).await.unwrap(), 2);
         assert_eq!(index.lookup(&key("d-1"), now).unwrap().map(|p| p.first_offset), Some(1), "d-1 is still owed");
+    }
+
+    /// Two keys owed, the lower one's record durable and the higher one's not yet (under
+    /// `interval`): the restore reads the first and must keep owing the second, or the
+    /// next checkpoint passes its record once it is durable and its key is never stored
+    /// (a retry appended again, or refused for a delivery the log holds). Before, what
+    /// was owed was its lowest offset alone, and the restore that passed it owed nothing.
+    #[tokio::test]
+    async fn a_restore_that_reads_the_lowest_owed_key_still_owes_a_higher_one_not_yet_durable() {
+        use wal::storage::{HoldSyncs, HookedStorage, SimStorage};
+        let storage = HookedStorage::new(Arc::new(SimStorage::new()), HoldSyncs::default());
+        let options = wal::WalOptions {
+            sync: wal::SyncPolicy::Interval(std::time::Duration::from_millis(1)),
+            ..wal::WalOptions::default()
+        };
+        let wal = Arc::new(Wal::open_with(Arc::new(storage.clone()), std::path::Path::new("/wal"), options).unwrap());
+        let now = crate::time::now_unix_ms();
+        let index = Arc::new(IdempotencyIndex::new(Arc::new(StateDb::open_in_memory().unwrap()), 86_400_000));
+        index.rebuild(&wal, now).unwrap();
+        let ingestor = crate::Ingestor::new(wal.clone(), index.clone());
+        *index.recorder.lock().unwrap() = None;
+
+        let d0 = ingestor.accept(one_event(Some("d-0"), now)).await.unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while wal.next_offset() <= d0.first_offset {
+            assert!(std::time::Instant::now() < deadline, "d-0 never became durable");
+            tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+        }
+        let held = storage.hold_syncs();
+        let d1 = ingestor.accept(one_event(Some("d-1"), now)).await.unwrap();
+        assert_eq!(index.keys_owed_from(), Some(d0.first_offset));
+
+        let through = index.checkpoint(&wal, now).await.unwrap();
+        assert_eq!(wal.next_offset(), d1.first_offset, "d-1 became durable with its syncs held");
+        assert_eq!(index.lookup(&key("d-0"), now).unwrap().map(|p| p.first_offset), Some(d0.first_offset));
+        assert_eq!(through, d1.first_offset);
+        assert_eq!(index.keys_owed_from(), Some(d1.first_offset), "d-1's key is owed no more, and not recorded");
+
+        drop(held);
+        while wal.next_offset() <= d1.first_offset {
+            assert!(std::time::Instant::now() < deadline, "d-1 never became durable");
+            tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+        }
+        assert_eq!(index.checkpoint(&wal, now).await.unwrap(), d1.first_offset + 1);
+        assert_eq!(index.lookup(&key("d-1"), now).unwrap().map(|p| p.first_offset), Some(d1.first_offset));
+        assert_eq!(index.keys_owed_from(), None);
     }
 
     /// A storage double for the state database: the file, whose writes and syncs fail
@@ -1691,15 +1760,11 @@ mod tests {
         // What is owed is looked at as the claim goes.
         let mut c = index.claim(&key("a")).await.unwrap();
         let owed_as_the_claim_went = Arc::new(Mutex::new(None));
-        let (seen, owed) = (owed_as_the_claim_went.clone(), index.first_unrecorded.clone());
-        c.on_drop = Some(Box::new(move || *seen.lock().unwrap() = Some(*owed.lock().unwrap())));
+        let (seen, owed) = (owed_as_the_claim_went.clone(), index.owed.clone());
+        c.on_drop = Some(Box::new(move || *seen.lock().unwrap() = Some(owed.lock().unwrap().map(|o| o.from))));
         let (reply, done) = oneshot::channel();
         let job = RecordJob {
-            owed_unless_recorded: OwedUnlessRecorded {
-                first_unrecorded: index.first_unrecorded.clone(),
-                first_offset: 9,
-                armed: true,
-            },
+            owed_unless_recorded: OwedUnlessRecorded { owed: index.owed.clone(), first_offset: 9, armed: true },
             claim: c,
             prior: PriorAcceptance { first_offset: 9, last_offset: 9, accepted_at_unix_ms: 10_000 },
             _answered_early: None,
