@@ -771,7 +771,11 @@ pub fn classify(e: &IggyError) -> SendErrorKind {
         // Everything else is one destination's, `Unauthorized` (permission denied)
         // included: Iggy grants permissions per stream and topic, so a user may lack
         // them for one destination only, and that destination's breaker should open,
-        // not every destination be held as though the server were gone.
+        // not every destination be held as though the server were gone. So is
+        // `InvalidCommand` on a send (its connection is dropped, `settle`): the client's
+        // word for a reply it could not parse, but also the server's for a batch it
+        // could not decode, which may be one batch's alone; taken for the server's, one
+        // such batch would hold every destination.
         _ => SendErrorKind::Destination,
     }
 }

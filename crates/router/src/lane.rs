@@ -1695,10 +1695,12 @@ async fn deliver<S: Sink, C>(
             // before, these records are out of range, which is never a breaker failure.
             // A breaker left half-open (or a count of failures) through a hold that can
             // last hours would say "open", and "failing", of a destination that answers.
+            // Closed, it counts from zero again with the lane: else the next single
+            // failure would open it.
             if breaker.state() != BreakerState::Closed {
                 tracing::info!(destination = %lane.key, "circuit breaker closed: the destination answers; its records are out of range");
-                close_breaker(lane, breaker);
             }
+            close_breaker(lane, breaker);
             failures = 0;
             lock(&lane.info).consecutive_failures = 0;
             release_reader(catchup);
@@ -1741,11 +1743,12 @@ async fn deliver<S: Sink, C>(
     // failures on records the destination then answered for (its topic ensured) and that
     // were disposed of without a send (out of range, dropped or dead-lettered): with
     // nothing left to send, no probe would ever close it, and its gauge would say
-    // "open" for good. The next failure counts from zero.
+    // "open" for good. The next failure counts from zero (a closed breaker's count of
+    // failures too: the destination answered).
     if breaker.state() != BreakerState::Closed {
         tracing::info!(destination = %lane.key, "circuit breaker closed: nothing is left to send");
-        close_breaker(lane, breaker);
     }
+    close_breaker(lane, breaker);
     Delivery::Done
 }
 

@@ -315,6 +315,43 @@ fn a_hold_for_out_of_range_records_closes_a_breaker_that_failures_opened() {
     });
 }
 
+/// Failures that did not open the breaker, then records the destination answered for
+/// and that were dropped as out of range: the lane counts its failures from zero again,
+/// and so must its breaker. Before, the breaker kept its count, and the next single
+/// failure opened it, shown as "open" with one failure in a row.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn records_dropped_as_out_of_range_start_the_breakers_count_again() {
+    let sim = SimStorage::new();
+    let wal = open_wal(&sim);
+    let sink = FaultySink::new();
+    let d = key("p", "t");
+    sink.fault(&d, Some(Fault::Fail(SendErrorKind::Destination)));
+    wal.append(vec![record(&d, 0, Partitioning::PartitionId(5))]).await.unwrap();
+    let mut p = policy(OnAdmissionFailure::Drop);
+    p.batch.backoff_base = Duration::from_millis(400);
+    p.batch.degraded_after_failures = 10;
+    let threshold = p.breaker.failure_threshold;
+    assert_eq!(threshold, 3);
+    let router =
+        Router::start(wal.clone(), sink.clone(), Arc::new(MemoryCursorStore::new()), Policies::uniform(p)).unwrap();
+    let lane = || router.destinations().into_iter().find(|s| s.destination == d);
+    eventually(Duration::from_secs(10), "two failures", || lane().is_some_and(|l| l.consecutive_failures == 2)).await;
+    // The topic answers, with one partition: the record is dropped, the failures over.
+    sink.set_partitions(&d, 1);
+    sink.fault(&d, Some(Fault::FailSends(SendErrorKind::Destination)));
+    eventually(Duration::from_secs(10), "dropped", || lane().is_some_and(|l| l.rejected_records == 1)).await;
+    let l = lane().unwrap();
+    assert_eq!((l.breaker, l.consecutive_failures), ("closed", 0), "{l:?}");
+
+    // One more record, whose send fails once: one failure, the breaker still closed.
+    wal.append(vec![record(&d, 1, Partitioning::Balanced)]).await.unwrap();
+    eventually(Duration::from_secs(10), "a failed send", || lane().is_some_and(|l| l.consecutive_failures >= 1)).await;
+    let l = lane().unwrap();
+    assert!(l.consecutive_failures < threshold, "the test's backoff let the failures reach the threshold: {l:?}");
+    assert_eq!(l.breaker, "closed", "one failure opened the breaker: {l:?}");
+    router.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_partition_id_out_of_range_with_error_is_held_until_the_topic_grows() {
     let (sink, router) = out_of_range(OnAdmissionFailure::Error).await;
