@@ -1607,6 +1607,29 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
                 ),
             );
         }
+        // Every event of a request is encoded with its own envelope before the one append
+        // that holds them all: the envelopes of the largest request this source can be
+        // sent (an NDJSON body of max_body_bytes in two-byte events, up to
+        // max_events_per_request) must fit in the room all requests share, or one
+        // request could hold more than all of them together may.
+        // (Not said again of a limit already refused.)
+        let events_max = max_events_per_request.min(max_body_bytes / 2 + 1).min(MAX_EVENTS_PER_REQUEST_LIMIT);
+        let per_event_bytes =
+            spec.envelope_max_bytes() as u64 + http_source::json_fields::kept_bytes_max(&spec.fields_read()) as u64;
+        let envelopes_bytes = ingest::ingestor::footprint_bound(0, events_max, per_event_bytes);
+        if envelopes_bytes > ingest::ingestor::RUNNING_ON_MAX_BYTES
+            && max_events_per_request <= MAX_EVENTS_PER_REQUEST_LIMIT
+        {
+            let one_bytes = ingest::ingestor::footprint_bound(0, 1, per_event_bytes);
+            c.err(
+                &http.key("max_events_per_request"),
+                format!(
+                    "a request to source {key:?} of {events_max} events would hold {envelopes_bytes} bytes beside its events ({one_bytes} per event: the source's envelope, with its forwarded headers and metadata, and what routing reads), more than the {} bytes all requests being accepted may hold at once; this source takes at most {}",
+                    ingest::ingestor::RUNNING_ON_MAX_BYTES,
+                    ingest::ingestor::RUNNING_ON_MAX_BYTES / one_bytes
+                ),
+            );
+        }
         unreachable_by_default(&mut c, &sp, s, &spec, &delivery);
         sources.push(spec);
     }
@@ -2662,6 +2685,40 @@ max_destinations = 1
         }
         let text = "[http]\nmax_events_per_request = 5\n[sources.a]\ndestination = { stream = \"s\", topic = \"t\" }\n";
         assert_eq!(validate(&parse(text, None).unwrap(), Some(text), None).unwrap().max_events_per_request, 5);
+    }
+
+    /// Every event of a request carries its own envelope, encoded before the one append
+    /// that holds them all: a source whose largest request's envelopes (many tiny NDJSON
+    /// events, each with every forwarded header) exceed the room all requests share is
+    /// refused at the limit that allows it, naming the source and what it takes. Before,
+    /// such a request (a million events with 64 forwarded headers: about 34 GB) was
+    /// accepted by the configuration and ran alone, past every bound on memory.
+    #[test]
+    fn max_events_per_request_is_refused_where_one_requests_envelopes_exceed_the_shared_room() {
+        let headers: Vec<String> = (0..64).map(|i| format!("\"x-f-{i:02}\"")).collect();
+        let config = |max_events: u64, max_body: u64| {
+            format!(
+                "[http]\nmax_events_per_request = {max_events}\nmax_body_bytes = {max_body}\n[sources.a]\ndestination = {{ stream = \"s\", topic = \"t\" }}\nforward_headers = [{}]\n",
+                headers.join(", ")
+            )
+        };
+        let text = config(1_000_000, 1024 * 1024);
+        let e = errors(&text);
+        assert_eq!(e.len(), 1, "{e:?}");
+        assert_eq!((e[0].path.as_str(), e[0].line), ("http.max_events_per_request", Some(2)));
+        assert!(e[0].message.contains("source \"a\"") && e[0].message.contains("takes at most"), "{}", e[0].message);
+        let at_most: u64 = e[0].message.rsplit(' ').next().unwrap().parse().unwrap();
+        assert!((1_000..100_000).contains(&at_most), "{at_most}");
+        for ok in [config(at_most, 1024 * 1024), config(1_000_000, 2 * (at_most - 1))] {
+            assert!(validate(&parse(&ok, None).unwrap(), Some(&ok), None).is_ok(), "{ok}");
+        }
+        assert!(!errors(&config(at_most + 1, 1024 * 1024)).is_empty());
+        // The built-in default's source, at the most events the limit allows, fits.
+        let text = "[http]\nmax_events_per_request = 1000000\nmax_body_bytes = 1000000\n[sources.a]\ndestination = { stream = \"s\", topic = \"t\" }\n";
+        assert!(!errors(text).is_empty(), "half a million bare events hold more than the room");
+        let text =
+            "[http]\nmax_events_per_request = 50000\n[sources.a]\ndestination = { stream = \"s\", topic = \"t\" }\n";
+        assert!(validate(&parse(text, None).unwrap(), Some(text), None).is_ok());
     }
 
     #[test]
