@@ -70,6 +70,11 @@ impl Mapping {
         Ok(Mapping { entries: map })
     }
 
+    /// Its entries' targets, in no set order.
+    pub fn targets(&self) -> impl Iterator<Item = &Target> {
+        self.entries.values()
+    }
+
     /// Whether an entry names no stream (an event it matches takes its stream from the
     /// route's `stream_field`, when there is one).
     pub fn leaves_a_stream_unnamed(&self) -> bool {

@@ -128,6 +128,35 @@ impl SourceSpec {
         out
     }
 
+    /// The destinations this source's file names: those known at start
+    /// ([`SourceSpec::destinations_known_at_start`]) and its mapping table's targets whose
+    /// stream is named there too (an entry's own, or the route's default where it has no
+    /// stream field), each only if the source's admission lets it in, without repeats.
+    /// What the cap must admit for every event the file routes to be delivered.
+    pub fn destinations_named_in_file(&self) -> Vec<(String, String)> {
+        let mut out = self.destinations_known_at_start();
+        if let Destinations::Routed(r) = &self.destinations
+            && let crate::route::MappingSource::Table(mapping) = &r.mapping
+        {
+            let mut targets: Vec<(String, String)> = mapping
+                .targets()
+                .filter_map(|t| match (&t.stream, &r.stream_field) {
+                    (Some(stream), _) => Some((stream.clone(), t.topic.clone())),
+                    (None, None) => Some((r.default_stream.clone(), t.topic.clone())),
+                    (None, Some(_)) => None,
+                })
+                .filter(|(s, t)| self.admission.check(s, t).is_ok())
+                .collect();
+            targets.sort();
+            for target in targets {
+                if !out.contains(&target) {
+                    out.push(target);
+                }
+            }
+        }
+        out
+    }
+
     /// Whether this source's senders choose its destinations' names: its route takes a
     /// name from the event itself (a topic with no mapping, or a stream from
     /// `stream_field` where a mapping entry names none) and its admission does not limit

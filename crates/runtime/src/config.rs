@@ -1728,14 +1728,21 @@ fn unreachable_by_default(
             ),
         );
     }
-    let known = spec.destinations_known_at_start().len();
-    if known > max_destinations {
+    let named = spec.destinations_named_in_file().len();
+    if named > max_destinations {
+        // Said where the destinations past the start's are listed: a mapping's targets,
+        // or else the allowlist's entries.
+        let (at, what) = if named > spec.destinations_known_at_start().len() {
+            (sp.key("route").key("mapping"), "with the source's default and its allowlist's")
+        } else {
+            (sp.key("admission").key("allowlist"), "with the source's default")
+        };
         c.warn(
-            &sp.key("admission").key("allowlist"),
+            &at,
             format!(
-                "names {known} destinations (with the source's default), more than its max_destinations \
-                 ({max_destinations}): events to those the cap does not admit are refused as cap and held, dropped or \
-                 dead-lettered as on_admission_failure says"
+                "names {named} destinations ({what}), more than its max_destinations ({max_destinations}): events \
+                 to those the cap does not admit are refused as cap and held, dropped or dead-lettered as \
+                 on_admission_failure says"
             ),
         );
     }
@@ -2496,6 +2503,34 @@ max_destinations = 1
                 "sources.d.destination.partition_id"
             ]
         );
+    }
+
+    /// A mapping table names its destinations in the file as an allowlist does: more of
+    /// them (with the default) than the source's cap is warned of, at the mapping. Those
+    /// the admission refuses, those that repeat and those whose stream an event names
+    /// are not counted. Before, a mapping was never counted, and with the default
+    /// `on_admission_failure = "error"` the third destination's records held the log.
+    #[test]
+    fn a_mapping_naming_more_destinations_than_the_cap_is_warned_of() {
+        let config = |mapping: &str, extra: &str| {
+            format!(
+                "[sources.a]\nroute = {{ topic_field = \"type\", default_stream = \"s\", default_topic = \"d\", mapping = {{ {mapping} }}{extra} }}\n\n[router]\nmax_destinations = 2\n"
+            )
+        };
+        let warnings = |text: &str| {
+            let settings = validate(&parse(text, None).unwrap(), Some(text), None).unwrap_or_else(|e| panic!("{e}"));
+            settings.warnings.errors.iter().map(|w| (w.path.clone(), w.line, w.message.clone())).collect::<Vec<_>>()
+        };
+        let text = config(r#"a = "t1", b = "t2", c = { stream = "o", topic = "t3" }"#, "");
+        let w = warnings(&text);
+        assert_eq!(w.len(), 1, "{w:?}");
+        assert_eq!((w[0].0.as_str(), w[0].1), ("sources.a.route.mapping", Some(2)));
+        assert!(w[0].2.contains("names 4 destinations") && w[0].2.contains("(2)"), "{}", w[0].2);
+        // Two entries to one destination, and one back to the default: two in all.
+        assert!(warnings(&config(r#"a = "t1", b = "t1", c = "d""#, "")).is_empty());
+        // Entries whose stream comes from the event are the senders' to name.
+        let text = config(r#"a = "t1", b = "t2""#, r#", stream_field = "stream""#);
+        assert!(warnings(&text).iter().all(|w| w.0 != "sources.a.route.mapping"), "{:?}", warnings(&text));
     }
 
     #[test]
