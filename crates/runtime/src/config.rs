@@ -2832,6 +2832,12 @@ max_destinations = 1
                 "sources.a.route.mapping.\"order.created\"",
             ),
             ("\"a=b\" = 1\n\"a=b\" = 2\n", 2, "\"a=b\""),
+            // A bracket in a header's quoted key is the key's; a header whose key holds
+            // an escape is not followed, nor are the lines under it: no table they are
+            // not in is named.
+            ("[http]\nlisten = \"x\"\n[sources.\"a]b\"]\naccept = json\n", 4, "sources.\"a]b\".accept"),
+            ("[http]\nlisten = \"x\"\n[sources.\"a\\\"b\"]\naccept = json\n", 4, ""),
+            ("[http]\n\"a\\\"=b\" = \"\"\"\n[x]\n\"\"\"\nlisten = 1 2\n", 5, "http.listen"),
             // Not ASCII, and CRLF line ends.
             ("[http]\r\nlisten = \"é\" \"ü\"\r\n", 2, "http.listen"),
         ];

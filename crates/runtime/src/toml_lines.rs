@@ -6,7 +6,8 @@
 //! - Only keys are ever taken from the text, never a value's: within a string, a
 //!   multi-line one included (a secret's), nothing is read as a key or a header.
 //! - A line that shows no key (an unclosed header, say) gets no path, rather than one
-//!   of a table the problem is not in.
+//!   of a table the problem is not in; so do the lines under a header it cannot read
+//!   (a quoted key with an escape, which it does not follow).
 //! - Offsets are handled as bytes: no text and no offset can make it panic.
 
 use std::collections::BTreeMap;
@@ -38,6 +39,9 @@ pub(crate) fn key_path_at(text: &str, byte: usize) -> String {
 #[derive(Default)]
 struct TomlLines {
     table: KeyPath,
+    /// The last header could not be read (a key this reader does not follow, such as an
+    /// escape in a quoted one): the lines under it name no table until the next header.
+    table_unread: bool,
     /// Arrays of tables seen, by name: how many of each.
     arrays: BTreeMap<String, usize>,
     /// Inside a value that spans lines: its key, the multi-line string's delimiter (if
@@ -57,48 +61,72 @@ impl TomlLines {
         }
         let trimmed = line.trim_start();
         if trimmed.starts_with('[') {
-            let (inner, array) = match trimmed.strip_prefix("[[") {
-                Some(rest) => (rest.split_once("]]")?.0, true),
-                None => (trimmed.strip_prefix('[')?.split_once(']')?.0, false),
-            };
-            let mut path = KeyPath::default();
-            for part in key_parts(inner)? {
-                path = path.key(&part);
+            let path = header_path(trimmed).map(|(mut path, array)| {
+                if array {
+                    let seen = self.arrays.entry(path.to_string()).or_insert(0);
+                    path = path.index(*seen);
+                    *seen += 1;
+                }
+                path
+            });
+            self.table_unread = path.is_none();
+            if let Some(path) = &path {
+                self.table = path.clone();
             }
-            if array {
-                let seen = self.arrays.entry(path.to_string()).or_insert(0);
-                path = path.index(*seen);
-                *seen += 1;
-            }
-            self.table = path.clone();
-            return Some(path);
+            return path;
         }
         let (key, value) = split_assignment(trimmed)?;
-        let mut path = self.table.clone();
-        for part in key_parts(key)? {
-            path = path.key(&part);
-        }
+        // A value that spans lines is followed whatever its key, so that nothing in it
+        // is read as a key or a header.
         let (quote, depth) = value_state(value, None, 0);
+        let path = if self.table_unread { None } else { key_parts(key).map(|parts| keys(&self.table, &parts)) };
         if quote.is_some() || depth > 0 {
-            self.open = Some((path.clone(), quote, depth));
+            self.open = Some((path.clone().unwrap_or_default(), quote, depth));
         }
-        Some(path)
+        path
     }
 }
 
-/// `key = value` at the first `=` outside a quoted key.
-fn split_assignment(line: &str) -> Option<(&str, &str)> {
+/// The key path a table header (`[a."b]c"]`, or `[[a]]` and whether it is one) names;
+/// `None` if it cannot be read.
+fn header_path(header: &str) -> Option<(KeyPath, bool)> {
+    let (rest, array) = match header.strip_prefix("[[") {
+        Some(rest) => (rest, true),
+        None => (header.strip_prefix('[')?, false),
+    };
+    let close = if array { "]]" } else { "]" };
+    let inner = &rest[..outside_quotes(rest, |tail| tail.starts_with(close))?];
+    let parts = key_parts(inner)?;
+    Some((keys(&KeyPath::default(), &parts), array))
+}
+
+/// `table` with `parts` added.
+fn keys(table: &KeyPath, parts: &[String]) -> KeyPath {
+    parts.iter().fold(table.clone(), |path, part| path.key(part))
+}
+
+/// The first byte of `text` outside a quoted key at which `at` holds (a backslash in a
+/// basic-string key escapes the character after it); `None` if it holds nowhere.
+fn outside_quotes(text: &str, at: impl Fn(&str) -> bool) -> Option<usize> {
     let mut quote = None;
-    for (i, c) in line.char_indices() {
+    let mut escaped = false;
+    for (i, c) in text.char_indices() {
         match (quote, c) {
+            _ if escaped => escaped = false,
+            (Some('"'), '\\') => escaped = true,
             (None, '"' | '\'') => quote = Some(c),
             (Some(q), c) if c == q => quote = None,
-            (None, '=') => return Some((&line[..i], &line[i + 1..])),
-            (None, '#') => return None,
+            (None, _) if at(&text[i..]) => return Some(i),
             _ => {}
         }
     }
     None
+}
+
+/// `key = value` at the first `=` outside a quoted key (`None` on a comment first).
+fn split_assignment(line: &str) -> Option<(&str, &str)> {
+    let i = outside_quotes(line, |tail| tail.starts_with(['=', '#']))?;
+    line[i..].strip_prefix('=').map(|value| (&line[..i], value))
 }
 
 /// The parts of a dotted key (`a."b.c".d`), unquoted; `None` unless every part is a
@@ -110,6 +138,11 @@ fn key_parts(key: &str) -> Option<Vec<String>> {
         let (part, after) = match rest.chars().next()? {
             q @ ('"' | '\'') => {
                 let close = rest[1..].find(q)? + 1;
+                if q == '"' && rest[1..close].contains('\\') {
+                    // An escape: the key's text is not what is written (and the quote
+                    // found may be an escaped one). Not followed: no path.
+                    return None;
+                }
                 (rest[1..close].to_string(), &rest[close + 1..])
             }
             _ => {
