@@ -510,9 +510,9 @@ pub fn check(section: &RouterSection, iggy: &IggyConfig, sources: &[String]) -> 
             format!("must be at most {MESSAGE_EXPIRY_SECS_MAX} (Iggy keeps it in microseconds)"),
         ));
     }
-    let partitions_count = to_u32(t.partitions_count, &["router", "topic_defaults", "partitions_count"], &mut problems);
-    let messages_required_to_save =
-        to_u32(t.messages_required_to_save, &["router", "topic_defaults", "messages_required_to_save"], &mut problems);
+    // Both refused above past their ranges, which are within a u32: one error a key.
+    let partitions_count = u32::try_from(t.partitions_count).unwrap_or(u32::MAX);
+    let messages_required_to_save = u32::try_from(t.messages_required_to_save).unwrap_or(u32::MAX);
     // At most a day, as the router's durations: after a failed connect, none is made
     // for this long.
     if iggy.reconnection_interval_ms == 0 || iggy.reconnection_interval_ms > max_duration_ms() {
@@ -943,7 +943,8 @@ d = ["d/first"]
             ),
         ];
         each_refused_at_its_key(cases);
-        for partitions_count in [0, u64::from(TOPIC_PARTITIONS_MAX) + 1] {
+        // Past a u32 too: one error, not a second of the conversion's.
+        for partitions_count in [0, u64::from(TOPIC_PARTITIONS_MAX) + 1, u64::from(u32::MAX) + 1] {
             let topic_defaults = TopicDefaultsSection { partitions_count, ..TopicDefaultsSection::default() };
             let (_, problems) = check(&RouterSection { topic_defaults, ..RouterSection::default() }, &iggy(), &[]);
             let paths: Vec<String> = problems.iter().map(|(p, _)| p.join(".")).collect();
@@ -972,6 +973,7 @@ d = ["d/first"]
             (segment(TOPIC_SEGMENT_BYTES_MAX + 512), "segment_size_bytes"),
             (saves(0), "messages_required_to_save"),
             (saves(MESSAGES_REQUIRED_TO_SAVE_MAX + 1), "messages_required_to_save"),
+            (saves(u64::from(u32::MAX) + 1), "messages_required_to_save"),
         ];
         for (topic_defaults, key) in refused {
             let (_, problems) = check(&RouterSection { topic_defaults, ..RouterSection::default() }, &iggy(), &[]);
