@@ -294,6 +294,11 @@ fn install_hangup() -> Option<tokio::signal::unix::Signal> {
 /// not load is logged and the one served before stays (`http_source::tls`).
 async fn reload_tls_on_hangup(mut hangups: tokio::signal::unix::Signal, tls: Vec<http_source::tls::ListenerTls>) {
     while hangups.recv().await.is_some() {
+        // Said at each one: an operator who edited the file and sent a reload (systemd's
+        // `reload`) must not take the reload for the file's.
+        tracing::info!(
+            "SIGHUP received: the TLS certificates and keys are reloaded; the configuration file is read only at start (restart to apply a change to it)"
+        );
         if tls.is_empty() {
             tracing::info!("SIGHUP received: no listener serves TLS, nothing to reload");
         }
