@@ -889,10 +889,21 @@ fn listeners_collide(a: SocketAddr, b: SocketAddr) -> bool {
         || matches!((v4(a), v4(b)), (Some(x), Some(y)) if x == y || x.is_unspecified() || y.is_unspecified())
 }
 
-/// Headers that do not tell one delivery from the next; as a delivery id each would make
+/// Headers that do not tell one delivery from the next (the same for every one of a
+/// sender, or for every one in the same second: `date`); as a delivery id each would make
 /// every request after the first a "replay" answered 200 and never stored.
 const SAME_FOR_EVERY_DELIVERY: &[&str] = &[
     "host",
+    "date",
+    "origin",
+    "referer",
+    "via",
+    "forwarded",
+    "x-forwarded-host",
+    "x-forwarded-proto",
+    "accept-language",
+    "cache-control",
+    "expect",
     "user-agent",
     "content-type",
     "content-length",
@@ -1496,7 +1507,7 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
             } else if SAME_FOR_EVERY_DELIVERY.contains(&h.as_str()) {
                 c.err(
                     &ip,
-                    format!("{h:?} is the same for every delivery of a sender: every request after the first would be answered as a replay and never stored"),
+                    format!("{h:?} does not tell one delivery from the next (a sender sends the same for many): every request after the first would be answered as a replay and never stored"),
                 );
             } else if s.named_path && matches!(auth, AuthScheme::StandardWebhooks { .. }) {
                 // The signed id wins (an unsigned header beside it could make a captured
@@ -2691,9 +2702,12 @@ max_destinations = 1
 
     #[test]
     fn an_idempotency_header_that_names_every_delivery_alike_is_refused() {
-        for (header, needle) in
-            [("Authorization", "credentials"), ("x-hub-signature-256", "credentials"), ("User-Agent", "same for every")]
-        {
+        for (header, needle) in [
+            ("Authorization", "credentials"),
+            ("x-hub-signature-256", "credentials"),
+            ("User-Agent", "does not tell"),
+            ("Date", "does not tell"),
+        ] {
             let text = format!(
                 "[sources.a]\nauth_type = \"bearer\"\nauth_secret = \"tok-0123456789abcdef\"\ndestination = {{ stream = \"s\", topic = \"t\" }}\nidempotency_header = \"{header}\"\n"
             );
