@@ -889,6 +889,32 @@ fn listeners_collide(a: SocketAddr, b: SocketAddr) -> bool {
         || matches!((v4(a), v4(b)), (Some(x), Some(y)) if x == y || x.is_unspecified() || y.is_unspecified())
 }
 
+/// Whether a client connecting to `address` (`HOST:PORT`, checked) reaches the listener
+/// bound to `listen` of this process: the same port (not 0), and the same IP address, or
+/// a loopback or unspecified one where the listener is on every address. A host name
+/// other than `localhost` is not resolved: it may name another machine.
+fn connects_to_listener(address: &str, listen: SocketAddr) -> bool {
+    use std::net::{IpAddr, Ipv4Addr};
+    let target = match address.parse::<SocketAddr>() {
+        Ok(a) => a,
+        Err(_) => match address.rsplit_once(':') {
+            Some((host, port)) if host.eq_ignore_ascii_case("localhost") || host.eq_ignore_ascii_case("localhost.") => {
+                match port.parse::<u16>() {
+                    Ok(port) => SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), port),
+                    Err(_) => return false,
+                }
+            }
+            _ => return false,
+        },
+    };
+    let local = |ip: IpAddr| ip.is_loopback() || ip.is_unspecified();
+    listen.port() != 0
+        && target.port() == listen.port()
+        && (target.ip() == listen.ip()
+            || (listen.ip().is_unspecified() && local(target.ip()))
+            || (target.ip().is_unspecified() && local(listen.ip())))
+}
+
 /// Headers that do not tell one delivery from the next (the same for every one of a
 /// sender, or for every one in the same second: `date`); as a delivery id each would make
 /// every request after the first a "replay" answered 200 and never stored.
@@ -1314,7 +1340,19 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
                  as the server's name"
             ),
         ),
-        Ok(()) => {}
+        Ok(()) => {
+            for (listener, listen) in [("http.listen", http_listen), ("admin.listen", admin_listen)] {
+                if connects_to_listener(address, listen) {
+                    c.err(
+                        &iggy.key("address"),
+                        format!(
+                            "{address:?} is the daemon's own {listener} ({listen}): it would send its events to \
+                             itself, and never deliver one (Iggy's TCP port is 8090 by default)"
+                        ),
+                    );
+                }
+            }
+        }
     }
     if let Some(domain) = &config.iggy.tls_domain {
         if !config.iggy.tls {
@@ -2542,6 +2580,43 @@ max_destinations = 1
         // Entries whose stream comes from the event are the senders' to name.
         let text = config(r#"a = "t1", b = "t2""#, r#", stream_field = "stream""#);
         assert!(warnings(&text).iter().all(|w| w.0 != "sources.a.route.mapping"), "{:?}", warnings(&text));
+    }
+
+    /// An `iggy.address` that is one of the daemon's own listeners (8080 for 8090) would
+    /// have it send every event to itself and deliver none, its status saying only that
+    /// Iggy fails: refused, naming both. Another host, or another port, is not.
+    #[test]
+    fn an_iggy_address_that_is_the_daemons_own_listener_is_refused() {
+        let config = |listen: &str, address: &str| {
+            format!(
+                "[http]\nlisten = \"{listen}\"\n[iggy]\naddress = \"{address}\"\n[sources.a]\ndestination = {{ stream = \"s\", topic = \"t\" }}\n"
+            )
+        };
+        for (listen, address) in [
+            ("127.0.0.1:8080", "127.0.0.1:8080"),
+            ("127.0.0.1:8080", "localhost:8080"),
+            ("0.0.0.0:8080", "127.0.0.1:8080"),
+            ("[::]:8080", "[::1]:8080"),
+            ("127.0.0.1:8080", "0.0.0.0:8080"),
+        ] {
+            let e = errors(&config(listen, address));
+            assert_eq!(e.len(), 1, "{listen} {address}: {e:?}");
+            assert_eq!((e[0].path.as_str(), e[0].line), ("iggy.address", Some(4)), "{listen} {address}");
+            assert!(e[0].message.contains("http.listen"), "{}", e[0].message);
+        }
+        let text =
+            "[iggy]\naddress = \"127.0.0.1:9180\"\n[sources.a]\ndestination = { stream = \"s\", topic = \"t\" }\n";
+        assert!(errors(text)[0].message.contains("admin.listen"), "{:?}", errors(text));
+        for (listen, address) in [
+            ("127.0.0.1:8080", "127.0.0.1:8090"),
+            ("127.0.0.1:8080", "10.0.0.2:8080"),
+            ("10.0.0.1:8080", "127.0.0.1:8080"),
+            ("127.0.0.1:8080", "iggy.internal:8080"),
+            ("127.0.0.1:0", "127.0.0.1:8080"),
+        ] {
+            let text = config(listen, address);
+            assert!(validate(&parse(&text, None).unwrap(), Some(&text), None).is_ok(), "{listen} {address}");
+        }
     }
 
     #[test]
