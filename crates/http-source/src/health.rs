@@ -11,9 +11,9 @@
 //!   it, so a load balancer sends traffic elsewhere instead of into 503s. Health asks
 //!   the log itself ([`Health::watch_log`]), so it says so before any request fails,
 //!   also when the failure came from a background sync.
-//! - While the log cannot create its next segment, health is 503 too (`log_unavailable`,
-//!   the code every append then gets); it turns 200 again by itself once the log's
-//!   writer, which keeps trying, has created it.
+//! - While the log cannot create its next segment (or seal its full one), health is 503
+//!   too (`log_unavailable`, the code every append then gets); it turns 200 again by
+//!   itself once the log's writer, which keeps trying, has rolled over.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};

@@ -219,10 +219,11 @@ impl Writer {
         }
     }
 
-    /// Creates the sealed active segment's successor, with no append waiting for it.
+    /// Seals the full active segment (if a seal failed) and creates its successor, with
+    /// no append waiting for it.
     fn retry_successor(&mut self) {
         self.successor_retry_at = None;
-        if self.poisoned.is_some() || !self.active.sealed.load(Ordering::Acquire) {
+        if self.poisoned.is_some() {
             return;
         }
         // A failure is logged and counted, and sets the next retry, in `rotate`.
@@ -616,7 +617,7 @@ impl Writer {
         self.set_disk_full(false);
         if self.shared.awaits_segment.swap(false, Ordering::AcqRel) {
             metrics::gauge!("iggy_ingest_wal_awaiting_segment").set(0.0);
-            tracing::info!(segment = %seg.path.display(), "created the next log segment; appends are taken again");
+            tracing::info!(segment = %seg.path.display(), "rolled over to the next log segment; appends are taken again");
         }
         self.successor_retry_at = None;
         self.shared.used_bytes.fetch_add(SEGMENT_HEADER_LEN, Ordering::AcqRel);
@@ -654,9 +655,20 @@ impl Writer {
         self.successor_retry_at = Some(Instant::now() + SUCCESSOR_RETRY_INTERVAL);
     }
 
+    /// Sealing the full active segment failed with `e` (undone as any failed write): no
+    /// append can be taken until the rotation succeeds, as while a successor cannot be
+    /// created, and the log says so the same way (health, the gauge) and tries again
+    /// every second, appends or not. Counted once, by the undo.
     fn fail_rotation(&mut self, e: std::io::Error) -> WalError {
         let err = WalError::io(&self.active.path, std::io::Error::new(e.kind(), e.to_string()));
         self.fail(&mut Vec::new(), e, "seal");
+        if self.poisoned.is_none() {
+            if !self.shared.awaits_segment.swap(true, Ordering::AcqRel) {
+                metrics::gauge!("iggy_ingest_wal_awaiting_segment").set(1.0);
+                tracing::error!(error = %err, "could not seal the full log segment; no append is taken until it is, trying again every second");
+            }
+            self.successor_retry_at = Some(Instant::now() + SUCCESSOR_RETRY_INTERVAL);
+        }
         err
     }
 

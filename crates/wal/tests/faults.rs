@@ -660,6 +660,52 @@ fn a_successor_that_cannot_be_created_is_created_by_the_writer_once_it_can() {
     assert_eq!(tags, vec![0, 1, 2, 5]);
 }
 
+/// A rotation whose seal cannot be written (here its cut of the zeros written ahead
+/// fails, and so does the undo's cut, which overwrites them with zeros instead) leaves
+/// the full segment unsealed: no append can be taken until the rotation succeeds, as
+/// when the successor cannot be created. The log says so (`awaits_segment`, the daemon's
+/// health), and the writer tries again by itself. Before, every append failed while the
+/// log said it took them, and only an append retried the rotation.
+#[test]
+fn a_seal_that_cannot_be_written_is_awaited_and_retried_like_a_successor() {
+    let sim = SimStorage::new();
+    let opts = small_options();
+    assert!(opts.preallocate_bytes > 0, "the seal's first step must be its cut of the zeros");
+    let wal = open(&sim, opts.clone());
+    append_tagged(&wal, 0..3, 1000);
+    assert!(!wal.awaits_segment());
+    for _ in 0..100 {
+        sim.fail_nth(FaultOp::Metadata, 1, ErrorKind::PermissionDenied);
+    }
+    rt().block_on(async {
+        for tag in 3..5 {
+            let e = wal.append(vec![payload(tag, 1000)]).await.unwrap_err();
+            assert!(e.to_string().contains("simulated fault"), "{e}");
+            assert!(wal.accepts_appends(), "the undo wrote zeros: nothing to reopen for");
+            assert!(wal.awaits_segment(), "a log that can take no append says it accepts them");
+        }
+    });
+    let armed = sim.armed_faults();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while sim.armed_faults() == armed && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    assert!(sim.armed_faults() < armed, "the writer did not try again with no append waiting");
+    sim.disarm();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while wal.awaits_segment() && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    assert!(!wal.awaits_segment(), "the rotation was never made");
+    assert_eq!(segment_files(&sim, &dir()).len(), 2);
+    let a = rt().block_on(wal.append(vec![payload(5, 1000)])).unwrap();
+    assert_eq!(a.first_offset, 3, "the failed appends took no offsets");
+    drop(wal);
+    let wal = open(&sim, opts);
+    let tags: Vec<u64> = read_all(&wal, 0).iter().map(|r| tag_of(&r.payload)).collect();
+    assert_eq!(tags, vec![0, 1, 2, 5]);
+}
+
 /// A power loss between a seal and its successor's creation leaves a log whose tail is
 /// sealed, and the open creates the successor. When it cannot (the disk full), the log
 /// opens anyway and waits for it, as a running one does: a daemon that could not start
