@@ -172,7 +172,20 @@ impl Reader {
     /// longer be given back ([`Reader::unread_from`]). For a reader kept while its owner waits
     /// (for a destination that does not answer, for hours): a thousand such readers
     /// would otherwise hold a chunk each.
+    ///
+    /// A reader that read its segment to the end (its position the next segment's base)
+    /// lets go of that segment too: its open file would keep a segment the log deletes
+    /// (once every destination has delivered past it) taking its disk space for as long
+    /// as the reader waits. The next read starts at the next segment's base, which needs
+    /// no walk.
     pub fn release_buffer(&mut self) {
+        let read_to_the_end = self
+            .cursor
+            .as_ref()
+            .is_some_and(|c| self.shared.segment_after(c.seg.base).is_some_and(|n| n.base <= self.next));
+        if read_to_the_end {
+            self.cursor = None;
+        }
         if let Some(c) = self.cursor.as_mut() {
             c.buf.release();
         }

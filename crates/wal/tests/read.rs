@@ -485,22 +485,64 @@ impl wal::storage::Hooks for ActOnNextRead {
     }
 }
 
+/// A reader that waits (its window let go, `release_buffer`) after reading its segment
+/// to the end keeps no file of it open: once every destination delivered past it, the log
+/// deletes the segment, and an open file would keep its disk space taken for as long as
+/// the reader waits, while the log counts it freed. Before, the reader kept it open
+/// until its next read. On the real file system: the kernel says what is still open.
+#[test]
+fn a_waiting_reader_keeps_no_deleted_segment_open() {
+    let tmp = tempfile::tempdir().unwrap();
+    let wal = wal::Wal::open(tmp.path(), small_options()).unwrap();
+    append_tagged(&wal, 0..300, 90);
+    let a = wal::inspect::segments_of(&wal).unwrap()[1].base_offset;
+    let mut r = wal.reader(0).unwrap();
+    while r.position() < a {
+        r.try_read(1, 1).unwrap();
+    }
+    assert_eq!(r.position(), a);
+    r.release_buffer();
+    assert_eq!(rt().block_on(wal.release_below(a)).unwrap().segments_deleted, 1);
+    let dir = tmp.path().canonicalize().unwrap();
+    let deleted_open: Vec<std::path::PathBuf> = std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .filter_map(|fd| std::fs::read_link(fd.ok()?.path()).ok())
+        .filter(|target| target.starts_with(&dir) && target.to_string_lossy().ends_with(" (deleted)"))
+        .collect();
+    assert!(deleted_open.is_empty(), "a deleted segment is kept open: {deleted_open:?}");
+    let got = r.try_read(1, 1 << 20).unwrap();
+    assert_eq!(got[0].offset, a, "the reader goes on where it was");
+}
+
 /// A release past a reader's position that lands while the reader crosses a seal (its
 /// start checked, the seal read through its open file, the segments after it deleted)
 /// gives the reader `Released`, never the records after the released ones as if the
-/// offsets between did not exist.
+/// offsets between did not exist. The seal is read from the file where the reader's
+/// read window ends right before it: two records fill a segment's first window exactly.
 #[test]
 fn a_release_during_a_seal_crossing_is_released_never_a_silent_gap() {
+    const WINDOW_BYTES: u64 = 256 * 1024;
+    let frame_payload_bytes = (WINDOW_BYTES / 2 - FRAME_HEADER_LEN) as usize;
+    let options = WalOptions {
+        segment_max_bytes: SEGMENT_HEADER_LEN + WINDOW_BYTES + FRAME_HEADER_LEN,
+        preallocate_bytes: 0,
+        ..small_options()
+    };
     let hooked = Arc::new(wal::storage::HookedStorage::new(Arc::new(SimStorage::new()), ActOnNextRead::default()));
-    let wal = Arc::new(wal::Wal::open_with(hooked.clone(), &dir(), small_options()).unwrap());
-    append_tagged(&wal, 0..300, 90);
+    let wal = Arc::new(wal::Wal::open_with(hooked.clone(), &dir(), options).unwrap());
+    append_tagged(&wal, 0..5, frame_payload_bytes);
     let segs = wal::inspect::segments_of(&wal).unwrap();
+    let bases: Vec<u64> = segs.iter().map(|s| s.base_offset).collect();
+    assert_eq!(bases, vec![0, 2, 4], "two records a segment");
     let (a, b) = (segs[1].base_offset, segs[2].base_offset);
-    let mut r = wal.reader(a - 1).unwrap();
-    // The byte bound stops it right after the record, before it looks past the seal.
-    let got = r.try_read(1, 1).unwrap();
-    assert_eq!((got[0].offset, r.position()), (a - 1, a));
-    r.release_buffer();
+    let mut r = wal.reader(0).unwrap();
+    // The byte bound stops each read right after its record, before it looks past it:
+    // the reader ends at the seal, its window read to the end.
+    for offset in 0..a {
+        let got = r.try_read(1, 1).unwrap();
+        assert_eq!(got[0].offset, offset);
+    }
+    assert_eq!(r.position(), a);
     let w = wal.clone();
     *hooked.hooks().action.lock().unwrap() = Some(Box::new(move || {
         assert_eq!(rt().block_on(w.release_below(b)).unwrap().segments_deleted, 2);
