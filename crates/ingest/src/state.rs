@@ -1,5 +1,5 @@
 //! The daemon's state database: one redb file beside the log, for idempotency keys,
-//! dynamic endpoints and (later) the router's cursors.
+//! dynamic endpoints and the router's cursors.
 //!
 //! Invariants:
 //! - The database carries a schema version in its `meta` table. Opening a database whose

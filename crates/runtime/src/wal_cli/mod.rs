@@ -4,7 +4,7 @@
 //!  inspect  segments, offsets, capacity, each destination's cursor and what it holds
 //!  dump     the decoded envelopes, filtered, as text, NDJSON or bare payloads
 //!  tail     like dump, then follows new records as the daemon syncs them
-//!  verify   every header and checksum and the offset sequence; exit 0 / 1 / 2
+//!  verify   every header and checksum and the offset sequence; exit 0 / 1 / 2 / 3
 //!  salvage  every whole batch that still checks, copied under its offsets into a new log
 //! ```
 //!
@@ -19,7 +19,8 @@
 //!   while reading; 2 unusable arguments, including a path that holds no log, which is
 //!   said in one line; 3 busy: a writer holds the log and its durable state could not
 //!   be read (it is starting, or a state command runs), nothing was written, run it again.
-//! - Output is streamed and a closed pipe (`| head`) ends the command quietly with 0.
+//! - Output is streamed and a closed pipe (`| head`) ends the command quietly, with 0,
+//!   except `verify` and `salvage`, which still exit with their verdict.
 //! - No record's bytes are trusted: a record that is not an envelope is shown as such
 //!   (base64), never a reason to stop.
 //! - A progress bar is drawn on standard error only while it is a terminal and nothing

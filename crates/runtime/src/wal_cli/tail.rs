@@ -1,7 +1,7 @@
 //! `wal tail`: follows a log as the daemon makes records durable, like `tail -f`.
 //!
 //! A read-only view of the log is fixed when it is opened, so following means looking
-//! again: every `--interval` the directory's segment names and the newest segment's
+//! again: every `--interval-ms` the directory's segment names and the newest segment's
 //! length are compared with the last look, and only on a change is the log reopened
 //! (read-only, bounded by the writer's durable watermark) and read on from the next
 //! offset. Each reopen scans the newest segment once (at most its size, 64 MiB by

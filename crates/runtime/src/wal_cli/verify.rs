@@ -5,7 +5,8 @@
 //!   once, in large sequential reads, with no allocation per record (`wal::inspect::verify`).
 //! - Exit 0 clean (a torn tail, the normal trace of a crash, is reported but is not
 //!   damage), 1 damaged with every problem named by file and byte position, 2 unusable
-//!   arguments (including a path that holds no log).
+//!   arguments (including a path that holds no log), 3 busy: a writer holds the log and its
+//!   durable state could not be read consistently for a while (run it again).
 //! - The progress bar is drawn on standard error only when it is a terminal.
 
 use std::io::Write;
