@@ -397,7 +397,9 @@ impl EndpointRegistry {
             };
             map.insert(endpoint.id, first_version(endpoint));
         }
-        for s in statics {
+        // Every static endpoint is checked before any stored record is removed: a start
+        // refused for one must leave the others' dynamic records as they were.
+        for s in &statics {
             if let Some(dynamic) = map.get(&s.id) {
                 if dynamic.endpoint.revoked_at_unix_ms.is_some() {
                     return Err(LoadError::RevokedStatic(id_prefix(s.id)));
@@ -405,6 +407,10 @@ impl EndpointRegistry {
                 if dynamic.endpoint.record.as_ref().is_some_and(|r| r.auth.scheme == UNREADABLE_SCHEME) {
                     return Err(LoadError::UnreadableStatic(id_prefix(s.id)));
                 }
+            }
+        }
+        for s in statics {
+            if map.contains_key(&s.id) {
                 // The configuration now owns the id: the stored record is removed, so
                 // that taking the static endpoint out of the configuration ends the id
                 // (404) rather than bring back the dynamic one with its old secret, and
@@ -1049,6 +1055,44 @@ mod tests {
             EndpointRegistry::load(state, vec!["default".into()], vec![same_id]),
             Err(LoadError::RevokedStatic(_))
         ));
+    }
+
+    /// A start refused for one static endpoint (its id revoked) deletes no stored record
+    /// for another static endpoint that takes a dynamic one's id: the operator who takes
+    /// the change back finds the dynamic endpoint as it was. Before, records were removed
+    /// in the loop that could still refuse the start, and the dynamic endpoint was gone.
+    #[tokio::test]
+    async fn a_refused_start_removes_no_dynamic_endpoint_for_a_static_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let state = Arc::new(StateDb::open(dir.path().join("s.redb")).unwrap());
+        let (live, revoked) = (0x61u128, 0x62u128);
+        for (id, revoked_at_unix_ms) in [(live, None), (revoked, Some(2))] {
+            state
+                .put_endpoint(&EndpointRecord {
+                    id,
+                    source_key: "default".into(),
+                    auth: StoredAuth {
+                        scheme: "none".into(),
+                        secret: None,
+                        header: None,
+                        prefix: None,
+                        tolerance_secs: None,
+                    },
+                    handshake_param: None,
+                    created_at_unix_ms: 1,
+                    expires_at_unix_ms: None,
+                    revoked_at_unix_ms,
+                    rotated_at_unix_ms: None,
+                })
+                .unwrap();
+        }
+        let sources = || vec!["default".to_string()];
+        let refused =
+            EndpointRegistry::load(state.clone(), sources(), vec![static_endpoint(live), static_endpoint(revoked)]);
+        assert!(matches!(refused, Err(LoadError::RevokedStatic(_))), "{:?}", refused.err());
+        let reg = EndpointRegistry::load(state, sources(), vec![]).unwrap();
+        assert!(reg.lookup(live, 3).is_ok(), "the refused start deleted the dynamic endpoint");
+        assert_eq!(reg.lookup(revoked, 3).err(), Some(Refusal::Revoked));
     }
 
     /// A rotation or revocation that can only be refused (a static endpoint) is refused
