@@ -271,6 +271,46 @@ pub struct EndpointRegistry {
     registrations: Mutex<HashMap<Vec<u8>, KeyedEndpoint>>,
     changes: tokio::sync::Mutex<()>,
     next_version: AtomicU64,
+    /// The ids whose last change's commit failed: a failed commit may hold on disk all
+    /// the same (the data flushed, then the sync reported an error), so memory may not
+    /// say what a restart would load. Each is settled ([`EndpointRegistry::settle`]) by
+    /// taking what the disk says once it reads again: at the id's next lookup, change or
+    /// listing. `any_unsettled` spares every lookup the lock while there is none.
+    unsettled: Mutex<std::collections::HashSet<u128>>,
+    any_unsettled: std::sync::atomic::AtomicBool,
+}
+
+/// The endpoint a stored dynamic record makes, as a start loads it: unusable (404, listed
+/// so, revocable) where its auth no longer reads or its source is not configured; a
+/// tombstone whatever its auth holds.
+fn endpoint_from_stored(record: EndpointRecord, sources: &[String]) -> Endpoint {
+    let endpoint = match scheme_from_stored(&record.auth) {
+        Ok(auth) => endpoint_from_record(record, auth),
+        // A tombstone's auth is never checked, and must stay whatever it holds: a
+        // revocation never comes back, not even as a static endpoint of the same id.
+        Err(e) if record.revoked_at_unix_ms.is_some() => {
+            tracing::warn!(endpoint = %id_prefix(record.id), error = %e, "a revoked endpoint's stored auth no longer reads; it stays revoked");
+            endpoint_from_record(record, AuthScheme::None)
+        }
+        Err(e) => {
+            tracing::error!(
+                endpoint = %id_prefix(record.id),
+                error = %e,
+                "a stored endpoint's auth no longer reads; it answers 404 until revoked through the admin API"
+            );
+            unusable_from_record(record, e)
+        }
+    };
+    // A live endpoint of a source no longer configured takes no request: a POST would
+    // find no source to take it. Unusable, its handshake is refused alike (an echo would
+    // tell a provider the URL works), and the listing says so.
+    if endpoint.revoked_at_unix_ms.is_none() && endpoint.unusable.is_none() && !sources.contains(&endpoint.source_key) {
+        let why = format!("its source {:?} is not in the configuration", endpoint.source_key);
+        tracing::warn!(endpoint = %id_prefix(endpoint.id), source = %endpoint.source_key, "a stored endpoint's source is not in the configuration; it answers 404 until the source is configured again or it is revoked");
+        Endpoint { unusable: Some(why), ..endpoint }
+    } else {
+        endpoint
+    }
 }
 
 /// The endpoint a registration under an idempotency key made, and the fingerprint of
@@ -365,36 +405,7 @@ impl EndpointRegistry {
                     continue;
                 }
             };
-            let endpoint = match scheme_from_stored(&record.auth) {
-                Ok(auth) => endpoint_from_record(record, auth),
-                // A tombstone's auth is never checked, and must stay whatever it holds: a
-                // revocation never comes back, not even as a static endpoint of the same id.
-                Err(e) if record.revoked_at_unix_ms.is_some() => {
-                    tracing::warn!(endpoint = %id_prefix(record.id), error = %e, "a revoked endpoint's stored auth no longer reads; it stays revoked");
-                    endpoint_from_record(record, AuthScheme::None)
-                }
-                Err(e) => {
-                    tracing::error!(
-                        endpoint = %id_prefix(record.id),
-                        error = %e,
-                        "a stored endpoint's auth no longer reads; it answers 404 until revoked through the admin API"
-                    );
-                    unusable_from_record(record, e)
-                }
-            };
-            // A live endpoint of a source no longer configured takes no request: a POST
-            // would find no source to take it. Unusable, its handshake is refused alike
-            // (an echo would tell a provider the URL works), and the listing says so.
-            let endpoint = if endpoint.revoked_at_unix_ms.is_none()
-                && endpoint.unusable.is_none()
-                && !sources.contains(&endpoint.source_key)
-            {
-                let why = format!("its source {:?} is not in the configuration", endpoint.source_key);
-                tracing::warn!(endpoint = %id_prefix(endpoint.id), source = %endpoint.source_key, "a stored endpoint's source is not in the configuration; it answers 404 until the source is configured again or it is revoked");
-                Endpoint { unusable: Some(why), ..endpoint }
-            } else {
-                endpoint
-            };
+            let endpoint = endpoint_from_stored(record, &sources);
             map.insert(endpoint.id, first_version(endpoint));
         }
         // Every static endpoint is checked before any stored record is removed: a start
@@ -433,6 +444,8 @@ impl EndpointRegistry {
             registrations: Mutex::new(registrations),
             changes: tokio::sync::Mutex::new(()),
             next_version,
+            unsettled: Mutex::new(std::collections::HashSet::new()),
+            any_unsettled: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -477,6 +490,9 @@ impl EndpointRegistry {
     /// request's head is checked against; [`EndpointRegistry::recheck`] decides again
     /// once its body was read.
     pub fn lookup(&self, id: u128, now_unix_ms: u64) -> Result<Arc<EndpointVersion>, Refusal> {
+        if self.any_unsettled.load(Ordering::Acquire) {
+            self.settle(id);
+        }
         let current = self.current(id).ok_or(Refusal::Unknown)?;
         check_active(&current.endpoint, now_unix_ms)?;
         Ok(current)
@@ -520,6 +536,7 @@ impl EndpointRegistry {
     /// `None`), and whether more follow the last one returned. Only the page is built:
     /// a listing of 200,000 endpoints (both kinds at their bounds) is never one answer.
     pub fn list_page(&self, now_unix_ms: u64, after: Option<u128>, limit: usize) -> (Vec<EndpointView>, bool) {
+        self.settle_all();
         let map = self.endpoints.read().unwrap_or_else(|p| p.into_inner());
         let mut ids: Vec<u128> = map.keys().copied().filter(|id| after.is_none_or(|a| *id > a)).collect();
         ids.sort_unstable();
@@ -605,6 +622,9 @@ impl EndpointRegistry {
     ) -> Result<Registered, EndpointError> {
         // Taken before the key is looked up, so two calls with one key make one endpoint.
         let _serial = self.changes.lock().await;
+        // A registration answered 500 may exist on disk (its key with it): found before
+        // the key is looked up, so that its retry is answered with it.
+        self.settle_all();
         let keyed = match key {
             None => None,
             Some(key) => {
@@ -720,6 +740,7 @@ impl EndpointRegistry {
         self.rotatable(id, secret.as_deref(), now_unix_ms)?;
         let mut held = self.hold_off_requests(id).await?;
         let _serial = self.changes.lock().await;
+        self.settle_held(id, &mut held)?;
         let mut record = self.rotatable(id, secret.as_deref(), now_unix_ms)?;
         record.auth.secret = Some(secret.unwrap_or_else(|| generate_secret(&record.auth.scheme)));
         record.rotated_at_unix_ms = Some(now_unix_ms);
@@ -753,6 +774,7 @@ impl EndpointRegistry {
         self.dynamic_record(id)?;
         let mut held = self.hold_off_requests(id).await?;
         let _serial = self.changes.lock().await;
+        self.settle_held(id, &mut held)?;
         let mut record = self.dynamic_record(id)?;
         record.revoked_at_unix_ms = Some(now_unix_ms);
         // A tombstone's auth is never checked: an endpoint whose stored auth no longer
@@ -780,19 +802,103 @@ impl EndpointRegistry {
         record: EndpointRecord,
         registration: KeyedRegistration,
     ) -> Result<(), EndpointError> {
-        let state = self.state.clone();
-        tokio::task::spawn_blocking(move || state.put_registered_endpoint(&record, &registration))
+        let (state, id) = (self.state.clone(), record.id);
+        let committed = tokio::task::spawn_blocking(move || state.put_registered_endpoint(&record, &registration))
             .await
-            .map_err(|e| StateError::Storage(format!("endpoint commit task failed: {e}")))??;
-        Ok(())
+            .map_err(|e| StateError::Storage(format!("endpoint commit task failed: {e}")))
+            .and_then(|r| r);
+        self.unsettled_if_failed(id, committed)
     }
 
     async fn commit(&self, record: EndpointRecord) -> Result<(), EndpointError> {
-        let state = self.state.clone();
-        tokio::task::spawn_blocking(move || state.put_endpoint(&record))
+        let (state, id) = (self.state.clone(), record.id);
+        let committed = tokio::task::spawn_blocking(move || state.put_endpoint(&record))
             .await
-            .map_err(|e| StateError::Storage(format!("endpoint commit task failed: {e}")))??;
+            .map_err(|e| StateError::Storage(format!("endpoint commit task failed: {e}")))
+            .and_then(|r| r);
+        self.unsettled_if_failed(id, committed)
+    }
+
+    /// A commit of `id`'s change that failed may hold on disk all the same: `id` is
+    /// unsettled until what the disk says is read back.
+    fn unsettled_if_failed(&self, id: u128, committed: Result<(), StateError>) -> Result<(), EndpointError> {
+        if committed.is_err() {
+            self.unsettled.lock().unwrap_or_else(|p| p.into_inner()).insert(id);
+            self.any_unsettled.store(true, Ordering::Release);
+        }
+        Ok(committed?)
+    }
+
+    /// Takes what the disk says of `id`, if it is unsettled and the disk reads: its
+    /// stored record becomes its current version (a new one, for a registration that
+    /// held), or, with none stored, memory already says it. Left unsettled while the
+    /// database does not read (until its reopen) or requests admitted by the endpoint
+    /// are still appending (a new version waits for them, as a change does).
+    fn settle(&self, id: u128) {
+        if !self.unsettled.lock().unwrap_or_else(|p| p.into_inner()).contains(&id) {
+            return;
+        }
+        let Ok(stored) = self.state.get_endpoint(id) else { return };
+        match (stored, self.current(id)) {
+            (Some(record), Some(current)) => {
+                let Ok(mut held) = current.gate.clone().try_write_owned() else { return };
+                self.install_stored(record, &mut held);
+            }
+            (Some(record), None) => {
+                self.install_new(endpoint_from_stored(record, &self.sources));
+                self.load_registration_of(id);
+            }
+            (None, _) => {}
+        }
+        self.settled(id);
+    }
+
+    /// [`EndpointRegistry::settle`] for a change holding `id`'s gate and the change
+    /// lock: a change of an unsettled id must start from what the disk says (a rotation
+    /// of an endpoint whose revocation held would write a live record over its
+    /// tombstone), so a disk that does not read refuses it.
+    fn settle_held(&self, id: u128, held: &mut OwnedRwLockWriteGuard<u64>) -> Result<(), EndpointError> {
+        if !self.unsettled.lock().unwrap_or_else(|p| p.into_inner()).contains(&id) {
+            return Ok(());
+        }
+        if let Some(record) = self.state.get_endpoint(id)? {
+            self.install_stored(record, held);
+        }
+        self.settled(id);
         Ok(())
+    }
+
+    /// Every unsettled id that can be settled now.
+    fn settle_all(&self) {
+        if !self.any_unsettled.load(Ordering::Acquire) {
+            return;
+        }
+        let ids: Vec<u128> = self.unsettled.lock().unwrap_or_else(|p| p.into_inner()).iter().copied().collect();
+        for id in ids {
+            self.settle(id);
+        }
+    }
+
+    fn install_stored(&self, record: EndpointRecord, held: &mut OwnedRwLockWriteGuard<u64>) {
+        tracing::warn!(endpoint = %id_prefix(record.id), revoked = record.revoked_at_unix_ms.is_some(), "a change whose commit failed is taken as the state database holds it");
+        self.install_held(held, endpoint_from_stored(record, &self.sources));
+    }
+
+    fn settled(&self, id: u128) {
+        let mut unsettled = self.unsettled.lock().unwrap_or_else(|p| p.into_inner());
+        unsettled.remove(&id);
+        self.any_unsettled.store(!unsettled.is_empty(), Ordering::Release);
+    }
+
+    /// The idempotency key a registration of `id` was stored under, if any, as a start
+    /// loads it (best effort: without it, a retry under the key registers anew).
+    fn load_registration_of(&self, id: u128) {
+        if let Ok(keyed) = self.state.load_keyed_registrations() {
+            let mut registrations = self.registrations.lock().unwrap_or_else(|p| p.into_inner());
+            for r in keyed.into_iter().filter(|r| r.id == id) {
+                registrations.insert(r.key, (r.id, r.fingerprint));
+            }
+        }
     }
 
     /// The exclusive hold on an existing endpoint's gate, once every request admitted by
@@ -1342,6 +1448,71 @@ mod tests {
         sim.crash(CrashMode::LoseUnsynced);
         let again = EndpointRegistry::load(open(&sim), vec!["default".into()], vec![]).unwrap();
         assert_eq!(again.lookup(rec.id, 15).err(), Some(Refusal::Revoked), "the revocation answered came back");
+    }
+
+    /// A storage double whose armed sync makes the data durable, then reports a failure
+    /// (a disk that flushed and then erred, or an earlier writeback's error reported at
+    /// this sync): a commit that fails yet holds.
+    #[derive(Debug, Default)]
+    struct SyncsThenFails {
+        armed: std::sync::atomic::AtomicBool,
+    }
+
+    impl wal::storage::Hooks for SyncsThenFails {
+        fn sync_data(&self, file: &dyn wal::storage::StorageFile) -> std::io::Result<()> {
+            file.sync_data()?;
+            match self.armed.swap(false, Ordering::SeqCst) {
+                true => Err(std::io::Error::other("the sync was made, then failed (test double)")),
+                false => Ok(()),
+            }
+        }
+    }
+
+    /// A change whose commit failed may hold on disk all the same. Once the database reads
+    /// again, the registry takes what the disk says: a revocation that held is in effect
+    /// (the endpoint refused as revoked), and is never undone by a later change (a
+    /// rotation of it is refused); a rotation that held serves its new secret, the one a
+    /// restart would load. Before, memory kept the old state until a restart: a revoked
+    /// endpoint kept answering 200, and a rotation of it wrote a live record over its
+    /// tombstone.
+    #[tokio::test]
+    async fn a_change_that_failed_yet_held_on_disk_is_taken_from_the_disk() {
+        use wal::storage::{HookedStorage, SimStorage, Storage};
+        let sim = SimStorage::new();
+        sim.write_file_durably(std::path::Path::new("/data/keep"), b"").unwrap();
+        let hooked = Arc::new(HookedStorage::new(Arc::new(sim), SyncsThenFails::default()));
+        let storage: Arc<dyn Storage> = hooked.clone();
+        let state = Arc::new(StateDb::open_on(storage, "/data/state.redb").unwrap());
+        let reg = Arc::new(EndpointRegistry::load(state.clone(), vec!["default".into()], vec![]).unwrap());
+        let (a, b) = (
+            reg.register("default".into(), bearer(), None, None, 10).await.unwrap(),
+            reg.register("default".into(), bearer(), None, None, 10).await.unwrap(),
+        );
+
+        hooked.hooks().armed.store(true, Ordering::SeqCst);
+        assert!(matches!(reg.rotate(b.id, None, 11).await, Err(EndpointError::State(_))), "the commit failed");
+        assert!(state.reopen_if_failed().unwrap());
+        hooked.hooks().armed.store(true, Ordering::SeqCst);
+        assert!(matches!(reg.revoke(a.id, 11).await, Err(EndpointError::State(_))), "the commit failed");
+        assert!(state.reopen_if_failed().unwrap());
+        let on_disk = |id| state.get_endpoint(id).unwrap().unwrap();
+        assert!(on_disk(a.id).revoked_at_unix_ms.is_some(), "precondition: the revocation holds on disk");
+        let rotated_secret = on_disk(b.id).auth.secret;
+        assert_ne!(rotated_secret, b.auth.secret, "precondition: the rotation holds on disk");
+
+        assert_eq!(reg.lookup(a.id, 12).err(), Some(Refusal::Revoked), "a revocation on disk is not in effect");
+        assert!(matches!(reg.rotate(a.id, None, 12).await, Err(EndpointError::Revoked(_))));
+        assert!(on_disk(a.id).revoked_at_unix_ms.is_some(), "a rotation undid a revocation on disk");
+        let served = reg.lookup(b.id, 12).unwrap();
+        assert_eq!(served.endpoint.record.as_ref().and_then(|r| r.auth.secret.clone()), rotated_secret);
+
+        // A registration that failed yet held is listed, as a restart would list it.
+        hooked.hooks().armed.store(true, Ordering::SeqCst);
+        let failed = reg.register("default".into(), bearer(), None, None, 13).await;
+        assert!(matches!(failed, Err(EndpointError::State(_))), "the commit failed");
+        assert!(state.reopen_if_failed().unwrap());
+        assert_eq!(state.load_endpoints().unwrap().len(), 3, "precondition: the registration holds on disk");
+        assert_eq!(reg.list(14).len(), 3, "a registration on disk is not listed");
     }
 
     /// Registrations (with a key and without), rotations and revocations made through the

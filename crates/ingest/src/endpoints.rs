@@ -87,7 +87,9 @@ pub struct UnreadableEndpoint {
 }
 
 impl StateDb {
-    /// Writes (inserts or replaces) an endpoint record durably.
+    /// Writes (inserts or replaces) an endpoint record durably. A live record is never
+    /// written over a tombstone, whatever the caller believes: a revocation never comes
+    /// back.
     pub fn put_endpoint(&self, record: &EndpointRecord) -> Result<(), StateError> {
         let bytes = postcard::to_stdvec(record).map_err(|e| StateError::Malformed(e.to_string()))?;
         let db = self.db()?;
@@ -95,6 +97,20 @@ impl StateDb {
         txn.set_durability(Durability::Immediate).map_err(|e| StateError::Storage(e.to_string()))?;
         {
             let mut table = txn.open_table(ENDPOINTS).map_err(storage_err)?;
+            if record.revoked_at_unix_ms.is_none() {
+                let stored_revoked = match table.get(record.id).map_err(storage_err)? {
+                    // One that does not decode is not known to be live either.
+                    Some(v) => postcard::from_bytes::<EndpointRecord>(v.value())
+                        .map_or(true, |stored| stored.revoked_at_unix_ms.is_some()),
+                    None => false,
+                };
+                if stored_revoked {
+                    return Err(StateError::Malformed(format!(
+                        "endpoint {:032x} is revoked (or its record does not read); its tombstone stays",
+                        record.id
+                    )));
+                }
+            }
             table.insert(record.id, bytes.as_slice()).map_err(storage_err)?;
         }
         txn.commit().map_err(storage_err)
@@ -276,8 +292,11 @@ mod tests {
         assert_eq!(db.load_endpoints().unwrap(), vec![Ok(rec.clone())]);
         assert_eq!(db.get_endpoint(42).unwrap(), Some(rec.clone()));
         assert_eq!(db.get_endpoint(43).unwrap(), None);
-        // A tombstone is never removed; a live record is, durably.
+        // A tombstone is never removed, nor written over by a live record; a live record
+        // is removed, durably.
         assert!(db.remove_live_endpoint(42).is_err());
+        let revived = EndpointRecord { revoked_at_unix_ms: None, rotated_at_unix_ms: Some(3), ..rec.clone() };
+        assert!(db.put_endpoint(&revived).is_err(), "a live record was written over a tombstone");
         assert_eq!(db.get_endpoint(42).unwrap(), Some(rec.clone()));
         let live = EndpointRecord { id: 44, revoked_at_unix_ms: None, ..rec };
         db.put_endpoint(&live).unwrap();
