@@ -1078,6 +1078,68 @@ mod tests {
         assert_eq!((wal.next_offset(), view.accepted_events, view.accepted_requests), (4, 4, 2));
     }
 
+    /// No request is answered before the sync that makes its records durable, whichever
+    /// way it comes: one event or an NDJSON batch, through the source's named path or a
+    /// secret-path endpoint (whose append runs in a task of its own), with a delivery id
+    /// (answered before its id is recorded, never before its records) or without. The
+    /// log's syncs are held: the group is written, its sync waits, and no answer may come
+    /// until it is let go. A kill -9 cannot show this (a killed process's writes stay in
+    /// the kernel); a power loss would take such a group.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn no_request_of_any_kind_is_answered_before_its_records_are_synced() {
+        use tower::ServiceExt;
+        use wal::storage::{HoldSyncs, HookedStorage, SimStorage};
+        let dir = tempfile::tempdir().unwrap();
+        let storage = HookedStorage::new(Arc::new(SimStorage::new()), HoldSyncs::default());
+        let opts = wal::WalOptions::default();
+        assert_eq!(opts.sync, wal::SyncPolicy::Always);
+        let wal = Arc::new(wal::Wal::open_with(Arc::new(storage.clone()), std::path::Path::new("/wal"), opts).unwrap());
+        let door = door_on(dir.path(), wal.clone());
+        let endpoint_path = format!("/v1/e/{ENDPOINT_ID:032x}");
+        let kinds = [
+            ("/v1/sources/hooks", SOURCE_TOKEN, false, None),
+            ("/v1/sources/hooks", SOURCE_TOKEN, true, None),
+            ("/v1/sources/hooks", SOURCE_TOKEN, false, Some("named-single")),
+            ("/v1/sources/hooks", SOURCE_TOKEN, true, Some("named-batch")),
+            (endpoint_path.as_str(), ENDPOINT_TOKEN, false, None),
+            (endpoint_path.as_str(), ENDPOINT_TOKEN, true, Some("endpoint-batch")),
+        ];
+        for (path, token, batch, delivery_id) in kinds {
+            let what = format!("{path} batch={batch} delivery_id={delivery_id:?}");
+            let durable_before = wal.next_offset();
+            let held = storage.hold_syncs();
+            let (content_type, body) = match batch {
+                true => ("application/x-ndjson", "{\"a\":1}\n{\"a\":2}\n{\"a\":3}\n"),
+                false => ("application/json", "{\"a\":1}"),
+            };
+            let mut req = Request::builder()
+                .method("POST")
+                .uri(path)
+                .header(header::CONTENT_TYPE, content_type)
+                .header(header::AUTHORIZATION, format!("Bearer {token}"));
+            if let Some(id) = delivery_id {
+                req = req.header("idempotency-key", id);
+            }
+            let request = tokio::spawn(router(door.clone()).oneshot(req.body(Body::from(body)).unwrap()));
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while storage.hooks().waiting() == 0 {
+                assert!(Instant::now() < deadline, "{what}: its records never reached the log");
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            assert!(!request.is_finished(), "{what}: answered with its records written and not synced");
+            assert_eq!(wal.next_offset(), durable_before, "{what}: durable with the sync held");
+            drop(held);
+            let answer = tokio::time::timeout(Duration::from_secs(10), request).await.unwrap().unwrap().unwrap();
+            assert_eq!(answer.status(), StatusCode::OK, "{what}");
+            let events = if batch { 3 } else { 1 };
+            assert_eq!(wal.next_offset(), durable_before + events, "{what}: answered before durable");
+            let body = answer.into_body().collect().await.unwrap().to_bytes();
+            let json: serde_json::Value = serde_json::from_slice(&body).unwrap();
+            assert_eq!(json["offsets"], serde_json::json!([durable_before, durable_before + events - 1]), "{what}");
+        }
+    }
+
     #[tokio::test]
     async fn the_200_body_is_what_serde_json_writes() {
         let edge = [0, 1, 9, 10, 99, 4096, u64::MAX - 1, u64::MAX];
