@@ -280,6 +280,9 @@ pub struct EndpointRegistry {
     any_unsettled: std::sync::atomic::AtomicBool,
 }
 
+/// The latest expiry a registration may ask for: the last millisecond of the year 9999.
+const EXPIRES_AT_UNIX_MS_MAX: u64 = 253_402_300_799_999;
+
 /// The endpoint a stored dynamic record makes, as a start loads it: unusable (404, listed
 /// so, revocable) where its auth no longer reads or its source is not configured; a
 /// tombstone whatever its auth holds.
@@ -651,6 +654,13 @@ impl EndpointRegistry {
         if let Some(t) = expires_at_unix_ms.filter(|&t| t <= now_unix_ms) {
             return Err(EndpointError::InvalidField(format!(
                 "expires_at_unix_ms: {t} is not in the future (milliseconds since the epoch; now is {now_unix_ms})"
+            )));
+        }
+        // The other way round, microseconds (or nanoseconds) given for milliseconds read
+        // as an expiry thousands of years away: an endpoint meant to expire never would.
+        if let Some(t) = expires_at_unix_ms.filter(|&t| t > EXPIRES_AT_UNIX_MS_MAX) {
+            return Err(EndpointError::InvalidField(format!(
+                "expires_at_unix_ms: {t} is after the year 9999 (milliseconds since the epoch, not microseconds; now is {now_unix_ms})"
             )));
         }
         if let Some(Err(message)) = handshake_param.as_deref().map(check_handshake_param) {
@@ -1308,9 +1318,10 @@ mod tests {
         };
         let (long_header, long_prefix) = ("x".repeat(129), "p".repeat(65));
         let hmac_key = |key: &str| StoredAuth { secret: Some(key.into()), header: None, prefix: None, ..hmac("", "") };
-        let refusals: [(StoredAuth, Option<&str>, Option<u64>, &str); 13] = [
+        let refusals: [(StoredAuth, Option<&str>, Option<u64>, &str); 14] = [
             (bearer(), None, Some(1_767_225_600), "expires_at_unix_ms: 1767225600 is not in the future"),
             (bearer(), None, Some(now), "expires_at_unix_ms"),
+            (bearer(), None, Some(now * 1000), "expires_at_unix_ms: 1767225600000000 is after the year 9999"),
             (bearer(), Some(""), None, "handshake_param"),
             (bearer(), Some("a&b"), None, "handshake_param"),
             (bearer(), Some("hub+challenge"), None, "handshake_param"),
