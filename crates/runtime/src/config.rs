@@ -891,16 +891,20 @@ fn listeners_collide(a: SocketAddr, b: SocketAddr) -> bool {
 
 /// Whether a client connecting to `address` (`HOST:PORT`, checked) reaches the listener
 /// bound to `listen` of this process: the same port (not 0), and the same IP address, or
-/// a loopback or unspecified one where the listener is on every address. A host name
-/// other than `localhost` is not resolved: it may name another machine.
+/// a loopback or unspecified one of a family the listener takes where it is on every
+/// address (`0.0.0.0` takes IPv4 only, `::` both). `localhost` is both loopbacks; any
+/// other host name is not resolved: it may name another machine.
 fn connects_to_listener(address: &str, listen: SocketAddr) -> bool {
-    use std::net::{IpAddr, Ipv4Addr};
-    let target = match address.parse::<SocketAddr>() {
-        Ok(a) => a,
+    use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+    let targets: Vec<SocketAddr> = match address.parse::<SocketAddr>() {
+        Ok(a) => vec![a],
         Err(_) => match address.rsplit_once(':') {
             Some((host, port)) if host.eq_ignore_ascii_case("localhost") || host.eq_ignore_ascii_case("localhost.") => {
                 match port.parse::<u16>() {
-                    Ok(port) => SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), port),
+                    Ok(port) => vec![
+                        SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), port),
+                        SocketAddr::new(IpAddr::V6(Ipv6Addr::LOCALHOST), port),
+                    ],
                     Err(_) => return false,
                 }
             }
@@ -908,11 +912,15 @@ fn connects_to_listener(address: &str, listen: SocketAddr) -> bool {
         },
     };
     let local = |ip: IpAddr| ip.is_loopback() || ip.is_unspecified();
-    listen.port() != 0
-        && target.port() == listen.port()
-        && (target.ip() == listen.ip()
-            || (listen.ip().is_unspecified() && local(target.ip()))
-            || (target.ip().is_unspecified() && local(listen.ip())))
+    // Whether a listener on every address of `listen`'s family takes `ip`'s.
+    let takes_family = |ip: IpAddr| matches!((listen.ip(), ip), (IpAddr::V6(_), _) | (IpAddr::V4(_), IpAddr::V4(_)));
+    targets.iter().any(|target| {
+        listen.port() != 0
+            && target.port() == listen.port()
+            && (target.ip() == listen.ip()
+                || (listen.ip().is_unspecified() && local(target.ip()) && takes_family(target.ip()))
+                || (target.ip().is_unspecified() && local(listen.ip()) && target.is_ipv4() == listen.is_ipv4()))
+    })
 }
 
 /// Headers that do not tell one delivery from the next (the same for every one of a
@@ -1657,25 +1665,29 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
             );
         }
         // Every event of a request is encoded with its own envelope before the one append
-        // that holds them all: the envelopes of the largest request this source can be
-        // sent (an NDJSON body of max_body_bytes in two-byte events, up to
-        // max_events_per_request) must fit in the room all requests share, or one
-        // request could hold more than all of them together may.
-        // (Not said again of a limit already refused.)
-        let events_max = max_events_per_request.min(max_body_bytes / 2 + 1).min(MAX_EVENTS_PER_REQUEST_LIMIT);
+        // that holds them all, and the door takes room for the most its body can become
+        // before it decodes it: as many events as lines (its newlines and one more, up to
+        // max_events_per_request), each with the source's largest envelope and what
+        // routing reads, beside the body. The largest request this source can be sent must
+        // fit in the room all requests share, or it would run alone, past every bound on
+        // what requests hold together. (Not said again of a limit already refused.)
+        let fields = spec.fields_read();
         let per_event_bytes =
-            spec.envelope_max_bytes() as u64 + http_source::json_fields::kept_bytes_max(&spec.fields_read()) as u64;
-        let envelopes_bytes = ingest::ingestor::footprint_bound(0, events_max, per_event_bytes);
-        if envelopes_bytes > ingest::ingestor::RUNNING_ON_MAX_BYTES
-            && max_events_per_request <= MAX_EVENTS_PER_REQUEST_LIMIT
-        {
-            let one_bytes = ingest::ingestor::footprint_bound(0, 1, per_event_bytes);
+            spec.envelope_max_bytes() as u64 + http_source::json_fields::kept_bytes_max(&fields) as u64;
+        let kept_leaves_bytes = if fields.is_empty() { 0 } else { max_body_bytes };
+        let room_bytes = |events: u64| {
+            ingest::ingestor::footprint_bound(max_body_bytes, events, per_event_bytes).saturating_add(kept_leaves_bytes)
+        };
+        let events_max = max_events_per_request.min(max_body_bytes.saturating_add(1));
+        let room_max = ingest::ingestor::RUNNING_ON_MAX_BYTES;
+        if room_bytes(events_max) > room_max && max_events_per_request <= MAX_EVENTS_PER_REQUEST_LIMIT {
+            let one_bytes = room_bytes(1) - room_bytes(0);
+            let fits = room_max.saturating_sub(room_bytes(0)) / one_bytes;
             c.err(
                 &http.key("max_events_per_request"),
                 format!(
-                    "a request to source {key:?} of {events_max} events would hold {envelopes_bytes} bytes beside its events ({one_bytes} per event: the source's envelope, with its forwarded headers and metadata, and what routing reads), more than the {} bytes all requests being accepted may hold at once; this source takes at most {}",
-                    ingest::ingestor::RUNNING_ON_MAX_BYTES,
-                    ingest::ingestor::RUNNING_ON_MAX_BYTES / one_bytes
+                    "a request to source {key:?} of {events_max} events (an NDJSON body of max_body_bytes) takes room for {} bytes ({one_bytes} per event: the source's envelope, with its forwarded headers and metadata, and what routing reads; and the body), more than the {room_max} bytes all requests being accepted share; this source takes at most {fits}",
+                    room_bytes(events_max)
                 ),
             );
         }
@@ -1782,7 +1794,10 @@ fn unreachable_by_default(
         // Said where the destinations past the start's are listed: a mapping's targets,
         // or else the allowlist's entries.
         let (at, what) = if named > spec.destinations_known_at_start().len() {
-            (sp.key("route").key("mapping"), "with the source's default and its allowlist's")
+            (
+                sp.key("route").key("mapping"),
+                "its mapping's targets, with its default and allowlist entries where counted",
+            )
         } else {
             (sp.key("admission").key("allowlist"), "with the source's default")
         };
@@ -2597,6 +2612,8 @@ max_destinations = 1
             ("127.0.0.1:8080", "localhost:8080"),
             ("0.0.0.0:8080", "127.0.0.1:8080"),
             ("[::]:8080", "[::1]:8080"),
+            ("[::]:8080", "127.0.0.1:8080"),
+            ("[::1]:8080", "localhost:8080"),
             ("127.0.0.1:8080", "0.0.0.0:8080"),
         ] {
             let e = errors(&config(listen, address));
@@ -2613,6 +2630,7 @@ max_destinations = 1
             ("10.0.0.1:8080", "127.0.0.1:8080"),
             ("127.0.0.1:8080", "iggy.internal:8080"),
             ("127.0.0.1:0", "127.0.0.1:8080"),
+            ("0.0.0.0:8080", "[::1]:8080"),
         ] {
             let text = config(listen, address);
             assert!(validate(&parse(&text, None).unwrap(), Some(&text), None).is_ok(), "{listen} {address}");
@@ -2833,11 +2851,12 @@ max_destinations = 1
         assert!(e[0].message.contains("source \"a\"") && e[0].message.contains("takes at most"), "{}", e[0].message);
         let at_most: u64 = e[0].message.rsplit(' ').next().unwrap().parse().unwrap();
         assert!((1_000..100_000).contains(&at_most), "{at_most}");
-        for ok in [config(at_most, 1024 * 1024), config(1_000_000, 2 * (at_most - 1))] {
+        // The most lines a body can hold is its length and one: a body that short fits.
+        for ok in [config(at_most, 1024 * 1024), config(1_000_000, at_most - 1)] {
             assert!(validate(&parse(&ok, None).unwrap(), Some(&ok), None).is_ok(), "{ok}");
         }
         assert!(!errors(&config(at_most + 1, 1024 * 1024)).is_empty());
-        // The built-in default's source, at the most events the limit allows, fits.
+        // A source with no forwarded header does not fit at the limit's top either.
         let text = "[http]\nmax_events_per_request = 1000000\nmax_body_bytes = 1000000\n[sources.a]\ndestination = { stream = \"s\", topic = \"t\" }\n";
         assert!(!errors(text).is_empty(), "half a million bare events hold more than the room");
         let text =

@@ -297,7 +297,7 @@ async fn reload_tls_on_hangup(mut hangups: tokio::signal::unix::Signal, tls: Vec
         // Said at each one: an operator who edited the file and sent a reload (systemd's
         // `reload`) must not take the reload for the file's.
         tracing::info!(
-            "SIGHUP received: the TLS certificates and keys are reloaded; the configuration file is read only at start (restart to apply a change to it)"
+            "SIGHUP received: it reloads TLS certificates and keys only; the configuration file is read only at start (restart to apply a change to it)"
         );
         if tls.is_empty() {
             tracing::info!("SIGHUP received: no listener serves TLS, nothing to reload");
