@@ -780,8 +780,13 @@ impl IdempotencyIndex {
 
     /// Marks the keys of records from `offset` on owed (see `owed`), up to the last key
     /// recorded (or tried): a reopen may have dropped any of them.
+    /// None is owed when no key was recorded from there on: a reopen dropped none, and
+    /// owing one would refuse every retry (503) until an append and a restore.
     fn owe_from(&self, offset: u64) {
-        let below = self.recorded_below.load(Ordering::Acquire).max(offset.saturating_add(1));
+        let below = self.recorded_below.load(Ordering::Acquire);
+        if below <= offset {
+            return;
+        }
         let mut owed = self.owed.lock().unwrap_or_else(|p| p.into_inner());
         *owed = Some(OwedKeys::widen(*owed, offset, below));
     }
@@ -1500,6 +1505,26 @@ mod tests {
         assert_eq!(wal.next_offset(), 1);
         assert_eq!(index.checkpoint(&wal, now).await.unwrap(), 1);
         assert_eq!(index.lookup(&key("d-0"), now).unwrap().map(|p| p.first_offset), Some(0), "d-0 never came back");
+    }
+
+    /// A reopen after an I/O error with no key recorded since the last durable checkpoint
+    /// dropped none, and owes none: a retry is answered from the database at once. Before,
+    /// the keys from the checkpoint on were owed until some append moved the log's end and
+    /// a checkpoint restored nothing, every retry meanwhile refused (503).
+    #[tokio::test]
+    async fn a_reopen_that_dropped_no_key_owes_none() {
+        let dir = tempfile::tempdir().unwrap();
+        let (state, fail) = failing_state(dir.path());
+        let (wal, index, ingestor, now) = serving_with(state, wal::WalOptions::default());
+        let d0 = ingestor.accept(one_event(Some("d-0"), now)).await.unwrap();
+        assert_eq!(index.checkpoint(&wal, now).await.unwrap(), 1);
+        fail.store(true, Ordering::SeqCst);
+        assert!(index.checkpoint(&wal, now).await.is_err());
+        fail.store(false, Ordering::SeqCst);
+        assert_eq!(index.checkpoint(&wal, now).await.unwrap(), 1, "reopened");
+        assert_eq!(index.keys_owed_from(), None);
+        let replayed = ingestor.replay_of(&key("d-0"), now).await.unwrap();
+        assert!(replayed.is_some_and(|a| a.replayed && a.first_offset == d0.first_offset));
     }
 
     /// A recovery cancelled right after its reopen (the daemon aborts its checkpoint task
