@@ -486,11 +486,18 @@ impl Writer {
     /// offsets out again, to other records, while their senders hold them; a reopen
     /// recovers exactly what is durable, as after a power loss.
     fn fail_to(&mut self, pending: &mut Vec<Pending>, e: std::io::Error, what: &str, keep_len: u64, next: u64) {
-        metrics::counter!("iggy_ingest_wal_storage_errors_total").increment(1);
+        // A seal retried every second while it keeps failing is counted and logged once,
+        // as a successor that cannot be created is (`await_segment`).
+        let retried_seal = what == "seal" && self.shared.awaits_segment.load(Ordering::Acquire);
+        if retried_seal {
+            tracing::debug!(error = %e, segment = %self.active.path.display(), "log seal failed again");
+        } else {
+            metrics::counter!("iggy_ingest_wal_storage_errors_total").increment(1);
+            tracing::error!(error = %e, segment = %self.active.path.display(), "log {what} failed");
+        }
         if is_out_of_space(&e) {
             self.set_disk_full(true);
         }
-        tracing::error!(error = %e, segment = %self.active.path.display(), "log {what} failed");
         // Offsets answered `Ok` that no sync covered yet: under `Interval`, the appends
         // answered since the last sync; under `Always`, none.
         let first_unanswered = pending.first().map_or(self.next_offset, |p| p.appended.first_offset);

@@ -122,4 +122,33 @@ fn waiting_for_a_segment_counts_one_storage_error_and_is_a_gauge_and_a_failed_re
     for gauge in ["iggy_ingest_wal_full", "iggy_ingest_wal_disk_full", "iggy_ingest_wal_awaiting_segment"] {
         assert_eq!(value(&r, gauge), 0.0, "{gauge} after a reopen: {r}");
     }
+
+    // A seal that keeps failing (its write refused, and undone) is waited out as a
+    // successor is: one storage error for the run of retries, and the gauge while it lasts.
+    drop(wal);
+    let sim = SimStorage::new();
+    let wal = open(&sim, WalOptions { preallocate_bytes: 0, ..small_options() });
+    append_tagged(&wal, 0..3, 1000);
+    let errors_before = value(&handle.render(), "iggy_ingest_wal_storage_errors_total");
+    for _ in 0..100 {
+        sim.fail_nth(FaultOp::Write, 1, ErrorKind::Other);
+    }
+    assert!(rt().block_on(wal.append(vec![payload(3, 1000)])).is_err());
+    assert!(wal.accepts_appends() && wal.awaits_segment());
+    let armed = sim.armed_faults();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while sim.armed_faults() + 2 > armed && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(sim.armed_faults() + 2 <= armed, "the writer did not retry the seal twice by itself");
+    let r = handle.render();
+    assert_eq!(value(&r, "iggy_ingest_wal_storage_errors_total"), errors_before + 1.0, "{r}");
+    assert_eq!(value(&r, "iggy_ingest_wal_awaiting_segment"), 1.0, "{r}");
+    sim.disarm();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while wal.awaits_segment() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(value(&handle.render(), "iggy_ingest_wal_awaiting_segment"), 0.0);
+    assert_eq!(rt().block_on(wal.append(vec![payload(4, 1000)])).unwrap().first_offset, 3);
 }
