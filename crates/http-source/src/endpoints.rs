@@ -273,12 +273,17 @@ pub struct EndpointRegistry {
     next_version: AtomicU64,
     /// The ids whose last change's commit failed: a failed commit may hold on disk all
     /// the same (the data flushed, then the sync reported an error), so memory may not
-    /// say what a restart would load. Each is settled ([`EndpointRegistry::settle`]) by
-    /// taking what the disk says once it reads again: at the id's next lookup, change or
-    /// listing. `any_unsettled` spares every lookup the lock while there is none.
+    /// say what a restart would load. Each is settled by taking what the disk says once
+    /// it reads again: by the id's next change ([`EndpointRegistry::settle_held`]), or by
+    /// a task that tries every [`SETTLE_RETRY_INTERVAL`] ([`EndpointRegistry::settle_one`]),
+    /// each under the id's gate and the change lock, as a change is made.
     unsettled: Mutex<std::collections::HashSet<u128>>,
-    any_unsettled: std::sync::atomic::AtomicBool,
+    /// Whether the task settling `unsettled` runs.
+    settler_running: std::sync::atomic::AtomicBool,
 }
+
+/// How often the ids whose change's commit failed are tried again against the disk.
+const SETTLE_RETRY_INTERVAL: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// The latest expiry a registration may ask for: the last millisecond of the year 9999.
 const EXPIRES_AT_UNIX_MS_MAX: u64 = 253_402_300_799_999;
@@ -448,7 +453,7 @@ impl EndpointRegistry {
             changes: tokio::sync::Mutex::new(()),
             next_version,
             unsettled: Mutex::new(std::collections::HashSet::new()),
-            any_unsettled: std::sync::atomic::AtomicBool::new(false),
+            settler_running: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -493,9 +498,6 @@ impl EndpointRegistry {
     /// request's head is checked against; [`EndpointRegistry::recheck`] decides again
     /// once its body was read.
     pub fn lookup(&self, id: u128, now_unix_ms: u64) -> Result<Arc<EndpointVersion>, Refusal> {
-        if self.any_unsettled.load(Ordering::Acquire) {
-            self.settle(id);
-        }
         let current = self.current(id).ok_or(Refusal::Unknown)?;
         check_active(&current.endpoint, now_unix_ms)?;
         Ok(current)
@@ -539,7 +541,6 @@ impl EndpointRegistry {
     /// `None`), and whether more follow the last one returned. Only the page is built:
     /// a listing of 200,000 endpoints (both kinds at their bounds) is never one answer.
     pub fn list_page(&self, now_unix_ms: u64, after: Option<u128>, limit: usize) -> (Vec<EndpointView>, bool) {
-        self.settle_all();
         let map = self.endpoints.read().unwrap_or_else(|p| p.into_inner());
         let mut ids: Vec<u128> = map.keys().copied().filter(|id| after.is_none_or(|a| *id > a)).collect();
         ids.sort_unstable();
@@ -589,10 +590,12 @@ impl EndpointRegistry {
             )));
         }
         let this = self.clone();
-        run_to_end(async move {
+        let registered = run_to_end(async move {
             this.register_now(source_key, auth, handshake_param, expires_at_unix_ms, key, now_unix_ms).await
         })
-        .await
+        .await;
+        self.settle_later();
+        registered
     }
 
     /// Replaces a dynamic endpoint's secret (generated when `secret` is `None`). Returns
@@ -604,14 +607,18 @@ impl EndpointRegistry {
         now_unix_ms: u64,
     ) -> Result<EndpointRecord, EndpointError> {
         let this = self.clone();
-        run_to_end(async move { this.rotate_now(id, secret, now_unix_ms).await }).await
+        let rotated = run_to_end(async move { this.rotate_now(id, secret, now_unix_ms).await }).await;
+        self.settle_later();
+        rotated
     }
 
     /// Revokes a dynamic endpoint (a tombstone; the id never works again). Returns once no
     /// request admitted by the endpoint can still be appended.
     pub async fn revoke(self: &Arc<Self>, id: u128, now_unix_ms: u64) -> Result<EndpointRecord, EndpointError> {
         let this = self.clone();
-        run_to_end(async move { this.revoke_now(id, now_unix_ms).await }).await
+        let revoked = run_to_end(async move { this.revoke_now(id, now_unix_ms).await }).await;
+        self.settle_later();
+        revoked
     }
 
     async fn register_now(
@@ -625,9 +632,6 @@ impl EndpointRegistry {
     ) -> Result<Registered, EndpointError> {
         // Taken before the key is looked up, so two calls with one key make one endpoint.
         let _serial = self.changes.lock().await;
-        // A registration answered 500 may exist on disk (its key with it): found before
-        // the key is looked up, so that its retry is answered with it.
-        self.settle_all();
         let keyed = match key {
             None => None,
             Some(key) => {
@@ -834,41 +838,76 @@ impl EndpointRegistry {
     fn unsettled_if_failed(&self, id: u128, committed: Result<(), StateError>) -> Result<(), EndpointError> {
         if committed.is_err() {
             self.unsettled.lock().unwrap_or_else(|p| p.into_inner()).insert(id);
-            self.any_unsettled.store(true, Ordering::Release);
         }
         Ok(committed?)
     }
 
-    /// Takes what the disk says of `id`, if it is unsettled and the disk reads: its
-    /// stored record becomes its current version (a new one, for a registration that
-    /// held), or, with none stored, memory already says it. Left unsettled while the
-    /// database does not read (until its reopen) or requests admitted by the endpoint
-    /// are still appending (a new version waits for them, as a change does).
-    fn settle(&self, id: u128) {
-        if !self.unsettled.lock().unwrap_or_else(|p| p.into_inner()).contains(&id) {
+    fn is_unsettled(&self, id: u128) -> bool {
+        self.unsettled.lock().unwrap_or_else(|p| p.into_inner()).contains(&id)
+    }
+
+    /// Starts the task that settles the unsettled ids, if there are any and it does not
+    /// run: it tries each every [`SETTLE_RETRY_INTERVAL`] until the disk reads, and ends
+    /// once none is left.
+    fn settle_later(self: &Arc<Self>) {
+        if self.unsettled.lock().unwrap_or_else(|p| p.into_inner()).is_empty()
+            || self.settler_running.swap(true, Ordering::AcqRel)
+        {
             return;
         }
-        let Ok(stored) = self.state.get_endpoint(id) else { return };
-        match (stored, self.current(id)) {
-            (Some(record), Some(current)) => {
-                let Ok(mut held) = current.gate.clone().try_write_owned() else { return };
-                self.install_stored(record, &mut held);
+        let this = self.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(SETTLE_RETRY_INTERVAL).await;
+                let ids: Vec<u128> = this.unsettled.lock().unwrap_or_else(|p| p.into_inner()).iter().copied().collect();
+                for id in ids {
+                    this.settle_one(id).await;
+                }
+                let unsettled = this.unsettled.lock().unwrap_or_else(|p| p.into_inner());
+                if unsettled.is_empty() {
+                    // Under the set's lock: an id added after this saw it empty starts a
+                    // task of its own.
+                    this.settler_running.store(false, Ordering::Release);
+                    return;
+                }
             }
-            (Some(record), None) => {
+        });
+    }
+
+    /// Takes what the disk says of `id`, if it is still unsettled and the disk reads: its
+    /// stored record becomes its current version (a new one, for a registration that
+    /// held), or, with none stored, memory already says it. Made as a change is: under
+    /// the id's gate (once its requests in flight have appended) and the change lock, so
+    /// that no change of the id runs between the disk's read and what it installs.
+    async fn settle_one(&self, id: u128) {
+        let mut held = match self.current(id) {
+            Some(current) => Some(current.gate.clone().write_owned().await),
+            None => None,
+        };
+        let _serial = self.changes.lock().await;
+        if !self.is_unsettled(id) {
+            return;
+        }
+        let state = self.state.clone();
+        let Ok(Ok(stored)) = tokio::task::spawn_blocking(move || state.get_endpoint(id)).await else { return };
+        match (stored, held.as_mut()) {
+            (Some(record), Some(held)) => self.install_stored(record, held),
+            (Some(record), None) if self.current(id).is_none() => {
+                tracing::warn!(endpoint = %id_prefix(id), "a registration whose commit failed is in the state database; it is served as a restart would");
                 self.install_new(endpoint_from_stored(record, &self.sources));
                 self.load_registration_of(id);
             }
-            (None, _) => {}
+            _ => {}
         }
         self.settled(id);
     }
 
-    /// [`EndpointRegistry::settle`] for a change holding `id`'s gate and the change
-    /// lock: a change of an unsettled id must start from what the disk says (a rotation
-    /// of an endpoint whose revocation held would write a live record over its
-    /// tombstone), so a disk that does not read refuses it.
+    /// Settles `id` for a change holding its gate and the change lock: a change of an
+    /// unsettled id must start from what the disk says (a rotation of an endpoint whose
+    /// revocation held would write a live record over its tombstone), so a disk that
+    /// does not read refuses it.
     fn settle_held(&self, id: u128, held: &mut OwnedRwLockWriteGuard<u64>) -> Result<(), EndpointError> {
-        if !self.unsettled.lock().unwrap_or_else(|p| p.into_inner()).contains(&id) {
+        if !self.is_unsettled(id) {
             return Ok(());
         }
         if let Some(record) = self.state.get_endpoint(id)? {
@@ -878,26 +917,13 @@ impl EndpointRegistry {
         Ok(())
     }
 
-    /// Every unsettled id that can be settled now.
-    fn settle_all(&self) {
-        if !self.any_unsettled.load(Ordering::Acquire) {
-            return;
-        }
-        let ids: Vec<u128> = self.unsettled.lock().unwrap_or_else(|p| p.into_inner()).iter().copied().collect();
-        for id in ids {
-            self.settle(id);
-        }
-    }
-
     fn install_stored(&self, record: EndpointRecord, held: &mut OwnedRwLockWriteGuard<u64>) {
         tracing::warn!(endpoint = %id_prefix(record.id), revoked = record.revoked_at_unix_ms.is_some(), "a change whose commit failed is taken as the state database holds it");
         self.install_held(held, endpoint_from_stored(record, &self.sources));
     }
 
     fn settled(&self, id: u128) {
-        let mut unsettled = self.unsettled.lock().unwrap_or_else(|p| p.into_inner());
-        unsettled.remove(&id);
-        self.any_unsettled.store(!unsettled.is_empty(), Ordering::Release);
+        self.unsettled.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
     }
 
     /// The idempotency key a registration of `id` was stored under, if any, as a start
@@ -1511,11 +1537,20 @@ mod tests {
         let rotated_secret = on_disk(b.id).auth.secret;
         assert_ne!(rotated_secret, b.auth.secret, "precondition: the rotation holds on disk");
 
-        assert_eq!(reg.lookup(a.id, 12).err(), Some(Refusal::Revoked), "a revocation on disk is not in effect");
+        // A change of an unsettled id starts from the disk: the rotation is refused, and
+        // the revocation is in effect from then on.
         assert!(matches!(reg.rotate(a.id, None, 12).await, Err(EndpointError::Revoked(_))));
         assert!(on_disk(a.id).revoked_at_unix_ms.is_some(), "a rotation undid a revocation on disk");
-        let served = reg.lookup(b.id, 12).unwrap();
-        assert_eq!(served.endpoint.record.as_ref().and_then(|r| r.auth.secret.clone()), rotated_secret);
+        assert_eq!(reg.lookup(a.id, 12).err(), Some(Refusal::Revoked), "a revocation on disk is not in effect");
+        // With no change to come, the registry settles by itself within a second or so.
+        let secret_served = |reg: &EndpointRegistry| {
+            reg.lookup(b.id, 12).unwrap().endpoint.record.as_ref().and_then(|r| r.auth.secret.clone())
+        };
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while secret_served(&reg) != rotated_secret {
+            assert!(std::time::Instant::now() < deadline, "the rotation on disk is not served");
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
 
         // A registration that failed yet held is listed, as a restart would list it.
         hooked.hooks().armed.store(true, Ordering::SeqCst);
@@ -1523,7 +1558,11 @@ mod tests {
         assert!(matches!(failed, Err(EndpointError::State(_))), "the commit failed");
         assert!(state.reopen_if_failed().unwrap());
         assert_eq!(state.load_endpoints().unwrap().len(), 3, "precondition: the registration holds on disk");
-        assert_eq!(reg.list(14).len(), 3, "a registration on disk is not listed");
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while reg.list(14).len() != 3 {
+            assert!(std::time::Instant::now() < deadline, "a registration on disk is not listed");
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
     }
 
     /// Registrations (with a key and without), rotations and revocations made through the
