@@ -404,6 +404,10 @@ pub async fn start(mut settings: Settings, metrics: Option<PrometheusHandle>) ->
                 false
             }
         };
+        // A periodic checkpoint restoring delivery ids from the log (after the state
+        // database failed) reads on a blocking thread that an abort cannot interrupt:
+        // it is told to end, so that the final checkpoint is not held behind it.
+        idempotency.stop_restores();
         checkpoint_task.abort();
         // Stop sending and store the last cursors while the log is still open. A send
         // still waiting for Iggy when the grace period ends is abandoned with the
