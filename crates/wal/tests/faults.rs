@@ -637,19 +637,11 @@ fn a_successor_that_cannot_be_created_is_created_by_the_writer_once_it_can() {
     assert_eq!(segment_files(&sim, &dir()).len(), 1);
     // With no append arriving, the writer tries again by itself.
     let armed = sim.armed_faults();
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    while sim.armed_faults() == armed && std::time::Instant::now() < deadline {
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
-    assert!(sim.armed_faults() < armed, "the writer did not try again with no append waiting");
+    wait_until("the writer did not try again with no append waiting", || sim.armed_faults() < armed);
     assert!(wal.awaits_segment());
     // The cause goes away: the successor is created before any append asks for it.
     sim.disarm();
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    while wal.awaits_segment() && std::time::Instant::now() < deadline {
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
-    assert!(!wal.awaits_segment(), "the successor was never created");
+    wait_until("the successor was never created", || !wal.awaits_segment());
     assert_eq!(segment_files(&sim, &dir()).len(), 2);
     // The failed appends took no offsets.
     let a = rt().block_on(wal.append(vec![payload(5, 1000)])).unwrap();
@@ -686,17 +678,9 @@ fn a_seal_that_cannot_be_written_is_awaited_and_retried_like_a_successor() {
         }
     });
     let armed = sim.armed_faults();
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    while sim.armed_faults() == armed && std::time::Instant::now() < deadline {
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
-    assert!(sim.armed_faults() < armed, "the writer did not try again with no append waiting");
+    wait_until("the writer did not try again with no append waiting", || sim.armed_faults() < armed);
     sim.disarm();
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    while wal.awaits_segment() && std::time::Instant::now() < deadline {
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
-    assert!(!wal.awaits_segment(), "the rotation was never made");
+    wait_until("the rotation was never made", || !wal.awaits_segment());
     assert_eq!(segment_files(&sim, &dir()).len(), 2);
     let a = rt().block_on(wal.append(vec![payload(5, 1000)])).unwrap();
     assert_eq!(a.first_offset, 3, "the failed appends took no offsets");
@@ -738,11 +722,7 @@ fn a_log_whose_sealed_tail_cannot_get_its_successor_opens_and_waits_for_it() {
     assert!(matches!(e, wal::WalError::Io { .. }), "{e}");
     // Space returns: the writer creates the successor by itself.
     sim.set_space_limit(None);
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    while wal.awaits_segment() && std::time::Instant::now() < deadline {
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
-    assert!(!wal.awaits_segment(), "the successor was never created");
+    wait_until("the successor was never created", || !wal.awaits_segment());
     assert!(!wal.is_disk_full(), "the successor's creation found space");
     assert_eq!(rt().block_on(wal.append(vec![payload(5, 100)])).unwrap().first_offset, 3);
 }

@@ -86,3 +86,13 @@ impl Hooks for SlowWrites {
         file.write_all_at(buf, pos)
     }
 }
+
+/// Waits up to 10 s for `done`, polling, and fails the test naming `what` if it never is.
+#[allow(dead_code)] // Not every test binary that shares this module waits.
+pub fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !done() {
+        assert!(std::time::Instant::now() < deadline, "{what}");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
