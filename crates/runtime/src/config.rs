@@ -1245,8 +1245,9 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
         c.warn(
             &logging.key("level"),
             format!(
-                "{log_level:?} sets no level for every target, so only the targets it names log (errors of the rest \
-                 included; a misspelt level is a target name to it): add one, e.g. \"warn,iggy_ingest=debug\""
+                "{log_level:?} sets no level for every target (a misspelt level is a target name to it), so every \
+                 target it does not name logs at {}: add a level, e.g. \"info,iggy_ingest=debug\"",
+                crate::logging::LEVEL_WHERE_NONE_IS_SET
             ),
         );
     }

@@ -39,21 +39,33 @@ pub fn sets_default_level(filter: &str) -> bool {
     normalized(filter).split(',').any(|d| !d.is_empty() && d.parse::<tracing_subscriber::filter::LevelFilter>().is_ok())
 }
 
-/// The filter for a configured level: the level itself, with the client's messages off
-/// unless the level names them.
+/// The level every target gets from a configured level that sets none (`"inof"`, a
+/// misspelt level, is a target name to the parser; `"iggy_ingest=debug"` names one
+/// target): without it the daemon's other targets, errors included, and the
+/// configuration's warning that says so, would not be written.
+pub const LEVEL_WHERE_NONE_IS_SET: &str = "warn";
+
+/// The filter for a configured level: the level itself ([`LEVEL_WHERE_NONE_IS_SET`] for
+/// every target it does not set), with each of the client's targets off unless the
+/// level names it (or `iggy`, all of them).
 pub fn filter_for(level: &str) -> String {
     let level = normalized(level);
-    let level = level.as_str();
-    let names_client = level.split(',').any(|directive| {
-        let target = directive.split(['=', '[']).next().unwrap_or("");
-        target == "iggy" || CLIENT_TARGETS.iter().any(|t| target.starts_with(t))
-    });
-    if names_client {
-        level.to_string()
-    } else {
-        let off: Vec<String> = CLIENT_TARGETS.iter().map(|t| format!("{t}=off")).collect();
-        format!("{level},{}", off.join(","))
-    }
+    let level = match sets_default_level(&level) {
+        true => level,
+        false if level.is_empty() => LEVEL_WHERE_NONE_IS_SET.to_string(),
+        false => format!("{LEVEL_WHERE_NONE_IS_SET},{level}"),
+    };
+    let named: Vec<&str> = level.split(',').map(|directive| directive.split(['=', '[']).next().unwrap_or("")).collect();
+    let off: Vec<String> = CLIENT_TARGETS
+        .iter()
+        .filter(|t| {
+            !named
+                .iter()
+                .any(|target| *target == "iggy" || target.starts_with(*t) || *target == t.trim_end_matches("::"))
+        })
+        .map(|t| format!("{t}=off"))
+        .collect();
+    if off.is_empty() { level } else { format!("{level},{}", off.join(",")) }
 }
 
 /// The filter the daemon logs by, from the configured `level` and `RUST_LOG`'s value
@@ -190,5 +202,32 @@ mod tests {
         let out = written("info,iggy_ingest=warn", &all);
         assert!(!out.contains("from iggy_ingest::daemon") && out.contains("from router::status"), "{out}");
         assert!(!out.contains("from iggy::"), "{out}");
+        // Naming one of the client's targets turns that one on, not the others.
+        let out = written("info,iggy_common=error", &all);
+        assert!(out.contains("from iggy_common::error") && !out.contains("from iggy::"), "{out}");
+    }
+
+    /// A configured level that sets none for every target (a misspelt one is a target
+    /// name to the parser) leaves the daemon's other targets at warn: their errors, and
+    /// the configuration's warning that says so, are written. Before, nothing was.
+    #[test]
+    fn a_level_that_sets_none_for_every_target_leaves_the_rest_at_warn() {
+        let out = Arc::new(Mutex::new(Vec::<u8>::new()));
+        let sink = out.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_env_filter(EnvFilter::try_new(filter_for("warning")).unwrap())
+            .with_writer(move || Writer(sink.clone()))
+            .with_ansi(false)
+            .finish();
+        tracing::subscriber::with_default(subscriber, || {
+            tracing::warn!(target: "iggy_ingest::run", "a warning of the daemon");
+            tracing::error!(target: "router::status", "an error of the router");
+            tracing::info!(target: "iggy_ingest::daemon", "an info line");
+        });
+        let out = String::from_utf8(out.lock().unwrap().clone()).unwrap();
+        assert!(out.contains("a warning of the daemon") && out.contains("an error of the router"), "{out}");
+        assert!(!out.contains("an info line"), "{out}");
+        assert!(filter_for("iggy_ingest=debug").starts_with("warn,iggy_ingest=debug"));
+        assert!(filter_for("info").starts_with("info,"));
     }
 }
