@@ -208,7 +208,14 @@ impl RunningDaemon {
 pub async fn start(mut settings: Settings, metrics: Option<PrometheusHandle>) -> Result<RunningDaemon, StartError> {
     // Every metric at zero from the first scrape on (a no-op without a recorder).
     crate::telemetry::register_all(settings.sources.iter().map(|s| s.key.as_str()));
-    crate::mapping_fetch::resolve_all(&mut settings.sources).await.map_err(StartError::Mapping)?;
+    let policies = settings.delivery.policies.clone();
+    let mapping_warnings =
+        crate::mapping_fetch::resolve_all(&mut settings.sources, |key| policies.for_source(key).max_destinations)
+            .await
+            .map_err(StartError::Mapping)?;
+    for warning in mapping_warnings {
+        tracing::warn!("configuration: {warning}");
+    }
     // Read again here (validation read them too): the files may have changed since.
     let tls_of = |files: &Option<http_source::tls::TlsFiles>, listener: &'static str, section: &'static str| {
         files

@@ -98,9 +98,16 @@ async fn fetch_inner(url: &str) -> Result<Mapping, String> {
         .await
         .map_err(|e| format!("HTTP handshake with {} failed: {e}", target.authority))?;
     let conn = tokio::spawn(conn);
-    let path = target.uri.path_and_query().map_or("/", |p| p.as_str());
+    // The request target: the path ("/" when the URL names none, also before a query:
+    // `http://h?v=2` holds "?v=2", which is no request target) and the query.
+    let path = match (target.uri.path(), target.uri.query()) {
+        ("", Some(q)) => format!("/?{q}"),
+        ("", None) => "/".to_string(),
+        (p, Some(q)) => format!("{p}?{q}"),
+        (p, None) => p.to_string(),
+    };
     let host = target.uri.authority().map_or(target.authority.as_str(), |a| a.as_str());
-    let request = hyper::Request::get(path)
+    let request = hyper::Request::get(path.as_str())
         .header(hyper::header::HOST, host)
         .header(hyper::header::ACCEPT, "application/json")
         .body(Empty::new())
@@ -121,8 +128,15 @@ async fn fetch_inner(url: &str) -> Result<Mapping, String> {
 }
 
 /// Replaces every route's `mapping_url` with the fetched table. The error names the
-/// key path (`sources.<key>.route.mapping_url`) and why.
-pub async fn resolve_all(sources: &mut [SourceSpec]) -> Result<(), String> {
+/// key path (`sources.<key>.route.mapping_url`) and why. Returns the warnings an inline
+/// table would get at `config check`, for the caller to log: a table whose targets, with
+/// the source's default and allowlist entries, are more destinations than the source's
+/// cap (`max_destinations`, from the source's key), whose records past it are refused.
+pub async fn resolve_all(
+    sources: &mut [SourceSpec],
+    max_destinations: impl Fn(&str) -> usize,
+) -> Result<Vec<String>, String> {
+    let mut warnings = Vec::new();
     for source in sources {
         let Some(route) = source.destinations.route_mut() else { continue };
         let MappingSource::Url(url) = &route.mapping else { continue };
@@ -149,8 +163,16 @@ pub async fn resolve_all(sources: &mut [SourceSpec]) -> Result<(), String> {
             ));
         }
         tracing::info!(source = %source.key, url = %url, entries, "route mapping fetched");
+        let (named, cap) = (source.destinations_named_in_file().len(), max_destinations(&source.key));
+        if named > cap {
+            warnings.push(format!(
+                "{path}: the mapping at {url} names {named} destinations (its targets, with the source's default and \
+                 allowlist entries where counted), more than its max_destinations ({cap}): events to those the cap \
+                 does not admit are refused as cap and held, dropped or dead-lettered as on_admission_failure says"
+            ));
+        }
     }
-    Ok(())
+    Ok(warnings)
 }
 
 /// The most refused entries of a fetched mapping an error names (a mapping may hold
@@ -203,7 +225,55 @@ mod tests {
         let text = "[sources.\"shop.v2\"]\nroute = { topic_field = \"kind\", default_stream = \"s\", default_topic = \"t\", mapping_url = \"http://127.0.0.1:1/m\" }\n";
         let config = crate::config::parse(text, None).unwrap();
         let mut settings = crate::config::validate(&config, Some(text), None).unwrap();
-        let e = resolve_all(&mut settings.sources).await.unwrap_err();
+        let e = resolve_all(&mut settings.sources, |_| 1000).await.unwrap_err();
         assert!(e.starts_with("sources.\"shop.v2\".route.mapping_url: "), "{e}");
+    }
+
+    /// A fetched table is counted against the source's cap as an inline one is at
+    /// `config check`: more destinations than `max_destinations` is warned of, naming
+    /// the key path. Before, a fetched table was never counted.
+    #[tokio::test]
+    async fn a_fetched_mapping_naming_more_destinations_than_the_cap_is_warned_of() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let body = r#"{"a": {"stream": "s", "topic": "x"}, "b": "y", "c": "z"}"#;
+        let app = axum::Router::new().route("/m", axum::routing::get(move || async move { body }));
+        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+        let text = format!(
+            "[sources.web]\nroute = {{ topic_field = \"kind\", default_stream = \"web\", default_topic = \"misc\", mapping_url = \"http://{addr}/m\" }}\n"
+        );
+        let config = crate::config::parse(&text, None).unwrap();
+        let settings = crate::config::validate(&config, Some(&text), None).unwrap();
+        let mut sources = settings.sources.clone();
+        let warnings = resolve_all(&mut sources, |key| if key == "web" { 3 } else { 1000 }).await.unwrap();
+        assert_eq!(warnings.len(), 1, "{warnings:?}");
+        assert!(
+            warnings[0].starts_with("sources.web.route.mapping_url: ") && warnings[0].contains("names 4"),
+            "{}",
+            warnings[0]
+        );
+        let mut sources = settings.sources;
+        assert_eq!(resolve_all(&mut sources, |_| 4).await.unwrap(), Vec::<String>::new());
+    }
+
+    /// A URL with a query and no path is fetched from `/` with its query. Before, its
+    /// request target was the query alone, which no request can carry: every start
+    /// failed, although `config check` took the URL.
+    #[tokio::test]
+    async fn a_url_with_a_query_and_no_path_is_fetched_from_the_root() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let app = axum::Router::new().route(
+            "/",
+            axum::routing::get(|q: axum::extract::RawQuery| async move {
+                if q.0.as_deref() == Some("v=2") { r#"{"a": "b"}"# } else { "{}" }
+            }),
+        );
+        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+        let url = format!("http://{addr}?v=2");
+        assert!(check_url(&url).is_ok());
+        let mapping = fetch(&url).await.unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(mapping.len(), 1);
+        assert!(fetch(&format!("http://{addr}")).await.unwrap_err().contains("empty"));
     }
 }
