@@ -47,6 +47,14 @@ pub fn problem(s: &str) -> Option<String> {
     if !is_host_name(host) {
         return Some(format!("has {host:?} for a host, which is not a host name or IP address"));
     }
+    if looks_numeric(host) && host.parse::<std::net::Ipv4Addr>().is_err() {
+        // The resolver reads such a "name" as an address in its own way: 010.0.0.1 in
+        // octal (8.0.0.1), 2130706433 and 0x7f.1 as 127.0.0.1.
+        return Some(format!(
+            "has {host:?} for a host, which a resolver would read as an IPv4 address other than the one it looks like \
+             (write four decimal numbers, 0 to 255, without leading zeros)"
+        ));
+    }
     if p.is_empty() || !p.bytes().all(|b| b.is_ascii_digit()) {
         return Some(format!("has {p:?} for a port, which is not a number"));
     }
@@ -58,6 +66,18 @@ pub fn problem(s: &str) -> Option<String> {
 
 fn port(p: u16) -> Option<String> {
     (p == 0).then(|| "has port 0, which names no server (a connection to it always fails)".into())
+}
+
+/// Whether a resolver takes `host` for an IPv4 address in some notation: its last label
+/// (DNS has no numeric top-level domain) is a number, decimal or `0x` hex.
+fn looks_numeric(host: &str) -> bool {
+    let name = host.strip_suffix('.').unwrap_or(host);
+    let last = name.rsplit('.').next().unwrap_or(name);
+    let hex = last.strip_prefix("0x").or_else(|| last.strip_prefix("0X"));
+    match hex {
+        Some(digits) => !digits.is_empty() && digits.bytes().all(|b| b.is_ascii_hexdigit()),
+        None => !last.is_empty() && last.bytes().all(|b| b.is_ascii_digit()),
+    }
 }
 
 /// A host name or an IPv4 address (digits and dots are a valid name too).
@@ -87,6 +107,9 @@ mod tests {
             "[::1]:8090",
             "[2001:db8::7]:8090",
             "[fe80::1%2]:8090",
+            "0.0.0.0:8090",
+            "iggy.0x:8090",
+            "10x.internal:8090",
         ] {
             assert_eq!(check(ok), Ok(()), "{ok}");
         }
@@ -118,6 +141,12 @@ mod tests {
             ("iggy..internal:8090", "not a host name"),
             (".:8090", "not a host name"),
             ("ïggy:8090", "not a host name"),
+            // Read by the resolver as another address than they look like.
+            ("010.0.0.1:8090", "IPv4 address other than"),
+            ("2130706433:8090", "IPv4 address other than"),
+            ("0x7f.1:8090", "IPv4 address other than"),
+            ("127.1:8090", "IPv4 address other than"),
+            ("256.0.0.1:8090", "IPv4 address other than"),
         ] {
             let e = check(bad).expect_err(bad);
             assert!(e.contains(why) && e.contains(FORM), "{bad:?}: {e}");
