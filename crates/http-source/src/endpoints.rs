@@ -590,12 +590,13 @@ impl EndpointRegistry {
             )));
         }
         let this = self.clone();
-        let registered = run_to_end(async move {
-            this.register_now(source_key, auth, handshake_param, expires_at_unix_ms, key, now_unix_ms).await
+        run_to_end(async move {
+            let registered =
+                this.register_now(source_key, auth, handshake_param, expires_at_unix_ms, key, now_unix_ms).await;
+            this.settle_later();
+            registered
         })
-        .await;
-        self.settle_later();
-        registered
+        .await
     }
 
     /// Replaces a dynamic endpoint's secret (generated when `secret` is `None`). Returns
@@ -607,18 +608,24 @@ impl EndpointRegistry {
         now_unix_ms: u64,
     ) -> Result<EndpointRecord, EndpointError> {
         let this = self.clone();
-        let rotated = run_to_end(async move { this.rotate_now(id, secret, now_unix_ms).await }).await;
-        self.settle_later();
-        rotated
+        run_to_end(async move {
+            let rotated = this.rotate_now(id, secret, now_unix_ms).await;
+            this.settle_later();
+            rotated
+        })
+        .await
     }
 
     /// Revokes a dynamic endpoint (a tombstone; the id never works again). Returns once no
     /// request admitted by the endpoint can still be appended.
     pub async fn revoke(self: &Arc<Self>, id: u128, now_unix_ms: u64) -> Result<EndpointRecord, EndpointError> {
         let this = self.clone();
-        let revoked = run_to_end(async move { this.revoke_now(id, now_unix_ms).await }).await;
-        self.settle_later();
-        revoked
+        run_to_end(async move {
+            let revoked = this.revoke_now(id, now_unix_ms).await;
+            this.settle_later();
+            revoked
+        })
+        .await
     }
 
     async fn register_now(
@@ -632,6 +639,9 @@ impl EndpointRegistry {
     ) -> Result<Registered, EndpointError> {
         // Taken before the key is looked up, so two calls with one key make one endpoint.
         let _serial = self.changes.lock().await;
+        // A registration answered 500 may hold on disk with its key: found before the key
+        // is looked up, so that its retry is answered with it, not made again.
+        self.settle_registrations_locked();
         let keyed = match key {
             None => None,
             Some(key) => {
@@ -855,10 +865,12 @@ impl EndpointRegistry {
         {
             return;
         }
-        let this = self.clone();
+        // Held weakly between tries: a registry dropped (the daemon stopped) ends it.
+        let registry = Arc::downgrade(self);
         tokio::spawn(async move {
             loop {
                 tokio::time::sleep(SETTLE_RETRY_INTERVAL).await;
+                let Some(this) = registry.upgrade() else { return };
                 let ids: Vec<u128> = this.unsettled.lock().unwrap_or_else(|p| p.into_inner()).iter().copied().collect();
                 for id in ids {
                     this.settle_one(id).await;
@@ -880,6 +892,11 @@ impl EndpointRegistry {
     /// the id's gate (once its requests in flight have appended) and the change lock, so
     /// that no change of the id runs between the disk's read and what it installs.
     async fn settle_one(&self, id: u128) {
+        // Nothing is held off until the disk reads: while the database waits for its
+        // reopen, the endpoint's requests must not wait a change's turn every second.
+        if self.state.get_endpoint(id).is_err() {
+            return;
+        }
         let mut held = match self.current(id) {
             Some(current) => Some(current.gate.clone().write_owned().await),
             None => None,
@@ -915,6 +932,32 @@ impl EndpointRegistry {
         }
         self.settled(id);
         Ok(())
+    }
+
+    /// Settles, for a registration holding the change lock, every unsettled id memory
+    /// does not know (a registration answered 500 that may hold on disk, its key with
+    /// it); an id whose record does not read yet is left to the task.
+    fn settle_registrations_locked(&self) {
+        let unknown: Vec<u128> = self
+            .unsettled
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .copied()
+            .filter(|id| self.current(*id).is_none())
+            .collect();
+        for id in unknown {
+            match self.state.get_endpoint(id) {
+                Ok(Some(record)) => {
+                    tracing::warn!(endpoint = %id_prefix(id), "a registration whose commit failed is in the state database; it is served as a restart would");
+                    self.install_new(endpoint_from_stored(record, &self.sources));
+                    self.load_registration_of(id);
+                    self.settled(id);
+                }
+                Ok(None) => self.settled(id),
+                Err(_) => {}
+            }
+        }
     }
 
     fn install_stored(&self, record: EndpointRecord, held: &mut OwnedRwLockWriteGuard<u64>) {
@@ -1563,6 +1606,17 @@ mod tests {
             assert!(std::time::Instant::now() < deadline, "a registration on disk is not listed");
             tokio::time::sleep(std::time::Duration::from_millis(20)).await;
         }
+
+        // A keyed registration that failed yet held is found by its retry at once, under
+        // its key, not made a second time.
+        let keyed = || reg.register_keyed("default".into(), bearer(), None, None, Some(b"k-1".to_vec()), 15);
+        hooked.hooks().armed.store(true, Ordering::SeqCst);
+        assert!(matches!(keyed().await, Err(EndpointError::State(_))), "the commit failed");
+        assert!(state.reopen_if_failed().unwrap());
+        assert_eq!(state.load_endpoints().unwrap().len(), 4, "precondition: the registration holds on disk");
+        let retried = keyed().await.unwrap();
+        assert!(retried.replayed, "the retry registered a second endpoint");
+        assert_eq!(state.load_endpoints().unwrap().len(), 4);
     }
 
     /// Registrations (with a key and without), rotations and revocations made through the

@@ -199,7 +199,7 @@ pub struct IdempotencyIndex {
     /// checkpoint task at shutdown) leaves it set, and the next recovery owes them.
     reopen_unsettled: AtomicBool,
     /// Set at a stop ([`IdempotencyIndex::stop_restores`]): a restore from the log while
-    /// serving ends at its next step, committing nothing, so that the final checkpoint
+    /// serving ends at its next record, committing nothing, so that the final checkpoint
     /// (which waits for the gate it holds) is not held behind a long read.
     restores_stopped: AtomicBool,
     gate: Arc<RwLock<()>>,
@@ -289,10 +289,6 @@ impl Drop for OwedUnlessRecorded {
         }
     }
 }
-
-/// How many records a restore from the log while serving reads between looks at whether
-/// it was stopped ([`IdempotencyIndex::stop_restores`]): a few milliseconds of reading.
-pub const RESTORE_STEP_RECORDS: u64 = 4096;
 
 /// The most keys one recorder transaction carries.
 const RECORD_GROUP_MAX: usize = 4096;
@@ -658,20 +654,20 @@ impl IdempotencyIndex {
         self.checkpoint_as(wal, now_unix_ms, CheckpointAt::Serving).await
     }
 
+    /// Ends any restore from the log running while serving (a checkpoint's, a recovery's)
+    /// at its next record, committing nothing: the keys it was restoring stay owed, the
+    /// final checkpoint stops below them, and the next start restores them. Call at a
+    /// stop, before the final checkpoint.
+    pub fn stop_restores(&self) {
+        self.restores_stopped.store(true, Ordering::Release);
+    }
+
     /// [`IdempotencyIndex::checkpoint`] at shutdown: the same durable checkpoint, without
     /// the work a stop should not wait for, which the next start does: it does not go on
     /// sweeping a backlog of expired keys, and it does not restore owed keys from the log
     /// (a read of every record since the durable checkpoint, as long as the log, which
     /// runs on its thread to the end: no timeout could cut it short). It stops below the
     /// first owed key instead, and the next start's rebuild restores them.
-    /// Ends any restore from the log running while serving (a checkpoint's, a recovery's)
-    /// at its next step of [`RESTORE_STEP_RECORDS`], committing nothing: the keys it was
-    /// restoring stay owed, the final checkpoint stops below them, and the next start
-    /// restores them. Call at a stop, before the final checkpoint.
-    pub fn stop_restores(&self) {
-        self.restores_stopped.store(true, Ordering::Release);
-    }
-
     pub async fn final_checkpoint(&self, wal: &Wal, now_unix_ms: u64) -> Result<u64, StateError> {
         self.checkpoint_as(wal, now_unix_ms, CheckpointAt::Stop).await
     }
@@ -941,10 +937,7 @@ impl IdempotencyIndex {
         for record in records {
             let record = record.map_err(|e| StateError::Storage(format!("reading the log: {e}")))?;
             report.records_scanned += 1;
-            if phase == Phase::Serving
-                && report.records_scanned.is_multiple_of(RESTORE_STEP_RECORDS)
-                && self.restores_stopped.load(Ordering::Acquire)
-            {
+            if phase == Phase::Serving && self.restores_stopped.load(Ordering::Acquire) {
                 return Err(StateError::Storage(
                     "the restore of delivery ids from the log was stopped (the daemon stops); the next start restores them"
                         .into(),
@@ -1728,14 +1721,14 @@ mod tests {
     /// Before, the restore ran to the end, and a stop bounded by a timeout could give up
     /// on the final checkpoint (exit 1).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_stop_ends_a_restore_from_the_log_within_a_step() {
+    async fn a_stop_ends_a_restore_from_the_log_at_its_next_record() {
         let state = Arc::new(StateDb::open_in_memory().unwrap());
         let (wal, index, ingestor, now) = serving_with(state, wal::WalOptions::default());
         ingestor.accept(one_event(Some("d-0"), now)).await.unwrap();
         *index.recorder.lock().unwrap() = None;
         let d1 = ingestor.accept(one_event(Some("d-1"), now)).await.unwrap();
         assert_eq!(index.keys_owed_from(), Some(d1.first_offset));
-        let records = 3 * RESTORE_STEP_RECORDS as usize;
+        let records = 10_000;
         wal.append((0..records).map(|_| bytes::Bytes::from_static(b"a record of another kind")).collect())
             .await
             .unwrap();

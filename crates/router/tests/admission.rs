@@ -346,12 +346,14 @@ async fn records_dropped_as_out_of_range_start_the_breakers_count_again() {
     // One more record, whose send fails once: one failure, the breaker still closed.
     wal.append(vec![record(&d, 1, Partitioning::Balanced)]).await.unwrap();
     eventually(Duration::from_secs(10), "a failed send", || lane().is_some_and(|l| l.consecutive_failures >= 1)).await;
-    // The failure is counted before the breaker's state is shown: let the lane show it
-    // (the next try is a backoff of 400 ms away).
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    let l = lane().unwrap();
-    assert!(l.consecutive_failures < threshold, "the test's backoff let the failures reach the threshold: {l:?}");
-    assert_eq!(l.breaker, "closed", "one failure opened the breaker: {l:?}");
+    // The failure is counted before the breaker's state is shown: watch it until the
+    // next try, a backoff of 400 ms away, for the breaker to open.
+    for _ in 0..15 {
+        let l = lane().unwrap();
+        assert!(l.consecutive_failures < threshold, "the test's backoff let the failures reach the threshold: {l:?}");
+        assert_eq!(l.breaker, "closed", "one failure opened the breaker: {l:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     router.shutdown().await;
 }
 

@@ -3,8 +3,8 @@
 //! is added to it; an empty one counts as unset: [`effective_filter`]). Text is coloured
 //! only when stderr is a terminal.
 //!
-//! The `iggy` client's own messages are off unless the configured level or `RUST_LOG`
-//! names the `iggy` target: it logs every failed connection attempt at error level,
+//! Each of the `iggy` client's targets is off unless the configured level or `RUST_LOG`
+//! names all of it (or `iggy`, all of them): it logs every failed connection attempt at error level,
 //! which during an outage repeats the router's own account (status transitions with
 //! their reason, the last error on `/connectors/{key}/destinations`) once per retry.
 //!
@@ -58,10 +58,14 @@ pub fn filter_for(level: &str) -> String {
     let named: Vec<&str> = level.split(',').map(|directive| directive.split(['=', '[']).next().unwrap_or("")).collect();
     let off: Vec<String> = CLIENT_TARGETS
         .iter()
+        // A directive names the targets its own starts (a filter matches by prefix): one
+        // that covers all of `t` turns `t` on; one for a part of it (`iggy::clients`) is
+        // more specific than `t=off`, and wins for that part alone.
         .filter(|t| {
-            !named
-                .iter()
-                .any(|target| *target == "iggy" || target.starts_with(*t) || *target == t.trim_end_matches("::"))
+            !named.iter().any(|target| {
+                !target.is_empty()
+                    && (*target == "iggy" || t.trim_end_matches("::").starts_with(target.trim_end_matches("::")))
+            })
         })
         .map(|t| format!("{t}=off"))
         .collect();
@@ -202,9 +206,14 @@ mod tests {
         let out = written("info,iggy_ingest=warn", &all);
         assert!(!out.contains("from iggy_ingest::daemon") && out.contains("from router::status"), "{out}");
         assert!(!out.contains("from iggy::"), "{out}");
-        // Naming one of the client's targets turns that one on, not the others.
+        // Naming one of the client's targets turns that one on, not the others; naming a
+        // part of one turns on that part alone.
         let out = written("info,iggy_common=error", &all);
         assert!(out.contains("from iggy_common::error") && !out.contains("from iggy::"), "{out}");
+        let out = written("info,iggy::clients=debug", &all);
+        assert!(!out.contains("from iggy::tcp::tcp_client") && !out.contains("from iggy_common"), "{out}");
+        let out = written("info,iggy_common::other=off", &all);
+        assert!(!out.contains("from iggy_common::error"), "{out}");
     }
 
     /// A configured level that sets none for every target (a misspelt one is a target
