@@ -233,6 +233,12 @@ fn create_topic(shared: &Shared, header: &RequestHeader, body: &[u8]) -> Result<
     // Admission: unknown keys and bad values are refused before anything is
     // created, as the server does.
     let options = TopicCreateOptions::parse(&request.options)?;
+    // A segment size out of the server's bounds (1 MiB to 1 GiB, a multiple of 512) is
+    // refused before the commit, as the server refuses it; so is a preallocation past
+    // its reservation cap.
+    if let Some(size) = options.segment_size {
+        iggy_common::validate_topic_segment_size(size.as_bytes_u64(), iggy_common::MAX_TOPIC_SEGMENT_SIZE)?;
+    }
     // A size limit below one segment could never be kept: the server refuses it
     // (`validate_topic_size_floor`), against the topic's segment size or, without one,
     // its fixed default (1 GiB, whatever the server's own configuration says).

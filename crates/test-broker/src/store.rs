@@ -246,6 +246,11 @@ impl Store {
         if stream.topics.iter().any(|topic| topic.name == name) {
             return Err(IggyError::TopicNameAlreadyExists(name.to_owned(), Identifier::default()));
         }
+        // The server holds at most this many topics in one stream (its metadata state
+        // machine refuses the next with `TooManyTopics`).
+        if stream.topics.len() >= iggy_binary_protocol::namespace::MAX_TOPICS {
+            return Err(IggyError::TooManyTopics);
+        }
         let id = u32::try_from(stream.topics.len()).map_err(|_| IggyError::InvalidCommand)?;
         options.partitions_count = Some(partitions_count);
         stream.topics.push(Topic {

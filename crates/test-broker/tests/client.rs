@@ -148,6 +148,14 @@ async fn streams_and_topics_are_created_once_with_their_options() {
         }
     }
 
+    // A segment size out of the server's bounds is refused before anything is created.
+    for bad in [1024 * 1024 - 512, (1 << 30) + 512, (4 << 20) + 1] {
+        let options =
+            TopicCreateOptions { segment_size: Some(IggyByteSize::from(bad)), ..TopicCreateOptions::default() };
+        let e = client.create_topic(&id(STREAM), &format!("segment-{bad}"), &options).await.expect_err("refused");
+        assert!(matches!(e, IggyError::InvalidOptionValue(_)), "{bad}: {e:?}");
+    }
+
     let stream = client.get_stream(&id(STREAM)).await.expect("get").expect("stream");
     assert_eq!(stream.name, STREAM);
     assert_eq!(stream.topics_count, 3);
@@ -481,4 +489,23 @@ async fn idle_connections_closed_by_the_broker_are_reopened_transparently() {
     send(&client, &Partitioning::partition_id(0), &[1]).await.expect("reconnected");
     assert_eq!(broker.accepted_connections(), 2);
     assert_eq!(broker.messages(STREAM, TOPIC).iter().map(|m| m.id).collect::<Vec<_>>(), vec![1]);
+}
+
+/// A stream holds at most as many topics as the server's (4,096): the next is refused
+/// with `TooManyTopics`, as the server refuses it, so a router that names more
+/// destinations in one stream meets the refusal in CI too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_holds_at_most_the_servers_number_of_topics() {
+    let broker = start().await;
+    let client = client(&broker);
+    client.connect().await.expect("connect");
+    client.create_stream("many").await.expect("stream");
+    let options = TopicCreateOptions { partitions_count: Some(1), ..TopicCreateOptions::default() };
+    let max = iggy_binary_protocol::namespace::MAX_TOPICS;
+    for n in 0..max {
+        client.create_topic(&id("many"), &format!("t{n}"), &options).await.unwrap_or_else(|e| panic!("t{n}: {e:?}"));
+    }
+    let e = client.create_topic(&id("many"), "one-too-many", &options).await.expect_err("refused");
+    assert!(matches!(e, IggyError::TooManyTopics), "{e:?}");
+    assert!(client.get_topic(&id("many"), &id("one-too-many")).await.expect("get").is_none());
 }
