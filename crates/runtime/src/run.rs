@@ -119,7 +119,8 @@ pub fn run(settings: Settings, ready_file: Option<PathBuf>) -> ExitCode {
             && let Err(e) = write_ready_file(path, &running)
         {
             tracing::error!(error = %e, path = %path.display(), "cannot write the ready file");
-            running.shutdown();
+            // Nobody was told it was ready: no load balancer has traffic to move away.
+            running.shutdown_before_ready();
             running.wait().await;
             return ExitCode::FAILURE;
         }
