@@ -608,6 +608,25 @@ fn under_interval_a_failed_final_sync_fails_the_close_and_says_what_may_be_lost(
     assert_eq!(wal.next_offset(), 0);
 }
 
+/// Three records of 1000 bytes fill a small segment; with every metadata change of the
+/// disk refused from then on, the next two appends need a rotation that fails: each is
+/// refused, and the log says it awaits the rotation without being stopped.
+fn appends_refused_for_a_rotation(sim: &SimStorage, wal: &wal::Wal) {
+    append_tagged(wal, 0..3, 1000);
+    assert!(!wal.awaits_segment());
+    for _ in 0..100 {
+        sim.fail_nth(FaultOp::Metadata, 1, ErrorKind::PermissionDenied);
+    }
+    rt().block_on(async {
+        for tag in 3..5 {
+            let e = wal.append(vec![payload(tag, 1000)]).await.unwrap_err();
+            assert!(e.to_string().contains("simulated fault"), "{e}");
+            assert!(wal.awaits_segment(), "a log that can take no append says it accepts them");
+            assert!(wal.accepts_appends(), "nothing is lost or poisoned: a reopen is not needed");
+        }
+    });
+}
+
 /// A rotation seals the active segment, then creates its successor. When that creation
 /// fails and keeps failing (a directory that turned read-only, a full disk), no append
 /// can be taken: the log says so (`awaits_segment`, which the daemon's health reports),
@@ -620,20 +639,8 @@ fn a_successor_that_cannot_be_created_is_created_by_the_writer_once_it_can() {
     // No zeros written ahead, so the seal cuts nothing and the first namespace change of
     // the rotation is the successor's creation.
     let wal = open(&sim, WalOptions { preallocate_bytes: 0, ..small_options() });
-    append_tagged(&wal, 0..3, 1000);
-    assert!(!wal.awaits_segment());
-    for _ in 0..100 {
-        sim.fail_nth(FaultOp::Metadata, 1, ErrorKind::PermissionDenied);
-    }
-    rt().block_on(async {
-        // Does not fit beside the three: a rotation, whose successor is refused.
-        for tag in 3..5 {
-            let e = wal.append(vec![payload(tag, 1000)]).await.unwrap_err();
-            assert!(e.to_string().contains("simulated fault"), "{e}");
-            assert!(wal.awaits_segment(), "a log that can take no append says it accepts them");
-            assert!(wal.accepts_appends(), "nothing is lost or poisoned: a reopen is not needed");
-        }
-    });
+    // Does not fit beside the three: a rotation, whose successor is refused.
+    appends_refused_for_a_rotation(&sim, &wal);
     assert_eq!(segment_files(&sim, &dir()).len(), 1);
     // With no append arriving, the writer tries again by itself.
     let armed = sim.armed_faults();
@@ -664,19 +671,8 @@ fn a_seal_that_cannot_be_written_is_awaited_and_retried_like_a_successor() {
     let opts = small_options();
     assert!(opts.preallocate_bytes > 0, "the seal's first step must be its cut of the zeros");
     let wal = open(&sim, opts.clone());
-    append_tagged(&wal, 0..3, 1000);
-    assert!(!wal.awaits_segment());
-    for _ in 0..100 {
-        sim.fail_nth(FaultOp::Metadata, 1, ErrorKind::PermissionDenied);
-    }
-    rt().block_on(async {
-        for tag in 3..5 {
-            let e = wal.append(vec![payload(tag, 1000)]).await.unwrap_err();
-            assert!(e.to_string().contains("simulated fault"), "{e}");
-            assert!(wal.accepts_appends(), "the undo wrote zeros: nothing to reopen for");
-            assert!(wal.awaits_segment(), "a log that can take no append says it accepts them");
-        }
-    });
+    // The undo of the seal writes zeros where it cannot cut: nothing to reopen for.
+    appends_refused_for_a_rotation(&sim, &wal);
     let armed = sim.armed_faults();
     wait_until("the writer did not try again with no append waiting", || sim.armed_faults() < armed);
     sim.disarm();
