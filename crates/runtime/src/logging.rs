@@ -98,7 +98,15 @@ pub fn init(level: &str, json: bool) {
     let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(ansi);
     let _ = if json { builder.json().try_init() } else { builder.try_init() };
     if let (Some(value), Some(why)) = (&env, refused) {
-        tracing::warn!(rust_log = %value, error = %why, level, "RUST_LOG is not a filter: the configured level is used");
+        // Said on stderr where the configured level writes no warning (`error`, `off`):
+        // a RUST_LOG that does nothing must not pass unsaid.
+        if tracing::enabled!(tracing::Level::WARN) {
+            tracing::warn!(rust_log = %value, error = %why, level, "RUST_LOG is not a filter: the configured level is used");
+        } else {
+            eprintln!(
+                "iggy-ingest: RUST_LOG {value:?} is not a filter ({why}): the configured level {level:?} is used"
+            );
+        }
     }
 }
 

@@ -948,3 +948,37 @@ async fn a_full_log_shows_in_the_metrics_the_log_alerts_watch() {
     assert_eq!(value(&samples, "iggy_ingest_append_latency_seconds_count", &[]), Some(f64::from(accepted)));
     assert!(d.stop().success());
 }
+
+/// A `RUST_LOG` that is no filter is said, also under a configured level that writes no
+/// warning (`error`, as these tests run): on stderr then. Before, it was a warning the
+/// level filtered away, and a RUST_LOG that did nothing passed unsaid.
+#[test]
+fn a_rust_log_that_is_no_filter_is_said_whatever_the_level() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("config.toml");
+    let source = "[sources.a]\ndestination = { stream = \"s\", topic = \"t\" }\n\n[router]\nenabled = false\n";
+    std::fs::write(&cfg, config_text(dir.path(), "", source)).unwrap();
+    assert!(std::fs::read_to_string(&cfg).unwrap().contains("level = \"error\""));
+    let log = dir.path().join("daemon.log");
+    let ready = dir.path().join("ready.json");
+    let child = std::process::Command::new(env!("CARGO_BIN_EXE_iggy-ingest"))
+        .args(["run", "--config"])
+        .arg(&cfg)
+        .arg("--ready-file")
+        .arg(&ready)
+        .env("RUST_LOG", "info,=x=")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let daemon = Daemon {
+        child,
+        http: "127.0.0.1:1".parse().unwrap(),
+        admin: "127.0.0.1:1".parse().unwrap(),
+        root: dir.path().into(),
+    }
+    .ready();
+    assert!(daemon.stop().success());
+    let said = std::fs::read_to_string(&log).unwrap();
+    assert!(said.contains("RUST_LOG \"info,=x=\" is not a filter"), "{said}");
+}
