@@ -448,7 +448,12 @@ async fn an_idempotency_recorder_that_panics_stops_the_daemon_with_status_1_and_
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_retry_answered_before_its_id_is_recorded_survives_a_kill_9() {
     let dir = test_dir("replay-unrecorded");
-    let config = config_text(dir.path(), "127.0.0.1:1", KEYED_SOURCE);
+    // No periodic checkpoint while the recorder is held: one would wait for the claim the
+    // held recorder keeps (it takes the gate exclusively), and every keyed request after
+    // it, the retry this test sends, would wait behind it. The first runs at the start.
+    let config = config_text(dir.path(), "127.0.0.1:1", KEYED_SOURCE)
+        .replace("checkpoint_interval_ms = 200", "checkpoint_interval_ms = 60000");
+    assert!(config.contains("checkpoint_interval_ms = 60000"));
     let mut daemon = Daemon::start(dir.path(), &config, &recorder_held()).await;
     let mut conn = Conn::open(daemon.http).await.expect("connect");
     post_delivery_1(&daemon, &mut conn, "the first sending").await;
