@@ -909,11 +909,7 @@ impl EndpointRegistry {
         let Ok(Ok(stored)) = tokio::task::spawn_blocking(move || state.get_endpoint(id)).await else { return };
         match (stored, held.as_mut()) {
             (Some(record), Some(held)) => self.install_stored(record, held),
-            (Some(record), None) if self.current(id).is_none() => {
-                tracing::warn!(endpoint = %id_prefix(id), "a registration whose commit failed is in the state database; it is served as a restart would");
-                self.install_new(endpoint_from_stored(record, &self.sources));
-                self.load_registration_of(id);
-            }
+            (Some(record), None) if self.current(id).is_none() => self.install_registration_held(record),
             _ => {}
         }
         self.settled(id);
@@ -949,15 +945,22 @@ impl EndpointRegistry {
         for id in unknown {
             match self.state.get_endpoint(id) {
                 Ok(Some(record)) => {
-                    tracing::warn!(endpoint = %id_prefix(id), "a registration whose commit failed is in the state database; it is served as a restart would");
-                    self.install_new(endpoint_from_stored(record, &self.sources));
-                    self.load_registration_of(id);
+                    self.install_registration_held(record);
                     self.settled(id);
                 }
                 Ok(None) => self.settled(id),
                 Err(_) => {}
             }
         }
+    }
+
+    /// Makes known a registration whose commit failed yet held, with the idempotency key
+    /// it was stored under, as a restart would load it.
+    fn install_registration_held(&self, record: EndpointRecord) {
+        let id = record.id;
+        tracing::warn!(endpoint = %id_prefix(id), "a registration whose commit failed is in the state database; it is served as a restart would");
+        self.install_new(endpoint_from_stored(record, &self.sources));
+        self.load_registration_of(id);
     }
 
     fn install_stored(&self, record: EndpointRecord, held: &mut OwnedRwLockWriteGuard<u64>) {

@@ -98,13 +98,11 @@ async fn fetch_inner(url: &str) -> Result<Mapping, String> {
         .await
         .map_err(|e| format!("HTTP handshake with {} failed: {e}", target.authority))?;
     let conn = tokio::spawn(conn);
-    // The request target: the path ("/" when the URL names none, also before a query:
-    // `http://h?v=2` holds "?v=2", which is no request target) and the query.
-    let path = match (target.uri.path(), target.uri.query()) {
-        ("", Some(q)) => format!("/?{q}"),
-        ("", None) => "/".to_string(),
-        (p, Some(q)) => format!("{p}?{q}"),
-        (p, None) => p.to_string(),
+    // The request target: the path (which `Uri::path` gives as "/" when the URL names
+    // none) and the query. `path_and_query` of `http://h?v=2` is "?v=2", no request target.
+    let path = match target.uri.query() {
+        Some(q) => format!("{}?{q}", target.uri.path()),
+        None => target.uri.path().to_string(),
     };
     let host = target.uri.authority().map_or(target.authority.as_str(), |a| a.as_str());
     let request = hyper::Request::get(path.as_str())
