@@ -768,12 +768,11 @@ impl IdempotencyIndex {
         }
         if reopened {
             // The repair kept the last durable commit: keys recorded since (not durably)
-            // are gone from the database, and owed until a restore reads their records.
-            // Owed from the checkpoint first, in case the restore fails; after it, from
-            // where it stopped, if keys were recorded past it: records it could not read
-            // yet (answered under `interval`, not yet synced) have lost their keys. Under
-            // `always` it read every answered record, and nothing is owed: owing from the
-            // log's end would refuse every retry (503) until some append moved the end.
+            // are gone from the database, and owed until a restore reads their records:
+            // owed from the checkpoint to the last key recorded, in case the restore
+            // fails; the restore keeps owing what it could not read yet (answered under
+            // `interval`, not yet synced), and under `always` it reads every answered
+            // record and nothing is owed after it.
             self.owe_from(self.durable_through.load(Ordering::Acquire));
             self.reopen_unsettled.store(false, Ordering::Release);
             if at == CheckpointAt::Stop {
@@ -781,10 +780,6 @@ impl IdempotencyIndex {
             }
             let report = self.restore_from_log(wal, now_unix_ms)?;
             tracing::warn!(?report, "idempotency keys restored from the log after the state database was reopened");
-            let restored_through = self.durable_through.load(Ordering::Acquire);
-            if self.recorded_below.load(Ordering::Acquire) > restored_through {
-                self.owe_from(restored_through);
-            }
         } else {
             self.reopen_unsettled.store(false, Ordering::Release);
         }
