@@ -602,7 +602,7 @@ pub fn migrate(path: &Path) -> Result<Migration, StateError> {
 /// meanwhile either finds the lock taken (and refuses to start) or no file (and creates
 /// a new database): never one that is deleted under it. The removal is made durable.
 pub fn reset(path: &Path) -> Result<StateInventory, StateError> {
-    reset_with(path, || {})
+    reset_on(&wal::storage::FsStorage, path, |p| Database::open(p), || {})
 }
 
 /// The file `state reset --yes` leaves beside the database it deleted (or found
@@ -618,16 +618,25 @@ pub fn reset_marker(path: &Path) -> PathBuf {
 
 /// Leaves [`reset_marker`] for `path`, durably (the file, then its directory).
 pub fn mark_reset(path: &Path) -> Result<(), StateError> {
+    mark_reset_on(&wal::storage::FsStorage, path)
+}
+
+/// [`mark_reset`] on `storage`. A marker left by an earlier reset is written again.
+fn mark_reset_on(storage: &dyn Storage, path: &Path) -> Result<(), StateError> {
+    const TEXT: &[u8] =
+        b"the state database was discarded by `iggy-ingest state reset --yes`: the next start creates an empty one\n";
     let marker = reset_marker(path);
-    let written = std::fs::File::create(&marker).and_then(|mut f| {
-        std::io::Write::write_all(
-            &mut f,
-            b"the state database was discarded by `iggy-ingest state reset --yes`: the next start creates an empty one\n",
-        )?;
-        f.sync_all()
+    let written = match storage.open(&marker, OpenMode::CreateNew) {
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => storage.open(&marker, OpenMode::ReadWrite),
+        opened => opened,
+    }
+    .and_then(|f| {
+        f.set_len(0)?;
+        f.write_all_at(TEXT, 0)?;
+        f.sync_data()
     });
     written.map_err(|e| open_err(&marker, e))?;
-    sync_parent(&marker).map_err(|e| open_err(&marker, e))
+    storage.sync_dir(parent_dir(&marker)).map_err(|e| open_err(&marker, e))
 }
 
 /// The directory holding `path` (`.` for a bare file name).
@@ -635,17 +644,12 @@ fn parent_dir(path: &Path) -> &Path {
     path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."))
 }
 
-/// Syncs the directory holding `path`, so that a name created or removed there lasts.
-fn sync_parent(path: &Path) -> std::io::Result<()> {
-    wal::storage::FsStorage.sync_dir(parent_dir(path))
-}
-
 /// Whether a start must refuse rather than create the database at `path`: there is none,
 /// the log beside it was written before (`log_next_offset` above 0: a daemon ran, and
 /// kept its cursors, endpoints and tombstones there), and no reset asked for an empty
 /// one ([`reset_marker`]).
-pub fn missing_beside_a_log(path: &Path, log_next_offset: u64) -> Result<bool, StateError> {
-    let exists = |p: &Path| match std::fs::symlink_metadata(p) {
+fn missing_beside_a_log(storage: &dyn Storage, path: &Path, log_next_offset: u64) -> Result<bool, StateError> {
+    let exists = |p: &Path| match storage.open(p, OpenMode::Read) {
         Ok(_) => Ok(true),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
         Err(e) => Err(open_err(p, e)),
@@ -653,23 +657,52 @@ pub fn missing_beside_a_log(path: &Path, log_next_offset: u64) -> Result<bool, S
     Ok(log_next_offset > 0 && !exists(path)? && !exists(&reset_marker(path))?)
 }
 
+/// Opens the database at `path` as a start does beside a log whose next offset is
+/// `log_next_offset`: `None` where [`missing_beside_a_log`] says the start must refuse;
+/// otherwise the database (created whole where missing, [`StateDb::open`]), with
+/// [`reset_marker`] removed once it exists, never before.
+pub fn open_beside_a_log(path: &Path, log_next_offset: u64) -> Result<Option<StateDb>, StateError> {
+    open_beside_a_log_on(&wal::storage::FsStorage, path, log_next_offset, |p| StateDb::open(p))
+}
+
+/// [`open_beside_a_log`] on `storage`, the database opened by `open`.
+fn open_beside_a_log_on(
+    storage: &dyn Storage,
+    path: &Path,
+    log_next_offset: u64,
+    open: impl FnOnce(&Path) -> Result<StateDb, StateError>,
+) -> Result<Option<StateDb>, StateError> {
+    if missing_beside_a_log(storage, path, log_next_offset)? {
+        return Ok(None);
+    }
+    let state = open(path)?;
+    clear_reset_marker(storage, path);
+    Ok(Some(state))
+}
+
 /// Removes [`reset_marker`] once a new database exists: best effort, as a marker left
 /// over only lets a later start create a database where it finds none.
-pub fn clear_reset_marker(path: &Path) {
-    match std::fs::remove_file(reset_marker(path)) {
+fn clear_reset_marker(storage: &dyn Storage, path: &Path) {
+    match storage.remove_file(&reset_marker(path)) {
         Ok(()) => {
-            let _ = sync_parent(path);
+            let _ = storage.sync_dir(parent_dir(path));
         }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
         Err(e) => tracing::warn!(error = %e, "cannot remove the state reset marker"),
     }
 }
 
-/// [`reset`], running `before_unlink` while the lock is held and the file not yet
-/// removed (where a concurrent start is tested).
-fn reset_with(path: &Path, before_unlink: impl FnOnce()) -> Result<StateInventory, StateError> {
-    read_from_disk(&wal::storage::FsStorage, path);
-    let (db, inventory) = match Database::open(path) {
+/// [`reset`] on `storage`, the database opened by `open` (on the file system, redb's own
+/// open, which takes the file's lock), running `before_unlink` while the lock is held
+/// and the file not yet removed (where a concurrent start is tested).
+fn reset_on(
+    storage: &dyn Storage,
+    path: &Path,
+    open: impl FnOnce(&Path) -> Result<Database, redb::DatabaseError>,
+    before_unlink: impl FnOnce(),
+) -> Result<StateInventory, StateError> {
+    read_from_disk(storage, path);
+    let (db, inventory) = match open(path) {
         Ok(db) => {
             let inventory = inventory_of(db.begin_read().map_err(storage_err)?)?;
             (Some(db), inventory)
@@ -683,13 +716,13 @@ fn reset_with(path: &Path, before_unlink: impl FnOnce()) -> Result<StateInventor
     };
     before_unlink();
     // The marker first, synced, then the unlink: so no moment has the database gone
-    // without the marker that lets the next start create an empty one (the order is
-    // not crash-tested; a start refused for want of it is undone by `state reset --yes`
-    // again).
-    mark_reset(path)?;
-    std::fs::remove_file(path).map_err(|e| open_err(path, e))?;
+    // without the marker that lets the next start create an empty one, whatever a
+    // power loss keeps of the directory's unsynced changes
+    // (`tests::a_power_loss_during_a_reset_or_the_start_after_it_never_refuses_the_next_start`).
+    mark_reset_on(storage, path)?;
+    storage.remove_file(path).map_err(|e| open_err(path, e))?;
     drop(db);
-    sync_parent(path).map_err(|e| open_err(path, e))?;
+    storage.sync_dir(parent_dir(path)).map_err(|e| open_err(path, e))?;
     Ok(inventory)
 }
 
@@ -852,7 +885,7 @@ mod tests {
         let p = dir.path().join("state.redb");
         drop(StateDb::open(&p).unwrap());
         let mut started = None;
-        reset_with(&p, || started = Some(StateDb::open(&p))).unwrap();
+        reset_on(&wal::storage::FsStorage, &p, |p| Database::open(p), || started = Some(StateDb::open(&p))).unwrap();
         match started.expect("the hook ran") {
             Err(_) => {}
             Ok(db) => {
@@ -895,6 +928,78 @@ mod tests {
                 assert_eq!(expected, SCHEMA_VERSION);
             }
             other => panic!("expected a schema mismatch, got {other:?}"),
+        }
+    }
+
+    /// A power loss before any one of the writes, syncs and directory changes of a
+    /// reset, or of the start after it, never leaves the start that follows refused for
+    /// a missing database (the log beside it was written): the database is there (the
+    /// one the reset was to discard, or the empty one the start made), or the marker
+    /// that lets that start create one is. Cut on the simulated disk, losing what was
+    /// unsynced, or keeping any mix of the directory's unsynced changes (a removal kept,
+    /// a creation lost). A reset that returned and the start after it leave an empty
+    /// database and no marker.
+    #[test]
+    fn a_power_loss_during_a_reset_or_the_start_after_it_never_refuses_the_next_start() {
+        use wal::storage::{CrashMode, FaultOp, SimStorage};
+        let path = Path::new("/data/state.redb");
+        let open_on = |sim: &SimStorage| {
+            let sim = sim.clone();
+            move |p: &Path| {
+                let file = sim.open(p, OpenMode::ReadWrite).map_err(|e| redb::DatabaseError::Storage(e.into()))?;
+                redb::Builder::new().create_with_backend(crate::state_storage::StorageFileBackend::new(file))
+            }
+        };
+        // The start as the daemon makes it, beside a log written before.
+        let start = |sim: &SimStorage| -> Result<StateDb, String> {
+            open_beside_a_log_on(sim, path, 1, |p| StateDb::open_on(Arc::new(sim.clone()), p))
+                .map_err(|e| e.to_string())?
+                .ok_or_else(|| "refused: the database is missing beside a log written before".to_string())
+        };
+        let row = crate::CursorRow { source: "s".into(), stream: "st".into(), topic: "t".into(), delivered_below: 7 };
+        for n in 1.. {
+            let mut cut = false;
+            for mode in [CrashMode::LoseUnsynced, CrashMode::Reordered { seed: n }] {
+                let sim = SimStorage::new();
+                wal::storage::create_dir_all_durably(&sim, Path::new("/data")).unwrap();
+                let first = StateDb::open_on(Arc::new(sim.clone()), path).unwrap();
+                first.store_cursors(std::slice::from_ref(&row)).unwrap();
+                drop(first);
+                sim.crash_at_nth(FaultOp::AnyMutation, n, mode);
+                // The process's view of the disk: every call through it fails once the
+                // power went (the test's own `sim` is the disk, which outlives it).
+                let process = sim.clone();
+                let reset = reset_on(&process, path, open_on(&process), || {});
+                let started = reset.as_ref().map_err(|e| e.to_string()).and_then(|_| start(&process));
+                if sim.crashes() == 0 {
+                    let db = started.unwrap_or_else(|e| panic!("no cut: the reset or the start failed: {e}"));
+                    assert_eq!(db.load_cursors().unwrap(), vec![], "the reset kept a cursor");
+                    assert!(sim.open(&reset_marker(path), OpenMode::Read).is_err(), "the start left the marker");
+                    continue;
+                }
+                cut = true;
+                drop(started);
+                sim.disarm();
+                let disk = sim.fork();
+                let case = format!(
+                    "cut before mutation {n} ({mode:?}; the reset {})",
+                    match &reset {
+                        Ok(_) => "returned",
+                        Err(_) => "failed",
+                    }
+                );
+                let db = start(&disk).unwrap_or_else(|e| panic!("{case}: the next start: {e}"));
+                let cursors = db.load_cursors().unwrap();
+                assert!(cursors.is_empty() || cursors == vec![row.clone()], "{case}: {cursors:?}");
+                if reset.is_ok() {
+                    assert!(cursors.is_empty(), "{case}: a reset that returned came back");
+                }
+            }
+            if !cut {
+                assert!(n > 1, "the reset made no mutation");
+                return;
+            }
+            assert!(n < 1_000, "the reset never ran to its end");
         }
     }
 }

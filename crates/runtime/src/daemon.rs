@@ -522,16 +522,9 @@ async fn open_on_log(settings: &Settings, wal: &Arc<Wal>) -> Result<OnLog, Start
         // Created whole (or not at all) and its name made durable (`StateDb::open`); file
         // work, on a blocking thread, as the checks around it.
         let p = state_path.clone();
-        tokio::task::spawn_blocking(move || {
-            if ingest::state::missing_beside_a_log(&p, log_next_offset)? {
-                return Ok(None);
-            }
-            let state = StateDb::open(&p)?;
-            ingest::state::clear_reset_marker(&p);
-            Ok::<_, StateError>(Some(state))
-        })
-        .await
-        .map_err(|e| StateError::Storage(format!("open task failed: {e}")))??
+        tokio::task::spawn_blocking(move || ingest::state::open_beside_a_log(&p, log_next_offset))
+            .await
+            .map_err(|e| StateError::Storage(format!("open task failed: {e}")))??
     };
     let Some(state) = state else {
         return Err(StartError::StateMissing { path: state_path, log_next_offset });
