@@ -485,9 +485,11 @@ impl AuthScheme {
                     return Err(AuthFailure::Malformed);
                 }
                 let ts_secs: u64 = t.parse().map_err(|_| AuthFailure::Malformed)?;
-                // Signature first, then tolerance, as for Standard Webhooks.
-                let mac = mac256(secret, &[t.as_bytes(), b".", body]);
-                if v1.iter().any(|sig| mac.clone().verify_slice(sig).is_ok()) {
+                // Signature first, then tolerance, as for Standard Webhooks; the tag
+                // computed once, however many `v1` entries the header lists.
+                let tag: [u8; 32] = mac256(secret, &[t.as_bytes(), b".", body]).finalize().into_bytes().into();
+                // The length is not secret; the bytes are compared in constant time.
+                if v1.iter().any(|sig| sig.len() == tag.len() && bool::from(tag.ct_eq(sig.as_slice()))) {
                     check_tolerance(ts_secs, now_unix_ms, *tolerance_secs)
                 } else {
                     Err(AuthFailure::BadSignature)
@@ -568,8 +570,17 @@ pub fn bearer_token(headers: &HeaderMap) -> Result<&str, AuthFailure> {
         .ok_or(AuthFailure::Malformed)
 }
 
+/// The text of header `name`. Given more than once, it is `Malformed`: every header a
+/// scheme reads is a single value, and where the check read one value and the door
+/// another (a forwarded `webhook-id`, a partition key from a header), a captured
+/// request resent with a second value after the signed one would pass its check and
+/// store the unsigned one.
 fn header_str<'a>(headers: &'a HeaderMap, name: &str) -> Result<&'a str, AuthFailure> {
-    let v = headers.get(name).ok_or(AuthFailure::MissingHeader)?;
+    let mut values = headers.get_all(name).iter();
+    let v = values.next().ok_or(AuthFailure::MissingHeader)?;
+    if values.next().is_some() {
+        return Err(AuthFailure::Malformed);
+    }
     v.to_str().map_err(|_| AuthFailure::Malformed)
 }
 
@@ -802,6 +813,67 @@ mod tests {
         );
         assert_eq!(
             s.verify(&headers(&[("stripe-signature", "t=1700000000")]), body, ms(1_700_000_000)),
+            Err(AuthFailure::Malformed)
+        );
+    }
+
+    /// Stripe's header may list several `v1` signatures: one tag is computed, not one per
+    /// entry (a head of some 400 KB holds thousands, no secret needed).
+    #[test]
+    fn stripe_computes_one_mac_however_many_signatures_are_listed() {
+        let s = AuthScheme::from_parts("stripe", Some("whsec_test_secret"), None, None, None).unwrap();
+        let body = br#"{"id":"evt_1"}"#;
+        let good = "248a374f50f943a28b0f6ab50faf9a7e7e29b710fa26df9fb1618b9bf8ea9c9a";
+        let bogus = format!("v1={},", "00".repeat(32)).repeat(1_000);
+        for (value, want) in [
+            (format!("t=1700000000,{bogus}v1={good}"), Ok(())),
+            (format!("t=1700000000,{bogus}"), Err(AuthFailure::BadSignature)),
+        ] {
+            let before = MACS_COMPUTED.with(|n| n.get());
+            assert_eq!(s.verify(&headers(&[("stripe-signature", &value)]), body, ms(1_700_000_000)), want);
+            assert_eq!(MACS_COMPUTED.with(|n| n.get()) - before, 1);
+        }
+    }
+
+    /// Every header a scheme reads, given twice, is malformed: a check that read the
+    /// first value while the door forwards or keys on the last would let a captured
+    /// request store an unsigned id. Here the signed value comes first, and passes alone.
+    #[test]
+    fn a_header_a_scheme_reads_given_twice_is_malformed() {
+        let sw = AuthScheme::from_parts("standard-webhooks", Some(SW_SECRET), None, None, None).unwrap();
+        let signed = [("webhook-id", SW_ID), ("webhook-timestamp", SW_TS), ("webhook-signature", SW_SIG)];
+        let now = ms(1_614_265_330);
+        assert_eq!(sw.verify(&headers(&signed), SW_BODY, now), Ok(()));
+        for (name, second) in
+            [("webhook-id", "msg_unsigned"), ("webhook-timestamp", "1614265331"), ("webhook-signature", SW_SIG)]
+        {
+            let mut h = headers(&signed);
+            h.append(name, HeaderValue::from_static(second));
+            assert_eq!(sw.verify(&h, SW_BODY, now), Err(AuthFailure::Malformed), "{name}");
+        }
+        let github =
+            AuthScheme::from_parts("hmac-sha256", Some("It's a Secret to Everybody"), None, None, None).unwrap();
+        let twice = headers(&[("x-hub-signature-256", GITHUB_SIG), ("x-hub-signature-256", GITHUB_SIG)]);
+        assert_eq!(github.verify(&twice, b"Hello, World!", ms(0)), Err(AuthFailure::Malformed));
+        let stripe = AuthScheme::from_parts("stripe", Some("whsec_test_secret"), None, None, None).unwrap();
+        let good = "t=1700000000,v1=248a374f50f943a28b0f6ab50faf9a7e7e29b710fa26df9fb1618b9bf8ea9c9a";
+        let twice = headers(&[("stripe-signature", good), ("stripe-signature", "t=1700000001")]);
+        assert_eq!(stripe.verify(&twice, br#"{"id":"evt_1"}"#, ms(1_700_000_000)), Err(AuthFailure::Malformed));
+        let bearer = AuthScheme::from_parts("bearer", Some("token-0123456789"), None, None, None).unwrap();
+        let twice = headers(&[("authorization", "Bearer token-0123456789"), ("authorization", "Bearer other")]);
+        assert_eq!(bearer.verify(&twice, b"", ms(0)), Err(AuthFailure::Malformed));
+    }
+
+    /// GitHub sends lower-case hex; a signature in upper case is the same bytes and
+    /// passes (the prefix, though, is matched as configured).
+    #[test]
+    fn an_hmac_signature_in_upper_case_hex_passes() {
+        let s = AuthScheme::from_parts("hmac-sha256", Some("It's a Secret to Everybody"), None, None, None).unwrap();
+        let upper = format!("sha256={}", GITHUB_SIG.trim_start_matches("sha256=").to_ascii_uppercase());
+        assert_eq!(s.verify(&headers(&[("x-hub-signature-256", &upper)]), b"Hello, World!", ms(0)), Ok(()));
+        let upper_prefix = GITHUB_SIG.replace("sha256=", "SHA256=");
+        assert_eq!(
+            s.verify(&headers(&[("x-hub-signature-256", &upper_prefix)]), b"Hello, World!", ms(0)),
             Err(AuthFailure::Malformed)
         );
     }

@@ -350,18 +350,23 @@ async fn receive_inner(
         Ok(()) => true,
         Err(failure) => {
             // Unless a rotate installed another version while the body was read, and the
-            // sender already signs with its secret: the check after the room decides
-            // then. An endpoint revoked or expired meanwhile answers as the check after
-            // the body promises (404, 410), whatever the credentials.
-            let rotated_since = match &entrance {
-                Entrance::SourcePath => false,
+            // sender already signs with its secret: checked against that version here,
+            // before the room, and again after it (`recheck`), which decides. An endpoint
+            // revoked or expired meanwhile answers as the check after the body promises
+            // (404, 410), whatever the credentials.
+            let rotated_to = match &entrance {
+                Entrance::SourcePath => None,
                 Entrance::Endpoint(seen) => {
-                    let current = door.endpoints.lookup(seen.endpoint.id, ingest::time::now_unix_ms());
-                    !Arc::ptr_eq(&current.map_err(refusal_error)?, seen)
+                    let current =
+                        door.endpoints.lookup(seen.endpoint.id, ingest::time::now_unix_ms()).map_err(refusal_error)?;
+                    (!Arc::ptr_eq(&current, seen)).then_some(current)
                 }
             };
-            if !rotated_since {
+            let Some(current) = rotated_to else {
                 return Err(auth_refused(source, admitted_by, failure, peer));
+            };
+            if let Err(failure) = current.endpoint.auth.verify(&parts.headers, &body, received_at_unix_ms) {
+                return Err(auth_refused(source, &current.endpoint.auth, failure, peer));
             }
             false
         }
@@ -1020,6 +1025,78 @@ mod tests {
         assert!(!waiting.is_finished(), "a request ran in room another held");
         drop(held);
         assert_eq!(tokio::time::timeout(Duration::from_secs(10), waiting).await.unwrap().unwrap(), StatusCode::OK);
+    }
+
+    /// A body whose pieces come from a channel, as a sender sends them.
+    struct ChannelBody(tokio::sync::mpsc::Receiver<Bytes>);
+
+    impl hyper::body::Body for ChannelBody {
+        type Data = Bytes;
+        type Error = std::convert::Infallible;
+
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+            self.0.poll_recv(cx).map(|piece| piece.map(|b| Ok(Frame::data(b))))
+        }
+    }
+
+    /// A request to an endpoint rotated while its body was read, whose credentials pass
+    /// neither the version that admitted its head nor the one the rotate installed, is
+    /// answered 401 without waiting for room, as one to an endpoint left alone is; and
+    /// one signed with the new secret waits for its room, as it must.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_request_that_cannot_authenticate_after_a_rotate_is_refused_without_waiting_for_room() {
+        use tower::ServiceExt;
+        let dir = tempfile::tempdir().unwrap();
+        let door = door_in(dir.path());
+        let bearer = |secret: &str| ingest::endpoints::StoredAuth {
+            scheme: "bearer".into(),
+            secret: Some(secret.into()),
+            header: None,
+            prefix: None,
+            tolerance_secs: None,
+        };
+        let held = door.ingestor.room(ingest::ingestor::RUNNING_ON_MAX_BYTES).await.unwrap();
+        for (token, refused) in [("wrong-token-0123456789", true), ("new-secret-0123456789", false)] {
+            let id = door
+                .endpoints
+                .register("hooks".into(), bearer("old-secret-0123456789"), None, None, ingest::time::now_unix_ms())
+                .await
+                .unwrap()
+                .id;
+            let (pieces, rx) = tokio::sync::mpsc::channel(4);
+            let req = Request::builder()
+                .method("POST")
+                .uri(format!("/v1/e/{}", crate::endpoints::format_id(id)))
+                .header(header::CONTENT_TYPE, "application/x-ndjson")
+                .header(header::AUTHORIZATION, format!("Bearer {token}"))
+                .body(Body::new(ChannelBody(rx)))
+                .unwrap();
+            let request = tokio::spawn(router(door.clone()).oneshot(req));
+            pieces.send(Bytes::from_static(b"{\"a\":1}\n")).await.unwrap();
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            door.endpoints.rotate(id, Some("new-secret-0123456789".into()), ingest::time::now_unix_ms()).await.unwrap();
+            pieces.send(Bytes::from_static(b"{\"a\":2}\n")).await.unwrap();
+            drop(pieces);
+            match refused {
+                true => {
+                    let answer = tokio::time::timeout(Duration::from_secs(5), request)
+                        .await
+                        .expect("a request no version authenticates waited for room");
+                    assert_eq!(answer.unwrap().unwrap().status(), StatusCode::UNAUTHORIZED);
+                }
+                false => {
+                    tokio::time::sleep(Duration::from_millis(300)).await;
+                    assert!(!request.is_finished(), "a request ran in room another held");
+                    drop(held);
+                    let answer = tokio::time::timeout(Duration::from_secs(10), request).await.unwrap();
+                    assert_eq!(answer.unwrap().unwrap().status(), StatusCode::OK);
+                    return;
+                }
+            }
+        }
     }
 
     /// A client that goes away while its events are appended (hyper drops the request's
