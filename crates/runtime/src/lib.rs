@@ -3,6 +3,16 @@
 //! The binary (`src/main.rs`) is a thin command line over this library, so tests can
 //! run the daemon in-process ([`daemon::start`]) as well as the built binary.
 
+/// `eprintln!` that never panics: a standard error that cannot be written (closed, or a
+/// pipe whose reader went away: `2>&1 | head -1`) loses the line and changes nothing
+/// else, so the process still exits with its own code, not 101.
+#[macro_export]
+macro_rules! say_on_stderr {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($arg)*);
+    }};
+}
 pub mod admin;
 pub mod config;
 pub mod daemon;

@@ -103,7 +103,7 @@ pub fn init(level: &str, json: bool) {
         if tracing::enabled!(tracing::Level::WARN) {
             tracing::warn!(rust_log = %value, error = %why, level, "RUST_LOG is not a filter: the configured level is used");
         } else {
-            eprintln!(
+            crate::say_on_stderr!(
                 "iggy-ingest: RUST_LOG {value:?} is not a filter ({why}): the configured level {level:?} is used"
             );
         }

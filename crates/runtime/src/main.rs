@@ -103,7 +103,7 @@ fn main() -> ExitCode {
                 // Valid, but likely not what was meant: on stderr, so `ok` stays the
                 // one line a script reads from stdout.
                 for w in &s.warnings.errors {
-                    eprintln!("{}: warning: {w}", file.display());
+                    iggy_ingest::say_on_stderr!("{}: warning: {w}", file.display());
                 }
                 write_out(&format!(
                     "{}: ok ({} source(s), {} static endpoint(s))\n",
@@ -113,7 +113,7 @@ fn main() -> ExitCode {
                 ))
             }
             Err(e) => {
-                eprintln!("{e}");
+                iggy_ingest::say_on_stderr!("{e}");
                 ExitCode::from(2)
             }
         },
@@ -136,7 +136,7 @@ fn main() -> ExitCode {
             let settings = match settings {
                 Ok(s) => s,
                 Err(e) => {
-                    eprintln!("{e}");
+                    iggy_ingest::say_on_stderr!("{e}");
                     return ExitCode::from(2);
                 }
             };
@@ -157,7 +157,7 @@ fn state_command(command: StateCommand) -> ExitCode {
         Ok(m) if m.is_file() => {}
         Err(e) if !iggy_ingest::wal_cli::is_not_there(&e) => {
             // It may well exist: a data directory of mode 0750 seen by another user.
-            eprintln!("iggy-ingest: {}", iggy_ingest::wal_cli::cannot_look_at(&path, &e));
+            iggy_ingest::say_on_stderr!("iggy-ingest: {}", iggy_ingest::wal_cli::cannot_look_at(&path, &e));
             return ExitCode::FAILURE;
         }
         // A reset of a database that is gone says that an empty one is wanted: a start
@@ -167,7 +167,7 @@ fn state_command(command: StateCommand) -> ExitCode {
             return reset_a_missing_database(data_dir, &path, yes);
         }
         _ => {
-            eprintln!(
+            iggy_ingest::say_on_stderr!(
                 "iggy-ingest: no state database at {} (is --data-dir the daemon's storage.data_dir?)",
                 path.display()
             );
@@ -181,7 +181,7 @@ fn state_command(command: StateCommand) -> ExitCode {
     let _daemon_locked_out = match changes.then(|| lock_out_the_daemon(data_dir)).transpose() {
         Ok(lock) => lock,
         Err(why) => {
-            eprintln!("iggy-ingest: {why} (nothing was changed)");
+            iggy_ingest::say_on_stderr!("iggy-ingest: {why} (nothing was changed)");
             return ExitCode::FAILURE;
         }
     };
@@ -198,7 +198,7 @@ fn state_command(command: StateCommand) -> ExitCode {
     let inventory = match result {
         Ok(i) => i,
         Err(e) => {
-            eprintln!("iggy-ingest: {e}");
+            iggy_ingest::say_on_stderr!("iggy-ingest: {e}");
             return ExitCode::FAILURE;
         }
     };
@@ -233,12 +233,12 @@ fn reset_a_missing_database(data_dir: &std::path::Path, path: &std::path::Path, 
     let _daemon_locked_out = match lock_out_the_daemon(data_dir) {
         Ok(lock) => lock,
         Err(why) => {
-            eprintln!("iggy-ingest: {why} (nothing was changed)");
+            iggy_ingest::say_on_stderr!("iggy-ingest: {why} (nothing was changed)");
             return ExitCode::FAILURE;
         }
     };
     if let Err(e) = ingest::state::mark_reset(path) {
-        eprintln!("iggy-ingest: {e}");
+        iggy_ingest::say_on_stderr!("iggy-ingest: {e}");
         return ExitCode::FAILURE;
     }
     write_out(&format!("{}: no state database; {consequences}\n", path.display()))
@@ -293,7 +293,7 @@ fn state_migrate(path: &std::path::Path) -> ExitCode {
             write_out(&out)
         }
         Err(ingest::StateError::SchemaMismatch { found, .. }) => {
-            eprintln!(
+            iggy_ingest::say_on_stderr!(
                 "iggy-ingest: {}: no migration step leads from schema version {found} to {} (nothing was changed)",
                 path.display(),
                 ingest::SCHEMA_VERSION
@@ -301,7 +301,7 @@ fn state_migrate(path: &std::path::Path) -> ExitCode {
             ExitCode::FAILURE
         }
         Err(e) => {
-            eprintln!("iggy-ingest: {e}");
+            iggy_ingest::say_on_stderr!("iggy-ingest: {e}");
             ExitCode::FAILURE
         }
     }

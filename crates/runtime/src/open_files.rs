@@ -94,6 +94,22 @@ pub fn raise_for(settings: &Settings) -> Option<OpenFilesLimit> {
     Some(limit)
 }
 
+/// Raises the soft open-file limit to the hard limit: for the log tools, which hold
+/// every segment of the log open (and `verify` each one twice while it checks it), so
+/// that a log of more segments than a shell's usual soft limit of 1024 is read, not
+/// refused with "Too many open files" (a failure `verify` would report as exit 1). A
+/// refusal changes nothing: the tool runs on the limit it has.
+pub fn raise_to_hard() {
+    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit with a valid pointer to a local struct.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 || lim.rlim_cur >= lim.rlim_max {
+        return;
+    }
+    let raised = libc::rlimit { rlim_cur: lim.rlim_max, rlim_max: lim.rlim_max };
+    // SAFETY: setrlimit with a valid pointer to a local struct.
+    let _ = unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) };
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

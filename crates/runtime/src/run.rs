@@ -25,7 +25,7 @@ pub fn run(settings: Settings, ready_file: Option<PathBuf>) -> ExitCode {
     if let Some(path) = &ready_file
         && let Err(why) = check_ready_file(path)
     {
-        eprintln!("iggy-ingest: --ready-file {}: {why} (nothing was started)", path.display());
+        crate::say_on_stderr!("iggy-ingest: --ready-file {}: {why} (nothing was started)", path.display());
         return ExitCode::from(2);
     }
     logging::init(&settings.log_level, settings.log_json);
@@ -48,7 +48,7 @@ pub fn run(settings: Settings, ready_file: Option<PathBuf>) -> ExitCode {
     {
         Ok(r) => r,
         Err(e) => {
-            eprintln!("cannot start the async runtime: {e}");
+            crate::say_on_stderr!("cannot start the async runtime: {e}");
             return ExitCode::FAILURE;
         }
     };
@@ -60,7 +60,10 @@ pub fn run(settings: Settings, ready_file: Option<PathBuf>) -> ExitCode {
         && let Err(e) = std::fs::remove_file(path)
         && e.kind() != std::io::ErrorKind::NotFound
     {
-        eprintln!("iggy-ingest: cannot remove the ready file {} left by an earlier run: {e}", path.display());
+        crate::say_on_stderr!(
+            "iggy-ingest: cannot remove the ready file {} left by an earlier run: {e}",
+            path.display()
+        );
         return ExitCode::FAILURE;
     }
     let code = runtime.block_on(async move {
@@ -92,7 +95,7 @@ pub fn run(settings: Settings, ready_file: Option<PathBuf>) -> ExitCode {
                 r = &mut start => break r,
                 _ = signals.recv() => {
                     if stop_asked {
-                        eprintln!("iggy-ingest: second signal during the start, exiting without finishing it");
+                        crate::say_on_stderr!("iggy-ingest: second signal during the start, exiting without finishing it");
                         // At once: returning would drop the runtime, which waits for the
                         // start's blocking tasks (the state open, the log re-read).
                         std::process::exit(130);
@@ -106,9 +109,9 @@ pub fn run(settings: Settings, ready_file: Option<PathBuf>) -> ExitCode {
             Ok(r) => r,
             Err(e) => {
                 tracing::error!(error = %e, "start failed");
-                eprintln!("iggy-ingest: {e}");
+                crate::say_on_stderr!("iggy-ingest: {e}");
                 if let Some(hint) = start_hint(&e, &data_dir) {
-                    eprintln!("iggy-ingest: {hint}");
+                    crate::say_on_stderr!("iggy-ingest: {hint}");
                 }
                 return ExitCode::from(e.exit_code());
             }
@@ -147,7 +150,7 @@ pub fn run(settings: Settings, ready_file: Option<PathBuf>) -> ExitCode {
                 signals.recv().await;
             }
             signals.recv().await;
-            eprintln!("iggy-ingest: second signal, exiting without waiting for the drain");
+            crate::say_on_stderr!("iggy-ingest: second signal, exiting without waiting for the drain");
             std::process::exit(130);
         });
         let report = running.wait().await;
@@ -165,12 +168,12 @@ pub fn run(settings: Settings, ready_file: Option<PathBuf>) -> ExitCode {
             tracing::warn!("some connections were still open after the grace period and were closed");
         }
         if let Some(task) = report.failed_task {
-            eprintln!("iggy-ingest: stopped because {task} panicked: {report:?}");
+            crate::say_on_stderr!("iggy-ingest: stopped because {task} panicked: {report:?}");
             ExitCode::FAILURE
         } else if report.wal_closed.is_ok() && report.checkpoint.is_ok() {
             ExitCode::SUCCESS
         } else {
-            eprintln!("iggy-ingest: unclean shutdown: {report:?}");
+            crate::say_on_stderr!("iggy-ingest: unclean shutdown: {report:?}");
             ExitCode::FAILURE
         }
     });

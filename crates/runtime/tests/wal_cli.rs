@@ -1437,3 +1437,76 @@ fn names_read_from_records_cannot_write_to_the_terminal() {
         assert!(text.contains("ev\\nents") && text.contains("to\\u{7}pic"), "{args:?}: {text:?}");
     }
 }
+
+/// `iggy-ingest ARGS` with its soft open-file limit set to `soft` (the hard limit left
+/// as it is), as a shell's `ulimit -Sn` leaves it.
+fn run_with_soft_open_files(args: &[&str], soft: u64) -> Output {
+    use std::os::unix::process::CommandExt;
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_iggy-ingest"));
+    cmd.args(args);
+    // SAFETY: only async-signal-safe calls (getrlimit, setrlimit) between fork and exec.
+    unsafe {
+        cmd.pre_exec(move || {
+            let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+            if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            lim.rlim_cur = soft.min(lim.rlim_max);
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    cmd.output().expect("run iggy-ingest")
+}
+
+/// The tools hold every segment open (`verify` twice while it checks one): a log of
+/// more segments than the soft open-file limit is read whole, the limit raised to the
+/// hard one, where "Too many open files" made `verify` exit 1, its code for damage.
+#[test]
+fn a_log_of_more_segments_than_the_soft_open_file_limit_is_read_whole() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = make_log(root.path(), 1_500, small());
+    let d = dir.to_str().unwrap();
+    let count = segments(&dir).len();
+    assert!(count > 40, "{count} segments: too few to pass a soft limit of 32");
+    let verify = run_with_soft_open_files(&["wal", "verify", d], 32);
+    assert_eq!(code(&verify), 0, "{}", stderr(&verify));
+    let dump = run_with_soft_open_files(&["wal", "dump", d, "--json"], 32);
+    assert_eq!((code(&dump), json_lines(&dump).len()), (0, 1_500), "{}", stderr(&dump));
+    let inspect = run_with_soft_open_files(&["wal", "inspect", d, "--json"], 32);
+    assert_eq!(code(&inspect), 0, "{}", stderr(&inspect));
+    assert_eq!(json(&inspect)["segments"].as_array().map(Vec::len), Some(count), "{}", stdout(&inspect));
+}
+
+/// An error said to a standard error that cannot be written (a pipe whose reader went
+/// away: `2>&1 | head -1`) is lost, and the exit code is still the command's: 2 for a
+/// path that holds no log and for a configuration `config check` refuses, where `eprintln!` panicked
+/// (exit 101).
+#[test]
+fn an_error_said_to_a_closed_standard_error_keeps_its_exit_code() {
+    use std::os::fd::FromRawFd;
+    let root = tempfile::tempdir().unwrap();
+    let bad_config = root.path().join("bad.toml");
+    std::fs::write(&bad_config, "[http]\naccept = 3\n").unwrap();
+    let no_log = root.path().join("nothing-here");
+    let no_log = no_log.to_str().unwrap();
+    let bad_config = bad_config.to_str().unwrap();
+    for (args, want) in [(vec!["wal", "verify", no_log], 2), (vec!["config", "check", bad_config], 2)] {
+        let mut fds = [0i32; 2];
+        // SAFETY: pipe(2) fills the two descriptors; the read end is closed at once and
+        // the write end is owned by the child's standard error from here.
+        let write_end = unsafe {
+            assert_eq!(libc::pipe(fds.as_mut_ptr()), 0);
+            libc::close(fds[0]);
+            std::os::fd::OwnedFd::from_raw_fd(fds[1])
+        };
+        let out = Command::new(env!("CARGO_BIN_EXE_iggy-ingest"))
+            .args(&args)
+            .stderr(Stdio::from(write_end))
+            .output()
+            .expect("run iggy-ingest");
+        assert_eq!(code(&out), want, "{args:?}");
+    }
+}

@@ -87,6 +87,7 @@ pub enum WalCommand {
 }
 
 pub fn run(cmd: WalCommand) -> ExitCode {
+    crate::open_files::raise_to_hard();
     let result = match cmd {
         WalCommand::Inspect(a) => inspect::run(a),
         WalCommand::Dump(a) => dump::run(a),
@@ -104,22 +105,29 @@ fn exit_code(result: CliResult) -> ExitCode {
         Ok(code) => code,
         Err(CliError::ClosedPipe) => ExitCode::SUCCESS,
         Err(CliError::Usage(m)) => {
-            eprintln!("iggy-ingest: {m}");
+            say(format_args!("{m}"));
             ExitCode::from(2)
         }
         Err(CliError::Failed(m)) => {
-            eprintln!("iggy-ingest: {m}");
+            say(format_args!("{m}"));
             ExitCode::from(1)
         }
         Err(CliError::Busy(m)) => {
-            eprintln!("iggy-ingest: {m}; run it again");
+            say(format_args!("{m}; run it again"));
             ExitCode::from(3)
         }
         Err(CliError::HeldByDaemon(m)) => {
-            eprintln!("iggy-ingest: {m}");
+            say(format_args!("{m}"));
             ExitCode::from(3)
         }
     }
+}
+
+/// Writes one line to standard error, `iggy-ingest: ` first. A standard error that
+/// cannot be written (a closed pipe: `2>&1 | head -1`) loses the line and changes
+/// nothing else: the command's exit code stays its verdict (see [`say_on_stderr`](crate::say_on_stderr)).
+pub(crate) fn say(line: std::fmt::Arguments<'_>) {
+    crate::say_on_stderr!("iggy-ingest: {line}");
 }
 
 /// Why a subcommand stopped.

@@ -315,10 +315,10 @@ fn give_the_logs_owner(dir: &Path, out: &Path, held_before: Option<&std::collect
         failed = Some(format!("{} existed with another owner and was left so", out.display()));
     }
     if let Some(why) = failed {
-        eprintln!(
-            "iggy-ingest: the copy is not owned as the log is ({why}): before putting it in the log's place, run \
-             `chown -R {uid}:{gid} {}`",
+        super::say(format_args!(
+            "the copy is not owned as the log is ({why}): before putting it in the log's place, run `chown -R \
+             {uid}:{gid} {}`",
             out.display()
-        );
+        ));
     }
 }

@@ -128,7 +128,7 @@ pub(crate) fn run(a: TailArgs) -> CliResult {
     loop {
         if let Some(w) = wal.take() {
             if next < w.start_offset() {
-                eprintln!("iggy-ingest: offsets {next}..{} were released meanwhile; continuing", w.start_offset());
+                super::say(format_args!("offsets {next}..{} were released meanwhile; continuing", w.start_offset()));
                 next = w.start_offset();
             }
             let records = match wal::inspect::Records::new(&w, next) {
