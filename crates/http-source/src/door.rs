@@ -224,12 +224,24 @@ async fn get_handshake(
         Ok(id) => id,
         Err(e) => return e.into_response(),
     };
+    let started = Instant::now();
     let endpoint = match resolve_endpoint(&door, &id) {
         Ok(e) => e,
         Err(e) => return e.into_response(),
     };
     let endpoint = &endpoint.endpoint;
-    let refused = |e: ApiError| refused(&door, &endpoint.source_key, e);
+    let answer = handshake_answer(&door, endpoint, &query);
+    // Timed as every request to a source is, so that the histogram's count is its
+    // requests' count.
+    if let Some(m) = door.metrics.source(&endpoint.source_key) {
+        m.request_duration.record(started.elapsed().as_secs_f64());
+    }
+    answer
+}
+
+/// The answer to a GET handshake on `endpoint`: the challenge echoed, or a refusal.
+fn handshake_answer(door: &Door, endpoint: &crate::Endpoint, query: &HashMap<String, String>) -> Response {
+    let refused = |e: ApiError| refused(door, &endpoint.source_key, e);
     let Some(param) = endpoint.handshake_param.as_deref() else {
         // A 405 names the methods the resource takes (RFC 9110, 15.5.6), as axum's own do.
         let mut refused = refused(ApiError::new(

@@ -559,6 +559,81 @@ mod tests {
         }
     }
 
+    /// The arguments of every metrics macro call in `text` whose name is the literal
+    /// `name`, each split at its top-level commas (a call that spans lines included).
+    fn calls_of(text: &str, name: &str) -> Vec<Vec<String>> {
+        let mut calls = Vec::new();
+        for mac in ["counter!(", "gauge!(", "histogram!("] {
+            for (at, _) in text.match_indices(mac) {
+                let args_from = at + mac.len();
+                if !text[args_from..].trim_start().starts_with(&format!("\"{name}\"")) {
+                    continue;
+                }
+                let (mut depth, mut in_str, mut args, mut arg) = (1usize, false, Vec::new(), String::new());
+                for c in text[args_from..].chars() {
+                    match c {
+                        '"' => in_str = !in_str,
+                        '(' | '[' | '{' if !in_str => depth += 1,
+                        ')' | ']' | '}' if !in_str => depth -= 1,
+                        ',' if !in_str && depth == 1 => {
+                            args.push(std::mem::take(&mut arg));
+                            continue;
+                        }
+                        _ => {}
+                    }
+                    if depth == 0 {
+                        break;
+                    }
+                    arg.push(c);
+                }
+                args.push(arg);
+                calls.push(args.into_iter().map(|a| a.trim().to_string()).filter(|a| !a.is_empty()).collect());
+            }
+        }
+        calls
+    }
+
+    /// Label names the brief allows: the connector (source) key, a reason, an action, and
+    /// the door's own fixed sets. Never a stream, topic, path, id or peer address.
+    const LABELS_ALLOWED: [&str; 8] =
+        ["source", "connector_key", "reason", "action", "status_class", "listener", "outcome", "status"];
+
+    /// Every call that emits a metric of the catalog names exactly the catalog's labels,
+    /// each one the brief allows, as `"label" => value` pairs: a label added at one call
+    /// site (a `stream`), or renamed at one, fails here.
+    #[test]
+    fn every_call_names_exactly_the_catalogs_labels() {
+        let crates = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let mut checked = 0;
+        for (file, name, _) in workspace_sources().into_iter().filter(|(_, n, _)| n != COMPUTED) {
+            let metric = catalog().into_iter().find(|m| m.name == name).expect("the catalog test covers names");
+            let mut want: Vec<&str> = metric.labels.to_vec();
+            want.sort_unstable();
+            for label in &want {
+                assert!(LABELS_ALLOWED.contains(label), "{name}: label {label} is not one the brief allows");
+            }
+            let text = std::fs::read_to_string(crates.join(&file)).unwrap_or_default();
+            for args in calls_of(&text, &name) {
+                let mut got: Vec<&str> = Vec::new();
+                for pair in &args[1..] {
+                    let label = pair
+                        .strip_prefix('"')
+                        .and_then(|p| p.split_once('"'))
+                        .filter(|(_, after)| after.trim_start().starts_with("=>"))
+                        .map(|(label, _)| label);
+                    let label = label.unwrap_or_else(|| {
+                        panic!("{}: {name}: `{pair}` is not a `\"label\" => value` pair", file.display())
+                    });
+                    got.push(label);
+                }
+                got.sort_unstable();
+                assert_eq!(got, want, "{}: {name} is emitted with other labels than the catalog's", file.display());
+                checked += 1;
+            }
+        }
+        assert!(checked > 50, "the scan found {checked} calls: too few");
+    }
+
     fn workspace_sources() -> Vec<(PathBuf, String, Kind)> {
         let crates = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
         let mut out = Vec::new();

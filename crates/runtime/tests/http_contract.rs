@@ -210,6 +210,18 @@ async fn status_codes_bodies_and_records() {
     assert!(text.contains(r#"iggy_ingest_http_rejected_total{source="-",reason="not_found"} "#), "{text}");
     assert!(!text.contains(r#"iggy_ingest_http_rejected_total{source="-",reason="not_found"} 0"#), "{text}");
     assert!(text.contains(r#"reason="missing_challenge"} 1"#), "{text}");
+    // Every request to a source is timed, whatever its answer, a handshake's included.
+    let sum_of = |prefix: &str| -> f64 {
+        text.lines()
+            .filter(|l| l.starts_with(prefix))
+            .filter_map(|l| l.rsplit_once(' ').and_then(|(_, v)| v.parse::<f64>().ok()))
+            .sum()
+    };
+    for source in ["default", "github", "jsononly", "hidden"] {
+        let requests = sum_of(&format!("iggy_ingest_http_requests_total{{source=\"{source}\","));
+        let timed = sum_of(&format!("iggy_ingest_http_request_duration_seconds_count{{source=\"{source}\"}}"));
+        assert!(requests > 0.0 && timed == requests, "{source}: {requests} requests counted, {timed} timed:\n{text}");
+    }
     let st = request(d.admin, "GET", "/status", &[], "").await.json();
     assert_eq!(st["sources"]["jsononly"]["last_error"]["code"], "invalid_json", "{st}");
     assert_eq!(st["log"]["next_offset"], appended);
