@@ -647,6 +647,15 @@ impl Router {
         v
     }
 
+    /// The sources the router has lanes for, each once, in order: configured ones that
+    /// routed a record, and any the log holds records of that the configuration no
+    /// longer names.
+    pub fn sources(&self) -> Vec<String> {
+        let lanes = self.lanes.read().unwrap_or_else(|p| p.into_inner());
+        let keys: std::collections::BTreeSet<&str> = lanes.keys().map(|k| k.source.as_str()).collect();
+        keys.into_iter().map(str::to_string).collect()
+    }
+
     /// The lanes of one source.
     pub fn destinations_of(&self, source: &str) -> Vec<LaneSnapshot> {
         self.destinations().into_iter().filter(|d| d.source == source).collect()

@@ -108,19 +108,26 @@ async fn health(State(s): State<Arc<Shared>>) -> Response {
 async fn status(State(s): State<Arc<Shared>>) -> Response {
     let state = s.health.state().as_str();
     let stats = s.wal.stats();
-    let sources: serde_json::Map<String, serde_json::Value> = s
+    let mut sources: serde_json::Map<String, serde_json::Value> = s
         .status
         .sources
         .iter()
         .map(|(k, v)| {
             let mut view = serde_json::to_value(v.view()).unwrap_or_default();
             if let Some(obj) = view.as_object_mut() {
+                obj.insert("configured".into(), json!(true));
                 obj.insert("state".into(), json!(state));
                 obj.insert("delivery".into(), json!(crate::delivery::connector_delivery_status(&s.delivery, k)));
             }
             (k.clone(), view)
         })
         .collect();
+    // A source removed from the configuration whose records the router still delivers:
+    // no door, its delivery all the same.
+    for k in s.delivery.unconfigured_sources(|k| s.status.sources.contains_key(k)) {
+        let delivery = crate::delivery::connector_delivery_status(&s.delivery, &k);
+        sources.insert(k, json!({"configured": false, "state": state, "delivery": delivery}));
+    }
     Json(json!({
         "state": state,
         "log": {
@@ -174,7 +181,8 @@ async fn connector(State(s): State<Arc<Shared>>, key: Result<Path<String>, PathR
 async fn metrics(State(s): State<Arc<Shared>>) -> Response {
     match &s.metrics {
         Some(handle) => {
-            crate::delivery::publish_connector_statuses(&s.delivery, s.status.sources.keys());
+            let unconfigured = s.delivery.unconfigured_sources(|k| s.status.sources.contains_key(k));
+            crate::delivery::publish_connector_statuses(&s.delivery, s.status.sources.keys().chain(&unconfigured));
             // Measured now too: the releaser that also sets them may be waiting on the log.
             s.delivery.publish_held_gauges();
             // Measured now: a writer stuck in a sync records nothing else.

@@ -685,6 +685,15 @@ impl Delivery {
     pub fn destinations_of(&self, source: &str) -> Vec<LaneSnapshot> {
         self.with(|r| r.destinations_of(source)).unwrap_or_default()
     }
+
+    /// The sources the router has lanes for (see [`Router::sources`]) that
+    /// `is_configured` does not name: removed from the configuration, their records
+    /// still in the log and delivered. `/status` and `iggy_connector_delivery_status`
+    /// speak of them beside the configured ones. None without a router.
+    pub fn unconfigured_sources(&self, is_configured: impl Fn(&str) -> bool) -> Vec<String> {
+        let sources = self.with(|r| r.sources()).unwrap_or_default();
+        sources.into_iter().filter(|s| !is_configured(s)).collect()
+    }
 }
 
 fn unix_ms(t: std::time::SystemTime) -> u64 {

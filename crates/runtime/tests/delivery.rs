@@ -281,8 +281,23 @@ async fn the_destinations_of_a_source_removed_from_the_configuration_are_still_s
     assert_eq!((c["configured"].as_bool(), c["door"].is_null()), (Some(false), true), "{c}");
     assert_eq!((c["delivery"]["destinations"].as_u64(), c["delivery"]["held_records"].as_u64()), (Some(1), Some(3)));
     assert_eq!(request(d.admin, "GET", "/connectors/never", &[], "").await.status, 404);
-    // `wal inspect --admin` shows them too, with the daemon's figures: the source is not
-    // in `/status`, but its records in the log are.
+    // `/status` lists it beside the configured ones, without a door, and the delivery
+    // status gauge names it, so an alert grouped by connector sees it.
+    let st = request(d.admin, "GET", "/status", &[], "").await.json();
+    let listed = &st["sources"]["old"];
+    assert_eq!(
+        (listed["configured"].as_bool(), listed["delivery"].as_str()),
+        (Some(false), c["delivery"]["status"].as_str()),
+        "{st}"
+    );
+    assert_eq!(st["sources"]["default"]["configured"].as_bool(), Some(true), "{st}");
+    let m = String::from_utf8_lossy(&request(d.admin, "GET", "/metrics", &[], "").await.body).to_string();
+    let gauge = format!(
+        r#"iggy_connector_delivery_status{{connector_key="old",status="{}"}} 1"#,
+        listed["delivery"].as_str().unwrap_or_default()
+    );
+    assert!(m.contains(&gauge), "{gauge} not in:\n{m}");
+    // `wal inspect --admin` shows them too, with the daemon's figures.
     let i = inspect_with_admin(&d).await;
     let lanes = i["destinations"]["lanes"].as_array().unwrap();
     let old = lanes.iter().find(|l| l["source"] == "old").unwrap_or_else(|| panic!("{i}"));

@@ -209,9 +209,9 @@ pub(crate) fn run(a: InspectArgs) -> CliResult {
                 l.held_bytes.get_or_insert(0);
             }
         }
-        // A source no longer configured is not in the daemon's `/status`, but its records
-        // in the log still have lanes there (that pin the log, which is what an operator
-        // runs this to find): asked for by name.
+        // A source no longer configured is in the daemon's `/status` only once the router
+        // made a lane for it, but its records in the log pin the log (which is what an
+        // operator runs this to find): asked for by name.
         if let Some(target) = &admin {
             let unasked: BTreeSet<String> =
                 lanes.keys().map(|k| k.0.clone()).filter(|s| !asked_sources.contains(s)).collect();
@@ -480,7 +480,8 @@ fn admin_tls(
 
 /// Cursors and held figures of every connector's destinations, and the log's capacity,
 /// from a running daemon's admin API.
-/// Also returns the sources asked for (those of `/status`: the configured ones).
+/// Also returns the sources asked for (those of `/status`: the configured ones, and those
+/// the router has lanes for).
 fn admin_lanes(
     target: &AdminTarget<'_>,
     token: Option<&str>,
