@@ -133,9 +133,11 @@ const UNSETTLED_RETRY_FOR: std::time::Duration = std::time::Duration::from_secs(
 
 /// Runs `read` under the bound a read-only reader of `dir` must respect (see
 /// [`read_bound`]), and voids a read that a writer started during (see
-/// [`confirm_unbounded`]). While the log is unsettled (the watermark absent for a moment,
-/// naming a segment that moved on, or a writer that took the lock during the read), reads
-/// again, for up to 5 s, then returns `Err(Unsettled)`.
+/// [`confirm_unbounded`]), or, with no writer at its start, one that a writer took the
+/// log during and let go of again (a daemon started and stopped: it holds the lock at
+/// neither check, and shows in the log's [`Footprint`]). While the log is unsettled (the
+/// watermark absent for a moment, naming a segment that moved on, or a writer that took
+/// the lock during the read), reads again, for up to 5 s, then returns `Err(Unsettled)`.
 pub(crate) fn read_settled<T>(
     storage: &dyn Storage,
     dir: &Path,
@@ -144,10 +146,21 @@ pub(crate) fn read_settled<T>(
     let deadline = std::time::Instant::now() + UNSETTLED_RETRY_FOR;
     loop {
         let attempt = read_bound(storage, dir).and_then(|bound| {
+            // Not taken when it cannot be (the read then says why the log cannot be read).
+            let before = match bound {
+                Bound::None => footprint(storage, dir).ok(),
+                Bound::Watermark(_) => None,
+            };
             // A read that failed is void too if a writer started under it: the file it
             // could not read may be one the writer's recovery removed (the clean-shutdown
             // marker) or changed, not damage.
-            let value = read(bound).map_err(|e| unsettled_or(storage, dir, bound, e))?;
+            let value = read(bound).map_err(|e| unsettled_or(storage, dir, bound, e));
+            if let Some(before) = before
+                && footprint(storage, dir).is_ok_and(|now| now != before)
+            {
+                return Err(unsettled(dir, "a writer took the log and let it go again while it was being read"));
+            }
+            let value = value?;
             confirm_unbounded(storage, dir, bound)?;
             Ok(value)
         });
@@ -228,4 +241,40 @@ pub(crate) fn footprint(storage: &dyn Storage, dir: &Path) -> Result<Footprint> 
 
 pub(crate) fn unsettled(dir: &Path, why: &str) -> WalError {
     WalError::Unsettled { dir: dir.to_path_buf(), why: why.to_string() }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::storage::SimStorage;
+    use crate::{Wal, WalOptions};
+
+    /// A writer that takes the log and lets it go again (appending) while a read with no
+    /// writer runs holds the lock at neither check: the read is void all the same, and
+    /// made again, where its result stood (a daemon restarted during a `wal verify`
+    /// could have cut and rewritten the tail under it).
+    #[test]
+    fn a_writer_that_came_and_went_during_a_read_voids_it() {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let storage: Arc<dyn Storage> = Arc::new(SimStorage::new());
+        let dir = Path::new("/log");
+        let run_a_writer = |record: &'static [u8]| {
+            rt.block_on(async {
+                let wal = Wal::open_with(storage.clone(), dir, WalOptions::default()).unwrap();
+                wal.append(vec![bytes::Bytes::from_static(record)]).await.unwrap();
+                wal.close().await.unwrap();
+            })
+        };
+        run_a_writer(b"before");
+        let mut reads = 0;
+        let read = read_settled(&*storage, dir, |bound| {
+            reads += 1;
+            assert_eq!(bound, Bound::None);
+            if reads == 1 {
+                run_a_writer(b"during");
+            }
+            Ok(reads)
+        });
+        assert_eq!(read.unwrap(), 2, "the read a writer came and went during stood");
+    }
 }
