@@ -204,7 +204,7 @@ pub struct IggySink {
     placements: std::sync::Mutex<std::collections::HashMap<DestinationKey, Placement>>,
 }
 
-/// A destination's partition count as last learnt, and its turn for balanced sends.
+/// A destination's partition count as last learnt.
 #[derive(Debug, Clone, Copy)]
 struct Placement {
     partitions_count: u32,
@@ -212,7 +212,6 @@ struct Placement {
     /// Set when a send placed by this count failed at its destination: asked again
     /// before the next.
     stale: bool,
-    next_balanced: u32,
     /// The destination was reported as acknowledging without fsync: the warning is
     /// logged once per destination, not at every ensure (a dead-letter topic is ensured
     /// before each of its sends).
@@ -221,16 +220,14 @@ struct Placement {
 
 impl Placement {
     fn new(partitions_count: u32, learnt_at: std::time::Instant) -> Placement {
-        Placement { partitions_count, learnt_at, stale: false, next_balanced: 0, not_durable_warned: false }
+        Placement { partitions_count, learnt_at, stale: false, not_durable_warned: false }
     }
 }
 
 /// The most destinations whose [`Placement`] is kept: past it, those older than
 /// `connection_max_age` (or stale) are dropped, and if that leaves too many, all (each
-/// is asked again at its next send: a cache, never the only copy of anything; a balanced
-/// turn dropped starts again at partition 0, once, and a topic without fsync is reported
-/// again). The whole daemon's destinations
-/// share it: past this many sent to within one `connection_max_age`, the turns reset.
+/// is asked again at its next send: a cache, never the only copy of anything; a topic
+/// without fsync is reported again). The whole daemon's destinations share it.
 pub const PLACEMENTS_MAX: usize = 100_000;
 
 /// The most topics the server holds in one stream: it refuses to create one more
@@ -351,8 +348,7 @@ impl IggySink {
         f(placements.entry(dest.clone()).or_insert_with(|| Placement::new(partitions_count, now)))
     }
 
-    /// `dest` has `partitions_count` partitions, as the server just said; its balanced
-    /// turn goes on where it was.
+    /// `dest` has `partitions_count` partitions, as the server just said.
     fn learn_partitions(&self, dest: &DestinationKey, partitions_count: u32) {
         self.with_placement(dest, partitions_count, |p| {
             p.partitions_count = partitions_count;
@@ -361,8 +357,14 @@ impl IggySink {
         });
     }
 
-    /// The partition a send with `partitioning` to `dest` goes to, asked of the server
-    /// (on `client`, the send's own connection) when the count is unknown or past its age.
+    /// The partition a send with `partitioning` to `dest` goes to, its count asked of the
+    /// server (on `client`, the send's own connection) when unknown or past its age. A
+    /// balanced batch goes to the partition its first message's id names (the id modulo
+    /// the count): ids are random or hashes, so batches spread evenly, and a batch sent
+    /// again (a retry after an unknown outcome, or the first batch after a restart,
+    /// which starts at the stored cursor, where a batch started) goes to the partition
+    /// its first copy went to, where a consumer of that partition, or Iggy's own
+    /// per-partition deduplication, can tell it for a duplicate.
     async fn place(
         &self,
         client: &IggyClient,
@@ -370,6 +372,7 @@ impl IggySink {
         stream: &Identifier,
         topic: &Identifier,
         partitioning: &Partitioning,
+        first_id: u128,
     ) -> Result<u32, IggyError> {
         let max_age = self.config.connection_max_age;
         let fresh = self
@@ -401,11 +404,8 @@ impl IggySink {
                 Err(_) => metrics::counter!("iggy_connector_partition_key_invalid_total").increment(1),
             }
         }
-        Ok(self.with_placement(dest, count, |p| {
-            let partition = p.next_balanced % count;
-            p.next_balanced = p.next_balanced.wrapping_add(1);
-            partition
-        }))
+        // Below `count`, a u32.
+        Ok((first_id % u128::from(count)) as u32)
     }
 
     fn idle(&self) -> std::sync::MutexGuard<'_, Vec<Connection>> {
@@ -916,7 +916,10 @@ impl Sink for IggySink {
         let result = async {
             let partition = match p {
                 Partitioning::PartitionId(id) => *id,
-                placed => self.place(taken.client(), dest, &stream, &topic, placed).await?,
+                placed => {
+                    let first_id = messages.first().map_or(0, |m| m.header.id);
+                    self.place(taken.client(), dest, &stream, &topic, placed, first_id).await?
+                }
             };
             let partitioning = IggyPartitioning::partition_id(partition);
             // Only `Ok` frees records. A send is never answered "already applied" by the
@@ -933,7 +936,7 @@ impl Sink for IggySink {
             && classify(e) == SendErrorKind::Destination
         {
             // The count it was placed by may be what is wrong (partitions deleted): the
-            // retry asks the server again. The balanced turn goes on where it was.
+            // retry asks the server again.
             if let Some(p) = self.placements().get_mut(dest) {
                 p.stale = true;
             }
@@ -1336,31 +1339,38 @@ mod tests {
         sink.send(dest, partitioning, &mut batch).await.expect("sent");
     }
 
-    /// Balanced sends take turns over the topic's partitions whatever connection each
-    /// goes out on. Placed by the client, each new connection began at partition 0: a
-    /// topic sending less often than the pool makes connections filled partition 0 alone.
+    /// A balanced batch goes to the partition its first message's id names, whatever
+    /// connection it goes out on, and so does its retry: placed by a turn, a retry after
+    /// an unknown outcome went to the next partition, where neither a consumer of the
+    /// first one nor Iggy's per-partition deduplication could tell it for a duplicate.
+    /// Placed by the client, each new connection began at partition 0.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn balanced_sends_take_turns_over_the_partitions_across_connections() {
+    async fn a_balanced_batch_and_its_retry_go_to_the_partition_its_first_id_names() {
         let broker = test_broker::TestBroker::start(test_broker::TestBrokerConfig::default()).await.unwrap();
         let (sink, dest) = placing_sink(&broker, 4, Duration::from_secs(300)).await;
         for id in 1..=8 {
             send_on_a_new_connection(&sink, &dest, &Partitioning::Balanced, id).await;
         }
         let partitions: Vec<u32> = broker.messages("s", "t").iter().map(|m| m.partition_id).collect();
-        assert_eq!(partitions, [0, 1, 2, 3, 0, 1, 2, 3]);
-        // A send refused at the destination has the count asked again, and the turn goes
-        // on where it was (that send took partition 0's turn), not back at partition 0.
+        assert_eq!(partitions, [1, 2, 3, 0, 1, 2, 3, 0], "spread over every partition");
+        // A send refused at the destination has the count asked again once, and its
+        // retry goes where the first try went.
         broker.fail_topic("s", "t", Some(IggyError::Error));
         let mut batch = one_message(9);
         assert!(sink.send(&dest, &Partitioning::Balanced, &mut batch).await.is_err());
         broker.fail_topic("s", "t", None);
         let topics_asked = broker.request_count(test_broker::RequestKind::GetTopic);
-        for id in 10..=11 {
-            send_on_a_new_connection(&sink, &dest, &Partitioning::Balanced, id).await;
-        }
+        sink.send(&dest, &Partitioning::Balanced, &mut batch).await.expect("the retry");
+        send_on_a_new_connection(&sink, &dest, &Partitioning::Balanced, 9).await;
         assert_eq!(broker.request_count(test_broker::RequestKind::GetTopic), topics_asked + 1, "asked again, once");
+        // A batch of several goes whole where its first message's id says.
+        let payload = Bytes::from_static(b"{}");
+        let out: Vec<OutMessage<'_>> =
+            (14..=16).map(|id| OutMessage { id, payload: &payload, headers: vec![] }).collect();
+        let mut batch = sink.prepare(&out).unwrap();
+        sink.send(&dest, &Partitioning::Balanced, &mut batch).await.expect("sent");
         let partitions: Vec<u32> = broker.messages("s", "t")[8..].iter().map(|m| m.partition_id).collect();
-        assert_eq!(partitions, [1, 2]);
+        assert_eq!(partitions, [1, 1, 2, 2, 2]);
     }
 
     /// A key goes to one partition on every connection, and after partitions are added,
