@@ -203,11 +203,12 @@ impl RunningDaemon {
     }
 }
 
-/// Starts the daemon on `settings`. `metrics` renders `/metrics` (the process-wide
-/// recorder, installed by the binary).
-pub async fn start(mut settings: Settings, metrics: Option<PrometheusHandle>) -> Result<RunningDaemon, StartError> {
-    // Every metric at zero from the first scrape on (a no-op without a recorder).
-    crate::telemetry::register_all(settings.sources.iter().map(|s| s.key.as_str()));
+/// Fetches every route's `mapping_url` into the settings (see
+/// [`crate::mapping_fetch::resolve_all`]), warning of what the tables fetched exceed:
+/// the first step of a start, before anything is bound or opened, so that a stop while
+/// it waits (each fetch may take 10 s) can end the process at once. A no-op where no
+/// mapping is fetched, or all were already.
+pub async fn fetch_mappings(settings: &mut Settings) -> Result<(), StartError> {
     let policies = settings.delivery.policies.clone();
     let mapping_warnings =
         crate::mapping_fetch::resolve_all(&mut settings.sources, |key| policies.for_source(key).max_destinations)
@@ -216,6 +217,16 @@ pub async fn start(mut settings: Settings, metrics: Option<PrometheusHandle>) ->
     for warning in mapping_warnings {
         tracing::warn!("configuration: {warning}");
     }
+    Ok(())
+}
+
+/// Starts the daemon on `settings` (its mappings fetched first, if
+/// [`fetch_mappings`] was not called). `metrics` renders `/metrics` (the process-wide
+/// recorder, installed by the binary).
+pub async fn start(mut settings: Settings, metrics: Option<PrometheusHandle>) -> Result<RunningDaemon, StartError> {
+    // Every metric at zero from the first scrape on (a no-op without a recorder).
+    crate::telemetry::register_all(settings.sources.iter().map(|s| s.key.as_str()));
+    fetch_mappings(&mut settings).await?;
     // Read again here (validation read them too): the files may have changed since.
     let tls_of = |files: &Option<http_source::tls::TlsFiles>, listener: &'static str, section: &'static str| {
         files

@@ -84,8 +84,25 @@ pub fn run(settings: Settings, ready_file: Option<PathBuf>) -> ExitCode {
         // one sent during the start is kept for then).
         let hangups = install_hangup();
         let data_dir = settings.data_dir.clone();
-        // A start can take a while (a long log re-read for delivery ids, route mappings
-        // fetched): a first signal meanwhile stops the daemon once it is started, a second
+        // Route mappings first (each fetch may take 10 s): nothing is bound or opened
+        // yet, so a stop signal meanwhile ends the process at once, a clean stop (exit
+        // 0), rather than wait for the fetches and start only to stop.
+        let mut settings = settings;
+        tokio::select! {
+            fetched = daemon::fetch_mappings(&mut settings) => {
+                if let Err(e) = fetched {
+                    tracing::error!(error = %e, "start failed");
+                    crate::say_on_stderr!("iggy-ingest: {e}");
+                    return ExitCode::from(e.exit_code());
+                }
+            }
+            _ = signals.recv() => {
+                tracing::info!("stop signal while the route mappings were fetched: stopped, nothing was opened");
+                return ExitCode::SUCCESS;
+            }
+        }
+        // The rest of the start can take a while too (a long log re-read for delivery
+        // ids): a first signal meanwhile stops the daemon once it is started, a second
         // exits at once, as during a drain (safe: nothing was answered 200 yet).
         let start = daemon::start(settings, metrics);
         tokio::pin!(start);

@@ -7,6 +7,7 @@ mod common;
 
 use std::path::Path;
 use std::process::Command;
+use std::time::Duration;
 
 use common::*;
 use ingest::{Envelope, Partitioning};
@@ -384,4 +385,28 @@ async fn retry_under_a_route_that_would_refuse_it_now(killed: bool) {
     assert_eq!((dropped.status, dropped.json()), (200, json!({"accepted": 0, "dropped": 1})));
     assert!(d.stop().success());
     assert_eq!(log_len(&dir.path().join("data/wal")), 1, "no retry appended anything");
+}
+
+/// A stop while a route mapping is fetched ends the process at once, a clean stop (exit
+/// 0) with nothing opened: neither the fetch (up to 10 s a mapping) nor the start after
+/// it is waited for, where before the stop waited out the fetch, whose failure then
+/// ended the process with exit 1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_while_a_mapping_is_fetched_ends_the_process_at_once() {
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/mapping.json", silent.local_addr().unwrap());
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("config.toml");
+    std::fs::write(&cfg, config_text(dir.path(), "", &url_source(&url))).unwrap();
+    let mut d = Daemon::spawn(dir.path(), &cfg);
+    // The fetch began: the daemon's stop handlers are in place.
+    let (held, _) =
+        tokio::time::timeout(Duration::from_secs(30), silent.accept()).await.expect("the fetch never came").unwrap();
+    let asked = std::time::Instant::now();
+    d.signal(libc::SIGTERM);
+    let status = tokio::task::spawn_blocking(move || d.wait_exit(Duration::from_secs(30))).await.unwrap();
+    assert_eq!(status.code(), Some(0), "{status}");
+    assert!(asked.elapsed() < Duration::from_secs(5), "the stop took {:?}", asked.elapsed());
+    assert!(!dir.path().join("data/wal").exists(), "the log was opened");
+    drop(held);
 }
