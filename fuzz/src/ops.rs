@@ -12,6 +12,8 @@
 //!   order they were appended in;
 //! - offsets are dense, never go backwards and an offset never names two payloads;
 //! - a failed append changes nothing: the next offset stays where it was;
+//! - a batch is whole or absent: a record of a batch in the log has every other record
+//!   of that batch beside it, at consecutive offsets, but those released;
 //! - reads of released offsets and past the end fail with the matching error.
 //!
 //! Payloads carry a unique tag ([`crate::payload`]), so a record read back names the
@@ -212,6 +214,8 @@ struct Model {
     attempted: HashMap<u64, Bytes>,
     /// Untagged (short) payloads ever passed to `append`.
     attempted_short: HashSet<Bytes>,
+    /// Tag → the batch the tagged record was passed to `append` in, and its place there.
+    batch_of: HashMap<u64, (Arc<Vec<Bytes>>, usize)>,
     /// Everything below this was released by the owner and may be gone.
     floor: u64,
     /// The offset after the highest one ever acknowledged or read.
@@ -368,6 +372,27 @@ impl Harness {
         for r in &records {
             self.model.observe(r.offset, &r.payload);
         }
+        // Whole or absent: a batch's records beside each one the log holds.
+        for r in &records {
+            let Some((batch, i)) = tag_of(&r.payload).and_then(|tag| self.model.batch_of.get(&tag)) else { continue };
+            let first = r.offset - *i as u64;
+            for (j, p) in batch.iter().enumerate() {
+                let offset = first + j as u64;
+                if offset < start {
+                    continue; // released
+                }
+                let held = records.get((offset - start) as usize).filter(|h| h.offset == offset);
+                assert!(
+                    held.is_some_and(|h| &h.payload == p),
+                    "a torn batch: record {} of {} (at offset {offset}) is not beside record {} (at offset {}); the \
+                     log holds {start}..{next}",
+                    j + 1,
+                    batch.len(),
+                    i + 1,
+                    r.offset
+                );
+            }
+        }
         let floor = self.model.floor;
         for (&offset, p) in self.model.seen.range(floor..) {
             let held = offset.checked_sub(start).and_then(|i| records.get(i as usize));
@@ -383,9 +408,10 @@ impl Harness {
         }
     }
 
-    /// The payloads of records of these size codes, each noted as attempted; `None` past
-    /// the input's bounds on records and bytes.
-    fn attempt(&mut self, sizes: &[u8]) -> Option<(Vec<usize>, Vec<Bytes>)> {
+    /// The payloads of records of these size codes, each noted as attempted, in one batch
+    /// (`as_one_batch`) or each a batch of its own; `None` past the input's bounds on
+    /// records and bytes.
+    fn attempt(&mut self, sizes: &[u8], as_one_batch: bool) -> Option<(Vec<usize>, Vec<Bytes>)> {
         let seg = self.options.segment_max_bytes;
         let lens: Vec<usize> = sizes.iter().map(|&c| record_size(c, seg)).collect();
         let total: usize = lens.iter().sum();
@@ -394,7 +420,7 @@ impl Harness {
         }
         self.records += lens.len() as u64;
         self.bytes += total;
-        let payloads = lens
+        let tagged: Vec<(Option<u64>, Bytes)> = lens
             .iter()
             .map(|&len| {
                 let tag = self.next_tag;
@@ -402,17 +428,29 @@ impl Harness {
                 let p = payload(tag, len);
                 if len >= 8 {
                     self.model.attempted.insert(tag, p.clone());
+                    (Some(tag), p)
                 } else {
                     self.model.attempted_short.insert(p.clone());
+                    (None, p)
                 }
-                p
             })
             .collect();
+        let payloads: Vec<Bytes> = tagged.iter().map(|(_, p)| p.clone()).collect();
+        let batch = Arc::new(payloads.clone());
+        for (i, (tag, p)) in tagged.iter().enumerate() {
+            if let Some(tag) = tag {
+                let place = match as_one_batch {
+                    true => (batch.clone(), i),
+                    false => (Arc::new(vec![p.clone()]), 0),
+                };
+                self.model.batch_of.insert(*tag, place);
+            }
+        }
         Some((lens, payloads))
     }
 
     async fn append(&mut self, sizes: &[u8]) {
-        let Some((lens, batch)) = self.attempt(sizes) else { return };
+        let Some((lens, batch)) = self.attempt(sizes, true) else { return };
         let n = batch.len() as u64;
         let expected = self.wal().next_offset();
         let result = self.wal().append(batch.clone()).await;
@@ -485,7 +523,7 @@ impl Harness {
     /// grouping, the ones answered `Ok` tile the log from its end before, in submission
     /// order, with no gap: a failed one takes no offset.
     async fn append_concurrently(&mut self, sizes: &[u8]) {
-        let Some((lens, payloads)) = self.attempt(sizes) else { return };
+        let Some((lens, payloads)) = self.attempt(sizes, false) else { return };
         let expected = self.wal().next_offset();
         let results = {
             let wal = self.wal();
