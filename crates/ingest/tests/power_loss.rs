@@ -5,8 +5,10 @@
 //! with and without an idempotency key, rotations and revocations, cursor stores and
 //! releases) runs until the power goes just
 //! before the disk's nth write, sync or metadata change, for every n the script reaches,
-//! under both sync policies, losing exactly what was unsynced or an adversarial mix of
-//! it. Then both are opened again, as a restart does, and checked against what was
+//! under both sync policies, losing exactly what was unsynced or keeping any mix of it,
+//! sector by sector and entry by entry, in any order (`CrashMode::Reordered`: the disk
+//! redb's design assumes, atomic sector writes; the log's own sweeps also tear sectors
+//! into garbage, which the database does not claim to survive). Then both are opened again, as a restart does, and checked against what was
 //! answered:
 //!
 //! - every endpoint change that returned is in effect (a revocation never comes back);

@@ -116,7 +116,11 @@ pub(crate) fn read_bound(storage: &dyn Storage, dir: &Path) -> Result<Bound> {
     let file = match storage.open(&path, OpenMode::Read) {
         Ok(f) => f,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            return Err(unsettled(dir, "the running writer has not published a durable watermark yet"));
+            return Err(unsettled(
+                dir,
+                "the running writer has not published a durable watermark yet (a writer past its start that still \
+                 has none could not create the file, as its log says: this log is then read only once it stops)",
+            ));
         }
         Err(e) => return Err(WalError::io(&path, e)),
     };
