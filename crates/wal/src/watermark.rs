@@ -150,9 +150,15 @@ pub(crate) fn read_settled<T>(
     let deadline = std::time::Instant::now() + UNSETTLED_RETRY_FOR;
     loop {
         let attempt = read_bound(storage, dir).and_then(|bound| {
-            // Not taken when it cannot be (the read then says why the log cannot be read).
+            // A directory that is not there is for the read to name (not a log); any
+            // other failure to take the footprint is the read's failure too (an I/O
+            // error, never a read that goes on unchecked).
             let before = match bound {
-                Bound::None => footprint(storage, dir).ok(),
+                Bound::None => match footprint(storage, dir) {
+                    Ok(f) => Some(f),
+                    Err(WalError::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => None,
+                    Err(e) => return Err(e),
+                },
                 Bound::Watermark(_) => None,
             };
             // A read that failed is void too if a writer started under it: the file it
