@@ -563,20 +563,27 @@ async fn a_silent_topic_opens_its_breaker_even_when_connecting_is_slow() {
 /// inside itself, so the router sees only timeouts) is an outage of the server, not of
 /// every destination: no breaker opens, and everything arrives once it writes again.
 /// Each lane's timeouts are taken for the server's because the other destination's sends
-/// go unanswered too while no write is answered.
+/// go unanswered too while no write is answered. Until the other's first send was cut
+/// short, one lane's timeouts count against its breaker (one destination silent alone
+/// cannot be told from a stall); on a loaded machine that first send can go out late (its
+/// new connection made late, the call given back to its retry), so the breaker here opens
+/// at 5 failures in a row, not 3: what is held is that the count stops once both are
+/// seen, and no breaker opens while many more timeouts follow.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_server_that_answers_pings_but_no_write_opens_no_breaker() {
     let broker = TestBroker::start(TestBrokerConfig::default()).await.unwrap();
-    let (wal, router) = start_warm(&broker, "w", "a").await;
+    let mut lenient = policy();
+    lenient.breaker.failure_threshold = 5;
+    let (wal, router) = start_warm_with(&broker, "w", "a", lenient).await;
     wal.append(vec![record("w", "b", 1, Partitioning::Balanced)]).await.unwrap();
     eventually(Duration::from_secs(20), "b warm", || async { ids(&broker, "w", "b").len() == 1 }).await;
     broker.black_hole_topic("w", "a", true);
     broker.black_hole_topic("w", "b", true);
     append_alternating(&wal, "w", ("a", "b"), 2..42).await;
-    // Several result timeouts (3 s each) and breaker thresholds (3) long.
-    let failures = no_breaker_opens_for(&router, Duration::from_secs(16), "a server that writes nothing").await;
+    // Several result timeouts (3 s each) and a breaker threshold (5) long.
+    let failures = no_breaker_opens_for(&router, Duration::from_secs(24), "a server that writes nothing").await;
     // The timeouts happened, as many in a row as would open a breaker that counted them.
-    assert!(failures >= 3, "{failures} consecutive failures: the sends were never cut short");
+    assert!(failures >= 5, "{failures} consecutive failures: the sends were never cut short");
     broker.black_hole_topic("w", "a", false);
     broker.black_hole_topic("w", "b", false);
     let unique = |t: &str| ids(&broker, "w", t).into_iter().collect::<BTreeSet<u128>>();
