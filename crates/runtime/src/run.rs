@@ -91,9 +91,7 @@ pub fn run(settings: Settings, ready_file: Option<PathBuf>) -> ExitCode {
         tokio::select! {
             fetched = daemon::fetch_mappings(&mut settings) => {
                 if let Err(e) = fetched {
-                    tracing::error!(error = %e, "start failed");
-                    crate::say_on_stderr!("iggy-ingest: {e}");
-                    return ExitCode::from(e.exit_code());
+                    return start_failed(&e, &data_dir);
                 }
             }
             _ = signals.recv() => {
@@ -124,14 +122,7 @@ pub fn run(settings: Settings, ready_file: Option<PathBuf>) -> ExitCode {
         };
         let running = match started {
             Ok(r) => r,
-            Err(e) => {
-                tracing::error!(error = %e, "start failed");
-                crate::say_on_stderr!("iggy-ingest: {e}");
-                if let Some(hint) = start_hint(&e, &data_dir) {
-                    crate::say_on_stderr!("iggy-ingest: {hint}");
-                }
-                return ExitCode::from(e.exit_code());
-            }
+            Err(e) => return start_failed(&e, &data_dir),
         };
         // A daemon about to stop is not ready: a supervisor would send it traffic.
         let ready_file = ready_file.filter(|_| !stop_asked);
@@ -198,6 +189,16 @@ pub fn run(settings: Settings, ready_file: Option<PathBuf>) -> ExitCode {
     // exit: whatever it was doing, a crash there loses nothing answered 200.
     runtime.shutdown_timeout(daemon::RUNTIME_STOP_MAX);
     code
+}
+
+/// A start that failed: logged, said on stderr with its hint, and its exit code.
+fn start_failed(e: &daemon::StartError, data_dir: &Path) -> ExitCode {
+    tracing::error!(error = %e, "start failed");
+    crate::say_on_stderr!("iggy-ingest: {e}");
+    if let Some(hint) = start_hint(e, data_dir) {
+        crate::say_on_stderr!("iggy-ingest: {hint}");
+    }
+    ExitCode::from(e.exit_code())
 }
 
 /// What an operator can do about a refused start, where the error alone does not say.
