@@ -390,6 +390,14 @@ struct Info {
     sent_records: u64,
     rejected_records: u64,
     consecutive_failures: u32,
+    /// The lane's last attempt that said anything of its destination held its send slot
+    /// for [`SLOW_TO_FAIL_SHARE`] of the result timeout or more and failed: its next one
+    /// may hold a slot as long, and waits for the failing lanes' share of them
+    /// ([`SendSlots`]). Set by such a failure, cleared by any success; a failure that
+    /// came back sooner (a dropped connection, a refused connect, a destination's quick
+    /// refusal) leaves it as it was, since it says nothing of how long the next attempt
+    /// will hold a slot.
+    slow_to_fail: bool,
     /// The last offset of the out-of-range runs already counted as rejected: a run read
     /// back after a park (the same records, or the part of them not dead-lettered yet)
     /// is not counted again. A lane's records come in log order, so a new run ends past it.
@@ -479,11 +487,16 @@ pub(crate) async fn ensure_timed<S: Sink>(sink: &S, dest: &DestinationKey) -> Re
 }
 
 /// A source's sends in flight: at most `max_concurrent_destinations`, of which lanes
-/// whose last attempt failed hold at most half (at least one). Such a lane can hold its
-/// slot for a whole result timeout (twice, with the ping after it); without the bound,
-/// a handful of destinations that never answer would take every slot of their source
-/// and queue its healthy destinations behind their timeouts. With one slot in all, a
-/// failing lane can still hold it: sends are then one at a time by the operator's choice.
+/// slow to fail ([`Info::slow_to_fail`]: their last attempt held its slot a quarter of
+/// the result timeout or more, and failed) hold at most half (at least one). Such a lane
+/// can hold its slot for a whole result timeout (twice, with the ping after it); without
+/// the bound, a handful of destinations that never answer would take every slot of their
+/// source and queue its healthy destinations behind their timeouts. A failure that came
+/// back at once (a dropped connection, a server restarting: every lane gets one) moves
+/// no lane into that share, nor out of it: a healthy lane that shared an outage with a
+/// silent one is not queued behind the silent one's timeouts after it. With one slot in
+/// all, a failing lane can still hold it: sends are then one at a time by the
+/// operator's choice.
 #[derive(Debug)]
 pub(crate) struct SendSlots {
     all: Semaphore,
@@ -528,17 +541,19 @@ impl SendSlots {
         self.catch_up.clone().try_acquire_owned().ok()
     }
 
-    /// Leave to read a parked batch back into memory, held until its try ends. The
-    /// source's failing lanes send one at a time per failing slot, and a try through a
+    /// Leave for a lane slow to fail to read a parked batch back into memory, held until
+    /// its try ends. Such lanes send one at a time per failing slot, and a try through a
     /// server that does not answer takes a whole result timeout: read back before their
-    /// turn, a thousand parked batches would wait for it all in memory again. `None`
-    /// once the slots are closed.
+    /// turn, a thousand parked batches would wait for it all in memory again. Any other
+    /// lane reads its parked batch back with the leave of a re-read
+    /// ([`SendSlots::catch_up`]): its try takes the time of a send. `None` once the
+    /// slots are closed.
     pub(crate) async fn read_back(&self) -> Option<tokio::sync::OwnedSemaphorePermit> {
         leave(&self.read_back).await
     }
 
-    /// Waits for a slot; a lane whose last attempt failed (`failing`) first waits for one
-    /// of the failing lanes' share. `None` once the slots are closed.
+    /// Waits for a slot; a lane slow to fail (`failing`) first waits for one of the
+    /// failing lanes' share. `None` once the slots are closed.
     pub(crate) async fn acquire(&self, failing: bool) -> Option<SendSlot<'_>> {
         let failing = if failing { Some(self.failing.acquire().await.ok()?) } else { None };
         let slot = self.all.acquire().await.ok()?;
@@ -943,8 +958,10 @@ async fn run<S: Sink, C: CursorStore>(lane: Arc<Lane>, mut ctx: LaneContext<S, C
                     // blocking thread: after a long outage they may be out of the page
                     // cache, scattered through the log.
                     Some(places) => {
+                        let slow_to_fail = lock(&lane.info).slow_to_fail;
                         let permit = tokio::select! {
-                            p = lane.send_slots.read_back() => p,
+                            p = lane.send_slots.read_back(), if slow_to_fail => p,
+                            p = lane.send_slots.catch_up(), if !slow_to_fail => p,
                             _ = ctx.shutdown.changed() => None,
                         };
                         let Some(permit) = permit else { break };
@@ -1929,6 +1946,12 @@ enum Attempt {
     Park(Duration),
 }
 
+/// A failed attempt that held its send slot for `1 / SLOW_TO_FAIL_SHARE` of the result
+/// timeout or more makes its lane slow to fail ([`Info::slow_to_fail`]): a send the
+/// server answers takes milliseconds, so a failure that took that long is a destination
+/// (or a server) that keeps slots, whatever it was blamed on in the end.
+const SLOW_TO_FAIL_SHARE: u32 = 4;
+
 /// One try of an ensure or a send, with breaker, backoff and status.
 async fn attempt<S: Sink, C>(
     lane: &Lane,
@@ -1949,7 +1972,9 @@ async fn attempt<S: Sink, C>(
     if !wait.is_zero() {
         return Attempt::Retry;
     }
-    let Some(_slot) = slot_or_shutdown(lane, *failures > 0, shutdown).await else { return Attempt::ShuttingDown };
+    let slow_to_fail = lock(&lane.info).slow_to_fail;
+    let Some(_slot) = slot_or_shutdown(lane, slow_to_fail, shutdown).await else { return Attempt::ShuttingDown };
+    let held_from = Instant::now();
     let timeout = lane.policy.batch.result_timeout;
     let result: Result<Option<TopicInfo>, SendError> = match op {
         Op::Unsendable(e) => Err(e),
@@ -1983,6 +2008,15 @@ async fn attempt<S: Sink, C>(
         }
     };
     drop(_slot);
+    let held = held_from.elapsed();
+    {
+        let mut i = lock(&lane.info);
+        match &result {
+            Ok(_) => i.slow_to_fail = false,
+            Err(_) if held >= timeout / SLOW_TO_FAIL_SHARE => i.slow_to_fail = true,
+            Err(_) => {}
+        }
+    }
     match result {
         Ok(Some(t)) if *failures > 0 => {
             // The destination exists, but only a send proves it accepts: the breaker,

@@ -733,6 +733,73 @@ async fn a_healthy_destination_waits_for_no_failing_one(all_in_log: bool) {
     router.shutdown().await;
 }
 
+/// A server restart fails every lane's call at once (a dropped connection), the healthy
+/// destination's and the silent ones' alike. That says nothing of how long the healthy
+/// one's next try holds a send slot: after the restart it is not queued behind the silent
+/// destinations' result timeouts, neither for a slot nor, its batch parked meanwhile, for
+/// the leave to read it back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_healthy_destination_that_shared_an_outage_waits_for_no_silent_one_after_it() {
+    a_healthy_destination_that_shared_an_outage_waits_for_no_silent_one(false).await;
+}
+
+/// The same with every lane parked at its first failure (Degraded at once): the healthy
+/// destination's batch is read back without waiting for the silent ones' read-backs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_healthy_destination_parked_in_an_outage_reads_back_without_waiting_for_silent_ones() {
+    a_healthy_destination_that_shared_an_outage_waits_for_no_silent_one(true).await;
+}
+
+async fn a_healthy_destination_that_shared_an_outage_waits_for_no_silent_one(parked: bool) {
+    let sim = SimStorage::new();
+    let wal = open_wal(&sim);
+    let sink = FaultySink::new();
+    let bad: Vec<_> = (0..4).map(|i| key("slots", &format!("silent-{i}"))).collect();
+    let good = key("slots", "good");
+    for d in &bad {
+        sink.fault(d, Some(Fault::BlackHole));
+    }
+    let mut policy = fast_policy();
+    policy.max_concurrent_destinations = 2;
+    policy.batch.result_timeout = Duration::from_secs(2);
+    policy.batch.backoff_base = Duration::from_millis(10);
+    policy.batch.backoff_max = Duration::from_millis(50);
+    policy.breaker.failure_threshold = 1_000;
+    policy.batch.degraded_after_failures = if parked { 1 } else { 1_000 };
+    fill(&wal, &bad, 0, 4).await;
+    let router = start_router(&wal, &sink, policy);
+    eventually(Duration::from_secs(60), "every silent destination failed once", || {
+        bad.iter().all(|d| sink.calls(d) + sink.ensured(d) >= 2)
+    })
+    .await;
+    wal.append(vec![record(&good, 100, Partitioning::Balanced)]).await.unwrap();
+    eventually(Duration::from_secs(10), "good delivered", || sink.ids(&good).len() == 1).await;
+    // The restart: every call fails at once, the good destination's included.
+    sink.client_fault(Some(SendErrorKind::Disconnected));
+    let calls_before = sink.calls(&good) + sink.ensured(&good);
+    wal.append(vec![record(&good, 101, Partitioning::Balanced)]).await.unwrap();
+    eventually(Duration::from_secs(10), "the good destination failed in the outage", || {
+        sink.calls(&good) + sink.ensured(&good) > calls_before
+    })
+    .await;
+    if parked {
+        let lane = || router.destinations().into_iter().find(|l| l.destination == good);
+        eventually(Duration::from_secs(10), "the good destination parked", || {
+            lane().is_some_and(|l| l.status == Status::Degraded && l.batch_bytes == 0)
+        })
+        .await;
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let back = std::time::Instant::now();
+    sink.client_fault(None);
+    eventually(Duration::from_secs(20), "good delivered after the outage", || sink.ids(&good).len() == 2).await;
+    let waited = back.elapsed();
+    // Well below the silent destinations' 2 s result timeout: behind them, it waits for
+    // at least one of their tries to end.
+    assert!(waited < Duration::from_secs(1), "after the outage, the healthy destination waited {waited:?}");
+    router.shutdown().await;
+}
+
 /// A destination that answers every send, only slowly, must not pace the log's single
 /// reader, and with it every other destination. Each of its waits for room in its full
 /// queue is short (it takes a batch every 50 ms), but together they last: once its
