@@ -125,8 +125,9 @@ pub(crate) struct Gate {
     /// or waiting in the log).
     held_records: u64,
     held_bytes: u64,
-    /// Receive time of the oldest held record, when known.
-    oldest_held_ms: Option<u64>,
+    /// The oldest held record's receive time, when known, and since when the lane holds
+    /// it as its oldest.
+    oldest_held: Option<OldestHeld>,
     /// When an offer first found the queue full since it was last at most half full:
     /// how long this lane has been keeping up with the reader less than its queue needs.
     full_since: Option<Instant>,
@@ -300,7 +301,20 @@ impl Gate {
     fn hold(&mut self, payload_len: usize, received_at_unix_ms: u64) {
         self.held_records += 1;
         self.held_bytes += payload_len as u64;
-        self.oldest_held_ms.get_or_insert(received_at_unix_ms);
+        if self.oldest_held.is_none() {
+            self.oldest_held = Some(OldestHeld::noted_now(received_at_unix_ms));
+        }
+    }
+
+    /// The oldest held record is now the one received at `received_at_unix_ms` (`None`:
+    /// none held). The same receive time as before keeps when it was noted: a lane that
+    /// reads the same record back try after try holds it all along.
+    fn note_oldest_held(&mut self, received_at_unix_ms: Option<u64>) {
+        self.oldest_held = match (self.oldest_held, received_at_unix_ms) {
+            (_, None) => None,
+            (Some(o), Some(r)) if o.received_at_unix_ms == r => Some(o),
+            (_, Some(r)) => Some(OldestHeld::noted_now(r)),
+        };
     }
 
     /// The destination acknowledged the batch in flight, whose records all lie below
@@ -331,8 +345,8 @@ impl Gate {
     /// Payload bytes this lane holds, and the receive time of its oldest held record when
     /// known: what the releaser sums into the held gauges each round, read under the
     /// lock it takes anyway (a [`Lane::snapshot`] would clone every name and status).
-    pub(crate) fn held(&self) -> (u64, Option<u64>) {
-        (self.held_bytes, self.oldest_held_ms)
+    pub(crate) fn held(&self) -> (u64, Option<OldestHeld>) {
+        (self.held_bytes, self.oldest_held)
     }
 
     /// The lowest offset of a record this lane has not delivered, if it holds any.
@@ -484,6 +498,30 @@ pub(crate) async fn ensure_timed<S: Sink>(sink: &S, dest: &DestinationKey) -> Re
             .record(started.elapsed().as_secs_f64());
     }
     ensured
+}
+
+/// A lane's oldest held record: when it was received (the wall clock at the door, in
+/// its envelope) and when the lane came to hold it as its oldest (the monotonic clock).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct OldestHeld {
+    received_at_unix_ms: u64,
+    noted: Instant,
+}
+
+impl OldestHeld {
+    fn noted_now(received_at_unix_ms: u64) -> OldestHeld {
+        OldestHeld { received_at_unix_ms, noted: Instant::now() }
+    }
+
+    /// How long it has been held: since it was received, by the wall clock of `now_ms`,
+    /// and never less than the lane has held it. A wall clock stepped back since the
+    /// door stamped it (or one that was ahead then) would otherwise put the age at 0 for
+    /// the size of the step, and keep an alert on a destination that takes nothing quiet
+    /// for as long.
+    pub(crate) fn age_ms(&self, now_ms: u64) -> u64 {
+        let held_ms = u64::try_from(self.noted.elapsed().as_millis()).unwrap_or(u64::MAX);
+        now_ms.saturating_sub(self.received_at_unix_ms).max(held_ms)
+    }
 }
 
 /// A source's sends in flight: at most `max_concurrent_destinations`, of which lanes
@@ -829,7 +867,7 @@ impl Lane {
             delivered_below: self.delivered_below.load(Ordering::Acquire),
             held_records: g.held_records,
             held_bytes: g.held_bytes,
-            oldest_held_age_ms: g.oldest_held_ms.map(|t| now_ms.saturating_sub(t)),
+            oldest_held_age_ms: g.oldest_held.map(|o| o.age_ms(now_ms)),
             sent_records: i.sent_records,
             rejected_records: i.rejected_records,
             consecutive_failures: i.consecutive_failures,
@@ -1098,15 +1136,16 @@ fn acknowledge(lane: &Lane, delivered: &[Routed], below: u64, next_first: Option
     // The oldest record still held: the next batch's first, else the queue's front,
     // else (re-reading the log, nothing read yet) one received no earlier than the last
     // record just delivered.
-    g.oldest_held_ms = if g.held_records == 0 {
+    let oldest = if g.held_records == 0 {
         None
     } else {
         next_first
             .or(g.queue.front())
             .or(delivered.last())
             .map(|r| r.envelope.header.received_at_unix_ms)
-            .or(g.oldest_held_ms)
+            .or(g.oldest_held.map(|o| o.received_at_unix_ms))
     };
+    g.note_oldest_held(oldest);
 }
 
 /// Gives `undelivered` (the rest of a batch, in log order, never empty) and `ahead`
@@ -1354,7 +1393,7 @@ where
             g.in_flight_first = batch.first().map(|r| r.offset);
             // Re-read from the log, this batch's first record is the oldest held.
             if let Some(first) = batch.first() {
-                g.oldest_held_ms = Some(first.envelope.header.received_at_unix_ms);
+                g.note_oldest_held(Some(first.envelope.header.received_at_unix_ms));
             }
             (caught_up, false)
         }

@@ -449,15 +449,15 @@ impl HeldGauges {
         };
         let mut low_water: Option<u64> = None;
         let mut held_bytes = 0u64;
-        let mut oldest_held_at_ms: Option<u64> = None;
+        let mut oldest_ms = 0u64;
+        let now_ms = lane::ingest_time_ms();
         for lane in &snapshot {
             let g = lane.gate();
             low_water = [low_water, g.low_water()].into_iter().flatten().min();
             let (bytes, oldest) = g.held();
             held_bytes += bytes;
-            oldest_held_at_ms = [oldest_held_at_ms, oldest].into_iter().flatten().min();
+            oldest_ms = oldest_ms.max(oldest.map_or(0, |o| o.age_ms(now_ms)));
         }
-        let oldest_ms = oldest_held_at_ms.map_or(0, |t| lane::ingest_time_ms().saturating_sub(t));
         let stopped = self.stopped.lock().unwrap_or_else(|p| p.into_inner());
         if !*stopped {
             metrics::gauge!("iggy_connector_held_bytes").set(held_bytes as f64);

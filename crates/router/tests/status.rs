@@ -123,6 +123,38 @@ fn a_stopped_router_leaves_no_lane_active_no_breaker_open_and_nothing_held() {
     });
 }
 
+/// A wall clock stepped back since the door stamped a record (here: one received an
+/// hour from now) puts its age by the wall clock at 0 for the size of the step. The age
+/// a lane and the gauge show still grows while the record is held, so an alert on a
+/// destination that takes nothing is not kept quiet for as long.
+#[test]
+fn the_oldest_held_age_grows_after_the_wall_clock_stepped_back() {
+    with_metrics(false, |snap| async move {
+        let sim = SimStorage::new();
+        let wal = open_wal(&sim);
+        let sink = FaultySink::new();
+        let d = key("s", "stepped");
+        sink.fault(&d, Some(Fault::BlackHole));
+        let ahead = ingest::time::now_unix_ms() + 3_600_000;
+        wal.append(vec![record_received_at("test", &d, 0, Partitioning::Balanced, ahead)]).await.unwrap();
+        let router = start_router(&wal, &sink, fast_policy());
+        let age = |router: &Router| {
+            router.destinations().into_iter().find(|l| l.destination == d).and_then(|l| l.oldest_held_age_ms)
+        };
+        eventually(Duration::from_secs(10), "held", || age(&router).is_some()).await;
+        router.publish_held_gauges();
+        let (first, first_gauge) = (age(&router).unwrap_or(0), gauge(&snap, "iggy_connector_oldest_held_age_seconds"));
+        tokio::time::sleep(Duration::from_millis(1_500)).await;
+        router.publish_held_gauges();
+        let (later, later_gauge) = (age(&router).unwrap_or(0), gauge(&snap, "iggy_connector_oldest_held_age_seconds"));
+        assert!(later >= first + 1_000, "the lane's oldest held age stood still: {first} ms, then {later} ms");
+        assert!(later_gauge >= first_gauge + 1.0, "the gauge stood still: {first_gauge} s, then {later_gauge} s");
+        // Not an hour either: it is the time held, not a guess.
+        assert!(later_gauge < 60.0, "{later_gauge} s");
+        router.shutdown().await;
+    });
+}
+
 /// While the log's writer is stuck in a sync (a disk that stopped answering), the
 /// releaser waits on it, and the gauges of what is held are still measured at every
 /// scrape: the oldest held record's age goes on growing, so an alert on it can fire.
