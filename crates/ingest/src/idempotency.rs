@@ -19,7 +19,10 @@
 //!
 //! A crash between the append and the key record therefore loses nothing and does not
 //! even open a duplicate window (the rebuild restores the key); the only duplicates
-//! possible are deliveries retried after the retention window. Two things keep it so:
+//! possible are deliveries retried after the retention window, as the wall clock
+//! measures it (a forward step of that clock shortens the window of every key recorded
+//! before it, for good: the next checkpoint sweeps them; docs/operations.md, "The
+//! clock"). Two things keep it so:
 //! - the log is not released at or above the durable checkpoint
 //!   ([`IdempotencyIndex::durable_through`], which the router's cursor store answers as
 //!   its release ceiling), so a record leaves the log only once its key is durable;
