@@ -7,7 +7,9 @@
 //!   certificate. A load that fails in any way changes nothing and says why, naming the
 //!   file ([`TlsError::file`]).
 //! - A reload replaces the pair for handshakes that start after it; connections already
-//!   open keep theirs.
+//!   open keep theirs. At most one reload of a listener reads its files at a time
+//!   ([`ListenerTls::begin_reload`]): a read a file system never answers holds one
+//!   thread, not one per SIGHUP.
 //! - TLS 1.2 and 1.3 only, and ALPN offers `http/1.1` alone (the listeners speak
 //!   HTTP/1.1): a client that offers only other protocols fails its handshake.
 //! - The handshake is bounded by the listener's header-read timeout (`server.rs`), so a
@@ -268,6 +270,8 @@ struct Inner {
     acceptor: TlsAcceptor,
     listener: &'static str,
     loads: std::sync::Mutex<Loads>,
+    /// A reload is reading the files ([`ListenerTls::begin_reload`]).
+    reloading: std::sync::atomic::AtomicBool,
 }
 
 /// What the loads of a listener's pair left: the part of [`TlsView`] that changes.
@@ -322,7 +326,8 @@ impl ListenerTls {
             expires_at_unix_secs,
             reload_failed: None,
         });
-        Ok(ListenerTls { inner: Arc::new(Inner { files, served, acceptor, listener, loads }) })
+        let reloading = std::sync::atomic::AtomicBool::new(false);
+        Ok(ListenerTls { inner: Arc::new(Inner { files, served, acceptor, listener, loads, reloading }) })
     }
 
     /// Reads the files again and serves what they hold from the next handshake on; on
@@ -357,6 +362,32 @@ impl ListenerTls {
         }
     }
 
+    /// A reload to run on a blocking thread, unless one is still reading the files (a
+    /// file system that does not answer holds its thread in the read): `None` then, and
+    /// no second thread joins the first. The reload's end, however late, lets the next
+    /// begin.
+    pub fn begin_reload(&self) -> Option<Reload> {
+        let taken = self.inner.reloading.compare_exchange(
+            false,
+            true,
+            std::sync::atomic::Ordering::AcqRel,
+            std::sync::atomic::Ordering::Acquire,
+        );
+        taken.is_ok().then(|| Reload(self.clone()))
+    }
+
+    /// Says that a reload did not happen because reading the files has not returned
+    /// (`why`): counted and shown as a failed reload (the files on disk may not be what
+    /// is served), until a reload loads. The reading thread, if it ever returns, applies
+    /// what it read as any reload does.
+    pub fn reload_not_returned(&self, why: &str) {
+        let listener = self.inner.listener;
+        let mut view = self.inner.loads.lock().unwrap_or_else(PoisonError::into_inner);
+        metrics::counter!("iggy_ingest_tls_reloads_total", "listener" => listener, "outcome" => "failed").increment(1);
+        metrics::gauge!("iggy_ingest_tls_reload_failed", "listener" => listener).set(1.0);
+        view.reload_failed = Some(ReloadFailure { at_unix_ms: ingest::time::now_unix_ms(), error: why.to_string() });
+    }
+
     /// The listener's name, as its metrics label it.
     pub fn listener(&self) -> &'static str {
         self.inner.listener
@@ -384,6 +415,22 @@ impl ListenerTls {
 
     pub(crate) fn acceptor(&self) -> &TlsAcceptor {
         &self.inner.acceptor
+    }
+}
+
+/// A reload [`ListenerTls::begin_reload`] let begin: the next may begin once it ended.
+pub struct Reload(ListenerTls);
+
+impl Reload {
+    /// [`ListenerTls::reload`].
+    pub fn run(self) -> Result<(), TlsError> {
+        self.0.reload()
+    }
+}
+
+impl Drop for Reload {
+    fn drop(&mut self) {
+        self.0.inner.reloading.store(false, std::sync::atomic::Ordering::Release);
     }
 }
 

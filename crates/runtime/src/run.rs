@@ -312,8 +312,17 @@ fn install_hangup() -> Option<tokio::signal::unix::Signal> {
     }
 }
 
+/// How long a reload of a listener's files may read them before it is reported failed
+/// (the file system does not answer): the read goes on, and applies what it reads if it
+/// ever returns, but the status says meanwhile that the files are not what is served.
+const TLS_RELOAD_READ_MAX: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// Reloads every TLS listener's certificate and key at each SIGHUP: a pair that does
-/// not load is logged and the one served before stays (`http_source::tls`).
+/// not load is logged and the one served before stays (`http_source::tls`). Each
+/// listener's reload is a task of its own, so a file that hangs one (a mount that does
+/// not answer) neither holds the other's nor the next SIGHUP's; a read that has not
+/// returned within [`TLS_RELOAD_READ_MAX`] is a failed reload, in `/status` and the
+/// metrics.
 async fn reload_tls_on_hangup(mut hangups: tokio::signal::unix::Signal, tls: Vec<http_source::tls::ListenerTls>) {
     while hangups.recv().await.is_some() {
         // Said at each one: an operator who edited the file and sent a reload (systemd's
@@ -325,35 +334,56 @@ async fn reload_tls_on_hangup(mut hangups: tokio::signal::unix::Signal, tls: Vec
             tracing::info!("SIGHUP received: no listener serves TLS, nothing to reload");
         }
         for t in &tls {
-            let files = t.files();
-            // File reads, on a blocking thread: a certificate on a mount that hangs must
-            // not hold an async worker (and the requests it serves).
-            let reloading = t.clone();
-            let reloaded = match tokio::task::spawn_blocking(move || reloading.reload()).await {
-                Ok(r) => r,
-                Err(e) => {
-                    tracing::error!(listener = t.listener(), error = %e, "SIGHUP received: the TLS reload failed");
-                    continue;
-                }
-            };
-            match reloaded {
-                Ok(()) => {
-                    tracing::info!(
-                        listener = t.listener(),
-                        cert_file = %files.cert_file.display(),
-                        "SIGHUP received: TLS certificate reloaded"
-                    );
-                    for warning in crate::config::tls_warnings(&t.served()) {
-                        tracing::warn!(listener = t.listener(), cert_file = %files.cert_file.display(), "{warning}");
-                    }
-                }
-                Err(e) => tracing::error!(
-                    listener = t.listener(),
-                    error = %e,
-                    "SIGHUP received: the TLS certificate did not load; the one loaded before is still served"
-                ),
+            tokio::spawn(reload_tls_listener(t.clone()));
+        }
+    }
+}
+
+async fn reload_tls_listener(t: http_source::tls::ListenerTls) {
+    let files = t.files().clone();
+    let Some(reload) = t.begin_reload() else {
+        let why = "the reload asked for by an earlier SIGHUP is still reading the files (a file system that does not answer?)";
+        t.reload_not_returned(why);
+        tracing::error!(listener = t.listener(), cert_file = %files.cert_file.display(), "SIGHUP received: {why}; nothing reloaded");
+        return;
+    };
+    // File reads, on a blocking thread: a certificate on a mount that hangs must not
+    // hold an async worker (and the requests it serves).
+    let reloaded = match tokio::time::timeout(TLS_RELOAD_READ_MAX, tokio::task::spawn_blocking(move || reload.run()))
+        .await
+    {
+        Ok(Ok(r)) => r,
+        Ok(Err(e)) => {
+            tracing::error!(listener = t.listener(), error = %e, "SIGHUP received: the TLS reload failed");
+            return;
+        }
+        Err(_) => {
+            let why = format!(
+                "reading the certificate and key did not return within {} s (a file system that does not answer?); \
+                 the pair loaded before is served, and what the read returns, if it does, is applied then",
+                TLS_RELOAD_READ_MAX.as_secs()
+            );
+            t.reload_not_returned(&why);
+            tracing::error!(listener = t.listener(), cert_file = %files.cert_file.display(), "SIGHUP received: {why}");
+            return;
+        }
+    };
+    match reloaded {
+        Ok(()) => {
+            tracing::info!(
+                listener = t.listener(),
+                cert_file = %files.cert_file.display(),
+                "SIGHUP received: TLS certificate reloaded"
+            );
+            for warning in crate::config::tls_warnings(&t.served()) {
+                tracing::warn!(listener = t.listener(), cert_file = %files.cert_file.display(), "{warning}");
             }
         }
+        Err(e) => tracing::error!(
+            listener = t.listener(),
+            error = %e,
+            "SIGHUP received: the TLS certificate did not load; the one loaded before is still served"
+        ),
     }
 }
 

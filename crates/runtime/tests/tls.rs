@@ -93,6 +93,96 @@ async fn a_reload_that_loads_an_expired_certificate_warns_of_it() {
     assert!(daemon.stop().success());
 }
 
+/// A reload whose file does not answer (here: the webhook certificate replaced by a FIFO
+/// no one writes to) holds neither the other listener's reload nor a later SIGHUP's: the
+/// admin listener serves its new pair at once, the webhook listener's status says its
+/// reload failed once the read has not returned within 5 s, and a SIGHUP meanwhile says
+/// the earlier read is still going. When the read returns, what it read is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_whose_file_does_not_answer_holds_no_other_and_says_it_failed() {
+    let dir = tempfile::tempdir().unwrap();
+    let (webhook, admin, admin_next) = (TlsPair::new(), TlsPair::new(), TlsPair::new());
+    let webhook_files = webhook.write(&dir.path().join("webhook-tls"));
+    let admin_files = admin.write(&dir.path().join("admin-tls"));
+    let (http_extra, rest) = tls_config((&webhook_files.0, &webhook_files.1), (&admin_files.0, &admin_files.1));
+    let cfg = dir.path().join("config.toml");
+    std::fs::write(&cfg, config_text(dir.path(), &http_extra, &rest)).unwrap();
+    let daemon = Daemon::spawn(dir.path(), &cfg).ready();
+    let tls_status = async || {
+        let (mut conn, _) = Conn::open_tls(daemon.admin, &[&admin, &admin_next]).await.unwrap();
+        conn.send("GET", "/status", &[], "").await.unwrap().json()["tls"].clone()
+    };
+    let before = tls_status().await;
+    let loaded_at = |t: &serde_json::Value, listener: &str| t[listener]["loaded_at_unix_ms"].as_u64().unwrap();
+    let failure = |t: &serde_json::Value| t["webhook"]["reload_failed"]["error"].as_str().map(str::to_string);
+
+    std::fs::remove_file(&webhook_files.0).unwrap();
+    let path = std::ffi::CString::new(webhook_files.0.to_str().unwrap()).unwrap();
+    // SAFETY: mkfifo(3) with a valid C string.
+    assert_eq!(unsafe { libc::mkfifo(path.as_ptr(), 0o600) }, 0);
+    admin_next.write(&dir.path().join("admin-tls"));
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    let hangup = Instant::now();
+    daemon.signal(libc::SIGHUP);
+
+    // The admin listener's reload is its own: done well before the webhook's read gives up.
+    loop {
+        let t = tls_status().await;
+        if loaded_at(&t, "admin") > loaded_at(&before, "admin") {
+            assert!(hangup.elapsed() < Duration::from_secs(4), "the admin reload waited {:?}", hangup.elapsed());
+            assert_eq!(failure(&t), None, "said failed before its time: {t}");
+            break;
+        }
+        assert!(hangup.elapsed() < Duration::from_secs(4), "the admin listener's pair was not reloaded: {t}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let (_, served) = Conn::open_tls(daemon.admin, &[&admin_next]).await.unwrap();
+    assert_eq!(served, admin_next.cert_der, "the admin listener serves the new certificate");
+
+    // The webhook's read has not returned: a failed reload, in the status and the metrics.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let said = loop {
+        let t = tls_status().await;
+        if let Some(e) = failure(&t) {
+            break e;
+        }
+        assert!(Instant::now() < deadline, "the stuck reload was never said to have failed: {t}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert!(said.contains("did not return within 5 s"), "{said}");
+    assert!(hangup.elapsed() >= Duration::from_secs(5), "said failed after {:?}", hangup.elapsed());
+    let (mut conn, _) = Conn::open_tls(daemon.admin, &[&admin_next]).await.unwrap();
+    let metrics = String::from_utf8_lossy(&conn.send("GET", "/metrics", &[], "").await.unwrap().body).to_string();
+    assert!(metrics.contains("iggy_ingest_tls_reload_failed{listener=\"webhook\"} 1"), "{metrics}");
+
+    // A SIGHUP while the read still hangs starts no second one, and says why.
+    daemon.signal(libc::SIGHUP);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let t = tls_status().await;
+        if failure(&t).is_some_and(|e| e.contains("still reading the files")) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "a SIGHUP during the stuck read did not say so: {t}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    // The file answers at last (with the certificate the key belongs to): served.
+    let before_answer = tls_status().await;
+    std::fs::write(&webhook_files.0, &webhook.cert_pem).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let t = tls_status().await;
+        if loaded_at(&t, "webhook") > loaded_at(&before_answer, "webhook") {
+            assert_eq!(failure(&t), None, "{t}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "what the read returned was not applied: {t}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(daemon.stop().success());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn webhooks_over_tls_are_logged_and_a_sighup_serves_the_new_certificate_or_keeps_the_old_one() {
     let dir = tempfile::tempdir().unwrap();
