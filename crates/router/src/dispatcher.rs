@@ -46,13 +46,19 @@ use crate::sink::{DestinationKey, LaneKey, Sink};
 static CAP_DROP_LOG: ingest::log_limit::LogLimit =
     ingest::log_limit::LogLimit::every(std::time::Duration::from_secs(1));
 
+/// The log line of records refused for the cap and sent to the dead-letter destination,
+/// at most one a second (their count and offsets on the next line).
+static CAP_DEAD_LETTER_LOG: ingest::log_limit::LogLimit =
+    ingest::log_limit::LogLimit::every(std::time::Duration::from_secs(1));
+
 /// The log line of records held as undecodable, at most one a second (their count and
 /// offsets on the next): a log written by a newer build can hold millions of them, and
 /// each start meets them all again.
 static UNDECODABLE_LOG: ingest::log_limit::LogLimit =
     ingest::log_limit::LogLimit::every(std::time::Duration::from_secs(1));
 
-/// Writes the records dropped for the cap, and those held as undecodable, that no later
+/// Writes the records dropped for the cap or sent to the dead-letter destination for it,
+/// and those held as undecodable, that no later
 /// line carried (the end of a burst), once their second is over; the router's releaser
 /// calls it every round.
 pub(crate) fn log_cap_drops_left_out() {
@@ -63,6 +69,15 @@ pub(crate) fn log_cap_drops_left_out() {
             first_offset = first,
             last_offset = last,
             "destination cap reached: records dropped, as configured (of any source, between these offsets)"
+        );
+    }
+    if let Some(s) = CAP_DEAD_LETTER_LOG.flush_due() {
+        let (first, last) = s.first_last();
+        tracing::warn!(
+            dead_lettered = s.count,
+            first_offset = first,
+            last_offset = last,
+            "destination cap reached: records sent to the dead-letter destination, as configured (of any source, between these offsets)"
         );
     }
     if let Some(s) = UNDECODABLE_LOG.flush_due() {
@@ -479,6 +494,20 @@ impl<S: Sink, C: CursorStore> Dispatcher<S, C> {
             }
             OnAdmissionFailure::DeadLetter => match (dead_letter_lane, &policy.dead_letter) {
                 (Some(dl), _) => {
+                    // Logged as drops are: one a line, the others of the same second by
+                    // their count and offsets on the next.
+                    if let Some(s) = CAP_DEAD_LETTER_LOG.admit_numbered(offset) {
+                        let (first, last) = s.first_last();
+                        tracing::warn!(
+                            offset,
+                            source = %key.source,
+                            dead_letter = %dl.key.destination,
+                            dead_lettered_before = s.count,
+                            dead_lettered_before_first_offset = first,
+                            dead_lettered_before_last_offset = last,
+                            "destination cap reached: record sent to the dead-letter destination, as configured"
+                        );
+                    }
                     let routed = Routed::new(offset, place, envelope, Some("cap"));
                     let _ = dl.offer(routed, policy.lane_queue_max_records, policy.overflow_after, false);
                 }

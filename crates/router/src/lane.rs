@@ -2142,6 +2142,7 @@ async fn out_of_range<S: Sink, C>(
     shutdown: &mut watch::Receiver<bool>,
 ) -> Delivery {
     let n = records.len() as u64;
+    let first = records.first().map(|r| r.offset);
     let last = records.last().map(|r| r.offset);
     let counted_before = {
         let mut info = lock(&lane.info);
@@ -2158,7 +2159,7 @@ async fn out_of_range<S: Sink, C>(
     }
     match lane.policy.on_admission_failure {
         OnAdmissionFailure::Drop => {
-            tracing::warn!(destination = %lane.key, records = n, "{why}: dropped, as configured");
+            tracing::warn!(destination = %lane.key, records = n, first_offset = first, last_offset = last, "{why}: dropped, as configured");
             metrics::counter!("iggy_connector_messages_dropped_total", "connector_key" => lane.key.source.clone(), "reason" => "partition_id_out_of_range")
                 .increment(n);
             lock(&lane.info).consecutive_failures = 0;
@@ -2166,7 +2167,7 @@ async fn out_of_range<S: Sink, C>(
             Delivery::Done
         }
         OnAdmissionFailure::DeadLetter if lane.dead_letter_given_up => {
-            tracing::warn!(destination = %lane.key, records = n, "{why}: dropped, the dead-letter destination is given up (router.give_up)");
+            tracing::warn!(destination = %lane.key, records = n, first_offset = first, last_offset = last, "{why}: dropped, the dead-letter destination is given up (router.give_up)");
             metrics::counter!("iggy_connector_messages_dropped_total", "connector_key" => lane.key.source.clone(), "reason" => "given_up")
                 .increment(n);
             lock(&lane.info).consecutive_failures = 0;
@@ -2183,6 +2184,11 @@ async fn out_of_range<S: Sink, C>(
             let Some(dlq) = lane.policy.dead_letter.clone() else {
                 return hold_until_partitions_exist(lane, ctx, &why);
             };
+            // Said once a run, when it is first refused (a run parked and read back is
+            // the same run).
+            if !counted_before {
+                tracing::warn!(destination = %lane.key, records = n, first_offset = first, last_offset = last, dead_letter = %dlq, "{why}: sent to the dead-letter destination, as configured");
+            }
             dead_letter(lane, ctx, &dlq, records, from_log, shutdown).await
         }
         OnAdmissionFailure::Error => hold_until_partitions_exist(lane, ctx, &why),

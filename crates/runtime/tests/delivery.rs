@@ -246,6 +246,68 @@ max_destinations = 2
     assert!(daemon.stop().success());
 }
 
+/// Records refused for a source's destination cap and sent to its dead-letter
+/// destination leave their own destination by the operator's decision: the log says so,
+/// with their offsets, as it does for drops (counted, logged).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn records_dead_lettered_for_the_cap_are_logged_with_their_offsets() {
+    let dir = tempfile::tempdir().unwrap();
+    let broker = TestBroker::start(TestBrokerConfig::default()).await.unwrap();
+    let rest = format!(
+        r#"
+[iggy]
+address = "{broker}"
+reconnection_interval_ms = 100
+
+[sources.shop.route]
+topic_field = "type"
+default_stream = "shop"
+default_topic = "unrouted"
+
+[router.sources.shop]
+max_destinations = 1
+on_admission_failure = "dead_letter"
+dead_letter_stream = "dlq"
+dead_letter_topic = "rejected"
+"#,
+        broker = broker.addr()
+    );
+    let cfg = dir.path().join("config.toml");
+    let text = config_text(dir.path(), "", &rest).replace("level = \"error\"", "level = \"warn\"");
+    std::fs::write(&cfg, text).unwrap();
+    let log = dir.path().join("daemon.log");
+    let daemon = Daemon::spawn_logging_to(dir.path(), &cfg, std::fs::File::create(&log).unwrap()).ready();
+    // Offsets 0 and 1 go to shop/orders, the one destination the cap admits; 2 and 3
+    // name another and are refused.
+    for (n, kind) in ["orders", "orders", "refunds", "refunds"].iter().enumerate() {
+        let a = post_json(daemon.http, "/v1/sources/shop", &format!("{{\"type\":\"{kind}\",\"n\":{n}}}")).await;
+        assert_eq!(a.status, 200, "event {n}");
+    }
+    wait_until("the refused records dead-lettered", Duration::from_secs(30), || {
+        broker.messages("dlq", "rejected").len() == 2
+    })
+    .await;
+    let said = || {
+        std::fs::read_to_string(&log)
+            .unwrap()
+            .lines()
+            .filter(|l| l.contains("sent to the dead-letter destination"))
+            .map(str::to_string)
+            .collect::<Vec<_>>()
+    };
+    // The first of the second is a line of its own; the other is told by its count and
+    // offsets on a line after the second is over.
+    wait_until("both dead-lettered records logged", Duration::from_secs(10), || said().len() >= 2).await;
+    let lines = said();
+    assert!(lines[0].contains("offset=2") && lines[0].contains("source=shop"), "{lines:?}");
+    assert!(lines[0].contains("dlq/rejected"), "names the dead-letter destination: {lines:?}");
+    assert!(
+        lines[1..].iter().any(|l| l.contains("dead_lettered=1") && l.contains("first_offset=3")),
+        "the second record, on the line after: {lines:?}"
+    );
+    assert!(daemon.stop().success());
+}
+
 /// A source removed from the configuration while its records are still in the log keeps
 /// a lane that holds (and pins) them: its destinations are shown, not a 404, so the
 /// runbook can find what pins the log. A name that never had records stays 404.
