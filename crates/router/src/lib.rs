@@ -423,6 +423,10 @@ pub struct Router {
     stop_flusher: watch::Sender<bool>,
     flusher: std::sync::Mutex<Option<JoinHandle<()>>>,
     held_gauges: Arc<HeldGauges>,
+    /// The sources the router had lanes for when it stopped: a stop empties the lanes,
+    /// and the status of a source no longer configured must still be told (stopped), not
+    /// left as it was before the stop.
+    sources_at_stop: std::sync::Mutex<BTreeSet<String>>,
 }
 
 /// What measures and sets the gauges of what the router holds
@@ -644,6 +648,7 @@ impl Router {
             stop_flusher,
             flusher: std::sync::Mutex::new(Some(flusher)),
             held_gauges,
+            sources_at_stop: std::sync::Mutex::default(),
         })
     }
 
@@ -666,11 +671,13 @@ impl Router {
 
     /// The sources the router has lanes for, each once, in order: configured ones that
     /// routed a record, and any the log holds records of that the configuration no
-    /// longer names.
+    /// longer names. Once stopped, those it had when it stopped.
     pub fn sources(&self) -> Vec<String> {
+        let mut sources = self.sources_at_stop.lock().unwrap_or_else(|p| p.into_inner()).clone();
         let lanes = self.lanes.read().unwrap_or_else(|p| p.into_inner());
-        let keys: std::collections::BTreeSet<&str> = lanes.keys().map(|k| k.source.as_str()).collect();
-        keys.into_iter().map(str::to_string).collect()
+        let of_lanes: BTreeSet<&str> = lanes.keys().map(|k| k.source.as_str()).collect();
+        sources.extend(of_lanes.into_iter().map(str::to_string));
+        sources.into_iter().collect()
     }
 
     /// The lanes of one source.
@@ -750,6 +757,10 @@ impl Router {
     fn clear_after_stop(&self) {
         let lanes: Vec<Arc<Lane>> =
             self.lanes.write().unwrap_or_else(|p| p.into_inner()).drain().map(|(_, lane)| lane).collect();
+        self.sources_at_stop
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .extend(lanes.iter().map(|l| l.key.source.clone()));
         for lane in lanes {
             lane.status.set(Status::Stopped, "router stopped");
         }

@@ -123,6 +123,28 @@ fn a_stopped_router_leaves_no_lane_active_no_breaker_open_and_nothing_held() {
     });
 }
 
+/// A stop empties the router's lanes; the sources they belonged to are still its
+/// sources, stopped. A source the configuration no longer names is known only by its
+/// lanes: without them its delivery status would stay what it was before the stop.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_router_still_names_the_sources_it_had_stopped() {
+    let sim = SimStorage::new();
+    let wal = open_wal(&sim);
+    let sink = FaultySink::new();
+    let (a, b) = (key("one", "x"), key("two", "y"));
+    sink.fault(&b, Some(Fault::Fail(SendErrorKind::Destination)));
+    for (n, source, d) in [(0, "one", &a), (1, "two", &b)] {
+        wal.append(vec![record_from(source, d, n, Partitioning::Balanced)]).await.unwrap();
+    }
+    let router = start_router(&wal, &sink, fast_policy());
+    eventually(Duration::from_secs(10), "both lanes", || router.destinations().len() == 2).await;
+    eventually(Duration::from_secs(10), "two degraded", || router.connector_status("two") == Status::Degraded).await;
+    router.shutdown().await;
+    assert!(router.destinations().is_empty(), "a stop empties the lanes");
+    assert_eq!(router.sources(), ["one", "two"]);
+    assert_eq!(router.connector_status("two"), Status::Stopped);
+}
+
 /// A wall clock stepped back since the door stamped a record (here: one received an
 /// hour from now) puts its age by the wall clock at 0 for the size of the step. The age
 /// a lane and the gauge show still grows while the record is held, so an alert on a
