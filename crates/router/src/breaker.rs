@@ -20,6 +20,16 @@ pub enum BreakerState {
 }
 
 impl BreakerState {
+    /// The state as of `now`: an open breaker whose cool-down has ended is half-open,
+    /// whether or not the lane has come back to it yet (it may be waiting for a send
+    /// slot, or for the leave to read its batch back): the next try is its probe.
+    pub fn at(self, now: Instant) -> BreakerState {
+        match self {
+            BreakerState::Open { until } if now >= until => BreakerState::HalfOpen,
+            state => state,
+        }
+    }
+
     pub fn as_str(&self) -> &'static str {
         match self {
             BreakerState::Closed => "closed",
@@ -107,6 +117,22 @@ mod tests {
         b.on_success();
         assert_eq!(b.state(), BreakerState::Closed);
         assert!(!b.on_failure(t1));
+    }
+
+    /// What a lane's status shows of a breaker it left open while it waits elsewhere (for
+    /// a send slot, for the leave to read its batch back): half-open from the end of the
+    /// cool-down, as the lane's next try will find it.
+    #[test]
+    fn an_open_breaker_reads_half_open_from_the_end_of_its_cool_down() {
+        let t0 = Instant::now();
+        let mut b = Breaker::new(policy());
+        for _ in 0..3 {
+            b.on_failure(t0);
+        }
+        let open = b.state();
+        assert_eq!(open.at(t0 + Duration::from_secs(9)).as_str(), "open");
+        assert_eq!(open.at(t0 + Duration::from_secs(10)), BreakerState::HalfOpen);
+        assert_eq!(BreakerState::Closed.at(t0 + Duration::from_secs(60)), BreakerState::Closed);
     }
 
     #[test]

@@ -863,7 +863,7 @@ impl Lane {
             status_since: status.since,
             last_error,
             last_error_at,
-            breaker: i.breaker.map_or("closed", |b| b.as_str()),
+            breaker: i.breaker.map_or("closed", |b| b.at(Instant::now()).as_str()),
             delivered_below: self.delivered_below.load(Ordering::Acquire),
             held_records: g.held_records,
             held_bytes: g.held_bytes,
