@@ -420,6 +420,8 @@ struct Info {
     /// carries: a run parked while the dead-letter destination fails (or answers too
     /// slowly) goes on from both after it is read back.
     dead_letter_failures: u32,
+    /// [`Info::slow_to_fail`] of the lane's sends to its dead-letter destination.
+    dead_letter_slow_to_fail: bool,
     dead_letter_cap: SendCap,
     /// The last offset of a run parked while it was dead-lettered: read back, its rest
     /// goes to the dead-letter destination too, never to its own topic.
@@ -996,7 +998,10 @@ async fn run<S: Sink, C: CursorStore>(lane: Arc<Lane>, mut ctx: LaneContext<S, C
                     // blocking thread: after a long outage they may be out of the page
                     // cache, scattered through the log.
                     Some(places) => {
-                        let slow_to_fail = lock(&lane.info).slow_to_fail;
+                        let slow_to_fail = {
+                            let i = lock(&lane.info);
+                            i.slow_to_fail || i.dead_letter_slow_to_fail
+                        };
                         let permit = tokio::select! {
                             p = lane.send_slots.read_back(), if slow_to_fail => p,
                             p = lane.send_slots.catch_up(), if !slow_to_fail => p,
@@ -2241,11 +2246,13 @@ async fn dead_letter<S: Sink, C>(
         // (they are the destination's own records): bounded again with them.
         let end = end_within_send_bytes(records, from, cap.end(from, records.len()), DEAD_LETTER_HEADERS_MAX_BYTES);
         let sent = {
-            let Some(_slot) = slot_or_shutdown(lane, failures > 0, shutdown).await else {
+            let slow_to_fail = lock(&lane.info).dead_letter_slow_to_fail;
+            let Some(_slot) = slot_or_shutdown(lane, slow_to_fail, shutdown).await else {
                 return Delivery::ShuttingDown;
             };
+            let held_from = Instant::now();
             let ensured = bounded_write(ctx, dlq, timeout, false, ensure_timed(&*ctx.sink, dlq)).await;
-            match (ensured, &mut prepared) {
+            let sent = match (ensured, &mut prepared) {
                 (Err(e), _) => Err(e),
                 (Ok(_), Err(e)) => Err(e.clone()),
                 (Ok(_), Ok(messages)) => {
@@ -2263,7 +2270,17 @@ async fn dead_letter<S: Sink, C>(
                     }
                     r
                 }
+            };
+            // As for the lane's own sends (`attempt`): only a failure that held the slot
+            // long moves the lane into the failing share, any success out of it.
+            let mut info = lock(&lane.info);
+            match &sent {
+                Ok(()) => info.dead_letter_slow_to_fail = false,
+                Err(_) if held_from.elapsed() >= timeout / SLOW_TO_FAIL_SHARE => info.dead_letter_slow_to_fail = true,
+                Err(_) => {}
             }
+            drop(info);
+            sent
         };
         // Counted as every send is (the dead-letter lane's, for the cap, included).
         match &sent {
