@@ -216,19 +216,23 @@ fn start_hint(e: &daemon::StartError, data_dir: &Path) -> Option<String> {
             } else {
                 String::new()
             };
+            let newer = if *found > ingest::SCHEMA_VERSION {
+                "a newer build wrote it: run that build again (prefer this); or "
+            } else {
+                ""
+            };
             format!(
-                "{migrate}`iggy-ingest state show --data-dir {dir}` shows what the database holds; \
-                 `iggy-ingest state reset --data-dir {dir} --yes` discards it (the log is kept)"
+                "{migrate}`iggy-ingest state show --data-dir {dir}` shows what the database holds; {newer}\
+                 `iggy-ingest state reset --data-dir {dir} --yes` discards it: {RESET_DISCARDS}"
             )
         }
         StartError::StateMissing { .. } => format!(
             "put the database back (moved aside, or from a backup); or `iggy-ingest state reset --data-dir {dir} \
-             --yes` to start with an empty one: every record still in the log is delivered again, dynamic endpoints \
-             and their revocations are gone, delivery ids are rebuilt from the log"
+             --yes` to start with an empty one: {RESET_DISCARDS}"
         ),
         StartError::State(StateError::Open { unreadable: true, .. }) => format!(
             "the file is not a database this build can read (damaged?): `iggy-ingest state reset --data-dir {dir} \
-             --yes` discards it (the log is kept; delivery ids are rebuilt from it)"
+             --yes` discards it: {RESET_DISCARDS}"
         ),
         // What kept it from opening may pass: no reset is called for.
         StartError::State(StateError::Open { unreadable: false, .. }) => "if another process holds it (`state show`, \
@@ -300,6 +304,10 @@ fn write_ready_file(path: &Path, running: &daemon::RunningDaemon) -> std::io::Re
     std::fs::write(&tmp, body.to_string())?;
     std::fs::rename(&tmp, path)
 }
+
+/// What a `state reset` throws away, said by every hint that offers one.
+const RESET_DISCARDS: &str = "every record still in the log is delivered again (the cursors are gone), every dynamic \
+     endpoint answers 404 and every revocation is forgotten; the log is kept and delivery ids are rebuilt from it";
 
 fn install_hangup() -> Option<tokio::signal::unix::Signal> {
     use tokio::signal::unix::{SignalKind, signal};
