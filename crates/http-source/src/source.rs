@@ -227,16 +227,30 @@ pub const RECEIVED_AT_TEXT_MAX_BYTES: usize = 20;
 pub const PEER_ADDR_TEXT_MAX_BYTES: usize = 64;
 
 /// Headers that carry credentials; forwarding them into the log would copy secrets
-/// into every downstream consumer.
+/// into every downstream consumer (and `wal dump` prints them). Exact names, then parts
+/// of a name that say a credential whatever surrounds them: API keys under a provider's
+/// own name (`x-goog-api-key`, `apikey`, `ocp-apim-subscription-key`,
+/// `x-functions-key`), HMACs under a name without "signature" (`x-shopify-hmac-sha256`),
+/// session ids (a cookie's value by another name).
 pub fn is_credential_header(name: &str) -> bool {
+    const PARTS: [&str; 13] = [
+        "signature",
+        "secret",
+        "token",
+        "password",
+        "apikey",
+        "api-key",
+        "api_key",
+        "hmac",
+        "credential",
+        "session",
+        "subscription-key",
+        "functions-key",
+        "auth-key",
+    ];
     let n = name.to_ascii_lowercase();
-    matches!(
-        n.as_str(),
-        "authorization" | "proxy-authorization" | "cookie" | "set-cookie" | "x-api-key" | "api-key" | "x-auth-token"
-    ) || n.contains("signature")
-        || n.contains("secret")
-        || n.contains("token")
-        || n.contains("password")
+    matches!(n.as_str(), "authorization" | "proxy-authorization" | "cookie" | "set-cookie")
+        || PARTS.iter().any(|part| n.contains(part))
 }
 
 #[cfg(test)]
@@ -250,10 +264,36 @@ mod tests {
 
     #[test]
     fn credential_headers_are_recognised_case_insensitively() {
-        for h in ["Authorization", "cookie", "X-Hub-Signature-256", "Stripe-Signature", "X-Gitlab-Token", "x-api-key"] {
+        for h in [
+            "Authorization",
+            "cookie",
+            "X-Hub-Signature-256",
+            "Stripe-Signature",
+            "X-Gitlab-Token",
+            "x-api-key",
+            "x-auth-token",
+            "X-Goog-Api-Key",
+            "apikey",
+            "x-functions-key",
+            "Ocp-Apim-Subscription-Key",
+            "x-auth-key",
+            "X-Shopify-Hmac-Sha256",
+            "x-session-id",
+            "x-amz-security-credential",
+        ] {
             assert!(is_credential_header(h), "{h}");
         }
-        for h in ["x-github-event", "content-type", "user-agent", "x-request-id"] {
+        // Delivery ids, partition keys and event names are not credentials.
+        for h in [
+            "x-github-event",
+            "content-type",
+            "user-agent",
+            "x-request-id",
+            "idempotency-key",
+            "x-partition-key",
+            "x-github-delivery",
+            "webhook-id",
+        ] {
             assert!(!is_credential_header(h), "{h}");
         }
     }

@@ -3674,7 +3674,8 @@ auth_secret = "never checked"
     /// source's or a static endpoint's hmac scheme reads it.
     #[test]
     fn the_header_an_hmac_scheme_reads_its_signature_from_cannot_be_forwarded() {
-        let source = "[sources.a]\ndestination = { stream = \"s\", topic = \"t\" }\nauth_type = \"hmac-sha256-base64\"\nauth_secret = \"x\"\nauth_header = \"X-Shopify-Hmac-Sha256\"\nforward_headers = [\"x-shopify-topic\", \"x-shopify-hmac-sha256\"]\n";
+        // A name no credential rule knows (one with "hmac" in it is refused as such).
+        let source = "[sources.a]\ndestination = { stream = \"s\", topic = \"t\" }\nauth_type = \"hmac-sha256-base64\"\nauth_secret = \"x\"\nauth_header = \"X-Vendor-Mac-Sha256\"\nforward_headers = [\"x-vendor-topic\", \"x-vendor-mac-sha256\"]\n";
         let e = errors(source);
         assert_eq!(e.len(), 1, "{e:?}");
         assert_eq!((e[0].path.as_str(), e[0].line), ("sources.a.forward_headers[1]", Some(6)));
