@@ -292,14 +292,13 @@ const EXPIRES_AT_UNIX_MS_MAX: u64 = 253_402_300_799_999;
 /// so, revocable) where its auth no longer reads or its source is not configured; a
 /// tombstone whatever its auth holds.
 fn endpoint_from_stored(record: EndpointRecord, sources: &[String]) -> Endpoint {
-    let endpoint = match scheme_from_stored(&record.auth) {
+    // A tombstone's auth is never checked (a revocation keeps no secret), and must stay
+    // whatever it holds: a revocation never comes back, not even as a static endpoint of
+    // the same id.
+    let auth =
+        if record.revoked_at_unix_ms.is_some() { Ok(AuthScheme::None) } else { scheme_from_stored(&record.auth) };
+    let endpoint = match auth {
         Ok(auth) => endpoint_from_record(record, auth),
-        // A tombstone's auth is never checked, and must stay whatever it holds: a
-        // revocation never comes back, not even as a static endpoint of the same id.
-        Err(e) if record.revoked_at_unix_ms.is_some() => {
-            tracing::warn!(endpoint = %id_prefix(record.id), error = %e, "a revoked endpoint's stored auth no longer reads; it stays revoked");
-            endpoint_from_record(record, AuthScheme::None)
-        }
         Err(e) => {
             tracing::error!(
                 endpoint = %id_prefix(record.id),
@@ -801,11 +800,12 @@ impl EndpointRegistry {
         self.settle_held(id, &mut held)?;
         let mut record = self.dynamic_record(id)?;
         record.revoked_at_unix_ms = Some(now_unix_ms);
-        // A tombstone's auth is never checked: an endpoint whose stored auth no longer
-        // reads is revoked all the same (and loads as revoked after a restart).
-        let scheme = scheme_from_stored(&record.auth).unwrap_or(AuthScheme::None);
+        // A tombstone's auth is never checked, so its secret is not kept: neither in the
+        // database (where it would stay as long as the tombstone, for ever) nor here. An
+        // endpoint whose stored auth no longer reads is revoked all the same.
+        record.auth.secret = None;
         self.commit(record.clone()).await?;
-        self.install_held(&mut held, endpoint_from_record(record.clone(), scheme));
+        self.install_held(&mut held, endpoint_from_record(record.clone(), AuthScheme::None));
         Ok(record)
     }
 
@@ -1490,9 +1490,14 @@ mod tests {
             reg.register("nope".into(), bearer(), None, None, 10).await,
             Err(EndpointError::UnknownSource(_))
         ));
-        reg.revoke(rec.id, 12).await.unwrap();
+        let revoked = reg.revoke(rec.id, 12).await.unwrap();
         assert_eq!(reg.lookup(rec.id, 13).err(), Some(Refusal::Revoked));
         assert!(matches!(reg.rotate(rec.id, None, 13).await, Err(EndpointError::Revoked(_))));
+        // The tombstone keeps no secret, on disk or in memory.
+        assert_eq!(revoked.auth.secret, None);
+        let on_disk = state.get_endpoint(rec.id).unwrap().expect("the tombstone");
+        assert_eq!((on_disk.revoked_at_unix_ms, on_disk.auth.secret), (Some(12), None));
+        assert_eq!(on_disk.auth.scheme, "bearer", "the rest of its auth stays, for the listing");
         drop(reg);
         let again = EndpointRegistry::load(state, vec!["default".into()], statics).unwrap();
         assert_eq!(again.lookup(rec.id, 14).err(), Some(Refusal::Revoked));
