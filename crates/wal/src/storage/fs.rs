@@ -3,7 +3,7 @@
 
 use std::fs::{File, OpenOptions};
 use std::io;
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{DirBuilderExt, FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -12,6 +12,16 @@ use super::{OpenMode, Storage, StorageFile};
 /// The operating system's file system.
 #[derive(Debug, Default, Clone, Copy)]
 pub struct FsStorage;
+
+/// The mode of every file created here, before the process's umask: the owner reads and
+/// writes, its group reads (an operator's group running the log tools, as the systemd
+/// unit's `UMask=0027` means it), others nothing. The log holds every event's payload
+/// and forwarded headers, the state database the endpoints' secrets: a daemon started
+/// by hand under the common umask of 022 must not leave them readable by every user.
+pub const FILE_MODE: u32 = 0o640;
+
+/// [`FILE_MODE`] for the directories created here (the group may list them).
+pub const DIR_MODE: u32 = 0o750;
 
 #[derive(Debug)]
 struct FsFile(File);
@@ -51,7 +61,7 @@ impl Storage for FsStorage {
         match mode {
             OpenMode::Read => o.read(true),
             OpenMode::ReadWrite => o.read(true).write(true),
-            OpenMode::CreateNew => o.read(true).write(true).create_new(true),
+            OpenMode::CreateNew => o.read(true).write(true).create_new(true).mode(FILE_MODE),
         };
         Ok(Arc::new(FsFile(o.open(path)?)))
     }
@@ -69,7 +79,7 @@ impl Storage for FsStorage {
     }
 
     fn try_lock(&self, path: &Path) -> io::Result<Box<dyn Send + Sync>> {
-        let file = OpenOptions::new().read(true).write(true).create(true).truncate(false).open(path)?;
+        let file = OpenOptions::new().read(true).write(true).create(true).truncate(false).mode(FILE_MODE).open(path)?;
         match file.try_lock() {
             Ok(()) => {}
             Err(std::fs::TryLockError::WouldBlock) => return Err(io::Error::from(io::ErrorKind::WouldBlock)),
@@ -101,7 +111,7 @@ fn create_missing(dir: &Path, created: &mut Vec<PathBuf>) -> io::Result<()> {
     if let Some(parent) = dir.parent() {
         create_missing(parent, created)?;
     }
-    match std::fs::create_dir(dir) {
+    match std::fs::DirBuilder::new().mode(DIR_MODE).create(dir) {
         Ok(()) => {
             created.push(dir.to_path_buf());
             Ok(())
@@ -219,6 +229,24 @@ impl StorageFile for FsFile {
 mod tests {
     use super::*;
     use crate::storage::read_exact_at;
+
+    #[test]
+    fn what_is_created_here_is_not_readable_by_other_users() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        let made = dir.path().join("made");
+        FsStorage.create_dir_all(&made).unwrap();
+        let file = made.join("segment");
+        FsStorage.open(&file, OpenMode::CreateNew).unwrap();
+        let lock = made.join("lock");
+        drop(FsStorage.try_lock(&lock).unwrap());
+        // At most these (the process's umask may take more away), whatever the umask
+        // leaves of the 0o666 and 0o777 a plain create asks for.
+        assert_eq!(mode(&made) & !DIR_MODE, 0, "directory {:o}", mode(&made));
+        assert_eq!(mode(&file) & !FILE_MODE, 0, "file {:o}", mode(&file));
+        assert_eq!(mode(&lock) & !FILE_MODE, 0, "lock file {:o}", mode(&lock));
+    }
 
     #[test]
     fn create_dir_all_names_the_directories_it_created_outermost_first() {
