@@ -323,7 +323,31 @@ struct RegisterRequest {
 }
 
 fn parse_json<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
-    serde_json::from_slice(body).map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, "invalid_json", e.to_string()))
+    serde_json::from_slice(body)
+        .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, "invalid_json", without_values(&e.to_string())))
+}
+
+/// A JSON error's message without the value it quotes: serde says "invalid type: integer
+/// `1234`, expected a string", and the value may be a secret typed into the wrong field
+/// (an answer's body travels further than the request: client logs, proxies). The kind
+/// of value, the field names and the place stay.
+fn without_values(message: &str) -> String {
+    let mut out = String::with_capacity(message.len());
+    let mut rest = message;
+    while let Some(at) =
+        ["invalid type: ", "invalid value: "].iter().filter_map(|p| rest.find(p).map(|i| i + p.len())).min()
+    {
+        out.push_str(&rest[..at]);
+        rest = &rest[at..];
+        // The kind is the words before the quoted value (`integer`, `string`, `floating
+        // point`); the value runs to ", expected".
+        let value_end = rest.find(", expected").unwrap_or(rest.len());
+        let kind_end = rest[..value_end].find(['`', '"']).unwrap_or(value_end);
+        out.push_str(rest[..kind_end].trim_end());
+        rest = &rest[value_end..];
+    }
+    out.push_str(rest);
+    out
 }
 
 /// The largest management request body (a registration with its secret is a few
@@ -472,5 +496,30 @@ async fn revoke(State(s): State<Arc<Shared>>, id: Result<Path<String>, PathRejec
             Json(record_json(&r, false)).into_response()
         }
         Err(e) => endpoint_error(e).into_response(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A value typed into the wrong field (a secret, as a number or under another
+    /// field's type) is not repeated in the 400's body; what is wrong with it and where
+    /// still is.
+    #[test]
+    fn a_json_error_does_not_repeat_the_value_it_refuses() {
+        let refused = |body: &str| match parse_json::<RegisterRequest>(body.as_bytes()) {
+            Ok(r) => panic!("taken: {r:?}"),
+            Err(e) => e.message,
+        };
+        let m = refused(r#"{"source":"a","auth_type":"bearer","auth_secret":1234567890123456}"#);
+        assert!(!m.contains("1234567890123456"), "{m}");
+        assert!(m.contains("invalid type: integer, expected a string"), "{m}");
+        let m = refused(r#"{"source":"a","auth_type":"bearer","auth_tolerance_secs":"s3cr3t-value"}"#);
+        assert!(!m.contains("s3cr3t-value"), "{m}");
+        assert!(m.contains("invalid type: string, expected u64"), "{m}");
+        let m = refused(r#"{"source":"a","auth_type":"bearer","auth_secret":"x","nope":1}"#);
+        assert!(m.contains("unknown field `nope`"), "field names stay: {m}");
+        assert_eq!(without_values("no value here"), "no value here");
     }
 }
