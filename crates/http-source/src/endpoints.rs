@@ -180,12 +180,7 @@ pub fn format_id(id: u128) -> String {
     format!("{id:032x}")
 }
 
-/// How logs name an endpoint: the first 8 of its 32 hex digits. Enough to find it in a
-/// listing, nothing like enough to post to it: for an endpoint with `auth_type = "none"`
-/// the full id is the only secret, and logs travel further than the admin API.
-pub fn id_prefix(id: u128) -> String {
-    format!("{:08x}", (id >> 96) as u32)
-}
+pub use ingest::endpoints::id_prefix;
 
 /// Why the endpoints could not be loaded at start.
 #[derive(Debug, thiserror::Error)]

@@ -41,6 +41,14 @@ pub struct KeyedRegistration {
     pub fingerprint: [u8; 32],
 }
 
+/// How logs and errors name an endpoint: the first 8 of its 32 hex digits. Enough to
+/// find it in a listing, nothing like enough to post to it: for an endpoint with
+/// `auth_type = "none"` the full id is the only secret, and logs travel further than the
+/// admin API.
+pub fn id_prefix(id: u128) -> String {
+    format!("{:08x}", (id >> 96) as u32)
+}
+
 /// An endpoint's auth, as configured. Its `Debug` leaves the secret out, so that no
 /// log line or panic message made of a record (or an endpoint holding one) carries it.
 #[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -106,8 +114,8 @@ impl StateDb {
                 };
                 if stored_revoked {
                     return Err(StateError::Malformed(format!(
-                        "endpoint {:032x} is revoked (or its record does not read); its tombstone stays",
-                        record.id
+                        "endpoint {}… is revoked (or its record does not read); its tombstone stays",
+                        id_prefix(record.id)
                     )));
                 }
             }
@@ -125,8 +133,9 @@ impl StateDb {
     ) -> Result<(), StateError> {
         if registration.id != record.id {
             return Err(StateError::Malformed(format!(
-                "registration key names endpoint {:032x}, the record is {:032x}",
-                registration.id, record.id
+                "registration key names endpoint {}…, the record is {}…",
+                id_prefix(registration.id),
+                id_prefix(record.id)
             )));
         }
         if registration.key.is_empty() || registration.key.len() > REGISTRATION_KEY_MAX_BYTES {
@@ -180,7 +189,10 @@ impl StateDb {
                 None => false,
             };
             if revoked {
-                return Err(StateError::Malformed(format!("endpoint {id:032x} is revoked; its tombstone stays")));
+                return Err(StateError::Malformed(format!(
+                    "endpoint {}… is revoked; its tombstone stays",
+                    id_prefix(id)
+                )));
             }
             table.remove(id).map_err(storage_err)?;
             match txn.open_table(ENDPOINT_REGISTRATIONS) {
@@ -220,7 +232,7 @@ impl StateDb {
                     .map_err(|e| e.to_string())
                     .and_then(|r| match r.id == k.value() {
                         true => Ok(r),
-                        false => Err(format!("it names the id {:032x}", r.id)),
+                        false => Err(format!("it names the id {}…", id_prefix(r.id))),
                     })
                     .map_err(|error| UnreadableEndpoint { id: k.value(), error }),
             );
@@ -296,7 +308,16 @@ mod tests {
         // is removed, durably.
         assert!(db.remove_live_endpoint(42).is_err());
         let revived = EndpointRecord { revoked_at_unix_ms: None, rotated_at_unix_ms: Some(3), ..rec.clone() };
-        assert!(db.put_endpoint(&revived).is_err(), "a live record was written over a tombstone");
+        match db.put_endpoint(&revived) {
+            Ok(()) => panic!("a live record was written over a tombstone"),
+            // The error is logged: it names the endpoint by its prefix, never its whole id
+            // (for an endpoint without auth, the id is the secret).
+            Err(e) => {
+                let whole = format!("{:032x}", revived.id);
+                assert!(!e.to_string().contains(&whole), "{e}");
+                assert!(e.to_string().contains(&id_prefix(revived.id)), "{e}");
+            }
+        }
         assert_eq!(db.get_endpoint(42).unwrap(), Some(rec.clone()));
         let live = EndpointRecord { id: 44, revoked_at_unix_ms: None, ..rec };
         db.put_endpoint(&live).unwrap();
