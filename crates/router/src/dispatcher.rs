@@ -62,32 +62,38 @@ static UNDECODABLE_LOG: ingest::log_limit::LogLimit =
 /// line carried (the end of a burst), once their second is over; the router's releaser
 /// calls it every round.
 pub(crate) fn log_cap_drops_left_out() {
-    if let Some(s) = CAP_DROP_LOG.flush_due() {
-        let (first, last) = s.first_last();
+    flush_left_out(&CAP_DROP_LOG, |count, first_offset, last_offset| {
         tracing::warn!(
-            dropped = s.count,
-            first_offset = first,
-            last_offset = last,
+            dropped = count,
+            first_offset,
+            last_offset,
             "destination cap reached: records dropped, as configured (of any source, between these offsets)"
-        );
-    }
-    if let Some(s) = CAP_DEAD_LETTER_LOG.flush_due() {
-        let (first, last) = s.first_last();
+        )
+    });
+    flush_left_out(&CAP_DEAD_LETTER_LOG, |count, first_offset, last_offset| {
         tracing::warn!(
-            dead_lettered = s.count,
-            first_offset = first,
-            last_offset = last,
+            dead_lettered = count,
+            first_offset,
+            last_offset,
             "destination cap reached: records sent to the dead-letter destination, as configured (of any source, between these offsets)"
-        );
-    }
-    if let Some(s) = UNDECODABLE_LOG.flush_due() {
-        let (first, last) = s.first_last();
+        )
+    });
+    flush_left_out(&UNDECODABLE_LOG, |count, first_offset, last_offset| {
         tracing::error!(
-            held = s.count,
-            first_offset = first,
-            last_offset = last,
+            held = count,
+            first_offset,
+            last_offset,
             "undecodable records held in the log (between these offsets)"
-        );
+        )
+    });
+}
+
+/// Says, through `say` (count, first and last offset), what `limit` left out of the log
+/// once its second is over.
+fn flush_left_out(limit: &ingest::log_limit::LogLimit, say: impl FnOnce(u64, Option<u64>, Option<u64>)) {
+    if let Some(s) = limit.flush_due() {
+        let (first, last) = s.first_last();
+        say(s.count, first, last);
     }
 }
 

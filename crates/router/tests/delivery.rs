@@ -689,11 +689,15 @@ async fn failing_destinations_re_reading_the_log_leave_a_healthy_one_its_reads()
     a_healthy_destination_waits_for_no_failing_one(true).await;
 }
 
-async fn a_healthy_destination_waits_for_no_failing_one(all_in_log: bool) {
-    let sim = SimStorage::new();
-    let wal = open_wal(&sim);
+/// Four destinations of one source that never answer and a healthy one beside them, on
+/// two send slots, a 2 s result timeout and a short backoff: the log (on `sim`), the sink,
+/// the silent ones, the healthy one and the policy.
+fn silent_ones_beside_a_good_one(
+    sim: &SimStorage,
+) -> (Arc<wal::Wal>, Arc<FaultySink>, Vec<router::DestinationKey>, router::DestinationKey, router::RouterPolicy) {
+    let wal = open_wal(sim);
     let sink = FaultySink::new();
-    let bad: Vec<_> = (0..4).map(|i| key("slots", &format!("bad-{i}"))).collect();
+    let bad: Vec<_> = (0..4).map(|i| key("slots", &format!("silent-{i}"))).collect();
     let good = key("slots", "good");
     for d in &bad {
         sink.fault(d, Some(Fault::BlackHole));
@@ -703,6 +707,12 @@ async fn a_healthy_destination_waits_for_no_failing_one(all_in_log: bool) {
     policy.batch.result_timeout = Duration::from_secs(2);
     policy.batch.backoff_base = Duration::from_millis(10);
     policy.batch.backoff_max = Duration::from_millis(50);
+    (wal, sink, bad, good, policy)
+}
+
+async fn a_healthy_destination_waits_for_no_failing_one(all_in_log: bool) {
+    let sim = SimStorage::new();
+    let (wal, sink, bad, good, mut policy) = silent_ones_beside_a_good_one(&sim);
     // The bad ones keep retrying in memory, not degraded, instead of resting behind an
     // open breaker or parked.
     policy.breaker.failure_threshold = 1_000;
@@ -752,18 +762,7 @@ async fn a_healthy_destination_parked_in_an_outage_reads_back_without_waiting_fo
 
 async fn a_healthy_destination_that_shared_an_outage_waits_for_no_silent_one(parked: bool) {
     let sim = SimStorage::new();
-    let wal = open_wal(&sim);
-    let sink = FaultySink::new();
-    let bad: Vec<_> = (0..4).map(|i| key("slots", &format!("silent-{i}"))).collect();
-    let good = key("slots", "good");
-    for d in &bad {
-        sink.fault(d, Some(Fault::BlackHole));
-    }
-    let mut policy = fast_policy();
-    policy.max_concurrent_destinations = 2;
-    policy.batch.result_timeout = Duration::from_secs(2);
-    policy.batch.backoff_base = Duration::from_millis(10);
-    policy.batch.backoff_max = Duration::from_millis(50);
+    let (wal, sink, bad, good, mut policy) = silent_ones_beside_a_good_one(&sim);
     policy.breaker.failure_threshold = 1_000;
     policy.batch.degraded_after_failures = if parked { 1 } else { 1_000 };
     fill(&wal, &bad, 0, 4).await;
