@@ -21,6 +21,7 @@ pub mod envelope;
 pub mod idempotency;
 pub mod ingestor;
 pub mod log_limit;
+pub mod secret;
 pub mod state;
 pub mod state_storage;
 pub mod time;

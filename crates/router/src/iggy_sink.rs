@@ -112,7 +112,7 @@ pub struct IggySinkConfig {
     /// `host:port` of the server's TCP listener.
     pub address: String,
     pub username: String,
-    pub password: String,
+    pub password: ingest::secret::SecretString,
     pub tls: bool,
     pub tls_domain: Option<String>,
     pub tls_ca_file: Option<String>,
@@ -719,7 +719,7 @@ fn build_client(config: &IggySinkConfig) -> Result<IggyClient, IggyError> {
         tls_ca_file: config.tls_ca_file.clone(),
         auto_login: AutoLogin::Enabled(Credentials::UsernamePassword(
             config.username.clone(),
-            config.password.clone().into(),
+            config.password.expose().to_string().into(),
         )),
         reconnection: TcpClientReconnectionConfig {
             enabled: false,

@@ -314,7 +314,7 @@ struct RegisterRequest {
     /// Required, `"none"` included: an endpoint is never left unauthenticated by a
     /// field a script forgot.
     auth_type: String,
-    auth_secret: Option<String>,
+    auth_secret: Option<ingest::secret::SecretString>,
     auth_header: Option<String>,
     auth_prefix: Option<String>,
     auth_tolerance_secs: Option<u64>,
@@ -391,7 +391,7 @@ async fn register(State(s): State<Arc<Shared>>, headers: HeaderMap, body: axum::
     };
     let auth = StoredAuth {
         scheme: req.auth_type,
-        secret: req.auth_secret,
+        secret: req.auth_secret.map(|s| s.expose().to_string()),
         header: req.auth_header,
         prefix: req.auth_prefix,
         tolerance_secs: req.auth_tolerance_secs,
@@ -443,7 +443,7 @@ fn registration_key(headers: &HeaderMap) -> Result<Option<Vec<u8>>, ApiError> {
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RotateRequest {
-    auth_secret: Option<String>,
+    auth_secret: Option<ingest::secret::SecretString>,
 }
 
 async fn rotate(
@@ -472,7 +472,7 @@ async fn rotate(
             Err(e) => return e.into_response(),
         }
     };
-    match s.endpoints.rotate(id, req.auth_secret, ingest::time::now_unix_ms()).await {
+    match s.endpoints.rotate(id, req.auth_secret.map(|s| s.expose().to_string()), ingest::time::now_unix_ms()).await {
         Ok(r) => {
             tracing::info!(endpoint = %id_prefix(r.id), "endpoint secret rotated");
             Json(record_json(&r, true)).into_response()

@@ -25,6 +25,7 @@ use http_source::source::is_credential_header;
 use http_source::tls::TlsFiles;
 use http_source::{Accept, Destinations, MetadataFields, SourceSpec};
 use ingest::Partitioning;
+use ingest::secret::SecretString;
 use serde::Deserialize;
 use wal::options::PREALLOCATE_BYTES_MAX;
 use wal::{SyncPolicy, WalOptions};
@@ -74,11 +75,11 @@ pub struct TlsConfig {
 pub struct AdminConfig {
     pub listen: String,
     /// Bearer token for every admin route but `/health` (see docs/operations.md).
-    pub token: Option<String>,
+    pub token: Option<SecretString>,
     pub token_env: Option<String>,
     /// Serve the admin routes without a token on an address other than loopback.
     pub allow_unauthenticated_remote: bool,
-    pub management_token: Option<String>,
+    pub management_token: Option<SecretString>,
     pub management_token_env: Option<String>,
     /// `[admin.tls]`: serve the admin listener over TLS.
     pub tls: Option<TlsConfig>,
@@ -137,7 +138,7 @@ pub struct IdempotencyConfig {
 pub struct IggyConfig {
     pub address: String,
     pub username: String,
-    pub password: String,
+    pub password: SecretString,
     pub tls: bool,
     pub tls_domain: Option<String>,
     pub tls_ca_file: Option<String>,
@@ -245,7 +246,7 @@ pub struct SourceConfig {
     #[serde(default = "default_auth_type")]
     pub auth_type: String,
     #[serde(default)]
-    pub auth_secret: Option<String>,
+    pub auth_secret: Option<SecretString>,
     /// The name of an environment variable holding the secret (instead of `auth_secret`).
     #[serde(default)]
     pub auth_secret_env: Option<String>,
@@ -301,7 +302,7 @@ impl SourceConfig {
     fn auth(&self) -> AuthConfig<'_> {
         AuthConfig {
             auth_type: &self.auth_type,
-            auth_secret: self.auth_secret.as_deref(),
+            auth_secret: self.auth_secret.as_ref().map(SecretString::expose),
             auth_secret_env: self.auth_secret_env.as_deref(),
             auth_header: self.auth_header.as_deref(),
             auth_prefix: self.auth_prefix.as_deref(),
@@ -314,7 +315,7 @@ impl EndpointConfig {
     fn auth(&self) -> AuthConfig<'_> {
         AuthConfig {
             auth_type: &self.auth_type,
-            auth_secret: self.auth_secret.as_deref(),
+            auth_secret: self.auth_secret.as_ref().map(SecretString::expose),
             auth_secret_env: self.auth_secret_env.as_deref(),
             auth_header: self.auth_header.as_deref(),
             auth_prefix: self.auth_prefix.as_deref(),
@@ -331,7 +332,7 @@ pub struct EndpointConfig {
     /// left out (as `POST /v1/endpoints` requires it too).
     pub auth_type: String,
     #[serde(default)]
-    pub auth_secret: Option<String>,
+    pub auth_secret: Option<SecretString>,
     /// The name of an environment variable holding the secret (instead of `auth_secret`).
     #[serde(default)]
     pub auth_secret_env: Option<String>,
@@ -800,8 +801,8 @@ pub struct Settings {
     pub admin_tls: Option<TlsFiles>,
     /// Guards every admin route but `/health`; `None` leaves them open (loopback only,
     /// unless `admin.allow_unauthenticated_remote`).
-    pub admin_token: Option<String>,
-    pub management_token: Option<String>,
+    pub admin_token: Option<SecretString>,
+    pub management_token: Option<SecretString>,
     pub grace_period: Duration,
     pub drain_delay: Duration,
     /// `runtime.worker_threads`; 0 = the machine's cores minus one, at least one
@@ -1179,7 +1180,8 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
             c.err(&admin.key("management_token_env"), "set either management_token or management_token_env, not both");
             None
         }
-        (Some(t), None) => usable_token(&mut c, &admin.key("management_token"), "the token", t).then(|| t.clone()),
+        (Some(t), None) => usable_token(&mut c, &admin.key("management_token"), "the token", t.expose())
+            .then(|| t.expose().to_string()),
         (None, Some(var)) => match std::env::var(var) {
             Ok(t) => {
                 let from = format!("the value of environment variable {var}");
@@ -1379,7 +1381,7 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
     // start, accept, and never deliver. (The password's length only, never its text.)
     for (key, len, range) in [
         ("username", config.iggy.username.len(), router::IGGY_USERNAME_BYTES),
-        ("password", config.iggy.password.len(), router::IGGY_PASSWORD_BYTES),
+        ("password", config.iggy.password.expose().len(), router::IGGY_PASSWORD_BYTES),
     ] {
         if !range.contains(&len) {
             c.err(
@@ -1711,8 +1713,8 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
         retry_after_secs,
         http_tls,
         admin_tls,
-        admin_token,
-        management_token,
+        admin_token: admin_token.map(SecretString::from),
+        management_token: management_token.map(SecretString::from),
         grace_period: Duration::from_millis(config.shutdown.grace_period_ms),
         drain_delay: Duration::from_millis(config.shutdown.drain_delay_ms),
         worker_threads,
@@ -1825,7 +1827,7 @@ fn admin_token(
             c.err(&admin.key("token_env"), "set either token or token_env, not both");
             return None;
         }
-        (Some(t), None) => (admin.key("token"), t.clone()),
+        (Some(t), None) => (admin.key("token"), t.expose().to_string()),
         (None, Some(var)) => match std::env::var(var) {
             Ok(t) => (admin.key("token_env"), t),
             Err(_) => {
@@ -3697,6 +3699,41 @@ auth_secret = "never checked"
         }
     }
 
+    /// No `{:?}` of the configuration, or of the settings made from it, carries a secret:
+    /// one added to a log line or an error would print the Iggy password and the tokens.
+    #[test]
+    fn no_debug_of_the_configuration_or_its_settings_shows_a_secret() {
+        let text = r#"
+[admin]
+token = "reader-token-0123456789"
+management_token = "manager-token-0123456789"
+[iggy]
+password = "iggy-password-value"
+[sources.a]
+destination = { stream = "s", topic = "t" }
+auth_type = "bearer"
+auth_secret = "bearer-secret-value-0123"
+[[sources.a.endpoints]]
+id = "0123456789abcdef0123456789abcdef"
+auth_type = "hmac-sha256"
+auth_secret = "endpoint-secret-value"
+"#;
+        let config = parse(text, None).unwrap_or_else(|e| panic!("{e:?}"));
+        let settings = validate(&config, Some(text), None).unwrap_or_else(|e| panic!("{e:?}"));
+        assert_eq!(config.iggy.password.expose(), "iggy-password-value", "the secret is kept, only not shown");
+        for shown in [format!("{config:?}"), format!("{settings:?}")] {
+            for secret in [
+                "reader-token-0123456789",
+                "manager-token-0123456789",
+                "iggy-password-value",
+                "bearer-secret-value-0123",
+                "endpoint-secret-value",
+            ] {
+                assert!(!shown.contains(secret), "{secret} shown in {shown}");
+            }
+        }
+    }
+
     #[test]
     fn semantic_checks_name_their_keys() {
         let text = r#"
@@ -3866,10 +3903,10 @@ mapping_url = "https://example.com/m.json"
         let s = admin_settings("listen = \"0.0.0.0:9180\"\nallow_unauthenticated_remote = true").unwrap();
         assert_eq!(s.admin_token, None);
         let s = admin_settings("listen = \"0.0.0.0:9180\"\ntoken = \"reader-token-0123456789\"").unwrap();
-        assert_eq!(s.admin_token.as_deref(), Some("reader-token-0123456789"));
+        assert_eq!(s.admin_token.as_ref().map(SecretString::expose), Some("reader-token-0123456789"));
         // PATH is set in every test environment (and is long enough).
         let s = admin_settings("listen = \"0.0.0.0:9180\"\ntoken_env = \"PATH\"").unwrap();
-        assert_eq!(s.admin_token, std::env::var("PATH").ok());
+        assert_eq!(s.admin_token.as_ref().map(SecretString::expose), std::env::var("PATH").ok().as_deref());
     }
 
     #[test]
@@ -4071,7 +4108,7 @@ bBtPhzVL3fJI+53KVnAh3DIZNmANmTYN
             }
         }
         let s = admin_settings("management_token = \"!visible~ascii-0123456789\"").unwrap();
-        assert_eq!(s.management_token.as_deref(), Some("!visible~ascii-0123456789"));
+        assert_eq!(s.management_token.as_ref().map(SecretString::expose), Some("!visible~ascii-0123456789"));
     }
 
     #[test]
