@@ -20,9 +20,10 @@
 //! A crash between the append and the key record therefore loses nothing and does not
 //! even open a duplicate window (the rebuild restores the key); the only duplicates
 //! possible are deliveries retried after the retention window, as the wall clock
-//! measures it (a forward step of that clock shortens the window of every key recorded
-//! before it, for good: the next checkpoint sweeps them; docs/operations.md, "The
-//! clock"). Two things keep it so:
+//! measures it (while that clock is stepped ahead, look-ups take the keys the step made
+//! look old for expired; the daemon's checkpoints sweep on
+//! [`crate::time::SweepClock`], which deletes none of them for it; docs/operations.md,
+//! "The clock"). Two things keep it so:
 //! - the log is not released at or above the durable checkpoint
 //!   ([`IdempotencyIndex::durable_through`], which the router's cursor store answers as
 //!   its release ceiling), so a record leaves the log only once its key is durable;
@@ -2073,6 +2074,36 @@ mod tests {
         index.checkpoint(&wal, 11_001 + SWEEP_GRACE_MS).await.unwrap();
         // Swept: even a lookup "in the past" no longer finds it.
         assert_eq!(index.lookup(&key("a"), 10_500).unwrap(), None);
+    }
+
+    /// A forward step of the wall clock, stepped back later, deletes no delivery id when
+    /// the checkpoints run on the daemon's sweep clock: with the wall clock's reading
+    /// itself, the first checkpoint after the step swept the id for good.
+    #[tokio::test]
+    async fn a_forward_step_of_the_wall_clock_sweeps_nothing_on_the_sweep_clock() {
+        for (on_the_sweep_clock, kept) in [(true, true), (false, false)] {
+            let dir = tempfile::tempdir().unwrap();
+            let state = Arc::new(StateDb::open(dir.path().join("s.redb")).unwrap());
+            let retention_ms = 86_400_000;
+            let index = Arc::new(IdempotencyIndex::new(state, retention_ms));
+            let c = index.claim(&key("a")).await.unwrap();
+            let accepted_at = 1_700_000_000_000;
+            let prior = PriorAcceptance { first_offset: 3, last_offset: 5, accepted_at_unix_ms: accepted_at };
+            index.record(c, prior).await.unwrap();
+            let wal_dir = tempfile::tempdir().unwrap();
+            let wal = Wal::open(wal_dir.path(), wal::WalOptions::default()).unwrap();
+            let clock = crate::time::SweepClock::new();
+            let t0 = std::time::Instant::now();
+            let now = |wall: u64, secs: u64| {
+                if on_the_sweep_clock { clock.at(wall, t0 + std::time::Duration::from_secs(secs)) } else { wall }
+            };
+            index.checkpoint(&wal, now(accepted_at + 60_000, 0)).await.unwrap();
+            // The wall clock steps two days ahead for a second, then back.
+            index.checkpoint(&wal, now(accepted_at + 61_000 + 2 * retention_ms, 1)).await.unwrap();
+            index.checkpoint(&wal, now(accepted_at + 62_000, 2)).await.unwrap();
+            let found = index.lookup(&key("a"), accepted_at + 63_000).unwrap();
+            assert_eq!(found.is_some(), kept, "on the sweep clock: {on_the_sweep_clock}");
+        }
     }
 
     /// After a downtime longer than the window, more keys expire at once than one

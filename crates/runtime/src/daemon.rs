@@ -355,9 +355,10 @@ pub async fn start(mut settings: Settings, metrics: Option<PrometheusHandle>) ->
         ),
         &failed_tx,
     );
+    let sweep_clock = Arc::new(ingest::time::SweepClock::new());
     let checkpoint_task = spawn_essential(
         "the idempotency checkpoint",
-        checkpoint_loop(idempotency.clone(), wal.clone(), settings.checkpoint_interval),
+        checkpoint_loop(idempotency.clone(), wal.clone(), settings.checkpoint_interval, sweep_clock.clone()),
         &failed_tx,
     );
     let upkeep_task = shared.metrics.clone().map(|h| {
@@ -447,7 +448,7 @@ pub async fn start(mut settings: Settings, metrics: Option<PrometheusHandle>) ->
         let close_ends = tokio::time::Instant::now() + CLOSE_MAX;
         let (wal_closed, checkpoint) = match close_log_by(&wal, close_ends).await {
             Some(closed) => {
-                let checkpoint = idempotency.final_checkpoint(&wal, ingest::time::now_unix_ms());
+                let checkpoint = idempotency.final_checkpoint(&wal, sweep_clock.now_unix_ms());
                 let checkpoint = match tokio::time::timeout_at(close_ends, checkpoint).await {
                     Ok(c) => c.map_err(|e| e.to_string()),
                     Err(_) => {
@@ -703,12 +704,20 @@ async fn stopped(mut rx: watch::Receiver<bool>) {
     let _ = rx.wait_for(|stop| *stop).await;
 }
 
-async fn checkpoint_loop(idempotency: Arc<IdempotencyIndex>, wal: Arc<Wal>, every: Duration) {
+/// Checkpoints on `clock`, shared with the final checkpoint at the stop: the sweeps of
+/// expired delivery ids follow a step of the wall clock forward only as time passes
+/// ([`ingest::time::SweepClock`]).
+async fn checkpoint_loop(
+    idempotency: Arc<IdempotencyIndex>,
+    wal: Arc<Wal>,
+    every: Duration,
+    clock: Arc<ingest::time::SweepClock>,
+) {
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        if let Err(e) = idempotency.checkpoint(&wal, ingest::time::now_unix_ms()).await {
+        if let Err(e) = idempotency.checkpoint(&wal, clock.now_unix_ms()).await {
             metrics::counter!("iggy_ingest_idempotency_checkpoint_failures_total").increment(1);
             tracing::error!(error = %e, "idempotency checkpoint failed (keys since the last one are rebuilt from the log on start)");
         }
