@@ -334,7 +334,6 @@ impl ListenerTls {
     /// any failure the pair served before stays, and the error says why.
     pub fn reload(&self) -> Result<(), TlsError> {
         let listener = self.inner.listener;
-        let failed = metrics::gauge!("iggy_ingest_tls_reload_failed", "listener" => listener);
         // Read before the lock: `view` (what `/status` shows) never waits for a file
         // read, which a hung mount can make last. Held across the swap: two reloads at
         // once leave the view saying what is served.
@@ -348,15 +347,11 @@ impl ListenerTls {
                 view.reload_failed = None;
                 metrics::counter!("iggy_ingest_tls_reloads_total", "listener" => listener, "outcome" => "loaded")
                     .increment(1);
-                failed.set(0.0);
+                metrics::gauge!("iggy_ingest_tls_reload_failed", "listener" => listener).set(0.0);
                 Ok(())
             }
             Err(e) => {
-                metrics::counter!("iggy_ingest_tls_reloads_total", "listener" => listener, "outcome" => "failed")
-                    .increment(1);
-                failed.set(1.0);
-                view.reload_failed =
-                    Some(ReloadFailure { at_unix_ms: ingest::time::now_unix_ms(), error: e.to_string() });
+                self.failed(&mut view, e.to_string());
                 Err(e)
             }
         }
@@ -381,11 +376,17 @@ impl ListenerTls {
     /// is served), until a reload loads. The reading thread, if it ever returns, applies
     /// what it read as any reload does.
     pub fn reload_not_returned(&self, why: &str) {
-        let listener = self.inner.listener;
         let mut view = self.inner.loads.lock().unwrap_or_else(PoisonError::into_inner);
+        self.failed(&mut view, why.to_string());
+    }
+
+    /// A reload that failed with `error`, under the view's lock: counted, the gauge 1,
+    /// and the view says why until a reload loads.
+    fn failed(&self, view: &mut Loads, error: String) {
+        let listener = self.inner.listener;
         metrics::counter!("iggy_ingest_tls_reloads_total", "listener" => listener, "outcome" => "failed").increment(1);
         metrics::gauge!("iggy_ingest_tls_reload_failed", "listener" => listener).set(1.0);
-        view.reload_failed = Some(ReloadFailure { at_unix_ms: ingest::time::now_unix_ms(), error: why.to_string() });
+        view.reload_failed = Some(ReloadFailure { at_unix_ms: ingest::time::now_unix_ms(), error });
     }
 
     /// The listener's name, as its metrics label it.
