@@ -1996,6 +1996,13 @@ enum Attempt {
 /// (or a server) that keeps slots, whatever it was blamed on in the end.
 const SLOW_TO_FAIL_SHARE: u32 = 4;
 
+/// Whether a lane is slow to fail after an attempt that held its slot for `held` under
+/// `timeout` and succeeded or not, from `was`: any success clears it, a failure that
+/// held the slot long sets it, a quicker failure leaves it as it was.
+fn slow_to_fail_after(was: bool, succeeded: bool, held: Duration, timeout: Duration) -> bool {
+    if succeeded { false } else { was || held >= timeout / SLOW_TO_FAIL_SHARE }
+}
+
 /// One try of an ensure or a send, with breaker, backoff and status.
 async fn attempt<S: Sink, C>(
     lane: &Lane,
@@ -2052,14 +2059,9 @@ async fn attempt<S: Sink, C>(
         }
     };
     drop(_slot);
-    let held = held_from.elapsed();
     {
         let mut i = lock(&lane.info);
-        match &result {
-            Ok(_) => i.slow_to_fail = false,
-            Err(_) if held >= timeout / SLOW_TO_FAIL_SHARE => i.slow_to_fail = true,
-            Err(_) => {}
-        }
+        i.slow_to_fail = slow_to_fail_after(i.slow_to_fail, result.is_ok(), held_from.elapsed(), timeout);
     }
     match result {
         Ok(Some(t)) if *failures > 0 => {
@@ -2271,14 +2273,10 @@ async fn dead_letter<S: Sink, C>(
                     r
                 }
             };
-            // As for the lane's own sends (`attempt`): only a failure that held the slot
-            // long moves the lane into the failing share, any success out of it.
+            // As for the lane's own sends (`attempt`).
             let mut info = lock(&lane.info);
-            match &sent {
-                Ok(()) => info.dead_letter_slow_to_fail = false,
-                Err(_) if held_from.elapsed() >= timeout / SLOW_TO_FAIL_SHARE => info.dead_letter_slow_to_fail = true,
-                Err(_) => {}
-            }
+            info.dead_letter_slow_to_fail =
+                slow_to_fail_after(info.dead_letter_slow_to_fail, sent.is_ok(), held_from.elapsed(), timeout);
             drop(info);
             sent
         };
