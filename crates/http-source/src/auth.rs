@@ -399,6 +399,24 @@ impl AuthScheme {
         }
     }
 
+    /// What the request's head alone decides, before its body is read: a bearer
+    /// token in full; for the signature schemes, that every header they read is there,
+    /// once, and of the scheme's form (the failures [`AuthScheme::verify`] gives before
+    /// it computes a MAC, the same reasons). A request that passes may still fail
+    /// `verify` on its body; one that fails here fails `verify` with the same reason,
+    /// whatever its body.
+    pub fn verify_head(&self, headers: &HeaderMap) -> Result<(), AuthFailure> {
+        match self {
+            AuthScheme::None => Ok(()),
+            AuthScheme::Bearer { .. } => self.verify(headers, &[], 0),
+            AuthScheme::Hmac { header, prefix, encoding, .. } => {
+                hmac_signature(headers, header, prefix, *encoding).map(drop)
+            }
+            AuthScheme::StandardWebhooks { .. } => standard_webhooks_head(headers).map(drop),
+            AuthScheme::Stripe { .. } => stripe_head(headers).map(drop),
+        }
+    }
+
     /// Checks a request. `now_unix_ms` is the receive time, in milliseconds: a
     /// timestamp's tolerance is measured to the millisecond, so that a request and its
     /// replay, each within the tolerance, are at most twice the tolerance apart, which
@@ -415,12 +433,7 @@ impl AuthScheme {
                 }
             }
             AuthScheme::Hmac { algorithm, secret, header, prefix, encoding } => {
-                let value = header_str(headers, header)?;
-                let sig = value.trim().strip_prefix(prefix.as_str()).ok_or(AuthFailure::Malformed)?;
-                let sig = match encoding {
-                    SignatureEncoding::Hex => hex::decode(sig).map_err(|_| AuthFailure::Malformed)?,
-                    SignatureEncoding::Base64 => BASE64.decode(sig).map_err(|_| AuthFailure::Malformed)?,
-                };
+                let sig = hmac_signature(headers, header, prefix, *encoding)?;
                 let ok = match algorithm {
                     HmacAlgorithm::Sha256 => mac256(secret, &[body]).verify_slice(&sig).is_ok(),
                     HmacAlgorithm::Sha1 => {
@@ -432,10 +445,7 @@ impl AuthScheme {
                 if ok { Ok(()) } else { Err(AuthFailure::BadSignature) }
             }
             AuthScheme::StandardWebhooks { keys, tolerance_secs } => {
-                let (_, id) = standard_webhooks_id(headers)?;
-                let ts = header_str_or(headers, "webhook-timestamp", "svix-timestamp")?;
-                let sigs = header_str_or(headers, "webhook-signature", "svix-signature")?;
-                let ts_secs: u64 = ts.trim().parse().map_err(|_| AuthFailure::Malformed)?;
+                let head = standard_webhooks_head(headers)?;
                 // The signature is checked before the timestamp's tolerance, so that
                 // `auth_stale_timestamp` counts signed requests only (a sender's clock,
                 // or a replay of a real delivery), never junk with an old timestamp.
@@ -446,57 +456,111 @@ impl AuthScheme {
                 let tags: Vec<[u8; 32]> = keys
                     .iter()
                     .map(|key| {
-                        mac256(key, &[id.as_bytes(), b".", ts.trim().as_bytes(), b".", body])
+                        mac256(key, &[head.id.as_bytes(), b".", head.timestamp.as_bytes(), b".", body])
                             .finalize()
                             .into_bytes()
                             .into()
                     })
                     .collect();
-                let mut any_well_formed = false;
-                for entry in sigs.split(' ').filter(|s| !s.is_empty()) {
-                    let Some(b64) = entry.strip_prefix("v1,") else { continue };
-                    let Ok(sig) = BASE64.decode(b64) else { continue };
-                    any_well_formed = true;
-                    // The length is not secret; the bytes are compared in constant time.
-                    if tags.iter().any(|tag| sig.len() == tag.len() && bool::from(tag.ct_eq(sig.as_slice()))) {
-                        return check_tolerance(ts_secs, now_unix_ms, *tolerance_secs);
-                    }
+                // The length is not secret; the bytes are compared in constant time.
+                let signed = head
+                    .signatures
+                    .iter()
+                    .any(|sig| tags.iter().any(|tag| sig.len() == tag.len() && bool::from(tag.ct_eq(sig.as_slice()))));
+                if signed {
+                    check_tolerance(head.timestamp_secs, now_unix_ms, *tolerance_secs)
+                } else {
+                    Err(AuthFailure::BadSignature)
                 }
-                Err(if any_well_formed { AuthFailure::BadSignature } else { AuthFailure::Malformed })
             }
             AuthScheme::Stripe { secret, tolerance_secs } => {
-                let value = header_str(headers, "stripe-signature")?;
-                let mut t: Option<&str> = None;
-                let mut v1: Vec<Vec<u8>> = Vec::new();
-                for part in value.split(',') {
-                    let Some((k, v)) = part.trim().split_once('=') else { continue };
-                    match k {
-                        "t" => t = Some(v),
-                        "v1" => {
-                            if let Ok(sig) = hex::decode(v) {
-                                v1.push(sig);
-                            }
-                        }
-                        _ => {}
-                    }
-                }
-                let t = t.ok_or(AuthFailure::Malformed)?;
-                if v1.is_empty() {
-                    return Err(AuthFailure::Malformed);
-                }
-                let ts_secs: u64 = t.parse().map_err(|_| AuthFailure::Malformed)?;
+                let head = stripe_head(headers)?;
                 // Signature first, then tolerance, as for Standard Webhooks; the tag
                 // computed once, however many `v1` entries the header lists.
-                let tag: [u8; 32] = mac256(secret, &[t.as_bytes(), b".", body]).finalize().into_bytes().into();
+                let tag: [u8; 32] =
+                    mac256(secret, &[head.timestamp.as_bytes(), b".", body]).finalize().into_bytes().into();
                 // The length is not secret; the bytes are compared in constant time.
-                if v1.iter().any(|sig| sig.len() == tag.len() && bool::from(tag.ct_eq(sig.as_slice()))) {
-                    check_tolerance(ts_secs, now_unix_ms, *tolerance_secs)
+                if head.signatures.iter().any(|sig| sig.len() == tag.len() && bool::from(tag.ct_eq(sig.as_slice()))) {
+                    check_tolerance(head.timestamp_secs, now_unix_ms, *tolerance_secs)
                 } else {
                     Err(AuthFailure::BadSignature)
                 }
             }
         }
     }
+}
+
+/// The signature an HMAC scheme's `header` holds after `prefix`, decoded.
+fn hmac_signature(
+    headers: &HeaderMap,
+    header: &str,
+    prefix: &str,
+    encoding: SignatureEncoding,
+) -> Result<Vec<u8>, AuthFailure> {
+    let value = header_str(headers, header)?;
+    let sig = value.trim().strip_prefix(prefix).ok_or(AuthFailure::Malformed)?;
+    match encoding {
+        SignatureEncoding::Hex => hex::decode(sig).map_err(|_| AuthFailure::Malformed),
+        SignatureEncoding::Base64 => BASE64.decode(sig).map_err(|_| AuthFailure::Malformed),
+    }
+}
+
+/// What a signed timestamp scheme's headers say: the signed timestamp as sent (the
+/// text the MAC covers) and as seconds, and every signature of the scheme's form,
+/// decoded (at least one).
+struct SignedHead<'h> {
+    /// Standard Webhooks' message id; empty for Stripe, which signs none.
+    id: &'h str,
+    timestamp: &'h str,
+    timestamp_secs: u64,
+    signatures: Vec<Vec<u8>>,
+}
+
+/// A Standard Webhooks head: `webhook-id`, `webhook-timestamp` and `webhook-signature`
+/// (each or its `svix-` twin), the signatures the space-separated `v1,<base64>` entries;
+/// entries of other versions, or not base64, are passed over, and a header with none
+/// left is malformed.
+fn standard_webhooks_head(headers: &HeaderMap) -> Result<SignedHead<'_>, AuthFailure> {
+    let (_, id) = standard_webhooks_id(headers)?;
+    let timestamp = header_str_or(headers, "webhook-timestamp", "svix-timestamp")?.trim();
+    let listed = header_str_or(headers, "webhook-signature", "svix-signature")?;
+    let timestamp_secs: u64 = timestamp.parse().map_err(|_| AuthFailure::Malformed)?;
+    let signatures: Vec<Vec<u8>> = listed
+        .split(' ')
+        .filter_map(|entry| entry.strip_prefix("v1,"))
+        .filter_map(|b64| BASE64.decode(b64).ok())
+        .collect();
+    if signatures.is_empty() {
+        return Err(AuthFailure::Malformed);
+    }
+    Ok(SignedHead { id, timestamp, timestamp_secs, signatures })
+}
+
+/// A Stripe head: `Stripe-Signature: t=<ts>,v1=<hex>[,v1=...]`; `v1` entries that are
+/// not hex and other keys are passed over, and a header without `t` or any `v1` left is
+/// malformed.
+fn stripe_head(headers: &HeaderMap) -> Result<SignedHead<'_>, AuthFailure> {
+    let value = header_str(headers, "stripe-signature")?;
+    let mut timestamp: Option<&str> = None;
+    let mut signatures: Vec<Vec<u8>> = Vec::new();
+    for part in value.split(',') {
+        let Some((k, v)) = part.trim().split_once('=') else { continue };
+        match k {
+            "t" => timestamp = Some(v),
+            "v1" => {
+                if let Ok(sig) = hex::decode(v) {
+                    signatures.push(sig);
+                }
+            }
+            _ => {}
+        }
+    }
+    let timestamp = timestamp.ok_or(AuthFailure::Malformed)?;
+    if signatures.is_empty() {
+        return Err(AuthFailure::Malformed);
+    }
+    let timestamp_secs: u64 = timestamp.parse().map_err(|_| AuthFailure::Malformed)?;
+    Ok(SignedHead { id: "", timestamp, timestamp_secs, signatures })
 }
 
 fn mac256(key: &[u8], parts: &[&[u8]]) -> HmacSha256 {
@@ -998,5 +1062,78 @@ mod tests {
                 .unwrap_or_else(|e| panic!("{scheme}: {e:?}"));
             assert_eq!(built.name(), scheme);
         }
+    }
+
+    /// The head check refuses a request only where the full check refuses it, for the
+    /// same reason, whatever the body; and passes every head whose body could still
+    /// pass (the good signature of each scheme among them).
+    #[test]
+    fn the_head_check_refuses_only_what_the_full_check_refuses_and_for_the_same_reason() {
+        let now = 1_614_265_330;
+        let github =
+            AuthScheme::from_parts("hmac-sha256", Some("It's a Secret to Everybody"), None, None, None).unwrap();
+        let github_sig = "sha256=757107ea0eb2509fc211221cce984b8a37570b6d7586c22c46f4379c8b043e17";
+        let standard = AuthScheme::from_parts("standard-webhooks", Some(SW_SECRET), None, None, None).unwrap();
+        let stripe = AuthScheme::from_parts("stripe", Some("whsec_k"), None, None, None).unwrap();
+        let stripe_body: &[u8] = br#"{"id":"evt_1"}"#;
+        let stripe_sig = format!(
+            "t={now},v1={}",
+            hex::encode(mac256(b"whsec_k", &[now.to_string().as_bytes(), b".", stripe_body]).finalize().into_bytes())
+        );
+        let bearer = AuthScheme::from_parts("bearer", Some("a-token-of-some-length"), None, None, None).unwrap();
+        let sw = |id: &'static str, sig: &'static str| {
+            vec![("webhook-id", id), ("webhook-timestamp", SW_TS), ("webhook-signature", sig)]
+        };
+        type Case<'a> = (&'a AuthScheme, &'a [u8], Vec<(&'static str, &'a str)>, bool);
+        let cases: Vec<Case> = vec![
+            (&github, b"Hello, World!", vec![("x-hub-signature-256", github_sig)], true),
+            (&github, b"Hello, World!", vec![], false),
+            (
+                &github,
+                b"Hello, World!",
+                vec![("x-hub-signature-256", github_sig), ("x-hub-signature-256", github_sig)],
+                false,
+            ),
+            (&github, b"Hello, World!", vec![("x-hub-signature-256", "sha1=00")], false),
+            (&github, b"Hello, World!", vec![("x-hub-signature-256", "sha256=zz")], false),
+            (&github, b"Hello, World!", vec![("x-hub-signature-256", "sha256=00")], false),
+            (&standard, SW_BODY, sw(SW_ID, SW_SIG), true),
+            (&standard, SW_BODY, vec![("svix-id", SW_ID), ("svix-timestamp", SW_TS), ("svix-signature", SW_SIG)], true),
+            (&standard, SW_BODY, sw(SW_ID, "v2,AAAA"), false),
+            (&standard, SW_BODY, sw(SW_ID, "v1,not base64!"), false),
+            (&standard, SW_BODY, vec![("webhook-id", SW_ID), ("webhook-signature", SW_SIG)], false),
+            (
+                &standard,
+                SW_BODY,
+                vec![("webhook-id", SW_ID), ("webhook-timestamp", "soon"), ("webhook-signature", SW_SIG)],
+                false,
+            ),
+            (&stripe, stripe_body, vec![("stripe-signature", stripe_sig.as_str())], true),
+            (&stripe, stripe_body, vec![("stripe-signature", "v1=00")], false),
+            (&stripe, stripe_body, vec![("stripe-signature", "t=1,v1=zz")], false),
+            (&stripe, stripe_body, vec![("stripe-signature", "t=x,v1=00")], false),
+            (&bearer, b"", vec![("authorization", "Bearer a-token-of-some-length")], true),
+            (&bearer, b"", vec![("authorization", "Bearer another")], false),
+            (&bearer, b"", vec![("authorization", "Basic a-token-of-some-length")], false),
+            (&AuthScheme::None, b"", vec![], true),
+        ];
+        for (scheme, body, pairs, passes) in cases {
+            let h = headers(&pairs);
+            let what = format!("{} with {pairs:?}", scheme.name());
+            assert_eq!(scheme.verify(&h, body, ms(now)).is_ok(), passes, "{what}");
+            match scheme.verify_head(&h) {
+                Ok(()) => {}
+                Err(reason) => {
+                    assert_eq!(scheme.verify(&h, body, ms(now)), Err(reason), "{what}");
+                    assert_eq!(scheme.verify(&h, b"any other body", ms(now)), Err(reason), "{what}");
+                }
+            }
+            if passes {
+                assert_eq!(scheme.verify_head(&h), Ok(()), "{what}");
+            }
+        }
+        // A well-formed signature made with another secret is the body's to refuse.
+        assert_eq!(github.verify_head(&headers(&[("x-hub-signature-256", "sha256=00")])), Ok(()));
+        assert_eq!(standard.verify_head(&headers(&sw(SW_ID, "v1,AAAA"))), Ok(()));
     }
 }

@@ -11,6 +11,9 @@
 //!   run before the append, and once the append resolved `Ok` the answer is 200.
 //! - Destinations are resolved here, at the door ([`crate::resolve`]): a refused
 //!   destination is a 422 naming the reason, while the sender still owns the event.
+//! - What a request's head alone fails to authenticate ([`AuthScheme::verify_head`]: no
+//!   credentials, a wrong bearer token, a malformed signature header) is answered 401
+//!   before its body is read.
 //! - A secret-path endpoint is looked up when the request head arrives (404/410 before
 //!   any body is read) and checked again once the body was read
 //!   ([`EndpointRegistry::recheck`]); the request is authenticated against the version
@@ -347,6 +350,16 @@ async fn receive_inner(
     {
         return Err(too_large(max));
     }
+    // What the head alone fails (no credentials, a wrong bearer token, a signature
+    // header missing or not of the scheme's form) is refused before the body is read:
+    // a sender that cannot authenticate holds no body buffer, and no read of one.
+    let admitted_by: &AuthScheme = match &entrance {
+        Entrance::SourcePath => &source.auth,
+        Entrance::Endpoint(seen) => &seen.endpoint.auth,
+    };
+    if let Err(failure) = admitted_by.verify_head(&parts.headers) {
+        return Err(auth_refused(source, admitted_by, failure, peer));
+    }
     let body = read_body(body, max, door.limits.body_read_timeout).await?;
 
     // Authenticated before the room is taken, against the source's scheme or the
@@ -354,10 +367,6 @@ async fn receive_inner(
     // its own headers and body (an NDJSON body of newlines can ask for all of it), and
     // one that waits for room makes every request after it wait (the room is taken in
     // order), so a sender that cannot authenticate must not get that far.
-    let admitted_by: &AuthScheme = match &entrance {
-        Entrance::SourcePath => &source.auth,
-        Entrance::Endpoint(seen) => &seen.endpoint.auth,
-    };
     let authenticated = match admitted_by.verify(&parts.headers, &body, received_at_unix_ms) {
         Ok(()) => true,
         Err(failure) => {
@@ -1054,27 +1063,97 @@ mod tests {
         }
     }
 
-    /// A request to an endpoint rotated while its body was read, whose credentials pass
-    /// neither the version that admitted its head nor the one the rotate installed, is
-    /// answered 401 without waiting for room, as one to an endpoint left alone is; and
-    /// one signed with the new secret waits for its room, as it must.
+    /// What a request's head alone fails is answered 401 before its body is read: a body
+    /// that never comes holds no one up (the door's body timeout is 10 s). A head that
+    /// passes waits for its body, which decides: the right bearer token, and a signature
+    /// header of the right form, whatever the secret it was made with.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_request_that_cannot_authenticate_after_a_rotate_is_refused_without_waiting_for_room() {
+    async fn a_request_whose_head_fails_authentication_is_refused_before_its_body_is_read() {
         use tower::ServiceExt;
         let dir = tempfile::tempdir().unwrap();
         let door = door_in(dir.path());
-        let bearer = |secret: &str| ingest::endpoints::StoredAuth {
-            scheme: "bearer".into(),
+        let hmac = ingest::endpoints::StoredAuth {
+            scheme: "hmac-sha256".into(),
+            secret: Some("hmac-secret-0123456789".into()),
+            header: None,
+            prefix: None,
+            tolerance_secs: None,
+        };
+        let signed =
+            door.endpoints.register("hooks".into(), hmac, None, None, ingest::time::now_unix_ms()).await.unwrap().id;
+        let signed = format!("/v1/e/{}", crate::endpoints::format_id(signed));
+        let static_endpoint = format!("/v1/e/{}", crate::endpoints::format_id(ENDPOINT_ID));
+        let bearer = |token: &str| Some(("authorization", format!("Bearer {token}")));
+        let signature = |value: &str| Some(("x-hub-signature-256", value.to_string()));
+        let cases = [
+            ("/v1/sources/hooks", None, true),
+            ("/v1/sources/hooks", bearer("wrong-token"), true),
+            ("/v1/sources/hooks", Some(("authorization", format!("Basic {SOURCE_TOKEN}"))), true),
+            ("/v1/sources/hooks", bearer(SOURCE_TOKEN), false),
+            (static_endpoint.as_str(), bearer(SOURCE_TOKEN), true),
+            (static_endpoint.as_str(), bearer(ENDPOINT_TOKEN), false),
+            (signed.as_str(), None, true),
+            (signed.as_str(), signature("sha1=00"), true),
+            (signed.as_str(), signature("sha256=not-hex"), true),
+            (signed.as_str(), signature(&format!("sha256={}", "00".repeat(32))), false),
+        ];
+        for (path, credentials, refused_at_head) in cases {
+            let (pieces, rx) = tokio::sync::mpsc::channel::<Bytes>(1);
+            let mut req = Request::builder()
+                .method("POST")
+                .uri(path)
+                .header(header::CONTENT_TYPE, "application/json")
+                .header(header::CONTENT_LENGTH, "1000");
+            if let Some((name, value)) = &credentials {
+                req = req.header(*name, value.as_str());
+            }
+            let req = req.body(Body::new(ChannelBody(rx))).unwrap();
+            let request = tokio::spawn(router(door.clone()).oneshot(req));
+            let what = format!("{path} with {credentials:?}");
+            if refused_at_head {
+                let answer = tokio::time::timeout(Duration::from_secs(5), request)
+                    .await
+                    .unwrap_or_else(|_| panic!("{what} waited for its body"));
+                assert_eq!(answer.unwrap().unwrap().status(), StatusCode::UNAUTHORIZED, "{what}");
+            } else {
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                assert!(!request.is_finished(), "{what} was answered before its body came");
+                request.abort();
+            }
+            drop(pieces);
+        }
+    }
+
+    /// A request to an endpoint rotated while its body was read, whose signature passes
+    /// neither the version that admitted its head nor the one the rotate installed, is
+    /// answered 401 without waiting for room, as one to an endpoint left alone is; and
+    /// one signed with the new secret waits for its room, as it must. (A signature
+    /// scheme: what its head holds is of the right form whatever the secret, so only the
+    /// body decides.)
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_request_that_cannot_authenticate_after_a_rotate_is_refused_without_waiting_for_room() {
+        use hmac::Mac;
+        use tower::ServiceExt;
+        let dir = tempfile::tempdir().unwrap();
+        let door = door_in(dir.path());
+        let hmac = |secret: &str| ingest::endpoints::StoredAuth {
+            scheme: "hmac-sha256".into(),
             secret: Some(secret.into()),
             header: None,
             prefix: None,
             tolerance_secs: None,
         };
+        let body = b"{\"a\":1}\n{\"a\":2}\n";
+        let signed_with = |secret: &str| {
+            let mut mac = hmac::Hmac::<sha2::Sha256>::new_from_slice(secret.as_bytes()).unwrap();
+            mac.update(body);
+            format!("sha256={}", hex::encode(mac.finalize().into_bytes()))
+        };
         let held = door.ingestor.room(ingest::ingestor::RUNNING_ON_MAX_BYTES).await.unwrap();
-        for (token, refused) in [("wrong-token-0123456789", true), ("new-secret-0123456789", false)] {
+        for (secret, refused) in [("wrong-secret-0123456789", true), ("new-secret-0123456789", false)] {
             let id = door
                 .endpoints
-                .register("hooks".into(), bearer("old-secret-0123456789"), None, None, ingest::time::now_unix_ms())
+                .register("hooks".into(), hmac("old-secret-0123456789"), None, None, ingest::time::now_unix_ms())
                 .await
                 .unwrap()
                 .id;
@@ -1083,7 +1162,7 @@ mod tests {
                 .method("POST")
                 .uri(format!("/v1/e/{}", crate::endpoints::format_id(id)))
                 .header(header::CONTENT_TYPE, "application/x-ndjson")
-                .header(header::AUTHORIZATION, format!("Bearer {token}"))
+                .header("x-hub-signature-256", signed_with(secret))
                 .body(Body::new(ChannelBody(rx)))
                 .unwrap();
             let request = tokio::spawn(router(door.clone()).oneshot(req));

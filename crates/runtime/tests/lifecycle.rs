@@ -290,12 +290,24 @@ async fn a_management_body_sent_slowly_is_cut_off_and_one_without_the_token_is_n
     assert!(d.stop().success());
 }
 
-/// Opens a connection and sends a request's head and the first half of its 10-byte body:
-/// a request in flight, its endpoint already looked up, its body not yet read.
-async fn half_sent(addr: std::net::SocketAddr, path: &str, authorization: &str) -> tokio::net::TcpStream {
+/// The body of every [`half_sent`] request.
+const HALF_SENT_BODY: &[u8] = b"0123456789";
+
+/// The header that signs [`HALF_SENT_BODY`] with `secret` for an `hmac-sha256` endpoint
+/// (GitHub's header and prefix). A signature scheme, so that a request signed with a
+/// secret the endpoint does not have is refused only once its body was read: what its
+/// head holds is of the scheme's form whatever the secret.
+fn signed_with(secret: &str) -> String {
+    format!("x-hub-signature-256: sha256={}", hmac_hex(secret.as_bytes(), HALF_SENT_BODY))
+}
+
+/// Opens a connection and sends a request's head, with the header line `credential`,
+/// and the first half of its 10-byte body ([`HALF_SENT_BODY`]): a request in flight, its
+/// endpoint already looked up and its head authenticated, its body not yet read.
+async fn half_sent(addr: std::net::SocketAddr, path: &str, credential: &str) -> tokio::net::TcpStream {
     let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
     let head = format!(
-        "POST {path} HTTP/1.1\r\nhost: x\r\nauthorization: {authorization}\r\nconnection: close\r\ncontent-length: 10\r\nexpect: 100-continue\r\n\r\n"
+        "POST {path} HTTP/1.1\r\nhost: x\r\n{credential}\r\nconnection: close\r\ncontent-length: 10\r\nexpect: 100-continue\r\n\r\n"
     );
     s.write_all(head.as_bytes()).await.unwrap();
     // The daemon asks for the body only once it has checked the head (the endpoint was
@@ -303,14 +315,14 @@ async fn half_sent(addr: std::net::SocketAddr, path: &str, authorization: &str) 
     let mut interim = [0u8; 25];
     tokio::time::timeout(Duration::from_secs(30), s.read_exact(&mut interim)).await.unwrap().unwrap();
     assert_eq!(&interim, b"HTTP/1.1 100 Continue\r\n\r\n", "{}", String::from_utf8_lossy(&interim));
-    s.write_all(b"01234").await.unwrap();
+    s.write_all(&HALF_SENT_BODY[..5]).await.unwrap();
     s
 }
 
 /// Sends the rest of a [`half_sent`] request's body and returns the status and JSON body
 /// of the answer.
 async fn finish(mut s: tokio::net::TcpStream) -> (u16, serde_json::Value) {
-    s.write_all(b"56789").await.unwrap();
+    s.write_all(&HALF_SENT_BODY[5..]).await.unwrap();
     let mut buf = Vec::new();
     tokio::time::timeout(Duration::from_secs(30), s.read_to_end(&mut buf)).await.unwrap().unwrap();
     let text = String::from_utf8_lossy(&buf).to_string();
@@ -319,31 +331,32 @@ async fn finish(mut s: tokio::net::TcpStream) -> (u16, serde_json::Value) {
     (status, serde_json::from_str(body).unwrap_or_else(|e| panic!("not JSON ({e}): {text}")))
 }
 
-/// A daemon with one dynamic bearer endpoint on `default`: the daemon, its directory, the
-/// management headers, and the registration's answer (`id`, `path`, `secret`).
-async fn daemon_with_an_endpoint() -> (Daemon, tempfile::TempDir, String, serde_json::Value) {
+/// A daemon with one dynamic endpoint of `auth_type` on `default`: the daemon, its
+/// directory, the management headers, and the registration's answer (`id`, `path`,
+/// `secret`).
+async fn daemon_with_an_endpoint(auth_type: &str) -> (Daemon, tempfile::TempDir, String, serde_json::Value) {
     let dir = tempfile::tempdir().unwrap();
     let d = Daemon::start(dir.path(), "", SOURCES);
     let mgmt = bearer(MANAGEMENT_TOKEN);
     let auth = [("authorization", mgmt.as_str()), ("content-type", "application/json")];
-    let reg = request(d.admin, "POST", "/v1/endpoints", &auth, r#"{"source":"default","auth_type":"bearer"}"#).await;
+    let registration = format!(r#"{{"source":"default","auth_type":"{auth_type}"}}"#);
+    let reg = request(d.admin, "POST", "/v1/endpoints", &auth, registration).await;
     assert_eq!(reg.status, 201, "{:?}", reg.body);
     (d, dir, mgmt, reg.json())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_in_flight_across_a_revoke_is_refused_404_and_appends_nothing() {
-    let (d, dir, mgmt, reg) = daemon_with_an_endpoint().await;
+    let (d, dir, mgmt, reg) = daemon_with_an_endpoint("hmac-sha256").await;
     let auth = [("authorization", mgmt.as_str()), ("content-type", "application/json")];
     let path = reg["path"].as_str().unwrap().to_string();
-    let token = bearer(reg["secret"].as_str().unwrap());
     let before = log_next_offset(d.admin).await;
 
     // The head arrives while the endpoint is active; the revoke answers while the body is
-    // half sent (it does not wait for a body still being read). A request with a wrong
-    // token in flight across it gets the same 404 (it got 401 before).
-    let in_flight = half_sent(d.http, &path, &token).await;
-    let wrong_token = half_sent(d.http, &path, &bearer("not-the-endpoint-secret-0123456789")).await;
+    // half sent (it does not wait for a body still being read). A request signed with a
+    // wrong secret in flight across it gets the same 404 (it got 401 before).
+    let in_flight = half_sent(d.http, &path, &signed_with(reg["secret"].as_str().unwrap())).await;
+    let wrong_token = half_sent(d.http, &path, &signed_with("not-the-endpoint-secret-0123456789")).await;
     let id = reg["id"].as_str().unwrap();
     let revoked = request(d.admin, "DELETE", &format!("/v1/endpoints/{id}"), &auth, "").await;
     assert_eq!(revoked.status, 200);
@@ -368,7 +381,7 @@ async fn a_request_in_flight_across_an_expiry_is_refused_410_whatever_its_creden
     let now_ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64;
     // Far enough ahead for the registration and both heads on a busy machine.
     let expires_at = now_ms + 6000;
-    let body = format!(r#"{{"source":"default","auth_type":"bearer","expires_at_unix_ms":{expires_at}}}"#);
+    let body = format!(r#"{{"source":"default","auth_type":"hmac-sha256","expires_at_unix_ms":{expires_at}}}"#);
     let reg = request(d.admin, "POST", "/v1/endpoints", &auth, body).await;
     assert_eq!(reg.status, 201, "{:?}", reg.body);
     let reg = reg.json();
@@ -376,8 +389,8 @@ async fn a_request_in_flight_across_an_expiry_is_refused_410_whatever_its_creden
     let before = log_next_offset(d.admin).await;
 
     // Both heads are taken while the endpoint is active (each got its 100 Continue).
-    let right = half_sent(d.http, &path, &bearer(reg["secret"].as_str().unwrap())).await;
-    let wrong = half_sent(d.http, &path, &bearer("not-the-endpoint-secret-0123456789")).await;
+    let right = half_sent(d.http, &path, &signed_with(reg["secret"].as_str().unwrap())).await;
+    let wrong = half_sent(d.http, &path, &signed_with("not-the-endpoint-secret-0123456789")).await;
     let past = std::time::UNIX_EPOCH + Duration::from_millis(expires_at + 200);
     tokio::time::sleep(past.duration_since(std::time::SystemTime::now()).unwrap_or_default()).await;
     for in_flight in [right, wrong] {
@@ -390,10 +403,10 @@ async fn a_request_in_flight_across_an_expiry_is_refused_410_whatever_its_creden
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_in_flight_across_a_rotate_with_the_old_secret_is_refused_401_and_appends_nothing() {
-    let (d, dir, mgmt, reg) = daemon_with_an_endpoint().await;
+    let (d, dir, mgmt, reg) = daemon_with_an_endpoint("hmac-sha256").await;
     let auth = [("authorization", mgmt.as_str()), ("content-type", "application/json")];
     let path = reg["path"].as_str().unwrap().to_string();
-    let old = bearer(reg["secret"].as_str().unwrap());
+    let old = signed_with(reg["secret"].as_str().unwrap());
     let before = log_next_offset(d.admin).await;
 
     // Two requests whose heads arrive before the rotate: one with the old secret, one
@@ -401,7 +414,7 @@ async fn a_request_in_flight_across_a_rotate_with_the_old_secret_is_refused_401_
     // record current once its body was read.
     let new_secret = "the-secret-the-rotate-sets-0123456789";
     let with_old_secret = half_sent(d.http, &path, &old).await;
-    let with_new_secret = half_sent(d.http, &path, &bearer(new_secret)).await;
+    let with_new_secret = half_sent(d.http, &path, &signed_with(new_secret)).await;
     let id = reg["id"].as_str().unwrap();
     let rotate_body = format!(r#"{{"auth_secret":"{new_secret}"}}"#);
     let rotated = request(d.admin, "POST", &format!("/v1/endpoints/{id}/rotate"), &auth, rotate_body).await;
@@ -932,7 +945,7 @@ fn state_commands_that_change_the_database_refuse_while_a_daemon_holds_the_log()
 /// endpoints kept. Migrating again changes nothing; no database is a command-line error.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_state_database_of_an_older_schema_version_is_migrated_explicitly_and_keeps_its_endpoints() {
-    let (d, dir, _, reg) = daemon_with_an_endpoint().await;
+    let (d, dir, _, reg) = daemon_with_an_endpoint("bearer").await;
     let (path, secret) = (reg["path"].as_str().unwrap().to_string(), bearer(reg["secret"].as_str().unwrap()));
     assert!(d.stop().success());
     let data = dir.path().join("data");
