@@ -720,8 +720,18 @@ async fn a_refused_start_whose_log_close_hangs_still_ends() {
     let dir = test_dir(&stream);
     let config = config_text(dir.path(), &dest.daemon_address(), &rest(&stream, 65536));
     let daemon = Daemon::start(dir.path(), &config, &[]).await;
+    let mut conn = Conn::open(daemon.http).await.expect("connect");
+    let json = [("content-type", "application/json")];
+    let event = conn.send("POST", "/v1/sources/s0", &json, r#"{"t":"a","n":1}"#.to_string()).await;
+    assert_eq!(event.expect("answered").status, 200);
     assert!(daemon.stop().await.success());
-    ingest::StateDb::open(dir.path().join("data/state.redb")).unwrap().force_schema_version(7).unwrap();
+    let marker = dir.path().join("data/wal").join(wal::CLEAN_MARKER_FILE);
+    assert!(marker.exists(), "the stop before the refused start marked the log clean");
+    let state = dir.path().join("data/state.redb");
+    let state_as_it_was = dir.path().join("state.redb.as-it-was");
+    std::fs::copy(&state, &state_as_it_was).unwrap();
+    ingest::StateDb::open(&state).unwrap().force_schema_version(7).unwrap();
+    let started = Instant::now();
     let mut child = std::process::Command::new(daemon_bin())
         .arg("--config")
         .arg(dir.path().join("config.toml"))
@@ -749,4 +759,15 @@ async fn a_refused_start_whose_log_close_hangs_still_ends() {
     assert_eq!(status.code(), Some(2), "{said}");
     assert!(said.contains("fail point wal.close: hit 1, hanging"), "the close was not held: {said}");
     assert!(said.contains("schema version 7"), "{said}");
+    // The close's bound, and some seconds for the start up to it on a busy machine.
+    let took = started.elapsed();
+    assert!(took < runtime::daemon::CLOSE_MAX + Duration::from_secs(8), "the refused start took {took:?}");
+    assert!(!marker.exists(), "a log whose close never ended was marked clean");
+
+    // Put back, the next start recovers the log as after a crash and holds the event.
+    std::fs::rename(&state_as_it_was, &state).unwrap();
+    let daemon = Daemon::restart(dir.path(), &[]).await;
+    let status = e2e::daemon::get(daemon.admin, "/status").await.expect("status").json();
+    assert_eq!(status["log"]["next_offset"], 1, "the log after the refused start: {status}");
+    assert!(daemon.stop().await.success());
 }

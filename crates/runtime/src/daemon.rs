@@ -636,7 +636,7 @@ const ADMIN_STOP_MIN: Duration = Duration::from_millis(200);
 /// The most time closing the log and the final checkpoint may take together, past the
 /// grace period: each is a sync, milliseconds on a healthy disk. Past it the stop goes
 /// on without them (exit 1, the log recovered at the next start as after a crash).
-const CLOSE_MAX: Duration = Duration::from_secs(10);
+pub const CLOSE_MAX: Duration = Duration::from_secs(10);
 
 /// The most time the process takes, at the end of a stop, for blocking work still under
 /// way (a sync the disk does not answer) before it exits without it.

@@ -37,6 +37,11 @@ const ROUNDS: usize = 3;
 /// Acknowledged: (connection, sequence) → (first offset, last offset).
 type Acked = Arc<Mutex<BTreeMap<(u64, u64), (u64, u64)>>>;
 
+/// Answers other than a 200 with its offsets, which a daemon up and serving never gives
+/// here: (connection, sequence) and what came back. A kill ends connections, it answers
+/// nothing.
+type Refused = Arc<Mutex<Vec<String>>>;
+
 /// Where connection `conn_id` sends, with which headers: odd connections through the
 /// endpoint. Every third sequence number carries a delivery id.
 fn route(conn_id: u64, seq: u64) -> (&'static str, Vec<(&'static str, String)>) {
@@ -61,7 +66,7 @@ async fn open(addr: std::net::SocketAddr, tls: Option<&TlsPair>) -> std::io::Res
     }
 }
 
-async fn client(addr: std::net::SocketAddr, conn_id: u64, acked: Acked, tls: Option<Arc<TlsPair>>) {
+async fn client(addr: std::net::SocketAddr, conn_id: u64, acked: Acked, refused: Refused, tls: Option<Arc<TlsPair>>) {
     let Ok(mut conn) = open(addr, tls.as_deref()).await else { return };
     for seq in 0.. {
         // Every fifth request is an NDJSON batch.
@@ -76,17 +81,21 @@ async fn client(addr: std::net::SocketAddr, conn_id: u64, acked: Acked, tls: Opt
         let (path, mut headers) = route(conn_id, seq);
         headers.push(("content-type", ct.to_string()));
         let headers: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
-        let answer = match conn.send("POST", path, &headers, body).await {
-            Ok(a) => a,
-            Err(_) => return,
-        };
-        if answer.status != 200 {
-            return;
+        // A connection error is the kill (or the client's end after it).
+        let Ok(answer) = conn.send("POST", path, &headers, body).await else { return };
+        let offsets = serde_json::from_slice::<serde_json::Value>(&answer.body)
+            .ok()
+            .and_then(|j| Some((j["offsets"][0].as_u64()?, j["offsets"][1].as_u64()?)));
+        match offsets {
+            Some(offsets) if answer.status == 200 => {
+                acked.lock().unwrap().insert((conn_id, seq), offsets);
+            }
+            _ => {
+                let body = String::from_utf8_lossy(&answer.body);
+                refused.lock().unwrap().push(format!("({conn_id},{seq}): {} {body}", answer.status));
+                return;
+            }
         }
-        let Ok(j) = serde_json::from_slice::<serde_json::Value>(&answer.body) else { return };
-        let first = j["offsets"][0].as_u64().unwrap();
-        let last = j["offsets"][1].as_u64().unwrap();
-        acked.lock().unwrap().insert((conn_id, seq), (first, last));
     }
 }
 
@@ -116,21 +125,40 @@ async fn kill_9_rounds(wal_extra: &str, rounds: usize) {
         });
         let mut d = Daemon::start(dir.path(), &http_extra, &sources_and_wal);
         let acked: Acked = Arc::default();
-        let clients: Vec<_> =
-            (0..CONNECTIONS).map(|c| tokio::spawn(client(d.http, c, acked.clone(), tls.clone()))).collect();
-        // Wait until traffic flows (a loaded machine may be slow to start), then kill at
-        // a random moment.
+        let refused: Refused = Arc::default();
+        let clients: Vec<_> = (0..CONNECTIONS)
+            .map(|c| tokio::spawn(client(d.http, c, acked.clone(), refused.clone(), tls.clone())))
+            .collect();
+        // Wait until traffic flows (a loaded machine may be slow to start), with a batch
+        // and an endpoint's request among what was acknowledged, so that the checks below
+        // have them to check; then kill at a random moment.
         let flowing = std::time::Instant::now();
-        while acked.lock().unwrap().len() < 20 {
+        let acked_at_start = loop {
+            let (count, batch, endpoint) = {
+                let acked = acked.lock().unwrap();
+                let batch = acked.keys().any(|(_, s)| s % 5 == 4);
+                (acked.len(), batch, acked.keys().any(|(c, _)| c % 2 == 1))
+            };
+            if count >= 20 && batch && endpoint {
+                break count;
+            }
+            assert!(refused.lock().unwrap().is_empty(), "round {round}: refused {:?}", refused.lock().unwrap());
             assert!(flowing.elapsed() < Duration::from_secs(60), "round {round}: no traffic acknowledged");
             tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+        };
         let kill_after = Duration::from_millis(rng.gen_range(0..1200));
         tokio::time::sleep(kill_after).await;
+        let acked_at_kill = acked.lock().unwrap().len();
         d.kill9();
+        // The kill came under load: requests were still being answered up to it.
+        if kill_after >= Duration::from_millis(200) {
+            assert!(acked_at_kill > acked_at_start, "round {round}: traffic stopped before the kill");
+        }
         for c in clients {
             tokio::time::timeout(Duration::from_secs(30), c).await.expect("client hung after the kill").unwrap();
         }
+        let refused = refused.lock().unwrap().clone();
+        assert!(refused.is_empty(), "round {round}: the daemon refused requests before the kill: {refused:?}");
         // Restart (recovery cuts any torn tail). Every answered delivery's retry is
         // answered with its offsets and appends nothing; then it still appends.
         let d = Daemon::restart(dir.path());
