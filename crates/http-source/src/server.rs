@@ -16,6 +16,8 @@
 //!   the first write the socket's buffer refuses until the whole answer is handed to the
 //!   kernel. A client that sends requests and never reads the answers (or reads them a
 //!   byte at a time) loses its connection then, so it cannot hold a slot either.
+//! - A client that shuts its sending side after a whole request (`shutdown(SHUT_WR)`,
+//!   `nc -N`) gets its answer; one that does so between requests is closed.
 //! - A connection that closes lingers ([`LINGER_MAX_MS`], [`LINGER_MAX_BYTES`]): it
 //!   sends the end of its writes, then discards what its client still sends, so that a
 //!   body left unread (an early 413) does not turn the answer into a reset. Once the
@@ -86,7 +88,11 @@ pub async fn serve(
     // Set when the drain starts: handshakes still under way give up.
     let (draining_tx, draining) = tokio::sync::watch::channel(false);
     let mut builder = hyper::server::conn::http1::Builder::new();
-    builder.timer(TokioTimer::new()).header_read_timeout(limits.header_read_timeout).keep_alive(true);
+    // Half-closed: a client that shuts its sending side after a whole request still
+    // reads, and its answer (a 200 whose events are on disk) is sent. Without it hyper
+    // takes the end of the client's sending for a disconnect while the request runs, and
+    // drops the request: its events appended, its answer never sent.
+    builder.timer(TokioTimer::new()).header_read_timeout(limits.header_read_timeout).keep_alive(true).half_close(true);
     tokio::pin!(shutdown);
     let mut connections = tokio::task::JoinSet::new();
     loop {

@@ -513,3 +513,47 @@ async fn the_header_a_request_was_signed_in_is_never_forwarded_into_the_log() {
     assert_eq!(log[0].1.header.headers, [], "the signature was forwarded");
     assert_eq!(log[1].1.header.headers, [("x-event-kind".to_string(), b"push".to_vec())]);
 }
+
+/// Sends `request` on a new connection, shuts the connection's sending side, and reads
+/// until the daemon closes it: what a client such as `nc -N` sees.
+async fn sent_then_half_closed(addr: std::net::SocketAddr, request: String) -> String {
+    tokio::task::spawn_blocking(move || {
+        use std::io::{Read, Write};
+        let mut s = std::net::TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(std::time::Duration::from_secs(30))).unwrap();
+        s.write_all(request.as_bytes()).unwrap();
+        s.shutdown(std::net::Shutdown::Write).unwrap();
+        let mut answer = Vec::new();
+        s.read_to_end(&mut answer).unwrap();
+        String::from_utf8_lossy(&answer).into_owned()
+    })
+    .await
+    .unwrap()
+}
+
+/// A client that shuts its sending side once its request is sent is still reading: it
+/// gets its 200 (HTTP/1.1 and 1.0, with a delivery id and without), as many as the log
+/// took, where the request used to be dropped on that end of input while its append
+/// ran, its events appended and no answer sent. One that shuts it between requests is
+/// closed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_half_closes_after_its_request_gets_its_200() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = Daemon::start(dir.path(), "", SOURCES);
+    for n in 0..6u64 {
+        let version = if n % 2 == 0 { "HTTP/1.1" } else { "HTTP/1.0" };
+        let key = if n % 3 == 0 { format!("idempotency-key: half-closed-{n}\r\n") } else { String::new() };
+        let body = format!("{{\"n\":{n}}}");
+        let request = format!(
+            "POST /v1/sources/default {version}\r\nhost: x\r\ncontent-type: application/json\r\n{key}content-length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        let answer = sent_then_half_closed(d.http, request).await;
+        assert!(answer.starts_with(&format!("{version} 200 OK")), "request {n}: {answer:?}");
+        assert!(answer.ends_with(&format!("\"offsets\":[{n},{n}]}}")), "request {n}: {answer:?}");
+    }
+    let idle = sent_then_half_closed(d.http, String::new()).await;
+    assert_eq!(idle, "", "an idle connection half-closed");
+    assert!(d.stop().success());
+    assert_eq!(read_log(&dir.path().join("data/wal")).len(), 6);
+}
