@@ -120,14 +120,28 @@ pub fn router(door: Arc<Door>) -> Router {
         .with_state(door)
 }
 
-async fn not_found() -> Response {
+async fn not_found(req: Request) -> Response {
     count("-", "4xx", "not_found");
-    ApiError::not_found("no such path").into_response()
+    before_body(req.headers(), ApiError::not_found("no such path")).into_response()
 }
 
-async fn method_not_allowed() -> Response {
+async fn method_not_allowed(req: Request) -> Response {
     count("-", "4xx", "method_not_allowed");
-    ApiError::method_not_allowed().into_response()
+    before_body(req.headers(), ApiError::method_not_allowed()).into_response()
+}
+
+/// Whether a request's framing says a body follows: a `Content-Length` other than 0, or
+/// a `Transfer-Encoding`.
+fn declares_body(headers: &HeaderMap) -> bool {
+    headers.contains_key(header::TRANSFER_ENCODING) || content_length(headers).is_some_and(|len| len > 0)
+}
+
+/// `e`, answered before the request's body was read: closing the connection when the
+/// request declared one ([`ApiError::closing`]). (hyper reads on past a body that
+/// already arrived whole, and closes the connection on one that did not; which one it
+/// is cannot be known here, so a declared body closes it.)
+pub fn before_body(headers: &HeaderMap, e: ApiError) -> ApiError {
+    if declares_body(headers) { e.closing() } else { e }
 }
 
 async fn health(State(door): State<Arc<Door>>) -> Response {
@@ -162,11 +176,11 @@ async fn post_source(
 ) -> Response {
     let key = match path_segment(key, "source") {
         Ok(k) => k,
-        Err(e) => return e.into_response(),
+        Err(e) => return before_body(req.headers(), e).into_response(),
     };
     let Some(source) = door.sources.get(&key).filter(|s| s.named_path).cloned() else {
         count("-", "4xx", "not_found");
-        return ApiError::not_found("no such source").into_response();
+        return before_body(req.headers(), ApiError::not_found("no such source")).into_response();
     };
     receive(&door, source, Entrance::SourcePath, req).await
 }
@@ -178,15 +192,15 @@ async fn post_endpoint(
 ) -> Response {
     let id = match path_segment(id, "endpoint") {
         Ok(id) => id,
-        Err(e) => return e.into_response(),
+        Err(e) => return before_body(req.headers(), e).into_response(),
     };
     let endpoint = match resolve_endpoint(&door, &id) {
         Ok(e) => e,
-        Err(e) => return e.into_response(),
+        Err(e) => return before_body(req.headers(), e).into_response(),
     };
     let Some(source) = door.sources.get(&endpoint.endpoint.source_key).cloned() else {
         count("-", "4xx", "not_found");
-        return ApiError::not_found("no such endpoint").into_response();
+        return before_body(req.headers(), ApiError::not_found("no such endpoint")).into_response();
     };
     receive(&door, source, Entrance::Endpoint(endpoint), req).await
 }
@@ -336,11 +350,8 @@ async fn receive_inner(
 ) -> Result<Response, ApiError> {
     let received_at_unix_ms = ingest::time::now_unix_ms();
     if door.health.is_refusing() {
-        return Err(ApiError::unavailable(
-            "shutting_down",
-            "the daemon is shutting down",
-            door.limits.retry_after_secs,
-        ));
+        let e = ApiError::unavailable("shutting_down", "the daemon is shutting down", door.limits.retry_after_secs);
+        return Err(before_body(req.headers(), e));
     }
     let (mut parts, body) = req.into_parts();
     let peer = parts.extensions.get::<PeerAddr>();
@@ -348,7 +359,7 @@ async fn receive_inner(
     if let Some(len) = content_length(&parts.headers)
         && len > max as u64
     {
-        return Err(too_large(max));
+        return Err(too_large(max).closing());
     }
     // What the head alone fails (no credentials, a wrong bearer token, a signature
     // header missing or not of the scheme's form) is refused before the body is read:
@@ -358,7 +369,7 @@ async fn receive_inner(
         Entrance::Endpoint(seen) => &seen.endpoint.auth,
     };
     if let Err(failure) = admitted_by.verify_head(&parts.headers) {
-        return Err(auth_refused(source, admitted_by, failure, peer));
+        return Err(before_body(&parts.headers, auth_refused(source, admitted_by, failure, peer)));
     }
     let body = read_body(body, max, door.limits.body_read_timeout).await?;
 
@@ -674,7 +685,8 @@ fn content_length(headers: &HeaderMap) -> Option<u64> {
 }
 
 /// Reads a whole body of at most `max` bytes within `timeout` of the first byte wait:
-/// 413 past `max`, 408 after `timeout`, 400 when reading fails.
+/// 413 past `max`, 408 after `timeout`, 400 when reading fails; each closing the
+/// connection, whose request body was not read to its end.
 pub async fn read_body(body: Body, max: usize, timeout: Duration) -> Result<Bytes, ApiError> {
     let mut collect = std::pin::pin!(collect_bounded(body, max));
     // A body that came in with its headers is complete at the first poll; a timer is
@@ -689,14 +701,16 @@ pub async fn read_body(body: Body, max: usize, timeout: Duration) -> Result<Byte
                     StatusCode::REQUEST_TIMEOUT,
                     "body_read_timeout",
                     "the body was not received in time",
-                ));
+                )
+                .closing());
             }
         },
     };
     match collected {
-        Err(BodyReadError::TooLarge) => Err(too_large(max)),
+        Err(BodyReadError::TooLarge) => Err(too_large(max).closing()),
         Err(BodyReadError::Failed(e)) => {
-            Err(ApiError::new(StatusCode::BAD_REQUEST, "body_read_failed", format!("reading the body failed: {e}")))
+            Err(ApiError::new(StatusCode::BAD_REQUEST, "body_read_failed", format!("reading the body failed: {e}"))
+                .closing())
         }
         Ok(bytes) => Ok(bytes),
     }
@@ -731,6 +745,20 @@ enum BodyReadError {
     Failed(String),
 }
 
+/// `e`'s text followed by its sources', `: `-joined: hyper's own says only "error
+/// reading a body from connection", its source what was wrong (a chunk size that is
+/// not hex, trailers over the limit, the connection closed early).
+fn with_sources(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
+}
+
 /// The body's bytes, at most `max` of them, holding nothing of the connection's read
 /// buffers once a second frame came. Each frame hyper gives is a slice of its read
 /// buffer, and a buffer a slice is still held from is not reused: the next read takes a
@@ -744,7 +772,7 @@ async fn collect_bounded(mut body: Body, max: usize) -> Result<Bytes, BodyReadEr
     let mut copied: Option<Vec<u8>> = None;
     let mut total = 0usize;
     while let Some(frame) = body.frame().await {
-        let frame = frame.map_err(|e| BodyReadError::Failed(e.to_string()))?;
+        let frame = frame.map_err(|e| BodyReadError::Failed(with_sources(&e)))?;
         let Ok(data) = frame.into_data() else { continue }; // trailers
         total = total.saturating_add(data.len());
         if total > max {

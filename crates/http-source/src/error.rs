@@ -5,6 +5,10 @@
 //! - 401 answers carry no detail: the reason is logged and counted, not sent; their
 //!   `WWW-Authenticate` challenge names the scheme expected, nothing more.
 //! - 503 answers carry `Retry-After`.
+//! - An answer given before its request's body was read to the end says
+//!   `Connection: close` ([`ApiError::closing`]): hyper closes such a connection after
+//!   the answer (it cannot find the next request), and a client that pools connections
+//!   must know not to send another on it.
 
 use axum::Json;
 use axum::http::{HeaderValue, StatusCode, header};
@@ -20,11 +24,19 @@ pub struct ApiError {
     pub retry_after_secs: Option<u64>,
     /// The `WWW-Authenticate` challenge of a 401: its scheme and realm.
     pub challenge: Option<(&'static str, &'static str)>,
+    /// The answer closes the connection (`Connection: close`).
+    pub closes: bool,
 }
 
 impl ApiError {
     pub fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> ApiError {
-        ApiError { status, code, message: message.into(), retry_after_secs: None, challenge: None }
+        ApiError { status, code, message: message.into(), retry_after_secs: None, challenge: None, closes: false }
+    }
+
+    /// This answer, closing the connection: for an answer given while the request's
+    /// body is not read to the end.
+    pub fn closing(self) -> ApiError {
+        ApiError { closes: true, ..self }
     }
 
     /// A 401 with a challenge of `scheme` in `realm` (RFC 9110: a 401 names at least
@@ -64,6 +76,9 @@ impl IntoResponse for ApiError {
             && let Ok(v) = HeaderValue::try_from(format!("{scheme} realm=\"{realm}\""))
         {
             resp.headers_mut().insert(header::WWW_AUTHENTICATE, v);
+        }
+        if self.closes {
+            resp.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("close"));
         }
         resp
     }

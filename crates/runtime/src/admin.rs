@@ -80,7 +80,7 @@ async fn require_admin_token(State(s): State<Arc<Shared>>, request: Request, nex
         let management = s.management_token.as_ref().is_some_and(|m| m.matches(p));
         admin | management
     });
-    if accepted { next.run(request).await } else { refuse(presented.is_some(), "admin call") }
+    if accepted { next.run(request).await } else { refuse(presented.is_some(), "admin call", request.headers()) }
 }
 
 /// The token of an `Authorization: Bearer <token>` header, if there is one: parsed as
@@ -89,8 +89,10 @@ fn bearer(headers: &HeaderMap) -> Option<&str> {
     http_source::auth::bearer_token(headers).ok()
 }
 
-/// A 401 with a JSON body and a `WWW-Authenticate` challenge; counted and logged.
-fn refuse(presented: bool, what: &str) -> Response {
+/// A 401 with a JSON body and a `WWW-Authenticate` challenge; counted and logged. Given
+/// before the request's body is read: it closes the connection when `headers` declare
+/// one.
+fn refuse(presented: bool, what: &str, headers: &HeaderMap) -> Response {
     metrics::counter!("iggy_ingest_admin_auth_failures_total").increment(1);
     let why = if presented { "a wrong token" } else { "no bearer token" };
     // Any client can repeat this at will: one line a second, with the count left out.
@@ -98,7 +100,7 @@ fn refuse(presented: bool, what: &str) -> Response {
     if let Some(suppressed) = LOG.admit() {
         tracing::warn!(suppressed, "{what} with {why}");
     }
-    ApiError::unauthorized("Bearer", "iggy-ingest admin").into_response()
+    http_source::door::before_body(headers, ApiError::unauthorized("Bearer", "iggy-ingest admin")).into_response()
 }
 
 async fn health(State(s): State<Arc<Shared>>) -> Response {
@@ -205,7 +207,7 @@ fn refuse_management(s: &Shared, headers: &HeaderMap) -> Option<Response> {
     if presented.is_some_and(|p| token.matches(p)) {
         None
     } else {
-        Some(refuse(presented.is_some(), "management call"))
+        Some(refuse(presented.is_some(), "management call", headers))
     }
 }
 
@@ -366,6 +368,7 @@ async fn management_body(s: &Shared, body: axum::body::Body) -> Result<axum::bod
                 "body_too_large",
                 format!("a management request body is at most {MANAGEMENT_BODY_MAX_BYTES} bytes"),
             )
+            .closing()
             .into_response()
         } else {
             e.into_response()

@@ -557,3 +557,65 @@ async fn a_client_that_half_closes_after_its_request_gets_its_200() {
     assert!(d.stop().success());
     assert_eq!(read_log(&dir.path().join("data/wal")).len(), 6);
 }
+
+/// Sends `request` on `s` and reads one answer's head and its `content-length` body.
+async fn one_answer(s: &mut tokio::net::TcpStream, request: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    s.write_all(request.as_bytes()).await.unwrap();
+    let mut got = Vec::new();
+    let mut byte = [0u8; 1];
+    while !got.ends_with(b"\r\n\r\n") {
+        let read = tokio::time::timeout(std::time::Duration::from_secs(30), s.read(&mut byte)).await.unwrap().unwrap();
+        assert_eq!(read, 1, "closed after {:?}", String::from_utf8_lossy(&got));
+        got.push(byte[0]);
+    }
+    let head = String::from_utf8_lossy(&got).to_ascii_lowercase();
+    let len: usize =
+        head.lines().find_map(|l| l.strip_prefix("content-length: ")).and_then(|v| v.trim().parse().ok()).unwrap_or(0);
+    let mut body = vec![0u8; len];
+    s.read_exact(&mut body).await.unwrap();
+    head + &String::from_utf8_lossy(&body)
+}
+
+/// An answer given before the request's body was read to its end (a 401 its head
+/// earns, an unknown source, a `Content-Length` over `max_body_bytes`) says
+/// `Connection: close`, as the connection is closed after it: a client that pools
+/// connections must not send its next request on it. One given after the body was read
+/// (invalid JSON) leaves the connection open for the next request, as does an early
+/// answer to a request without a body.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_given_before_the_body_was_read_closes_the_connection_and_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = Daemon::start(dir.path(), "", SOURCES);
+    let with_body = |path: &str, extra: &str, length: usize| {
+        format!(
+            "POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n{extra}content-length: {length}\r\n\r\n"
+        )
+    };
+    let closing = [
+        ("401 at the head", with_body("/v1/sources/internal", "authorization: Bearer wrong\r\n", 2), "401"),
+        ("no such source", with_body("/v1/sources/nowhere", "", 2), "404"),
+        ("too large", with_body("/v1/sources/default", "", 2 << 20), "413"),
+        ("expired endpoint", with_body("/v1/e/fedcba9876543210fedcba9876543210", "", 2), "410"),
+    ];
+    for (what, head, status) in closing {
+        let mut s = tokio::net::TcpStream::connect(d.http).await.unwrap();
+        let answer = one_answer(&mut s, &head).await;
+        assert!(answer.starts_with(&format!("http/1.1 {status}")), "{what}: {answer}");
+        assert!(answer.contains("\r\nconnection: close\r\n"), "{what}: {answer}");
+    }
+    // Read to its end, or none declared: kept open, the next request answered on it.
+    let mut s = tokio::net::TcpStream::connect(d.http).await.unwrap();
+    let kept = [
+        (format!("{}{{x", with_body("/v1/sources/jsononly", "", 2)), "400"),
+        ("POST /v1/sources/nowhere HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n".to_string(), "404"),
+        ("GET /v1/sources/default HTTP/1.1\r\nhost: x\r\n\r\n".to_string(), "405"),
+        (format!("{}{{}}", with_body("/v1/sources/default", "", 2)), "200"),
+    ];
+    for (request, status) in kept {
+        let answer = one_answer(&mut s, &request).await;
+        assert!(answer.starts_with(&format!("http/1.1 {status}")), "{answer}");
+        assert!(!answer.contains("connection: close"), "{answer}");
+    }
+    assert!(d.stop().success());
+}
