@@ -528,8 +528,9 @@ fn documented(status: u16, code: &str) -> bool {
         409 => &["delivery_in_progress"],
         410 => &["endpoint_expired"],
         413 => &["body_too_large", "record_too_large", "batch_too_large", "too_many_events"],
-        415 => &["unsupported_media_type"],
+        415 => &["unsupported_media_type", "unsupported_content_encoding"],
         422 => &["unknown_destination", "invalid_destination", "denylisted", "not_allowlisted"],
+        501 => &["unsupported_transfer_coding"],
         503 => &["log_full", "shutting_down", "log_unavailable", "disk_full", "state_unavailable"],
         _ => &[],
     };

@@ -361,6 +361,9 @@ async fn receive_inner(
     {
         return Err(too_large(max).closing());
     }
+    if let Some(refused) = coding_refused(&parts.headers) {
+        return Err(refused.closing());
+    }
     // What the head alone fails (no credentials, a wrong bearer token, a signature
     // header missing or not of the scheme's form) is refused before the body is read:
     // a sender that cannot authenticate holds no body buffer, and no read of one.
@@ -455,8 +458,18 @@ async fn receive_inner(
         }
     }
 
+    // One value, or none: a blank one is none (it would travel as an empty header).
+    let content_types = parts.headers.get_all(header::CONTENT_TYPE).iter().count();
+    if content_types > 1 {
+        return Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_content_type",
+            format!("Content-Type is given {content_types} times; one is accepted"),
+        ));
+    }
     let content_type = match parts.headers.get(header::CONTENT_TYPE) {
         None => None,
+        Some(v) if v.as_bytes().trim_ascii().is_empty() => None,
         Some(v) if v.len() > HEADER_VALUE_MAX_BYTES => {
             return Err(ApiError::new(
                 StatusCode::BAD_REQUEST,
@@ -674,6 +687,45 @@ impl IntoResponse for AcceptedBody {
         resp.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
         resp
     }
+}
+
+/// A body sent in a coding the door does not undo, refused before it is read: a
+/// `Content-Encoding` other than `identity` (415 `unsupported_content_encoding`: its
+/// bytes are not what its `Content-Type` says, and would be stored and delivered as if
+/// they were), or a `Transfer-Encoding` other than `chunked` (501
+/// `unsupported_transfer_coding`, RFC 9112 section 6.1; hyper takes the chunked
+/// framing off and would leave the rest).
+fn coding_refused(headers: &HeaderMap) -> Option<ApiError> {
+    let named = |value: &HeaderValue| match value.to_str() {
+        Ok(text) if text.len() <= 64 => format!(" ({})", text.trim()),
+        _ => String::new(),
+    };
+    // The first value of header `name` that lists a coding other than `allowed` (blank
+    // list members are none).
+    let only = |name: header::HeaderName, allowed: &str| {
+        headers.get_all(name).iter().find(|value| {
+            value
+                .as_bytes()
+                .split(|b| *b == b',')
+                .map(<[u8]>::trim_ascii)
+                .any(|coding| !coding.is_empty() && !coding.eq_ignore_ascii_case(allowed.as_bytes()))
+        })
+    };
+    if let Some(value) = only(header::CONTENT_ENCODING, "identity") {
+        return Some(ApiError::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "unsupported_content_encoding",
+            format!("the body is in a content coding{}; send it without one (identity)", named(value)),
+        ));
+    }
+    if let Some(value) = only(header::TRANSFER_ENCODING, "chunked") {
+        return Some(ApiError::new(
+            StatusCode::NOT_IMPLEMENTED,
+            "unsupported_transfer_coding",
+            format!("the body is in a transfer coding other than chunked{}", named(value)),
+        ));
+    }
+    None
 }
 
 fn too_large(max: usize) -> ApiError {

@@ -619,3 +619,46 @@ async fn an_answer_given_before_the_body_was_read_closes_the_connection_and_says
     }
     assert!(d.stop().success());
 }
+
+/// A body in a content coding (`Content-Encoding: gzip`) or a transfer coding besides
+/// chunked is refused before it is read (415, 501), where its bytes were stored as if
+/// they were what the `Content-Type` says; `identity` is no coding. A `Content-Type`
+/// given twice is refused as a signature header given twice is; a blank one is none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bodies_in_a_coding_and_doubled_content_types_are_refused_and_append_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = Daemon::start(dir.path(), "", SOURCES);
+    let post = |extra: &str, body: &str| {
+        format!("POST /v1/sources/default HTTP/1.1\r\nhost: x\r\n{extra}content-length: {}\r\n\r\n{body}", body.len())
+    };
+    let refused = [
+        (post("content-type: application/json\r\ncontent-encoding: gzip\r\n", "{}"), "415", "unsupported_content_encoding"),
+        (post("content-encoding: identity, br\r\n", "{}"), "415", "unsupported_content_encoding"),
+        (
+            "POST /v1/sources/default HTTP/1.1\r\nhost: x\r\ntransfer-encoding: gzip, chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n"
+                .to_string(),
+            "501",
+            "unsupported_transfer_coding",
+        ),
+        (post("content-type: application/json\r\ncontent-type: text/plain\r\n", "{}"), "400", "invalid_content_type"),
+    ];
+    for (request, status, code) in refused {
+        let mut s = tokio::net::TcpStream::connect(d.http).await.unwrap();
+        let answer = one_answer(&mut s, &request).await;
+        assert!(answer.starts_with(&format!("http/1.1 {status}")), "{request:?}: {answer}");
+        assert!(answer.contains(&format!("\"error\":\"{code}\"")), "{request:?}: {answer}");
+    }
+    let mut s = tokio::net::TcpStream::connect(d.http).await.unwrap();
+    for request in [
+        post("content-type: application/json\r\ncontent-encoding: identity\r\n", "{}"),
+        post("content-type: \r\n", "blank"),
+    ] {
+        let answer = one_answer(&mut s, &request).await;
+        assert!(answer.starts_with("http/1.1 200"), "{request:?}: {answer}");
+    }
+    assert!(d.stop().success());
+    let log = read_log(&dir.path().join("data/wal"));
+    let stored: Vec<(&[u8], Option<&str>)> =
+        log.iter().map(|(_, e)| (&e.payload[..], e.header.content_type.as_deref())).collect();
+    assert_eq!(stored, [(&b"{}"[..], Some("application/json")), (&b"blank"[..], None)]);
+}
