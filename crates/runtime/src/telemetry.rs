@@ -379,6 +379,8 @@ pub const REJECTION_REASONS: &[&str] = &[
     "invalid_content_type",
     "body_read_failed",
     "missing_challenge",
+    "unsupported_content_encoding",
+    "unsupported_transfer_coding",
     "unauthorized",
     "not_found",
     "method_not_allowed",
