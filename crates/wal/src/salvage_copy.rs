@@ -364,6 +364,30 @@ fn copy_checked(
 /// move several times a second at disk speed, rarely enough to cost nothing.
 pub const PROGRESS_EVERY_BYTES: u64 = 1 << 20;
 
+/// Refuses a log with a segment another format version wrote (a newer build's), before
+/// anything is made at the copy's directory: its frames are not this version's to read,
+/// and a copy begun would be left unfinished, to be removed by hand, for a log that no
+/// salvage of this build can copy. A segment that cannot be opened or read here is left
+/// to the copy, which reports it as it finds it.
+fn refuse_other_versions(storage: &dyn Storage, src: &Path, bases: &[u64]) -> Result<()> {
+    for &base in bases {
+        let path = src.join(segment_file_name(base));
+        let Ok(file) = storage.open(&path, OpenMode::Read) else { continue };
+        let Ok(len) = file.len() else { continue };
+        let mut r = ChunkReader::new(&*file, len);
+        if let Ok(Some(b)) = r.get(0, SEGMENT_HEADER_LEN as usize)
+            && let Err(p) = SegmentHeader::decode(b)
+            && p.is_other_version()
+        {
+            return Err(WalError::BadSegmentHeader {
+                location: crate::error::Location { file: path, position: 0 },
+                problem: p,
+            });
+        }
+    }
+    Ok(())
+}
+
 fn copy_bounded(
     storage: &dyn Storage,
     src: &Path,
@@ -397,6 +421,7 @@ fn copy_bounded(
     if bases.is_empty() {
         return Err(WalError::NotALog(src.to_path_buf()));
     }
+    refuse_other_versions(storage, src, &bases)?;
     crate::storage::create_dir_all_durably(storage, dst).map_err(|e| WalError::io(dst, e))?;
     let existing = storage.list_dir(dst).map_err(|e| WalError::io(dst, e))?;
     if existing.iter().any(|n| n == crate::SALVAGE_INCOMPLETE_FILE) {

@@ -324,6 +324,8 @@ fn a_future_format_version_is_refused_by_name() {
     assert_eq!(sim.read_file(&path).unwrap(), b, "the segment was changed");
     let e = wal::salvage_copy::salvage_copy(&sim, &dir(), std::path::Path::new("/sim/copy")).unwrap_err();
     assert!(e.to_string().contains("format version 2"), "{e}");
+    // Refused before the copy was begun: nothing to remove by hand.
+    assert!(sim.list_dir(std::path::Path::new("/sim/copy")).is_err(), "a copy was begun");
     // Nor may `wal verify` call it damaged (and send the operator to salvage it).
     let e = wal::inspect::verify(&sim, &dir(), &mut |_| {}).unwrap_err();
     assert!(e.to_string().contains("format version 2") && !e.is_corruption(), "{e}");
@@ -349,6 +351,12 @@ fn a_salvage_refuses_when_a_later_segment_is_of_another_format_version() {
     assert_eq!(segment_files(&sim, &dir()), files, "a segment was moved");
     let after: Vec<Vec<u8>> = files.iter().map(|f| sim.read_file(&dir().join(f)).unwrap()).collect();
     assert!(before == after, "a segment was changed");
+    // A salvage copy is refused before it is begun, the other version found behind the
+    // damage.
+    let copy = std::path::Path::new("/sim/copy");
+    let e = wal::salvage_copy::salvage_copy(&sim, &dir(), copy).unwrap_err();
+    assert!(e.to_string().contains("format version 2"), "{e}");
+    assert!(sim.list_dir(copy).is_err(), "a copy was begun");
 }
 
 /// The header's reserved bytes are zero in every segment this build writes; a header
