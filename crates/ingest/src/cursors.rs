@@ -124,6 +124,10 @@ pub fn read_cursors_read_only(path: &std::path::Path) -> Result<CursorsSnapshot,
     if std::fs::symlink_metadata(path).is_err_and(|e| e.kind() == std::io::ErrorKind::NotFound) {
         return Ok(CursorsSnapshot::Missing);
     }
+    // Never opened: a FIFO would block the open.
+    if let Some(kind) = crate::state::not_a_file(path) {
+        return Err(StateError::NotAFile { path: path.to_path_buf(), kind });
+    }
     let db = match crate::state::ReadOnlyView::open(path) {
         Ok(db) => db,
         Err(redb::DatabaseError::DatabaseAlreadyOpen) => return Ok(CursorsSnapshot::HeldByRunningDaemon),

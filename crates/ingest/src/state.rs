@@ -62,10 +62,53 @@ pub enum StateError {
     /// kept it from opening may pass (held open by another process, an I/O error).
     #[error("cannot open state database {path}: {detail}")]
     Open { path: PathBuf, detail: String, unreadable: bool },
+    /// Something other than a regular file is where the database belongs (a directory,
+    /// a FIFO): never opened (a FIFO would block the open), and only an operator can
+    /// move it away.
+    #[error("state database {path} is not a regular file ({kind}); nothing there was opened")]
+    NotAFile { path: PathBuf, kind: &'static str },
+    /// Another process holds the database (a running daemon, or a command that changes
+    /// it): it was not opened, nothing was changed.
+    #[error("state database {0} is held by another process (a running daemon?); stop it first (nothing was changed)")]
+    Held(PathBuf),
     #[error("state database: {0}")]
     Storage(String),
     #[error("state database record is malformed: {0}")]
     Malformed(String),
+}
+
+/// What is at `path` when it is there and is not a regular file (followed through a
+/// symbolic link): "a directory", "a FIFO", ...; `None` for a regular file or nothing.
+pub fn not_a_file(path: &Path) -> Option<&'static str> {
+    not_a_regular_file(std::fs::metadata(path).ok()?.file_type())
+}
+
+/// What a file of type `kind` is, when it is not a regular file: "a directory", "a
+/// FIFO", "a socket", "a device"; `None` for a regular file.
+pub fn not_a_regular_file(kind: std::fs::FileType) -> Option<&'static str> {
+    use std::os::unix::fs::FileTypeExt;
+    Some(if kind.is_file() {
+        return None;
+    } else if kind.is_dir() {
+        "a directory"
+    } else if kind.is_fifo() {
+        "a FIFO"
+    } else if kind.is_socket() {
+        "a socket"
+    } else if kind.is_char_device() || kind.is_block_device() {
+        "a device"
+    } else {
+        "not a regular file"
+    })
+}
+
+/// A read-only open that failed: [`StateError::Held`] when another process holds the
+/// database, else as [`open_err`].
+fn held_or_open_err(path: &Path, e: redb::DatabaseError) -> StateError {
+    match e {
+        redb::DatabaseError::DatabaseAlreadyOpen => StateError::Held(path.to_path_buf()),
+        e => open_err(path, e),
+    }
 }
 
 pub(crate) fn open_err(path: &Path, e: impl std::fmt::Display) -> StateError {
@@ -224,6 +267,9 @@ impl StateDb {
     /// Opens (creating if needed, see [`create_whole`]) the database at `path` and checks
     /// its schema version.
     pub fn open(path: impl AsRef<Path>) -> Result<StateDb, StateError> {
+        if let Some(kind) = not_a_file(path.as_ref()) {
+            return Err(StateError::NotAFile { path: path.as_ref().to_path_buf(), kind });
+        }
         StateDb::opened(
             path.as_ref().to_path_buf(),
             Arc::new(wal::storage::FsStorage),
@@ -506,7 +552,7 @@ impl StateInventory {
 /// read-only: the file is not written (a database of another build is shown as it is;
 /// one not closed cleanly is read from a repaired copy). Fails if a running daemon holds it.
 pub fn inventory(path: &Path) -> Result<StateInventory, StateError> {
-    let view = ReadOnlyView::open(path).map_err(|e| open_err(path, e))?;
+    let view = ReadOnlyView::open(path).map_err(|e| held_or_open_err(path, e))?;
     inventory_of_view(&view)
 }
 
@@ -523,7 +569,7 @@ pub fn reset_preview(path: &Path) -> Result<StateInventory, StateError> {
     match ReadOnlyView::open(path) {
         Ok(view) => inventory_of_view(&view),
         Err(e) if unreadable_as_a_database(&e) => Ok(StateInventory::unreadable(&e)),
-        Err(e) => Err(open_err(path, e)),
+        Err(e) => Err(held_or_open_err(path, e)),
     }
 }
 

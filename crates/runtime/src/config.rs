@@ -2329,8 +2329,12 @@ pub fn load_wal_max_bytes(path: &std::path::Path) -> Result<u64, ConfigErrors> {
     }
 }
 
+/// The most a configuration file may hold: far more than any configuration, static
+/// endpoints by the thousand included; a larger file is not one.
+pub const CONFIG_FILE_MAX_BYTES: u64 = 64 << 20;
+
 fn read(path: &std::path::Path) -> Result<String, ConfigErrors> {
-    std::fs::read_to_string(path).map_err(|e| ConfigErrors {
+    crate::regular_file::read_text(path, CONFIG_FILE_MAX_BYTES).map_err(|e| ConfigErrors {
         file: Some(path.to_path_buf()),
         errors: vec![ConfigError { path: String::new(), line: None, message: format!("cannot read: {e}") }],
     })
@@ -2345,7 +2349,8 @@ pub fn ca_roots(path: &std::path::Path) -> Result<rustls::RootCertStore, String>
     use rustls::pki_types::CertificateDer;
     use rustls::pki_types::pem::PemObject;
     let shown = path.display().to_string();
-    let bytes = http_source::tls::read_pem_file(path).map_err(|e| format!("{shown:?} cannot be read: {e}"))?;
+    let bytes = crate::regular_file::read(path, http_source::tls::TLS_FILE_MAX_BYTES)
+        .map_err(|e| format!("{shown:?} cannot be read: {e}"))?;
     let mut roots = rustls::RootCertStore::empty();
     for (i, cert) in CertificateDer::pem_slice_iter(&bytes).enumerate() {
         let n = i + 1;

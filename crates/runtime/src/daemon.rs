@@ -96,7 +96,11 @@ impl StartError {
     pub fn exit_code(&self) -> u8 {
         use http_source::endpoints::LoadError;
         match self {
-            StartError::State(StateError::SchemaMismatch { .. } | StateError::Open { unreadable: true, .. })
+            StartError::State(
+                StateError::SchemaMismatch { .. }
+                | StateError::Open { unreadable: true, .. }
+                | StateError::NotAFile { .. },
+            )
             | StartError::StateMissing { .. }
             | StartError::Endpoints(LoadError::RevokedStatic(_) | LoadError::UnreadableStatic(_)) => 2,
             // A log with damage in what was durable, a segment of another format version

@@ -21,6 +21,7 @@ pub mod host_port;
 pub mod logging;
 pub mod mapping_fetch;
 pub mod open_files;
+pub mod regular_file;
 pub mod run;
 pub mod telemetry;
 mod toml_lines;

@@ -77,6 +77,7 @@ enum StateCommand {
     /// Discard the state database, saying what is lost. The log is not touched.
     /// Without --yes nothing is changed.
     Reset {
+        /// The daemon's storage.data_dir.
         #[arg(long)]
         data_dir: PathBuf,
         /// Really delete it.
@@ -155,6 +156,15 @@ fn state_command(command: StateCommand) -> ExitCode {
     // tools' unusable arguments; a database that cannot be read is a failure (1).
     match std::fs::metadata(&path) {
         Ok(m) if m.is_file() => {}
+        // Nothing a state command could open, change or delete: an operator moves it.
+        Ok(m) => {
+            let kind = ingest::state::not_a_regular_file(m.file_type()).unwrap_or("not a regular file");
+            iggy_ingest::say_on_stderr!(
+                "iggy-ingest: {} is {kind}, not a state database: move it away first (nothing was changed)",
+                path.display()
+            );
+            return ExitCode::from(2);
+        }
         Err(e) if !iggy_ingest::wal_cli::is_not_there(&e) => {
             // It may well exist: a data directory of mode 0750 seen by another user.
             iggy_ingest::say_on_stderr!("iggy-ingest: {}", iggy_ingest::wal_cli::cannot_look_at(&path, &e));

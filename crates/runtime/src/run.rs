@@ -234,6 +234,11 @@ fn start_hint(e: &daemon::StartError, data_dir: &Path) -> Option<String> {
             "the file is not a database this build can read (damaged?): `iggy-ingest state reset --data-dir {dir} \
              --yes` discards it: {RESET_DISCARDS}"
         ),
+        StartError::State(StateError::NotAFile { path, .. }) => format!(
+            "move {} away (nothing here is a database); then put the database back (moved aside, or from a \
+             backup), or `iggy-ingest state reset --data-dir {dir} --yes` to start with an empty one: {RESET_DISCARDS}",
+            path.display()
+        ),
         // What kept it from opening may pass: no reset is called for.
         StartError::State(StateError::Open { unreadable: false, .. }) => "if another process holds it (`state show`, \
              `wal inspect`), start again once that ends; an I/O error is the disk's, to fix first"
@@ -257,12 +262,34 @@ fn start_hint(e: &daemon::StartError, data_dir: &Path) -> Option<String> {
 /// `pid`, other than this one, running the executable this one runs): a pid reused by
 /// an unrelated process since does not count. A file that cannot be read or names no
 /// pid does not either.
+/// An executable replaced on disk since its process started (an upgrade in place) reads
+/// as its path with this after it, for that process.
+const REPLACED_EXE_SUFFIX: &str = " (deleted)";
+
 fn written_by_a_live_process(path: &Path) -> bool {
-    let Ok(text) = std::fs::read_to_string(path) else { return false };
-    let Ok(v) = serde_json::from_str::<serde_json::Value>(&text) else { return false };
-    let Some(pid) = v["pid"].as_u64().filter(|&p| p != u64::from(std::process::id())) else { return false };
-    let runs = std::fs::read_link(Path::new("/proc").join(pid.to_string()).join("exe"));
-    matches!((runs, std::env::current_exe()), (Ok(theirs), Ok(ours)) if theirs == ours)
+    let Some(pid) = ready_file_pid(path).filter(|&p| p != u64::from(std::process::id())) else { return false };
+    let Ok(theirs) = std::fs::read_link(Path::new("/proc").join(pid.to_string()).join("exe")) else { return false };
+    let Ok(ours) = std::env::current_exe() else { return false };
+    let theirs = theirs.as_os_str().to_string_lossy();
+    let ours = ours.as_os_str().to_string_lossy();
+    theirs.strip_suffix(REPLACED_EXE_SUFFIX).unwrap_or(&theirs)
+        == ours.strip_suffix(REPLACED_EXE_SUFFIX).unwrap_or(&ours)
+}
+
+/// The most a ready file holds (two addresses and a pid): a file at the path that is
+/// larger is not one.
+const READY_FILE_MAX_BYTES: u64 = 4096;
+
+/// The pid a ready file at `path` names: `None` when there is none, or what is there is
+/// not a regular file of at most [`READY_FILE_MAX_BYTES`] holding a JSON object with
+/// `http`, `admin` and `pid` (never read otherwise: a FIFO would block the start).
+fn ready_file_pid(path: &Path) -> Option<u64> {
+    if !std::fs::symlink_metadata(path).ok()?.is_file() {
+        return None;
+    }
+    let text = crate::regular_file::read_text(path, READY_FILE_MAX_BYTES).ok()?;
+    let v = serde_json::from_str::<serde_json::Value>(&text).ok()?;
+    (v["http"].is_string() && v["admin"].is_string()).then(|| v["pid"].as_u64())?
 }
 
 /// Checks, before anything is opened, that the ready file can be written where `path`
@@ -275,6 +302,14 @@ fn check_ready_file(path: &Path) -> Result<(), String> {
     }
     if path.is_dir() {
         return Err("is a directory".to_string());
+    }
+    // What is there is replaced once the daemon is ready, and removed at the start when
+    // an earlier run left it: only ever a ready file, so that a path given by mistake
+    // (a configuration, a FIFO) is never removed or overwritten.
+    if std::fs::symlink_metadata(path).is_ok() && ready_file_pid(path).is_none() {
+        return Err("holds something that is not a ready file (a regular file with `http`, `admin` and `pid`); \
+                    remove it or name another path"
+            .to_string());
     }
     // A probe of a name of its own, created only if absent (never through a link, never
     // over a file that is there), then removed.

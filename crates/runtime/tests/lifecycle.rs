@@ -849,6 +849,92 @@ fn data_dir_cli(data: &std::path::Path, args: &[&str]) -> std::process::Output {
     Command::new(env!("CARGO_BIN_EXE_iggy-ingest")).args(args).arg("--data-dir").arg(data).output().unwrap()
 }
 
+/// Runs the program with `args`, failing the test if it has not ended within 30 s (a
+/// read of a FIFO blocks until a writer comes): its exit code and standard error.
+fn ends_with(args: &[&std::ffi::OsStr]) -> (Option<i32>, String) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_iggy-ingest"))
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while child.try_wait().unwrap().is_none() {
+        if Instant::now() > deadline {
+            child.kill().unwrap();
+            child.wait().unwrap();
+            panic!("{args:?} did not end");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let out = child.wait_with_output().unwrap();
+    (out.status.code(), String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+/// Wherever a command takes a file (a configuration, a CA file, the state database,
+/// `--state`), something that is not a regular file is refused at once, exit 2, naming
+/// what it is, and nothing is changed: a FIFO blocked the command (and a start) until a
+/// writer came, `/dev/zero` filled memory, and `state reset --yes` on a directory said it
+/// had done its work, leaving a start that failed with exit 1 for ever.
+#[test]
+fn a_path_that_is_not_a_regular_file_is_refused_at_once_wherever_a_file_is_named() {
+    use std::ffi::OsStr;
+    let dir = tempfile::tempdir().unwrap();
+    let fifo = dir.path().join("fifo");
+    assert!(Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+    let cfg = dir.path().join("config.toml");
+    std::fs::write(&cfg, config_text(dir.path(), "", SOURCES)).unwrap();
+    let with_ca = dir.path().join("with-ca.toml");
+    let iggy_tls = format!("{SOURCES}\n[iggy]\ntls = true\ntls_domain = \"localhost\"\ntls_ca_file = {fifo:?}\n");
+    std::fs::write(&with_ca, config_text(dir.path(), "", &iggy_tls)).unwrap();
+    for (args, what) in [
+        (vec![OsStr::new("config"), OsStr::new("check"), fifo.as_os_str()], "a FIFO"),
+        (vec![OsStr::new("config"), OsStr::new("check"), OsStr::new("/dev/zero")], "a device"),
+        (vec![OsStr::new("run"), OsStr::new("--config"), fifo.as_os_str()], "a FIFO"),
+        (vec![OsStr::new("config"), OsStr::new("check"), with_ca.as_os_str()], "a FIFO"),
+    ] {
+        let (code, err) = ends_with(&args);
+        assert_eq!(code, Some(2), "{args:?}: {err}");
+        assert!(err.contains(what), "{args:?}: {err}");
+    }
+
+    // A data directory whose state database is a FIFO, then a directory, beside its log.
+    let d = Daemon::start(dir.path(), "", SOURCES);
+    assert!(d.stop().success());
+    let data = dir.path().join("data");
+    let state = data.join("state.redb");
+    std::fs::rename(&state, dir.path().join("state.redb.aside")).unwrap();
+    assert!(Command::new("mkfifo").arg(&state).status().unwrap().success());
+    let (code, err) = ends_with(&[OsStr::new("run"), OsStr::new("--config"), cfg.as_os_str()]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("is not a regular file (a FIFO)") && err.contains("move"), "{err}");
+    let (code, err) = ends_with(&[
+        OsStr::new("wal"),
+        OsStr::new("inspect"),
+        data.join("wal").as_os_str(),
+        OsStr::new("--state"),
+        state.as_os_str(),
+    ]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("a FIFO"), "{err}");
+    std::fs::remove_file(&state).unwrap();
+    std::fs::create_dir(&state).unwrap();
+    for command in ["show", "migrate", "reset"] {
+        let mut args = vec![OsStr::new("state"), OsStr::new(command), OsStr::new("--data-dir"), data.as_os_str()];
+        if command == "reset" {
+            args.push(OsStr::new("--yes"));
+        }
+        let (code, err) = ends_with(&args);
+        assert_eq!(code, Some(2), "state {command}: {err}");
+        assert!(err.contains("is a directory, not a state database") && err.contains("nothing was changed"), "{err}");
+    }
+    assert!(state.is_dir(), "the directory was touched");
+    let names: Vec<String> =
+        std::fs::read_dir(&data).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    assert!(!names.iter().any(|n| n.contains("reset")), "a reset left its marker: {names:?}");
+}
+
 #[test]
 fn a_state_database_of_another_schema_version_refuses_to_start_until_reset() {
     let dir = tempfile::tempdir().unwrap();
@@ -886,6 +972,25 @@ fn a_state_database_of_another_schema_version_refuses_to_start_until_reset() {
     assert!(String::from_utf8_lossy(&gone.stderr).contains("no state database at"));
     let d = Daemon::start(dir.path(), "", SOURCES);
     assert!(d.stop().success());
+}
+
+/// `state show` and a reset's preview of a database another process holds (a running
+/// daemon) say so and whom to stop, exit 1, where they printed redb's "Database already
+/// open. Cannot acquire lock."
+#[test]
+fn reading_a_state_database_another_process_holds_says_to_stop_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    std::fs::create_dir_all(&data).unwrap();
+    let held = ingest::StateDb::open(data.join("state.redb")).unwrap();
+    for args in [&["state", "show"][..], &["state", "reset"][..]] {
+        let out = data_dir_cli(&data, args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        assert!(err.contains("held by another process") && err.contains("stop it first"), "{args:?}: {err}");
+    }
+    drop(held);
+    assert!(data_dir_cli(&data, &["state", "show"]).status.success());
 }
 
 /// `state reset --yes` and `state migrate` take the daemon's lock (its log's) before
@@ -1207,6 +1312,63 @@ fn a_ready_file_left_by_an_earlier_run_is_removed_at_start() {
     assert!(!start().success(), "a second daemon started on a held log");
     assert_eq!(std::fs::read_to_string(&ready).unwrap(), theirs, "the live daemon's ready file was removed");
     live.kill9();
+}
+
+/// What `--ready-file` names is only ever a ready file: a path that holds anything else
+/// (a file given by mistake, a FIFO) is refused before the start, exit 2, and left as
+/// it was, where the start removed it as a stale ready file (or blocked reading the
+/// FIFO). A running daemon's ready file is left alone also after its executable was
+/// replaced on disk (an upgrade in place), which made it look like another program's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ready_file_path_holding_anything_else_is_refused_and_a_replaced_daemons_is_kept() {
+    use std::ffi::OsStr;
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("config.toml");
+    std::fs::write(&cfg, config_text(dir.path(), "", SOURCES)).unwrap();
+    let start = |bin: &std::path::Path, ready: &std::path::Path| {
+        let mut run = Command::new(bin);
+        run.args(["run", "--config"]).arg(&cfg).arg("--ready-file").arg(ready);
+        run.stdout(Stdio::null()).stderr(Stdio::piped());
+        run
+    };
+    let bin = std::path::Path::new(env!("CARGO_BIN_EXE_iggy-ingest"));
+    let important = dir.path().join("important.json");
+    std::fs::write(&important, r#"{"not":"ready"}"#).unwrap();
+    let fifo = dir.path().join("fifo");
+    let made = std::process::Command::new("mkfifo").arg(&fifo).status().unwrap();
+    assert!(made.success());
+    for path in [&important, &fifo] {
+        let args =
+            [OsStr::new("run"), OsStr::new("--config"), cfg.as_os_str(), OsStr::new("--ready-file"), path.as_os_str()];
+        let (code, err) = ends_with(&args);
+        assert_eq!(code, Some(2), "{}: {err}", path.display());
+        assert!(err.contains("--ready-file") && err.contains("not a ready file"), "{err}");
+    }
+    assert_eq!(std::fs::read_to_string(&important).unwrap(), r#"{"not":"ready"}"#);
+    assert!(std::os::unix::fs::FileTypeExt::is_fifo(&std::fs::symlink_metadata(&fifo).unwrap().file_type()));
+    assert!(!dir.path().join("data").exists(), "a refused start made its data directory");
+
+    // A daemon run from a copy of the program, the copy then replaced.
+    let copy = dir.path().join("bin/iggy-ingest");
+    std::fs::create_dir_all(copy.parent().unwrap()).unwrap();
+    std::fs::copy(bin, &copy).unwrap();
+    let ready = dir.path().join("ready.json");
+    let mut live = start(&copy, &ready).spawn().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !ready.exists() {
+        assert!(Instant::now() < deadline, "the daemon did not get ready");
+        assert!(live.try_wait().unwrap().is_none(), "the daemon ended");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let theirs = std::fs::read_to_string(&ready).unwrap();
+    std::fs::remove_file(&copy).unwrap();
+    std::fs::copy(bin, &copy).unwrap();
+    let second = start(&copy, &ready).output().unwrap();
+    assert!(!second.status.success(), "a second daemon started on a held log");
+    assert_eq!(std::fs::read_to_string(&ready).unwrap(), theirs, "the live daemon's ready file was removed");
+    // SAFETY: kill(2) with the pid of our own child process.
+    assert_eq!(unsafe { libc::kill(live.id() as i32, libc::SIGTERM) }, 0);
+    assert!(live.wait().unwrap().success());
 }
 
 /// The daemon's soft and hard open-file limits, from `/proc/PID/limits`.

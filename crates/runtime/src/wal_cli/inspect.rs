@@ -92,9 +92,14 @@ pub(crate) fn run(a: InspectArgs) -> CliResult {
     let max_bytes_from_config = a.config.as_deref().map(config_max_bytes).transpose()?;
     if admin.is_none()
         && let Some(state) = &a.state
-        && std::fs::symlink_metadata(state).is_err_and(|e| e.kind() == std::io::ErrorKind::NotFound)
     {
-        return Err(CliError::Usage(format!("--state {}: no such file", state.display())));
+        if std::fs::symlink_metadata(state).is_err_and(|e| e.kind() == std::io::ErrorKind::NotFound) {
+            return Err(CliError::Usage(format!("--state {}: no such file", state.display())));
+        }
+        // Never opened (a FIFO would block the read-only open): no database is there.
+        if let Some(kind) = ingest::state::not_a_file(state) {
+            return Err(CliError::Usage(format!("--state {}: it is {kind}, not a state database", state.display())));
+        }
     }
     let token = a.admin_token.clone().or_else(|| std::env::var("IGGY_INGEST_ADMIN_TOKEN").ok());
     if admin.is_some()
