@@ -666,6 +666,20 @@ async fn check_one(world: &World, req: &Req, answered: &mut Vec<(u64, bytes::Byt
     if replayed {
         assert_eq!(before, after, "a replay appended");
         assert!(last < before, "a replay names offsets already in the log: {json}");
+        // The whole batch of one earlier 200 of this input, for this source: every offset
+        // it names was answered, from the first record of a batch to its last.
+        let earlier = |offset: u64| {
+            let payload = answered
+                .iter()
+                .find(|(o, _)| *o == offset)
+                .map(|(_, p)| p)
+                .unwrap_or_else(|| panic!("a replay names offset {offset}, never answered 200: {json} for {req:?}"));
+            Envelope::decode(payload).expect("an answered record is an envelope").header
+        };
+        let (head, tail) = (earlier(first), earlier(last));
+        assert_eq!(head.source_key, req.source.unwrap_or(""), "a replay of another source's delivery: {req:?}");
+        assert_eq!((head.batch_index, u64::from(head.batch_len)), (0, accepted), "not a whole batch: {json}");
+        assert_eq!(tail.batch_index + 1, tail.batch_len, "not a whole batch: {json}");
         return;
     }
     assert_eq!((first, after - before), (before, accepted), "a 200 appended exactly what it names: {json}");

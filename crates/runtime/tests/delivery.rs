@@ -82,17 +82,18 @@ async fn inspect_with_admin(d: &Daemon) -> serde_json::Value {
     serde_json::from_slice(&o.stdout).unwrap()
 }
 
+/// The first lane of source `default`, once its cursor is `cursor`; fails the test if it
+/// is not within 30 s.
 async fn first_lane_once_its_cursor_reaches(admin: SocketAddr, cursor: u64) -> serde_json::Value {
-    let mut lane = serde_json::Value::Null;
     let deadline = Instant::now() + Duration::from_secs(30);
-    while Instant::now() < deadline {
-        lane = admin_json(admin, "/connectors/default/destinations").await["destinations"][0].clone();
+    loop {
+        let lane = admin_json(admin, "/connectors/default/destinations").await["destinations"][0].clone();
         if lane["cursor"] == cursor {
-            break;
+            return lane;
         }
+        assert!(Instant::now() < deadline, "the cursor never reached {cursor}: {lane}");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    lane
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
