@@ -167,15 +167,17 @@ pub fn encode(setup: Setup, ops: &[Op]) -> Vec<u8> {
     out
 }
 
-/// The kind of operation a fault counts. Reads are a kind only for the target that
+/// The kind of operation a fault counts. Reads and lookups (listing a directory,
+/// opening a file that exists, a file's length) are kinds only for the target that
 /// injects read faults, so the inputs of the others keep their meaning.
 fn fault_op(code: u8, reads: bool) -> FaultOp {
-    match code % if reads { 6 } else { 5 } {
+    match code % if reads { 7 } else { 5 } {
         0 => FaultOp::Write,
         1 => FaultOp::Sync,
         2 => FaultOp::SyncDir,
         3 => FaultOp::Metadata,
         5 => FaultOp::Read,
+        6 => FaultOp::Lookup,
         _ => FaultOp::AnyMutation,
     }
 }

@@ -290,6 +290,29 @@ fn an_error_at_every_operation_leaves_a_consistent_reopenable_log() {
     }
 }
 
+/// A lookup that fails (a directory listing, the open of a file that exists, a file's
+/// length) at any point while the log runs (rotations, releases, reads): every append
+/// answered Ok is in the log a clean reopen finds, and in the one a power loss leaves.
+#[test]
+fn a_failed_lookup_at_any_point_while_running_loses_no_answered_append() {
+    let mut fired = 0;
+    for n in 1.. {
+        let sim = SimStorage::new();
+        let wal = open(&sim, options());
+        sim.fail_nth(FaultOp::Lookup, n, ErrorKind::Other);
+        let acked = scenario(&wal);
+        drop(wal);
+        if sim.armed_faults() > 0 {
+            break;
+        }
+        fired += 1;
+        check(&sim, &acked, &format!("lookup {n} failed"));
+        sim.crash(CrashMode::Adversarial { seed: n });
+        check(&sim, &acked, &format!("lookup {n} failed, then power loss"));
+    }
+    assert!(fired > 5, "too few lookups in the scenario to mean anything: {fired}");
+}
+
 /// Under `interval` an append is answered once written; only a failed sync (which may
 /// have dropped pages) or a power loss may take it back. A failed write at any point,
 /// for any reason, loses none of them: the log reopens with every one.

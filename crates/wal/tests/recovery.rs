@@ -974,6 +974,56 @@ fn a_power_loss_inside_a_multi_chunk_salvage_copy_loses_no_kept_record() {
     assert!(damaged_copies_checked > 0, "no crash left a copy in damaged/ to compare");
 }
 
+/// A lookup that fails (a directory listing, the open of a file that exists, a file's
+/// length: `EIO` on a directory block, a mount gone) at any point of an open, strict or
+/// salvaging, of a log a power loss left: the open fails with an I/O error, never taken
+/// for damage or for a directory with no log, or it opens the whole log; either way
+/// nothing is moved, cut or created, and the next open finds every record.
+#[test]
+fn a_failed_lookup_at_any_point_of_an_open_changes_nothing_and_loses_nothing() {
+    let built = SimStorage::new();
+    fill(&built, &small_options(), 120, 100);
+    built.crash(CrashMode::LoseUnsynced);
+    let files = segment_files(&built, &dir());
+    assert!(files.len() >= 3, "{files:?}");
+    let bytes: Vec<Vec<u8>> = files.iter().map(|f| built.read_file(&dir().join(f)).unwrap()).collect();
+    let salvaging = WalOptions { recovery: RecoveryMode::Salvage, ..small_options() };
+    for options in [small_options(), salvaging] {
+        let mut failed = 0;
+        for n in 1.. {
+            let sim = built.fork();
+            sim.fail_nth(FaultOp::Lookup, n, std::io::ErrorKind::Other);
+            let context = format!("{:?}, lookup {n}", options.recovery);
+            match try_open(&sim, options.clone()) {
+                Err(e) => {
+                    assert!(matches!(e, WalError::Io { .. }), "{context}: {e}");
+                    failed += 1;
+                }
+                Ok(wal) => {
+                    let tags: Vec<u64> = read_all(&wal, 0).iter().map(|r| tag_of(&r.payload)).collect();
+                    assert_eq!(tags, (0..120).collect::<Vec<_>>(), "{context}: opened without them");
+                    drop(wal);
+                }
+            }
+            let fired = sim.armed_faults() == 0;
+            sim.disarm();
+            assert_eq!(segment_files(&sim, &dir()), files, "{context}: the segments changed");
+            let moved = sim.list_dir(&dir().join(wal::DAMAGED_DIR)).unwrap_or_default();
+            assert_eq!(moved, Vec::<String>::new(), "{context}: moved aside");
+            let wal = open(&sim, small_options());
+            let tags: Vec<u64> = read_all(&wal, 0).iter().map(|r| tag_of(&r.payload)).collect();
+            assert_eq!(tags, (0..120).collect::<Vec<_>>(), "{context}: lost by the next open");
+            if !fired {
+                break;
+            }
+        }
+        assert!(failed >= files.len(), "{:?}: only {failed} lookups failed the open", options.recovery);
+    }
+    // The sweep forked what was built: its segments are as they were.
+    let after: Vec<Vec<u8>> = files.iter().map(|f| built.read_file(&dir().join(f)).unwrap()).collect();
+    assert!(after == bytes);
+}
+
 /// A read that fails while a salvage opens the log is an error, never damage, whichever
 /// read it is (a segment's header, its frames, its seal, the tail): the open fails and
 /// moves nothing aside, and once the disk reads every record is there. Taken for damage,

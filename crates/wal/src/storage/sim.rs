@@ -63,6 +63,18 @@ pub enum FaultOp {
     /// Reading a file's bytes. Not a mutation: `AnyMutation` does not count it, nor does
     /// [`SimStorage::ops`]. A failed read may leave garbage in the caller's buffer.
     Read,
+    /// Looking a file up: listing a directory, opening a file that exists, reading a
+    /// file's length. Not a mutation, as `Read`: a disk that fails these (`EIO` on a
+    /// directory block, a lost mount) must not be taken for one holding no log.
+    Lookup,
+}
+
+impl FaultOp {
+    /// Whether the operation changes the disk (counted by `AnyMutation` and
+    /// [`SimStorage::ops`]).
+    fn mutates(self) -> bool {
+        !matches!(self, FaultOp::Read | FaultOp::Lookup)
+    }
 }
 
 /// What a power loss keeps.
@@ -214,7 +226,7 @@ impl State {
     /// Counts one operation of kind `op` against the armed faults. `Err` means it fails
     /// (and, for a crash, that the power was lost just before it).
     fn check(&mut self, op: FaultOp) -> io::Result<()> {
-        if op != FaultOp::Read {
+        if op.mutates() {
             self.ops += 1;
         }
         // A fault due now fires; if several are due on the same operation, the first
@@ -224,7 +236,7 @@ impl State {
             let (aop, remaining) = match a {
                 Armed::Fail { op, remaining, .. } | Armed::Crash { op, remaining, .. } => (*op, remaining),
             };
-            if aop != op && !(aop == FaultOp::AnyMutation && op != FaultOp::Read) {
+            if aop != op && !(aop == FaultOp::AnyMutation && op.mutates()) {
                 continue;
             }
             if *remaining > 1 {
@@ -529,7 +541,8 @@ impl Storage for SimStorage {
     }
 
     fn list_dir(&self, dir: &Path) -> io::Result<Vec<String>> {
-        let st = self.live_state()?;
+        let mut st = self.live_state()?;
+        st.check(FaultOp::Lookup)?;
         let d = st.dirs.get(dir).ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))?;
         Ok(d.names.keys().cloned().collect())
     }
@@ -555,7 +568,10 @@ impl Storage for SimStorage {
                 }
                 ino
             }
-            (_, Some(ino)) => ino,
+            (_, Some(ino)) => {
+                st.check(FaultOp::Lookup)?;
+                ino
+            }
             (_, None) => return Err(io::Error::from(io::ErrorKind::NotFound)),
         };
         Ok(Arc::new(SimFile { state: self.state.clone(), ino, epoch: st.epoch, writable: mode != OpenMode::Read }))
@@ -740,6 +756,8 @@ impl StorageFile for SimFile {
 
     fn len(&self) -> io::Result<u64> {
         let mut st = lock(&self.state);
+        self.live(&mut st)?;
+        st.check(FaultOp::Lookup)?;
         Ok(self.live(&mut st)?.data.len() as u64)
     }
 
