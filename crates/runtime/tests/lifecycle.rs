@@ -849,29 +849,6 @@ fn data_dir_cli(data: &std::path::Path, args: &[&str]) -> std::process::Output {
     Command::new(env!("CARGO_BIN_EXE_iggy-ingest")).args(args).arg("--data-dir").arg(data).output().unwrap()
 }
 
-/// Runs the program with `args`, failing the test if it has not ended within 30 s (a
-/// read of a FIFO blocks until a writer comes): its exit code and standard error.
-fn ends_with(args: &[&std::ffi::OsStr]) -> (Option<i32>, String) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_iggy-ingest"))
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while child.try_wait().unwrap().is_none() {
-        if Instant::now() > deadline {
-            child.kill().unwrap();
-            child.wait().unwrap();
-            panic!("{args:?} did not end");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let out = child.wait_with_output().unwrap();
-    (out.status.code(), String::from_utf8_lossy(&out.stderr).into_owned())
-}
-
 /// Wherever a command takes a file (a configuration, a CA file, the state database,
 /// `--state`), something that is not a regular file is refused at once, exit 2, naming
 /// what it is, and nothing is changed: a FIFO blocked the command (and a start) until a
@@ -894,7 +871,7 @@ fn a_path_that_is_not_a_regular_file_is_refused_at_once_wherever_a_file_is_named
         (vec![OsStr::new("run"), OsStr::new("--config"), fifo.as_os_str()], "a FIFO"),
         (vec![OsStr::new("config"), OsStr::new("check"), with_ca.as_os_str()], "a FIFO"),
     ] {
-        let (code, err) = ends_with(&args);
+        let (code, err) = ends_with(&args, "did not end");
         assert_eq!(code, Some(2), "{args:?}: {err}");
         assert!(err.contains(what), "{args:?}: {err}");
     }
@@ -906,16 +883,19 @@ fn a_path_that_is_not_a_regular_file_is_refused_at_once_wherever_a_file_is_named
     let state = data.join("state.redb");
     std::fs::rename(&state, dir.path().join("state.redb.aside")).unwrap();
     assert!(Command::new("mkfifo").arg(&state).status().unwrap().success());
-    let (code, err) = ends_with(&[OsStr::new("run"), OsStr::new("--config"), cfg.as_os_str()]);
+    let (code, err) = ends_with(&[OsStr::new("run"), OsStr::new("--config"), cfg.as_os_str()], "did not end");
     assert_eq!(code, Some(2), "{err}");
     assert!(err.contains("is not a regular file (a FIFO)") && err.contains("move"), "{err}");
-    let (code, err) = ends_with(&[
-        OsStr::new("wal"),
-        OsStr::new("inspect"),
-        data.join("wal").as_os_str(),
-        OsStr::new("--state"),
-        state.as_os_str(),
-    ]);
+    let (code, err) = ends_with(
+        &[
+            OsStr::new("wal"),
+            OsStr::new("inspect"),
+            data.join("wal").as_os_str(),
+            OsStr::new("--state"),
+            state.as_os_str(),
+        ],
+        "did not end",
+    );
     assert_eq!(code, Some(2), "{err}");
     assert!(err.contains("a FIFO"), "{err}");
     std::fs::remove_file(&state).unwrap();
@@ -925,7 +905,7 @@ fn a_path_that_is_not_a_regular_file_is_refused_at_once_wherever_a_file_is_named
         if command == "reset" {
             args.push(OsStr::new("--yes"));
         }
-        let (code, err) = ends_with(&args);
+        let (code, err) = ends_with(&args, "did not end");
         assert_eq!(code, Some(2), "state {command}: {err}");
         assert!(err.contains("is a directory, not a state database") && err.contains("nothing was changed"), "{err}");
     }
@@ -1340,7 +1320,7 @@ async fn a_ready_file_path_holding_anything_else_is_refused_and_a_replaced_daemo
     for path in [&important, &fifo] {
         let args =
             [OsStr::new("run"), OsStr::new("--config"), cfg.as_os_str(), OsStr::new("--ready-file"), path.as_os_str()];
-        let (code, err) = ends_with(&args);
+        let (code, err) = ends_with(&args, "did not end");
         assert_eq!(code, Some(2), "{}: {err}", path.display());
         assert!(err.contains("--ready-file") && err.contains("not a ready file"), "{err}");
     }

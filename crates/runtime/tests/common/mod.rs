@@ -393,9 +393,15 @@ pub async fn walk_pages(
 /// One still running after 30 s is killed and the test fails: it started where it had
 /// to refuse (waited for with `output`, the test would hang instead).
 pub fn refused_start(cfg: &std::path::Path) -> (Option<i32>, String) {
+    ends_with(&["run".as_ref(), "--config".as_ref(), cfg.as_os_str()], "the daemon started where it had to refuse")
+}
+
+/// Runs the program with `args` (standard input closed), failing the test with
+/// `otherwise` if it has not ended within 30 s: its exit code and standard error.
+pub fn ends_with(args: &[&std::ffi::OsStr], otherwise: &str) -> (Option<i32>, String) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_iggy-ingest"))
-        .args(["run", "--config"])
-        .arg(cfg)
+        .args(args)
+        .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
@@ -405,7 +411,7 @@ pub fn refused_start(cfg: &std::path::Path) -> (Option<i32>, String) {
         if Instant::now() > deadline {
             child.kill().unwrap();
             child.wait().unwrap();
-            panic!("the daemon started where it had to refuse");
+            panic!("{otherwise}: {args:?}");
         }
         std::thread::sleep(Duration::from_millis(50));
     }
