@@ -1909,7 +1909,7 @@ const ANSWERED_RECENTLY_SHARE: u32 = 4;
 /// what does not answer, which is every destination's: `Unavailable`, which no breaker
 /// counts.
 ///
-/// Beside the result, for a call cut short after it was made, where the last part of its
+/// Beside the result, for a call cut short (whatever it is taken for), where the last part of its
 /// wait began, for [`bounded_write`] to judge writes by: taken when the timeout fired,
 /// `timeout / ANSWERED_RECENTLY_SHARE` before then and never before the call began (the
 /// answers are timed by the real clock, which a test's paused one outruns).
@@ -1921,13 +1921,14 @@ async fn bounded<S: Sink, T>(
     let started = std::time::Instant::now();
     match tokio::time::timeout(timeout, call).await {
         Ok(result) => (result, None),
-        Err(_) if sink.connecting() => {
-            (Err(SendError::new(SendErrorKind::Unavailable, "not connected within the result timeout")), None)
-        }
         Err(_) => {
             let recently = std::time::Instant::now()
                 .checked_sub(timeout / ANSWERED_RECENTLY_SHARE)
                 .map_or(started, |t| t.max(started));
+            if sink.connecting() {
+                let e = SendError::new(SendErrorKind::Unavailable, "not connected within the result timeout");
+                return (Err(e), Some(recently));
+            }
             let answers = sink.answered_since(recently)
                 || tokio::time::timeout(timeout, sink.server_answers()).await.unwrap_or(false);
             let e = if answers {
@@ -1964,6 +1965,15 @@ async fn bounded_write<S: Sink, C, T>(
                 SendErrorKind::Unavailable,
                 "the server answered no write within the result timeout, to this destination or another",
             ));
+        }
+        // Cut short while the sink was connecting (for another lane's call, say: a call
+        // cut short costs its connection) or while the server answered nothing: no
+        // breaker counts it, and it is still a write gone unanswered, which the watch
+        // must hear of. Unheard, a server that stalls every write, its lanes timing out
+        // in step as each reconnects for the next try, showed the watch one silent
+        // destination alone, whose breaker then opened.
+        (Err(e), Some(recently)) if e.kind == SendErrorKind::Unavailable => {
+            ctx.writes.unanswered(dest, recently);
         }
         _ => {}
     }

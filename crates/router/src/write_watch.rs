@@ -16,7 +16,9 @@
 //!   judged by it, every send waiting when the stall began was counted, one breaker
 //!   each.
 //! - Once sends to two different destinations were cut short with no write answered
-//!   in between, the server is taken to stall its writes, until a write is answered:
+//!   in between (whatever the lane took each cut for: a timeout, or the server's when the
+//!   sink was connecting or the server answered nothing; each is a write unanswered),
+//!   the server is taken to stall its writes, until a write is answered:
 //!   meanwhile a send cut short with no write answered in the last part of its wait (or
 //!   since) is the server's, and no breaker counts it. So a server that stalls every write costs at most the
 //!   first of those timeouts to one breaker, while a destination that stalls alone

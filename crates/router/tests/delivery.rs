@@ -76,6 +76,49 @@ async fn a_black_holed_destination_opens_its_breaker_and_stalls_no_one_else() {
     router.shutdown().await;
 }
 
+/// A server that stalls every write: one destination's sends and a new destination's
+/// topic creation go unanswered alike. Each creation cut short is judged while the sink
+/// is connecting (lanes cut short in step reconnect in step), which takes it for the
+/// server's, not its destination's; it is still a write unanswered, and the two
+/// together are a stall: no breaker opens. Unheard by the write watch, the sends'
+/// destination looked silent alone and its breaker opened within three timeouts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stall_whose_cut_calls_meet_a_reconnect_opens_no_breaker() {
+    let sim = SimStorage::new();
+    let wal = open_wal(&sim);
+    let sink = FaultySink::new();
+    let (old, new) = (key("s", "old"), key("s", "new"));
+    let mut policy = fast_policy();
+    policy.batch.result_timeout = Duration::from_millis(300);
+    policy.breaker.cool_down = Duration::from_secs(30);
+    let router = start_router(&wal, &sink, policy);
+    fill(&wal, std::slice::from_ref(&old), 0, 1).await;
+    eventually(Duration::from_secs(10), "warm", || sink.ids(&old).len() == 1).await;
+    sink.set_connecting_when_an_ensure_is_cut_short(true);
+    sink.fault(&old, Some(Fault::BlackHole));
+    sink.fault(&new, Some(Fault::BlackHole));
+    fill(&wal, &[old.clone(), new.clone()], 1, 20).await;
+    // Ten timeouts and more of each, three times the breaker's threshold.
+    let until = std::time::Instant::now() + Duration::from_secs(4);
+    let mut most_failures = 0;
+    while std::time::Instant::now() < until {
+        for d in router.destinations() {
+            assert_eq!(d.breaker, "closed", "{}: a server stalling every write opened a breaker", d.destination);
+            most_failures = most_failures.max(d.consecutive_failures);
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(most_failures >= 3, "the stall was never met: {most_failures} failures at most");
+    assert!(sink.ensured(&new) >= 3, "the new destination's creation was tried {} times", sink.ensured(&new));
+    sink.fault(&old, None);
+    sink.fault(&new, None);
+    eventually(Duration::from_secs(30), "everything delivered", || {
+        sink.ids(&old).len() == 11 && sink.ids(&new).len() == 10
+    })
+    .await;
+    router.shutdown().await;
+}
+
 /// What a stuck lane keeps in memory is bounded by payload bytes as well as by records:
 /// past `lane_queue_max_bytes` it re-reads the log instead, however few records that is,
 /// and delivers everything in order once its destination answers. Stuck, not failing:

@@ -63,6 +63,10 @@ struct State {
     ensures_in_flight: u64,
     /// The most `ensure` calls in flight at once since [`FaultySink::set_ensure_delay`].
     ensures_peak: u64,
+    /// [`FaultySink::set_connecting_when_an_ensure_is_cut_short`].
+    connecting_at_cut_ensures: bool,
+    /// `connecting` answers true this many more times.
+    connecting_answers: u32,
 }
 
 #[derive(Debug, Default)]
@@ -103,6 +107,14 @@ impl FaultySink {
         let mut st = self.st();
         st.ensure_delay = d;
         st.ensures_peak = 0;
+    }
+    /// From now on, an `ensure` cut short (its call dropped unanswered) leaves the sink
+    /// connecting for the next `connecting` question, which the lane whose call it was
+    /// asks at once: as when the sink is making a connection for another lane's next
+    /// call the moment this one is judged (a call cut short costs its connection, so
+    /// lanes cut short in step reconnect in step).
+    pub fn set_connecting_when_an_ensure_is_cut_short(&self, on: bool) {
+        self.st().connecting_at_cut_ensures = on;
     }
     pub fn ensures_peak(&self) -> u64 {
         self.st().ensures_peak
@@ -196,10 +208,30 @@ impl Sink for FaultySink {
         match self.check(dest) {
             Ok(()) => {}
             Err(Some(e)) => return Err(e),
-            Err(None) => std::future::pending::<()>().await,
+            Err(None) => {
+                // Dropped unanswered (cut short), it may leave the sink connecting.
+                struct CutShort<'a>(&'a FaultySink);
+                impl Drop for CutShort<'_> {
+                    fn drop(&mut self) {
+                        let mut st = self.0.st();
+                        if st.connecting_at_cut_ensures {
+                            st.connecting_answers += 1;
+                        }
+                    }
+                }
+                let _cut_short = CutShort(self);
+                std::future::pending::<()>().await
+            }
         }
         let partitions_count = self.st().partitions.get(dest).copied().unwrap_or(3);
         Ok(TopicInfo { partitions_count, durable: true })
+    }
+
+    fn connecting(&self) -> bool {
+        let mut st = self.st();
+        let connecting = st.connecting_answers > 0;
+        st.connecting_answers = st.connecting_answers.saturating_sub(1);
+        connecting
     }
 
     async fn send(&self, dest: &DestinationKey, p: &Partitioning, messages: &mut [Prepared]) -> Result<(), SendError> {
