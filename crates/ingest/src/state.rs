@@ -87,18 +87,15 @@ pub fn not_a_file(path: &Path) -> Option<&'static str> {
 /// FIFO", "a socket", "a device"; `None` for a regular file.
 pub fn not_a_regular_file(kind: std::fs::FileType) -> Option<&'static str> {
     use std::os::unix::fs::FileTypeExt;
-    Some(if kind.is_file() {
+    if kind.is_file() {
         return None;
-    } else if kind.is_dir() {
-        "a directory"
-    } else if kind.is_fifo() {
-        "a FIFO"
-    } else if kind.is_socket() {
-        "a socket"
-    } else if kind.is_char_device() || kind.is_block_device() {
-        "a device"
-    } else {
-        "not a regular file"
+    }
+    Some(match () {
+        () if kind.is_dir() => "a directory",
+        () if kind.is_fifo() => "a FIFO",
+        () if kind.is_socket() => "a socket",
+        () if kind.is_char_device() || kind.is_block_device() => "a device",
+        () => "not a regular file",
     })
 }
 

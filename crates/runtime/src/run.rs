@@ -262,10 +262,6 @@ fn start_hint(e: &daemon::StartError, data_dir: &Path) -> Option<String> {
 /// `pid`, other than this one, running the executable this one runs): a pid reused by
 /// an unrelated process since does not count. A file that cannot be read or names no
 /// pid does not either.
-/// An executable replaced on disk since its process started (an upgrade in place) reads
-/// as its path with this after it, for that process.
-const REPLACED_EXE_SUFFIX: &str = " (deleted)";
-
 fn written_by_a_live_process(path: &Path) -> bool {
     let Some(pid) = ready_file_pid(path).filter(|&p| p != u64::from(std::process::id())) else { return false };
     let Ok(theirs) = std::fs::read_link(Path::new("/proc").join(pid.to_string()).join("exe")) else { return false };
@@ -282,11 +278,9 @@ const READY_FILE_MAX_BYTES: u64 = 4096;
 
 /// The pid a ready file at `path` names: `None` when there is none, or what is there is
 /// not a regular file of at most [`READY_FILE_MAX_BYTES`] holding a JSON object with
-/// `http`, `admin` and `pid` (never read otherwise: a FIFO would block the start).
+/// `http`, `admin` and `pid` (read through [`crate::regular_file`]: a FIFO would block
+/// the start).
 fn ready_file_pid(path: &Path) -> Option<u64> {
-    if !std::fs::symlink_metadata(path).ok()?.is_file() {
-        return None;
-    }
     let text = crate::regular_file::read_text(path, READY_FILE_MAX_BYTES).ok()?;
     let v = serde_json::from_str::<serde_json::Value>(&text).ok()?;
     (v["http"].is_string() && v["admin"].is_string()).then(|| v["pid"].as_u64())?
@@ -339,6 +333,10 @@ fn write_ready_file(path: &Path, running: &daemon::RunningDaemon) -> std::io::Re
     std::fs::write(&tmp, body.to_string())?;
     std::fs::rename(&tmp, path)
 }
+
+/// An executable replaced on disk since its process started (an upgrade in place) reads,
+/// in `/proc/PID/exe`, as its path with this after it.
+const REPLACED_EXE_SUFFIX: &str = " (deleted)";
 
 /// What a `state reset` throws away, said by every hint that offers one.
 const RESET_DISCARDS: &str = "every record still in the log is delivered again (the cursors are gone), every dynamic \
