@@ -5,12 +5,14 @@
 //! Input: a configuration choice (body limit, log capacity, what a route does with an
 //! unmatched event, whether delivery ids are honoured), then up to four requests, each a
 //! method, a path (a source, an endpoint id, or raw bytes with percent-encoded tricks), a
-//! query, headers, a content type, a body (raw bytes, JSON events or NDJSON lines built
+//! query, headers (mostly with a `Host`), a content type, a body (raw bytes, JSON events or NDJSON lines built
 //! from the input) and an auth mode (none, garbage, or a signature the harness computes
 //! for the body, with a chosen clock skew, possibly over other bytes).
 //!
 //! What must hold, for every request:
 //! - no panic;
+//! - a request with no `Host` or two is refused 400 `invalid_host`, and one with the
+//!   harness's own is not;
 //! - the status is one the contract documents (`docs/http.md`), never 500;
 //! - every answer but a handshake echo and `/health` is JSON: `{"error", "message"}` with a
 //!   code documented for its status, or a 200 `{"accepted", "offsets"[, "dropped"]}`;
@@ -26,7 +28,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use axum::body::Body;
-use axum::http::{HeaderName, HeaderValue, Method, Request};
+use axum::http::{HeaderName, HeaderValue, Method, Request, header};
 use base64::Engine;
 use base64::engine::general_purpose::STANDARD as B64;
 use hmac::{Hmac, Mac};
@@ -144,8 +146,9 @@ const CONTENT_TYPES: [&str; 8] = [
     "APPLICATION/JSON",
     "multipart/form-data",
 ];
-const HEADER_NAMES: [&str; 16] = [
+const HEADER_NAMES: [&str; 17] = [
     "content-type",
+    "host",
     "content-length",
     "idempotency-key",
     "webhook-id",
@@ -239,6 +242,11 @@ impl Req {
         let ct = pick(input, &CONTENT_TYPES);
         if !ct.is_empty() {
             headers.push((HeaderName::from_static("content-type"), HeaderValue::from_static(ct)));
+        }
+        // Mostly the one `Host` a client sends; sometimes none, and a second (or one of
+        // any bytes) from the names below.
+        if input.u8() % 8 != 0 {
+            headers.push((HeaderName::from_static("host"), HeaderValue::from_static("hooks.example:8080")));
         }
         for _ in 0..input.u8() % 5 {
             let name = pick(input, &HEADER_NAMES);
@@ -520,6 +528,7 @@ fn documented(status: u16, code: &str) -> bool {
             "missing_challenge",
             "invalid_content_type",
             "body_read_failed",
+            "invalid_host",
         ],
         401 => &["unauthorized"],
         404 => &["not_found"],
@@ -605,6 +614,25 @@ async fn check_one(world: &World, req: &Req, answered: &mut Vec<(u64, bytes::Byt
     let path_only = req.path.split('?').next().unwrap_or("");
     let content_type = headers.get("content-type").and_then(|v| v.to_str().ok()).unwrap_or("");
 
+    // The `Host` decides before any route: none or two is refused whatever else the
+    // request is, the harness's own is taken (one of any bytes may go either way).
+    let hosts: Vec<&[u8]> = req.headers.iter().filter(|(n, _)| n == header::HOST).map(|(_, v)| v.as_bytes()).collect();
+    let host_refused = status == 400 && body.windows(14).any(|w| w == b"\"invalid_host\"");
+    match hosts[..] {
+        [] | [_, _, ..] => {
+            // A HEAD answer has its status alone.
+            let refused = host_refused || (status == 400 && req.method == Method::HEAD);
+            assert!(refused, "{} Host headers, answered {status} for {req:?}", hosts.len());
+            assert_eq!(before, after, "a request refused for its Host appended");
+            return;
+        }
+        [b"hooks.example:8080"] => assert!(!host_refused, "the harness's Host refused for {req:?}"),
+        [_] if host_refused => {
+            assert_eq!(before, after, "a request refused for its Host appended");
+            return;
+        }
+        [_] => {}
+    }
     if path_only == format!("/v1/e/{EXPIRED_ENDPOINT}") {
         // Past its `expires_at`: no event taken and no handshake echoed, whatever the
         // credentials.

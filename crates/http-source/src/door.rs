@@ -117,7 +117,20 @@ pub fn router(door: Arc<Door>) -> Router {
         .route("/health", get(health))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
+        .layer(axum::middleware::map_request(host_checked))
         .with_state(door)
+}
+
+/// A request whose `Host` the webhook listener refuses (`host.rs`), counted like every
+/// refusal of the door; any other goes on to its route.
+async fn host_checked(req: Request) -> Result<Request, Response> {
+    match crate::host::refusal(req.version(), req.headers()) {
+        None => Ok(req),
+        Some(e) => {
+            count("-", "4xx", e.code);
+            Err(before_body(req.headers(), e).into_response())
+        }
+    }
 }
 
 async fn not_found(req: Request) -> Response {

@@ -2,6 +2,7 @@
 //!
 //! ```text
 //!  TCP ─▶ server (connection cap, header/idle timeout, graceful drain)
+//!        ─▶ host (a Host header as HTTP/1.1 asks)
 //!        ─▶ door (route ─▶ size/timeout ─▶ auth ─▶ room ─▶ endpoint re-check (auth again if rotated) ─▶ content type ─▶ delivery id ─▶ decode ─▶ resolve destinations)
 //!        ─▶ ingest::Ingestor
 //! ```
@@ -17,6 +18,7 @@ pub mod endpoints;
 pub mod error;
 pub mod field_path;
 pub mod health;
+pub mod host;
 pub mod json_fields;
 pub mod metrics;
 pub mod partition;

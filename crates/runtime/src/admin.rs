@@ -64,7 +64,18 @@ pub fn router(shared: Arc<Shared>) -> Router {
         // On the whole router, fallbacks included: without the token an unknown path
         // and a known one, a wrong method and a right one, look alike.
         .layer(middleware::from_fn_with_state(shared.clone(), require_admin_token))
+        // Outermost: a request refused for its `Host` has no token checked or counted.
+        .layer(middleware::map_request(host_checked))
         .with_state(shared)
+}
+
+/// A request whose `Host` the admin listener refuses (`http_source::host`), as the
+/// webhook listener refuses it; any other goes on.
+async fn host_checked(request: Request) -> Result<Request, Response> {
+    match http_source::host::refusal(request.version(), request.headers()) {
+        None => Ok(request),
+        Some(e) => Err(http_source::door::before_body(request.headers(), e).into_response()),
+    }
 }
 
 /// The `admin.token` check in front of every route but `/health`.

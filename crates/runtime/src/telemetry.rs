@@ -381,6 +381,7 @@ pub const REJECTION_REASONS: &[&str] = &[
     "missing_challenge",
     "unsupported_content_encoding",
     "unsupported_transfer_coding",
+    "invalid_host",
     "unauthorized",
     "not_found",
     "method_not_allowed",

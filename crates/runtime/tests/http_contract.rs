@@ -662,3 +662,51 @@ async fn bodies_in_a_coding_and_doubled_content_types_are_refused_and_append_not
         log.iter().map(|(_, e)| (&e.payload[..], e.header.content_type.as_deref())).collect();
     assert_eq!(stored, [(&b"{}"[..], Some("application/json")), (&b"blank"[..], None)]);
 }
+
+/// An HTTP/1.1 request without a `Host`, any request with two, and one whose `Host` is
+/// no host are refused 400 `invalid_host` by both listeners before any route runs
+/// (RFC 9112, section 3.2): nothing appended, no credential checked, the webhook
+/// listener's refusals counted. An HTTP/1.0 request without one, and an empty one, are
+/// served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_without_one_good_host_is_refused_by_both_listeners_and_appends_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = Daemon::start(dir.path(), "", SOURCES);
+    let post = |version: &str, hosts: &str| {
+        format!(
+            "POST /v1/sources/default {version}\r\n{hosts}content-type: application/json\r\ncontent-length: 2\r\n\r\n{{}}"
+        )
+    };
+    let refused = [
+        post("HTTP/1.1", ""),
+        post("HTTP/1.1", "host: a.example\r\nhost: b.example\r\n"),
+        post("HTTP/1.0", "host: a.example\r\nhost: a.example\r\n"),
+        post("HTTP/1.1", "host: user@a.example\r\n"),
+        post("HTTP/1.1", "host: a.example:port\r\n"),
+        // Refused before its route: an unknown source and a path of no route alike.
+        "POST /v1/sources/nowhere HTTP/1.1\r\ncontent-length: 0\r\n\r\n".to_string(),
+        "GET /v1/e/fedcba9876543210fedcba9876543210?challenge=x HTTP/1.1\r\n\r\n".to_string(),
+    ];
+    for request in &refused {
+        let mut s = tokio::net::TcpStream::connect(d.http).await.unwrap();
+        let answer = one_answer(&mut s, request).await;
+        assert!(answer.split_once(' ').is_some_and(|(_, rest)| rest.starts_with("400")), "{request:?}: {answer}");
+        assert!(answer.contains("\"error\":\"invalid_host\""), "{request:?}: {answer}");
+    }
+    // The admin listener: refused before its token is asked for.
+    let mut s = tokio::net::TcpStream::connect(d.admin).await.unwrap();
+    let answer = one_answer(&mut s, "GET /status HTTP/1.1\r\n\r\n").await;
+    assert!(answer.starts_with("http/1.1 400") && answer.contains("\"error\":\"invalid_host\""), "{answer}");
+    let mut s = tokio::net::TcpStream::connect(d.http).await.unwrap();
+    for request in [post("HTTP/1.1", "host: \r\n"), post("HTTP/1.1", "host: [::1]:8080\r\n")] {
+        let answer = one_answer(&mut s, &request).await;
+        assert!(answer.starts_with("http/1.1 200"), "{request:?}: {answer}");
+    }
+    let answer = sent_then_half_closed(d.http, post("HTTP/1.0", "")).await;
+    assert!(answer.starts_with("HTTP/1.0 200"), "{answer}");
+    let m = String::from_utf8_lossy(&request(d.admin, "GET", "/metrics", &[], "").await.body).to_string();
+    let counted = format!(r#"iggy_ingest_http_rejected_total{{source="-",reason="invalid_host"}} {}"#, refused.len());
+    assert!(m.contains(&counted), "{counted} not in {m}");
+    assert!(d.stop().success());
+    assert_eq!(read_log(&dir.path().join("data/wal")).len(), 3, "only the three served requests were appended");
+}
