@@ -163,6 +163,9 @@ pub struct RebuildReport {
     /// Keys forgotten because their offsets reach into a range the log reports missing
     /// (`wal::OpenReport::missing_ranges`: a salvage skipped it).
     pub keys_in_missing_ranges_forgotten: u64,
+    /// Delivery ids not restored: the first record of their request names more records
+    /// (`batch_len`) than the log holds from it on, which no append of the daemon writes.
+    pub batches_past_log_end: u64,
 }
 
 /// When a rebuild runs: at start, before any append of this process was answered, or
@@ -955,16 +958,36 @@ impl IdempotencyIndex {
             if h.batch_index != 0 || h.received_at_unix_ms.saturating_add(self.retention_ms) < now_unix_ms {
                 continue;
             }
+            // A batch is appended whole, so a first record the log holds has the rest of
+            // its batch after it. One naming more records than the log holds after it
+            // (a log written by something else, or damaged under checksums that still
+            // check) would answer a retry with offsets the log does not hold: not
+            // restored, its retry appended again.
+            let last_offset = record
+                .offset
+                .checked_add(u64::from(h.batch_len.max(1)) - 1)
+                .filter(|last| *last < wal.next_offset().max(next));
+            let Some(last_offset) = last_offset else {
+                report.batches_past_log_end += 1;
+                continue;
+            };
             let key = IdempotencyKey { source_key: h.source_key, endpoint_id: h.endpoint_id, delivery_key }.table_key();
             let prior = PriorAcceptance {
                 first_offset: record.offset,
-                last_offset: record.offset + u64::from(h.batch_len.max(1)) - 1,
+                last_offset,
                 accepted_at_unix_ms: h.received_at_unix_ms,
             };
             tables.insert(&key, prior)?;
             report.keys_restored += 1;
         }
         drop(tables);
+        if report.batches_past_log_end > 0 {
+            tracing::warn!(
+                batches = report.batches_past_log_end,
+                log_next_offset = wal.next_offset(),
+                "records name a request of more events than the log holds after them (not written by this daemon, or damaged); their delivery ids were not restored, and a retry of one is appended again"
+            );
+        }
         {
             let mut meta = txn.open_table(META).map_err(storage_err)?;
             meta.insert(META_INDEXED_THROUGH, next.max(from)).map_err(storage_err)?;

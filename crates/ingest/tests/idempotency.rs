@@ -270,3 +270,47 @@ async fn a_twin_arriving_while_its_delivery_is_appended_is_refused_and_appends_n
     assert_eq!((retry.first_offset, retry.last_offset, retry.replayed), (1, accepted.last_offset, true));
     assert_eq!(wal.next_offset(), 2, "the twin or the retry appended");
 }
+
+/// A record whose envelope names a request of more events than the log holds after it
+/// (no append of the daemon writes one: a log from elsewhere, or damaged under checksums
+/// that still check) has its delivery id left out of the index, where its range was
+/// taken as written: past the log's end, or wrapped past `u64::MAX` (an overflow panic
+/// in a debug build, and a retry appended again in a release one). The other keys are
+/// restored, and a retry of the left-out one is appended anew.
+#[tokio::test]
+async fn a_delivery_id_whose_request_reaches_past_the_log_is_not_restored() {
+    let now = ingest::time::now_unix_ms();
+    let header = |key: &str, batch_len: u32| ingest::EnvelopeHeader {
+        message_id: 1,
+        received_at_unix_ms: now,
+        source_key: "s".into(),
+        endpoint_id: None,
+        content_type: None,
+        metadata: vec![],
+        headers: vec![],
+        idempotency_key: Some(key.into()),
+        batch_index: 0,
+        batch_len,
+        destination: Destination { stream: "a".into(), topic: "b".into(), partitioning: Partitioning::Balanced },
+    };
+    for initial_offset in [0, wal::format::OFFSET_MAX - 2] {
+        let dir = tempfile::tempdir().unwrap();
+        let state = Arc::new(StateDb::open(dir.path().join("state.redb")).unwrap());
+        let sim = SimStorage::new();
+        let options = WalOptions { initial_offset, ..WalOptions::default() };
+        let wal = Arc::new(Wal::open_with(Arc::new(sim.clone()), Path::new("/wal"), options).unwrap());
+        let records = [header("whole", 1), header("past-the-end", 1000)]
+            .iter()
+            .map(|h| ingest::Envelope::encode(h, b"{}"))
+            .collect::<Vec<_>>();
+        for record in records {
+            wal.append(vec![record]).await.unwrap();
+        }
+        let (ingestor, report) = start(&state, &wal, now);
+        assert_eq!((report.keys_restored, report.batches_past_log_end), (1, 1), "from {initial_offset}: {report:?}");
+        let whole = ingestor.accept(submission(Some("whole"), now)).await.unwrap();
+        assert!(whole.replayed && whole.first_offset == initial_offset, "from {initial_offset}: {whole:?}");
+        let retry = ingestor.accept(submission(Some("past-the-end"), now)).await.unwrap();
+        assert!(!retry.replayed && retry.first_offset == initial_offset + 2, "from {initial_offset}: {retry:?}");
+    }
+}
