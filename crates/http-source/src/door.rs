@@ -1105,6 +1105,7 @@ mod tests {
         let req = Request::builder()
             .method("POST")
             .uri(path)
+            .header(header::HOST, "hooks.example")
             .header(header::CONTENT_TYPE, "application/x-ndjson")
             .header(header::AUTHORIZATION, format!("Bearer {token}"))
             .body(Body::from(body))
@@ -1195,6 +1196,7 @@ mod tests {
             let mut req = Request::builder()
                 .method("POST")
                 .uri(path)
+                .header(header::HOST, "hooks.example")
                 .header(header::CONTENT_TYPE, "application/json")
                 .header(header::CONTENT_LENGTH, "1000");
             if let Some((name, value)) = &credentials {
@@ -1254,6 +1256,7 @@ mod tests {
             let req = Request::builder()
                 .method("POST")
                 .uri(format!("/v1/e/{}", crate::endpoints::format_id(id)))
+                .header(header::HOST, "hooks.example")
                 .header(header::CONTENT_TYPE, "application/x-ndjson")
                 .header("x-hub-signature-256", signed_with(secret))
                 .body(Body::new(ChannelBody(rx)))
@@ -1303,6 +1306,7 @@ mod tests {
             let mut req = Request::builder()
                 .method("POST")
                 .uri("/v1/sources/hooks")
+                .header(header::HOST, "hooks.example")
                 .header(header::CONTENT_TYPE, "application/x-ndjson")
                 .header(header::AUTHORIZATION, format!("Bearer {SOURCE_TOKEN}"));
             if let Some(id) = delivery_id {
@@ -1376,6 +1380,7 @@ mod tests {
             let mut req = Request::builder()
                 .method("POST")
                 .uri(path)
+                .header(header::HOST, "hooks.example")
                 .header(header::CONTENT_TYPE, content_type)
                 .header(header::AUTHORIZATION, format!("Bearer {token}"));
             if let Some(id) = delivery_id {

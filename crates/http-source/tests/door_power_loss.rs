@@ -142,6 +142,7 @@ async fn send(door: &Arc<Door>, step: Step, tag: &str) -> (StatusCode, bool, Opt
     let mut req = Request::builder()
         .method("POST")
         .uri(path)
+        .header(header::HOST, "hooks.example")
         .header(header::CONTENT_TYPE, content_type)
         .header(header::AUTHORIZATION, format!("Bearer {token}"));
     if let Some(id) = step.delivery_id {
