@@ -1510,3 +1510,43 @@ fn an_error_said_to_a_closed_standard_error_keeps_its_exit_code() {
         assert_eq!(code(&out), want, "{args:?}");
     }
 }
+
+/// A secret-path endpoint's id is its URL's secret: `wal dump` and `wal tail` show its
+/// first 8 hex digits, as the daemon's logs do, in both formats, and the whole id only
+/// when asked (`--full-endpoint-ids`).
+#[test]
+fn dump_and_tail_show_an_endpoint_id_by_its_prefix_unless_asked_for_it_whole() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path().join("wal");
+    let id: u128 = 0x1a2b3c4d_5e6f7081_92a3b4c5_d6e7f809;
+    let record = {
+        let mut e = Envelope::decode(&envelope(1)).unwrap();
+        e.header.endpoint_id = Some(id);
+        Envelope::encode(&e.header, &e.payload)
+    };
+    let wal = Wal::open(&dir, small()).unwrap();
+    rt().block_on(rt_append(&wal, record));
+    let whole = format!("{id:032x}");
+    let d = dir.to_str().unwrap();
+    let human = stdout(&cli(&["dump", d]));
+    assert!(human.contains(" endpoint=1a2b3c4d… "), "{human}");
+    let json = json_lines(&cli(&["dump", d, "--json"]));
+    assert_eq!(json[0]["endpoint"], "1a2b3c4d…");
+    let mut tail = KillOnDrop(
+        Command::new(env!("CARGO_BIN_EXE_iggy-ingest"))
+            .args(["wal", "tail", d, "--interval-ms", "20", "-n", "1"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let tailed = line_reader(&mut tail.0).recv_timeout(Duration::from_secs(30)).expect("a line from tail");
+    assert!(tailed.contains(" endpoint=1a2b3c4d… "), "{tailed}");
+    for shown in [&human, &json[0].to_string(), &tailed] {
+        assert!(!shown.contains(&whole), "the whole id shown: {shown}");
+    }
+    let asked = stdout(&cli(&["dump", d, "--full-endpoint-ids"]));
+    assert!(asked.contains(&format!(" endpoint={whole} ")), "{asked}");
+    let asked = json_lines(&cli(&["dump", d, "--json", "--full-endpoint-ids"]));
+    assert_eq!(asked[0]["endpoint"], whole.as_str());
+}

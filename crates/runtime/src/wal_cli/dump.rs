@@ -52,6 +52,32 @@ pub struct FormatArgs {
     /// Only each payload and a newline: as text when UTF-8, else base64.
     #[arg(long)]
     pub payload_only: bool,
+    /// Show secret-path endpoint ids in full. By default only their first 8 hex digits
+    /// are shown, as the daemon's logs show them: an endpoint's id is its URL's secret.
+    #[arg(long)]
+    pub full_endpoint_ids: bool,
+}
+
+/// How a record's endpoint id is shown.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum EndpointIds {
+    /// Its first 8 hex digits and `…`: enough to tell endpoints apart and to find one in
+    /// `GET /v1/endpoints`, not enough to send to it.
+    Prefix,
+    Full,
+}
+
+impl EndpointIds {
+    pub(crate) fn of(a: &FormatArgs) -> EndpointIds {
+        if a.full_endpoint_ids { EndpointIds::Full } else { EndpointIds::Prefix }
+    }
+
+    fn show(self, id: u128) -> String {
+        match self {
+            EndpointIds::Prefix => format!("{}…", ingest::endpoints::id_prefix(id)),
+            EndpointIds::Full => format!("{id:032x}"),
+        }
+    }
 }
 
 /// The parsed filters.
@@ -148,6 +174,7 @@ pub(super) fn terminal_safe(s: &str) -> std::borrow::Cow<'_, str> {
 pub(crate) fn write_record(
     out: &mut impl Write,
     format: Format,
+    endpoint_ids: EndpointIds,
     offset: u64,
     record: &Bytes,
     envelope: &Result<Envelope, ingest::EnvelopeError>,
@@ -180,7 +207,7 @@ pub(crate) fn write_record(
                 "received_at": rfc3339_ms(h.received_at_unix_ms),
                 "received_at_unix_ms": h.received_at_unix_ms,
                 "source": h.source_key,
-                "endpoint": h.endpoint_id.map(|id| format!("{id:032x}")),
+                "endpoint": h.endpoint_id.map(|id| endpoint_ids.show(id)),
                 "destination": {"stream": h.destination.stream, "topic": h.destination.topic},
                 "partitioning": partitioning_json(&h.destination.partitioning),
                 "content_type": h.content_type,
@@ -214,7 +241,7 @@ pub(crate) fn write_record(
                 h.message_id,
             )?;
             if let Some(ep) = h.endpoint_id {
-                write!(out, " endpoint={ep:032x}")?;
+                write!(out, " endpoint={}", endpoint_ids.show(ep))?;
             }
             if let Some(k) = &h.idempotency_key {
                 write!(out, " delivery={}", terminal_safe(k))?;
@@ -248,6 +275,7 @@ pub(crate) fn write_record(
 pub(crate) fn run(a: DumpArgs) -> CliResult {
     let filter = Filter::parse(&a.filter)?;
     let format = Format::of(&a.format);
+    let endpoint_ids = EndpointIds::of(&a.format);
     let wal = open_log(&a.dir)?;
     let from = a.from.unwrap_or_else(|| wal.start_offset());
     let records = wal::inspect::Records::new(&wal, from).map_err(|e| wal_error(&a.dir, e))?;
@@ -264,7 +292,7 @@ pub(crate) fn run(a: DumpArgs) -> CliResult {
         if !filter.matches(envelope.as_ref().ok()) {
             continue;
         }
-        write_record(&mut out, format, r.offset, &r.payload, &envelope)?;
+        write_record(&mut out, format, endpoint_ids, r.offset, &r.payload, &envelope)?;
         shown += 1;
         if a.limit.is_some_and(|l| shown >= l) {
             break;
@@ -306,7 +334,7 @@ mod tests {
         let record = ingest::Envelope::encode(&header, payload.as_bytes());
         let envelope = ingest::Envelope::decode(&record);
         let mut out = Vec::new();
-        write_record(&mut out, Format::Human, 1, &record, &envelope).unwrap();
+        write_record(&mut out, Format::Human, EndpointIds::Full, 1, &record, &envelope).unwrap();
         let text = String::from_utf8(out).unwrap();
         assert!(!text.chars().any(|c| c.is_control() && c != '\n'), "{text:?}");
         assert_eq!(text.lines().count(), 4, "{text}");
@@ -315,7 +343,7 @@ mod tests {
         assert!(text.contains(r"(key:k\rey)") && text.contains(r"header x-kind: a\tb"), "{text}");
 
         let mut exact = Vec::new();
-        write_record(&mut exact, Format::PayloadOnly, 1, &record, &envelope).unwrap();
+        write_record(&mut exact, Format::PayloadOnly, EndpointIds::Full, 1, &record, &envelope).unwrap();
         assert!(exact.starts_with(payload.as_bytes()), "payload-only is the payload's bytes");
     }
 }

@@ -24,7 +24,7 @@ use clap::Args;
 use ingest::Envelope;
 use wal::WalError;
 
-use super::dump::{Filter, Format, write_record};
+use super::dump::{EndpointIds, Filter, Format, write_record};
 use super::dump::{FilterArgs, FormatArgs};
 use super::{CliResult, open_log, stdout, wal_error};
 
@@ -107,6 +107,7 @@ fn look(dir: &Path) -> Option<Look> {
 pub(crate) fn run(a: TailArgs) -> CliResult {
     let filter = Filter::parse(&a.filter)?;
     let format = Format::of(&a.format);
+    let endpoint_ids = EndpointIds::of(&a.format);
     let interval = Duration::from_millis(a.interval_ms);
     // Look first, then open: a sync between the two is then seen as a change and read
     // by the next reopen, never skipped.
@@ -148,7 +149,7 @@ pub(crate) fn run(a: TailArgs) -> CliResult {
                 next = r.offset + 1;
                 let envelope = Envelope::decode(&r.payload);
                 if filter.matches(envelope.as_ref().ok()) {
-                    write_record(&mut out, format, r.offset, &r.payload, &envelope)?;
+                    write_record(&mut out, format, endpoint_ids, r.offset, &r.payload, &envelope)?;
                 }
             }
             out.flush()?;
