@@ -394,7 +394,7 @@ impl EndpointRegistry {
         };
         let mut map: HashMap<u128, Arc<EndpointVersion>> = HashMap::new();
         for stored in state.load_endpoints()? {
-            let record = match stored {
+            let mut record = match stored {
                 Ok(record) => record,
                 Err(unreadable) => {
                     tracing::error!(
@@ -407,6 +407,11 @@ impl EndpointRegistry {
                     continue;
                 }
             };
+            if record.revoked_at_unix_ms.is_some() {
+                // A tombstone's auth is never checked (one an earlier build revoked kept
+                // its secret; taken out of the database below).
+                record.auth.secret = None;
+            }
             let endpoint = endpoint_from_stored(record, &sources);
             map.insert(endpoint.id, first_version(endpoint));
         }
@@ -421,6 +426,17 @@ impl EndpointRegistry {
                     return Err(LoadError::UnreadableStatic(id_prefix(s.id)));
                 }
             }
+        }
+        // Tombstones an earlier build revoked kept their secret in the database, for as
+        // long as they stay (for ever). Not needed to start: a failure is said, and the
+        // next start tries again.
+        match state.forget_tombstone_secrets() {
+            Ok(0) => {}
+            Ok(n) => tracing::info!(tombstones = n, "the secrets kept in revoked endpoints' records were removed"),
+            Err(e) => tracing::warn!(
+                error = %e,
+                "cannot remove the secrets kept in revoked endpoints' records; the next start tries again"
+            ),
         }
         for s in statics {
             if map.contains_key(&s.id) {
@@ -1238,6 +1254,52 @@ mod tests {
             EndpointRegistry::load(state, vec!["default".into()], vec![same_id]),
             Err(LoadError::RevokedStatic(_))
         ));
+    }
+
+    /// A tombstone an earlier build revoked kept its secret, in the database for as long
+    /// as the tombstone stays (for ever): the next start takes it out, there and in
+    /// memory, and leaves a live endpoint's secret and the tombstone's revocation as they
+    /// were.
+    #[tokio::test]
+    async fn a_start_takes_the_secret_out_of_a_tombstone_an_earlier_build_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        let state = Arc::new(StateDb::open(dir.path().join("s.redb")).unwrap());
+        let (live, revoked) = (0x71u128, 0x72u128);
+        for (id, revoked_at_unix_ms) in [(live, None), (revoked, Some(2))] {
+            state
+                .put_endpoint(&EndpointRecord {
+                    id,
+                    source_key: "default".into(),
+                    auth: StoredAuth {
+                        scheme: "bearer".into(),
+                        secret: Some(format!("token-of-{id}-0123456789abcdef")),
+                        header: None,
+                        prefix: None,
+                        tolerance_secs: None,
+                    },
+                    handshake_param: None,
+                    created_at_unix_ms: 1,
+                    expires_at_unix_ms: None,
+                    revoked_at_unix_ms,
+                    rotated_at_unix_ms: None,
+                })
+                .unwrap();
+        }
+        let reg = EndpointRegistry::load(state.clone(), vec!["default".into()], vec![]).unwrap();
+        let stored: Vec<(u128, Option<String>, Option<u64>)> = state
+            .load_endpoints()
+            .unwrap()
+            .into_iter()
+            .map(|r| r.unwrap())
+            .map(|r| (r.id, r.auth.secret, r.revoked_at_unix_ms))
+            .collect();
+        assert_eq!(stored, [(live, Some(format!("token-of-{live}-0123456789abcdef")), None), (revoked, None, Some(2))]);
+        assert_eq!(reg.lookup(revoked, 3).err(), Some(Refusal::Revoked));
+        assert!(reg.lookup(live, 3).is_ok());
+        let in_memory = reg.endpoints.read().unwrap().get(&revoked).and_then(|v| v.endpoint.record.clone());
+        assert_eq!(in_memory.map(|r| r.auth.secret), Some(None), "the tombstone's secret is still held in memory");
+        // Nothing left to take out: the next start writes nothing.
+        assert_eq!(state.forget_tombstone_secrets().unwrap(), 0);
     }
 
     /// A start refused for one static endpoint (its id revoked) deletes no stored record
