@@ -523,11 +523,14 @@ pub struct ConfigError {
 impl std::fmt::Display for ConfigError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let path = if self.path.is_empty() { "(document)" } else { self.path.as_str() };
+        // A message may quote the file's own text (serde's "unknown field `...`"): what
+        // would act on a terminal (or forge a line of the journal) is escaped.
+        let message = crate::terminal_text::safe(&self.message);
         match self.line {
-            Some(l) => write!(f, "line {l}: {path}: {}", self.message),
+            Some(l) => write!(f, "line {l}: {path}: {message}"),
             // Of the file, not of a key in it (it could not be read).
-            None if self.path.is_empty() => write!(f, "{}", self.message),
-            None => write!(f, "{path}: {}", self.message),
+            None if self.path.is_empty() => write!(f, "{message}"),
+            None => write!(f, "{path}: {message}"),
         }
     }
 }
@@ -2917,6 +2920,15 @@ max_destinations = 1
     /// A document that does not parse has no key path from the parser: the error names
     /// the one its line shows (the table above it and the key on it), never a table the
     /// problem is not in, and never a value.
+    #[test]
+    fn an_error_quoting_the_files_text_escapes_what_would_act_on_a_terminal() {
+        // A quoted key may hold any character; serde's "unknown field" repeats it.
+        let text = "[http]\n\"listen\\u001b]0;PWNED\\u0007\\nc.toml: ok (1 source(s))\" = 1\n";
+        let shown = parse(text, None).map(|_| ()).unwrap_err().to_string();
+        assert!(shown.contains("unknown field `listen\\u{1b}]0;PWNED\\u{7}\\nc.toml: ok"), "{shown}");
+        assert!(!shown.chars().any(char::is_control), "{shown:?}");
+    }
+
     #[test]
     fn a_syntax_error_names_the_key_path_its_line_shows() {
         let cases = [

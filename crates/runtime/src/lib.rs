@@ -24,5 +24,6 @@ pub mod open_files;
 pub mod regular_file;
 pub mod run;
 pub mod telemetry;
+pub mod terminal_text;
 mod toml_lines;
 pub mod wal_cli;

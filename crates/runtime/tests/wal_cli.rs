@@ -652,6 +652,34 @@ fn an_admin_answer_past_its_bound_is_refused_naming_the_bound() {
     assert!(o.stdout.is_empty(), "{}", stdout(&o));
 }
 
+/// An admin API's answer other than 200 is quoted in the error with what would act on a
+/// terminal escaped, and only its start: whatever answers at that address chose it.
+#[test]
+fn an_admin_error_answer_is_quoted_escaped_and_cut() {
+    use std::io::{Read, Write};
+    let root = tempfile::tempdir().unwrap();
+    let dir = make_log(root.path(), 3, small());
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let body = format!("\u{1b}]0;PWNED\u{7}\u{1b}[2J\nfake: everything is fine{}", "x".repeat(4096));
+    let answer = body.clone();
+    std::thread::spawn(move || {
+        for mut conn in listener.incoming().map_while(Result::ok) {
+            let mut head = [0u8; 4096];
+            let _ = conn.read(&mut head);
+            let head = format!("HTTP/1.1 500 Internal Server Error\r\ncontent-length: {}\r\n\r\n", answer.len());
+            let _ = conn.write_all(head.as_bytes());
+            let _ = conn.write_all(answer.as_bytes());
+        }
+    });
+    let o = cli_in(&["inspect", "--admin", &format!("http://{addr}")], &dir);
+    assert_eq!(code(&o), 1, "{}", stderr(&o));
+    let err = stderr(&o);
+    assert!(err.contains(r"HTTP 500: \u{1b}]0;PWNED\u{7}\u{1b}[2J\nfake: everything is fine"), "{err}");
+    assert!(!err.contains('\u{1b}') && err.lines().count() == 1, "{err:?}");
+    assert!(err.trim_end().ends_with(" …") && err.len() < 1024, "{err}");
+}
+
 #[test]
 fn an_empty_log_is_clean_and_shows_nothing() {
     let root = tempfile::tempdir().unwrap();
@@ -1549,4 +1577,36 @@ fn dump_and_tail_show_an_endpoint_id_by_its_prefix_unless_asked_for_it_whole() {
     assert!(asked.contains(&format!(" endpoint={whole} ")), "{asked}");
     let asked = json_lines(&cli(&["dump", d, "--json", "--full-endpoint-ids"]));
     assert_eq!(asked[0]["endpoint"], whole.as_str());
+}
+
+/// `--payload-only` shows each payload exactly to another program, and to a terminal
+/// with what would act on it escaped: a sender's bytes set no title, clear nothing and
+/// forge no line there, as in the human format.
+#[test]
+fn payload_only_to_a_terminal_escapes_what_would_act_on_it() {
+    const TEST: &str = "payload_only_to_a_terminal_escapes_what_would_act_on_it";
+    if Command::new("script").arg("--version").output().is_err() {
+        skip_or_fail(TEST, "`script` (util-linux) is not installed");
+        return;
+    }
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path().join("wal");
+    let payload = "red\u{1b}]0;PWNED\u{7}\u{1b}[2J\r\nforged line\u{9b}31m";
+    let record = {
+        let e = Envelope::decode(&envelope(1)).unwrap();
+        Envelope::encode(&e.header, payload.as_bytes())
+    };
+    let wal = Wal::open(&dir, small()).unwrap();
+    rt().block_on(rt_append(&wal, record));
+    let (bin, d) = (env!("CARGO_BIN_EXE_iggy-ingest"), dir.display());
+    let piped = cli(&["dump", dir.to_str().unwrap(), "--payload-only"]);
+    assert_eq!(piped.stdout, format!("{payload}\n").as_bytes(), "not exact into a pipe");
+    for command in [
+        format!("'{bin}' wal dump '{d}' --payload-only"),
+        format!("'{bin}' wal tail '{d}' --payload-only -n 1 & sleep 3; kill $!"),
+    ] {
+        let screen = on_a_terminal(&command);
+        assert!(screen.contains(r"red\u{1b}]0;PWNED\u{7}\u{1b}[2J\r\nforged line\u{9b}31m"), "{command}: {screen:?}");
+        assert!(!screen.contains('\u{1b}') && !screen.contains('\u{9b}'), "{command}: {screen:?}");
+    }
 }

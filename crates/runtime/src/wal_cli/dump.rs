@@ -16,6 +16,8 @@ use clap::Args;
 use ingest::{Envelope, Partitioning};
 use serde_json::json;
 
+use crate::terminal_text::safe as terminal_safe;
+
 use super::{CliError, CliResult, open_log, payload_text, rfc3339_ms, stdout, wal_error, write_json_line};
 
 #[derive(Debug, Args)]
@@ -120,13 +122,21 @@ impl Filter {
 pub(crate) enum Format {
     Human,
     Json,
+    /// Each payload exactly, for another program.
     PayloadOnly,
+    /// Each payload with what would act on a terminal escaped: `--payload-only` whose
+    /// output is a terminal, where a sender's bytes would otherwise set its title, clear
+    /// it or forge lines.
+    PayloadOnlyShown,
 }
 
 impl Format {
-    pub(crate) fn of(a: &FormatArgs) -> Format {
+    /// The format `a` asks for, to an output that is a terminal or not.
+    pub(crate) fn of(a: &FormatArgs, to_a_terminal: bool) -> Format {
         if a.json {
             Format::Json
+        } else if a.payload_only && to_a_terminal {
+            Format::PayloadOnlyShown
         } else if a.payload_only {
             Format::PayloadOnly
         } else {
@@ -157,19 +167,6 @@ fn partitioning_json(p: &Partitioning) -> serde_json::Value {
     }
 }
 
-/// `s` with every control character (newlines, escape sequences, carriage returns)
-/// written as its Rust escape (`\n`, `\u{1b}`), so a record cannot move the cursor,
-/// rewrite the terminal or forge the next line of the human format.
-pub(super) fn terminal_safe(s: &str) -> std::borrow::Cow<'_, str> {
-    if !s.chars().any(char::is_control) {
-        return s.into();
-    }
-    s.chars()
-        .map(|c| if c.is_control() { c.escape_default().collect() } else { c.to_string() })
-        .collect::<String>()
-        .into()
-}
-
 /// Writes one record in `format`.
 pub(crate) fn write_record(
     out: &mut impl Write,
@@ -180,14 +177,13 @@ pub(crate) fn write_record(
     envelope: &Result<Envelope, ingest::EnvelopeError>,
 ) -> std::io::Result<()> {
     match (format, envelope) {
-        (Format::PayloadOnly, Ok(e)) => {
-            let (text, _) = payload_text(&e.payload);
-            out.write_all(text.as_bytes())?;
-            out.write_all(b"\n")
-        }
-        (Format::PayloadOnly, Err(_)) => {
-            let (text, _) = payload_text(record);
-            out.write_all(text.as_bytes())?;
+        (Format::PayloadOnly | Format::PayloadOnlyShown, _) => {
+            let bytes = envelope.as_ref().map_or(&record[..], |e| &e.payload[..]);
+            let (text, _) = payload_text(bytes);
+            match format {
+                Format::PayloadOnlyShown => out.write_all(terminal_safe(&text).as_bytes())?,
+                _ => out.write_all(text.as_bytes())?,
+            }
             out.write_all(b"\n")
         }
         (Format::Json, Ok(e)) => {
@@ -274,7 +270,7 @@ pub(crate) fn write_record(
 
 pub(crate) fn run(a: DumpArgs) -> CliResult {
     let filter = Filter::parse(&a.filter)?;
-    let format = Format::of(&a.format);
+    let format = Format::of(&a.format, std::io::IsTerminal::is_terminal(&std::io::stdout()));
     let endpoint_ids = EndpointIds::of(&a.format);
     let wal = open_log(&a.dir)?;
     let from = a.from.unwrap_or_else(|| wal.start_offset());
@@ -345,5 +341,10 @@ mod tests {
         let mut exact = Vec::new();
         write_record(&mut exact, Format::PayloadOnly, EndpointIds::Full, 1, &record, &envelope).unwrap();
         assert!(exact.starts_with(payload.as_bytes()), "payload-only is the payload's bytes");
+        // To a terminal, the payload alone is escaped as the human format escapes it.
+        let mut shown = Vec::new();
+        write_record(&mut shown, Format::PayloadOnlyShown, EndpointIds::Full, 1, &record, &envelope).unwrap();
+        let shown = String::from_utf8(shown).unwrap();
+        assert_eq!(shown, "title\\u{1b}]0;pwned\\u{7}\\n#2 1970-01-01T00:00:00.000Z forged -> x/y\n");
     }
 }

@@ -30,11 +30,11 @@ use clap::Args;
 use ingest::{CursorsSnapshot, Envelope};
 use serde_json::{Value, json};
 
-use super::dump::terminal_safe;
 use super::{
     CliError, CliResult, default_state_path, human_age, human_bytes, open_log, path_json, rfc3339_ms, stdout,
     wal_error, write_json_line, writer_running,
 };
+use crate::terminal_text::safe as terminal_safe;
 
 #[derive(Debug, Args)]
 pub struct InspectArgs {
@@ -585,6 +585,10 @@ where
 /// The most of an admin API answer `--admin` reads.
 const ADMIN_ANSWER_MAX_BYTES: usize = 16 * 1024 * 1024;
 
+/// How much of an answer other than 200 the error shows: the daemon's own errors are a
+/// line of JSON, and anything longer (a proxy's HTML page) is not the daemon's.
+const ADMIN_ERROR_SHOWN_CHARS: usize = 512;
+
 /// `GET path` from the admin API at `target` (checked by [`admin_target`]) with hyper
 /// (one connection, over TLS for an https:// URL, on a runtime of its own: the CLI has
 /// none), JSON body expected; 10 s for the whole exchange. `None` for a 404.
@@ -631,7 +635,12 @@ fn http_get_json(target: &AdminTarget<'_>, path: &str, token: Option<&str>) -> C
         } else {
             ""
         };
-        return Err(failed(format!("HTTP {}{hint}: {}", code.as_u16(), String::from_utf8_lossy(&body).trim())));
+        // Whatever answers at that address chose the body: shown escaped, and only its
+        // start (a proxy's error page can be long).
+        let body = String::from_utf8_lossy(&body);
+        let shown: String = body.trim().chars().take(ADMIN_ERROR_SHOWN_CHARS).collect();
+        let cut = if shown.len() < body.trim().len() { " …" } else { "" };
+        return Err(failed(format!("HTTP {}{hint}: {}{cut}", code.as_u16(), terminal_safe(&shown))));
     }
     serde_json::from_slice(&body).map(Some).map_err(|e| failed(format!("not JSON: {e}")))
 }
