@@ -683,8 +683,10 @@ async fn a_request_without_one_good_host_is_refused_by_both_listeners_and_append
         post("HTTP/1.0", "host: a.example\r\nhost: a.example\r\n"),
         post("HTTP/1.1", "host: user@a.example\r\n"),
         post("HTTP/1.1", "host: a.example:port\r\n"),
-        // Refused before its route: an unknown source and a path of no route alike.
+        // Refused before its route: an unknown source, a path of no route (the
+        // fallback) and a GET handshake alike.
         "POST /v1/sources/nowhere HTTP/1.1\r\ncontent-length: 0\r\n\r\n".to_string(),
+        "POST /nowhere HTTP/1.1\r\ncontent-length: 0\r\n\r\n".to_string(),
         "GET /v1/e/fedcba9876543210fedcba9876543210?challenge=x HTTP/1.1\r\n\r\n".to_string(),
     ];
     for request in &refused {

@@ -51,7 +51,8 @@ pub struct FormatArgs {
     /// One JSON object per record and line (NDJSON), for scripts.
     #[arg(long, conflicts_with = "payload_only")]
     pub json: bool,
-    /// Only each payload and a newline: as text when UTF-8, else base64.
+    /// Only each payload and a newline: as text when UTF-8, else base64 (to a terminal,
+    /// with what would act on it escaped).
     #[arg(long)]
     pub payload_only: bool,
     /// Show secret-path endpoint ids in full. By default only their first 8 hex digits
