@@ -526,6 +526,7 @@ fn documented(status: u16, code: &str) -> bool {
             "no_events",
             "invalid_delivery_id",
             "missing_challenge",
+            "invalid_challenge",
             "invalid_content_type",
             "body_read_failed",
             "invalid_host",

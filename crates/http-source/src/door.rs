@@ -49,7 +49,7 @@ use std::time::{Duration, Instant};
 use axum::Router;
 use axum::body::Body;
 use axum::extract::rejection::PathRejection;
-use axum::extract::{Path, Query, Request, State};
+use axum::extract::{Path, RawQuery, Request, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -248,7 +248,7 @@ fn refusal_error(refusal: Refusal) -> ApiError {
 async fn get_handshake(
     State(door): State<Arc<Door>>,
     id: Result<Path<String>, PathRejection>,
-    Query(query): Query<HashMap<String, String>>,
+    RawQuery(query): RawQuery,
 ) -> Response {
     let id = match path_segment(id, "endpoint") {
         Ok(id) => id,
@@ -260,7 +260,7 @@ async fn get_handshake(
         Err(e) => return e.into_response(),
     };
     let endpoint = &endpoint.endpoint;
-    let answer = handshake_answer(&door, endpoint, &query);
+    let answer = handshake_answer(&door, endpoint, query.as_deref().unwrap_or(""));
     // Timed as every request to a source is, so that the histogram's count is its
     // requests' count.
     if let Some(m) = door.metrics.source(&endpoint.source_key) {
@@ -270,7 +270,7 @@ async fn get_handshake(
 }
 
 /// The answer to a GET handshake on `endpoint`: the challenge echoed, or a refusal.
-fn handshake_answer(door: &Door, endpoint: &crate::Endpoint, query: &HashMap<String, String>) -> Response {
+fn handshake_answer(door: &Door, endpoint: &crate::Endpoint, query: &str) -> Response {
     let refused = |e: ApiError| refused(door, &endpoint.source_key, e);
     let Some(param) = endpoint.handshake_param.as_deref() else {
         // A 405 names the methods the resource takes (RFC 9110, 15.5.6), as axum's own do.
@@ -282,8 +282,11 @@ fn handshake_answer(door: &Door, endpoint: &crate::Endpoint, query: &HashMap<Str
         refused.headers_mut().insert(header::ALLOW, HeaderValue::from_static("POST"));
         return refused;
     };
-    match query.get(param) {
-        Some(challenge) => {
+    let invalid = |why: &str| {
+        refused(ApiError::new(StatusCode::BAD_REQUEST, "invalid_challenge", format!("query parameter {param:?} {why}")))
+    };
+    match query_values(query, param)[..] {
+        [Some(ref challenge)] => {
             count(&endpoint.source_key, "2xx", "handshake");
             // The echo is attacker-chosen text: never let a browser sniff it into HTML.
             (
@@ -292,12 +295,33 @@ fn handshake_answer(door: &Door, endpoint: &crate::Endpoint, query: &HashMap<Str
             )
                 .into_response()
         }
-        None => refused(ApiError::new(
+        [] => refused(ApiError::new(
             StatusCode::BAD_REQUEST,
             "missing_challenge",
             format!("query parameter {param:?} is required"),
         )),
+        // Echoing one of two, or a value with its bytes replaced, would answer a check
+        // the provider did not ask: it would fail there, with nothing said here.
+        [None] => invalid("does not decode to UTF-8"),
+        [_, _, ..] => invalid("is given more than once"),
     }
+}
+
+/// The values of query parameter `name` in `query`, decoded as a form's are (`+` a
+/// space, then percent-escapes): `None` for one whose bytes are not UTF-8. A name is
+/// compared decoded too.
+fn query_values(query: &str, name: &str) -> Vec<Option<String>> {
+    let decoded = |text: &str| -> Option<String> {
+        let spaced = text.replace('+', " ");
+        percent_encoding::percent_decode_str(&spaced).decode_utf8().ok().map(|s| s.into_owned())
+    };
+    query
+        .split('&')
+        .filter(|pair| !pair.is_empty())
+        .map(|pair| pair.split_once('=').unwrap_or((pair, "")))
+        .filter(|(n, _)| decoded(n).as_deref() == Some(name))
+        .map(|(_, value)| decoded(value))
+        .collect()
 }
 
 /// How a request came in, which says what it is authenticated against.

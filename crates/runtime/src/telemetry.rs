@@ -379,6 +379,7 @@ pub const REJECTION_REASONS: &[&str] = &[
     "invalid_content_type",
     "body_read_failed",
     "missing_challenge",
+    "invalid_challenge",
     "unsupported_content_encoding",
     "unsupported_transfer_coding",
     "invalid_host",

@@ -173,6 +173,22 @@ async fn status_codes_bodies_and_records() {
     let a = request(h, "GET", "/v1/e/0123456789abcdef0123456789abcdef?challenge=abc123", &[], "").await;
     assert_eq!((a.status, &a.body[..]), (200, &b"abc123"[..]));
     assert_eq!(a.header("x-content-type-options"), Some("nosniff"));
+    // Decoded as a form's value is; beside other parameters; its name decoded too.
+    let echoed = [
+        ("?challenge=a+b%2Fc%C3%A9", "a b/cé"),
+        ("?hub.mode=subscribe&challenge=1234&x", "1234"),
+        ("?ch%61llenge=z", "z"),
+        ("?challenge=", ""),
+    ];
+    for (query, echo) in echoed {
+        let a = request(h, "GET", &format!("/v1/e/0123456789abcdef0123456789abcdef{query}"), &[], "").await;
+        assert_eq!((a.status, &a.body[..]), (200, echo.as_bytes()), "{query}");
+    }
+    // No echo could be the one checked: one of two, or bytes that are not UTF-8.
+    for query in ["?challenge=a&challenge=b", "?challenge=%FF%FE", "?challenge=a&ch%61llenge=a"] {
+        let a = request(h, "GET", &format!("/v1/e/0123456789abcdef0123456789abcdef{query}"), &[], "").await;
+        assert_error(&a, 400, "invalid_challenge");
+    }
     let hidden = |st: &serde_json::Value| st["sources"]["hidden"].clone();
     let before = hidden(&request(d.admin, "GET", "/status", &[], "").await.json());
     assert_error(&request(h, "GET", "/v1/e/0123456789abcdef0123456789abcdef", &[], "").await, 400, "missing_challenge");
@@ -210,6 +226,7 @@ async fn status_codes_bodies_and_records() {
     assert!(text.contains(r#"iggy_ingest_http_rejected_total{source="-",reason="not_found"} "#), "{text}");
     assert!(!text.contains(r#"iggy_ingest_http_rejected_total{source="-",reason="not_found"} 0"#), "{text}");
     assert!(text.contains(r#"reason="missing_challenge"} 1"#), "{text}");
+    assert!(text.contains(r#"reason="invalid_challenge"} 3"#), "{text}");
     // Every request to a source is timed, whatever its answer, a handshake's included.
     let sum_of = |prefix: &str| -> f64 {
         text.lines()
