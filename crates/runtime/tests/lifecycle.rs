@@ -521,7 +521,7 @@ async fn the_grace_period_bounds_the_drain_while_a_send_to_a_silent_server_hangs
     assert!(status.success(), "{status}");
     // At most the grace period (1 s) and the router's least stop time (1 s), with room
     // for a busy machine; without the bound it waited out the 25 s result timeout.
-    assert!(took < Duration::from_secs(8), "the drain took {took:?} with a grace period of 1 s");
+    assert!(took < Duration::from_secs(15), "the drain took {took:?} with a grace period of 1 s");
     assert!(dir.path().join("data/wal").join(wal::CLEAN_MARKER_FILE).exists(), "clean-shutdown marker");
     assert_eq!(log_len(&dir.path().join("data/wal")), 1, "the event stays in the log, to be sent after a restart");
 }
@@ -1147,7 +1147,9 @@ fn a_second_stop_signal_during_the_start_exits_at_once() {
     d.signal(libc::SIGTERM);
     std::thread::sleep(Duration::from_millis(50));
     let second = Instant::now();
-    d.signal(libc::SIGTERM);
+    // Of the other kind: two of one kind sent before the daemon looked are one to it
+    // (a signal's delivery merges repeats), and on a loaded machine 50 ms may be that.
+    d.signal(libc::SIGINT);
     let (status, ready_seen) = wait_exit_watching(&mut d, &dir.path().join("ready.json"));
     let took = second.elapsed();
     assert_eq!(status.code(), Some(130), "{status}");
@@ -1451,8 +1453,9 @@ async fn a_half_sent_admin_request_does_not_hold_the_exit_past_the_grace_period(
     let took = signalled.elapsed();
     assert!(status.success(), "{status}");
     // The grace period (1 s) and the router's least stop time (1 s), with room for a busy
-    // machine; the admin listener's own five seconds came on top before.
-    assert!(took < Duration::from_millis(4500), "the stop took {took:?} with a grace period of 1 s");
+    // machine (the log's close and the last commit, a sync each); the admin listener's
+    // own five seconds came on top before, 7 s at least.
+    assert!(took < Duration::from_millis(6500), "the stop took {took:?} with a grace period of 1 s");
     assert!(dir.path().join("data/wal").join(wal::CLEAN_MARKER_FILE).exists(), "clean-shutdown marker");
     drop(held);
 }

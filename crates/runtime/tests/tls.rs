@@ -305,16 +305,48 @@ fn a_sighup_while_the_configuration_is_read_does_not_end_the_process() {
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    // The reading of the FIFO waits for a writer: the process is in its configuration.
-    std::thread::sleep(Duration::from_millis(300));
+    // Once its SIGHUP is ignored (`SigIgn` in its status), the process is in its start;
+    // a fixed sleep could end before a loaded machine got there, and the signal's
+    // default action would end it.
+    let status = format!("/proc/{}/status", child.id());
+    let ignores_sighup = || {
+        std::fs::read_to_string(&status).ok().and_then(|s| {
+            let mask = s.lines().find_map(|l| l.strip_prefix("SigIgn:"))?.trim().to_string();
+            u64::from_str_radix(&mask, 16).ok()
+        })
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while ignores_sighup().is_none_or(|mask| mask & (1 << (libc::SIGHUP - 1)) == 0) {
+        assert!(std::time::Instant::now() < deadline, "the process never came to ignore SIGHUP");
+        std::thread::sleep(Duration::from_millis(5));
+    }
     // SAFETY: kill(2) of the child's pid.
     assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGHUP) }, 0);
-    std::thread::sleep(Duration::from_millis(100));
     // A writer that writes nothing: the certificate file holds none. Opened without
-    // waiting: with no reader left (the process ended), the open fails at once.
+    // waiting, again until the process is there to read it (until then the open fails,
+    // ENXIO); once the process ended, no later open could succeed.
     use std::os::unix::fs::OpenOptionsExt;
-    drop(std::fs::OpenOptions::new().write(true).custom_flags(libc::O_NONBLOCK).open(&fifo));
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        if std::fs::OpenOptions::new().write(true).custom_flags(libc::O_NONBLOCK).open(&fifo).is_ok() {
+            break;
+        }
+        if std::time::Instant::now() > deadline || std::fs::metadata(format!("/proc/{}/exe", child.id())).is_err() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // Bounded: a process still reading the FIFO then would hold the test for ever.
+    let pid = child.id() as i32;
+    let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+    std::thread::spawn(move || {
+        if done_rx.recv_timeout(Duration::from_secs(60)).is_err() {
+            // SAFETY: kill(2) of the child's pid, not yet reaped (the test waits on it).
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+    });
     let out = child.wait_with_output().unwrap();
+    drop(done_tx);
     use std::os::unix::process::ExitStatusExt;
     assert_eq!(out.status.signal(), None, "ended by a signal: {:?}", out.status);
     assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stderr));
