@@ -626,11 +626,15 @@ async fn a_server_that_stalls_every_write_creates_no_topic_and_opens_no_breaker(
 /// A refusal is not a write: a server that writes nothing may still refuse one
 /// destination's sends (it validates before it replicates), and a refusal the client
 /// makes itself never reached the server. Such refusals, coming every cool-down, must not
-/// end the stall and let the silent destinations' timeouts open their breakers.
+/// end the stall and let the silent destinations' timeouts open their breakers. The
+/// breakers open at 5 failures in a row, not 3, for the reason
+/// `a_server_that_answers_pings_but_no_write_opens_no_breaker` gives.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refused_destination_does_not_end_a_stall_of_every_write() {
     let broker = TestBroker::start(TestBrokerConfig::default()).await.unwrap();
-    let (wal, router) = start_warm(&broker, "v", "a").await;
+    let mut lenient = policy();
+    lenient.breaker.failure_threshold = 5;
+    let (wal, router) = start_warm_with(&broker, "v", "a", lenient).await;
     for (n, topic) in [(1u64, "b"), (2, "c")] {
         wal.append(vec![record("v", topic, n, Partitioning::Balanced)]).await.unwrap();
         eventually(Duration::from_secs(20), "warm", || async { ids(&broker, "v", topic).len() == 1 }).await;
@@ -640,9 +644,9 @@ async fn a_refused_destination_does_not_end_a_stall_of_every_write() {
     broker.fail_topic("v", "c", Some(iggy::prelude::IggyError::Error));
     wal.append(vec![record("v", "c", 3, Partitioning::Balanced)]).await.unwrap();
     append_alternating(&wal, "v", ("a", "b"), 4..44).await;
-    // Several result timeouts (3 s each), breaker thresholds (3) and cool-downs (1 s) of
+    // Several result timeouts (3 s each), breaker thresholds (5) and cool-downs (1 s) of
     // the refused destination long.
-    let until = std::time::Instant::now() + Duration::from_secs(16);
+    let until = std::time::Instant::now() + Duration::from_secs(24);
     let mut refusals_seen = 0;
     while std::time::Instant::now() < until {
         for d in router.destinations() {

@@ -741,8 +741,10 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_tls_handshake_never_finished_frees_its_slot_after_the_header_read_timeout() {
         let (addr, pair, _dir) = tls_listener(Duration::from_millis(300)).await;
-        let _silent = tokio::net::TcpStream::connect(addr).await.unwrap();
+        // Before the connect: the listener's timer starts once it accepted, after it, so
+        // the wait below is at least the timeout however late this task runs.
         let started = Instant::now();
+        let _silent = tokio::net::TcpStream::connect(addr).await.unwrap();
         let answer = tokio::time::timeout(Duration::from_secs(10), get_small_over_tls(addr, &pair))
             .await
             .expect("the second client was never served")
