@@ -179,8 +179,10 @@ async fn a_degraded_lane_gives_its_queue_back_to_the_log() {
     assert!(queued.queued_bytes > 0 && !queued.overflowed, "nothing queued behind the send: {queued:?}");
     // The batch in flight was taken from the queue: it counts until its delivery ends.
     assert_eq!(router.queued_bytes().0, queued.queued_bytes + queued.batch_bytes);
-    eventually(Duration::from_secs(10), "the send failed", || lane().consecutive_failures == 1).await;
+    // One failure or two (a loaded machine may look late): fewer than make it Degraded.
+    eventually(Duration::from_secs(10), "the send failed", || (1..3).contains(&lane().consecutive_failures)).await;
     let blip = lane();
+    assert_ne!(blip.status, Status::Degraded, "{blip:?}");
     assert_eq!((blip.queued_bytes, blip.overflowed), (queued.queued_bytes, false), "{blip:?}");
     sink.fault(&d, Some(Fault::Fail(SendErrorKind::Destination)));
     eventually(Duration::from_secs(10), "degraded", || lane().status == Status::Degraded).await;
@@ -746,7 +748,9 @@ fn silent_ones_beside_a_good_one(
     }
     let mut policy = fast_policy();
     policy.max_concurrent_destinations = 2;
-    policy.batch.result_timeout = Duration::from_secs(2);
+    // Long beside the bounds the tests hold the good destination to (2.5 s), so that a
+    // loaded machine does not blur the two.
+    policy.batch.result_timeout = Duration::from_secs(5);
     policy.batch.backoff_base = Duration::from_millis(10);
     policy.batch.backoff_max = Duration::from_millis(50);
     (wal, sink, bad, good, policy)
@@ -780,8 +784,8 @@ async fn a_healthy_destination_waits_for_no_failing_one(all_in_log: bool) {
         eventually(Duration::from_secs(10), "good delivered", || sink.ids(&good).len() == n as usize + 1).await;
         slowest = slowest.max(appended.elapsed());
     }
-    // Well below the bad destinations' 2 s result timeout.
-    assert!(slowest < Duration::from_secs(1), "a record for the healthy destination waited {slowest:?}");
+    // Well below the bad destinations' 5 s result timeout.
+    assert!(slowest < Duration::from_millis(2500), "a record for the healthy destination waited {slowest:?}");
     router.shutdown().await;
 }
 
@@ -835,9 +839,9 @@ async fn a_healthy_destination_that_shared_an_outage_waits_for_no_silent_one(par
     sink.client_fault(None);
     eventually(Duration::from_secs(20), "good delivered after the outage", || sink.ids(&good).len() == 2).await;
     let waited = back.elapsed();
-    // Well below the silent destinations' 2 s result timeout: behind them, it waits for
+    // Well below the silent destinations' 5 s result timeout: behind them, it waits for
     // at least one of their tries to end.
-    assert!(waited < Duration::from_secs(1), "after the outage, the healthy destination waited {waited:?}");
+    assert!(waited < Duration::from_millis(2500), "after the outage, the healthy destination waited {waited:?}");
     router.shutdown().await;
 }
 
