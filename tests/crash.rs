@@ -177,9 +177,19 @@ async fn a_crash_between_the_write_and_the_sync_loses_nothing_acknowledged() {
     let load = Load::start(target.clone(), SOURCES, CONNECTIONS, PERIOD);
     let said = format!("fail point {point}: hit 50, hanging");
     wait_for(Duration::from_secs(120), "the writer held after a write", async || daemon.stderr().contains(&said)).await;
-    // Answers of the groups synced before it land; then none may come while it is held.
-    tokio::time::sleep(Duration::from_secs(1)).await;
-    let held_at = load.ledger.acked();
+    // Answers of the groups synced before it land (until the count has stood for 2 s: a
+    // loaded machine may be slow to deliver them); then none may come while it is held.
+    let mut held_at = load.ledger.acked();
+    let settling = std::time::Instant::now();
+    loop {
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let now = load.ledger.acked();
+        if now == held_at {
+            break;
+        }
+        assert!(settling.elapsed() < Duration::from_secs(30), "answers kept coming with the writer held");
+        held_at = now;
+    }
     tokio::time::sleep(Duration::from_secs(3)).await;
     assert_eq!(load.ledger.acked(), held_at, "requests were answered while the log's writer was held before its sync");
     // Held for longer, the log is stalled and says so (a disk that stopped answering a
