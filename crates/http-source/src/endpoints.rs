@@ -1256,6 +1256,32 @@ mod tests {
         ));
     }
 
+    fn no_auth() -> StoredAuth {
+        StoredAuth { scheme: "none".into(), secret: None, header: None, prefix: None, tolerance_secs: None }
+    }
+
+    /// Stores a dynamic endpoint of source `default` with `auth` and `secret`, revoked at
+    /// `revoked_at_unix_ms` when given, as an earlier start or build left it.
+    fn store_dynamic(
+        state: &StateDb,
+        id: u128,
+        auth: StoredAuth,
+        secret: Option<String>,
+        revoked_at_unix_ms: Option<u64>,
+    ) {
+        let record = EndpointRecord {
+            id,
+            source_key: "default".into(),
+            auth: StoredAuth { secret, ..auth },
+            handshake_param: None,
+            created_at_unix_ms: 1,
+            expires_at_unix_ms: None,
+            revoked_at_unix_ms,
+            rotated_at_unix_ms: None,
+        };
+        state.put_endpoint(&record).unwrap();
+    }
+
     /// A tombstone an earlier build revoked kept its secret, in the database for as long
     /// as the tombstone stays (for ever): the next start takes it out, there and in
     /// memory, and leaves a live endpoint's secret and the tombstone's revocation as they
@@ -1266,24 +1292,8 @@ mod tests {
         let state = Arc::new(StateDb::open(dir.path().join("s.redb")).unwrap());
         let (live, revoked) = (0x71u128, 0x72u128);
         for (id, revoked_at_unix_ms) in [(live, None), (revoked, Some(2))] {
-            state
-                .put_endpoint(&EndpointRecord {
-                    id,
-                    source_key: "default".into(),
-                    auth: StoredAuth {
-                        scheme: "bearer".into(),
-                        secret: Some(format!("token-of-{id}-0123456789abcdef")),
-                        header: None,
-                        prefix: None,
-                        tolerance_secs: None,
-                    },
-                    handshake_param: None,
-                    created_at_unix_ms: 1,
-                    expires_at_unix_ms: None,
-                    revoked_at_unix_ms,
-                    rotated_at_unix_ms: None,
-                })
-                .unwrap();
+            let secret = Some(format!("token-of-{id}-0123456789abcdef"));
+            store_dynamic(&state, id, StoredAuth { scheme: "bearer".into(), ..no_auth() }, secret, revoked_at_unix_ms);
         }
         let reg = EndpointRegistry::load(state.clone(), vec!["default".into()], vec![]).unwrap();
         let stored: Vec<(u128, Option<String>, Option<u64>)> = state
@@ -1312,24 +1322,7 @@ mod tests {
         let state = Arc::new(StateDb::open(dir.path().join("s.redb")).unwrap());
         let (live, revoked) = (0x61u128, 0x62u128);
         for (id, revoked_at_unix_ms) in [(live, None), (revoked, Some(2))] {
-            state
-                .put_endpoint(&EndpointRecord {
-                    id,
-                    source_key: "default".into(),
-                    auth: StoredAuth {
-                        scheme: "none".into(),
-                        secret: None,
-                        header: None,
-                        prefix: None,
-                        tolerance_secs: None,
-                    },
-                    handshake_param: None,
-                    created_at_unix_ms: 1,
-                    expires_at_unix_ms: None,
-                    revoked_at_unix_ms,
-                    rotated_at_unix_ms: None,
-                })
-                .unwrap();
+            store_dynamic(&state, id, no_auth(), None, revoked_at_unix_ms);
         }
         let sources = || vec!["default".to_string()];
         let refused =

@@ -918,10 +918,13 @@ async fn bad_input_path_traversal_and_encoded_tricks_in_ids_and_keys_find_nothin
         assert_error(&a, status, code, path);
         f.nothing_appended(path).await;
     }
-    // The handshake's query is decoded leniently (a byte that is not UTF-8 becomes U+FFFD)
-    // and echoed as plain text that no browser may sniff.
+    // The handshake's challenge is echoed exactly, as plain text that no browser may
+    // sniff; one that does not decode to UTF-8 is refused, not echoed with its bytes
+    // replaced.
     let a = request(h, "GET", &format!("{ENDPOINT}?challenge=%FF%3Cb%3E"), &[], "").await;
-    assert_eq!((a.status, a.body.as_ref()), (200, "\u{FFFD}<b>".as_bytes()));
+    assert_error(&a, 400, "invalid_challenge", "a challenge that is not UTF-8");
+    let a = request(h, "GET", &format!("{ENDPOINT}?challenge=%3Cb%3E"), &[], "").await;
+    assert_eq!((a.status, a.body.as_ref()), (200, "<b>".as_bytes()));
     assert_eq!(a.header("x-content-type-options"), Some("nosniff"));
     assert_eq!(a.header("content-type"), Some("text/plain; charset=utf-8"));
     f.nothing_appended("a handshake").await;
