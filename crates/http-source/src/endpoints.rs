@@ -393,6 +393,8 @@ impl EndpointRegistry {
             Arc::new(EndpointVersion { endpoint, version, gate: Arc::new(AsyncRwLock::new(version)) })
         };
         let mut map: HashMap<u128, Arc<EndpointVersion>> = HashMap::new();
+        // Tombstones an earlier build revoked, which kept their secret.
+        let mut kept_secrets = Vec::new();
         for stored in state.load_endpoints()? {
             let mut record = match stored {
                 Ok(record) => record,
@@ -407,10 +409,10 @@ impl EndpointRegistry {
                     continue;
                 }
             };
-            if record.revoked_at_unix_ms.is_some() {
-                // A tombstone's auth is never checked (one an earlier build revoked kept
-                // its secret; taken out of the database below).
-                record.auth.secret = None;
+            if record.revoked_at_unix_ms.is_some() && record.auth.secret.take().is_some() {
+                // A tombstone's auth is never checked; the secret is taken out of the
+                // database below.
+                kept_secrets.push(record.id);
             }
             let endpoint = endpoint_from_stored(record, &sources);
             map.insert(endpoint.id, first_version(endpoint));
@@ -427,16 +429,16 @@ impl EndpointRegistry {
                 }
             }
         }
-        // Tombstones an earlier build revoked kept their secret in the database, for as
-        // long as they stay (for ever). Not needed to start: a failure is said, and the
-        // next start tries again.
-        match state.forget_tombstone_secrets() {
-            Ok(0) => {}
-            Ok(n) => tracing::info!(tombstones = n, "the secrets kept in revoked endpoints' records were removed"),
-            Err(e) => tracing::warn!(
-                error = %e,
-                "cannot remove the secrets kept in revoked endpoints' records; the next start tries again"
-            ),
+        // Kept in the database, they would stay as long as their tombstones (for ever).
+        // Not needed to start: a failure is said, and the next start tries again.
+        if !kept_secrets.is_empty() {
+            match state.forget_tombstone_secrets(&kept_secrets) {
+                Ok(n) => tracing::info!(tombstones = n, "the secrets kept in revoked endpoints' records were removed"),
+                Err(e) => tracing::warn!(
+                    error = %e,
+                    "cannot remove the secrets kept in revoked endpoints' records; the next start tries again"
+                ),
+            }
         }
         for s in statics {
             if map.contains_key(&s.id) {
@@ -1308,8 +1310,8 @@ mod tests {
         assert!(reg.lookup(live, 3).is_ok());
         let in_memory = reg.endpoints.read().unwrap().get(&revoked).and_then(|v| v.endpoint.record.clone());
         assert_eq!(in_memory.map(|r| r.auth.secret), Some(None), "the tombstone's secret is still held in memory");
-        // Nothing left to take out: the next start writes nothing.
-        assert_eq!(state.forget_tombstone_secrets().unwrap(), 0);
+        // Nothing left to take out: neither record holds a secret a start would forget.
+        assert_eq!(state.forget_tombstone_secrets(&[live, revoked]).unwrap(), 0);
     }
 
     /// A start refused for one static endpoint (its id revoked) deletes no stored record

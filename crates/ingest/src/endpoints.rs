@@ -216,38 +216,29 @@ impl StateDb {
         }
     }
 
-    /// Takes the secret out of every tombstone that still holds one (revoked by a build
-    /// that kept it: a tombstone's auth is never checked, and it stays for ever), in one
-    /// durable transaction; how many were written. A record that does not decode is
-    /// left as it is.
-    pub fn forget_tombstone_secrets(&self) -> Result<u64, StateError> {
+    /// Takes the secret out of the tombstones `ids` (revoked by a build that kept it: a
+    /// tombstone's auth is never checked, and it stays for ever), in one durable
+    /// transaction; how many were written. An id that is not a tombstone holding a
+    /// secret (live, gone, or a record that does not decode) is left as it is.
+    pub fn forget_tombstone_secrets(&self, ids: &[u128]) -> Result<u64, StateError> {
         let db = self.db()?;
         let mut txn = db.begin_write().map_err(storage_err)?;
         txn.set_durability(Durability::Immediate).map_err(|e| StateError::Storage(e.to_string()))?;
         let mut forgotten = 0;
         {
             let mut table = txn.open_table(ENDPOINTS).map_err(storage_err)?;
-            let mut holding = Vec::new();
-            for entry in table.iter().map_err(storage_err)? {
-                let (k, v) = entry.map_err(storage_err)?;
-                if let Ok(record) = postcard::from_bytes::<EndpointRecord>(v.value())
-                    && record.id == k.value()
-                    && record.revoked_at_unix_ms.is_some()
-                    && record.auth.secret.is_some()
-                {
-                    holding.push(record);
+            for &id in ids {
+                let stored =
+                    table.get(id).map_err(storage_err)?.map(|v| postcard::from_bytes::<EndpointRecord>(v.value()));
+                let Some(Ok(mut record)) = stored else { continue };
+                if record.id != id || record.revoked_at_unix_ms.is_none() || record.auth.secret.is_none() {
+                    continue;
                 }
-            }
-            for mut record in holding {
                 record.auth.secret = None;
                 let bytes = postcard::to_stdvec(&record).map_err(|e| StateError::Malformed(e.to_string()))?;
-                table.insert(record.id, bytes.as_slice()).map_err(storage_err)?;
+                table.insert(id, bytes.as_slice()).map_err(storage_err)?;
                 forgotten += 1;
             }
-        }
-        if forgotten == 0 {
-            txn.abort().map_err(storage_err)?;
-            return Ok(0);
         }
         txn.commit().map_err(storage_err)?;
         Ok(forgotten)
