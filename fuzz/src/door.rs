@@ -5,9 +5,10 @@
 //! Input: a configuration choice (body limit, log capacity, what a route does with an
 //! unmatched event, whether delivery ids are honoured), then up to four requests, each a
 //! method, a path (a source, an endpoint id, or raw bytes with percent-encoded tricks), a
-//! query, headers (mostly with a `Host`), a content type, a body (raw bytes, JSON events or NDJSON lines built
-//! from the input) and an auth mode (none, garbage, or a signature the harness computes
-//! for the body, with a chosen clock skew, possibly over other bytes).
+//! query, headers (mostly with a `Host`), a content type, a body (raw bytes, JSON events
+//! or NDJSON lines built from the input) and an auth mode (none, garbage, or a signature
+//! the harness computes for the body, with a chosen clock skew, possibly over other
+//! bytes).
 //!
 //! What must hold, for every request:
 //! - no panic;

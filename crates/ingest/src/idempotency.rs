@@ -963,10 +963,8 @@ impl IdempotencyIndex {
             // (a log written by something else, or damaged under checksums that still
             // check) would answer a retry with offsets the log does not hold: not
             // restored, its retry appended again.
-            let last_offset = record
-                .offset
-                .checked_add(u64::from(h.batch_len.max(1)) - 1)
-                .filter(|last| *last < wal.next_offset().max(next));
+            let last_offset =
+                record.offset.checked_add(u64::from(h.batch_len.max(1)) - 1).filter(|last| *last < wal.next_offset());
             let Some(last_offset) = last_offset else {
                 report.batches_past_log_end += 1;
                 continue;

@@ -361,28 +361,33 @@ pub fn assert_delivered_in_order(
 /// Appends `n` records round-robin over `dests`, one record per append; returns the
 /// ids per destination in log order.
 pub async fn fill(wal: &Wal, dests: &[DestinationKey], from: u64, n: u64) -> BTreeMap<DestinationKey, Vec<u128>> {
-    let mut want: BTreeMap<DestinationKey, Vec<u128>> = BTreeMap::new();
-    for i in from..from + n {
-        let d = &dests[(i as usize) % dests.len()];
-        wal.append(vec![record(d, i, Partitioning::Balanced)]).await.unwrap();
-        want.entry(d.clone()).or_default().push(u128::from(i) + 1);
-    }
-    want
+    fill_in_appends_of(wal, dests, from, n, 1).await
 }
 
 /// [`fill`] in appends of 100 records: for a test whose records must all be in the log
 /// within a fault's few seconds, which one append per record (a round trip to the log's
 /// writer thread each) may not make on a loaded machine.
 pub async fn fill_fast(wal: &Wal, dests: &[DestinationKey], from: u64, n: u64) -> BTreeMap<DestinationKey, Vec<u128>> {
+    fill_in_appends_of(wal, dests, from, n, 100).await
+}
+
+async fn fill_in_appends_of(
+    wal: &Wal,
+    dests: &[DestinationKey],
+    from: u64,
+    n: u64,
+    per_append: u64,
+) -> BTreeMap<DestinationKey, Vec<u128>> {
     let mut want: BTreeMap<DestinationKey, Vec<u128>> = BTreeMap::new();
-    let mut batch = Vec::new();
-    for i in from..from + n {
-        let d = &dests[(i as usize) % dests.len()];
-        batch.push(record(d, i, Partitioning::Balanced));
-        want.entry(d.clone()).or_default().push(u128::from(i) + 1);
-        if batch.len() == 100 || i + 1 == from + n {
-            wal.append(std::mem::take(&mut batch)).await.unwrap();
+    for first in (from..from + n).step_by(per_append as usize) {
+        let numbers = first..(first + per_append).min(from + n);
+        let mut batch = Vec::new();
+        for i in numbers {
+            let d = &dests[(i as usize) % dests.len()];
+            batch.push(record(d, i, Partitioning::Balanced));
+            want.entry(d.clone()).or_default().push(u128::from(i) + 1);
         }
+        wal.append(batch).await.unwrap();
     }
     want
 }

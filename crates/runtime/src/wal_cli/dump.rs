@@ -132,11 +132,11 @@ pub(crate) enum Format {
 }
 
 impl Format {
-    /// The format `a` asks for, to an output that is a terminal or not.
-    pub(crate) fn of(a: &FormatArgs, to_a_terminal: bool) -> Format {
+    /// The format `a` asks for, to standard output as it is (a terminal or not).
+    pub(crate) fn of(a: &FormatArgs) -> Format {
         if a.json {
             Format::Json
-        } else if a.payload_only && to_a_terminal {
+        } else if a.payload_only && std::io::IsTerminal::is_terminal(&std::io::stdout()) {
             Format::PayloadOnlyShown
         } else if a.payload_only {
             Format::PayloadOnly
@@ -271,7 +271,7 @@ pub(crate) fn write_record(
 
 pub(crate) fn run(a: DumpArgs) -> CliResult {
     let filter = Filter::parse(&a.filter)?;
-    let format = Format::of(&a.format, std::io::IsTerminal::is_terminal(&std::io::stdout()));
+    let format = Format::of(&a.format);
     let endpoint_ids = EndpointIds::of(&a.format);
     let wal = open_log(&a.dir)?;
     let from = a.from.unwrap_or_else(|| wal.start_offset());

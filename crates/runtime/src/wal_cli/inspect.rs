@@ -638,8 +638,9 @@ fn http_get_json(target: &AdminTarget<'_>, path: &str, token: Option<&str>) -> C
         // Whatever answers at that address chose the body: shown escaped, and only its
         // start (a proxy's error page can be long).
         let body = String::from_utf8_lossy(&body);
-        let shown: String = body.trim().chars().take(ADMIN_ERROR_SHOWN_CHARS).collect();
-        let cut = if shown.len() < body.trim().len() { " …" } else { "" };
+        let body = body.trim();
+        let shown: String = body.chars().take(ADMIN_ERROR_SHOWN_CHARS).collect();
+        let cut = if shown.len() < body.len() { " …" } else { "" };
         return Err(failed(format!("HTTP {}{hint}: {}{cut}", code.as_u16(), terminal_safe(&shown))));
     }
     serde_json::from_slice(&body).map(Some).map_err(|e| failed(format!("not JSON: {e}")))

@@ -106,7 +106,7 @@ fn look(dir: &Path) -> Option<Look> {
 
 pub(crate) fn run(a: TailArgs) -> CliResult {
     let filter = Filter::parse(&a.filter)?;
-    let format = Format::of(&a.format, std::io::IsTerminal::is_terminal(&std::io::stdout()));
+    let format = Format::of(&a.format);
     let endpoint_ids = EndpointIds::of(&a.format);
     let interval = Duration::from_millis(a.interval_ms);
     // Look first, then open: a sync between the two is then seen as a change and read
