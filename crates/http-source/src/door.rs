@@ -124,11 +124,11 @@ pub fn router(door: Arc<Door>) -> Router {
 /// A request whose `Host` the webhook listener refuses (`host.rs`), counted like every
 /// refusal of the door; any other goes on to its route.
 async fn host_checked(req: Request) -> Result<Request, Response> {
-    match crate::host::refusal(req.version(), req.headers()) {
+    match crate::host::refusal_of(&req) {
         None => Ok(req),
         Some(e) => {
             count("-", "4xx", e.code);
-            Err(before_body(req.headers(), e).into_response())
+            Err(e.into_response())
         }
     }
 }

@@ -30,6 +30,13 @@ pub fn refusal(version: Version, headers: &HeaderMap) -> Option<ApiError> {
     }
 }
 
+/// [`refusal`] of `req`, as its answer: closing the connection when the request
+/// declared a body, which is not read (`door::before_body`). Both listeners' routers
+/// ask it before any route.
+pub fn refusal_of(req: &axum::extract::Request) -> Option<ApiError> {
+    refusal(req.version(), req.headers()).map(|e| crate::door::before_body(req.headers(), e))
+}
+
 /// `uri-host [ ":" port ]` (RFC 9110, section 7.2), or nothing: a registered name of
 /// unreserved and sub-delim characters and percent-escapes, an IPv4 address (which the
 /// name's characters include), or an IP literal in brackets; then a port of digits.

@@ -72,9 +72,9 @@ pub fn router(shared: Arc<Shared>) -> Router {
 /// A request whose `Host` the admin listener refuses (`http_source::host`), as the
 /// webhook listener refuses it; any other goes on.
 async fn host_checked(request: Request) -> Result<Request, Response> {
-    match http_source::host::refusal(request.version(), request.headers()) {
+    match http_source::host::refusal_of(&request) {
         None => Ok(request),
-        Some(e) => Err(http_source::door::before_body(request.headers(), e).into_response()),
+        Some(e) => Err(e.into_response()),
     }
 }
 
