@@ -1650,17 +1650,22 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
             idempotency: s.idempotency,
         };
         // The largest event plus the largest envelope this source writes must be a
-        // record the log takes, or a body within max_body_bytes could get 413.
+        // record the log takes, or a body within max_body_bytes could get 413. (Neither
+        // this nor the room below is said of a body limit already refused: past Iggy's
+        // largest payload, what a request takes can saturate the arithmetic.)
+        let body_limit_refused = max_body_bytes > router::IGGY_PAYLOAD_MAX_BYTES;
         let envelope_max_bytes = spec.envelope_max_bytes() as u128;
         let record_bytes = max_body_bytes as u128 + envelope_max_bytes;
-        if record_bytes > u128::from(record_max_bytes) {
+        if !body_limit_refused && record_bytes > u128::from(record_max_bytes) {
             c.err(
                 &http.key("max_body_bytes"),
                 format!(
                     "with source {key:?}'s envelope (up to {envelope_max_bytes} bytes: its key, forwarded headers, metadata, and 255 bytes each for the content type, delivery id, stream, topic and partition key) an event of {max_body_bytes} bytes exceeds wal.record_max_bytes ({record_max_bytes})"
                 ),
             );
-        } else if record_bytes + u128::from(wal::format::FRAME_HEADER_LEN) > u128::from(batch_max_bytes) {
+        } else if !body_limit_refused
+            && record_bytes + u128::from(wal::format::FRAME_HEADER_LEN) > u128::from(batch_max_bytes)
+        {
             c.err(
                 &http.key("max_body_bytes"),
                 format!(
@@ -1686,8 +1691,12 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
         };
         let events_max = max_events_per_request.min(max_body_bytes.saturating_add(1));
         let room_max = ingest::ingestor::RUNNING_ON_MAX_BYTES;
-        if room_bytes(events_max) > room_max && max_events_per_request <= MAX_EVENTS_PER_REQUEST_LIMIT {
-            let one_bytes = room_bytes(1) - room_bytes(0);
+        if !body_limit_refused
+            && max_events_per_request <= MAX_EVENTS_PER_REQUEST_LIMIT
+            && room_bytes(events_max) > room_max
+        {
+            // Both limits are bounded here, so nothing saturates and an event takes room.
+            let one_bytes = (room_bytes(1) - room_bytes(0)).max(1);
             let fits = room_max.saturating_sub(room_bytes(0)) / one_bytes;
             c.err(
                 &http.key("max_events_per_request"),
@@ -4091,6 +4100,22 @@ bBtPhzVL3fJI+53KVnAh3DIZNmANmTYN
         let fine = t(64_000_000);
         if let Err(e) = parse(&fine, None).and_then(|c| validate(&c, Some(&fine), None)) {
             panic!("Iggy's own limit was refused: {e:?}");
+        }
+        // At the type's top, with and without a field the route reads (which adds the
+        // body to a request's room once more): refused once, at the key, and the checks
+        // of what a request takes are not run on a limit already refused.
+        for body in [i64::MAX as u64, 7_000_000_000_000_000_000, u64::MAX] {
+            for fields in ["", "partitioning = { key_field = \"customer\" }\n"] {
+                let text = format!(
+                    "[http]\nmax_body_bytes = {body}\n[sources.a]\ndestination = {{ stream = \"s\", topic = \"t\" }}\n{fields}"
+                );
+                let e = errors(&text);
+                assert_eq!(
+                    (e.len(), e[0].path.as_str(), e[0].line),
+                    (1, "http.max_body_bytes", Some(2)),
+                    "{body}: {e:?}"
+                );
+            }
         }
     }
 
