@@ -199,9 +199,13 @@ fn max_result_timeout_ms() -> u64 {
     u64::try_from(MAX_RESULT_TIMEOUT.as_millis()).unwrap_or(u64::MAX)
 }
 
-/// The most seconds `message_expiry_secs` takes: Iggy keeps a topic's expiry in
-/// microseconds, in a `u64`; a larger value would wrap around to a short expiry.
-const MESSAGE_EXPIRY_SECS_MAX: u64 = u64::MAX / 1_000_000;
+/// The most seconds `message_expiry_secs` takes: a hundred years (of 365.25 days). Iggy
+/// keeps a topic's expiry in microseconds, in a `u64`, and tells a segment expired by
+/// adding it to the segment's last message time in microseconds, unchecked: an expiry
+/// within a few thousand years of `u64::MAX` microseconds wraps that sum and expires the
+/// segment at once, after the router freed its records on the ack. A century (36,525
+/// days) is far from that, and longer than any retention means.
+const MESSAGE_EXPIRY_SECS_MAX: u64 = 36_525 * 86_400;
 
 fn to_u32(v: u64, path: &[&str], problems: &mut Vec<Problem>) -> u32 {
     u32::try_from(v).unwrap_or_else(|_| {
@@ -507,7 +511,9 @@ pub fn check(section: &RouterSection, iggy: &IggyConfig, sources: &[String]) -> 
     if t.message_expiry_secs > MESSAGE_EXPIRY_SECS_MAX {
         problems.push((
             at("message_expiry_secs"),
-            format!("must be at most {MESSAGE_EXPIRY_SECS_MAX} (Iggy keeps it in microseconds)"),
+            format!(
+                "must be at most {MESSAGE_EXPIRY_SECS_MAX} (a hundred years; 0 is never): Iggy adds it to a message's time in microseconds, and a sum past 64 bits would expire the topic's segments at once"
+            ),
         ));
     }
     // Both refused above past their ranges, which are within a u32: one error a key.
@@ -997,6 +1003,7 @@ d = ["d/first"]
             segment(TOPIC_SEGMENT_BYTES_MIN),
             segment(TOPIC_SEGMENT_BYTES_MAX),
             saves(MESSAGES_REQUIRED_TO_SAVE_MAX),
+            TopicDefaultsSection { message_expiry_secs: MESSAGE_EXPIRY_SECS_MAX, ..TopicDefaultsSection::default() },
         ] {
             let (_, problems) = check(
                 &RouterSection { topic_defaults: topic_defaults.clone(), ..RouterSection::default() },
@@ -1056,6 +1063,18 @@ d = ["d/first"]
                 RouterSection {
                     topic_defaults: TopicDefaultsSection {
                         message_expiry_secs: MESSAGE_EXPIRY_SECS_MAX + 1,
+                        ..TopicDefaultsSection::default()
+                    },
+                    ..RouterSection::default()
+                },
+                "router.topic_defaults.message_expiry_secs",
+            ),
+            // The most microseconds 64 bits hold, in seconds: added to a message's time,
+            // it wraps.
+            (
+                RouterSection {
+                    topic_defaults: TopicDefaultsSection {
+                        message_expiry_secs: u64::MAX / 1_000_000,
                         ..TopicDefaultsSection::default()
                     },
                     ..RouterSection::default()
