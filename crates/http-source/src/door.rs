@@ -805,20 +805,29 @@ pub async fn read_body(body: Body, max: usize, timeout: Duration) -> Result<Byte
     }
 }
 
-/// The buffer a body in pieces is joined into, once `arrived` bytes came: the whole body
-/// when its framing says what is still to come (`to_come`, hyper's exact hint for a
-/// `Content-Length` body: the rest, not the whole), else twice what came; never past `max`.
-fn joined_capacity(arrived: usize, to_come: Option<u64>, max: usize) -> usize {
-    let whole = match to_come {
-        Some(rest) => arrived.saturating_add(usize::try_from(rest).unwrap_or(usize::MAX)),
-        None => arrived.saturating_mul(2),
-    };
-    whole.min(max)
+/// The most a body in pieces can become once `arrived` bytes came: the whole body when its
+/// framing says what is still to come (`to_come`, hyper's exact hint for a `Content-Length`
+/// body: the rest, not the whole), never past `max`.
+fn joined_bound(arrived: usize, to_come: Option<u64>, max: usize) -> usize {
+    match to_come {
+        Some(rest) => arrived.saturating_add(usize::try_from(rest).unwrap_or(usize::MAX)).min(max),
+        None => max,
+    }
+}
+
+/// The buffer a body in pieces is first joined into: twice what came, within `bound`.
+/// Never what the framing announces: a `Content-Length` is the client's word, and a buffer
+/// sized by it let a client that sent two bytes of an announced 1 MiB body hold 1 MiB
+/// until the body-read timeout, before any signature was checked (990 such connections,
+/// some 100 KB sent, held 985 MiB). Grown by doubling, the copies stay linear in the body.
+fn joined_capacity(arrived: usize, bound: usize) -> usize {
+    arrived.saturating_mul(2).min(bound)
 }
 
 /// Makes room in `buf` for `more` bytes, growing it as `Vec` would (at least twice its
-/// capacity) but never past `max`: `Vec`'s own doubling would take a chunked body of
-/// `max` bytes, read in pieces, to a buffer of up to twice `max` before it is shrunk.
+/// capacity) but never past `max` (the body's [`joined_bound`]): `Vec`'s own doubling
+/// would take a chunked body of `max` bytes, read in pieces, to a buffer of up to twice
+/// `max` before it is shrunk, and an announced body to more than its length.
 /// The caller has checked that the body, `more` included, is within `max`.
 fn reserve_within(buf: &mut Vec<u8>, more: usize, max: usize) {
     let needed = buf.len().saturating_add(more);
@@ -858,7 +867,7 @@ fn with_sources(e: &dyn std::error::Error) -> String {
 /// frame is copied into one buffer and dropped at once; chunk framing is never kept.
 async fn collect_bounded(mut body: Body, max: usize) -> Result<Bytes, BodyReadError> {
     let mut first: Option<Bytes> = None;
-    let mut copied: Option<Vec<u8>> = None;
+    let mut copied: Option<(Vec<u8>, usize)> = None;
     let mut total = 0usize;
     while let Some(frame) = body.frame().await {
         let frame = frame.map_err(|e| BodyReadError::Failed(with_sources(&e)))?;
@@ -871,27 +880,26 @@ async fn collect_bounded(mut body: Body, max: usize) -> Result<Bytes, BodyReadEr
             continue;
         }
         match (&mut first, &mut copied) {
-            (_, Some(buf)) => {
-                reserve_within(buf, data.len(), max);
+            (_, Some((buf, bound))) => {
+                reserve_within(buf, data.len(), *bound);
                 buf.extend_from_slice(&data);
             }
             (None, None) => first = Some(data),
             (Some(_), None) => {
-                // What came plus what the framing says is still to come (hyper's hint is
-                // the rest of a `Content-Length` body: the whole body, exactly), or twice
-                // what came for a chunked one; never past `max`.
-                let to_come = hyper::body::Body::size_hint(&body).exact();
-                let mut buf = Vec::with_capacity(joined_capacity(total, to_come, max));
+                // Bounded by what the framing says is still to come (hyper's hint is the
+                // rest of a `Content-Length` body), sized by what came.
+                let bound = joined_bound(total, hyper::body::Body::size_hint(&body).exact(), max);
+                let mut buf = Vec::with_capacity(joined_capacity(total, bound));
                 buf.extend_from_slice(&first.take().unwrap_or_default());
                 buf.extend_from_slice(&data);
-                copied = Some(buf);
+                copied = Some((buf, bound));
             }
         }
     }
     Ok(match copied {
         // `Bytes` keeps a `Vec`'s whole capacity: a chunked body's spare room is given
         // back, so the request holds its bytes and no more on its way to the log.
-        Some(mut buf) => {
+        Some((mut buf, _)) => {
             buf.shrink_to_fit();
             Bytes::from(buf)
         }
@@ -1540,12 +1548,19 @@ mod tests {
         assert!(most_live.load(Ordering::SeqCst) <= 2, "{} blocks alive at once", most_live.load(Ordering::SeqCst));
         assert_eq!(live.load(Ordering::SeqCst), 0, "the answer holds a read block");
 
-        // Joined into a buffer of the whole body when its length is announced (hyper's
-        // hint is what is still to come), never past `max`.
-        assert_eq!(joined_capacity(4, Some(1_048_572), 1 << 20), 1 << 20);
-        assert_eq!(joined_capacity(4, Some(6), 1 << 20), 10);
-        assert_eq!(joined_capacity(4, None, 1 << 20), 8);
-        assert_eq!(joined_capacity(600_000, None, 1 << 20), 1 << 20);
+        // Joined into a buffer sized by what came, whatever length is announced (hyper's
+        // hint is what is still to come), and grown within the announced whole, never
+        // past `max`.
+        assert_eq!(joined_bound(2, Some(1_048_574), 1 << 20), 1 << 20);
+        assert_eq!(joined_capacity(2, joined_bound(2, Some(1_048_574), 1 << 20)), 4);
+        assert_eq!(joined_bound(4, Some(6), 1 << 20), 10);
+        assert_eq!(joined_bound(4, Some(u64::MAX), 1 << 20), 1 << 20);
+        assert_eq!(joined_capacity(4, 1 << 20), 8);
+        assert_eq!(joined_capacity(600_000, 1 << 20), 1 << 20);
+        let mut buf = Vec::with_capacity(joined_capacity(4, 10));
+        buf.extend_from_slice(b"abcdefgh");
+        reserve_within(&mut buf, 2, 10);
+        assert_eq!(buf.capacity(), 10, "grown to the announced whole, not past it");
         // A body in pieces is joined in order, a `Content-Length` one or a chunked one.
         for announced in [true, false] {
             let body = Body::new(Pieces { pieces: vec![&b"ab"[..], b"cd", b"efg"], announced });
