@@ -33,6 +33,11 @@
 //!   `iggy_ingest_http_connection_waits_total{listener}` the clients that waited in the
 //!   backlog for a slot (one found there the moment a slot freed): a listener at its
 //!   cap shows, though its clients wait in the kernel.
+//! - A failed accept (typically EMFILE: the process is out of file descriptors) is
+//!   retried after 50 ms, never in a spin and never ending the listener; each is counted
+//!   in `iggy_ingest_http_accept_failures_total{listener}` and logged at most once a
+//!   second (with how many were left out): clients can cause them at will once
+//!   descriptors are short.
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -45,6 +50,7 @@ use axum::Router;
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
+use ingest::log_limit::LogLimit;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpSocket, TcpStream};
 use tokio::sync::Semaphore;
@@ -62,6 +68,13 @@ pub struct ConnectionLimits {
     /// invariants).
     pub write_timeout: Duration,
 }
+
+/// How long a failed accept waits before the next: the connection it could not take
+/// stays in the backlog, and is taken once a descriptor is free.
+const ACCEPT_RETRY_DELAY: Duration = Duration::from_millis(50);
+
+/// At most one line per listener per this interval says accepts fail.
+const ACCEPT_FAILURE_LOG_INTERVAL: Duration = Duration::from_secs(1);
 
 /// How a serve loop ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -84,6 +97,8 @@ pub async fn serve(
     let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
     let open = metrics::gauge!("iggy_ingest_http_connections", "listener" => listener_name);
     let waits = metrics::counter!("iggy_ingest_http_connection_waits_total", "listener" => listener_name);
+    let accept_failures = metrics::counter!("iggy_ingest_http_accept_failures_total", "listener" => listener_name);
+    let accept_failure_log = LogLimit::every(ACCEPT_FAILURE_LOG_INTERVAL);
     let graceful = GracefulShutdown::new();
     // Set when the drain starts: handshakes still under way give up.
     let (draining_tx, draining) = tokio::sync::watch::channel(false);
@@ -132,8 +147,11 @@ pub async fn serve(
             Ok(a) => a,
             Err(e) => {
                 // Typically EMFILE/ENFILE: back off instead of spinning.
-                tracing::warn!(listener = listener_name, error = %e, "accept failed");
-                tokio::time::sleep(Duration::from_millis(50)).await;
+                accept_failures.increment(1);
+                if let Some(suppressed) = accept_failure_log.admit() {
+                    tracing::warn!(listener = listener_name, error = %e, suppressed, "accept failed");
+                }
+                tokio::time::sleep(ACCEPT_RETRY_DELAY).await;
                 continue;
             }
         };

@@ -119,6 +119,12 @@ pub fn catalog() -> Vec<Metric> {
             &["listener"],
             "Clients that waited in the backlog for a free slot (found there when one freed): the listener was at its connection cap (http.max_connections)",
         ),
+        m(
+            "iggy_ingest_http_accept_failures_total",
+            Counter,
+            &["listener"],
+            "Accepts that failed, each retried after 50 ms: typically the process out of file descriptors (EMFILE); its clients wait in the backlog",
+        ),
         // The door.
         m(
             "iggy_ingest_http_requests_total",
@@ -519,6 +525,7 @@ pub fn register_all<'a>(sources: impl IntoIterator<Item = &'a str> + Clone) {
     for listener in ["webhook", "admin"] {
         drop(metrics::gauge!("iggy_ingest_http_connections", "listener" => listener));
         drop(metrics::counter!("iggy_ingest_http_connection_waits_total", "listener" => listener));
+        drop(metrics::counter!("iggy_ingest_http_accept_failures_total", "listener" => listener));
     }
     // Requests no source is resolved for count under source "-": unknown paths or ids,
     // endpoints already expired, methods a path does not take.

@@ -1431,6 +1431,52 @@ async fn the_daemon_raises_its_open_file_limit_and_warns_when_the_hard_limit_is_
     assert!(!log.contains('\u{1b}'), "terminal colours in a log written to a file: {warning:?}");
 }
 
+/// Out of file descriptors, a listener's accepts fail until one is free: each failure is
+/// counted, the connection waits in the backlog, and the log says so at most once a
+/// second (with how many lines it left out), where it wrote a line a retry, some 20 a
+/// second, which clients can cause at will.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn accepts_failing_for_want_of_descriptors_are_counted_and_logged_at_most_once_a_second() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = config_text(dir.path(), "", SOURCES);
+    let limit = 128;
+    let d = start_with_open_file_limits(dir.path(), &text, limit, limit);
+    let open_now = std::fs::read_dir(format!("/proc/{}/fd", d.child.id())).unwrap().count() as u64;
+    assert!(open_now + 8 < limit, "the daemon holds {open_now} descriptors at start");
+    // More clients than the daemon has descriptors left: the kernel completes each
+    // connection, and the daemon cannot accept the last ones.
+    let clients: Vec<std::net::TcpStream> =
+        (0..limit - open_now + 40).map(|_| std::net::TcpStream::connect(d.http).unwrap()).collect();
+    let failing_from = Instant::now();
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    drop(clients);
+    let failing_for = failing_from.elapsed();
+
+    // The closed clients give the descriptors back: the admin listener answers again.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let metrics = loop {
+        if let Ok(a) = tokio::time::timeout(Duration::from_secs(5), request(d.admin, "GET", "/metrics", &[], "")).await
+        {
+            break String::from_utf8(a.body.to_vec()).unwrap();
+        }
+        assert!(Instant::now() < deadline, "the admin listener did not answer once descriptors were free");
+    };
+    let failures: f64 = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("iggy_ingest_http_accept_failures_total{listener=\"webhook\"} "))
+        .unwrap_or_else(|| panic!("no accept failure count: {metrics}"))
+        .parse()
+        .unwrap();
+    assert!(failures >= 10.0, "{failures} failed accepts counted in {failing_for:?} out of descriptors");
+    assert!(d.stop().success());
+
+    let log = std::fs::read_to_string(dir.path().join("daemon.log")).unwrap();
+    let lines: Vec<&str> = log.lines().filter(|l| l.contains("accept failed")).collect();
+    let most = failing_for.as_secs() + 2;
+    assert!(!lines.is_empty() && lines.len() as u64 <= most, "{} lines in {failing_for:?}: {lines:#?}", lines.len());
+    assert!(lines.iter().any(|l| l.contains("suppressed") && !l.contains("suppressed=0")), "{lines:#?}");
+}
+
 /// A client holding an admin connection open with a half-sent request (no token needed
 /// for that) does not hold the exit past the grace period: the admin listener gets what
 /// is left of it, as every other part of the drain does. Before, it had five seconds of
