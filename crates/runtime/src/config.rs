@@ -1601,6 +1601,21 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
                         c.err(&ep.key("expires_at"), format!("{t:?} is before 1970"));
                         None
                     }
+                    // A time a year earlier would parse: the text is well formed, and past
+                    // the latest instant the daemon's time type holds.
+                    Err(_)
+                        if t.strip_prefix("9999-")
+                            .is_some_and(|r| format!("9998-{r}").parse::<jiff::Timestamp>().is_ok()) =>
+                    {
+                        c.err(
+                            &ep.key("expires_at"),
+                            format!(
+                                "{t:?} is past the latest time taken, {}",
+                                jiff::Timestamp::MAX.strftime("%Y-%m-%dT%H:%M:%SZ")
+                            ),
+                        );
+                        None
+                    }
                     Err(_) => {
                         c.err(
                             &ep.key("expires_at"),
@@ -3609,6 +3624,16 @@ auth_secret = "never checked"
         let past = text("2001-01-01T00:00:00Z");
         let settings = validate(&parse(&past, None).unwrap(), Some(&past), None).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(settings.endpoints[0].expires_at_unix_ms, Some(978_307_200_000));
+        // At the far end: the latest instant the time type holds loads, and a well-formed
+        // time past it is refused as such, not as text that is not a time.
+        let latest = text("9999-12-30T22:00:00Z");
+        assert!(validate(&parse(&latest, None).unwrap(), Some(&latest), None).is_ok());
+        for late in ["9999-12-31T00:00:00Z", "9999-12-31T23:59:59+23:59"] {
+            let e = errors(&text(late));
+            assert_eq!((e.len(), e[0].path.as_str()), (1, "sources.a.endpoints[0].expires_at"), "{e:?}");
+            assert!(e[0].message.contains("past the latest time taken, 9999-12-30T22:00:00Z"), "{}", e[0].message);
+        }
+        assert!(errors(&text("9999-13-01T00:00:00Z"))[0].message.contains("not an RFC 3339 time"));
     }
 
     /// A static endpoint's `expires_at` is RFC 3339 with its offset: one given in another
