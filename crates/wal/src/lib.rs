@@ -49,6 +49,7 @@
 
 pub mod error;
 pub mod format;
+pub mod identity;
 pub mod inspect;
 mod observed;
 pub mod options;

@@ -69,6 +69,12 @@ pub struct OpenReport {
     /// `from` is its predecessor's seal, or 0 for the log's first segment, below which
     /// released offsets and skipped ones cannot be told apart. Ascending, disjoint.
     pub missing_ranges: Vec<std::ops::Range<u64>>,
+    /// The log's identity ([`crate::identity`]): always there after a writable open,
+    /// `None` after a read-only one (which neither reads nor writes it).
+    pub log_id: Option<u64>,
+    /// This open gave the log its identity: it had none (a new log, or one an earlier
+    /// build wrote).
+    pub log_id_created: bool,
 }
 
 /// What a salvage kept, moved and skipped.
@@ -172,6 +178,15 @@ fn open_bounded(
     // A running writer removed any marker when it opened; one seen now is stale.
     let has_marker = bound.is_none() && names.iter().any(|n| n == CLEAN_MARKER_FILE);
     let marker = if has_marker { read_marker(&*storage, &dir.join(CLEAN_MARKER_FILE))? } else { None };
+    if !read_only {
+        report.log_id = Some(match crate::identity::read(&*storage, &dir)? {
+            Some(id) => id,
+            None => {
+                report.log_id_created = true;
+                crate::identity::create(&*storage, &dir)?
+            }
+        });
+    }
 
     if bases.is_empty() {
         if read_only {

@@ -112,6 +112,10 @@ pub struct CopyReport {
     /// lost now. The copy keeps the gap. `(first, last)` inclusive.
     pub source_gaps: Vec<(u64, u64)>,
     pub skipped: Vec<Skipped>,
+    /// The identity the copy carries: its source's ([`crate::identity`]; the copy holds
+    /// the same records at the same offsets). `None` when the source had none that reads
+    /// whole: the copy's first writable open gives it a new one.
+    pub log_id: Option<u64>,
 }
 
 impl CopyReport {
@@ -444,6 +448,11 @@ fn copy_bounded(
         b"a salvage copy is being made\n",
     )?;
     let mut report = CopyReport::default();
+    // A damaged identity is not copied: the copy has none, as a source without one.
+    if let Ok(Some(id)) = crate::identity::read(storage, src) {
+        crate::identity::write(storage, dst, id)?;
+        report.log_id = Some(id);
+    }
     let mut out = Out {
         storage,
         dir: dst,

@@ -1063,3 +1063,89 @@ fn a_read_that_fails_during_a_salvage_moves_nothing_aside() {
     let tags: Vec<u64> = read_all(&wal, 0).iter().map(|r| tag_of(&r.payload)).collect();
     assert_eq!(tags, (0..120).collect::<Vec<_>>());
 }
+
+/// A log's identity is written by its first writable open and kept by every later one; a
+/// directory emptied and written again is another log, with another identity; a salvage
+/// copy carries its source's.
+#[test]
+fn a_log_keeps_its_identity_and_a_log_begun_again_has_another() {
+    let sim = SimStorage::new();
+    let wal = open(&sim, small_options());
+    let first = wal.open_report().log_id.expect("a writable open has an identity");
+    assert!(wal.open_report().log_id_created);
+    append_tagged(&wal, 0..10, 90);
+    rt().block_on(wal.close()).unwrap();
+    drop(wal);
+    let wal = open(&sim, small_options());
+    assert_eq!((wal.open_report().log_id, wal.open_report().log_id_created), (Some(first), false));
+    rt().block_on(wal.close()).unwrap();
+    drop(wal);
+    let read_only = Wal::open_read_only_with(Arc::new(sim.clone()), &dir()).unwrap();
+    assert_eq!(read_only.open_report().log_id, None, "a read-only open reads no identity");
+    drop(read_only);
+
+    let out = std::path::PathBuf::from("/sim/copy");
+    let copy = wal::salvage_copy::salvage_copy(&sim, &dir(), &out).unwrap();
+    assert_eq!(copy.log_id, Some(first));
+    let copied = Wal::open_with(Arc::new(sim.clone()), &out, small_options()).unwrap();
+    assert_eq!((copied.open_report().log_id, copied.open_report().log_id_created), (Some(first), false));
+    drop(copied);
+
+    for name in sim.list_dir(&dir()).unwrap() {
+        sim.remove_file(&dir().join(name)).unwrap();
+    }
+    let again = open(&sim, small_options());
+    let second = again.open_report().log_id.unwrap();
+    assert!(again.open_report().log_id_created);
+    assert_ne!(second, first, "a log begun again took the old one's identity");
+}
+
+/// An identity that is not whole refuses the writable open, naming the file, and is left
+/// as it is: a new one in its place would disown every offset of this log kept elsewhere.
+/// Removed, the log gets a new one.
+#[test]
+fn a_damaged_identity_refuses_the_open_and_is_not_replaced() {
+    let sim = SimStorage::new();
+    let wal = open(&sim, small_options());
+    let first = wal.open_report().log_id.unwrap();
+    append_tagged(&wal, 0..3, 90);
+    rt().block_on(wal.close()).unwrap();
+    drop(wal);
+    let path = dir().join(wal::identity::LOG_ID_FILE);
+    let mut bytes = sim.read_file(&path).unwrap();
+    assert_eq!(bytes.len(), wal::identity::LOG_ID_LEN);
+    bytes[9] ^= 0x01;
+    sim.write_file_durably(&path, &bytes).unwrap();
+    let err = try_open(&sim, small_options()).unwrap_err();
+    assert!(matches!(err, WalError::BadLogId { ref path, .. } if path.ends_with("log-id")), "{err}");
+    assert_eq!(sim.read_file(&path).unwrap(), bytes, "the damaged identity was changed");
+    // Read-only tools still read the log.
+    assert!(wal::inspect::verify(&sim, &dir(), &mut |_| {}).unwrap().is_clean());
+
+    sim.remove_file(&path).unwrap();
+    let wal = open(&sim, small_options());
+    assert!(wal.open_report().log_id_created);
+    assert_ne!(wal.open_report().log_id, Some(first));
+    assert_eq!(read_all(&wal, 0).len(), 3, "the records are kept");
+}
+
+/// A power loss at any step of writing the identity leaves a log that opens, with an
+/// identity that reads back whole at every later open.
+#[test]
+fn a_power_loss_while_the_identity_is_written_leaves_a_log_that_opens() {
+    for n in 1..=8 {
+        let sim = SimStorage::new();
+        // The first open's steps: the directory, the lock, the identity, the segment.
+        sim.crash_at_nth(FaultOp::Sync, n, CrashMode::LoseUnsynced);
+        let _ = try_open(&sim, small_options());
+        sim.disarm();
+        let wal = open(&sim, small_options());
+        let id = wal.open_report().log_id.unwrap();
+        append_tagged(&wal, 0..2, 90);
+        rt().block_on(wal.close()).unwrap();
+        drop(wal);
+        let wal = open(&sim, small_options());
+        assert_eq!(wal.open_report().log_id, Some(id), "sync {n}: the identity changed after it was used");
+        assert_eq!(read_all(&wal, 0).len(), 2);
+    }
+}

@@ -465,8 +465,9 @@ fn a_copy_that_did_not_finish_is_never_taken_for_a_log() {
     b[32 + 32 + 100] ^= 1;
     sim.write_file_durably(&third, &b).unwrap();
 
-    // Writes: the unfinished-copy file, the first segment, the second (after the gap).
-    sim.fail_nth(wal::storage::FaultOp::Write, 3, std::io::ErrorKind::StorageFull);
+    // Writes: the unfinished-copy file, the source's identity, the first segment, the
+    // second (after the gap).
+    sim.fail_nth(wal::storage::FaultOp::Write, 4, std::io::ErrorKind::StorageFull);
     assert!(salvage_copy(&sim, &dir(), &out_dir()).is_err());
     let left = segment_files(&sim, &out_dir());
     assert_eq!(left.len(), 1, "the first segment was written whole: {left:?}");
