@@ -12,7 +12,7 @@ use redb::{ReadableDatabase, ReadableTable, TableDefinition};
 
 use crate::state::{StateDb, StateError, open_table_if_present, storage_err};
 
-const CURSORS: TableDefinition<(&str, &str, &str), u64> = TableDefinition::new("router_cursors");
+pub(crate) const CURSORS: TableDefinition<(&str, &str, &str), u64> = TableDefinition::new("router_cursors");
 
 /// One lane's cursor.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -93,14 +93,14 @@ use wal::inspect::Records;
 use crate::envelope::Envelope;
 use crate::state::{IDEMPOTENCY, IDEMPOTENCY_BY_TIME, META, StateDb, StateError, storage_err};
 
-const META_INDEXED_THROUGH: &str = "idempotency_indexed_through";
+pub(crate) const META_INDEXED_THROUGH: &str = "idempotency_indexed_through";
 /// Every recorded key's last offset is below this value: raised in the transaction that
 /// records keys, so it is durable whenever they are. Absent in a database from before it.
 pub(crate) const META_KEYS_BELOW: &str = "idempotency_keys_below";
 /// A fingerprint of the log's missing offset ranges whose keys were last forgotten
 /// ([`IdempotencyIndex::rebuild`]): a rebuild scans the keys again only when the log
 /// reports other ranges.
-const META_MISSING_RANGES_RECONCILED: &str = "idempotency_missing_ranges_reconciled";
+pub(crate) const META_MISSING_RANGES_RECONCILED: &str = "idempotency_missing_ranges_reconciled";
 /// How long after its retention window a key is swept. A request's lookup is made at
 /// the time its head arrived, which its body (up to `http.body_read_timeout_ms`) and a
 /// wait for room can put minutes behind the checkpoint that sweeps: a retry whose head

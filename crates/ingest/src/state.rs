@@ -13,6 +13,11 @@
 //!   tables, committed durably) under a temporary name and renamed into place, and its
 //!   directory is synced at every open, before anything in it is answered for.
 //! - Every table this crate uses is defined here, in one place.
+//! - The offsets this database holds (cursors, delivery ids' answers, checkpoints) name
+//!   records of one log, whose identity ([`wal::identity`]) it records beside them
+//!   ([`StateDb::log_id`]); a start beside another log refuses before it uses any of them,
+//!   and only [`forget_log`] (the CLI's `state forget-log`) lets this database take
+//!   another log, forgetting every offset it held.
 //! - After an I/O error (a full disk, say) redb refuses every operation until the
 //!   database is reopened. [`StateDb::reopen_if_failed`] reopens it in place, which
 //!   redb repairs to its last durable commit; every handle keeps working afterwards.
@@ -25,7 +30,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};
 
-use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
+use redb::{Database, ReadableDatabase, ReadableTable, ReadableTableMetadata, TableDefinition};
 use wal::storage::{OpenMode, Storage};
 
 /// The schema this build reads and writes. Bump it with every incompatible change to a
@@ -50,6 +55,10 @@ pub(crate) const IDEMPOTENCY_BY_TIME: TableDefinition<(u64, &[u8]), ()> = TableD
 pub(crate) const ENDPOINTS: TableDefinition<u128, &[u8]> = TableDefinition::new("endpoints");
 
 pub(crate) const META_SCHEMA_VERSION: &str = "schema_version";
+/// `meta` key: the identity of the log whose offsets this database holds
+/// ([`wal::identity`]). Absent where none is known yet: a new database, one an earlier
+/// build wrote, or one whose log was forgotten ([`forget_log`]).
+pub(crate) const META_LOG_ID: &str = "log_id";
 
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum StateError {
@@ -442,6 +451,29 @@ impl StateDb {
         }
     }
 
+    /// The identity of the log whose offsets this database holds, `None` when none is
+    /// recorded ([`META_LOG_ID`]).
+    pub fn log_id(&self) -> Result<Option<u64>, StateError> {
+        let db = self.db()?;
+        let txn = db.begin_read().map_err(storage_err)?;
+        match open_table_if_present(&txn, META)? {
+            Some(meta) => Ok(meta.get(META_LOG_ID).map_err(storage_err)?.map(|v| v.value())),
+            None => Ok(None),
+        }
+    }
+
+    /// Records, durably, `id` as the identity of the log whose offsets this database
+    /// holds.
+    pub fn record_log_id(&self, id: u64) -> Result<(), StateError> {
+        let db = self.db()?;
+        let txn = db.begin_write().map_err(storage_err)?;
+        {
+            let mut meta = txn.open_table(META).map_err(storage_err)?;
+            meta.insert(META_LOG_ID, id).map_err(storage_err)?;
+        }
+        txn.commit().map_err(storage_err)
+    }
+
     /// Overwrites the stored schema version. For tests of the mismatch path and for an
     /// explicit migration tool; the daemon never calls it.
     pub fn force_schema_version(&self, version: u64) -> Result<(), StateError> {
@@ -636,6 +668,57 @@ pub fn migrate(path: &Path) -> Result<Migration, StateError> {
             expected: SCHEMA_VERSION,
         }),
     }
+}
+
+/// What [`forget_log`] forgot.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ForgottenLog {
+    /// The identity of the log the database named, if it named one.
+    pub log_id: Option<u64>,
+    pub cursors: u64,
+    pub delivery_ids: u64,
+}
+
+/// Forgets, in one durable transaction, everything the database at `path` holds of its
+/// log: the router's cursors, the delivery ids with the offsets they were answered with,
+/// the rebuild's checkpoints, and the log's identity. Dynamic endpoints, their secrets,
+/// revocations and registrations are kept. The next start takes the log beside it as its
+/// own: it delivers every record the log holds (no cursor), rebuilds the delivery ids
+/// from it, and records its identity. Fails, changing nothing, while a running daemon
+/// holds the database, or for a database of another schema version.
+pub fn forget_log(path: &Path) -> Result<ForgottenLog, StateError> {
+    use crate::cursors::CURSORS;
+    use crate::idempotency::{META_INDEXED_THROUGH, META_KEYS_BELOW, META_MISSING_RANGES_RECONCILED};
+    read_from_disk(&wal::storage::FsStorage, path);
+    let db = Database::open(path).map_err(|e| held_or_open_err(path, e))?;
+    let txn = db.begin_write().map_err(storage_err)?;
+    let (found, log_id) = {
+        let meta = txn.open_table(META).map_err(storage_err)?;
+        let get = |k| meta.get(k).map(|v| v.map(|v| v.value())).map_err(storage_err);
+        (get(META_SCHEMA_VERSION)?, get(META_LOG_ID)?)
+    };
+    if found != Some(SCHEMA_VERSION) {
+        return Err(StateError::SchemaMismatch {
+            path: path.to_path_buf(),
+            found: found.unwrap_or(0),
+            expected: SCHEMA_VERSION,
+        });
+    }
+    let cursors = txn.open_table(CURSORS).map_err(storage_err)?.len().map_err(storage_err)?;
+    let delivery_ids = txn.open_table(IDEMPOTENCY).map_err(storage_err)?.len().map_err(storage_err)?;
+    txn.delete_table(CURSORS).map_err(storage_err)?;
+    txn.delete_table(IDEMPOTENCY).map_err(storage_err)?;
+    txn.delete_table(IDEMPOTENCY_BY_TIME).map_err(storage_err)?;
+    txn.open_table(IDEMPOTENCY).map_err(storage_err)?;
+    txn.open_table(IDEMPOTENCY_BY_TIME).map_err(storage_err)?;
+    {
+        let mut meta = txn.open_table(META).map_err(storage_err)?;
+        for key in [META_INDEXED_THROUGH, META_KEYS_BELOW, META_MISSING_RANGES_RECONCILED, META_LOG_ID] {
+            meta.remove(key).map_err(storage_err)?;
+        }
+    }
+    txn.commit().map_err(storage_err)?;
+    Ok(ForgottenLog { log_id, cursors, delivery_ids })
 }
 
 /// Deletes the database at `path` after reading what it held (returned). The log is

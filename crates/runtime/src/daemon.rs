@@ -102,13 +102,17 @@ impl StartError {
                 | StateError::NotAFile { .. },
             )
             | StartError::StateMissing { .. }
+            | StartError::LogNotTheStates { .. }
             | StartError::Endpoints(LoadError::RevokedStatic(_) | LoadError::UnreadableStatic(_)) => 2,
             // A log with damage in what was durable, a segment of another format version
             // (a rollback), or a salvage copy that never finished: the same log again at
             // every restart, until an operator salvages, upgrades or removes it.
             StartError::Wal { source, .. }
                 if source.is_corruption()
-                    || matches!(source, WalError::BadSegmentHeader { .. } | WalError::UnfinishedSalvage(_)) =>
+                    || matches!(
+                        source,
+                        WalError::BadSegmentHeader { .. } | WalError::UnfinishedSalvage(_) | WalError::BadLogId { .. }
+                    ) =>
             {
                 2
             }
@@ -130,6 +134,14 @@ pub enum StartError {
          {log_next_offset}): refusing to start with an empty one (nothing was changed)"
     )]
     StateMissing { path: PathBuf, log_next_offset: u64 },
+    /// The state database holds offsets of another log than the one beside it (the log
+    /// was replaced, or deleted and begun again): its cursors would pass over records
+    /// never sent, and its delivery ids answer retries with offsets that hold other
+    /// events. Nothing was used; `state forget-log` lets the database take this log.
+    #[error(
+        "the log in {wal_dir} (identity {found:016x}) is not the log the state database {state_path} holds offsets of          (identity {recorded:016x}): it was replaced, or deleted and begun again; refusing to start (nothing was          changed)"
+    )]
+    LogNotTheStates { wal_dir: PathBuf, state_path: PathBuf, recorded: u64, found: u64 },
     #[error("cannot load a route mapping: {0}")]
     Mapping(String),
     #[error("cannot start delivery: {0}")]
@@ -546,6 +558,28 @@ async fn open_on_log(settings: &Settings, wal: &Arc<Wal>) -> Result<OnLog, Start
         return Err(StartError::StateMissing { path: state_path, log_next_offset });
     };
     let state = Arc::new(state);
+    // Before any offset the database holds is used (the rebuild's checkpoint, the keys'
+    // answers, the cursors): they must be this log's.
+    if let Some(found) = wal.open_report().log_id {
+        let s = state.clone();
+        let recorded = tokio::task::spawn_blocking(move || s.log_id())
+            .await
+            .map_err(|e| StateError::Storage(format!("log identity task failed: {e}")))??;
+        match recorded {
+            Some(recorded) if recorded != found => {
+                let wal_dir = settings.wal_dir();
+                return Err(StartError::LogNotTheStates { wal_dir, state_path, recorded, found });
+            }
+            Some(_) => {}
+            None => {
+                let s = state.clone();
+                tokio::task::spawn_blocking(move || s.record_log_id(found))
+                    .await
+                    .map_err(|e| StateError::Storage(format!("log identity task failed: {e}")))??;
+                tracing::info!(log_id = %format!("{found:016x}"), "the state database now holds offsets of this log");
+            }
+        }
+    }
     let idempotency = Arc::new(
         IdempotencyIndex::new(state.clone(), settings.idempotency_retention.as_millis() as u64)
             .with_max_keys(settings.idempotency_max_keys),

@@ -74,6 +74,18 @@ enum StateCommand {
         #[arg(long)]
         data_dir: PathBuf,
     },
+    /// Forget what the state database holds of its log (delivery cursors, delivery ids,
+    /// the log's identity), keeping endpoints and revocations, so that the next start
+    /// takes the log beside it as its own: for a log that was replaced, or deleted and
+    /// begun again. Without --yes nothing is changed.
+    ForgetLog {
+        /// The daemon's storage.data_dir.
+        #[arg(long)]
+        data_dir: PathBuf,
+        /// Really forget it.
+        #[arg(long)]
+        yes: bool,
+    },
     /// Discard the state database, saying what is lost. The log is not touched.
     /// Without --yes nothing is changed.
     Reset {
@@ -150,6 +162,7 @@ fn state_command(command: StateCommand) -> ExitCode {
     let (data_dir, yes, reset) = match &command {
         StateCommand::Show { data_dir } | StateCommand::Migrate { data_dir } => (data_dir, false, false),
         StateCommand::Reset { data_dir, yes } => (data_dir, *yes, true),
+        StateCommand::ForgetLog { data_dir, yes } => (data_dir, *yes, false),
     };
     let path = data_dir.join("state.redb");
     // An argument that names no database is a command-line error (2), like the log
@@ -187,7 +200,8 @@ fn state_command(command: StateCommand) -> ExitCode {
     // A command that changes the database first locks out the daemon (and keeps it out
     // until done), so that neither a running one nor one starting meanwhile can meet a
     // database being deleted or migrated.
-    let changes = matches!(command, StateCommand::Migrate { .. }) || (reset && yes);
+    let changes =
+        matches!(command, StateCommand::Migrate { .. } | StateCommand::ForgetLog { yes: true, .. }) || (reset && yes);
     let _daemon_locked_out = match changes.then(|| lock_out_the_daemon(data_dir)).transpose() {
         Ok(lock) => lock,
         Err(why) => {
@@ -195,8 +209,10 @@ fn state_command(command: StateCommand) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    if let StateCommand::Migrate { .. } = command {
-        return state_migrate(&path);
+    match command {
+        StateCommand::Migrate { .. } => return state_migrate(&path),
+        StateCommand::ForgetLog { yes, .. } => return state_forget_log(&path, yes),
+        _ => {}
     }
     let result = match (reset, yes) {
         (true, true) => ingest::state::reset(&path),
@@ -226,6 +242,39 @@ fn state_command(command: StateCommand) -> ExitCode {
         _ => {}
     }
     write_out(&out)
+}
+
+/// What `state forget-log` does, for its preview and its report.
+const FORGET_LOG_CONSEQUENCES: &str = "the next start takes the log beside it as its own: every record in that log \
+     is delivered (no cursor is kept), delivery ids are rebuilt from it (a retry of a delivery it does not hold is \
+     appended again); dynamic endpoints, their secrets and revocations are kept";
+
+/// `state forget-log` of the database at `path`: exit 0 forgotten (or, without `yes`,
+/// what it would do), 1 refused (a running daemon, another schema version, a database
+/// that cannot be read).
+fn state_forget_log(path: &std::path::Path, yes: bool) -> ExitCode {
+    if !yes {
+        return write_out(&format!(
+            "{}: with --yes, forgets the delivery cursors, the delivery ids and the log's identity: \
+             {FORGET_LOG_CONSEQUENCES}\nnothing changed: pass --yes to ask for it\n",
+            path.display()
+        ));
+    }
+    match ingest::state::forget_log(path) {
+        Ok(f) => {
+            let log = f.log_id.map_or("no log".to_string(), |id| format!("the log of identity {id:016x}"));
+            write_out(&format!(
+                "{}: forgot {log}: {} delivery cursors, {} delivery ids; {FORGET_LOG_CONSEQUENCES}\n",
+                path.display(),
+                f.cursors,
+                f.delivery_ids
+            ))
+        }
+        Err(e) => {
+            iggy_ingest::say_on_stderr!("iggy-ingest: {e} (nothing was changed)");
+            ExitCode::FAILURE
+        }
+    }
 }
 
 /// `state reset` where there is no database: with `--yes`, leaves the marker that lets

@@ -369,9 +369,9 @@ async fn the_destinations_of_a_source_removed_from_the_configuration_are_still_s
     assert!(d.stop().success());
 }
 
-/// The log directory is replaced by an empty one (a backup restored, a salvaged copy put
-/// in its place) while the state database keeps the cursors of the old log, and the
-/// daemon then runs with delivery disabled: the events it accepts take offsets below
+/// The log directory is replaced by an earlier copy of itself, still empty (a backup
+/// restored without the state database beside it), while the state database keeps the
+/// cursors of the log as it grew since, and the daemon then runs with delivery disabled: the events it accepts take offsets below
 /// those cursors. When delivery is enabled again, every one of them is delivered. Left
 /// in place, the old cursors would make the lane pass over the new records as delivered
 /// and the releaser free them, never sent: so they are lowered at every start, with the
@@ -380,14 +380,21 @@ async fn the_destinations_of_a_source_removed_from_the_configuration_are_still_s
 async fn events_accepted_with_delivery_disabled_over_a_replaced_log_are_all_delivered() {
     let broker = TestBroker::start(TestBrokerConfig::default()).await.unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let daemon = Daemon::start(dir.path(), "", &rest(broker.addr()));
+    let wal_dir = dir.path().join("data").join("wal");
+    let backup = dir.path().join("wal.backup");
+    // The backup: the log as its first start left it, its identity and no record.
+    assert!(Daemon::start(dir.path(), "", &rest(broker.addr())).stop().success());
+    let copied = std::process::Command::new("cp").arg("-a").arg(&wal_dir).arg(&backup).status().unwrap();
+    assert!(copied.success());
+    let daemon = Daemon::restart(dir.path());
     post_numbered(daemon.http, 0..5).await;
     let lane = first_lane_once_its_cursor_reaches(daemon.admin, 5).await;
     assert_eq!(lane["cursor"], 5, "the cursor never reached 5: {lane}");
     assert!(daemon.stop().success());
     assert_eq!(delivered_ns(&broker), (0..5).collect::<Vec<_>>());
 
-    std::fs::remove_dir_all(dir.path().join("data").join("wal")).unwrap();
+    std::fs::remove_dir_all(&wal_dir).unwrap();
+    std::fs::rename(&backup, &wal_dir).unwrap();
     let disabled = rest(broker.addr()).replace("[router]\n", "[router]\nenabled = false\n");
     let daemon = Daemon::start(dir.path(), "", &disabled);
     for n in 5..10u64 {

@@ -755,6 +755,76 @@ async fn connections_are_capped_and_idle_ones_are_closed() {
     assert!(d.stop().success());
 }
 
+/// A state database beside another log than the one its offsets name (the log deleted
+/// and begun again, or another daemon's moved in) refuses the start, exit 2, naming the
+/// way out, before it uses any of them: started, a retry of a delivery the old log held
+/// was answered 200 "already accepted" with offsets that hold other events in the new
+/// one, and its cursors would pass over records never sent. `state forget-log --yes`
+/// (a dry run first, which changes nothing) lets it take the log: the retry is appended
+/// again, and dynamic endpoints are kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_state_database_beside_another_log_refuses_to_start_until_it_forgets_its_log() {
+    let (d, dir, _, reg) = daemon_with_an_endpoint("bearer").await;
+    let (path, token) = (reg["path"].as_str().unwrap().to_string(), bearer(reg["secret"].as_str().unwrap()));
+    let keyed = |key: &'static str, body: &'static str| async move {
+        let headers = [("content-type", "application/json"), ("idempotency-key", key)];
+        request(d.http, "POST", "/v1/sources/default", &headers, body).await
+    };
+    for (key, n) in [("d1", "{\"old\":1}"), ("d2", "{\"old\":2}")] {
+        assert_eq!(keyed(key, n).await.status, 200);
+    }
+    assert!(d.stop().success());
+    let data = dir.path().join("data");
+    let cfg = dir.path().join("config.toml");
+
+    // Another daemon's log, moved in; then this log deleted and begun again.
+    let other = tempfile::tempdir().unwrap();
+    let o = Daemon::start(other.path(), "", SOURCES);
+    for n in 0..3 {
+        assert_eq!(post_json(o.http, "/v1/sources/default", &format!("{{\"other\":{n}}}")).await.status, 200);
+    }
+    assert!(o.stop().success());
+    std::fs::rename(data.join("wal"), dir.path().join("wal.own")).unwrap();
+    std::fs::rename(other.path().join("data").join("wal"), data.join("wal")).unwrap();
+    let (code, err) = refused_start(&cfg);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("is not the log the state database") && err.contains("state forget-log"), "{err}");
+    std::fs::remove_dir_all(data.join("wal")).unwrap();
+    let (code, err) = refused_start(&cfg);
+    assert_eq!(code, Some(2), "a log begun again was taken for the old one: {err}");
+    assert!(err.contains("is not the log the state database"), "{err}");
+
+    let cli = |args: &[&str]| data_dir_cli(&data, args);
+    let dry = cli(&["state", "forget-log"]);
+    assert!(dry.status.success(), "{}", String::from_utf8_lossy(&dry.stderr));
+    assert!(String::from_utf8_lossy(&dry.stdout).contains("nothing changed"));
+    assert_eq!(refused_start(&cfg).0, Some(2), "a dry run let the state take the log");
+    let forgot = cli(&["state", "forget-log", "--yes"]);
+    assert!(forgot.status.success(), "{}", String::from_utf8_lossy(&forgot.stderr));
+    assert!(
+        String::from_utf8_lossy(&forgot.stdout).contains("2 delivery ids"),
+        "{}",
+        String::from_utf8_lossy(&forgot.stdout)
+    );
+
+    let d = Daemon::restart(dir.path());
+    assert_eq!(post_json(d.http, "/v1/sources/default", "{\"new\":0}").await.status, 200);
+    let keyed = |key: &'static str, body: &'static str| async move {
+        let headers = [("content-type", "application/json"), ("idempotency-key", key)];
+        request(d.http, "POST", "/v1/sources/default", &headers, body).await
+    };
+    let retry = keyed("d2", "{\"old\":2}").await;
+    assert_eq!(retry.status, 200);
+    assert_eq!(retry.json()["offsets"], serde_json::json!([1, 1]), "the retry was answered, not appended");
+    assert!(retry.headers.get("idempotent-replayed").is_none(), "{:?}", retry.headers);
+    let endpoint = request(d.http, "POST", &path, &[("authorization", token.as_str())], "{}").await;
+    assert_eq!(endpoint.status, 200, "the dynamic endpoint was not kept: {:?}", endpoint.body);
+    assert!(d.stop().success());
+    // Taken: the next start finds the log it now names.
+    let d = Daemon::restart(dir.path());
+    assert!(d.stop().success());
+}
+
 /// A state database that is gone (moved aside, deleted, lost) beside a log written
 /// before is not replaced by an empty one: the start is refused, exit 2, naming the
 /// way back and the way out, and changes nothing. Created empty, every record in the log

@@ -253,6 +253,9 @@ fn a_clean_log_verifies_dumps_inspects_and_salvages_to_the_same_records() {
     assert!(stdout(&o).contains("copied 40 record(s)"), "{}", stdout(&o));
     assert_eq!(code(&cli_in(&["verify"], &copy)), 0);
     assert_eq!(json_lines(&cli_in(&["dump", "--json"], &copy)), lines);
+    // The copy is the same log: it carries the source's identity.
+    let identity = |d: &Path| std::fs::read(d.join(wal::identity::LOG_ID_FILE)).unwrap();
+    assert_eq!(identity(&copy), identity(&dir));
     // Never into a directory that already holds a log.
     let o = cli(&["salvage", dir.to_str().unwrap(), "--out", copy.to_str().unwrap()]);
     assert_eq!(code(&o), 2, "{}", stderr(&o));
@@ -260,9 +263,8 @@ fn a_clean_log_verifies_dumps_inspects_and_salvages_to_the_same_records() {
     let names: Vec<String> =
         std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
     assert!(
-        names
-            .iter()
-            .all(|n| n.ends_with(".seg") || n == "clean-shutdown" || n == "wal.lock" || n == "durable-watermark"),
+        names.iter().all(|n| n.ends_with(".seg")
+            || ["clean-shutdown", "wal.lock", "durable-watermark", "log-id"].contains(&n.as_str())),
         "{names:?}"
     );
 }
