@@ -17,9 +17,14 @@ pub fn now_unix_ms() -> u64 {
 /// of a clock that ran behind, the sweep lags the wall clock by the correction for the
 /// rest of the run: ids stamped by the slow clock still get their whole window, later
 /// ones a little more. A new process starts from the wall clock.
+///
+/// The time is counted from one anchor (a wall-clock reading and the instant it was
+/// taken), moved only when the wall clock reads less than the count: counted from the
+/// last reading instead, each reading's fraction of a millisecond was dropped for good,
+/// and the sweep fell behind the wall clock by some 40 s a day at one checkpoint a second.
 #[derive(Debug, Default)]
 pub struct SweepClock {
-    last: Mutex<Option<(u64, Instant)>>,
+    anchor: Mutex<Option<(u64, Instant)>>,
 }
 
 impl SweepClock {
@@ -34,16 +39,19 @@ impl SweepClock {
 
     /// The sweep's time when the wall clock read `wall_unix_ms` at `at`.
     pub fn at(&self, wall_unix_ms: u64, at: Instant) -> u64 {
-        let mut last = self.last.lock().unwrap_or_else(|p| p.into_inner());
-        let now = match *last {
-            None => wall_unix_ms,
-            Some((then_ms, then)) => {
-                let passed_ms = u64::try_from(at.saturating_duration_since(then).as_millis()).unwrap_or(u64::MAX);
-                wall_unix_ms.min(then_ms.saturating_add(passed_ms))
+        let mut anchor = self.anchor.lock().unwrap_or_else(|p| p.into_inner());
+        let counted = anchor.map(|(anchor_ms, anchor_at)| {
+            let passed_ms = u64::try_from(at.saturating_duration_since(anchor_at).as_millis()).unwrap_or(u64::MAX);
+            anchor_ms.saturating_add(passed_ms)
+        });
+        match counted {
+            Some(counted) if counted <= wall_unix_ms => counted,
+            // The first reading, or the wall clock below the count (a step back): followed.
+            _ => {
+                *anchor = Some((wall_unix_ms, at));
+                wall_unix_ms
             }
-        };
-        *last = Some((now, at));
-        now
+        }
     }
 }
 
@@ -67,5 +75,23 @@ mod tests {
         // A step back is followed at once.
         assert_eq!(clock.at(900_000, t0 + Duration::from_secs(5)), 900_000);
         assert_eq!(clock.at(901_000, t0 + Duration::from_secs(6)), 901_000);
+    }
+
+    /// Read at instants that are not whole milliseconds apart (a checkpoint every second
+    /// or so), the sweep keeps to the wall clock: it lost each reading's fraction of a
+    /// millisecond, 6 s over these 10,000 readings, some 40 s a day.
+    #[test]
+    fn the_sweep_clock_does_not_fall_behind_a_wall_clock_in_step() {
+        let clock = SweepClock::new();
+        let t0 = Instant::now();
+        let start_ms = 1_700_000_000_000u64;
+        let mut swept = 0;
+        let mut wall = start_ms;
+        for i in 0..10_000u64 {
+            let passed = Duration::from_micros(i * 1_000_600);
+            wall = start_ms + u64::try_from(passed.as_millis()).unwrap();
+            swept = clock.at(wall, t0 + passed);
+        }
+        assert!(wall - swept <= 1, "the sweep is {} ms behind the wall clock", wall - swept);
     }
 }
