@@ -109,10 +109,7 @@ impl StartError {
             // every restart, until an operator salvages, upgrades or removes it.
             StartError::Wal { source, .. }
                 if source.is_corruption()
-                    || matches!(
-                        source,
-                        WalError::BadSegmentHeader { .. } | WalError::UnfinishedSalvage(_) | WalError::BadLogId { .. }
-                    ) =>
+                    || matches!(source, WalError::BadSegmentHeader { .. } | WalError::UnfinishedSalvage(_)) =>
             {
                 2
             }
@@ -139,7 +136,9 @@ pub enum StartError {
     /// never sent, and its delivery ids answer retries with offsets that hold other
     /// events. Nothing was used; `state forget-log` lets the database take this log.
     #[error(
-        "the log in {wal_dir} (identity {found:016x}) is not the log the state database {state_path} holds offsets of          (identity {recorded:016x}): it was replaced, or deleted and begun again; refusing to start (nothing was          changed)"
+        "the log in {wal_dir} (identity {found:016x}) is not the log the state database {state_path} holds offsets of \
+         (identity {recorded:016x}): it was replaced, deleted and begun again, or its identity file was damaged; \
+         refusing to start (nothing was changed)"
     )]
     LogNotTheStates { wal_dir: PathBuf, state_path: PathBuf, recorded: u64, found: u64 },
     #[error("cannot load a route mapping: {0}")]

@@ -237,11 +237,6 @@ fn start_hint(e: &daemon::StartError, data_dir: &Path) -> Option<String> {
              are kept. Otherwise put back the log this state was written beside (docs/operations.md, \"Backup and \
              restore\")"
         ),
-        StartError::Wal { source: wal::WalError::BadLogId { .. }, .. } => format!(
-            "the file is the log's identity, written once: if it was damaged, not replaced, put back a copy of it \
-             (from a backup of {dir}/wal); else remove it, and the next start refuses the log as another one until \
-             `iggy-ingest state forget-log --data-dir {dir} --yes`"
-        ),
         StartError::State(StateError::Open { unreadable: true, .. }) => format!(
             "the file is not a database this build can read (damaged?): `iggy-ingest state reset --data-dir {dir} \
              --yes` discards it: {RESET_DISCARDS}"

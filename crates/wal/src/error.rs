@@ -74,11 +74,9 @@ pub enum WalError {
     #[error("{dir}: a running writer holds this log and its durable state could not be read consistently: {why}")]
     Unsettled { dir: PathBuf, why: String },
 
-    /// The log's `log-id` is not whole ([`crate::identity`]): refused, never replaced,
-    /// since a new identity would disown every offset of this log kept elsewhere.
-    #[error(
-        "{path}: the log's identity is damaged ({problem}); nothing was changed (removing the file gives the log a new identity, which disowns what the state database holds of it)"
-    )]
+    /// The log's `log-id` is not whole ([`crate::identity`]); a writable open replaces it
+    /// ([`crate::OpenReport::log_id_damaged`]).
+    #[error("{path}: the log's identity is damaged ({problem})")]
     BadLogId { path: PathBuf, problem: &'static str },
 
     #[error("log is open read-only")]

@@ -16,10 +16,12 @@
 //!   one yet has promised nothing to anyone.
 //! - Never changed afterwards: no open rewrites a whole one. A salvage copy carries its
 //!   source's (the same records at the same offsets), an in-place salvage keeps it.
-//! - A `log-id` that is not whole (its length, magic or checksum) refuses the writable
-//!   open ([`WalError::BadLogId`]): a new identity in its place would disown every offset
-//!   kept elsewhere, and that is an operator's decision (removing the file), not the
-//!   log's.
+//! - A `log-id` that is not whole (its length, magic or checksum: damage) is replaced by a
+//!   new identity, with a warning and in the open's report
+//!   ([`crate::OpenReport::log_id_damaged`]): the log itself stays usable, and a keeper of
+//!   its offsets, finding another identity than the one it recorded, refuses it until an
+//!   operator decides (the daemon's `state forget-log`). Refusing the open instead would
+//!   leave the operator nothing to do but remove the file, to the same end.
 //! - Never 0: a keeper of offsets may use 0 for "no log known".
 
 use std::hash::{BuildHasher, Hasher};

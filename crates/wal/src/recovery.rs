@@ -73,8 +73,10 @@ pub struct OpenReport {
     /// `None` after a read-only one (which neither reads nor writes it).
     pub log_id: Option<u64>,
     /// This open gave the log its identity: it had none (a new log, or one an earlier
-    /// build wrote).
+    /// build wrote), or one that was not whole ([`OpenReport::log_id_damaged`]).
     pub log_id_created: bool,
+    /// What was wrong with the identity this open replaced, when it was damaged.
+    pub log_id_damaged: Option<String>,
 }
 
 /// What a salvage kept, moved and skipped.
@@ -179,12 +181,19 @@ fn open_bounded(
     let has_marker = bound.is_none() && names.iter().any(|n| n == CLEAN_MARKER_FILE);
     let marker = if has_marker { read_marker(&*storage, &dir.join(CLEAN_MARKER_FILE))? } else { None };
     if !read_only {
-        report.log_id = Some(match crate::identity::read(&*storage, &dir)? {
-            Some(id) => id,
-            None => {
+        report.log_id = Some(match crate::identity::read(&*storage, &dir) {
+            Ok(Some(id)) => id,
+            Ok(None) => {
                 report.log_id_created = true;
                 crate::identity::create(&*storage, &dir)?
             }
+            Err(damaged @ WalError::BadLogId { .. }) => {
+                tracing::warn!(error = %damaged, "the log's identity is damaged: the log is given a new one");
+                report.log_id_created = true;
+                report.log_id_damaged = Some(damaged.to_string());
+                crate::identity::create(&*storage, &dir)?
+            }
+            Err(e) => return Err(e),
         });
     }
 

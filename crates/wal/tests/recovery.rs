@@ -1100,11 +1100,11 @@ fn a_log_keeps_its_identity_and_a_log_begun_again_has_another() {
     assert_ne!(second, first, "a log begun again took the old one's identity");
 }
 
-/// An identity that is not whole refuses the writable open, naming the file, and is left
-/// as it is: a new one in its place would disown every offset of this log kept elsewhere.
-/// Removed, the log gets a new one.
+/// An identity that is not whole is damage: the writable open gives the log a new one and
+/// says what was wrong, the records kept; the keeper of the log's offsets then finds an
+/// identity other than the one it recorded. Removed, the log gets a new one too.
 #[test]
-fn a_damaged_identity_refuses_the_open_and_is_not_replaced() {
+fn a_damaged_identity_is_replaced_and_said() {
     let sim = SimStorage::new();
     let wal = open(&sim, small_options());
     let first = wal.open_report().log_id.unwrap();
@@ -1116,17 +1116,25 @@ fn a_damaged_identity_refuses_the_open_and_is_not_replaced() {
     assert_eq!(bytes.len(), wal::identity::LOG_ID_LEN);
     bytes[9] ^= 0x01;
     sim.write_file_durably(&path, &bytes).unwrap();
-    let err = try_open(&sim, small_options()).unwrap_err();
-    assert!(matches!(err, WalError::BadLogId { ref path, .. } if path.ends_with("log-id")), "{err}");
-    assert_eq!(sim.read_file(&path).unwrap(), bytes, "the damaged identity was changed");
-    // Read-only tools still read the log.
+    // Read-only tools read the log without it.
     assert!(wal::inspect::verify(&sim, &dir(), &mut |_| {}).unwrap().is_clean());
+    let wal = open(&sim, small_options());
+    let report = wal.open_report().clone();
+    assert!(report.log_id_created);
+    assert!(report.log_id_damaged.as_deref().is_some_and(|d| d.contains("checksum")), "{report:?}");
+    let second = report.log_id.unwrap();
+    assert_ne!(second, first);
+    assert_eq!(read_all(&wal, 0).len(), 3, "the records are kept");
+    rt().block_on(wal.close()).unwrap();
+    drop(wal);
+    let wal = open(&sim, small_options());
+    assert_eq!((wal.open_report().log_id, wal.open_report().log_id_damaged.as_ref()), (Some(second), None));
+    drop(wal);
 
     sim.remove_file(&path).unwrap();
     let wal = open(&sim, small_options());
     assert!(wal.open_report().log_id_created);
-    assert_ne!(wal.open_report().log_id, Some(first));
-    assert_eq!(read_all(&wal, 0).len(), 3, "the records are kept");
+    assert_ne!(wal.open_report().log_id, Some(second));
 }
 
 /// A power loss at any step of writing the identity leaves a log that opens, with an
