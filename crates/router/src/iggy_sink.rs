@@ -479,7 +479,15 @@ impl IggySink {
         tokio::spawn(async move {
             match open_connection(&config).await {
                 Ok(connection) => idle.lock().unwrap_or_else(|p| p.into_inner()).push(connection),
-                Err(e) => tracing::debug!(error = %e, "a replacement connection to iggy failed"),
+                // Said: the old connection keeps serving, so a password changed or a user
+                // disabled on the server shows here first, before the old one ends.
+                Err(e) => {
+                    static LOG: ingest::log_limit::LogLimit =
+                        ingest::log_limit::LogLimit::every(std::time::Duration::from_secs(60));
+                    if let Some(suppressed) = LOG.admit() {
+                        tracing::warn!(error = %e, suppressed, "a replacement connection to iggy failed; the older one keeps serving");
+                    }
+                }
             }
             replacing.store(false, Ordering::Release);
         });
@@ -968,16 +976,31 @@ async fn ensure_on(
         ) => {}
         Err(e) => return Err(e),
     }
+    // Each creation is said and counted: at first use, as after the stream or topic was
+    // deleted on the server (or the server replaced by an empty one), when it is made
+    // again with `topic_defaults`, not with whatever settings it had.
     if client.get_stream(&stream).await?.is_none() {
         match client.create_stream(&dest.stream).await {
-            Ok(_) | Err(IggyError::StreamNameAlreadyExists(_)) => {}
+            Ok(_) => {
+                tracing::info!(stream = %dest.stream, "created the stream on the iggy server");
+            }
+            Err(IggyError::StreamNameAlreadyExists(_)) => {}
             Err(e) => return Err(e),
         }
     }
     let details = match client.get_topic(&stream, &topic).await? {
         Some(d) => d,
         None => match client.create_topic(&stream, &dest.topic, options).await {
-            Ok(d) => d,
+            Ok(d) => {
+                metrics::counter!("iggy_connector_destinations_created_total").increment(1);
+                tracing::info!(
+                    stream = %dest.stream,
+                    topic = %dest.topic,
+                    partitions = d.partitions_count,
+                    "created the topic on the iggy server, with router.topic_defaults"
+                );
+                d
+            }
             Err(IggyError::TopicNameAlreadyExists(..)) => client
                 .get_topic(&stream, &topic)
                 .await?

@@ -256,6 +256,12 @@ pub fn catalog() -> Vec<Metric> {
             "Connections to Iggy replaced for reaching iggy.connection_max_age_ms",
         ),
         m(
+            "iggy_connector_destinations_created_total",
+            Counter,
+            &[],
+            "Topics the router created on the Iggy server (with their stream where it was missing), with router.topic_defaults: at first use, and again after one was deleted there",
+        ),
+        m(
             "iggy_connector_messages_routed_total",
             Counter,
             &["connector_key"],

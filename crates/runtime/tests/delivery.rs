@@ -122,16 +122,20 @@ async fn accepted_events_reach_the_test_broker_and_the_admin_api_shows_the_desti
     assert_eq!(request(daemon.admin, "GET", "/connectors/nope/destinations", &[], "").await.status, 404);
     let metrics = String::from_utf8(request(daemon.admin, "GET", "/metrics", &[], "").await.body.to_vec()).unwrap();
     assert!(metrics.contains("iggy_connector_messages_routed_total{connector_key=\"default\"} 50"), "{metrics}");
+    // The topic was created on the broker, once, and that is counted.
+    assert!(metrics.contains("\niggy_connector_destinations_created_total 1\n"), "{metrics}");
     assert!(daemon.stop().success());
 
     // After a clean stop and a start, delivery goes on from the stored cursor: the next
     // event is the only one sent (a lane sends in log order, so a re-send of the first
-    // fifty would come before it).
+    // fifty would come before it). The topic is there: nothing is created.
     let daemon = Daemon::start(dir.path(), "", &rest(broker.addr()));
     post_numbered(daemon.http, 50..51).await;
     first_lane_once_its_cursor_reaches(daemon.admin, 51).await;
     assert_eq!(delivered_ns(&broker), (0..51).collect::<Vec<_>>());
     assert_eq!(broker.messages("ingest", "events").len(), 51, "sent again after a clean restart");
+    let metrics = String::from_utf8(request(daemon.admin, "GET", "/metrics", &[], "").await.body.to_vec()).unwrap();
+    assert!(metrics.contains("\niggy_connector_destinations_created_total 0\n"), "{metrics}");
     assert!(daemon.stop().success());
 }
 
