@@ -271,10 +271,11 @@ impl std::fmt::Debug for StateDb {
 
 /// The most memory redb may keep of the database's pages (read and written): 64 MiB.
 /// redb's default is 1 GiB, which a database of delivery ids fills as it grows (some
-/// 330 bytes an id: at 40 keyed requests a second and the default day of retention, a
+/// 250 bytes an id: at 50 keyed requests a second and the default day of retention, a
 /// 1 GiB database), so that the daemon's resident memory grew with the ids it kept, up
 /// to 1 GiB more than its requests in flight need. Pages past it are read again from
-/// the file (the kernel's page cache keeps them), a few microseconds a lookup.
+/// the file, through the kernel's page cache (docs/performance.md, "The state
+/// database's cache": keyed requests about 6 % slower there).
 pub const CACHE_BYTES: usize = 64 << 20;
 
 /// A redb builder whose cache is [`CACHE_BYTES`].
@@ -466,27 +467,30 @@ impl StateDb {
         }
     }
 
-    /// The identity of the log whose offsets this database holds, `None` when none is
-    /// recorded ([`META_LOG_ID`]).
-    pub fn log_id(&self) -> Result<Option<u64>, StateError> {
-        let db = self.db()?;
-        let txn = db.begin_read().map_err(storage_err)?;
-        match open_table_if_present(&txn, META)? {
-            Some(meta) => Ok(meta.get(META_LOG_ID).map_err(storage_err)?.map(|v| v.value())),
-            None => Ok(None),
-        }
-    }
-
-    /// Records, durably, `id` as the identity of the log whose offsets this database
-    /// holds.
-    pub fn record_log_id(&self, id: u64) -> Result<(), StateError> {
+    /// Checks that the log beside this database, of identity `log_id`, is the one whose
+    /// offsets it holds ([`META_LOG_ID`]), recording it durably where none is recorded
+    /// yet: `Ok(Recorded)` for a log this database now names, `Ok(Same)` for the one it
+    /// named, `Ok(Other(recorded))` for another, nothing changed. One write transaction.
+    pub fn check_or_record_log_id(&self, log_id: u64) -> Result<LogIdCheck, StateError> {
         let db = self.db()?;
         let txn = db.begin_write().map_err(storage_err)?;
-        {
+        let check = {
             let mut meta = txn.open_table(META).map_err(storage_err)?;
-            meta.insert(META_LOG_ID, id).map_err(storage_err)?;
+            let recorded = meta.get(META_LOG_ID).map_err(storage_err)?.map(|v| v.value());
+            match recorded {
+                Some(r) if r == log_id => LogIdCheck::Same,
+                Some(r) => LogIdCheck::Other(r),
+                None => {
+                    meta.insert(META_LOG_ID, log_id).map_err(storage_err)?;
+                    LogIdCheck::Recorded
+                }
+            }
+        };
+        match check {
+            LogIdCheck::Recorded => txn.commit().map_err(storage_err)?,
+            _ => txn.abort().map_err(storage_err)?,
         }
-        txn.commit().map_err(storage_err)
+        Ok(check)
     }
 
     /// Overwrites the stored schema version. For tests of the mismatch path and for an
@@ -653,7 +657,7 @@ pub enum Migration {
 pub fn migrate(path: &Path) -> Result<Migration, StateError> {
     use crate::idempotency::{META_KEYS_BELOW, META_KEYS_SCOPED_BY_ENDPOINT};
     read_from_disk(&wal::storage::FsStorage, path);
-    let db = Database::open(path).map_err(|e| open_err(path, e))?;
+    let db = bounded_cache().open(path).map_err(|e| open_err(path, e))?;
     let txn = db.begin_write().map_err(storage_err)?;
     let found = {
         let meta = txn.open_table(META).map_err(storage_err)?;
@@ -685,6 +689,16 @@ pub fn migrate(path: &Path) -> Result<Migration, StateError> {
     }
 }
 
+/// What [`StateDb::check_or_record_log_id`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogIdCheck {
+    /// None was recorded: this log's is now.
+    Recorded,
+    Same,
+    /// Another log's, recorded before.
+    Other(u64),
+}
+
 /// What [`forget_log`] forgot.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ForgottenLog {
@@ -705,7 +719,7 @@ pub fn forget_log(path: &Path) -> Result<ForgottenLog, StateError> {
     use crate::cursors::CURSORS;
     use crate::idempotency::{META_INDEXED_THROUGH, META_KEYS_BELOW, META_MISSING_RANGES_RECONCILED};
     read_from_disk(&wal::storage::FsStorage, path);
-    let db = Database::open(path).map_err(|e| held_or_open_err(path, e))?;
+    let db = bounded_cache().open(path).map_err(|e| held_or_open_err(path, e))?;
     let txn = db.begin_write().map_err(storage_err)?;
     let (found, log_id) = {
         let meta = txn.open_table(META).map_err(storage_err)?;

@@ -1114,7 +1114,10 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
     let http = root.key("http");
     let http_listen = c.addr(&http.key("listen"), &config.http.listen);
     let max_body_bytes = c.positive(&http.key("max_body_bytes"), config.http.max_body_bytes);
-    if max_body_bytes > router::IGGY_PAYLOAD_MAX_BYTES {
+    // Past it, the per-source checks of what a body takes are not run (their arithmetic
+    // can saturate), and the limit is refused once, here.
+    let body_limit_refused = max_body_bytes > router::IGGY_PAYLOAD_MAX_BYTES;
+    if body_limit_refused {
         // A single event takes the whole body: past this it would be accepted, and its
         // destination would refuse it for ever, blocking the events behind it.
         c.err(
@@ -1666,9 +1669,7 @@ pub fn validate(config: &Config, text: Option<&str>, file: Option<PathBuf>) -> R
         };
         // The largest event plus the largest envelope this source writes must be a
         // record the log takes, or a body within max_body_bytes could get 413. (Neither
-        // this nor the room below is said of a body limit already refused: past Iggy's
-        // largest payload, what a request takes can saturate the arithmetic.)
-        let body_limit_refused = max_body_bytes > router::IGGY_PAYLOAD_MAX_BYTES;
+        // this nor the room below is said of a body limit already refused.)
         let envelope_max_bytes = spec.envelope_max_bytes() as u128;
         let record_bytes = max_body_bytes as u128 + envelope_max_bytes;
         if !body_limit_refused && record_bytes > u128::from(record_max_bytes) {

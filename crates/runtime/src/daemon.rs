@@ -137,10 +137,9 @@ pub enum StartError {
     /// events. Nothing was used; `state forget-log` lets the database take this log.
     #[error(
         "the log in {wal_dir} (identity {found:016x}) is not the log the state database {state_path} holds offsets of \
-         (identity {recorded:016x}): it was replaced, deleted and begun again, or its identity file was damaged; \
-         refusing to start (nothing was changed)"
+         (identity {recorded:016x}): {cause}; refusing to start (the state database was not changed)"
     )]
-    LogNotTheStates { wal_dir: PathBuf, state_path: PathBuf, recorded: u64, found: u64 },
+    LogNotTheStates { wal_dir: PathBuf, state_path: PathBuf, recorded: u64, found: u64, cause: String },
     #[error("cannot load a route mapping: {0}")]
     Mapping(String),
     #[error("cannot start delivery: {0}")]
@@ -561,22 +560,22 @@ async fn open_on_log(settings: &Settings, wal: &Arc<Wal>) -> Result<OnLog, Start
     // answers, the cursors): they must be this log's.
     if let Some(found) = wal.open_report().log_id {
         let s = state.clone();
-        let recorded = tokio::task::spawn_blocking(move || s.log_id())
+        let checked = tokio::task::spawn_blocking(move || s.check_or_record_log_id(found))
             .await
             .map_err(|e| StateError::Storage(format!("log identity task failed: {e}")))??;
-        match recorded {
-            Some(recorded) if recorded != found => {
+        match checked {
+            ingest::state::LogIdCheck::Other(recorded) => {
+                let cause = match &wal.open_report().log_id_damaged {
+                    Some(damage) => format!("its identity was damaged ({damage}), and the log was given a new one"),
+                    None => "it was replaced, or deleted and begun again".to_string(),
+                };
                 let wal_dir = settings.wal_dir();
-                return Err(StartError::LogNotTheStates { wal_dir, state_path, recorded, found });
+                return Err(StartError::LogNotTheStates { wal_dir, state_path, recorded, found, cause });
             }
-            Some(_) => {}
-            None => {
-                let s = state.clone();
-                tokio::task::spawn_blocking(move || s.record_log_id(found))
-                    .await
-                    .map_err(|e| StateError::Storage(format!("log identity task failed: {e}")))??;
+            ingest::state::LogIdCheck::Recorded => {
                 tracing::info!(log_id = %format!("{found:016x}"), "the state database now holds offsets of this log");
             }
+            ingest::state::LogIdCheck::Same => {}
         }
     }
     let idempotency = Arc::new(

@@ -755,45 +755,64 @@ async fn connections_are_capped_and_idle_ones_are_closed() {
     assert!(d.stop().success());
 }
 
-/// A state database beside another log than the one its offsets name (the log deleted
-/// and begun again, or another daemon's moved in) refuses the start, exit 2, naming the
-/// way out, before it uses any of them: started, a retry of a delivery the old log held
-/// was answered 200 "already accepted" with offsets that hold other events in the new
-/// one, and its cursors would pass over records never sent. `state forget-log --yes`
-/// (a dry run first, which changes nothing) lets it take the log: the retry is appended
-/// again, and dynamic endpoints are kept.
+/// A state database beside another log than the one its offsets name (another daemon's
+/// moved in, or the log deleted and begun again) refuses the start, exit 2, naming the
+/// way out, before it uses or changes any of them: started, a retry of a delivery the old
+/// log held was answered 200 "already accepted" with offsets that hold other events in
+/// the other log, and its cursors would pass over records never sent. Its own log put
+/// back, it answers that retry as before. `state forget-log --yes` (a dry run first,
+/// which changes nothing) lets it take the other log: the retry is appended, not
+/// answered with the other log's record at its old offset, and dynamic endpoints are
+/// kept.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_state_database_beside_another_log_refuses_to_start_until_it_forgets_its_log() {
+    async fn keyed(http: std::net::SocketAddr, key: &str, body: &str) -> Answer {
+        let headers = [("content-type", "application/json"), ("idempotency-key", key)];
+        request(http, "POST", "/v1/sources/default", &headers, body.to_string()).await
+    }
+    let replayed = |a: &Answer| a.headers.get("idempotent-replayed").is_some();
     let (d, dir, _, reg) = daemon_with_an_endpoint("bearer").await;
     let (path, token) = (reg["path"].as_str().unwrap().to_string(), bearer(reg["secret"].as_str().unwrap()));
-    let keyed = |key: &'static str, body: &'static str| async move {
-        let headers = [("content-type", "application/json"), ("idempotency-key", key)];
-        request(d.http, "POST", "/v1/sources/default", &headers, body).await
-    };
-    for (key, n) in [("d1", "{\"old\":1}"), ("d2", "{\"old\":2}")] {
-        assert_eq!(keyed(key, n).await.status, 200);
+    for (key, body) in [("d1", "{\"old\":1}"), ("d2", "{\"old\":2}")] {
+        assert_eq!(keyed(d.http, key, body).await.status, 200);
     }
     assert!(d.stop().success());
     let data = dir.path().join("data");
+    let (wal, own, others) = (data.join("wal"), dir.path().join("wal.own"), dir.path().join("wal.other"));
     let cfg = dir.path().join("config.toml");
 
-    // Another daemon's log, moved in; then this log deleted and begun again.
+    // Another daemon's log of three records, moved in: refused.
     let other = tempfile::tempdir().unwrap();
     let o = Daemon::start(other.path(), "", SOURCES);
     for n in 0..3 {
         assert_eq!(post_json(o.http, "/v1/sources/default", &format!("{{\"other\":{n}}}")).await.status, 200);
     }
     assert!(o.stop().success());
-    std::fs::rename(data.join("wal"), dir.path().join("wal.own")).unwrap();
-    std::fs::rename(other.path().join("data").join("wal"), data.join("wal")).unwrap();
+    std::fs::rename(other.path().join("data").join("wal"), &others).unwrap();
+    std::fs::rename(&wal, &own).unwrap();
+    std::fs::rename(&others, &wal).unwrap();
     let (code, err) = refused_start(&cfg);
     assert_eq!(code, Some(2), "{err}");
     assert!(err.contains("is not the log the state database") && err.contains("state forget-log"), "{err}");
-    std::fs::remove_dir_all(data.join("wal")).unwrap();
+
+    // Its own log back: nothing was used or changed, the retry is answered as before.
+    std::fs::rename(&wal, &others).unwrap();
+    std::fs::rename(&own, &wal).unwrap();
+    let d = Daemon::restart(dir.path());
+    let retry = keyed(d.http, "d2", "{\"old\":2}").await;
+    assert_eq!((retry.status, replayed(&retry)), (200, true), "{:?}", retry.body);
+    assert_eq!(retry.json()["offsets"], serde_json::json!([1, 1]));
+    assert!(d.stop().success());
+
+    // Its log deleted and begun again: refused too.
+    std::fs::remove_dir_all(&wal).unwrap();
     let (code, err) = refused_start(&cfg);
     assert_eq!(code, Some(2), "a log begun again was taken for the old one: {err}");
-    assert!(err.contains("is not the log the state database"), "{err}");
+    assert!(err.contains("deleted and begun again"), "{err}");
 
+    // Told to take the other log.
+    std::fs::remove_dir_all(&wal).unwrap();
+    std::fs::rename(&others, &wal).unwrap();
     let cli = |args: &[&str]| data_dir_cli(&data, args);
     let dry = cli(&["state", "forget-log"]);
     assert!(dry.status.success(), "{}", String::from_utf8_lossy(&dry.stderr));
@@ -801,28 +820,31 @@ async fn a_state_database_beside_another_log_refuses_to_start_until_it_forgets_i
     assert_eq!(refused_start(&cfg).0, Some(2), "a dry run let the state take the log");
     let forgot = cli(&["state", "forget-log", "--yes"]);
     assert!(forgot.status.success(), "{}", String::from_utf8_lossy(&forgot.stderr));
-    assert!(
-        String::from_utf8_lossy(&forgot.stdout).contains("2 delivery ids"),
-        "{}",
-        String::from_utf8_lossy(&forgot.stdout)
-    );
+    let said = String::from_utf8_lossy(&forgot.stdout).to_string();
+    assert!(said.contains("2 delivery ids"), "{said}");
 
     let d = Daemon::restart(dir.path());
-    assert_eq!(post_json(d.http, "/v1/sources/default", "{\"new\":0}").await.status, 200);
-    let keyed = |key: &'static str, body: &'static str| async move {
-        let headers = [("content-type", "application/json"), ("idempotency-key", key)];
-        request(d.http, "POST", "/v1/sources/default", &headers, body).await
-    };
-    let retry = keyed("d2", "{\"old\":2}").await;
-    assert_eq!(retry.status, 200);
-    assert_eq!(retry.json()["offsets"], serde_json::json!([1, 1]), "the retry was answered, not appended");
-    assert!(retry.headers.get("idempotent-replayed").is_none(), "{:?}", retry.headers);
+    // The other log's offset 1 holds its record: the retry must not be answered with it.
+    let retry = keyed(d.http, "d2", "{\"old\":2}").await;
+    assert_eq!((retry.status, replayed(&retry)), (200, false), "{:?}", retry.body);
+    assert_eq!(retry.json()["offsets"], serde_json::json!([3, 3]), "the retry was not appended after the log's three");
     let endpoint = request(d.http, "POST", &path, &[("authorization", token.as_str())], "{}").await;
     assert_eq!(endpoint.status, 200, "the dynamic endpoint was not kept: {:?}", endpoint.body);
     assert!(d.stop().success());
     // Taken: the next start finds the log it now names.
     let d = Daemon::restart(dir.path());
     assert!(d.stop().success());
+
+    // Its identity damaged on the disk: the log is given a new one (the damaged one kept
+    // aside), and the start refuses, saying so.
+    let id_file = wal.join(wal::identity::LOG_ID_FILE);
+    let mut bytes = std::fs::read(&id_file).unwrap();
+    bytes[10] ^= 0x40;
+    std::fs::write(&id_file, &bytes).unwrap();
+    let (code, err) = refused_start(&cfg);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("its identity was damaged"), "{err}");
+    assert_eq!(std::fs::read(wal.join(wal::identity::LOG_ID_DAMAGED_FILE)).unwrap(), bytes);
 }
 
 /// A state database that is gone (moved aside, deleted, lost) beside a log written
@@ -1058,7 +1080,7 @@ fn state_commands_that_change_the_database_refuse_while_a_daemon_holds_the_log()
     let before = std::fs::read(data.join("state.redb")).unwrap();
     let cli = |args: &[&str]| data_dir_cli(&data, args);
     let held = wal::Wal::open(data.join("wal"), wal::WalOptions::default()).unwrap();
-    for args in [&["state", "reset", "--yes"][..], &["state", "migrate"][..]] {
+    for args in [&["state", "reset", "--yes"][..], &["state", "migrate"][..], &["state", "forget-log", "--yes"][..]] {
         let out = cli(args);
         assert_eq!(out.status.code(), Some(1), "{args:?}: {}", String::from_utf8_lossy(&out.stdout));
         let err = String::from_utf8_lossy(&out.stderr);
@@ -1070,6 +1092,8 @@ fn state_commands_that_change_the_database_refuse_while_a_daemon_holds_the_log()
     drop(held);
     let migrated = cli(&["state", "migrate"]);
     assert!(migrated.status.success(), "{}", String::from_utf8_lossy(&migrated.stderr));
+    let forgot = cli(&["state", "forget-log", "--yes"]);
+    assert!(forgot.status.success(), "{}", String::from_utf8_lossy(&forgot.stderr));
     let reset = cli(&["state", "reset", "--yes"]);
     assert!(reset.status.success(), "{}", String::from_utf8_lossy(&reset.stderr));
     assert!(!data.join("state.redb").exists());

@@ -251,6 +251,7 @@ fn a_clean_log_verifies_dumps_inspects_and_salvages_to_the_same_records() {
     let o = cli(&["salvage", dir.to_str().unwrap(), "--out", copy.to_str().unwrap()]);
     assert_eq!(code(&o), 0, "{}{}", stdout(&o), stderr(&o));
     assert!(stdout(&o).contains("copied 40 record(s)"), "{}", stdout(&o));
+    assert!(stdout(&o).contains("the copy carries the log's identity"), "{}", stdout(&o));
     assert_eq!(code(&cli_in(&["verify"], &copy)), 0);
     assert_eq!(json_lines(&cli_in(&["dump", "--json"], &copy)), lines);
     // The copy is the same log: it carries the source's identity.

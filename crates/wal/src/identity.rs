@@ -16,8 +16,8 @@
 //!   one yet has promised nothing to anyone.
 //! - Never changed afterwards: no open rewrites a whole one. A salvage copy carries its
 //!   source's (the same records at the same offsets), an in-place salvage keeps it.
-//! - A `log-id` that is not whole (its length, magic or checksum: damage) is replaced by a
-//!   new identity, with a warning and in the open's report
+//! - A `log-id` that is not whole (its length, magic or checksum: damage) is moved to
+//!   `log-id.damaged` and replaced by a new identity, with a warning and in the open's report
 //!   ([`crate::OpenReport::log_id_damaged`]): the log itself stays usable, and a keeper of
 //!   its offsets, finding another identity than the one it recorded, refuses it until an
 //!   operator decides (the daemon's `state forget-log`). Refusing the open instead would
@@ -32,6 +32,10 @@ use crate::storage::{OpenMode, Storage, read_up_to_at};
 
 /// The file's name in the log's directory.
 pub const LOG_ID_FILE: &str = "log-id";
+
+/// Where a damaged identity is moved before a new one is written, as evidence (replaced
+/// by the next one damaged).
+pub const LOG_ID_DAMAGED_FILE: &str = "log-id.damaged";
 
 /// Its length: magic, the identity, the CRC32 of both.
 pub const LOG_ID_LEN: usize = 20;

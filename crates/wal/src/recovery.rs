@@ -188,7 +188,11 @@ fn open_bounded(
                 crate::identity::create(&*storage, &dir)?
             }
             Err(damaged @ WalError::BadLogId { .. }) => {
-                tracing::warn!(error = %damaged, "the log's identity is damaged: the log is given a new one");
+                // Kept aside, not overwritten: the evidence of what was there.
+                let (from, to) =
+                    (dir.join(crate::identity::LOG_ID_FILE), dir.join(crate::identity::LOG_ID_DAMAGED_FILE));
+                storage.rename(&from, &to).map_err(io_err(&to))?;
+                tracing::warn!(error = %damaged, kept_as = %to.display(), "the log's identity is damaged: the log is given a new one");
                 report.log_id_created = true;
                 report.log_id_damaged = Some(damaged.to_string());
                 crate::identity::create(&*storage, &dir)?

@@ -448,10 +448,15 @@ fn copy_bounded(
         b"a salvage copy is being made\n",
     )?;
     let mut report = CopyReport::default();
-    // A damaged identity is not copied: the copy has none, as a source without one.
-    if let Ok(Some(id)) = crate::identity::read(storage, src) {
-        crate::identity::write(storage, dst, id)?;
-        report.log_id = Some(id);
+    // A damaged identity is not copied: the copy has none, as a source without one (its
+    // first writable open gives it one). Any other failure to read it fails the copy.
+    match crate::identity::read(storage, src) {
+        Ok(Some(id)) => {
+            crate::identity::write(storage, dst, id)?;
+            report.log_id = Some(id);
+        }
+        Ok(None) | Err(WalError::BadLogId { .. }) => {}
+        Err(e) => return Err(e),
     }
     let mut out = Out {
         storage,

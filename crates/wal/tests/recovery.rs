@@ -1124,6 +1124,8 @@ fn a_damaged_identity_is_replaced_and_said() {
     assert!(report.log_id_damaged.as_deref().is_some_and(|d| d.contains("checksum")), "{report:?}");
     let second = report.log_id.unwrap();
     assert_ne!(second, first);
+    let kept = sim.read_file(&dir().join(wal::identity::LOG_ID_DAMAGED_FILE)).unwrap();
+    assert_eq!(kept, bytes, "the damaged identity was not kept aside as it was");
     assert_eq!(read_all(&wal, 0).len(), 3, "the records are kept");
     rt().block_on(wal.close()).unwrap();
     drop(wal);
@@ -1141,19 +1143,27 @@ fn a_damaged_identity_is_replaced_and_said() {
 /// identity that reads back whole at every later open.
 #[test]
 fn a_power_loss_while_the_identity_is_written_leaves_a_log_that_opens() {
-    for n in 1..=8 {
+    // At each mutation of the first open (the directory, the lock, the identity's file,
+    // write, sync, rename and the directory's sync, then the first segment's), until the
+    // open makes no more.
+    let mut crashed_at = 0;
+    for n in 1.. {
         let sim = SimStorage::new();
-        // The first open's steps: the directory, the lock, the identity, the segment.
-        sim.crash_at_nth(FaultOp::Sync, n, CrashMode::LoseUnsynced);
+        sim.crash_at_nth(FaultOp::AnyMutation, n, CrashMode::LoseUnsynced);
         let _ = try_open(&sim, small_options());
-        sim.disarm();
+        if sim.armed_faults() > 0 {
+            break;
+        }
+        crashed_at = n;
         let wal = open(&sim, small_options());
+        assert_eq!(wal.open_report().log_id_damaged, None, "mutation {n}: a torn identity was found");
         let id = wal.open_report().log_id.unwrap();
         append_tagged(&wal, 0..2, 90);
         rt().block_on(wal.close()).unwrap();
         drop(wal);
         let wal = open(&sim, small_options());
-        assert_eq!(wal.open_report().log_id, Some(id), "sync {n}: the identity changed after it was used");
+        assert_eq!(wal.open_report().log_id, Some(id), "mutation {n}: the identity changed after it was used");
         assert_eq!(read_all(&wal, 0).len(), 2);
     }
+    assert!(crashed_at >= 8, "the first open made {crashed_at} mutations");
 }

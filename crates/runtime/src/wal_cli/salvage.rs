@@ -130,6 +130,7 @@ fn print(a: &SalvageArgs, report: &wal::salvage_copy::CopyReport) -> CliResult<(
                 "source_gaps": report.source_gaps.iter().map(|(a, b)| json!({"first": a, "last": b})).collect::<Vec<_>>(),
                 "skipped": report.skipped.iter().map(|s| json!({"file": path_json(&s.file), "from": s.from, "to": s.to, "records": s.records, "why": s.why, "torn_tail": s.torn_tail})).collect::<Vec<_>>(),
                 "partial_batch_records": report.partial_batch_records(),
+                "log_id": report.log_id.map(|id| format!("{id:016x}")),
             }),
         )?;
     } else {
@@ -194,6 +195,17 @@ fn print(a: &SalvageArgs, report: &wal::salvage_copy::CopyReport) -> CliResult<(
             report.segments_written,
             report.end_offset,
         )?;
+        // Whether a state database beside the log will take the copy in its place.
+        match report.log_id {
+            Some(id) => writeln!(
+                out,
+                "the copy carries the log's identity ({id:016x}): moved into the log's place, the state database beside it takes it"
+            )?,
+            None => writeln!(
+                out,
+                "the copy carries no identity (the log had none that reads whole): moved into the log's place, a start refuses it as another log until `iggy-ingest state forget-log --data-dir DATA_DIR --yes` (its records are then delivered again)"
+            )?,
+        }
     }
     out.flush()?;
     Ok(())
