@@ -106,7 +106,9 @@ pub enum CursorsSnapshot {
     /// The database was free: every stored cursor, and the schema version.
     /// `from_repaired_copy`: it was not closed cleanly, and was read from a repaired copy
     /// ([`crate::state::REPAIRED_COPY_NOTE`]).
-    Read { schema_version: Option<u64>, cursors: Vec<CursorRow>, from_repaired_copy: bool },
+    /// `log_id`: the identity of the log whose offsets the cursors are (`None`: none
+    /// recorded, a database from before identities or not started yet).
+    Read { schema_version: Option<u64>, cursors: Vec<CursorRow>, from_repaired_copy: bool, log_id: Option<u64> },
     /// A running daemon holds the database (redb locks it for as long as it is open).
     HeldByRunningDaemon,
     /// No database at that path.
@@ -149,7 +151,11 @@ pub fn read_cursors_read_only(path: &std::path::Path) -> Result<CursorsSnapshot,
     {
         return Err(StateError::SchemaMismatch { path: path.to_path_buf(), found: v, expected: SCHEMA_VERSION });
     }
-    Ok(CursorsSnapshot::Read { schema_version, cursors: cursors_in(&txn)?, from_repaired_copy })
+    let log_id = match crate::state::open_table_if_present(&txn, crate::state::META)? {
+        Some(meta) => meta.get(crate::state::META_LOG_ID).map_err(storage_err)?.map(|v| v.value()),
+        None => None,
+    };
+    Ok(CursorsSnapshot::Read { schema_version, cursors: cursors_in(&txn)?, from_repaired_copy, log_id })
 }
 
 #[cfg(test)]

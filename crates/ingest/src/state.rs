@@ -543,6 +543,8 @@ fn create_whole(
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StateInventory {
     pub schema_version: Option<u64>,
+    /// The identity of the log whose offsets it holds ([`META_LOG_ID`]), when recorded.
+    pub log_id: Option<u64>,
     /// Every table and its number of entries, by name.
     pub tables: Vec<(String, u64)>,
     /// Read from a repaired copy: the database was not closed cleanly.
@@ -558,6 +560,7 @@ impl StateInventory {
     fn unreadable(e: &redb::DatabaseError) -> StateInventory {
         StateInventory {
             schema_version: None,
+            log_id: None,
             tables: Vec::new(),
             from_repaired_copy: false,
             unreadable: Some(e.to_string()),
@@ -624,6 +627,10 @@ pub fn reset_preview(path: &Path) -> Result<StateInventory, StateError> {
 fn inventory_of(txn: redb::ReadTransaction) -> Result<StateInventory, StateError> {
     use redb::{ReadableTableMetadata, TableHandle};
     let schema_version = schema_version_in(&txn)?;
+    let log_id = match open_table_if_present(&txn, META)? {
+        Some(meta) => meta.get(META_LOG_ID).map_err(storage_err)?.map(|v| v.value()),
+        None => None,
+    };
     let mut tables = Vec::new();
     for handle in txn.list_tables().map_err(storage_err)? {
         let name = handle.name().to_string();
@@ -631,7 +638,7 @@ fn inventory_of(txn: redb::ReadTransaction) -> Result<StateInventory, StateError
         tables.push((name, table.len().map_err(storage_err)?));
     }
     tables.sort();
-    Ok(StateInventory { schema_version, tables, from_repaired_copy: false, unreadable: None })
+    Ok(StateInventory { schema_version, log_id, tables, from_repaired_copy: false, unreadable: None })
 }
 
 /// What [`migrate`] did.

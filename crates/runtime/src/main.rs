@@ -230,6 +230,9 @@ fn state_command(command: StateCommand) -> ExitCode {
     };
     let version = inventory.schema_version.map_or("none".to_string(), |v| v.to_string());
     let mut out = format!("{}: schema version {version} (this build: {})\n", path.display(), ingest::SCHEMA_VERSION);
+    if let Some(id) = inventory.log_id {
+        out += &format!("  holds offsets of the log of identity {id:016x} (wal/log-id)\n");
+    }
     if inventory.from_repaired_copy {
         out += &format!("  {}\n", ingest::state::REPAIRED_COPY_NOTE);
     }

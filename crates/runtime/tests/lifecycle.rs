@@ -814,6 +814,9 @@ async fn a_state_database_beside_another_log_refuses_to_start_until_it_forgets_i
     std::fs::remove_dir_all(&wal).unwrap();
     std::fs::rename(&others, &wal).unwrap();
     let cli = |args: &[&str]| data_dir_cli(&data, args);
+    let shows_identity =
+        || String::from_utf8_lossy(&cli(&["state", "show"]).stdout).contains("holds offsets of the log of identity");
+    assert!(shows_identity(), "state show does not say which log the state names");
     let dry = cli(&["state", "forget-log"]);
     assert!(dry.status.success(), "{}", String::from_utf8_lossy(&dry.stderr));
     assert!(String::from_utf8_lossy(&dry.stdout).contains("nothing changed"));
@@ -822,6 +825,7 @@ async fn a_state_database_beside_another_log_refuses_to_start_until_it_forgets_i
     assert!(forgot.status.success(), "{}", String::from_utf8_lossy(&forgot.stderr));
     let said = String::from_utf8_lossy(&forgot.stdout).to_string();
     assert!(said.contains("2 delivery ids"), "{said}");
+    assert!(!shows_identity(), "the identity was not forgotten");
 
     let d = Daemon::restart(dir.path());
     // The other log's offset 1 holds its record: the retry must not be answered with it.

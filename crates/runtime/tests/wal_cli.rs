@@ -214,6 +214,17 @@ fn a_clean_log_verifies_dumps_inspects_and_salvages_to_the_same_records() {
         delivered_below: at,
     };
     state.store_cursors(&[row("github", "push", 30), row("stripe", "orders", 0)]).unwrap();
+    // Cursors of another log are not counted against this one.
+    let ours = wal::identity::read_in(&dir).unwrap().expect("the log has an identity");
+    assert_eq!(state.check_or_record_log_id(ours ^ 1).unwrap(), ingest::state::LogIdCheck::Recorded);
+    drop(state);
+    let v = json(&cli_in(&["inspect", "--json"], &dir));
+    assert_eq!(v["destinations"]["cursors_from"], "unavailable", "{v}");
+    assert!(v["destinations"]["note"].as_str().unwrap_or_default().contains("another log's"), "{v}");
+    std::fs::remove_file(root.path().join("state.redb")).unwrap();
+    let state = StateDb::open(root.path().join("state.redb")).unwrap();
+    assert_eq!(state.check_or_record_log_id(ours).unwrap(), ingest::state::LogIdCheck::Recorded);
+    state.store_cursors(&[row("github", "push", 30), row("stripe", "orders", 0)]).unwrap();
     drop(state);
     let v = json(&cli_in(&["inspect", "--json"], &dir));
     assert_eq!(v["writer_running"], false);

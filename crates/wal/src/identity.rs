@@ -86,6 +86,12 @@ pub(crate) fn read(storage: &dyn Storage, dir: &Path) -> Result<Option<u64>> {
     decode(&b[..n]).map(Some).map_err(|problem| WalError::BadLogId { path, problem })
 }
 
+/// The identity of the log in `dir` on the real file system, read without writing
+/// anything (the read-only tools): `None` when it has none, an error when it is not whole.
+pub fn read_in(dir: &Path) -> Result<Option<u64>> {
+    read(&crate::storage::FsStorage, dir)
+}
+
 /// Gives the log in `dir` a new identity, durably, and returns it.
 pub(crate) fn create(storage: &dyn Storage, dir: &Path) -> Result<u64> {
     let id = random_nonzero();

@@ -134,6 +134,19 @@ pub(crate) fn run(a: InspectArgs) -> CliResult {
         let path = a.state.clone().or_else(|| default_state_path(&a.dir));
         match path.as_deref().map(ingest::read_cursors_read_only) {
             None => ("unavailable", "no state database found beside the log; pass --state FILE".to_string()),
+            // Cursors are offsets of one log: another's would count its records held or
+            // delivered by offsets that name other records here.
+            Some(Ok(CursorsSnapshot::Read { log_id: Some(theirs), .. }))
+                if wal::identity::read_in(&a.dir).ok().flatten().is_some_and(|ours| ours != theirs) =>
+            {
+                let ours = wal::identity::read_in(&a.dir).ok().flatten().unwrap_or_default();
+                (
+                    "unavailable",
+                    format!(
+                        "the state database's cursors are another log's (identity {theirs:016x}; this log's is {ours:016x}): held records are not counted"
+                    ),
+                )
+            }
             Some(Ok(CursorsSnapshot::Read { cursors, from_repaired_copy, .. })) => {
                 for c in cursors {
                     lanes.entry((c.source, c.stream, c.topic)).or_default().cursor = Some(c.delivered_below);
