@@ -151,10 +151,7 @@ pub fn read_cursors_read_only(path: &std::path::Path) -> Result<CursorsSnapshot,
     {
         return Err(StateError::SchemaMismatch { path: path.to_path_buf(), found: v, expected: SCHEMA_VERSION });
     }
-    let log_id = match crate::state::open_table_if_present(&txn, crate::state::META)? {
-        Some(meta) => meta.get(crate::state::META_LOG_ID).map_err(storage_err)?.map(|v| v.value()),
-        None => None,
-    };
+    let log_id = crate::state::log_id_in(&txn)?;
     Ok(CursorsSnapshot::Read { schema_version, cursors: cursors_in(&txn)?, from_repaired_copy, log_id })
 }
 

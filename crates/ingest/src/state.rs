@@ -15,9 +15,9 @@
 //! - Every table this crate uses is defined here, in one place.
 //! - The offsets this database holds (cursors, delivery ids' answers, checkpoints) name
 //!   records of one log, whose identity ([`wal::identity`]) it records beside them
-//!   ([`StateDb::log_id`]); a start beside another log refuses before it uses any of them,
-//!   and only [`forget_log`] (the CLI's `state forget-log`) lets this database take
-//!   another log, forgetting every offset it held.
+//!   ([`StateDb::check_or_record_log_id`]); a start beside another log refuses before it
+//!   uses any of them, and only [`forget_log`] (the CLI's `state forget-log`) or a reset
+//!   lets this database take another log, forgetting every offset it held.
 //! - After an I/O error (a full disk, say) redb refuses every operation until the
 //!   database is reopened. [`StateDb::reopen_if_failed`] reopens it in place, which
 //!   redb repairs to its last durable commit; every handle keeps working afterwards.
@@ -146,8 +146,19 @@ pub(crate) fn open_table_if_present<K: redb::Key + 'static, V: redb::Value + 'st
 
 /// The schema version a read transaction sees (`None`: none stored yet).
 pub(crate) fn schema_version_in(txn: &redb::ReadTransaction) -> Result<Option<u64>, StateError> {
+    meta_in(txn, META_SCHEMA_VERSION)
+}
+
+/// The identity of the log whose offsets the database holds, as a read transaction sees
+/// it (`None`: none recorded).
+pub(crate) fn log_id_in(txn: &redb::ReadTransaction) -> Result<Option<u64>, StateError> {
+    meta_in(txn, META_LOG_ID)
+}
+
+/// The `meta` value `key` a read transaction sees (`None` in a database without it).
+fn meta_in(txn: &redb::ReadTransaction, key: &str) -> Result<Option<u64>, StateError> {
     match open_table_if_present(txn, META)? {
-        Some(meta) => Ok(meta.get(META_SCHEMA_VERSION).map_err(storage_err)?.map(|v| v.value())),
+        Some(meta) => Ok(meta.get(key).map_err(storage_err)?.map(|v| v.value())),
         None => Ok(None),
     }
 }
@@ -627,10 +638,7 @@ pub fn reset_preview(path: &Path) -> Result<StateInventory, StateError> {
 fn inventory_of(txn: redb::ReadTransaction) -> Result<StateInventory, StateError> {
     use redb::{ReadableTableMetadata, TableHandle};
     let schema_version = schema_version_in(&txn)?;
-    let log_id = match open_table_if_present(&txn, META)? {
-        Some(meta) => meta.get(META_LOG_ID).map_err(storage_err)?.map(|v| v.value()),
-        None => None,
-    };
+    let log_id = log_id_in(&txn)?;
     let mut tables = Vec::new();
     for handle in txn.list_tables().map_err(storage_err)? {
         let name = handle.name().to_string();

@@ -95,11 +95,12 @@ pub fn read_in(dir: &Path) -> Result<Option<u64>> {
 /// Gives the log in `dir` a new identity, durably, and returns it.
 pub(crate) fn create(storage: &dyn Storage, dir: &Path) -> Result<u64> {
     let id = random_nonzero();
-    crate::writer::write_file_atomically(storage, dir, LOG_ID_FILE, &encode(id))?;
+    write(storage, dir, id)?;
     Ok(id)
 }
 
-/// [`create`] with `id`: a salvage copy takes its source's.
+/// Writes `id` as the identity of the log in `dir`, durably: a new one ([`create`]), or a
+/// salvage copy's, its source's.
 pub(crate) fn write(storage: &dyn Storage, dir: &Path, id: u64) -> Result<()> {
     crate::writer::write_file_atomically(storage, dir, LOG_ID_FILE, &encode(id))
 }

@@ -132,14 +132,14 @@ pub(crate) fn run(a: InspectArgs) -> CliResult {
         ("admin", format!("cursors and held figures from the running daemon at {}", target.url))
     } else {
         let path = a.state.clone().or_else(|| default_state_path(&a.dir));
+        // This log's identity, read once (none, or one not whole: nothing to compare).
+        let ours = wal::identity::read_in(&a.dir).ok().flatten();
         match path.as_deref().map(ingest::read_cursors_read_only) {
             None => ("unavailable", "no state database found beside the log; pass --state FILE".to_string()),
             // Cursors are offsets of one log: another's would count its records held or
             // delivered by offsets that name other records here.
-            Some(Ok(CursorsSnapshot::Read { log_id: Some(theirs), .. }))
-                if wal::identity::read_in(&a.dir).ok().flatten().is_some_and(|ours| ours != theirs) =>
-            {
-                let ours = wal::identity::read_in(&a.dir).ok().flatten().unwrap_or_default();
+            Some(Ok(CursorsSnapshot::Read { log_id: Some(theirs), .. })) if ours.is_some_and(|ours| ours != theirs) => {
+                let ours = ours.unwrap_or_default();
                 (
                     "unavailable",
                     format!(
